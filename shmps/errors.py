@@ -1,0 +1,95 @@
+"""Exceptions raised by shmps.
+
+Every error is a :class:`shmps.Error` and also a subclass of the matching builtin, so
+``except KeyError`` or ``except ValueError`` keep working.  Each carries a ``hint``
+saying what to do; ``str(err)`` is the message followed by the hint.
+
+C functions return ``0`` or a negative ``SHMPS_E_*`` code (positive values are errnos);
+:func:`shmps._native.check` maps a code to the class here, specific codes first.
+"""
+from __future__ import annotations
+
+
+class Error(Exception):
+    """Base class of every shmps error."""
+
+    hint: str = ""
+
+    def __init__(self, message: str, hint: str | None = None) -> None:
+        self.message = message
+        if hint is not None:
+            self.hint = hint
+        super().__init__(message)
+
+    def __str__(self) -> str:
+        return f"{self.message} ({self.hint})" if self.hint else self.message
+
+
+class InvalidArgument(Error, ValueError):
+    """An argument is malformed (bad name, bad option, non-finite gradient, ...)."""
+
+    hint = "check the argument against the docstring"
+
+
+class SchemaError(InvalidArgument):
+    """Shape, dtype, kind or optimizer does not match the tensor (or the request)."""
+
+    hint = "pass the same shape/dtype/optimizer as the tensor's creator, or use a new name"
+
+
+class OutOfRange(InvalidArgument, IndexError):
+    """A row index is negative or not below the row count."""
+
+    hint = "rows must be integers in [0, nrows); negative indexing is not supported"
+
+
+class NonFinite(InvalidArgument):
+    """A gradient holds NaN or Inf and the tensor does not allow it."""
+
+    hint = "fix the gradient, or create the tensor with allow_nonfinite=True"
+
+
+class NotFound(Error, KeyError):
+    """No store, tensor or file by that name."""
+
+    hint = "check the name with store.tensors() or `shmps-tool ls`"
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return Error.__str__(self)
+
+
+class CapacityError(Error, RuntimeError):
+    """A table (or a fixed area of a segment) is full; nothing was changed."""
+
+    hint = "create the table with a larger capacity, or evict cold rows with table.evict()"
+
+
+class CorruptSegment(Error, ValueError):
+    """A shared-memory segment is not a valid shmps segment of this layout version."""
+
+    hint = ("the segment was not written by this shmps version or is damaged; "
+            "remove it with `shmps-tool gc` or store.destroy()")
+
+
+class CorruptFile(Error, ValueError):
+    """A matrix file set or checkpoint is malformed; the message names file and position."""
+
+    hint = "rewrite the file set, or pass --rowcnt-dtype/--colidx-dtype/--value-dtype/--cols"
+
+
+class Timeout(Error, TimeoutError):
+    """A bounded wait ran out (creation, lock, clock, flush)."""
+
+    hint = "a peer may be stuck (SIGSTOP?) or overloaded; retry or raise the timeout"
+
+
+class Closed(Error, ValueError):
+    """The store or tensor was closed in this process."""
+
+    hint = "attach again with shmps.attach(name)"
+
+
+__all__ = [
+    "Error", "InvalidArgument", "SchemaError", "OutOfRange", "NonFinite", "NotFound",
+    "CapacityError", "CorruptSegment", "CorruptFile", "Timeout", "Closed",
+]
