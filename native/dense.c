@@ -1,0 +1,265 @@
+/* Dense pushes and pulls.
+ *
+ * A whole-tensor push walks the shard's stripes starting at a per-push
+ * pseudo-random stripe, try-locking each: a busy stripe is skipped and revisited
+ * after the pass, so two pushers rarely wait for each other.  Only after a full
+ * pass without progress does a pusher block (bounded, with dead-owner takeover).
+ */
+#include "internal.h"
+
+#define CHUNK 4096 /* stripes per pass: bitmap of CHUNK bits on the stack */
+
+static int check_dense(const shmps_spec_t *s, uint32_t grad_dtype) {
+    if (s->kind != SHMPS_DENSE) return SHMPS_E_ARG;
+    uint32_t want = s->dtype == SHMPS_FLOAT16 ? SHMPS_FLOAT32 : s->dtype;
+    return grad_dtype == want ? SHMPS_OK : SHMPS_E_ARG;
+}
+
+static uint64_t mix64(uint64_t x) { /* splitmix64 finaliser */
+    x ^= x >> 30; x *= 0xbf58476d1ce4e5b9ull;
+    x ^= x >> 27; x *= 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+}
+
+/* Applies the push to stripe j, which the caller has locked. */
+static int apply_stripe(void *base, shmps_stripe_t *st, uint64_t j, const char *grad,
+                        uint64_t step) {
+    const shmps_spec_t *s = &hdr_of(base)->spec;
+    uint64_t i0 = j * s->stripe_elems;
+    uint64_t n = s->nnz - i0 < s->stripe_elems ? s->nnz - i0 : s->stripe_elems;
+    shmps_stripe_write_begin(st);
+    int r = shmps_apply(base, i0, n, grad + i0 * shmps_grad_size(s->dtype), step);
+    shmps_stripe_write_end(st);
+    shmps_stripe_unlock(st);
+    return r;
+}
+
+int shmps_dense_push(void *base, uint64_t token, const void *grad, uint32_t grad_dtype,
+                     uint64_t lo, uint64_t hi, uint64_t step, int check) {
+    shmps_shard_hdr_t *h = hdr_of(base);
+    const shmps_spec_t *s = &h->spec;
+    int r = check_dense(s, grad_dtype);
+    if (r) return r;
+    if (lo > hi || hi > s->nstripes) return SHMPS_E_BOUNDS;
+    if (check) {
+        r = shmps_check_finite((const char *)grad + lo * s->stripe_elems * shmps_grad_size(s->dtype),
+                               grad_dtype,
+                               (hi * s->stripe_elems < s->nnz ? hi * s->stripe_elems : s->nnz) -
+                                   lo * s->stripe_elems);
+        if (r) return r;
+    }
+    uint32_t slot;
+    r = shmps_enter(base, token, SHMPS_LOCK_TIMEOUT_S, &slot);
+    if (r < 0) return r;
+    const char *g = (const char *)grad;
+    if (s->flags & SHMPS_F_HOGWILD) {
+        uint64_t i0 = lo * s->stripe_elems;
+        uint64_t i1 = hi * s->stripe_elems < s->nnz ? hi * s->stripe_elems : s->nnz;
+        r = shmps_apply(base, i0, i1 - i0, g + i0 * shmps_grad_size(s->dtype), step);
+        shmps_leave(base, token, slot);
+        return r;
+    }
+    shmps_stripe_t *stripes = (shmps_stripe_t *)at(base, s->stripes_off);
+    uint64_t contended = 0;
+    for (uint64_t clo = lo; clo < hi && r == SHMPS_OK; clo += CHUNK) {
+        uint64_t n = hi - clo < CHUNK ? hi - clo : CHUNK;
+        uint64_t done[CHUNK / 64];
+        memset(done, 0, sizeof done);
+        uint64_t remaining = n;
+        uint64_t start = mix64(token ^ (step * 0x9e3779b97f4a7c15ull) ^ clo) % n;
+        while (remaining && r == SHMPS_OK) {
+            uint64_t progress = 0;
+            for (uint64_t k = 0; k < n && r == SHMPS_OK; k++) {
+                uint64_t j = start + k < n ? start + k : start + k - n;
+                if (done[j >> 6] & (1ull << (j & 63))) continue;
+                if (!shmps_stripe_trylock(&stripes[clo + j], token)) continue;
+                r = apply_stripe(base, &stripes[clo + j], clo + j, g, step);
+                done[j >> 6] |= 1ull << (j & 63);
+                remaining--, progress++;
+            }
+            if (remaining && !progress && r == SHMPS_OK) {
+                /* every remaining stripe is busy: wait for the first one */
+                contended++;
+                for (uint64_t k = 0; k < n; k++) {
+                    uint64_t j = start + k < n ? start + k : start + k - n;
+                    if (done[j >> 6] & (1ull << (j & 63))) continue;
+                    int lr = shmps_stripe_lock(&stripes[clo + j], token, SHMPS_LOCK_TIMEOUT_S,
+                                               &h->stats.takeovers);
+                    if (lr < 0) { r = lr; break; }
+                    r = apply_stripe(base, &stripes[clo + j], clo + j, g, step);
+                    done[j >> 6] |= 1ull << (j & 63);
+                    remaining--;
+                    break;
+                }
+            }
+        }
+    }
+    /* relaxed: a statistic */
+    if (contended) FETCH_ADD(&h->stats.contended, contended, RELAXED);
+    shmps_leave(base, token, slot);
+    return r;
+}
+
+/* Unlocks (and closes the seqlock write of) the stripe held across rows. */
+static void release_held(shmps_stripe_t *stripes, uint64_t *held) {
+    if (*held == UINT64_MAX) return;
+    shmps_stripe_write_end(&stripes[*held]);
+    shmps_stripe_unlock(&stripes[*held]);
+    *held = UINT64_MAX;
+}
+
+int shmps_dense_push_rows(void *base, uint64_t token, const int64_t *rows, uint64_t n,
+                          const void *grad, uint32_t grad_dtype, uint64_t step) {
+    shmps_shard_hdr_t *h = hdr_of(base);
+    const shmps_spec_t *s = &h->spec;
+    int r = check_dense(s, grad_dtype);
+    if (r) return r;
+    for (uint64_t i = 0; i < n; i++) /* all rows checked before anything changes */
+        if (rows[i] < 0 || (uint64_t)rows[i] >= s->nrows) return SHMPS_E_BOUNDS;
+    uint32_t slot;
+    r = shmps_enter(base, token, SHMPS_LOCK_TIMEOUT_S, &slot);
+    if (r < 0) return r;
+    const char *g = (const char *)grad;
+    size_t gsz = shmps_grad_size(s->dtype);
+    uint64_t rl = s->row_len, se = s->stripe_elems;
+    shmps_stripe_t *stripes = (shmps_stripe_t *)at(base, s->stripes_off);
+    int hog = (s->flags & SHMPS_F_HOGWILD) != 0;
+    uint64_t held = UINT64_MAX; /* stripe locked across consecutive rows */
+    for (uint64_t i = 0; i < n && r == SHMPS_OK; i++) {
+        uint64_t e0 = (uint64_t)rows[i] * rl, e1 = e0 + rl;
+        const char *gr = g + i * rl * gsz;
+        if (hog) { r = shmps_apply(base, e0, rl, gr, step); continue; }
+        for (uint64_t e = e0; e < e1 && r == SHMPS_OK;) {
+            uint64_t j = e / se;
+            uint64_t stop = (j + 1) * se < e1 ? (j + 1) * se : e1;
+            if (held != j) {
+                release_held(stripes, &held);
+                int lr = shmps_stripe_lock(&stripes[j], token, SHMPS_LOCK_TIMEOUT_S,
+                                           &h->stats.takeovers);
+                if (lr < 0) { r = lr; break; }
+                shmps_stripe_write_begin(&stripes[j]);
+                held = j;
+            }
+            r = shmps_apply(base, e, stop - e, gr + (e - e0) * gsz, step);
+            e = stop;
+        }
+    }
+    release_held(stripes, &held);
+    shmps_leave(base, token, slot);
+    return r;
+}
+
+int shmps_dense_pull(void *base, uint64_t token, void *out, uint64_t elem_lo,
+                     uint64_t elem_hi, int consistent) {
+    shmps_shard_hdr_t *h = hdr_of(base);
+    const shmps_spec_t *s = &h->spec;
+    if (s->kind != SHMPS_DENSE) return SHMPS_E_ARG;
+    if (elem_lo > elem_hi || elem_hi > s->nnz) return SHMPS_E_BOUNDS;
+    const char *v = at(base, s->value_off);
+    size_t isz = s->itemsize;
+    if (consistent) {
+        int r = shmps_freeze(base, token, SHMPS_LOCK_TIMEOUT_S);
+        if (r < 0) return r;
+        memcpy(out, v + elem_lo * isz, (elem_hi - elem_lo) * isz);
+        return shmps_thaw(base, token);
+    }
+    shmps_stripe_t *stripes = (shmps_stripe_t *)at(base, s->stripes_off);
+    uint64_t se = s->stripe_elems;
+    char *o = (char *)out;
+    for (uint64_t e = elem_lo; e < elem_hi;) {
+        uint64_t j = e / se, stop = (j + 1) * se < elem_hi ? (j + 1) * se : elem_hi;
+        int r = shmps_stripe_read(&stripes[j], token, o + (e - elem_lo) * isz, v + e * isz,
+                                  (stop - e) * isz);
+        if (r < 0) return r;
+        e = stop;
+    }
+    return SHMPS_OK;
+}
+
+int shmps_dense_pull_rows(void *base, uint64_t token, const int64_t *rows, uint64_t n,
+                          void *out, int consistent) {
+    shmps_shard_hdr_t *h = hdr_of(base);
+    const shmps_spec_t *s = &h->spec;
+    if (s->kind != SHMPS_DENSE) return SHMPS_E_ARG;
+    for (uint64_t i = 0; i < n; i++)
+        if (rows[i] < 0 || (uint64_t)rows[i] >= s->nrows) return SHMPS_E_BOUNDS;
+    const char *v = at(base, s->value_off);
+    size_t rb = s->row_len * s->itemsize;
+    char *o = (char *)out;
+    if (consistent) {
+        int r = shmps_freeze(base, token, SHMPS_LOCK_TIMEOUT_S);
+        if (r < 0) return r;
+        for (uint64_t i = 0; i < n; i++) memcpy(o + i * rb, v + (uint64_t)rows[i] * rb, rb);
+        return shmps_thaw(base, token);
+    }
+    for (uint64_t i = 0; i < n; i++) {
+        uint64_t e0 = (uint64_t)rows[i] * s->row_len;
+        int r = shmps_dense_pull(base, token, o + i * rb, e0, e0 + s->row_len, 0);
+        if (r < 0) return r;
+    }
+    return SHMPS_OK;
+}
+
+/* Non-finite test on the exponent bits: integer ops that vectorise without
+ * -ffast-math.  Large inputs are scanned as four interleaved streams: one core
+ * reading one stream is latency-bound (~26 GB/s here); four keep more misses in
+ * flight. */
+#define FINITE_LOOP(T, MASK, p, lo, hi, bad) \
+    for (uint64_t i = (lo); i < (hi); i++) bad |= ((p)[i] & (MASK)) == (MASK)
+
+#define FINITE_SCAN(T, MASK)                                                         \
+    {                                                                                \
+        const T *p = (const T *)data;                                                \
+        uint64_t q = n / 4;                                                          \
+        if (q >= 4096) {                                                             \
+            const T *a = p, *b = p + q, *c = p + 2 * q, *d = p + 3 * q;             \
+            uint64_t b0 = 0, b1 = 0, b2 = 0, b3 = 0;                                 \
+            for (uint64_t i = 0; i < q; i++) {                                       \
+                b0 |= (a[i] & (MASK)) == (MASK);                                     \
+                b1 |= (b[i] & (MASK)) == (MASK);                                     \
+                b2 |= (c[i] & (MASK)) == (MASK);                                     \
+                b3 |= (d[i] & (MASK)) == (MASK);                                     \
+            }                                                                        \
+            bad = b0 | b1 | b2 | b3;                                                 \
+            FINITE_LOOP(T, MASK, p, 4 * q, n, bad);                                  \
+        } else {                                                                     \
+            FINITE_LOOP(T, MASK, p, 0, n, bad);                                      \
+        }                                                                            \
+    }
+
+int shmps_check_finite(const void *data, uint32_t dtype, uint64_t n) {
+    uint64_t bad = 0;
+    if (dtype == SHMPS_FLOAT32) FINITE_SCAN(uint32_t, 0x7f800000u)
+    else if (dtype == SHMPS_FLOAT64) FINITE_SCAN(uint64_t, 0x7ff0000000000000ull)
+    else if (dtype == SHMPS_FLOAT16) FINITE_SCAN(uint16_t, (uint16_t)0x7c00u)
+    return bad ? SHMPS_E_NONFINITE : SHMPS_OK;
+}
+
+int shmps_next_step(void *base, uint64_t *step) {
+    /* relaxed: only atomicity matters; each push gets a distinct step number */
+    *step = FETCH_ADD(&hdr_of(base)->step, 1, RELAXED) + 1;
+    return SHMPS_OK;
+}
+
+int shmps_set_step(void *base, uint64_t step) {
+    STORE(&hdr_of(base)->step, step, RELAXED); /* restore, before the tensor is visible */
+    return SHMPS_OK;
+}
+
+int shmps_count(void *base, int pull, uint64_t nbytes, uint64_t rows) {
+    shmps_stats_t *st = &hdr_of(base)->stats;
+    uint64_t now = shmps_now_ns();
+    /* relaxed: statistics, each counter independently atomic */
+    if (pull) {
+        FETCH_ADD(&st->pulls, 1, RELAXED);
+        FETCH_ADD(&st->bytes_pulled, nbytes, RELAXED);
+        FETCH_ADD(&st->rows_pulled, rows, RELAXED);
+        STORE(&st->last_pull_ns, now, RELAXED);
+    } else {
+        FETCH_ADD(&st->pushes, 1, RELAXED);
+        FETCH_ADD(&st->bytes_pushed, nbytes, RELAXED);
+        FETCH_ADD(&st->rows_pushed, rows, RELAXED);
+        STORE(&st->last_push_ns, now, RELAXED);
+    }
+    return SHMPS_OK;
+}

@@ -1,0 +1,85 @@
+/* shmps native core: private definitions shared by the .c files.
+ *
+ * Atomics are GCC/Clang __atomic builtins on plain integer fields (cffi cannot parse
+ * _Atomic), each call naming its memory order.  Every use says, at the call site,
+ * which other operation it pairs with and why the order suffices.
+ */
+#ifndef SHMPS_INTERNAL_H
+#define SHMPS_INTERNAL_H
+#define _GNU_SOURCE
+#include "shmps.h"
+#include <pthread.h>
+#include <string.h>
+
+#define SHMPS_SHARD_MAGIC 0x44485353504d4853ULL    /* "SHMPSSHD" little-endian */
+#define SHMPS_MANIFEST_MAGIC 0x4e4d5353504d4853ULL /* "SHMPSSMN" little-endian */
+#define SHMPS_CACHELINE 64
+
+#define LOAD(p, mo) __atomic_load_n((p), (mo))
+#define STORE(p, v, mo) __atomic_store_n((p), (v), (mo))
+#define CAS(p, expp, desired, mo_ok, mo_fail) \
+    __atomic_compare_exchange_n((p), (expp), (desired), 0, (mo_ok), (mo_fail))
+#define FETCH_ADD(p, v, mo) __atomic_fetch_add((p), (v), (mo))
+#define RELAXED __ATOMIC_RELAXED
+#define ACQUIRE __ATOMIC_ACQUIRE
+#define RELEASE __ATOMIC_RELEASE
+#define ACQ_REL __ATOMIC_ACQ_REL
+#define SEQ_CST __ATOMIC_SEQ_CST
+
+/* One lock word per stripe (dense) or per row (csr, table).
+ * owner: 0 free, else the holder's token.  seq: seqlock counter, odd while the
+ * holder writes the values covered by the stripe. */
+typedef struct {
+    uint64_t owner;
+    uint32_t seq;
+    uint32_t pad;
+} shmps_stripe_t;
+
+/* The shard header: the first SHMPS_HEADER_SIZE bytes of every shard segment. */
+typedef struct {
+    uint64_t magic;         /* SHMPS_SHARD_MAGIC */
+    uint32_t version;       /* SHMPS_LAYOUT_VERSION */
+    uint32_t header_size;   /* SHMPS_HEADER_SIZE */
+    shmps_spec_t spec;      /* inputs + derived layout, validated on attach */
+    /* mutable words, each group on its own cache line */
+    uint64_t step __attribute__((aligned(SHMPS_CACHELINE)));  /* dense push count */
+    uint64_t freeze __attribute__((aligned(SHMPS_CACHELINE))); /* consistent reader */
+    uint64_t active[SHMPS_ACTIVE_SLOTS] __attribute__((aligned(SHMPS_CACHELINE)));
+    shmps_stats_t stats __attribute__((aligned(SHMPS_CACHELINE)));
+    uint64_t table_used __attribute__((aligned(SHMPS_CACHELINE))); /* table rows taken */
+} shmps_shard_hdr_t;
+
+_Static_assert(sizeof(shmps_shard_hdr_t) <= SHMPS_HEADER_SIZE, "shard header too big");
+
+/* Bounded waiting with dead-owner detection.  wait_step() spins briefly, then
+ * yields, then sleeps; from 1 ms on it checks every millisecond whether the token
+ * it waits on names a live process. */
+typedef struct {
+    uint64_t deadline_ns, next_check_ns;
+    uint32_t spins;
+} shmps_wait_t;
+
+enum { WAIT_AGAIN = 0, WAIT_HOLDER_DEAD = 1 };
+
+void shmps_wait_init(shmps_wait_t *w, double timeout_s);
+int shmps_wait_step(shmps_wait_t *w, uint64_t holder);
+
+static inline shmps_shard_hdr_t *hdr_of(void *base) { return (shmps_shard_hdr_t *)base; }
+static inline char *at(void *base, uint64_t off) { return (char *)base + off; }
+
+/* stripe locks (sync.c) */
+int shmps_stripe_trylock(shmps_stripe_t *s, uint64_t token);
+int shmps_stripe_lock(shmps_stripe_t *s, uint64_t token, double timeout_s, uint64_t *takeovers);
+void shmps_stripe_write_begin(shmps_stripe_t *s);
+void shmps_stripe_write_end(shmps_stripe_t *s);
+void shmps_stripe_unlock(shmps_stripe_t *s);
+int shmps_stripe_read(shmps_stripe_t *s, uint64_t token, void *dst, const void *src,
+                      size_t nbytes);
+
+/* updaters (updaters.c): apply grads g[0..n) to values starting at element i0 */
+int shmps_apply(void *base, uint64_t i0, uint64_t n, const void *g, uint64_t step);
+size_t shmps_dtype_size(uint32_t dtype);
+size_t shmps_grad_size(uint32_t dtype);
+
+#define SHMPS_LOCK_TIMEOUT_S 60.0
+#endif

@@ -1,0 +1,208 @@
+/* The manifest: one segment per store naming its tensors and attached processes.
+ *
+ *   [0, 4096)                header: magic, version, init protocol, robust mutex,
+ *                            catalog length and generation
+ *   [4096, +16 KiB)          process slots: uint64 token, uint64 attach time (ns)
+ *   [20480, +64 KiB)         worker slots (clocks), 64 bytes each
+ *   [1 MiB, +4 MiB)          catalog: records of u32 length + JSON bytes, append-only
+ *
+ * Creation race: every attacher opens-or-creates the segment and sizes it (all to
+ * the same size, so concurrent ftruncates agree), then claims `init_owner` by CAS
+ * 0 -> token.  The winner initialises and publishes state=READY; the others wait.
+ * If the initialiser dies, a waiter sees its token dead and takes over by CAS,
+ * restarting the initialisation: bounded by the liveness check (~1 ms) plus the
+ * time to initialise.
+ */
+#include "internal.h"
+#include <errno.h>
+#include <time.h>
+
+#define PROCS_OFF 4096ull
+#define WORKERS_OFF (PROCS_OFF + 16ull * SHMPS_MAX_PROCS)
+#define CATALOG_OFF (1ull << 20)
+#define STATE_READY 1u
+
+typedef struct {
+    uint64_t magic;          /* SHMPS_MANIFEST_MAGIC, written last */
+    uint32_t version;        /* SHMPS_LAYOUT_VERSION */
+    uint32_t header_size;    /* 4096 */
+    uint64_t total_size;     /* SHMPS_MANIFEST_SIZE */
+    uint64_t init_owner;     /* token of the initialiser (CAS-claimed) */
+    uint32_t state;          /* 0 while initialising, STATE_READY after */
+    uint32_t pad0;
+    uint64_t catalog_len;    /* committed catalog bytes */
+    uint64_t generation;     /* bumped on every catalog append */
+    uint64_t created_ns;
+    pthread_mutex_t lock __attribute__((aligned(SHMPS_CACHELINE)));
+} shmps_manifest_t;
+
+typedef struct {
+    uint64_t token;
+    uint64_t attach_ns;
+} proc_slot_t;
+
+_Static_assert(sizeof(shmps_manifest_t) <= PROCS_OFF, "manifest header too big");
+_Static_assert(WORKERS_OFF + 64ull * SHMPS_MAX_WORKERS <= CATALOG_OFF, "worker area");
+_Static_assert(CATALOG_OFF + SHMPS_CATALOG_BYTES <= SHMPS_MANIFEST_SIZE, "catalog area");
+
+static shmps_manifest_t *man(void *base) { return (shmps_manifest_t *)base; }
+static proc_slot_t *procs(void *base) { return (proc_slot_t *)at(base, PROCS_OFF); }
+
+static int initialise(void *base, uint64_t size) {
+    shmps_manifest_t *m = man(base);
+    /* We own init_owner; anything else in the header may be a dead initialiser's
+     * half-work, so rewrite all of it (state stays 0 until the end). */
+    uint64_t owner = m->init_owner;
+    memset(base, 0, PROCS_OFF);
+    memset(at(base, PROCS_OFF), 0, CATALOG_OFF - PROCS_OFF);
+    m->init_owner = owner;
+    pthread_mutexattr_t attr;
+    if (pthread_mutexattr_init(&attr)) return SHMPS_E_ARG;
+    pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED);
+    pthread_mutexattr_setrobust(&attr, PTHREAD_MUTEX_ROBUST);
+    int r = pthread_mutex_init(&m->lock, &attr);
+    pthread_mutexattr_destroy(&attr);
+    if (r) return r;
+    m->version = SHMPS_LAYOUT_VERSION;
+    m->header_size = PROCS_OFF;
+    m->total_size = size;
+    m->created_ns = shmps_now_ns();
+    m->magic = SHMPS_MANIFEST_MAGIC;
+    /* release: everything above happens-before any attacher's acquire of READY */
+    STORE(&m->state, STATE_READY, RELEASE);
+    return SHMPS_OK;
+}
+
+int shmps_manifest_validate(const void *base, uint64_t size) {
+    const shmps_manifest_t *m = (const shmps_manifest_t *)base;
+    if (size != SHMPS_MANIFEST_SIZE) return SHMPS_E_CORRUPT;
+    /* acquire: pairs with the release store of READY in initialise() */
+    if (LOAD(&m->state, ACQUIRE) != STATE_READY) return SHMPS_E_CORRUPT;
+    if (m->magic != SHMPS_MANIFEST_MAGIC) return SHMPS_E_CORRUPT;
+    if (m->version != SHMPS_LAYOUT_VERSION) return SHMPS_E_VERSION;
+    if (m->header_size != PROCS_OFF || m->total_size != size) return SHMPS_E_CORRUPT;
+    if (LOAD(&m->catalog_len, ACQUIRE) > SHMPS_CATALOG_BYTES) return SHMPS_E_CORRUPT;
+    return SHMPS_OK;
+}
+
+int shmps_manifest_init(void *base, uint64_t size, uint64_t token, double timeout_s) {
+    if (size != SHMPS_MANIFEST_SIZE) return SHMPS_E_CORRUPT;
+    shmps_manifest_t *m = man(base);
+    shmps_wait_t w;
+    shmps_wait_init(&w, timeout_s);
+    for (;;) {
+        uint32_t st = LOAD(&m->state, ACQUIRE); /* pairs with initialise()'s release */
+        if (st == STATE_READY) return shmps_manifest_validate(base, size);
+        if (st != 0) return SHMPS_E_CORRUPT;
+        uint64_t magic = LOAD(&m->magic, RELAXED);
+        if (magic != 0 && magic != SHMPS_MANIFEST_MAGIC) return SHMPS_E_CORRUPT;
+        uint64_t cur = LOAD(&m->init_owner, ACQUIRE);
+        if (cur == 0) {
+            /* acq_rel: we become the initialiser; ordering against a dead
+             * predecessor is not needed since we rewrite everything */
+            if (CAS(&m->init_owner, &cur, token, ACQ_REL, ACQUIRE)) return initialise(base, size);
+            continue;
+        }
+        int r = shmps_wait_step(&w, cur);
+        if (r == WAIT_HOLDER_DEAD) {
+            if (CAS(&m->init_owner, &cur, token, ACQ_REL, ACQUIRE)) return initialise(base, size);
+        } else if (r < 0) {
+            return r;
+        }
+    }
+}
+
+int shmps_manifest_lock(void *base, double timeout_s) {
+    shmps_manifest_t *m = man(base);
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    double whole = (double)(long)timeout_s;
+    ts.tv_sec += (time_t)whole;
+    ts.tv_nsec += (long)((timeout_s - whole) * 1e9);
+    if (ts.tv_nsec >= 1000000000L) { ts.tv_sec++; ts.tv_nsec -= 1000000000L; }
+    int r = pthread_mutex_timedlock(&m->lock, &ts);
+    if (r == 0) return SHMPS_OK;
+    if (r == EOWNERDEAD) {
+        /* The holder died inside.  Everything the lock guards is either committed
+         * (catalog_len, released last) or ignored, so the state is consistent. */
+        pthread_mutex_consistent(&m->lock);
+        return SHMPS_RECOVERED;
+    }
+    if (r == ETIMEDOUT) return SHMPS_E_TIMEOUT;
+    if (r == ENOTRECOVERABLE) return SHMPS_E_CORRUPT;
+    return r;
+}
+
+int shmps_manifest_unlock(void *base) {
+    int r = pthread_mutex_unlock(&man(base)->lock);
+    return r ? r : SHMPS_OK;
+}
+
+int shmps_catalog_append(void *base, const char *rec, uint32_t len) {
+    shmps_manifest_t *m = man(base);
+    uint64_t cur = m->catalog_len; /* we hold the lock: only we append */
+    if (cur > SHMPS_CATALOG_BYTES || 4ull + len > SHMPS_CATALOG_BYTES - cur) return SHMPS_E_FULL;
+    char *dst = at(base, CATALOG_OFF + cur);
+    memcpy(dst, &len, 4);
+    memcpy(dst + 4, rec, len);
+    /* release: the record bytes happen-before the length that makes them visible
+     * (pairs with the acquire load in shmps_catalog_read) */
+    STORE(&m->catalog_len, cur + 4 + len, RELEASE);
+    FETCH_ADD(&m->generation, 1, RELEASE);
+    return SHMPS_OK;
+}
+
+int shmps_catalog_read(const void *base, char *out, uint64_t cap, uint64_t *len,
+                       uint64_t *generation) {
+    const shmps_manifest_t *m = (const shmps_manifest_t *)base;
+    /* acquire on generation, then on length: a record counted by the generation we
+     * return is within the length we copy */
+    *generation = LOAD(&m->generation, ACQUIRE);
+    uint64_t n = LOAD(&m->catalog_len, ACQUIRE);
+    if (n > SHMPS_CATALOG_BYTES) return SHMPS_E_CORRUPT;
+    *len = n;
+    if (n > cap) return SHMPS_E_BOUNDS;
+    memcpy(out, (const char *)base + CATALOG_OFF, n);
+    /* committed records never change, so the copy needs no re-check */
+    return SHMPS_OK;
+}
+
+uint64_t shmps_catalog_generation(const void *base) {
+    return LOAD(&((const shmps_manifest_t *)base)->generation, ACQUIRE);
+}
+
+int shmps_proc_register(void *base, uint64_t token, uint32_t *slot) {
+    proc_slot_t *p = procs(base);
+    for (int pass = 0; pass < 2; pass++) {
+        for (uint32_t i = 0; i < SHMPS_MAX_PROCS; i++) {
+            uint64_t cur = LOAD(&p[i].token, RELAXED);
+            if (cur != 0 && (pass == 0 || shmps_token_alive(cur))) continue;
+            /* acq_rel: claim the slot; the attach time below is advisory */
+            if (CAS(&p[i].token, &cur, token, ACQ_REL, RELAXED)) {
+                STORE(&p[i].attach_ns, shmps_now_ns(), RELAXED);
+                *slot = i;
+                return SHMPS_OK;
+            }
+        }
+    }
+    return SHMPS_E_FULL;
+}
+
+int shmps_proc_unregister(void *base, uint64_t token, uint32_t slot) {
+    if (slot >= SHMPS_MAX_PROCS) return SHMPS_E_BOUNDS;
+    uint64_t cur = token;
+    /* release: nothing guarded, but keep the slot's reuse ordered after our use */
+    CAS(&procs(base)[slot].token, &cur, 0, RELEASE, RELAXED);
+    return SHMPS_OK;
+}
+
+int shmps_proc_list(void *base, uint64_t *tokens, uint32_t cap, uint32_t *n) {
+    proc_slot_t *p = procs(base);
+    uint32_t c = 0;
+    for (uint32_t i = 0; i < SHMPS_MAX_PROCS && c < cap; i++) {
+        uint64_t t = LOAD(&p[i].token, ACQUIRE);
+        if (t) tokens[c++] = t;
+    }
+    *n = c;
+    return SHMPS_OK;
+}

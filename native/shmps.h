@@ -1,0 +1,144 @@
+/* shmps native core: public header.
+ *
+ * The region between the CDEF markers is fed verbatim to cffi's ffi.cdef() by
+ * shmps/_build.py, so it holds only what cffi's parser accepts: no #include, no
+ * #ifdef, no attributes, integer constants as enums.
+ *
+ * Conventions (as LMDB): every function returns 0 (SHMPS_OK), a small positive
+ * informational value where documented, a negative SHMPS_E_* code, or a positive
+ * errno.  Results go through out-parameters.  Nothing here prints, aborts, or
+ * allocates on the push/pull path.
+ *
+ * A "token" names a live process: (pid << 32) | (low 32 bits of its start time in
+ * clock ticks, field 22 of /proc/PID/stat).  0 is never a token.  A word holding a
+ * token is a claim (lock, freeze, slot); a claim whose token names no live process
+ * (no such pid, a zombie, or a reused pid with another start time) may be taken over.
+ */
+#ifndef SHMPS_H
+#define SHMPS_H
+#include <stdint.h>
+#include <stddef.h>
+
+/* CDEF BEGIN */
+enum {
+    SHMPS_OK = 0,
+    SHMPS_RECOVERED = 1,          /* lock acquired from a dead owner: repair state */
+    SHMPS_E_CORRUPT = -30001,     /* segment header not ours / inconsistent */
+    SHMPS_E_BOUNDS = -30002,      /* index or size out of range */
+    SHMPS_E_TIMEOUT = -30003,     /* bounded wait ran out */
+    SHMPS_E_FULL = -30004,        /* capacity reached, nothing changed */
+    SHMPS_E_NONFINITE = -30005,   /* NaN/Inf in a gradient, nothing changed */
+    SHMPS_E_ARG = -30006,         /* bad argument (unsupported dtype/updater combo) */
+    SHMPS_E_NOTFOUND = -30007,    /* key or entry not present */
+    SHMPS_E_VERSION = -30008      /* layout version we do not read */
+};
+
+enum {
+    SHMPS_LAYOUT_VERSION = 1,
+    SHMPS_HEADER_SIZE = 4096,        /* shard header bytes; arrays follow */
+    SHMPS_STRIPE_BYTES = 16384,      /* dense stripe: values per lock word */
+    SHMPS_ACTIVE_SLOTS = 64,         /* concurrent pushers per shard */
+    SHMPS_MAX_STATE = 4,             /* optimizer state arrays per value */
+    SHMPS_NPARAMS = 8,               /* updater hyper-parameters */
+    SHMPS_MAX_STRIPES = 1048576,     /* stripes per shard (bitmap bound) */
+    SHMPS_MANIFEST_SIZE = 8388608,   /* manifest segment bytes (sparse on tmpfs) */
+    SHMPS_MAX_PROCS = 1024,          /* attached-process slots in a manifest */
+    SHMPS_MAX_WORKERS = 1024,        /* worker-clock slots in a manifest */
+    SHMPS_CATALOG_BYTES = 4194304    /* append-only tensor catalog */
+};
+
+/* kinds */
+enum { SHMPS_DENSE = 1, SHMPS_CSR = 2, SHMPS_TABLE = 3 };
+/* dtypes (codes are stable: they are stored in segments and files) */
+enum { SHMPS_INT8 = 1, SHMPS_INT32 = 2, SHMPS_FLOAT16 = 3, SHMPS_FLOAT32 = 4,
+       SHMPS_FLOAT64 = 5 };
+/* updaters */
+enum { SHMPS_SUM = 1, SHMPS_ASSIGN = 2, SHMPS_MAX = 3, SHMPS_MIN = 4, SHMPS_SGD = 5,
+       SHMPS_MOMENTUM = 6, SHMPS_ADAGRAD = 7, SHMPS_ADAM = 8, SHMPS_FTRL = 9 };
+/* flags */
+enum { SHMPS_F_HOGWILD = 1, SHMPS_F_ALLOW_NONFINITE = 2, SHMPS_F_IMPLICIT = 4 };
+
+/* What a shard holds.  Callers fill the inputs; shmps_layout() fills the rest.
+ * The whole struct is stored in the shard header, and attach recomputes the
+ * derived fields from the stored inputs and compares (validation). */
+typedef struct {
+    /* inputs */
+    uint32_t kind, dtype, updater, flags;
+    uint64_t nrows;        /* rows in this shard (table: row capacity) */
+    uint64_t row_len;      /* values per row (dense: prod(shape[1:]); table: dim) */
+    uint64_t nnz;          /* values in this shard (dense: nrows * row_len) */
+    uint64_t row_begin;    /* global index of this shard's first row */
+    uint64_t ncols;        /* csr: columns of the whole matrix */
+    uint64_t seed;         /* table init seed */
+    double params[8];      /* updater hyper-parameters, see updaters.h */
+    double init[4];        /* table init: kind, a, b, unused */
+    /* derived by shmps_layout() */
+    uint64_t total_size;   /* segment bytes */
+    uint64_t rowcnt_off;   /* int64[nrows+1] (csr, table); 0 when implicit */
+    uint64_t colidx_off;   /* int64[nnz] (csr), uint64 keys (table); 0 if implicit */
+    uint64_t value_off;    /* dtype[nnz] */
+    uint64_t state_off[4]; /* state arrays, state_dtype[nnz] each; 0 = absent */
+    uint64_t rowstep_off;  /* uint64[nrows] per-row step counts (csr, table) */
+    uint64_t stripes_off;  /* shmps_stripe_t[nstripes] */
+    uint64_t index_off;    /* table: hash index slots */
+    uint64_t nslots;       /* table: hash index slot count */
+    uint64_t nstripes;
+    uint64_t stripe_elems; /* dense: values per stripe; csr/table: 0 (per row) */
+    uint32_t nstate, state_dtype, itemsize, state_itemsize;
+} shmps_spec_t;
+
+/* Counters kept in the shard header (relaxed atomics; read with shmps_stats). */
+typedef struct {
+    uint64_t pushes, pulls, bytes_pushed, bytes_pulled, rows_pushed, rows_pulled;
+    uint64_t last_push_ns, last_pull_ns, step, takeovers, contended, rows_used;
+} shmps_stats_t;
+
+uint64_t shmps_self_token(void);
+int shmps_token_alive(uint64_t token);
+uint64_t shmps_now_ns(void);
+
+int shmps_layout(shmps_spec_t *spec);
+int shmps_shard_init(void *base, uint64_t size, const shmps_spec_t *spec);
+int shmps_shard_validate(const void *base, uint64_t size, shmps_spec_t *out);
+int shmps_stats(const void *base, shmps_stats_t *out);
+
+/* dense push/pull; token = shmps_self_token() of the caller */
+int shmps_dense_push(void *base, uint64_t token, const void *grad, uint32_t grad_dtype,
+                     uint64_t stripe_lo, uint64_t stripe_hi, uint64_t step, int check);
+int shmps_dense_push_rows(void *base, uint64_t token, const int64_t *rows, uint64_t n,
+                          const void *grad, uint32_t grad_dtype, uint64_t step);
+int shmps_check_finite(const void *data, uint32_t dtype, uint64_t n);
+int shmps_next_step(void *base, uint64_t *step);
+int shmps_set_step(void *base, uint64_t step);
+int shmps_count(void *base, int pull, uint64_t nbytes, uint64_t rows);
+
+int shmps_freeze(void *base, uint64_t token, double timeout_s);
+int shmps_thaw(void *base, uint64_t token);
+int shmps_enter(void *base, uint64_t token, double timeout_s, uint32_t *slot);
+int shmps_leave(void *base, uint64_t token, uint32_t slot);
+int shmps_dense_pull(void *base, uint64_t token, void *out, uint64_t elem_lo,
+                     uint64_t elem_hi, int consistent);
+int shmps_dense_pull_rows(void *base, uint64_t token, const int64_t *rows, uint64_t n,
+                          void *out, int consistent);
+int shmps_active_pushers(const void *base, uint32_t *n);
+
+/* a read-only view of several shards' values, mapped back to back */
+int shmps_view_map(const int *fds, const uint64_t *offs, const uint64_t *lens, uint32_t n,
+                   void **addr, uint64_t *total);
+int shmps_view_unmap(void *addr, uint64_t total);
+
+/* manifest */
+int shmps_manifest_init(void *base, uint64_t size, uint64_t token, double timeout_s);
+int shmps_manifest_validate(const void *base, uint64_t size);
+int shmps_manifest_lock(void *base, double timeout_s);
+int shmps_manifest_unlock(void *base);
+int shmps_catalog_append(void *base, const char *rec, uint32_t len);
+int shmps_catalog_read(const void *base, char *out, uint64_t cap, uint64_t *len,
+                       uint64_t *generation);
+uint64_t shmps_catalog_generation(const void *base);
+int shmps_proc_register(void *base, uint64_t token, uint32_t *slot);
+int shmps_proc_unregister(void *base, uint64_t token, uint32_t slot);
+int shmps_proc_list(void *base, uint64_t *tokens, uint32_t cap, uint32_t *n);
+/* CDEF END */
+
+#endif

@@ -1,0 +1,203 @@
+/* Stripe locks with seqlocks, and the per-shard freeze used for consistent copies.
+ *
+ * Exactness: a value is written only by the process holding its stripe's lock
+ * word (owner == token), so the read-modify-write of a push on that stripe is never
+ * interleaved with another push's: pushes are applied to each stripe one at a time,
+ * whole, in some order.  Lock words name their holder; a holder that died is
+ * replaced (CAS from its token) after its death is seen, within ~1 ms of waiting.
+ *
+ * Consistent shard copies: a reader sets `freeze` to its token, then waits until
+ * no pusher holds an `active` slot.  A pusher claims a slot and then re-reads
+ * `freeze`; both sides use seq_cst so that (Dekker) at least one sees the other:
+ * either the pusher sees the freeze and backs out, or the reader sees the slot and
+ * waits for it.  While frozen, no push is inside the shard, so the copy reflects a
+ * whole number of pushes.
+ */
+#include "internal.h"
+
+int shmps_stripe_trylock(shmps_stripe_t *s, uint64_t token) {
+    uint64_t expected = 0;
+    /* acquire: pairs with the release store of owner=0 in shmps_stripe_unlock, so
+     * the previous holder's value writes happen-before ours. */
+    return CAS(&s->owner, &expected, token, ACQUIRE, RELAXED);
+}
+
+int shmps_stripe_lock(shmps_stripe_t *s, uint64_t token, double timeout_s,
+                      uint64_t *takeovers) {
+    shmps_wait_t w;
+    shmps_wait_init(&w, timeout_s);
+    for (;;) {
+        /* relaxed: only a hint whether to try the CAS; the CAS orders */
+        uint64_t cur = LOAD(&s->owner, RELAXED);
+        if (cur == 0) {
+            if (shmps_stripe_trylock(s, token)) return SHMPS_OK;
+            continue;
+        }
+        int r = shmps_wait_step(&w, cur);
+        if (r == WAIT_HOLDER_DEAD) {
+            /* acquire: pairs with the dead holder's last release (if any); its
+             * unfinished writes are whatever reached memory, which the seqlock
+             * repair in write_begin accounts for. */
+            if (CAS(&s->owner, &cur, token, ACQUIRE, RELAXED)) {
+                if (takeovers) FETCH_ADD(takeovers, 1, RELAXED);
+                return SHMPS_RECOVERED;
+            }
+        } else if (r < 0) {
+            return r;
+        }
+    }
+}
+
+void shmps_stripe_write_begin(shmps_stripe_t *s) {
+    /* We hold the lock, so only we write seq.  If a dead holder left it odd, it
+     * stays odd (readers keep retrying) until our write_end makes it even. */
+    uint32_t seq = LOAD(&s->seq, RELAXED);
+    if (!(seq & 1)) STORE(&s->seq, seq + 1, RELAXED);
+    /* release fence: the odd seq becomes visible before any of the value stores
+     * that follow (pairs with the reader's acquire fence before its re-check). */
+    __atomic_thread_fence(RELEASE);
+}
+
+void shmps_stripe_write_end(shmps_stripe_t *s) {
+    uint32_t seq = LOAD(&s->seq, RELAXED);
+    /* release: the value stores happen-before the even seq (pairs with the
+     * reader's acquire load of seq at the start of its copy). */
+    STORE(&s->seq, seq + 1, RELEASE);
+}
+
+void shmps_stripe_unlock(shmps_stripe_t *s) {
+    /* release: pairs with the acquire CAS of the next holder */
+    STORE(&s->owner, 0, RELEASE);
+}
+
+int shmps_stripe_read(shmps_stripe_t *s, uint64_t token, void *dst, const void *src,
+                      size_t nbytes) {
+    for (int attempt = 0; attempt < 64; attempt++) {
+        /* acquire: pairs with write_end's release; values read below are at least
+         * as new as that even seq. */
+        uint32_t s1 = LOAD(&s->seq, ACQUIRE);
+        if (s1 & 1) {
+#if defined(__x86_64__) || defined(__i386__)
+            __builtin_ia32_pause();
+#endif
+            continue;
+        }
+        memcpy(dst, src, nbytes);
+        /* acquire fence: the copy's loads complete before the re-check below
+         * (pairs with write_begin's release fence). */
+        __atomic_thread_fence(ACQUIRE);
+        if (LOAD(&s->seq, RELAXED) == s1) return SHMPS_OK;
+    }
+    /* Writers keep interfering (or one died mid-write): copy under the lock. */
+    int r = shmps_stripe_lock(s, token, SHMPS_LOCK_TIMEOUT_S, NULL);
+    if (r < 0) return r;
+    memcpy(dst, src, nbytes);
+    if (r == SHMPS_RECOVERED) {
+        /* a dead writer left seq odd: close its write so readers make progress */
+        uint32_t seq = LOAD(&s->seq, RELAXED);
+        if (seq & 1) STORE(&s->seq, seq + 1, RELEASE);
+    }
+    shmps_stripe_unlock(s);
+    return SHMPS_OK;
+}
+
+int shmps_freeze(void *base, uint64_t token, double timeout_s) {
+    shmps_shard_hdr_t *h = hdr_of(base);
+    shmps_wait_t w;
+    shmps_wait_init(&w, timeout_s);
+    /* 1. take the freeze word (one consistent reader per shard at a time) */
+    for (;;) {
+        uint64_t cur = 0;
+        /* seq_cst: the Dekker pair with enter()'s slot CAS + freeze load */
+        if (CAS(&h->freeze, &cur, token, SEQ_CST, SEQ_CST)) break;
+        int r = shmps_wait_step(&w, cur);
+        if (r == WAIT_HOLDER_DEAD) {
+            CAS(&h->freeze, &cur, 0, SEQ_CST, RELAXED); /* clear a dead reader's */
+        } else if (r < 0) {
+            return r;
+        }
+    }
+    /* 2. wait for the pushers inside to leave */
+    for (uint32_t i = 0; i < SHMPS_ACTIVE_SLOTS; i++) {
+        shmps_wait_t ws;
+        shmps_wait_init(&ws, timeout_s);
+        for (;;) {
+            /* seq_cst: other half of the Dekker pair (see file comment) */
+            uint64_t v = LOAD(&h->active[i], SEQ_CST);
+            if (v == 0) break;
+            int r = shmps_wait_step(&ws, v);
+            if (r == WAIT_HOLDER_DEAD) {
+                CAS(&h->active[i], &v, 0, SEQ_CST, RELAXED); /* dead pusher's slot */
+            } else if (r < 0) {
+                STORE(&h->freeze, 0, SEQ_CST);
+                return r;
+            }
+        }
+    }
+    return SHMPS_OK;
+}
+
+int shmps_thaw(void *base, uint64_t token) {
+    shmps_shard_hdr_t *h = hdr_of(base);
+    uint64_t cur = token;
+    /* release: our reads of the shard happen-before pushers that enter after */
+    if (!CAS(&h->freeze, &cur, 0, RELEASE, RELAXED)) return SHMPS_E_ARG;
+    return SHMPS_OK;
+}
+
+int shmps_enter(void *base, uint64_t token, double timeout_s, uint32_t *slot) {
+    shmps_shard_hdr_t *h = hdr_of(base);
+    shmps_wait_t w;
+    shmps_wait_init(&w, timeout_s);
+    uint32_t first = (uint32_t)((token >> 32) * 0x9e3779b9u) % SHMPS_ACTIVE_SLOTS;
+    for (;;) {
+        uint64_t f = LOAD(&h->freeze, SEQ_CST);
+        if (f != 0) {
+            int r = shmps_wait_step(&w, f);
+            if (r == WAIT_HOLDER_DEAD) CAS(&h->freeze, &f, 0, SEQ_CST, RELAXED);
+            else if (r < 0) return r;
+            continue;
+        }
+        int got = -1;
+        for (uint32_t k = 0; k < SHMPS_ACTIVE_SLOTS && got < 0; k++) {
+            uint32_t i = (first + k) % SHMPS_ACTIVE_SLOTS;
+            uint64_t expected = 0;
+            if (LOAD(&h->active[i], RELAXED) == 0 &&
+                CAS(&h->active[i], &expected, token, SEQ_CST, RELAXED))
+                got = (int)i;
+        }
+        if (got < 0) { /* all slots busy: wait on one of them */
+            uint64_t v = LOAD(&h->active[first], RELAXED);
+            int r = shmps_wait_step(&w, v);
+            if (r == WAIT_HOLDER_DEAD) CAS(&h->active[first], &v, 0, SEQ_CST, RELAXED);
+            else if (r < 0) return r;
+            continue;
+        }
+        /* seq_cst re-check (Dekker): a reader that froze after our first look
+         * either sees our slot and waits, or we see its freeze here and back out. */
+        if (LOAD(&h->freeze, SEQ_CST) != 0) {
+            STORE(&h->active[got], 0, SEQ_CST);
+            continue;
+        }
+        *slot = (uint32_t)got;
+        return SHMPS_OK;
+    }
+}
+
+int shmps_leave(void *base, uint64_t token, uint32_t slot) {
+    shmps_shard_hdr_t *h = hdr_of(base);
+    if (slot >= SHMPS_ACTIVE_SLOTS) return SHMPS_E_BOUNDS;
+    uint64_t cur = token;
+    /* release: our value writes happen-before a reader that sees the slot free */
+    if (!CAS(&h->active[slot], &cur, 0, RELEASE, RELAXED)) return SHMPS_E_ARG;
+    return SHMPS_OK;
+}
+
+int shmps_active_pushers(const void *base, uint32_t *n) {
+    const shmps_shard_hdr_t *h = (const shmps_shard_hdr_t *)base;
+    uint32_t c = 0;
+    for (uint32_t i = 0; i < SHMPS_ACTIVE_SLOTS; i++)
+        c += LOAD(&h->active[i], RELAXED) != 0; /* a snapshot for heuristics only */
+    *n = c;
+    return SHMPS_OK;
+}

@@ -1,0 +1,153 @@
+"""The one module that touches the compiled core (``shmps._shmps_native``).
+
+Thin wrappers: validate nothing (callers did), call C once, map the return code to
+a :mod:`shmps.errors` class.  cdata never leaves this module's callers in
+``shmps``; the public API speaks numpy.  cffi releases the GIL around every call.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import numpy as np
+
+from . import errors
+from ._shmps_native import ffi, lib
+
+OK = lib.SHMPS_OK
+RECOVERED = lib.SHMPS_RECOVERED
+
+DTYPE_CODES: dict[str, int] = {
+    "int8": lib.SHMPS_INT8,
+    "int32": lib.SHMPS_INT32,
+    "float16": lib.SHMPS_FLOAT16,
+    "float32": lib.SHMPS_FLOAT32,
+    "float64": lib.SHMPS_FLOAT64,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPE_CODES.items()}
+KINDS = {"dense": lib.SHMPS_DENSE, "csr": lib.SHMPS_CSR, "table": lib.SHMPS_TABLE}
+
+# specific codes first (argon2-cffi style): each maps to a class and a default text
+_CODES: dict[int, tuple[type[errors.Error], str]] = {
+    lib.SHMPS_E_CORRUPT: (errors.CorruptSegment, "segment header is not a valid shmps layout"),
+    lib.SHMPS_E_VERSION: (errors.CorruptSegment, "segment has another layout version"),
+    lib.SHMPS_E_BOUNDS: (errors.OutOfRange, "index or size out of range"),
+    lib.SHMPS_E_TIMEOUT: (errors.Timeout, "timed out waiting for another process"),
+    lib.SHMPS_E_FULL: (errors.CapacityError, "capacity reached"),
+    lib.SHMPS_E_NONFINITE: (errors.NonFinite, "gradient holds NaN or Inf"),
+    lib.SHMPS_E_ARG: (errors.InvalidArgument, "invalid argument"),
+    lib.SHMPS_E_NOTFOUND: (errors.NotFound, "not found"),
+}
+
+
+def check(code: int, what: str) -> int:
+    """Return ``code`` if it is OK/informational, else raise the matching error."""
+    if code >= 0 and code <= RECOVERED:
+        return code
+    if code in _CODES:
+        cls, text = _CODES[code]
+        raise cls(f"{what}: {text}")
+    raise errors.Error(f"{what}: {os.strerror(code) if code > 0 else f'error {code}'}")
+
+
+_token_cache: list[int] = []
+
+
+def _reset_token() -> None:
+    _token_cache.clear()
+
+
+os.register_at_fork(after_in_child=_reset_token)
+
+
+def token() -> int:
+    """This process's token: pid and start time; recomputed after fork."""
+    if not _token_cache:
+        _token_cache.append(int(lib.shmps_self_token()))
+    return _token_cache[0]
+
+
+def token_alive(tok: int) -> bool:
+    return bool(lib.shmps_token_alive(tok))
+
+
+def token_pid(tok: int) -> int:
+    return tok >> 32
+
+
+def pointer(buf: Any) -> Any:
+    """A ``char *`` over a writable buffer (mmap, numpy array); release() it."""
+    return ffi.from_buffer("char[]", buf, require_writable=False)
+
+
+def release(ptr: Any) -> None:
+    ffi.release(ptr)
+
+
+def addr(arr: np.ndarray) -> Any:
+    """``void *`` to a C-contiguous numpy array's data (valid while arr lives)."""
+    return ffi.cast("void *", arr.ctypes.data)
+
+
+# ---- shard layout ---------------------------------------------------------------
+
+SPEC_INPUTS = ("kind", "dtype", "updater", "flags", "nrows", "row_len", "nnz",
+               "row_begin", "ncols", "seed")
+SPEC_DERIVED = ("total_size", "rowcnt_off", "colidx_off", "value_off", "rowstep_off",
+                "stripes_off", "index_off", "nslots", "nstripes", "stripe_elems",
+                "nstate", "state_dtype", "itemsize", "state_itemsize")
+
+
+def _spec_to_dict(spec: Any) -> dict:
+    d = {k: int(getattr(spec, k)) for k in SPEC_INPUTS + SPEC_DERIVED}
+    d["params"] = [float(spec.params[i]) for i in range(lib.SHMPS_NPARAMS)]
+    d["init"] = [float(spec.init[i]) for i in range(4)]
+    d["state_off"] = [int(spec.state_off[i]) for i in range(lib.SHMPS_MAX_STATE)]
+    return d
+
+
+def layout(inputs: dict) -> dict:
+    """Compute a shard's layout from its inputs (see shmps_spec_t)."""
+    spec = ffi.new("shmps_spec_t *")
+    for k in SPEC_INPUTS:
+        setattr(spec, k, int(inputs.get(k, 0)))
+    for i, v in enumerate(inputs.get("params", ())):
+        spec.params[i] = float(v)
+    for i, v in enumerate(inputs.get("init", ())):
+        spec.init[i] = float(v)
+    check(lib.shmps_layout(spec), "shard layout")
+    return _spec_to_dict(spec)
+
+
+def shard_init(ptr: Any, size: int, spec: dict) -> None:
+    s = ffi.new("shmps_spec_t *")
+    for k in SPEC_INPUTS:
+        setattr(s, k, int(spec[k]))
+    for i, v in enumerate(spec["params"]):
+        s.params[i] = v
+    for i, v in enumerate(spec["init"]):
+        s.init[i] = v
+    check(lib.shmps_shard_init(ptr, size, s), "shard init")
+
+
+def shard_validate(ptr: Any, size: int, name: str) -> dict:
+    spec = ffi.new("shmps_spec_t *")
+    code = lib.shmps_shard_validate(ptr, size, spec)
+    if code != OK:
+        check(code, f"segment {name}")
+    return _spec_to_dict(spec)
+
+
+STATS_FIELDS = ("pushes", "pulls", "bytes_pushed", "bytes_pulled", "rows_pushed",
+                "rows_pulled", "last_push_ns", "last_pull_ns", "step", "takeovers",
+                "contended", "rows_used")
+
+
+def stats(ptr: Any) -> dict:
+    out = ffi.new("shmps_stats_t *")
+    lib.shmps_stats(ptr, out)
+    return {k: int(getattr(out, k)) for k in STATS_FIELDS}
+
+
+def now_ns() -> int:
+    return int(lib.shmps_now_ns())

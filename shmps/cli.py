@@ -1,0 +1,73 @@
+"""``shmps-tool``: one verb per function, errors as one line on stderr, exit 2.
+
+Verbs live beside the code they inspect: file verbs in :mod:`shmps.cli_files`,
+store verbs in :mod:`shmps.cli_store`.  Each of those modules has
+``register(subparsers)`` adding its parsers with ``set_defaults(func=verb)``;
+a verb takes the parsed namespace and returns an exit status.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from .errors import Error
+
+PROG = "shmps-tool"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports usage errors as ``shmps-tool: error: ...`` with exit 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise _UsageError(message)
+
+
+class _UsageError(Exception):
+    pass
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog=PROG,
+        description="Inspect and manage shmps stores and binary matrix files.",
+        epilog="examples:\n  shmps-tool ls\n  shmps-tool dump data/X --format summary\n"
+               "  shmps-tool checkpoint model ckpt/\n  shmps-tool gc --dry-run",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="verb", metavar="VERB", parser_class=_Parser)
+    sub.required = True
+    from . import cli_files, cli_store
+
+    cli_store.register(sub)
+    cli_files.register(sub)
+    return parser
+
+
+def fail(message: str) -> int:
+    """Print ``shmps-tool: error: <message>`` (one line) and return exit status 2."""
+    line = " ".join(str(message).split())
+    print(f"{PROG}: error: {line}", file=sys.stderr)
+    return 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``shmps-tool``; returns the exit status."""
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        return int(args.func(args) or 0)
+    except _UsageError as exc:
+        return fail(str(exc))
+    except Error as exc:
+        return fail(str(exc))
+    except KeyboardInterrupt:
+        return fail("interrupted")
+    except BrokenPipeError:
+        return 0
+    except OSError as exc:
+        return fail(f"{exc.filename + ': ' if exc.filename else ''}{exc.strerror or exc}")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,280 @@
+"""Dense tensors: n-d arrays sharded by row ranges, pushed stripe by stripe in C."""
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Optional
+
+import numpy as np
+
+from . import _native
+from .errors import SchemaError
+from .tensor import PushHandle, Tensor, cast_grad, check_rows, split_pool
+
+lib = _native.lib
+
+SPLIT_BYTES = 8 << 20  # a push this large is split across the process's cores
+STRIPE = lib.SHMPS_STRIPE_BYTES
+
+
+def default_shard_rows(shape: tuple, itemsize: int, shard_bytes: int = 16 << 20) -> int:
+    """Rows per shard: about ``shard_bytes`` of values, and a whole number of pages
+    (so view() can map the shards back to back)."""
+    nrows = shape[0] if shape else 1
+    row_bytes = max(1, int(np.prod(shape[1:], dtype=np.int64)) * itemsize) if shape else itemsize
+    page = 4096
+    align = page // math.gcd(page, row_bytes)  # rows per whole number of pages
+    rows = max(align, (shard_bytes // row_bytes) // align * align)
+    return max(1, min(nrows, rows))
+
+
+class DenseTensor(Tensor):
+    """An n-d array in shared memory; rows are the first axis.
+
+    Sample usage::
+
+        w = store.dense("fc.w", shape=(1024, 256), optimizer=shmps.SGD(lr=0.1))
+        w.push(grad)                 # exact, lock-free in practice
+        a = w.pull()                 # private copy, each shard a consistent snapshot
+    """
+
+    kind = "dense"
+
+    def __init__(self, store: Any, record: dict, shards: list) -> None:
+        super().__init__(store, record, shards)
+        self.shape: tuple = tuple(record["shape"])
+        self.nrows: int = self.shape[0] if self.shape else 1
+        self.row_shape: tuple = self.shape[1:]
+        self.row_len: int = int(np.prod(self.row_shape, dtype=np.int64)) if self.shape else 1
+        self.shard_rows: int = record["shard_rows"]
+        self.size = self.nrows * self.row_len
+        self._gdtype = np.dtype("float32") if self.dtype == np.float16 else self.dtype
+        self._gcode = _native.DTYPE_CODES[self._gdtype.name]
+        self._view: Optional[np.ndarray] = None
+        # element offset of each shard within the whole tensor
+        self._elem0 = [i * self.shard_rows * self.row_len for i in range(self.nshards)]
+
+    # -- push --------------------------------------------------------------------
+    def push(self, grad: Any, rows: Any = None, *, wait: bool = True) -> Optional[PushHandle]:
+        """Apply the tensor's updater to ``grad`` (whole tensor) or to ``rows``.
+
+        ``grad`` has the tensor's shape, or ``(len(rows),) + shape[1:]`` with
+        ``rows``.  Cast with numpy's same_kind rule; non-contiguous arrays are copied.
+        Duplicate rows accumulate as gradients do.  Exact: concurrent pushes from
+        any processes give the result of applying each whole, in some order.
+
+        Cost: one pass over the gradient to reject NaN/Inf (skipped with
+        allow_nonfinite), one fused pass over the values; large pushes are split
+        across this process's cores.  The GIL is released while C runs.
+        ``wait=False`` returns a :class:`PushHandle` at once; the gradient array must
+        not be modified until the handle is waited on."""
+        g, r = self._prepare(grad, rows)
+        if wait:
+            self._apply(g, r)
+            return None
+        return self._store._submit(self._apply, g, r)
+
+    def _prepare(self, grad: Any, rows: Any) -> tuple[np.ndarray, Optional[np.ndarray]]:
+        g = cast_grad(grad, self.dtype)
+        if rows is None:
+            if g.shape != self.shape:
+                raise SchemaError(f"gradient shape {g.shape} != tensor {self.name!r} shape "
+                                  f"{self.shape}", "pass rows= to push only some rows")
+            return g, None
+        r = check_rows(rows, self.nrows)
+        if g.shape != (r.size,) + self.row_shape:
+            raise SchemaError(f"gradient shape {g.shape} != {(r.size,) + self.row_shape} "
+                              f"(len(rows),) + row shape of {self.name!r}")
+        return g, r
+
+    def _apply(self, g: np.ndarray, r: Optional[np.ndarray]) -> None:
+        nthreads = self._threads_for(g.nbytes) if r is None else 1
+        self._require_finite(g, nthreads)
+        step = _native.ffi.new("uint64_t *")
+        lib.shmps_next_step(self._shard(0).ptr, step)
+        t = int(step[0])
+        if r is None:
+            self._push_all(g, t, nthreads)
+            self._count(False, g.nbytes, self.nrows)
+        else:
+            r, g = self._aggregate_duplicates(r, g)
+            self._push_rows(g, r, t)
+            self._count(False, g.nbytes, r.size)
+
+    def _threads_for(self, nbytes: int) -> int:
+        """Split a large push over this process's cores, unless another pusher is
+        already in the tensor (then the cores are shared anyway)."""
+        nthreads = min(os.cpu_count() or 1, nbytes // SPLIT_BYTES)
+        if nthreads > 1:
+            busy = _native.ffi.new("uint32_t *")
+            lib.shmps_active_pushers(self._shard(0).ptr, busy)
+            if busy[0] > 0:
+                return 1
+        return max(1, nthreads)
+
+    def _push_all(self, g: np.ndarray, step: int, nthreads: int) -> None:
+        gbase = g.ctypes.data
+        gsz = g.itemsize
+        units = [(i, 0, sh.spec["nstripes"]) for i, sh in enumerate(self._shards)]
+        if nthreads <= 1:
+            self._run_units(units, gbase, gsz, step)
+            return
+        parts = self._split(units, nthreads)
+        futures = [split_pool().submit(self._run_units, part, gbase, gsz, step)
+                   for part in parts[1:]]
+        err = None
+        try:
+            self._run_units(parts[0], gbase, gsz, step)
+        except BaseException as exc:  # still wait for the others before raising
+            err = exc
+        for f in futures:
+            try:
+                f.result()
+            except BaseException as exc:
+                err = err or exc
+        if err is not None:
+            raise err
+
+    def _run_units(self, part: list, gbase: int, gsz: int, step: int) -> None:
+        for i, lo, hi in part:
+            self._call_push(i, gbase, gsz, lo, hi, step)
+
+    def _call_push(self, i: int, gbase: int, gsz: int, lo: int, hi: int, step: int) -> None:
+        ptr = _native.ffi.cast("void *", gbase + self._elem0[i] * gsz)
+        code = lib.shmps_dense_push(self._shards[i].ptr, _native.token(), ptr, self._gcode,
+                                    lo, hi, step, 0)
+        if code:
+            _native.check(code, f"push to {self.name!r}")
+
+    @staticmethod
+    def _split(units: list, k: int) -> list:
+        total = sum(hi - lo for _, lo, hi in units)
+        per = -(-total // k)
+        parts, cur, room = [], [], per
+        for i, lo, hi in units:
+            while lo < hi:
+                take = min(room, hi - lo)
+                cur.append((i, lo, lo + take))
+                lo += take
+                room -= take
+                if room == 0:
+                    parts.append(cur)
+                    cur, room = [], per
+        if cur:
+            parts.append(cur)
+        return parts
+
+    def _push_rows(self, g: np.ndarray, r: np.ndarray, step: int) -> None:
+        tok = _native.token()
+        for i, local, gpart in self._by_shard(r, g):
+            code = lib.shmps_dense_push_rows(self._shards[i].ptr, tok, _native.addr(local),
+                                             local.size, _native.addr(gpart), self._gcode, step)
+            if code:
+                _native.check(code, f"push to {self.name!r}")
+
+    def _by_shard(self, r: np.ndarray, g: Optional[np.ndarray]):
+        """Yield (shard, local rows, gradient rows or positions) grouped by shard."""
+        if self.nshards == 1:
+            yield 0, r, g if g is not None else np.arange(r.size)
+            return
+        sid = r // self.shard_rows
+        order = np.argsort(sid, kind="stable")
+        counts = np.bincount(sid, minlength=self.nshards)
+        pos = 0
+        for i, c in enumerate(counts):
+            if c == 0:
+                continue
+            idx = order[pos:pos + c]
+            pos += c
+            local = np.ascontiguousarray(r[idx] - i * self.shard_rows)
+            yield i, local, (np.ascontiguousarray(g[idx]) if g is not None else idx)
+
+    # -- pull --------------------------------------------------------------------
+    def pull(self, rows: Any = None, *, out: Optional[np.ndarray] = None,
+             consistent: bool = True) -> np.ndarray:
+        """Copy values out: the whole tensor, or ``rows`` (shape ``(len(rows),)+row shape``).
+
+        ``consistent=True`` (default): each shard is copied while no push is inside
+        it, so it reflects a whole number of pushes (pushers wait for the copy, about
+        a memcpy of the shard).  ``consistent=False``: each 16 KiB stripe is a
+        whole number of pushes (seqlock), and pushers never wait.  ``out=`` (C
+        contiguous, the tensor's dtype and the result's shape) avoids allocating."""
+        if rows is None:
+            want = self.shape
+            r = None
+        else:
+            r = check_rows(rows, self.nrows)
+            want = (r.size,) + self.row_shape
+        if out is None:
+            out = np.empty(want, self.dtype)
+        elif (not isinstance(out, np.ndarray) or out.shape != want or out.dtype != self.dtype
+              or not out.flags.c_contiguous or not out.flags.writeable):
+            raise SchemaError(f"out= must be a writable C-contiguous {self.dtype} array of "
+                              f"shape {want}",
+                              "allocate it with np.empty(shape, dtype)")
+        tok = _native.token()
+        c = int(bool(consistent))
+        if r is None:
+            base = out.ctypes.data
+            for i, sh in enumerate(self._shards):
+                ptr = _native.ffi.cast("void *", base + self._elem0[i] * self.dtype.itemsize)
+                code = lib.shmps_dense_pull(sh.ptr, tok, ptr, 0, sh.spec["nnz"], c)
+                if code:
+                    _native.check(code, f"pull from {self.name!r}")
+            self._count(True, out.nbytes, self.nrows)
+            return out
+        if self.nshards == 1:
+            code = lib.shmps_dense_pull_rows(self._shard(0).ptr, tok, _native.addr(r), r.size,
+                                             _native.addr(out), c)
+            if code:
+                _native.check(code, f"pull from {self.name!r}")
+        else:
+            for i, local, pos in self._by_shard(r, None):
+                buf = np.empty((local.size,) + self.row_shape, self.dtype)
+                code = lib.shmps_dense_pull_rows(self._shards[i].ptr, tok, _native.addr(local),
+                                                 local.size, _native.addr(buf), c)
+                if code:
+                    _native.check(code, f"pull from {self.name!r}")
+                out[pos] = buf
+        self._count(True, out.nbytes, r.size)
+        return out
+
+    def view(self) -> np.ndarray:
+        """A zero-copy, read-only numpy array over the live values.
+
+        Racy by design: it changes under you as pushes land (an element may be read
+        between two pushes, or mid-push in hogwild mode).  It stays valid after
+        ``close()`` until it is garbage-collected; use ``pull()`` for a snapshot."""
+        if self._view is None:
+            self._view = self._map_view()
+        return self._view
+
+    def _map_view(self) -> np.ndarray:
+        ffi = _native.ffi
+        n = self.nshards
+        fds = ffi.new("int[]", n)
+        offs = ffi.new("uint64_t[]", n)
+        lens = ffi.new("uint64_t[]", n)
+        opened = []
+        try:
+            for i, sh in enumerate(self._shards):
+                fd = sh.seg.fd()
+                opened.append(fd)
+                fds[i] = fd
+                offs[i] = sh.spec["value_off"]
+                lens[i] = sh.spec["nnz"] * self.dtype.itemsize
+            addr = ffi.new("void **")
+            total = ffi.new("uint64_t *")
+            code = lib.shmps_view_map(fds, offs, lens, n, addr, total)
+            if code:
+                _native.check(code, f"view of {self.name!r} (shard_rows must be a whole "
+                                    "number of pages)")
+        finally:
+            for fd in opened:
+                os.close(fd)
+        span = int(total[0])
+        mapped = ffi.gc(ffi.cast("char *", addr[0]), lambda p: lib.shmps_view_unmap(p, span))
+        buf = ffi.buffer(mapped, self.size * self.dtype.itemsize)
+        arr = np.frombuffer(buf, dtype=self.dtype).reshape(self.shape)
+        arr.flags.writeable = False
+        return arr

@@ -1,0 +1,47 @@
+"""Store and namespace names, and the POSIX shared-memory names derived from them.
+
+Every segment of a store is ``/shmps.<store>.<suffix>`` or, with a namespace,
+``/shmps.<namespace>.<store>.<suffix>``; names are validated so they cannot
+escape that prefix (no ``/``, not ``.`` or ``..``).
+"""
+from __future__ import annotations
+
+import os
+import re
+from typing import Optional
+
+from .errors import InvalidArgument
+
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+PREFIX = "shmps"
+
+
+def check_name(name: object, what: str = "store name") -> str:
+    """Return ``name`` if it matches ``[A-Za-z0-9_.-]{1,64}`` and is not ``.``/``..``."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or name in (".", ".."):
+        raise InvalidArgument(
+            f"invalid {what} {name!r}",
+            "use 1 to 64 characters from A-Z a-z 0-9 _ . - (not '.' or '..')")
+    return name
+
+
+def resolve_namespace(namespace: Optional[str]) -> Optional[str]:
+    """The explicit namespace, else ``$SHMPS_NAMESPACE``, else None."""
+    if namespace is None:
+        namespace = os.environ.get("SHMPS_NAMESPACE") or None
+    if namespace is not None:
+        check_name(namespace, "namespace")
+    return namespace
+
+
+def store_prefix(store: str, namespace: Optional[str]) -> str:
+    """``/shmps.[ns.]store.`` — every segment of the store starts with this."""
+    return f"/{PREFIX}.{namespace}.{store}." if namespace else f"/{PREFIX}.{store}."
+
+
+def manifest_name(store: str, namespace: Optional[str]) -> str:
+    return store_prefix(store, namespace) + "manifest"
+
+
+def shard_name(store: str, namespace: Optional[str], tensor_id: int, shard: int) -> str:
+    return store_prefix(store, namespace) + f"t{tensor_id}.s{shard}"

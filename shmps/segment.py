@@ -1,0 +1,135 @@
+"""One POSIX shared-memory segment mapped into this process.
+
+Lifecycle as CPython's ``multiprocessing.shared_memory`` (without its
+resource_tracker, which unlinks segments a process only attached to: gh-82300):
+``close()`` is local and idempotent, ``unlink()`` global and explicit, a failed
+create removes what it made, and the mapping outlives the descriptor (closed at once).
+"""
+from __future__ import annotations
+
+import errno
+import mmap
+from typing import Any, Optional
+
+import numpy as np
+import posix_ipc
+
+from . import _native
+from .errors import CorruptSegment, Error, NotFound
+
+MODE = 0o600
+
+
+class Segment:
+    """A mapped segment: ``mm`` (mmap) and ``ptr`` (cffi ``char *`` for the C core)."""
+
+    def __init__(self, name: str, mm: mmap.mmap, size: int) -> None:
+        self.name = name
+        self.size = size
+        self.mm: Optional[mmap.mmap] = mm
+        self.ptr: Any = _native.pointer(mm)
+
+    @classmethod
+    def create(cls, name: str, size: int) -> "Segment":
+        """Create a new segment (exclusive, mode 0600) of ``size`` zero bytes.
+
+        Raises FileExistsError if the name is taken."""
+        try:
+            shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=MODE, size=size)
+        except posix_ipc.ExistentialError as exc:
+            raise FileExistsError(errno.EEXIST, str(exc), name) from None
+        try:
+            mm = mmap.mmap(shm.fd, size)
+        except BaseException:
+            shm.close_fd()
+            unlink(name)
+            raise
+        shm.close_fd()
+        return cls(name, mm, size)
+
+    @classmethod
+    def open(cls, name: str, *, expect_size: Optional[int] = None) -> "Segment":
+        """Map an existing segment; NotFound if absent, CorruptSegment if empty."""
+        try:
+            shm = posix_ipc.SharedMemory(name)
+        except posix_ipc.ExistentialError:
+            raise NotFound(f"no shared-memory segment {name}") from None
+        try:
+            size = shm.size
+            if size == 0 or (expect_size is not None and size != expect_size):
+                raise CorruptSegment(f"segment {name} has size {size}"
+                                     + (f", expected {expect_size}" if expect_size else ""))
+            mm = mmap.mmap(shm.fd, size)
+        finally:
+            shm.close_fd()
+        return cls(name, mm, size)
+
+    @classmethod
+    def open_or_create(cls, name: str, size: int) -> tuple["Segment", bool]:
+        """Open the segment, creating it (size ``size``) if absent; returns (seg, created).
+
+        Safe to race: a creator sizes the segment; openers that find it still at
+        size 0 size it too (ftruncate to the same size is idempotent)."""
+        created = False
+        try:
+            shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=MODE, size=size)
+            created = True
+        except posix_ipc.ExistentialError:
+            try:
+                shm = posix_ipc.SharedMemory(name)
+            except posix_ipc.ExistentialError:  # destroyed between the two calls
+                return cls.open_or_create(name, size)
+            if shm.size == 0:
+                import os
+                os.ftruncate(shm.fd, size)
+        try:
+            if shm.size != size:
+                raise CorruptSegment(f"segment {name} has size {shm.size}, expected {size}")
+            mm = mmap.mmap(shm.fd, size)
+        finally:
+            shm.close_fd()
+        return cls(name, mm, size), created
+
+    def array(self, dtype: Any, offset: int, count: int) -> np.ndarray:
+        """A numpy array over ``count`` items at ``offset`` (pins the mapping)."""
+        if self.mm is None:
+            raise Error(f"segment {self.name} is closed")
+        dt = np.dtype(dtype)
+        if offset + count * dt.itemsize > self.size:
+            raise CorruptSegment(f"array at {offset} + {count} x {dt} exceeds segment {self.name}")
+        return np.frombuffer(memoryview(self.mm), dtype=dt, count=count, offset=offset)
+
+    def fd(self) -> int:
+        """A new descriptor on the segment (caller closes it)."""
+        shm = posix_ipc.SharedMemory(self.name)
+        return shm.fd
+
+    def close(self) -> None:
+        """Unmap (local, idempotent).  Arrays still over the mapping keep it alive."""
+        if self.ptr is not None:
+            _native.release(self.ptr)
+            self.ptr = None
+        if self.mm is not None:
+            mm, self.mm = self.mm, None
+            try:
+                mm.close()
+            except BufferError:
+                pass  # views exported to the user: unmapped when they are collected
+
+
+def unlink(name: str) -> bool:
+    """Remove a segment name (global); True if it existed."""
+    try:
+        posix_ipc.unlink_shared_memory(name)
+        return True
+    except posix_ipc.ExistentialError:
+        return False
+
+
+def list_names(prefix: str = "shmps.") -> list[str]:
+    """Names (with leading '/') of segments in /dev/shm starting with ``prefix``."""
+    import os
+    try:
+        return sorted("/" + n for n in os.listdir("/dev/shm") if n.startswith(prefix))
+    except FileNotFoundError:
+        return []

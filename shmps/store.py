@@ -1,0 +1,430 @@
+"""A store: a named set of tensors in shared memory, shared by every process on the host.
+
+The store's manifest segment (``/shmps.[ns.]<store>.manifest``) holds a robust
+process-shared mutex (taken only to create tensors), the list of attached
+processes, and an append-only catalog of tensor records (JSON).  Attaching reads the
+catalog without the lock; tensors are mapped lazily on first use.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Iterator, Optional, Sequence
+
+import numpy as np
+
+from . import _native, names
+from .dense import DenseTensor, default_shard_rows
+from .errors import Closed, CorruptSegment, InvalidArgument, NotFound, SchemaError
+from .segment import Segment, list_names, unlink
+from .tensor import PushHandle, Tensor, open_shards
+from .updaters import Updater, UpdaterLike, as_updater, from_dict
+
+lib = _native.lib
+ffi = _native.ffi
+
+MANIFEST_SIZE = lib.SHMPS_MANIFEST_SIZE
+LOCK_TIMEOUT_S = 60.0
+DTYPES = tuple(_native.DTYPE_CODES)
+MODES = ("exact", "hogwild")
+
+
+def _dtype(dtype: Any) -> np.dtype:
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt is None or dt.name not in DTYPES:
+        raise SchemaError(f"unsupported dtype {dtype!r}", f"use one of {', '.join(DTYPES)}")
+    return dt
+
+
+def attach(name: str, *, create: bool = True, namespace: Optional[str] = None,
+           timeout: float = 2.0) -> "Store":
+    """Attach to store ``name``, creating it if needed (``create=True``).
+
+    Safe to race from any number of processes: exactly one initialises the store,
+    the others wait (at most ``timeout`` s after an initialiser died).  ``namespace``
+    (default ``$SHMPS_NAMESPACE``) prefixes every segment name, so several
+    independent "hosts" can share one machine.  Cost: one segment open and the
+    catalog parse (~0.1 ms for 100 tensors); tensors are mapped when first used.
+
+    Sample usage::
+
+        store = shmps.attach("model")
+        w = store.dense("w", shape=(1000, 10), optimizer=shmps.SGD(lr=0.1))
+    """
+    names.check_name(name)
+    ns = names.resolve_namespace(namespace)
+    mname = names.manifest_name(name, ns)
+    if create:
+        seg, _ = Segment.open_or_create(mname, MANIFEST_SIZE)
+    else:
+        try:
+            seg = Segment.open(mname, expect_size=MANIFEST_SIZE)
+        except NotFound:
+            raise NotFound(f"no store {name!r}" + (f" in namespace {ns!r}" if ns else ""),
+                           "create it with shmps.attach(name) or check `shmps-tool ls`") from None
+    try:
+        code = lib.shmps_manifest_init(seg.ptr, seg.size, _native.token(), float(timeout))
+        if code:
+            _native.check(code, f"store {name!r} manifest {mname}")
+        return Store(name, ns, seg)
+    except BaseException:
+        seg.close()
+        raise
+
+
+class Store:
+    """An attached store.  Get tensors with ``dense()``, ``table()``, ``csr()`` or
+    ``store[name]``; ``close()`` detaches this process, ``destroy()`` removes the store."""
+
+    def __init__(self, name: str, namespace: Optional[str], manifest: Segment) -> None:
+        self.name = name
+        self.namespace = namespace
+        self._manifest: Optional[Segment] = manifest
+        self._records: dict[str, dict] = {}
+        self._record_list: list[dict] = []
+        self._catalog_len = 0
+        self._generation = -1
+        self._tensors: dict[str, Tensor] = {}
+        self._lock = threading.RLock()
+        self._executor: Optional[ThreadPoolExecutor] = None
+        self._executor_pid = 0
+        slot = ffi.new("uint32_t *")
+        _native.check(lib.shmps_proc_register(manifest.ptr, _native.token(), slot),
+                      f"store {name!r}: attached-process table")
+        self._proc_slot = int(slot[0])
+        self._proc_token = _native.token()
+        self._refresh()
+
+    # -- catalog -----------------------------------------------------------------
+    @property
+    def _mptr(self) -> Any:
+        if self._manifest is None or self._manifest.ptr is None:
+            raise Closed(f"store {self.name!r} is closed")
+        return self._manifest.ptr
+
+    def _refresh(self) -> None:
+        """Read catalog records appended since the last look (lock-free)."""
+        ptr = self._mptr
+        gen = int(lib.shmps_catalog_generation(ptr))
+        if gen == self._generation:
+            return
+        buf = bytearray(lib.SHMPS_CATALOG_BYTES)
+        n = ffi.new("uint64_t *")
+        g = ffi.new("uint64_t *")
+        _native.check(lib.shmps_catalog_read(ptr, ffi.from_buffer(buf), len(buf), n, g),
+                      f"store {self.name!r} catalog")
+        data = memoryview(buf)[: int(n[0])]
+        pos = self._catalog_len
+        while pos + 4 <= len(data):
+            ln = int.from_bytes(data[pos:pos + 4], "little")
+            if pos + 4 + ln > len(data):
+                raise CorruptSegment(f"store {self.name!r}: catalog record at {pos} overruns")
+            try:
+                rec = json.loads(bytes(data[pos + 4:pos + 4 + ln]))
+            except ValueError:
+                raise CorruptSegment(f"store {self.name!r}: catalog record at {pos} is not JSON")
+            self._records[rec["name"]] = rec
+            self._record_list.append(rec)
+            pos += 4 + ln
+        self._catalog_len = pos
+        self._generation = int(g[0])
+
+    def _record(self, name: str) -> Optional[dict]:
+        rec = self._records.get(name)
+        if rec is None:
+            self._refresh()
+            rec = self._records.get(name)
+        return rec
+
+    # -- tensors -----------------------------------------------------------------
+    def __getitem__(self, name: str) -> Tensor:
+        """The existing tensor ``name``; raises NotFound (a KeyError) if absent."""
+        with self._lock:
+            t = self._tensors.get(name)
+            if t is not None:
+                return t
+            rec = self._record(name)
+            if rec is None:
+                raise NotFound(f"no tensor {name!r} in store {self.name!r}",
+                               f"existing: {', '.join(sorted(self._records)) or 'none'}")
+            return self._open(rec)
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and self._record(name) is not None
+
+    def __iter__(self) -> Iterator[str]:
+        self._refresh()
+        return iter(list(self._records))
+
+    def _open(self, rec: dict) -> Tensor:
+        cls = _KIND_CLASSES[rec["kind"]]
+        t = cls(self, rec, open_shards(self, rec))
+        self._tensors[rec["name"]] = t
+        return t
+
+    def tensors(self) -> list[dict]:
+        """Describe every tensor: name, kind, dtype, shape, optimizer, nshards, bytes."""
+        self._refresh()
+        out = []
+        for rec in self._record_list:
+            out.append({"name": rec["name"], "kind": rec["kind"], "dtype": rec["dtype"],
+                        "shape": tuple(rec.get("shape", ())),
+                        "optimizer": rec["optimizer"], "mode": rec.get("mode", "exact"),
+                        "nshards": rec["nshards"], "bytes": rec.get("bytes", 0)})
+        return out
+
+    def dense(self, name: str, shape: Optional[Sequence[int]] = None, dtype: Any = None,
+              init: Any = 0.0, optimizer: UpdaterLike = None, *, mode: Optional[str] = None,
+              allow_nonfinite: Optional[bool] = None,
+              shard_rows: Optional[int] = None) -> DenseTensor:
+        """Get or create the dense tensor ``name``.
+
+        On creation: ``shape`` is required; ``dtype`` defaults to float32,
+        ``optimizer`` to Sum(), ``mode`` to "exact" ("hogwild": plain racy updates),
+        ``init`` is a scalar or an array of ``shape``.  When the tensor exists, every
+        argument given must match it (else SchemaError); arguments left out accept
+        what exists.  Safe to race from many processes: one creates, all get it."""
+        names.check_name(name, "tensor name") if not _loose_name(name) else None
+        req: dict[str, Any] = {"kind": "dense"}
+        if shape is not None:
+            shp = tuple(int(x) for x in (shape if isinstance(shape, (tuple, list)) else (shape,)))
+            if any(x < 0 for x in shp) or (shp and shp[0] == 0 and len(shp) > 8):
+                raise SchemaError(f"invalid shape {shape!r}")
+            if len(shp) > 8:
+                raise SchemaError(f"shape {shp} has more than 8 dimensions")
+            req["shape"] = list(shp)
+        if dtype is not None:
+            req["dtype"] = _dtype(dtype).name
+        if optimizer is not None:
+            req["optimizer"] = as_updater(optimizer).to_dict()
+        if mode is not None:
+            if mode not in MODES:
+                raise InvalidArgument(f"mode={mode!r}", "use 'exact' or 'hogwild'")
+            req["mode"] = mode
+        if allow_nonfinite is not None:
+            req["allow_nonfinite"] = bool(allow_nonfinite)
+        if shard_rows is not None:
+            if int(shard_rows) < 1:
+                raise InvalidArgument(f"shard_rows={shard_rows!r} must be >= 1")
+            req["shard_rows"] = int(shard_rows)
+        return self._get_or_create(name, req, lambda: self._create_dense(name, req, init))
+
+    def _get_or_create(self, name: str, req: dict, create: Any) -> Any:
+        with self._lock:
+            t = self._tensors.get(name)
+            rec = t.record if t is not None else self._record(name)
+            if rec is None:
+                self._lock_manifest()
+                try:
+                    rec = self._record(name)
+                    if rec is None:
+                        rec = create()
+                finally:
+                    lib.shmps_manifest_unlock(self._mptr)
+            _match(rec, req)
+            return t if t is not None else self._open(rec)
+
+    def _lock_manifest(self) -> None:
+        code = lib.shmps_manifest_lock(self._mptr, LOCK_TIMEOUT_S)
+        if code < 0 or code > 1:
+            _native.check(code, f"store {self.name!r}: manifest lock")
+        # RECOVERED: a creator died holding the lock; its segments are not in the
+        # catalog (records are appended last) and are replaced by _create_segments.
+
+    def _next_id(self) -> int:
+        self._refresh()
+        return len(self._record_list)
+
+    def _create_segments(self, tid: int, specs: list[dict], fill: Any) -> int:
+        """Create, lay out and fill one segment per spec; returns total bytes.
+        Removes what it made if anything fails."""
+        made: list[Segment] = []
+        total = 0
+        try:
+            for s, spec in enumerate(specs):
+                lay = _native.layout(spec)
+                name = names.shard_name(self.name, self.namespace, tid, s)
+                unlink(name)  # debris of a creator that died before registering
+                seg = Segment.create(name, lay["total_size"])
+                made.append(seg)
+                _native.shard_init(seg.ptr, seg.size, spec)
+                fill(s, seg, lay)
+                total += seg.size
+        except BaseException:
+            for seg in made:
+                seg.close()
+                unlink(seg.name)
+            raise
+        for seg in made:
+            seg.close()
+        return total
+
+    def _append(self, rec: dict) -> dict:
+        data = json.dumps(rec, separators=(",", ":")).encode()
+        _native.check(lib.shmps_catalog_append(self._mptr, data, len(data)),
+                      f"store {self.name!r}: catalog (too many tensors)")
+        self._refresh()
+        return self._records[rec["name"]]
+
+    def _create_dense(self, name: str, req: dict, init: Any) -> dict:
+        if "shape" not in req:
+            raise NotFound(f"no tensor {name!r} in store {self.name!r}",
+                           "pass shape= (and dtype=, optimizer=) to create it")
+        shape = tuple(req["shape"])
+        dt = np.dtype(req.get("dtype", "float32"))
+        upd = from_dict(req["optimizer"]) if "optimizer" in req else as_updater(None)
+        if upd.float_only and dt.kind != "f":
+            raise SchemaError(f"optimizer {type(upd).__name__} needs a float dtype, not {dt}",
+                              "use Sum/Assign/Max/Min for integer tensors")
+        mode = req.get("mode", "exact")
+        nrows = shape[0] if shape else 1
+        row_len = int(np.prod(shape[1:], dtype=np.int64)) if shape else 1
+        shard_rows = req.get("shard_rows") or default_shard_rows(shape, dt.itemsize)
+        shard_rows = max(1, min(shard_rows, max(nrows, 1)))
+        nshards = max(1, -(-nrows // shard_rows))
+        init_arr = _init_array(init, shape, dt)
+        flags = lib.SHMPS_F_IMPLICIT | (lib.SHMPS_F_HOGWILD if mode == "hogwild" else 0)
+        if req.get("allow_nonfinite"):
+            flags |= lib.SHMPS_F_ALLOW_NONFINITE
+        specs = []
+        for s in range(nshards):
+            r0 = s * shard_rows
+            rows = max(0, min(shard_rows, nrows - r0))
+            specs.append({"kind": lib.SHMPS_DENSE, "dtype": _native.DTYPE_CODES[dt.name],
+                          "updater": upd.code, "flags": flags, "nrows": rows,
+                          "row_len": row_len, "nnz": rows * row_len, "row_begin": r0,
+                          "ncols": 0, "seed": 0, "params": upd.params(), "init": []})
+
+        def fill(s: int, seg: Segment, lay: dict) -> None:
+            vals = seg.array(dt, lay["value_off"], lay["nnz"])
+            if np.ndim(init_arr) == 0:
+                if init_arr != 0:
+                    vals[...] = init_arr
+            else:
+                r0 = s * shard_rows
+                vals[...] = init_arr.reshape(nrows, row_len)[r0:r0 + specs[s]["nrows"]].ravel()
+
+        tid = self._next_id()
+        nbytes = self._create_segments(tid, specs, fill)
+        rec = {"id": tid, "name": name, "kind": "dense", "dtype": dt.name, "shape": list(shape),
+               "shard_rows": shard_rows, "nshards": nshards, "optimizer": upd.to_dict(),
+               "mode": mode, "allow_nonfinite": bool(req.get("allow_nonfinite", False)),
+               "bytes": nbytes}
+        return self._append(rec)
+
+    # -- non-blocking pushes -----------------------------------------------------
+    def _submit(self, fn: Any, *args: Any) -> PushHandle:
+        with self._lock:
+            if self._executor is None or self._executor_pid != os.getpid():
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shmps-push")
+                self._executor_pid = os.getpid()
+            return PushHandle(self._executor.submit(fn, *args))
+
+    def wait(self, handle: PushHandle, timeout: Optional[float] = None) -> None:
+        """Block until a ``push(..., wait=False)`` is applied (re-raises its error)."""
+        handle.wait(timeout)
+
+    # -- processes and lifecycle -------------------------------------------------
+    def processes(self) -> list[int]:
+        """Pids of live processes attached to this store."""
+        n = ffi.new("uint32_t *")
+        toks = ffi.new("uint64_t[]", lib.SHMPS_MAX_PROCS)
+        lib.shmps_proc_list(self._mptr, toks, lib.SHMPS_MAX_PROCS, n)
+        return sorted({_native.token_pid(int(toks[i])) for i in range(n[0])
+                       if _native.token_alive(int(toks[i]))})
+
+    def close(self) -> None:
+        """Detach this process (local, idempotent); tensors and views become unusable
+        except arrays already returned by view(), which stay mapped until collected."""
+        with self._lock:
+            if self._executor is not None and self._executor_pid == os.getpid():
+                self._executor.shutdown(wait=True)
+            self._executor = None
+            for t in self._tensors.values():
+                t.close()
+            self._tensors.clear()
+            if self._manifest is not None:
+                if self._manifest.ptr is not None and self._proc_token == _native.token():
+                    lib.shmps_proc_unregister(self._manifest.ptr, self._proc_token,
+                                              self._proc_slot)
+                self._manifest.close()
+                self._manifest = None
+
+    def destroy(self) -> None:
+        """Remove every segment of the store (global).  Processes still attached
+        keep their mappings until they close; a later attach makes a new store."""
+        prefix = names.store_prefix(self.name, self.namespace)
+        self.close()
+        for seg in list_names(prefix[1:]):
+            # the prefix ends with '.', so store "a" never matches store "a.b"'s
+            # segments unless the suffix parses as one of ours
+            if _is_own_segment(seg, prefix):
+                unlink(seg)
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        ns = f" namespace={self.namespace!r}" if self.namespace else ""
+        return f"<shmps.Store {self.name!r}{ns}>"
+
+
+def _is_own_segment(seg: str, prefix: str) -> bool:
+    """True if ``seg`` is ``prefix`` + "manifest" or + "t<id>.s<shard>"."""
+    import re
+    if not seg.startswith(prefix):
+        return False
+    rest = seg[len(prefix):]
+    return rest == "manifest" or re.fullmatch(r"t\d+\.s\d+", rest) is not None
+
+
+def _loose_name(name: object) -> bool:
+    """Tensor names are free text (e.g. "fc.w", "layer/0"); they never reach a
+    segment name.  Only non-strings and empty names are rejected."""
+    if not isinstance(name, str) or not name or len(name) > 256:
+        raise InvalidArgument(f"invalid tensor name {name!r}", "use a non-empty string "
+                              "of at most 256 characters")
+    return True
+
+
+def _init_array(init: Any, shape: tuple, dt: np.dtype) -> Any:
+    a = np.asarray(init)
+    if a.ndim == 0:
+        if dt.kind != "f" and not np.can_cast(a.dtype, dt, "same_kind"):
+            raise SchemaError(f"init {init!r} cannot be stored in {dt}")
+        if dt.kind == "f" and not np.isfinite(a):
+            raise InvalidArgument(f"init {init!r} is not finite")
+        return a.astype(dt)[()]
+    if a.shape != tuple(shape):
+        raise SchemaError(f"init array shape {a.shape} != tensor shape {tuple(shape)}")
+    if not np.can_cast(a.dtype, dt, "same_kind"):
+        raise SchemaError(f"init of dtype {a.dtype} cannot be cast to {dt}")
+    return np.ascontiguousarray(a, dtype=dt)
+
+
+_SCHEMA_KEYS = ("kind", "shape", "dtype", "optimizer", "mode", "allow_nonfinite",
+                "shard_rows", "dim", "capacity", "ncols", "seed", "init_spec", "structure")
+
+
+def _match(rec: dict, req: dict) -> None:
+    """Raise SchemaError naming each field of ``req`` that differs from ``rec``."""
+    diffs = []
+    for k in _SCHEMA_KEYS:
+        if k in req and req[k] != rec.get(k):
+            diffs.append(f"{k}: existing {rec.get(k)!r}, requested {req[k]!r}")
+    if diffs:
+        raise SchemaError(f"tensor {rec['name']!r} exists with another schema: "
+                          + "; ".join(diffs),
+                          "pass the same arguments as its creator, or omit them to accept "
+                          "the existing tensor")
+
+
+_KIND_CLASSES: dict[str, type] = {"dense": DenseTensor}

@@ -1,0 +1,226 @@
+"""What every tensor kind shares: its catalog record, its shard segments, stats.
+
+A tensor is described by one catalog record in the store's manifest (JSON, written
+once by its creator) and stored in ``nshards`` segments named
+``/shmps.[ns.]store.t<id>.s<shard>``.  Subclasses (dense, table, csr) add push/pull.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
+
+import numpy as np
+
+from . import _native, names
+from .errors import Closed, CorruptSegment, SchemaError
+from .segment import Segment
+from .updaters import Updater, from_dict
+
+if TYPE_CHECKING:
+    from .store import Store
+
+FLOAT_DTYPES = ("float16", "float32", "float64")
+
+
+@dataclass
+class Shard:
+    """One mapped shard segment and its validated layout."""
+
+    seg: Segment
+    spec: dict
+
+    @property
+    def ptr(self) -> Any:
+        if self.seg.ptr is None:
+            raise Closed(f"segment {self.seg.name} is closed")
+        return self.seg.ptr
+
+    def values(self, dtype: np.dtype) -> np.ndarray:
+        return self.seg.array(dtype, self.spec["value_off"], self.spec["nnz"])
+
+    def state(self, k: int) -> np.ndarray:
+        dt = _native.DTYPE_NAMES[self.spec["state_dtype"]]
+        return self.seg.array(dt, self.spec["state_off"][k], self.spec["nnz"])
+
+
+def grad_dtype(dtype: np.dtype) -> np.dtype:
+    """Gradients for float16 tensors are taken as float32 (computed in float32)."""
+    return np.dtype("float32") if dtype == np.float16 else dtype
+
+
+def cast_grad(arr: Any, dtype: np.dtype, what: str = "gradient") -> np.ndarray:
+    """``arr`` as a C-contiguous array of ``grad_dtype(dtype)`` (same_kind casting).
+
+    Copies only when the dtype or the memory order differs."""
+    a = np.asarray(arr)
+    target = grad_dtype(dtype)
+    if a.dtype != target:
+        if not np.can_cast(a.dtype, target, casting="same_kind"):
+            raise SchemaError(f"{what} of dtype {a.dtype} cannot be cast to {target}",
+                              f"pass a {target} array (numpy 'same_kind' casting rule)")
+        a = a.astype(target)
+    return np.ascontiguousarray(a)
+
+
+def check_rows(rows: Any, nrows: int) -> np.ndarray:
+    """Row indices as C-contiguous int64, all in [0, nrows)."""
+    from .errors import OutOfRange
+    r = np.asarray(rows)
+    if r.ndim != 1 or not (np.issubdtype(r.dtype, np.integer)) or r.dtype == np.bool_:
+        if r.ndim == 1 and r.size == 0:
+            return np.zeros(0, np.int64)
+        raise OutOfRange(f"rows must be a 1-d integer array, got {r.dtype} with shape {r.shape}")
+    if r.size:
+        lo, hi = int(r.min()), int(r.max())
+        if lo < 0 or hi >= nrows:
+            bad = lo if lo < 0 else hi
+            raise OutOfRange(f"row {bad} out of range for {nrows} rows")
+    return np.ascontiguousarray(r, dtype=np.int64)
+
+
+class PushHandle:
+    """Returned by ``push(..., wait=False)``; ``store.wait(handle)`` or ``handle.wait()``."""
+
+    def __init__(self, future: "Future[None]") -> None:
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        """Block until the push is applied; re-raises its error."""
+        self._future.result(timeout)
+
+
+_pools: dict[int, ThreadPoolExecutor] = {}
+_pools_lock = threading.Lock()
+
+
+def split_pool() -> ThreadPoolExecutor:
+    """Per-process pool that splits large pushes (recreated after fork)."""
+    pid = os.getpid()
+    with _pools_lock:
+        pool = _pools.get(pid)
+        if pool is None:
+            _pools.clear()
+            pool = _pools[pid] = ThreadPoolExecutor(max_workers=os.cpu_count() or 1,
+                                                    thread_name_prefix="shmps-split")
+        return pool
+
+
+class Tensor:
+    """Base class of DenseTensor, Table and CSRTensor."""
+
+    kind = ""
+
+    def __init__(self, store: "Store", record: dict, shards: list[Shard]) -> None:
+        self._store = store
+        self.record = record
+        self.name: str = record["name"]
+        self.dtype = np.dtype(record["dtype"])
+        self.optimizer: Updater = from_dict(record["optimizer"])
+        self.mode: str = record.get("mode", "exact")
+        self.allow_nonfinite: bool = bool(record.get("allow_nonfinite", False))
+        self._shards = shards
+        self._check_finite = self.dtype.kind == "f" and not self.allow_nonfinite
+
+    # -- shared plumbing ---------------------------------------------------------
+    @property
+    def nshards(self) -> int:
+        return len(self._shards)
+
+    def _shard(self, i: int) -> Shard:
+        if self._shards is None:
+            raise Closed(f"tensor {self.name!r} is closed")
+        return self._shards[i]
+
+    def _require_finite(self, g: np.ndarray, nthreads: int = 1) -> None:
+        """Raise NonFinite if a float gradient holds NaN/Inf (unless allowed).
+
+        One read of the gradient, split over ``nthreads`` of the split pool."""
+        if not (self._check_finite and g.size):
+            return
+        code_dt = _native.DTYPE_CODES[g.dtype.name]
+        flat = g.reshape(-1)
+
+        def scan(part: np.ndarray) -> int:
+            return int(_native.lib.shmps_check_finite(_native.addr(part), code_dt, part.size))
+
+        if nthreads > 1:
+            parts = np.array_split(flat, nthreads)
+            futures = [split_pool().submit(scan, p) for p in parts[1:]]
+            codes = [scan(parts[0])] + [f.result() for f in futures]
+        else:
+            codes = [scan(flat)]
+        for code in codes:
+            if code:
+                _native.check(code, f"push to {self.name!r}")
+
+    def _count(self, pull: bool, nbytes: int, rows: int) -> None:
+        _native.lib.shmps_count(self._shard(0).ptr, int(pull), nbytes, rows)
+
+    def _aggregate_duplicates(self, keys: np.ndarray, g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Sum the gradients of repeated keys (rows) so a stateful updater sees one."""
+        if self.optimizer.sequential_duplicates or keys.size < 2:
+            return keys, g
+        order = np.argsort(keys, kind="stable")
+        sk = keys[order]
+        first = np.ones(sk.size, bool)
+        first[1:] = sk[1:] != sk[:-1]
+        if first.all():
+            return keys, g
+        starts = np.flatnonzero(first)
+        return sk[starts], np.add.reduceat(g[order], starts, axis=0)
+
+    def stats(self) -> dict:
+        """Push/pull counters kept in shared memory (any process sees the same).
+
+        Keys: pushes, pulls, bytes_pushed, bytes_pulled, rows_pushed, rows_pulled,
+        last_push_ns, last_pull_ns (CLOCK_MONOTONIC), step, takeovers, contended."""
+        out = _native.stats(self._shard(0).ptr)
+        for sh in self._shards[1:]:
+            s = _native.stats(sh.ptr)
+            for k in ("takeovers", "contended", "rows_used"):
+                out[k] += s[k]
+        return out
+
+    def describe(self) -> dict:
+        """Schema and size, as listed by ``store.tensors()``."""
+        nbytes = sum(sh.seg.size for sh in self._shards) if self._shards else 0
+        return {"name": self.name, "kind": self.kind, "dtype": self.dtype.name,
+                "shape": tuple(self.record.get("shape", ())),
+                "optimizer": self.optimizer.to_dict(), "mode": self.mode,
+                "nshards": self.nshards, "bytes": nbytes}
+
+    def close(self) -> None:
+        """Unmap this tensor's segments in this process (idempotent)."""
+        if self._shards is not None:
+            for sh in self._shards:
+                sh.seg.close()
+            self._shards = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return (f"<shmps.{type(self).__name__} {self.name!r} {self.dtype.name} "
+                f"{tuple(self.record.get('shape', ()))} {type(self.optimizer).__name__}>")
+
+
+def open_shards(store: "Store", record: dict) -> list[Shard]:
+    """Map and validate every shard of a catalog record."""
+    shards: list[Shard] = []
+    try:
+        for s in range(record["nshards"]):
+            name = names.shard_name(store.name, store.namespace, record["id"], s)
+            seg = Segment.open(name)
+            shards.append(Shard(seg, _native.shard_validate(seg.ptr, seg.size, name)))
+            spec = shards[-1].spec
+            if (spec["kind"] != _native.KINDS[record["kind"]]
+                    or spec["dtype"] != _native.DTYPE_CODES[record["dtype"]]):
+                raise CorruptSegment(f"segment {name} does not hold tensor {record['name']!r}")
+    except BaseException:
+        for sh in shards:
+            sh.seg.close()
+        raise
+    return shards

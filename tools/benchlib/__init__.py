@@ -1,0 +1,1 @@
+"""Helpers of tools/bench.py: the spawn/barrier harness, limits, and one module per section."""

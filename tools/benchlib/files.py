@@ -1,0 +1,3 @@
+from .report import Section
+def section(): return Section("files", "FILES")
+def run(ctx, sec): sec.messages.append("todo")

@@ -1,0 +1,3 @@
+from .report import Section
+def section(): return Section("table", "TABLE")
+def run(ctx, sec): sec.messages.append("todo")
