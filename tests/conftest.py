@@ -1,0 +1,46 @@
+"""Shared fixtures: unique store names, and /dev/shm left as found."""
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+
+SHM = "/dev/shm"
+
+
+def _shmps_segments() -> set[str]:
+    try:
+        return {n for n in os.listdir(SHM) if n.startswith("shmps.")}
+    except FileNotFoundError:
+        return set()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def dev_shm_left_as_found():
+    """Fails the session if any test leaves a shmps segment behind."""
+    before = _shmps_segments()
+    yield
+    leaked = _shmps_segments() - before
+    for name in leaked:  # clean up so one failure does not poison later runs
+        try:
+            os.unlink(os.path.join(SHM, name))
+        except FileNotFoundError:
+            pass
+    assert not leaked, f"tests leaked shared-memory segments: {sorted(leaked)}"
+
+
+@pytest.fixture
+def store_name() -> str:
+    """A store name no other test (or concurrent run) uses."""
+    return f"t{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def store(store_name):
+    """An attached fresh store, destroyed after the test."""
+    import shmps
+
+    s = shmps.attach(store_name)
+    yield s
+    s.destroy()
