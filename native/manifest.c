@@ -33,6 +33,8 @@ typedef struct {
     uint64_t catalog_len;    /* committed catalog bytes */
     uint64_t generation;     /* bumped on every catalog append */
     uint64_t created_ns;
+    uint32_t ident_len;      /* bytes of ident */
+    char ident[196];         /* "namespace\0store" (namespace may be empty) */
     pthread_mutex_t lock __attribute__((aligned(SHMPS_CACHELINE)));
 } shmps_manifest_t;
 
@@ -48,7 +50,7 @@ _Static_assert(CATALOG_OFF + SHMPS_CATALOG_BYTES <= SHMPS_MANIFEST_SIZE, "catalo
 static shmps_manifest_t *man(void *base) { return (shmps_manifest_t *)base; }
 static proc_slot_t *procs(void *base) { return (proc_slot_t *)at(base, PROCS_OFF); }
 
-static int initialise(void *base, uint64_t size) {
+static int initialise(void *base, uint64_t size, const char *ident, uint32_t ident_len) {
     shmps_manifest_t *m = man(base);
     /* We own init_owner; anything else in the header may be a dead initialiser's
      * half-work, so rewrite all of it (state stays 0 until the end). */
@@ -67,6 +69,8 @@ static int initialise(void *base, uint64_t size) {
     m->header_size = PROCS_OFF;
     m->total_size = size;
     m->created_ns = shmps_now_ns();
+    memcpy(m->ident, ident, ident_len);
+    m->ident_len = ident_len;
     m->magic = SHMPS_MANIFEST_MAGIC;
     /* release: everything above happens-before any attacher's acquire of READY */
     STORE(&m->state, STATE_READY, RELEASE);
@@ -82,11 +86,23 @@ int shmps_manifest_validate(const void *base, uint64_t size) {
     if (m->version != SHMPS_LAYOUT_VERSION) return SHMPS_E_VERSION;
     if (m->header_size != PROCS_OFF || m->total_size != size) return SHMPS_E_CORRUPT;
     if (LOAD(&m->catalog_len, ACQUIRE) > SHMPS_CATALOG_BYTES) return SHMPS_E_CORRUPT;
+    if (m->ident_len > sizeof m->ident) return SHMPS_E_CORRUPT;
     return SHMPS_OK;
 }
 
-int shmps_manifest_init(void *base, uint64_t size, uint64_t token, double timeout_s) {
+int shmps_manifest_ident(const void *base, char *out, uint32_t cap, uint32_t *len) {
+    const shmps_manifest_t *m = (const shmps_manifest_t *)base;
+    uint32_t n = m->ident_len; /* immutable after READY (validated by the caller) */
+    if (n > sizeof m->ident || n > cap) return SHMPS_E_CORRUPT;
+    memcpy(out, m->ident, n);
+    *len = n;
+    return SHMPS_OK;
+}
+
+int shmps_manifest_init(void *base, uint64_t size, uint64_t token, double timeout_s,
+                        const char *ident, uint32_t ident_len) {
     if (size != SHMPS_MANIFEST_SIZE) return SHMPS_E_CORRUPT;
+    if (ident_len > sizeof(((shmps_manifest_t *)0)->ident)) return SHMPS_E_ARG;
     shmps_manifest_t *m = man(base);
     shmps_wait_t w;
     shmps_wait_init(&w, timeout_s);
@@ -100,12 +116,12 @@ int shmps_manifest_init(void *base, uint64_t size, uint64_t token, double timeou
         if (cur == 0) {
             /* acq_rel: we become the initialiser; ordering against a dead
              * predecessor is not needed since we rewrite everything */
-            if (CAS(&m->init_owner, &cur, token, ACQ_REL, ACQUIRE)) return initialise(base, size);
+            if (CAS(&m->init_owner, &cur, token, ACQ_REL, ACQUIRE)) return initialise(base, size, ident, ident_len);
             continue;
         }
         int r = shmps_wait_step(&w, cur);
         if (r == WAIT_HOLDER_DEAD) {
-            if (CAS(&m->init_owner, &cur, token, ACQ_REL, ACQUIRE)) return initialise(base, size);
+            if (CAS(&m->init_owner, &cur, token, ACQ_REL, ACQUIRE)) return initialise(base, size, ident, ident_len);
         } else if (r < 0) {
             return r;
         }

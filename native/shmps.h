@@ -128,7 +128,9 @@ int shmps_view_map(const int *fds, const uint64_t *offs, const uint64_t *lens, u
 int shmps_view_unmap(void *addr, uint64_t total);
 
 /* manifest */
-int shmps_manifest_init(void *base, uint64_t size, uint64_t token, double timeout_s);
+int shmps_manifest_init(void *base, uint64_t size, uint64_t token, double timeout_s,
+                        const char *ident, uint32_t ident_len);
+int shmps_manifest_ident(const void *base, char *out, uint32_t cap, uint32_t *len);
 int shmps_manifest_validate(const void *base, uint64_t size);
 int shmps_manifest_lock(void *base, double timeout_s);
 int shmps_manifest_unlock(void *base);

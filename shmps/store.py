@@ -68,7 +68,9 @@ def attach(name: str, *, create: bool = True, namespace: Optional[str] = None,
             raise NotFound(f"no store {name!r}" + (f" in namespace {ns!r}" if ns else ""),
                            "create it with shmps.attach(name) or check `shmps-tool ls`") from None
     try:
-        code = lib.shmps_manifest_init(seg.ptr, seg.size, _native.token(), float(timeout))
+        ident = f"{ns or ''}\0{name}".encode()
+        code = lib.shmps_manifest_init(seg.ptr, seg.size, _native.token(), float(timeout),
+                                       ident, len(ident))
         if code:
             _native.check(code, f"store {name!r} manifest {mname}")
         return Store(name, ns, seg)

@@ -1,0 +1,188 @@
+"""Store verbs of ``shmps-tool``: ls, gc, stats (checkpoint and restore: see
+:mod:`shmps.checkpoint`)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any, Optional
+
+import numpy as np
+
+from . import inspect as shm_inspect
+from .errors import InvalidArgument
+from .segment import unlink
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    """List stores on this host: tensors, dtypes, shapes, sizes, live processes."""
+    stores, orphans = shm_inspect.scan(args.namespace)
+    if args.json:
+        out = [{"store": s.name, "namespace": s.namespace, "bytes": s.bytes, "pids": s.pids,
+                "segments": len(s.segments), "error": s.error,
+                "tensors": [{k: t.get(k) for k in ("name", "kind", "dtype", "shape", "nshards",
+                                                   "bytes", "capacity", "dim", "rows_used")
+                             if k in t} | {"optimizer": t["optimizer"]["type"]}
+                            for t in s.tensors]} for s in stores]
+        json.dump({"stores": out, "orphans": orphans}, sys.stdout, indent=1)
+        print()
+        return 0
+    if not stores and not orphans:
+        print("no shmps stores on this host")
+        return 0
+    for s in stores:
+        ns = f" (namespace {s.namespace})" if s.namespace else ""
+        live = ", ".join(map(str, s.pids)) if s.pids else "none"
+        print(f"{s.name}{ns}: {len(s.tensors)} tensors, {_fmt_bytes(s.bytes)} in "
+              f"{len(s.segments)} segments, live processes: {live}")
+        if s.error:
+            print(f"  unreadable: {s.error}")
+        for t in s.tensors:
+            shape = "x".join(map(str, t.get("shape") or [])) or "-"
+            extra = ""
+            if t.get("kind") == "table":
+                cap = t.get("capacity", 0)
+                used = t.get("rows_used", 0)
+                extra = f"  rows {used}/{cap} ({100.0 * used / cap if cap else 0:.1f}% full)"
+                shape = f"dim {t.get('dim')}"
+            print(f"  {t['name']:<24} {t['kind']:<6} {t['dtype']:<8} {shape:<16} "
+                  f"{t['optimizer']['type']:<9} {_fmt_bytes(t.get('bytes', 0)):>10}{extra}")
+    for o in orphans:
+        print(f"orphan segment (no store): {o}")
+    return 0
+
+
+GC_MIN_AGE_S = 5.0
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    """Remove segments of stores no live process has attached, and orphan segments."""
+    stores, orphans = shm_inspect.scan(None, with_fill=False)
+    doomed: list[tuple[str, list[str]]] = []
+    for s in stores:
+        if s.pids:
+            continue
+        if s.error is not None and not args.corrupt:
+            print(f"skipped {s.manifest}: {s.error} (pass --corrupt to remove)", file=sys.stderr)
+            continue
+        if s.age_s < GC_MIN_AGE_S:  # may be mid-attach by a process not yet registered
+            continue
+        doomed.append((f"store {s.name}" + (f" (namespace {s.namespace})" if s.namespace else ""),
+                       s.segments))
+    if orphans:
+        doomed.append(("orphan segments", [o for o in orphans
+                                           if shm_inspect._age(o) >= GC_MIN_AGE_S]))
+    removed = 0
+    for what, segs in doomed:
+        if not segs:
+            continue
+        verb = "would remove" if args.dry_run else "removed"
+        n = len(segs) if args.dry_run else sum(unlink(x) for x in segs)
+        removed += n
+        print(f"{verb} {what}: {n} segments")
+    if not removed:
+        print("nothing to remove")
+    return 0
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    """Push/pull rates per tensor from the counters in shared memory, like `top`."""
+    from .store import attach
+
+    store = attach(args.store, create=False, namespace=args.namespace)
+    try:
+        prev: dict[str, dict] = {}
+        prev_t = time.monotonic()
+        first = True
+        while True:
+            snap = {}
+            for desc in store.tensors():
+                snap[desc["name"]] = store[desc["name"]].stats()
+            now = time.monotonic()
+            if args.once:
+                json.dump({"store": store.name, "tensors": snap}, sys.stdout, indent=1)
+                print()
+                return 0
+            dt = max(now - prev_t, 1e-9)
+            lines = [f"shmps stats {store.name}  (every {args.interval:g} s, Ctrl-C to quit)",
+                     f"{'tensor':<24} {'push/s':>10} {'pull/s':>10} {'MB/s in':>10} "
+                     f"{'MB/s out':>10} {'pushes':>12} {'step':>10}"]
+            for name, st in snap.items():
+                p = prev.get(name, st)
+                rate = (lambda k: 0.0 if first else (st[k] - p[k]) / dt)
+                lines.append(f"{name:<24} {rate('pushes'):>10.1f} {rate('pulls'):>10.1f} "
+                             f"{rate('bytes_pushed') / 1e6:>10.1f} "
+                             f"{rate('bytes_pulled') / 1e6:>10.1f} {st['pushes']:>12} "
+                             f"{st['step']:>10}")
+            if sys.stdout.isatty():
+                sys.stdout.write("\x1b[H\x1b[2J")
+            print("\n".join(lines), flush=True)
+            if args.count and args.count > 0:
+                args.count -= 1
+                if args.count == 0:
+                    return 0
+            prev, prev_t, first = snap, now, False
+            time.sleep(args.interval)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        store.close()
+
+
+def tensor_as_matrix(store_name: str, tensor: str, namespace: Optional[str]) -> Any:
+    """A live tensor as a matrix file set (for ``shmps-tool dump --store``)."""
+    from .files import CSR, MatrixSet
+    from .store import attach
+
+    store = attach(store_name, create=False, namespace=namespace)
+    try:
+        t = store[tensor]
+        if hasattr(t, "as_matrix"):
+            return t.as_matrix()
+        vals = t.pull()
+        a = vals.reshape(vals.shape[0], -1) if vals.ndim > 1 else vals.reshape(-1, 1)
+        rows, cols = a.shape
+        return MatrixSet.from_csr(CSR(np.arange(0, rows * cols + 1, cols, dtype=np.int64)
+                                      if cols else np.zeros(rows + 1, np.int64),
+                                      np.tile(np.arange(cols, dtype=np.int32), rows),
+                                      np.ascontiguousarray(a).ravel()), cols=cols)
+    finally:
+        store.close()
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("ls", help="list stores, tensors and attached processes",
+                       description="List the shmps stores on this host.",
+                       epilog="example: shmps-tool ls --namespace hostA")
+    p.add_argument("--namespace", help="only stores of this namespace")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_ls)
+
+    p = sub.add_parser("gc", help="remove segments of stores with no live process",
+                       description="Remove the segments of stores that no live process has "
+                                   "attached (and orphan shmps segments). Stores younger "
+                                   f"than {GC_MIN_AGE_S:g} s are left alone.",
+                       epilog="example: shmps-tool gc --dry-run")
+    p.add_argument("--dry-run", action="store_true", help="only say what would be removed")
+    p.add_argument("--corrupt", action="store_true",
+                   help="also remove stores whose manifest is unreadable")
+    p.set_defaults(func=cmd_gc)
+
+    p = sub.add_parser("stats", help="live push/pull rates per tensor",
+                       description="Show push/pull rates per tensor, refreshed like top.",
+                       epilog="example: shmps-tool stats model --once")
+    p.add_argument("store")
+    p.add_argument("--namespace")
+    p.add_argument("--once", action="store_true", help="print one JSON snapshot and exit")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    p.add_argument("--count", type=int, default=0, help="stop after N refreshes (0: never)")
+    p.set_defaults(func=cmd_stats)

@@ -1,0 +1,137 @@
+"""Read-only inspection of the stores on this host (for ``shmps-tool ls`` and ``gc``).
+
+Opens manifests without attaching (no process slot is taken), so looking never
+keeps a store alive.  Segments are grouped by store through the identity each
+manifest records (store names may contain dots, so names alone are ambiguous).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from . import _native, names
+from .errors import Error
+from .segment import Segment, list_names
+
+ffi, lib = _native.ffi, _native.lib
+_SHARD = re.compile(r"t(\d+)\.s(\d+)")
+
+
+@dataclass
+class StoreInfo:
+    """What ``shmps-tool ls`` shows of one store."""
+
+    name: str
+    namespace: Optional[str]
+    manifest: str
+    segments: list[str] = field(default_factory=list)
+    bytes: int = 0
+    pids: list[int] = field(default_factory=list)
+    tensors: list[dict] = field(default_factory=list)
+    error: Optional[str] = None
+    age_s: float = 0.0
+
+    @property
+    def prefix(self) -> str:
+        return names.store_prefix(self.name, self.namespace)
+
+
+def _read_manifest(seg: Segment) -> tuple[str, Optional[str], list[dict], list[int]]:
+    code = lib.shmps_manifest_validate(seg.ptr, seg.size)
+    if code:
+        _native.check(code, f"manifest {seg.name}")
+    buf = ffi.new("char[]", 256)
+    n = ffi.new("uint32_t *")
+    _native.check(lib.shmps_manifest_ident(seg.ptr, buf, 256, n), f"manifest {seg.name}")
+    ns, _, store = ffi.unpack(buf, n[0]).decode().partition("\0")
+    cat = bytearray(lib.SHMPS_CATALOG_BYTES)
+    ln, gen = ffi.new("uint64_t *"), ffi.new("uint64_t *")
+    _native.check(lib.shmps_catalog_read(seg.ptr, ffi.from_buffer(cat), len(cat), ln, gen),
+                  f"manifest {seg.name}")
+    recs, pos, end = [], 0, int(ln[0])
+    while pos + 4 <= end:
+        k = int.from_bytes(cat[pos:pos + 4], "little")
+        recs.append(json.loads(bytes(cat[pos + 4:pos + 4 + k])))
+        pos += 4 + k
+    toks = ffi.new("uint64_t[]", lib.SHMPS_MAX_PROCS)
+    lib.shmps_proc_list(seg.ptr, toks, lib.SHMPS_MAX_PROCS, n)
+    pids = sorted({_native.token_pid(int(toks[i])) for i in range(n[0])
+                   if _native.token_alive(int(toks[i]))})
+    return store, (ns or None), recs, pids
+
+
+def _size(name: str) -> int:
+    try:
+        return os.stat("/dev/shm" + name).st_size
+    except OSError:
+        return 0
+
+
+def _age(name: str) -> float:
+    try:
+        return time.time() - os.stat("/dev/shm" + name).st_mtime
+    except OSError:
+        return 0.0
+
+
+def scan(namespace: Optional[str] = None, *, with_fill: bool = True
+         ) -> tuple[list[StoreInfo], list[str]]:
+    """All stores on the host (optionally of one namespace), and orphan segments
+    (shmps segments that belong to no readable manifest)."""
+    all_names = list_names("shmps.")
+    stores: list[StoreInfo] = []
+    for mname in [n for n in all_names if n.endswith(".manifest")]:
+        info = StoreInfo(name=mname[len("/shmps."):-len(".manifest")], namespace=None,
+                         manifest=mname, age_s=_age(mname))
+        try:
+            seg = Segment.open(mname)
+        except Error as exc:
+            info.error = str(exc)
+            stores.append(info)
+            continue
+        try:
+            info.name, info.namespace, recs, info.pids = _read_manifest(seg)
+            info.tensors = recs
+        except (Error, ValueError, UnicodeDecodeError) as exc:
+            info.error = str(exc)
+        finally:
+            seg.close()
+        stores.append(info)
+    claimed: set[str] = set()
+    for info in stores:
+        prefix = (info.prefix if info.error is None else info.manifest[:-len("manifest")])
+        for n in all_names:
+            rest = n[len(prefix):] if n.startswith(prefix) else None
+            if rest is not None and (rest == "manifest" or _SHARD.fullmatch(rest)):
+                info.segments.append(n)
+                info.bytes += _size(n)
+                claimed.add(n)
+        if with_fill and info.error is None:
+            _add_fill(info)
+    if namespace is not None:
+        stores = [s for s in stores if s.namespace == namespace]
+    orphans = [n for n in all_names if n not in claimed]
+    return stores, orphans
+
+
+def _add_fill(info: StoreInfo) -> None:
+    """Tables: rows used per capacity, read from the shard headers."""
+    for rec in info.tensors:
+        if rec.get("kind") != "table":
+            continue
+        used = 0
+        for s in range(rec.get("nshards", 0)):
+            try:
+                seg = Segment.open(names.shard_name(info.name, info.namespace, rec["id"], s))
+            except Error:
+                continue
+            try:
+                if lib.shmps_shard_validate(seg.ptr, seg.size, ffi.NULL) == 0:
+                    used += _native.stats(seg.ptr)["rows_used"]
+            finally:
+                seg.close()
+        rec["rows_used"] = used
