@@ -151,7 +151,8 @@ class MatrixSet:
 
     ``dtypes`` maps each array to its dtype name; ``sources`` says where each of
     ``rowcnt``, ``colidx``, ``value`` and ``cols`` came from (``"argument"``, ``"meta"``,
-    ``"inferred"`` or ``"array"``); ``inferred`` holds, for the inferred ones only, why.
+    ``"inferred"``, or ``"array"`` for in-memory arrays and the cols their owner gave);
+    ``inferred`` holds, for the inferred ones only, why.
     ``meta`` is the parsed ``.meta`` (``{}`` without one), unknown keys included.
     """
 
@@ -185,7 +186,7 @@ class MatrixSet:
             c, cols=cols, names={k: k for k in ARRAYS}, exc=InvalidArgument,
             cols_note="as given" if cols is not None else "", full=True)
         sources = {k: "array" for k in ARRAYS}
-        sources["cols"] = "argument" if cols is not None else "inferred"
+        sources["cols"] = "array" if cols is not None else "inferred"
         inferred = {} if cols is not None else {"cols": how}
         return cls(c, c.rows, ncols, {k: np.dtype(a.dtype).name for k, a in zip(ARRAYS, c)},
                    inferred, dict(meta or {}), None, sources)
@@ -287,7 +288,8 @@ def _itemsize(dtype: str) -> int:
 
 
 def _truncated(path: str, size: int, dtypes: Sequence[str], note: str) -> CorruptFile:
-    which = " or ".join(f"the {d} itemsize {_itemsize(d)}" for d in dtypes)
+    which = " or ".join(f"the {d} itemsize {_itemsize(d)} (partial entry at position "
+                        f"{size // _itemsize(d)})" for d in dtypes)
     return CorruptFile(f"{path}: truncated: size {size} bytes is not a multiple of {which}"
                        f" ({note})")
 
@@ -477,7 +479,7 @@ def read_csr(prefix: str | os.PathLike[str], *, rowcnt_dtype: str | None = None,
             continue
         dividing = [d for d in options[k] if size % _itemsize(d) == 0]
         if not dividing:
-            extra = "; pass --value-dtype for int8/int32/float16 values" if k == "value" else ""
+            extra = ", e.g. for int8/int32/float16 values" if k == "value" else ""
             raise _truncated(p[k], size, options[k],
                              f"{k} dtype inferred; pass --{k}-dtype{extra}")
         matching = [d for d in dividing if size // _itemsize(d) == target]
