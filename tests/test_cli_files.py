@@ -1,0 +1,347 @@
+"""shmps-tool file verbs (dump, check, convert) through real subprocesses and cli.main."""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+import shmps.files
+from shmps import cli
+from shmps.cli_files import ENTRY_CHUNK, ROW_CHUNK, value_strings
+from shmps.files import CSR, read_csr, write_csr
+
+from test_files import CORRUPT, EXAMPLE, csr_cases, raw_set
+
+# Run the same shmps the tests import (source tree or installed package).
+_ROOT = str(Path(shmps.files.__file__).resolve().parents[1])
+
+
+def tool(*args: str, cwd: str | os.PathLike[str] | None = None) -> subprocess.CompletedProcess:
+    """Run ``python -m shmps.cli ARGS`` in a fresh interpreter; capture text output."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = _ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return subprocess.run([sys.executable, "-m", "shmps.cli", *map(str, args)], cwd=cwd,
+                          env=env, capture_output=True, text=True, timeout=120)
+
+
+def main_out(*args: str) -> tuple[int, str, str]:
+    """Run cli.main in this process; return (status, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = cli.main([str(a) for a in args])
+    return status, out.getvalue(), err.getvalue()
+
+
+def assert_one_line_error(r: subprocess.CompletedProcess, *needles: str) -> None:
+    """Exit 2, nothing on stdout, exactly one 'shmps-tool: error:' line with the needles."""
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("shmps-tool: error: "), r.stderr
+    assert "Traceback" not in r.stderr
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+
+
+def json_matches(doc: dict, csr: CSR, cols: int) -> None:
+    """The dump JSON equals the CSR: structure exactly, values bit for bit (NaN as NaN)."""
+    assert set(doc) == {"rows", "cols", "dtypes", "rowcnt", "colidx", "value"}
+    assert doc["rows"] == csr.rows and doc["cols"] == cols
+    assert doc["rowcnt"] == csr.rowcnt.tolist() and doc["colidx"] == csr.colidx.tolist()
+    dt = csr.value.dtype
+    got = np.array([float(v) if isinstance(v, str) else v for v in doc["value"]],
+                   dtype=np.float64 if dt.kind == "f" else np.int64).astype(dt)
+    want = np.asarray(csr.value)
+    nan = np.isnan(want) if dt.kind == "f" else np.zeros(len(want), bool)
+    assert np.array_equal(np.isnan(got) if dt.kind == "f" else nan, nan)
+    assert got[~nan].tobytes() == want[~nan].tobytes()
+    for v, w in zip(doc["value"], want):
+        if isinstance(v, str):
+            assert v in ("nan", "inf", "-inf") and not np.isfinite(w)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=csr_cases())
+def test_dump_json_round_trip_through_subprocess(tmp_path, case):
+    """write_csr, then `shmps-tool dump --format json` in a subprocess, gives the data back."""
+    csr, cols = case
+    write_csr(tmp_path / "m", csr, cols=cols)
+    r = tool("dump", tmp_path / "m", "--format", "json")
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    json_matches(json.loads(r.stdout), csr, cols)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=csr_cases())
+def test_dump_json_round_trip_in_process(tmp_path, case):
+    """The same JSON round trip over many more random sets, through cli.main."""
+    csr, cols = case
+    write_csr(tmp_path / "m", csr, cols=cols)
+    status, out, err = main_out("dump", tmp_path / "m", "--format", "json")
+    assert status == 0 and err == ""
+    doc = json.loads(out)
+    json_matches(doc, csr, cols)
+    assert doc["dtypes"] == {"rowcnt": csr.rowcnt.dtype.name, "colidx": csr.colidx.dtype.name,
+                             "value": csr.value.dtype.name}
+
+
+@settings(max_examples=300, deadline=None)
+@given(a=st.one_of(hnp.arrays(np.float16, st.integers(0, 40)),
+                   hnp.arrays(np.float32, st.integers(0, 40)),
+                   hnp.arrays(np.float64, st.integers(0, 40))))
+def test_value_strings_read_back_exactly(a):
+    """Every finite value string parses (float64, then cast) to the identical value."""
+    s = value_strings(a)
+    fin = np.isfinite(a)
+    back = np.array([float(x) for x in s], dtype=np.float64).astype(a.dtype)
+    assert back[fin].tobytes() == a[fin].tobytes()
+    assert [x for x, f in zip(s, fin) if not f] == [str(v) for v in a[~fin].astype(np.float64)]
+
+
+def test_table_csv_json_of_the_example(tmp_path):
+    """The example matrix prints exactly as docs/cli.md shows, in table, csv and json."""
+    write_csr(tmp_path / "x", CSR.from_dense(EXAMPLE), cols=4)
+    r = tool("dump", tmp_path / "x")
+    assert r.returncode == 0 and r.stdout == (
+        "# 3 x 4, nnz 6 (rowcnt int64, colidx int32, value float32)\n"
+        "row 0: (0, 1.0) (1, 2.0)\nrow 1: (1, 3.0) (2, 9.0)\nrow 2: (1, 1.0) (2, 4.0)\n")
+    status, out, _ = main_out("dump", tmp_path / "x", "--format", "csv")
+    assert status == 0 and out == ("row,col,value\n0,0,1.0\n0,1,2.0\n1,1,3.0\n1,2,9.0\n"
+                                   "2,1,1.0\n2,2,4.0\n")
+    status, out, _ = main_out("dump", tmp_path / "x", "--format", "json")
+    assert out == ('{"rows":3,"cols":4,"dtypes":{"rowcnt":"int64","colidx":"int32",'
+                   '"value":"float32"},"rowcnt":[0,2,4,6],"colidx":[0,1,1,2,1,2],'
+                   '"value":[1.0,2.0,3.0,9.0,1.0,4.0]}\n')
+
+
+def test_rows_and_head_limit_table_csv_json(tmp_path):
+    """--rows A:B and --head N restrict table, csv and json (json rebases rowcnt)."""
+    write_csr(tmp_path / "x", CSR.from_dense(EXAMPLE), cols=4)
+    _, out, _ = main_out("dump", tmp_path / "x", "--rows", "1:3", "--format", "json")
+    assert json.loads(out) == {"rows": 2, "cols": 4, "dtypes": {
+        "rowcnt": "int64", "colidx": "int32", "value": "float32"}, "rowcnt": [0, 2, 4],
+        "colidx": [1, 2, 1, 2], "value": [3.0, 9.0, 1.0, 4.0]}
+    _, out, _ = main_out("dump", tmp_path / "x", "--head", "1")
+    assert out.splitlines()[1:] == ["row 0: (0, 1.0) (1, 2.0)",
+                                    "# 2 more rows not shown (--rows 1: shows them)"]
+    _, out, _ = main_out("dump", tmp_path / "x", "--rows", "1:", "--head", "1",
+                         "--format", "csv")
+    assert out == "row,col,value\n1,1,3.0\n1,2,9.0\n"
+    _, out, _ = main_out("dump", tmp_path / "x", "--rows", "2", "--format", "csv")
+    assert out == "row,col,value\n2,1,1.0\n2,2,4.0\n"
+
+
+def test_summary_reports_shape_dtypes_inference_and_stats(tmp_path):
+    """summary shows shape, nnz, density, inferred dtypes with reasons, row/value stats."""
+    indptr = np.array([0, 2, 2, 5], np.int32)
+    prefix = raw_set(tmp_path / "s", indptr, np.array([0, 3, 1, 2, 3], np.int32),
+                     np.array([1.0, np.nan, np.inf, -2.0, 4.0], np.float64))
+    r = tool("dump", prefix, "--format", "summary")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert "shape:     3 x 4" in lines and "nnz:       5" in lines
+    assert "density:   0.416667" in lines
+    assert ("  rowcnt: int32 (inferred: int32: 16 bytes = 4 entries, starting at 0 and "
+            "ending at 5 = the number of values)") in lines
+    assert "  value: float64 (inferred: float64: 40 bytes = 5 entries of 8 bytes = " \
+           "rowcnt's last entry)" in lines
+    assert "cols:      4 (inferred: 4 = largest column index 3 + 1)" in lines
+    assert "row nnz:   min 0, median 2, max 3 (1 empty rows)" in lines
+    assert "values:    min -2.0, max 4.0, mean 1 (over 3 finite values)" in lines
+    assert "nonfinite: NaN 1, +Inf 1, -Inf 0" in lines
+
+
+def test_scipy_files_dump_like_scipy(tmp_path):
+    """A scipy matrix saved with tofile (no .meta) dumps as JSON equal to scipy's arrays."""
+    m = sp.random(30, 1000, density=0.05, format="csr", dtype=np.float64, random_state=7)
+    prefix = raw_set(tmp_path / "s", m.indptr, m.indices, m.data)
+    r = tool("dump", prefix, "--format", "json")
+    doc = json.loads(r.stdout)
+    assert doc["dtypes"] == {"rowcnt": "int32", "colidx": "int32", "value": "float64"}
+    assert doc["rowcnt"] == m.indptr.tolist() and doc["colidx"] == m.indices.tolist()
+    assert doc["value"] == m.data.tolist() and doc["cols"] == m.indices.max() + 1
+
+
+def test_nonfinite_values_are_json_strings(tmp_path):
+    """NaN and infinities come out as the JSON strings "nan", "inf", "-inf"."""
+    write_csr(tmp_path / "n", CSR(np.array([0, 3]), np.array([0, 1, 2], np.int32),
+                                  np.array([np.nan, np.inf, -np.inf], np.float32)))
+    _, out, _ = main_out("dump", tmp_path / "n", "--format", "json")
+    assert json.loads(out)["value"] == ["nan", "inf", "-inf"]
+    _, out, _ = main_out("dump", tmp_path / "n", "--format", "csv")
+    assert out.splitlines()[1:] == ["0,0,nan", "0,1,inf", "0,2,-inf"]
+
+
+def test_long_rows_and_many_rows_stream_in_chunks(tmp_path):
+    """A row longer than ENTRY_CHUNK and more rows than ROW_CHUNK print completely."""
+    long_row = ENTRY_CHUNK + 10
+    rows = ROW_CHUNK + 5
+    counts = np.zeros(rows, np.int64)
+    counts[0], counts[-1] = long_row, 3
+    rowcnt = np.concatenate([[0], np.cumsum(counts)])
+    colidx = np.concatenate([np.arange(long_row), [0, 1, 2]]).astype(np.int32)
+    value = np.arange(long_row + 3, dtype=np.int32)
+    write_csr(tmp_path / "b", CSR(rowcnt, colidx, value))
+    _, out, _ = main_out("dump", tmp_path / "b")
+    lines = out.splitlines()
+    assert len(lines) == rows + 1
+    assert lines[1].count("(") == long_row and lines[1].endswith(f"({long_row - 1}, "
+                                                                 f"{long_row - 1})")
+    assert lines[-1] == f"row {rows - 1}: (0, {long_row}) (1, {long_row + 1}) " \
+                        f"(2, {long_row + 2})"
+    assert all(line == f"row {i}:" for i, line in enumerate(lines[2:-1], start=1))
+    _, out, _ = main_out("dump", tmp_path / "b", "--format", "csv")
+    assert len(out.splitlines()) == long_row + 3 + 1
+    assert out.splitlines()[-1] == f"{rows - 1},2,{long_row + 2}"
+
+
+@pytest.mark.parametrize("name,mutate,expected", CORRUPT, ids=[c[0] for c in CORRUPT])
+def test_every_corruption_exits_2_with_one_line(tmp_path, name, mutate, expected):
+    """check and dump report each corruption as one stderr line naming file and position."""
+    prefix = str(tmp_path / "m")
+    write_csr(prefix, CSR.from_dense(EXAMPLE), cols=4)
+    mutate(prefix)
+    r = tool("check", prefix)
+    assert_one_line_error(r, expected.format(p=prefix))
+    if name in ("rowcnt decreasing", "column too big"):
+        assert_one_line_error(tool("dump", prefix), expected.format(p=prefix))
+
+
+def test_check_ok_line(tmp_path):
+    """check prints 'ok: R x C, nnz N (dtypes ...)' and exits 0; flags are honoured."""
+    write_csr(tmp_path / "x", CSR.from_dense(EXAMPLE), cols=4)
+    r = tool("check", tmp_path / "x")
+    assert (r.returncode, r.stdout, r.stderr) == (
+        0, "ok: 3 x 4, nnz 6 (dtypes rowcnt=int64, colidx=int32, value=float32)\n", "")
+    prefix = raw_set(tmp_path / "i", np.array([0, 2], np.int64), np.array([0, 1], np.int32),
+                     np.array([1, 2], np.int8))
+    status, out, _ = main_out("check", prefix, "--value-dtype", "int8", "--cols", "9")
+    assert status == 0 and out == "ok: 1 x 9, nnz 2 (dtypes rowcnt=int64, colidx=int32, " \
+                                  "value=int8)\n"
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["dump"], "dump needs PREFIX (a file set) or --store NAME --tensor T"),
+    (["dump", "x", "--rows", "3:1"], "argument --rows: empty range '3:1'"),
+    (["dump", "x", "--rows=-1:"], "row bounds must be non-negative"),
+    (["dump", "x", "--format", "xml"], "argument --format: invalid choice: 'xml'"),
+    (["dump", "x", "--store", "s", "--tensor", "t"], "give either PREFIX or --store"),
+    (["dump", "nothere"], "missing file nothere.rowcnt, nothere.colidx, nothere.value"),
+    (["check", "x", "--value-dtype", "int64"], "argument --value-dtype: invalid choice"),
+    (["convert", "a", "b"], "exactly one side must be a file set prefix"),
+    (["convert", "a.npz", "b.npy"], "exactly one side must be a file set prefix"),
+    (["convert", "x", "x.npz", "--keep-zeros"], "--keep-zeros applies to a dense .npy SRC"),
+])
+def test_usage_errors_are_one_line(tmp_path, argv, needle):
+    """Bad invocations exit 2 with a single 'shmps-tool: error:' line, no traceback."""
+    write_csr(tmp_path / "x", CSR.from_dense(EXAMPLE))
+    assert_one_line_error(tool(*argv, cwd=tmp_path), needle)
+
+
+def test_rows_beyond_the_matrix_is_an_error(tmp_path):
+    """--rows starting past the last row is refused; an end past it is clamped."""
+    write_csr(tmp_path / "x", CSR.from_dense(EXAMPLE))
+    status, _, err = main_out("dump", tmp_path / "x", "--rows", "4:")
+    assert status == 2 and "--rows 4:...: the matrix has 3 rows" in err
+    status, out, _ = main_out("dump", tmp_path / "x", "--rows", "2:99", "--format", "csv")
+    assert status == 0 and out.count("\n") == 3
+
+
+def test_convert_npz_round_trip(tmp_path):
+    """npz -> file set -> npz keeps shape, structure (explicit zeros too) and values."""
+    m = sp.random(40, 300, density=0.1, format="csr", dtype=np.float32, random_state=3)
+    m.data[0] = 0.0  # an explicit zero is structure, and must survive
+    sp.save_npz(tmp_path / "a.npz", m)
+    r = tool("convert", tmp_path / "a.npz", tmp_path / "set")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == f"converted {tmp_path / 'a.npz'} -> {tmp_path / 'set'}: 40 x 300, " \
+                       f"nnz {m.nnz}, value float32\n"
+    ms = read_csr(tmp_path / "set")
+    assert ms.cols == 300 and ms.sources["cols"] == "meta"
+    assert np.array_equal(ms.csr.rowcnt, m.indptr) and np.array_equal(ms.csr.value, m.data)
+    r = tool("convert", tmp_path / "set", tmp_path / "b.npz")
+    assert r.returncode == 0, r.stderr
+    b = sp.load_npz(tmp_path / "b.npz")
+    assert b.shape == m.shape and b.nnz == m.nnz and b.dtype == np.float32
+    assert np.array_equal(b.indptr, m.indptr) and np.array_equal(b.indices, m.indices)
+    assert np.array_equal(b.data, m.data)
+    assert sorted(os.listdir(tmp_path)) == ["a.npz", "b.npz", "set.colidx", "set.meta",
+                                            "set.rowcnt", "set.value"]
+
+
+def test_convert_npy_round_trip_with_and_without_zeros(tmp_path):
+    """npy -> file set keeps only nonzeros (or all with --keep-zeros); back to npy is equal."""
+    a = np.array([[0, 1.5, 0], [0, 0, 0], [np.nan, 0, -2]], dtype=np.float64)
+    np.save(tmp_path / "d.npy", a)
+    assert tool("convert", tmp_path / "d.npy", tmp_path / "s").returncode == 0
+    ms = read_csr(tmp_path / "s")
+    assert ms.csr.rowcnt.tolist() == [0, 1, 1, 3] and ms.csr.colidx.tolist() == [1, 0, 2]
+    assert (ms.rows, ms.cols) == (3, 3)
+    r = tool("convert", tmp_path / "d.npy", tmp_path / "k", "--keep-zeros", "--dtype",
+             "float32")
+    assert r.returncode == 0, r.stderr
+    ks = read_csr(tmp_path / "k")
+    assert ks.nnz == 9 and ks.dtypes["value"] == "float32"
+    for src in ("s", "k"):
+        r = tool("convert", tmp_path / src, tmp_path / f"{src}.npy")
+        assert r.returncode == 0, r.stderr
+        back = np.load(tmp_path / f"{src}.npy")
+        assert np.array_equal(back, a.astype(back.dtype), equal_nan=True)
+
+
+def test_convert_edge_cases_in_process(tmp_path):
+    """Empty matrices convert both ways; float16 to npz and int64 npy explain the fix."""
+    np.save(tmp_path / "e.npy", np.zeros((0, 4), np.float32))
+    assert main_out("convert", tmp_path / "e.npy", tmp_path / "e")[0] == 0
+    assert (read_csr(tmp_path / "e").rows, read_csr(tmp_path / "e").cols) == (0, 4)
+    assert main_out("convert", tmp_path / "e", tmp_path / "e2.npy")[0] == 0
+    assert np.load(tmp_path / "e2.npy").shape == (0, 4)
+    write_csr(tmp_path / "h", CSR.from_dense(EXAMPLE.astype(np.float16)))
+    status, _, err = main_out("convert", tmp_path / "h", tmp_path / "h.npz")
+    assert status == 2 and "scipy.sparse cannot hold float16 values (pass --dtype float32)" \
+        in err
+    assert main_out("convert", tmp_path / "h", tmp_path / "h.npz", "--dtype", "float32")[0] == 0
+    np.save(tmp_path / "i.npy", np.ones((2, 2), np.int64))
+    status, _, err = main_out("convert", tmp_path / "i.npy", tmp_path / "i")
+    assert status == 2 and "value dtype int64 is not a file dtype" in err
+    assert main_out("convert", tmp_path / "i.npy", tmp_path / "i", "--dtype", "int32")[0] == 0
+    (tmp_path / "bad.npz").write_bytes(b"not a zip")
+    status, _, err = main_out("convert", tmp_path / "bad.npz", tmp_path / "z")
+    assert status == 2 and "bad.npz: not a scipy.sparse .npz file" in err
+    assert not any(n.startswith(".") for n in os.listdir(tmp_path))  # no temporaries left
+
+
+def test_dump_into_a_closed_pipe_is_quiet(tmp_path):
+    """`dump | head -1` exits 0 without a BrokenPipe message on stderr."""
+    n = 200_000
+    write_csr(tmp_path / "p", CSR(np.array([0, n]), np.arange(n, dtype=np.int32),
+                                  np.ones(n, np.float32)))
+    env = dict(os.environ, PYTHONPATH=_ROOT)
+    r = subprocess.run(f'"{sys.executable}" -m shmps.cli dump "{tmp_path / "p"}" '
+                       f"--format csv | head -n 1", shell=True, capture_output=True,
+                       text=True, env=env, timeout=120)
+    assert r.stdout == "row,col,value\n" and r.stderr == ""
+
+
+def test_dump_store_tensor_prints_a_live_dense_tensor(store, store_name):
+    """`dump --store NAME --tensor T` prints a live dense tensor through the store verbs."""
+    w = store.dense("w", shape=(3, 4), dtype="float32", init=0.0)
+    w.push(EXAMPLE)
+    r = tool("dump", "--store", store_name, "--tensor", "w", "--format", "json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert (doc["rows"], doc["cols"]) == (3, 4)
+    assert np.array_equal(CSR(np.array(doc["rowcnt"]), np.array(doc["colidx"]),
+                              np.array(doc["value"], np.float32)).to_dense(4), EXAMPLE)
+    assert_one_line_error(tool("dump", "--store", store_name, "--tensor", "nope"), "nope")
+    assert_one_line_error(tool("dump", "--store", store_name), "needs --tensor T")
