@@ -124,7 +124,7 @@ def register(sub: Any) -> None:
     subparsers); each sets ``func`` to its verb."""
     raw = argparse.RawDescriptionHelpFormatter
     p = sub.add_parser(
-        "dump", help="print a binary matrix file set (or a live csr tensor)",
+        "dump", help="print a binary matrix file set (or a live tensor)",
         description="Print the file set PREFIX.rowcnt/.colidx/.value (+ optional "
                     "PREFIX.meta) after validating it, or a live tensor with "
                     "--store NAME --tensor T.",
@@ -282,7 +282,7 @@ def _write_table(out: IO[str], ms: MatrixSet, lo: int, hi: int) -> None:
     if hi < ms.rows:
         more = ms.rows - hi
         out.write(f"# {more} more row{'s' if more != 1 else ''} not shown "
-                  f"(--rows {hi}: shows them)\n")
+                  f"(--rows {hi}: shows {'them' if more != 1 else 'it'})\n")
 
 
 def _write_csv(out: IO[str], ms: MatrixSet, lo: int, hi: int) -> None:
@@ -665,7 +665,7 @@ def _set_to_npy(args: argparse.Namespace) -> tuple[int, int, int, str]:
                     r1 = min(r0 + step, rows)
                     e0, e1 = int(rowcnt[r0]), int(rowcnt[r1])
                     counts = np.diff(np.asarray(rowcnt[r0:r1 + 1], dtype=np.int64))
-                    ri = np.repeat(np.arange(r1 - r0), counts)
+                    ri = np.repeat(np.arange(r1 - r0), counts.astype(np.int64))
                     np.add.at(out[r0:r1], (ri, np.asarray(colidx[e0:e1])),
                               np.asarray(value[e0:e1]).astype(vdt, casting="same_kind"))
                     bar.update((r1 - r0) * cols * itemsize)

@@ -421,8 +421,9 @@ def read_csr(prefix: str | os.PathLike[str], *, rowcnt_dtype: str | None = None,
         elif k in meta_dtypes:
             dtypes[k], sources[k] = meta_dtypes[k], "meta"
             notes[k] = f"{k} dtype {meta_dtypes[k]} from {p['meta']}"
-    options = {"rowcnt": ("int64", "int32"), "colidx": ("int32", "int64"),
-               "value": ("float32", "float64")}
+    options: dict[str, tuple[str, ...]] = {"rowcnt": ("int64", "int32"),
+                                           "colidx": ("int32", "int64"),
+                                           "value": ("float32", "float64")}
     for k in ARRAYS:
         if k in dtypes:
             options[k] = (dtypes[k],)
@@ -434,15 +435,15 @@ def read_csr(prefix: str | os.PathLike[str], *, rowcnt_dtype: str | None = None,
         raise CorruptFile(f"{p['rowcnt']}: position 0: empty file; rowcnt needs rows + 1 >= 1 "
                           "entries (a 0 x 0 matrix has rowcnt [0])")
     if "rowcnt" not in dtypes:
-        cands = []
+        cands: list[tuple[int, str, np.ndarray, int]] = []
         for d in options["rowcnt"]:
             if rsize % _itemsize(d):
                 continue
             a = _open_array(p["rowcnt"], d, rsize, True)
             first, last = int(a[0]), int(a[-1])
-            fits = (_count_fits(sizes["colidx"], options["colidx"], last)
-                    and _count_fits(sizes["value"], options["value"], last))
-            cands.append([int(first == 0) + int(fits), d, a, last])
+            counts_fit = (_count_fits(sizes["colidx"], options["colidx"], last)
+                          and _count_fits(sizes["value"], options["value"], last))
+            cands.append((int(first == 0) + int(counts_fit), d, a, last))
         if not cands:
             raise _truncated(p["rowcnt"], rsize, options["rowcnt"],
                              "rowcnt dtype inferred; pass --rowcnt-dtype")
@@ -499,18 +500,19 @@ def read_csr(prefix: str | os.PathLike[str], *, rowcnt_dtype: str | None = None,
 
     # A .meta dtype that makes the counts disagree while another dtype would not:
     # blame the .meta field, not the data.
-    want = {"rowcnt": None, "colidx": target, "value": target}
+    want: dict[str, int | None] = {"rowcnt": None, "colidx": target, "value": target}
     if meta and "rows" in meta:
         want["rowcnt"] = meta["rows"] + 1
     for k in ARRAYS:
-        if sources[k] != "meta" or want[k] is None:
+        expected = want[k]
+        if sources[k] != "meta" or expected is None:
             continue
         count = sizes[k] // _itemsize(dtypes[k])
         if count == want[k]:
             continue
         allowed = INDEX_DTYPES if k != "value" else VALUE_DTYPES
         alts = [a for a in allowed
-                if a != dtypes[k] and _count_fits(sizes[k], (a,), want[k])]  # type: ignore[arg-type]
+                if a != dtypes[k] and _count_fits(sizes[k], (a,), expected)]
         if alts:
             raise CorruptFile(
                 f'{p["meta"]}: field "dtypes.{k}" = "{dtypes[k]}" disagrees with '
@@ -525,8 +527,8 @@ def read_csr(prefix: str | os.PathLike[str], *, rowcnt_dtype: str | None = None,
             raise CorruptFile(
                 f"{p['rowcnt']}: position {rows}: last rowcnt entry is {target} but "
                 f"{p['value']} holds {nv} values read as {dtypes['value']} (inferred); "
-                f"{sizes['value']} bytes = {target} values of {per} bytes: pass "
-                f"--value-dtype {' or '.join(fits)}")
+                f"{sizes['value']} bytes = {target} values of {per} "
+                f"byte{'s' if per != 1 else ''}: pass --value-dtype {' or '.join(fits)}")
 
     if meta:
         if "rows" in meta and meta["rows"] != rows:
@@ -611,7 +613,7 @@ class SetWriter:
         f = self._files[kind]
         n = len(arr)
         for s in range(0, n, CHUNK):
-            f.write(memoryview(np.ascontiguousarray(arr[s:s + CHUNK], dtype=dt)))
+            f.write(np.ascontiguousarray(arr[s:s + CHUNK], dtype=dt).data)
         self.counts[kind] += n
         return n * dt.itemsize
 

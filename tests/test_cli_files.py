@@ -70,7 +70,8 @@ def json_matches(doc: dict, csr: CSR, cols: int) -> None:
             assert v in ("nan", "inf", "-inf") and not np.isfinite(w)
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=8, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=csr_cases())
 def test_dump_json_round_trip_through_subprocess(tmp_path, case):
     """write_csr, then `shmps-tool dump --format json` in a subprocess, gives the data back."""
@@ -81,7 +82,8 @@ def test_dump_json_round_trip_through_subprocess(tmp_path, case):
     json_matches(json.loads(r.stdout), csr, cols)
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=80, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=csr_cases())
 def test_dump_json_round_trip_in_process(tmp_path, case):
     """The same JSON round trip over many more random sets, through cli.main."""
