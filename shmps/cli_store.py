@@ -138,6 +138,32 @@ def cmd_stats(args: argparse.Namespace) -> int:
         store.close()
 
 
+def cmd_checkpoint(args: argparse.Namespace) -> int:
+    """Save a live store to a checkpoint directory (atomic replace)."""
+    from .store import attach
+
+    store = attach(args.store, create=False, namespace=args.namespace)
+    try:
+        path = store.checkpoint(args.path)
+        n = len(store.tensors())
+    finally:
+        store.close()
+    print(f"checkpoint of {args.store}: {n} tensors written to {path}")
+    return 0
+
+
+def cmd_restore(args: argparse.Namespace) -> int:
+    """Recreate a store from a checkpoint directory."""
+    from .checkpoint import _load_doc, restore
+
+    name = args.as_name or _load_doc(args.path)["store"]
+    store = restore(args.path, name, namespace=args.namespace, force=args.force)
+    n = len(store.tensors())
+    store.close()
+    print(f"restored {n} tensors from {args.path} into store {name}")
+    return 0
+
+
 def tensor_as_matrix(store_name: str, tensor: str, namespace: Optional[str]) -> Any:
     """A live tensor as a matrix file set (for ``shmps-tool dump --store``)."""
     from .files import CSR, MatrixSet
@@ -186,3 +212,23 @@ def register(sub: Any) -> None:
     p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
     p.add_argument("--count", type=int, default=0, help="stop after N refreshes (0: never)")
     p.set_defaults(func=cmd_stats)
+
+    p = sub.add_parser("checkpoint", help="save a store to a checkpoint directory",
+                       description="Save every tensor of a live store (values, optimizer "
+                                   "state, steps) to PATH, replacing it atomically.",
+                       epilog="example: shmps-tool checkpoint model ckpt/model-0001")
+    p.add_argument("store")
+    p.add_argument("path")
+    p.add_argument("--namespace")
+    p.set_defaults(func=cmd_checkpoint)
+
+    p = sub.add_parser("restore", help="recreate a store from a checkpoint",
+                       description="Recreate a store from a checkpoint directory. Refuses to "
+                                   "replace an existing store unless --force.",
+                       epilog="example: shmps-tool restore ckpt/model-0001 --as model2")
+    p.add_argument("path")
+    p.add_argument("--as", dest="as_name", metavar="NAME",
+                   help="store name (default: the checkpointed store's)")
+    p.add_argument("--namespace")
+    p.add_argument("--force", action="store_true", help="replace an existing store")
+    p.set_defaults(func=cmd_restore)

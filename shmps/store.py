@@ -290,17 +290,10 @@ class Store:
         shard_rows = max(1, min(shard_rows, max(nrows, 1)))
         nshards = max(1, -(-nrows // shard_rows))
         init_arr = _init_array(init, shape, dt)
-        flags = lib.SHMPS_F_IMPLICIT | (lib.SHMPS_F_HOGWILD if mode == "hogwild" else 0)
-        if req.get("allow_nonfinite"):
-            flags |= lib.SHMPS_F_ALLOW_NONFINITE
-        specs = []
-        for s in range(nshards):
-            r0 = s * shard_rows
-            rows = max(0, min(shard_rows, nrows - r0))
-            specs.append({"kind": lib.SHMPS_DENSE, "dtype": _native.DTYPE_CODES[dt.name],
-                          "updater": upd.code, "flags": flags, "nrows": rows,
-                          "row_len": row_len, "nnz": rows * row_len, "row_begin": r0,
-                          "ncols": 0, "seed": 0, "params": upd.params(), "init": []})
+        rec = {"name": name, "kind": "dense", "dtype": dt.name, "shape": list(shape),
+               "shard_rows": shard_rows, "nshards": nshards, "optimizer": upd.to_dict(),
+               "mode": mode, "allow_nonfinite": bool(req.get("allow_nonfinite", False))}
+        specs = _dense_specs(rec)
 
         def fill(s: int, seg: Segment, lay: dict) -> None:
             vals = seg.array(dt, lay["value_off"], lay["nnz"])
@@ -311,13 +304,52 @@ class Store:
                 r0 = s * shard_rows
                 vals[...] = init_arr.reshape(nrows, row_len)[r0:r0 + specs[s]["nrows"]].ravel()
 
-        tid = self._next_id()
-        nbytes = self._create_segments(tid, specs, fill)
-        rec = {"id": tid, "name": name, "kind": "dense", "dtype": dt.name, "shape": list(shape),
-               "shard_rows": shard_rows, "nshards": nshards, "optimizer": upd.to_dict(),
-               "mode": mode, "allow_nonfinite": bool(req.get("allow_nonfinite", False)),
-               "bytes": nbytes}
+        rec["id"] = tid = self._next_id()
+        rec["bytes"] = self._create_segments(tid, specs, fill)
         return self._append(rec)
+
+    def _restore_dense(self, rec: dict, values: np.ndarray, states: list, step: int,
+                       bar: Any) -> None:
+        """Create a dense tensor from checkpointed arrays (flat, row-major)."""
+        rec = dict(rec)
+        dt = np.dtype(rec["dtype"])
+        specs = _dense_specs(rec)
+        if len(states) != _native.layout(specs[0])["nstate"]:
+            raise CorruptSegment(f"checkpoint of {rec['name']!r}: {len(states)} state arrays, "
+                                 f"its optimizer needs {_native.layout(specs[0])['nstate']}")
+
+        def fill(s: int, seg: Segment, lay: dict) -> None:
+            e0 = specs[s]["row_begin"] * specs[s]["row_len"]
+            e1 = e0 + lay["nnz"]
+            seg.array(dt, lay["value_off"], lay["nnz"])[...] = values[e0:e1]
+            sdt = _native.DTYPE_NAMES[lay["state_dtype"]]
+            for k, st in enumerate(states):
+                seg.array(sdt, lay["state_off"][k], lay["nnz"])[...] = st[e0:e1]
+            if s == 0:
+                lib.shmps_set_step(seg.ptr, step)
+            bar.update(seg.size)
+
+        with self._lock:
+            self._lock_manifest()
+            try:
+                if self._record(rec["name"]) is not None:
+                    raise SchemaError(f"tensor {rec['name']!r} already exists in {self.name!r}")
+                rec["id"] = tid = self._next_id()
+                rec["bytes"] = self._create_segments(tid, specs, fill)
+                self._append(rec)
+            finally:
+                lib.shmps_manifest_unlock(self._mptr)
+
+    def checkpoint(self, path: Any) -> str:
+        """Save every tensor (values, optimizer state, steps) to directory ``path``.
+
+        Each shard is copied while no push is inside it; pushes go on meanwhile.
+        The directory is written beside ``path`` and swapped in atomically, so
+        ``path`` always holds a whole checkpoint (old or new).  Shows a progress bar
+        on a terminal.  Cost: one copy of every shard plus the file writes."""
+        from .checkpoint import save
+
+        return save(self, path)
 
     # -- non-blocking pushes -----------------------------------------------------
     def _submit(self, fn: Any, *args: Any) -> PushHandle:
@@ -379,6 +411,28 @@ class Store:
         return f"<shmps.Store {self.name!r}{ns}>"
 
 
+def _dense_specs(rec: dict) -> list[dict]:
+    """The shard specs of a dense tensor record (see shmps_spec_t)."""
+    shape = tuple(rec["shape"])
+    dt = np.dtype(rec["dtype"])
+    upd = from_dict(rec["optimizer"])
+    nrows = shape[0] if shape else 1
+    row_len = int(np.prod(shape[1:], dtype=np.int64)) if shape else 1
+    shard_rows = rec["shard_rows"]
+    flags = lib.SHMPS_F_IMPLICIT | (lib.SHMPS_F_HOGWILD if rec.get("mode") == "hogwild" else 0)
+    if rec.get("allow_nonfinite"):
+        flags |= lib.SHMPS_F_ALLOW_NONFINITE
+    specs = []
+    for s in range(rec["nshards"]):
+        r0 = s * shard_rows
+        rows = max(0, min(shard_rows, nrows - r0))
+        specs.append({"kind": lib.SHMPS_DENSE, "dtype": _native.DTYPE_CODES[dt.name],
+                      "updater": upd.code, "flags": flags, "nrows": rows, "row_len": row_len,
+                      "nnz": rows * row_len, "row_begin": r0, "ncols": 0, "seed": 0,
+                      "params": upd.params(), "init": []})
+    return specs
+
+
 def _is_own_segment(seg: str, prefix: str) -> bool:
     """True if ``seg`` is ``prefix`` + "manifest" or + "t<id>.s<shard>"."""
     import re
@@ -400,8 +454,11 @@ def _loose_name(name: object) -> bool:
 def _init_array(init: Any, shape: tuple, dt: np.dtype) -> Any:
     a = np.asarray(init)
     if a.ndim == 0:
-        if dt.kind != "f" and not np.can_cast(a.dtype, dt, "same_kind"):
-            raise SchemaError(f"init {init!r} cannot be stored in {dt}")
+        if dt.kind != "f" and not (np.can_cast(a.dtype, dt, "same_kind")
+                                   or (np.isfinite(a) and float(a) == int(a)
+                                       and np.iinfo(dt).min <= int(a) <= np.iinfo(dt).max)):
+            raise SchemaError(f"init {init!r} cannot be stored in {dt}",
+                              f"pass an integer init within the range of {dt}")
         if dt.kind == "f" and not np.isfinite(a):
             raise InvalidArgument(f"init {init!r} is not finite")
         return a.astype(dt)[()]
@@ -420,7 +477,7 @@ def _match(rec: dict, req: dict) -> None:
     """Raise SchemaError naming each field of ``req`` that differs from ``rec``."""
     diffs = []
     for k in _SCHEMA_KEYS:
-        if k in req and req[k] != rec.get(k):
+        if k in req and json.loads(json.dumps(req[k])) != rec.get(k):  # as stored (JSON)
             diffs.append(f"{k}: existing {rec.get(k)!r}, requested {req[k]!r}")
     if diffs:
         raise SchemaError(f"tensor {rec['name']!r} exists with another schema: "
