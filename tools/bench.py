@@ -23,6 +23,7 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ[_var] = "1"
 
 import argparse  # noqa: E402
+import importlib.util  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
 import signal  # noqa: E402
@@ -35,8 +36,11 @@ from typing import Any, Callable, Optional, Sequence  # noqa: E402
 
 TOOLS = Path(__file__).resolve().parent
 REPO = TOOLS.parent
-# The working tree's shmps first (spawned workers inherit sys.path); then benchlib.
-sys.path[:0] = [str(REPO), str(TOOLS)]
+# benchlib, and shmps as installed (pip install -e . points at this tree), else from this
+# tree; spawned workers inherit sys.path.  The report says where shmps came from.
+sys.path.insert(0, str(TOOLS))
+if importlib.util.find_spec("shmps") is None:
+    sys.path.insert(1, str(REPO))
 
 from benchlib import dense, extras, files, limits, table  # noqa: E402
 from benchlib.context import RunContext, import_shmps  # noqa: E402
@@ -92,8 +96,8 @@ def run_sections(ctx: RunContext, names: Sequence[str]) -> tuple[list[Section], 
         except Exception as exc:  # noqa: BLE001 - one broken section must not lose the others
             traceback.print_exc()
             sec.messages.append(f"error: {type(exc).__name__}: {exc}")
-    if need_limits and not ctx.quick:
-        limits.measure_limits(ctx, lim, "end")
+    if need_limits and (not ctx.quick or limits.any_noisy(lim)):
+        limits.measure_limits(ctx, lim, "end")  # the better of start and end is kept
     for sec in [lim, *done]:
         sec.limits = ctx.limits
     return done, lim
@@ -129,7 +133,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     signal.signal(signal.SIGTERM, _terminate)
     names = list(SECTIONS) if args.what == "all" else [args.what]
     shmps_mod, shmps_error = import_shmps()
-    status = (f"{getattr(shmps_mod, '__version__', '?')} from {Path(shmps_mod.__file__).parent}"
+    status = (f"{getattr(shmps_mod, '__version__', '?')} from {Path(str(shmps_mod.__file__)).parent}"
               if shmps_mod else f"not importable ({shmps_error})")
     info = machine_info(REPO, status)
     progress(render_machine(info))

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import os
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from .harness import GroupResult, Quiet, Timing, WorkloadError, progress, run_group, summary
 from .report import NOISY_FRACTION, Ref, Row, Section
@@ -48,12 +48,16 @@ class RunContext:
         self._names += 1
         return f"bench{os.getpid()}{tag}{self._names}"
 
-    def open_store(self, name: str) -> Any:
-        """Create a shmps store that is destroyed when the run ends (even on error)."""
+    @contextmanager
+    def temp_store(self, tag: str) -> Iterator[tuple[str, Any]]:
+        """A fresh shmps store, destroyed on leaving the block (also on error or Ctrl-C)."""
         assert self.shmps is not None
+        name = self.store_name(tag)
         store = self.shmps.attach(name)
-        self.stack.callback(_destroy_quietly, store)
-        return store
+        try:
+            yield name, store
+        finally:
+            _destroy_quietly(store)
 
     def record_limit(self, name: str, value: float) -> None:
         """Keep the better of the limit's medians (other load only lowers a limit)."""

@@ -15,13 +15,13 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
 from .context import PROCS, RunContext
 from .harness import progress
-from .report import Check, Ref, Row, Section
+from .report import Check, Ref, Row, Section, data_sum_of, median_of, quotient_of
 from .shm import Attached, ShmSpec, create_array, single_threaded_torch
 from .tensors import DenseSpec, OptimizerSpec, close_quietly
 
@@ -171,8 +171,10 @@ def run(ctx: RunContext, sec: Section) -> None:
     if ctx.shmps is None:
         sec.messages.append(f"shmps: not importable ({ctx.shmps_error})")
         return
-    run_shmps(ctx, sec)
-    run_attach(ctx, sec)
+    with ctx.temp_store("d") as (name, store):
+        run_shmps(ctx, sec, name, store)
+    with ctx.temp_store("a") as (name, store):
+        run_attach(ctx, sec, name, store)
 
 
 def run_baselines(ctx: RunContext, sec: Section) -> None:
@@ -200,18 +202,16 @@ def run_baselines(ctx: RunContext, sec: Section) -> None:
         note_rate(row, PULL_BYTES, "pull")
 
 
-def dense_specs(ctx: RunContext, store_name: str) -> dict[str, DenseSpec]:
+def dense_specs(store_name: str) -> dict[str, DenseSpec]:
     opt = OptimizerSpec("SGD", {"lr": LR})
     return {mode: DenseSpec(store_name, f"w_{mode}", DENSE_SHAPE, opt, extra=extra)
             for mode, (_, extra) in SHMPS_MODES.items()}
 
 
-def run_shmps(ctx: RunContext, sec: Section) -> None:
+def run_shmps(ctx: RunContext, sec: Section, name: str, store: Any) -> None:
     """shmps pushes in each mode (lost updates from pulls before/after) and pull(out=)."""
     assert ctx.shmps is not None
-    name = ctx.store_name("d")
-    store = ctx.open_store(name)
-    specs = dense_specs(ctx, name)
+    specs = dense_specs(name)
     tensors = {mode: spec.open(ctx.shmps, store)[1] for mode, spec in specs.items()}
     for procs in PROCS:
         for mode, (label, _) in SHMPS_MODES.items():
@@ -245,11 +245,9 @@ print(json.dumps({"attach_ms": (t1 - t0) * 1e3, "lookup_ms": (t2 - t1) * 1e3}))
 """
 
 
-def run_attach(ctx: RunContext, sec: Section) -> None:
+def run_attach(ctx: RunContext, sec: Section, name: str, store: Any) -> None:
     """``shmps.attach`` of a store holding 100 small tensors, each in a fresh process."""
     assert ctx.shmps is not None
-    name = ctx.store_name("a")
-    store = ctx.open_store(name)
     names = [f"p{i:03d}" for i in range(ATTACH_TENSORS)]
     for n in names:
         store.dense(n, shape=(256,), dtype="float32", init=0.0)
@@ -276,7 +274,7 @@ def run_attach(ctx: RunContext, sec: Section) -> None:
 
 def shmps_root(ctx: RunContext) -> str:
     """The directory shmps was imported from, for the fresh attach processes."""
-    assert ctx.shmps is not None
+    assert ctx.shmps is not None and ctx.shmps.__file__ is not None
     return str(Path(ctx.shmps.__file__).resolve().parent.parent)
 
 
@@ -284,27 +282,15 @@ def add_checks(sec: Section) -> None:
     """The targets of issue 2."""
     for procs in PROCS:
         sec.checks.append(Check(f"shmps exact push / torch add_, {procs}p",
-                                lambda s, p=procs: s.quotient("shmps_push_exact", "torch_push", p),
-                                ">=", 0.9))
+                                quotient_of("shmps_push_exact", "torch_push", procs), ">=", 0.9))
     for procs in PROCS:
         sec.checks.append(Check(f"shmps pull(out=) / np.copyto, {procs}p",
-                                lambda s, p=procs: s.quotient("shmps_pull", "np_copyto", p),
-                                ">=", 0.9))
+                                quotient_of("shmps_pull", "np_copyto", procs), ">=", 0.9))
     for procs in PROCS:
         sec.checks.append(Check(f"shmps exact push: lost updates, {procs}p",
-                                lambda s, p=procs: _lost(s, "shmps_push_exact", p), "==", 0, "{:.0f}"))
+                                data_sum_of("shmps_push_exact", procs, "lost"), "==", 0, "{:.0f}"))
         sec.checks.append(Check(f"shmps exact push: elements off their exact value, {procs}p",
-                                lambda s, p=procs: _wrong(s, "shmps_push_exact", p), "==", 0,
+                                data_sum_of("shmps_push_exact", procs, "wrong_elements"), "==", 0,
                                 "{:.0f}"))
     sec.checks.append(Check(f"attach of a store with {ATTACH_TENSORS} tensors (ms, median)",
-                            lambda s: s.median("shmps_attach", 1), "<", 10.0, "{:.2f}"))
-
-
-def _lost(sec: Section, key: str, procs: int) -> Optional[float]:
-    row = sec.row(key, procs)
-    return None if row is None or "lost" not in row.data else float(row.data["lost"])
-
-
-def _wrong(sec: Section, key: str, procs: int) -> Optional[float]:
-    row = sec.row(key, procs)
-    return None if row is None or "wrong_elements" not in row.data else float(row.data["wrong_elements"])
+                            median_of("shmps_attach", 1), "<", 10.0, "{:.2f}"))

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from .report import fmt_num
+
 BARRIER_TIMEOUT = 900.0   # a single repetition of the slowest workload (1 GiB checkpoint)
 SETUP_TIMEOUT = 300.0     # spawn + import + allocate
 JOIN_TIMEOUT = 30.0
@@ -134,16 +136,22 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}{where}"
 
 
+def _cpu_seconds() -> float:
+    """CPU time of this process, all its threads, and its finished subprocesses (cp)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 def _timed_window(wl: Any, timing: Timing) -> tuple[int, float, float]:
     """Run ``wl.op`` for one repetition; return (ops, seconds, CPU seconds)."""
-    c0 = time.process_time()
     if timing.window <= 0:  # single shot: untimed preparation, one timed op
         if hasattr(wl, "prepare"):
             wl.prepare()
-        c0 = time.process_time()
+        c0 = _cpu_seconds()
         t0 = time.perf_counter()
         wl.op()
-        return 1, time.perf_counter() - t0, time.process_time() - c0
+        return 1, time.perf_counter() - t0, _cpu_seconds() - c0
+    c0 = _cpu_seconds()
     n = 0
     t0 = time.perf_counter()
     while True:
@@ -151,7 +159,7 @@ def _timed_window(wl: Any, timing: Timing) -> tuple[int, float, float]:
         n += 1
         elapsed = time.perf_counter() - t0
         if (elapsed >= timing.window and n >= timing.min_ops) or n >= timing.max_ops:
-            return n, elapsed, time.process_time() - c0
+            return n, elapsed, _cpu_seconds() - c0
 
 
 def _child_main(target: str, params: dict[str, Any], rank: int, nprocs: int, timing: Timing,
@@ -316,7 +324,7 @@ def summary(rates: list[float]) -> str:
     """'median (min-max)' for progress lines."""
     if not rates:
         return "-"
-    return f"{statistics.median(rates):.4g} ({min(rates):.4g}-{max(rates):.4g})"
+    return f"{fmt_num(statistics.median(rates))} ({fmt_num(min(rates))}-{fmt_num(max(rates))})"
 
 
 def progress(text: str) -> None:

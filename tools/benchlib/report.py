@@ -55,26 +55,33 @@ class Row:
     def note(self, text: str) -> None:
         self.notes.append(text)
 
+    @property
+    def noisy(self) -> bool:
+        return (self.data.get("other_load", 0.0) > NOISY_FRACTION
+                or self.data.get("steal", 0.0) > NOISY_FRACTION)
+
 
 @dataclass
 class Check:
-    """A target from an issue: ``value(section) op threshold``, or a lost-update count."""
+    """A target from an issue: ``value(section) op threshold``."""
 
     label: str
-    value: Callable[["Section"], Optional[float]]
+    value: "Metric"
     op: str  # ">=", "<", "=="
     threshold: float
     fmt: str = "{:.3f}"
 
     def evaluate(self, section: "Section") -> tuple[Optional[float], Optional[bool]]:
-        try:
-            v = self.value(section)
-        except (KeyError, TypeError, ZeroDivisionError):
-            v = None
+        v = self.value(section)
         if v is None:
             return None, None
         ok = {">=": v >= self.threshold, "<": v < self.threshold, "==": v == self.threshold}[self.op]
         return v, ok
+
+    def noisy(self, section: "Section") -> bool:
+        """Whether a row this check reads was measured under other load."""
+        rows = [section.row(k, p) for k, p in self.value.inputs]
+        return any(r is not None and r.noisy for r in rows)
 
 
 @dataclass
@@ -121,6 +128,40 @@ class Section:
         """median(key) / median(ref_key) at ``procs`` processes, or None if either is missing."""
         a, b = self.median(key, procs), self.median(ref_key, procs)
         return a / b if a is not None and b else None
+
+
+Inputs = list[tuple[str, int]]
+
+
+class Metric:
+    """A check's value, computed from rows of a section; ``inputs`` names those rows."""
+
+    def __init__(self, inputs: Inputs, compute: Callable[[Section], Optional[float]]) -> None:
+        self.inputs = inputs
+        self._compute = compute
+
+    def __call__(self, section: Section) -> Optional[float]:
+        return self._compute(section)
+
+
+def quotient_of(key: str, ref_key: str, procs: int) -> Metric:
+    """median(key) / median(ref_key) at ``procs`` processes."""
+    return Metric([(key, procs), (ref_key, procs)], lambda s: s.quotient(key, ref_key, procs))
+
+
+def median_of(key: str, procs: int) -> Metric:
+    """A row's median."""
+    return Metric([(key, procs)], lambda s: s.median(key, procs))
+
+
+def data_sum_of(key: str, procs: int, *fields: str) -> Metric:
+    """The sum of a row's ``data`` fields (e.g. lost updates), None if absent."""
+    def value(section: Section) -> Optional[float]:
+        row = section.row(key, procs)
+        if row is None or any(f not in row.data for f in fields):
+            return None
+        return float(sum(row.data[f] for f in fields))
+    return Metric([(key, procs)], value)
 
 
 # ---------------------------------------------------------------- number formatting
@@ -170,6 +211,8 @@ def render_checks(section: Section) -> list[str]:
         v, ok = c.evaluate(section)
         shown = "-" if v is None else c.fmt.format(v)
         verdict = "not measured" if ok is None else ("met" if ok else "MISSED")
+        if ok is not None and c.noisy(section):
+            verdict += " (an input row is NOISY)"
         out.append(f"| {c.label} | {shown} | {c.op} {c.fmt.format(c.threshold)} | {verdict} |")
     return out
 
@@ -211,7 +254,8 @@ def section_json(section: Section) -> dict[str, Any]:
     checks = []
     for c in section.checks:
         v, ok = c.evaluate(section)
-        checks.append({"label": c.label, "value": v, "op": c.op, "threshold": c.threshold, "met": ok})
+        checks.append({"label": c.label, "value": v, "op": c.op, "threshold": c.threshold, "met": ok,
+                       "noisy": c.noisy(section)})
     return {"title": section.title, "rows": rows, "checks": checks, "messages": section.messages}
 
 

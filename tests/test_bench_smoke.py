@@ -1,0 +1,62 @@
+"""tools/bench.py end to end: `dense --quick --json` runs, measures, and checks exactness."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "tools" / "bench.py"
+
+
+def _bench_segments() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("bench_")}
+
+
+def _shmps_usable() -> bool:
+    if importlib.util.find_spec("shmps") is None:
+        return False
+    import shmps
+
+    return hasattr(shmps, "attach")
+
+
+@pytest.mark.slow
+def test_dense_quick_json(tmp_path: Path) -> None:
+    """dense --quick reports positive figures, exact shmps pushes lose nothing, nothing leaks."""
+    out = tmp_path / "dense.json"
+    before = _bench_segments()
+    proc = subprocess.Popen([sys.executable, str(BENCH), "dense", "--quick", "--json", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=280)  # under the suite's 300 s timeout
+    finally:
+        proc.kill()  # no-op once it has exited
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "## DENSE" in stdout
+    doc = json.loads(out.read_text())
+    assert all(doc["limits"][f"{k}_{p}p"] > 0 for k in ("copy", "triad") for p in (1, 2))
+    rows = {(r["key"], r["procs"]): r for r in doc["sections"]["dense"]["rows"]}
+    for procs in (1, 2):
+        for key in ("np_push", "np_copyto"):
+            assert rows[(key, procs)]["error"] is None
+            assert rows[(key, procs)]["median"] > 0
+    assert rows[("np_push", 1)]["data"]["lost"] == 0, "one process cannot lose its own updates"
+    assert _bench_segments() == before, "the baselines' segments must be unlinked"
+    if not _shmps_usable():
+        assert any("shmps: not importable" in m for m in doc["sections"]["dense"]["messages"])
+        return
+    for procs in (1, 2):
+        push = rows[("shmps_push_exact", procs)]
+        assert push["error"] is None, push["error"]
+        assert push["median"] > 0
+        assert push["data"]["lost"] == 0 and push["data"]["wrong_elements"] == 0
+        assert push["data"]["pushes"] > 0
+        assert rows[("shmps_pull", procs)]["median"] > 0
+    assert rows[("shmps_attach", 1)]["median"] > 0
+    stores = f"shmps.bench{proc.pid}"  # bench.py names its stores bench<pid>...
+    assert not any(n.startswith(stores) for n in os.listdir("/dev/shm")), "stores must be destroyed"
