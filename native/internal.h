@@ -82,4 +82,47 @@ size_t shmps_dtype_size(uint32_t dtype);
 size_t shmps_grad_size(uint32_t dtype);
 
 #define SHMPS_LOCK_TIMEOUT_S 60.0
+
+/* ---- manifest (manifest.c, clock.c) ---- */
+#define PROCS_OFF 4096ull
+#define WORKERS_OFF (PROCS_OFF + 16ull * SHMPS_MAX_PROCS)
+#define CATALOG_OFF (1ull << 20)
+#define STATE_READY 1u
+
+typedef struct {
+    uint64_t magic;          /* SHMPS_MANIFEST_MAGIC, written last */
+    uint32_t version;        /* SHMPS_LAYOUT_VERSION */
+    uint32_t header_size;    /* 4096 */
+    uint64_t total_size;     /* SHMPS_MANIFEST_SIZE */
+    uint64_t init_owner;     /* token of the initialiser (CAS-claimed) */
+    uint32_t state;          /* 0 while initialising, STATE_READY after */
+    uint32_t pad0;
+    uint64_t catalog_len;    /* committed catalog bytes */
+    uint64_t generation;     /* bumped on every catalog append */
+    uint64_t created_ns;
+    uint32_t ident_len;      /* bytes of ident */
+    char ident[196];         /* "namespace\0store" (namespace may be empty) */
+    int64_t staleness;       /* worker clocks: -1 eventual, k >= 0 bounded delay */
+    uint32_t clock_seq;      /* futex word: bumped on every clock/leave/drop */
+    uint32_t pad1;
+    pthread_mutex_t lock __attribute__((aligned(SHMPS_CACHELINE)));
+} shmps_manifest_t;
+
+typedef struct {
+    uint64_t token;
+    uint64_t attach_ns;
+} proc_slot_t;
+
+_Static_assert(sizeof(shmps_manifest_t) <= PROCS_OFF, "manifest header too big");
+_Static_assert(WORKERS_OFF + 64ull * SHMPS_MAX_WORKERS <= CATALOG_OFF, "worker area");
+_Static_assert(CATALOG_OFF + SHMPS_CATALOG_BYTES <= SHMPS_MANIFEST_SIZE, "catalog area");
+
+typedef struct {
+    uint64_t token;          /* 0 = free slot */
+    uint64_t clock;          /* written only by the slot's owner (and restore) */
+    uint64_t joined_ns;
+    uint64_t pad[5];
+} worker_slot_t;
+
+_Static_assert(sizeof(worker_slot_t) == 64, "worker slot is one cache line");
 #endif

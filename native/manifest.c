@@ -17,36 +17,6 @@
 #include <errno.h>
 #include <time.h>
 
-#define PROCS_OFF 4096ull
-#define WORKERS_OFF (PROCS_OFF + 16ull * SHMPS_MAX_PROCS)
-#define CATALOG_OFF (1ull << 20)
-#define STATE_READY 1u
-
-typedef struct {
-    uint64_t magic;          /* SHMPS_MANIFEST_MAGIC, written last */
-    uint32_t version;        /* SHMPS_LAYOUT_VERSION */
-    uint32_t header_size;    /* 4096 */
-    uint64_t total_size;     /* SHMPS_MANIFEST_SIZE */
-    uint64_t init_owner;     /* token of the initialiser (CAS-claimed) */
-    uint32_t state;          /* 0 while initialising, STATE_READY after */
-    uint32_t pad0;
-    uint64_t catalog_len;    /* committed catalog bytes */
-    uint64_t generation;     /* bumped on every catalog append */
-    uint64_t created_ns;
-    uint32_t ident_len;      /* bytes of ident */
-    char ident[196];         /* "namespace\0store" (namespace may be empty) */
-    pthread_mutex_t lock __attribute__((aligned(SHMPS_CACHELINE)));
-} shmps_manifest_t;
-
-typedef struct {
-    uint64_t token;
-    uint64_t attach_ns;
-} proc_slot_t;
-
-_Static_assert(sizeof(shmps_manifest_t) <= PROCS_OFF, "manifest header too big");
-_Static_assert(WORKERS_OFF + 64ull * SHMPS_MAX_WORKERS <= CATALOG_OFF, "worker area");
-_Static_assert(CATALOG_OFF + SHMPS_CATALOG_BYTES <= SHMPS_MANIFEST_SIZE, "catalog area");
-
 static shmps_manifest_t *man(void *base) { return (shmps_manifest_t *)base; }
 static proc_slot_t *procs(void *base) { return (proc_slot_t *)at(base, PROCS_OFF); }
 
@@ -69,6 +39,7 @@ static int initialise(void *base, uint64_t size, const char *ident, uint32_t ide
     m->header_size = PROCS_OFF;
     m->total_size = size;
     m->created_ns = shmps_now_ns();
+    m->staleness = -1; /* eventual until someone asks for bounded delay */
     memcpy(m->ident, ident, ident_len);
     m->ident_len = ident_len;
     m->magic = SHMPS_MANIFEST_MAGIC;

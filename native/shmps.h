@@ -141,6 +141,17 @@ uint64_t shmps_catalog_generation(const void *base);
 int shmps_proc_register(void *base, uint64_t token, uint32_t *slot);
 int shmps_proc_unregister(void *base, uint64_t token, uint32_t slot);
 int shmps_proc_list(void *base, uint64_t *tokens, uint32_t cap, uint32_t *n);
+/* worker clocks (bounded delay): clock.c */
+int shmps_worker_join(void *base, uint64_t token, int32_t want, uint32_t *slot,
+                      uint64_t *clock);
+int shmps_worker_leave(void *base, uint64_t token, uint32_t slot);
+int shmps_worker_clock(void *base, uint64_t token, uint32_t slot, double timeout_s,
+                       uint64_t *clock, int32_t *behind);
+int shmps_worker_wait(void *base, uint64_t target, int64_t staleness, double timeout_s,
+                      int32_t *behind);
+int shmps_worker_list(void *base, uint64_t *tokens, uint64_t *clocks, uint32_t cap);
+int shmps_set_staleness(void *base, int64_t staleness);
+int64_t shmps_get_staleness(const void *base);
 /* CDEF END */
 
 #endif

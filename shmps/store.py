@@ -42,13 +42,16 @@ def _dtype(dtype: Any) -> np.dtype:
 
 
 def attach(name: str, *, create: bool = True, namespace: Optional[str] = None,
-           timeout: float = 2.0) -> "Store":
+           timeout: float = 2.0, staleness: Optional[int] = None) -> "Store":
     """Attach to store ``name``, creating it if needed (``create=True``).
 
     Safe to race from any number of processes: exactly one initialises the store,
     the others wait (at most ``timeout`` s after an initialiser died).  ``namespace``
     (default ``$SHMPS_NAMESPACE``) prefixes every segment name, so several
-    independent "hosts" can share one machine.  Cost: one segment open and the
+    independent "hosts" can share one machine.  ``staleness=k`` sets the store's
+    consistency for worker clocks (see :meth:`Store.clock`): k = 0 sequential (a
+    barrier per clock), k > 0 bounded delay; by default it stays as it is (eventual
+    for a new store).  Cost: one segment open and the
     catalog parse (~0.1 ms for 100 tensors); tensors are mapped when first used.
 
     Sample usage::
@@ -73,7 +76,10 @@ def attach(name: str, *, create: bool = True, namespace: Optional[str] = None,
                                        ident, len(ident))
         if code:
             _native.check(code, f"store {name!r} manifest {mname}")
-        return Store(name, ns, seg)
+        store = Store(name, ns, seg)
+        if staleness is not None:
+            store.set_consistency(staleness)
+        return store
     except BaseException:
         seg.close()
         raise
@@ -100,6 +106,7 @@ class Store:
                       f"store {name!r}: attached-process table")
         self._proc_slot = int(slot[0])
         self._proc_token = _native.token()
+        self._worker: Optional[int] = None
         self._refresh()
 
     # -- catalog -----------------------------------------------------------------
@@ -363,6 +370,82 @@ class Store:
         """Block until a ``push(..., wait=False)`` is applied (re-raises its error)."""
         handle.wait(timeout)
 
+    # -- worker clocks (consistency) ---------------------------------------------
+    def set_consistency(self, staleness: Optional[int]) -> None:
+        """Choose the consistency of worker clocks for every process of the store:
+        ``None`` eventual (clock() never waits), ``0`` sequential (a barrier per
+        clock), ``k > 0`` bounded delay (no worker more than k clocks ahead of the
+        slowest live one)."""
+        k = -1 if staleness is None else int(staleness)
+        if k < -1 or (staleness is not None and k < 0):
+            raise InvalidArgument(f"staleness={staleness!r} must be None or >= 0")
+        _native.check(lib.shmps_set_staleness(self._mptr, k), "set_consistency")
+
+    @property
+    def staleness(self) -> Optional[int]:
+        """The store's bound (None = eventual)."""
+        k = int(lib.shmps_get_staleness(self._mptr))
+        return None if k < 0 else k
+
+    def join(self, worker: Optional[int] = None) -> int:
+        """Become a worker of the store's job; returns the worker id (slot).
+
+        ``worker=`` asks for a given id (free, or left by a dead process).  The new
+        worker's clock starts at the slowest live worker's clock."""
+        with self._lock:
+            if self._worker is not None:
+                return self._worker
+            slot, clock = ffi.new("uint32_t *"), ffi.new("uint64_t *")
+            want = -1 if worker is None else int(worker)
+            code = lib.shmps_worker_join(self._mptr, _native.token(), want, slot, clock)
+            if code == lib.SHMPS_E_ARG and worker is not None:
+                raise InvalidArgument(f"worker id {worker} is held by a live process",
+                                      "join() without an id picks a free one")
+            _native.check(code, f"join store {self.name!r}")
+            self._worker = int(slot[0])
+            return self._worker
+
+    def leave(self) -> None:
+        """Stop being a worker: the others no longer wait for this one."""
+        with self._lock:
+            if self._worker is not None and self._manifest is not None:
+                lib.shmps_worker_leave(self._mptr, _native.token(), self._worker)
+            self._worker = None
+
+    def clock(self, timeout: Optional[float] = None) -> int:
+        """Advance this worker's clock; returns the new value.
+
+        With ``staleness=k`` it blocks (sleeping on a futex, GIL released) until no
+        live worker is more than k clocks behind; a dead worker is dropped within a
+        few ms.  Raises :class:`shmps.Timeout` naming the slowest worker after
+        ``timeout`` seconds (default: wait forever).  Joins first if needed."""
+        if self._worker is None:
+            self.join()
+        clock, behind = ffi.new("uint64_t *"), ffi.new("int32_t *")
+        code = lib.shmps_worker_clock(self._mptr, _native.token(), self._worker,
+                                      -1.0 if timeout is None else float(timeout), clock, behind)
+        if code == lib.SHMPS_E_TIMEOUT:
+            w = {x["worker"]: x for x in self.workers()}.get(int(behind[0]), {})
+            from .errors import Timeout
+            raise Timeout(f"clock {int(clock[0])} of worker {self._worker}: worker "
+                          f"{behind[0]} (pid {w.get('pid')}) is at clock {w.get('clock')}, "
+                          f"more than {self.staleness} behind after {timeout} s",
+                          "that worker is slow, stopped or stuck; raise the timeout")
+        if code == lib.SHMPS_E_ARG:
+            self._worker = None
+            raise InvalidArgument("this worker was dropped from the store (declared dead)",
+                                  "call store.join() again")
+        _native.check(code, "clock")
+        return int(clock[0])
+
+    def workers(self) -> list[dict]:
+        """Live workers: ``{"worker", "pid", "clock"}`` each."""
+        n = lib.SHMPS_MAX_WORKERS
+        toks, clocks = ffi.new("uint64_t[]", n), ffi.new("uint64_t[]", n)
+        lib.shmps_worker_list(self._mptr, toks, clocks, n)
+        return [{"worker": i, "pid": _native.token_pid(int(toks[i])), "clock": int(clocks[i])}
+                for i in range(n) if toks[i] and _native.token_alive(int(toks[i]))]
+
     # -- processes and lifecycle -------------------------------------------------
     def processes(self) -> list[int]:
         """Pids of live processes attached to this store."""
@@ -379,6 +462,9 @@ class Store:
             if self._executor is not None and self._executor_pid == os.getpid():
                 self._executor.shutdown(wait=True)
             self._executor = None
+            if self._worker is not None and self._manifest is not None \
+                    and self._proc_token == _native.token():
+                self.leave()
             for t in self._tensors.values():
                 t.close()
             self._tensors.clear()
