@@ -124,8 +124,12 @@ def write_json(path: Path, info: dict[str, Any], ctx: RunContext, lim: Section,
     path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
 
 
+class _Terminated(BaseException):
+    """SIGTERM: unwinds through every finally, so workers and segments go."""
+
+
 def _terminate(signum: int, frame: Optional[object]) -> None:
-    raise SystemExit(128 + signum)  # unwinds through every finally: workers and segments go
+    raise _Terminated()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -147,9 +151,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             text = report(info, ctx, lim, sections, elapsed)
             if args.json:
                 write_json(args.json, info, ctx, lim, sections, elapsed)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, _Terminated) as exc:
         print("bench.py: interrupted; workers stopped and segments removed", file=sys.stderr)
-        return 130
+        return 130 if isinstance(exc, KeyboardInterrupt) else 128 + signal.SIGTERM
     print(text)
     return 0
 
