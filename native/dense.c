@@ -100,6 +100,29 @@ int shmps_dense_push(void *base, uint64_t token, const void *grad, uint32_t grad
     return r;
 }
 
+/* A whole push to a one-shard tensor in one call (the small-push fast path):
+ * NaN/Inf check, step, stripes, statistics. */
+int shmps_dense_push_all(void *base, uint64_t token, const void *grad, uint32_t grad_dtype,
+                         int check) {
+    shmps_shard_hdr_t *h = hdr_of(base);
+    const shmps_spec_t *s = &h->spec;
+    int r = check_dense(s, grad_dtype);
+    if (r) return r;
+    if (check && (r = shmps_check_finite(grad, grad_dtype, s->nnz))) return r;
+    uint64_t step;
+    shmps_next_step(base, &step);
+    r = shmps_dense_push(base, token, grad, grad_dtype, 0, s->nstripes, step, 0);
+    if (r == SHMPS_OK) shmps_count(base, 0, s->nnz * shmps_grad_size(s->dtype), s->nrows);
+    return r;
+}
+
+int shmps_dense_pull_all(void *base, uint64_t token, void *out, int consistent) {
+    const shmps_spec_t *s = &hdr_of(base)->spec;
+    int r = shmps_dense_pull(base, token, out, 0, s->nnz, consistent);
+    if (r == SHMPS_OK) shmps_count(base, 1, s->nnz * s->itemsize, s->nrows);
+    return r;
+}
+
 /* Unlocks (and closes the seqlock write of) the stripe held across rows. */
 static void release_held(shmps_stripe_t *stripes, uint64_t *held) {
     if (*held == UINT64_MAX) return;

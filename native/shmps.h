@@ -107,6 +107,9 @@ int shmps_dense_push(void *base, uint64_t token, const void *grad, uint32_t grad
                      uint64_t stripe_lo, uint64_t stripe_hi, uint64_t step, int check);
 int shmps_dense_push_rows(void *base, uint64_t token, const int64_t *rows, uint64_t n,
                           const void *grad, uint32_t grad_dtype, uint64_t step);
+int shmps_dense_push_all(void *base, uint64_t token, const void *grad, uint32_t grad_dtype,
+                         int check);
+int shmps_dense_pull_all(void *base, uint64_t token, void *out, int consistent);
 int shmps_check_finite(const void *data, uint32_t dtype, uint64_t n);
 int shmps_next_step(void *base, uint64_t *step);
 int shmps_set_step(void *base, uint64_t step);

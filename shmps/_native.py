@@ -85,8 +85,12 @@ def release(ptr: Any) -> None:
 
 
 def addr(arr: np.ndarray) -> Any:
-    """``void *`` to a C-contiguous numpy array's data (valid while arr lives)."""
-    return ffi.cast("void *", arr.ctypes.data)
+    """A pointer to a C-contiguous numpy array's data, typed for C (``int64_t *``
+    for int64 and uint64 arrays, else ``char *``, accepted where C takes void *)."""
+    kind = arr.dtype.char
+    if kind in "qlQL" and arr.dtype.itemsize == 8:
+        return ffi.from_buffer("uint64_t[]" if kind in "QL" else "int64_t[]", arr)
+    return ffi.from_buffer(arr)
 
 
 # ---- shard layout ---------------------------------------------------------------

@@ -14,6 +14,7 @@ from .tensor import PushHandle, Tensor, cast_grad, check_rows, split_pool
 lib = _native.lib
 
 SPLIT_BYTES = 8 << 20  # a push this large is split across the process's cores
+NCPU = os.cpu_count() or 1
 STRIPE = lib.SHMPS_STRIPE_BYTES
 
 
@@ -53,6 +54,8 @@ class DenseTensor(Tensor):
         self._view: Optional[np.ndarray] = None
         # element offset of each shard within the whole tensor
         self._elem0 = [i * self.shard_rows * self.row_len for i in range(self.nshards)]
+        # one C call per push/pull for one-shard tensors below the split size
+        self._fast = self.nshards == 1 and self.size * self._gdtype.itemsize < SPLIT_BYTES
 
     # -- push --------------------------------------------------------------------
     def push(self, grad: Any, rows: Any = None, *, wait: bool = True) -> Optional[PushHandle]:
@@ -68,6 +71,15 @@ class DenseTensor(Tensor):
         across this process's cores.  The GIL is released while C runs.
         ``wait=False`` returns a :class:`PushHandle` at once; the gradient array must
         not be modified until the handle is waited on."""
+        if (self._fast and rows is None and wait and type(grad) is np.ndarray
+                and grad.dtype == self._gdtype and grad.shape == self.shape
+                and grad.flags.c_contiguous):
+            code = lib.shmps_dense_push_all(self._shard(0).ptr, _native.token(),
+                                            _native.ffi.from_buffer(grad), self._gcode,
+                                            int(self._check_finite))
+            if code:
+                _native.check(code, f"push to {self.name!r}")
+            return None
         g, r = self._prepare(grad, rows)
         if wait:
             self._apply(g, r)
@@ -104,7 +116,7 @@ class DenseTensor(Tensor):
     def _threads_for(self, nbytes: int) -> int:
         """Split a large push over this process's cores, unless another pusher is
         already in the tensor (then the cores are shared anyway)."""
-        nthreads = min(os.cpu_count() or 1, nbytes // SPLIT_BYTES)
+        nthreads = min(NCPU, nbytes // SPLIT_BYTES)
         if nthreads > 1:
             busy = _native.ffi.new("uint32_t *")
             lib.shmps_active_pushers(self._shard(0).ptr, busy)
@@ -214,6 +226,12 @@ class DenseTensor(Tensor):
                               "allocate it with np.empty(shape, dtype)")
         tok = _native.token()
         c = int(bool(consistent))
+        if r is None and self.nshards == 1:
+            code = lib.shmps_dense_pull_all(self._shard(0).ptr, tok,
+                                            _native.ffi.from_buffer(out), c)
+            if code:
+                _native.check(code, f"pull from {self.name!r}")
+            return out
         if r is None:
             base = out.ctypes.data
             for i, sh in enumerate(self._shards):

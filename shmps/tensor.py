@@ -69,7 +69,7 @@ def check_rows(rows: Any, nrows: int) -> np.ndarray:
     """Row indices as C-contiguous int64, all in [0, nrows)."""
     from .errors import OutOfRange
     r = np.asarray(rows)
-    if r.ndim != 1 or not (np.issubdtype(r.dtype, np.integer)) or r.dtype == np.bool_:
+    if r.ndim != 1 or r.dtype.kind not in "iu":
         if r.ndim == 1 and r.size == 0:
             return np.zeros(0, np.int64)
         raise OutOfRange(f"rows must be a 1-d integer array, got {r.dtype} with shape {r.shape}")
@@ -149,6 +149,11 @@ class Tensor:
         def scan(part: np.ndarray) -> int:
             return int(_native.lib.shmps_check_finite(_native.addr(part), code_dt, part.size))
 
+        if nthreads <= 1:
+            code = scan(flat)
+            if code:
+                _native.check(code, f"push to {self.name!r}")
+            return
         if nthreads > 1:
             parts = np.array_split(flat, nthreads)
             futures = [split_pool().submit(scan, p) for p in parts[1:]]
