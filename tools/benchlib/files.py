@@ -172,7 +172,8 @@ def section() -> Section:
         f"One float32 tensor of {FILE_SHAPE[0]}x{FILE_SHAPE[1]} (1 GiB). GB/s = 1e9 bytes of "
         "tensor data per second. Writes include fsync; 'cold' reads first drop the files' "
         "pages with posix_fadvise(DONTNEED). Each repetition is one whole operation in a "
-        "freshly spawned process.")
+        "freshly spawned process. 'other load' here includes the kernel's writeback threads, "
+        "so NOISY notes on writes are expected.")
 
 
 def file_timing(ctx: RunContext) -> Timing:
