@@ -8,7 +8,7 @@ from typing import Any, Optional
 import numpy as np
 
 from . import _native
-from .errors import SchemaError
+from .errors import CorruptSegment, SchemaError
 from .tensor import PushHandle, Tensor, cast_grad, check_rows, split_pool
 
 lib = _native.lib
@@ -56,6 +56,30 @@ class DenseTensor(Tensor):
         self._elem0 = [i * self.shard_rows * self.row_len for i in range(self.nshards)]
         # one C call per push/pull for one-shard tensors below the split size
         self._fast = self.nshards == 1 and self.size * self._gdtype.itemsize < SPLIT_BYTES
+        try:
+            self._check_shards()
+        except BaseException:
+            self.close()
+            raise
+
+    def _check_shards(self) -> None:
+        """The catalog record and the shard headers must describe the same rows: a
+        record that disagrees (corrupt manifest) would make C copy past our arrays."""
+        nrows, per = self.nrows, self.shard_rows
+        want_shards = max(1, -(-nrows // per)) if per >= 1 else -1
+        if self.nshards != want_shards:
+            raise CorruptSegment(f"tensor {self.name!r}: {self.nshards} shard segments, its "
+                                 f"catalog record (shape {self.shape}, shard_rows {per}) "
+                                 f"needs {want_shards}")
+        for i, sh in enumerate(self._shards):
+            rows = max(0, min(per, nrows - i * per))
+            want = {"row_begin": i * per, "nrows": rows, "row_len": self.row_len,
+                    "nnz": rows * self.row_len, "updater": self.optimizer.code}
+            got = {k: sh.spec[k] for k in want}
+            if got != want or bool(sh.spec["flags"] & lib.SHMPS_F_HOGWILD) != (
+                    self.mode == "hogwild"):
+                raise CorruptSegment(f"segment {sh.seg.name} holds {got}, the catalog record "
+                                     f"of tensor {self.name!r} says {want}")
 
     # -- push --------------------------------------------------------------------
     def push(self, grad: Any, rows: Any = None, *, wait: bool = True) -> Optional[PushHandle]:
@@ -211,6 +235,7 @@ class DenseTensor(Tensor):
         a memcpy of the shard).  ``consistent=False``: each 16 KiB stripe is a
         whole number of pushes (seqlock), and pushers never wait.  ``out=`` (C
         contiguous, the tensor's dtype and the result's shape) avoids allocating."""
+        self._shard(0)  # Closed after close()
         if rows is None:
             want = self.shape
             r = None
@@ -268,6 +293,7 @@ class DenseTensor(Tensor):
         return self._view
 
     def _map_view(self) -> np.ndarray:
+        self._shard(0)  # Closed after close()
         ffi = _native.ffi
         n = self.nshards
         fds = ffi.new("int[]", n)

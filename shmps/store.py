@@ -137,6 +137,7 @@ class Store:
                 rec = json.loads(bytes(data[pos + 4:pos + 4 + ln]))
             except ValueError:
                 raise CorruptSegment(f"store {self.name!r}: catalog record at {pos} is not JSON")
+            _check_record(rec, f"store {self.name!r}: catalog record at {pos}")
             self._records[rec["name"]] = rec
             self._record_list.append(rec)
             pos += 4 + ln
@@ -144,6 +145,7 @@ class Store:
         self._generation = int(g[0])
 
     def _record(self, name: str) -> Optional[dict]:
+        self._mptr  # Closed after close()
         rec = self._records.get(name)
         if rec is None:
             self._refresh()
@@ -154,6 +156,7 @@ class Store:
     def __getitem__(self, name: str) -> Tensor:
         """The existing tensor ``name``; raises NotFound (a KeyError) if absent."""
         with self._lock:
+            self._mptr  # Closed after close()
             t = self._tensors.get(name)
             if t is not None:
                 return t
@@ -171,7 +174,11 @@ class Store:
         return iter(list(self._records))
 
     def _open(self, rec: dict) -> Tensor:
-        cls = _KIND_CLASSES[rec["kind"]]
+        cls = _KIND_CLASSES.get(rec["kind"])
+        if cls is None:
+            raise CorruptSegment(f"tensor {rec['name']!r} of store {self.name!r} has kind "
+                                 f"{rec['kind']!r}, which this shmps version does not know",
+                                 "upgrade shmps, or remove the store")
         t = cls(self, rec, open_shards(self, rec))
         self._tensors[rec["name"]] = t
         return t
@@ -206,6 +213,9 @@ class Store:
                 raise SchemaError(f"invalid shape {shape!r}")
             if len(shp) > 8:
                 raise SchemaError(f"shape {shp} has more than 8 dimensions")
+            if shp and shp[0] > 0 and 0 in shp[1:]:
+                raise SchemaError(f"shape {shp}: rows of zero values are not supported",
+                                  "give every dimension after the first a size >= 1")
             req["shape"] = list(shp)
         if dtype is not None:
             req["dtype"] = _dtype(dtype).name
@@ -225,6 +235,7 @@ class Store:
 
     def _get_or_create(self, name: str, req: dict, create: Any) -> Any:
         with self._lock:
+            self._mptr  # Closed after close()
             t = self._tensors.get(name)
             rec = t.record if t is not None else self._record(name)
             if rec is None:
@@ -553,6 +564,28 @@ def _init_array(init: Any, shape: tuple, dt: np.dtype) -> Any:
     if not np.can_cast(a.dtype, dt, "same_kind"):
         raise SchemaError(f"init of dtype {a.dtype} cannot be cast to {dt}")
     return np.ascontiguousarray(a, dtype=dt)
+
+
+def _check_record(rec: Any, where: str) -> None:
+    """A catalog record must carry the fields every reader relies on (a damaged or
+    foreign manifest is CorruptSegment, never a KeyError or a wild copy)."""
+    def bad(what: str) -> CorruptSegment:
+        return CorruptSegment(f"{where}: {what}")
+
+    if not isinstance(rec, dict):
+        raise bad("not an object")
+    for key, typ in (("name", str), ("kind", str), ("dtype", str), ("id", int),
+                     ("nshards", int), ("optimizer", dict)):
+        if not isinstance(rec.get(key), typ) or isinstance(rec.get(key), bool):
+            raise bad(f"field {key!r} missing or not a {typ.__name__}")
+    if rec["dtype"] not in DTYPES or rec["id"] < 0 or rec["nshards"] < 1:
+        raise bad(f"dtype {rec['dtype']!r}, id {rec['id']}, nshards {rec['nshards']}")
+    if rec["kind"] == "dense":
+        shape, per = rec.get("shape"), rec.get("shard_rows")
+        if (not isinstance(shape, list) or len(shape) > 8
+                or not all(isinstance(x, int) and x >= 0 for x in shape)
+                or not isinstance(per, int) or per < 1):
+            raise bad(f"shape {shape!r} / shard_rows {per!r}")
 
 
 _SCHEMA_KEYS = ("kind", "shape", "dtype", "optimizer", "mode", "allow_nonfinite",

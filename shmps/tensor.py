@@ -62,7 +62,8 @@ def cast_grad(arr: Any, dtype: np.dtype, what: str = "gradient") -> np.ndarray:
             raise SchemaError(f"{what} of dtype {a.dtype} cannot be cast to {target}",
                               f"pass a {target} array (numpy 'same_kind' casting rule)")
         a = a.astype(target)
-    return np.ascontiguousarray(a)
+    # (np.ascontiguousarray would turn a 0-d gradient of a shape-() tensor into 1-d)
+    return a if a.flags.c_contiguous else np.array(a, order="C")
 
 
 def check_rows(rows: Any, nrows: int) -> np.ndarray:
@@ -130,7 +131,7 @@ class Tensor:
     # -- shared plumbing ---------------------------------------------------------
     @property
     def nshards(self) -> int:
-        return len(self._shards)
+        return int(self.record["nshards"])
 
     def _shard(self, i: int) -> Shard:
         if self._shards is None:

@@ -1,0 +1,567 @@
+"""Shared by the multi-process tests: spawned workers with a hard timeout and a
+guaranteed kill, lock-free shared flags, dead tokens, and store clean-up that works
+even after a child was killed in the middle of creating something.
+
+Workers are plain functions defined here (a 'spawn' child imports this module, not
+the test module).  A worker reports through its own pipe; it never touches a lock
+that a SIGKILL could leave held, so a test can kill any worker at any instant.
+
+Flags are a ``RawArray("q")`` (no lock): by convention ``flags[0]`` is "go",
+``flags[1]`` is "stop", and ``flags[2 + i]`` is worker ``i``'s progress counter.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import struct
+import time
+import traceback
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+CTX = mp.get_context("spawn")
+SHM = "/dev/shm"
+GO, STOP = 0, 1
+
+
+# ---- stores -------------------------------------------------------------------------
+
+def store_segments(name: str, namespace: Optional[str] = None) -> list[str]:
+    """Names (in /dev/shm, no leading '/') of every segment of store ``name``."""
+    prefix = f"shmps.{namespace}.{name}." if namespace else f"shmps.{name}."
+    return sorted(n for n in os.listdir(SHM) if n.startswith(prefix))
+
+
+def remove_store(name: str, namespace: Optional[str] = None) -> int:
+    """Unlink every segment of store ``name`` without attaching (so it works on a
+    corrupt or half-created store); returns how many were removed."""
+    n = 0
+    for seg in store_segments(name, namespace):
+        try:
+            os.unlink(os.path.join(SHM, seg))
+            n += 1
+        except FileNotFoundError:
+            pass
+    return n
+
+
+def poke(path: str, offset: int, fmt: str, *values: Any) -> None:
+    """Write ``struct.pack(fmt, *values)`` at ``offset`` of a /dev/shm file."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(struct.pack(fmt, *values))
+
+
+def peek(path: str, offset: int, fmt: str) -> tuple:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return struct.unpack(fmt, f.read(struct.calcsize(fmt)))
+
+
+# ---- flags and waiting --------------------------------------------------------------
+
+def new_flags(nworkers: int) -> Any:
+    """go, stop, and one progress counter per worker; lock-free shared int64s."""
+    return CTX.RawArray("q", 2 + nworkers)
+
+
+def wait_until(pred: Callable[[], bool], timeout: float, what: str,
+               interval: float = 0.001) -> float:
+    """Poll ``pred`` until true; AssertionError after ``timeout`` s.  Returns the wait."""
+    t0 = time.monotonic()
+    while not pred():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+    return time.monotonic() - t0
+
+
+def _await_go(flags: Any, idx: int, timeout: float = 60.0) -> None:
+    flags[2 + idx] = 1  # ready
+    deadline = time.monotonic() + timeout
+    while not flags[GO]:
+        if time.monotonic() > deadline:
+            raise TimeoutError("no go signal")
+        time.sleep(0.0005)
+
+
+# ---- workers ------------------------------------------------------------------------
+
+def _child_main(conn: Any, fn: Callable, args: tuple, hard_timeout: float) -> None:
+    # Backstop if the parent itself dies: SIGALRM's default action ends us.
+    signal.alarm(max(1, int(hard_timeout) + 1))
+    try:
+        result = fn(*args)
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+    else:
+        conn.send(("ok", result))
+    finally:
+        conn.close()
+
+
+class Worker:
+    """One spawned process and the pipe it reports on."""
+
+    def __init__(self, process: Any, conn: Any, label: str) -> None:
+        self.process = process
+        self.conn = conn
+        self.label = label
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process.is_alive()
+
+    def kill(self) -> None:
+        """SIGKILL (if still running) and reap."""
+        if self.process.is_alive():
+            try:
+                os.kill(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.process.join(10)
+
+    def result(self, timeout: float) -> Any:
+        """The worker's return value; AssertionError (with the child's traceback) if it
+        failed, died, or did not finish within ``timeout`` s."""
+        if not self.conn.poll(timeout):
+            raise AssertionError(f"{self.label} gave no result within {timeout} s "
+                                 f"(alive={self.alive()})")
+        try:
+            status, value = self.conn.recv()
+        except EOFError:
+            self.process.join(5)
+            raise AssertionError(f"{self.label} died without a result "
+                                 f"(exit code {self.process.exitcode})") from None
+        self.process.join(10)
+        if status != "ok":
+            raise AssertionError(f"{self.label} failed:\n{value}")
+        return value
+
+
+class Workers:
+    """Spawns workers; on exit every worker still running is SIGKILLed and reaped,
+    whatever happened in the test::
+
+        with Workers() as ws:
+            a = ws.start(push_known, ...)
+            assert a.result(timeout=30) == ...
+    """
+
+    def __init__(self, hard_timeout: float = 120.0) -> None:
+        self.hard_timeout = hard_timeout
+        self.workers: list[Worker] = []
+
+    def start(self, fn: Callable, *args: Any, label: Optional[str] = None) -> Worker:
+        recv, send = CTX.Pipe(duplex=False)
+        p = CTX.Process(target=_child_main, args=(send, fn, args, self.hard_timeout),
+                        daemon=True)
+        p.start()
+        send.close()
+        w = Worker(p, recv, label or f"{fn.__name__}#{len(self.workers)}")
+        self.workers.append(w)
+        return w
+
+    def results(self, timeout: float) -> list:
+        """Every worker's result, all within ``timeout`` s in total."""
+        deadline = time.monotonic() + timeout
+        return [w.result(max(0.0, deadline - time.monotonic())) for w in self.workers]
+
+    def __enter__(self) -> "Workers":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for w in self.workers:
+            w.kill()
+            w.conn.close()
+
+
+def dead_token() -> int:
+    """The token of a process that has exited (and been reaped)."""
+    with Workers(hard_timeout=30) as ws:
+        w = ws.start(own_token)
+        tok = w.result(30)
+        w.process.join(10)
+    assert tok >> 32 == w.pid
+    return tok
+
+
+# ---- known pushes (workers and the parent generate the same ones) ------------------
+
+def known_grads(seed: int, shape: tuple, dtype: str, n_whole: int, n_rows: int):
+    """Yield ``(grad, rows)`` pushes, reproducible from ``seed``: ``n_whole`` whole
+    pushes (rows None) then ``n_rows`` row pushes whose rows overlap and repeat.
+    Values are small integers (exact in every float dtype used), except int8 whose
+    full range makes the sums wrap."""
+    rng = np.random.default_rng(seed)
+    lo, hi = (-128, 128) if dtype == "int8" else (-8, 9)
+    nrows = shape[0]
+    for k in range(n_whole + n_rows):
+        if k < n_whole:
+            yield rng.integers(lo, hi, size=shape).astype(dtype), None
+        else:
+            rows = rng.integers(0, nrows, size=max(1, nrows // 2))
+            rows[: len(rows) // 4] = rows[0]  # duplicates inside one push
+            yield rng.integers(lo, hi, size=(rows.size,) + tuple(shape[1:])).astype(dtype), rows
+
+
+def expected_sum(seeds: list, shape: tuple, dtype: str, n_whole: int, n_rows: int,
+                 init: int = 0) -> np.ndarray:
+    """The exact result of every known push of every seed, summed (int8: mod 256)."""
+    acc = np.full(shape, init, np.int64)
+    for seed in seeds:
+        for g, rows in known_grads(seed, shape, dtype, n_whole, n_rows):
+            if rows is None:
+                acc += g
+            else:
+                np.add.at(acc, rows, g.astype(np.int64))
+    if dtype == "int8":
+        acc = (acc + 128) % 256 - 128
+    return acc
+
+
+# ---- worker functions (run in spawned children) -------------------------------------
+
+def own_token() -> int:
+    import shmps._native as native
+
+    return native.token()
+
+
+def push_known(store: str, tensor: str, seed: int, n_whole: int, n_rows: int,
+               flags: Any, idx: int, namespace: Optional[str] = None) -> dict:
+    """Push the known gradients of ``seed`` once ``go`` is set; returns counts."""
+    import shmps
+
+    s = shmps.attach(store, namespace=namespace)
+    try:
+        t = s[tensor]
+        grads = list(known_grads(seed, t.shape, t.dtype.name, n_whole, n_rows))
+        _await_go(flags, idx)
+        for g, rows in grads:
+            t.push(g, rows=rows)
+            flags[2 + idx] += 1
+        return {"pushes": len(grads), "pid": os.getpid()}
+    finally:
+        s.close()
+
+
+def push_loop(store: str, tensor: str, value: int, flags: Any, idx: int,
+              check_every: int = 0, low_bits: int = 20, max_seconds: float = 60.0) -> dict:
+    """Push ``value`` everywhere, alternating whole pushes and ``rows=`` pushes of
+    every row (shuffled), until ``stop``; count pushes and time the slowest.
+
+    With ``check_every``, every so many pushes take a consistent pull and count
+    shards whose low ``low_bits`` bits are not all equal (a survivor's push is
+    whole, so its ``value``s must show up the same number of times everywhere)."""
+    import shmps
+
+    s = shmps.attach(store)
+    try:
+        t = s[tensor]
+        rng = np.random.default_rng(idx)
+        g = np.full(t.shape, value, t.dtype)
+        n = worst = 0
+        torn = 0
+        _await_go(flags, idx)
+        t_end = time.monotonic() + max_seconds
+        while not flags[STOP] and time.monotonic() < t_end:
+            t0 = time.monotonic()
+            if n % 2:
+                t.push(g)
+            else:
+                t.push(g, rows=rng.permutation(t.nrows))
+            worst = max(worst, time.monotonic() - t0)
+            n += 1
+            flags[2 + idx] = n
+            if check_every and n % check_every == 0:
+                a = t.pull().reshape(t.nshards, -1) & ((1 << low_bits) - 1)
+                torn += int(np.sum(a.min(axis=1) != a.max(axis=1)))
+        return {"pushes": n, "worst": worst, "torn": torn}
+    finally:
+        s.close()
+
+
+def create_dense(store: str, tensor: str, shape: tuple, dtype: str, init: float,
+                 flags: Any, idx: int) -> bool:
+    """Attach, then create ``tensor`` (flags progress: 1 = attached, about to create;
+    2 = created)."""
+    import shmps
+
+    s = shmps.attach(store)
+    flags[2 + idx] = 1
+    s.dense(tensor, shape=shape, dtype=dtype, init=init)
+    flags[2 + idx] = 2
+    s.close()
+    return True
+
+
+def attach_loop(store: str, flags: Any, idx: int) -> int:
+    """Attach and close ``store`` repeatedly until ``stop`` (a target to be killed)."""
+    import shmps
+
+    n = 0
+    _await_go(flags, idx)
+    while not flags[STOP]:
+        shmps.attach(store).close()
+        n += 1
+        flags[2 + idx] = n
+    return n
+
+
+def race_attach(store: str, specs: list, flags: Any, idx: int,
+                namespace: Optional[str] = None) -> dict:
+    """Once ``go``: attach, get-or-create every ``(name, shape, dtype)`` of ``specs``,
+    push ones into each; returns what this process saw."""
+    import shmps
+
+    _await_go(flags, idx)
+    s = shmps.attach(store, namespace=namespace)
+    try:
+        seen = {}
+        for name, shape, dtype in specs:
+            t = s.dense(name, shape=shape, dtype=dtype)
+            t.push(np.ones(shape, dtype))
+            seen[name] = (t.record["id"], t.nshards)
+        return seen
+    finally:
+        s.close()
+
+
+def hold_manifest_lock_and_die(store: str) -> None:
+    """Take the store's (robust) manifest mutex, then SIGKILL ourselves holding it."""
+    import shmps
+    import shmps._native as native
+
+    s = shmps.attach(store)
+    code = native.lib.shmps_manifest_lock(s._mptr, 5.0)
+    assert code in (0, 1), code
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def pull_loop(store: str, tensor: str, consistent: bool, flags: Any, idx: int) -> int:
+    """Pull the whole tensor until ``stop`` (a reader to be killed mid-pull)."""
+    import shmps
+
+    s = shmps.attach(store)
+    try:
+        t = s[tensor]
+        out = np.empty(t.shape, t.dtype)
+        n = 0
+        _await_go(flags, idx)
+        while not flags[STOP]:
+            t.pull(out=out, consistent=consistent)
+            n += 1
+            flags[2 + idx] = n
+        return n
+    finally:
+        s.close()
+
+
+def assign_writer(store: str, tensor: str, flags: Any, idx: int,
+                  max_seconds: float = 30.0) -> int:
+    """Push ``assign`` of constant arrays k = 1, 2, ... until ``stop``; returns the last k."""
+    import shmps
+
+    s = shmps.attach(store)
+    try:
+        t = s[tensor]
+        g = np.empty(t.shape, t.dtype)
+        k = 0
+        _await_go(flags, idx)
+        t_end = time.monotonic() + max_seconds
+        while not flags[STOP] and time.monotonic() < t_end:
+            k += 1
+            g.fill(k)
+            t.push(g)
+            flags[2 + idx] = k
+        return k
+    finally:
+        s.close()
+
+
+def torn_reader(store: str, tensor: str, consistent: bool, unit: int, flags: Any,
+                idx: int, max_seconds: float = 30.0) -> dict:
+    """Pull until ``stop``; every ``unit`` consecutive elements (a shard for
+    consistent pulls, a 16 KiB stripe otherwise) must hold one value, and a unit's
+    value never goes back in time.  Returns pulls, violations, distinct values seen."""
+    import shmps
+
+    s = shmps.attach(store)
+    try:
+        t = s[tensor]
+        out = np.empty(t.shape, t.dtype)
+        last = np.zeros(t.size // unit, t.dtype)
+        pulls = mixed = backwards = 0
+        examples: list = []
+        seen: set = set()
+        _await_go(flags, idx)
+        t_end = time.monotonic() + max_seconds
+        while not flags[STOP] and time.monotonic() < t_end:
+            t.pull(out=out, consistent=consistent)
+            u = out.reshape(-1, unit)
+            lo, hi = u.min(axis=1), u.max(axis=1)
+            bad = np.flatnonzero(lo != hi)
+            if bad.size:
+                mixed += int(bad.size)
+                if len(examples) < 5:
+                    examples.append((int(bad[0]), float(lo[bad[0]]), float(hi[bad[0]])))
+            backwards += int(np.sum(lo < last))
+            last = np.maximum(last, lo)
+            seen.update(np.unique(lo).tolist())
+            pulls += 1
+            flags[2 + idx] = pulls
+        return {"pulls": pulls, "mixed": mixed, "backwards": backwards,
+                "examples": examples, "distinct": len(seen)}
+    finally:
+        s.close()
+
+
+def attach_timing(store: str) -> dict:
+    """Time the first ``attach`` of ``store`` in this (fresh) process."""
+    import shmps
+
+    t0 = time.perf_counter()
+    s = shmps.attach(store, create=False)
+    dt = time.perf_counter() - t0
+    try:
+        return {"seconds": dt, "tensors": len(s.tensors())}
+    finally:
+        s.close()
+
+
+def stats_worker(store: str, tensor: str, n_push: int, n_pull: int) -> dict:
+    """Push ones ``n_push`` times and pull ``n_pull`` times; returns the stats seen."""
+    import shmps
+
+    s = shmps.attach(store)
+    try:
+        t = s[tensor]
+        for _ in range(n_push):
+            t.push(np.ones(t.shape, t.dtype))
+        for _ in range(n_pull):
+            t.pull()
+        return t.stats()
+    finally:
+        s.close()
+
+
+def attach_and_hold(store: str, flags: Any, idx: int, namespace: Optional[str] = None) -> int:
+    """Attach, report ready, stay attached until ``stop``; returns our pid."""
+    import shmps
+
+    s = shmps.attach(store, namespace=namespace)
+    try:
+        flags[2 + idx] = 1
+        while not flags[STOP]:
+            time.sleep(0.002)
+        return os.getpid()
+    finally:
+        s.close()
+
+
+def pull_after_destroy(store: str, tensor: str, flags: Any, idx: int) -> list:
+    """Attach and map ``tensor``; after the parent destroyed the store (``go``),
+    the mapping still reads and writes; returns the pulled values."""
+    import shmps
+
+    s = shmps.attach(store)
+    try:
+        t = s[tensor]
+        t.pull()
+        _await_go(flags, idx)  # the parent destroys the store, then says go
+        t.push(np.ones(t.shape, t.dtype))
+        return t.pull().tolist()
+    finally:
+        s.close()
+
+
+# ---- the numpy model of a dense tensor (unit and property tests share it) ----------
+
+SEQUENTIAL = ("Sum", "Assign", "Max", "Min")
+
+
+def compute_dtype(dtype: Any) -> np.dtype:
+    """What C computes in: float32 for float16 (and float32), else the dtype."""
+    dt = np.dtype(dtype)
+    return np.dtype("float32") if dt == np.float16 else dt
+
+
+class Model:
+    """A dense tensor as numpy arrays, updated the way the C updaters are documented
+    to (docs/updaters.md, torch.optim.SGD semantics): in the compute dtype, stored
+    back in the tensor's dtype after every push; ``rows=`` pushes touch only their
+    rows; duplicate rows are applied one after the other for sum/assign/max/min and
+    plain SGD, summed first otherwise."""
+
+    def __init__(self, shape: tuple, dtype: Any, optimizer: Any, init: Any = 0) -> None:
+        self.dtype = np.dtype(dtype)
+        self.c = compute_dtype(self.dtype)
+        self.opt = optimizer
+        self.kind = type(optimizer).__name__
+        self.w = np.empty(shape, self.dtype)
+        self.w[...] = init
+        self.buf = np.zeros(shape, self.c)  # Momentum's state
+        self.step = 0
+
+    def _p(self, name: str) -> Any:
+        return self.c.type(getattr(self.opt, name))
+
+    def _apply(self, w: np.ndarray, g: np.ndarray, buf: np.ndarray) -> tuple:
+        """New (w, buf) for values ``w`` and gradient ``g`` (compute dtype)."""
+        k, c = self.kind, self.c
+        if k == "Sum":
+            return (w.astype(c) + g).astype(self.dtype), buf
+        if k == "Assign":
+            return g.astype(self.dtype), buf
+        if k == "Max":
+            return np.where(g > w.astype(c), g, w.astype(c)).astype(self.dtype), buf
+        if k == "Min":
+            return np.where(g < w.astype(c), g, w.astype(c)).astype(self.dtype), buf
+        p = w.astype(c)
+        if k == "SGD":
+            lr, wd = self._p("lr"), self._p("weight_decay")
+            new = p - lr * g if wd == 0 else p - lr * (g + wd * p)
+            return new.astype(self.dtype), buf
+        if k == "Momentum":
+            lr, mu, damp, wd = (self._p("lr"), self._p("momentum"), self._p("dampening"),
+                                self._p("weight_decay"))
+            d = g + wd * p
+            b = d if self.step <= 1 else mu * buf + (c.type(1) - damp) * d
+            new = p - lr * (d + mu * b if self.opt.nesterov else b)
+            return new.astype(self.dtype), b.astype(c)
+        raise NotImplementedError(k)
+
+    def push(self, grad: Any, rows: Any = None) -> None:
+        self.step += 1
+        g = np.asarray(grad).astype(self.c)
+        if rows is None:
+            self.w, self.buf = self._apply(self.w, g, self.buf)
+            return
+        rows = np.asarray(rows, np.int64)
+        sequential = self.kind in SEQUENTIAL or (
+            self.kind == "SGD" and self.opt.weight_decay == 0)
+        if not sequential and rows.size > 1:
+            uniq, inv = np.unique(rows, return_inverse=True)
+            agg = np.zeros((uniq.size,) + g.shape[1:], self.c)
+            for i in range(rows.size):  # in order, in the compute dtype
+                agg[inv[i]] = agg[inv[i]] + g[i]
+            rows, g = uniq, agg
+        for i, r in enumerate(rows):
+            self.w[r], self.buf[r] = self._apply(self.w[r], g[i], self.buf[r])
+
+    def check(self, got: np.ndarray, rows: Any = None, what: str = "") -> None:
+        """Assert ``got`` equals the model (exactly for ints, to rounding for floats)."""
+        want = self.w if rows is None else self.w[np.asarray(rows, np.int64)]
+        assert got.dtype == self.dtype and got.shape == want.shape, (got.dtype, got.shape)
+        if self.dtype.kind == "i":
+            np.testing.assert_array_equal(got, want, err_msg=what)
+        else:
+            rtol = {"float16": 2e-3, "float32": 1e-5, "float64": 1e-12}[self.dtype.name]
+            np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64),
+                                       rtol=rtol, atol=rtol, err_msg=what)

@@ -1,0 +1,467 @@
+"""Unit tests of dense tensors: every dtype and updater, rows, shards, views, shapes,
+get-or-create, catalog, stats, non-blocking pushes.  One behaviour per test, each
+checked against the numpy model in helpers.Model."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import shmps
+from helpers import Model, Workers
+
+pytestmark = pytest.mark.timeout(60)
+
+DTYPES = ["int8", "int32", "float16", "float32", "float64"]
+FLOATS = ["float16", "float32", "float64"]
+REDUCTIONS = ["sum", "assign", "max", "min"]
+UPDATERS = {"sum": shmps.Sum(), "assign": shmps.Assign(), "max": shmps.Max(),
+            "min": shmps.Min()}
+
+
+def ints(rng: np.random.Generator, shape: tuple, dtype: str) -> np.ndarray:
+    """Small integers (exact in every dtype); int8 gets its full range so sums wrap."""
+    lo, hi = (-128, 128) if dtype == "int8" else (-50, 51)
+    return rng.integers(lo, hi, size=shape).astype(dtype)
+
+
+# ---- reductions and updaters ----------------------------------------------------------
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reduction_whole_push(store, dtype, reduction):
+    """A whole push applies sum/assign/max/min element-wise, exactly, in every dtype."""
+    rng = np.random.default_rng(1)
+    init = ints(rng, (6, 5), dtype)
+    t = store.dense("w", shape=(6, 5), dtype=dtype, init=init, optimizer=reduction)
+    m = Model((6, 5), dtype, UPDATERS[reduction], init)
+    m.check(t.pull(), what="init")
+    for _ in range(3):
+        g = ints(rng, (6, 5), dtype)
+        t.push(g)
+        m.push(g)
+    np.testing.assert_array_equal(t.pull(), m.w)  # small integers: exact even in floats
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reduction_rows_push_with_duplicates(store, dtype, reduction):
+    """A rows= push touches only its rows; repeated rows apply one after the other
+    (sum accumulates, assign: last wins)."""
+    rng = np.random.default_rng(2)
+    init = ints(rng, (7, 3), dtype)
+    t = store.dense("w", shape=(7, 3), dtype=dtype, init=init, optimizer=reduction)
+    m = Model((7, 3), dtype, UPDATERS[reduction], init)
+    rows = np.array([0, 4, 4, 6, 0, 4])
+    for _ in range(3):
+        g = ints(rng, (rows.size, 3), dtype)
+        t.push(g, rows=rows)
+        m.push(g, rows=rows)
+    np.testing.assert_array_equal(t.pull(), m.w)
+    untouched = [1, 2, 3, 5]
+    np.testing.assert_array_equal(t.pull(rows=untouched), init[untouched])
+
+
+def test_sum_duplicates_accumulate_exactly(store):
+    """Pushing 1 to row 2 five times in one push adds 5 there and nothing elsewhere."""
+    t = store.dense("w", shape=(4, 2), dtype="int32")
+    t.push(np.ones((5, 2), np.int32), rows=[2, 2, 2, 2, 2])
+    np.testing.assert_array_equal(t.pull(), [[0, 0], [0, 0], [5, 5], [0, 0]])
+
+
+def test_int8_sum_wraps_modulo_256(store):
+    """int8 sums wrap like numpy's (127 + 1 == -128)."""
+    t = store.dense("w", shape=(3,), dtype="int8", init=127)
+    t.push(np.array([1, 2, -128], np.int8))
+    np.testing.assert_array_equal(t.pull(), np.array([-128, -127, -1], np.int8))
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_sgd(store, dtype, weight_decay):
+    """SGD(lr, weight_decay) matches torch.optim.SGD's formula, whole and rows pushes."""
+    rng = np.random.default_rng(3)
+    opt = shmps.SGD(lr=0.25, weight_decay=weight_decay)
+    init = rng.normal(size=(8, 4)).astype(dtype)
+    t = store.dense("w", shape=(8, 4), dtype=dtype, init=init, optimizer=opt)
+    m = Model((8, 4), dtype, opt, init)
+    for k in range(4):
+        g = rng.normal(size=(8, 4))
+        t.push(g)
+        m.push(g)
+        rows = np.array([1, 5, 5, 7])
+        gr = rng.normal(size=(4, 4))
+        t.push(gr, rows=rows)
+        m.push(gr, rows=rows)
+        m.check(t.pull(), what=f"after push {k}")
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("kw", [dict(), dict(dampening=0.3, weight_decay=0.01),
+                                dict(nesterov=True, momentum=0.8)],
+                         ids=["plain", "dampening+wd", "nesterov"])
+def test_momentum(store, dtype, kw):
+    """Momentum matches torch.optim.SGD with momentum; duplicate rows are summed first."""
+    rng = np.random.default_rng(4)
+    opt = shmps.Momentum(lr=0.1, **kw)
+    init = rng.normal(size=(6, 3)).astype(dtype)
+    t = store.dense("w", shape=(6, 3), dtype=dtype, init=init, optimizer=opt)
+    m = Model((6, 3), dtype, opt, init)
+    for k in range(3):
+        g = rng.normal(size=(6, 3))
+        t.push(g)
+        m.push(g)
+        rows = np.array([2, 0, 2, 2])
+        gr = rng.normal(size=(4, 3))
+        t.push(gr, rows=rows)
+        m.push(gr, rows=rows)
+        m.check(t.pull(), what=f"after round {k}")
+
+
+def test_momentum_duplicates_summed_not_sequential(store):
+    """Momentum on rows [0, 0] with grads a, b equals one step with a + b (not two steps)."""
+    opt = shmps.Momentum(lr=1.0, momentum=0.5)
+    t = store.dense("w", shape=(2,), dtype="float64", optimizer=opt)
+    t.push(np.array([1.0, 0.0]))                       # step 1: buf = 1, w = -1
+    t.push(np.array([2.0, 3.0]), rows=[0, 0])          # step 2: buf = 0.5 + 5, w = -6.5
+    np.testing.assert_array_equal(t.pull(), [-6.5, 0.0])
+
+
+def test_float16_computed_in_float32(store):
+    """float16 values are updated in float32 and rounded once per push."""
+    t = store.dense("w", shape=(4,), dtype="float16", init=1.0, optimizer=shmps.SGD(lr=0.1))
+    g = np.array([1e-4, 3.3, -2.7, 0.5])
+    t.push(g)
+    want = (np.float32(1.0) - np.float32(0.1) * g.astype(np.float32)).astype(np.float16)
+    np.testing.assert_array_equal(t.pull(), want)
+
+
+# ---- pulls --------------------------------------------------------------------------
+
+def test_pull_out_fills_and_returns_the_given_array(store):
+    """pull(out=arr) writes into arr and returns arr itself (no allocation)."""
+    t = store.dense("w", shape=(5, 4), dtype="float32", init=2.5)
+    out = np.zeros((5, 4), np.float32)
+    assert t.pull(out=out) is out
+    np.testing.assert_array_equal(out, 2.5)
+    rows_out = np.zeros((2, 4), np.float32)
+    assert t.pull(rows=[4, 1], out=rows_out) is rows_out
+    np.testing.assert_array_equal(rows_out, 2.5)
+
+
+@pytest.mark.parametrize("bad", [np.zeros((5, 4), np.float64), np.zeros((4, 4), np.float32),
+                                 np.zeros((4, 5), np.float32).T,
+                                 np.zeros((5, 4), np.float32)[::1].copy().view(np.int32)],
+                         ids=["dtype", "shape", "non-contiguous", "int view"])
+def test_pull_out_wrong_array_rejected(store, bad):
+    """pull(out=) with the wrong dtype, shape or layout raises SchemaError."""
+    t = store.dense("w", shape=(5, 4), dtype="float32")
+    with pytest.raises(shmps.SchemaError):
+        t.pull(out=bad)
+
+
+def test_pull_rows_order_duplicates_and_empty(store):
+    """pull(rows=) returns rows in the order asked, repeats included; [] gives 0 rows."""
+    init = np.arange(12, dtype=np.int32).reshape(6, 2)
+    t = store.dense("w", shape=(6, 2), dtype="int32", init=init)
+    np.testing.assert_array_equal(t.pull(rows=[5, 0, 5, 3]), init[[5, 0, 5, 3]])
+    empty = t.pull(rows=np.array([], np.int64))
+    assert empty.shape == (0, 2) and empty.dtype == np.int32
+
+
+def test_pull_is_a_private_copy(store):
+    """A pulled array does not change when the tensor does."""
+    t = store.dense("w", shape=(3,), dtype="int32")
+    a = t.pull()
+    t.push(np.ones(3, np.int32))
+    np.testing.assert_array_equal(a, 0)
+    a[0] = 99
+    np.testing.assert_array_equal(t.pull(), 1)
+
+
+def test_inconsistent_pull_returns_the_same_values(store):
+    """pull(consistent=False) (seqlocked stripes) returns what pull() does at rest."""
+    rng = np.random.default_rng(5)
+    init = rng.normal(size=(300, 50)).astype(np.float32)
+    t = store.dense("w", shape=(300, 50), init=init, shard_rows=70)
+    np.testing.assert_array_equal(t.pull(consistent=False), init)
+    np.testing.assert_array_equal(t.pull(rows=[299, 0, 140], consistent=False),
+                                  init[[299, 0, 140]])
+
+
+# ---- shards -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["int8", "float32", "float64"])
+def test_multi_shard_whole_and_rows_across_shards(store, dtype):
+    """With small shard_rows, whole pushes, rows pushes spanning shards (with
+    duplicates, unsorted) and pulls agree with the model."""
+    rng = np.random.default_rng(6)
+    shape = (37, 5)
+    t = store.dense("w", shape=shape, dtype=dtype, shard_rows=4)
+    assert t.nshards == 10 and t.shard_rows == 4
+    m = Model(shape, dtype, shmps.Sum())
+    for _ in range(3):
+        g = ints(rng, shape, dtype)
+        t.push(g)
+        m.push(g)
+        rows = np.array([36, 0, 3, 4, 36, 17, 4, 4, 35])
+        gr = ints(rng, (rows.size, 5), dtype)
+        t.push(gr, rows=rows)
+        m.push(gr, rows=rows)
+    np.testing.assert_array_equal(t.pull(), m.w)
+    pick = [36, 3, 4, 0, 20, 36]
+    np.testing.assert_array_equal(t.pull(rows=pick), m.w[pick])
+    out = np.empty((len(pick), 5), dtype)
+    np.testing.assert_array_equal(t.pull(rows=pick, out=out), m.w[pick])
+
+
+def test_multi_shard_momentum_rows_across_shards(store):
+    """Momentum state lives per shard; rows pushes across shards match the model."""
+    rng = np.random.default_rng(7)
+    opt = shmps.Momentum(lr=0.05, momentum=0.9)
+    t = store.dense("w", shape=(10, 3), dtype="float32", optimizer=opt, shard_rows=3)
+    m = Model((10, 3), "float32", opt)
+    for _ in range(4):
+        rows = np.array([9, 0, 9, 5, 2, 3])
+        g = rng.normal(size=(6, 3))
+        t.push(g, rows=rows)
+        m.push(g, rows=rows)
+        m.check(t.pull())
+
+
+def test_default_shards_of_a_large_tensor(store):
+    """A tensor larger than one default shard is split, and reads back whole."""
+    t = store.dense("w", shape=(9000, 1024), dtype="float32", init=1.0)  # ~35 MiB
+    assert t.nshards >= 2
+    t.push(np.full((3, 1024), 2.0, np.float32), rows=[0, 4500, 8999])
+    a = t.pull()
+    assert a.sum() == 9000 * 1024 + 3 * 1024 * 2
+    np.testing.assert_array_equal(a[8999], 3.0)
+
+
+# ---- view ---------------------------------------------------------------------------
+
+def test_view_is_read_only_and_live(store):
+    """view() is a zero-copy read-only array that shows later pushes."""
+    t = store.dense("w", shape=(4, 3), dtype="int32")
+    v = t.view()
+    assert v.shape == (4, 3) and v.dtype == np.int32
+    assert not v.flags.writeable
+    with pytest.raises(ValueError):
+        v[0, 0] = 1
+    t.push(np.full((4, 3), 7, np.int32))
+    np.testing.assert_array_equal(v, 7)
+    t.push(np.ones((1, 3), np.int32), rows=[2])
+    assert v[2, 0] == 8 and v[1, 0] == 7
+
+
+def test_view_spans_page_aligned_shards(store):
+    """With shards a whole number of pages, view() shows all shards back to back."""
+    t = store.dense("w", shape=(2048, 4), dtype="float32", shard_rows=256)  # 4 KiB shards
+    assert t.nshards == 8
+    t.push(np.arange(2048 * 4, dtype=np.float32).reshape(2048, 4))
+    np.testing.assert_array_equal(t.view(), np.arange(2048 * 4).reshape(2048, 4))
+
+
+def test_view_of_unaligned_shards_is_a_clear_error(store):
+    """view() of shards that are not whole pages raises a typed error saying why."""
+    t = store.dense("w", shape=(10, 3), dtype="int32", shard_rows=3)
+    with pytest.raises(shmps.InvalidArgument, match="page"):
+        t.view()
+
+
+def test_view_outlives_close(store):
+    """An array returned by view() stays readable after the store is closed."""
+    t = store.dense("w", shape=(8,), dtype="float64", init=3.0)
+    v = t.view()
+    store.close()
+    np.testing.assert_array_equal(v, 3.0)
+
+
+# ---- shapes -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [(3, 4, 5), (2, 3, 2, 2), (4, 1)])
+def test_nd_shapes(store, shape):
+    """n-d tensors: rows are the first axis; whole and rows pushes and pulls keep shape."""
+    rng = np.random.default_rng(8)
+    t = store.dense("w", shape=shape, dtype="int32", shard_rows=1)
+    m = Model(shape, "int32", shmps.Sum())
+    g = ints(rng, shape, "int32")
+    t.push(g)
+    m.push(g)
+    rows = [shape[0] - 1, 0, shape[0] - 1]
+    gr = ints(rng, (3,) + shape[1:], "int32")
+    t.push(gr, rows=rows)
+    m.push(gr, rows=rows)
+    assert t.pull().shape == shape
+    np.testing.assert_array_equal(t.pull(), m.w)
+    np.testing.assert_array_equal(t.pull(rows=rows), m.w[rows])
+
+
+@pytest.mark.parametrize("shape", [(0,), (0, 4)])
+def test_zero_row_tensor(store, shape):
+    """A tensor with 0 rows exists: pulls are empty, empty pushes are accepted."""
+    t = store.dense("w", shape=shape, dtype="float32")
+    assert t.pull().shape == shape
+    t.push(np.zeros(shape, np.float32))
+    t.push(np.zeros((0,) + shape[1:], np.float32), rows=np.array([], np.int64))
+    assert t.pull(rows=[]).shape == (0,) + shape[1:]
+    with pytest.raises(shmps.OutOfRange):
+        t.pull(rows=[0])
+
+
+def test_one_element_tensor(store):
+    """A 1-element tensor pushes and pulls like any other."""
+    t = store.dense("w", shape=(1,), dtype="float64", init=1.5, optimizer="max")
+    t.push(np.array([4.0]))
+    t.push(np.array([2.0]), rows=[0])
+    np.testing.assert_array_equal(t.pull(), [4.0])
+
+
+def test_scalar_tensor(store):
+    """shape=() holds one value: push a 0-d gradient, pull a 0-d array."""
+    t = store.dense("w", shape=(), dtype="float32", init=1.0)
+    t.push(np.float32(2.0))
+    t.push(np.array(0.5))
+    a = t.pull()
+    assert a.shape == () and a == 3.5
+
+
+def test_zero_width_rows_rejected_clearly(store):
+    """shape (3, 0) (rows of no values) is refused with a SchemaError naming the shape."""
+    with pytest.raises(shmps.SchemaError, match=r"\(3, 0\)"):
+        store.dense("w", shape=(3, 0))
+    assert store.tensors() == []
+
+
+def test_init_array_and_scalar(store):
+    """init= takes a scalar or an array of the tensor's shape, in every shard."""
+    init = np.arange(20, dtype=np.float64).reshape(10, 2)
+    t = store.dense("a", shape=(10, 2), dtype="float64", init=init, shard_rows=3)
+    np.testing.assert_array_equal(t.pull(), init)
+    u = store.dense("b", shape=(10, 2), dtype="int8", init=-7, shard_rows=3)
+    np.testing.assert_array_equal(u.pull(), -7)
+
+
+# ---- get-or-create ------------------------------------------------------------------
+
+def test_get_or_create_returns_the_existing_tensor(store):
+    """A second dense() with the same arguments returns the same data."""
+    a = store.dense("w", shape=(4,), dtype="int32", optimizer="sum")
+    a.push(np.full(4, 3, np.int32))
+    b = store.dense("w", shape=(4,), dtype="int32", optimizer=shmps.Sum())
+    np.testing.assert_array_equal(b.pull(), 3)
+
+
+def test_get_or_create_omitted_arguments_accept_existing(store_name):
+    """dense(name) with no schema arguments (here from a second attach) accepts what exists."""
+    s1 = shmps.attach(store_name)
+    try:
+        s1.dense("w", shape=(4, 2), dtype="float64", optimizer=shmps.SGD(lr=0.5),
+                 mode="hogwild", allow_nonfinite=True, shard_rows=2, init=1.0)
+        with shmps.attach(store_name) as s2:
+            t = s2.dense("w")
+            assert (t.shape, t.dtype, t.optimizer) == ((4, 2), np.float64, shmps.SGD(lr=0.5))
+            assert t.mode == "hogwild" and t.allow_nonfinite and t.nshards == 2
+            assert s2.dense("w", dtype="float64").shape == (4, 2)
+            np.testing.assert_array_equal(t.pull(), 1.0)
+    finally:
+        s1.destroy()
+
+
+@pytest.mark.parametrize("field,kwargs", [
+    ("shape", dict(shape=(4, 3))),
+    ("dtype", dict(dtype="float64")),
+    ("optimizer", dict(optimizer="max")),
+    ("optimizer", dict(optimizer=shmps.SGD(lr=0.2))),
+    ("mode", dict(mode="hogwild")),
+    ("allow_nonfinite", dict(allow_nonfinite=True)),
+    ("shard_rows", dict(shard_rows=1)),
+])
+def test_get_or_create_mismatch_names_the_field(store, field, kwargs):
+    """dense() with a differing schema argument raises SchemaError naming that field."""
+    t = store.dense("w", shape=(4, 2), dtype="float32", optimizer=shmps.SGD(lr=0.1),
+                    shard_rows=2)
+    t.push(np.ones((4, 2)))
+    before = t.pull()
+    with pytest.raises(shmps.SchemaError, match=field):
+        store.dense("w", **kwargs)
+    np.testing.assert_array_equal(store["w"].pull(), before)
+
+
+def test_getitem_and_contains(store):
+    """store[name] returns an existing tensor; `in` tells whether it exists."""
+    store.dense("w", shape=(2,))
+    assert "w" in store and "v" not in store
+    assert store["w"].shape == (2,)
+    with pytest.raises(shmps.NotFound):
+        store["v"]
+
+
+def test_tensors_describes_every_tensor(store):
+    """store.tensors() lists name, kind, dtype, shape, optimizer, mode and nshards."""
+    store.dense("a", shape=(10, 2), dtype="int8", optimizer="max", shard_rows=5)
+    store.dense("b", shape=(3,), dtype="float32", optimizer=shmps.SGD(lr=0.1), mode="hogwild")
+    desc = {d["name"]: d for d in store.tensors()}
+    assert set(desc) == {"a", "b"}
+    assert desc["a"]["kind"] == "dense" and desc["a"]["dtype"] == "int8"
+    assert desc["a"]["shape"] == (10, 2) and desc["a"]["nshards"] == 2
+    assert desc["a"]["optimizer"]["type"] == "Max" and desc["a"]["mode"] == "exact"
+    assert desc["b"]["optimizer"] == {"type": "SGD", "lr": 0.1, "weight_decay": 0.0}
+    assert desc["b"]["mode"] == "hogwild" and desc["b"]["bytes"] > 0
+
+
+# ---- stats and non-blocking pushes ---------------------------------------------------
+
+@pytest.mark.timeout(120)
+def test_stats_count_across_processes(store, store_name):
+    """stats() counts pushes, pulls, rows and bytes of every process, and the step."""
+    t = store.dense("w", shape=(4, 2), dtype="int32", shard_rows=2)
+    t.push(np.ones((4, 2), np.int32))
+    t.push(np.ones((3, 2), np.int32), rows=[0, 3, 3])
+    t.pull()
+    from helpers import stats_worker
+
+    with Workers() as ws:
+        child = ws.start(stats_worker, store_name, "w", 5, 2).result(60)
+    s = t.stats()
+    assert s["pushes"] == 7 and child["pushes"] == 7
+    assert s["pulls"] == 3
+    assert s["step"] == 7, "every push, whole or rows, advances the step by one"
+    assert s["rows_pushed"] == 4 + 3 + 5 * 4
+    assert s["bytes_pushed"] == 8 * 4 + 6 * 4 + 5 * 8 * 4
+    assert s["rows_pulled"] == 3 * 4 and s["bytes_pulled"] == 3 * 8 * 4
+    assert s["last_push_ns"] > 0 and s["last_pull_ns"] > 0
+    np.testing.assert_array_equal(t.pull(), [[7, 7], [6, 6], [6, 6], [8, 8]])
+
+
+def test_push_wait_false_returns_handles(store):
+    """push(wait=False) returns a handle; after store.wait(h) the push is applied."""
+    t = store.dense("w", shape=(1000, 100), dtype="int32")
+    g = np.ones((1000, 100), np.int32)
+    handles = [t.push(g, wait=False) for _ in range(5)]
+    assert all(isinstance(h, shmps.PushHandle) for h in handles)
+    for h in handles:
+        store.wait(h, timeout=30)
+        assert h.done()
+    h = t.push(np.ones((2, 100), np.int32), rows=[0, 0], wait=False)
+    h.wait(30)
+    a = t.pull()
+    assert a[0, 0] == 7 and a[1, 0] == 5 and a.sum() == 5 * 100000 + 200
+
+
+def test_push_wait_false_error_raised_on_wait(store):
+    """A rejected non-blocking push raises on wait and changes nothing; a bad shape
+    is refused at once."""
+    t = store.dense("w", shape=(3,), dtype="float32", init=1.0)
+    h = t.push(np.array([1.0, np.nan, 1.0]), wait=False)
+    with pytest.raises(shmps.NonFinite):
+        store.wait(h, timeout=30)
+    with pytest.raises(shmps.SchemaError):
+        t.push(np.ones(4), wait=False)
+    np.testing.assert_array_equal(t.pull(), 1.0)
+
+
+def test_push_returns_none_when_waiting(store):
+    """A blocking push returns None."""
+    t = store.dense("w", shape=(2,))
+    assert t.push(np.ones(2)) is None
