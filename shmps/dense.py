@@ -134,6 +134,11 @@ class DenseTensor(Tensor):
             self._count(False, g.nbytes, self.nrows)
         else:
             r, g = self._aggregate_duplicates(r, g)
+            if r.size > 1 and bool(np.any(r[1:] < r[:-1])):
+                # Sorted (stably: assign's last duplicate still wins), each stripe is
+                # locked once per push, so a stripe always holds whole pushes.
+                order = np.argsort(r, kind="stable")
+                r, g = r[order], g[order]
             self._push_rows(g, r, t)
             self._count(False, g.nbytes, r.size)
 

@@ -551,11 +551,13 @@ def _loose_name(name: object) -> bool:
 def _init_array(init: Any, shape: tuple, dt: np.dtype) -> Any:
     a = np.asarray(init)
     if a.ndim == 0:
-        if dt.kind != "f" and not (np.can_cast(a.dtype, dt, "same_kind")
-                                   or (np.isfinite(a) and float(a) == int(a)
-                                       and np.iinfo(dt).min <= int(a) <= np.iinfo(dt).max)):
-            raise SchemaError(f"init {init!r} cannot be stored in {dt}",
-                              f"pass an integer init within the range of {dt}")
+        if a.dtype.kind not in "biuf":
+            raise SchemaError(f"init {init!r} is not a number")
+        if dt.kind != "f":  # an integer (or integral float) within range: never wrapped
+            integral = a.dtype.kind in "biu" or (bool(np.isfinite(a)) and float(a) == int(a))
+            if not (integral and np.iinfo(dt).min <= int(a) <= np.iinfo(dt).max):
+                raise SchemaError(f"init {init!r} cannot be stored in {dt}",
+                                  f"pass an integer init within the range of {dt}")
         if dt.kind == "f" and not np.isfinite(a):
             raise InvalidArgument(f"init {init!r} is not finite")
         return a.astype(dt)[()]

@@ -217,7 +217,7 @@ def expected_sum(seeds: list, shape: tuple, dtype: str, n_whole: int, n_rows: in
     for seed in seeds:
         for g, rows in known_grads(seed, shape, dtype, n_whole, n_rows):
             if rows is None:
-                acc += g
+                acc += g.astype(np.int64)
             else:
                 np.add.at(acc, rows, g.astype(np.int64))
     if dtype == "int8":
@@ -363,22 +363,29 @@ def pull_loop(store: str, tensor: str, consistent: bool, flags: Any, idx: int) -
         s.close()
 
 
-def assign_writer(store: str, tensor: str, flags: Any, idx: int,
+def assign_writer(store: str, tensor: str, flags: Any, idx: int, how: str = "whole",
                   max_seconds: float = 30.0) -> int:
-    """Push ``assign`` of constant arrays k = 1, 2, ... until ``stop``; returns the last k."""
+    """Push ``assign`` of constant arrays k = 1, 2, ... until ``stop``; returns the
+    last k.  ``how``: "whole" pushes, or ``rows=`` pushes of every row in order
+    ("rows") or shuffled ("shuffled")."""
     import shmps
 
     s = shmps.attach(store)
     try:
         t = s[tensor]
         g = np.empty(t.shape, t.dtype)
+        rng = np.random.default_rng(idx)
         k = 0
         _await_go(flags, idx)
         t_end = time.monotonic() + max_seconds
         while not flags[STOP] and time.monotonic() < t_end:
             k += 1
             g.fill(k)
-            t.push(g)
+            if how == "whole":
+                t.push(g)
+            else:
+                rows = np.arange(t.nrows) if how == "rows" else rng.permutation(t.nrows)
+                t.push(g, rows=rows)
             flags[2 + idx] = k
         return k
     finally:
@@ -538,6 +545,10 @@ class Model:
         raise NotImplementedError(k)
 
     def push(self, grad: Any, rows: Any = None) -> None:
+        with np.errstate(over="ignore"):  # integer sums wrap, as in C
+            self._push(grad, rows)
+
+    def _push(self, grad: Any, rows: Any) -> None:
         self.step += 1
         g = np.asarray(grad).astype(self.c)
         if rows is None:

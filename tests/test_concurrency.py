@@ -1,0 +1,167 @@
+"""Many processes at once: no lost update (sums of known integers exact to the last
+unit), no torn read (per shard for consistent pulls, per 16 KiB stripe otherwise),
+and hogwild mode runs without crashing.  Workers are 'spawn' processes (helpers.py)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import shmps
+from helpers import (GO, STOP, Workers, assign_writer, expected_sum, new_flags, push_known,
+                     torn_reader, wait_until)
+
+pytestmark = pytest.mark.timeout(180)
+
+NPROCS = 4
+STRIPE_BYTES = 16384
+
+
+def run_pushers(store_name: str, tensor: str, seeds: list, n_whole: int, n_rows: int) -> list:
+    """Start one push_known worker per seed, release them together, wait for all."""
+    flags = new_flags(len(seeds))
+    with Workers() as ws:
+        for i, seed in enumerate(seeds):
+            ws.start(push_known, store_name, tensor, seed, n_whole, n_rows, flags, i)
+        wait_until(lambda: all(flags[2 + i] for i in range(len(seeds))), 90, "pushers ready")
+        flags[GO] = 1
+        return ws.results(120)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype,shape,shard_rows", [
+    ("int32", (64, 1024), None),        # 16 stripes
+    ("float32", (64, 1024), None),      # small integers: exact
+    ("float64", (64, 1024), None),      # 32 stripes
+    ("int8", (64, 1024), None),         # full int8 range: wraps modulo 256
+    ("float32", (256, 512), 16),        # 16 shards of 2 stripes
+], ids=["int32", "float32", "float64", "int8", "float32-multishard"])
+def test_concurrent_sums_are_exact(store, store_name, dtype, shape, shard_rows):
+    """4 processes pushing known integers with sum (whole pushes and rows pushes with
+    overlapping, repeated rows) give exactly the total, to the last unit."""
+    t = store.dense("w", shape=shape, dtype=dtype, shard_rows=shard_rows, init=3)
+    seeds = [101, 202, 303, 404][:NPROCS]
+    n_whole, n_rows = 150, 150
+    results = run_pushers(store_name, "w", seeds, n_whole, n_rows)
+    assert [r["pushes"] for r in results] == [n_whole + n_rows] * NPROCS
+    want = expected_sum(seeds, shape, dtype, n_whole, n_rows, init=3)
+    got = t.pull()
+    wrong = np.flatnonzero(got.astype(np.int64).ravel() != want.ravel())
+    assert wrong.size == 0, (f"{wrong.size} elements differ, first at {wrong[:5]}: "
+                             f"got {got.ravel()[wrong[:5]]}, want {want.ravel()[wrong[:5]]}")
+    s = t.stats()
+    assert s["pushes"] == s["step"] == NPROCS * (n_whole + n_rows)
+
+
+@pytest.mark.slow
+def test_hogwild_mode_runs(store, store_name):
+    """mode="hogwild" under 4 concurrent pushers does not crash; values stay between
+    the initial value and the exact total (lost updates allowed, nothing invented)."""
+    shape = (64, 1024)
+    t = store.dense("w", shape=shape, dtype="int32", mode="hogwild")
+    seeds = [11, 22, 33, 44][:NPROCS]
+    results = run_pushers(store_name, "w", seeds, 100, 100)
+    assert all(r["pushes"] == 200 for r in results)
+    got = t.pull()
+    assert got.shape == shape
+    # gradients can be negative, so bound by the sums of positive and negative parts
+    pos = np.zeros(shape, np.int64)
+    neg = np.zeros(shape, np.int64)
+    from helpers import known_grads
+
+    for seed in seeds:
+        for g, rows in known_grads(seed, shape, "int32", 100, 100):
+            g = g.astype(np.int64)
+            if rows is None:
+                pos += np.maximum(g, 0)
+                neg += np.minimum(g, 0)
+            else:
+                np.add.at(pos, rows, np.maximum(g, 0))
+                np.add.at(neg, rows, np.minimum(g, 0))
+    assert np.all(got >= neg) and np.all(got <= pos)
+    assert t.stats()["pushes"] == NPROCS * 200
+
+
+def run_torn(store_name: str, how: str, seconds: float = 2.0) -> tuple:
+    """One assign writer (k = 1, 2, ...) and two readers (consistent and not) for
+    ``seconds``; returns (last k, consistent reader's result, stripe reader's result)."""
+    flags = new_flags(3)
+    with Workers() as ws:
+        writer = ws.start(assign_writer, store_name, "w", flags, 0, how)
+        per_shard = 64 * 1024
+        cons = ws.start(torn_reader, store_name, "w", True, per_shard, flags, 1)
+        racy = ws.start(torn_reader, store_name, "w", False, STRIPE_BYTES // 4, flags, 2)
+        wait_until(lambda: all(flags[2 + i] for i in range(3)), 90, "workers ready")
+        flags[GO] = 1
+        wait_until(lambda: flags[2] > 2, 30, "writer progress")
+        import time
+
+        time.sleep(seconds)
+        flags[STOP] = 1
+        return writer.result(60), cons.result(60), racy.result(60)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["whole", "rows"])
+def test_no_torn_reads(store, store_name, how):
+    """While a writer assigns constant arrays (k everywhere, k increasing), every
+    consistent pull sees one k per shard and every pull(consistent=False) one k per
+    16 KiB stripe; no shard or stripe goes back in time."""
+    # 4 shards x 16 stripes of 4096 float32 (a row is 4 KiB: 4 rows per stripe)
+    t = store.dense("w", shape=(256, 1024), dtype="float32", optimizer="assign",
+                    shard_rows=64)
+    assert t.nshards == 4
+    last_k, cons, racy = run_torn(store_name, how)
+    assert last_k > 2
+    for name, r in (("consistent", cons), ("stripe", racy)):
+        assert r["pulls"] > 0
+        assert r["mixed"] == 0, f"{name} reader saw mixed values: {r['examples']}"
+        assert r["backwards"] == 0, f"{name} reader saw a unit go back in time"
+    assert cons["distinct"] > 1 and racy["distinct"] > 1, "the writer ran during the reads"
+    final = t.pull()
+    assert np.all(final == final.flat[0]) and final.flat[0] == last_k
+
+
+@pytest.mark.slow
+def test_no_torn_stripe_reads_with_shuffled_rows(store, store_name):
+    """pull(consistent=False) sees one k per stripe even when the writer's rows= push
+    lists every row in random order (and consistent pulls one k per shard)."""
+    store.dense("w", shape=(256, 1024), dtype="float32", optimizer="assign", shard_rows=64)
+    last_k, cons, racy = run_torn(store_name, "shuffled")
+    assert cons["mixed"] == 0 and cons["backwards"] == 0
+    assert racy["mixed"] == 0, f"stripe reader saw mixed values: {racy['examples']}"
+
+
+def test_single_process_two_handles_interleave_exactly(store_name):
+    """Two handles in one process (two attaches) pushing alternately lose nothing."""
+    a = shmps.attach(store_name)
+    b = shmps.attach(store_name)
+    try:
+        ta = a.dense("w", shape=(1000,), dtype="int32")
+        tb = b.dense("w")
+        for i in range(100):
+            (ta if i % 2 else tb).push(np.ones(1000, np.int32))
+        np.testing.assert_array_equal(ta.pull(), 100)
+    finally:
+        a.close()
+        b.destroy()
+
+
+def test_threads_pushing_concurrently_are_exact(store):
+    """4 threads of one process pushing (GIL released in C) lose nothing."""
+    import threading
+
+    t = store.dense("w", shape=(128, 1024), dtype="int32")
+    g = np.ones((128, 1024), np.int32)
+    rows = np.arange(128).repeat(2)
+
+    def work():
+        for i in range(50):
+            t.push(g) if i % 2 else t.push(np.ones((256, 1024), np.int32), rows=rows)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert not any(th.is_alive() for th in threads)
+    np.testing.assert_array_equal(t.pull(), 4 * (25 + 25 * 2))

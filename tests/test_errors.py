@@ -1,0 +1,483 @@
+"""Bad input raises a typed shmps.Error (also the matching builtin) with a hint, and a
+rejected call changes nothing: every test pulls before and after."""
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+import numpy as np
+import pytest
+
+import shmps
+from helpers import SHM, peek, poke, remove_store, store_segments
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def w(store):
+    """A float32 (6, 4) SGD tensor over 3 shards, with known values."""
+    t = store.dense("w", shape=(6, 4), dtype="float32", optimizer=shmps.SGD(lr=0.5),
+                    shard_rows=2, init=np.arange(24, dtype=np.float32).reshape(6, 4))
+    return t
+
+
+@pytest.fixture
+def iw(store):
+    """An int32 (5, 3) sum tensor with known values."""
+    return store.dense("iw", shape=(5, 3), dtype="int32",
+                       init=np.arange(15, dtype=np.int32).reshape(5, 3))
+
+
+def rejected(tensor, exc, call, match=None):
+    """``call()`` raises ``exc`` (with a hint) and leaves ``tensor``'s values unchanged."""
+    before = tensor.pull()
+    with pytest.raises(exc, match=match) as info:
+        call()
+    assert isinstance(info.value, shmps.Error)
+    assert info.value.hint, "every error says what to do"
+    np.testing.assert_array_equal(tensor.pull(), before)
+    return info.value
+
+
+# ---- the error classes -----------------------------------------------------------------
+
+@pytest.mark.parametrize("cls,builtin", [
+    (shmps.Error, Exception), (shmps.InvalidArgument, ValueError),
+    (shmps.SchemaError, ValueError), (shmps.OutOfRange, IndexError),
+    (shmps.OutOfRange, ValueError), (shmps.NonFinite, ValueError),
+    (shmps.NotFound, KeyError), (shmps.CapacityError, RuntimeError),
+    (shmps.CorruptSegment, ValueError), (shmps.CorruptFile, ValueError),
+    (shmps.Timeout, TimeoutError), (shmps.Closed, ValueError),
+])
+def test_error_classes_subclass_error_and_builtin(cls, builtin):
+    """Every error class is a shmps.Error and its builtin, and prints its hint."""
+    assert issubclass(cls, shmps.Error) and issubclass(cls, builtin)
+    err = cls("something broke")
+    assert "something broke" in str(err)
+    if cls is not shmps.Error:  # the base class is never raised itself
+        assert err.hint and err.hint in str(err)
+
+
+def test_not_found_prints_plainly():
+    """NotFound (a KeyError) prints its message, not a quoted repr."""
+    assert str(shmps.NotFound("no tensor 'x'")).startswith("no tensor 'x'")
+
+
+# ---- shapes and dtypes ---------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [(6, 5), (5, 4), (24,), (6, 4, 1), ()])
+def test_wrong_shape(w, shape):
+    """A gradient of another shape is a SchemaError naming both shapes."""
+    rejected(w, shmps.SchemaError, lambda: w.push(np.ones(shape, np.float32)),
+             match=r"shape")
+
+
+def test_wrong_rows_gradient_shape(w):
+    """A rows= gradient must be (len(rows),) + row shape."""
+    rejected(w, shmps.SchemaError, lambda: w.push(np.ones((3, 4)), rows=[0, 1]))
+    rejected(w, shmps.SchemaError, lambda: w.push(np.ones((2, 5)), rows=[0, 1]))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "complex64"])
+def test_float_into_int_tensor(iw, dtype):
+    """Floats (or complex) into an int tensor are a SchemaError (numpy same_kind)."""
+    rejected(iw, shmps.SchemaError, lambda: iw.push(np.ones((5, 3), dtype)), match="cast")
+
+
+def test_complex_into_float_tensor(w):
+    """Complex gradients into a float tensor are a SchemaError."""
+    rejected(w, shmps.SchemaError, lambda: w.push(np.ones((6, 4), np.complex64)))
+
+
+def test_float64_into_float32_is_fine(w):
+    """float64 gradients are cast to a float32 tensor (same_kind)."""
+    before = w.pull()
+    w.push(np.full((6, 4), 2.0, np.float64))
+    np.testing.assert_array_equal(w.pull(), before - np.float32(1.0))
+
+
+def test_lists_are_accepted(iw):
+    """Nested lists are converted like np.asarray."""
+    iw.push([[1, 1, 1]] * 5)
+    np.testing.assert_array_equal(iw.pull(), np.arange(15).reshape(5, 3) + 1)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: np.arange(24, dtype=np.float32).reshape(4, 6).T,          # transposed
+    lambda: np.arange(48, dtype=np.float32).reshape(12, 4)[::2],      # strided rows
+    lambda: np.asfortranarray(np.arange(24, dtype=np.float64).reshape(6, 4)),
+], ids=["transposed", "strided", "fortran"])
+def test_non_contiguous_gradient_is_copied(w, make):
+    """Non-contiguous gradients are accepted (copied) and applied correctly."""
+    g = make()
+    assert not g.flags.c_contiguous
+    before = w.pull()
+    w.push(g)
+    np.testing.assert_allclose(w.pull(), before - np.float32(0.5) * g.astype(np.float32))
+
+
+def test_non_contiguous_rows_and_rows_gradient(iw):
+    """Strided rows and a strided rows gradient are accepted and applied correctly."""
+    rows = np.array([4, 9, 0, 9, 4, 9])[::2]            # [4, 0, 4]
+    g = np.arange(18, dtype=np.int32).reshape(3, 6)[:, ::2]
+    assert not rows.flags.c_contiguous and not g.flags.c_contiguous
+    want = iw.pull()
+    np.add.at(want, rows, g)
+    iw.push(g, rows=rows)
+    np.testing.assert_array_equal(iw.pull(), want)
+
+
+# ---- NaN / Inf ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_nonfinite_whole_push_rejected(w, bad):
+    """A NaN/Inf anywhere in a gradient is NonFinite and changes no shard."""
+    g = np.ones((6, 4), np.float32)
+    g[5, 3] = bad  # last shard: earlier shards must not have been updated either
+    rejected(w, shmps.NonFinite, lambda: w.push(g), match="NaN")
+
+
+def test_nonfinite_rows_push_rejected(w):
+    """A NaN in a rows= gradient is NonFinite and changes no row."""
+    g = np.ones((3, 4))
+    g[2, 0] = np.nan
+    rejected(w, shmps.NonFinite, lambda: w.push(g, rows=[0, 3, 5]))
+
+
+def test_nonfinite_float16_tensor(store):
+    """float16 tensors reject non-finite gradients too (checked in float32)."""
+    t = store.dense("h", shape=(4,), dtype="float16", init=1.0)
+    rejected(t, shmps.NonFinite, lambda: t.push(np.array([0, 0, np.inf, 0], np.float32)))
+
+
+def test_nonfinite_accepted_with_allow_nonfinite(store):
+    """allow_nonfinite=True stores NaN/Inf as pushed."""
+    t = store.dense("w", shape=(3,), dtype="float64", allow_nonfinite=True)
+    t.push(np.array([np.nan, np.inf, 1.0]))
+    a = t.pull()
+    assert np.isnan(a[0]) and a[1] == np.inf and a[2] == 1.0
+
+
+def test_nonfinite_init_rejected(store):
+    """A NaN init is an InvalidArgument and creates nothing."""
+    with pytest.raises(shmps.InvalidArgument):
+        store.dense("w", shape=(3,), init=np.nan)
+    assert store.tensors() == []
+
+
+# ---- rows --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("rows", [[0, 6], [-1], [2, -3], [10**12],
+                                  np.array([1, 2**63 + 5], np.uint64)],
+                         ids=["past-end", "negative", "negative-later", "huge", "uint64-huge"])
+def test_rows_out_of_range(w, rows):
+    """Rows past the end or negative are OutOfRange (an IndexError); no row changes."""
+    g = np.ones((len(rows), 4), np.float32)
+    err = rejected(w, shmps.OutOfRange, lambda: w.push(g, rows=rows), match="row")
+    assert isinstance(err, IndexError)
+    rejected(w, shmps.OutOfRange, lambda: w.pull(rows=rows))
+
+
+@pytest.mark.parametrize("rows", [np.array([0.0, 1.0]), np.array([True, False]), [[0], [1]],
+                                  np.array(["0", "1"])],
+                         ids=["float", "bool", "2-d", "str"])
+def test_rows_of_wrong_type(w, rows):
+    """Float, bool, 2-d or string rows are OutOfRange, not silently converted."""
+    g = np.ones((2, 4), np.float32)
+    rejected(w, shmps.OutOfRange, lambda: w.push(g, rows=rows))
+    rejected(w, shmps.OutOfRange, lambda: w.pull(rows=rows))
+
+
+def test_out_of_range_after_valid_rows_in_other_shards(w):
+    """A bad row after good rows (in other shards) still changes nothing."""
+    g = np.ones((4, 4), np.float32)
+    rejected(w, shmps.OutOfRange, lambda: w.push(g, rows=[0, 2, 4, 6]))
+
+
+def test_uint_rows_accepted(iw):
+    """Unsigned integer rows within range are fine."""
+    iw.push(np.ones((2, 3), np.int32), rows=np.array([4, 4], np.uint32))
+    assert iw.pull(rows=[4])[0, 0] == 14
+
+
+# ---- names ---------------------------------------------------------------------------------
+
+def test_unknown_tensor(store):
+    """store[name] of an unknown tensor is NotFound (a KeyError) listing what exists."""
+    store.dense("a", shape=(1,))
+    with pytest.raises(shmps.NotFound, match="existing: a") as info:
+        store["nope"]
+    assert isinstance(info.value, KeyError)
+    with pytest.raises(shmps.NotFound, match="shape"):
+        store.dense("nope")  # no shape: cannot create
+
+
+@pytest.mark.parametrize("name", ["..", ".", "/x", "", "a" * 65, "a/b", "a b", "x\0y",
+                                  "ü", None, 5, b"abc"])
+def test_invalid_store_names(name):
+    """Store names outside [A-Za-z0-9_.-]{1,64}, or '.'/'..', are InvalidArgument."""
+    with pytest.raises(shmps.InvalidArgument, match="store name"):
+        shmps.attach(name)
+    assert not [n for n in os.listdir(SHM) if n.startswith("shmps..")]
+
+
+@pytest.mark.parametrize("ns", ["..", "/x", "a/b", "a" * 65])
+def test_invalid_namespaces(store_name, ns):
+    """Namespaces follow the store-name rule."""
+    with pytest.raises(shmps.InvalidArgument, match="namespace"):
+        shmps.attach(store_name, namespace=ns)
+
+
+def test_longest_valid_name(request):
+    """A 64-character name with every allowed character class works."""
+    name = ("A-z_0.9" + request.node.name[-8:].replace("[", "").replace("]", "")).ljust(64, "x")
+    assert len(name) == 64
+    s = shmps.attach(name)
+    try:
+        assert store_segments(name) == [f"shmps.{name}.manifest"]
+    finally:
+        s.destroy()
+
+
+@pytest.mark.parametrize("name", ["", None, "x" * 257])
+def test_invalid_tensor_names(store, name):
+    """Tensor names must be non-empty strings of at most 256 characters."""
+    with pytest.raises(shmps.InvalidArgument):
+        store.dense(name, shape=(1,))
+
+
+def test_attach_missing_store_without_create(store_name):
+    """attach(name, create=False) of a missing store is NotFound and creates nothing."""
+    with pytest.raises(shmps.NotFound, match=store_name):
+        shmps.attach(store_name, create=False)
+    assert store_segments(store_name) == []
+
+
+# ---- creation arguments ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs,exc", [
+    (dict(shape=(3,), dtype="uint8"), shmps.SchemaError),
+    (dict(shape=(3,), dtype="int64"), shmps.SchemaError),
+    (dict(shape=(3,), dtype="int32", optimizer=shmps.SGD(lr=0.1)), shmps.SchemaError),
+    (dict(shape=(3,), dtype="int8", optimizer=shmps.Momentum(lr=0.1)), shmps.SchemaError),
+    (dict(shape=(3,), optimizer="adam"), shmps.InvalidArgument),
+    (dict(shape=(3,), mode="racy"), shmps.InvalidArgument),
+    (dict(shape=(3,), shard_rows=0), shmps.InvalidArgument),
+    (dict(shape=(-1, 2)), shmps.SchemaError),
+    (dict(shape=(1,) * 9), shmps.SchemaError),
+    (dict(shape=(3,), dtype="int8", init=300), shmps.SchemaError),
+    (dict(shape=(3,), dtype="int32", init=0.5), shmps.SchemaError),
+    (dict(shape=(3,), init=np.ones(4)), shmps.SchemaError),
+], ids=["uint8", "int64", "sgd-int", "momentum-int8", "unknown-opt", "mode", "shard_rows",
+        "negative-dim", "9-d", "init-range", "init-fraction", "init-shape"])
+def test_bad_creation_arguments(store, kwargs, exc):
+    """Bad dtype/optimizer/mode/shape/init arguments raise and create nothing."""
+    with pytest.raises(exc) as info:
+        store.dense("w", **kwargs)
+    assert info.value.hint
+    assert store.tensors() == []
+    assert len(store_segments(store.name)) == 1  # the manifest only
+
+
+@pytest.mark.parametrize("make", [lambda: shmps.SGD(lr=-1), lambda: shmps.SGD(lr=float("nan")),
+                                  lambda: shmps.Momentum(lr=0.1, momentum=-0.5),
+                                  lambda: shmps.Momentum(lr=0.1, nesterov=True, dampening=0.5)],
+                         ids=["lr<0", "lr-nan", "momentum<0", "nesterov-dampening"])
+def test_bad_optimizer_parameters(make):
+    """Updater parameters are validated when the updater is made."""
+    with pytest.raises(shmps.InvalidArgument):
+        make()
+
+
+# ---- segments: permissions and corruption --------------------------------------------------
+
+def test_segments_are_mode_0600(store):
+    """Every segment of a store (manifest and shards) is created mode 0600."""
+    store.dense("a", shape=(10, 2), shard_rows=3)
+    store.dense("b", shape=(3,), dtype="int8")
+    segs = store_segments(store.name)
+    assert len(segs) == 1 + 4 + 1
+    for seg in segs:
+        mode = stat.S_IMODE(os.stat(os.path.join(SHM, seg)).st_mode)
+        assert mode == 0o600, (seg, oct(mode))
+
+
+@pytest.fixture
+def corruptible(store_name):
+    """A store with one int32 tensor "x" (pushed once), closed; the test damages a
+    segment and attaches again.  Segments are removed without attaching afterwards."""
+    s = shmps.attach(store_name)
+    t = s.dense("x", shape=(40, 3), dtype="int32", init=1)
+    t.push(np.ones((40, 3), np.int32))
+    s.close()
+    yield store_name, os.path.join(SHM, f"shmps.{store_name}.t0.s0"), \
+        os.path.join(SHM, f"shmps.{store_name}.manifest")
+    remove_store(store_name)
+
+
+def open_x(name):
+    """Attach and pull tensor x in this process (whatever is damaged)."""
+    with shmps.attach(name) as s:
+        return s["x"].pull()
+
+
+def test_intact_store_reads_back(corruptible):
+    """Control: the undamaged store reads back what was pushed."""
+    name, _, _ = corruptible
+    np.testing.assert_array_equal(open_x(name), 2)
+
+
+@pytest.mark.parametrize("offset,fmt,value", [
+    (0, "<Q", 0x0123456789ABCDEF),        # magic
+    (8, "<I", 99),                         # version
+    (12, "<I", 64),                        # header_size
+    (16, "<I", 7),                         # kind
+    (20, "<I", 9),                         # dtype
+    (24, "<I", 200),                       # updater
+    (32, "<Q", 10**9),                     # nrows
+    (48, "<Q", 1),                         # nnz
+    (176, "<Q", 1 << 40),                  # total_size
+    (200, "<Q", 0),                        # value_off
+    (248, "<Q", 1 << 50),                  # stripes_off
+    (272, "<Q", 10**6),                    # nstripes
+], ids=["magic", "version", "header_size", "kind", "dtype", "updater", "nrows", "nnz",
+        "total_size", "value_off", "stripes_off", "nstripes"])
+def test_corrupt_shard_header(corruptible, offset, fmt, value):
+    """Any damaged shard header field (docs/segment-layout.md) is CorruptSegment on open."""
+    name, shard, _ = corruptible
+    poke(shard, offset, fmt, value)
+    with pytest.raises(shmps.CorruptSegment):
+        open_x(name)
+
+
+def test_garbage_shard_header(corruptible):
+    """A shard whose whole header is random bytes is CorruptSegment."""
+    name, shard, _ = corruptible
+    poke(shard, 0, "4096s", np.random.default_rng(0).bytes(4096))
+    with pytest.raises(shmps.CorruptSegment):
+        open_x(name)
+
+
+@pytest.mark.parametrize("size", [0, 100, 4096, 4100, "grow"])
+def test_truncated_or_grown_shard(corruptible, size):
+    """A shard of the wrong size (empty, shorter than its header, truncated, grown)
+    is CorruptSegment."""
+    name, shard, _ = corruptible
+    os.truncate(shard, os.path.getsize(shard) + 4096 if size == "grow" else size)
+    with pytest.raises(shmps.CorruptSegment):
+        open_x(name)
+
+
+def test_missing_shard_segment(corruptible):
+    """A tensor whose shard segment was removed raises a shmps.Error on open."""
+    name, shard, _ = corruptible
+    os.unlink(shard)
+    with pytest.raises(shmps.Error):
+        open_x(name)
+
+
+def test_corrupt_manifest_header(corruptible):
+    """A manifest whose header is garbage is CorruptSegment on attach (create or not)."""
+    name, _, manifest = corruptible
+    poke(manifest, 0, "16s", b"garbage!garbage!")
+    with pytest.raises(shmps.CorruptSegment):
+        shmps.attach(name)
+    with pytest.raises(shmps.CorruptSegment):
+        shmps.attach(name, create=False)
+
+
+def test_foreign_manifest_of_wrong_size(store_name):
+    """A foreign segment under the manifest's name, of the wrong size, is CorruptSegment."""
+    path = os.path.join(SHM, f"shmps.{store_name}.manifest")
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.write(fd, b"not a shmps manifest\n" * 100)
+        os.close(fd)
+        with pytest.raises(shmps.CorruptSegment, match="size"):
+            shmps.attach(store_name)
+    finally:
+        remove_store(store_name)
+
+
+def test_foreign_manifest_of_right_size(store_name):
+    """A foreign segment of the manifest's exact size holding random bytes is CorruptSegment."""
+    path = os.path.join(SHM, f"shmps.{store_name}.manifest")
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.write(fd, np.random.default_rng(1).bytes(4096))
+        os.ftruncate(fd, shmps.store.MANIFEST_SIZE)
+        os.close(fd)
+        with pytest.raises(shmps.CorruptSegment):
+            shmps.attach(store_name)
+    finally:
+        remove_store(store_name)
+
+
+CATALOG = 1 << 20  # docs/segment-layout.md: the manifest's catalog
+
+
+def _rewrite_record(manifest, edit):
+    """Replace the first catalog record by ``edit(record)``, padded to its length."""
+    (ln,) = peek(manifest, CATALOG, "<I")
+    rec = json.loads(peek(manifest, CATALOG + 4, f"{ln}s")[0])
+    data = edit(rec)
+    data = data if isinstance(data, bytes) else json.dumps(data, separators=(",", ":")).encode()
+    assert len(data) <= ln
+    poke(manifest, CATALOG + 4, f"{ln}s", data.ljust(ln))
+
+
+@pytest.mark.parametrize("edit", [
+    lambda r: b"{not json",
+    lambda r: {"a": 1},
+    lambda r: [1, 2],
+    lambda r: dict(r, kind="blob"),
+    lambda r: dict(r, dtype="int8"),
+    lambda r: dict(r, dtype="bool"),
+    lambda r: dict(r, shape=[10, 3]),       # fewer rows than the segment holds
+    lambda r: dict(r, shape=[80, 3]),       # more rows than the segment holds
+    lambda r: dict(r, shape=[40, 1]),
+    lambda r: dict(r, shard_rows=7),
+    lambda r: dict(r, nshards=2),
+    lambda r: dict(r, optimizer={"type": "Max"}),
+    lambda r: dict(r, shape="oops"),
+], ids=["not-json", "no-fields", "not-object", "kind", "dtype", "bad-dtype", "fewer-rows",
+        "more-rows", "row-len", "shard_rows", "nshards", "optimizer", "shape-type"])
+def test_corrupt_catalog_record(corruptible, edit):
+    """A catalog record that is not JSON, lacks fields, or disagrees with the shard
+    segments is a shmps.Error (CorruptSegment) on attach or open: never a crash,
+    never a copy past the arrays."""
+    name, _, manifest = corruptible
+    _rewrite_record(manifest, edit)
+    with pytest.raises(shmps.Error):
+        open_x(name)
+
+
+def test_catalog_record_overrunning(corruptible):
+    """A catalog record length past the catalog's end is CorruptSegment."""
+    name, _, manifest = corruptible
+    poke(manifest, CATALOG, "<I", 0xFFFF)
+    with pytest.raises(shmps.CorruptSegment, match="overruns"):
+        shmps.attach(name)
+
+
+# ---- closed stores and tensors -----------------------------------------------------------------
+
+def test_closed_store_raises_closed(store_name):
+    """After close(), the store and its tensors raise Closed (a ValueError)."""
+    s = shmps.attach(store_name)
+    try:
+        t = s.dense("w", shape=(10, 2), shard_rows=3)
+        u = s.dense("u", shape=(2,))
+        s.close()
+        s.close()  # idempotent
+        for call in (lambda: s["w"], lambda: s.dense("w"), lambda: s.tensors(),
+                     lambda: "w" in s, lambda: t.pull(), lambda: u.pull(),
+                     lambda: t.push(np.ones((10, 2))), lambda: u.push(np.ones(2)),
+                     lambda: t.pull(rows=[1]), lambda: t.view(), lambda: t.stats(),
+                     lambda: s.processes()):
+            with pytest.raises(shmps.Closed):
+                call()
+    finally:
+        remove_store(store_name)
