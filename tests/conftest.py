@@ -16,6 +16,22 @@ def _shmps_segments() -> set[str]:
         return set()
 
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def run_outside_the_source_tree(tmp_path_factory):
+    """Run the session (and every subprocess it starts) from a scratch directory.
+
+    From the repository root, ``python -m shmps...`` and ``python -c`` would import the
+    source tree's ``shmps/`` (which holds no compiled module in a plain install)
+    instead of the installed package.  Tests name repository files through REPO."""
+    old = os.getcwd()
+    os.chdir(tmp_path_factory.mktemp("cwd"))
+    yield
+    os.chdir(old)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def dev_shm_left_as_found():
     """Fails the session if any test leaves a shmps segment behind."""
