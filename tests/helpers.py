@@ -84,7 +84,7 @@ def _await_go(flags: Any, idx: int, timeout: float = 60.0) -> None:
     while not flags[GO]:
         if time.monotonic() > deadline:
             raise TimeoutError("no go signal")
-        time.sleep(0.0005)
+        time.sleep(0.002)
 
 
 # ---- workers ------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import shmps
-from helpers import (SHM, STOP, Workers, attach_and_hold, attach_timing, new_flags,
+from helpers import (STOP, Workers, attach_and_hold, attach_timing, new_flags,
                      pull_after_destroy, race_attach, remove_store, store_segments,
                      wait_until)
 
@@ -20,13 +20,11 @@ SPECS = [("a", (100, 10), "float32"), ("b", (64, 1024), "int32"), ("c", (7,), "i
 
 @pytest.mark.slow
 def test_racing_attach_and_get_or_create(store_name):
-    """8 processes racing attach + dense() of the same tensors on a fresh store all
-    succeed within 20 s and all get the same tensors (one creator each); 5 rounds.
-
-    Fails (hangs 60 s in the manifest lock, or tensors vanish) while native/manifest.c
-    initialise() zeroes init_owner with its memset of the header: a second attacher
-    can claim init_owner in that window and initialise the store again (observed:
-    4 initialisations in one race, one over a locked mutex with waiters)."""
+    """8 processes racing attach + dense() all get the same tensors in 20 s (5 rounds)."""
+    # Fails (a 60 s hang in the manifest lock, or tensors vanishing) while
+    # native/manifest.c initialise() zeroes init_owner in its memset of the header: a
+    # second attacher claims init_owner in that window and initialises the store again
+    # (seen: 4 initialisations in one race, one over a locked mutex with waiters).
     n = 8
     for rnd in range(5):
         name = f"{store_name}r{rnd}"
@@ -53,8 +51,8 @@ def test_racing_attach_and_get_or_create(store_name):
 
 
 def test_attach_of_100_tensors_is_fast(store_name):
-    """A fresh process attaches to a store of 100 tensors in < 50 ms (loose CI bound;
-    tools/bench.py measures the 10 ms target)."""
+    """A fresh process attaches to a store of 100 tensors in < 50 ms (loose CI bound)."""
+    # tools/bench.py measures the 10 ms target.
     s = shmps.attach(store_name)
     try:
         for i in range(100):
@@ -73,8 +71,7 @@ def test_attach_of_100_tensors_is_fast(store_name):
 
 
 def test_namespaces_isolate_same_store_name(store_name):
-    """Namespaces hostA and hostB hold different stores under one name, apart from
-    the store without a namespace."""
+    """One store name in namespaces hostA, hostB and none gives three separate stores."""
     a = shmps.attach(store_name, namespace="hostA")
     b = shmps.attach(store_name, namespace="hostB")
     plain = shmps.attach(store_name)
@@ -163,8 +160,7 @@ def test_destroy_leaves_other_stores(store_name):
 
 
 def test_attached_process_keeps_its_mapping_after_destroy(store_name):
-    """A process still attached when the store is destroyed keeps reading and writing
-    its mapping; a later attach creates a new, empty store."""
+    """A process attached at destroy() keeps its mapping; a re-attach starts empty."""
     s = shmps.attach(store_name)
     s.dense("w", shape=(3,), dtype="int32", init=4)
     flags = new_flags(1)
@@ -184,8 +180,7 @@ def test_attached_process_keeps_its_mapping_after_destroy(store_name):
 
 
 def test_close_is_idempotent_and_local(store_name):
-    """close() twice is fine; it detaches only this handle: another handle (here in the
-    same process) and the data are untouched."""
+    """close() twice is fine and detaches only that handle; data and other handles stay."""
     s1 = shmps.attach(store_name)
     s2 = shmps.attach(store_name)
     try:
@@ -213,8 +208,7 @@ def test_context_manager_closes(store_name):
 
 
 def test_processes_lists_live_attached_pids(store_name):
-    """processes() lists this process and a live attached worker, and drops the
-    worker once it is killed."""
+    """processes() lists live attached pids and drops a worker once it is killed."""
     s = shmps.attach(store_name)
     flags = new_flags(1)
     try:
@@ -269,7 +263,6 @@ def test_tensor_created_after_attach_is_visible(store_name):
         s2.destroy()
 
 
-@pytest.mark.slow
 def test_repeated_attach_close_does_not_leak_process_slots(store_name):
     """Attaching and closing 2000 times (more than the 1024 process slots) works."""
     s = shmps.attach(store_name)

@@ -45,8 +45,7 @@ def test_reduction_whole_push(store, dtype, reduction):
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_reduction_rows_push_with_duplicates(store, dtype, reduction):
-    """A rows= push touches only its rows; repeated rows apply one after the other
-    (sum accumulates, assign: last wins)."""
+    """A rows= push changes only its rows; repeats apply in order (sum adds, assign: last wins)."""
     rng = np.random.default_rng(2)
     init = ints(rng, (7, 3), dtype)
     t = store.dense("w", shape=(7, 3), dtype=dtype, init=init, optimizer=reduction)
@@ -192,8 +191,7 @@ def test_inconsistent_pull_returns_the_same_values(store):
 
 @pytest.mark.parametrize("dtype", ["int8", "float32", "float64"])
 def test_multi_shard_whole_and_rows_across_shards(store, dtype):
-    """With small shard_rows, whole pushes, rows pushes spanning shards (with
-    duplicates, unsorted) and pulls agree with the model."""
+    """Whole and rows= pushes across small shards (unsorted, repeated rows) match the model."""
     rng = np.random.default_rng(6)
     shape = (37, 5)
     t = store.dense("w", shape=shape, dtype=dtype, shard_rows=4)
@@ -322,8 +320,11 @@ def test_scalar_tensor(store):
     t = store.dense("w", shape=(), dtype="float32", init=1.0)
     t.push(np.float32(2.0))
     t.push(np.array(0.5))
+    t.push(np.array(0.25, np.float32))  # the one-call fast path
     a = t.pull()
-    assert a.shape == () and a == 3.5
+    assert a.shape == () and a == 3.75
+    t.push(np.ones(1, np.float32), rows=[0])
+    assert t.pull(rows=[0]).shape == (1,) and t.pull() == 4.75
 
 
 def test_zero_width_rows_rejected_clearly(store):
@@ -450,8 +451,7 @@ def test_push_wait_false_returns_handles(store):
 
 
 def test_push_wait_false_error_raised_on_wait(store):
-    """A rejected non-blocking push raises on wait and changes nothing; a bad shape
-    is refused at once."""
+    """A rejected wait=False push raises on wait, changing nothing; a bad shape raises at once."""
     t = store.dense("w", shape=(3,), dtype="float32", init=1.0)
     h = t.push(np.array([1.0, np.nan, 1.0]), wait=False)
     with pytest.raises(shmps.NonFinite):

@@ -362,8 +362,7 @@ def test_garbage_shard_header(corruptible):
 
 @pytest.mark.parametrize("size", [0, 100, 4096, 4100, "grow"])
 def test_truncated_or_grown_shard(corruptible, size):
-    """A shard of the wrong size (empty, shorter than its header, truncated, grown)
-    is CorruptSegment."""
+    """A shard segment of the wrong size (empty, short, truncated, grown) is CorruptSegment."""
     name, shard, _ = corruptible
     os.truncate(shard, os.path.getsize(shard) + 4096 if size == "grow" else size)
     with pytest.raises(shmps.CorruptSegment):
@@ -445,9 +444,7 @@ def _rewrite_record(manifest, edit):
 ], ids=["not-json", "no-fields", "not-object", "kind", "dtype", "bad-dtype", "fewer-rows",
         "more-rows", "row-len", "shard_rows", "nshards", "optimizer", "shape-type"])
 def test_corrupt_catalog_record(corruptible, edit):
-    """A catalog record that is not JSON, lacks fields, or disagrees with the shard
-    segments is a shmps.Error (CorruptSegment) on attach or open: never a crash,
-    never a copy past the arrays."""
+    """A bad or inconsistent catalog record is a shmps.Error on open: no crash, no wild copy."""
     name, _, manifest = corruptible
     _rewrite_record(manifest, edit)
     with pytest.raises(shmps.Error):
