@@ -15,6 +15,10 @@ then written; files are fsynced into a temporary directory beside PATH, which th
 replaces PATH atomically (renameat2 RENAME_EXCHANGE): a checkpoint on disk is the old
 one or the new one, never half.  Interrupting (Ctrl-C, SIGKILL) leaves at most a
 ``PATH.tmp-*`` directory, removed by the next checkpoint to the same PATH.
+
+Restore checks the whole checkpoint (checkpoint.json, every file's size, every
+``.meta`` against its record) before it creates or replaces anything, so a corrupt
+checkpoint raises :class:`CorruptFile` and leaves no store behind.
 """
 from __future__ import annotations
 
@@ -30,12 +34,14 @@ from typing import Any, BinaryIO, Callable, Optional
 
 import numpy as np
 
-from . import _native
-from .errors import CorruptFile, InvalidArgument, NotFound
+from . import _native, files, names
+from .errors import CorruptFile, Error, InvalidArgument, NotFound
 from .tensor import Shard, Tensor
 
-FORMAT = "shmps-checkpoint"
-VERSION = 1
+FORMAT = files.CHECKPOINT_FORMAT
+VERSION = files.CHECKPOINT_VERSION
+#: How long one shard's freeze may wait for the pushers inside it (seconds).
+FREEZE_TIMEOUT_S = 60.0
 lib, ffi = _native.lib, _native.ffi
 
 
@@ -50,12 +56,17 @@ def _frozen_copy(t: Tensor, i: int, fields: Callable[[Shard], dict]) -> dict:
     """Copy arrays of shard ``i`` while it is frozen (a whole number of pushes)."""
     sh = t._shard(i)
     tok = _native.token()
-    _native.check(lib.shmps_freeze(sh.ptr, tok, 60.0), f"checkpoint of {t.name!r}")
+    code = None
     try:
-        out = {k: np.array(v, copy=True) for k, v in fields(sh).items()}
+        # ``code`` stays None if Ctrl-C is raised as the call returns (the freeze may
+        # be ours then): thaw anyway, thaw only releases a freeze this process holds
+        code = lib.shmps_freeze(sh.ptr, tok, FREEZE_TIMEOUT_S)
+        _native.check(code, f"checkpoint of {t.name!r} (shard {i})")
+        out: dict[str, Any] = {k: np.array(v, copy=True) for k, v in fields(sh).items()}
         out["_stats"] = _native.stats(sh.ptr)
     finally:
-        lib.shmps_thaw(sh.ptr, tok)
+        if code is None or code == 0:
+            lib.shmps_thaw(sh.ptr, tok)
     return out
 
 
@@ -95,21 +106,37 @@ def _exchange(a: str, b: str) -> bool:
     raise OSError(err, os.strerror(err), b)
 
 
+def _check_target(path: str) -> None:
+    """Refuse a PATH that exists and is neither a checkpoint nor an empty directory."""
+    if not os.path.lexists(path):
+        return
+    if os.path.isdir(path) and not os.path.islink(path) and (
+            os.path.exists(os.path.join(path, files.CHECKPOINT_JSON)) or not os.listdir(path)):
+        return
+    raise InvalidArgument(f"{path} exists and is not a shmps checkpoint (no "
+                          f"{files.CHECKPOINT_JSON}); refusing to replace it",
+                          "choose another path, or remove it")
+
+
 def _install(tmp: str, path: str) -> None:
     """Make ``tmp`` the checkpoint at ``path``, replacing any old one atomically."""
     parent = os.path.dirname(os.path.abspath(path))
     if os.path.lexists(path):
-        if not os.path.isdir(path) or not os.path.exists(os.path.join(path, "checkpoint.json")):
-            if not (os.path.isdir(path) and not os.listdir(path)):
-                raise InvalidArgument(f"{path} exists and is not a shmps checkpoint",
-                                      "choose another path, or remove it")
+        _check_target(path)
         if _exchange(tmp, path):
             _fsync_dir(parent)
             shutil.rmtree(tmp, ignore_errors=True)  # now the old checkpoint
             return
-        old = f"{path}.old-{secrets.token_hex(4)}"
-        os.rename(path, old)  # fallback: a short window with no PATH, old kept aside
-        os.rename(tmp, path)
+        # fallback without renameat2: a short window with no PATH, the old one kept
+        # aside as PATH.old-PID-HEX (put back by the next checkpoint if we die here)
+        old = f"{path}.old-{os.getpid()}-{secrets.token_hex(3)}"
+        os.rename(path, old)
+        try:
+            os.rename(tmp, path)
+        except BaseException:
+            if not os.path.lexists(path):
+                os.rename(old, path)
+            raise
         _fsync_dir(parent)
         shutil.rmtree(old, ignore_errors=True)
         return
@@ -118,14 +145,27 @@ def _install(tmp: str, path: str) -> None:
 
 
 def _clean_debris(path: str) -> None:
+    """Remove what interrupted checkpoints to ``path`` left beside it (``PATH.tmp-PID-*``
+    of dead processes).  An old checkpoint set aside by the no-renameat2 fallback
+    (``PATH.old-PID-*``) is put back when PATH is missing, else removed."""
     parent = os.path.dirname(os.path.abspath(path)) or "."
     base = os.path.basename(os.path.abspath(path))
-    for n in os.listdir(parent):
-        if n.startswith(base + ".tmp-") or n.startswith(base + ".old-"):
-            pid = n.rsplit("-", 2)[-2] if n.count("-") >= 2 else ""
-            if pid.isdigit() and int(pid) != os.getpid() and _pid_alive(int(pid)):
-                continue  # another process's checkpoint in progress
-            shutil.rmtree(os.path.join(parent, n), ignore_errors=True)
+    try:
+        entries = sorted(os.listdir(parent))
+    except FileNotFoundError:
+        return
+    for n in entries:
+        if not (n.startswith(base + ".tmp-") or n.startswith(base + ".old-")):
+            continue
+        pid = n[len(base) + 5:].split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and _pid_alive(int(pid)):
+            continue  # another process's checkpoint in progress
+        full = os.path.join(parent, n)
+        if (n.startswith(base + ".old-") and not os.path.lexists(path)
+                and os.path.exists(os.path.join(full, files.CHECKPOINT_JSON))):
+            os.rename(full, path)
+            continue
+        shutil.rmtree(full, ignore_errors=True)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -144,14 +184,23 @@ def save(store: Any, path: str | os.PathLike) -> str:
     Pushes continue meanwhile; each shard is copied consistently.  Replaces an
     existing checkpoint at ``path`` atomically.  Returns the path."""
     path = os.fspath(path)
-    _clean_debris(path)
+    if not path or os.path.basename(os.path.abspath(path)) in ("", ".", ".."):
+        raise InvalidArgument(f"checkpoint path {path!r} names no directory",
+                              "pass a path such as ckpt/model-0001")
+    _check_target(path)
+    tensors = [store[d["name"]] for d in store.tensors()]
+    unsupported = sorted({t.kind for t in tensors if t.kind not in _SAVERS})
+    if unsupported:
+        raise InvalidArgument(f"store {store.name!r} holds {', '.join(unsupported)} tensors, "
+                              f"which this version cannot checkpoint yet (only "
+                              f"{', '.join(sorted(_SAVERS))})", "nothing was written")
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
+    _clean_debris(path)
     tmp = os.path.join(parent, f"{os.path.basename(os.path.abspath(path))}.tmp-{os.getpid()}-"
                                f"{secrets.token_hex(3)}")
     os.mkdir(tmp, 0o700)
     try:
-        tensors = [store[d["name"]] for d in store.tensors()]
         total = sum(sum(sh.seg.size for sh in t._shards) for t in tensors)
         entries = []
         with _progress(total, f"checkpoint {store.name}") as bar:
@@ -185,17 +234,17 @@ class _Writer:
         a = np.ascontiguousarray(arr)
         if a.dtype.byteorder == ">":
             a = a.astype(a.dtype.newbyteorder("<"))
-        f.write(memoryview(a).cast("B"))
+        f.write(a.data.cast("B"))
 
     def close(self, meta: dict) -> None:
         for f in self.files.values():
             f.flush()
             os.fsync(f.fileno())
             f.close()
-        with open(os.path.join(self.dir, f"{self.prefix}.meta"), "w") as f:
-            json.dump(meta, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
+        with open(os.path.join(self.dir, f"{self.prefix}.meta"), "w") as mf:
+            json.dump(meta, mf, indent=1)
+            mf.flush()
+            os.fsync(mf.fileno())
 
 
 def _save_dense(t: Any, directory: str, prefix: str, bar: Any) -> dict:
@@ -224,92 +273,135 @@ def _save_dense(t: Any, directory: str, prefix: str, bar: Any) -> dict:
 
 
 def _load_doc(path: str) -> dict:
-    fn = os.path.join(path, "checkpoint.json")
-    if not os.path.isdir(path):
-        raise NotFound(f"no checkpoint directory {path}")
-    try:
-        with open(fn) as f:
-            doc = json.load(f)
-    except FileNotFoundError:
-        raise CorruptFile(f"{fn}: missing (not a shmps checkpoint)") from None
-    except ValueError as exc:
-        raise CorruptFile(f"{fn}: not JSON ({exc})") from None
-    if doc.get("format") != FORMAT or doc.get("version") != VERSION:
-        raise CorruptFile(f"{fn}: format {doc.get('format')!r} version {doc.get('version')!r}, "
-                          f"expected {FORMAT!r} version {VERSION}")
-    return doc
+    """checkpoint.json of ``path``, checked (:func:`shmps.files.read_checkpoint_manifest`)."""
+    return files.read_checkpoint_manifest(path)
 
 
-def _file_array(path: str, prefix: str, kind: str, dtype: str, count: int) -> np.ndarray:
-    fn = os.path.join(path, f"{prefix}.{kind}")
-    dt = np.dtype(dtype).newbyteorder("<")
-    try:
-        size = os.path.getsize(fn)
-    except FileNotFoundError:
-        raise CorruptFile(f"{fn}: missing") from None
-    if size != count * dt.itemsize:
-        raise CorruptFile(f"{fn}: {size} bytes, expected {count} x {dt.itemsize} = "
-                          f"{count * dt.itemsize}")
-    if count == 0:
-        return np.zeros(0, dt)
-    return np.memmap(fn, dtype=dt, mode="r", shape=(count,))
+def load_manifest(path: str | os.PathLike) -> dict:
+    """The parsed, checked ``checkpoint.json`` of the checkpoint directory ``path``."""
+    return files.read_checkpoint_manifest(path)
 
 
 def restore(path: str | os.PathLike, name: str, *, namespace: Optional[str] = None,
             force: bool = False) -> Any:
     """Recreate store ``name`` from the checkpoint at ``path``; returns it attached.
 
-    Refuses (InvalidArgument) to overwrite an existing store that has tensors or other
-    live processes, unless ``force=True`` (then the old store is destroyed first)."""
+    The whole checkpoint is checked first (every file's size and ``.meta`` against
+    checkpoint.json): a corrupt one raises :class:`CorruptFile` (a missing directory
+    :class:`NotFound`) and creates, replaces or changes nothing.  Refuses
+    (InvalidArgument) to overwrite an existing store that has tensors or other live
+    processes, unless ``force=True`` (then the old store is destroyed first).  If
+    restoring fails midway the new store is destroyed."""
     from .store import attach
 
     path = os.fspath(path)
+    names.check_name(name)
     doc = _load_doc(path)
+    plans = []
+    for e in doc["tensors"]:
+        kind = e["record"]["kind"]
+        planner = _PLANNERS.get(kind)
+        if planner is None:
+            raise CorruptFile(f"{os.path.join(path, files.CHECKPOINT_JSON)}: tensor "
+                              f"{e['record']['name']!r} is of kind {kind!r}, which this "
+                              f"version cannot restore (only {', '.join(sorted(_PLANNERS))})",
+                              "restore it with the shmps version that wrote it")
+        plans.append(planner(path, e))
     store = attach(name, namespace=namespace)
-    others = [p for p in store.processes() if p != os.getpid()]
-    ntensors = len(store.tensors())
+    try:
+        others = [p for p in store.processes() if p != os.getpid()]
+        ntensors = len(store.tensors())
+    except BaseException:
+        store.close()
+        raise
     if ntensors or others:
         if not force:
             store.close()
             raise InvalidArgument(
-                f"store {name!r} exists ({ntensors} tensors, live processes {others or 'none'})",
-                "pass force=True (shmps-tool restore --force) to replace it, or --as NEWNAME")
+                f"store {name!r} exists ({ntensors} tensors, live processes "
+                f"{', '.join(map(str, others)) or 'none'}); refusing to replace it",
+                "replace it with --force (force=True), or restore under another name "
+                "with --as NEWNAME")
         store.destroy()
         store = attach(name, namespace=namespace)
     try:
-        entries = doc["tensors"]
-        total = 0
-        for e in entries:
-            for fn in os.listdir(path):
-                if fn.startswith(e["prefix"] + "."):
-                    total += os.path.getsize(os.path.join(path, fn))
-        with _progress(total, f"restore {name}") as bar:
-            for e in entries:
-                _RESTORERS[e["record"]["kind"]](store, path, e, bar)
+        with _progress(sum(p.nbytes for p in plans), f"restore {name}") as bar:
+            for p in plans:
+                p.run(store, bar)
     except BaseException:
         store.destroy()
         raise
     return store
 
 
-def _restore_dense(store: Any, path: str, entry: dict, bar: Any) -> None:
-    rec = dict(entry["record"])
-    prefix = entry["prefix"]
-    shape = tuple(rec["shape"])
-    nrows = shape[0] if shape else 1
-    row_len = int(np.prod(shape[1:], dtype=np.int64)) if shape else 1
-    values = _file_array(path, prefix, "value", rec["dtype"], nrows * row_len)
-    meta_path = os.path.join(path, f"{prefix}.meta")
+class _Plan:
+    """One tensor to restore: checked arrays (memory-mapped) and how to create it."""
+
+    def __init__(self, nbytes: int, run: Callable[[Any, Any], None]) -> None:
+        self.nbytes = nbytes
+        self.run = run
+
+
+_RECORD_KEYS = ("name", "kind", "dtype", "shape", "shard_rows", "nshards", "optimizer",
+                "mode", "allow_nonfinite")
+
+
+def _plan_dense(path: str, entry: dict) -> _Plan:
+    """Check a dense tensor's files against its record; nothing is created here."""
+    from .store import _dense_specs
+    from .updaters import from_dict
+
+    rec = entry["record"]
+    where = os.path.join(path, entry["prefix"])
+    cj = os.path.join(path, files.CHECKPOINT_JSON)
     try:
-        with open(meta_path) as f:
-            meta = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise CorruptFile(f"{meta_path}: {exc}") from None
-    st = meta.get("state", {"count": 0, "dtype": "float32"})
-    states = [_file_array(path, prefix, f"state{k}", st["dtype"], nrows * row_len)
-              for k in range(int(st["count"]))]
-    store._restore_dense(rec, values, states, int(entry.get("step", 0)), bar)
+        rows, cols = files.dense_dims(rec["shape"])
+        shard_rows, nshards = rec["shard_rows"], rec["nshards"]
+        if not (isinstance(shard_rows, int) and shard_rows >= 1 and isinstance(nshards, int)
+                and nshards == max(1, -(-rows // shard_rows))):
+            raise ValueError(f"shard_rows {shard_rows!r} and nshards {nshards!r} do not "
+                             f"split {rows} rows")
+        if rec.get("mode", "exact") not in ("exact", "hogwild"):
+            raise ValueError(f"mode {rec.get('mode')!r}")
+        upd = from_dict(rec["optimizer"])
+        if upd.float_only and np.dtype(rec["dtype"]).kind != "f":
+            raise ValueError(f"optimizer {type(upd).__name__} needs a float dtype")
+        clean = {k: rec[k] for k in _RECORD_KEYS if k in rec}
+        lay = _native.layout(_dense_specs(clean)[0])
+    except (KeyError, TypeError, ValueError, Error) as exc:
+        raise CorruptFile(f"{cj}: tensor {rec['name']!r}: invalid record: {exc}",
+                          files._CKPT_HINT) from None
+    try:
+        sets = files.validate_all(where)
+    except NotFound as exc:
+        raise CorruptFile(f"{exc.message} (tensor {rec['name']!r} of checkpoint {path})",
+                          files._CKPT_HINT) from None
+    ms = sets[0]
+    mp = f"{where}.meta"
+    if ms.kind != "dense":
+        raise CorruptFile(f"{mp}: kind {ms.kind!r}, but {cj} records tensor {rec['name']!r} "
+                          "as dense", files._CKPT_HINT)
+    if (ms.rows, ms.cols) != (rows, cols) or ms.dtypes["value"] != rec["dtype"]:
+        raise CorruptFile(f"{mp}: a {ms.rows} x {ms.cols} {ms.dtypes['value']} set, but {cj} "
+                          f"records tensor {rec['name']!r} as {rec['dtype']} of shape "
+                          f"{tuple(rec['shape'])} ({rows} x {cols})", files._CKPT_HINT)
+    want_state = _native.DTYPE_NAMES[lay["state_dtype"]]
+    if len(sets) - 1 != lay["nstate"] or any(x.dtypes["value"] != want_state
+                                             for x in sets[1:]):
+        have = ", ".join(f"{x.array} {x.dtypes['value']}" for x in sets[1:]) or "none"
+        raise CorruptFile(f"{mp}: state arrays {have}, but optimizer "
+                          f"{type(upd).__name__} of a {rec['dtype']} tensor keeps "
+                          f"{lay['nstate']} {want_state} arrays", files._CKPT_HINT)
+    step = int(entry.get("step", 0))
+    values = ms.csr.value
+    states = [x.csr.value for x in sets[1:]]
+    nbytes = sum(int(np.asarray(a[:0]).itemsize) * len(a) for a in [values, *states])
+
+    def run(store: Any, bar: Any) -> None:
+        store._restore_dense(clean, values, states, step, bar)
+
+    return _Plan(nbytes, run)
 
 
 _SAVERS: dict[str, Callable] = {"dense": _save_dense}
-_RESTORERS: dict[str, Callable] = {"dense": _restore_dense}
+_PLANNERS: dict[str, Callable[[str, dict], _Plan]] = {"dense": _plan_dense}

@@ -21,7 +21,8 @@ import numpy as np
 
 from .errors import CorruptFile, InvalidArgument, NotFound
 from .files import (ARRAYS, CHUNK, CSR, INDEX_DTYPES, VALUE_DTYPES, MatrixSet, SetWriter,
-                    _check_structure, _scipy_sparse, build_meta, read_csr)
+                    _check_structure, _scipy_sparse, build_meta, read_checkpoint_manifest,
+                    read_csr, validate_all)
 
 #: Entries formatted per write when printing (bounded memory, bounded string size).
 ENTRY_CHUNK = 1 << 16
@@ -77,6 +78,10 @@ def _add_read_flags(p: argparse.ArgumentParser, what: str = "PREFIX") -> None:
                    help="dtype of .value: " + ", ".join(VALUE_DTYPES))
     g.add_argument("--cols", type=_nonneg, metavar="C",
                    help="number of columns (default: .meta, else largest column + 1)")
+    g.add_argument("--array", metavar="NAME",
+                   help="which array supplies the values: value (default) or an optimizer "
+                        "state array state0, state1, ... that the .meta declares (same "
+                        "structure)")
 
 
 _FORMATS = ("table", "summary", "json", "csv")
@@ -92,9 +97,16 @@ formats:
            rebased to start at 0)
   csv      header 'row,col,value', then one line per entry
 
+A dense set (its .meta says "kind": "dense", e.g. a checkpoint tensor ckpt/t0) has
+only PREFIX.value: every row holds cols entries; the structure is implicit and
+printed as if stored.  --array state0 shows an optimizer state array instead of the
+values.  A checkpoint directory with --tensor NAME picks that tensor's set.
+
 examples:
   shmps-tool dump data/X
   shmps-tool dump data/X --format summary
+  shmps-tool dump ckpt/t0 --format summary
+  shmps-tool dump ckpt --tensor fc.w --array state0 --head 5
   shmps-tool dump data/X --format csv --rows 100:200 > part.csv
   shmps-tool dump scipy_X --rowcnt-dtype int32 --value-dtype float64
   shmps-tool dump --store model --tensor X --format summary
@@ -138,9 +150,10 @@ def register(sub: Any) -> None:
     p.add_argument("--head", type=_nonneg, metavar="N",
                    help="only the first N rows (of --rows if given)")
     _add_read_flags(p)
-    g = p.add_argument_group("live tensor (instead of PREFIX)")
+    g = p.add_argument_group("live tensor (instead of PREFIX), or a checkpoint's tensor")
     g.add_argument("--store", metavar="NAME", help="store name")
-    g.add_argument("--tensor", metavar="T", help="tensor name in the store")
+    g.add_argument("--tensor", metavar="T",
+                   help="tensor name in the store, or in the checkpoint directory PREFIX")
     g.add_argument("--namespace", metavar="NS",
                    help="store namespace (default: $SHMPS_NAMESPACE or none)")
     p.set_defaults(func=dump)
@@ -150,8 +163,10 @@ def register(sub: Any) -> None:
         description="Validate PREFIX.rowcnt/.colidx/.value (+ .meta) and print "
                     "'ok: R x C, nnz N (dtypes ...)', or one error line naming the file, "
                     "the position and the defect (exit status 2).",
-        epilog="examples:\n  shmps-tool check data/X\n"
-               "  shmps-tool check scipy_X --rowcnt-dtype int32", formatter_class=raw)
+        epilog="Checks the values and every optimizer state array the .meta declares "
+               "(--array NAME: only that one).\n\nexamples:\n  shmps-tool check data/X\n"
+               "  shmps-tool check scipy_X --rowcnt-dtype int32\n"
+               "  shmps-tool check ckpt/t0", formatter_class=raw)
     p.add_argument("prefix", metavar="PREFIX", help="file set prefix")
     _add_read_flags(p)
     p.set_defaults(func=check)
@@ -175,6 +190,11 @@ def register(sub: Any) -> None:
 def _read_flags(args: argparse.Namespace) -> dict[str, Any]:
     return {"rowcnt_dtype": args.rowcnt_dtype, "colidx_dtype": args.colidx_dtype,
             "value_dtype": args.value_dtype, "cols": args.cols}
+
+
+def _read_args(args: argparse.Namespace) -> dict[str, Any]:
+    """read_csr's keyword arguments from the reading flags (``--array`` included)."""
+    return {**_read_flags(args), "array": args.array}
 
 
 # ----------------------------------------------------------------------------- formatting
@@ -210,12 +230,14 @@ def _index_strings(a: np.ndarray) -> list[str]:
     return np.asarray(a).astype(str).tolist()
 
 
-def _write_list(out: IO[str], arr: np.ndarray, *, base: int = 0,
+def _write_list(out: IO[str], arr: Any, start: int, stop: int, *, base: int = 0,
                 values: bool = False) -> None:
-    """Write ``arr`` (minus ``base``) as comma-separated JSON numbers, chunk by chunk."""
+    """Write ``arr[start:stop]`` (minus ``base``) as comma-separated JSON numbers, chunk
+    by chunk (``arr`` is sliced per chunk: a memmap or an implicit structure is never
+    read or built whole)."""
     first = True
-    for s in range(0, len(arr), ENTRY_CHUNK):
-        seg = np.asarray(arr[s:s + ENTRY_CHUNK])
+    for s in range(start, stop, ENTRY_CHUNK):
+        seg = np.asarray(arr[s:min(s + ENTRY_CHUNK, stop)])
         if values:
             items = value_strings(seg, for_json=True)
         else:
@@ -241,6 +263,11 @@ def _window(args: argparse.Namespace, rows: int) -> tuple[int, int]:
 
 
 def _dtype_line(ms: MatrixSet) -> str:
+    if ms.kind == "dense":
+        return f"dense, structure implicit; {ms.array} {ms.dtypes['value']}"
+    if ms.array != "value":
+        return (f"rowcnt {ms.dtypes['rowcnt']}, colidx {ms.dtypes['colidx']}, "
+                f"{ms.array} {ms.dtypes['value']}")
     return ", ".join(f"{k} {ms.dtypes[k]}" for k in ARRAYS)
 
 
@@ -288,15 +315,16 @@ def _write_table(out: IO[str], ms: MatrixSet, lo: int, hi: int) -> None:
 def _write_csv(out: IO[str], ms: MatrixSet, lo: int, hi: int) -> None:
     rowcnt, colidx, value = ms.csr
     out.write("row,col,value\n")
-    e0, e1 = int(rowcnt[lo]), int(rowcnt[hi])
-    offsets = rowcnt[lo:hi + 1]
-    for s in range(e0, e1, ENTRY_CHUNK):
-        e = min(s + ENTRY_CHUNK, e1)
-        rows = np.searchsorted(offsets, np.arange(s, e), side="right") - 1 + lo
-        lines = [f"{r},{c},{v}" for r, c, v in zip(_index_strings(rows),
-                                                    _index_strings(colidx[s:e]),
-                                                    value_strings(value[s:e]))]
-        out.write("\n".join(lines) + "\n")
+    for ra, rb in _row_blocks(rowcnt, lo, hi):
+        offsets = np.asarray(rowcnt[ra:rb + 1], dtype=np.int64)
+        e0, e1 = int(offsets[0]), int(offsets[-1])
+        for s in range(e0, e1, ENTRY_CHUNK):
+            e = min(s + ENTRY_CHUNK, e1)
+            rows = np.searchsorted(offsets, np.arange(s, e), side="right") - 1 + ra
+            lines = [f"{r},{c},{v}" for r, c, v in zip(_index_strings(rows),
+                                                        _index_strings(colidx[s:e]),
+                                                        value_strings(value[s:e]))]
+            out.write("\n".join(lines) + "\n")
 
 
 def _write_json(out: IO[str], ms: MatrixSet, lo: int, hi: int) -> None:
@@ -304,11 +332,11 @@ def _write_json(out: IO[str], ms: MatrixSet, lo: int, hi: int) -> None:
     e0, e1 = int(rowcnt[lo]), int(rowcnt[hi])
     out.write(f'{{"rows":{hi - lo},"cols":{ms.cols},'
               f'"dtypes":{json.dumps(ms.dtypes, separators=(",", ":"))},"rowcnt":[')
-    _write_list(out, rowcnt[lo:hi + 1], base=e0)
+    _write_list(out, rowcnt, lo, hi + 1, base=e0)
     out.write('],"colidx":[')
-    _write_list(out, colidx[e0:e1])
+    _write_list(out, colidx, e0, e1)
     out.write('],"value":[')
-    _write_list(out, value[e0:e1], values=True)
+    _write_list(out, value, e0, e1, values=True)
     out.write("]}\n")
 
 
@@ -322,6 +350,9 @@ def _source_note(ms: MatrixSet, key: str) -> str:
         return "from .meta"
     if src == "array":
         return "from the tensor"
+    if src == "implicit":
+        return ("implicit: row i starts at i * cols" if key == "rowcnt"
+                else "implicit: every row holds columns 0 .. cols - 1")
     return src
 
 
@@ -393,9 +424,18 @@ def _write_summary(out: IO[str], ms: MatrixSet, label: str) -> None:
              f"density:   {density}",
              "dtypes:"]
     for k in ARRAYS:
-        lines.append(f"  {k}: {ms.dtypes[k]} ({_source_note(ms, k)})")
+        name = ms.array if k == "value" else k
+        lines.append(f"  {name}: {ms.dtypes[k]} ({_source_note(ms, k)})")
     lines.append(f"cols:      {ms.cols} ({_source_note(ms, 'cols')})")
-    mn, med, mx, empty = row_nnz_stats(rowcnt)
+    if ms.kind == "dense":
+        shape = " x ".join(map(str, ms.shape)) if ms.shape else "scalar"
+        lines.insert(1, f"kind:      dense (tensor shape {shape}; rows = first axis, "
+                        "cols = the others; structure implicit)")
+        mn, med, mx, empty = ms.cols, float(ms.cols), ms.cols, ms.rows if ms.cols == 0 else 0
+        if ms.rows == 0:
+            mn, med, mx = 0, 0.0, 0
+    else:
+        mn, med, mx, empty = row_nnz_stats(rowcnt)
     lines.append(f"row nnz:   min {mn}, median {med:g}, max {mx} ({empty} empty rows)")
     st = value_stats(value)
     if st["finite"]:
@@ -406,7 +446,17 @@ def _write_summary(out: IO[str], ms: MatrixSet, label: str) -> None:
         lines.append("values:    no finite values")
     lines.append(f"nonfinite: NaN {st['nan']}, +Inf {st['posinf']}, -Inf {st['neginf']}")
     extra = [k for k in ms.meta if k not in ("version", "kind", "rows", "cols", "nnz",
-                                               "dtypes")]
+                                               "dtypes", "shape")]
+    if len(ms.arrays) > 1:
+        others = [a for a in ms.arrays if a != ms.array]
+        lines.append(f"arrays:    {ms.array} shown; also {', '.join(others)} (--array NAME)")
+    if ms.prefix is not None and isinstance(ms.meta.get("name"), str):
+        lines.append(f"tensor:    {ms.meta['name']!r} (checkpointed)")
+    opt = ms.meta.get("optimizer")
+    if isinstance(opt, dict):
+        params = ", ".join(f"{k}={v}" for k, v in opt.items() if k != "type")
+        step = f"; step {ms.meta['step']}" if "step" in ms.meta else ""
+        lines.append(f"optimizer: {opt.get('type')}{f'({params})' if params else ''}{step}")
     if ms.prefix is None:
         pass
     elif ms.meta:
@@ -428,6 +478,7 @@ def _load_store_tensor(args: argparse.Namespace) -> MatrixSet:
     if any(v is not None for v in _read_flags(args).values()):
         raise InvalidArgument("--rowcnt-dtype/--colidx-dtype/--value-dtype/--cols apply to "
                               "file sets, not to --store")
+
     from . import cli_store
 
     fn = getattr(cli_store, "tensor_as_matrix", None)
@@ -435,7 +486,10 @@ def _load_store_tensor(args: argparse.Namespace) -> MatrixSet:
         raise InvalidArgument("dump --store is not available in this build "
                               "(shmps.cli_store.tensor_as_matrix is missing)",
                               hint="dump a file set instead: shmps-tool dump PREFIX")
-    ms = fn(args.store, args.tensor, args.namespace)
+    if args.array not in (None, "value"):
+        ms = fn(args.store, args.tensor, args.namespace, array=args.array)
+    else:
+        ms = fn(args.store, args.tensor, args.namespace)
     if not isinstance(ms, MatrixSet):
         ms = MatrixSet.from_csr(ms)
     return ms
@@ -464,12 +518,17 @@ def dump(args: argparse.Namespace) -> int:
     if args.store is not None and args.prefix is not None:
         raise InvalidArgument("give either PREFIX or --store NAME --tensor T, not both")
     if args.store is None:
-        if args.tensor is not None:
-            raise InvalidArgument("--tensor needs --store NAME")
         if args.prefix is None:
             raise InvalidArgument("dump needs PREFIX (a file set) or --store NAME --tensor T")
-        ms = read_csr(args.prefix, **_read_flags(args), check=True)
-        label = f"file set:  {ms.prefix} (.rowcnt .colidx .value{' .meta' if ms.meta else ''})"
+        prefix = _checkpoint_prefix(args.prefix, args.tensor)
+        ms = read_csr(prefix, **_read_args(args), check=True)
+        if ms.kind == "dense":
+            members = " ".join(f".{a}" for a in ms.arrays)
+            label = f"file set:  {ms.prefix} ({members} .meta; dense: no .rowcnt/.colidx)"
+        else:
+            label = (f"file set:  {ms.prefix} (.rowcnt .colidx .value"
+                     + "".join(f" .{a}" for a in ms.arrays[1:])
+                     + f"{' .meta' if ms.meta else ''})")
     else:
         ms = _load_store_tensor(args)
         label = f"tensor:    {args.tensor} of store {args.store}"
@@ -493,10 +552,45 @@ def dump(args: argparse.Namespace) -> int:
 def check(args: argparse.Namespace) -> int:
     """``shmps-tool check``: full validation; one ``ok:`` line.  Cost: one chunked pass
     over rowcnt and colidx, O(CHUNK) memory."""
-    ms = read_csr(args.prefix, **_read_flags(args), check=True)
-    dt = ", ".join(f"{k}={ms.dtypes[k]}" for k in ARRAYS)
-    print(f"ok: {ms.rows} x {ms.cols}, nnz {ms.nnz} (dtypes {dt})")
+    prefix = _checkpoint_prefix(args.prefix, None)
+    if args.array is not None:
+        sets = [read_csr(prefix, **_read_args(args), check=True)]
+    else:
+        sets = validate_all(prefix, **_read_flags(args))
+    ms = sets[0]
+    if ms.kind == "dense":
+        dt = f"{ms.array}={ms.dtypes['value']}"
+        kind = "dense (structure implicit), "
+    else:
+        dt = ", ".join(f"{ms.array if k == 'value' else k}={ms.dtypes[k]}" for k in ARRAYS)
+        kind = ""
+    more = "".join(f"; {x.array} {x.dtypes['value']} ok" for x in sets[1:])
+    print(f"ok: {ms.rows} x {ms.cols}, {kind}nnz {ms.nnz} (dtypes {dt}){more}")
     return 0
+
+
+def _checkpoint_prefix(prefix: str, tensor: str | None) -> str:
+    """``prefix``, or with ``tensor`` (or for a checkpoint directory) the file-set prefix
+    of that tensor in the checkpoint directory ``prefix`` (from its checkpoint.json)."""
+    is_ckpt = os.path.isdir(prefix) and os.path.isfile(os.path.join(prefix, "checkpoint.json"))
+    if tensor is None and not is_ckpt:
+        return prefix
+    if not is_ckpt:
+        raise InvalidArgument(f"--tensor {tensor}: {prefix} is not a checkpoint directory "
+                              "(no checkpoint.json)",
+                              hint="--tensor picks a tensor of --store NAME or of a "
+                                   "checkpoint directory")
+    entries = read_checkpoint_manifest(prefix)["tensors"]
+    names = ", ".join(repr(e["record"]["name"]) for e in entries) or "none"
+    if tensor is None:
+        raise InvalidArgument(f"{prefix} is a checkpoint directory; its tensors are {names}",
+                              hint=f"pass --tensor NAME, or a set prefix such as "
+                                   f"{os.path.join(prefix, entries[0]['prefix']) if entries else prefix + '/t0'}")
+    for e in entries:
+        if e["record"]["name"] == tensor:
+            return os.path.join(prefix, e["prefix"])
+    raise NotFound(f"no tensor {tensor!r} in checkpoint {prefix}; its tensors are {names}",
+                   hint="list them with shmps-tool dump CKPT (or read checkpoint.json)")
 
 
 def _kind(path: str) -> str:
@@ -624,7 +718,7 @@ def _npy_to_set(args: argparse.Namespace) -> tuple[int, int, int, str]:
 
 def _set_to_npz(args: argparse.Namespace) -> tuple[int, int, int, str]:
     sparse = _scipy_sparse()
-    ms = read_csr(args.src, **_read_flags(args), check=True)
+    ms = read_csr(args.src, **_read_args(args), check=True)
     vdt = _out_value_dtype(np.dtype(ms.dtypes["value"]), args.dtype, ms.prefix or args.src)
     if vdt == "float16":
         raise InvalidArgument(f"{args.src}: scipy.sparse cannot hold float16 values",
@@ -648,7 +742,7 @@ def _set_to_npz(args: argparse.Namespace) -> tuple[int, int, int, str]:
 
 
 def _set_to_npy(args: argparse.Namespace) -> tuple[int, int, int, str]:
-    ms = read_csr(args.src, **_read_flags(args), check=True)
+    ms = read_csr(args.src, **_read_args(args), check=True)
     vdt = _out_value_dtype(np.dtype(ms.dtypes["value"]), args.dtype, ms.prefix or args.src)
     rowcnt, colidx, value = ms.csr
     rows, cols = ms.rows, ms.cols
@@ -664,6 +758,11 @@ def _set_to_npy(args: argparse.Namespace) -> tuple[int, int, int, str]:
                 for r0 in range(0, rows, step):
                     r1 = min(r0 + step, rows)
                     e0, e1 = int(rowcnt[r0]), int(rowcnt[r1])
+                    if ms.kind == "dense":  # row-major values: a plain copy
+                        out[r0:r1] = np.asarray(value[e0:e1]).reshape(r1 - r0, cols) \
+                            .astype(vdt, casting="same_kind")
+                        bar.update((r1 - r0) * cols * itemsize)
+                        continue
                     counts = np.diff(np.asarray(rowcnt[r0:r1 + 1], dtype=np.int64))
                     ri = np.repeat(np.arange(r1 - r0), counts.astype(np.int64))
                     np.add.at(out[r0:r1], (ri, np.asarray(colidx[e0:e1])),
@@ -684,9 +783,9 @@ def convert(args: argparse.Namespace) -> int:
                               "file set prefix and the other a .npz or .npy file")
     if args.keep_zeros and sk != "npy":
         raise InvalidArgument("--keep-zeros applies to a dense .npy SRC only")
-    if sk != "set" and any(v is not None for v in _read_flags(args).values()):
-        raise InvalidArgument("--rowcnt-dtype/--colidx-dtype/--value-dtype/--cols describe "
-                              "a file-set SRC; use --dtype to cast the values")
+    if sk != "set" and any(v is not None for v in _read_args(args).values()):
+        raise InvalidArgument("--rowcnt-dtype/--colidx-dtype/--value-dtype/--cols/--array "
+                              "describe a file-set SRC; use --dtype to cast the values")
     if sk == "npz":
         rows, cols, nnz, vdt = _npz_to_set(args)
     elif sk == "npy":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import Any, Optional
@@ -11,6 +12,7 @@ from typing import Any, Optional
 import numpy as np
 
 from . import inspect as shm_inspect
+from . import names
 from .errors import InvalidArgument
 from .segment import unlink
 
@@ -26,6 +28,8 @@ def _fmt_bytes(n: float) -> str:
 def cmd_ls(args: argparse.Namespace) -> int:
     """List stores on this host: tensors, dtypes, shapes, sizes, live processes."""
     stores, orphans = shm_inspect.scan(args.namespace)
+    if args.namespace is not None:
+        orphans = [o for o in orphans if o.startswith(f"/shmps.{args.namespace}.")]
     if args.json:
         out = [{"store": s.name, "namespace": s.namespace, "bytes": s.bytes, "pids": s.pids,
                 "segments": len(s.segments), "error": s.error,
@@ -37,7 +41,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print()
         return 0
     if not stores and not orphans:
-        print("no shmps stores on this host")
+        print("no shmps stores on this host"
+              + (f" in namespace {args.namespace}" if args.namespace else ""))
         return 0
     for s in stores:
         ns = f" (namespace {s.namespace})" if s.namespace else ""
@@ -61,12 +66,36 @@ def cmd_ls(args: argparse.Namespace) -> int:
     return 0
 
 
+#: gc leaves alone stores (and orphan segments) younger than this, in seconds: a
+#: store that young may be mid-attach by a process not yet in its process table.
+#: The environment variable SHMPS_GC_MIN_AGE overrides it (tests set 0).
 GC_MIN_AGE_S = 5.0
+GC_MIN_AGE_ENV = "SHMPS_GC_MIN_AGE"
+
+
+def gc_min_age() -> float:
+    """:data:`GC_MIN_AGE_S`, or ``$SHMPS_GC_MIN_AGE`` (seconds, >= 0) when set."""
+    text = os.environ.get(GC_MIN_AGE_ENV)
+    if text is None or not text.strip():
+        return GC_MIN_AGE_S
+    try:
+        v = float(text)
+    except ValueError:
+        v = -1.0
+    if not (v >= 0 and v != float("inf")):
+        raise InvalidArgument(f"{GC_MIN_AGE_ENV}={text!r} is not a number of seconds >= 0",
+                              f"unset it (default {GC_MIN_AGE_S:g} s) or set e.g. 0")
+    return v
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
     """Remove segments of stores no live process has attached, and orphan segments."""
-    stores, orphans = shm_inspect.scan(None, with_fill=False)
+    min_age = gc_min_age()
+    stores, orphans = shm_inspect.scan(args.namespace, with_fill=False)
+    if args.namespace is not None:
+        names.check_name(args.namespace, "namespace")
+        mine = f"/shmps.{args.namespace}."
+        orphans = [o for o in orphans if o.startswith(mine)]
     doomed: list[tuple[str, list[str]]] = []
     for s in stores:
         if s.pids:
@@ -74,13 +103,13 @@ def cmd_gc(args: argparse.Namespace) -> int:
         if s.error is not None and not args.corrupt:
             print(f"skipped {s.manifest}: {s.error} (pass --corrupt to remove)", file=sys.stderr)
             continue
-        if s.age_s < GC_MIN_AGE_S:  # may be mid-attach by a process not yet registered
+        if s.age_s < min_age:  # may be mid-attach by a process not yet registered
             continue
         doomed.append((f"store {s.name}" + (f" (namespace {s.namespace})" if s.namespace else ""),
                        s.segments))
     if orphans:
         doomed.append(("orphan segments", [o for o in orphans
-                                           if shm_inspect._age(o) >= GC_MIN_AGE_S]))
+                                           if shm_inspect._age(o) >= min_age]))
     removed = 0
     for what, segs in doomed:
         if not segs:
@@ -154,9 +183,9 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
 
 def cmd_restore(args: argparse.Namespace) -> int:
     """Recreate a store from a checkpoint directory."""
-    from .checkpoint import _load_doc, restore
+    from .checkpoint import load_manifest, restore
 
-    name = args.as_name or _load_doc(args.path)["store"]
+    name = args.as_name or load_manifest(args.path)["store"]
     store = restore(args.path, name, namespace=args.namespace, force=args.force)
     n = len(store.tensors())
     store.close()
@@ -164,23 +193,45 @@ def cmd_restore(args: argparse.Namespace) -> int:
     return 0
 
 
-def tensor_as_matrix(store_name: str, tensor: str, namespace: Optional[str]) -> Any:
-    """A live tensor as a matrix file set (for ``shmps-tool dump --store``)."""
-    from .files import CSR, MatrixSet
+def tensor_as_matrix(store_name: str, tensor: str, namespace: Optional[str],
+                     array: str = "value") -> Any:
+    """A live tensor as a matrix file set (for ``shmps-tool dump --store``).
+
+    A dense tensor is a dense set (implicit structure, nothing materialised but the
+    pulled values); ``array="state0"`` ... gives an optimizer state array instead,
+    each shard copied while frozen (a whole number of pushes, like a checkpoint)."""
+    from .checkpoint import _dense_fields, _frozen_copy
+    from .files import MatrixSet, _check_array_name
     from .store import attach
 
+    _check_array_name(array)
     store = attach(store_name, create=False, namespace=namespace)
     try:
-        t = store[tensor]
+        t: Any = store[tensor]
         if hasattr(t, "as_matrix"):
+            if array != "value":
+                return t.as_matrix(array=array)
             return t.as_matrix()
-        vals = t.pull()
-        a = vals.reshape(vals.shape[0], -1) if vals.ndim > 1 else vals.reshape(-1, 1)
-        rows, cols = a.shape
-        return MatrixSet.from_csr(CSR(np.arange(0, rows * cols + 1, cols, dtype=np.int64)
-                                      if cols else np.zeros(rows + 1, np.int64),
-                                      np.tile(np.arange(cols, dtype=np.int32), rows),
-                                      np.ascontiguousarray(a).ravel()), cols=cols)
+        if t.kind != "dense":
+            raise InvalidArgument(f"dump --store: tensor {tensor!r} is a {t.kind} tensor, "
+                                  "which this version cannot print yet")
+        nstate = t._shard(0).spec["nstate"]
+        arrays = ("value",) + tuple(f"state{k}" for k in range(nstate))
+        meta = {"name": t.name, "optimizer": t.optimizer.to_dict(),
+                "step": t.stats()["step"]}
+        if array == "value":
+            vals = t.pull()
+        else:
+            if array not in arrays:
+                raise InvalidArgument(f"tensor {tensor!r} has no array {array!r}: its arrays "
+                                      f"are {', '.join(arrays)} (optimizer "
+                                      f"{type(t.optimizer).__name__})",
+                                      hint="pick one of those with --array")
+            vals = np.concatenate([_frozen_copy(t, i, _dense_fields)[array]
+                                   for i in range(t.nshards)]) if t.nshards else np.zeros(0)
+        ms = MatrixSet.from_dense(vals, shape=t.shape, meta=meta)
+        ms.array, ms.arrays = array, arrays
+        return ms
     finally:
         store.close()
 
@@ -196,9 +247,12 @@ def register(sub: Any) -> None:
     p = sub.add_parser("gc", help="remove segments of stores with no live process",
                        description="Remove the segments of stores that no live process has "
                                    "attached (and orphan shmps segments). Stores younger "
-                                   f"than {GC_MIN_AGE_S:g} s are left alone.",
+                                   f"than {GC_MIN_AGE_S:g} s (${GC_MIN_AGE_ENV} to change) "
+                                   "are left alone.",
                        epilog="example: shmps-tool gc --dry-run")
     p.add_argument("--dry-run", action="store_true", help="only say what would be removed")
+    p.add_argument("--namespace", metavar="NS",
+                   help="only stores (and orphan segments) of this namespace")
     p.add_argument("--corrupt", action="store_true",
                    help="also remove stores whose manifest is unreadable")
     p.set_defaults(func=cmd_gc)

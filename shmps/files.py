@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, NamedTuple, Sequence
+from typing import Any, Iterator, Mapping, NamedTuple, Sequence, cast
 
 import numpy as np
 
@@ -42,6 +43,12 @@ DEFAULT_DTYPES: dict[str, str] = {"rowcnt": "int64", "colidx": "int32", "value":
 RESERVED_META_KEYS: tuple[str, ...] = ("version", "kind", "rows", "cols", "nnz", "dtypes")
 #: Elements per chunk of every streaming pass (validation, copying, writing).
 CHUNK = 1 << 22
+#: What a ``.meta`` may say a set is: ``csr`` (explicit structure) or ``dense``
+#: (``rows x cols`` values row-major; no ``.rowcnt``/``.colidx``, the structure is implicit).
+KINDS: tuple[str, ...] = ("csr", "dense")
+#: Names of the arrays that can supply a set's values: ``value`` and the optimizer
+#: state arrays ``state0``, ``state1``, ... (same structure, ``.meta`` field ``state``).
+_ARRAY_NAME = re.compile(r"value|state(0|[1-9][0-9]*)")
 
 _SET_HINT = ("a file set is PREFIX.rowcnt, PREFIX.colidx and PREFIX.value, "
              "plus an optional PREFIX.meta")
@@ -145,6 +152,89 @@ class CSR(NamedTuple):
                                  shape=(self.rows, ncols))
 
 
+class ImplicitIndex:
+    """A structure array of a dense set, computed on demand instead of stored.
+
+    ``ImplicitIndex("rowcnt", rows, cols)`` reads as ``[0, cols, 2 * cols, ..., rows *
+    cols]`` (``rows + 1`` entries); ``ImplicitIndex("colidx", rows, cols)`` as ``[0, 1,
+    ..., cols - 1]`` repeated ``rows`` times (``rows * cols`` entries).  It behaves like
+    a read-only 1-d numpy array for what file-set readers do: ``len()``, ``dtype``,
+    ``shape``, ``ndim``, ``size``, an integer index (a numpy scalar, O(1)), a slice or an
+    integer array (an ndarray of just those entries, O(len)), and ``np.asarray()`` (the
+    whole array, O(len) memory -- which is what this class exists to avoid for a large
+    set: stream it in slices instead).
+    """
+
+    ndim = 1
+
+    def __init__(self, which: str, rows: int, cols: int, dtype: str | np.dtype) -> None:
+        if which not in ("rowcnt", "colidx"):
+            raise InvalidArgument(f"ImplicitIndex: which={which!r} is not rowcnt or colidx")
+        self.which, self.rows, self.cols = which, int(rows), int(cols)
+        self.dtype = np.dtype(dtype)
+        self._n = self.rows + 1 if which == "rowcnt" else self.rows * self.cols
+
+    def __len__(self) -> int:
+        return self._n
+
+    @property
+    def shape(self) -> tuple[int]:
+        return (self._n,)
+
+    @property
+    def size(self) -> int:
+        return self._n
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the array would take if materialised (it is not)."""
+        return self._n * self.dtype.itemsize
+
+    def _at(self, idx: np.ndarray) -> np.ndarray:
+        idx = np.asarray(idx, dtype=np.int64)
+        out = idx * self.cols if self.which == "rowcnt" else idx % max(self.cols, 1)
+        return out.astype(self.dtype, copy=False)
+
+    def __getitem__(self, key: Any) -> Any:
+        if isinstance(key, slice):
+            return self._at(np.arange(*key.indices(self._n), dtype=np.int64))
+        if isinstance(key, (int, np.integer)):
+            i = int(key) + (self._n if int(key) < 0 else 0)
+            if not 0 <= i < self._n:
+                raise IndexError(f"index {int(key)} is out of bounds for axis 0 with size "
+                                 f"{self._n}")
+            return self.dtype.type(i * self.cols if self.which == "rowcnt"
+                                   else i % self.cols)
+        idx = np.asarray(key)
+        if idx.dtype.kind not in "iu":
+            raise TypeError(f"ImplicitIndex indices must be integers or slices, not "
+                            f"{idx.dtype}")
+        idx = np.where(idx < 0, idx + self._n, idx)
+        if idx.size and (idx.min() < 0 or idx.max() >= self._n):
+            raise IndexError(f"index out of bounds for axis 0 with size {self._n}")
+        return self._at(idx)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        a = self[:]
+        return a if dtype is None else a.astype(dtype, copy=False)
+
+    def __iter__(self) -> Iterator[Any]:
+        for s in range(0, self._n, CHUNK):
+            yield from self[s:s + CHUNK]
+
+    def __repr__(self) -> str:
+        return (f"ImplicitIndex({self.which!r}, rows={self.rows}, cols={self.cols}, "
+                f"dtype={self.dtype.name})")
+
+
+def implicit_structure(rows: int, cols: int) -> tuple[ImplicitIndex, ImplicitIndex]:
+    """``(rowcnt, colidx)`` of a dense ``rows x cols`` matrix, computed on demand:
+    rowcnt int64, colidx int32 (int64 beyond 2**31 - 1 columns).  O(1)."""
+    cdt = "int32" if cols <= np.iinfo(np.int32).max else "int64"
+    return (ImplicitIndex("rowcnt", rows, cols, "int64"),
+            ImplicitIndex("colidx", rows, cols, cdt))
+
+
 @dataclass
 class MatrixSet:
     """A matrix file set as read (or as about to be written).
@@ -154,6 +244,12 @@ class MatrixSet:
     ``"inferred"``, or ``"array"`` for in-memory arrays and the cols their owner gave);
     ``inferred`` holds, for the inferred ones only, why.
     ``meta`` is the parsed ``.meta`` (``{}`` without one), unknown keys included.
+
+    ``kind`` is ``"csr"`` or ``"dense"``; a dense set's ``csr.rowcnt`` and ``csr.colidx``
+    are :class:`ImplicitIndex` objects (computed on demand, ``sources`` ``"implicit"``)
+    and ``shape`` is the tensor shape its ``.meta`` gives (else ``(rows, cols)``).
+    ``array`` names the array read as the values (``"value"``, or an optimizer state
+    array ``"state0"``, ...) and ``arrays`` lists every such array the set declares.
     """
 
     csr: CSR
@@ -164,11 +260,45 @@ class MatrixSet:
     meta: dict[str, Any] = field(default_factory=dict)
     prefix: str | None = None
     sources: dict[str, str] = field(default_factory=dict)
+    kind: str = "csr"
+    shape: tuple[int, ...] | None = None
+    array: str = "value"
+    arrays: tuple[str, ...] = ("value",)
 
     @property
     def nnz(self) -> int:
         """Number of stored entries.  O(1)."""
         return self.csr.nnz
+
+    def to_numpy(self) -> np.ndarray:
+        """The matrix as a numpy array: a dense set's values reshaped to ``shape`` (a
+        view of the memmap, no copy), a csr set's :meth:`CSR.to_dense` (``rows x cols``,
+        O(rows * cols) memory, repeats summed)."""
+        if self.kind == "dense":
+            shape = self.shape if self.shape is not None else (self.rows, self.cols)
+            return np.asarray(self.csr.value).reshape(shape)
+        return self.csr.to_dense(self.cols)
+
+    @classmethod
+    def from_dense(cls, values: np.ndarray, *, shape: Sequence[int] | None = None,
+                   meta: Mapping[str, Any] | None = None) -> MatrixSet:
+        """Describe an in-memory dense array as a dense set (:func:`dense_dims`: rows =
+        first axis, cols = product of the others).  The structure is implicit; nothing
+        is copied when ``values`` is C-contiguous.  ``shape`` defaults to
+        ``values.shape``.  O(1)."""
+        a = np.asarray(values)
+        shp = tuple(int(x) for x in (a.shape if shape is None else shape))
+        rows, cols = dense_dims(shp)
+        flat = np.ascontiguousarray(a).reshape(-1)
+        if flat.size != rows * cols:
+            raise InvalidArgument(f"{flat.size} values do not fill shape {shp}")
+        rowcnt, colidx = implicit_structure(rows, cols)
+        dtypes = {"rowcnt": rowcnt.dtype.name, "colidx": colidx.dtype.name,
+                  "value": flat.dtype.name}
+        sources = {"rowcnt": "implicit", "colidx": "implicit", "value": "array",
+                   "cols": "array"}
+        return cls(CSR(cast(Any, rowcnt), cast(Any, colidx), flat), rows, cols, dtypes, {},
+                   dict(meta or {}), None, sources, "dense", shp)
 
     @classmethod
     def from_csr(cls, csr: CSR | Sequence[np.ndarray], *, cols: int | None = None,
@@ -192,6 +322,18 @@ class MatrixSet:
                    inferred, dict(meta or {}), None, sources)
 
 
+def dense_dims(shape: Sequence[int]) -> tuple[int, int]:
+    """``(rows, cols)`` of a dense tensor shape: rows = first axis, cols = product of
+    the others; ``()`` is 1 x 1 and ``(n,)`` is n x 1 (as the store shards them).  O(ndim)."""
+    shp = tuple(int(x) for x in shape)
+    if not shp:
+        return 1, 1
+    cols = 1
+    for x in shp[1:]:
+        cols *= x
+    return shp[0], cols
+
+
 def paths(prefix: str | os.PathLike[str]) -> dict[str, str]:
     """The four paths of a file set: ``{"rowcnt", "colidx", "value", "meta"}``.  O(1)."""
     p = os.fspath(prefix)
@@ -199,14 +341,51 @@ def paths(prefix: str | os.PathLike[str]) -> dict[str, str]:
 
 
 def normalize_prefix(prefix: str | os.PathLike[str]) -> str:
-    """Accept ``X`` or the path of one member (``X.rowcnt``, ``X.meta``, ...) and return
-    ``X``.  O(1) stat calls."""
+    """Accept ``X`` or the path of one member (``X.rowcnt``, ``X.meta``, ``X.state0``,
+    ...) and return ``X``.  O(1) stat calls."""
+    return split_member(prefix)[0]
+
+
+def split_member(prefix: str | os.PathLike[str]) -> tuple[str, str | None]:
+    """``(X, array)`` for the path of a value-like member (``X.value`` -> ``"value"``,
+    ``X.state0`` -> ``"state0"``), ``(X, None)`` for ``X`` itself or another member
+    (``X.rowcnt``, ``X.meta``).  A path is taken as a member only if it exists and ``X``
+    is not itself a set (no ``X.rowcnt`` / ``X.meta`` beside it).  O(1) stat calls."""
     p = os.fspath(prefix)
-    if not os.path.exists(f"{p}.rowcnt"):
-        for ext in (*ARRAYS, "meta"):
-            if p.endswith("." + ext) and os.path.exists(p):
-                return p[: -len(ext) - 1]
-    return p
+    if os.path.exists(f"{p}.rowcnt") or os.path.exists(f"{p}.meta"):
+        return p, None
+    head, dot, ext = p.rpartition(".")
+    if dot and head and os.path.exists(p):
+        if ext in ("rowcnt", "colidx", "meta"):
+            return head, None
+        if _ARRAY_NAME.fullmatch(ext):
+            return head, (ext if ext != "value" else None)
+    return p, None
+
+
+def _check_array_name(array: str) -> None:
+    if not isinstance(array, str) or not _ARRAY_NAME.fullmatch(array):
+        raise InvalidArgument(f"array {array!r} is not value or stateN (N = 0, 1, ...)",
+                              hint="--array value (default) or --array state0, state1, ...")
+
+
+def declared_arrays(meta: Mapping[str, Any]) -> tuple[str, ...]:
+    """The value-like arrays a ``.meta`` declares: ``("value", "state0", ...)`` for
+    ``"state": {"count": N, "dtype": D}``.  O(N)."""
+    st = meta.get("state") if meta else None
+    n = st.get("count", 0) if isinstance(st, dict) else 0
+    return ("value",) + tuple(f"state{k}" for k in range(n if _is_int(n) else 0))
+
+
+def _peek_kind(meta_path: str) -> Any:
+    """The ``kind`` a ``.meta`` states, or None when it is absent or unreadable (the
+    full read reports that in its place).  O(size)."""
+    try:
+        with open(meta_path, "rb") as f:
+            meta = json.loads(f.read())
+    except (OSError, ValueError):
+        return None
+    return meta.get("kind") if isinstance(meta, dict) else None
 
 
 # ----------------------------------------------------------------------------- reading
@@ -248,11 +427,21 @@ def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
     if "version" in meta and meta["version"] > FORMAT_VERSION:
         raise bad("version", f"is newer than this reader (version {FORMAT_VERSION}); "
                              "upgrade shmps")
-    if "kind" in meta and meta["kind"] != "csr":
-        raise bad("kind", 'is not "csr": only csr file sets are matrices')
+    if "kind" in meta and meta["kind"] not in KINDS:
+        raise bad("kind", 'is not "csr" or "dense": the file set kinds this reader knows')
     for key in ("rows", "cols", "nnz"):
         if key in meta and (not _is_int(meta[key]) or meta[key] < 0):
             raise bad(key, "is not a non-negative integer")
+    if "shape" in meta and (not isinstance(meta["shape"], list)
+                            or not all(_is_int(x) and x >= 0 for x in meta["shape"])):
+        raise bad("shape", "is not a list of non-negative integers")
+    st = meta.get("state")
+    if isinstance(st, dict) and "count" in st:  # {"count": N, "dtype": D}: state arrays
+        # (any other "state" value is an unknown key, kept as is)
+        if not _is_int(st["count"]) or st["count"] < 0:
+            raise bad("state.count", "is not a non-negative integer")
+        if st.get("count", 0) and st.get("dtype") not in VALUE_DTYPES:
+            raise bad("state.dtype", f"is not one of {', '.join(VALUE_DTYPES)}")
     dtypes = meta.get("dtypes", {})
     if not isinstance(dtypes, dict):
         raise bad("dtypes", "is not an object of dtype names")
@@ -326,7 +515,7 @@ def _scan_columns(c: np.ndarray, cols: int | None, chunk: int = CHUNK
 
 def _check_structure(c: CSR, *, cols: int | None, names: Mapping[str, str],
                      exc: type[Exception], cols_note: str, full: bool,
-                     chunk: int = CHUNK) -> tuple[int, str]:
+                     chunk: int = CHUNK, vlabel: str = "value") -> tuple[int, str]:
     """Check the CSR invariants; return ``(cols, how cols was found)``.
 
     Cheap checks (O(1)): rowcnt non-empty, starts at 0, colidx and value of equal
@@ -345,10 +534,10 @@ def _check_structure(c: CSR, *, cols: int | None, names: Mapping[str, str],
     nc, nv = len(colidx), len(value)
     if nc < nv:
         raise exc(f"{cn}: position {nc}: colidx ends after {nc} entries but {vn} holds "
-                  f"{nv} values (colidx and value must have equal length)")
+                  f"{nv} values (colidx and {vlabel} must have equal length)")
     if nv < nc:
-        raise exc(f"{vn}: position {nv}: value ends after {nv} entries but {cn} holds "
-                  f"{nc} column indices (colidx and value must have equal length)")
+        raise exc(f"{vn}: position {nv}: {vlabel} ends after {nv} entries but {cn} holds "
+                  f"{nc} column indices (colidx and {vlabel} must have equal length)")
     rows = len(rowcnt) - 1
     last = int(rowcnt[-1])
     if last != nv:
@@ -376,12 +565,20 @@ def _check_structure(c: CSR, *, cols: int | None, names: Mapping[str, str],
 
 def read_csr(prefix: str | os.PathLike[str], *, rowcnt_dtype: str | None = None,
              colidx_dtype: str | None = None, value_dtype: str | None = None,
-             cols: int | None = None, mmap: bool = True, check: bool = True) -> MatrixSet:
+             cols: int | None = None, mmap: bool = True, check: bool = True,
+             array: str | None = None) -> MatrixSet:
     """Read the file set ``prefix.{rowcnt,colidx,value}`` (and ``prefix.meta`` if any).
 
     Dtypes come from the arguments, else the ``.meta``, else inference from the file
     sizes (docs/file-format.md, "Inference"); ``cols`` likewise, else largest column + 1.
-    ``prefix`` may also name one member file (``X.rowcnt``).
+    ``prefix`` may also name one member file (``X.rowcnt``, ``X.state0``).
+
+    A ``.meta`` with ``"kind": "dense"`` makes it a dense set: only ``prefix.value``
+    (``rows * cols`` values, row-major), the structure implicit (:class:`ImplicitIndex`,
+    nothing materialised); see :func:`read_dense`.  ``array="state0"`` (``state1``, ...)
+    reads that optimizer state array, declared by the ``.meta`` field ``state``, in
+    place of ``value`` (same structure; dtype ``state.dtype``); default ``value``, or the
+    array a member path names.
 
     Cost: O(1) memory beyond the maps (``mmap=True``, read-only memmaps) or the whole set
     (``mmap=False``); with ``check`` (default) one chunked pass over rowcnt (non-decreasing)
@@ -389,7 +586,9 @@ def read_csr(prefix: str | os.PathLike[str], *, rowcnt_dtype: str | None = None,
     must be inferred.  Raises :class:`NotFound` for a missing file and
     :class:`CorruptFile` for anything wrong, naming file, position and defect.
     """
-    prefix = normalize_prefix(prefix)
+    prefix, member = split_member(prefix)
+    array = array if array is not None else (member or "value")
+    _check_array_name(array)
     p = paths(prefix)
     given = {"rowcnt": rowcnt_dtype, "colidx": colidx_dtype, "value": value_dtype}
     for k, allowed in (("rowcnt", INDEX_DTYPES), ("colidx", INDEX_DTYPES),
@@ -398,6 +597,17 @@ def read_csr(prefix: str | os.PathLike[str], *, rowcnt_dtype: str | None = None,
             raise InvalidArgument(f"{k} dtype {given[k]!r} is not one of {', '.join(allowed)}")
     if cols is not None and (not _is_int(cols) or cols < 0):
         raise InvalidArgument(f"cols must be a non-negative integer, got {cols!r}")
+    kind = _peek_kind(p["meta"])
+    if kind == "dense":
+        return _read_dense(prefix, given, cols, mmap, array)
+    if kind is not None and kind != "csr":
+        read_meta(p["meta"])  # names the bad "kind" field (before any missing file)
+    vfield = "dtypes.value"
+    if array != "value":
+        declared = declared_arrays(read_meta(p["meta"]) if os.path.exists(p["meta"]) else {})
+        if array not in declared:
+            raise _no_array(p["meta"], array, declared)
+        p["value"], vfield = f"{prefix}.{array}", "state.dtype"
 
     missing = [p[k] for k in ARRAYS if not os.path.exists(p[k])]
     if missing:
@@ -408,7 +618,9 @@ def read_csr(prefix: str | os.PathLike[str], *, rowcnt_dtype: str | None = None,
             raise CorruptFile(f"{p[k]}: not a regular file", hint=_SET_HINT)
         sizes[k] = os.path.getsize(p[k])
     meta = read_meta(p["meta"]) if os.path.exists(p["meta"]) else {}
-    meta_dtypes: dict[str, str] = meta.get("dtypes", {}) if meta else {}
+    meta_dtypes: dict[str, str] = dict(meta.get("dtypes", {})) if meta else {}
+    if array != "value":
+        meta_dtypes["value"] = meta["state"]["dtype"]
 
     dtypes: dict[str, str] = {}
     sources: dict[str, str] = {}
@@ -515,7 +727,8 @@ def read_csr(prefix: str | os.PathLike[str], *, rowcnt_dtype: str | None = None,
                 if a != dtypes[k] and _count_fits(sizes[k], (a,), expected)]
         if alts:
             raise CorruptFile(
-                f'{p["meta"]}: field "dtypes.{k}" = "{dtypes[k]}" disagrees with '
+                f'{p["meta"]}: field "{vfield if k == "value" else "dtypes." + k}" = '
+                f'"{dtypes[k]}" disagrees with '
                 f"{p[k]}: {sizes[k]} bytes = {count} {dtypes[k]} entries, but "
                 f"{want[k]} are expected ({' or '.join(alts)} would fit)", hint=_META_HINT)
 
@@ -544,25 +757,184 @@ def read_csr(prefix: str | os.PathLike[str], *, rowcnt_dtype: str | None = None,
     else:
         ncols, sources["cols"], cols_note = None, "inferred", ""
     found, how = _check_structure(csr, cols=ncols, names=p, exc=CorruptFile,
-                                  cols_note=cols_note, full=check)
+                                  cols_note=cols_note, full=check, vlabel=array)
     if ncols is None:
         inferred["cols"] = how
     if meta and "nnz" in meta and meta["nnz"] != nv:
         raise CorruptFile(f'{p["meta"]}: field "nnz" = {meta["nnz"]} disagrees with '
                           f"{p['value']}: {nv} values", hint=_META_HINT)
-    return MatrixSet(csr, rows, found, dtypes, inferred, meta, prefix, sources)
+    return MatrixSet(csr, rows, found, dtypes, inferred, meta, prefix, sources, "csr", None,
+                     array, declared_arrays(meta))
+
+
+def _no_array(meta_path: str, array: str, declared: Sequence[str]) -> InvalidArgument:
+    return InvalidArgument(f"{meta_path}: the set has no array {array!r}: its arrays are "
+                           f"{', '.join(declared)} (the .meta field \"state\" declares the "
+                           "optimizer state arrays)", hint="pick one of those with --array")
+
+
+def read_dense(prefix: str | os.PathLike[str], *, value_dtype: str | None = None,
+               mmap: bool = True, array: str | None = None) -> MatrixSet:
+    """Read a dense file set: ``prefix.value`` (or ``prefix.<array>``, an optimizer
+    state array) holding ``rows * cols`` values row-major, and ``prefix.meta`` with
+    ``"kind": "dense"``, ``rows`` and ``cols`` (or ``shape``), ``dtypes.value``
+    (``state.dtype`` for state arrays).  There are no ``.rowcnt``/``.colidx`` files:
+    the returned set's ``csr.rowcnt``/``csr.colidx`` are :class:`ImplicitIndex` objects,
+    computed on demand.  Without ``dtypes.value`` the dtype is inferred (float32 or
+    float64, whichever gives ``rows * cols`` values).
+
+    Cost: O(1): a few stat calls and the ``.meta`` parse; the values are memory-mapped
+    (``mmap=False`` loads them).  Raises :class:`NotFound` for a missing file,
+    :class:`CorruptFile` naming the file, position and defect otherwise (a set that is
+    not dense included)."""
+    prefix, member = split_member(prefix)
+    array = array if array is not None else (member or "value")
+    _check_array_name(array)
+    if value_dtype is not None and value_dtype not in VALUE_DTYPES:
+        raise InvalidArgument(f"value dtype {value_dtype!r} is not one of "
+                              f"{', '.join(VALUE_DTYPES)}")
+    mp = paths(prefix)["meta"]
+    if not os.path.exists(mp):
+        raise NotFound(f"missing file {mp}", hint="a dense set is PREFIX.value and "
+                       'PREFIX.meta with "kind": "dense", "rows" and "cols"')
+    return _read_dense(prefix, {"rowcnt": None, "colidx": None, "value": value_dtype},
+                       None, mmap, array)
+
+
+def _read_dense(prefix: str, given: Mapping[str, str | None], cols_arg: int | None,
+                mmap: bool, array: str) -> MatrixSet:
+    p = paths(prefix)
+    mp = p["meta"]
+    meta = read_meta(mp)
+    if meta.get("kind") != "dense":
+        raise CorruptFile(f'{mp}: field "kind" = {json.dumps(meta.get("kind"))} is not '
+                          '"dense"', hint="read it with read_csr")
+    flags = [f"--{k}-dtype" for k in ("rowcnt", "colidx") if given.get(k) is not None]
+    if flags:
+        raise InvalidArgument(f"{' and '.join(flags)}: {mp} says this is a dense set, whose "
+                              "structure is implicit (no .rowcnt/.colidx files)",
+                              hint="leave out the structure flags for a dense set")
+    hint = _META_HINT
+    shape = meta.get("shape")
+    if shape is not None:
+        rows, ncols = dense_dims(shape)
+        for key, val in (("rows", rows), ("cols", ncols)):
+            if key in meta and meta[key] != val:
+                raise CorruptFile(f'{mp}: field "{key}" = {meta[key]} disagrees with field '
+                                  f'"shape" = {json.dumps(shape)} (rows = shape[0], cols = the '
+                                  f"product of shape[1:]: {rows} x {ncols})", hint=hint)
+        dims_note = f'rows and cols from field "shape" of {mp}'
+    else:
+        lacking = [k for k in ("rows", "cols") if k not in meta]
+        if lacking:
+            raise CorruptFile(f'{mp}: field "{lacking[0]}" is missing: a dense set needs '
+                              '"rows" and "cols" (or "shape")', hint=hint)
+        rows, ncols = int(meta["rows"]), int(meta["cols"])
+        shape = [rows, ncols]
+        dims_note = f'rows and cols from {mp}'
+    if cols_arg is not None and cols_arg != ncols:
+        raise InvalidArgument(f"--cols {cols_arg}: {mp} says this dense set has {ncols} "
+                              "columns", hint="leave out --cols for a dense set")
+    declared = declared_arrays(meta)
+    if array not in declared:
+        raise _no_array(mp, array, declared)
+    vp = f"{prefix}.{array}"
+    vfield = "dtypes.value" if array == "value" else "state.dtype"
+    if not os.path.exists(vp):
+        raise NotFound(f"missing file {vp}", hint="a dense set is PREFIX.value (plus "
+                       "PREFIX.state0, ... as its .meta declares) and PREFIX.meta")
+    if not os.path.isfile(vp):
+        raise CorruptFile(f"{vp}: not a regular file")
+    size = os.path.getsize(vp)
+    want = rows * ncols
+    meta_dt = (meta.get("dtypes") or {}).get("value") if array == "value" \
+        else meta["state"].get("dtype")
+    inferred: dict[str, str] = {}
+    if given.get("value") is not None:
+        vdt, vsrc, note = str(given["value"]), "argument", f"{array} dtype {given['value']} as given"
+    elif meta_dt is not None:
+        vdt, vsrc, note = meta_dt, "meta", f"{array} dtype {meta_dt} from {mp}"
+    else:
+        dividing = [d for d in ("float32", "float64") if size % _itemsize(d) == 0]
+        if not dividing:
+            raise _truncated(vp, size, ("float32", "float64"),
+                             f"{array} dtype inferred; pass --value-dtype, e.g. for "
+                             "int8/int32/float16 values")
+        matching = [d for d in dividing if size // _itemsize(d) == want]
+        vdt, vsrc = (matching or dividing)[0], "inferred"
+        n = size // _itemsize(vdt)
+        inferred["value"] = (f"{vdt}: {size} bytes = {_n(n, 'entry', 'entries')} of "
+                             f"{_itemsize(vdt)} bytes"
+                             + (" = rows * cols" if matching else
+                                f"; no candidate gives rows * cols = {want}"))
+        note = f"{array} dtype {vdt} inferred; pass --value-dtype to override"
+    if size % _itemsize(vdt):
+        raise _truncated(vp, size, (vdt,), note)
+    count = size // _itemsize(vdt)
+    if count != want:
+        alts = [a for a in VALUE_DTYPES if a != vdt and _count_fits(size, (a,), want)]
+        other = ""
+        if vsrc == "meta" and alts:
+            if count < want:  # a truncated file, or a .meta naming too wide a dtype
+                other = (f"; or, if {vp} is whole, its values are {' or '.join(alts)} and "
+                         f'field "{vfield}" of {mp} is wrong')
+            else:  # a file cannot grow by truncation: the .meta is wrong
+                raise CorruptFile(
+                    f'{mp}: field "{vfield}" = "{vdt}" disagrees with {vp}: {size} bytes = '
+                    f"{count} {vdt} entries, but {want} are expected "
+                    f"({' or '.join(alts)} would fit)", hint=hint)
+        if vsrc == "inferred" and want > 0 and size % want == 0:
+            fits = [d for d in VALUE_DTYPES if _itemsize(d) == size // want]
+            if fits:
+                raise CorruptFile(
+                    f"{vp}: position {min(count, want)}: {count} values read as {vdt} "
+                    f"(inferred), but a dense {rows} x {ncols} set has rows * cols = {want}; "
+                    f"{size} bytes = {want} values of {size // want} "
+                    f"byte{'s' if size // want != 1 else ''}: pass --value-dtype "
+                    f"{' or '.join(fits)}")
+        raise CorruptFile(f"{vp}: position {min(count, want)}: {count} {vdt} values, but a "
+                          f"dense {rows} x {ncols} set has rows * cols = {want} "
+                          f"({dims_note}){other}",
+                          hint="rewrite the set, or fix rows/cols/shape in its .meta")
+    if "nnz" in meta and meta["nnz"] != want:
+        raise CorruptFile(f'{mp}: field "nnz" = {meta["nnz"]} disagrees with rows * cols = '
+                          f"{rows} x {ncols} = {want}", hint=hint)
+    value = _open_array(vp, vdt, size, mmap)
+    rowcnt, colidx = implicit_structure(rows, ncols)
+    dtypes = {"rowcnt": rowcnt.dtype.name, "colidx": colidx.dtype.name, "value": vdt}
+    sources = {"rowcnt": "implicit", "colidx": "implicit", "value": vsrc, "cols": "meta"}
+    return MatrixSet(CSR(cast(Any, rowcnt), cast(Any, colidx), value), rows, ncols, dtypes,
+                     inferred, meta, prefix, sources, "dense", tuple(int(x) for x in shape),
+                     array, declared)
 
 
 def validate(prefix: str | os.PathLike[str], *, rowcnt_dtype: str | None = None,
              colidx_dtype: str | None = None, value_dtype: str | None = None,
-             cols: int | None = None) -> MatrixSet:
+             cols: int | None = None, array: str | None = None) -> MatrixSet:
     """Fully validate a file set; return it (memory-mapped) or raise :class:`CorruptFile`
     / :class:`NotFound` with a one-line message naming file, position and defect.
 
-    Cost: one chunked pass over rowcnt and one over colidx, O(CHUNK) memory.
+    Cost: one chunked pass over rowcnt and one over colidx, O(CHUNK) memory (a dense
+    set: O(1), its structure is implicit).  See :func:`validate_all` for the state
+    arrays too.
     """
     return read_csr(prefix, rowcnt_dtype=rowcnt_dtype, colidx_dtype=colidx_dtype,
-                    value_dtype=value_dtype, cols=cols, mmap=True, check=True)
+                    value_dtype=value_dtype, cols=cols, mmap=True, check=True, array=array)
+
+
+def validate_all(prefix: str | os.PathLike[str], **flags: Any) -> list[MatrixSet]:
+    """Validate the values and every optimizer state array the ``.meta`` declares
+    (``state0``, ...); return one :class:`MatrixSet` per array, values first.
+    ``flags`` are :func:`read_csr`'s dtype/cols arguments; ``value_dtype`` applies to
+    the values only.  Cost: :func:`validate` of the values, then O(1) checks per state
+    array (the structure is shared)."""
+    first = validate(prefix, **flags)
+    out = [first]
+    rest = {k: v for k, v in flags.items() if k != "value_dtype"}
+    for name in first.arrays[1:]:
+        out.append(read_csr(first.prefix or prefix, array=name, check=False,
+                            **{**rest, "cols": first.cols}))
+    return out
 
 
 # ----------------------------------------------------------------------------- writing
@@ -580,8 +952,10 @@ class SetWriter:
 
     def __init__(self, prefix: str | os.PathLike[str], dtypes: Mapping[str, str]) -> None:
         self.prefix = os.fspath(prefix)
-        self.dtypes = {k: _le(dtypes[k]) for k in ARRAYS}
-        self.counts = {k: 0 for k in ARRAYS}
+        # the arrays written are dtypes' keys: rowcnt/colidx/value for a csr set,
+        # value (+ state0, ...) for a dense one
+        self.dtypes = {k: _le(v) for k, v in dtypes.items()}
+        self.counts = {k: 0 for k in self.dtypes}
         directory = os.path.dirname(self.prefix) or "."
         if not os.path.isdir(directory):
             raise NotFound(f"{directory}: no such directory",
@@ -589,11 +963,11 @@ class SetWriter:
         base = os.path.basename(self.prefix)
         token = f"{os.getpid()}-{secrets.token_hex(4)}"
         self._tmp = {k: os.path.join(directory, f".{base}.{k}.tmp-{token}")
-                     for k in (*ARRAYS, "meta")}
+                     for k in (*self.dtypes, "meta")}
         self._dir = directory
         self._files: dict[str, Any] = {}
         try:
-            for k in ARRAYS:
+            for k in self.dtypes:
                 self._files[k] = open(self._tmp[k], "xb")
         except BaseException:
             self.abort()
@@ -619,14 +993,14 @@ class SetWriter:
 
     def commit(self, meta: Mapping[str, Any]) -> None:
         """fsync and rename the three arrays, then write ``.meta``; fsync the directory."""
-        final = paths(self.prefix)
+        final = {k: f"{self.prefix}.{k}" for k in (*self.dtypes, "meta")}
         try:
-            for k in ARRAYS:
+            for k in self.dtypes:
                 f = self._files.pop(k)
                 f.flush()
                 os.fsync(f.fileno())
                 f.close()
-            for k in ARRAYS:
+            for k in self.dtypes:
                 os.replace(self._tmp[k], final[k])
             with open(self._tmp["meta"], "x", encoding="utf-8") as f:
                 json.dump(meta, f, indent=1, sort_keys=False)
@@ -740,6 +1114,157 @@ def write_csr(prefix: str | os.PathLike[str], csr: CSR | Sequence[np.ndarray], *
     return full_meta
 
 
+def write_dense(prefix: str | os.PathLike[str], values: np.ndarray, *,
+                states: Sequence[np.ndarray] = (), meta: Mapping[str, Any] | None = None,
+                value_dtype: str | None = None) -> dict[str, Any]:
+    """Write ``values`` as a dense set: ``prefix.value`` (row-major, ``rows * cols``
+    values; rows = first axis, cols = product of the others), ``prefix.state0``, ...
+    for ``states`` (each of ``values``' size; float32 or float64, the dtype of the
+    first), and ``prefix.meta`` (``kind`` ``"dense"``, ``rows``, ``cols``, ``nnz``,
+    ``shape``, ``dtypes.value``, and ``state`` when there are states; then ``meta``'s
+    other keys).  No ``.rowcnt``/``.colidx`` (the structure is implicit).  Each file is
+    written to a temporary name, fsynced and renamed; ``.meta`` last.  Returns the meta.
+
+    Cost: the bytes written, O(CHUNK) extra memory."""
+    a = np.asarray(values)
+    shape = [int(x) for x in a.shape]
+    rows, cols = dense_dims(shape)
+    src = np.dtype(a.dtype)
+    vdt = value_dtype or src.name
+    if vdt not in VALUE_DTYPES:
+        raise InvalidArgument(f"value: dtype {vdt} is not a file dtype "
+                              f"({', '.join(VALUE_DTYPES)}); pass value_dtype=")
+    if not np.can_cast(src, vdt, casting="same_kind"):
+        raise InvalidArgument(f"value: cannot cast {src} to {vdt} (numpy same_kind rule)")
+    sts = [np.asarray(x) for x in states]
+    sdt = sts[0].dtype.name if sts else None
+    for k, x in enumerate(sts):
+        if x.size != a.size:
+            raise InvalidArgument(f"state{k}: {x.size} values, the tensor has {a.size}")
+        if x.dtype.name not in ("float32", "float64") or x.dtype.name != sdt:
+            raise InvalidArgument(f"state{k}: dtype {x.dtype} (states are float32 or "
+                                  f"float64, all of one dtype: {sdt})")
+    full: dict[str, Any] = {"version": FORMAT_VERSION, "kind": "dense", "rows": rows,
+                            "cols": cols, "nnz": rows * cols, "shape": shape,
+                            "dtypes": {"value": vdt}}
+    if sts:
+        full["state"] = {"count": len(sts), "dtype": sdt}
+    for key, val in (meta or {}).items():
+        if key in full and val != full[key]:
+            raise InvalidArgument(f'meta key "{key}" = {val!r} disagrees with the arrays '
+                                  f"({full[key]!r})")
+        full.setdefault(key, val)
+    try:
+        json.dumps(full, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgument(f"meta is not JSON-serialisable: {exc}") from None
+    dtypes = {"value": vdt, **{f"state{k}": str(sdt) for k in range(len(sts))}}
+    with SetWriter(prefix, dtypes) as w:
+        for name, x in (("value", a), *((f"state{i}", x) for i, x in enumerate(sts))):
+            w.append(name, np.ascontiguousarray(x).reshape(-1))
+        w.commit(full)
+    return full
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+#: ``checkpoint.json``'s ``format`` and the newest ``version`` this reader knows.
+CHECKPOINT_FORMAT = "shmps-checkpoint"
+CHECKPOINT_VERSION = 1
+CHECKPOINT_JSON = "checkpoint.json"
+_CKPT_PREFIX = re.compile(r"t(0|[1-9][0-9]*)")
+_CKPT_HINT = ("the checkpoint is damaged or was not written by shmps; use another "
+              "checkpoint, or write a new one with shmps-tool checkpoint")
+
+
+def read_checkpoint_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read and check ``path/checkpoint.json``, a checkpoint directory's table of
+    contents (docs/checkpoints.md): ``{"format": "shmps-checkpoint", "version": 1,
+    "store": NAME, "tensors": [{"prefix": "t0", "record": {...}, "step": N}, ...]}``.
+
+    Checks the structure only (each tensor's files are checked when read): format and
+    version, a valid store name, and per tensor a prefix ``tN`` (a plain file name,
+    never a path), a record with a unique ``name``, a ``kind``, a file ``dtype`` and a
+    ``shape`` of non-negative integers (dense) and an ``optimizer`` object.
+    Raises :class:`NotFound` (no such directory) or :class:`CorruptFile` naming the
+    field.  O(size of the JSON)."""
+    from .names import check_name
+
+    d = os.fspath(path)
+    if not os.path.isdir(d):
+        raise NotFound(f"no checkpoint directory {d}",
+                       hint="pass the PATH given to shmps-tool checkpoint / store.checkpoint")
+    fn = os.path.join(d, CHECKPOINT_JSON)
+    try:
+        with open(fn, "rb") as f:
+            doc = json.loads(f.read())
+    except FileNotFoundError:
+        raise CorruptFile(f"{fn}: missing: {d} is not a shmps checkpoint (an interrupted "
+                          "checkpoint leaves only PATH.tmp-* directories, never PATH)",
+                          hint=_CKPT_HINT) from None
+    except json.JSONDecodeError as exc:
+        raise CorruptFile(f"{fn}: unparsable JSON at line {exc.lineno} column {exc.colno}: "
+                          f"{exc.msg}", hint=_CKPT_HINT) from None
+    except UnicodeDecodeError as exc:
+        raise CorruptFile(f"{fn}: unparsable JSON: not UTF-8 text at byte {exc.start}",
+                          hint=_CKPT_HINT) from None
+
+    def bad(where: str, value: Any, why: str) -> CorruptFile:
+        return CorruptFile(f'{fn}: field "{where}" = {json.dumps(value)[:80]} {why}',
+                           hint=_CKPT_HINT)
+
+    if not isinstance(doc, dict):
+        raise CorruptFile(f"{fn}: expected a JSON object, found {type(doc).__name__}",
+                          hint=_CKPT_HINT)
+    if doc.get("format") != CHECKPOINT_FORMAT:
+        raise bad("format", doc.get("format"), f'is not "{CHECKPOINT_FORMAT}"')
+    ver: Any = doc.get("version")
+    if not _is_int(ver) or ver < 1:
+        raise bad("version", ver, "is not a format version (a positive integer)")
+    if ver > CHECKPOINT_VERSION:
+        raise bad("version", ver, f"is newer than this reader (version "
+                                  f"{CHECKPOINT_VERSION}); upgrade shmps")
+    try:
+        check_name(doc.get("store"))
+    except InvalidArgument:
+        raise bad("store", doc.get("store"), "is not a store name") from None
+    tensors = doc.get("tensors")
+    if not isinstance(tensors, list):
+        raise bad("tensors", tensors, "is not a list")
+    seen_prefix: set[str] = set()
+    seen_name: set[str] = set()
+    for i, e in enumerate(tensors):
+        at = f"tensors[{i}]"
+        if not isinstance(e, dict):
+            raise bad(at, e, "is not an object")
+        pre = e.get("prefix")
+        if not isinstance(pre, str) or not _CKPT_PREFIX.fullmatch(pre) or pre in seen_prefix:
+            raise bad(f"{at}.prefix", pre, "is not a unique file-set prefix tN")
+        seen_prefix.add(pre)
+        rec = e.get("record")
+        if not isinstance(rec, dict):
+            raise bad(f"{at}.record", rec, "is not an object")
+        name = rec.get("name")
+        if not isinstance(name, str) or not name or name in seen_name:
+            raise bad(f"{at}.record.name", name, "is not a unique tensor name")
+        seen_name.add(name)
+        if not isinstance(rec.get("kind"), str):
+            raise bad(f"{at}.record.kind", rec.get("kind"), "is not a tensor kind")
+        if rec.get("dtype") not in VALUE_DTYPES:
+            raise bad(f"{at}.record.dtype", rec.get("dtype"),
+                      f"is not one of {', '.join(VALUE_DTYPES)}")
+        shape = rec.get("shape")
+        if rec["kind"] == "dense" and (not isinstance(shape, list) or
+                                       not all(_is_int(x) and x >= 0 for x in shape)):
+            raise bad(f"{at}.record.shape", shape, "is not a list of non-negative integers")
+        if not isinstance(rec.get("optimizer"), dict):
+            raise bad(f"{at}.record.optimizer", rec.get("optimizer"), "is not an object")
+        step = e.get("step", 0)
+        if not _is_int(step) or step < 0:
+            raise bad(f"{at}.step", step, "is not a non-negative integer")
+    return doc
+
+
 def iter_chunks(n: int, chunk: int = CHUNK) -> Iterator[tuple[int, int]]:
     """``(start, stop)`` pairs covering ``range(n)`` in steps of ``chunk``.  O(1) memory."""
     for s in range(0, n, chunk):
@@ -758,6 +1283,9 @@ def _scipy_sparse() -> Any:
 
 __all__ = [
     "CSR", "MatrixSet", "SetWriter", "read_csr", "write_csr", "validate", "read_meta",
+    "ImplicitIndex", "implicit_structure", "read_dense", "write_dense", "validate_all",
+    "dense_dims", "split_member", "declared_arrays", "KINDS", "read_checkpoint_manifest",
+    "CHECKPOINT_FORMAT", "CHECKPOINT_VERSION", "CHECKPOINT_JSON",
     "build_meta", "paths", "normalize_prefix", "iter_chunks", "FORMAT_VERSION", "ARRAYS",
     "INDEX_DTYPES", "VALUE_DTYPES", "DEFAULT_DTYPES", "CHUNK",
 ]

@@ -1,0 +1,593 @@
+"""Checkpoints: save/restore equality (every dtype, every updater's state, shards),
+consistency under concurrent pushes, atomic replacement, crash and Ctrl-C safety,
+restore's refusal rules and corrupt-checkpoint handling.
+
+Every test destroys the stores it made and kills the processes it started, also when
+it fails (``finally`` blocks and the ``procs`` fixture).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import numpy as np
+import pytest
+
+import shmps
+from shmps import checkpoint as ckpt_mod
+from shmps import files
+
+SHM = "/dev/shm"
+ROOT = str(Path(shmps.__file__).resolve().parents[1])
+
+FLOAT_UPDATERS = [
+    shmps.SGD(lr=0.1, weight_decay=0.01),
+    shmps.Momentum(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
+    shmps.Adagrad(lr=0.1, lr_decay=0.01, initial_accumulator_value=0.5),
+    shmps.Adam(lr=0.01, amsgrad=True, weight_decay=0.01),
+    shmps.FTRL(alpha=0.5, beta=1.0, l1=0.1, l2=0.1),
+]
+REDUCTIONS = [shmps.Sum(), shmps.Assign(), shmps.Max(), shmps.Min()]
+DTYPES = ["int8", "int32", "float16", "float32", "float64"]
+
+
+# ---- helpers ---------------------------------------------------------------------------
+
+def tool_cmd() -> list[str]:
+    """The shmps-tool command (the console script, else ``python -m shmps.cli``)."""
+    exe = shutil.which("shmps-tool")
+    return [exe] if exe else [sys.executable, "-m", "shmps.cli"]
+
+
+def child_env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def segments(name: str) -> list[str]:
+    return sorted(n for n in os.listdir(SHM) if n.startswith(f"shmps.{name}."))
+
+
+def drop(name: str) -> None:
+    """Remove store ``name`` whatever state it is in (never raises)."""
+    for n in segments(name):
+        try:
+            os.unlink(os.path.join(SHM, n))
+        except FileNotFoundError:
+            pass
+
+
+def debris(path: Path) -> list[str]:
+    return sorted(n for n in os.listdir(path.parent)
+                  if n.startswith(path.name + ".tmp-") or n.startswith(path.name + ".old-"))
+
+
+def snapshot(t: Any) -> dict:
+    """Values, every optimizer state array (all shards, row order) and the step."""
+    nstate = t._shard(0).spec["nstate"]
+    states = [np.concatenate([np.array(t._shard(i).state(k)) for i in range(t.nshards)])
+              for k in range(nstate)]
+    return {"value": t.pull(), "states": states, "step": t.stats()["step"]}
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def grad_for(t: Any, rng: np.random.Generator) -> np.ndarray:
+    if t.dtype.kind == "f":
+        return rng.uniform(-1, 1, t.shape).astype(np.float32)
+    return rng.integers(-3, 4, t.shape).astype(t.dtype)
+
+
+@pytest.fixture
+def names() -> Iterator[list[str]]:
+    """Extra store names for a test; every one is removed afterwards."""
+    made: list[str] = []
+    yield made
+    for n in made:
+        drop(n)
+
+
+def new_name(names: list[str]) -> str:
+    n = f"t{uuid.uuid4().hex[:12]}"
+    names.append(n)
+    return n
+
+
+@pytest.fixture
+def procs() -> Iterator[list[subprocess.Popen]]:
+    """Child processes of a test; killed and reaped afterwards, whatever happened."""
+    started: list[subprocess.Popen] = []
+    yield started
+    for p in started:
+        if p.poll() is None:
+            p.kill()
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:  # pragma: no cover
+            pass
+
+
+# ---- equality --------------------------------------------------------------------------
+
+def test_roundtrip_every_dtype_and_updater_state(store, tmp_path, names):
+    """Restore brings back values, state and step of every dtype x updater (bit-exact later)."""
+    rng = np.random.default_rng(7)
+    made = []
+    for dt in DTYPES:
+        for upd in REDUCTIONS + (FLOAT_UPDATERS if dt.startswith("float") else []):
+            name = f"{dt}/{type(upd).__name__}"
+            init = rng.integers(-5, 6, (7, 5)) if dt.startswith("int") else \
+                rng.uniform(-1, 1, (7, 5))
+            t = store.dense(name, shape=(7, 5), dtype=dt, optimizer=upd, init=init,
+                            shard_rows=3)
+            assert t.nshards == 3
+            for _ in range(3):
+                t.push(grad_for(t, rng))
+            t.push(grad_for(t, rng)[[1, 5]], rows=[1, 5])
+            made.append(t)
+    assert len(made) == 35
+    path = tmp_path / "ck"
+    assert store.checkpoint(path) == str(path)
+    other = shmps.restore(path, new_name(names))
+    try:
+        assert [d["name"] for d in other.tensors()] == [t.name for t in made]
+        for t in made:
+            r = other[t.name]
+            a, b = snapshot(t), snapshot(r)
+            assert a["step"] == b["step"] == 4, t.name
+            assert same_bits(a["value"], b["value"]), t.name
+            assert len(a["states"]) == len(b["states"]), t.name
+            for x, y in zip(a["states"], b["states"]):
+                assert same_bits(x, y), t.name
+            assert r.optimizer == t.optimizer and r.dtype == t.dtype and r.nshards == 3
+            for _ in range(2):  # the same pushes continue identically from the restore
+                g = grad_for(t, rng)
+                t.push(g)
+                r.push(g)
+            assert same_bits(t.pull(), r.pull()), t.name
+            assert r.stats()["step"] == t.stats()["step"] == 6, t.name
+    finally:
+        other.destroy()
+
+
+def test_multi_shard_values_are_row_major_dense_sets(store, tmp_path, names):
+    """An 11-shard tensor is one row-major dense set equal to its shards, and it restores."""
+    t = store.dense("w", shape=(1000, 3, 17), dtype="float64", shard_rows=96,
+                    optimizer=shmps.Momentum(lr=0.05), init=np.arange(51000.0).reshape(
+                        1000, 3, 17))
+    assert t.nshards == 11
+    t.push(np.ones(t.shape))
+    path = tmp_path / "ck"
+    store.checkpoint(path)
+    doc = json.loads((path / "checkpoint.json").read_text())
+    assert [e["record"]["name"] for e in doc["tensors"]] == ["w"]
+    prefix = path / doc["tensors"][0]["prefix"]
+    assert not os.path.exists(f"{prefix}.rowcnt") and not os.path.exists(f"{prefix}.colidx")
+    ms = files.read_csr(prefix)
+    assert (ms.kind, ms.rows, ms.cols, ms.shape, ms.arrays) == \
+        ("dense", 1000, 51, (1000, 3, 17), ("value", "state0"))
+    assert isinstance(ms.csr.colidx, files.ImplicitIndex)
+    snap = snapshot(t)
+    assert same_bits(np.array(ms.to_numpy()), snap["value"])
+    st = files.read_csr(prefix, array="state0")
+    assert same_bits(np.array(st.csr.value), snap["states"][0])
+    assert ms.meta["step"] == 1 and ms.meta["optimizer"]["type"] == "Momentum"
+    r = shmps.restore(path, new_name(names))
+    try:
+        assert r["w"].nshards == 11 and same_bits(r["w"].pull(), snap["value"])
+    finally:
+        r.destroy()
+
+
+def test_empty_store_and_empty_tensors_roundtrip(store, tmp_path, names):
+    """A store without tensors, a 0-row tensor and a scalar tensor round trip."""
+    store.checkpoint(tmp_path / "empty")
+    r = shmps.restore(tmp_path / "empty", new_name(names))
+    try:
+        assert r.tensors() == []
+    finally:
+        r.destroy()
+    store.dense("none", shape=(0, 4), dtype="float32")
+    store.dense("scalar", shape=(), dtype="int32", init=5)
+    store.checkpoint(tmp_path / "small")
+    r = shmps.restore(tmp_path / "small", new_name(names))
+    try:
+        assert r["none"].pull().shape == (0, 4)
+        assert r["scalar"].pull().shape == () and int(r["scalar"].pull()) == 5
+    finally:
+        r.destroy()
+
+
+# ---- consistency under concurrent pushes ----------------------------------------------
+
+PUSHER = """
+import os, sys, numpy as np, shmps
+store, stop = sys.argv[1], sys.argv[2]
+s = shmps.attach(store)
+t = s["c"]
+g = np.ones(t.shape, np.int32)
+n = 0
+print("ready", flush=True)
+while not os.path.exists(stop):
+    t.push(g)
+    n += 1
+print(n, flush=True)
+s.close()
+"""
+
+
+def test_checkpoint_while_two_processes_push(store, tmp_path, procs):
+    """With 2 processes pushing all-ones, every checkpointed shard is constant (whole pushes)."""
+    t = store.dense("c", shape=(2048, 64), dtype="int32", shard_rows=128)
+    assert t.nshards == 16
+    stop = tmp_path / "stop"
+    for _ in range(2):
+        procs.append(subprocess.Popen([sys.executable, "-c", PUSHER, store.name, str(stop)],
+                                      stdout=subprocess.PIPE, text=True, env=child_env()))
+    for p in procs:
+        assert p.stdout.readline().strip() == "ready"
+    deadline = time.monotonic() + 30
+    while t.stats()["pushes"] < 20:
+        assert time.monotonic() < deadline, "pushers never pushed"
+        time.sleep(0.005)
+    seen = []
+    for k in range(4):
+        before = t.stats()["pushes"]
+        path = tmp_path / f"ck{k}"
+        store.checkpoint(path)
+        after = t.stats()["pushes"]
+        v = np.array(files.read_csr(path / "t0").to_numpy())
+        per_shard = [v[i * 128:(i + 1) * 128] for i in range(16)]
+        for i, sh in enumerate(per_shard):
+            assert (sh == sh.flat[0]).all(), f"checkpoint {k}: shard {i} holds a torn push"
+        counts = [int(sh.flat[0]) for sh in per_shard]
+        assert all(c > 0 for c in counts)
+        if seen:  # values only grow: each shard is at least where it was last time
+            assert all(c >= c0 for c, c0 in zip(counts, seen[-1][2]))
+        seen.append((before, after, counts))
+    stop.touch()
+    total = 0
+    for p in procs:
+        out, _ = p.communicate(timeout=30)
+        assert p.returncode == 0
+        total += int(out.split()[-1])
+    assert (t.pull() == total).all()
+    # pushes went on while the checkpoints were taken
+    assert any(after > before for before, after, _ in seen)
+
+
+# ---- replacement, debris ---------------------------------------------------------------
+
+def test_checkpoint_replaces_existing_atomically(store, tmp_path, names):
+    """A checkpoint replaces an old one with no debris; a non-checkpoint PATH is refused."""
+    t = store.dense("w", shape=(10, 4), dtype="float32")
+    path = tmp_path / "ck"
+    store.checkpoint(path)
+    t.push(np.full((10, 4), 3.0))
+    store.checkpoint(path)
+    assert debris(path) == [] and sorted(os.listdir(tmp_path)) == ["ck"]
+    r = shmps.restore(path, new_name(names))
+    try:
+        assert (r["w"].pull() == 3.0).all()
+    finally:
+        r.destroy()
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "keep.txt").write_text("mine")
+    with pytest.raises(shmps.InvalidArgument, match="is not a shmps checkpoint"):
+        store.checkpoint(tmp_path / "notes")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(shmps.InvalidArgument, match="is not a shmps checkpoint"):
+        store.checkpoint(tmp_path / "file")
+    assert (tmp_path / "notes" / "keep.txt").read_text() == "mine"
+    assert (tmp_path / "file").read_text() == "x"
+    assert debris(tmp_path / "notes") == [] and debris(tmp_path / "file") == []
+    (tmp_path / "emptydir").mkdir()
+    store.checkpoint(tmp_path / "emptydir")  # an empty directory is fine
+    assert (tmp_path / "emptydir" / "checkpoint.json").exists()
+    store.checkpoint(tmp_path / "new" / "sub" / "ck")  # parents are created
+    assert (tmp_path / "new" / "sub" / "ck" / "checkpoint.json").exists()
+
+
+def test_next_checkpoint_cleans_debris_of_dead_writers_only(store, tmp_path, procs):
+    """The next checkpoint removes dead writers' PATH.tmp-*, keeps a live writer's."""
+    store.dense("w", shape=(4,), dtype="float32")
+    path = tmp_path / "ck"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    procs.append(live)
+    for pid in (dead.pid, live.pid):
+        d = tmp_path / f"ck.tmp-{pid}-abcdef"
+        d.mkdir()
+        (d / "t0.value").write_bytes(b"half")
+    store.checkpoint(path)
+    assert debris(path) == [f"ck.tmp-{live.pid}-abcdef"]
+    # the fallback's set-aside old checkpoint is put back when PATH is missing
+    shutil.move(str(path), str(tmp_path / f"ck.old-{dead.pid}-123456"))
+    ckpt_mod._clean_debris(str(path))
+    assert (path / "checkpoint.json").exists()
+
+
+# ---- restore rules ----------------------------------------------------------------------
+
+def test_restore_refuses_existing_store_unless_force(store, tmp_path, procs, names):
+    """restore() refuses a store with tensors or other live processes unless force=True."""
+    t = store.dense("w", shape=(3, 2), dtype="int32", init=1)
+    path = tmp_path / "ck"
+    store.checkpoint(path)
+    t.push(np.full((3, 2), 5, np.int32))
+    store.dense("extra", shape=(2,), dtype="float32")
+    with pytest.raises(shmps.InvalidArgument, match="exists .*force"):
+        shmps.restore(path, store.name)
+    assert (t.pull() == 6).all() and "extra" in store
+    # an empty store another live process is attached to is refused too
+    empty = new_name(names)
+    procs.append(subprocess.Popen(
+        [sys.executable, "-c", "import shmps, sys; s = shmps.attach(sys.argv[1]); "
+         "print('up', flush=True); sys.stdin.read()", empty],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=child_env()))
+    assert procs[-1].stdout.readline().strip() == "up"
+    with pytest.raises(shmps.InvalidArgument, match="live processes"):
+        shmps.restore(path, empty)
+    r = shmps.restore(path, store.name, force=True)
+    try:
+        assert [d["name"] for d in r.tensors()] == ["w"]
+        assert (r["w"].pull() == 1).all()
+    finally:
+        r.close()  # the fixture destroys it
+
+
+def _corrupt_cases() -> list[tuple[str, Any, str]]:
+    def rm(name: str) -> Any:
+        return lambda p: (p / name).unlink()
+
+    def trunc(name: str, by: int) -> Any:
+        def f(p: Path) -> None:
+            with open(p / name, "r+b") as fh:
+                fh.truncate(os.path.getsize(p / name) - by)
+        return f
+
+    def write(name: str, text: str) -> Any:
+        return lambda p: (p / name).write_text(text)
+
+    def edit_json(fn: Any) -> Any:
+        def f(p: Path) -> None:
+            doc = json.loads((p / "checkpoint.json").read_text())
+            fn(doc)
+            (p / "checkpoint.json").write_text(json.dumps(doc))
+        return f
+
+    def edit_meta(fn: Any) -> Any:
+        def f(p: Path) -> None:
+            m = json.loads((p / "t1.meta").read_text())
+            fn(m)
+            (p / "t1.meta").write_text(json.dumps(m))
+        return f
+
+    def set_prefix(doc: dict) -> None:
+        doc["tensors"][1]["prefix"] = "../t1"
+
+    return [
+        ("missing value file", rm("t1.value"), "missing file"),
+        ("missing state file", rm("t1.state1"), "missing file"),
+        ("missing meta", rm("t1.meta"), "missing file"),
+        ("truncated value (partial entry)", trunc("t1.value", 2), "truncated"),
+        ("truncated value (whole entries)", trunc("t1.value", 8), "rows * cols"),
+        ("truncated state", trunc("t1.state0", 4), "rows * cols"),
+        ("unparsable checkpoint.json", write("checkpoint.json", '{"format": '),
+         "unparsable JSON"),
+        ("checkpoint.json not an object", write("checkpoint.json", "[]"), "JSON object"),
+        ("missing checkpoint.json", rm("checkpoint.json"), "not a shmps checkpoint"),
+        ("wrong format", edit_json(lambda d: d.update(format="zip")), 'field "format"'),
+        ("newer version", edit_json(lambda d: d.update(version=99)), "newer than this"),
+        ("tensors not a list", edit_json(lambda d: d.update(tensors={})), '"tensors"'),
+        ("prefix escapes", edit_json(set_prefix), "prefix"),
+        ("record shape disagrees", edit_json(lambda d: d["tensors"][1]["record"].update(
+            shape=[6, 2])), "records tensor"),
+        ("record shards do not split rows", edit_json(
+            lambda d: d["tensors"][1]["record"].update(nshards=1)), "invalid record"),
+        ("bad optimizer record", edit_json(
+            lambda d: d["tensors"][1]["record"].update(optimizer={"type": "Nope"})),
+         "invalid record"),
+        ("meta dtype disagrees", edit_meta(lambda m: m["dtypes"].update(value="float64")),
+         "dtypes.value"),
+        ("meta state count disagrees", edit_meta(lambda m: m["state"].update(
+            count=m["state"]["count"] - 1)),
+         "state arrays"),
+        ("meta not dense", edit_meta(lambda m: m.update(kind="csr")), "missing file"),
+    ]
+
+
+@pytest.mark.parametrize("what,damage,needle", _corrupt_cases(),
+                         ids=[c[0] for c in _corrupt_cases()])
+def test_restore_of_corrupt_checkpoint_raises_and_leaves_no_store(store, tmp_path, names,
+                                                                  what, damage, needle):
+    """Each damage raises CorruptFile, creates no store, leaves a force target intact."""
+    store.dense("a", shape=(4,), dtype="int8", init=3)
+    store.dense("b", shape=(6, 3), dtype="float32", optimizer=shmps.Adam(), shard_rows=4)
+    store["b"].push(np.ones((6, 3)))
+    path = tmp_path / "ck"
+    store.checkpoint(path)
+    damage(path)
+    target = new_name(names)
+    with pytest.raises(shmps.CorruptFile) as info:
+        shmps.restore(path, target)
+    assert needle in str(info.value), str(info.value)
+    assert segments(target) == []
+    before = store["b"].pull()
+    with pytest.raises(shmps.CorruptFile):
+        shmps.restore(path, store.name, force=True)
+    assert same_bits(store["b"].pull(), before) and "a" in store
+
+
+def test_restore_missing_directory_is_not_found(tmp_path, names):
+    """restore() of a missing path raises NotFound and creates nothing."""
+    target = new_name(names)
+    with pytest.raises(shmps.NotFound, match="no checkpoint directory"):
+        shmps.restore(tmp_path / "nope", target)
+    assert segments(target) == []
+
+
+# ---- interruption -------------------------------------------------------------------------
+
+class _FreezeThenInterrupt:
+    """Stands in for the native lib: shmps_freeze succeeds, then Ctrl-C arrives."""
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def shmps_freeze(self, *args: Any) -> int:
+        code = self._real.shmps_freeze(*args)
+        assert code == 0
+        raise KeyboardInterrupt
+
+
+def test_interrupted_in_process_checkpoint_thaws_and_cleans(store, tmp_path, monkeypatch):
+    """Ctrl-C in store.checkpoint (mid-write, after a freeze) leaves no debris or frozen shard."""
+    t = store.dense("w", shape=(64, 8), dtype="float32", shard_rows=16)
+    path = tmp_path / "ck"
+    store.checkpoint(path)
+    t.push(np.ones((64, 8)))
+    calls = {"n": 0}
+    real_append = ckpt_mod._Writer.append
+
+    def append(self: Any, kind: str, arr: np.ndarray) -> None:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        real_append(self, kind, arr)
+
+    monkeypatch.setattr(ckpt_mod._Writer, "append", append)
+    with pytest.raises(KeyboardInterrupt):
+        store.checkpoint(path)
+    monkeypatch.setattr(ckpt_mod._Writer, "append", real_append)
+    assert debris(path) == []
+    monkeypatch.setattr(ckpt_mod, "lib", _FreezeThenInterrupt(ckpt_mod.lib))
+    with pytest.raises(KeyboardInterrupt):
+        store.checkpoint(path)
+    monkeypatch.undo()
+    assert debris(path) == []
+    t0 = time.monotonic()
+    t.push(np.ones((64, 8)))  # shard 0 was frozen when Ctrl-C came: it must be thawed
+    assert time.monotonic() - t0 < 0.5
+    assert (np.array(files.read_csr(path / "t0").to_numpy()) == 0).all()  # previous one
+
+
+CHECKPOINTER = "import sys; from shmps.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+def test_ctrl_c_of_cli_checkpoint_leaves_no_tmp_directory(store, tmp_path, procs):
+    """SIGINT to `shmps-tool checkpoint`: one error line, exit 2, no PATH.tmp-* and no PATH."""
+    store.dense("big", shape=(1 << 14, 1024), dtype="float32", init=1.0)  # 64 MiB
+    path = tmp_path / "ck"
+    for attempt in range(5):
+        p = subprocess.Popen(tool_cmd() + ["checkpoint", store.name, str(path)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=child_env())
+        procs.append(p)
+        deadline = time.monotonic() + 30
+        while not debris(path) and p.poll() is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.002)
+        if p.poll() is not None:  # finished before we saw it start: try again
+            shutil.rmtree(path, ignore_errors=True)
+            continue
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=30)
+        if p.returncode == 0:  # it completed just before the signal: try again
+            shutil.rmtree(path, ignore_errors=True)
+            continue
+        assert p.returncode == 2, (out, err)
+        assert err.strip().splitlines() == ["shmps-tool: error: interrupted"], err
+        assert "Traceback" not in err
+        assert debris(path) == [] and not path.exists()
+        return
+    pytest.fail("the checkpoint always finished before SIGINT could interrupt it")
+
+
+# ---- SIGKILL mid-checkpoint ------------------------------------------------------------------
+
+def _whole(path: Path) -> Optional[float]:
+    """The constant value of the checkpoint at ``path`` (checked whole), else None."""
+    v = np.asarray(files.read_csr(path / "t0").csr.value)
+    first = float(v[0])
+    return first if bool((v == v[0]).all()) else None
+
+
+@pytest.mark.slow
+def test_sigkill_mid_checkpoint_keeps_previous_checkpoint(store, tmp_path, procs, names):
+    """SIGKILL mid-checkpoint (256 MiB, random instants) leaves PATH whole and restorable."""
+    t = store.dense("big", shape=(1 << 16, 1024), dtype="float32", init=1.0)  # 256 MiB
+    path = tmp_path / "ck"
+    store.checkpoint(path)  # the previous checkpoint: all ones
+    t.push(np.ones(t.shape, np.float32))  # live values now all twos
+
+    def start(target: Path) -> tuple[subprocess.Popen, float]:
+        """Start `shmps-tool checkpoint`; return it once its PATH.tmp-PID-* exists."""
+        p = subprocess.Popen(tool_cmd() + ["checkpoint", store.name, str(target)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             env=child_env())
+        procs.append(p)
+        mine = f"{target.name}.tmp-{p.pid}-"
+        deadline = time.monotonic() + 60
+        while not any(n.startswith(mine) for n in os.listdir(target.parent)):
+            assert p.poll() is None, p.stderr.read() if p.stderr else ""
+            assert time.monotonic() < deadline, "the checkpoint never started writing"
+            time.sleep(0.001)
+        return p, time.monotonic()
+
+    probe, began = start(tmp_path / "probe")  # how long writing takes here, now
+    assert probe.wait(timeout=120) == 0
+    writing = time.monotonic() - began
+    shutil.rmtree(tmp_path / "probe")
+    rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+    on_disk, live = 1.0, 2.0
+    outcomes = []
+    for i in range(6):
+        p, _ = start(path)
+        # kill while writing (copying shards, writing, fsync, swapping, removing the
+        # old one), the last time near the end
+        time.sleep(rng.uniform(0.0, 1.1) * writing if i < 5 else 0.95 * writing)
+        p.kill()
+        p.wait(timeout=30)
+        value = _whole(path)
+        assert value in (on_disk, live), f"kill {i}: PATH is not a whole checkpoint"
+        doc = files.read_checkpoint_manifest(path)
+        assert [e["record"]["name"] for e in doc["tensors"]] == ["big"]
+        outcomes.append((on_disk, value))
+        for left in debris(path):  # a leftover is never a usable half checkpoint
+            target = new_name(names)
+            try:
+                r = shmps.restore(path.parent / left, target)
+            except (shmps.CorruptFile, shmps.NotFound):
+                assert segments(target) == []
+            else:  # only a whole one restores (the new one, or the old one swapped out)
+                got = r["big"].pull()
+                assert float(got.flat[0]) in (on_disk, live) and (got == got.flat[0]).all()
+                r.destroy()
+        on_disk = value
+        t.push(np.ones(t.shape, np.float32))  # the next checkpoint would differ again
+        live += 1.0
+    r = shmps.restore(path, new_name(names))
+    try:
+        assert (r["big"].pull() == on_disk).all()
+    finally:
+        r.destroy()
+    store.checkpoint(path)
+    assert debris(path) == []
+    assert _whole(path) == live

@@ -1,0 +1,308 @@
+"""shmps-tool store verbs (ls, gc, stats, checkpoint, restore, dump --store) through
+real subprocesses.
+
+Each test works in its own namespace, so ``gc`` never touches anyone else's stores;
+every store and child process is removed in ``finally``/fixtures, also on failure.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pytest
+
+import shmps
+
+SHM = "/dev/shm"
+ROOT = str(Path(shmps.__file__).resolve().parents[1])
+
+
+def tool(*args: object, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run ``shmps-tool ARGS`` (the console script, else ``python -m shmps.cli``)."""
+    exe = shutil.which("shmps-tool")
+    cmd = [exe] if exe else [sys.executable, "-m", "shmps.cli"]
+    e = dict(os.environ)
+    e["PYTHONPATH"] = ROOT + (os.pathsep + e["PYTHONPATH"] if e.get("PYTHONPATH") else "")
+    e.pop("SHMPS_NAMESPACE", None)
+    e.update(env or {})
+    return subprocess.run(cmd + [str(a) for a in args], capture_output=True, text=True,
+                          env=e, timeout=120)
+
+
+def ok(r: subprocess.CompletedProcess) -> str:
+    assert r.returncode == 0 and "Traceback" not in r.stderr, (r.returncode, r.stdout, r.stderr)
+    return r.stdout
+
+
+def one_line_error(r: subprocess.CompletedProcess, *needles: str) -> str:
+    """Exit 2, nothing on stdout, one ``shmps-tool: error:`` line holding the needles."""
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("shmps-tool: error: "), r.stderr
+    assert r.stdout == "" and "Traceback" not in r.stderr
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+    return lines[0]
+
+
+def segments(name: str, ns: str) -> list[str]:
+    return sorted(n for n in os.listdir(SHM) if n.startswith(f"shmps.{ns}.{name}."))
+
+
+@pytest.fixture
+def ns() -> Iterator[str]:
+    """A namespace of this test's own; every segment in it is removed afterwards."""
+    space = f"n{uuid.uuid4().hex[:10]}"
+    yield space
+    for n in os.listdir(SHM):
+        if n.startswith(f"shmps.{space}."):
+            try:
+                os.unlink(os.path.join(SHM, n))
+            except FileNotFoundError:
+                pass
+
+
+@pytest.fixture
+def procs() -> Iterator[list[subprocess.Popen]]:
+    """Child processes of a test; killed and reaped afterwards, whatever happened."""
+    started: list[subprocess.Popen] = []
+    yield started
+    for p in started:
+        if p.poll() is None:
+            p.kill()
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:  # pragma: no cover
+            pass
+
+
+HOLDER = """
+import sys, shmps
+s = shmps.attach(sys.argv[1], namespace=sys.argv[2])
+s.dense("w", shape=(8, 4), dtype="float32", init=1.0)
+print("attached", flush=True)
+if sys.argv[3] == "hold":
+    sys.stdin.read()  # stay attached until the test closes stdin (or kills us)
+    s.close()
+else:
+    s.close()  # exits without destroy(): the store is left with no live process
+"""
+
+
+def spawn_holder(procs: list, name: str, ns: str, mode: str) -> subprocess.Popen:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    p = subprocess.Popen([sys.executable, "-c", HOLDER, name, ns, mode], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True, env=env)
+    procs.append(p)
+    assert p.stdout.readline().strip() == "attached"
+    return p
+
+
+# ---- ls -----------------------------------------------------------------------------------
+
+def test_ls_shows_stores_tensors_and_live_pids(ns):
+    """`ls` and `ls --json` show the store, its tensors and its live processes' pids."""
+    s = shmps.attach("model", namespace=ns)
+    try:
+        s.dense("fc.w", shape=(16, 4), dtype="float32", optimizer=shmps.Adam())
+        s.dense("steps", shape=(3,), dtype="int32")
+        text = ok(tool("ls", "--namespace", ns))
+        head = [ln for ln in text.splitlines() if ln.startswith("model ")][0]
+        assert f"namespace {ns}" in head and "2 tensors" in head
+        assert f"live processes: {os.getpid()}" in head
+        assert any(ln.split()[:5] == ["fc.w", "dense", "float32", "16x4", "Adam"]
+                   for ln in text.splitlines())
+        assert any(ln.split()[:5] == ["steps", "dense", "int32", "3", "Sum"]
+                   for ln in text.splitlines())
+        doc = json.loads(ok(tool("ls", "--namespace", ns, "--json")))
+        (st,) = [x for x in doc["stores"] if x["store"] == "model"]
+        assert st["namespace"] == ns and st["pids"] == [os.getpid()] and st["error"] is None
+        assert [(t["name"], t["kind"], t["dtype"], t["shape"], t["optimizer"])
+                for t in st["tensors"]] == [("fc.w", "dense", "float32", [16, 4], "Adam"),
+                                            ("steps", "dense", "int32", [3], "Sum")]
+        assert st["segments"] == len(segments("model", ns)) == 3
+    finally:
+        s.destroy()
+    assert "model" not in ok(tool("ls", "--namespace", ns))
+
+
+# ---- gc -----------------------------------------------------------------------------------
+
+def test_gc_removes_only_stores_without_live_processes(ns, procs):
+    """`gc` removes a store its exited creator left, keeps a live one's, spares young ones."""
+    spawn_holder(procs, "dead", ns, "exit").wait(timeout=30)
+    holder = spawn_holder(procs, "alive", ns, "hold")
+    dead_segs, alive_segs = segments("dead", ns), segments("alive", ns)
+    assert len(dead_segs) == 2 and len(alive_segs) == 2
+    # both are younger than the default minimum age (5 s): nothing is touched
+    assert ok(tool("gc", "--namespace", ns)).strip() == "nothing to remove"
+    now = {"SHMPS_GC_MIN_AGE": "0"}
+    dry = ok(tool("gc", "--dry-run", "--namespace", ns, env=now))
+    assert dry.splitlines() == [f"would remove store dead (namespace {ns}): 2 segments"]
+    assert segments("dead", ns) == dead_segs  # dry run: still there
+    assert f"would remove store dead (namespace {ns})" in ok(tool("gc", "--dry-run", env=now))
+    out = ok(tool("gc", "--namespace", ns, env=now))
+    assert out.splitlines() == [f"removed store dead (namespace {ns}): 2 segments"]
+    assert segments("dead", ns) == [] and segments("alive", ns) == alive_segs
+    # once its last process is gone, the other one goes too
+    holder.stdin.close()
+    assert holder.wait(timeout=30) == 0
+    assert "removed store alive" in ok(tool("gc", "--namespace", ns, env=now))
+    assert segments("alive", ns) == []
+    one_line_error(tool("gc", "--namespace", ns, env={"SHMPS_GC_MIN_AGE": "soon"}),
+                   "SHMPS_GC_MIN_AGE='soon'")
+
+
+# ---- stats -----------------------------------------------------------------------------------
+
+def test_stats_once_prints_counters_as_json(ns):
+    """`stats STORE --once` prints each tensor's push/pull counts and step as JSON."""
+    s = shmps.attach("st", namespace=ns)
+    try:
+        a = s.dense("a", shape=(4, 2), dtype="float32")
+        b = s.dense("b", shape=(5,), dtype="int32")
+        for _ in range(7):
+            a.push(np.ones((4, 2)))
+        a.push(np.ones((2, 2)), rows=[0, 3])
+        for _ in range(3):
+            a.pull()
+        b.push(np.ones(5, np.int32))
+        doc = json.loads(ok(tool("stats", "st", "--namespace", ns, "--once")))
+        assert doc["store"] == "st" and set(doc["tensors"]) == {"a", "b"}
+        sa, sb = doc["tensors"]["a"], doc["tensors"]["b"]
+        assert (sa["pushes"], sa["pulls"], sa["step"]) == (8, 3, 8)
+        assert (sb["pushes"], sb["pulls"], sb["step"]) == (1, 0, 1)
+        assert sa["rows_pushed"] == 7 * 4 + 2
+        text = ok(tool("stats", "st", "--namespace", ns, "--count", "1"))
+        assert text.splitlines()[1].split()[:3] == ["tensor", "push/s", "pull/s"]
+    finally:
+        s.destroy()
+
+
+# ---- checkpoint, restore, dump --store -------------------------------------------------------
+
+def test_checkpoint_restore_as_and_force(ns, tmp_path):
+    """`checkpoint`, `restore --as` recreate the store; `restore` onto it needs `--force`."""
+    s = shmps.attach("src", namespace=ns)
+    try:
+        w = s.dense("w", shape=(6, 3), dtype="float32", optimizer=shmps.Adam(lr=0.1),
+                    shard_rows=4)
+        w.push(np.arange(18.0).reshape(6, 3))
+        path = tmp_path / "ck"
+        out = ok(tool("checkpoint", "src", path, "--namespace", ns))
+        assert out.strip() == f"checkpoint of src: 1 tensors written to {path}"
+        assert (path / "checkpoint.json").exists()
+        out = ok(tool("restore", path, "--as", "copy", "--namespace", ns))
+        assert out.strip() == f"restored 1 tensors from {path} into store copy"
+        c = shmps.attach("copy", namespace=ns, create=False)
+        try:
+            assert np.array_equal(c["w"].pull(), w.pull())
+            assert c["w"].stats()["step"] == 1 and c["w"].nshards == 2
+        finally:
+            c.destroy()
+        one_line_error(tool("restore", path, "--namespace", ns),
+                       "store 'src' exists", "--force")
+        w.push(np.ones((6, 3)))  # diverge; --force brings the checkpoint back
+        before = w.pull()
+        ok(tool("restore", path, "--force", "--namespace", ns))
+    finally:
+        s.close()
+    s = shmps.attach("src", namespace=ns, create=False)
+    try:
+        got = s["w"].pull()
+        assert not np.array_equal(got, before) and s["w"].stats()["step"] == 1
+    finally:
+        s.destroy()
+
+
+def test_dump_store_tensor_values_and_state(ns, tmp_path):
+    """`dump --store S --tensor T [--array state0]` prints what its checkpoint set prints."""
+    s = shmps.attach("d", namespace=ns)
+    try:
+        t = s.dense("emb", shape=(5, 2, 2), dtype="float64", optimizer=shmps.Adagrad(
+            lr=0.5, initial_accumulator_value=0.25), shard_rows=2)
+        t.push(np.arange(20.0).reshape(5, 2, 2))
+        doc = json.loads(ok(tool("dump", "--store", "d", "--tensor", "emb", "--namespace", ns,
+                                 "--format", "json")))
+        assert (doc["rows"], doc["cols"]) == (5, 4)
+        assert doc["rowcnt"] == [0, 4, 8, 12, 16, 20] and doc["colidx"] == [0, 1, 2, 3] * 5
+        assert np.array_equal(np.array(doc["value"]), t.pull().ravel())
+        st = json.loads(ok(tool("dump", "--store", "d", "--tensor", "emb", "--namespace", ns,
+                                "--format", "json", "--array", "state0")))
+        assert np.array_equal(np.array(st["value"]), 0.25 + np.arange(20.0) ** 2)
+        table = ok(tool("dump", "--store", "d", "--tensor", "emb", "--namespace", ns,
+                        "--head", "1"))
+        assert table.splitlines()[0] == \
+            "# 5 x 4, nnz 20 (dense, structure implicit; value float64), rows 0:1"
+        summary = ok(tool("dump", "--store", "d", "--tensor", "emb", "--namespace", ns,
+                          "--format", "summary"))
+        assert "kind:      dense (tensor shape 5 x 2 x 2" in summary
+        assert "also state0 (--array NAME)" in summary and "step 1" in summary
+        s.checkpoint(tmp_path / "ck")
+        for fmt in ("json", "csv", "table"):
+            live = ok(tool("dump", "--store", "d", "--tensor", "emb", "--namespace", ns,
+                           "--format", fmt))
+            assert ok(tool("dump", tmp_path / "ck", "--tensor", "emb", "--format", fmt)) == live
+            assert ok(tool("dump", tmp_path / "ck" / "t0", "--format", fmt)) == live
+        assert ok(tool("dump", tmp_path / "ck" / "t0", "--array", "state0", "--format",
+                       "json")) == ok(tool("dump", "--store", "d", "--tensor", "emb",
+                                           "--namespace", ns, "--format", "json",
+                                           "--array", "state0"))
+        assert ok(tool("check", tmp_path / "ck" / "t0")).strip() == (
+            "ok: 5 x 4, dense (structure implicit), nnz 20 (dtypes value=float64); "
+            "state0 float64 ok")
+    finally:
+        s.destroy()
+
+
+# ---- errors ----------------------------------------------------------------------------------
+
+def test_store_verb_errors_are_one_line_exit_2(ns, tmp_path):
+    """Every store-verb error is one `shmps-tool: error:` line, exit 2, no traceback."""
+    s = shmps.attach("e", namespace=ns)
+    try:
+        s.dense("w", shape=(2, 2), dtype="float32")
+        s.checkpoint(tmp_path / "ck")
+        (tmp_path / "plain").write_text("not a checkpoint")
+        (tmp_path / "dir").mkdir()
+        (tmp_path / "dir" / "x").write_text("x")
+        cases = [
+            (("stats", "nosuch", "--namespace", ns, "--once"), ["no store 'nosuch'"]),
+            (("checkpoint", "nosuch", tmp_path / "x", "--namespace", ns), ["no store"]),
+            (("dump", "--store", "nosuch", "--tensor", "w", "--namespace", ns), ["no store"]),
+            (("dump", "--store", "e", "--tensor", "nope", "--namespace", ns),
+             ["no tensor 'nope'", "existing: w"]),
+            (("dump", "--store", "e", "--tensor", "w", "--namespace", ns, "--array",
+              "state0"), ["has no array 'state0'"]),
+            (("dump", "--store", "e", "--namespace", ns), ["needs --tensor"]),
+            (("checkpoint", "e", tmp_path / "plain", "--namespace", ns),
+             ["is not a shmps checkpoint"]),
+            (("checkpoint", "e", tmp_path / "dir", "--namespace", ns),
+             ["is not a shmps checkpoint"]),
+            (("restore", tmp_path / "missing", "--namespace", ns),
+             ["no checkpoint directory"]),
+            (("restore", tmp_path / "dir", "--namespace", ns), ["not a shmps checkpoint"]),
+            (("restore", tmp_path / "plain", "--namespace", ns), ["no checkpoint directory"]),
+            (("restore", tmp_path / "ck", "--namespace", ns), ["exists", "--force"]),
+            (("restore", tmp_path / "ck", "--as", "bad/name", "--namespace", ns),
+             ["invalid store name"]),
+            (("dump", tmp_path / "ck", "--tensor", "nope"), ["no tensor 'nope' in checkpoint"]),
+            (("dump", tmp_path / "ck"), ["is a checkpoint directory", "--tensor"]),
+            (("gc", "--namespace", "../up"), ["invalid namespace"]),
+            (("restore",), ["the following arguments are required"]),
+        ]
+        for args, needles in cases:
+            one_line_error(tool(*args), *needles)
+        assert sorted(os.listdir(tmp_path / "dir")) == ["x"]
+        assert (tmp_path / "plain").read_text() == "not a checkpoint"
+        assert segments("bad", ns) == [] and [d["name"] for d in s.tensors()] == ["w"]
+    finally:
+        s.destroy()
