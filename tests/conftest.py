@@ -32,12 +32,22 @@ def run_outside_the_source_tree(tmp_path_factory):
     os.chdir(old)
 
 
+def _abandoned(names: set[str]) -> set[str]:
+    """Those of ``names`` that belong to no store with a live attached process
+    (another test session running at the same time keeps its stores attached)."""
+    from shmps import inspect as shm_inspect
+
+    stores, orphans = shm_inspect.scan(with_fill=False)
+    live = {seg for st in stores if st.pids for seg in st.segments}
+    return {n for n in names if "/" + n not in live}
+
+
 @pytest.fixture(scope="session", autouse=True)
 def dev_shm_left_as_found():
     """Fails the session if any test leaves a shmps segment behind."""
     before = _shmps_segments()
     yield
-    leaked = _shmps_segments() - before
+    leaked = _abandoned(_shmps_segments() - before)
     for name in leaked:  # clean up so one failure does not poison later runs
         try:
             os.unlink(os.path.join(SHM, name))
