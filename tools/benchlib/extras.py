@@ -163,12 +163,17 @@ def run_example(sec: Section) -> None:
 
 
 def run_bridge(ctx: RunContext, sec: Section) -> None:
-    """Not implemented until shmps.bridge exists: say why."""
+    """Not implemented until a runnable bridge exists: say why."""
     if ctx.shmps is None:
         sec.messages.append(f"not available yet: shmps not importable ({ctx.shmps_error})")
         return
     if importlib.util.find_spec("shmps.bridge") is None:
         sec.messages.append("not available yet: shmps.bridge does not exist")
         return
-    sec.messages.append("not available yet: shmps.bridge exists, but its benchmark is not written "
-                        "(tools/benchlib/extras.py)")
+    pyproject = (REPO / "pyproject.toml").read_text()
+    if "shmps-bridge" not in pyproject:
+        sec.messages.append("not available yet: shmps.bridge exists but has no `shmps-bridge` "
+                            "entry point in pyproject.toml to start bridges with")
+        return
+    sec.messages.append("not available yet: shmps-bridge exists, but its benchmark is not "
+                        "written (tools/benchlib/extras.py)")
