@@ -96,7 +96,7 @@ def run_sections(ctx: RunContext, names: Sequence[str]) -> tuple[list[Section], 
         except Exception as exc:  # noqa: BLE001 - one broken section must not lose the others
             traceback.print_exc()
             sec.messages.append(f"error: {type(exc).__name__}: {exc}")
-    if need_limits and (not ctx.quick or limits.any_noisy(lim)):
+    if need_limits and not ctx.quick:
         limits.measure_limits(ctx, lim, "end")  # the better of start and end is kept
     for sec in [lim, *done]:
         sec.limits = ctx.limits

@@ -69,7 +69,3 @@ def limits_section() -> Section:
         "(cffi, -O3 -march=native) counts 12 B per element. Pushes are compared with the "
         "triad, pulls with the copy, at the same process count.")
 
-
-def any_noisy(section: Section) -> bool:
-    """Whether a limit was measured while other load or steal was high."""
-    return any(r.noisy for r in section.rows)
