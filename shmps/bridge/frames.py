@@ -1,0 +1,706 @@
+"""Binary frames exchanged by bridges over websockets.
+
+A frame is a fixed 48-byte little-endian header followed by ``payload_len`` bytes::
+
+    off size field         meaning
+      0   4 magic          b"SHPB"
+      4   2 version        1
+      6   2 type           FrameType (BATCH, ACK, ROWS, SNAPSHOT, HEARTBEAT, SYNC)
+      8   8 epoch          the sender's membership epoch
+     16   4 sender         the sender's member id (members.member_id of its address)
+     20   4 incarnation    random per sender process start
+     24   4 tensor         tensor id (tensor_id(name))
+     28   4 shard          shard index within the tensor
+     32   8 seq            sequence number in the stream (sender, incarnation, tensor, shard)
+     40   2 flags          Flag bits
+     42   2 layout         Layout of the rows (data frames), else 0
+     44   4 payload_len    bytes after the header
+
+BATCH, ROWS and SNAPSHOT ("data frames") share one payload: a 40-byte sub-header, then
+``nmarks`` 16-byte marks, the row index, optional per-row steps, the values and the
+optimizer state arrays, with no padding (see ``docs/bridge-protocol.md`` for the table).
+ACK carries a status; HEARTBEAT the ring digest and member states; SYNC nothing.
+
+:func:`decode` checks every declared size against the buffer and against
+:class:`Limits` before looking at (or allocating for) the data, and raises
+:class:`BadFrame` (an :class:`~shmps.errors.InvalidArgument`) with the reason for any
+malformed input; arrays in the result are zero-copy numpy views of the buffer.
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+from enum import IntEnum, IntFlag
+from typing import Any, Iterator, Sequence, Union
+
+import numpy as np
+
+from ..errors import InvalidArgument
+
+MAGIC = b"SHPB"
+VERSION = 1
+MAX_FRAME_BYTES = 8 << 20
+MAX_STATE = 4
+U32 = (1 << 32) - 1
+U63 = (1 << 63) - 1
+U64 = (1 << 64) - 1
+
+HEADER = struct.Struct("<4sHHQIIIIQHHI")
+DATA_HEAD = struct.Struct("<HHHHIIQQII")
+MARK = struct.Struct("<IIQ")
+ACK_BODY = struct.Struct("<HHI")
+HEARTBEAT_HEAD = struct.Struct("<QQIHH")
+MEMBER = struct.Struct("<IB3s")
+assert HEADER.size == 48 and DATA_HEAD.size == 40 and MARK.size == 16
+assert ACK_BODY.size == 8 and HEARTBEAT_HEAD.size == 24 and MEMBER.size == 8
+
+
+class FrameType(IntEnum):
+    """What a frame is."""
+
+    BATCH = 1       #: gradients, sender -> owner
+    ACK = 2         #: acknowledgement or refusal of one stream's frames up to ``seq``
+    ROWS = 3        #: new values of changed rows, owner -> every replica
+    SNAPSHOT = 4    #: a chunk of a whole shard, for a joining or new backup host
+    HEARTBEAT = 5   #: liveness, epoch, ring digest and member states, every 0.1 s
+    SYNC = 6        #: "send me a snapshot of this shard, then its ROWS"
+
+
+class Layout(IntEnum):
+    """How the rows of a data frame are addressed."""
+
+    NONE = 0        #: not a data frame
+    RANGE = 1       #: rows ``start .. start + n - 1`` of a dense/csr tensor
+    INDEXED = 2     #: ``n`` int64 row numbers (``rows=`` pushes)
+    KEYED = 3       #: ``n`` uint64 table keys
+
+
+class Flag(IntFlag):
+    """Header flag bits; any other bit set is a malformed frame."""
+
+    LAST = 1            #: SNAPSHOT: the last chunk of the shard
+    ROW_STEPS = 2       #: ROWS/SNAPSHOT: a uint64 step count per row follows the index
+    FLOOR_MARKS = 4     #: ROWS/SNAPSHOT: marks mean "every seq <= mark applied"
+
+
+class Status(IntEnum):
+    """ACK status: OK acknowledges ``seq`` and all before it; others refuse ``seq``."""
+
+    OK = 0
+    STALE_EPOCH = 1     #: the frame's epoch is not the receiver's (header: receiver's)
+    NOT_OWNER = 2       #: the receiver does not own this shard in its epoch
+    NO_QUORUM = 3       #: the receiver does not reach a majority; retry later
+    REJECTED = 4        #: schema mismatch or invalid data: never applied, but counts as
+    #:                     acknowledged (sent in stream order, after OK for seq - 1)
+    BUSY = 5            #: over a memory bound; resend later
+    GAP = 6             #: a seq is missing before this one; resend from ack + 1
+
+
+DTYPE_CODES: dict[str, int] = {"int8": 1, "int32": 2, "float16": 3, "float32": 4, "float64": 5}
+"""Frame dtype codes, the same numbers as the segment layout's (native/shmps.h)."""
+CODE_DTYPES: dict[int, np.dtype] = {v: np.dtype(k) for k, v in DTYPE_CODES.items()}
+FLOAT_CODES = frozenset({3, 4, 5})
+
+_DATA_TYPES = (FrameType.BATCH, FrameType.ROWS, FrameType.SNAPSHOT)
+_ALLOWED_FLAGS = {
+    FrameType.BATCH: Flag(0),
+    FrameType.ACK: Flag(0),
+    FrameType.ROWS: Flag.ROW_STEPS | Flag.FLOOR_MARKS,
+    FrameType.SNAPSHOT: Flag.LAST | Flag.ROW_STEPS | Flag.FLOOR_MARKS,
+    FrameType.HEARTBEAT: Flag(0),
+    FrameType.SYNC: Flag(0),
+}
+
+HB_QUORUM = 1       #: heartbeat flag: the sender reaches a majority
+HB_READY = 2        #: heartbeat flag: a joining sender has copied its shards
+HB_HANDED_OVER = 4  #: heartbeat flag: a leaving sender has handed its shards over
+_HB_FLAGS = HB_QUORUM | HB_READY | HB_HANDED_OVER
+
+
+class BadFrame(InvalidArgument):
+    """A received frame is malformed or exceeds the limits; it was dropped unapplied."""
+
+    hint = ("the peer runs another shmps version, is misconfigured or is hostile; the frame "
+            "was dropped and nothing was applied")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds every received frame is checked against before anything is allocated."""
+
+    max_frame_bytes: int = MAX_FRAME_BYTES   #: header included
+    max_rows: int = 1 << 20                  #: rows or keys per frame
+    max_dim: int = 1 << 21                   #: values per row
+    max_marks: int = 4096                    #: dedup marks per frame
+    max_members: int = 1024                  #: member entries per heartbeat
+    dtypes: frozenset[int] = frozenset(DTYPE_CODES.values())   #: value dtype codes allowed
+
+
+DEFAULT_LIMITS = Limits()
+
+
+def tensor_id(name: str) -> int:
+    """A tensor's 32-bit id in frames: the first 4 bytes of BLAKE2b(name), big-endian. O(len)."""
+    return int.from_bytes(hashlib.blake2b(name.encode("utf-8")).digest()[:4], "big")
+
+
+# --------------------------------------------------------------------------- frame objects
+
+@dataclass(frozen=True)
+class Mark:
+    """A batch of stream (sender, incarnation) applied to this frame's shard: ``seq`` itself,
+    or every seq up to ``seq`` when the frame has :attr:`Flag.FLOOR_MARKS`."""
+
+    sender: int
+    incarnation: int
+    seq: int
+
+
+@dataclass(frozen=True)
+class FrameHeader:
+    """Fields every frame has."""
+
+    type: FrameType
+    epoch: int
+    sender: int
+    incarnation: int
+    tensor: int
+    shard: int
+    seq: int
+    flags: Flag
+    layout: Layout
+
+
+@dataclass(frozen=True, eq=False)
+class Data(FrameHeader):
+    """BATCH, ROWS or SNAPSHOT. Arrays are read-only views into the decoded buffer (the
+    buffer must outlive them) unless the buffer was writable."""
+
+    dtype: np.dtype
+    cols: int
+    start: int                      #: first row (RANGE), else 0
+    step: int                       #: BATCH: pushes folded in (>= 1); else the shard's step
+    marks: tuple[Mark, ...]
+    index: np.ndarray | None        #: int64 rows (INDEXED) or uint64 keys (KEYED), shape (n,)
+    row_steps: np.ndarray | None    #: uint64 (n,), when Flag.ROW_STEPS
+    values: np.ndarray              #: (n, cols) of dtype
+    state: tuple[np.ndarray, ...]   #: optimizer state arrays, each (n, cols)
+
+    __eq__ = object.__eq__      # arrays: compare fields explicitly
+    __hash__ = object.__hash__
+
+    @property
+    def n(self) -> int:
+        """Rows (or keys) in the frame."""
+        return int(self.values.shape[0])
+
+
+@dataclass(frozen=True)
+class Ack(FrameHeader):
+    """Acknowledges (OK) or refuses ``seq`` of the stream (receiver, incarnation, tensor,
+    shard) the receiver of this ACK sent; ``epoch`` is the acknowledger's epoch."""
+
+    status: Status
+
+
+@dataclass(frozen=True)
+class Heartbeat(FrameHeader):
+    """Liveness and view of the sender; ``seq`` counts the sender's heartbeats."""
+
+    digest: int                                 #: ring digest of the sender's live set
+    sent_ms: int                                #: sender's wall clock, ms since 1970
+    hb_flags: int                               #: HB_QUORUM | HB_READY | HB_HANDED_OVER
+    members: tuple[tuple[int, int], ...]        #: (member id, state code 1..5)
+
+
+@dataclass(frozen=True)
+class Sync(FrameHeader):
+    """Request for a snapshot of (tensor, shard) followed by its ROWS stream."""
+
+
+Frame = Union[Data, Ack, Heartbeat, Sync]
+
+
+# --------------------------------------------------------------------------- sizes
+
+def _dtype_code(dtype: object, what: str) -> int:
+    try:
+        name = np.dtype(dtype).name  # type: ignore[call-overload]
+    except TypeError:
+        raise InvalidArgument(f"{what}: {dtype!r} is not a dtype") from None
+    code = DTYPE_CODES.get(name)
+    if code is None:
+        raise InvalidArgument(f"{what}: dtype {name} is not one of {', '.join(DTYPE_CODES)}")
+    return code
+
+
+def data_payload_bytes(layout: Layout, n: int, cols: int, itemsize: int, *, nmarks: int = 0,
+                       nstate: int = 0, state_itemsize: int = 0, row_steps: bool = False) -> int:
+    """Payload bytes of a data frame with these sizes (header excluded). O(1)."""
+    per_row = (8 if layout in (Layout.INDEXED, Layout.KEYED) else 0) + (8 if row_steps else 0)
+    return (DATA_HEAD.size + MARK.size * nmarks + n * per_row + n * cols * itemsize
+            + nstate * n * cols * state_itemsize)
+
+
+def max_rows_per_frame(cols: int, dtype: object, layout: Layout = Layout.RANGE, *,
+                       nmarks: int = 0, nstate: int = 0, state_dtype: object = None,
+                       row_steps: bool = False, limits: Limits = DEFAULT_LIMITS) -> int:
+    """The most rows of ``cols`` values one data frame can carry within ``limits``
+    (0 if not even one row fits: such a tensor cannot cross the bridge). O(1)."""
+    if cols < 1:
+        raise InvalidArgument(f"cols must be >= 1, got {cols}")
+    itemsize = np.dtype(dtype).itemsize  # type: ignore[call-overload]
+    ssize = np.dtype(state_dtype).itemsize if nstate else 0  # type: ignore[call-overload]
+    fixed = HEADER.size + data_payload_bytes(layout, 0, cols, itemsize, nmarks=nmarks)
+    per_row = data_payload_bytes(layout, 1, cols, itemsize, nstate=nstate, state_itemsize=ssize,
+                                 row_steps=row_steps) - DATA_HEAD.size
+    if cols > limits.max_dim or fixed > limits.max_frame_bytes:
+        return 0
+    return max(0, min(limits.max_rows, (limits.max_frame_bytes - fixed) // per_row))
+
+
+# --------------------------------------------------------------------------- encoding
+
+def _u(name: str, v: int, top: int) -> int:
+    if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or not 0 <= int(v) <= top:
+        raise InvalidArgument(f"{name} must be an integer in [0, {top}], got {v!r}")
+    return int(v)
+
+
+def _header(ftype: FrameType, *, epoch: int, sender: int, incarnation: int, tensor: int,
+            shard: int, seq: int, flags: int, layout: Layout, payload_len: int) -> bytes:
+    return HEADER.pack(MAGIC, VERSION, int(ftype), _u("epoch", epoch, U64),
+                       _u("sender", sender, U32), _u("incarnation", incarnation, U32),
+                       _u("tensor", tensor, U32), _u("shard", shard, U32),
+                       _u("seq", seq, U64), int(flags), int(layout), payload_len)
+
+
+def _finish(parts: list[object], total: int, limits: Limits | None) -> bytes:
+    if limits is not None and total > limits.max_frame_bytes:
+        raise InvalidArgument(f"frame of {total} bytes exceeds the {limits.max_frame_bytes}-byte "
+                              "limit", hint="split the rows over several frames "
+                                            "(frames.max_rows_per_frame)")
+    out = b"".join(parts)  # type: ignore[arg-type]   # one copy of the arrays, no more
+    assert len(out) == total
+    return out
+
+
+def _bytes_of(a: np.ndarray) -> memoryview:
+    return np.ascontiguousarray(a).reshape(-1).view(np.uint8).data
+
+
+def _encode_data(ftype: FrameType, *, epoch: int, sender: int, incarnation: int, tensor: int,
+                 shard: int, seq: int, values: np.ndarray, start: int | None,
+                 rows: np.ndarray | None, keys: np.ndarray | None, step: int,
+                 marks: Sequence[Mark], state: Sequence[np.ndarray],
+                 row_steps: np.ndarray | None, flags: Flag, limits: Limits | None) -> bytes:
+    v = np.asarray(values)
+    if v.ndim == 0:
+        raise InvalidArgument("values must have a row axis (shape (n, ...))")
+    n = int(v.shape[0])
+    cols = int(np.prod(v.shape[1:], dtype=np.int64)) if v.ndim > 1 else 1
+    v = v.reshape(n, cols)
+    code = _dtype_code(v.dtype, "values")
+    if cols < 1:
+        raise InvalidArgument("rows must hold at least one value")
+    given = [x is not None for x in (start, rows, keys)]
+    if sum(given) != 1:
+        raise InvalidArgument("pass exactly one of start= (a row range), rows= or keys=")
+    parts: list[object] = []
+    index: np.ndarray | None = None
+    if start is not None:
+        layout = Layout.RANGE
+        first = _u("start", start, U63)
+        if first + n > U63:
+            raise InvalidArgument("start + rows exceeds 2**63 - 1")
+    elif rows is not None:
+        layout, first = Layout.INDEXED, 0
+        index = np.asarray(rows)
+        if index.dtype.kind not in "iu" or index.shape != (n,):
+            raise InvalidArgument(f"rows must be {n} integers, got {index.dtype} {index.shape}")
+        if n and (int(index.min()) < 0 or int(index.max()) > U63):
+            raise InvalidArgument("rows must be in [0, 2**63)")
+        index = index.astype("<i8", copy=False)
+    else:
+        layout, first = Layout.KEYED, 0
+        index = np.asarray(keys)
+        if index.dtype.kind not in "iu" or index.shape != (n,):
+            raise InvalidArgument(f"keys must be {n} integers, got {index.dtype} {index.shape}")
+        if index.dtype.kind == "i" and n and int(index.min()) < 0:
+            raise InvalidArgument("keys must be non-negative (uint64)")
+        index = index.astype("<u8", copy=False)
+    if ftype is FrameType.BATCH:
+        if n == 0:
+            raise InvalidArgument("a BATCH carries at least one row")
+        if marks or state or row_steps is not None or flags:
+            raise InvalidArgument("a BATCH carries no marks, state, row steps or flags")
+        _u("step", step, U64)
+        if step < 1:
+            raise InvalidArgument("a BATCH folds step >= 1 pushes")
+    else:
+        _u("step", step, U64)
+    if len(state) > MAX_STATE:
+        raise InvalidArgument(f"at most {MAX_STATE} state arrays")
+    scode, ssize = 0, 0
+    st = [np.asarray(s) for s in state]
+    if st:
+        scode = _dtype_code(st[0].dtype, "state")
+        if scode not in FLOAT_CODES:
+            raise InvalidArgument("optimizer state must be float16/32/64")
+        for s in st:
+            if s.dtype != st[0].dtype or s.size != n * cols:
+                raise InvalidArgument(f"each state array must be {n} x {cols} of {st[0].dtype}")
+        ssize = st[0].dtype.itemsize
+    if row_steps is not None:
+        rs = np.asarray(row_steps)
+        if rs.dtype.kind not in "iu" or rs.shape != (n,) or (n and int(rs.min()) < 0):
+            raise InvalidArgument(f"row_steps must be {n} non-negative integers")
+        row_steps = rs.astype("<u8", copy=False)
+        flags |= Flag.ROW_STEPS
+    if len(marks) > U32:
+        raise InvalidArgument("too many marks")
+    payload = data_payload_bytes(layout, n, cols, v.dtype.itemsize, nmarks=len(marks),
+                                 nstate=len(st), state_itemsize=ssize,
+                                 row_steps=row_steps is not None)
+    if payload > U32 or n > U32 or cols > U32:
+        raise InvalidArgument(f"frame payload of {payload} bytes does not fit a frame")
+    parts.append(_header(ftype, epoch=epoch, sender=sender, incarnation=incarnation,
+                         tensor=tensor, shard=shard, seq=seq, flags=flags, layout=layout,
+                         payload_len=payload))
+    parts.append(DATA_HEAD.pack(code, len(st), scode, 0, cols, n, first, int(step),
+                                len(marks), 0))
+    for m in marks:
+        parts.append(MARK.pack(_u("mark sender", m.sender, U32),
+                               _u("mark incarnation", m.incarnation, U32),
+                               _u("mark seq", m.seq, U64)))
+    if index is not None:
+        parts.append(_bytes_of(index))
+    if row_steps is not None:
+        parts.append(_bytes_of(row_steps))
+    parts.append(_bytes_of(v.astype(v.dtype.newbyteorder("<"), copy=False)))
+    for s in st:
+        parts.append(_bytes_of(s.astype(s.dtype.newbyteorder("<"), copy=False)))
+    return _finish(parts, HEADER.size + payload, limits)
+
+
+def encode_batch(*, epoch: int, sender: int, incarnation: int, tensor: int, shard: int,
+                 seq: int, values: np.ndarray, start: int | None = None,
+                 rows: np.ndarray | None = None, keys: np.ndarray | None = None,
+                 step: int = 1, limits: Limits | None = DEFAULT_LIMITS) -> bytes:
+    """A BATCH of gradients: ``values`` (n rows, any trailing shape) for rows ``start..``,
+    for ``rows``, or for table ``keys`` (exactly one). ``step`` = pushes folded in.
+    Raises :class:`InvalidArgument` for bad arguments or a frame over ``limits``.
+    O(frame bytes): the arrays are copied once, into the result."""
+    return _encode_data(FrameType.BATCH, epoch=epoch, sender=sender, incarnation=incarnation,
+                        tensor=tensor, shard=shard, seq=seq, values=values, start=start,
+                        rows=rows, keys=keys, step=step, marks=(), state=(), row_steps=None,
+                        flags=Flag(0), limits=limits)
+
+
+def encode_rows(*, epoch: int, sender: int, incarnation: int, tensor: int, shard: int,
+                seq: int, values: np.ndarray, start: int | None = None,
+                rows: np.ndarray | None = None, keys: np.ndarray | None = None, step: int = 0,
+                marks: Sequence[Mark] = (), floor_marks: bool = False,
+                state: Sequence[np.ndarray] = (), row_steps: np.ndarray | None = None,
+                limits: Limits | None = DEFAULT_LIMITS) -> bytes:
+    """A ROWS frame: new values (and optimizer ``state``) of changed rows, with the
+    batches applied since the previous ROWS as ``marks``. O(frame bytes)."""
+    return _encode_data(FrameType.ROWS, epoch=epoch, sender=sender, incarnation=incarnation,
+                        tensor=tensor, shard=shard, seq=seq, values=values, start=start,
+                        rows=rows, keys=keys, step=step, marks=marks, state=state,
+                        row_steps=row_steps,
+                        flags=Flag.FLOOR_MARKS if floor_marks else Flag(0), limits=limits)
+
+
+def encode_snapshot(*, epoch: int, sender: int, incarnation: int, tensor: int, shard: int,
+                    seq: int, values: np.ndarray, start: int | None = None,
+                    keys: np.ndarray | None = None, step: int = 0, marks: Sequence[Mark] = (),
+                    floor_marks: bool = True, state: Sequence[np.ndarray] = (),
+                    row_steps: np.ndarray | None = None, last: bool = False,
+                    limits: Limits | None = DEFAULT_LIMITS) -> bytes:
+    """A SNAPSHOT chunk of a shard (rows ``start..`` or table ``keys``); ``last`` marks
+    the final chunk. Marks default to floors (the shard's dedup state). O(frame bytes)."""
+    flags = (Flag.LAST if last else Flag(0)) | (Flag.FLOOR_MARKS if floor_marks else Flag(0))
+    return _encode_data(FrameType.SNAPSHOT, epoch=epoch, sender=sender,
+                        incarnation=incarnation, tensor=tensor, shard=shard, seq=seq,
+                        values=values, start=start, rows=None, keys=keys, step=step,
+                        marks=marks, state=state, row_steps=row_steps, flags=flags,
+                        limits=limits)
+
+
+def encode_ack(*, epoch: int, sender: int, incarnation: int, tensor: int, shard: int,
+               seq: int, status: Status = Status.OK) -> bytes:
+    """An ACK (56 bytes). O(1)."""
+    st = Status(status)
+    return (_header(FrameType.ACK, epoch=epoch, sender=sender, incarnation=incarnation,
+                    tensor=tensor, shard=shard, seq=seq, flags=0, layout=Layout.NONE,
+                    payload_len=ACK_BODY.size) + ACK_BODY.pack(int(st), 0, 0))
+
+
+def encode_heartbeat(*, epoch: int, sender: int, incarnation: int, seq: int, digest: int,
+                     sent_ms: int, members: Sequence[tuple[int, int]], hb_flags: int = 0,
+                     limits: Limits | None = DEFAULT_LIMITS) -> bytes:
+    """A HEARTBEAT with the sender's view: (member id, state code) pairs. O(members)."""
+    if hb_flags & ~_HB_FLAGS:
+        raise InvalidArgument(f"unknown heartbeat flags {hb_flags:#x}")
+    if limits is not None and len(members) > limits.max_members:
+        raise InvalidArgument(f"{len(members)} members exceed the limit {limits.max_members}")
+    body = [HEARTBEAT_HEAD.pack(_u("digest", digest, U64), _u("sent_ms", sent_ms, U64),
+                                len(members), hb_flags, 0)]
+    for mid, code in members:
+        if not 1 <= code <= 5:
+            raise InvalidArgument(f"member state code must be 1..5, got {code!r}")
+        body.append(MEMBER.pack(_u("member id", mid, U32), code, b"\0\0\0"))
+    payload = b"".join(body)
+    return _finish([_header(FrameType.HEARTBEAT, epoch=epoch, sender=sender,
+                            incarnation=incarnation, tensor=0, shard=0, seq=seq, flags=0,
+                            layout=Layout.NONE, payload_len=len(payload)), payload],
+                   HEADER.size + len(payload), limits)
+
+
+def encode_sync(*, epoch: int, sender: int, incarnation: int, tensor: int, shard: int,
+                seq: int = 0) -> bytes:
+    """A SYNC request (48 bytes, no payload). O(1)."""
+    return _header(FrameType.SYNC, epoch=epoch, sender=sender, incarnation=incarnation,
+                   tensor=tensor, shard=shard, seq=seq, flags=0, layout=Layout.NONE,
+                   payload_len=0)
+
+
+def restamp_epoch(buf: bytes, epoch: int) -> bytes:
+    """A copy of the encoded frame ``buf`` with its epoch field set to ``epoch`` (for
+    resending unacknowledged frames after an epoch change; seq and payload unchanged).
+    Raises :class:`BadFrame` if ``buf`` has no valid header. O(len(buf)) (one copy)."""
+    mv = _as_bytes_view(buf)
+    _read_header(mv, Limits(max_frame_bytes=U64))
+    out = bytearray(mv)
+    struct.pack_into("<Q", out, 8, _u("epoch", epoch, U64))
+    return bytes(out)
+
+
+# --------------------------------------------------------------------------- decoding
+
+def _bad(kind: object, reason: str) -> BadFrame:
+    name = kind.name if isinstance(kind, FrameType) else str(kind)
+    return BadFrame(f"malformed {name} frame: {reason}")
+
+
+def _as_bytes_view(buf: object) -> memoryview:
+    try:
+        mv = memoryview(buf)  # type: ignore[arg-type]
+    except TypeError:
+        raise BadFrame(f"a frame must be bytes-like, got {type(buf).__name__}") from None
+    if mv.ndim != 1 or mv.format not in ("B", "b", "c"):
+        try:
+            mv = mv.cast("B")
+        except TypeError:
+            raise BadFrame("a frame buffer must be C-contiguous bytes") from None
+    elif mv.format != "B":
+        mv = mv.cast("B")
+    return mv
+
+
+def _read_header(mv: memoryview, limits: Limits) -> tuple[FrameHeader, int]:
+    if len(mv) < HEADER.size:
+        raise BadFrame(f"truncated frame: {len(mv)} bytes, the header alone is {HEADER.size}")
+    (magic, version, ftype, epoch, sender, inc, tensor, shard, seq, flags, layout,
+     payload_len) = HEADER.unpack_from(mv, 0)
+    if magic != MAGIC:
+        raise BadFrame(f"not a bridge frame: magic {bytes(magic)!r}, expected {MAGIC!r}")
+    if version != VERSION:
+        raise BadFrame(f"frame version {version}, this host speaks {VERSION}",
+                       hint="run the same shmps version on every host")
+    try:
+        ft = FrameType(ftype)
+    except ValueError:
+        raise BadFrame(f"unknown frame type {ftype}") from None
+    if HEADER.size + payload_len > limits.max_frame_bytes:
+        raise _bad(ft, f"declares {HEADER.size + payload_len} bytes, over the "
+                       f"{limits.max_frame_bytes}-byte limit")
+    if flags & ~int(_ALLOWED_FLAGS[ft]):
+        raise _bad(ft, f"flags {flags:#x} not allowed")
+    if ft in _DATA_TYPES:
+        if layout not in (Layout.RANGE, Layout.INDEXED, Layout.KEYED) or (
+                ft is FrameType.SNAPSHOT and layout == Layout.INDEXED):
+            raise _bad(ft, f"layout {layout} not allowed")
+    elif layout != Layout.NONE:
+        raise _bad(ft, f"layout {layout} not allowed")
+    hdr = FrameHeader(ft, epoch, sender, inc, tensor, shard, seq, Flag(flags), Layout(layout))
+    return hdr, payload_len
+
+
+def decode(buf: object, limits: Limits = DEFAULT_LIMITS) -> Frame:
+    """Decode exactly one frame from ``buf`` (bytes, bytearray, memoryview...).
+
+    Every size is checked against ``len(buf)`` and ``limits`` before use; malformed input
+    raises :class:`BadFrame` (never another exception). Arrays are zero-copy views.
+    O(1) for the checks plus O(nmarks + nmembers) to build the small tuples.
+    """
+    mv = _as_bytes_view(buf)
+    hdr, payload_len = _read_header(mv, limits)
+    if len(mv) != HEADER.size + payload_len:
+        raise _bad(hdr.type, f"header declares {payload_len} payload bytes, the buffer holds "
+                             f"{len(mv) - HEADER.size}")
+    body = mv[HEADER.size:]
+    if hdr.type in _DATA_TYPES:
+        return _decode_data(hdr, body, limits)
+    if hdr.type is FrameType.ACK:
+        if len(body) != ACK_BODY.size:
+            raise _bad(hdr.type, f"payload is {len(body)} bytes, expected {ACK_BODY.size}")
+        status, r1, r2 = ACK_BODY.unpack_from(body, 0)
+        if r1 or r2:
+            raise _bad(hdr.type, "reserved fields are not zero")
+        try:
+            st = Status(status)
+        except ValueError:
+            raise _bad(hdr.type, f"unknown status {status}") from None
+        return Ack(**_fields(hdr), status=st)
+    if hdr.type is FrameType.HEARTBEAT:
+        return _decode_heartbeat(hdr, body, limits)
+    if len(body):
+        raise _bad(hdr.type, f"payload is {len(body)} bytes, expected 0")
+    return Sync(**_fields(hdr))
+
+
+def _fields(h: FrameHeader) -> dict[str, Any]:
+    return {"type": h.type, "epoch": h.epoch, "sender": h.sender, "incarnation": h.incarnation,
+            "tensor": h.tensor, "shard": h.shard, "seq": h.seq, "flags": h.flags,
+            "layout": h.layout}
+
+
+def _decode_heartbeat(hdr: FrameHeader, body: memoryview, limits: Limits) -> Heartbeat:
+    if len(body) < HEARTBEAT_HEAD.size:
+        raise _bad(hdr.type, f"payload is {len(body)} bytes, at least {HEARTBEAT_HEAD.size} "
+                             "expected")
+    digest, sent_ms, nmembers, hb_flags, reserved = HEARTBEAT_HEAD.unpack_from(body, 0)
+    if reserved:
+        raise _bad(hdr.type, "reserved field is not zero")
+    if hb_flags & ~_HB_FLAGS:
+        raise _bad(hdr.type, f"unknown heartbeat flags {hb_flags:#x}")
+    if nmembers > limits.max_members:
+        raise _bad(hdr.type, f"{nmembers} members, over the limit {limits.max_members}")
+    if len(body) != HEARTBEAT_HEAD.size + MEMBER.size * nmembers:
+        raise _bad(hdr.type, f"{nmembers} members need {HEARTBEAT_HEAD.size + MEMBER.size * nmembers}"
+                             f" payload bytes, the frame has {len(body)}")
+    members = []
+    for i in range(nmembers):
+        mid, code, pad = MEMBER.unpack_from(body, HEARTBEAT_HEAD.size + MEMBER.size * i)
+        if not 1 <= code <= 5 or pad != b"\0\0\0":
+            raise _bad(hdr.type, f"member entry {i}: state code {code} or padding invalid")
+        members.append((mid, code))
+    return Heartbeat(**_fields(hdr), digest=digest, sent_ms=sent_ms, hb_flags=hb_flags,
+                     members=tuple(members))
+
+
+def _decode_data(hdr: FrameHeader, body: memoryview, limits: Limits) -> Data:
+    ft = hdr.type
+    if len(body) < DATA_HEAD.size:
+        raise _bad(ft, f"payload is {len(body)} bytes, the data header alone is {DATA_HEAD.size}")
+    (code, nstate, scode, r1, cols, n, start, step, nmarks, r2) = DATA_HEAD.unpack_from(body, 0)
+    if r1 or r2:
+        raise _bad(ft, "reserved fields are not zero")
+    if code not in CODE_DTYPES or code not in limits.dtypes:
+        raise _bad(ft, f"dtype code {code} not allowed")
+    if not 1 <= cols <= limits.max_dim:
+        raise _bad(ft, f"{cols} values per row, allowed 1..{limits.max_dim}")
+    if n > limits.max_rows:
+        raise _bad(ft, f"{n} rows, over the limit {limits.max_rows}")
+    if nmarks > limits.max_marks:
+        raise _bad(ft, f"{nmarks} marks, over the limit {limits.max_marks}")
+    if nstate > MAX_STATE:
+        raise _bad(ft, f"{nstate} state arrays, at most {MAX_STATE}")
+    if (nstate == 0) != (scode == 0) or (nstate and scode not in FLOAT_CODES):
+        raise _bad(ft, f"state dtype code {scode} does not fit {nstate} state arrays")
+    if hdr.layout != Layout.RANGE and start != 0:
+        raise _bad(ft, "start must be 0 unless the layout is RANGE")
+    if start + n > U63:
+        raise _bad(ft, "row range exceeds 2**63 - 1")
+    if ft is FrameType.BATCH and (n == 0 or step == 0 or nmarks or nstate):
+        raise _bad(ft, "a BATCH needs >= 1 row, step >= 1, and no marks or state")
+    dt = CODE_DTYPES[code]
+    sdt = CODE_DTYPES[scode] if nstate else None
+    has_steps = bool(hdr.flags & Flag.ROW_STEPS)
+    expected = data_payload_bytes(hdr.layout, n, cols, dt.itemsize, nmarks=nmarks,
+                                  nstate=nstate, state_itemsize=sdt.itemsize if sdt else 0,
+                                  row_steps=has_steps)
+    if len(body) != expected:
+        raise _bad(ft, f"{n} rows x {cols} of {dt.name}, {nmarks} marks, {nstate} state arrays "
+                       f"need {expected} payload bytes, the frame has {len(body)}")
+    off = DATA_HEAD.size
+    marks = tuple(Mark(*MARK.unpack_from(body, off + MARK.size * i)) for i in range(nmarks))
+    off += MARK.size * nmarks
+    index: np.ndarray | None = None
+    if hdr.layout in (Layout.INDEXED, Layout.KEYED):
+        index = np.frombuffer(body, dtype="<i8" if hdr.layout == Layout.INDEXED else "<u8",
+                              count=n, offset=off)
+        off += 8 * n
+    row_steps: np.ndarray | None = None
+    if has_steps:
+        row_steps = np.frombuffer(body, dtype="<u8", count=n, offset=off)
+        off += 8 * n
+    values = np.frombuffer(body, dtype=dt.newbyteorder("<"), count=n * cols,
+                           offset=off).reshape(n, cols)
+    off += n * cols * dt.itemsize
+    state = []
+    for _ in range(nstate):
+        assert sdt is not None
+        state.append(np.frombuffer(body, dtype=sdt.newbyteorder("<"), count=n * cols,
+                                   offset=off).reshape(n, cols))
+        off += n * cols * sdt.itemsize
+    return Data(**_fields(hdr), dtype=dt, cols=cols, start=start, step=step, marks=marks,
+                index=index, row_steps=row_steps, values=values, state=tuple(state))
+
+
+def iter_frames(buf: object, limits: Limits = DEFAULT_LIMITS) -> Iterator[Frame]:
+    """Decode frames laid back to back in one message (several small frames share a
+    websocket message). A truncated last frame raises :class:`BadFrame` when reached.
+    O(number of frames) plus each frame's decode."""
+    mv = _as_bytes_view(buf)
+    off = 0
+    while off < len(mv):
+        _, payload_len = _read_header(mv[off:], limits)
+        end = off + HEADER.size + payload_len
+        if end > len(mv):
+            raise BadFrame(f"truncated frame at offset {off}: declares {HEADER.size + payload_len}"
+                           f" bytes, {len(mv) - off} left")
+        yield decode(mv[off:end], limits)
+        off = end
+
+
+def check_schema(frame: Data, *, dtype: object, cols: int, nrows: int | None = None) -> None:
+    """Check a decoded data frame against the tensor it targets, before applying it.
+
+    ``dtype`` is what the frame must carry (a BATCH: the tensor's gradient dtype; ROWS and
+    SNAPSHOT: its value dtype), ``cols`` the values per row, ``nrows`` the row count of a
+    dense/csr tensor (``None`` for a table: any key is valid, and KEYED is required).
+    Raises :class:`BadFrame`. O(n) for INDEXED (min/max of the rows), else O(1).
+    """
+    want = np.dtype(dtype)  # type: ignore[call-overload]
+    ft = frame.type
+    if frame.dtype != want:
+        raise _bad(ft, f"carries {frame.dtype.name}, the tensor expects {want.name}")
+    if frame.cols != cols:
+        raise _bad(ft, f"carries {frame.cols} values per row, the tensor has {cols}")
+    if nrows is None:
+        if frame.layout != Layout.KEYED:
+            raise _bad(ft, "a table takes keyed rows only")
+        return
+    if frame.layout == Layout.KEYED:
+        raise _bad(ft, "keyed rows sent to a tensor that is not a table")
+    if frame.layout == Layout.RANGE:
+        if frame.start + frame.n > nrows:
+            raise _bad(ft, f"rows {frame.start}..{frame.start + frame.n - 1} out of range for "
+                           f"{nrows} rows")
+    elif frame.n:
+        assert frame.index is not None
+        lo, hi = int(frame.index.min()), int(frame.index.max())
+        if lo < 0 or hi >= nrows:
+            raise _bad(ft, f"row {lo if lo < 0 else hi} out of range for {nrows} rows")
+
+
+__all__ = ["Ack", "BadFrame", "CODE_DTYPES", "DEFAULT_LIMITS", "DTYPE_CODES", "Data", "Flag",
+           "Frame", "FrameHeader", "FrameType", "HB_HANDED_OVER", "HB_QUORUM", "HB_READY",
+           "HEADER", "Heartbeat", "Layout", "Limits", "MAGIC", "MAX_FRAME_BYTES", "Mark",
+           "Status", "Sync", "VERSION", "check_schema", "data_payload_bytes", "decode",
+           "encode_ack", "encode_batch", "encode_heartbeat", "encode_rows", "encode_snapshot",
+           "encode_sync", "iter_frames", "max_rows_per_frame", "restamp_epoch", "tensor_id"]

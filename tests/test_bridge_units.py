@@ -1,0 +1,1327 @@
+"""Unit and property tests of the bridge's building blocks (no shared memory, no network):
+ring, membership, authentication, frames, and exactly-once queues."""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import struct
+import subprocess
+import sys
+import tracemalloc
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, assume, example, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _import_bridge() -> None:
+    """Import shmps.bridge from this checkout, even if the native core is not built (a bare
+    ``shmps`` package is enough: the bridge modules need only shmps.errors) or an installed
+    shmps lacks the bridge subpackage."""
+    src = str(ROOT / "shmps")
+    try:
+        import shmps
+    except ImportError:
+        shmps = types.ModuleType("shmps")
+        shmps.__path__ = [src]  # type: ignore[attr-defined]
+        sys.modules["shmps"] = shmps
+    try:
+        import shmps.bridge  # noqa: F401
+    except ModuleNotFoundError:
+        shmps.__path__.append(src)  # type: ignore[attr-defined]
+
+
+_import_bridge()
+
+from shmps.bridge import auth, frames, members, ring  # noqa: E402
+from shmps.bridge.auth import AuthError  # noqa: E402
+from shmps.bridge.frames import BadFrame, Flag, FrameType, Layout, Mark, Status  # noqa: E402
+from shmps.bridge.members import Membership, State  # noqa: E402
+from shmps.bridge.outq import Backpressure, ByteBudget, Dedup, OutQueue, Verdict  # noqa: E402
+from shmps.errors import CapacityError, InvalidArgument, Timeout  # noqa: E402
+
+pytestmark = pytest.mark.timeout(60)
+FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SHARDS = [f"t{s % 16}/{s // 16}" for s in range(4096)]   # "<tensor>/<shard index>" keys
+
+ADDRS = st.builds(lambda a, b, p: f"10.{a}.{b}.1:{p}", st.integers(0, 255), st.integers(0, 255),
+                  st.integers(1, 65535))
+
+
+# =========================================================================== ring
+
+def test_hash_is_stable_blake2b_prefix():
+    """The ring hash is the big-endian first 8 bytes of BLAKE2b, fixed for all versions."""
+    assert ring.stable_hash64("w/0") == int.from_bytes(hashlib.blake2b(b"w/0").digest()[:8], "big")
+    assert ring.stable_hash64("w/0") == GOLDEN_HASH
+    assert ring.Ring(["a:1", "b:2", "c:3"]).owners("w/0", 3) == GOLDEN_OWNERS
+
+
+GOLDEN_HASH = 0xD46A724ED01F2029
+GOLDEN_OWNERS = ["b:2", "a:1", "c:3"]
+
+
+@FAST
+@given(st.lists(ADDRS, min_size=1, max_size=8, unique=True), st.randoms(use_true_random=False),
+       st.lists(st.text(min_size=1, max_size=12), min_size=1, max_size=20),
+       st.integers(1, 4))
+def test_owners_deterministic_and_distinct(addrs, rnd, keys, replicas):
+    """Rings from the same members in any order agree; owners are distinct, owner first."""
+    shuffled = list(addrs)
+    rnd.shuffle(shuffled)
+    a, b = ring.Ring(addrs), ring.Ring(shuffled)
+    assert a == b and a.digest == b.digest
+    for k in keys:
+        o = a.owners(k, replicas)
+        assert o == b.owners(k, replicas)
+        assert len(o) == min(replicas, len(addrs)) == len(set(o))
+        assert o[0] == a.owner(k) and set(o) <= set(addrs)
+
+
+def test_owners_same_in_another_process():
+    """Another interpreter with another hash seed computes the same owners (no hash())."""
+    addrs = [f"127.0.0.{i}:7070" for i in range(1, 6)]
+    here = [ring.Ring(addrs).owners(k, 2) for k in SHARDS[:200]]
+    code = ("import sys, json; sys.path.insert(0, %r); import test_bridge_units as t; "
+            "print(json.dumps([t.ring.Ring(%r).owners(k, 2) for k in t.SHARDS[:200]]))"
+            % (str(Path(__file__).parent), addrs))
+    for seed in ("12345",):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env={**os.environ, "PYTHONHASHSEED": seed}, timeout=60, cwd=ROOT)
+        assert out.returncode == 0, out.stderr
+        import json
+        assert json.loads(out.stdout.strip().splitlines()[-1]) == here
+
+
+@pytest.mark.parametrize("n", range(3, 9))
+def test_balance_on_realistic_addresses(n):
+    """With the default vnodes, the busiest of n hosts owns <= 1.3x the mean of 4096 shards."""
+    r = ring.Ring([f"192.168.1.{10 + i}:7070" for i in range(n)])
+    load = r.load(SHARDS)
+    assert sum(load.values()) == 4096
+    assert max(load.values()) / (4096 / n) <= 1.3
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.lists(ADDRS, min_size=3, max_size=8, unique=True))
+def test_balance_on_random_members(addrs):
+    """The 1.3 bound holds for arbitrary member addresses, not just a lucky fixed set."""
+    load = ring.Ring(addrs).load(SHARDS)
+    assert max(load.values()) / (4096 / len(addrs)) <= 1.3
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.lists(ADDRS, min_size=4, max_size=9, unique=True))
+def test_adding_a_member_moves_only_its_share(addrs):
+    """Adding a member moves only keys it takes over, about 1/n of them; backups shift."""
+    old, new = ring.Ring(addrs[:-1]), ring.Ring(addrs)
+    joined = addrs[-1]
+    moved = 0
+    for k in SHARDS:
+        before, after = old.owners(k, 2), new.owners(k, 2)
+        if before[0] != after[0]:
+            moved += 1
+            assert after[0] == joined
+        # the old order survives: new list minus the newcomer is a prefix of the old list
+        assert [m for m in after if m != joined] == before[:len([m for m in after if m != joined])]
+    assert moved / len(SHARDS) <= 1.3 / len(addrs)
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.lists(ADDRS, min_size=3, max_size=8, unique=True), st.integers(1, 3), st.data())
+def test_removing_a_member_promotes_its_backups(addrs, replicas, data):
+    """Without member m, each key's owners are the old list minus m: a backup takes over."""
+    gone = data.draw(st.sampled_from(addrs))
+    old, new = ring.Ring(addrs), ring.Ring([a for a in addrs if a != gone])
+    moved = 0
+    for k in SHARDS:
+        expected = [m for m in old.owners(k, replicas + 1) if m != gone][:replicas]
+        assert new.owners(k, replicas) == expected
+        moved += old.owner(k) != new.owner(k)
+        if old.owner(k) != gone:
+            assert new.owner(k) == old.owner(k)
+    assert moved / len(SHARDS) <= 1.3 / len(addrs)
+
+
+def test_ring_rejects_bad_input():
+    """Empty rings, bad replicas, duplicates and bad vnodes raise InvalidArgument."""
+    with pytest.raises(InvalidArgument, match="no members"):
+        ring.Ring([]).owners("w/0")
+    r = ring.Ring(["a:1"])
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(InvalidArgument, match="replicas"):
+            r.owners("w/0", bad)
+    with pytest.raises(InvalidArgument, match="twice"):
+        ring.Ring(["a:1", "a:1"])
+    with pytest.raises(InvalidArgument, match="vnodes"):
+        ring.Ring(["a:1"], vnodes=0)
+    with pytest.raises(InvalidArgument, match="not one string"):
+        ring.Ring("a:1")
+    with pytest.raises(InvalidArgument, match="non-empty"):
+        ring.Ring([""])
+
+
+def test_with_members_keeps_vnodes_and_changes_digest():
+    """with_members keeps vnodes; the digest tracks the member set and vnodes."""
+    r = ring.Ring(["a:1", "b:2"], vnodes=8)
+    r2 = r.with_members(["a:1", "b:2", "c:3"])
+    assert r2.vnodes == 8 and r2.members == ("a:1", "b:2", "c:3") and "c:3" in r2
+    assert r2.digest != r.digest
+    assert r.with_members(["b:2", "a:1"]).digest == r.digest
+    assert ring.Ring(["a:1", "b:2"], vnodes=9).digest != r.digest
+    assert len(r2) == 3 and list(r2) == ["a:1", "b:2", "c:3"]
+    assert ring.shard_key("fc.w", 3) == "fc.w/3"
+    assert sorted(r.owners("x", 10)) == ["a:1", "b:2"]    # replicas > members: all of them
+
+
+# =========================================================================== members: parsing
+
+def test_parse_hosts_accepts_comments_blank_lines_ipv6_and_names():
+    """Comments, blank lines, IPv6 in brackets and host names parse, normalized, in order."""
+    text = ("# cluster\n\n  10.0.0.1:7070  \nHostB.Example.com:7071 # the second\n"
+            "[::1]:7072\n[fe80:0:0::1]:7073\n\t\n")
+    assert members.parse_hosts(text) == ["10.0.0.1:7070", "hostb.example.com:7071",
+                                         "[::1]:7072", "[fe80::1]:7073"]
+    assert members.parse_hosts("") == []
+    assert members.address_host("[::1]:7072") == "::1"
+    assert members.address_host("h:1") == "h"
+
+
+@pytest.mark.parametrize("line, why", [
+    ("10.0.0.1", "not host:port"),
+    ("10.0.0.1:", "not a number"),
+    ("10.0.0.1:0", "not a number"),
+    ("10.0.0.1:65536", "not a number"),
+    ("10.0.0.1:+80", "not a number"),
+    (":80", "not host:port"),
+    ("::1:80", "brackets"),
+    ("[::1]80", "not \\[ipv6\\]:port"),
+    ("[nope]:80", "not an IPv6 address"),
+    ("300.1.1.1:80", "not an IPv4 address"),
+    ("bad_host:80", "not a valid host name"),
+    ("-a.com:80", "not a valid host name"),
+    ("a:1 b:2", "more than one address"),
+])
+def test_parse_hosts_names_the_bad_line(line, why):
+    """A malformed line raises InvalidArgument naming the file, the line number and why."""
+    with pytest.raises(InvalidArgument, match=f"hosts.txt line 3: .*{why}") as info:
+        members.parse_hosts(f"a:1\n# c\n{line}\n")
+    assert info.value.hint
+
+
+def test_parse_hosts_refuses_duplicates_after_normalization():
+    """A member listed twice (even spelled differently) names both lines."""
+    with pytest.raises(InvalidArgument, match="line 4: host:80 is already listed on line 1"):
+        members.parse_hosts("host:80\nb:1\n\nHOST:80\n")
+    with pytest.raises(InvalidArgument, match=r"line 2: \[::1\]:9 is already listed on line 1"):
+        members.parse_hosts("[::1]:9\n[0::1]:9\n")
+
+
+def test_read_hosts_file_errors(tmp_path):
+    """read_hosts reads a file; missing, non-UTF-8 and oversized files are clear errors."""
+    p = tmp_path / "hosts.txt"
+    p.write_text("a:1\nb:2\n")
+    assert members.read_hosts(p) == ["a:1", "b:2"]
+    with pytest.raises(InvalidArgument, match="cannot read hosts file"):
+        members.read_hosts(tmp_path / "missing")
+    p.write_bytes(b"a:1\n\xff:2\n")
+    with pytest.raises(InvalidArgument, match="line 2: not UTF-8"):
+        members.read_hosts(p)
+    p.write_bytes(b"#" * (members.MAX_HOSTS_BYTES + 1))
+    with pytest.raises(InvalidArgument, match="larger than"):
+        members.read_hosts(p)
+
+
+def test_member_ids_are_stable():
+    """A member id is the top 32 bits of the ring hash of its address."""
+    assert members.member_id("a:1") == ring.stable_hash64("a:1") >> 32
+    assert 0 <= members.member_id("[::1]:7070") < 1 << 32
+    assert State.from_code(State.LEAVING.code) is State.LEAVING
+    with pytest.raises(InvalidArgument):
+        State.from_code(9)
+
+
+# =========================================================================== members: states
+
+THREE = ["a:1", "b:2", "c:3"]
+
+
+def test_silent_member_turns_suspect_then_dead_within_dead_after():
+    """A member that stops heartbeating is suspect at 0.25 s and dead at 0.5 s (one epoch
+    bump, off the ring); the others stay alive and the majority holds."""
+    m = Membership(THREE, "a:1", now=0.0)
+    t, dead_at = 0.0, None
+    while t < 2.0:
+        t = round(t + 0.05, 2)
+        m.heartbeat("b:2", t)
+        if t <= 1.0:
+            m.heartbeat("c:3", t)
+        for c in m.tick(t):
+            if c.member == "c:3" and c.new is State.SUSPECT:
+                assert t - 1.0 == pytest.approx(0.25)
+            if c.new is State.DEAD:
+                dead_at = t
+    assert dead_at is not None and dead_at - 1.0 == pytest.approx(0.5)
+    assert m.state("c:3") is State.DEAD and m.epoch == 1
+    assert m.live() == ("a:1", "b:2") and m.has_quorum()
+
+
+def test_suspect_member_recovers_without_epoch_change():
+    """A late heartbeat brings a suspect back to alive; the ring (epoch) never changed."""
+    m = Membership(THREE, "a:1", now=0.0)
+    m.heartbeat("b:2", 0.3)
+    assert [(c.member, c.new) for c in m.tick(0.3)] == [("c:3", State.SUSPECT)]
+    assert m.heartbeat("c:3", 0.4) == [members.Change("c:3", State.SUSPECT, State.ALIVE)]
+    assert m.epoch == 0 and m.live() == tuple(THREE)
+
+
+def test_dead_member_rejoins_only_after_copying():
+    """A dead member that heartbeats again is joining (off the ring) until mark_ready."""
+    m = Membership(THREE, "a:1", now=0.0)
+    m.heartbeat("b:2", 0.6)
+    m.tick(0.6)
+    assert m.state("c:3") is State.DEAD and m.epoch == 1
+    assert m.heartbeat("c:3", 0.7)[0].new is State.JOINING
+    assert m.epoch == 1 and "c:3" not in m.live() and "c:3" in m.reachable()
+    assert m.mark_ready("c:3")[0].new is State.ALIVE
+    assert m.epoch == 2 and "c:3" in m.live()
+    assert m.mark_ready("c:3") == [] and m.epoch == 2
+
+
+def test_cut_off_host_never_dies_to_itself_and_mints_no_epoch():
+    """This host never marks itself dead; alone (no majority) it changes its view but not
+    the epoch; observe_epoch only raises the epoch."""
+    m = Membership(THREE, "a:1", now=0.0)
+    m.tick(100.0)
+    assert m.state("a:1") is State.ALIVE and m.live() == ("a:1",)
+    assert not m.has_quorum() and m.epoch == 0
+    assert m.observe_epoch(7) and m.epoch == 7
+    assert not m.observe_epoch(3) and m.epoch == 7
+
+
+def test_paused_host_adopts_the_majority_view_and_rejoins():
+    """A host back from a pause takes the majority's newer view and epoch, and becomes
+    joining itself; an older or equal epoch's view is ignored."""
+    m = Membership(THREE, "a:1", now=0.0)
+    m.tick(3.0)                                   # paused 3 s: everyone else looks dead
+    view = {"a:1": State.DEAD, "b:2": State.ALIVE, "c:3": State.ALIVE}
+    assert m.adopt(view, 0, now=3.0) == []        # not newer: ignored
+    changes = m.adopt(view, 4, now=3.0)
+    assert {(c.member, c.new) for c in changes} == {("a:1", State.JOINING),
+                                                    ("b:2", State.ALIVE), ("c:3", State.ALIVE)}
+    assert m.epoch == 4 and m.live() == ("b:2", "c:3") and m.has_quorum()
+    assert m.tick(3.1) == []                      # adopted members count as just heard
+    m.mark_ready("a:1")
+    assert m.epoch == 5 and m.live() == tuple(THREE)
+    assert m.adopt({"zz:1": State.ALIVE}, 9, now=3.2) == [] and m.epoch == 9
+
+
+@pytest.mark.parametrize("n, reachable, quorum", [
+    (1, 1, True), (2, 1, False), (2, 2, True), (3, 1, False), (3, 2, True),
+    (4, 2, False), (4, 3, True), (5, 2, False), (5, 3, True)])
+def test_quorum_is_a_strict_majority_of_configured_members(n, reachable, quorum):
+    """has_quorum needs more than half the configured members; allow_minority overrides."""
+    addrs = [f"h{i}:1" for i in range(n)]
+    assert Membership(addrs, now=0).has_quorum(addrs[:reachable]) is quorum
+    assert Membership(addrs, now=0, allow_minority=True).has_quorum(addrs[:reachable])
+    assert Membership(addrs, now=0).has_quorum(addrs[:reachable] + ["stranger:1"]) is quorum
+
+
+def test_set_members_adds_joining_and_removes_via_leaving():
+    """Edited member lists: new members join (grace period), removed live ones leave, then
+    drop off the ring on remove(); removed dead ones are dropped at once."""
+    m = Membership(THREE, "a:1", now=0.0)
+    ch = m.set_members(["a:1", "b:2", "d:4"], now=0.1)
+    assert {(c.member, c.new) for c in ch} == {("d:4", State.JOINING), ("c:3", State.LEAVING)}
+    assert m.epoch == 0 and "c:3" in m.live() and m.configured == ("a:1", "b:2", "d:4")
+    m.remove("c:3")
+    assert m.epoch == 1 and "c:3" not in m.states()
+    m.heartbeat("b:2", 0.5)
+    m.heartbeat("d:4", 0.5)
+    assert m.tick(0.55) == [] and m.state("d:4") is State.JOINING
+    m.mark_ready("d:4")
+    assert m.live() == ("a:1", "b:2", "d:4") and m.epoch == 2
+    m.set_members(["a:1", "b:2", "d:4", "e:5"], now=1.0)
+    m.tick(1.6)    # e never heard from: dead; then removed from the list: dropped
+    assert m.state("e:5") is State.DEAD
+    assert m.set_members(["a:1", "b:2", "d:4"], now=1.6)[0] == members.Change("e:5", State.DEAD, None)
+
+
+def test_leaving_and_rejoining_transitions():
+    """mark_leaving keeps the member on the ring; re-adding a leaver makes it alive again;
+    a silent leaver that is no longer configured is dropped."""
+    m = Membership(THREE, "a:1", now=0.0)
+    m.mark_leaving("b:2")
+    assert m.state("b:2") is State.LEAVING and "b:2" in m.live() and m.epoch == 0
+    m.set_members(["a:1", "c:3"], now=0.0)
+    m.set_members(THREE, now=0.0)
+    assert m.state("b:2") is State.ALIVE
+    m.set_members(["a:1", "c:3"], now=0.0)
+    m.heartbeat("c:3", 0.6)
+    assert members.Change("b:2", State.LEAVING, None) in m.tick(0.6)
+    assert m.epoch == 1 and m.live() == ("a:1", "c:3")
+    m.mark_joining("c:3")
+    assert m.state("c:3") is State.JOINING and m.epoch == 2
+    m.mark_leaving("c:3")
+    assert m.state("c:3") is State.DEAD
+
+
+def test_membership_rejects_bad_configuration():
+    """Duplicates, a self address not listed, and bad timings raise InvalidArgument."""
+    with pytest.raises(InvalidArgument, match="twice"):
+        Membership(["a:1", "a:1"])
+    with pytest.raises(InvalidArgument, match="not in the member list"):
+        Membership(["a:1"], "b:2")
+    with pytest.raises(InvalidArgument, match="dead_after"):
+        Membership(["a:1"], dead_after=0)
+    with pytest.raises(InvalidArgument, match="suspect_after"):
+        Membership(["a:1"], dead_after=0.5, suspect_after=0.6)
+    with pytest.raises(InvalidArgument, match="not a member"):
+        Membership(["a:1"]).state("z:9")
+    assert Membership(["a:1"], now=0).heartbeat("z:9", 1.0) == []
+    m = Membership(["a:1", "b:2"], "a:1", joining=True, clock=lambda: 5.0)
+    assert m.state("a:1") is State.JOINING and m.last_seen("b:2") == 5.0
+    assert m.snapshot() == {"epoch": 0, "quorum": True, "members": [
+        {"address": "a:1", "state": "joining"}, {"address": "b:2", "state": "alive"}]}
+
+
+OPS = st.lists(st.tuples(st.sampled_from(["hb", "tick", "ready", "leave", "join", "remove"]),
+                         st.sampled_from(["a:1", "b:2", "c:3", "d:4", "e:5"]),
+                         st.floats(0, 0.4)), max_size=60)
+
+
+@settings(max_examples=150, deadline=None)
+@given(OPS)
+def test_epoch_bumps_exactly_when_the_live_set_changes(ops):
+    """Under any sequence of events the epoch rises by one per live-set change made with a
+    majority, else stays; silence never kills self; nobody heard from within suspect_after is suspect or dead."""
+    m = Membership(["a:1", "b:2", "c:3", "d:4", "e:5"], "a:1", now=0.0)
+    t, self_removed = 0.0, False
+    for op, who, dt in ops:
+        t += dt
+        before_live, before_epoch = m.live(), m.epoch
+        if op == "hb":
+            m.heartbeat(who, t)
+        elif op == "tick":
+            seen = {x: m.last_seen(x) for x in m.states()}
+            for c in m.tick(t):      # only silence makes a member suspect or dead
+                assert c.member != "a:1" and t - seen[c.member] >= m.suspect_after
+                if c.new is State.DEAD or c.new is None:
+                    assert t - seen[c.member] >= m.dead_after
+        elif who in m.states():
+            {"ready": m.mark_ready, "leave": m.mark_leaving, "join": m.mark_joining,
+             "remove": m.remove}[op](who)
+            self_removed |= who == "a:1" and op in ("remove", "leave")
+        assert m.epoch == before_epoch + (m.live() != before_live and m.has_quorum())
+        assert self_removed or m.state("a:1") is not State.DEAD
+
+
+# =========================================================================== members: watch
+
+def test_watch_file_sees_edits_survives_errors_and_missing_files(tmp_path):
+    """The watcher reports real edits (even same-size ones with the old mtime), ignores
+    touches, keeps going after a callback error, and waits out a missing file."""
+    path = tmp_path / "hosts.txt"
+    path.write_text("a:1\n")
+    seen: list[bytes] = []
+
+    def callback(data: bytes) -> None:
+        seen.append(data)
+        if data == b"boom\n":
+            raise ValueError("bad edit")
+
+    async def until(n: int) -> None:
+        for _ in range(300):
+            if len(seen) >= n:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"no callback: {seen}")
+
+    async def main() -> None:
+        task = members.watch_file(path, callback, interval=0.01)
+        await asyncio.sleep(0.05)
+        assert seen == []
+        path.write_text("b:2\n")
+        await until(1)
+        st0 = os.stat(path)
+        path.write_text("c:3\n")              # same size, mtime forced back
+        os.utime(path, ns=(st0.st_atime_ns, st0.st_mtime_ns))
+        await until(2)
+        os.utime(path)                        # touch: same content, no call
+        await asyncio.sleep(0.05)
+        assert len(seen) == 2
+        path.write_text("boom\n")
+        await until(3)
+        path.unlink()
+        await asyncio.sleep(0.05)
+        path.write_text("d:4\n")
+        await until(4)
+        assert not task.done()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    assert seen == [b"b:2\n", b"c:3\n", b"boom\n", b"d:4\n"]
+
+
+def test_watch_file_awaits_async_callbacks(tmp_path):
+    """An async callback is awaited; interval must be positive."""
+    path = tmp_path / "h"
+    got: list[bytes] = []
+
+    async def cb(data: bytes) -> None:
+        await asyncio.sleep(0)
+        got.append(data)
+
+    async def main() -> None:
+        task = members.watch_file(path, cb, interval=0.01)   # file does not exist yet
+        await asyncio.sleep(0.03)
+        path.write_text("x:1\n")
+        for _ in range(300):
+            if got:
+                break
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(InvalidArgument):
+            members.watch_file(path, cb, interval=0)
+
+    asyncio.run(main())
+    assert got == [b"x:1\n"]
+
+
+# =========================================================================== auth
+
+SECRET = b"0123456789abcdef0123456789abcdef"
+
+
+def test_load_secret_checks_mode_and_size(tmp_path):
+    """A 0600 secret loads (newline stripped); group/world-readable, short, missing or
+    non-regular files are refused with what to do."""
+    p = tmp_path / "secret"
+    p.write_bytes(SECRET + b"\n")
+    os.chmod(p, 0o600)
+    assert auth.load_secret(p) == SECRET
+    for mode in (0o644, 0o640, 0o604, 0o660):
+        os.chmod(p, mode)
+        with pytest.raises(InvalidArgument, match=f"mode {mode:04o}: group or others") as info:
+            auth.load_secret(p)
+        assert "chmod 600" in info.value.hint
+    os.chmod(p, 0o600)
+    p.write_bytes(b"short\n")
+    with pytest.raises(InvalidArgument, match="is 5 bytes; it must be 16"):
+        auth.load_secret(p)
+    with pytest.raises(InvalidArgument, match="cannot open secret file"):
+        auth.load_secret(tmp_path / "missing")
+    d = tmp_path / "dir"
+    d.mkdir(mode=0o700)
+    with pytest.raises(InvalidArgument, match="not a regular file"):
+        auth.load_secret(d)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.1.2.3", "localhost", "LOCALHOST.", "::1",
+                                  "[::1]"])
+def test_check_bind_allows_loopback_without_secret(host):
+    """Loopback addresses may be bound without a secret."""
+    assert auth.is_loopback(host)
+    auth.check_bind(host, None)
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.0.0.1", "::", "[fe80::1]", "example.com", ""])
+def test_check_bind_refuses_network_addresses_without_secret(host):
+    """Any other address needs a secret: the message starts as the CLI promises."""
+    assert not auth.is_loopback(host)
+    shown = host or "all interfaces"
+    with pytest.raises(InvalidArgument) as info:
+        auth.check_bind(host, None)
+    assert str(info.value).startswith(f"refusing to listen on {shown} without --secret-file: ")
+    auth.check_bind(host, SECRET)
+
+
+def handshake(server_secret, client_secret, *, purpose="data"):
+    """Run the three handshake messages; return (server's view, client's view)."""
+    s = auth.ServerHandshake(server_secret, sender=11, incarnation=12)
+    c = auth.ClientHandshake(client_secret, "10.0.0.2:7070", purpose, sender=21, incarnation=22,
+                             server_id="10.0.0.1:7070")
+    peer, ok = s.verify(c.answer(s.hello()))
+    return peer, c.check(ok)
+
+
+def test_handshake_good_secret_authenticates_both_sides():
+    """Same secret: the server learns the client's id/purpose/ids and the client the server's."""
+    peer, server = handshake(SECRET, SECRET)
+    assert peer == auth.Peer("10.0.0.2:7070", "data", 21, 22)
+    assert server == auth.Peer("10.0.0.1:7070", "data", 11, 12)
+    assert handshake(None, None)[0].client_id == "10.0.0.2:7070"   # loopback, no secret
+
+
+@pytest.mark.parametrize("server_secret, client_secret", [
+    (SECRET, SECRET[::-1]), (SECRET, None), (None, SECRET)])
+def test_handshake_wrong_secret_is_refused(server_secret, client_secret):
+    """A client with another (or no) secret fails the server's check."""
+    with pytest.raises(AuthError, match="failed authentication"):
+        handshake(server_secret, client_secret)
+
+
+def test_handshake_client_refuses_a_server_without_the_secret():
+    """A server holding another secret cannot produce an OK the client accepts (it could
+    otherwise acknowledge batches and make senders drop them)."""
+    fake = auth.ServerHandshake(b"y" * 32, sender=1, incarnation=1)
+    accomplice = auth.ClientHandshake(b"y" * 32, "c:1", "data", sender=2, incarnation=2)
+    hello = fake.hello()
+    victim = auth.ClientHandshake(SECRET, "c:1", "data", sender=2, incarnation=2)
+    victim.answer(hello)
+    accomplice._cnonce = victim._cnonce   # even with the victim's own nonce
+    _, ok = fake.verify(accomplice.answer(hello))
+    with pytest.raises(AuthError, match="server failed authentication"):
+        victim.check(ok)
+
+
+def test_handshake_tampering_any_byte_is_refused():
+    """Flipping any bit of AUTH or OK makes the handshake fail with AuthError."""
+    s0 = auth.ServerHandshake(SECRET, sender=1, incarnation=2)
+    hello = s0.hello()
+    c0 = auth.ClientHandshake(SECRET, "10.0.0.2:7070", "data", sender=3, incarnation=4)
+    msg = c0.answer(hello)
+    for i in range(len(msg)):
+        for bit in (0x01, 0x80):
+            s = auth.ServerHandshake(SECRET, sender=1, incarnation=2)
+            s._nonce = s0._nonce        # same challenge as the genuine exchange
+            s.hello()
+            bad = bytearray(msg)
+            bad[i] ^= bit
+            with pytest.raises(AuthError):
+                s.verify(bytes(bad))
+    _, ok = s0.verify(msg)
+    for i in range(len(ok)):
+        c = auth.ClientHandshake(SECRET, "10.0.0.2:7070", "data", sender=3, incarnation=4)
+        c._cnonce = c0._cnonce
+        c.answer(hello)
+        bad = bytearray(ok)
+        bad[i] ^= 0x04
+        with pytest.raises(AuthError):
+            c.check(bytes(bad))
+
+
+def test_handshake_replayed_or_expired_is_refused():
+    """An AUTH works once, never on another connection, and only within the timeout."""
+    s1 = auth.ServerHandshake(SECRET, sender=1, incarnation=1)
+    c = auth.ClientHandshake(SECRET, "c:1", "data", sender=2, incarnation=2)
+    msg = c.answer(s1.hello())
+    s1.verify(msg)
+    with pytest.raises(AuthError, match="already used"):
+        s1.verify(msg)
+    s2 = auth.ServerHandshake(SECRET, sender=1, incarnation=1)
+    s2.hello()
+    with pytest.raises(AuthError, match="failed authentication"):
+        s2.verify(msg)                   # recorded AUTH, fresh nonce
+    t = [100.0]
+    s3 = auth.ServerHandshake(SECRET, sender=1, incarnation=1, timeout=10, clock=lambda: t[0])
+    msg3 = auth.ClientHandshake(SECRET, "c:1", "data", sender=2, incarnation=2).answer(s3.hello())
+    t[0] = 110.5
+    with pytest.raises(AuthError, match="expired"):
+        s3.verify(msg3)
+    with pytest.raises(AuthError, match="before HELLO"):
+        auth.ServerHandshake(SECRET, sender=1, incarnation=1).verify(msg)
+    with pytest.raises(AuthError, match="already answered"):
+        c.answer(s2.hello())
+    with pytest.raises(AuthError, match="before HELLO"):
+        auth.ClientHandshake(SECRET, "c:1", "d", sender=1, incarnation=1).check(b"")
+
+
+@FAST
+@given(st.binary(max_size=200))
+def test_handshake_garbage_raises_only_auth_error(data):
+    """Arbitrary bytes as AUTH, HELLO or OK raise AuthError, never anything else."""
+    s = auth.ServerHandshake(SECRET, sender=1, incarnation=1)
+    s.hello()
+    with pytest.raises(AuthError):
+        s.verify(data)
+    c = auth.ClientHandshake(SECRET, "c:1", "data", sender=1, incarnation=1)
+    try:
+        c.answer(data)
+    except AuthError:
+        return
+    with pytest.raises(AuthError):
+        c.check(data)
+
+
+def test_handshake_arguments_are_checked():
+    """Client ids, purposes and ids out of range are InvalidArgument at construction."""
+    with pytest.raises(InvalidArgument):
+        auth.ClientHandshake(SECRET, "", "data", sender=1, incarnation=1)
+    with pytest.raises(InvalidArgument):
+        auth.ClientHandshake(SECRET, "c:1", "p" * 65, sender=1, incarnation=1)
+    with pytest.raises(InvalidArgument):
+        auth.ServerHandshake(SECRET, sender=1 << 32, incarnation=1)
+
+
+NOW = 1_700_000_000.0
+
+
+def signed(secret=SECRET, method="POST", path="/v1/members?x=1", body=b'{"add": "d:4"}',
+           now=NOW, nonce=None):
+    return auth.sign_request(secret, method, path, body, "10.0.0.2:7070", now=now, nonce=nonce)
+
+
+def test_request_mac_good_request_passes_once():
+    """A signed request verifies and yields the client id; the same request again is a
+    replay."""
+    v = auth.RequestVerifier(SECRET)
+    h = signed()
+    assert v.verify("POST", "/v1/members?x=1", h, b'{"add": "d:4"}', now=NOW + 1) == "10.0.0.2:7070"
+    with pytest.raises(AuthError, match="replayed"):
+        v.verify("POST", "/v1/members?x=1", h, b'{"add": "d:4"}', now=NOW + 2)
+    lower = {k.lower(): val for k, val in signed().items()}     # header names are case-blind
+    assert v.verify("post", "/v1/members?x=1", lower, b'{"add": "d:4"}', now=NOW) == "10.0.0.2:7070"
+
+
+@pytest.mark.parametrize("change", ["secret", "method", "path", "body", "id", "time", "nonce",
+                                    "mac"])
+def test_request_mac_wrong_secret_or_tampered_field_fails(change):
+    """Another secret, or any altered part of the request, fails the MAC check."""
+    v = auth.RequestVerifier(SECRET)
+    method, path, body = "POST", "/v1/members?x=1", b'{"add": "d:4"}'
+    h = signed(secret=b"z" * 32) if change == "secret" else signed()
+    if change == "method":
+        method = "PUT"
+    elif change == "path":
+        path = "/v1/members?x=2"
+    elif change == "body":
+        body = b'{"add": "e:5"}'
+    elif change == "id":
+        h[auth.HEADER_ID] = "10.0.0.3:7070"
+    elif change == "time":
+        h[auth.HEADER_TIME] = str(int(h[auth.HEADER_TIME]) + 1)
+    elif change == "nonce":
+        h[auth.HEADER_NONCE] = ("0" if h[auth.HEADER_NONCE][0] != "0" else "1") + h[auth.HEADER_NONCE][1:]
+    elif change == "mac":
+        h[auth.HEADER_MAC] = h[auth.HEADER_MAC][::-1]
+    with pytest.raises(AuthError, match="failed authentication"):
+        v.verify(method, path, h, body, now=NOW)
+    assert len(v) == 0
+
+
+@pytest.mark.parametrize("skew", [-31.0, 31.0, -3600.0])
+def test_request_mac_expired_is_refused(skew):
+    """A correctly signed request outside the time window is refused as expired."""
+    v = auth.RequestVerifier(SECRET, window=30)
+    with pytest.raises(AuthError, match="expired"):
+        v.verify("POST", "/v1/members?x=1", signed(now=NOW + skew), b'{"add": "d:4"}', now=NOW)
+
+
+@pytest.mark.parametrize("header, value, match", [
+    (auth.HEADER_MAC, None, "no X-Shmps-Mac"), (auth.HEADER_ID, None, "no X-Shmps-Id"),
+    (auth.HEADER_TIME, "12a", "malformed X-Shmps-Time"),
+    (auth.HEADER_TIME, "9" * 20, "out of range"),
+    (auth.HEADER_NONCE, "zz" * 16, "hex digits"), (auth.HEADER_MAC, "ab", "hex digits"),
+    (auth.HEADER_ID, "x" * 2000, "malformed X-Shmps-Id")])
+def test_request_mac_missing_or_malformed_headers(header, value, match):
+    """Missing or malformed authentication headers are refused before any MAC work."""
+    h = signed()
+    if value is None:
+        del h[header]
+    else:
+        h[header] = value
+    with pytest.raises(AuthError, match=match):
+        auth.RequestVerifier(SECRET).verify("POST", "/v1/members?x=1", h, b'{"add": "d:4"}',
+                                            now=NOW)
+
+
+def test_request_nonce_cache_is_bounded_and_forgets_old_nonces():
+    """The nonce cache refuses (fails closed) when full of in-window nonces, and forgets
+    nonces once their window has passed."""
+    v = auth.RequestVerifier(SECRET, window=30, max_nonces=3)
+    for i in range(3):
+        v.verify("GET", "/v1/x", signed(method="GET", path="/v1/x", body=b"", now=NOW + i), b"",
+                 now=NOW + i)
+    with pytest.raises(AuthError, match="too many requests"):
+        v.verify("GET", "/v1/x", signed(method="GET", path="/v1/x", body=b"", now=NOW + 3), b"",
+                 now=NOW + 3)
+    h = signed(method="GET", path="/v1/x", body=b"", now=NOW + 40)
+    assert v.verify("GET", "/v1/x", h, b"", now=NOW + 40) and len(v) == 1
+    with pytest.raises(InvalidArgument):
+        auth.RequestVerifier(SECRET, window=0)
+    with pytest.raises(InvalidArgument):
+        signed(nonce=b"short")
+
+
+# =========================================================================== frames
+
+U32S = st.integers(0, frames.U32)
+U64S = st.integers(0, frames.U64)
+DTYPES = st.sampled_from(list(frames.DTYPE_CODES))
+HEAD = st.fixed_dictionaries({"epoch": U64S, "sender": U32S, "incarnation": U32S, "tensor": U32S,
+                              "shard": U32S, "seq": U64S})
+
+
+@st.composite
+def data_frame_args(draw, min_rows=0):
+    """kwargs for encode_batch / encode_rows / encode_snapshot, and which to call."""
+    ftype = draw(st.sampled_from([FrameType.BATCH, FrameType.ROWS, FrameType.SNAPSHOT]))
+    n = draw(st.integers(max(min_rows, 1 if ftype is FrameType.BATCH else 0), 6))
+    shape = (n,) + tuple(draw(st.lists(st.integers(1, 3), max_size=2)))
+    dtype = draw(DTYPES)
+    kw = dict(draw(HEAD))
+    kw["values"] = draw(hnp.arrays(dtype, shape))
+    layouts = {FrameType.BATCH: ["start", "rows", "keys"], FrameType.ROWS: ["start", "rows", "keys"],
+               FrameType.SNAPSHOT: ["start", "keys"]}[ftype]
+    how = draw(st.sampled_from(layouts))
+    if how == "start":
+        kw["start"] = draw(st.integers(0, 2 ** 40))
+    elif how == "rows":
+        kw["rows"] = np.array(draw(st.lists(st.integers(0, 2 ** 62), min_size=n, max_size=n)),
+                              dtype=np.int64)
+    else:
+        kw["keys"] = np.array(draw(st.lists(U64S, min_size=n, max_size=n)), dtype=np.uint64)
+    if ftype is FrameType.BATCH:
+        kw["step"] = draw(st.integers(1, frames.U64))
+        return frames.encode_batch, ftype, kw
+    kw["step"] = draw(U64S)
+    kw["marks"] = draw(st.lists(st.builds(Mark, U32S, U32S, U64S), max_size=4))
+    sdt = draw(st.sampled_from(["float16", "float32", "float64"]))
+    kw["state"] = [draw(hnp.arrays(sdt, shape)) for _ in range(draw(st.integers(0, 2)))]
+    if draw(st.booleans()):
+        kw["row_steps"] = np.array(draw(st.lists(U64S, min_size=n, max_size=n)), dtype=np.uint64)
+    if ftype is FrameType.ROWS:
+        kw["floor_marks"] = draw(st.booleans())
+        return frames.encode_rows, ftype, kw
+    kw["floor_marks"] = draw(st.booleans())
+    kw["last"] = draw(st.booleans())
+    return frames.encode_snapshot, ftype, kw
+
+
+def _same_bits(a, b):
+    return np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+@settings(max_examples=150, deadline=None)
+@given(data_frame_args())
+def test_data_frames_round_trip(args):
+    """Every data frame decodes to what was encoded, bit for bit (NaNs included)."""
+    encode, ftype, kw = args
+    f = frames.decode(encode(**kw))
+    assert isinstance(f, frames.Data) and f.type is ftype
+    for k in ("epoch", "sender", "incarnation", "tensor", "shard", "seq", "step"):
+        assert getattr(f, k) == kw[k]
+    v = np.asarray(kw["values"])
+    assert f.n == v.shape[0] and f.dtype == v.dtype and f.values.shape == (f.n, f.cols)
+    assert _same_bits(f.values, v)
+    assert f.start == kw.get("start", 0)
+    if "rows" in kw:
+        assert f.layout == Layout.INDEXED and _same_bits(f.index, kw["rows"])
+    elif "keys" in kw:
+        assert f.layout == Layout.KEYED and _same_bits(f.index, kw["keys"])
+    else:
+        assert f.layout == Layout.RANGE and f.index is None
+    assert f.marks == tuple(kw.get("marks", ()))
+    assert len(f.state) == len(kw.get("state", ()))
+    for a, b in zip(f.state, kw.get("state", ())):
+        assert _same_bits(a, b)
+    if kw.get("row_steps") is not None:
+        assert Flag.ROW_STEPS in f.flags and _same_bits(f.row_steps, kw["row_steps"])
+    else:
+        assert f.row_steps is None
+    assert bool(f.flags & Flag.FLOOR_MARKS) == bool(kw.get("floor_marks"))
+    assert bool(f.flags & Flag.LAST) == bool(kw.get("last"))
+
+
+@FAST
+@given(HEAD, st.sampled_from(list(Status)), U64S, U64S,
+       st.lists(st.tuples(U32S, st.integers(1, 5)), max_size=10), st.integers(0, 7))
+def test_control_frames_round_trip(h, status, digest, sent_ms, mems, hb_flags):
+    """ACK, HEARTBEAT and SYNC frames decode to what was encoded."""
+    a = frames.decode(frames.encode_ack(**h, status=status))
+    assert isinstance(a, frames.Ack) and a.status is status and a.seq == h["seq"]
+    assert a.epoch == h["epoch"] and (a.tensor, a.shard) == (h["tensor"], h["shard"])
+    hb = frames.decode(frames.encode_heartbeat(epoch=h["epoch"], sender=h["sender"],
+                                               incarnation=h["incarnation"], seq=h["seq"],
+                                               digest=digest, sent_ms=sent_ms, members=mems,
+                                               hb_flags=hb_flags))
+    assert isinstance(hb, frames.Heartbeat)
+    assert (hb.digest, hb.sent_ms, hb.hb_flags, hb.members) == (digest, sent_ms, hb_flags,
+                                                                tuple(mems))
+    s = frames.decode(frames.encode_sync(**h))
+    assert isinstance(s, frames.Sync) and (s.tensor, s.shard, s.seq) == (h["tensor"], h["shard"],
+                                                                          h["seq"])
+
+
+def test_header_bytes_match_the_documented_layout():
+    """The ACK from docs/bridge-protocol.md encodes to exactly the documented bytes."""
+    b = frames.encode_ack(epoch=7, sender=0x11223344, incarnation=0x55667788,
+                          tensor=0x0A0B0C0D, shard=3, seq=42, status=Status.OK)
+    assert b.hex() == ("53485042" "0100" "0200" "0700000000000000" "44332211" "88776655"
+                       "0d0c0b0a" "03000000" "2a00000000000000" "0000" "0000" "08000000"
+                       "0000" "0000" "00000000")
+    batch = frames.encode_batch(epoch=1, sender=2, incarnation=3, tensor=4, shard=5, seq=6,
+                                values=np.array([[1.0, 2.0]], dtype=np.float32), start=10)
+    assert batch[48:88].hex() == ("0400" "0000" "0000" "0000" "02000000" "01000000"
+                                  "0a00000000000000" "0100000000000000" "00000000" "00000000")
+    assert batch[88:] == np.array([1.0, 2.0], "<f4").tobytes() and len(batch) == 96
+
+
+def test_decoded_arrays_are_zero_copy_views():
+    """Decoded values, keys and state are views of the received buffer, not copies."""
+    buf = bytearray(frames.encode_rows(epoch=1, sender=1, incarnation=1, tensor=1, shard=0,
+                                       seq=1, values=np.arange(6, dtype=np.float32).reshape(3, 2),
+                                       keys=np.array([5, 6, 7], np.uint64),
+                                       state=[np.zeros((3, 2), np.float32)]))
+    f = frames.decode(buf)
+    raw = np.frombuffer(buf, np.uint8)
+    for a in (f.values, f.index, f.state[0]):
+        assert np.shares_memory(a, raw)
+    buf[-1] = 0x3F                                # written through the buffer, seen in the view
+    assert f.state[0][2, 1] != 0
+    ro = frames.decode(bytes(buf))
+    assert not ro.values.flags.writeable
+
+
+def _valid_frames():
+    """Encoded data frames (BATCH, ROWS, SNAPSHOT) with at least one row."""
+    return data_frame_args(min_rows=1).map(lambda a: a[0](**a[2]))
+
+
+@FAST
+@given(_valid_frames())
+def test_every_truncation_is_rejected(buf):
+    """Every proper prefix of a valid frame raises BadFrame (and nothing else)."""
+    for cut in range(len(buf)):
+        with pytest.raises(BadFrame):
+            frames.decode(buf[:cut])
+    with pytest.raises(BadFrame):
+        frames.decode(buf + b"\0")
+
+
+# (offset, struct format) of every size field: payload_len; nstate, cols, n, nmarks
+SIZE_FIELDS = [(44, "<I"), (48 + 2, "<H"), (48 + 8, "<I"), (48 + 12, "<I"), (48 + 32, "<I")]
+
+
+@settings(max_examples=60, deadline=None)
+@given(_valid_frames(), st.sampled_from(SIZE_FIELDS), st.data())
+def test_every_corrupted_size_field_is_rejected(buf, field, data):
+    """Changing any declared size of a valid frame to any other value raises BadFrame."""
+    off, fmt = field
+    old = struct.unpack_from(fmt, buf, off)[0]
+    top = 0xFFFF if fmt == "<H" else frames.U32
+    new = data.draw(st.one_of(st.integers(0, top), st.integers(max(0, old - 3), min(top, old + 3)),
+                              st.sampled_from([0, 1, top, top // 2])))
+    assume(new != old)
+    bad = bytearray(buf)
+    struct.pack_into(fmt, bad, off, new)
+    with pytest.raises(BadFrame):
+        frames.decode(bytes(bad))
+
+
+@FAST
+@given(st.lists(st.tuples(U32S, st.integers(1, 5)), min_size=1, max_size=6), st.data())
+def test_corrupted_heartbeat_member_count_is_rejected(mems, data):
+    """A heartbeat whose member count is changed to any other value raises BadFrame."""
+    buf = bytearray(frames.encode_heartbeat(epoch=1, sender=1, incarnation=1, seq=1, digest=2,
+                                            sent_ms=3, members=mems))
+    new = data.draw(st.integers(0, frames.U32).filter(lambda x: x != len(mems)))
+    struct.pack_into("<I", buf, 48 + 16, new)
+    with pytest.raises(BadFrame):
+        frames.decode(bytes(buf))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=400))
+def test_random_bytes_raise_only_bad_frame(data):
+    """Arbitrary bytes never raise anything but BadFrame (or decode to a valid frame)."""
+    try:
+        frames.decode(data)
+    except BadFrame:
+        pass
+    try:
+        list(frames.iter_frames(data))
+    except BadFrame:
+        pass
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 6), st.integers(0, 3), st.integers(0, 7), st.binary(max_size=300))
+def test_random_payloads_behind_a_valid_header_raise_only_bad_frame(ftype, layout, flags, body):
+    """Fuzzing below the header (types, layouts, flags, payloads) gives BadFrame or a frame
+    whose arrays lie inside the buffer."""
+    buf = frames.HEADER.pack(frames.MAGIC, frames.VERSION, ftype, 1, 2, 3, 4, 5, 6, flags,
+                             layout, len(body)) + body
+    try:
+        f = frames.decode(buf)
+    except BadFrame:
+        return
+    if isinstance(f, frames.Data):
+        raw = np.frombuffer(buf, np.uint8)
+        assert f.values.nbytes + sum(s.nbytes for s in f.state) <= len(buf)
+        assert f.values.size == 0 or np.shares_memory(f.values, raw)
+
+
+@settings(max_examples=150, deadline=None)
+@given(_valid_frames(), st.data())
+def test_random_corruption_raises_only_bad_frame(buf, data):
+    """Random byte flips in a valid frame give BadFrame or a well-formed frame, nothing else."""
+    bad = bytearray(buf)
+    for _ in range(data.draw(st.integers(1, 4))):
+        i = data.draw(st.integers(0, len(bad) - 1))
+        bad[i] = data.draw(st.integers(0, 255))
+    try:
+        frames.decode(bytes(bad))
+    except BadFrame:
+        pass
+
+
+def test_huge_declared_sizes_are_rejected_before_allocating():
+    """Frames declaring gigabytes are refused by the limits with no allocation."""
+    tracemalloc.start()
+    try:
+        huge = frames.HEADER.pack(frames.MAGIC, 1, FrameType.BATCH, 0, 0, 0, 0, 0, 1, 0,
+                                  Layout.RANGE, frames.U32)
+        with pytest.raises(BadFrame, match="over the 8388608-byte limit"):
+            frames.decode(huge)
+        body = frames.DATA_HEAD.pack(4, 0, 0, 0, 1, frames.U32, 0, 1, 0, 0)
+        rows = frames.HEADER.pack(frames.MAGIC, 1, FrameType.BATCH, 0, 0, 0, 0, 0, 1, 0,
+                                  Layout.RANGE, len(body)) + body
+        with pytest.raises(BadFrame, match="4294967295 rows, over the limit"):
+            frames.decode(rows)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20
+
+
+def test_limits_and_header_checks_give_reasons():
+    """Each limit and header check rejects with a reason naming the frame type."""
+    ok = dict(epoch=1, sender=1, incarnation=1, tensor=1, shard=0, seq=1)
+    f32 = np.ones((3, 4), np.float32)
+    b = frames.encode_batch(**ok, values=f32, start=0)
+    tight = frames.Limits(max_rows=2)
+    with pytest.raises(BadFrame, match="BATCH frame: 3 rows, over the limit 2"):
+        frames.decode(b, tight)
+    with pytest.raises(BadFrame, match="4 values per row"):
+        frames.decode(b, frames.Limits(max_dim=3))
+    with pytest.raises(BadFrame, match="dtype code 4 not allowed"):
+        frames.decode(b, frames.Limits(dtypes=frozenset({5})))
+    with pytest.raises(BadFrame, match="over the 64-byte limit"):
+        frames.decode(b, frames.Limits(max_frame_bytes=64))
+    with pytest.raises(BadFrame, match="magic"):
+        frames.decode(b"XXXX" + b[4:])
+    with pytest.raises(BadFrame, match="version 2"):
+        frames.decode(b[:4] + b"\x02\x00" + b[6:])
+    with pytest.raises(BadFrame, match="unknown frame type 9"):
+        frames.decode(b[:6] + b"\x09\x00" + b[8:])
+    with pytest.raises(BadFrame, match="flags 0x1 not allowed"):
+        frames.decode(b[:40] + b"\x01\x00" + b[42:])
+    with pytest.raises(BadFrame, match="bytes-like"):
+        frames.decode(12345)
+    m = frames.encode_rows(**ok, values=f32, start=0, marks=[Mark(1, 1, 1)] * 3)
+    with pytest.raises(BadFrame, match="3 marks, over the limit 2"):
+        frames.decode(m, frames.Limits(max_marks=2))
+    hb = frames.encode_heartbeat(epoch=1, sender=1, incarnation=1, seq=1, digest=0, sent_ms=0,
+                                 members=[(1, 1)] * 3)
+    with pytest.raises(BadFrame, match="3 members, over the limit 2"):
+        frames.decode(hb, frames.Limits(max_members=2))
+
+
+def test_encoders_refuse_bad_arguments_and_oversized_frames():
+    """Encoders raise InvalidArgument for bad input and never emit a frame over the limit;
+    max_rows_per_frame gives the largest row count that fits."""
+    ok = dict(epoch=1, sender=1, incarnation=1, tensor=1, shard=0, seq=1)
+    v = np.ones((2, 2), np.float32)
+    with pytest.raises(InvalidArgument, match="exactly one"):
+        frames.encode_batch(**ok, values=v)
+    with pytest.raises(InvalidArgument, match="exactly one"):
+        frames.encode_batch(**ok, values=v, start=0, keys=np.array([1, 2], np.uint64))
+    with pytest.raises(InvalidArgument, match="at least one row"):
+        frames.encode_batch(**ok, values=np.ones((0, 2), np.float32), start=0)
+    with pytest.raises(InvalidArgument, match="not one of"):
+        frames.encode_batch(**ok, values=v.astype(np.int64), start=0)
+    with pytest.raises(InvalidArgument, match="rows must be 2 integers"):
+        frames.encode_batch(**ok, values=v, rows=np.array([1.0, 2.0]))
+    with pytest.raises(InvalidArgument, match="non-negative"):
+        frames.encode_batch(**ok, values=v, keys=np.array([-1, 2]))
+    with pytest.raises(InvalidArgument, match="sender"):
+        frames.encode_batch(**{**ok, "sender": -1}, values=v, start=0)
+    with pytest.raises(InvalidArgument, match="step >= 1"):
+        frames.encode_batch(**ok, values=v, start=0, step=0)
+    with pytest.raises(InvalidArgument, match="float16/32/64"):
+        frames.encode_rows(**ok, values=v, start=0, state=[np.ones((2, 2), np.int32)])
+    with pytest.raises(InvalidArgument, match="state array"):
+        frames.encode_rows(**ok, values=v, start=0, state=[np.ones((2, 3), np.float32)])
+    with pytest.raises(InvalidArgument, match="1..5"):
+        frames.encode_heartbeat(epoch=0, sender=0, incarnation=0, seq=0, digest=0, sent_ms=0,
+                                members=[(1, 0)])
+    lim = frames.Limits(max_frame_bytes=4096)
+    for layout, kw in ((Layout.RANGE, "start"), (Layout.INDEXED, "rows"), (Layout.KEYED, "keys")):
+        n = frames.max_rows_per_frame(10, "float32", layout, limits=lim)
+        idx = {"start": 0, "rows": np.arange(n + 1), "keys": np.arange(n + 1, dtype=np.uint64)}[kw]
+        fits = frames.encode_batch(**ok, values=np.ones((n, 10), np.float32), limits=lim,
+                                   **{kw: idx if kw == "start" else idx[:n]})
+        assert len(fits) <= 4096 and frames.decode(fits, lim).n == n
+        with pytest.raises(InvalidArgument, match="exceeds the 4096-byte limit"):
+            frames.encode_batch(**ok, values=np.ones((n + 1, 10), np.float32), limits=lim,
+                                **{kw: idx})
+    assert frames.max_rows_per_frame(2000, "float64", limits=lim) == 0
+    assert frames.max_rows_per_frame(1, "int8") == frames.DEFAULT_LIMITS.max_rows
+
+
+def test_iter_frames_splits_concatenated_frames():
+    """Back-to-back frames in one message decode in order; a truncated tail is BadFrame."""
+    parts = [frames.encode_ack(epoch=1, sender=1, incarnation=1, tensor=1, shard=i, seq=i)
+             for i in range(3)]
+    parts.append(frames.encode_batch(epoch=1, sender=1, incarnation=1, tensor=1, shard=0, seq=9,
+                                     values=np.ones(3, np.int32), start=0))
+    got = list(frames.iter_frames(b"".join(parts)))
+    assert [f.seq for f in got] == [0, 1, 2, 9] and got[-1].values.shape == (3, 1)
+    with pytest.raises(BadFrame, match="truncated frame at offset"):
+        list(frames.iter_frames(b"".join(parts)[:-1]))
+    assert list(frames.iter_frames(b"")) == []
+
+
+def test_restamp_epoch_changes_only_the_epoch():
+    """A frame restamped with a new epoch decodes identically except for the epoch."""
+    b = frames.encode_batch(epoch=3, sender=1, incarnation=2, tensor=4, shard=5, seq=6,
+                            values=np.arange(4, dtype=np.float64).reshape(2, 2), start=0)
+    r = frames.restamp_epoch(b, 9)
+    assert len(r) == len(b) and r[:8] == b[:8] and r[16:] == b[16:]
+    f = frames.decode(r)
+    assert isinstance(f, frames.Data) and f.epoch == 9 and f.seq == 6
+    with pytest.raises(BadFrame):
+        frames.restamp_epoch(b"SHPB", 1)
+
+
+def test_check_schema_against_the_target_tensor():
+    """A frame is checked against the tensor's dtype, width and rows before applying."""
+    ok = dict(epoch=1, sender=1, incarnation=1, tensor=1, shard=0, seq=1)
+    rng = frames.decode(frames.encode_batch(**ok, values=np.ones((2, 4), np.float32), start=8))
+    frames.check_schema(rng, dtype="float32", cols=4, nrows=10)
+    with pytest.raises(BadFrame, match="rows 8..9 out of range for 9 rows"):
+        frames.check_schema(rng, dtype="float32", cols=4, nrows=9)
+    with pytest.raises(BadFrame, match="carries float32, the tensor expects float64"):
+        frames.check_schema(rng, dtype="float64", cols=4, nrows=10)
+    with pytest.raises(BadFrame, match="4 values per row, the tensor has 3"):
+        frames.check_schema(rng, dtype="float32", cols=3, nrows=10)
+    with pytest.raises(BadFrame, match="keyed rows only"):
+        frames.check_schema(rng, dtype="float32", cols=4, nrows=None)
+    idx = frames.decode(frames.encode_batch(**ok, values=np.ones((2, 4), np.float32),
+                                            rows=np.array([0, 10])))
+    with pytest.raises(BadFrame, match="row 10 out of range"):
+        frames.check_schema(idx, dtype="float32", cols=4, nrows=10)
+    keyed = frames.decode(frames.encode_batch(**ok, values=np.ones((1, 4), np.float32),
+                                              keys=np.array([2 ** 64 - 1], np.uint64)))
+    frames.check_schema(keyed, dtype="float32", cols=4, nrows=None)
+    with pytest.raises(BadFrame, match="not a table"):
+        frames.check_schema(keyed, dtype="float32", cols=4, nrows=10)
+    assert frames.tensor_id("fc.w") == int.from_bytes(hashlib.blake2b(b"fc.w").digest()[:4], "big")
+
+
+# =========================================================================== outq
+
+def test_out_queue_sequences_acks_and_budget():
+    """Seqs run 1, 2, ...; acks are cumulative and free the shared budget; over budget
+    put raises Backpressure and queues nothing."""
+    budget = ByteBudget(100)
+    q, q2 = OutQueue(budget), OutQueue(budget)
+    for i in range(1, 4):
+        assert q.next_seq() == i
+        q.put(i, b"x" * 20)
+    q2.put(1, b"y" * 30)
+    assert budget.used == 90 and q.pending_bytes == 60 and len(q) == 3
+    with pytest.raises(Backpressure):
+        q.put(4, b"z" * 20)
+    assert q.next_seq() == 4 and len(q) == 3
+    with pytest.raises(InvalidArgument, match="out of order"):
+        q.put(5, b"z")
+    assert q.ack(2) == 2 and budget.used == 50 and q.acked == 2
+    assert q.ack(1) == 0 and q.ack(2) == 0          # old acks are harmless
+    with pytest.raises(InvalidArgument, match="only 3 were queued"):
+        q.ack(7)
+    q.put(4, b"z" * 20)
+    assert [s for s, _ in q.unacked()] == [3, 4]
+    with pytest.raises(InvalidArgument, match="can never fit"):
+        q.put(5, b"w" * 101)
+    q.close()
+    assert budget.used == 30 and len(q) == 0
+    with pytest.raises(InvalidArgument, match="closed"):
+        q.put(5, b"")
+
+
+def test_out_queue_rewind_resends_unacked_after_failover():
+    """to_send hands each frame out once; rewind hands every unacknowledged one out again."""
+    q = OutQueue(1 << 20, first_seq=10)
+    for s in range(10, 15):
+        q.put(s, bytes([s]))
+    assert [s for s, _ in q.to_send()] == [10, 11, 12, 13, 14]
+    assert q.to_send() == []
+    q.ack(11)
+    assert q.rewind() == 3
+    assert q.to_send() == [(12, b"\x0c"), (13, b"\x0d"), (14, b"\x0e")]
+    q.put(15, b"\x0f")
+    assert q.to_send() == [(15, b"\x0f")]
+    assert q.last_seq == 15 and q.oldest_age(now=q._entries[0].queued_at + 2) == 2.0
+
+
+def test_put_wait_blocks_until_an_ack_frees_space_or_times_out():
+    """put_wait waits for acknowledgements to free the budget, and times out otherwise."""
+    async def main() -> None:
+        q = OutQueue(ByteBudget(10))
+        q.put(1, b"a" * 8)
+        waiter = asyncio.ensure_future(q.put_wait(2, b"b" * 8))
+        await asyncio.sleep(0.02)
+        assert not waiter.done()
+        q.ack(1)
+        await asyncio.wait_for(waiter, 1)
+        assert [s for s, _ in q.unacked()] == [2]
+        with pytest.raises(Timeout, match="did not fit"):
+            await q.put_wait(3, b"c" * 8, timeout=0.05)
+        assert q.next_seq() == 3 and q.budget.used == 8
+
+    asyncio.run(main())
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 40)), max_size=80))
+def test_out_queue_invariants_under_random_puts_and_acks(ops):
+    """Under any puts and acks: unacked seqs are exactly (acked, last], the bytes add up,
+    and the budget is never exceeded."""
+    budget = ByteBudget(200)
+    q = OutQueue(budget)
+    for is_put, x in ops:
+        if is_put:
+            try:
+                q.put(q.next_seq(), b"." * x)
+            except Backpressure:
+                assert budget.used + x > 200
+        elif q.last_seq:
+            q.ack(min(x, q.last_seq))
+        seqs = [s for s, _ in q.unacked()]
+        assert seqs == list(range(q.acked + 1, q.last_seq + 1))
+        assert q.pending_bytes == sum(len(f) for _, f in q.unacked()) == budget.used <= 200
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 60), st.randoms(use_true_random=False), st.integers(0, 40))
+def test_dedup_applies_each_seq_once_under_reordering_and_duplicates(n, rnd, dups):
+    """Any order with any duplicates: each seq is NEW exactly once, the floor ends at n
+    with nothing left above it, and the above-set never exceeds the window."""
+    deliveries = list(range(1, n + 1)) + [rnd.randint(1, n) for _ in range(dups)]
+    rnd.shuffle(deliveries)
+    d = Dedup(window=n)
+    applied = []
+    for s in deliveries:
+        if d.admit("s", s) is Verdict.NEW:
+            applied.append(s)
+        assert len(d.above("s")) <= d.window
+    assert sorted(applied) == list(range(1, n + 1))
+    assert d.floor("s") == n and d.above("s") == () and d.expected("s") == n + 1
+
+
+def test_dedup_window_streams_and_floors():
+    """TOO_FAR beyond the window, bounded streams, floor merges, and forget."""
+    d = Dedup(window=4, max_streams=2)
+    assert d.admit("a", 1) is Verdict.NEW and d.admit("a", 1) is Verdict.DUPLICATE
+    assert d.check("a", 6) is Verdict.TOO_FAR and d.check("a", 5) is Verdict.NEW
+    with pytest.raises(CapacityError, match="more than 4 above"):
+        d.record("a", 9)
+    d.record("a", 3)
+    assert d.above("a") == (3,) and d.floor("a") == 1
+    d.advance("a", 2)
+    assert d.floor("a") == 3 and d.above("a") == ()
+    d.advance("a", 1)
+    assert d.floor("a") == 3
+    d.record("b", 1)
+    with pytest.raises(CapacityError, match="streams"):
+        d.record("c", 1)
+    d.forget("b")
+    d.record("c", 1)
+    assert set(d.streams()) == {"a", "c"} and "a" in d and len(d) == 2
+    for bad in (0, -1, 1.0, True):
+        with pytest.raises(InvalidArgument):
+            d.check("a", bad)
+
+
+@settings(max_examples=150, deadline=None)
+@example(grads=[1, 2, 3], crash_after=1, crash_stage="before replicate", dup_pattern=[True])
+@example(grads=[1, 2, 3], crash_after=1, crash_stage="before ack", dup_pattern=[False, True])
+@given(st.lists(st.integers(-5, 5), min_size=1, max_size=12), st.integers(0, 40),
+       st.sampled_from(["before replicate", "before ack", "none"]),
+       st.lists(st.booleans(), max_size=40))
+def test_exactly_once_through_owner_failover(grads, crash_after, crash_stage, dup_pattern):
+    """Model of the protocol with the real codec, OutQueue and Dedup: a sender's batches go
+    to an owner that replicates marks and rows to its backup before acknowledging; the
+    network duplicates frames; the owner dies at any point; the backup takes over and the
+    sender resends everything unacknowledged. The surviving copy holds every gradient
+    exactly once."""
+    sender, inc, tensor, shard = 7, 99, frames.tensor_id("w"), 0
+    q = OutQueue(1 << 20)
+    for g in grads:
+        seq = q.next_seq()
+        q.put(seq, frames.encode_batch(epoch=1, sender=sender, incarnation=inc, tensor=tensor,
+                                       shard=shard, seq=seq, values=np.array([[g]], np.int32),
+                                       start=0))
+
+    class Host:
+        def __init__(self) -> None:
+            self.value, self.dedup, self.rows_seq = 0, Dedup(), 0
+
+    owner, backup = Host(), Host()
+    ops, dup = 0, iter(dup_pattern)
+
+    def owner_handles(buf: bytes) -> bytes | None:
+        """Owner: dedup, apply, replicate (ROWS with the mark) to the backup, then ACK.
+        Returns the ACK, or None if the owner died first."""
+        nonlocal ops
+        f = frames.decode(buf)
+        assert isinstance(f, frames.Data)
+        stream = (f.sender, f.incarnation, f.tensor, f.shard)
+        if owner.dedup.admit(stream, f.seq) is Verdict.NEW:
+            owner.value += int(f.values.sum())
+            ops += 1
+            if ops > crash_after and crash_stage == "before replicate":
+                raise ConnectionError("owner died")
+            owner.rows_seq += 1
+            rows = frames.encode_rows(epoch=1, sender=1, incarnation=1, tensor=f.tensor,
+                                      shard=f.shard, seq=owner.rows_seq,
+                                      values=np.array([[owner.value]], np.int32), start=0,
+                                      marks=[Mark(f.sender, f.incarnation, f.seq)])
+            r = frames.decode(rows)                       # the backup applies the ROWS
+            assert isinstance(r, frames.Data)
+            backup.value = int(r.values[0, 0])
+            for m in r.marks:
+                backup.dedup.record((m.sender, m.incarnation, r.tensor, r.shard), m.seq)
+            if ops > crash_after and crash_stage == "before ack":
+                raise ConnectionError("owner died")
+        return frames.encode_ack(epoch=1, sender=1, incarnation=1, tensor=f.tensor,
+                                 shard=f.shard, seq=owner.dedup.floor(stream))
+
+    alive = True
+    for _, buf in q.to_send():
+        try:
+            for _ in range(2 if next(dup, False) else 1):    # the network may duplicate
+                a = frames.decode(owner_handles(buf))
+                assert isinstance(a, frames.Ack) and a.status is Status.OK
+                q.ack(a.seq)
+        except ConnectionError:
+            alive = False
+            break
+    if alive:
+        assert len(q) == 0 and owner.value == backup.value == sum(grads)
+        return
+    assert crash_after < len(grads)
+    # failover: the backup becomes owner; the sender rewinds and resends what is unacked
+    q.rewind()
+    for _, buf in q.to_send():
+        f = frames.decode(buf)
+        assert isinstance(f, frames.Data)
+        stream = (f.sender, f.incarnation, f.tensor, f.shard)
+        for _ in range(2 if next(dup, False) else 1):
+            if backup.dedup.admit(stream, f.seq) is Verdict.NEW:
+                backup.value += int(f.values.sum())
+            q.ack(backup.dedup.floor(stream))
+    assert len(q) == 0
+    assert backup.value == sum(grads)
