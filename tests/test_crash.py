@@ -61,7 +61,7 @@ def test_sigkill_pushers_at_random_instants(store, store_name):
             victim.kill()
             before = [survivors_flags[2], survivors_flags[3]]
             wait_until(lambda: survivors_flags[2] >= before[0] + 3
-                       and survivors_flags[3] >= before[1] + 3, 5,
+                       and survivors_flags[3] >= before[1] + 3, 10,
                        "survivors to keep pushing after a kill")
         survivors_flags[STOP] = 1
         results = [w.result(60) for w in survivors]
