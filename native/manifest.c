@@ -15,6 +15,7 @@
  */
 #include "internal.h"
 #include <errno.h>
+#include <stddef.h>
 #include <time.h>
 
 static shmps_manifest_t *man(void *base) { return (shmps_manifest_t *)base; }
@@ -23,11 +24,13 @@ static proc_slot_t *procs(void *base) { return (proc_slot_t *)at(base, PROCS_OFF
 static int initialise(void *base, uint64_t size, const char *ident, uint32_t ident_len) {
     shmps_manifest_t *m = man(base);
     /* We own init_owner; anything else in the header may be a dead initialiser's
-     * half-work, so rewrite all of it (state stays 0 until the end). */
-    uint64_t owner = m->init_owner;
-    memset(base, 0, PROCS_OFF);
+     * half-work, so rewrite all of it (state stays 0 until the end) -- but never
+     * init_owner itself: a 0 there, even for an instant, would let another attacher
+     * claim the initialisation too. */
+    memset(base, 0, offsetof(shmps_manifest_t, init_owner));
+    memset((char *)base + offsetof(shmps_manifest_t, state), 0,
+           PROCS_OFF - offsetof(shmps_manifest_t, state));
     memset(at(base, PROCS_OFF), 0, CATALOG_OFF - PROCS_OFF);
-    m->init_owner = owner;
     pthread_mutexattr_t attr;
     if (pthread_mutexattr_init(&attr)) return SHMPS_E_ARG;
     pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED);
@@ -92,7 +95,14 @@ int shmps_manifest_init(void *base, uint64_t size, uint64_t token, double timeou
         }
         int r = shmps_wait_step(&w, cur);
         if (r == WAIT_HOLDER_DEAD) {
-            if (CAS(&m->init_owner, &cur, token, ACQ_REL, ACQUIRE)) return initialise(base, size, ident, ident_len);
+            if (CAS(&m->init_owner, &cur, token, ACQ_REL, ACQUIRE)) {
+                /* The initialiser may have finished (READY) and then exited between
+                 * our look at `state` and its death: never wipe a ready store.
+                 * acquire: pairs with initialise()'s release of READY. */
+                if (LOAD(&m->state, ACQUIRE) == STATE_READY)
+                    return shmps_manifest_validate(base, size);
+                return initialise(base, size, ident, ident_len);
+            }
         } else if (r < 0) {
             return r;
         }
