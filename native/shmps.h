@@ -155,6 +155,42 @@ int shmps_worker_wait(void *base, uint64_t target, int64_t staleness, double tim
 int shmps_worker_list(void *base, uint64_t *tokens, uint64_t *clocks, uint32_t cap);
 int shmps_set_staleness(void *base, int64_t staleness);
 int64_t shmps_get_staleness(const void *base);
+/* aggregation (aggregate.c): rounds of synchronous aggregation; the control block
+ * lives in a hidden int32 dense tensor of SHMPS_AGG_CTL_BYTES bytes */
+enum {
+    SHMPS_AGG_CTL_BYTES = 20480,
+    SHMPS_AGG_E_CLOSED = -30101,  /* the pusher's round was already applied */
+    SHMPS_AGG_E_TWICE = -30102,   /* this worker already pushed in this round */
+    SHMPS_AGG_E_AHEAD = -30103,   /* the pusher is 2 rounds ahead of the oldest unapplied */
+    SHMPS_AGG_E_ASSEMBLING = -30104, /* fewer than `workers` workers have joined yet */
+    SHMPS_AGG_E_STALE = -30105,   /* rounds of another manifest (restored): reset first */
+    SHMPS_AGG_RESET_DONE = 0, SHMPS_AGG_RESET_CLAIMED = 1, SHMPS_AGG_RESET_BUSY = 2,
+    SHMPS_AGG_NOTHING = 0, SHMPS_AGG_APPLY = 1, SHMPS_AGG_BUSY = 2,
+    SHMPS_AGG_PH_SUM = 1, SHMPS_AGG_PH_PUSHING = 2, SHMPS_AGG_PH_ZEROING = 3
+};
+typedef struct {
+    uint64_t next_round, applied, skipped, takeovers;
+    uint64_t rounds[2];
+    uint32_t contributed[2], in_flight[2];
+    uint32_t assembled, applier_pid;
+} shmps_agg_info_t;
+int shmps_agg_begin(void *ctl, void *man, uint64_t token, uint32_t slot, uint32_t want,
+                    uint64_t *round);
+int shmps_agg_assemble(void *ctl, void *man, uint64_t token, uint32_t want, double timeout_s,
+                       uint32_t *njoined);
+int shmps_agg_commit(void *ctl, uint64_t token, uint32_t slot, uint64_t round, uint32_t want);
+int shmps_agg_abort(void *ctl, uint64_t token, uint32_t slot, uint64_t round);
+int shmps_agg_next(void *ctl, void *man, uint64_t token, uint32_t want, uint32_t *what,
+                   uint64_t *round, uint32_t *count, uint32_t *phase, int32_t *behind);
+int shmps_agg_phase(void *ctl, uint64_t token, uint64_t round, uint32_t phase);
+int shmps_agg_finish(void *ctl, uint64_t token, uint64_t round);
+int shmps_agg_wait(void *ctl, void *man, uint64_t token, uint32_t want, uint64_t round,
+                   double timeout_s, uint32_t *done, int32_t *behind);
+int shmps_agg_reset(void *ctl, void *man, uint64_t token, int finish, uint32_t *state);
+int shmps_agg_info(void *ctl, shmps_agg_info_t *out);
+/* a read-write view (view.c; DenseTensor.view(writable=True), the torch adapter) */
+int shmps_view_map_rw(const int *fds, const uint64_t *offs, const uint64_t *lens, uint32_t n,
+                      void **addr, uint64_t *total);
 /* CDEF END */
 
 #endif

@@ -343,7 +343,7 @@ class _Plan:
 
 
 _RECORD_KEYS = ("name", "kind", "dtype", "shape", "shard_rows", "nshards", "optimizer",
-                "mode", "allow_nonfinite")
+                "mode", "allow_nonfinite", "aggregate", "workers")
 
 
 def _plan_dense(path: str, entry: dict) -> _Plan:

@@ -287,17 +287,27 @@ class DenseTensor(Tensor):
         self._count(True, out.nbytes, r.size)
         return out
 
-    def view(self) -> np.ndarray:
+    def view(self, writable: bool = False) -> np.ndarray:
         """A zero-copy, read-only numpy array over the live values.
 
         Racy by design: it changes under you as pushes land (an element may be read
         between two pushes, or mid-push in hogwild mode).  It stays valid after
-        ``close()`` until it is garbage-collected; use ``pull()`` for a snapshot."""
+        ``close()`` until it is garbage-collected; use ``pull()`` for a snapshot.
+
+        ``writable=True`` (used by ``shmps.torch`` for ``param.data``): the same
+        memory, read-write.  Danger: a write through it bypasses the stripe locks,
+        the updater and the NaN check: it races with pushes (an update can be lost
+        or half-overwritten, like plain Hogwild) and every process sees it at once.
+        Write only when no push runs (e.g. to initialise), or push instead."""
+        if writable:
+            if getattr(self, "_wview", None) is None:
+                self._wview = self._map_view(True)
+            return self._wview
         if self._view is None:
             self._view = self._map_view()
         return self._view
 
-    def _map_view(self) -> np.ndarray:
+    def _map_view(self, writable: bool = False) -> np.ndarray:
         self._shard(0)  # Closed after close()
         ffi = _native.ffi
         n = self.nshards
@@ -314,7 +324,8 @@ class DenseTensor(Tensor):
                 lens[i] = sh.spec["nnz"] * self.dtype.itemsize
             addr = ffi.new("void **")
             total = ffi.new("uint64_t *")
-            code = lib.shmps_view_map(fds, offs, lens, n, addr, total)
+            mapper = lib.shmps_view_map_rw if writable else lib.shmps_view_map
+            code = mapper(fds, offs, lens, n, addr, total)
             if code:
                 _native.check(code, f"view of {self.name!r} (shard_rows must be a whole "
                                     "number of pages)")
@@ -325,5 +336,5 @@ class DenseTensor(Tensor):
         mapped = ffi.gc(ffi.cast("char *", addr[0]), lambda p: lib.shmps_view_unmap(p, span))
         buf = ffi.buffer(mapped, self.size * self.dtype.itemsize)
         arr = np.frombuffer(buf, dtype=self.dtype).reshape(self.shape)
-        arr.flags.writeable = False
+        arr.flags.writeable = writable
         return arr

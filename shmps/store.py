@@ -175,6 +175,9 @@ class Store:
 
     def _open(self, rec: dict) -> Tensor:
         cls = _KIND_CLASSES.get(rec["kind"])
+        if rec.get("aggregate") and rec["kind"] == "dense":
+            from .aggregate import AggregateDense  # synchronous aggregation
+            cls = AggregateDense
         if cls is None:
             raise CorruptSegment(f"tensor {rec['name']!r} of store {self.name!r} has kind "
                                  f"{rec['kind']!r}, which this shmps version does not know",
@@ -197,14 +200,17 @@ class Store:
     def dense(self, name: str, shape: Optional[Sequence[int]] = None, dtype: Any = None,
               init: Any = 0.0, optimizer: UpdaterLike = None, *, mode: Optional[str] = None,
               allow_nonfinite: Optional[bool] = None,
-              shard_rows: Optional[int] = None) -> DenseTensor:
+              shard_rows: Optional[int] = None, aggregate: Optional[str] = None,
+              workers: Optional[int] = None) -> DenseTensor:
         """Get or create the dense tensor ``name``.
 
         On creation: ``shape`` is required; ``dtype`` defaults to float32,
         ``optimizer`` to Sum(), ``mode`` to "exact" ("hogwild": plain racy updates),
         ``init`` is a scalar or an array of ``shape``.  When the tensor exists, every
         argument given must match it (else SchemaError); arguments left out accept
-        what exists.  Safe to race from many processes: one creates, all get it."""
+        what exists.  Safe to race from many processes: one creates, all get it.
+        ``aggregate="mean"|"sum"`` with ``workers=N``: synchronous aggregation, one
+        update per worker clock from every worker's push (shmps/aggregate.py)."""
         names.check_name(name, "tensor name") if not _loose_name(name) else None
         req: dict[str, Any] = {"kind": "dense"}
         if shape is not None:
@@ -231,6 +237,9 @@ class Store:
             if int(shard_rows) < 1:
                 raise InvalidArgument(f"shard_rows={shard_rows!r} must be >= 1")
             req["shard_rows"] = int(shard_rows)
+        if aggregate is not None or workers is not None:
+            from .aggregate import add_request
+            add_request(self, name, req, aggregate, workers)
         return self._get_or_create(name, req, lambda: self._create_dense(name, req, init))
 
     def _get_or_create(self, name: str, req: dict, create: Any) -> Any:
@@ -311,6 +320,7 @@ class Store:
         rec = {"name": name, "kind": "dense", "dtype": dt.name, "shape": list(shape),
                "shard_rows": shard_rows, "nshards": nshards, "optimizer": upd.to_dict(),
                "mode": mode, "allow_nonfinite": bool(req.get("allow_nonfinite", False))}
+        rec.update({k: req[k] for k in ("aggregate", "workers") if k in req})
         specs = _dense_specs(rec)
 
         def fill(s: int, seg: Segment, lay: dict) -> None:
@@ -432,6 +442,8 @@ class Store:
         ``timeout`` seconds (default: wait forever).  Joins first if needed."""
         if self._worker is None:
             self.join()
+        if self._executor is not None and self._executor_pid == os.getpid():
+            self._executor.submit(int).result()  # pushes made with wait=False land first
         clock, behind = ffi.new("uint64_t *"), ffi.new("int32_t *")
         code = lib.shmps_worker_clock(self._mptr, _native.token(), self._worker,
                                       -1.0 if timeout is None else float(timeout), clock, behind)
@@ -591,7 +603,8 @@ def _check_record(rec: Any, where: str) -> None:
 
 
 _SCHEMA_KEYS = ("kind", "shape", "dtype", "optimizer", "mode", "allow_nonfinite",
-                "shard_rows", "dim", "capacity", "ncols", "seed", "init_spec", "structure")
+                "shard_rows", "dim", "capacity", "ncols", "seed", "init_spec", "structure",
+                "aggregate", "workers")
 
 
 def _match(rec: dict, req: dict) -> None:

@@ -1,0 +1,507 @@
+/* Synchronous aggregation: the bookkeeping of rounds (one round per worker clock).
+ *
+ * A tensor created with aggregate="sum"|"mean" and workers=N collects the pushes of
+ * one clock from every live worker in an accumulator (a hidden Sum tensor per
+ * buffer; the arithmetic is the ordinary exact dense push) and applies its updater
+ * once with the aggregate.  This file keeps the control block that decides who
+ * contributes to which round, when a round is complete, and who applies it.  The
+ * values themselves never pass through here: Python pushes into the accumulator,
+ * reads it back, pushes the aggregate into the tensor and zeroes the accumulator,
+ * each step announced here first (phases) so a process killed at any instant
+ * leaves a state the next caller can finish.
+ *
+ * The control block lives in the value array of a hidden int32 dense tensor
+ * (zero-initialised, so "never used" is all zeros); every function validates that
+ * shard before touching it.
+ *
+ * Rounds.  A push by worker slot w carries w's clock c (read here from the
+ * manifest): it contributes to round c, collected in buffer c % 2.  Rounds are
+ * applied in order; `next_round` is the oldest round not yet applied.  A push for
+ * round c < next_round is refused (CLOSED: the round was applied without it); a
+ * push for c >= next_round + 2 must wait (AHEAD: its buffer still holds round
+ * c - 2), so pushes for clock c + 1 never mix into round c (double buffering by
+ * clock parity, at most two rounds in flight).
+ *
+ * Round r is complete when every joined worker slot w is covered:
+ *   - w contributed to r (its bit is set), or
+ *   - w's clock is past r and no push of w for r is in flight (it moved on
+ *     without pushing), or
+ *   - w's process is dead (a dead worker counts as left at once; the clock code
+ *     drops it from the slots within milliseconds),
+ * no live process that left has a push for r in flight, and the team has
+ * assembled: N workers have been seen joined (or N contributed).  Until then a
+ * push waits (ASSEMBLING, shmps_agg_assemble): a worker that starts early
+ * neither makes a round alone nor runs ahead, so the others join at its clock (a
+ * new worker starts at the slowest live worker's clock).  A complete round with
+ * contributors is applied by the first process that looks (normally the last
+ * pusher); a complete round with none is skipped.
+ *
+ * Locking.  One lock word (a stripe lock: owner token, dead owners taken over)
+ * guards every field except `seq` (futex word) and the lock-free reads of
+ * `next_round` by waiters.  Each critical section orders its stores so that a
+ * holder killed in the middle leaves a state that is still valid:
+ *   begin:  clear the buffer's bits and in-flight tokens, then set its round;
+ *   commit: set the contribution bit, then clear the in-flight token;
+ *   claim:  phase and count, then claim_round, then applier (the claim is valid
+ *           only while applier != 0 and claim_round == next_round);
+ *   finish: next_round = r + 1 is the commit point; clearing applier follows.
+ * A dead applier's claim is taken over according to its phase: SUM (nothing
+ * written to the tensor yet) restarts the round, PUSHING (the aggregate was being
+ * pushed: partially applied, like any push cut by a kill) and ZEROING go on with
+ * zeroing the buffer.
+ *
+ * Restored stores.  Round numbers are worker clocks, which belong to one manifest.
+ * The control block is stamped with its manifest's creation time; a block carried
+ * into another manifest (a checkpoint restored) is STALE: pushes refuse it until
+ * one process has reset it (shmps_agg_reset: claim, clear the accumulators, finish),
+ * and rounds then start again from the new workers' clocks.  The pushes of a round
+ * left unfinished in the checkpoint are dropped with the accumulators.
+ */
+#include "internal.h"
+#include <errno.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#define AGG_MAGIC 0x4c54434741504853ull /* "SHPAGCTL" little-endian */
+#define AGG_VERSION 1u
+#define AGG_WORDS (SHMPS_MAX_WORKERS / 64)
+#define NAP_NS 2000000ull /* waiters re-check liveness and clocks every 2 ms */
+
+typedef struct {
+    uint64_t round;                    /* round collected here; stale if < next_round */
+    uint64_t bits[AGG_WORDS];          /* worker slots that contributed */
+    uint64_t pend[SHMPS_MAX_WORKERS];  /* token of a slot's push in flight, else 0 */
+} agg_buf_t;
+
+typedef struct {
+    uint64_t magic;       /* AGG_MAGIC once next_round is set (all zero before) */
+    uint32_t version, pad0;
+    shmps_stripe_t lock;  /* guards every field below except seq */
+    uint32_t seq;         /* futex word: bumped on commit, finish and skip */
+    uint32_t assembled;   /* sticky: N workers were seen joined (or contributed) */
+    uint64_t next_round;  /* oldest round not yet applied */
+    uint64_t applier;     /* token applying claim_round, 0 = none */
+    uint64_t claim_round;
+    uint32_t phase, count;
+    uint64_t applied, skipped, takeovers;
+    uint64_t stamp;       /* created_ns of the manifest the rounds belong to */
+    uint64_t resetter;    /* token resetting a stale block, 0 = none */
+    agg_buf_t buf[2];
+} agg_ctl_t;
+
+_Static_assert(sizeof(agg_ctl_t) <= SHMPS_AGG_CTL_BYTES, "aggregation control block");
+
+/* The control block inside a hidden int32 dense shard, or NULL if the shard
+ * cannot hold one (not ours, or too small). */
+static agg_ctl_t *ctl_of(void *base) {
+    const shmps_spec_t *s = &hdr_of(base)->spec;
+    if (s->kind != SHMPS_DENSE || s->dtype != SHMPS_INT32 ||
+        s->nnz * 4 < (uint64_t)SHMPS_AGG_CTL_BYTES || (s->value_off & 63))
+        return NULL;
+    return (agg_ctl_t *)at(base, s->value_off);
+}
+
+static worker_slot_t *wslots(void *man) { return (worker_slot_t *)at(man, WORKERS_OFF); }
+
+static uint64_t man_stamp(void *man) { return ((shmps_manifest_t *)man)->created_ns; }
+
+/* Rounds were begun under another manifest (a restored checkpoint). */
+static int stale(agg_ctl_t *c, void *man) {
+    return LOAD(&c->magic, ACQUIRE) == AGG_MAGIC && c->stamp != man_stamp(man);
+}
+
+static int bit_get(const agg_buf_t *b, uint32_t i) { return (b->bits[i >> 6] >> (i & 63)) & 1; }
+
+static uint32_t popcount(const agg_buf_t *b) {
+    uint32_t n = 0;
+    for (uint32_t k = 0; k < AGG_WORDS; k++) n += (uint32_t)__builtin_popcountll(b->bits[k]);
+    return n;
+}
+
+static void wake(agg_ctl_t *c) {
+    /* release: the state change made before this bump happens-before a waiter's
+     * re-check (which starts with an acquire load of seq) */
+    FETCH_ADD(&c->seq, 1, RELEASE);
+    syscall(SYS_futex, &c->seq, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+}
+
+static int lock(agg_ctl_t *c, uint64_t token) {
+    /* RECOVERED (a holder died inside) needs no repair: see the store orders above */
+    int r = shmps_stripe_lock(&c->lock, token, SHMPS_LOCK_TIMEOUT_S, &c->takeovers);
+    return r < 0 ? r : SHMPS_OK;
+}
+
+static void unlock(agg_ctl_t *c) { shmps_stripe_unlock(&c->lock); }
+
+/* Joined slots: count them (dead ones included until dropped) for the assembly
+ * gate; *minclock is the smallest clock among them (UINT64_MAX if none). */
+static uint32_t joined(void *man, uint64_t *minclock) {
+    worker_slot_t *w = wslots(man);
+    uint32_t n = 0;
+    *minclock = UINT64_MAX;
+    for (uint32_t i = 0; i < SHMPS_MAX_WORKERS; i++) {
+        if (!LOAD(&w[i].token, ACQUIRE)) continue; /* pairs with join's CAS */
+        uint64_t clk = LOAD(&w[i].clock, ACQUIRE); /* pairs with clock()'s release */
+        if (clk < *minclock) *minclock = clk;
+        n++;
+    }
+    return n;
+}
+
+/* Is round r complete?  (Caller holds the lock.)  Returns 1 if every joined slot
+ * is covered (see the top of the file), else 0 with *behind = the first live
+ * slot that is not.  *passed counts slots whose clock is past r without a push in
+ * flight, *njoined the joined slots. */
+static int complete(agg_ctl_t *c, void *man, uint64_t r, int32_t *behind, uint32_t *passed,
+                    uint32_t *njoined) {
+    agg_buf_t *b = &c->buf[r & 1];
+    int active = b->round == r;
+    worker_slot_t *w = wslots(man);
+    *passed = *njoined = 0;
+    for (uint32_t i = 0; i < SHMPS_MAX_WORKERS; i++) {
+        uint64_t tok = LOAD(&w[i].token, ACQUIRE); /* pairs with join's CAS */
+        if (!tok) continue;
+        (*njoined)++;
+        if (active && bit_get(b, i)) continue;
+        /* acquire: pairs with clock()'s release store, so a slot seen past r has
+         * finished (committed or never begun) every push it made before clock() */
+        uint64_t clk = LOAD(&w[i].clock, ACQUIRE);
+        uint64_t inflight = active ? b->pend[i] : 0;
+        if (clk > r && inflight != tok) { (*passed)++; continue; }
+        if (!shmps_token_alive(tok)) continue; /* dead: counts as left */
+        *behind = (int32_t)i;
+        return 0;
+    }
+    if (active) {
+        /* a push still in flight from a worker that left meanwhile (leave() with a
+         * non-blocking push pending) must land before the round is applied */
+        for (uint32_t i = 0; i < SHMPS_MAX_WORKERS; i++) {
+            uint64_t p = b->pend[i];
+            if (p && LOAD(&w[i].token, ACQUIRE) != p && shmps_token_alive(p)) {
+                *behind = (int32_t)i;
+                return 0;
+            }
+        }
+    }
+    return 1;
+}
+
+/* The state machine's step (lock held): finish a dead claim, skip empty complete
+ * rounds, claim a complete one.  what: AGG_NOTHING (*behind says who is awaited:
+ * a slot, -1 for "fewer than N joined"), AGG_BUSY (a live process applies
+ * *round), AGG_APPLY (claimed for `token` when claim != 0: apply *round with
+ * *count contributors starting at *phase). */
+static void step(agg_ctl_t *c, void *man, uint64_t token, uint32_t want, int claim,
+                 uint32_t *what, uint64_t *round, uint32_t *count, uint32_t *phase,
+                 int32_t *behind) {
+    *what = SHMPS_AGG_NOTHING;
+    *behind = -1;
+    *count = 0;
+    *phase = 0;
+    if (LOAD(&c->magic, RELAXED) != AGG_MAGIC || stale(c, man)) return; /* no rounds */
+    for (;;) {
+        uint64_t r = c->next_round;
+        *round = r;
+        if (c->applier && c->claim_round == r) {
+            if (c->applier != token && shmps_token_alive(c->applier)) {
+                *what = SHMPS_AGG_BUSY;
+                return;
+            }
+            /* a dead applier (or our own claim, left by an exception): go on */
+            uint32_t ph = c->phase == SHMPS_AGG_PH_PUSHING ? SHMPS_AGG_PH_ZEROING : c->phase;
+            *what = SHMPS_AGG_APPLY;
+            *count = c->count;
+            *phase = ph;
+            if (claim && c->applier != token) {
+                c->phase = ph;
+                c->applier = token;
+                c->takeovers++;
+            }
+            return;
+        }
+        uint32_t passed, njoined;
+        int ok = complete(c, man, r, behind, &passed, &njoined);
+        if (njoined >= want) c->assembled = 1;
+        if (!ok) return;
+        agg_buf_t *b = &c->buf[r & 1];
+        int active = b->round == r;
+        uint32_t n = active ? popcount(b) : 0;
+        if (!active) {
+            /* nobody began a push for r: skip it if some worker moved past it
+             * (with no one past r, r is the current round, not an empty one) */
+            if (!passed) return;
+            /* release: pairs with the acquire load in shmps_agg_wait */
+            STORE(&c->next_round, r + 1, RELEASE);
+            c->skipped++;
+            wake(c);
+            continue;
+        }
+        if (n == 0 && !passed) return; /* begun (in-flight pushes of dead workers) only */
+        if (n && !c->assembled && n < want) return; /* the team is not here yet */
+        *what = SHMPS_AGG_APPLY;
+        *count = n;
+        *phase = n ? SHMPS_AGG_PH_SUM : SHMPS_AGG_PH_ZEROING;
+        if (claim) {
+            c->phase = *phase;
+            c->count = n;
+            c->claim_round = r;
+            c->applier = token; /* last: the claim is valid from here */
+        }
+        return;
+    }
+}
+
+int shmps_agg_begin(void *ctl, void *man, uint64_t token, uint32_t slot, uint32_t want,
+                    uint64_t *round) {
+    agg_ctl_t *c = ctl_of(ctl);
+    if (!c) return SHMPS_E_CORRUPT;
+    if (slot >= SHMPS_MAX_WORKERS) return SHMPS_E_BOUNDS;
+    worker_slot_t *w = &wslots(man)[slot];
+    /* relaxed: our own slot; only this process writes its token and clock */
+    if (LOAD(&w->token, RELAXED) != token) return SHMPS_E_ARG; /* not joined, or dropped */
+    uint64_t r = LOAD(&w->clock, RELAXED);
+    *round = r;
+    int e = lock(c, token);
+    if (e) return e;
+    if (stale(c, man)) {
+        unlock(c);
+        return SHMPS_AGG_E_STALE;
+    }
+    if (c->magic != AGG_MAGIC) {
+        uint64_t m;
+        joined(man, &m);
+        c->next_round = m < r ? m : r;
+        c->version = AGG_VERSION;
+        c->stamp = man_stamp(man);
+        c->buf[0].round = c->buf[1].round = UINT64_MAX;
+        STORE(&c->magic, AGG_MAGIC, RELEASE); /* last: pairs with step()'s check */
+    }
+    e = SHMPS_OK;
+    uint64_t minclock;
+    agg_buf_t *b = &c->buf[r & 1];
+    if (r < c->next_round) {
+        /* applied: with our contribution (a second push) or without it */
+        e = b->round == r && bit_get(b, slot) ? SHMPS_AGG_E_TWICE : SHMPS_AGG_E_CLOSED;
+    } else if (r >= c->next_round + 2) {
+        e = SHMPS_AGG_E_AHEAD;
+    } else if (!c->assembled && joined(man, &minclock) < want) {
+        e = SHMPS_AGG_E_ASSEMBLING;
+    } else {
+        c->assembled = 1;
+        if (b->round != r) {
+            /* the buffer held round r - 2 (applied) or nothing: reset, round last */
+            memset(b->bits, 0, sizeof b->bits);
+            memset(b->pend, 0, sizeof b->pend);
+            b->round = r;
+        }
+        if (bit_get(b, slot) || b->pend[slot] == token) {
+            e = SHMPS_AGG_E_TWICE;
+        } else {
+            b->pend[slot] = token;
+        }
+    }
+    unlock(c);
+    return e;
+}
+
+int shmps_agg_assemble(void *ctl, void *man, uint64_t token, uint32_t want, double timeout_s,
+                       uint32_t *njoined) {
+    agg_ctl_t *c = ctl_of(ctl);
+    if (!c) return SHMPS_E_CORRUPT;
+    uint32_t *seq = &((shmps_manifest_t *)man)->clock_seq;
+    uint64_t deadline = timeout_s < 0 ? UINT64_MAX : shmps_now_ns() + (uint64_t)(timeout_s * 1e9);
+    for (;;) {
+        /* acquire: pairs with clock.c's wake_all (bumped by every join); a join
+         * after this load makes the futex wait return at once */
+        uint32_t seen = LOAD(seq, ACQUIRE);
+        uint64_t m;
+        *njoined = joined(man, &m);
+        if (*njoined >= want || LOAD(&c->assembled, RELAXED)) {
+            int e = lock(c, token);
+            if (e) return e;
+            c->assembled = 1;
+            unlock(c);
+            wake(c);
+            return SHMPS_OK;
+        }
+        uint64_t now = shmps_now_ns();
+        if (now >= deadline) return SHMPS_E_TIMEOUT;
+        uint64_t nap = deadline - now < NAP_NS ? deadline - now : NAP_NS;
+        struct timespec ts = {(time_t)(nap / 1000000000ull), (long)(nap % 1000000000ull)};
+        syscall(SYS_futex, seq, FUTEX_WAIT, seen, &ts, NULL, 0);
+    }
+}
+
+int shmps_agg_commit(void *ctl, uint64_t token, uint32_t slot, uint64_t round, uint32_t want) {
+    agg_ctl_t *c = ctl_of(ctl);
+    if (!c) return SHMPS_E_CORRUPT;
+    if (slot >= SHMPS_MAX_WORKERS) return SHMPS_E_BOUNDS;
+    int e = lock(c, token);
+    if (e) return e;
+    agg_buf_t *b = &c->buf[round & 1];
+    if (b->round != round || b->pend[slot] != token) {
+        e = SHMPS_E_ARG; /* no push of ours in flight for this round */
+    } else {
+        b->bits[slot >> 6] |= 1ull << (slot & 63);
+        b->pend[slot] = 0;
+        if (popcount(b) >= want) c->assembled = 1;
+    }
+    unlock(c);
+    if (!e) wake(c);
+    return e;
+}
+
+int shmps_agg_abort(void *ctl, uint64_t token, uint32_t slot, uint64_t round) {
+    agg_ctl_t *c = ctl_of(ctl);
+    if (!c) return SHMPS_E_CORRUPT;
+    if (slot >= SHMPS_MAX_WORKERS) return SHMPS_E_BOUNDS;
+    int e = lock(c, token);
+    if (e) return e;
+    agg_buf_t *b = &c->buf[round & 1];
+    if (b->round == round && b->pend[slot] == token) b->pend[slot] = 0;
+    unlock(c);
+    wake(c);
+    return SHMPS_OK;
+}
+
+int shmps_agg_next(void *ctl, void *man, uint64_t token, uint32_t want, uint32_t *what,
+                   uint64_t *round, uint32_t *count, uint32_t *phase, int32_t *behind) {
+    agg_ctl_t *c = ctl_of(ctl);
+    if (!c) return SHMPS_E_CORRUPT;
+    *what = SHMPS_AGG_NOTHING;
+    *behind = -1;
+    /* acquire: pairs with begin's release store of magic */
+    if (LOAD(&c->magic, ACQUIRE) != AGG_MAGIC) return SHMPS_OK;
+    int e = lock(c, token);
+    if (e) return e;
+    step(c, man, token, want, 1, what, round, count, phase, behind);
+    unlock(c);
+    return SHMPS_OK;
+}
+
+int shmps_agg_phase(void *ctl, uint64_t token, uint64_t round, uint32_t phase) {
+    agg_ctl_t *c = ctl_of(ctl);
+    if (!c) return SHMPS_E_CORRUPT;
+    int e = lock(c, token);
+    if (e) return e;
+    if (c->applier != token || c->claim_round != round || c->next_round != round)
+        e = SHMPS_E_ARG; /* our claim was taken over (we were thought dead?) */
+    else
+        c->phase = phase;
+    unlock(c);
+    return e;
+}
+
+int shmps_agg_finish(void *ctl, uint64_t token, uint64_t round) {
+    agg_ctl_t *c = ctl_of(ctl);
+    if (!c) return SHMPS_E_CORRUPT;
+    int e = lock(c, token);
+    if (e) return e;
+    if (c->applier != token || c->claim_round != round || c->next_round != round) {
+        e = SHMPS_E_ARG;
+    } else {
+        /* release: the commit point; pairs with the waiters' acquire load.  The
+         * tensor and the zeroed buffer were written before (under their own
+         * stripe locks / by us alone) and are published by this store too. */
+        STORE(&c->next_round, round + 1, RELEASE);
+        c->applier = 0;
+        c->phase = 0;
+        c->applied++;
+    }
+    unlock(c);
+    if (!e) wake(c);
+    return e;
+}
+
+int shmps_agg_wait(void *ctl, void *man, uint64_t token, uint32_t want, uint64_t round,
+                   double timeout_s, uint32_t *done, int32_t *behind) {
+    agg_ctl_t *c = ctl_of(ctl);
+    if (!c) return SHMPS_E_CORRUPT;
+    *done = 0;
+    *behind = -1;
+    uint64_t deadline = timeout_s < 0 ? UINT64_MAX : shmps_now_ns() + (uint64_t)(timeout_s * 1e9);
+    for (;;) {
+        /* acquire: pairs with wake()'s release; a change after this load makes the
+         * futex wait below return at once */
+        uint32_t seen = LOAD(&c->seq, ACQUIRE);
+        /* acquire: pairs with finish's release store (the applied values are
+         * visible to the caller once it sees next_round past its round) */
+        if (LOAD(&c->magic, ACQUIRE) == AGG_MAGIC &&
+            (LOAD(&c->next_round, ACQUIRE) > round || c->stamp != man_stamp(man))) {
+            *done = 1; /* applied, or a round of a former manifest: never applied here */
+            return SHMPS_OK;
+        }
+        int e = lock(c, token);
+        if (e) return e;
+        uint32_t what, count, phase;
+        uint64_t r;
+        step(c, man, token, want, 0, &what, &r, &count, &phase, behind);
+        int moved = c->next_round > round;
+        unlock(c);
+        if (moved) continue;
+        if (what == SHMPS_AGG_APPLY) return SHMPS_OK; /* *done = 0: the caller applies */
+        if (what == SHMPS_AGG_BUSY) *behind = -2;     /* another process is applying */
+        uint64_t now = shmps_now_ns();
+        if (now >= deadline) return SHMPS_E_TIMEOUT;
+        uint64_t nap = deadline - now < NAP_NS ? deadline - now : NAP_NS;
+        struct timespec ts = {(time_t)(nap / 1000000000ull), (long)(nap % 1000000000ull)};
+        syscall(SYS_futex, &c->seq, FUTEX_WAIT, seen, &ts, NULL, 0);
+    }
+}
+
+int shmps_agg_reset(void *ctl, void *man, uint64_t token, int finish, uint32_t *state) {
+    agg_ctl_t *c = ctl_of(ctl);
+    if (!c) return SHMPS_E_CORRUPT;
+    int e = lock(c, token);
+    if (e) return e;
+    if (!stale(c, man)) {
+        *state = SHMPS_AGG_RESET_DONE;
+    } else if (!finish) {
+        if (c->resetter && c->resetter != token && shmps_token_alive(c->resetter)) {
+            *state = SHMPS_AGG_RESET_BUSY;
+        } else {
+            c->resetter = token; /* (a dead resetter's claim is taken over) */
+            *state = SHMPS_AGG_RESET_CLAIMED;
+        }
+    } else if (c->resetter != token) {
+        e = SHMPS_E_ARG;
+    } else {
+        /* the accumulators are clear: start afresh (begin initialises lazily) */
+        STORE(&c->magic, 0, RELEASE); /* first: the block is "never used" from here */
+        c->next_round = c->applier = c->claim_round = 0;
+        c->phase = c->count = c->assembled = 0;
+        c->stamp = c->resetter = 0;
+        *state = SHMPS_AGG_RESET_DONE;
+    }
+    unlock(c);
+    if (!e) wake(c);
+    return e;
+}
+
+int shmps_agg_info(void *ctl, shmps_agg_info_t *out) {
+    agg_ctl_t *c = ctl_of(ctl);
+    if (!c) return SHMPS_E_CORRUPT;
+    memset(out, 0, sizeof *out);
+    /* relaxed: a diagnostic snapshot (fields may be from slightly different moments) */
+    if (LOAD(&c->magic, ACQUIRE) != AGG_MAGIC) return SHMPS_OK;
+    out->next_round = LOAD(&c->next_round, RELAXED);
+    out->applied = LOAD(&c->applied, RELAXED);
+    out->skipped = LOAD(&c->skipped, RELAXED);
+    out->takeovers = LOAD(&c->takeovers, RELAXED);
+    out->assembled = LOAD(&c->assembled, RELAXED);
+    out->applier_pid = (uint32_t)(LOAD(&c->applier, RELAXED) >> 32);
+    for (int k = 0; k < 2; k++) {
+        agg_buf_t *b = &c->buf[k];
+        out->rounds[k] = LOAD(&b->round, RELAXED);
+        uint32_t n = 0, p = 0;
+        for (uint32_t i = 0; i < AGG_WORDS; i++)
+            n += (uint32_t)__builtin_popcountll(LOAD(&b->bits[i], RELAXED));
+        for (uint32_t i = 0; i < SHMPS_MAX_WORKERS; i++) p += LOAD(&b->pend[i], RELAXED) != 0;
+        out->contributed[k] = n;
+        out->in_flight[k] = p;
+    }
+    return SHMPS_OK;
+}

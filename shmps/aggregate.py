@@ -1,0 +1,348 @@
+"""Synchronous aggregation: dense tensors whose pushes are grouped by worker clock.
+
+``store.dense(name, ..., aggregate="mean"|"sum", workers=N)`` makes a tensor whose
+pushes are not applied one by one: the pushes of one clock (a *round*) from every
+live worker are summed exactly into an accumulator, and the tensor's updater is
+applied once, with the sum or the mean (sum / number of contributors), by the
+last pusher of the round.  Pulls see the tensor before or after a whole round,
+never a part of one.  It is the parameter server's synchronous push (d2l's
+"aggregate over workers, then update") on top of the worker clocks of
+:meth:`shmps.Store.clock`.
+
+Rules (docs/consistency.md has the diagram):
+
+- A pusher must have joined (``store.join()``); its push belongs to round c, its
+  current clock.  One push per worker per round (``rows=`` allowed); the second
+  raises InvalidArgument: sum your gradients locally, or call ``store.clock()``.
+- Round c is applied once every live joined worker has pushed for c, or moved
+  past c without pushing; a dead worker counts as left at once (its process is
+  gone), so it never stalls a round.
+- Until ``workers`` workers have joined the store, a push waits for them (so an
+  early starter neither makes a round alone nor runs ahead: the others join at
+  its clock).  Join every worker before its first push; no other start barrier
+  is needed.
+- Rounds are applied in order.  Double buffering by clock parity: pushes for
+  c + 1 go to the other buffer while round c is open; a push for c + 2 waits until
+  round c is applied (at most two rounds in flight, whatever the store's
+  staleness).  A push for a round already applied raises InvalidArgument.
+- ``pull()`` first applies any round that is complete but not yet applied (e.g.
+  one whose last worker died after every other pushed), and waits for a round
+  another process is applying; ``wait_round()`` blocks until a round is applied.
+- In a store restored from a checkpoint the rounds start afresh (round numbers are
+  the clocks of the store's workers); a round left unfinished in the checkpoint is
+  dropped (its accumulated pushes are cleared by the first push).
+
+Storage: three hidden tensors per aggregated tensor, listed by ``store.tensors()``:
+``<name>#agg0`` and ``<name>#agg1`` (the two accumulators: the tensor's shape and
+gradient dtype, updater Sum, so accumulation is the ordinary exact push) and
+``<name>#aggctl`` (int32, the round control block of native/aggregate.c).
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+import numpy as np
+
+from . import _native
+from .dense import DenseTensor
+from .errors import CorruptSegment, Error, InvalidArgument, SchemaError, Timeout
+from .tensor import PushHandle, grad_dtype
+
+lib = _native.lib
+ffi = _native.ffi
+
+AGGREGATES = ("sum", "mean")
+CTL_WORDS = lib.SHMPS_AGG_CTL_BYTES // 4
+WAIT_TIMEOUT_S = 60.0
+
+
+def hidden_names(name: str) -> tuple[str, str, str]:
+    """The accumulator (two) and control tensor names of aggregated tensor ``name``."""
+    return f"{name}#agg0", f"{name}#agg1", f"{name}#aggctl"
+
+
+def add_request(store: Any, name: str, req: dict, aggregate: Optional[str],
+                workers: Optional[int]) -> None:
+    """Validate ``aggregate=``/``workers=`` of ``Store.dense`` into ``req``; when the
+    tensor does not exist yet, get-or-create its hidden tensors first (race-safe:
+    each is an ordinary get-or-create, and the tensor's record comes last)."""
+    if aggregate is None or workers is None:
+        raise InvalidArgument(f"aggregate={aggregate!r}, workers={workers!r}",
+                              "pass both: aggregate='mean' or 'sum', and workers=N")
+    if aggregate not in AGGREGATES:
+        raise InvalidArgument(f"aggregate={aggregate!r}", "use 'mean' or 'sum'")
+    if isinstance(workers, bool) or not isinstance(workers, (int, np.integer)) \
+            or not 1 <= int(workers) <= lib.SHMPS_MAX_WORKERS:
+        raise InvalidArgument(f"workers={workers!r}",
+                              f"an integer from 1 to {lib.SHMPS_MAX_WORKERS}")
+    req["aggregate"] = aggregate
+    req["workers"] = int(workers)
+    if name in store:
+        return  # the existing record is matched against req by the caller
+    if "shape" not in req:
+        return  # the caller raises NotFound
+    dt = np.dtype(req.get("dtype", "float32"))
+    if aggregate == "mean" and dt.kind != "f":
+        raise SchemaError(f"aggregate='mean' needs a float dtype, not {dt}",
+                          "use aggregate='sum' for integer tensors")
+    acc_dt = grad_dtype(dt).name
+    acc0, acc1, ctl = hidden_names(name)
+    for acc in (acc0, acc1):
+        store.dense(acc, shape=req["shape"], dtype=acc_dt, init=0, optimizer="sum",
+                    allow_nonfinite=True, shard_rows=req.get("shard_rows"))
+    store.dense(ctl, shape=(CTL_WORDS,), dtype="int32", init=0, optimizer="sum")
+
+
+class AggregateDense(DenseTensor):
+    """A dense tensor with synchronous aggregation (see the module docstring).
+
+    Sample usage (every worker)::
+
+        store = shmps.attach("job", staleness=0)
+        store.join()
+        w = store.dense("w", shape=(65, 10), dtype="float64", optimizer=shmps.SGD(lr=0.5),
+                        aggregate="mean", workers=4)
+        for step in range(100):
+            w.push(grad(w.pull(), my_part))   # round = my clock
+            store.clock()                     # k=0: after this, every push is applied
+    """
+
+    def __init__(self, store: Any, record: dict, shards: list) -> None:
+        super().__init__(store, record, shards)
+        try:
+            self.aggregate: str = record["aggregate"]
+            self.workers: int = record.get("workers")  # type: ignore[assignment]
+            if (self.aggregate not in AGGREGATES or not isinstance(self.workers, int)
+                    or not 1 <= self.workers <= lib.SHMPS_MAX_WORKERS):
+                raise CorruptSegment(f"tensor {self.name!r}: aggregate={self.aggregate!r}, "
+                                     f"workers={self.workers!r} in its catalog record")
+            acc0, acc1, ctl = hidden_names(self.name)
+            self._acc = [store[acc0], store[acc1]]
+            self._ctl = store[ctl]
+            for acc in self._acc:
+                if acc.shape != self.shape or acc.dtype != self._gdtype:
+                    raise SchemaError(f"accumulator {acc.name!r} is {acc.dtype} {acc.shape}, "
+                                      f"tensor {self.name!r} needs {self._gdtype} {self.shape}")
+            self._last_round: Optional[int] = None
+        except BaseException:
+            self.close()
+            raise
+
+    # -- plumbing ----------------------------------------------------------------
+    def _cptr(self) -> Any:
+        return self._ctl._shard(0).ptr
+
+    def _slot(self) -> int:
+        slot = self._store._worker
+        if slot is None:
+            raise InvalidArgument(f"push to aggregated tensor {self.name!r} from a process "
+                                  "that is not a worker",
+                                  "call store.join() first: a push belongs to the round "
+                                  "of the pusher's clock")
+        return int(slot)
+
+    def _timeout_error(self, rnd: int, behind: int, timeout: float) -> Timeout:
+        if behind == -2:
+            who = "another process is still applying it"
+        elif behind < 0:
+            who = (f"fewer than workers={self.workers} workers have joined "
+                   f"({len(self._store.workers())} now)")
+        else:
+            w = {x["worker"]: x for x in self._store.workers()}.get(behind, {})
+            who = (f"worker {behind} (pid {w.get('pid')}) at clock {w.get('clock')} "
+                   "has not pushed")
+        return Timeout(f"round {rnd} of {self.name!r} not applied after {timeout} s: {who}",
+                       "that worker is slow or stuck; raise the timeout, or make it "
+                       "push or call store.clock()")
+
+    # -- push --------------------------------------------------------------------
+    def push(self, grad: Any, rows: Any = None, *, wait: bool = True,
+             timeout: Optional[float] = None) -> Optional[PushHandle]:
+        """Contribute ``grad`` (whole, or ``rows``) to the round of this worker's clock.
+
+        The gradient is checked (shape, dtype, NaN/Inf) and then added exactly to
+        the round's accumulator; the pusher that completes the round applies the
+        updater once with the sum or mean, before returning.  Blocks only if this
+        worker is two rounds ahead of the oldest unapplied round (until it is
+        applied; Timeout after ``timeout`` s, default 60, naming who is behind).
+        ``wait=False`` returns a handle once the round is fixed (the accumulation
+        runs on the store's push thread; ``store.clock()`` waits for it).  Cost:
+        one exact push into the accumulator, and for the last pusher a pull, a push
+        and a clear of the tensor; the bookkeeping is a few C calls."""
+        slot = self._slot()
+        g, r = self._prepare(grad, rows)
+        self._require_finite(g)
+        rnd = self._begin(slot, WAIT_TIMEOUT_S if timeout is None else float(timeout))
+        if wait:
+            self._contribute(slot, rnd, g, r)
+            return None
+        return self._store._submit(self._contribute, slot, rnd, g, r)
+
+    def _begin(self, slot: int, timeout: float) -> int:
+        rnd = ffi.new("uint64_t *")
+        man, tok = self._store._mptr, _native.token()
+        while True:
+            code = lib.shmps_agg_begin(self._cptr(), man, tok, slot, self.workers, rnd)
+            if code == lib.SHMPS_AGG_E_AHEAD:
+                self._settle(True, timeout)
+                self._wait(int(rnd[0]) - 2, timeout)
+                continue
+            if code == lib.SHMPS_AGG_E_ASSEMBLING:
+                self._assemble(timeout)
+                continue
+            if code == lib.SHMPS_AGG_E_STALE:
+                self._reset(timeout)
+                continue
+            if code == lib.SHMPS_AGG_E_CLOSED:
+                raise InvalidArgument(f"round {int(rnd[0])} of {self.name!r} (worker {slot}'s "
+                                      "clock) was already applied without this worker",
+                                      "call store.clock() to move to the current round")
+            if code == lib.SHMPS_AGG_E_TWICE:
+                raise InvalidArgument(f"worker {slot} already pushed to {self.name!r} for "
+                                      f"clock {int(rnd[0])}",
+                                      "an aggregated tensor takes one push per worker per "
+                                      "clock: sum gradients locally, or call store.clock()")
+            if code == lib.SHMPS_E_ARG:
+                raise InvalidArgument(f"worker {slot} was dropped from store "
+                                      f"{self._store.name!r}", "call store.join() again")
+            _native.check(code, f"push to {self.name!r}")
+            self._last_round = int(rnd[0])
+            return int(rnd[0])
+
+    def _assemble(self, timeout: float) -> None:
+        """Wait until ``workers`` workers have joined (the first pushes only)."""
+        n = ffi.new("uint32_t *")
+        code = lib.shmps_agg_assemble(self._cptr(), self._store._mptr, _native.token(),
+                                      self.workers, timeout, n)
+        if code == lib.SHMPS_E_TIMEOUT:
+            raise Timeout(f"push to {self.name!r}: only {int(n[0])} of workers={self.workers} "
+                          f"workers have joined store {self._store.name!r} after {timeout} s",
+                          "start the other workers (each calls store.join()), or create the "
+                          "tensor with fewer workers")
+        _native.check(code, f"push to {self.name!r}")
+
+    def _reset(self, timeout: float) -> None:
+        """The rounds belong to another manifest (this store was restored from a
+        checkpoint): one process clears the accumulators and restarts the rounds."""
+        state = ffi.new("uint32_t *")
+        man, tok = self._store._mptr, _native.token()
+        deadline = _native.now_ns() + int(timeout * 1e9)
+        while True:
+            _native.check(lib.shmps_agg_reset(self._cptr(), man, tok, 0, state),
+                          f"reset rounds of {self.name!r}")
+            if state[0] == lib.SHMPS_AGG_RESET_DONE:
+                return
+            if state[0] == lib.SHMPS_AGG_RESET_CLAIMED:
+                for acc in self._acc:
+                    for sh in acc._shards:
+                        sh.values(acc.dtype)[...] = 0  # nobody pushes into a stale block
+                _native.check(lib.shmps_agg_reset(self._cptr(), man, tok, 1, state),
+                              f"reset rounds of {self.name!r}")
+                return
+            if _native.now_ns() > deadline:
+                raise Timeout(f"resetting the rounds of {self.name!r} (restored store) took "
+                              f"more than {timeout} s")
+            time.sleep(0.001)  # another process is clearing the accumulators
+
+    def _contribute(self, slot: int, rnd: int, g: np.ndarray, r: Optional[np.ndarray]) -> None:
+        tok = _native.token()
+        try:
+            self._acc[rnd % 2].push(g, rows=r)
+        except BaseException:
+            lib.shmps_agg_abort(self._cptr(), tok, slot, rnd)
+            raise
+        _native.check(lib.shmps_agg_commit(self._cptr(), tok, slot, rnd, self.workers),
+                      f"push to {self.name!r}")
+        self._settle(False, WAIT_TIMEOUT_S)
+
+    # -- rounds ------------------------------------------------------------------
+    def _settle(self, wait_busy: bool, timeout: float) -> None:
+        """Apply every complete round (in order); with ``wait_busy``, also wait for
+        one another process is applying."""
+        what, rnd = ffi.new("uint32_t *"), ffi.new("uint64_t *")
+        count, phase, behind = ffi.new("uint32_t *"), ffi.new("uint32_t *"), ffi.new("int32_t *")
+        man, tok = self._store._mptr, _native.token()
+        while True:
+            _native.check(lib.shmps_agg_next(self._cptr(), man, tok, self.workers, what, rnd,
+                                             count, phase, behind), f"round of {self.name!r}")
+            if what[0] == lib.SHMPS_AGG_APPLY:
+                self._apply_round(int(rnd[0]), int(count[0]), int(phase[0]))
+            elif what[0] == lib.SHMPS_AGG_BUSY and wait_busy:
+                self._wait(int(rnd[0]), timeout)
+            else:
+                return
+
+    def _apply_round(self, rnd: int, count: int, phase: int) -> None:
+        """Apply round ``rnd`` (claimed by us): aggregate, push once, clear."""
+        ctl, tok = self._cptr(), _native.token()
+        acc = self._acc[rnd % 2]
+        err: Optional[BaseException] = None
+        if phase == lib.SHMPS_AGG_PH_SUM:
+            total = acc.pull()
+            if self.aggregate == "mean":
+                np.divide(total, count, out=total)
+            _native.check(lib.shmps_agg_phase(ctl, tok, rnd, lib.SHMPS_AGG_PH_PUSHING),
+                          f"round {rnd} of {self.name!r}")
+            try:
+                DenseTensor.push(self, total)
+            except Error as exc:  # e.g. the sum overflowed to Inf: the round is dropped
+                err = exc
+        _native.check(lib.shmps_agg_phase(ctl, tok, rnd, lib.SHMPS_AGG_PH_ZEROING),
+                      f"round {rnd} of {self.name!r}")
+        for sh in acc._shards:
+            sh.values(acc.dtype)[...] = 0  # nobody else writes this buffer now
+        _native.check(lib.shmps_agg_finish(ctl, tok, rnd), f"round {rnd} of {self.name!r}")
+        if err is not None:
+            raise err
+
+    def _wait(self, rnd: int, timeout: float) -> None:
+        """Block until round ``rnd`` is applied (applying it, or earlier ones, when
+        they become complete and nobody else does)."""
+        done, behind = ffi.new("uint32_t *"), ffi.new("int32_t *")
+        man, tok = self._store._mptr, _native.token()
+        deadline = _native.now_ns() + int(timeout * 1e9)
+        while True:
+            left = max(0.0, (deadline - _native.now_ns()) / 1e9)
+            code = lib.shmps_agg_wait(self._cptr(), man, tok, self.workers, rnd, left, done,
+                                      behind)
+            if code == lib.SHMPS_E_TIMEOUT:
+                raise self._timeout_error(rnd, int(behind[0]), timeout)
+            _native.check(code, f"wait for round {rnd} of {self.name!r}")
+            if done[0]:
+                return
+            self._settle(False, timeout)
+
+    def wait_round(self, round: Optional[int] = None, timeout: Optional[float] = None) -> None:
+        """Block until ``round`` (default: this process's last push's round) is
+        applied; Timeout after ``timeout`` s (default 60) naming the worker behind.
+        Sleeps on a futex (GIL released); re-checks liveness every 2 ms."""
+        rnd = self._last_round if round is None else int(round)
+        if rnd is None:
+            return
+        self._wait(rnd, WAIT_TIMEOUT_S if timeout is None else float(timeout))
+
+    def rounds(self) -> dict:
+        """Round bookkeeping: next_round (oldest not applied), applied, skipped
+        (rounds nobody pushed to), takeovers, assembled, and per buffer its round,
+        contributors and pushes in flight."""
+        info = ffi.new("shmps_agg_info_t *")
+        _native.check(lib.shmps_agg_info(self._cptr(), info), f"rounds of {self.name!r}")
+        return {"next_round": int(info.next_round), "applied": int(info.applied),
+                "skipped": int(info.skipped), "takeovers": int(info.takeovers),
+                "assembled": bool(info.assembled), "applier_pid": int(info.applier_pid),
+                "buffers": [{"round": int(info.rounds[k]), "contributed": int(info.contributed[k]),
+                             "in_flight": int(info.in_flight[k])} for k in range(2)]}
+
+    # -- pull --------------------------------------------------------------------
+    def pull(self, rows: Any = None, *, out: Optional[np.ndarray] = None,
+             consistent: bool = True) -> np.ndarray:
+        """As :meth:`DenseTensor.pull`, after applying any complete round (and waiting
+        for one another process is applying)."""
+        self._settle(True, WAIT_TIMEOUT_S)
+        return super().pull(rows, out=out, consistent=consistent)
+
+    def view(self, writable: bool = False) -> np.ndarray:
+        """As :meth:`DenseTensor.view`, after applying any complete round."""
+        self._settle(True, WAIT_TIMEOUT_S)
+        return super().view(writable)

@@ -1,0 +1,179 @@
+"""PyTorch adapter: a module's parameters live in a shmps store, and the optimizer
+step runs in shmps (in C, exact, with its state shared by every process).
+
+Replaces torch's Hogwild recipe (``model.share_memory()`` + a torch optimizer in
+each process), which races on every update and keeps one optimizer state per
+process (pytorch#39949), with two lines::
+
+    import shmps, shmps.torch
+    store = shmps.attach("mnist")
+    model = Net()
+    shmps.torch.share(model, store, optimizer=shmps.Adam(lr=1e-3))  # params -> shared memory
+    opt = shmps.torch.Pusher(model)                                  # step() = push every .grad
+    for x, y in loader:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+``param.data`` becomes a zero-copy, writable view of the shared tensor
+(:meth:`shmps.DenseTensor.view` with ``writable=True``): the forward pass reads the
+live values (racy by design, like Hogwild reads), and ``step()`` pushes each
+``.grad`` once, so the shmps updater applies it exactly.  torch never needs to
+write the parameters; if it does (``load_state_dict``, ``nn.init``), the write goes
+straight to shared memory, unsynchronised: do it before training starts.
+
+Only parameters are shared (not buffers such as BatchNorm's running statistics),
+on the CPU, of dtype float16, float32 or float64.  docs/torch.md has the details.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+try:
+    import torch
+except ImportError as exc:  # pragma: no cover - exercised where torch is absent
+    raise ImportError("shmps.torch needs PyTorch, which is not installed: "
+                      "pip install torch (see https://pytorch.org)") from exc
+
+import numpy as np
+
+from .dense import DenseTensor
+from .errors import InvalidArgument, SchemaError
+from .tensor import PushHandle
+from .updaters import UpdaterLike
+
+__all__ = ["share", "Pusher", "shared_tensors"]
+
+_ATTR = "_shmps_shared"
+_DTYPES = {torch.float16: "float16", torch.float32: "float32", torch.float64: "float64"}
+
+
+def share(module: "torch.nn.Module", store: Any, optimizer: UpdaterLike = None,
+          prefix: str = "", *, mode: Optional[str] = None, aggregate: Optional[str] = None,
+          workers: Optional[int] = None) -> dict[str, DenseTensor]:
+    """Put every parameter of ``module`` in ``store`` and make ``param.data`` a view.
+
+    One dense tensor per parameter, named ``prefix + name`` (``"fc1.weight"``), of
+    the parameter's shape and dtype, with updater ``optimizer`` (a shmps updater,
+    e.g. ``shmps.SGD(lr=0.1)``, ``shmps.Adam(lr=1e-3)``).  Get-or-create: the
+    first process creates each tensor from its module's current values; the
+    others adopt the stored values (their own initial values are dropped), so
+    every process starts from the same parameters.  ``mode``, ``aggregate`` and
+    ``workers`` are passed to :meth:`shmps.Store.dense` (``aggregate="mean"``
+    gives synchronous data-parallel SGD: see docs/consistency.md).
+
+    Returns ``{name: tensor}`` (also kept on the module for :class:`Pusher`).
+    Cost: one tensor creation or lookup and one mapping per parameter.
+    Raises SchemaError if an existing tensor differs (shape, dtype, optimizer
+    given), InvalidArgument for parameters that are not on the CPU."""
+    shared: dict[str, DenseTensor] = {}
+    for name, p in module.named_parameters():
+        if p.device.type != "cpu":
+            raise InvalidArgument(f"parameter {name!r} is on {p.device}",
+                                  "shmps shares CPU memory: call share() before .to(device)")
+        if p.dtype not in _DTYPES:
+            raise SchemaError(f"parameter {name!r} has dtype {p.dtype}",
+                              "shmps stores float16, float32 or float64 parameters")
+        shape = tuple(int(x) for x in p.shape)
+        full = prefix + name
+        kw: dict[str, Any] = {}
+        if aggregate is not None or workers is not None:
+            kw.update(aggregate=aggregate, workers=workers)
+        if full in store:
+            t = store.dense(full, shape=shape, dtype=_DTYPES[p.dtype], optimizer=optimizer,
+                            mode=mode, **kw)
+        else:
+            init = p.detach().cpu().numpy()
+            t = store.dense(full, shape=shape, dtype=_DTYPES[p.dtype], init=init,
+                            optimizer=optimizer, mode=mode, **kw)
+        arr = t.view(writable=True)
+        with torch.no_grad():
+            p.data = torch.from_numpy(arr)
+        shared[name] = t
+    setattr(module, _ATTR, shared)
+    return shared
+
+
+def shared_tensors(module: "torch.nn.Module") -> dict[str, DenseTensor]:
+    """The ``{name: tensor}`` that :func:`share` made for ``module``."""
+    shared = getattr(module, _ATTR, None)
+    if shared is None:
+        raise InvalidArgument("this module was not shared",
+                              "call shmps.torch.share(module, store, optimizer=...) first")
+    return shared
+
+
+class Pusher:
+    """An optimizer-like object: ``step()`` pushes every parameter's ``.grad`` to its
+    shmps tensor (one push per tensor; the tensor's updater does the update).
+
+    ``wait=False``: pushes run on the store's push thread while this process goes
+    on (the next forward pass overlaps them); the next ``step()`` (or
+    ``zero_grad(set_to_none=False)``, or ``wait()``) first waits for them.  The
+    default ``zero_grad()`` drops the gradients (``set_to_none=True``) without
+    waiting: the pending pushes keep the old gradient tensors alive.
+
+    Sparse gradients (``nn.Embedding(sparse=True)``) are pushed as ``rows=``.
+    Cost per step: one push per parameter with a gradient (see
+    :meth:`shmps.DenseTensor.push`); no copy of contiguous gradients.
+    """
+
+    def __init__(self, module: "torch.nn.Module", *, wait: bool = True) -> None:
+        shared = shared_tensors(module)
+        params = dict(module.named_parameters())
+        self._pairs = [(params[name], t) for name, t in shared.items() if name in params]
+        self.wait_each = wait
+        self._pending: list[tuple[PushHandle, Any]] = []
+
+    @property
+    def tensors(self) -> list[DenseTensor]:
+        return [t for _, t in self._pairs]
+
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """Push every ``.grad`` (parameters without one are skipped); returns the
+        closure's loss if a closure is given (as ``torch.optim`` does)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.wait()
+        for p, t in self._pairs:
+            g = p.grad
+            if g is None:
+                continue
+            g = g.detach()
+            if g.is_sparse:
+                g = g.coalesce()
+                rows = g.indices()[0].numpy()
+                vals = np.ascontiguousarray(g.values().numpy())
+                h = t.push(vals, rows=rows, wait=self.wait_each)
+                keep: Any = (g, vals)
+            else:
+                if not g.is_contiguous():
+                    g = g.contiguous()
+                arr = g.numpy()
+                h = t.push(arr, wait=self.wait_each)
+                keep = (g, arr)
+            if h is not None:
+                self._pending.append((h, keep))
+        return loss
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        """Block until every push of the previous ``step(...)`` is applied."""
+        pending, self._pending = self._pending, []
+        for h, _ in pending:
+            h.wait(timeout)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget the gradients (``set_to_none=True``, no wait), or zero them in
+        place after waiting for pending pushes (which read them)."""
+        if not set_to_none:
+            self.wait()
+        for p, _ in self._pairs:
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.detach_()
+                p.grad.zero_()

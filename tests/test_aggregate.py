@@ -1,0 +1,431 @@
+"""Synchronous aggregation (aggregate="sum"|"mean", workers=N): one update per worker
+clock from every live worker's push, equal to the single-process reference (exactly
+for integer sums), rounds never mixed, and a killed worker never stalls a round.
+
+Multi-process tests use 'spawn' workers (helpers.Workers kills and reaps them);
+the worker functions live here, so a child imports this module.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+import shmps
+from helpers import CTX, Workers, wait_until
+
+pytestmark = pytest.mark.timeout(120)
+
+NPROCS = 3
+SHAPE = (16, 33)
+
+
+# ---- known gradients and references (children and parent compute the same) ----------
+
+def known_int(idx: int, rnd: int) -> np.ndarray:
+    """Worker ``idx``'s integer gradient for round ``rnd``."""
+    return np.random.default_rng(1000 * idx + rnd).integers(-50, 50, SHAPE).astype("int32")
+
+
+def regression_part(idx: int) -> tuple[np.ndarray, np.ndarray]:
+    """Worker ``idx``'s share of a small least-squares problem."""
+    rng = np.random.default_rng(77 + idx)
+    X = rng.normal(size=(20, SHAPE[1]))
+    y = X @ np.linspace(-1, 1, SHAPE[1]) + 0.1 * rng.normal(size=20)
+    return X, y
+
+
+def regression_grad(w: np.ndarray, idx: int) -> np.ndarray:
+    """Least-squares gradient of worker ``idx``'s part, for every row of ``w``."""
+    X, y = regression_part(idx)
+    return ((X @ w.T - y[:, None]).T @ X) / len(y)
+
+
+def adam_reference(nrounds: int, workers: list, lr: float) -> list:
+    """Single-process full-batch Adam (torch defaults) on the mean of the workers'
+    gradients; returns the parameters after each round."""
+    w = np.zeros(SHAPE)
+    m, v = np.zeros(SHAPE), np.zeros(SHAPE)
+    b1, b2, eps = 0.9, 0.999, 1e-8
+    out = []
+    for t in range(1, nrounds + 1):
+        g = np.mean([regression_grad(w, i) for i in workers], axis=0)
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        w = w - (lr / (1 - b1 ** t)) * m / (np.sqrt(v) / np.sqrt(1 - b2 ** t) + eps)
+        out.append(w.copy())
+    return out
+
+
+def max_reference(nrounds: int, contributors: list) -> list:
+    """``w = max(w, sum of the round's gradients)`` per round, from 0 (int64, exact);
+    ``contributors[r]`` lists the workers that pushed in round r."""
+    w = np.zeros(SHAPE, np.int64)
+    out = []
+    for r in range(nrounds):
+        w = np.maximum(w, sum(known_int(i, r).astype(np.int64) for i in contributors[r]))
+        out.append(w.copy())
+    return out
+
+
+# ---- worker functions (run in spawned children) -------------------------------------
+
+def agg_worker(store: str, idx: int, barrier, nrounds: int, kind: str,
+               stall_at: int = -1, delay: float = 0.0) -> dict:
+    """Join (after ``delay`` s), barrier (unless None), then per round: push (a
+    known integer gradient, or the regression gradient at the pulled parameters),
+    clock(), pull.  At round ``stall_at`` it stops before pushing and sleeps (to be
+    killed).  Returns every pull and the CLOCK_MONOTONIC time of each."""
+    time.sleep(delay)
+    s = shmps.attach(store)
+    try:
+        s.join()
+        W = s["W"]
+        if barrier is not None:
+            barrier.wait(30)
+        pulls, times = [], []
+        for r in range(nrounds):
+            if r == stall_at:
+                time.sleep(60)
+            g = known_int(idx, r) if kind == "int" else regression_grad(W.pull(), idx)
+            W.push(g)
+            s.clock(timeout=30)
+            pulls.append(W.pull())
+            times.append(time.monotonic())
+        return {"pulls": pulls, "times": times, "rounds": W.rounds()}
+    finally:
+        s.close()
+
+
+def idle_worker(store: str, flags) -> int:
+    """Join, report the worker id in ``flags[1]``, and never push; leave() once
+    ``flags[0]`` is set."""
+    s = shmps.attach(store)
+    try:
+        flags[1] = s.join()
+        deadline = time.monotonic() + 60
+        while not flags[0] and time.monotonic() < deadline:
+            time.sleep(0.001)
+        s.leave()
+        return int(flags[1])
+    finally:
+        s.close()
+
+
+def die_while_applying(store: str, phase: str) -> None:
+    """The only worker: push once, claim the round's application, and SIGKILL
+    itself in phase ``phase`` ("sum": before touching the tensor; "pushing":
+    after pushing the aggregate, before clearing the accumulator)."""
+    from shmps import _native
+    from shmps.dense import DenseTensor
+
+    s = shmps.attach(store)
+    s.join()
+    W = s["W"]
+    lib, ffi, tok = _native.lib, _native.ffi, _native.token()
+    slot = W._slot()
+    rnd = W._begin(slot, 10)
+    W._acc[rnd % 2].push(known_int(0, 0))
+    assert lib.shmps_agg_commit(W._cptr(), tok, slot, rnd, 1) == 0
+    what, r, n = ffi.new("uint32_t *"), ffi.new("uint64_t *"), ffi.new("uint32_t *")
+    ph, behind = ffi.new("uint32_t *"), ffi.new("int32_t *")
+    assert lib.shmps_agg_next(W._cptr(), s._mptr, tok, 1, what, r, n, ph, behind) == 0
+    assert what[0] == lib.SHMPS_AGG_APPLY and int(r[0]) == rnd
+    if phase == "pushing":
+        assert lib.shmps_agg_phase(W._cptr(), tok, rnd, lib.SHMPS_AGG_PH_PUSHING) == 0
+        DenseTensor.push(W, W._acc[rnd % 2].pull())
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+# ---- fixtures -----------------------------------------------------------------------
+
+@pytest.fixture
+def job(store_name):
+    """A store for one job (destroyed afterwards, whatever happens)."""
+    s = shmps.attach(store_name)
+    yield s
+    s.destroy()
+
+
+def run_job(name: str, nrounds: int, kind: str, stall: dict | None = None,
+            kill_after: float = 0.0, barrier: bool = True) -> tuple[list, float]:
+    """Run NPROCS agg_workers; ``stall`` maps a worker to the round it stalls at;
+    that worker is SIGKILLed once the others have pushed that round and wait.
+    Without ``barrier``, worker i joins 0.2 * i s late instead.
+    Returns the live workers' results and the kill time."""
+    stall = stall or {}
+    bar = CTX.Barrier(NPROCS) if barrier else None
+    t_kill = 0.0
+    with Workers(hard_timeout=90) as ws:
+        procs = [ws.start(agg_worker, name, i, bar, nrounds, kind, stall.get(i, -1),
+                          0.0 if barrier else 0.2 * i, label=f"w{i}")
+                 for i in range(NPROCS)]
+        for i, r in stall.items():
+            probe = shmps.attach(name)
+            try:
+                wait_until(lambda: sum(w["clock"] > r for w in probe.workers())
+                           == NPROCS - 1, 30, "the others past the stalled round")
+            finally:
+                probe.close()
+            time.sleep(kill_after)
+            t_kill = time.monotonic()
+            os.kill(procs[i].pid, signal.SIGKILL)
+        results = [p.result(60) for i, p in enumerate(procs) if i not in stall]
+    return results, t_kill
+
+
+# ---- multi-process tests ------------------------------------------------------------
+
+@pytest.mark.parametrize("k", [0, None])
+def test_sum_of_integers_is_exact(job, k):
+    """3 processes, 8 clocks, aggregate="sum" into an int32 tensor with the Max
+    updater: the tensor equals max(w, sum of each round's pushes) round by round,
+    exactly (applied one by one, Max would differ); one update per round."""
+    job.set_consistency(k)
+    W = job.dense("W", shape=SHAPE, dtype="int32", optimizer="max", aggregate="sum",
+                  workers=NPROCS, shard_rows=4)  # 4 shards: the general push path
+    assert W.nshards == 4
+    nrounds = 8
+    results, _ = run_job(job.name, nrounds, "int")
+    ref = max_reference(nrounds, [list(range(NPROCS))] * nrounds)
+    got = W.pull()
+    assert np.array_equal(got, ref[-1])
+    assert W.stats()["step"] == nrounds
+    for res in results:
+        # every pull shows a whole number of rounds (k=0: exactly the rounds so far)
+        states = [np.zeros(SHAPE, np.int64)] + ref
+        for r, p in enumerate(res["pulls"]):
+            whole = [j for j in range(nrounds + 1) if np.array_equal(p, states[j])]
+            assert whole, f"pull after round {r} is not the state after any whole round"
+            if k == 0:
+                assert whole[-1] >= r + 1
+    assert W.rounds()["applied"] == nrounds
+
+
+def test_mean_equals_full_batch_adam(job):
+    """3 processes pushing least-squares gradients with aggregate="mean" and Adam
+    (float64), staleness 0: after every clock each worker pulls exactly what
+    single-process full-batch Adam gives after that many steps (to 1e-12)."""
+    job.set_consistency(0)
+    lr = 0.05
+    W = job.dense("W", shape=SHAPE, dtype="float64", optimizer=shmps.Adam(lr=lr),
+                  aggregate="mean", workers=NPROCS)
+    nrounds = 10
+    results, _ = run_job(job.name, nrounds, "reg")
+    ref = adam_reference(nrounds, list(range(NPROCS)), lr)
+    np.testing.assert_allclose(W.pull(), ref[-1], rtol=1e-12, atol=1e-12)
+    for res in results:
+        for r, p in enumerate(res["pulls"]):
+            np.testing.assert_allclose(p, ref[r], rtol=1e-12, atol=1e-12)
+    assert W.stats()["step"] == nrounds
+
+
+def test_late_joiners_need_no_barrier(job):
+    """Without a start barrier (workers join 0.2 s apart), the first pushes wait
+    until workers=3 have joined: the result is still the 3-worker reference."""
+    job.set_consistency(0)
+    W = job.dense("W", shape=SHAPE, dtype="float64", optimizer=shmps.Adam(lr=0.05),
+                  aggregate="mean", workers=NPROCS)
+    nrounds = 5
+    run_job(job.name, nrounds, "reg", barrier=False)
+    ref = adam_reference(nrounds, list(range(NPROCS)), 0.05)
+    np.testing.assert_allclose(W.pull(), ref[-1], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("phase", ["sum", "pushing"])
+def test_applier_killed_mid_round_is_taken_over(job, phase):
+    """A process SIGKILLed while applying a round: the next pull takes the round
+    over and the update lands exactly once (restarted from the accumulator when
+    the tensor was untouched; only the clear is redone when it was pushed)."""
+    W = job.dense("W", shape=SHAPE, dtype="int32", optimizer="sum", aggregate="sum",
+                  workers=1)
+    with Workers(hard_timeout=60) as ws:
+        w = ws.start(die_while_applying, job.name, phase)
+        w.process.join(30)
+        assert w.process.exitcode == -signal.SIGKILL
+    assert np.array_equal(W.pull(), known_int(0, 0))
+    info = W.rounds()
+    assert info["takeovers"] >= 1 and info["next_round"] == 1 and info["applied"] == 1
+    assert not W._acc[0].pull().any()  # the accumulator was cleared
+    job.join()
+    job.clock()  # round 0 is closed; this worker's next round is 1
+    W.push(known_int(1, 1))
+    assert np.array_equal(W.pull(), known_int(0, 0) + known_int(1, 1))
+    assert W.stats()["step"] == 2
+
+
+def test_first_push_waits_for_the_team(job):
+    """With workers=2 and one worker joined, a push waits; Timeout says how many
+    have joined, and nothing was counted."""
+    job.join()
+    W = job.dense("W", shape=(2,), aggregate="sum", workers=2)
+    t0 = time.monotonic()
+    with pytest.raises(shmps.Timeout, match="only 1 of workers=2"):
+        W.push(np.ones(2), timeout=0.3)
+    assert 0.25 < time.monotonic() - t0 < 2.0
+    assert W.rounds()["buffers"][0]["in_flight"] == 0
+
+
+@pytest.mark.parametrize("k", [0, None])
+def test_killed_worker_does_not_stall_the_round(job, k):
+    """A worker SIGKILLed before pushing round 3 (the others pushed it and wait):
+    the round is applied without it within 2 s of the kill, and the result is the
+    reference with that round (and the later ones) summed over the survivors."""
+    job.set_consistency(k)
+    W = job.dense("W", shape=SHAPE, dtype="int32", optimizer="max", aggregate="sum",
+                  workers=NPROCS)
+    nrounds, stall_at = 6, 3
+    results, t_kill = run_job(job.name, nrounds, "int", stall={2: stall_at}, kill_after=0.2)
+    everyone, survivors = list(range(NPROCS)), [0, 1]
+    ref = max_reference(nrounds, [everyone] * stall_at + [survivors] * (nrounds - stall_at))
+    assert np.array_equal(W.pull(), ref[-1])
+    for res in results:
+        # blocked by the stalled worker until the kill, then done within 2 s
+        assert res["times"][-1] - t_kill < 2.0
+        last = [j for j in range(nrounds) if np.array_equal(res["pulls"][-1], ref[j])]
+        assert last == [nrounds - 1] if k == 0 else last  # eventual: a whole round
+    assert W.stats()["step"] == nrounds
+
+
+# ---- single-process behaviour -------------------------------------------------------
+
+def test_one_push_per_worker_per_clock(job):
+    """A second push in the same clock raises InvalidArgument and changes nothing;
+    after clock() the worker pushes again."""
+    job.join()
+    W = job.dense("W", shape=(4,), dtype="int32", aggregate="sum", workers=1)
+    W.push(np.ones(4, "int32"))
+    with pytest.raises(shmps.InvalidArgument, match="already pushed"):
+        W.push(np.ones(4, "int32"))
+    assert W.pull().tolist() == [1, 1, 1, 1]
+    job.clock()
+    W.push(np.full(4, 2, "int32"), rows=None)
+    assert W.pull().tolist() == [3, 3, 3, 3]
+
+
+def test_push_needs_a_worker(job):
+    """A process that has not joined cannot push to an aggregated tensor."""
+    W = job.dense("W", shape=(4,), dtype="int32", aggregate="sum", workers=1)
+    with pytest.raises(shmps.InvalidArgument, match="join"):
+        W.push(np.ones(4, "int32"))
+
+
+def test_schema_and_arguments(job):
+    """aggregate/workers are part of the schema (a mismatch is a SchemaError);
+    bad values are InvalidArgument; mean needs a float dtype."""
+    job.dense("W", shape=(4,), aggregate="mean", workers=2)
+    with pytest.raises(shmps.SchemaError, match="aggregate"):
+        job.dense("W", aggregate="sum", workers=2)
+    with pytest.raises(shmps.SchemaError, match="workers"):
+        job.dense("W", aggregate="mean", workers=3)
+    assert isinstance(job.dense("W", aggregate="mean", workers=2),
+                      shmps.aggregate.AggregateDense)
+    job.dense("plain", shape=(4,))
+    with pytest.raises(shmps.SchemaError):
+        job.dense("plain", aggregate="sum", workers=2)
+    with pytest.raises(shmps.InvalidArgument):
+        job.dense("x", shape=(4,), aggregate="median", workers=2)
+    with pytest.raises(shmps.InvalidArgument):
+        job.dense("x", shape=(4,), aggregate="sum")
+    with pytest.raises(shmps.InvalidArgument):
+        job.dense("x", shape=(4,), aggregate="sum", workers=0)
+    with pytest.raises(shmps.SchemaError, match="float"):
+        job.dense("x", shape=(4,), dtype="int32", aggregate="mean", workers=2)
+
+
+def test_rows_and_nonblocking_push(job):
+    """rows= pushes accumulate into the round; wait=False returns a handle and
+    clock() waits for it; rounds nobody pushed to are skipped."""
+    job.join()
+    W = job.dense("W", shape=(3, 2), dtype="float64", optimizer=shmps.SGD(lr=1.0),
+                  aggregate="mean", workers=1)
+    W.push(np.ones((2, 2)), rows=[2, 2])
+    assert W.pull()[:, 0].tolist() == [0, 0, -2]
+    job.clock()
+    job.clock()   # a clock with no push
+    h = W.push(np.ones((3, 2)), wait=False)
+    job.clock()   # the pending push lands first
+    h.wait(5)
+    W.wait_round(timeout=5)  # (already applied: returns at once)
+    assert W.pull()[:, 0].tolist() == [-1, -1, -3]
+    info = W.rounds()
+    assert info["applied"] == 2 and info["skipped"] == 1 and info["next_round"] == 3
+
+
+def test_large_multishard_tensor(job):
+    """A 12 MiB float32 tensor in 3 shards (pushes split over threads and shards):
+    whole and rows= pushes aggregate into one SGD update per round."""
+    job.join()
+    W = job.dense("W", shape=(3072, 1024), optimizer=shmps.SGD(lr=0.5), aggregate="mean",
+                  workers=1, shard_rows=1024)
+    assert W.nshards == 3
+    W.push(np.full(W.shape, 2.0, np.float32))
+    job.clock()
+    W.push(np.ones((2, 1024), np.float32), rows=[5, 3000])
+    got = W.pull()
+    assert got[0, 0] == -1.0 and got[5, 0] == -1.5 and got[3000, 9] == -1.5
+    assert W.stats()["step"] == 2
+
+
+def test_nonfinite_push_is_rejected_before_the_round(job):
+    """A NaN gradient raises NonFinite and does not count as this worker's push."""
+    job.join()
+    W = job.dense("W", shape=(2,), aggregate="sum", workers=1)
+    with pytest.raises(shmps.NonFinite):
+        W.push(np.array([1.0, np.nan]))
+    W.push(np.ones(2))
+    assert W.pull().tolist() == [1.0, 1.0]
+
+
+def test_restored_store_starts_rounds_afresh(job, store_name, tmp_path):
+    """In a store restored from a checkpoint (new manifest, new clocks) pushes work
+    again: the rounds restart, the applied values are kept."""
+    job.join()
+    W = job.dense("W", shape=(3,), dtype="int32", aggregate="sum", workers=1)
+    for _ in range(3):
+        W.push(np.ones(3, "int32"))
+        job.clock()
+    job.checkpoint(tmp_path / "ck")
+    s2 = shmps.restore(tmp_path / "ck", store_name + "b")
+    try:
+        s2.join()
+        W2 = s2["W"]
+        assert isinstance(W2, shmps.aggregate.AggregateDense)
+        assert W2.rounds()["next_round"] == 3  # rounds of the old store's clocks
+        assert W2.pull().tolist() == [3, 3, 3]
+        W2.push(np.full(3, 5, "int32"))
+        assert W2.pull().tolist() == [8, 8, 8]
+        s2.clock()
+        W2.push(np.ones(3, "int32"))
+        assert W2.pull().tolist() == [9, 9, 9]
+    finally:
+        s2.destroy()
+
+
+def test_waiting_for_a_slow_worker_times_out(job):
+    """A worker two rounds ahead of a live worker that does not push waits, and
+    Timeout names the worker that is behind."""
+    flags = CTX.RawArray("q", 2)
+    flags[1] = -1
+    with Workers(hard_timeout=60) as ws:
+        other = ws.start(idle_worker, job.name, flags)
+        wait_until(lambda: flags[1] >= 0, 30, "the other worker joined")
+        other_id = flags[1]
+        job.join()
+        W = job.dense("W", shape=(2,), aggregate="sum", workers=2)
+        W.push(np.ones(2))
+        job.clock()
+        W.push(np.ones(2))
+        job.clock()
+        t0 = time.monotonic()
+        with pytest.raises(shmps.Timeout, match=f"worker {other_id} "):
+            W.push(np.ones(2), timeout=0.3)
+        assert time.monotonic() - t0 < 2.0
+        assert W.pull().tolist() == [0.0, 0.0]   # round 0 still waits for `other`
+        flags[0] = 1                             # ... which leaves: rounds 0, 1 apply
+        other.result(10)
+        W.push(np.ones(2), timeout=5)
+        assert W.pull().tolist() == [3.0, 3.0]

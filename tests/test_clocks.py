@@ -1,0 +1,212 @@
+"""Worker clocks: bounded delay (k = 0, 1, 3) checked from a log of clock events,
+eventual mode, dead and departing workers, timeouts and worker ids.
+
+Every worker is a 'spawn' process (helpers.Workers kills and reaps them whatever
+happens); the worker functions live here, so a child imports this module.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+import shmps
+from helpers import CTX, Workers, wait_until
+
+pytestmark = pytest.mark.timeout(120)
+
+NPROCS = 3
+CLOCKS = 40
+
+
+# ---- worker functions (run in spawned children) -------------------------------------
+
+def clock_logger(store: str, k, barrier, slow: bool, nclocks: int) -> list:
+    """Join, meet the others at the barrier, then call clock() ``nclocks`` times
+    (sleeping 3 ms before each if ``slow``); log (returned clock, min clock of the
+    live workers right after) per call."""
+    s = shmps.attach(store, staleness=k)
+    try:
+        s.join()
+        barrier.wait(30)
+        log = []
+        for _ in range(nclocks):
+            if slow:
+                time.sleep(0.003)
+            c = s.clock(timeout=30)
+            log.append((c, min(w["clock"] for w in s.workers())))
+        s.leave()
+        return log
+    finally:
+        s.close()
+
+
+def clock_then_report(store: str, barrier, nclocks: int) -> list:
+    """Join, barrier, then call clock() ``nclocks`` times; returns the CLOCK_MONOTONIC
+    time at which each call returned."""
+    s = shmps.attach(store)
+    try:
+        s.join()
+        barrier.wait(30)
+        out = []
+        for _ in range(nclocks):
+            s.clock(timeout=30)
+            out.append(time.monotonic())
+        return out
+    finally:
+        s.close()
+
+
+def idle_worker(store: str, barrier, flags, leave_on_flag: bool, worker=None) -> int:
+    """Join (as ``worker`` if given), barrier, then never call clock(): a worker that
+    is stuck.  With ``leave_on_flag``, call leave() once ``flags[0]`` is set."""
+    s = shmps.attach(store)
+    try:
+        wid = s.join(worker)
+        flags[1] = wid
+        if barrier is not None:
+            barrier.wait(30)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if leave_on_flag and flags[0]:
+                s.leave()
+                flags[2] = 1
+                return wid
+            time.sleep(0.001)
+        return wid
+    finally:
+        s.close()
+
+
+# ---- helpers ------------------------------------------------------------------------
+
+def destroy(name: str) -> None:
+    s = shmps.attach(name)
+    s.destroy()
+
+
+@pytest.fixture
+def clocked_store(store_name):
+    """The store's name; the store is destroyed after the test whatever happens."""
+    yield store_name
+    destroy(store_name)
+
+
+# ---- tests --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_no_worker_more_than_k_ahead(clocked_store, k):
+    """With staleness k and one slow worker among 3, every clock() returns only when
+    no live worker is more than k behind (from each worker's log), and fast workers
+    do run up to k ahead (the bound is not stricter than asked)."""
+    shmps.attach(clocked_store, staleness=k).close()
+    barrier = CTX.Barrier(NPROCS)
+    with Workers(hard_timeout=60) as ws:
+        for i in range(NPROCS):
+            ws.start(clock_logger, clocked_store, k, barrier, i == 0, CLOCKS, label=f"w{i}")
+        logs = ws.results(60)
+    gaps = [c - m for log in logs for c, m in log]
+    assert len(gaps) == NPROCS * CLOCKS
+    assert max(gaps) <= k, f"a worker returned from clock() {max(gaps)} ahead (k={k})"
+    assert max(gaps) == k, f"fast workers never got {k} ahead: gaps {sorted(set(gaps))}"
+    assert all(log[-1][0] == CLOCKS for log in logs)
+
+
+def test_eventual_never_blocks(clocked_store):
+    """Without staleness (eventual), a worker's clock() returns at once even when
+    another live worker never advances."""
+    s = shmps.attach(clocked_store)
+    assert s.staleness is None
+    flags = CTX.RawArray("q", 3)
+    barrier = CTX.Barrier(2)
+    try:
+        with Workers(hard_timeout=60) as ws:
+            ws.start(idle_worker, clocked_store, barrier, flags, True)
+            s.join()
+            barrier.wait(30)
+            t0 = time.monotonic()
+            for _ in range(2000):
+                s.clock(timeout=1)
+            elapsed = time.monotonic() - t0
+            clocks = {w["worker"]: w["clock"] for w in s.workers()}
+            flags[0] = 1
+            ws.results(30)
+        assert clocks[s.join()] == 2000 and clocks[flags[1]] == 0
+        assert elapsed < 2.0
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("how", ["sigkill", "leave"])
+def test_departed_worker_unblocks_others(clocked_store, how):
+    """With k=0, two workers blocked in clock() by a third that never advances return
+    within 1 s of it being SIGKILLed, or of its leave()."""
+    shmps.attach(clocked_store, staleness=0).close()
+    barrier = CTX.Barrier(NPROCS)
+    flags = CTX.RawArray("q", 3)
+    with Workers(hard_timeout=60) as ws:
+        victim = ws.start(idle_worker, clocked_store, barrier, flags, how == "leave",
+                          label="victim")
+        runners = [ws.start(clock_then_report, clocked_store, barrier, 1, label=f"r{i}")
+                   for i in range(NPROCS - 1)]
+        s = shmps.attach(clocked_store)
+        try:
+            # both runners advanced to clock 1 and are waiting for the victim (at 0)
+            wait_until(lambda: sorted(w["clock"] for w in s.workers()) == [0, 1, 1], 30,
+                       "runners blocked in clock()")
+            time.sleep(0.2)
+            assert all(r.alive() for r in runners), "clock() returned before the victim left"
+            t_gone = time.monotonic()
+            if how == "sigkill":
+                os.kill(victim.pid, signal.SIGKILL)
+            else:
+                flags[0] = 1
+            returned = [r.result(10)[0] for r in runners]
+        finally:
+            s.close()
+    delays = [t - t_gone for t in returned]
+    assert max(delays) < 1.0, f"others unblocked {max(delays):.3f} s after the {how}"
+
+
+def test_timeout_names_the_slow_worker(clocked_store):
+    """clock(timeout=) raises shmps.Timeout (a TimeoutError) naming the worker id and
+    pid that is behind."""
+    s = shmps.attach(clocked_store, staleness=0)
+    flags = CTX.RawArray("q", 3)
+    barrier = CTX.Barrier(2)
+    try:
+        with Workers(hard_timeout=60) as ws:
+            slow = ws.start(idle_worker, clocked_store, barrier, flags, True)
+            s.join()
+            barrier.wait(30)
+            t0 = time.monotonic()
+            with pytest.raises(shmps.Timeout) as exc:
+                s.clock(timeout=0.3)
+            assert 0.25 < time.monotonic() - t0 < 2.0
+            assert isinstance(exc.value, TimeoutError)
+            msg = str(exc.value)
+            assert f"worker {flags[1]} (pid {slow.pid})" in msg, msg
+            flags[0] = 1
+            ws.results(30)
+    finally:
+        s.close()
+
+
+def test_join_id_held_by_live_process_is_refused(clocked_store):
+    """join(worker=i) raises InvalidArgument while a live process holds id i, and
+    succeeds (returning i) once that process is dead."""
+    flags = CTX.RawArray("q", 3)
+    s = shmps.attach(clocked_store)
+    try:
+        with Workers(hard_timeout=60) as ws:
+            holder = ws.start(idle_worker, clocked_store, None, flags, False, 5)
+            wait_until(lambda: any(w["worker"] == 5 for w in s.workers()), 30, "holder joined")
+            with pytest.raises(shmps.InvalidArgument):
+                s.join(worker=5)
+            holder.kill()
+            assert s.join(worker=5) == 5
+            assert [w["pid"] for w in s.workers() if w["worker"] == 5] == [os.getpid()]
+    finally:
+        s.close()

@@ -1,0 +1,221 @@
+"""shmps.torch: parameters as zero-copy views of shared tensors, Pusher as the
+optimizer; equal to torch.optim on one process, and optimizer state shared across
+processes (which torch's own Hogwild recipe does not do: pytorch#39949)."""
+from __future__ import annotations
+
+import copy
+import time
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import shmps  # noqa: E402
+import shmps.torch  # noqa: E402
+from helpers import CTX, Workers  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+STEPS = 8
+
+
+def make_model(seed: int = 0) -> "torch.nn.Module":
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(),
+                               torch.nn.Linear(16, 4))
+
+
+def batch(worker: int, step: int) -> tuple:
+    """The minibatch of ``worker`` at its ``step`` (the same in every process)."""
+    g = torch.Generator().manual_seed(1000 * worker + step)
+    return torch.randn(8, 12, generator=g), torch.randint(0, 4, (8,), generator=g)
+
+
+def train_step(model, opt, worker: int, step: int) -> None:
+    opt.zero_grad()
+    x, y = batch(worker, step)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+
+
+def max_diff(a, b) -> float:
+    return max(float((p.detach() - q.detach()).abs().max())
+               for p, q in zip(a.parameters(), b.parameters()))
+
+
+# ---- worker functions (run in spawned children) -------------------------------------
+
+def alternating_trainer(store: str, worker: int, turn, nsteps: int, lr: float) -> int:
+    """Share the model (Adam in shmps), then take ``nsteps`` steps, each only when
+    ``turn[0] == 2 * step + worker`` (the two workers alternate strictly)."""
+    s = shmps.attach(store)
+    try:
+        model = make_model()
+        shmps.torch.share(model, s, optimizer=shmps.Adam(lr=lr))
+        opt = shmps.torch.Pusher(model)
+        for j in range(nsteps):
+            deadline = time.monotonic() + 30
+            while turn[0] != 2 * j + worker:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"turn {2 * j + worker} never came ({turn[0]})")
+                time.sleep(0.0002)
+            train_step(model, opt, worker, j)
+            turn[0] += 1
+        return nsteps
+    finally:
+        s.close()
+
+
+def hogwild_trainer(store: str, worker: int, nsteps: int) -> int:
+    """Share the model (Adam), then take ``nsteps`` non-blocking steps as fast as
+    possible, concurrently with the other worker."""
+    s = shmps.attach(store)
+    try:
+        model = make_model()
+        shmps.torch.share(model, s, optimizer=shmps.Adam(lr=1e-3))
+        opt = shmps.torch.Pusher(model, wait=False)
+        for j in range(nsteps):
+            train_step(model, opt, worker, j)
+        opt.wait()
+        return nsteps
+    finally:
+        s.close()
+
+
+# ---- tests --------------------------------------------------------------------------
+
+def test_params_are_views_of_the_store(store):
+    """After share(), each parameter's memory is the shared tensor's (a push shows
+    in the parameter at once); a second module sharing the same names adopts the
+    stored values instead of its own initialisation."""
+    model = make_model(0)
+    before = [p.detach().clone() for p in model.parameters()]
+    tensors = shmps.torch.share(model, store, optimizer=shmps.SGD(lr=1.0))
+    assert list(tensors) == [n for n, _ in model.named_parameters()]
+    for p, b in zip(model.parameters(), before):
+        assert torch.equal(p.detach(), b)
+    w = tensors["0.weight"]
+    w.push(np.ones(w.shape, np.float32))
+    assert torch.allclose(model[0].weight.detach(), before[0] - 1)
+    other = make_model(1)
+    shmps.torch.share(other, store)
+    assert max_diff(model, other) == 0.0
+    assert other[0].weight.data_ptr() == model[0].weight.data_ptr()  # one mapping
+    other[0].weight.data[0, 0] = 42.0  # a direct write lands in the store
+    assert float(store["0.weight"].pull()[0, 0]) == 42.0
+    assert float(model[0].weight.detach()[0, 0]) == 42.0
+
+
+def test_writable_view_spans_shards(store):
+    """DenseTensor.view(writable=True) maps every shard read-write, back to back: a
+    write lands in the right shard, pushes show through it, the plain view stays
+    read-only."""
+    t = store.dense("w", shape=(3000, 1024), shard_rows=1024)
+    assert t.nshards == 3
+    v = t.view(writable=True)
+    assert v.flags.writeable and not t.view().flags.writeable
+    v[2500, 7] = 5.0
+    assert t.pull(rows=[2500])[0, 7] == 5.0
+    t.push(np.ones(t.shape, np.float32))
+    assert v[2999, 1023] == 1.0 and v[2500, 7] == 6.0
+
+
+@pytest.mark.parametrize("name", ["SGD", "Momentum", "Adam"])
+def test_single_process_matches_torch_optim(store, name):
+    """Training through share()+Pusher gives the parameters torch.optim gives
+    (same init, same batches, float32) to float tolerance."""
+    upd, ref_opt = {
+        "SGD": (shmps.SGD(lr=0.1), lambda ps: torch.optim.SGD(ps, lr=0.1)),
+        "Momentum": (shmps.Momentum(lr=0.05, momentum=0.9),
+                     lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)),
+        "Adam": (shmps.Adam(lr=0.01), lambda ps: torch.optim.Adam(ps, lr=0.01)),
+    }[name]
+    model, ref = make_model(), make_model()
+    shmps.torch.share(model, store, optimizer=upd)
+    opt, ropt = shmps.torch.Pusher(model), ref_opt(ref.parameters())
+    for j in range(STEPS):
+        train_step(model, opt, 0, j)
+        train_step(ref, ropt, 0, j)
+    assert max_diff(model, ref) < 1e-5
+    assert max_diff(make_model(), ref) > 1e-2  # the steps did move the parameters
+
+
+def test_nonblocking_steps_match_blocking(store):
+    """Pusher(wait=False) gives the same parameters as blocking pushes once waited."""
+    model, ref = make_model(), make_model()
+    shmps.torch.share(model, store, optimizer=shmps.Adam(lr=0.01))
+    opt, ropt = shmps.torch.Pusher(model, wait=False), torch.optim.Adam(ref.parameters(), lr=0.01)
+    for j in range(STEPS):
+        train_step(model, opt, 0, j)
+        opt.wait()  # before the next forward: each step sees the previous update
+        train_step(ref, ropt, 0, j)
+    assert max_diff(model, ref) < 1e-5
+
+
+def test_sparse_embedding_gradients_push_rows(store):
+    """An nn.Embedding(sparse=True) is trained through rows= pushes, like torch's
+    SGD on the sparse gradient."""
+    torch.manual_seed(3)
+    emb = torch.nn.Embedding(50, 4, sparse=True)
+    ref = copy.deepcopy(emb)
+    shmps.torch.share(emb, store, optimizer=shmps.SGD(lr=0.5))
+    opt, ropt = shmps.torch.Pusher(emb), torch.optim.SGD(ref.parameters(), lr=0.5)
+    idx = torch.tensor([3, 7, 3, 49])
+    for m, o in ((emb, opt), (ref, ropt)):
+        o.zero_grad()
+        m(idx).pow(2).sum().backward()
+        o.step()
+    assert max_diff(emb, ref) < 1e-6
+
+
+def test_share_checks_schema(store):
+    """share() of a module whose shapes differ from the stored tensors is a SchemaError."""
+    shmps.torch.share(make_model(), store, optimizer=shmps.SGD(lr=0.1))
+    wrong = torch.nn.Sequential(torch.nn.Linear(12, 8))
+    with pytest.raises(shmps.SchemaError):
+        shmps.torch.share(wrong, store)
+    with pytest.raises(shmps.InvalidArgument, match="not shared"):
+        shmps.torch.Pusher(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.slow
+def test_optimizer_state_is_shared_across_processes(store, store_name):
+    """Two processes taking Adam steps in strict alternation end exactly where one
+    process taking all the steps with one Adam does (shared m, v and step), and far
+    from two processes each with its own Adam over shared parameters (what
+    model.share_memory() + a torch optimizer per process gives)."""
+    lr, nsteps = 0.01, 6
+    turn = CTX.RawArray("q", 1)
+    with Workers(hard_timeout=90) as ws:
+        for i in range(2):
+            ws.start(alternating_trainer, store_name, i, turn, nsteps, lr)
+        assert ws.results(90) == [nsteps, nsteps]
+    got = make_model(5)
+    shmps.torch.share(got, store)
+
+    one = make_model()  # one process, one Adam, the same sequence of batches
+    opt = torch.optim.Adam(one.parameters(), lr=lr)
+    for s in range(2 * nsteps):
+        train_step(one, opt, s % 2, s // 2)
+    two = make_model()  # torch Hogwild: shared parameters, one Adam per process
+    opts = [torch.optim.Adam(two.parameters(), lr=lr) for _ in range(2)]
+    for s in range(2 * nsteps):
+        train_step(two, opts[s % 2], s % 2, s // 2)
+
+    assert max_diff(got, one) < 1e-5
+    assert max_diff(got, two) > 100 * 1e-5
+    assert store["0.weight"].stats()["step"] == 2 * nsteps
+
+
+@pytest.mark.slow
+def test_concurrent_nonblocking_training(store, store_name):
+    """Two processes training at once with Pusher(wait=False): every push lands
+    (each tensor's step count is the total number of steps)."""
+    nsteps = 40
+    with Workers(hard_timeout=90) as ws:
+        for i in range(2):
+            ws.start(hogwild_trainer, store_name, i, nsteps)
+        assert ws.results(90) == [nsteps, nsteps]
+    for desc in store.tensors():
+        assert store[desc["name"]].stats()["step"] == 2 * nsteps
