@@ -8,6 +8,8 @@
  *   rowstep_off      uint64[nrows]         csr and table: per-row step counts
  *   stripes_off      shmps_stripe_t[nstripes]
  *   index_off        table hash index: uint64[2 * nslots] (key, row+1 | flags)
+ *   (table)          control block (SHMPS_TABLE_CTL_BYTES) at index_off + 16 * nslots,
+ *                    then rowmeta {uint64 link}[nrows]; see table.c
  * Every array starts on a 64-byte boundary.  docs/segment-layout.md has the bytes.
  */
 #include "internal.h"
@@ -132,6 +134,11 @@ int shmps_layout(shmps_spec_t *s) {
         s->nslots = slots;
         s->index_off = off;
         if (!mul_ok(slots, 16, &len) || !add_ok(off, len, &off)) return SHMPS_E_BOUNDS;
+        off = ALIGN64(off);
+        /* table.c: control block at index_off + 16 * nslots, then per-row metadata */
+        if (!add_ok(off, SHMPS_TABLE_CTL_BYTES, &off)) return SHMPS_E_BOUNDS;
+        if (!mul_ok(s->nrows, SHMPS_TABLE_ROWMETA_BYTES, &len) || !add_ok(off, len, &off))
+            return SHMPS_E_BOUNDS;
         off = ALIGN64(off);
     }
     s->total_size = off;

@@ -191,6 +191,64 @@ int shmps_agg_info(void *ctl, shmps_agg_info_t *out);
 /* a read-write view (view.c; DenseTensor.view(writable=True), the torch adapter) */
 int shmps_view_map_rw(const int *fds, const uint64_t *offs, const uint64_t *lens, uint32_t n,
                       void **addr, uint64_t *total);
+/* tables (table.c; docs/tables.md).  A table shard's segment has, after the hash
+ * index, a control block of SHMPS_TABLE_CTL_BYTES and SHMPS_TABLE_ROWMETA_BYTES of
+ * metadata per row (its free-list link).  `bases` lists the mapped
+ * shards of one table in shard order; every call checks they agree. */
+enum {
+    SHMPS_TABLE_CTL_BYTES = 256,
+    SHMPS_TABLE_ROWMETA_BYTES = 8,
+    SHMPS_TABLE_MAX_SHARDS = 256,
+    SHMPS_TABLE_MAX_BATCH = 1073741824,   /* keys per call */
+    SHMPS_TABLE_INFO_LEN = 4              /* uint64 info[] filled on errors */
+};
+/* init kinds, stored in spec.init[0]; init[1], init[2] are their parameters */
+enum { SHMPS_INIT_ZEROS = 0, SHMPS_INIT_CONSTANT = 1, SHMPS_INIT_UNIFORM = 2,
+       SHMPS_INIT_NORMAL = 3 };
+/* evict criteria (bits of `which`) */
+enum { SHMPS_EVICT_MIN_PUSHES = 1, SHMPS_EVICT_IDLE = 2 };
+
+uint64_t shmps_key_hash(uint64_t key);
+uint32_t shmps_key_shard(uint64_t key, uint32_t nshards);
+int shmps_key_shards(const uint64_t *keys, uint64_t n, uint32_t nshards, uint32_t *out);
+int shmps_table_init_values(const double *init, uint64_t seed, uint64_t key,
+                            uint32_t dtype, uint64_t dim, void *out);
+int shmps_table_setup(void *base, uint64_t capacity, uint32_t nshards, uint32_t shard);
+int shmps_table_attach_check(const void *base, uint64_t capacity, uint32_t nshards,
+                             uint32_t shard);
+uint64_t shmps_table_scratch_bytes(uint64_t n, uint64_t dim);
+int shmps_table_push(void **bases, uint32_t nshards, uint64_t token, const uint64_t *keys,
+                     uint64_t n, const void *grad, uint32_t grad_dtype, int check,
+                     void *scratch, uint64_t scratch_bytes, uint64_t *info);
+int shmps_table_pull(void **bases, uint32_t nshards, uint64_t token, const uint64_t *keys,
+                     uint64_t n, void *out, int create, uint8_t *found, void *scratch,
+                     uint64_t scratch_bytes, uint64_t *info);
+int shmps_table_contains(void **bases, uint32_t nshards, uint64_t token,
+                         const uint64_t *keys, uint64_t n, uint8_t *found);
+int shmps_table_row_stats(void **bases, uint32_t nshards, uint64_t token,
+                          const uint64_t *keys, uint64_t n, uint64_t *pushes,
+                          uint64_t *last_step, uint8_t *found);
+int shmps_table_delete(void **bases, uint32_t nshards, uint32_t shard, uint64_t token,
+                       const uint64_t *keys, uint64_t n, uint64_t *deleted);
+int shmps_table_evict(void **bases, uint32_t nshards, uint32_t shard, uint64_t token,
+                      uint32_t which, uint64_t min_pushes, uint64_t idle_steps,
+                      uint64_t *evicted);
+int shmps_table_keys(void **bases, uint32_t nshards, uint32_t shard, uint64_t token,
+                     uint64_t *out, uint64_t cap, uint64_t *n);
+int shmps_table_len(void **bases, uint32_t nshards, uint64_t *n);
+int shmps_table_check(void **bases, uint32_t nshards, uint64_t token, uint64_t *info);
+
+/* csr (csr.c): fixed structure, per-row locks and steps.  Pushed entries are given
+ * by `rowcnt` (nrows+1 offsets into colidx/grad, the shard's rows) and located in the
+ * structure first (shmps_csr_locate), so a push with an absent entry changes nothing. */
+int shmps_csr_locate(const void *base, const int64_t *rowcnt, uint64_t nrows,
+                     const int64_t *colidx, int64_t *pos, uint64_t *bad);
+int shmps_csr_push(void *base, uint64_t token, const int64_t *rowcnt, uint64_t nrows,
+                   const int64_t *pos, const void *grad, uint32_t grad_dtype,
+                   void *scratch, uint64_t scratch_bytes);
+int shmps_csr_pull(void *base, uint64_t token, const int64_t *rows, uint64_t n, void *out,
+                   int consistent);
+uint64_t shmps_csr_scratch_bytes(const void *base);
 /* CDEF END */
 
 #endif

@@ -16,12 +16,15 @@ from .store import Store, attach
 from .tensor import PushHandle
 from .updaters import FTRL, SGD, Adagrad, Adam, Assign, Max, Min, Momentum, Sum, Updater
 from .dense import DenseTensor
+from .table import Table
+from .csr import CSRTensor
+from .files import CSR
 from .checkpoint import restore
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "attach", "restore", "Store", "DenseTensor", "PushHandle",
+    "attach", "restore", "Store", "DenseTensor", "Table", "CSRTensor", "CSR", "PushHandle",
     "Sum", "Assign", "Max", "Min", "SGD", "Momentum", "Adagrad", "Adam", "FTRL", "Updater",
     "Error", "SchemaError", "NotFound", "CapacityError", "CorruptSegment", "CorruptFile",
     "InvalidArgument", "OutOfRange", "NonFinite", "Timeout", "Closed",

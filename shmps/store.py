@@ -242,6 +242,126 @@ class Store:
             add_request(self, name, req, aggregate, workers)
         return self._get_or_create(name, req, lambda: self._create_dense(name, req, init))
 
+    def table(self, name: str, dim: Optional[int] = None, dtype: Any = None,
+              capacity: Optional[int] = None, optimizer: UpdaterLike = None,
+              init: Any = None, seed: Optional[int] = None, shards: Optional[int] = None,
+              *, allow_nonfinite: Optional[bool] = None) -> "Table":
+        """Get or create the embedding table ``name``: uint64 keys -> rows of ``dim``.
+
+        On creation ``dim`` and ``capacity`` (keys the table holds, >= 1) are required;
+        ``dtype`` defaults to float32, ``optimizer`` to Sum(), ``init`` to zeros (or a
+        number, ``("uniform", a, b)``, ``("normal", mean, std)``), ``seed`` to 0,
+        ``shards`` to about one per 64 MiB of values.  When the table exists, every
+        argument given must match it (SchemaError); omitted ones accept it.  Safe to
+        race from many processes: one creates, all get it.  docs/tables.md."""
+        from . import table as tmod
+
+        names.check_name(name, "tensor name") if not _loose_name(name) else None
+        tmod.check_args(dim, capacity, seed, shards)
+        req: dict[str, Any] = {"kind": "table"}
+        dt = _dtype(dtype) if dtype is not None else None
+        if dt is not None:
+            req["dtype"] = dt.name
+        for key, v in (("dim", dim), ("capacity", capacity), ("seed", seed)):
+            if v is not None:
+                req[key] = int(v)
+        if optimizer is not None:
+            req["optimizer"] = as_updater(optimizer).to_dict()
+        if init is not None:
+            req["init_spec"] = tmod.init_spec(init, dt if dt is not None else np.dtype("float32"))
+        if allow_nonfinite is not None:
+            req["allow_nonfinite"] = bool(allow_nonfinite)
+        nshards = int(shards) if shards is not None else None
+
+        def create() -> dict:
+            rec = tmod.create_record(name, req, init, nshards)
+            upd = from_dict(rec["optimizer"])
+            specs = tmod.shard_specs(rec, upd)
+
+            def fill(s: int, seg: Segment, lay: dict) -> None:
+                _native.check(lib.shmps_table_setup(seg.ptr, rec["capacity"], rec["nshards"], s),
+                              f"table {name!r} shard {s}")
+
+            rec["id"] = tid = self._next_id()
+            rec["bytes"] = self._create_segments(tid, specs, fill)
+            return self._append(rec)
+
+        t = self._get_or_create(name, req, create)
+        if nshards is not None and t.nshards != nshards:
+            raise SchemaError(f"table {name!r} exists with {t.nshards} shards, requested "
+                              f"{nshards}", "omit shards= to accept the existing table")
+        return t
+
+    def csr(self, name: str, rowcnt: Any = None, colidx: Any = None, dtype: Any = None,
+            init: Any = 0.0, optimizer: UpdaterLike = None, shape: Optional[Sequence[int]] = None,
+            *, allow_nonfinite: Optional[bool] = None,
+            shard_rows: Optional[int] = None) -> "CSRTensor":
+        """Get or create the csr tensor ``name``: a matrix with the fixed structure
+        ``rowcnt`` (row offsets, rows + 1 entries from 0) and ``colidx`` (columns,
+        strictly increasing within each row).
+
+        On creation: ``init`` is a scalar or one value per entry; ``shape`` defaults to
+        (rows, largest column + 1); ``dtype`` float32, ``optimizer`` Sum().  When the
+        tensor exists, the structure and every argument given must match (SchemaError).
+        Validating the structure is O(nnz)."""
+        from . import csr as cmod
+
+        names.check_name(name, "tensor name") if not _loose_name(name) else None
+        req: dict[str, Any] = {"kind": "csr"}
+        dt = _dtype(dtype) if dtype is not None else None
+        if dt is not None:
+            req["dtype"] = dt.name
+        if optimizer is not None:
+            req["optimizer"] = as_updater(optimizer).to_dict()
+        if allow_nonfinite is not None:
+            req["allow_nonfinite"] = bool(allow_nonfinite)
+        if shard_rows is not None and (isinstance(shard_rows, bool) or int(shard_rows) < 1):
+            raise InvalidArgument(f"shard_rows={shard_rows!r} must be >= 1")
+        rc = ci = None
+        if (rowcnt is None) != (colidx is None):
+            raise InvalidArgument("pass both rowcnt and colidx, or neither")
+        if shape is not None:
+            shp = [int(x) for x in shape]
+            if len(shp) != 2 or min(shp) < 0:
+                raise SchemaError(f"shape {tuple(shape)!r} must be (rows, cols)")
+            req["shape"] = shp
+        if rowcnt is not None:
+            ci = cmod.check_colidx(colidx, req["shape"][1] if "shape" in req else None)
+            rc = cmod.check_rowcnt(rowcnt, ci.size)
+            if "shape" in req and req["shape"][0] != rc.size - 1:
+                raise SchemaError(f"shape {tuple(req['shape'])} but rowcnt has {rc.size - 1} rows")
+            cmod.check_sorted(rc, ci)
+            req["structure"] = cmod.structure_hash(rc, ci)
+
+        def create() -> dict:
+            rec = cmod.create_record(name, req, rc, ci, shard_rows)
+            assert rc is not None and ci is not None
+            dt_ = np.dtype(rec["dtype"])
+            values = cmod.init_values(init, ci.size, dt_)
+            upd = from_dict(rec["optimizer"])
+            specs = cmod.shard_specs(rec, upd, rc)
+
+            def fill(s: int, seg: Segment, lay: dict) -> None:
+                sp = specs[s]
+                r0, n = sp["row_begin"], sp["nrows"]
+                e0, e1 = int(rc[r0]), int(rc[r0 + n])
+                seg.array(np.int64, lay["rowcnt_off"], n + 1)[...] = rc[r0:r0 + n + 1] - e0
+                seg.array(np.int64, lay["colidx_off"], e1 - e0)[...] = ci[e0:e1]
+                vals = seg.array(dt_, lay["value_off"], e1 - e0)
+                if np.ndim(values) == 0:
+                    if values != 0:
+                        vals[...] = values
+                else:
+                    vals[...] = values[e0:e1]
+                # the structure was written after shmps_shard_init: check it as attach will
+                _native.shard_validate(seg.ptr, seg.size, seg.name)
+
+            rec["id"] = tid = self._next_id()
+            rec["bytes"] = self._create_segments(tid, specs, fill)
+            return self._append(rec)
+
+        return self._get_or_create(name, req, create)
+
     def _get_or_create(self, name: str, req: dict, create: Any) -> Any:
         with self._lock:
             self._mptr  # Closed after close()
@@ -620,4 +740,7 @@ def _match(rec: dict, req: dict) -> None:
                           "the existing tensor")
 
 
-_KIND_CLASSES: dict[str, type] = {"dense": DenseTensor}
+from .csr import CSRTensor  # noqa: E402  (they import this module's siblings only)
+from .table import Table  # noqa: E402
+
+_KIND_CLASSES: dict[str, type] = {"dense": DenseTensor, "table": Table, "csr": CSRTensor}
