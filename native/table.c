@@ -310,6 +310,8 @@ static inline int64_t find(const tshard_t *t, uint64_t h, uint64_t key, uint64_t
  * Only the holder of the row's lock changes the seq bits of a READY slot (creation,
  * delete and compaction change other slots, or run frozen). */
 static inline void row_write_begin(tslot_t *sl) {
+    /* relaxed load and store: we hold the row lock, so we are the only writer of these
+     * bits (its acquire CAS ordered us after the previous holder's release) */
     uint64_t st = LOAD(&sl->state, RELAXED);
     /* a dead writer may have left it odd: it stays odd until our write_end */
     if (!ST_ODD(st)) STORE(&sl->state, (st & ~ST_SEQ_MASK) | ((st + ST_SEQ_ONE) & ST_SEQ_MASK), RELAXED);
@@ -319,7 +321,7 @@ static inline void row_write_begin(tslot_t *sl) {
 }
 
 static inline void row_write_end(tslot_t *sl) {
-    uint64_t st = LOAD(&sl->state, RELAXED);
+    uint64_t st = LOAD(&sl->state, RELAXED); /* relaxed: only we write it (row lock) */
     /* release: the value stores happen-before the even seq (pairs with find()'s or
      * read_row()'s acquire load of the state) */
     STORE(&sl->state, (st & ~ST_SEQ_MASK) | ((st + ST_SEQ_ONE) & ST_SEQ_MASK), RELEASE);
@@ -348,6 +350,7 @@ static int read_row(tshard_t *t, uint64_t slot, uint64_t st, uint64_t token, cha
                               &t->h->stats.takeovers);
     if (r < 0) return r;
     memcpy(dst, src, nbytes);
+    /* relaxed: we hold the row lock (acquire), no one else changes the seq now */
     st = LOAD(&sl->state, RELAXED);
     if (ST_ODD(st)) row_write_end(sl); /* a dead writer's: close it so readers go on */
     shmps_stripe_unlock(&t->stripes[ST_ROW(st) - 1]);
@@ -542,6 +545,8 @@ static int64_t insert_key(tshard_t *t, tctl_t *c0, uint64_t h, uint64_t key, uin
         STORE(&c->hwm, r + 1, RELAXED);
     }
     init_row(t, r, key, step);
+    /* relaxed: ordered before the lookups that need them by the release store of READY
+     * below (find's acquire load pairs with it) */
     STORE(&t->keys[r], key, RELAXED);
     STORE(&t->slots[target].key, key, RELAXED);
     /* release: the row's values, state, key and the slot key happen-before any lookup
@@ -561,6 +566,7 @@ static int64_t insert_key(tshard_t *t, tctl_t *c0, uint64_t h, uint64_t key, uin
 static int reinsert(tshard_t *t, uint64_t r, uint64_t key, uint64_t token) {
     uint64_t i = shmps_key_hash(key) & t->mask;
     for (uint64_t p = 0; p <= t->mask; p++, i = (i + 1) & t->mask) {
+        /* relaxed: slot tags change only under the creation lock, which we hold */
         uint64_t st = LOAD(&t->slots[i].state, RELAXED);
         if (st != ST_EMPTY && st != ST_TOMB) continue;
         uint64_t exp = st;
@@ -690,6 +696,7 @@ static int create_missing(batch_t *b, tshard_t *ts, uint64_t step, uint64_t *inf
             return SHMPS_E_FULL;
         }
         for (uint32_t s = 0; s < b->nshards; s++) {
+            /* relaxed: changed only under the creation lock, which we hold */
             uint64_t used = LOAD(&ts[s].h->table_used, RELAXED);
             if (newcnt[s] && used + newcnt[s] > ts[s].nrows) {
                 if (info) info[0] = newcnt[s], info[1] = used, info[2] = ts[s].nrows, info[3] = s;
