@@ -5,6 +5,7 @@ Usage::
 
     python tools/bench.py dense --quick            # issue 2, under a minute
     python tools/bench.py table --json table.json  # issue 3
+    python tools/bench.py training --quick         # issue 5: shmps vs torch Hogwild, 1/2/4 procs
     python tools/bench.py all --dir /var/tmp       # everything; files go under --dir
 
 Method (docs/benchmarks.md): every workload runs in freshly spawned processes (1 and 2),
@@ -42,7 +43,7 @@ sys.path.insert(0, str(TOOLS))
 if importlib.util.find_spec("shmps") is None:
     sys.path.insert(1, str(REPO))
 
-from benchlib import dense, extras, files, limits, table  # noqa: E402
+from benchlib import dense, extras, files, limits, table, training  # noqa: E402
 from benchlib.context import RunContext, import_shmps  # noqa: E402
 from benchlib.harness import Timing, progress  # noqa: E402
 from benchlib.report import (Section, machine_info, render_limits, render_machine,  # noqa: E402
@@ -54,7 +55,7 @@ SECTIONS: dict[str, tuple[Callable[[], Section], SectionRunner, bool]] = {
     "dense": (dense.section, dense.run, True),
     "table": (table.section, table.run, False),
     "files": (files.section, files.run, False),
-    "training": (extras.training_section, extras.run_training, False),
+    "training": (training.section, training.run, False),
     "bridge": (extras.bridge_section, extras.run_bridge, False),
 }
 
