@@ -403,5 +403,209 @@ def _plan_dense(path: str, entry: dict) -> _Plan:
     return _Plan(nbytes, run)
 
 
-_SAVERS: dict[str, Callable] = {"dense": _save_dense}
-_PLANNERS: dict[str, Callable[[str, dict], _Plan]] = {"dense": _plan_dense}
+
+# ---- tables and csr tensors: the shard's data regions, exactly ----------------------
+#
+# A table or csr shard is saved as its arrays, copied while the shard is frozen: the
+# values and optimizer state as one readable file set ``tN.value``/``tN.stateK`` (a
+# dense set of nshards * shard_rows rows x dim for a table, a csr set with
+# ``tN.rowcnt``/``tN.colidx`` for a csr tensor), and every other region of shard S as a
+# raw little-endian uint64 file ``tN.sS.<region>`` (``_raw_regions``).  Header words
+# kept: each shard's step and table_used (in checkpoint.json).  Lock words: a row
+# stripe's or the creation lock's owner held by a live process is cleared (it could
+# never be released in the restored store); one held by a dead process is kept, so the
+# restored store runs the same takeover/repair the original would have.
+
+_CTL_WORDS = 32        # SHMPS_TABLE_CTL_BYTES / 8 (tctl_t, native/table.c)
+_CTL_CREATE_OWNER = 8  # tctl_t.create.owner (offset 64)
+_CTL_TABLE_LIVE = 10   # tctl_t.table_live (offset 80), shard 0: keys in the whole table
+_CTL_MAGIC = 0x4c54435453504d48
+_AUX_STEP_MASK = (1 << 40) - 1
+
+
+def _raw_regions(lay: dict) -> list[tuple[str, int, int]]:
+    """(region, byte offset, uint64 words) of a table/csr shard's raw regions."""
+    table = lay["kind"] == lib.SHMPS_TABLE
+    regs = []
+    if table:
+        regs.append(("keys", lay["colidx_off"], lay["nrows"]))
+    regs.append(("rowstep", lay["rowstep_off"], lay["nrows"]))
+    regs.append(("stripes", lay["stripes_off"], 2 * lay["nstripes"]))
+    if table:
+        ctl = lay["index_off"] + 16 * lay["nslots"]
+        regs += [("index", lay["index_off"], 2 * lay["nslots"]), ("ctl", ctl, _CTL_WORDS),
+                 ("links", ctl + 8 * _CTL_WORDS, lay["nrows"])]
+    return regs
+
+
+def _sparse_fields(sh: Shard) -> dict:
+    d = _dense_fields(sh)
+    sp = sh.spec
+    if sp["kind"] == lib.SHMPS_CSR:
+        d["rowcnt"] = sh.seg.array(np.int64, sp["rowcnt_off"], sp["nrows"] + 1)
+        d["colidx"] = sh.seg.array(np.int64, sp["colidx_off"], sp["nnz"])
+    for name, off, n in _raw_regions(sp):
+        d[name] = sh.seg.array(np.uint64, off, n)
+    return d
+
+
+def _free_live_locks(owners: np.ndarray) -> None:
+    """Zero (in place, a copy) the owner words held by live processes."""
+    for tok in np.unique(owners[owners != 0]):
+        if _native.token_alive(int(tok)):
+            owners[owners == tok] = 0
+
+
+def _save_sparse(t: Any, directory: str, prefix: str, bar: Any) -> dict:
+    w = _Writer(directory, prefix)
+    sp0 = t._shards[0].spec
+    nstate = sp0["nstate"]
+    state_dtype = _native.DTYPE_NAMES[sp0["state_dtype"]]
+    table = t.kind == "table"
+    shards = []
+    base = 0  # csr: entries before this shard
+    for i in range(t.nshards):
+        snap = _frozen_copy(t, i, _sparse_fields)
+        _free_live_locks(snap["stripes"][0::2])
+        if table:
+            ctl = snap["ctl"]
+            _free_live_locks(ctl[_CTL_CREATE_OWNER:_CTL_CREATE_OWNER + 1])
+        else:
+            rc = snap["rowcnt"] + base
+            w.append("rowcnt", rc if i == t.nshards - 1 else rc[:-1])
+            w.append("colidx", snap["colidx"])
+            base = int(rc[-1])
+        w.append("value", snap["value"])
+        for k in range(nstate):
+            w.append(f"state{k}", snap[f"state{k}"])
+        for name, _, _ in _raw_regions(t._shards[i].spec):
+            w.append(f"s{i}.{name}", snap[name])
+        st = snap["_stats"]
+        shards.append({"step": int(st["step"]), "table_used": int(st["rows_used"]) if table
+                       else 0})
+        bar.update(t._shards[i].seg.size)
+    step = shards[0]["step"]
+    common = {"name": t.name, "optimizer": t.optimizer.to_dict(), "step": step,
+              "state": {"count": nstate, "dtype": state_dtype}, "tensor_kind": t.kind}
+    if table:
+        rows = t.nshards * t.shard_rows
+        meta = {"version": 1, "kind": "dense", "rows": rows, "cols": t.dim,
+                "nnz": rows * t.dim, "shape": [rows, t.dim],
+                "dtypes": {"value": t.dtype.name}, **common}
+    else:
+        meta = {"version": 1, "kind": "csr", "rows": t.nrows, "cols": t.ncols, "nnz": t.nnz,
+                "dtypes": {"rowcnt": "int64", "colidx": "int64", "value": t.dtype.name},
+                **common}
+    w.close(meta)
+    return {"prefix": prefix, "record": t.record, "step": step, "shards": shards}
+
+
+def _plan_sparse(path: str, entry: dict) -> _Plan:
+    """Check a table's / csr tensor's files against its record; creates nothing."""
+    from . import csr as cmod
+    from . import table as tmod
+    from .updaters import from_dict
+
+    rec = entry["record"]
+    kind = rec["kind"]
+    where = os.path.join(path, entry["prefix"])
+    cj = os.path.join(path, files.CHECKPOINT_JSON)
+    mp = f"{where}.meta"
+
+    def corrupt(msg: str) -> CorruptFile:
+        return CorruptFile(msg, files._CKPT_HINT)
+
+    try:
+        sets = files.validate_all(where)
+    except NotFound as exc:
+        raise corrupt(f"{exc.message} (tensor {rec['name']!r} of checkpoint {path})") from None
+    ms = sets[0]
+    try:
+        clean = {k: v for k, v in rec.items() if k not in ("id", "bytes")}
+        upd = from_dict(rec["optimizer"])
+        if upd.float_only and np.dtype(rec["dtype"]).kind != "f":
+            raise ValueError(f"optimizer {type(upd).__name__} needs a float dtype")
+        if rec.get("mode", "exact") != "exact":
+            raise ValueError(f"mode {rec.get('mode')!r}")
+        if kind == "table":
+            tmod.check_args(rec["dim"], rec["capacity"], rec["seed"], rec["nshards"])
+            if rec["shard_rows"] != tmod.rows_per_shard(rec["capacity"], rec["nshards"]):
+                raise ValueError(f"shard_rows {rec['shard_rows']!r}")
+            tmod.init_spec(tuple(rec["init_spec"]), np.dtype(rec["dtype"]))
+            specs = tmod.shard_specs(clean, upd)
+            rows, cols = rec["nshards"] * rec["shard_rows"], rec["dim"]
+        else:
+            rows, cols = rec["shape"]
+            if ms.kind != "csr" or ms.rows != rows:
+                raise ValueError(f"{mp} is not a csr set of {rows} rows")
+            rc = np.asarray(ms.csr.rowcnt, dtype=np.int64)
+            ci = np.asarray(ms.csr.colidx, dtype=np.int64)
+            if cmod.structure_hash(rc, ci) != rec["structure"]:
+                raise ValueError("the structure differs from the record's")
+            per = rec["shard_rows"]
+            if rec["nshards"] != max(1, -(-rows // per)) or rec["nnz"] != ms.nnz:
+                raise ValueError(f"shard_rows {per!r}, nshards {rec['nshards']!r}")
+            specs = cmod.shard_specs(clean, upd, rc)
+        lays = [_native.layout(s) for s in specs]
+    except (KeyError, TypeError, ValueError, IndexError, Error) as exc:
+        raise corrupt(f"{cj}: tensor {rec['name']!r}: invalid record or structure: "
+                      f"{exc}") from None
+    want_kind = "dense" if kind == "table" else "csr"
+    if ms.kind != want_kind or (ms.rows, ms.cols) != (rows, cols) \
+            or ms.dtypes["value"] != rec["dtype"]:
+        raise corrupt(f"{mp}: a {ms.kind} {ms.rows} x {ms.cols} {ms.dtypes['value']} set, but "
+                      f"{cj} records {kind} {rec['name']!r} as {rec['dtype']} {rows} x {cols}")
+    lay = lays[0]
+    want_state = _native.DTYPE_NAMES[lay["state_dtype"]]
+    if len(sets) - 1 != lay["nstate"] or any(x.dtypes["value"] != want_state
+                                             for x in sets[1:]):
+        raise corrupt(f"{mp}: {len(sets) - 1} state arrays, but optimizer "
+                      f"{type(upd).__name__} keeps {lay['nstate']} {want_state} arrays")
+    shards = entry.get("shards")
+    if not (isinstance(shards, list) and len(shards) == len(specs) and all(
+            isinstance(x, dict) and all(isinstance(x.get(k), int) and x[k] >= 0
+                                        for k in ("step", "table_used")) for x in shards)):
+        raise corrupt(f"{cj}: tensor {rec['name']!r}: field \"shards\" is not a list of "
+                      f"{len(specs)} {{step, table_used}} objects")
+    raw: list[dict] = []
+    for s, ly in enumerate(lays):
+        d = {}
+        for name, _, n in _raw_regions(ly):
+            fn = f"{where}.s{s}.{name}"
+            try:
+                size = os.path.getsize(fn)
+            except OSError:
+                raise corrupt(f"{fn}: missing (tensor {rec['name']!r})") from None
+            if size != 8 * n:
+                raise corrupt(f"{fn}: {size} bytes, shard {s} of {rec['name']!r} needs "
+                              f"{8 * n} ({n} uint64)")
+            d[name] = np.memmap(fn, dtype="<u8", mode="r", shape=(n,)) if n else \
+                np.zeros(0, np.uint64)
+        if kind == "table":
+            c = d["ctl"]
+            if (int(c[0]) != _CTL_MAGIC or int(c[1]) != rec["capacity"]
+                    or int(c[2]) != (rec["nshards"] | (s << 32)) or int(c[11]) > ly["nrows"]
+                    or int(c[12]) > ly["nrows"] or shards[s]["table_used"] > ly["nrows"]):
+                raise corrupt(f"{where}.s{s}.ctl: not the control block of shard {s} of "
+                              f"table {rec['name']!r}")
+        if kind == "csr":
+            r0, n = specs[s]["row_begin"], specs[s]["nrows"]
+            e0 = int(rc[r0])
+            d["_rowcnt"] = rc[r0:r0 + n + 1] - e0
+            d["_colidx"] = ci[e0:int(rc[r0 + n])]
+        raw.append(d)
+    values = ms.csr.value
+    states = [x.csr.value for x in sets[1:]]
+    nbytes = sum(ly["total_size"] for ly in lays)
+
+    def run(store: Any, bar: Any) -> None:
+        store._restore_raw(clean, specs, values, states, raw, shards, bar)
+
+    return _Plan(nbytes, run)
+
+
+_SAVERS: dict[str, Callable] = {"dense": _save_dense, "table": _save_sparse,
+                                "csr": _save_sparse}
+_PLANNERS: dict[str, Callable[[str, dict], _Plan]] = {"dense": _plan_dense,
+                                                       "table": _plan_sparse,
+                                                       "csr": _plan_sparse}

@@ -488,6 +488,86 @@ class Store:
             finally:
                 lib.shmps_manifest_unlock(self._mptr)
 
+    def _restore_raw(self, rec: dict, specs: list, values: Any, states: list, raw: list,
+                     shards: list, bar: Any) -> None:
+        """Create a table or csr tensor from checkpointed shard regions (checkpoint.py:
+        ``_save_sparse``): every segment is filled and checked before the record is
+        appended, so no process sees a half-restored tensor."""
+        from .checkpoint import _AUX_STEP_MASK, _CTL_TABLE_LIVE, _raw_regions
+        from .errors import CorruptFile
+
+        rec = dict(rec)
+        dt = np.dtype(rec["dtype"])
+        table = rec["kind"] == "table"
+        used_off = 1088  # shmps_shard_hdr_t.table_used (docs/segment-layout.md)
+        live = sum(x["table_used"] for x in shards)
+        # a checkpoint taken during pushes: no row's last push after the table step
+        # (shard 0's, restored below)
+        last = max((int((np.asarray(r["stripes"][1::2]) & np.uint64(_AUX_STEP_MASK))
+                        .max(initial=0)) for r in raw), default=0) if table else 0
+        made: list[Segment] = []
+        with self._lock:
+            self._lock_manifest()
+            try:
+                if self._record(rec["name"]) is not None:
+                    raise SchemaError(f"tensor {rec['name']!r} already exists in {self.name!r}")
+                rec["id"] = tid = self._next_id()
+                total, e0 = 0, 0
+                try:
+                    for s, spec in enumerate(specs):
+                        lay = _native.layout(spec)
+                        name = names.shard_name(self.name, self.namespace, tid, s)
+                        unlink(name)  # debris of a creator that died before registering
+                        seg = Segment.create(name, lay["total_size"])
+                        made.append(seg)
+                        _native.shard_init(seg.ptr, seg.size, spec)
+                        n, d = lay["nnz"], raw[s]
+                        seg.array(dt, lay["value_off"], n)[...] = values[e0:e0 + n]
+                        sdt = _native.DTYPE_NAMES[lay["state_dtype"]]
+                        for k, st in enumerate(states):
+                            seg.array(sdt, lay["state_off"][k], n)[...] = st[e0:e0 + n]
+                        e0 += n
+                        if not table:
+                            seg.array(np.int64, lay["rowcnt_off"], lay["nrows"] + 1)[...] = \
+                                d["_rowcnt"]
+                            seg.array(np.int64, lay["colidx_off"], n)[...] = d["_colidx"]
+                        for region, off, words in _raw_regions(lay):
+                            seg.array(np.uint64, off, words)[...] = d[region]
+                        step = shards[s]["step"]
+                        if table:
+                            seg.array(np.uint64, used_off, 1)[0] = shards[s]["table_used"]
+                            if s == 0:
+                                ctl = seg.array(np.uint64, lay["index_off"] + 16 * lay["nslots"],
+                                                _CTL_TABLE_LIVE + 1)
+                                ctl[_CTL_TABLE_LIVE] = live
+                            if s == 0 and step < last:
+                                step = last
+                        lib.shmps_set_step(seg.ptr, step)
+                        if not table:  # as attach will: the structure
+                            _native.shard_validate(seg.ptr, seg.size, seg.name)
+                        total += seg.size
+                        bar.update(seg.size)
+                    if table:
+                        info = ffi.new("uint64_t[4]")
+                        bases = ffi.new("void *[]", [seg.ptr for seg in made])
+                        code = lib.shmps_table_check(bases, len(made), _native.token(), info)
+                        if code == lib.SHMPS_E_CORRUPT:
+                            raise CorruptFile(f"checkpoint of table {rec['name']!r}: invariant "
+                                              f"{int(info[0])} broken in shard {int(info[1])} "
+                                              f"at {int(info[2])}")
+                        _native.check(code, f"restore of table {rec['name']!r}")
+                except BaseException:
+                    for seg in made:
+                        seg.close()
+                        unlink(seg.name)
+                    raise
+                for seg in made:
+                    seg.close()
+                rec["bytes"] = total
+                self._append(rec)
+            finally:
+                lib.shmps_manifest_unlock(self._mptr)
+
     def checkpoint(self, path: Any) -> str:
         """Save every tensor (values, optimizer state, steps) to directory ``path``.
 

@@ -1,0 +1,231 @@
+"""Checkpoints of tables and csr tensors: exact save/restore (values, optimizer state,
+per-row steps, push counts, index, free lists), checkpoints during pushes, and corrupt
+region files.  Every test destroys the stores it made and kills its processes."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import pytest
+
+import shmps
+from shmps import files
+from shmps.errors import CorruptFile
+
+SHM = "/dev/shm"
+ROOT = str(Path(shmps.__file__).resolve().parents[1])
+
+CASES = [  # (optimizer, dtype, shards)
+    (shmps.Sum(), "int8", 1),
+    (shmps.Assign(), "int32", 3),
+    (shmps.Max(), "float16", 2),
+    (shmps.Min(), "float64", 3),
+    (shmps.SGD(lr=0.1, weight_decay=0.01), "float32", 4),
+    (shmps.Momentum(lr=0.1, momentum=0.9, nesterov=True), "float64", 3),
+    (shmps.Adagrad(lr=0.1, initial_accumulator_value=0.5), "float16", 2),
+    (shmps.Adam(lr=0.01, amsgrad=True, weight_decay=0.01), "float32", 3),
+    (shmps.Adam(lr=0.01), "float64", 1),
+    (shmps.FTRL(alpha=0.5, beta=1.0, l1=0.1, l2=0.1), "float32", 3),
+]
+
+
+def drop(name: str) -> None:
+    for n in os.listdir(SHM):
+        if n.startswith(f"shmps.{name}."):
+            try:
+                os.unlink(os.path.join(SHM, n))
+            except FileNotFoundError:
+                pass
+
+
+@pytest.fixture
+def names() -> Iterator[list[str]]:
+    """Extra store names for a test; every one is removed afterwards."""
+    made: list[str] = []
+    yield made
+    for n in made:
+        drop(n)
+
+
+def new_name(names: list[str]) -> str:
+    n = f"t{uuid.uuid4().hex[:12]}"
+    names.append(n)
+    return n
+
+
+def grads(t: Any, rng: np.random.Generator, n: int) -> np.ndarray:
+    if t.dtype.kind == "f":
+        return rng.uniform(-1, 1, (n, t.dim if hasattr(t, "dim") else n)).astype(np.float32)
+    return rng.integers(-3, 4, (n, t.dim)).astype(t.dtype)
+
+
+def same(a: np.ndarray, b: np.ndarray) -> bool:
+    a, b = np.asarray(a), np.asarray(b)
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def assert_same_table(t: Any, u: Any) -> None:
+    k = np.sort(t.keys())
+    assert same(k, np.sort(u.keys()))
+    assert len(t) == len(u)
+    assert same(t.pull(k, create=False), u.pull(k, create=False))
+    probe = np.arange(0, 400, dtype=np.uint64)
+    assert same(t.contains(probe), u.contains(probe))
+    st, su = t.row_stats(k), u.row_stats(k)
+    assert st.keys() == su.keys()
+    for f in st:
+        assert same(st[f], su[f]), f
+
+
+@pytest.mark.parametrize("upd,dtype,nshards", CASES,
+                         ids=[f"{type(u).__name__}-{d}-{s}" for u, d, s in CASES])
+def test_table_roundtrip_is_exact(store, tmp_path, names, upd, dtype, nshards):
+    """A table restores exactly: keys, len, rows, stats, and the same future under pushes."""
+    rng = np.random.default_rng(7)
+    init = ("uniform", -1.0, 1.0) if np.dtype(dtype).kind == "f" else 1
+    t = store.table("e", dim=5, dtype=dtype, capacity=300, optimizer=upd, init=init,
+                    seed=3, shards=nshards)
+    for b in range(6):
+        k = rng.integers(0, 250, 80).astype(np.uint64)  # duplicates within a batch
+        t.push(k, grads(t, rng, k.size))
+        if b == 2:
+            t.delete(rng.integers(0, 250, 30).astype(np.uint64))
+        if b == 4:
+            t.evict(min_pushes=2)
+    t.delete(np.arange(0, 10, dtype=np.uint64))
+    path = tmp_path / "ck"
+    store.checkpoint(path)
+    r = shmps.restore(path, new_name(names))
+    u = r["e"]
+    u.check()
+    assert u.stats()["step"] == t.stats()["step"]
+    assert_same_table(t, u)
+    for _ in range(2):  # existing and new keys: reuses free rows, same steps and state
+        k = np.concatenate([rng.integers(0, 250, 40), rng.integers(1000, 1100, 20)]
+                           ).astype(np.uint64)
+        g = grads(t, rng, k.size)
+        t.push(k, g)
+        u.push(k, g)
+        assert same(t.pull(k), u.pull(k))
+    assert_same_table(t, u)
+    u.check()
+    r.destroy()
+
+
+@pytest.mark.parametrize("upd,dtype", [(shmps.Sum(), "int32"), (shmps.Max(), "float16"),
+                                       (shmps.Adam(lr=0.01, amsgrad=True), "float32"),
+                                       (shmps.FTRL(alpha=0.5, beta=1.0), "float64"),
+                                       (shmps.Momentum(lr=0.1, momentum=0.9), "float32")])
+def test_csr_roundtrip_is_exact(store, tmp_path, names, upd, dtype):
+    """A csr tensor restores exactly (values, state, row steps) and evolves identically."""
+    rng = np.random.default_rng(11)
+    nrows, ncols = 40, 30
+    mask = rng.random((nrows, ncols)) < 0.2
+    mask[5] = False  # an empty row
+    rc = np.concatenate([[0], np.cumsum(mask.sum(1))]).astype(np.int64)
+    ci = np.nonzero(mask)[1].astype(np.int64)
+    c = store.csr("m", rc, ci, dtype=dtype, init=1, optimizer=upd, shard_rows=7)
+    assert c.nshards == 6
+
+    def push(t: Any, g: np.ndarray) -> None:
+        t.push(shmps.CSR(rc, ci, g))
+
+    gdt = np.float32 if np.dtype(dtype).kind == "f" else dtype
+    for _ in range(3):
+        push(c, rng.integers(-3, 4, ci.size).astype(gdt))
+    path = tmp_path / "ck"
+    store.checkpoint(path)
+    ms = files.read_csr(path / "t0")  # a readable csr file set (shmps-tool dump)
+    assert same(np.asarray(ms.csr.value), c.pull().value)
+    assert same(np.asarray(ms.csr.rowcnt), rc)
+    r = shmps.restore(path, new_name(names))
+    d = r["m"]
+    a, b = c.pull(), d.pull()
+    assert same(a.rowcnt, b.rowcnt) and same(a.colidx, b.colidx) and same(a.value, b.value)
+    g = rng.integers(-3, 4, ci.size).astype(gdt)
+    push(c, g)
+    push(d, g)
+    assert same(c.pull().value, d.pull().value)
+    r.destroy()
+
+
+PUSHER = r"""
+import sys, numpy as np, shmps
+s = shmps.attach(sys.argv[1]); t = s.table("e")
+rng = np.random.default_rng(int(sys.argv[3]))
+print("ready", flush=True)
+import os
+while not os.path.exists(sys.argv[2]):
+    k = rng.integers(0, 5000, 64).astype(np.uint64)
+    t.push(k, np.ones((64, t.dim), np.float32))
+s.close()
+"""
+
+
+def test_table_checkpoint_during_pushes_restores_consistent(store, tmp_path, names, procs):
+    """A table checkpointed while another process pushes (creating keys) restores and checks."""
+    t = store.table("e", dim=8, capacity=6000, optimizer=shmps.Adam(lr=0.01), shards=4)
+    stop = tmp_path / "stop"
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    procs.append(subprocess.Popen([sys.executable, "-c", PUSHER, store.name, str(stop), "1"],
+                                  stdout=subprocess.PIPE, text=True, env=env))
+    assert procs[0].stdout.readline().strip() == "ready"
+    deadline = time.monotonic() + 30
+    while len(t) < 300:
+        assert time.monotonic() < deadline, "the pusher never pushed"
+        time.sleep(0.005)
+    for i in range(3):
+        store.checkpoint(tmp_path / f"ck{i}")
+    stop.touch()
+    assert procs[0].wait(timeout=30) == 0
+    for i in range(3):
+        r = shmps.restore(tmp_path / f"ck{i}", new_name(names))
+        u = r["e"]
+        u.check()
+        assert len(u) == len(u.keys()) > 0
+        k = np.sort(u.keys())
+        assert (u.row_stats(k)["pushes"] > 0).all()
+        u.push(np.arange(6000, 6010, dtype=np.uint64), np.ones((10, 8), np.float32))
+        u.check()
+        r.destroy()
+    t.check()
+
+
+@pytest.mark.parametrize("victim,how", [("t0.s1.index", "truncate"), ("t0.s0.links", "delete"),
+                                        ("t0.s2.ctl", "zero"), ("t1.s0.stripes", "truncate"),
+                                        ("t1.colidx", "truncate")])
+def test_corrupt_region_file_raises_and_creates_nothing(store, tmp_path, names, victim, how):
+    """A damaged region file: restore raises CorruptFile before creating any segment."""
+    t = store.table("e", dim=3, capacity=100, shards=3)
+    t.push(np.arange(50, dtype=np.uint64), np.ones((50, 3), np.float32))
+    store.csr("m", [0, 2, 3], [0, 1, 1])
+    path = tmp_path / "ck"
+    store.checkpoint(path)
+    f = path / victim
+    if how == "truncate":
+        f.write_bytes(f.read_bytes()[:-8])
+    elif how == "delete":
+        f.unlink()
+    else:
+        f.write_bytes(bytes(len(f.read_bytes())))
+    name = new_name(names)
+    with pytest.raises(CorruptFile):
+        shmps.restore(path, name)
+    assert not [n for n in os.listdir(SHM) if n.startswith(f"shmps.{name}.")]
+
+
+@pytest.fixture
+def procs() -> Iterator[list[subprocess.Popen]]:
+    """Child processes of a test; killed and reaped afterwards, whatever happened."""
+    started: list[subprocess.Popen] = []
+    yield started
+    for p in started:
+        if p.poll() is None:
+            p.kill()
+        p.wait(timeout=10)
