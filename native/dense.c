@@ -269,6 +269,13 @@ int shmps_set_step(void *base, uint64_t step) {
     return SHMPS_OK;
 }
 
+int shmps_set_table_used(void *base, uint64_t used) {
+    shmps_shard_hdr_t *h = hdr_of(base);
+    if (h->spec.kind != SHMPS_TABLE || used > h->spec.nrows) return SHMPS_E_ARG;
+    STORE(&h->table_used, used, RELAXED); /* restore, before the tensor is visible */
+    return SHMPS_OK;
+}
+
 int shmps_count(void *base, int pull, uint64_t nbytes, uint64_t rows) {
     shmps_stats_t *st = &hdr_of(base)->stats;
     uint64_t now = shmps_now_ns();

@@ -499,7 +499,6 @@ class Store:
         rec = dict(rec)
         dt = np.dtype(rec["dtype"])
         table = rec["kind"] == "table"
-        used_off = 1088  # shmps_shard_hdr_t.table_used (docs/segment-layout.md)
         live = sum(x["table_used"] for x in shards)
         # a checkpoint taken during pushes: no row's last push after the table step
         # (shard 0's, restored below)
@@ -535,7 +534,9 @@ class Store:
                             seg.array(np.uint64, off, words)[...] = d[region]
                         step = shards[s]["step"]
                         if table:
-                            seg.array(np.uint64, used_off, 1)[0] = shards[s]["table_used"]
+                            _native.check(
+                                lib.shmps_set_table_used(seg.ptr, int(shards[s]["table_used"])),
+                                f"restore of {rec['name']!r}")
                             if s == 0:
                                 ctl = seg.array(np.uint64, lay["index_off"] + 16 * lay["nslots"],
                                                 _CTL_TABLE_LIVE + 1)
