@@ -197,7 +197,7 @@ int shmps_csr_pull(void *base, uint64_t token, const int64_t *rows, uint64_t n, 
         for (uint64_t i = 0; i < n; i++)
             if (rows[i] < 0 || (uint64_t)rows[i] >= s->nrows) return SHMPS_E_BOUNDS;
     int r = SHMPS_OK;
-    if (consistent && (r = shmps_freeze(base, token, SHMPS_LOCK_TIMEOUT_S)) < 0) return r;
+    if (consistent && (r = shmps_freeze_shared(base, token, SHMPS_LOCK_TIMEOUT_S)) < 0) return r;
     char *o = (char *)out;
     uint64_t copied = 0;
     if (!rows && consistent) {
@@ -215,7 +215,7 @@ int shmps_csr_pull(void *base, uint64_t token, const int64_t *rows, uint64_t n, 
             copied += hi - lo;
         }
     }
-    if (consistent) shmps_thaw(base, token);
+    if (consistent) shmps_thaw_shared(base, token);
     if (r == SHMPS_OK) shmps_count(base, 1, copied * isz, count);
     return r;
 }

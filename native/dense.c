@@ -181,10 +181,10 @@ int shmps_dense_pull(void *base, uint64_t token, void *out, uint64_t elem_lo,
     const char *v = at(base, s->value_off);
     size_t isz = s->itemsize;
     if (consistent) {
-        int r = shmps_freeze(base, token, SHMPS_LOCK_TIMEOUT_S);
+        int r = shmps_freeze_shared(base, token, SHMPS_LOCK_TIMEOUT_S);
         if (r < 0) return r;
         memcpy(out, v + elem_lo * isz, (elem_hi - elem_lo) * isz);
-        return shmps_thaw(base, token);
+        return shmps_thaw_shared(base, token);
     }
     shmps_stripe_t *stripes = (shmps_stripe_t *)at(base, s->stripes_off);
     uint64_t se = s->stripe_elems;
@@ -210,10 +210,10 @@ int shmps_dense_pull_rows(void *base, uint64_t token, const int64_t *rows, uint6
     size_t rb = s->row_len * s->itemsize;
     char *o = (char *)out;
     if (consistent) {
-        int r = shmps_freeze(base, token, SHMPS_LOCK_TIMEOUT_S);
+        int r = shmps_freeze_shared(base, token, SHMPS_LOCK_TIMEOUT_S);
         if (r < 0) return r;
         for (uint64_t i = 0; i < n; i++) memcpy(o + i * rb, v + (uint64_t)rows[i] * rb, rb);
-        return shmps_thaw(base, token);
+        return shmps_thaw_shared(base, token);
     }
     for (uint64_t i = 0; i < n; i++) {
         uint64_t e0 = (uint64_t)rows[i] * s->row_len;

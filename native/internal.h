@@ -11,6 +11,7 @@
 #include <pthread.h>
 #include <string.h>
 
+#define SHMPS_READERS 7 /* shared-freeze slots: with `freeze`, one cache line */
 #define SHMPS_SHARD_MAGIC 0x44485353504d4853ULL    /* "SHMPSSHD" little-endian */
 #define SHMPS_MANIFEST_MAGIC 0x4e4d5353504d4853ULL /* "SHMPSSMN" little-endian */
 #define SHMPS_CACHELINE 64
@@ -43,7 +44,8 @@ typedef struct {
     shmps_spec_t spec;      /* inputs + derived layout, validated on attach */
     /* mutable words, each group on its own cache line */
     uint64_t step __attribute__((aligned(SHMPS_CACHELINE)));  /* dense push count */
-    uint64_t freeze __attribute__((aligned(SHMPS_CACHELINE))); /* consistent reader */
+    uint64_t freeze __attribute__((aligned(SHMPS_CACHELINE))); /* exclusive freezer */
+    uint64_t readers[SHMPS_READERS];  /* shared freezers (same line as freeze) */
     uint64_t active[SHMPS_ACTIVE_SLOTS] __attribute__((aligned(SHMPS_CACHELINE)));
     shmps_stats_t stats __attribute__((aligned(SHMPS_CACHELINE)));
     uint64_t table_used __attribute__((aligned(SHMPS_CACHELINE))); /* table rows taken */

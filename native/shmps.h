@@ -118,6 +118,8 @@ int shmps_count(void *base, int pull, uint64_t nbytes, uint64_t rows);
 
 int shmps_freeze(void *base, uint64_t token, double timeout_s);
 int shmps_thaw(void *base, uint64_t token);
+int shmps_freeze_shared(void *base, uint64_t token, double timeout_s);
+int shmps_thaw_shared(void *base, uint64_t token);
 int shmps_enter(void *base, uint64_t token, double timeout_s, uint32_t *slot);
 int shmps_leave(void *base, uint64_t token, uint32_t slot);
 int shmps_dense_pull(void *base, uint64_t token, void *out, uint64_t elem_lo,

@@ -6,8 +6,9 @@
  * whole, in some order.  Lock words name their holder; a holder that died is
  * replaced (CAS from its token) after its death is seen, within ~1 ms of waiting.
  *
- * Consistent shard copies: a reader sets `freeze` to its token, then waits until
- * no pusher holds an `active` slot.  A pusher claims a slot and then re-reads
+ * Consistent shard copies: a reader sets `freeze` (exclusive: table delete/evict)
+ * or one of the `readers` slots (shared: pulls and checkpoints, which may overlap)
+ * to its token, then waits until no pusher holds an `active` slot.  A pusher claims a slot and then re-reads
  * `freeze`; both sides use seq_cst so that (Dekker) at least one sees the other:
  * either the pusher sees the freeze and backs out, or the reader sees the slot and
  * waits for it.  While frozen, no push is inside the shard, so the copy reflects a
@@ -101,6 +102,84 @@ int shmps_stripe_read(shmps_stripe_t *s, uint64_t token, void *dst, const void *
     return SHMPS_OK;
 }
 
+/* The first set word of the freeze line (exclusive freeze, then reader slots), or
+ * NULL.  seq_cst loads: the pusher's half of the Dekker pair (see file comment). */
+static uint64_t *frozen_by(shmps_shard_hdr_t *h, uint64_t *holder) {
+    uint64_t v = LOAD(&h->freeze, SEQ_CST);
+    if (v) { *holder = v; return &h->freeze; }
+    for (uint32_t i = 0; i < SHMPS_READERS; i++) {
+        v = LOAD(&h->readers[i], SEQ_CST);
+        if (v) { *holder = v; return &h->readers[i]; }
+    }
+    return NULL;
+}
+
+/* Waits until no pusher holds an active slot (dead pushers' slots are cleared). */
+static int drain_pushers(shmps_shard_hdr_t *h, double timeout_s) {
+    for (uint32_t i = 0; i < SHMPS_ACTIVE_SLOTS; i++) {
+        shmps_wait_t ws;
+        shmps_wait_init(&ws, timeout_s);
+        for (;;) {
+            /* seq_cst: other half of the Dekker pair (see file comment) */
+            uint64_t v = LOAD(&h->active[i], SEQ_CST);
+            if (v == 0) break;
+            int r = shmps_wait_step(&ws, v);
+            if (r == WAIT_HOLDER_DEAD) CAS(&h->active[i], &v, 0, SEQ_CST, RELAXED);
+            else if (r < 0) return r;
+        }
+    }
+    return SHMPS_OK;
+}
+
+int shmps_freeze_shared(void *base, uint64_t token, double timeout_s) {
+    shmps_shard_hdr_t *h = hdr_of(base);
+    shmps_wait_t w;
+    shmps_wait_init(&w, timeout_s);
+    uint32_t first = (uint32_t)((token >> 32) * 0x9e3779b9u) % SHMPS_READERS;
+    for (;;) {
+        uint64_t f = LOAD(&h->freeze, SEQ_CST);
+        if (f) { /* an exclusive freezer (table delete/evict) goes first */
+            int r = shmps_wait_step(&w, f);
+            if (r == WAIT_HOLDER_DEAD) CAS(&h->freeze, &f, 0, SEQ_CST, RELAXED);
+            else if (r < 0) return r;
+            continue;
+        }
+        int got = -1;
+        for (uint32_t k = 0; k < SHMPS_READERS && got < 0; k++) {
+            uint32_t i = (first + k) % SHMPS_READERS;
+            uint64_t expected = 0;
+            /* seq_cst: Dekker pair with enter()'s slot CAS + freeze-line loads, and
+             * with an exclusive freezer's CAS + reader-slot loads */
+            if (CAS(&h->readers[i], &expected, token, SEQ_CST, RELAXED)) got = (int)i;
+        }
+        if (got < 0) { /* 7 readers already: wait for one (or clear a dead one) */
+            uint64_t v = LOAD(&h->readers[first], RELAXED);
+            int r = shmps_wait_step(&w, v);
+            if (r == WAIT_HOLDER_DEAD) CAS(&h->readers[first], &v, 0, SEQ_CST, RELAXED);
+            else if (r < 0) return r;
+            continue;
+        }
+        if (LOAD(&h->freeze, SEQ_CST)) { /* an exclusive freezer came in: let it go */
+            STORE(&h->readers[got], 0, SEQ_CST);
+            continue;
+        }
+        int r = drain_pushers(h, timeout_s);
+        if (r < 0) STORE(&h->readers[got], 0, SEQ_CST);
+        return r;
+    }
+}
+
+int shmps_thaw_shared(void *base, uint64_t token) {
+    shmps_shard_hdr_t *h = hdr_of(base);
+    for (uint32_t i = 0; i < SHMPS_READERS; i++) {
+        uint64_t cur = token;
+        /* release: our reads of the shard happen-before pushers that enter after.
+         * Two threads of one process share a token: clearing either slot is the same. */
+        if (CAS(&h->readers[i], &cur, 0, RELEASE, RELAXED)) return SHMPS_OK;
+    }
+    return SHMPS_E_ARG;
+}
+
 int shmps_freeze(void *base, uint64_t token, double timeout_s) {
     shmps_shard_hdr_t *h = hdr_of(base);
     shmps_wait_t w;
@@ -117,24 +196,25 @@ int shmps_freeze(void *base, uint64_t token, double timeout_s) {
             return r;
         }
     }
-    /* 2. wait for the pushers inside to leave */
-    for (uint32_t i = 0; i < SHMPS_ACTIVE_SLOTS; i++) {
+    /* 2. wait for shared readers already inside, then for the pushers */
+    for (uint32_t i = 0; i < SHMPS_READERS; i++) {
         shmps_wait_t ws;
         shmps_wait_init(&ws, timeout_s);
         for (;;) {
-            /* seq_cst: other half of the Dekker pair (see file comment) */
-            uint64_t v = LOAD(&h->active[i], SEQ_CST);
+            uint64_t v = LOAD(&h->readers[i], SEQ_CST);
             if (v == 0) break;
             int r = shmps_wait_step(&ws, v);
             if (r == WAIT_HOLDER_DEAD) {
-                CAS(&h->active[i], &v, 0, SEQ_CST, RELAXED); /* dead pusher's slot */
+                CAS(&h->readers[i], &v, 0, SEQ_CST, RELAXED); /* dead reader's slot */
             } else if (r < 0) {
                 STORE(&h->freeze, 0, SEQ_CST);
                 return r;
             }
         }
     }
-    return SHMPS_OK;
+    int r = drain_pushers(h, timeout_s);
+    if (r < 0) STORE(&h->freeze, 0, SEQ_CST);
+    return r;
 }
 
 int shmps_thaw(void *base, uint64_t token) {
@@ -151,10 +231,10 @@ int shmps_enter(void *base, uint64_t token, double timeout_s, uint32_t *slot) {
     shmps_wait_init(&w, timeout_s);
     uint32_t first = (uint32_t)((token >> 32) * 0x9e3779b9u) % SHMPS_ACTIVE_SLOTS;
     for (;;) {
-        uint64_t f = LOAD(&h->freeze, SEQ_CST);
-        if (f != 0) {
+        uint64_t f = 0, *fw = frozen_by(h, &f);
+        if (fw) {
             int r = shmps_wait_step(&w, f);
-            if (r == WAIT_HOLDER_DEAD) CAS(&h->freeze, &f, 0, SEQ_CST, RELAXED);
+            if (r == WAIT_HOLDER_DEAD) CAS(fw, &f, 0, SEQ_CST, RELAXED);
             else if (r < 0) return r;
             continue;
         }
@@ -175,7 +255,8 @@ int shmps_enter(void *base, uint64_t token, double timeout_s, uint32_t *slot) {
         }
         /* seq_cst re-check (Dekker): a reader that froze after our first look
          * either sees our slot and waits, or we see its freeze here and back out. */
-        if (LOAD(&h->freeze, SEQ_CST) != 0) {
+        uint64_t f2 = 0;
+        if (frozen_by(h, &f2) != NULL) {
             STORE(&h->active[got], 0, SEQ_CST);
             continue;
         }

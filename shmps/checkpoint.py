@@ -60,13 +60,13 @@ def _frozen_copy(t: Tensor, i: int, fields: Callable[[Shard], dict]) -> dict:
     try:
         # ``code`` stays None if Ctrl-C is raised as the call returns (the freeze may
         # be ours then): thaw anyway, thaw only releases a freeze this process holds
-        code = lib.shmps_freeze(sh.ptr, tok, FREEZE_TIMEOUT_S)
+        code = lib.shmps_freeze_shared(sh.ptr, tok, FREEZE_TIMEOUT_S)
         _native.check(code, f"checkpoint of {t.name!r} (shard {i})")
         out: dict[str, Any] = {k: np.array(v, copy=True) for k, v in fields(sh).items()}
         out["_stats"] = _native.stats(sh.ptr)
     finally:
         if code is None or code == 0:
-            lib.shmps_thaw(sh.ptr, tok)
+            lib.shmps_thaw_shared(sh.ptr, tok)
     return out
 
 

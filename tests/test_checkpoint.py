@@ -443,7 +443,7 @@ def test_restore_missing_directory_is_not_found(tmp_path, names):
 # ---- interruption -------------------------------------------------------------------------
 
 class _FreezeThenInterrupt:
-    """Stands in for the native lib: shmps_freeze succeeds, then Ctrl-C arrives."""
+    """Stands in for the native lib: the (shared) freeze succeeds, then Ctrl-C arrives."""
 
     def __init__(self, real: Any) -> None:
         self._real = real
@@ -451,8 +451,8 @@ class _FreezeThenInterrupt:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._real, name)
 
-    def shmps_freeze(self, *args: Any) -> int:
-        code = self._real.shmps_freeze(*args)
+    def shmps_freeze_shared(self, *args: Any) -> int:
+        code = self._real.shmps_freeze_shared(*args)
         assert code == 0
         raise KeyboardInterrupt
 
