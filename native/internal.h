@@ -49,6 +49,8 @@ typedef struct {
     uint64_t active[SHMPS_ACTIVE_SLOTS] __attribute__((aligned(SHMPS_CACHELINE)));
     shmps_stats_t stats __attribute__((aligned(SHMPS_CACHELINE)));
     uint64_t table_used __attribute__((aligned(SHMPS_CACHELINE))); /* table rows taken */
+    uint64_t last_pusher;     /* token of the latest whole-tensor pusher (heuristic) */
+    uint64_t last_pusher_ns;  /* and when it started */
 } shmps_shard_hdr_t;
 
 _Static_assert(sizeof(shmps_shard_hdr_t) <= SHMPS_HEADER_SIZE, "shard header too big");

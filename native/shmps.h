@@ -127,6 +127,7 @@ int shmps_dense_pull(void *base, uint64_t token, void *out, uint64_t elem_lo,
 int shmps_dense_pull_rows(void *base, uint64_t token, const int64_t *rows, uint64_t n,
                           void *out, int consistent);
 int shmps_active_pushers(const void *base, uint32_t *n);
+int shmps_note_pusher(void *base, uint64_t token, uint64_t window_ns, uint32_t *others);
 
 /* a read-only view of several shards' values, mapped back to back */
 int shmps_view_map(const int *fds, const uint64_t *offs, const uint64_t *lens, uint32_t n,

@@ -274,6 +274,20 @@ int shmps_leave(void *base, uint64_t token, uint32_t slot) {
     return SHMPS_OK;
 }
 
+/* Records this pusher and says whether another process started a push within
+ * window_ns: then the cores are shared already and a push should not be split into
+ * threads.  Relaxed and racy on purpose: a heuristic, never a correctness input. */
+int shmps_note_pusher(void *base, uint64_t token, uint64_t window_ns, uint32_t *others) {
+    shmps_shard_hdr_t *h = hdr_of(base);
+    uint64_t now = shmps_now_ns();
+    uint64_t prev = LOAD(&h->last_pusher, RELAXED);
+    uint64_t prev_ns = LOAD(&h->last_pusher_ns, RELAXED);
+    *others = prev != 0 && prev != token && now - prev_ns < window_ns;
+    if (prev != token) STORE(&h->last_pusher, token, RELAXED);
+    STORE(&h->last_pusher_ns, now, RELAXED);
+    return SHMPS_OK;
+}
+
 int shmps_active_pushers(const void *base, uint32_t *n) {
     const shmps_shard_hdr_t *h = (const shmps_shard_hdr_t *)base;
     uint32_t c = 0;

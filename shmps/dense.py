@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from typing import Any, Optional
 
 import numpy as np
@@ -52,6 +53,7 @@ class DenseTensor(Tensor):
         self._gdtype = np.dtype("float32") if self.dtype == np.float16 else self.dtype
         self._gcode = _native.DTYPE_CODES[self._gdtype.name]
         self._view: Optional[np.ndarray] = None
+        self._others_until = 0.0  # another process pushed recently: don't split
         # element offset of each shard within the whole tensor
         self._elem0 = [i * self.shard_rows * self.row_len for i in range(self.nshards)]
         # one C call per push/pull for one-shard tensors below the split size
@@ -143,14 +145,16 @@ class DenseTensor(Tensor):
             self._count(False, g.nbytes, r.size)
 
     def _threads_for(self, nbytes: int) -> int:
-        """Split a large push over this process's cores, unless another pusher is
-        already in the tensor (then the cores are shared anyway)."""
+        """Split a large push over this process's cores, unless another process has
+        pushed to the tensor in the last 100 ms (then the cores are shared already,
+        and more threads than cores only thrash)."""
         nthreads = min(NCPU, nbytes // SPLIT_BYTES)
-        if nthreads > 1:
-            busy = _native.ffi.new("uint32_t *")
-            lib.shmps_active_pushers(self._shard(0).ptr, busy)
-            if busy[0] > 0:
-                return 1
+        others = _native.ffi.new("uint32_t *")
+        lib.shmps_note_pusher(self._shard(0).ptr, _native.token(), 100_000_000, others)
+        if others[0] or (self._others_until > time.monotonic()):
+            if others[0]:
+                self._others_until = time.monotonic() + 0.1
+            return 1
         return max(1, nthreads)
 
     def _push_all(self, g: np.ndarray, step: int, nthreads: int) -> None:
