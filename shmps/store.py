@@ -389,9 +389,11 @@ class Store:
         self._refresh()
         return len(self._record_list)
 
-    def _create_segments(self, tid: int, specs: list[dict], fill: Any) -> int:
-        """Create, lay out and fill one segment per spec; returns total bytes.
-        Removes what it made if anything fails."""
+    def _create_segments(self, tid: int, specs: list[dict], fill: Any,
+                         check: Any = None) -> int:
+        """Create, lay out and fill one segment per spec, then run ``check(segments)``
+        (if given) while they are all mapped; returns total bytes.  Removes what it
+        made if anything fails."""
         made: list[Segment] = []
         total = 0
         try:
@@ -404,6 +406,8 @@ class Store:
                 _native.shard_init(seg.ptr, seg.size, spec)
                 fill(s, seg, lay)
                 total += seg.size
+            if check is not None:
+                check(made)
         except BaseException:
             for seg in made:
                 seg.close()
@@ -494,7 +498,6 @@ class Store:
         ``_save_sparse``): every segment is filled and checked before the record is
         appended, so no process sees a half-restored tensor."""
         from .checkpoint import _AUX_STEP_MASK, _CTL_TABLE_LIVE, _raw_regions
-        from .errors import CorruptFile
 
         rec = dict(rec)
         dt = np.dtype(rec["dtype"])
@@ -504,67 +507,52 @@ class Store:
         # (shard 0's, restored below)
         last = max((int((np.asarray(r["stripes"][1::2]) & np.uint64(_AUX_STEP_MASK))
                         .max(initial=0)) for r in raw), default=0) if table else 0
-        made: list[Segment] = []
+        starts = np.concatenate([[0], np.cumsum([sp["nnz"] for sp in specs])]).astype(int)
+
+        def fill(s: int, seg: Segment, lay: dict) -> None:
+            n, d, e0 = lay["nnz"], raw[s], int(starts[s])
+            _copy_in(seg.array(dt, lay["value_off"], n), values, e0, e0 + n)
+            sdt = _native.DTYPE_NAMES[lay["state_dtype"]]
+            for k, st in enumerate(states):
+                _copy_in(seg.array(sdt, lay["state_off"][k], n), st, e0, e0 + n)
+            if not table:
+                seg.array(np.int64, lay["rowcnt_off"], lay["nrows"] + 1)[...] = d["_rowcnt"]
+                seg.array(np.int64, lay["colidx_off"], n)[...] = d["_colidx"]
+            for region, off, words in _raw_regions(lay):
+                seg.array(np.uint64, off, words)[...] = d[region]
+            step = shards[s]["step"]
+            if table:
+                _native.check(lib.shmps_set_table_used(seg.ptr, int(shards[s]["table_used"])),
+                              f"restore of {rec['name']!r}")
+                if s == 0:
+                    ctl = seg.array(np.uint64, lay["index_off"] + 16 * lay["nslots"],
+                                    _CTL_TABLE_LIVE + 1)
+                    ctl[_CTL_TABLE_LIVE] = live
+                    step = max(step, last)
+            lib.shmps_set_step(seg.ptr, step)
+            if not table:  # as attach will: the structure
+                _native.shard_validate(seg.ptr, seg.size, seg.name)
+            bar.update(seg.size)
+
+        def check(made: list) -> None:
+            if not table:
+                return
+            info = ffi.new("uint64_t[4]")
+            bases = ffi.new("void *[]", [seg.ptr for seg in made])
+            code = lib.shmps_table_check(bases, len(made), _native.token(), info)
+            if code == lib.SHMPS_E_CORRUPT:
+                raise CorruptFile(f"checkpoint of table {rec['name']!r}: invariant "
+                                  f"{int(info[0])} broken in shard {int(info[1])} "
+                                  f"at {int(info[2])}")
+            _native.check(code, f"restore of table {rec['name']!r}")
+
         with self._lock:
             self._lock_manifest()
             try:
                 if self._record(rec["name"]) is not None:
                     raise SchemaError(f"tensor {rec['name']!r} already exists in {self.name!r}")
                 rec["id"] = tid = self._next_id()
-                total, e0 = 0, 0
-                try:
-                    for s, spec in enumerate(specs):
-                        lay = _native.layout(spec)
-                        name = names.shard_name(self.name, self.namespace, tid, s)
-                        unlink(name)  # debris of a creator that died before registering
-                        seg = Segment.create(name, lay["total_size"])
-                        made.append(seg)
-                        _native.shard_init(seg.ptr, seg.size, spec)
-                        n, d = lay["nnz"], raw[s]
-                        seg.array(dt, lay["value_off"], n)[...] = values[e0:e0 + n]
-                        sdt = _native.DTYPE_NAMES[lay["state_dtype"]]
-                        for k, st in enumerate(states):
-                            seg.array(sdt, lay["state_off"][k], n)[...] = st[e0:e0 + n]
-                        e0 += n
-                        if not table:
-                            seg.array(np.int64, lay["rowcnt_off"], lay["nrows"] + 1)[...] = \
-                                d["_rowcnt"]
-                            seg.array(np.int64, lay["colidx_off"], n)[...] = d["_colidx"]
-                        for region, off, words in _raw_regions(lay):
-                            seg.array(np.uint64, off, words)[...] = d[region]
-                        step = shards[s]["step"]
-                        if table:
-                            _native.check(
-                                lib.shmps_set_table_used(seg.ptr, int(shards[s]["table_used"])),
-                                f"restore of {rec['name']!r}")
-                            if s == 0:
-                                ctl = seg.array(np.uint64, lay["index_off"] + 16 * lay["nslots"],
-                                                _CTL_TABLE_LIVE + 1)
-                                ctl[_CTL_TABLE_LIVE] = live
-                            if s == 0 and step < last:
-                                step = last
-                        lib.shmps_set_step(seg.ptr, step)
-                        if not table:  # as attach will: the structure
-                            _native.shard_validate(seg.ptr, seg.size, seg.name)
-                        total += seg.size
-                        bar.update(seg.size)
-                    if table:
-                        info = ffi.new("uint64_t[4]")
-                        bases = ffi.new("void *[]", [seg.ptr for seg in made])
-                        code = lib.shmps_table_check(bases, len(made), _native.token(), info)
-                        if code == lib.SHMPS_E_CORRUPT:
-                            raise CorruptFile(f"checkpoint of table {rec['name']!r}: invariant "
-                                              f"{int(info[0])} broken in shard {int(info[1])} "
-                                              f"at {int(info[2])}")
-                        _native.check(code, f"restore of table {rec['name']!r}")
-                except BaseException:
-                    for seg in made:
-                        seg.close()
-                        unlink(seg.name)
-                    raise
-                for seg in made:
-                    seg.close()
-                rec["bytes"] = total
+                rec["bytes"] = self._create_segments(tid, specs, fill, check)
                 self._append(rec)
             finally:
                 lib.shmps_manifest_unlock(self._mptr)
