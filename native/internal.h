@@ -51,9 +51,18 @@ typedef struct {
     uint64_t table_used __attribute__((aligned(SHMPS_CACHELINE))); /* table rows taken */
     uint64_t last_pusher;     /* token of the latest whole-tensor pusher (heuristic) */
     uint64_t last_pusher_ns;  /* and when it started */
+    uint64_t fingerprint;     /* SHMPS_FINGERPRINT of the build that laid it out */
 } shmps_shard_hdr_t;
 
 _Static_assert(sizeof(shmps_shard_hdr_t) <= SHMPS_HEADER_SIZE, "shard header too big");
+
+/* What two builds must agree on to share a shard: the header's and the spec's sizes
+ * and where the mutable words sit.  A process of another build refuses the segment
+ * (CorruptSegment) instead of misreading it. */
+#define SHMPS_FINGERPRINT                                                              \
+    ((uint64_t)sizeof(shmps_shard_hdr_t) | (uint64_t)sizeof(shmps_spec_t) << 16 |   \
+     (uint64_t)__builtin_offsetof(shmps_shard_hdr_t, active) << 32 |                  \
+     (uint64_t)__builtin_offsetof(shmps_shard_hdr_t, table_used) << 48)
 
 /* Bounded waiting with dead-owner detection.  wait_step() spins briefly, then
  * yields, then sleeps; from 1 ms on it checks every millisecond whether the token

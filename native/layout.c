@@ -167,6 +167,7 @@ int shmps_shard_init(void *base, uint64_t size, const shmps_spec_t *spec) {
     h->spec = s;
     h->header_size = SHMPS_HEADER_SIZE;
     h->version = SHMPS_LAYOUT_VERSION;
+    h->fingerprint = SHMPS_FINGERPRINT;
     fill_state(base, &s);
     /* release: the whole layout is written before the magic that validates it
      * (pairs with the acquire load in shmps_shard_validate) */
@@ -193,6 +194,7 @@ int shmps_shard_validate(const void *base, uint64_t size, shmps_spec_t *out) {
     if (LOAD(&h->magic, ACQUIRE) != SHMPS_SHARD_MAGIC) return SHMPS_E_CORRUPT;
     if (h->version != SHMPS_LAYOUT_VERSION) return SHMPS_E_VERSION;
     if (h->header_size != SHMPS_HEADER_SIZE) return SHMPS_E_CORRUPT;
+    if (h->fingerprint != SHMPS_FINGERPRINT) return SHMPS_E_VERSION; /* another build */
     shmps_spec_t s = h->spec; /* the inputs, recomputed below, must agree */
     if (shmps_layout(&s) != SHMPS_OK) return SHMPS_E_CORRUPT;
     if (!same_layout(&s, &h->spec) || s.total_size != size) return SHMPS_E_CORRUPT;
