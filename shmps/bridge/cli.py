@@ -1,0 +1,101 @@
+"""``shmps-bridge``: the per-host bridge process (see docs/bridge-protocol.md).
+
+    shmps-bridge --peers hosts.txt --store model [--listen HOST:PORT] [--replicas 2]
+                 [--secret-file F] [--namespace NS] [--flush-ms 5] [--allow-minority]
+
+Every bad argument is one line on stderr and exit status 2, without a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import socket
+import sys
+from typing import Optional, Sequence
+
+from ..errors import Error
+from .members import DEAD_AFTER, normalize_address, parse_address, read_hosts
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"shmps-bridge: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="shmps-bridge", description="Forward a store's pushes to the shard "
+                "owners on other hosts and replicate shards (docs/bridge-protocol.md).")
+    p.add_argument("--peers", required=True, metavar="HOSTS_TXT",
+                   help="member list: one host:port a line, '#' comments; watched for edits")
+    p.add_argument("--store", required=True, help="the store name (as in shmps.attach)")
+    p.add_argument("--listen", metavar="HOST:PORT",
+                   help="address to listen on; must be listed in HOSTS_TXT (default: the one "
+                        "entry of HOSTS_TXT that is an address of this machine)")
+    p.add_argument("--replicas", type=int, default=2,
+                   help="copies of every shard that acknowledge a batch (default 2)")
+    p.add_argument("--secret-file", metavar="F",
+                   help="shared secret (16..4096 bytes, mode 0600); required to listen on "
+                        "anything but loopback")
+    p.add_argument("--namespace", default=os.environ.get("SHMPS_NAMESPACE") or None,
+                   help="shared-memory namespace of the store (as shmps.attach(namespace=))")
+    p.add_argument("--flush-ms", type=float, default=5.0,
+                   help="how often outboxes are drained and sent (default 5 ms)")
+    p.add_argument("--allow-minority", action="store_true",
+                   help="own shards without a majority (two hosts that only fail by "
+                        "crashing; a partition then splits the brain: see the docs)")
+    p.add_argument("--dead-after", type=float, default=DEAD_AFTER,
+                   help=f"seconds of silence before a peer is dead (default {DEAD_AFTER})")
+    p.add_argument("--log-level", default="INFO",
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+def _local_addresses() -> set[str]:
+    out = {"127.0.0.1", "::1", "localhost", socket.gethostname().lower()}
+    try:
+        for info in socket.getaddrinfo(socket.gethostname(), None):
+            out.add(str(info[4][0]))
+    except OSError:
+        pass
+    return out
+
+
+def _pick_listen(members: list[str]) -> str:
+    local = _local_addresses()
+    mine = [m for m in members if parse_address(m)[0] in local]
+    if len(mine) != 1:
+        raise Error(f"cannot tell which entry of the member list is this host ({len(mine)} "
+                    "match its addresses)", "pass --listen HOST:PORT")
+    return mine[0]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=getattr(logging, args.log_level),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from . import auth
+    from .node import Config, serve
+    try:
+        members = read_hosts(args.peers)
+        listen = normalize_address(args.listen) if args.listen else _pick_listen(members)
+        secret = auth.load_secret(args.secret_file) if args.secret_file else None
+        cfg = Config(peers_file=args.peers, store=args.store, listen=listen,
+                     replicas=args.replicas, secret=secret, namespace=args.namespace,
+                     flush_ms=args.flush_ms, allow_minority=args.allow_minority,
+                     dead_after=args.dead_after)
+        asyncio.run(serve(cfg))
+    except Error as e:
+        print(f"shmps-bridge: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"shmps-bridge: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1353 @@
+"""The bridge process: one per host, forwarding pushes to shard owners and replicating.
+
+A :class:`Bridge` attaches to the local store, turns forwarding on (every push lands in
+its tensor's outbox instead of being applied), and then, on an asyncio loop:
+
+- **membership**: heartbeats to every peer every 0.1 s over an authenticated websocket
+  (:mod:`.auth`), member states and epochs (:mod:`.members`), the ring of live members
+  (:mod:`.ring`), ``hosts.txt`` watched and ``POST /v1/members``;
+- **sending**: every ``flush_ms`` it drains each outbox shard into BATCH frames
+  (:mod:`.frames`), queues them per stream (:class:`.outq.OutQueue`) and sends them to
+  the shard's owner (itself included: then they are applied in-process), resending
+  what is unacknowledged after an ownership change; an acknowledged drain is published
+  to the outbox so ``store.flush()`` in the workers returns;
+- **owning**: a BATCH for a shard it owns (with quorum, in the same epoch) is checked,
+  filtered for duplicates (:class:`.outq.Dedup`), applied through the store's C push
+  path, and its changed rows go to every other host as ROWS; the sender is acknowledged
+  once every backup acknowledged those rows;
+- **replicating**: ROWS and SNAPSHOT frames from a shard's owner are written into the
+  local copy, with the duplicate marks they carry, so a backup can take over;
+- **failover, join, leave**: on every change of the live set the ring is recomputed; a
+  new owner waits for the previous owner's hand-over snapshot when that owner is still
+  alive, new replicas get snapshots, senders resend.
+
+docs/bridge-protocol.md describes the protocol; this module is its implementation.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import random
+import signal
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from ..errors import CapacityError, Error, InvalidArgument
+from . import auth, frames
+from .frames import FrameType, Layout, Mark, Status
+from .members import (DEAD_AFTER, HEARTBEAT_INTERVAL, Membership, State, member_id,
+                      normalize_address, parse_address, parse_hosts, read_hosts, watch_file)
+from .outq import Backpressure, ByteBudget, Dedup, OutQueue, Verdict
+from .ring import Ring, shard_key
+
+log = logging.getLogger("shmps.bridge")
+
+ROWS_SEQ_BASE = 1 << 63          #: ROWS/SNAPSHOT seqs live above this (BATCH seqs below)
+TICK = 0.02                      #: maintenance interval (s)
+RETRY = 0.05                     #: resend delay after a refusal (s)
+HANDOVER_TIMEOUT = 3.0           #: a new owner waits this long for the old owner's snapshot
+CATALOG_INTERVAL = 0.5           #: how often tensor catalogs are compared with peers (s)
+MAX_MSG = frames.MAX_FRAME_BYTES + 4096
+MAX_BAD_FRAMES = 3               #: malformed frames in a row before a connection is closed
+SNAPSHOT_FRAME_BYTES = 1 << 20   #: values per snapshot chunk
+
+
+@dataclass
+class Config:
+    """What ``shmps-bridge`` was started with (see :func:`shmps.bridge.cli.main`)."""
+
+    peers_file: str
+    store: str
+    listen: str
+    replicas: int = 2
+    secret: Optional[bytes] = None
+    namespace: Optional[str] = None
+    flush_ms: float = 5.0
+    allow_minority: bool = False
+    dead_after: float = DEAD_AFTER
+    heartbeat: float = HEARTBEAT_INTERVAL
+    budget_bytes: int = 256 << 20
+    startup_grace: Optional[float] = None   #: default: 2 * dead_after
+
+
+# --------------------------------------------------------------------------- tensors
+
+@dataclass
+class TInfo:
+    """A tensor the bridge forwards: its id in frames and how its rows look."""
+
+    name: str
+    tid: int
+    kind: str                 #: "dense" or "table"
+    t: Any                    #: the store's tensor object
+    nshards: int
+    dtype: np.dtype           #: value dtype
+    gdtype: np.dtype          #: gradient dtype (BATCH)
+    cols: int                 #: values per row
+    row_shape: tuple
+    nrows: Optional[int]      #: dense rows; None for tables
+    shard_rows: int
+    record: dict
+
+    def shard_range(self, s: int) -> tuple[int, int]:
+        lo = s * self.shard_rows
+        return lo, min(self.nrows or 0, lo + self.shard_rows)
+
+
+def _user_record(rec: dict) -> bool:
+    """Tensors the bridge forwards: dense (not aggregated) and tables, not hidden ones."""
+    return ("#" not in rec["name"] and rec["kind"] in ("dense", "table")
+            and not rec.get("aggregate"))
+
+
+# --------------------------------------------------------------------------- per shard
+
+@dataclass
+class Pending:
+    """A batch applied by this owner, waiting for its backups before it is acknowledged."""
+
+    rseq: int
+    reply: Callable[[bytes], None]
+    ack: bytes
+
+
+@dataclass
+class ShardState:
+    """What this host knows about one shard, in every role."""
+
+    key: str
+    dedup: Dedup = field(default_factory=Dedup)
+    # owner side
+    rseq: int = 0                                        # ROWS/SNAPSHOT counter
+    acked: dict = field(default_factory=dict)            # member -> highest rseq acked
+    synced: set = field(default_factory=set)             # members holding a full copy
+    snapshotting: dict = field(default_factory=dict)     # member -> last rseq of its snapshot
+    pending: deque = field(default_factory=deque)
+    handover_from: Optional[str] = None
+    handover_until: float = 0.0
+    failover_from: Optional[str] = None                  # the dead owner, until first apply
+    failover_dead_seen: float = 0.0
+    # replica side
+    snap_epoch_seen: int = -1                            # a LAST snapshot chunk arrived
+    last_snap: tuple = ("", -1)                          # (from whom, its epoch)
+    snap_retry: dict = field(default_factory=dict)       # member -> no snapshot before
+    snapshots_received: int = 0
+
+
+@dataclass
+class SendStream:
+    """This host's stream of BATCH frames for one shard."""
+
+    q: OutQueue
+    drains: deque = field(default_factory=deque)         # (last seq, outbox pushed value)
+    target: Optional[str] = None
+    retry_at: float = 0.0
+
+
+# --------------------------------------------------------------------------- connections
+
+class Conn:
+    """One websocket with a writer task, so senders never wait on the network."""
+
+    def __init__(self, ws: Any, peer: str) -> None:
+        self.ws = ws
+        self.peer = peer
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.closed = False
+        self.writer = asyncio.get_running_loop().create_task(self._write())
+
+    def send(self, data: bytes) -> bool:
+        if self.closed:
+            return False
+        self.queue.put_nowait(data)
+        return True
+
+    async def _write(self) -> None:
+        try:
+            while True:
+                data = await self.queue.get()
+                await self.ws.send_bytes(data)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the connection broke: the reader notices and reconnects
+            log.debug("send to %s failed: %s", self.peer, e)
+            self.closed = True
+            await self.ws.close()
+
+    async def close(self) -> None:
+        self.closed = True
+        self.writer.cancel()
+        try:
+            await self.ws.close()
+        except Exception:
+            pass
+
+
+class Link:
+    """This host's outgoing connection to one peer: frames it sends, ACKs it receives."""
+
+    def __init__(self, node: "Bridge", addr: str) -> None:
+        self.node = node
+        self.addr = addr
+        self.conn: Optional[Conn] = None
+        self.up_since = 0.0
+        self.task = asyncio.get_running_loop().create_task(self._run(), name=f"link {addr}")
+
+    @property
+    def up(self) -> bool:
+        return self.conn is not None and not self.conn.closed
+
+    def send(self, data: bytes) -> bool:
+        c = self.conn
+        return c.send(data) if c is not None else False
+
+    async def _run(self) -> None:
+        import aiohttp
+
+        host, port = parse_address(self.addr)
+        url = f"http://{host if ':' not in host else '[' + host + ']'}:{port}/v1/stream"
+        while True:
+            try:
+                async with self.node.session.ws_connect(
+                        url, max_msg_size=MAX_MSG, autoping=True,
+                        timeout=aiohttp.ClientWSTimeout(ws_close=1.0)) as ws:
+                    hello = await asyncio.wait_for(ws.receive_bytes(), 2.0)
+                    hs = auth.ClientHandshake(self.node.cfg.secret, self.node.addr, "data",
+                                              sender=self.node.mid,
+                                              incarnation=self.node.incarnation,
+                                              server_id=self.addr)
+                    await ws.send_bytes(hs.answer(hello))
+                    hs.check(await asyncio.wait_for(ws.receive_bytes(), 2.0))
+                    self.conn = Conn(ws, self.addr)
+                    self.up_since = time.monotonic()
+                    self.node.on_link_up(self.addr)
+                    async for msg in ws:
+                        if msg.type != aiohttp.WSMsgType.BINARY:
+                            break
+                        self.node.on_reply(self.addr, msg.data)
+            except asyncio.CancelledError:
+                if self.conn:
+                    await self.conn.close()
+                raise
+            except auth.AuthError as e:
+                self.node.metrics.rejected("auth")
+                log.warning("peer %s failed authentication: %s", self.addr, e)
+            except Exception as e:
+                log.debug("link to %s: %s", self.addr, e)
+            if self.conn is not None:
+                await self.conn.close()
+                self.conn = None
+                self.node.on_link_down(self.addr)
+            await asyncio.sleep(0.05)
+
+
+# --------------------------------------------------------------------------- metrics
+
+class Metrics:
+    """Prometheus counters and gauges of one bridge (its own registry)."""
+
+    def __init__(self) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = r = CollectorRegistry()
+        self.frames_sent = Counter("shmps_bridge_frames_sent", "frames sent", ["type"], registry=r)
+        self.bytes_sent = Counter("shmps_bridge_bytes_sent", "frame bytes sent", ["type"],
+                                  registry=r)
+        self.frames_recv = Counter("shmps_bridge_frames_received", "frames received", ["type"],
+                                   registry=r)
+        self.bytes_recv = Counter("shmps_bridge_bytes_received", "frame bytes received",
+                                  ["type"], registry=r)
+        self.applied = Counter("shmps_bridge_batches_applied", "batches applied as owner",
+                               registry=r)
+        self.applied_bytes = Counter("shmps_bridge_gradient_bytes_applied",
+                                     "gradient bytes applied as owner", registry=r)
+        self.duplicates = Counter("shmps_bridge_duplicate_batches",
+                                  "batches received again and not applied", registry=r)
+        self.rejected_c = Counter("shmps_bridge_rejected_frames", "frames refused", ["reason"],
+                                  registry=r)
+        self.failovers = Counter("shmps_bridge_failovers", "shards taken over from a dead "
+                                 "owner", registry=r)
+        self.failover_s = Histogram("shmps_bridge_failover_seconds", "owner's last heartbeat"
+                                    " to the first batch applied by its successor", registry=r,
+                                    buckets=(0.1, 0.2, 0.3, 0.5, 0.75, 1, 2, 5))
+        self.epoch = Gauge("shmps_bridge_epoch", "membership epoch", registry=r)
+        self.pending = Gauge("shmps_bridge_pending_bytes", "unacknowledged batch bytes",
+                             registry=r)
+        self.staleness = Gauge("shmps_bridge_staleness_seconds", "age of the oldest "
+                               "unacknowledged batch", registry=r)
+        self.owned = Gauge("shmps_bridge_shards_owned", "shards this host owns", registry=r)
+
+    def rejected(self, reason: str) -> None:
+        self.rejected_c.labels(reason).inc()
+
+    def sent(self, ftype: str, n: int) -> None:
+        self.frames_sent.labels(ftype).inc()
+        self.bytes_sent.labels(ftype).inc(n)
+
+
+# --------------------------------------------------------------------------- the bridge
+
+class Bridge:
+    """One host's bridge. ``await start()``, then ``await run_until_stopped()``."""
+
+    def __init__(self, cfg: Config) -> None:
+        if cfg.replicas < 1:
+            raise InvalidArgument(f"--replicas {cfg.replicas} must be >= 1")
+        if not cfg.flush_ms > 0:
+            raise InvalidArgument(f"--flush-ms {cfg.flush_ms} must be > 0")
+        self.cfg = cfg
+        self.addr = normalize_address(cfg.listen)
+        auth.check_bind(parse_address(self.addr)[0], cfg.secret)
+        self.mid = member_id(self.addr)
+        self.incarnation = random.SystemRandom().randrange(1, 1 << 32)
+        configured = read_hosts(cfg.peers_file)
+        if self.addr not in configured:
+            raise InvalidArgument(f"this bridge listens on {self.addr}, which is not listed in "
+                                  f"{cfg.peers_file}",
+                                  hint="add it to the file, or pass the --listen address "
+                                       "that the file lists for this host")
+        self.members = Membership(configured, self.addr, dead_after=cfg.dead_after,
+                                  allow_minority=cfg.allow_minority)
+        self.ring = Ring(self.members.live())
+        self.prev_ring: Optional[Ring] = None
+        self.metrics = Metrics()
+        self.started = time.monotonic()
+        self.grace_until = self.started + (cfg.startup_grace if cfg.startup_grace is not None
+                                           else 2 * cfg.dead_after)
+        self.ready_flag = False        # joining and every shard copied
+        self.leaving = False
+        self.handed_over = False
+        self.tensors: dict[int, TInfo] = {}
+        self.by_name: dict[str, TInfo] = {}
+        self.shards: dict[tuple[int, int], ShardState] = {}
+        self.streams: dict[tuple[int, int], SendStream] = {}
+        self.budget = ByteBudget(cfg.budget_bytes)
+        self.links: dict[str, Link] = {}
+        self.incoming: dict[str, Conn] = {}
+        self.ids: dict[int, str] = {member_id(m): m for m in configured}
+        self.hb_seq = 0
+        self.failover_log: list[dict] = []
+        self.joined_at_epoch: Optional[int] = None
+        self.catalog_seen_from: set[str] = set()
+        self.store: Any = None
+        self.session: Any = None
+        self.runner: Any = None
+        self._tasks: list[asyncio.Task] = []
+        self._verifier = auth.RequestVerifier(cfg.secret)
+        self._stop_event: Optional[asyncio.Event] = None
+        self._owner_cache: dict[str, list[str]] = {}
+        self._peer_rings: dict[str, set] = {}   # the ring each peer's last heartbeat shows
+        self._incarnations: dict[str, int] = {}
+
+    # ------------------------------------------------------------ life cycle
+    async def start(self) -> None:
+        import aiohttp
+        from aiohttp import web
+
+        import shmps
+
+        self._stop_event = asyncio.Event()
+        self.store = shmps.attach(self.cfg.store, namespace=self.cfg.namespace)
+        self.store._set_forwarding(True)
+        self.refresh_tensors()
+        self.session = aiohttp.ClientSession()
+        app = web.Application(client_max_size=64 << 10)
+        app.router.add_get("/health", self.h_health)
+        app.router.add_get("/metrics", self.h_metrics)
+        app.router.add_get("/v1/stream", self.h_stream)
+        app.router.add_get("/v1/catalog", self.h_catalog)
+        app.router.add_post("/v1/members", self.h_members)
+        self.runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await self.runner.setup()
+        host, port = parse_address(self.addr)
+        site = web.TCPSite(self.runner, host, port, reuse_address=True)
+        await site.start()
+        for m in self.members.configured:
+            if m != self.addr:
+                self.links[m] = Link(self, m)
+        loop = asyncio.get_running_loop()
+        self._tasks += [loop.create_task(self._heartbeat_loop(), name="heartbeat"),
+                        loop.create_task(self._tick_loop(), name="tick"),
+                        loop.create_task(self._flush_loop(), name="flush"),
+                        loop.create_task(self._catalog_loop(), name="catalog"),
+                        watch_file(self.cfg.peers_file, self._on_hosts_file, 0.25)]
+        log.info("bridge %s up (store %r, namespace %r, incarnation %08x, %d members, "
+                 "replicas %d)", self.addr, self.cfg.store, self.cfg.namespace,
+                 self.incarnation, len(self.members.configured), self.cfg.replicas)
+
+    def request_stop(self) -> None:
+        if self._stop_event is not None:
+            self._stop_event.set()
+
+    async def run_until_stopped(self) -> None:
+        assert self._stop_event is not None
+        await self._stop_event.wait()
+
+    async def leave(self, timeout: float = 10.0) -> None:
+        """Leave on purpose: stop owning after the others took over, forward what this
+        host's workers pushed, then hand over."""
+        self.leaving = True
+        self.members.mark_leaving(self.addr)
+        deadline = time.monotonic() + timeout
+        # this host's own pushes reach their owners first
+        while time.monotonic() < deadline and (self._unacked() or self._outbox_pending()):
+            await asyncio.sleep(0.02)
+        self.handed_over = True
+        # wait until the others dropped this host from the ring, and hand its shards over
+        while time.monotonic() < deadline and self._others_still_see_me():
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.1)
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for link in self.links.values():
+            link.task.cancel()
+        for c in list(self.incoming.values()):
+            await c.close()
+        await asyncio.gather(*self._tasks, *(ln.task for ln in self.links.values()),
+                             return_exceptions=True)
+        if self.session is not None:
+            await self.session.close()
+        if self.runner is not None:
+            await self.runner.cleanup()
+        if self.store is not None:
+            self.store.close()
+
+    # ------------------------------------------------------------ tensors
+    def refresh_tensors(self) -> None:
+        """Pick up tensors created since the last look (workers create them)."""
+        self.store._refresh()
+        for rec in list(self.store._record_list):
+            if not _user_record(rec) or rec["name"] in self.by_name:
+                continue
+            tid = frames.tensor_id(rec["name"])
+            if tid in self.tensors:
+                log.error("tensors %r and %r have the same 32-bit id; %r is not forwarded",
+                          self.tensors[tid].name, rec["name"], rec["name"])
+                continue
+            t = self.store[rec["name"]]
+            dt = np.dtype(rec["dtype"])
+            gdt = np.dtype("float32") if dt == np.float16 else dt
+            if rec["kind"] == "dense":
+                shape = tuple(rec["shape"])
+                row_shape = shape[1:]
+                cols = int(np.prod(row_shape, dtype=np.int64)) if shape else 1
+                nrows: Optional[int] = shape[0] if shape else 1
+            else:
+                row_shape = (int(rec["dim"]),)
+                cols = int(rec["dim"])
+                nrows = None
+            if cols * gdt.itemsize + 4096 > frames.MAX_FRAME_BYTES:
+                log.error("tensor %r: one row (%d bytes) does not fit in a frame; it is not "
+                          "forwarded", rec["name"], cols * gdt.itemsize)
+                continue
+            info = TInfo(rec["name"], tid, rec["kind"], t, int(rec["nshards"]), dt, gdt, cols,
+                         row_shape, nrows, int(rec.get("shard_rows", 1)), rec)
+            self.tensors[tid] = info
+            self.by_name[info.name] = info
+            for s in range(info.nshards):
+                self.shards[(tid, s)] = ShardState(shard_key(info.name, s))
+                self.streams[(tid, s)] = SendStream(OutQueue(self.budget))
+                self._role_change((tid, s), None, self.owners(shard_key(info.name, s)))
+            log.info("forwarding tensor %r (%s, %d shards)", info.name, info.kind, info.nshards)
+
+    def create_from_record(self, rec: dict) -> None:
+        """Create a tensor a peer has (same schema), so this host can own and replicate it."""
+        from ..updaters import from_dict
+
+        name = rec["name"]
+        if rec["kind"] == "dense":
+            self.store.dense(name, tuple(rec["shape"]), rec["dtype"],
+                             optimizer=from_dict(rec["optimizer"]), mode=rec.get("mode"),
+                             shard_rows=int(rec["shard_rows"]),
+                             allow_nonfinite=bool(rec.get("allow_nonfinite", False)))
+        elif rec["kind"] == "table":
+            spec = rec.get("init_spec") or ["zeros"]
+            self.store.table(name, dim=int(rec["dim"]), dtype=rec["dtype"],
+                             capacity=int(rec["capacity"]),
+                             optimizer=from_dict(rec["optimizer"]), init=tuple(spec),
+                             seed=int(rec.get("seed", 0)), shards=int(rec["nshards"]),
+                             allow_nonfinite=bool(rec.get("allow_nonfinite", False)))
+
+    # ------------------------------------------------------------ ring and roles
+    def owners(self, key: str) -> list[str]:
+        o = self._owner_cache.get(key)
+        if o is None:
+            o = self.ring.owners(key, self.cfg.replicas) if len(self.ring) else []
+            self._owner_cache[key] = o
+        return o
+
+    def owner(self, key: str) -> Optional[str]:
+        o = self.owners(key)
+        return o[0] if o else None
+
+    def acting(self) -> bool:
+        """This host may own shards now: it has quorum, is on the ring, and its start-up
+        grace (listening for a running cluster's epoch) is over."""
+        return (time.monotonic() >= self.grace_until and self.members.has_quorum()
+                and self.members.state(self.addr) in (State.ALIVE, State.SUSPECT, State.LEAVING))
+
+    def _on_changes(self, changes: list) -> None:
+        if not changes:
+            return
+        live = self.members.live()
+        if tuple(self.ring.members) != tuple(live):
+            old = self.ring
+            self.prev_ring = old
+            self.ring = old.with_members(live) if len(live) else Ring([])
+            self._owner_cache.clear()
+            prev_owners = {}
+            for key, st in self.shards.items():
+                prev_owners[key] = old.owners(st.key, self.cfg.replicas) if len(old) else []
+            for key, st in self.shards.items():
+                self._role_change(key, prev_owners[key], self.owners(st.key))
+            for sk, stream in self.streams.items():
+                stream.q.rewind()
+                stream.target = None
+            log.info("epoch %d: ring %s", self.members.epoch, ", ".join(live) or "(empty)")
+        self.metrics.epoch.set(self.members.epoch)
+        for c in changes:
+            if c.new is State.DEAD or c.new is None:
+                for st in self.shards.values():
+                    st.synced.discard(c.member)
+                    st.snapshotting.pop(c.member, None)
+                    st.acked.pop(c.member, None)
+            if c.member == self.addr and c.new is State.JOINING:
+                self.joined_at_epoch = self.members.epoch
+                self.ready_flag = False
+                for st in self.shards.values():
+                    st.snap_epoch_seen = -1
+
+    def _role_change(self, key: tuple, old: Optional[list], new: list) -> None:
+        st = self.shards[key]
+        was = bool(old) and old[0] == self.addr
+        now = bool(new) and new[0] == self.addr
+        if was and not now:
+            # lost the shard: drop unacknowledged replies (senders resend to the new owner)
+            # and hand the shard over to its new owner if it is reachable
+            st.pending.clear()
+            st.synced.clear()
+            st.snapshotting.clear()
+            if new and new[0] in self.members.reachable():
+                asyncio.get_running_loop().create_task(self._send_snapshot(key, new[0],
+                                                                           handover=True))
+        elif now and not was:
+            st.synced = set()
+            st.snapshotting = {}
+            st.acked = {}
+            prev = old[0] if old else None
+            if prev and prev != self.addr and prev in self.members.reachable():
+                if st.last_snap[0] == prev and st.last_snap[1] >= self.members.epoch:
+                    log.info("shard %s: hand-over snapshot from %s already here", st.key, prev)
+                else:
+                    st.handover_from = prev
+                    st.handover_until = time.monotonic() + HANDOVER_TIMEOUT
+            elif prev and prev != self.addr:
+                st.failover_from = prev
+                try:
+                    st.failover_dead_seen = self.members.last_seen(prev)
+                except InvalidArgument:
+                    st.failover_dead_seen = time.monotonic()
+                self.metrics.failovers.inc()
+
+    def _others_still_see_me(self) -> bool:
+        return any(self.addr in ring_members for ring_members in self._peer_rings.values())
+
+    # ------------------------------------------------------------ membership I/O
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            self.hb_seq += 1
+            st = self.members.states()
+            flags = 0
+            if self.members.has_quorum() and time.monotonic() >= self.grace_until:
+                flags |= frames.HB_QUORUM
+            if self.ready_flag:
+                flags |= frames.HB_READY
+            if self.handed_over:
+                flags |= frames.HB_HANDED_OVER
+            hb = frames.encode_heartbeat(
+                epoch=self.members.epoch, sender=self.mid, incarnation=self.incarnation,
+                seq=self.hb_seq, digest=self.ring.digest, sent_ms=int(time.time() * 1000),
+                members=[(member_id(m), s.code) for m, s in sorted(st.items())], hb_flags=flags)
+            for link in self.links.values():
+                if link.send(hb):
+                    self.metrics.sent("heartbeat", len(hb))
+            await asyncio.sleep(self.cfg.heartbeat)
+
+    async def _tick_loop(self) -> None:
+        while True:
+            try:
+                self._on_changes(self.members.tick())
+                self._maintain()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("maintenance failed")
+            await asyncio.sleep(TICK)
+
+    def on_heartbeat(self, peer: str, hb: frames.Heartbeat) -> None:
+        if peer not in self.members.states():
+            return
+        known = self._incarnations.get(peer)
+        self._incarnations[peer] = hb.incarnation
+        if known is not None and known != hb.incarnation:
+            log.info("member %s restarted (incarnation %08x -> %08x): it copies its shards "
+                     "again", peer, known, hb.incarnation)
+            for st in self.shards.values():
+                st.synced.discard(peer)
+                st.snapshotting.pop(peer, None)
+            if self.members.state(peer) is not State.DEAD:
+                self._on_changes(self.members.mark_joining(peer))
+        self._on_changes(self.members.heartbeat(peer))
+        view = {}
+        for mid, code in hb.members:
+            a = self.ids.get(mid)
+            if a is not None:
+                view[a] = State.from_code(code)
+        self._peer_rings[peer] = {m for m, s in view.items()
+                                  if s in (State.ALIVE, State.SUSPECT, State.LEAVING)}
+        if (hb.hb_flags & frames.HB_QUORUM) and hb.epoch > self.members.epoch:
+            mine = view.get(self.addr)
+            if self.leaving:
+                view[self.addr] = State.LEAVING
+            elif (mine not in (State.ALIVE, State.SUSPECT)
+                    or time.monotonic() < self.grace_until):
+                # a running cluster that does not count this host in, or this process has
+                # just started (its copy may be old): copy the shards before owning any
+                view[self.addr] = State.JOINING
+            self._on_changes(self.members.adopt(view, hb.epoch))
+            self.grace_until = min(self.grace_until, time.monotonic())
+        s_peer = view.get(peer)
+        state = self.members.state(peer)
+        if s_peer is State.LEAVING and state in (State.ALIVE, State.SUSPECT):
+            self._on_changes(self.members.mark_leaving(peer))
+        elif (s_peer is State.JOINING and state in (State.ALIVE, State.SUSPECT)
+              and hb.epoch >= self.members.epoch):
+            # it says it must copy its shards again (it restarted or was cut off)
+            for st in self.shards.values():
+                st.synced.discard(peer)
+                st.snapshotting.pop(peer, None)
+            self._on_changes(self.members.mark_joining(peer))
+        if (hb.hb_flags & frames.HB_HANDED_OVER) and self.members.state(peer) is State.LEAVING:
+            self._on_changes(self.members.remove(peer))
+        if (hb.hb_flags & frames.HB_READY) and self.members.state(peer) is State.JOINING:
+            self._on_changes(self.members.mark_ready(peer))
+        if (self.members.state(self.addr) is State.JOINING and view.get(self.addr) is State.ALIVE
+                and hb.epoch >= self.members.epoch and hb.hb_flags & frames.HB_QUORUM):
+            self._on_changes(self.members.mark_ready(self.addr))
+            self.ready_flag = False
+
+    def _on_hosts_file(self, data: bytes) -> None:
+        members = parse_hosts(data.decode("utf-8", "replace"), self.cfg.peers_file)
+        self._set_members(members)
+
+    def _set_members(self, members: list[str]) -> None:
+        if self.addr not in members and not self.leaving:
+            log.info("this host was removed from the member list: leaving")
+            self.members.set_members(list(members) + [self.addr])
+            self.request_stop()
+            return
+        self.ids.update({member_id(m): m for m in members})
+        self._on_changes(self.members.set_members(members))
+        for m in members:
+            if m != self.addr and m not in self.links:
+                self.links[m] = Link(self, m)
+
+    # ------------------------------------------------------------ links
+    def on_link_up(self, peer: str) -> None:
+        for key, stream in self.streams.items():
+            if stream.target == peer:
+                stream.q.rewind()
+
+    def on_link_down(self, peer: str) -> None:
+        for key, stream in self.streams.items():
+            if stream.target == peer:
+                stream.q.rewind()
+        for st in self.shards.values():
+            st.synced.discard(peer)
+            st.snapshotting.pop(peer, None)
+
+    def on_reply(self, peer: str, data: bytes) -> None:
+        """Frames arriving on this host's outgoing link: ACKs of what it sent."""
+        try:
+            for f in frames.iter_frames(data):
+                if isinstance(f, frames.Ack):
+                    self.metrics.frames_recv.labels("ack").inc()
+                    self.on_ack(peer, f)
+        except frames.BadFrame as e:
+            self.metrics.rejected("malformed")
+            log.warning("malformed reply from %s: %s", peer, e)
+
+    def on_ack(self, peer: str, ack: frames.Ack) -> None:
+        key = (ack.tensor, ack.shard)
+        if ack.seq >= ROWS_SEQ_BASE:
+            st = self.shards.get(key)
+            if st is None:
+                return
+            r = ack.seq - ROWS_SEQ_BASE
+            if ack.status == Status.OK:
+                if r > st.acked.get(peer, 0):
+                    st.acked[peer] = r
+                snap = st.snapshotting.get(peer)
+                if snap is not None and r >= snap:
+                    del st.snapshotting[peer]
+                    st.synced.add(peer)
+                self._release(key)
+            else:
+                # the replica refused (views differ, or it lacks the tensor): copy it again,
+                # once the views had time to converge
+                st.synced.discard(peer)
+                st.snapshotting.pop(peer, None)
+                st.snap_retry[peer] = time.monotonic() + 0.2
+            return
+        stream = self.streams.get(key)
+        if stream is None:
+            return
+        if ack.status == Status.OK:
+            if ack.seq > stream.q.last_seq:
+                return
+            stream.q.ack(ack.seq)
+            t = self.tensors.get(ack.tensor)
+            last = None
+            while stream.drains and stream.drains[0][0] <= ack.seq:
+                last = stream.drains.popleft()[1]
+            if last is not None and t is not None:
+                t.t._outbox_ack(ack.shard, last)
+        else:
+            if ack.status == Status.REJECTED:
+                log.error("owner %s rejected batch %d of %s/%d: dropped", peer, ack.seq,
+                          self.tensors[ack.tensor].name if ack.tensor in self.tensors else
+                          ack.tensor, ack.shard)
+                if ack.seq <= stream.q.last_seq:
+                    stream.q.ack(ack.seq)
+                return
+            if ack.status == Status.STALE_EPOCH and ack.epoch > self.members.epoch:
+                pass  # heartbeats bring the newer view; resend then
+            stream.q.rewind()
+            stream.retry_at = time.monotonic() + (RETRY if ack.status != Status.BUSY else 0.02)
+
+    # ------------------------------------------------------------ sender side
+    async def _flush_loop(self) -> None:
+        interval = self.cfg.flush_ms / 1000.0
+        while True:
+            t0 = time.monotonic()
+            try:
+                self._drain_all()
+                self._send_all()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("flush failed")
+            await asyncio.sleep(max(0.0, interval - (time.monotonic() - t0)))
+
+    def _drain_all(self) -> None:
+        if not self.members.has_quorum():
+            return  # a minority holds its outboxes
+        for (tid, s), stream in self.streams.items():
+            if self.budget.available < (8 << 20):
+                return
+            info = self.tensors[tid]
+            d = info.t._outbox_drain(s)
+            if d is None:
+                continue
+            self._queue_drain(info, s, stream, d)
+
+    def _queue_drain(self, info: TInfo, s: int, stream: SendStream, d: Any) -> None:
+        n = len(d.index)
+        grads = d.grads.reshape(n, info.cols)
+        if info.kind == "table":
+            per = frames.max_rows_per_frame(info.cols, info.gdtype, Layout.KEYED)
+        else:
+            per = frames.max_rows_per_frame(info.cols, info.gdtype, Layout.RANGE)
+        per = max(1, min(per, (1 << 20) // max(1, info.cols * info.gdtype.itemsize) or 1))
+        idx = np.asarray(d.index)
+        i = 0
+        while i < n:
+            j = min(n, i + per)
+            kw: dict = {}
+            if info.kind == "table":
+                kw["keys"] = idx[i:j].astype(np.uint64, copy=False)
+            else:
+                rows = idx[i:j]
+                # a contiguous run of rows is sent as a range (no index bytes)
+                if int(rows[-1]) - int(rows[0]) == j - i - 1:
+                    kw["start"] = int(rows[0])
+                else:
+                    kw["rows"] = rows.astype(np.int64, copy=False)
+            seq = stream.q.next_seq()
+            frame = frames.encode_batch(epoch=self.members.epoch, sender=self.mid,
+                                        incarnation=self.incarnation, tensor=info.tid, shard=s,
+                                        seq=seq, values=grads[i:j], step=max(1, d.pushes), **kw)
+            try:
+                stream.q.put(seq, frame)
+            except Backpressure:
+                # over budget: keep it anyway (the rows left the outbox); the drain loop
+                # stops taking more until acknowledgements free the budget
+                self.budget.used += len(frame)
+                stream.q._append(seq, frame, len(frame), None)
+            i = j
+        stream.drains.append((stream.q.last_seq, d.pushed))
+
+    def _send_all(self) -> None:
+        now = time.monotonic()
+        quorum = self.members.has_quorum() and now >= self.grace_until
+        for (tid, s), stream in self.streams.items():
+            if not len(stream.q) or now < stream.retry_at or not quorum:
+                continue
+            info = self.tensors[tid]
+            owner = self.owner(shard_key(info.name, s))
+            if owner is None:
+                continue
+            if owner != stream.target:
+                stream.q.rewind()
+                stream.target = owner
+            out = stream.q.to_send()
+            if not out:
+                continue
+            epoch = self.members.epoch
+            for seq, frame in out:
+                if int.from_bytes(frame[8:16], "little") != epoch:
+                    frame = frames.restamp_epoch(frame, epoch)
+                if owner == self.addr:
+                    f = frames.decode(frame)
+                    assert isinstance(f, frames.Data)
+                    self.on_batch(self.addr, f, self._local_reply)
+                    if stream.retry_at > now:
+                        break   # refused (hand-over in progress, ...): resend later
+                    continue
+                link = self.links.get(owner)
+                if link is None or not link.send(frame):
+                    stream.q.rewind()
+                    stream.retry_at = now + RETRY
+                    break
+                self.metrics.sent("batch", len(frame))
+
+    def _local_reply(self, data: bytes) -> None:
+        for f in frames.iter_frames(data):
+            if isinstance(f, frames.Ack):
+                self.on_ack(self.addr, f)
+
+    def _unacked(self) -> int:
+        return sum(len(s.q) for s in self.streams.values())
+
+    def _outbox_pending(self) -> bool:
+        for (tid, s) in self.streams:
+            p, a = self.tensors[tid].t._outbox_counters(s)
+            if a < p:
+                return True
+        return False
+
+    # ------------------------------------------------------------ owner side
+    def _ack(self, f: frames.FrameHeader, status: Status, seq: Optional[int] = None) -> bytes:
+        return frames.encode_ack(epoch=self.members.epoch, sender=self.mid,
+                                 incarnation=self.incarnation, tensor=f.tensor, shard=f.shard,
+                                 seq=f.seq if seq is None else seq, status=status)
+
+    def _refuse(self, f: frames.FrameHeader, reply: Callable[[bytes], None], status: Status,
+                reason: str) -> None:
+        self.metrics.rejected(reason)
+        reply(self._ack(f, status))
+
+    def on_batch(self, peer: str, f: frames.Data, reply: Callable[[bytes], None]) -> None:
+        info = self.tensors.get(f.tensor)
+        if info is None or f.shard >= info.nshards:
+            self.refresh_tensors()
+            info = self.tensors.get(f.tensor)
+            if info is None or f.shard >= info.nshards:
+                return self._refuse(f, reply, Status.BUSY, "unknown_tensor")
+        if f.epoch != self.members.epoch:
+            return self._refuse(f, reply, Status.STALE_EPOCH, "stale_epoch")
+        if not self.acting():
+            return self._refuse(f, reply, Status.NO_QUORUM, "no_quorum")
+        key = (f.tensor, f.shard)
+        st = self.shards[key]
+        if self.owner(st.key) != self.addr:
+            return self._refuse(f, reply, Status.NOT_OWNER, "not_owner")
+        if st.handover_from is not None:
+            if (time.monotonic() < st.handover_until
+                    and st.handover_from in self.members.reachable()):
+                return self._refuse(f, reply, Status.BUSY, "handover")
+            log.warning("shard %s: no hand-over snapshot from %s; serving from this host's "
+                        "copy", st.key, st.handover_from)
+            st.handover_from = None
+        stream = (f.sender, f.incarnation, f.tensor, f.shard)
+        try:
+            frames.check_schema(f, dtype=info.gdtype, cols=info.cols, nrows=info.nrows)
+        except frames.BadFrame as e:
+            log.warning("batch %d from %s refused: %s", f.seq, peer, e)
+            if stream not in st.dedup:
+                st.dedup.advance(stream, f.seq - 1)
+            if st.dedup.check(stream, f.seq) is Verdict.NEW and f.seq == st.dedup.expected(stream):
+                st.dedup.record(stream, f.seq)
+            return self._refuse(f, reply, Status.REJECTED, "schema")
+        if stream not in st.dedup:
+            # first frame of this stream this host sees: nothing before it can be pending
+            # here (a shard's copies all carry the marks of what was applied)
+            st.dedup.advance(stream, f.seq - 1)
+        v = st.dedup.check(stream, f.seq)
+        if v is Verdict.DUPLICATE:
+            self.metrics.duplicates.inc()
+            self._wait_backups(key, st, reply, self._ack(f, Status.OK,
+                                                         min(f.seq, st.dedup.floor(stream))
+                                                         or f.seq))
+            return
+        if v is Verdict.TOO_FAR or f.seq != st.dedup.expected(stream):
+            return self._refuse(f, reply, Status.GAP, "gap")
+        # apply
+        if f.layout == Layout.RANGE:
+            index = np.arange(f.start, f.start + f.n, dtype=np.int64)
+        else:
+            index = f.index
+        grads = f.values.reshape((f.n,) + info.row_shape)
+        try:
+            info.t._apply_direct(index, grads, pushes=max(1, f.step))
+        except CapacityError as e:
+            log.error("batch %d from %s for %s: %s", f.seq, peer, st.key, e)
+            return self._refuse(f, reply, Status.BUSY, "capacity")
+        except Error as e:
+            log.warning("batch %d from %s for %s refused: %s", f.seq, peer, st.key, e)
+            st.dedup.record(stream, f.seq)
+            return self._refuse(f, reply, Status.REJECTED, "invalid")
+        st.dedup.record(stream, f.seq)
+        self.metrics.applied.inc()
+        self.metrics.applied_bytes.inc(f.values.nbytes)
+        if st.failover_from is not None:
+            took = time.monotonic() - st.failover_dead_seen
+            self.metrics.failover_s.observe(took)
+            self.failover_log.append({"shard": st.key, "dead": st.failover_from,
+                                      "first_apply_wall": time.time(),
+                                      "since_last_heartbeat_s": round(took, 4)})
+            del self.failover_log[:-100]
+            st.failover_from = None
+        rd = info.t._read_rows(f.shard, index)
+        rseq = self._send_rows(key, info, f.shard, rd, f.start if f.layout == Layout.RANGE
+                               else None, [Mark(f.sender, f.incarnation, f.seq)])
+        self._wait_backups(key, st, reply, self._ack(f, Status.OK), rseq)
+
+    def _targets(self) -> list[str]:
+        """Every other member that keeps a copy: on the ring or joining."""
+        return [m for m, s in self.members.states().items()
+                if m != self.addr and s in (State.ALIVE, State.SUSPECT, State.LEAVING,
+                                            State.JOINING)]
+
+    def _send_rows(self, key: tuple, info: TInfo, shard: int, rd: Any, start: Optional[int],
+                   marks: list) -> int:
+        st = self.shards[key]
+        st.rseq += 1
+        kw: dict = {}
+        if info.kind == "table":
+            kw["keys"] = np.asarray(rd.index, dtype=np.uint64)
+            kw["row_steps"] = np.asarray(rd.row_steps, dtype=np.uint64)
+        elif start is not None:
+            kw["start"] = start
+        else:
+            kw["rows"] = np.asarray(rd.index, dtype=np.int64)
+        n = len(rd.index)
+        frame = frames.encode_rows(epoch=self.members.epoch, sender=self.mid,
+                                   incarnation=self.incarnation, tensor=info.tid, shard=shard,
+                                   seq=ROWS_SEQ_BASE + st.rseq,
+                                   values=np.asarray(rd.values).reshape(n, info.cols),
+                                   step=int(rd.step), marks=marks,
+                                   state=[np.asarray(a).reshape(n, info.cols) for a in rd.states],
+                                   **kw)
+        for m in self._targets():
+            if m in st.snapshotting or m not in st.synced:
+                continue  # a snapshot (coming) covers it
+            link = self.links.get(m)
+            if link is not None and link.send(frame):
+                self.metrics.sent("rows", len(frame))
+            else:
+                st.synced.discard(m)
+        return st.rseq
+
+    def _required(self, st: ShardState) -> list[str]:
+        """The backups whose acknowledgement an owner waits for."""
+        reach = self.members.reachable()
+        return [b for b in self.owners(st.key)[1:] if b in reach and b != self.addr]
+
+    def _wait_backups(self, key: tuple, st: ShardState, reply: Callable[[bytes], None],
+                      ack: bytes, rseq: Optional[int] = None) -> None:
+        st.pending.append(Pending(st.rseq if rseq is None else rseq, reply, ack))
+        self._release(key)
+
+    def _release(self, key: tuple) -> None:
+        st = self.shards[key]
+        if not st.pending:
+            return
+        req = self._required(st)
+        while st.pending:
+            p = st.pending[0]
+            if any(b not in st.synced or st.acked.get(b, 0) < p.rseq for b in req):
+                break
+            st.pending.popleft()
+            p.reply(p.ack)
+
+    # ------------------------------------------------------------ replica side
+    def on_rows(self, peer: str, f: frames.Data, reply: Callable[[bytes], None]) -> None:
+        info = self.tensors.get(f.tensor)
+        if info is None or f.shard >= info.nshards:
+            self.refresh_tensors()
+            info = self.tensors.get(f.tensor)
+            if info is None or f.shard >= info.nshards:
+                return self._refuse(f, reply, Status.BUSY, "unknown_tensor")
+        key = (f.tensor, f.shard)
+        st = self.shards[key]
+        owner = self.owner(st.key)
+        prev = self.prev_ring.owner(st.key) if self.prev_ring is not None and len(
+            self.prev_ring) else None
+        handover = st.handover_from == peer
+        if peer != owner and not handover and not (
+                self.members.state(self.addr) is State.JOINING) and peer != prev:
+            return self._refuse(f, reply, Status.NOT_OWNER, "not_owner")
+        if owner == self.addr and not handover:
+            return self._refuse(f, reply, Status.NOT_OWNER, "not_owner")
+        try:
+            frames.check_schema(f, dtype=info.dtype, cols=info.cols, nrows=info.nrows)
+            if f.n:
+                index = (np.arange(f.start, f.start + f.n, dtype=np.int64)
+                         if f.layout == Layout.RANGE else f.index)
+                from ..outbox import RowData
+                shape = (f.n,) + info.row_shape
+                rd = RowData(index=index, values=f.values.reshape(shape),
+                             states=[a.reshape(shape) for a in f.state],
+                             row_steps=f.row_steps, step=f.step)
+                info.t._write_rows(f.shard, rd)
+        except (frames.BadFrame, Error) as e:
+            log.warning("%s %d from %s refused: %s", f.type.name, f.seq, peer, e)
+            return self._refuse(f, reply, Status.REJECTED, "schema")
+        for m in f.marks:
+            stream = (m.sender, m.incarnation, f.tensor, f.shard)
+            try:
+                if f.flags & frames.Flag.FLOOR_MARKS:
+                    st.dedup.advance(stream, m.seq)
+                else:
+                    if stream not in st.dedup:
+                        st.dedup.advance(stream, m.seq - 1)
+                    st.dedup.record(stream, m.seq)
+            except CapacityError:
+                st.dedup.advance(stream, m.seq)
+        if f.type == FrameType.SNAPSHOT and f.flags & frames.Flag.LAST:
+            st.snap_epoch_seen = self.members.epoch
+            st.snapshots_received += 1
+            st.last_snap = (peer, f.epoch)
+            if handover:
+                st.handover_from = None
+                log.info("shard %s handed over by %s", st.key, peer)
+        self.metrics.frames_recv.labels(f.type.name.lower()).inc()
+        reply(self._ack(f, Status.OK))
+
+    async def _send_snapshot(self, key: tuple, member: str, handover: bool = False) -> None:
+        """Send a consistent copy of shard ``key`` to ``member`` (chunks, then LAST)."""
+        st = self.shards[key]
+        info = self.tensors[key[0]]
+        link = self.links.get(member)
+        if link is None or not link.up:
+            return
+        rd = info.t._snapshot(key[1])
+        n = len(rd.index)
+        marks = [Mark(s[0], s[1], st.dedup.floor(s)) for s in st.dedup.streams()
+                 if st.dedup.floor(s) > 0][:4096]
+        row_bytes = info.cols * info.dtype.itemsize * (1 + len(rd.states)) + 16
+        per = max(1, SNAPSHOT_FRAME_BYTES // row_bytes)
+        chunks = []
+        i = 0
+        while True:
+            j = min(n, i + per)
+            st.rseq += 1
+            kw: dict = {}
+            if info.kind == "table":
+                kw["keys"] = np.asarray(rd.index[i:j], dtype=np.uint64)
+                kw["row_steps"] = np.asarray(rd.row_steps[i:j], dtype=np.uint64)
+            else:
+                kw["start"] = int(rd.index[i]) if j > i else info.shard_range(key[1])[0]
+            vals = np.asarray(rd.values[i:j]).reshape(j - i, info.cols)
+            chunks.append(frames.encode_snapshot(
+                epoch=self.members.epoch, sender=self.mid, incarnation=self.incarnation,
+                tensor=info.tid, shard=key[1], seq=ROWS_SEQ_BASE + st.rseq, values=vals,
+                step=int(rd.step), marks=marks if i == 0 else (),
+                state=[np.asarray(a[i:j]).reshape(j - i, info.cols) for a in rd.states],
+                last=j >= n, **kw))
+            i = j
+            if i >= n:
+                break
+        if not handover:
+            st.snapshotting[member] = st.rseq
+        for c in chunks:
+            if not link.send(c):
+                st.snapshotting.pop(member, None)
+                return
+            self.metrics.sent("snapshot", len(c))
+        await asyncio.sleep(0)
+
+    def _maintain(self) -> None:
+        """Periodic: copies to members that lack them, releases, joining progress."""
+        if time.monotonic() < self.grace_until:
+            return
+        targets = self._targets()
+        owned = 0
+        acting = self.acting()
+        now = time.monotonic()
+        for key, st in self.shards.items():
+            if not acting or self.owner(st.key) != self.addr:
+                continue
+            owned += 1
+            if st.handover_from is not None:
+                continue
+            for m in targets:
+                if m in st.synced or m in st.snapshotting or st.snap_retry.get(m, 0) > now:
+                    continue
+                link = self.links.get(m)
+                if link is None or not link.up:
+                    continue
+                asyncio.get_running_loop().create_task(self._send_snapshot(key, m))
+            self._release(key)
+        self.metrics.owned.set(owned)
+        self.metrics.pending.set(self.budget.used)
+        self.metrics.staleness.set(self._staleness())
+        if (self.members.state(self.addr) is State.JOINING and not self.ready_flag
+                and self.joined_at_epoch is not None):
+            if self.shards and all(st.snap_epoch_seen >= 0 for st in self.shards.values()) \
+                    and self.catalog_seen_from:
+                self.ready_flag = True
+                log.info("joined: every shard copied; ready (epoch %d)", self.members.epoch)
+            elif not self.shards and self.catalog_seen_from:
+                self.ready_flag = True
+
+    def _staleness(self) -> float:
+        return max((s.q.oldest_age() for s in self.streams.values()), default=0.0)
+
+    # ------------------------------------------------------------ catalog sync
+    async def _catalog_loop(self) -> None:
+        while True:
+            try:
+                self.refresh_tensors()
+                for m in list(self.members.reachable()):
+                    if m == self.addr:
+                        continue
+                    await self._pull_catalog(m)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log.debug("catalog sync: %s", e)
+            await asyncio.sleep(CATALOG_INTERVAL)
+
+    async def _pull_catalog(self, peer: str) -> None:
+        host, port = parse_address(peer)
+        path = "/v1/catalog"
+        headers = auth.sign_request(self.cfg.secret, "GET", path, b"", self.addr)
+        url = f"http://{host if ':' not in host else '[' + host + ']'}:{port}{path}"
+        import aiohttp
+        async with self.session.get(url, headers=headers,
+                                    timeout=aiohttp.ClientTimeout(total=1.0)) as r:
+            if r.status != 200:
+                return
+            recs = json.loads(await r.read())
+        for rec in recs:
+            if not isinstance(rec, dict) or not _user_record(rec):
+                continue
+            if rec["name"] not in self.by_name:
+                try:
+                    self.create_from_record(rec)
+                except Error as e:
+                    log.error("cannot create tensor %r like %s has it: %s", rec["name"], peer, e)
+        self.refresh_tensors()
+        self.catalog_seen_from.add(peer)
+
+    # ------------------------------------------------------------ HTTP
+    def health(self) -> dict:
+        snap = dict(self.members.snapshot())
+        pending: dict[str, int] = {}
+        for (tid, s), stream in self.streams.items():
+            if len(stream.q):
+                tgt = stream.target or "(no owner)"
+                pending[tgt] = pending.get(tgt, 0) + len(stream.q)
+        owned = sorted(st.key for st in self.shards.values()
+                       if self.owner(st.key) == self.addr and self.acting())
+        snap.update({"address": self.addr, "incarnation": self.incarnation,
+                     "state": self.members.state(self.addr).value,
+                     "acting": self.acting(), "owned": owned, "pending": pending,
+                     "staleness_ms": round(self._staleness() * 1000, 3),
+                     "tensors": sorted(self.by_name), "failovers": self.failover_log[-20:],
+                     "ring_digest": self.ring.digest,
+                     "applied": int(self.metrics.applied._value.get())})
+        return snap
+
+    async def h_health(self, request: Any) -> Any:
+        from aiohttp import web
+        return web.json_response(self.health())
+
+    async def h_metrics(self, request: Any) -> Any:
+        from aiohttp import web
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+        return web.Response(body=generate_latest(self.metrics.registry),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    def _verify(self, request: Any, body: bytes) -> Optional[str]:
+        try:
+            return self._verifier.verify(request.method, request.path_qs, request.headers, body)
+        except auth.AuthError as e:
+            self.metrics.rejected("auth")
+            log.warning("refused %s %s from %s: %s", request.method, request.path_qs,
+                        request.remote, e)
+            return None
+
+    async def h_catalog(self, request: Any) -> Any:
+        from aiohttp import web
+        if self._verify(request, b"") is None:
+            return web.json_response({"error": "authentication failed"}, status=401)
+        self.store._refresh()
+        recs = [r for r in self.store._record_list if _user_record(r)]
+        return web.json_response(recs)
+
+    async def h_members(self, request: Any) -> Any:
+        from aiohttp import web
+        body = await request.read()
+        who = self._verify(request, body)
+        if who is None:
+            return web.json_response({"error": "authentication failed"}, status=401)
+        try:
+            req = json.loads(body or b"{}")
+            add = [normalize_address(a) for a in req.get("add", [])]
+            remove = [normalize_address(a) for a in req.get("remove", [])]
+        except (ValueError, AttributeError, TypeError, Error) as e:
+            return web.json_response({"error": f"bad request: {e}"}, status=400)
+        members = [m for m in self.members.configured if m not in remove]
+        members += [a for a in add if a not in members]
+        self._set_members(members)
+        if not req.get("forwarded"):
+            # every other member applies the same change
+            for m in self.members.configured:
+                if m in (self.addr,) or m in add:
+                    continue
+                asyncio.get_running_loop().create_task(
+                    self._post_members(m, {"add": add, "remove": remove, "forwarded": True}))
+        log.info("members changed by %s: +%s -%s (epoch %d)", who, add, remove,
+                 self.members.epoch)
+        return web.json_response({"members": list(self.members.configured),
+                                  "epoch": self.members.epoch})
+
+    async def _post_members(self, peer: str, req: dict) -> None:
+        import aiohttp
+        body = json.dumps(req).encode()
+        host, port = parse_address(peer)
+        path = "/v1/members"
+        headers = auth.sign_request(self.cfg.secret, "POST", path, body, self.addr)
+        url = f"http://{host if ':' not in host else '[' + host + ']'}:{port}{path}"
+        try:
+            async with self.session.post(url, data=body, headers=headers,
+                                         timeout=aiohttp.ClientTimeout(total=2.0)) as r:
+                await r.read()
+        except Exception as e:
+            log.warning("could not forward the member change to %s: %s", peer, e)
+
+    async def h_stream(self, request: Any) -> Any:
+        """A peer's incoming websocket: handshake, then its frames."""
+        import aiohttp
+        from aiohttp import web
+        ws = web.WebSocketResponse(max_msg_size=MAX_MSG, autoping=True)
+        await ws.prepare(request)
+        hs = auth.ServerHandshake(self.cfg.secret, sender=self.mid,
+                                  incarnation=self.incarnation)
+        await ws.send_bytes(hs.hello())
+        try:
+            msg = await asyncio.wait_for(ws.receive(), auth.HANDSHAKE_TIMEOUT)
+            if msg.type != aiohttp.WSMsgType.BINARY:
+                raise auth.AuthError("expected the AUTH message")
+            peer, ok = hs.verify(msg.data)
+            if peer.client_id not in self.members.states():
+                raise auth.AuthError(f"{peer.client_id} is not a member")
+            if member_id(peer.client_id) != peer.sender:
+                raise auth.AuthError(f"{peer.client_id}: member id {peer.sender:08x} does not "
+                                     "match its address")
+            await ws.send_bytes(ok)
+        except (auth.AuthError, asyncio.TimeoutError) as e:
+            self.metrics.rejected("auth")
+            log.warning("refused a connection from %s: %s", request.remote, e)
+            await ws.close()
+            return ws
+        conn = Conn(ws, peer.client_id)
+        old = self.incoming.get(peer.client_id)
+        self.incoming[peer.client_id] = conn
+        if old is not None:
+            await old.close()
+        bad = 0
+        try:
+            async for msg in ws:
+                if msg.type != aiohttp.WSMsgType.BINARY:
+                    break
+                try:
+                    for f in frames.iter_frames(msg.data):
+                        if f.sender != peer.sender or f.incarnation != peer.incarnation:
+                            raise frames.BadFrame(f"sender {f.sender:08x}/{f.incarnation:08x}"
+                                                  " is not the authenticated peer")
+                        self.on_frame(peer.client_id, f, conn.send)
+                    bad = 0
+                except frames.BadFrame as e:
+                    bad += 1
+                    self.metrics.rejected("malformed")
+                    log.warning("malformed frame from %s: %s", peer.client_id, e)
+                    if bad >= MAX_BAD_FRAMES:
+                        log.warning("closing the connection from %s after %d malformed frames",
+                                    peer.client_id, bad)
+                        break
+        finally:
+            await conn.close()
+            if self.incoming.get(peer.client_id) is conn:
+                del self.incoming[peer.client_id]
+        return ws
+
+    def on_frame(self, peer: str, f: Any, reply: Callable[[bytes], None]) -> None:
+        if isinstance(f, frames.Heartbeat):
+            self.metrics.frames_recv.labels("heartbeat").inc()
+            self.on_heartbeat(peer, f)
+            return
+        # any authenticated frame counts as hearing from the peer
+        self._on_changes(self.members.heartbeat(peer))
+        if isinstance(f, frames.Data):
+            if f.type == FrameType.BATCH:
+                self.metrics.frames_recv.labels("batch").inc()
+                self.metrics.bytes_recv.labels("batch").inc(f.values.nbytes)
+                self.on_batch(peer, f, reply)
+            else:
+                self.on_rows(peer, f, reply)
+        elif isinstance(f, frames.Sync):
+            key = (f.tensor, f.shard)
+            if key in self.shards and self.owner(self.shards[key].key) == self.addr:
+                self.shards[key].synced.discard(peer)
+            else:
+                reply(self._ack(f, Status.NOT_OWNER))
+        elif isinstance(f, frames.Ack):
+            self.on_ack(peer, f)
+
+
+# --------------------------------------------------------------------------- running
+
+async def serve(cfg: Config, ready: Optional[Callable[[Bridge], None]] = None) -> None:
+    """Run a bridge until SIGTERM/SIGINT (then leave: hand over and exit)."""
+    node = Bridge(cfg)
+    await node.start()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, node.request_stop)
+        except (NotImplementedError, RuntimeError):
+            pass
+    if ready is not None:
+        ready(node)
+    try:
+        await node.run_until_stopped()
+        log.info("leaving: forwarding this host's pushes and handing shards over")
+        await node.leave()
+    finally:
+        await node.close()
+        log.info("bridge %s stopped", node.addr)
+
+
+__all__ = ["Bridge", "Config", "serve"]
