@@ -43,7 +43,7 @@ sys.path.insert(0, str(TOOLS))
 if importlib.util.find_spec("shmps") is None:
     sys.path.insert(1, str(REPO))
 
-from benchlib import dense, extras, files, limits, table, training  # noqa: E402
+from benchlib import bridge, dense, files, limits, table, training  # noqa: E402
 from benchlib.context import RunContext, import_shmps  # noqa: E402
 from benchlib.harness import Timing, progress  # noqa: E402
 from benchlib.report import (Section, machine_info, render_limits, render_machine,  # noqa: E402
@@ -56,7 +56,7 @@ SECTIONS: dict[str, tuple[Callable[[], Section], SectionRunner, bool]] = {
     "table": (table.section, table.run, False),
     "files": (files.section, files.run, False),
     "training": (training.section, training.run, False),
-    "bridge": (extras.bridge_section, extras.run_bridge, False),
+    "bridge": (bridge.section, bridge.run, False),
 }
 
 

@@ -1,0 +1,800 @@
+"""``bench.py bridge`` (issue 6): forwarded pushes between bridges on loopback, failover.
+
+Every throughput figure is a rate over fixed windows (1 s each, ``reps`` of them after a
+warm-up), read from a byte counter before and after each window, beside loopback
+baselines measured in the same run:
+
+- **baselines**, two processes on 127.0.0.1 spawned here, the receiver counting bytes:
+  raw TCP (``sendall`` of 1 MiB, ``recv_into``: the rows' "limit"), an aiohttp websocket
+  client sending 1 MiB binary messages to a server (``ws_connect`` /
+  ``WebSocketResponse`` as the bridge calls them, and the direction its BATCH frames
+  take: the rows' "baseline"), the same with glibc's malloc thresholds raised, and the
+  server -> client direction (servers do not mask).
+- **forwarded dense push**: 2 bridges (``tests/bridge_harness.Cluster``: one
+  ``shmps.bridge.cli`` process per host on 127.0.0.2 / .3, one shared-memory namespace
+  each, flush every 5 ms, replicas 1: an owner acknowledges without waiting for a
+  backup, but still sends ROWS to every other host, which keeps a copy for local pulls).
+  1 or 2 worker processes on host A loop over ``push`` of a (4096, 1024) float32 gradient
+  (16 MiB, 16 shards of 1 MiB, SGD) and ``store.flush()``; the figure is
+  ``shmps_bridge_gradient_bytes_applied_total`` of host B, which has no workers: the
+  gradient bytes of shards owned by the other host applied per second.  The full run adds
+  the loop without ``flush()`` (the outbox sums pushes until the bridge drains it) and
+  replicas 2.
+- **table rows**: the same cluster, a 64-dim float32 SGD table (16 shards), workers
+  pushing batches of 4096 uniform keys out of 1,000,000 (+ ``flush()``); rows/s and row
+  payload GB/s applied on host B.
+- **failover**: 3 bridges, replicas 2, one worker pushing a 256 KiB tensor (32 shards)
+  every ~10 ms on host 0; kill -9 of the bridge owning most shards (never host 0); the
+  time from the kill to the first batch applied by a successor (the survivors' ``/health``
+  ``failovers`` entries: min ``first_apply_wall`` - kill time); restart it, wait until the
+  bridges converge, repeat (10 kills, 3 with ``--quick``).
+
+CPU use of every process involved (workers, bridges, both ends of a baseline) is read
+from ``/proc/<pid>/stat`` around each window; whatever else the machine did is "other
+load" and marks a row NOISY, as in the other sections.  A bridge that does not do what a
+measurement needs (no convergence, nothing applied, no successor, no rejoin) ends that
+measurement with a message saying what was seen instead of a figure.
+"""
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+from .context import RunContext
+from .harness import _die_with_parent, cpu_sample, progress, summary
+from .report import NOISY_FRACTION, Check, Metric, Ref, Row, Section, fmt_num, median_of
+
+REPO = Path(__file__).resolve().parents[2]
+TESTS = REPO / "tests"
+HZ = float(os.sysconf("SC_CLK_TCK"))
+MSG = 1 << 20                      # baseline message / send size
+
+STORE = "benchbridge"
+FLUSH_MS = 5.0
+DEAD_AFTER = 0.5
+DENSE = "w"
+DENSE_SHAPE = (4096, 1024)         # 16 MiB float32
+DENSE_SHARD_ROWS = 256             # 16 shards of 1 MiB
+TABLE = "emb"
+TABLE_DIM = 64
+TABLE_KEYS = 1_000_000
+TABLE_CAPACITY = 1_100_000
+TABLE_SHARDS = 16
+TABLE_BATCH = 4096
+KEY_MUL = 0x9E3779B97F4A7C15       # odd: id -> key is a bijection (keys look hashed)
+FO_NAME = "fo"
+FO_SHAPE = (1024, 64)              # 256 KiB, 32 shards: every host owns some
+FO_SHARD_ROWS = 32
+FO_SLEEP = 0.01                    # the failover worker pushes every ~10 ms (~25 MB/s)
+FO_TIMEOUT = 10.0                  # a kill without a successor's apply by then is a failure
+
+# glibc returns freed 1 MiB buffers to the kernel (trim / mmap thresholds), so a sender
+# that allocates a fresh 1 MiB message copy per frame (aiohttp's client masking) page-faults
+# on every message; these raise both thresholds for one baseline row.
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(256 << 20)}
+
+TCP = Ref("row:tcp", "raw TCP")
+WS = Ref("row:ws", "aiohttp ws")
+
+
+class BridgeSection(Section):
+    """A section whose ``row:`` references ignore the process count: the baselines are one
+    sender and one receiver, compared with every worker count."""
+
+    def ref_value(self, ref: Ref, procs: int) -> Optional[float]:
+        kind, _, name = ref.target.partition(":")
+        if kind != "row":
+            return super().ref_value(ref, procs)
+        for r in self.rows:
+            if r.key == name and r.error is None and r.median is not None:
+                return r.median * ref.scale
+        return None
+
+
+def section() -> Section:
+    return BridgeSection(
+        "bridge", "BRIDGE: forwarded pushes between bridges on loopback, failover",
+        intro=("GB/s = 1e9 B/s of payload (gradient values; table rows: 64 float32 = 256 B). "
+               "procs = pushing worker processes on host A (baselines: one sender, one receiver). "
+               "vs limit = raw TCP socket, vs baseline = aiohttp websocket, both on loopback "
+               "between two processes in this run."))
+
+
+# ------------------------------------------------------------------ CPU and windows
+
+def proc_cpu(pid: int) -> float:
+    """CPU seconds (user + system, all threads) of a live process; 0 once it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0.0
+    fields = text.rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / HZ
+
+
+def roles_cpu(roles: dict[str, list[int]]) -> dict[str, float]:
+    return {r: sum(proc_cpu(p) for p in pids) for r, pids in roles.items()}
+
+
+@dataclass
+class Windows:
+    """Counter rates over the measured windows, and who used the CPU meanwhile."""
+
+    rates: dict[str, list[float]] = field(default_factory=dict)
+    cores: dict[str, float] = field(default_factory=dict)
+    other_load: float = 0.0
+    steal: float = 0.0
+
+
+def measure_windows(read: Callable[[], dict[str, float]], roles: dict[str, list[int]],
+                    warmup: float, window: float, reps: int) -> Windows:
+    """Sleep ``warmup``, then ``reps`` windows of ``window`` s: rate of every counter
+    ``read()`` returns, CPU cores of each role, and the rest of the machine's load."""
+    time.sleep(warmup)
+    out = Windows()
+    cpu = {r: 0.0 for r in roles}
+    busy = steal = total = own = wall = 0.0
+    for _ in range(reps):
+        a, p0, c0 = cpu_sample(), roles_cpu(roles), read()
+        t0 = time.perf_counter()
+        time.sleep(window)
+        c1 = read()
+        t1 = time.perf_counter()
+        b, p1 = cpu_sample(), roles_cpu(roles)
+        for k in c1:
+            out.rates.setdefault(k, []).append((c1[k] - c0.get(k, 0.0)) / (t1 - t0))
+        for r in roles:
+            cpu[r] += p1[r] - p0[r]
+        busy += b.busy - a.busy
+        steal += b.steal - a.steal
+        total += b.total - a.total
+        own += b.own - a.own
+        wall += t1 - t0
+    ours = sum(cpu.values())
+    out.cores = {r: v / wall for r, v in cpu.items()} if wall > 0 else {}
+    if total > 0:
+        out.other_load = max(0.0, busy - ours - own) / total
+        out.steal = steal / total
+    return out
+
+
+def add_row(sec: Section, key: str, label: str, procs: int, unit: str, samples: list[float],
+            w: Windows, *, limit: Optional[Ref] = TCP, baseline: Optional[Ref] = WS) -> Row:
+    row = sec.add(Row(key=key, label=label, procs=procs, unit=unit, samples=samples,
+                      limit=limit, baseline=baseline))
+    row.data.update(cores={r: round(v, 2) for r, v in w.cores.items()},
+                    other_load=round(w.other_load, 3), steal=round(w.steal, 3))
+    row.note("cores: " + ", ".join(f"{r} {v:.2f}" for r, v in w.cores.items()))
+    if w.other_load > NOISY_FRACTION or w.steal > NOISY_FRACTION:
+        row.note(f"[NOISY: other load {w.other_load:.0%}, steal {w.steal:.0%}]")
+    progress(f"[bridge] {label} {procs}p: {summary(samples)} {unit}")
+    return row
+
+
+@dataclass(frozen=True)
+class Plan:
+    warmup: float
+    window: float
+    reps: int
+
+
+def plans(ctx: RunContext) -> tuple[Plan, Plan]:
+    """(baselines, bridge rows): warm-up, window length and measured windows."""
+    reps = ctx.timing.reps
+    if ctx.quick:
+        return Plan(0.5, 1.0, reps), Plan(1.5, 1.0, reps)
+    return Plan(1.0, 1.0, reps), Plan(3.0, 1.0, reps)
+
+
+# ------------------------------------------------------------------ processes
+
+def _spawn(stack: ExitStack, target: Callable[..., None], *args: Any) -> Any:
+    """A spawned daemon process, terminated (then killed) when ``stack`` closes."""
+    p = mp.get_context("spawn").Process(target=target, args=args, daemon=True)
+    p.start()
+
+    def stop() -> None:
+        if p.is_alive():
+            p.terminate()
+            p.join(5)
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    stack.callback(stop)
+    return p
+
+
+def _payload() -> bytes:
+    import numpy as np
+    return np.random.default_rng(0).integers(0, 256, MSG, dtype=np.uint8).tobytes()
+
+
+def _tcp_server(port_q: Any, counter: Any) -> None:
+    """Count the bytes one connection sends."""
+    _die_with_parent()
+    srv = socket.create_server(("127.0.0.1", 0))
+    port_q.put(srv.getsockname()[1])
+    conn, _ = srv.accept()
+    buf = memoryview(bytearray(MSG))
+    total = 0
+    while True:
+        n = conn.recv_into(buf)
+        if n == 0:
+            return
+        total += n
+        counter.value = total
+
+
+def _tcp_client(port: int, counter: Any) -> None:
+    """Send 1 MiB buffers for ever."""
+    _die_with_parent()
+    s = socket.create_connection(("127.0.0.1", port))
+    data = _payload()
+    while True:
+        s.sendall(data)
+
+
+def _ws_server(port_q: Any, counter: Any, server_sends: bool) -> None:
+    """A websocket server counting the binary bytes it receives, or sending 1 MiB messages."""
+    _die_with_parent()
+    import aiohttp
+    from aiohttp import web
+
+    async def handler(request: Any) -> Any:
+        ws = web.WebSocketResponse(max_msg_size=8 * MSG, autoping=True)
+        await ws.prepare(request)
+        if server_sends:
+            data = _payload()
+            while True:
+                await ws.send_bytes(data)
+        total = 0
+        async for msg in ws:
+            if msg.type == aiohttp.WSMsgType.BINARY:
+                total += len(msg.data)
+                counter.value = total
+        return ws
+
+    async def main() -> None:
+        app = web.Application()
+        app.router.add_get("/ws", handler)
+        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await runner.setup()
+        sock = socket.create_server(("127.0.0.1", 0))
+        await web.SockSite(runner, sock).start()
+        port_q.put(sock.getsockname()[1])
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+
+
+def _ws_client(port: int, counter: Any, server_sends: bool) -> None:
+    """A websocket client sending 1 MiB binary messages, or counting what it receives."""
+    _die_with_parent()
+    import aiohttp
+
+    async def main() -> None:
+        async with aiohttp.ClientSession() as session:
+            async with session.ws_connect(f"http://127.0.0.1:{port}/ws", max_msg_size=8 * MSG,
+                                          autoping=True) as ws:
+                if not server_sends:
+                    data = _payload()
+                    while True:
+                        await ws.send_bytes(data)
+                total = 0
+                async for msg in ws:
+                    if msg.type == aiohttp.WSMsgType.BINARY:
+                        total += len(msg.data)
+                        counter.value = total
+
+    asyncio.run(main())
+
+
+@contextmanager
+def environment(env: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` with ``env`` added while processes are spawned (they inherit it)."""
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def measure_baseline(ctx: RunContext, sec: Section, key: str, label: str, server: Callable[..., None],
+                     client: Callable[..., None], plan: Plan, *args: Any,
+                     limit: Optional[Ref] = None, env: Optional[dict[str, str]] = None) -> None:
+    """A server and a client process on 127.0.0.1; the receiving side counts bytes."""
+    spawn = mp.get_context("spawn")
+    port_q = spawn.Queue()
+    counter = spawn.RawValue("q", 0)
+    ctx.quiet.wait()
+    with ExitStack() as stack:
+        with environment(env or {}):
+            srv = _spawn(stack, server, port_q, counter, *args)
+            port = port_q.get(timeout=60)
+            cli = _spawn(stack, client, port, counter, *args)
+        w = measure_windows(lambda: {"b": float(counter.value)},
+                            {"client": [cli.pid], "server": [srv.pid]},
+                            plan.warmup, plan.window, plan.reps)
+        if not cli.is_alive() or not srv.is_alive() or not any(w.rates["b"]):
+            row = sec.add(Row(key=key, label=label, procs=1, unit="GB/s"))
+            row.error = (f"error: nothing received (client exit code {cli.exitcode}, "
+                         f"server {srv.exitcode})")
+            return
+    add_row(sec, key, label, 1, "GB/s", [r / 1e9 for r in w.rates["b"]], w,
+            limit=limit, baseline=None)
+
+
+def baselines(ctx: RunContext, sec: Section, plan: Plan) -> None:
+    measure_baseline(ctx, sec, "tcp", "raw TCP socket, client sendall(1 MiB) -> server recv_into",
+                     _tcp_server, _tcp_client, plan)
+    measure_baseline(ctx, sec, "ws", "aiohttp websocket, client -> server, 1 MiB binary messages "
+                     "(the bridge's direction)", _ws_server, _ws_client, plan, False, limit=TCP)
+    measure_baseline(ctx, sec, "ws_malloc", "aiohttp websocket, client -> server, glibc malloc "
+                     "thresholds raised (MALLOC_MMAP_THRESHOLD_=32 MiB, MALLOC_TRIM_THRESHOLD_="
+                     "256 MiB)", _ws_server, _ws_client, plan, False, limit=TCP, env=MALLOC_ENV)
+    measure_baseline(ctx, sec, "ws_down", "aiohttp websocket, server -> client (no masking)",
+                     _ws_server, _ws_client, plan, True, limit=TCP)
+
+
+# ------------------------------------------------------------------ workers on a host
+
+def _pusher(spec: dict, stop: Any, status: Any, count: Any) -> None:
+    """Push into one host's store until ``stop`` is set (spawned; reports to ``status``)."""
+    _die_with_parent()
+    try:
+        import numpy as np
+
+        import shmps
+        store = shmps.attach(spec["store"], namespace=spec["namespace"])
+        rng = np.random.default_rng(spec["seed"])
+        if spec["kind"] == "dense":
+            t = store[spec["name"]]
+            g = (rng.standard_normal(t.shape, dtype=np.float32) * 1e-3)
+
+            def push(i: int) -> None:
+                t.push(g)
+        else:
+            t = store[spec["name"]]
+            ids = rng.integers(0, TABLE_KEYS, (16, TABLE_BATCH), dtype=np.uint64)
+            keys = ids * np.uint64(KEY_MUL)
+            gs = rng.standard_normal((16, TABLE_BATCH, TABLE_DIM), dtype=np.float32) * 1e-3
+
+            def push(i: int) -> None:
+                t.push(keys[i % 16], gs[i % 16])
+        status.put(("ready", spec["rank"], ""))
+        n = 0
+        sleep, flush = spec.get("sleep", 0.0), spec.get("flush", False)
+        while not stop.is_set():
+            push(n)
+            if flush:
+                store.flush(timeout=60.0)
+            n += 1
+            count.value = n
+            if sleep:
+                time.sleep(sleep)
+        store.close()
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        status.put(("error", spec["rank"], f"{type(exc).__name__}: {exc}"))
+
+
+class Pushers:
+    """``n`` spawned pushers on host ``i`` of a cluster; stopped when the block ends."""
+
+    def __init__(self, stack: ExitStack, cluster: Any, host: int, n: int, kind: str, name: str,
+                 sleep: float = 0.0, flush: bool = False) -> None:
+        spawn = mp.get_context("spawn")
+        self.stop = spawn.Event()
+        self.status = spawn.Queue()
+        self.counts = [spawn.RawValue("q", 0) for _ in range(n)]
+        self.procs = []
+        for r in range(n):
+            spec = {"store": cluster.store, "namespace": cluster.namespaces[host], "kind": kind,
+                    "name": name, "seed": 1000 + r, "rank": r, "sleep": sleep, "flush": flush}
+            self.procs.append(_spawn(stack, _pusher, spec, self.stop, self.status,
+                                     self.counts[r]))
+        stack.callback(self.stop.set)   # runs before the terminations registered above
+        ready = 0
+        while ready < n:
+            msg, rank, text = self.status.get(timeout=120)
+            if msg == "error":
+                raise RuntimeError(f"worker {rank}: {text}")
+            ready += 1
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def pushes(self) -> float:
+        return float(sum(c.value for c in self.counts))
+
+    def check(self) -> None:
+        while not self.status.empty():
+            msg, rank, text = self.status.get_nowait()
+            if msg == "error":
+                raise RuntimeError(f"worker {rank}: {text}")
+        for p in self.procs:
+            if not p.is_alive():
+                raise RuntimeError(f"a worker exited with code {p.exitcode}")
+
+    def finish(self) -> None:
+        self.stop.set()
+        for p in self.procs:
+            p.join(30)
+        while not self.status.empty():
+            msg, rank, text = self.status.get_nowait()
+            if msg == "error":
+                raise RuntimeError(f"worker {rank}: {text}")
+
+
+# ------------------------------------------------------------------ cluster helpers
+
+APPLIED = "shmps_bridge_gradient_bytes_applied_total"
+SENT_BATCH = 'shmps_bridge_bytes_sent_total{type="batch"}'
+SENT_ROWS = 'shmps_bridge_bytes_sent_total{type="rows"}'
+
+
+def metrics(cluster: Any, i: int) -> dict[str, float]:
+    """Host i's /metrics samples by name (with labels), e.g. ``APPLIED``."""
+    with urllib.request.urlopen(cluster.url(i, "/metrics"), timeout=5.0) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def owned(cluster: Any, i: int, name: str) -> list[str]:
+    h = cluster.health(i) or {}
+    return [k for k in h.get("owned", []) if k.rsplit("/", 1)[0] == name]
+
+
+def wait_tensor(cluster: Any, hosts: list[int], name: str, timeout: float = 20.0) -> None:
+    try:
+        cluster.wait(lambda: all(name in ((cluster.health(i) or {}).get("tensors") or [])
+                                 for i in hosts), timeout, f"every bridge to forward {name!r}")
+    except AssertionError as exc:
+        raise BridgeUnusable(f"the bridges never all listed the tensor {name!r} in /health "
+                             f"'tensors' ({timeout:.0f} s)\n{exc}") from None
+
+
+class BridgeUnusable(RuntimeError):
+    """The bridge did not do what the benchmark needs; the message says what was seen."""
+
+
+def start_cluster(stack: ExitStack, sec: Section, workdir: Path, n: int, replicas: int) -> Any:
+    """``n`` converged bridges (tests/bridge_harness.Cluster), closed when ``stack`` closes:
+    every bridge killed and every store of the cluster destroyed.  A start that does not
+    converge in 30 s is retried once, and the section says so."""
+    from bridge_harness import Cluster  # tests/ is on sys.path (see run())
+    for attempt in (1, 2):
+        c = Cluster(workdir / f"try{attempt}", n, store=STORE, replicas=replicas,
+                    flush_ms=FLUSH_MS, dead_after=DEAD_AFTER)
+        stack.callback(c.close)
+        t0 = time.perf_counter()
+        try:
+            c.start_all(30.0)
+        except AssertionError as exc:
+            progress(f"[bridge] start {attempt} of {n} bridges did not converge:\n{exc}")
+            states = [[m["state"] for m in (c.health(i) or {}).get("members", [])]
+                      for i in range(n)]
+            c.close()
+            if attempt == 2:
+                raise BridgeUnusable(f"{n} bridges did not converge in 30 s, twice (member "
+                                     f"states seen by each: {states})") from None
+            sec.messages.append(f"bridge start-up: {n} fresh bridges did not converge in 30 s "
+                                f"(member states seen by each: {states}); started again")
+            continue
+        progress(f"[bridge] {n} bridges up and converged in {time.perf_counter() - t0:.1f} s "
+                 f"(replicas {replicas})")
+        return c
+    raise AssertionError("unreachable")
+
+
+def create(c: Any, host: int, what: str) -> None:
+    """Create a benchmark tensor in host ``host``'s store (the bridges copy its schema)."""
+    import shmps
+    s = c.attach(host)
+    try:
+        if what == DENSE:
+            s.dense(DENSE, DENSE_SHAPE, "float32", init=0.0, optimizer=shmps.SGD(lr=1e-3),
+                    shard_rows=DENSE_SHARD_ROWS)
+        elif what == TABLE:
+            s.table(TABLE, dim=TABLE_DIM, dtype="float32", capacity=TABLE_CAPACITY,
+                    optimizer=shmps.SGD(lr=1e-3), shards=TABLE_SHARDS)
+        else:
+            s.dense(FO_NAME, FO_SHAPE, "float32", init=0.0, optimizer=shmps.SGD(lr=1e-3),
+                    shard_rows=FO_SHARD_ROWS)
+    finally:
+        s.close()
+
+
+def wait_drained(c: Any, host: int, timeout: float = 60.0) -> None:
+    """Every push made on ``host`` so far is applied by its owner (``store.flush``)."""
+    s = c.attach(host)
+    try:
+        s.flush(timeout=timeout)
+    except Exception as exc:  # noqa: BLE001 - a Timeout here is the bridge's, reported
+        raise BridgeUnusable(f"store.flush({timeout:.0f}) on host {host} after the workers "
+                             f"stopped: {type(exc).__name__}: {exc}\n{describe(c)}") from None
+    finally:
+        s.close()
+
+
+def describe(cluster: Any) -> str:
+    try:
+        return str(cluster.describe())
+    except Exception as exc:  # noqa: BLE001 - diagnostics only
+        return f"(could not describe the cluster: {exc})"
+
+
+# ------------------------------------------------------------------ forwarded pushes
+
+def forwarded(ctx: RunContext, sec: Section, c: Any, plan: Plan, *, key: str, label: str,
+              what: str, workers: int, flush: bool = True) -> None:
+    """Workers on host A (0) push ``what``; host B's (1) applied gradient bytes per second."""
+    ctx.quiet.wait()
+    with ExitStack() as stack:
+        ps = Pushers(stack, c, 0, workers, "dense" if what == DENSE else "table", what,
+                     flush=flush)
+
+        def read() -> dict[str, float]:
+            a, b = metrics(c, 0), metrics(c, 1)
+            return {"b": b.get(APPLIED, 0.0), "a": a.get(APPLIED, 0.0),
+                    "a_batch": a.get(SENT_BATCH, 0.0), "b_rows": b.get(SENT_ROWS, 0.0),
+                    "pushes": ps.pushes()}
+
+        w = measure_windows(read, {"workers": ps.pids, "bridge A": [c.procs[0].pid],
+                                   "bridge B": [c.procs[1].pid]},
+                            plan.warmup, plan.window, plan.reps)
+        ps.check()
+        ps.finish()
+    wait_drained(c, 0)
+    med = {k: statistics.median(v) for k, v in w.rates.items()}
+    if not any(w.rates["b"]):
+        raise BridgeUnusable(f"{label}: host B applied nothing in {plan.reps} windows of "
+                             f"{plan.window:.0f} s (workers pushed {med['pushes']:.0f}/s)")
+    nb, total = len(owned(c, 1, what)), DENSE_SHAPE[0] // DENSE_SHARD_ROWS
+    loop = "push + store.flush()" if flush else "push in a loop, no flush"
+    wire = (f"on the wire: A->B BATCH {fmt_num(med['a_batch'] / 1e9)} GB/s, B->A ROWS "
+            f"{fmt_num(med['b_rows'] / 1e9)} GB/s")
+    if what == DENSE:
+        row = add_row(sec, key, label, workers, "GB/s", [x / 1e9 for x in w.rates["b"]], w)
+        pushed = med["pushes"] * DENSE_SHAPE[0] * DENSE_SHAPE[1] * 4
+        row.note(f"{loop}: {fmt_num(med['pushes'])} pushes/s = {fmt_num(pushed / 1e9)} GB/s "
+                 f"{'pushed and flushed' if flush else 'into the outboxes (summed there)'}; "
+                 f"B owns {nb} of {total} shards, A applied its own "
+                 f"{fmt_num(med['a'] / 1e9)} GB/s; {wire}")
+    else:
+        rb = TABLE_DIM * 4
+        rows = add_row(sec, key + "_rows", label + ": rows", workers, "rows/s",
+                       [x / rb for x in w.rates["b"]], w, limit=None, baseline=None)
+        rows.note(f"{loop}: {fmt_num(med['pushes'] * TABLE_BATCH)} rows/s pushed on A; B owns "
+                  f"{nb} of {TABLE_SHARDS} shards; A applied its own {fmt_num(med['a'] / rb)} "
+                  f"rows/s; {wire}")
+        row = add_row(sec, key, label + ": row payload", workers, "GB/s",
+                      [x / 1e9 for x in w.rates["b"]], w)
+    row.data.update({k: v for k, v in w.rates.items() if k != "b"}, owned_by_b=nb)
+
+
+def throughput(ctx: RunContext, sec: Section, workdir: Path, plan: Plan) -> None:
+    """2 bridges: dense and table pushes from host A forwarded to host B."""
+    dense_label = "forwarded dense push, 16 MiB float32 SGD, replicas 1"
+    table_label = (f"forwarded table push, {TABLE_BATCH} uniform keys x {TABLE_DIM} float32 "
+                   "SGD, replicas 1")
+    with ExitStack() as stack:
+        c = start_cluster(stack, sec, workdir / "r1", 2, replicas=1)
+        create(c, 0, DENSE)
+        create(c, 0, TABLE)
+        wait_tensor(c, [0, 1], DENSE)
+        wait_tensor(c, [0, 1], TABLE)
+        progress(f"[bridge] host B owns {len(owned(c, 1, DENSE))} of "
+                 f"{DENSE_SHAPE[0] // DENSE_SHARD_ROWS} dense shards, "
+                 f"{len(owned(c, 1, TABLE))} of {TABLE_SHARDS} table shards")
+        for n in (1, 2):
+            forwarded(ctx, sec, c, plan, key="dense_r1", label=dense_label, what=DENSE,
+                      workers=n)
+        if not ctx.quick:
+            forwarded(ctx, sec, c, plan, key="dense_r1_noflush", what=DENSE, workers=1,
+                      label=dense_label + ", no flush", flush=False)
+        for n in (1, 2):
+            forwarded(ctx, sec, c, plan, key="table_r1", label=table_label, what=TABLE,
+                      workers=n)
+    if ctx.quick:
+        return
+    with ExitStack() as stack:
+        c = start_cluster(stack, sec, workdir / "r2", 2, replicas=2)
+        create(c, 0, DENSE)
+        wait_tensor(c, [0, 1], DENSE)
+        forwarded(ctx, sec, c, plan, key="dense_r2", what=DENSE, workers=2,
+                  label="forwarded dense push, 16 MiB float32 SGD, replicas 2")
+
+
+# ------------------------------------------------------------------ failover
+
+@dataclass
+class Kill:
+    """One kill -9: whom, and what the survivors' /health said about its shards."""
+
+    victim: int
+    owned: int                       # failover shards the victim owned
+    took: Optional[float] = None     # kill -> first batch applied by a successor (s)
+    since_hb: Optional[float] = None  # that apply - the victim's last heartbeat (s)
+    taken: int = 0                   # failovers entries naming the victim
+
+
+def kill_once(c: Any) -> Kill:
+    """Kill -9 the bridge (not host 0) owning most failover shards and wait (at most
+    ``FO_TIMEOUT``) for a survivor's /health ``failovers`` entry naming it."""
+    counts = {i: len(owned(c, i, FO_NAME)) for i in range(1, len(c.addrs))}
+    victim = max(counts, key=lambda i: counts[i])
+    k = Kill(victim, counts[victim])
+    survivors = [i for i in c.running() if i != victim]
+    dead = c.addrs[victim]
+    t_kill = c.kill(victim)
+
+    def seen() -> list[dict]:
+        return [f for i in survivors for f in (c.health(i) or {}).get("failovers", [])
+                if f.get("dead") == dead and f.get("first_apply_wall", 0.0) >= t_kill]
+
+    entries: list[dict] = []
+    while not entries and time.time() < t_kill + FO_TIMEOUT:
+        time.sleep(0.02)
+        entries = seen()
+    if entries:
+        time.sleep(0.3)   # entries of the other survivor, which may be earlier
+        entries = seen() or entries
+        first = min(entries, key=lambda f: f["first_apply_wall"])
+        k.took = first["first_apply_wall"] - t_kill
+        k.since_hb = float(first["since_last_heartbeat_s"])
+        k.taken = len(entries)
+    return k
+
+
+def failover(ctx: RunContext, sec: Section, workdir: Path, plan: Plan) -> None:
+    """3 bridges, replicas 2, a worker pushing on host 0; kill, measure, restart, repeat."""
+    total = 3 if ctx.quick else 10
+    kills: list[Kill] = []
+    with ExitStack() as stack:
+        c = start_cluster(stack, sec, workdir / "fo", 3, replicas=2)
+        create(c, 0, FO_NAME)
+        wait_tensor(c, [0, 1, 2], FO_NAME)
+        ps = Pushers(stack, c, 0, 1, "dense", FO_NAME, sleep=FO_SLEEP)
+        time.sleep(1.0)
+        for n in range(1, total + 1):
+            ps.check()
+            k = kill_once(c)
+            kills.append(k)
+            if k.took is None:
+                progress(f"[bridge] kill {n}/{total}: host {k.victim} (owned {k.owned} shards): "
+                         f"no successor applied a batch of its shards within {FO_TIMEOUT:.0f} s"
+                         f"\n{describe(c)}")
+            else:
+                progress(f"[bridge] kill {n}/{total}: host {k.victim} (owned {k.owned} shards) -> "
+                         f"first batch applied by a successor after {k.took * 1000:.0f} ms "
+                         f"({k.taken} shards taken over; {k.since_hb * 1000:.0f} ms after its "
+                         "last heartbeat)")
+            c.start(k.victim)
+            try:
+                c.wait_converged(30.0)
+            except AssertionError as exc:
+                done = ", ".join("none" if x.took is None else f"{x.took * 1000:.0f} ms"
+                                 for x in kills)
+                raise BridgeUnusable(
+                    f"failover: after kill {n} of {total}, the restarted bridge (host "
+                    f"{k.victim}) did not rejoin within 30 s (it stayed 'joining' in the others' "
+                    f"/health; failover times measured until then: {done})\n{exc}") from None
+            time.sleep(0.5)
+        ps.check()
+    took = [k.took for k in kills if k.took is not None]
+    missing = len(kills) - len(took)
+    if missing:
+        sec.messages.append(f"failover: after {missing} of {len(kills)} kills no survivor applied "
+                            f"a batch of the dead bridge's shards within {FO_TIMEOUT:.0f} s")
+    if not took:
+        return
+    row = sec.add(Row(key="failover", label="failover: kill -9 of the bridge owning most shards "
+                      "-> first batch applied by a successor", procs=1, unit="s", samples=took))
+    row.note(f"{len(took)} of {len(kills)} kills; 3 bridges, replicas 2, --dead-after "
+             f"{DEAD_AFTER} s; shards taken over per kill "
+             f"{min(k.taken for k in kills if k.took is not None)}-"
+             f"{max(k.taken for k in kills)}")
+    row.data.update(kills=len(kills), no_successor=missing,
+                    victims=[k.victim for k in kills], shards_taken=[k.taken for k in kills])
+    hb_row = sec.add(Row(key="failover_hb", label="failover: the dead owner's last heartbeat -> "
+                         "that first apply", procs=1, unit="s",
+                         samples=[k.since_hb for k in kills if k.since_hb is not None]))
+    hb_row.note("the bridge's own measure (since_last_heartbeat_s, the "
+                "shmps_bridge_failover_seconds histogram)")
+    progress(f"[bridge] failover over {len(took)} kills: {summary(took)} s")
+
+
+# ------------------------------------------------------------------ section
+
+def max_of(key: str, procs: int) -> Metric:
+    def value(s: Section) -> Optional[float]:
+        r = s.row(key, procs)
+        return max(r.samples) if r and r.samples else None
+    return Metric([(key, procs)], value)
+
+
+def data_of(key: str, procs: int, name: str) -> Metric:
+    def value(s: Section) -> Optional[float]:
+        r = s.row(key, procs)
+        return float(r.data[name]) if r and name in r.data else None
+    return Metric([(key, procs)], value)
+
+
+def add_checks(sec: Section) -> None:
+    for n in (1, 2):
+        if sec.row("dense_r1", n):
+            sec.checks.append(Check(f"forwarded dense push GB/s, replicas 1, {n} worker(s)",
+                                    median_of("dense_r1", n), ">=", 1.0, "{:.2f}"))
+    for n in (1, 2):
+        if sec.row("table_r1", n):
+            sec.checks.append(Check(f"forwarded table row payload GB/s, {n} worker(s)",
+                                    median_of("table_r1", n), ">=", 0.5, "{:.2f}"))
+    if sec.row("failover", 1):
+        sec.checks.append(Check("failover, median s", median_of("failover", 1), "<", 0.5,
+                                "{:.3f}"))
+        sec.checks.append(Check("failover, max s", max_of("failover", 1), "<", 1.0, "{:.3f}"))
+        sec.checks.append(Check(f"failover: kills without a successor's apply within "
+                                f"{FO_TIMEOUT:.0f} s", data_of("failover", 1, "no_successor"),
+                                "==", 0, "{:.0f}"))
+
+
+def bridge_missing(ctx: RunContext) -> Optional[str]:
+    """Why the bridge rows cannot run (None if they can)."""
+    if ctx.shmps is None:
+        return f"shmps not importable ({ctx.shmps_error})"
+    for mod in ("shmps.bridge.node", "shmps.bridge.cli", "prometheus_client"):
+        if importlib.util.find_spec(mod) is None:
+            return f"{mod} does not exist"
+    if not (TESTS / "bridge_harness.py").exists():
+        return "tests/bridge_harness.py (the cluster launcher) does not exist"
+    from shmps.store import Store
+    missing = [m for m in ("_set_forwarding", "flush") if not hasattr(Store, m)]
+    if missing:
+        return ("the store side of the bridge is missing (Store has no "
+                + ", ".join(missing) + ")")
+    return None
+
+
+def run(ctx: RunContext, sec: Section) -> None:
+    if importlib.util.find_spec("aiohttp") is None:
+        sec.messages.append("not available: needs aiohttp (pip install '.[bridge]' or aiohttp)")
+        return
+    base, plan = plans(ctx)
+    baselines(ctx, sec, base)
+    why = bridge_missing(ctx)
+    if why:
+        sec.messages.append(f"bridge rows not measured: {why}")
+        return
+    if str(TESTS) not in sys.path:
+        sys.path.insert(0, str(TESTS))
+    with tempfile.TemporaryDirectory(prefix="bench-bridge-") as tmp:
+        for step in (throughput, failover):
+            try:
+                step(ctx, sec, Path(tmp), plan)
+            except BridgeUnusable as exc:
+                progress(f"[bridge] {exc}")
+                sec.messages.append(f"bridge misbehaved, no figure: {str(exc).splitlines()[0]}")
+    add_checks(sec)
