@@ -457,6 +457,19 @@ class Membership:
         self.epoch = int(epoch)
         return self._apply(changes, frozenset(self.live()))
 
+    def rejoin(self) -> list[Change]:
+        """This host must copy its shards again (the majority's view, at this host's epoch,
+        has it joining): it leaves the ring without minting an epoch. O(n)."""
+        if self.self_addr is None:
+            return []
+        changes: list[Change] = []
+        if self._state.get(self.self_addr) in (State.ALIVE, State.SUSPECT):
+            self._set(changes, self.self_addr, State.JOINING)
+        for c in changes:
+            log.info("member %s: %s -> %s (epoch %d)", c.member, c.old.value if c.old else
+                     "none", c.new.value if c.new else "none", self.epoch)
+        return changes
+
     def observe_epoch(self, epoch: int) -> bool:
         """Raise the epoch to a peer's ``epoch`` if higher; True if it was raised. O(1)."""
         if epoch > self.epoch:

@@ -136,6 +136,7 @@ class ShardState:
     # replica side
     snap_epoch_seen: int = -1                            # a LAST snapshot chunk arrived
     last_snap: tuple = ("", -1)                          # (from whom, its epoch)
+    sync_sent_at: float = 0.0                            # joining: last SYNC request
     snap_retry: dict = field(default_factory=dict)       # member -> no snapshot before
     snapshots_received: int = 0
 
@@ -344,6 +345,7 @@ class Bridge:
         self._owner_cache: dict[str, list[str]] = {}
         self._peer_rings: dict[str, set] = {}   # the ring each peer's last heartbeat shows
         self._incarnations: dict[str, int] = {}
+        self._initial = set(configured)
 
     # ------------------------------------------------------------ life cycle
     async def start(self) -> None:
@@ -395,9 +397,13 @@ class Bridge:
         self.leaving = True
         self.members.mark_leaving(self.addr)
         deadline = time.monotonic() + timeout
-        # this host's own pushes reach their owners first
-        while time.monotonic() < deadline and (self._unacked() or self._outbox_pending()):
-            await asyncio.sleep(0.02)
+        # this host's own pushes reach their owners first (store.flush waits for every
+        # outbox to be acknowledged; this loop keeps draining and sending meanwhile)
+        try:
+            await asyncio.get_running_loop().run_in_executor(
+                None, self.store.flush, max(0.1, deadline - time.monotonic() - 2.0))
+        except Error as e:
+            log.warning("leaving with pushes not yet acknowledged: %s", e)
         self.handed_over = True
         # wait until the others dropped this host from the ring, and hand its shards over
         while time.monotonic() < deadline and self._others_still_see_me():
@@ -524,6 +530,7 @@ class Bridge:
                 self.ready_flag = False
                 for st in self.shards.values():
                     st.snap_epoch_seen = -1
+                    st.sync_sent_at = 0.0
 
     def _role_change(self, key: tuple, old: Optional[list], new: list) -> None:
         st = self.shards[key]
@@ -584,7 +591,9 @@ class Bridge:
     async def _tick_loop(self) -> None:
         while True:
             try:
-                self._on_changes(self.members.tick())
+                if time.monotonic() >= self.grace_until:
+                    # during the start-up grace peers are still starting: nobody is dead yet
+                    self._on_changes(self.members.tick())
                 self._maintain()
             except asyncio.CancelledError:
                 raise
@@ -606,6 +615,11 @@ class Bridge:
             if self.members.state(peer) is not State.DEAD:
                 self._on_changes(self.members.mark_joining(peer))
         self._on_changes(self.members.heartbeat(peer))
+        if (self.members.epoch == 0 and peer in self._initial
+                and self.members.state(peer) is State.JOINING):
+            # epoch 0: the cluster has never changed its live set with a majority, so no
+            # shard has moved; a peer of the original list that started late simply joins
+            self._on_changes(self.members.mark_ready(peer))
         view = {}
         for mid, code in hb.members:
             a = self.ids.get(mid)
@@ -624,6 +638,12 @@ class Bridge:
                 view[self.addr] = State.JOINING
             self._on_changes(self.members.adopt(view, hb.epoch))
             self.grace_until = min(self.grace_until, time.monotonic())
+        elif ((hb.hb_flags & frames.HB_QUORUM) and hb.epoch == self.members.epoch
+              and view.get(self.addr) is State.JOINING and not self.leaving
+              and self.members.state(self.addr) in (State.ALIVE, State.SUSPECT)):
+            # the majority (same epoch) counts this host as joining (it was added, or came
+            # back): copy the shards before owning any
+            self._on_changes(self.members.rejoin())
         s_peer = view.get(peer)
         state = self.members.state(peer)
         if s_peer is State.LEAVING and state in (State.ALIVE, State.SUSPECT):
@@ -837,13 +857,6 @@ class Bridge:
     def _unacked(self) -> int:
         return sum(len(s.q) for s in self.streams.values())
 
-    def _outbox_pending(self) -> bool:
-        for (tid, s) in self.streams:
-            p, a = self.tensors[tid].t._outbox_counters(s)
-            if a < p:
-                return True
-        return False
-
     # ------------------------------------------------------------ owner side
     def _ack(self, f: frames.FrameHeader, status: Status, seq: Optional[int] = None) -> bytes:
         return frames.encode_ack(epoch=self.members.epoch, sender=self.mid,
@@ -1045,6 +1058,16 @@ class Bridge:
 
     async def _send_snapshot(self, key: tuple, member: str, handover: bool = False) -> None:
         """Send a consistent copy of shard ``key`` to ``member`` (chunks, then LAST)."""
+        try:
+            await self._send_snapshot_now(key, member, handover)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("snapshot of %s to %s failed", self.shards[key].key, member)
+            self.shards[key].snapshotting.pop(member, None)
+            self.shards[key].snap_retry[member] = time.monotonic() + 1.0
+
+    async def _send_snapshot_now(self, key: tuple, member: str, handover: bool) -> None:
         st = self.shards[key]
         info = self.tensors[key[0]]
         link = self.links.get(member)
@@ -1113,12 +1136,26 @@ class Bridge:
         self.metrics.staleness.set(self._staleness())
         if (self.members.state(self.addr) is State.JOINING and not self.ready_flag
                 and self.joined_at_epoch is not None):
+            self._request_copies(now)
             if self.shards and all(st.snap_epoch_seen >= 0 for st in self.shards.values()) \
                     and self.catalog_seen_from:
                 self.ready_flag = True
                 log.info("joined: every shard copied; ready (epoch %d)", self.members.epoch)
             elif not self.shards and self.catalog_seen_from:
                 self.ready_flag = True
+
+    def _request_copies(self, now: float) -> None:
+        """Joining: ask each shard's owner for a snapshot (SYNC) until one arrived."""
+        for (tid, s), st in self.shards.items():
+            if st.snap_epoch_seen >= 0 or st.sync_sent_at > now - 1.0:
+                continue
+            owner = self.owner(st.key)
+            link = self.links.get(owner) if owner else None
+            if link is not None and link.send(frames.encode_sync(
+                    epoch=self.members.epoch, sender=self.mid, incarnation=self.incarnation,
+                    tensor=tid, shard=s)):
+                st.sync_sent_at = now
+                self.metrics.sent("sync", frames.HEADER.size)
 
     def _staleness(self) -> float:
         return max((s.q.oldest_age() for s in self.streams.values()), default=0.0)
@@ -1175,7 +1212,9 @@ class Bridge:
                      "acting": self.acting(), "owned": owned, "pending": pending,
                      "staleness_ms": round(self._staleness() * 1000, 3),
                      "tensors": sorted(self.by_name), "failovers": self.failover_log[-20:],
-                     "ring_digest": self.ring.digest,
+                     "ring_digest": self.ring.digest, "ready": self.ready_flag,
+                     "copied": sum(st.snap_epoch_seen >= 0 for st in self.shards.values()),
+                     "shards": len(self.shards),
                      "applied": int(self.metrics.applied._value.get())})
         return snap
 
@@ -1287,7 +1326,13 @@ class Bridge:
                         if f.sender != peer.sender or f.incarnation != peer.incarnation:
                             raise frames.BadFrame(f"sender {f.sender:08x}/{f.incarnation:08x}"
                                                   " is not the authenticated peer")
-                        self.on_frame(peer.client_id, f, conn.send)
+                        try:
+                            self.on_frame(peer.client_id, f, conn.send)
+                        except (frames.BadFrame, asyncio.CancelledError):
+                            raise
+                        except Exception:
+                            log.exception("handling %s from %s failed", type(f).__name__,
+                                          peer.client_id)
                     bad = 0
                 except frames.BadFrame as e:
                     bad += 1
@@ -1320,7 +1365,10 @@ class Bridge:
         elif isinstance(f, frames.Sync):
             key = (f.tensor, f.shard)
             if key in self.shards and self.owner(self.shards[key].key) == self.addr:
-                self.shards[key].synced.discard(peer)
+                st = self.shards[key]
+                if peer not in st.snapshotting:
+                    st.synced.discard(peer)
+                    st.snap_retry.pop(peer, None)
             else:
                 reply(self._ack(f, Status.NOT_OWNER))
         elif isinstance(f, frames.Ack):

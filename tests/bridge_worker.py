@@ -1,0 +1,64 @@
+"""A training worker for the multi-host tests: run as ``python bridge_worker.py JSON``.
+
+The JSON says what to do on one host's store (``store``, ``namespace``):
+
+- ``create``: tensors to get-or-create: ``{"dense": {name: [shape, dtype, optimizer,
+  shard_rows]},
+  "table": {name: [dim, dtype, capacity]}}`` (optimizer: "sum" or an SGD lr);
+- ``pushes``: how many rounds; each round pushes +1 to every row of each dense tensor and
+  ``[1]*dim`` to every key in ``keys`` of each table; ``sleep`` between rounds;
+- ``flush``: call ``store.flush(timeout)`` at the end;
+- ``pull``: print the pulled tensors.
+
+Prints one JSON line: the rounds done and (with ``pull``) the pulled values as lists.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import numpy as np
+
+import shmps
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    store = shmps.attach(spec["store"], namespace=spec["namespace"])
+    made = {}
+    for name, (shape, dtype, opt, shard_rows) in spec.get("create", {}).get("dense", {}).items():
+        upd = shmps.SGD(lr=opt) if isinstance(opt, (int, float)) else None
+        made[name] = store.dense(name, tuple(shape), dtype, optimizer=upd, shard_rows=shard_rows)
+    for name, (dim, dtype, cap) in spec.get("create", {}).get("table", {}).items():
+        made[name] = store.table(name, dim=dim, dtype=dtype, capacity=cap)
+    keys = np.asarray(spec.get("keys", []), dtype=np.uint64)
+    rounds = int(spec.get("pushes", 0))
+    done = 0
+    for _ in range(rounds):
+        for name, t in made.items():
+            if t.kind == "dense":
+                t.push(np.ones(t.shape, dtype=t.dtype if t.dtype != np.float16 else "float32"))
+            elif len(keys):
+                t.push(keys, np.ones((len(keys), t.dim), dtype=t.dtype))
+        done += 1
+        if spec.get("sleep"):
+            time.sleep(spec["sleep"])
+    if spec.get("flush"):
+        store.flush(timeout=spec.get("flush_timeout", 30.0))
+    out: dict = {"rounds": done}
+    if spec.get("pull"):
+        pulled = {}
+        for name in spec["pull"]:
+            t = store[name]
+            if t.kind == "dense":
+                pulled[name] = t.pull().tolist()
+            else:
+                pulled[name] = t.pull(keys).tolist()
+        out["pulled"] = pulled
+    store.close()
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,367 @@
+"""Several shmps-bridge processes on one machine: exact totals, failover, pause, join and
+leave, hostile peers.  Each host is a bridge on its own 127.0.0.x address with its own
+shared-memory namespace; workers are separate processes (tests/bridge_worker.py)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+import shmps
+from shmps.bridge import auth, frames
+from shmps.bridge.members import member_id
+
+from bridge_harness import Cluster
+
+pytest.importorskip("aiohttp")
+pytest.importorskip("prometheus_client")
+
+pytestmark = [pytest.mark.timeout(240)]
+
+KEYS = [0, 1, 777, 12345, 2**64 - 1]
+DENSE = {"w": [[512, 8], "int32", "sum", 64]}      # 8 shards of 64 rows
+TABLE = {"emb": [4, "int32", 1000]}
+
+
+@pytest.fixture
+def make_cluster(tmp_path):
+    made: list[Cluster] = []
+
+    def make(n: int, **kw) -> Cluster:
+        c = Cluster(tmp_path / f"cluster{len(made)}", n, **kw)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.close()
+
+
+def create_everywhere(c: Cluster, hosts: list) -> None:
+    for i in hosts:
+        c.run_worker(i, {"create": {"dense": DENSE, "table": TABLE}})
+    c.wait(lambda: all((c.health(i) or {}).get("tensors") == ["emb", "w"] for i in hosts),
+           15, "every bridge to forward the tensors")
+
+
+def pulled(c: Cluster, i: int) -> tuple[np.ndarray, np.ndarray]:
+    s = c.attach(i)
+    try:
+        w = s["w"].pull()
+        e = s["emb"].pull(np.asarray(KEYS, dtype=np.uint64))
+        return w, e
+    finally:
+        s.close()
+
+
+def wait_totals(c: Cluster, hosts: list, total: int, timeout: float = 10.0) -> None:
+    """Every host's copy reaches the exact total (backups at once; other replicas within
+    the staleness bound)."""
+    last: dict = {}
+
+    def ok() -> bool:
+        for i in hosts:
+            w, e = pulled(c, i)
+            last[i] = (int(w.min()), int(w.max()), int(e.min()), int(e.max()))
+            if last[i] != (total,) * 4:
+                return False
+        return True
+
+    try:
+        c.wait(ok, timeout, f"every host to hold the total {total}")
+    except AssertionError:
+        raise AssertionError(f"totals (min/max of w, min/max of emb) per host: {last}, "
+                             f"expected {total}\n{c.describe()}") from None
+
+
+def push_spec(rounds: int, sleep: float = 0.0, flush: bool = True) -> dict:
+    return {"create": {"dense": DENSE, "table": TABLE}, "keys": KEYS, "pushes": rounds,
+            "sleep": sleep, "flush": flush, "flush_timeout": 60.0}
+
+
+def test_three_hosts_exact_totals(make_cluster):
+    c = make_cluster(3)
+    c.start_all()
+    create_everywhere(c, [0, 1, 2])
+    procs = [c.worker(i, push_spec(25)) for i in range(3) for _ in range(2)]
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err.decode()
+        assert json.loads(out.decode().splitlines()[-1])["rounds"] == 25
+    # flush() returned on every host: each push is applied by its owner and backed up
+    wait_totals(c, [0, 1, 2], 3 * 2 * 25)
+    # every host owns some shards, and none owns them all
+    owned = [len(c.health(i)["owned"]) for i in range(3)]
+    assert sum(owned) == 8 + 1 and all(n < 9 for n in owned), owned
+
+
+def test_owner_killed_mid_stream(make_cluster):
+    c = make_cluster(3)
+    c.start_all()
+    create_everywhere(c, [0, 1, 2])
+    owned = {i: len(c.health(i)["owned"]) for i in range(3)}
+    victim = max(owned, key=owned.get)
+    survivors = [i for i in range(3) if i != victim]
+    rounds = 150
+    procs = [c.worker(i, push_spec(rounds, sleep=0.01)) for i in survivors for _ in range(2)]
+    time.sleep(0.6)   # mid-stream
+    t_kill = c.kill(victim)
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err.decode() + c.describe()
+    wait_totals(c, survivors, 2 * 2 * rounds)
+    # the victim's shards were taken over: the time from the kill to the first batch
+    # applied by a successor
+    firsts = [f["first_apply_wall"] for i in survivors for f in c.health(i)["failovers"]
+              if f["dead"] == c.addrs[victim]]
+    assert firsts, c.describe()
+    took = min(firsts) - t_kill
+    print(f"failover: kill -> first batch applied by the new owner {took * 1000:.0f} ms "
+          f"({len(firsts)} shards)")
+    assert 0 < took < 1.0
+
+
+def test_paused_host_rejoins_without_split_brain(make_cluster):
+    c = make_cluster(3)
+    c.start_all()
+    create_everywhere(c, [0, 1, 2])
+    epoch0 = c.health(0)["epoch"]
+    rounds = 300
+    procs = [c.worker(i, push_spec(rounds, sleep=0.02)) for i in range(3)]
+    time.sleep(1.0)
+    os.killpg(c.procs[1].pid, signal.SIGSTOP)
+    time.sleep(1.0)
+    h0 = c.health(0)
+    assert {m["address"]: m["state"] for m in h0["members"]}[c.addrs[1]] == "dead"
+    assert c.addrs[1] not in [m for m in h0["owned"]]
+    time.sleep(2.0)
+    os.killpg(c.procs[1].pid, signal.SIGCONT)
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err.decode() + c.describe()
+    c.wait_converged(20)
+    hs = [c.health(i) for i in range(3)]
+    assert len({h["epoch"] for h in hs}) == 1 and hs[0]["epoch"] >= epoch0 + 2, hs
+    wait_totals(c, [0, 1, 2], 3 * rounds)
+
+
+def test_host_added_and_removed_mid_training(make_cluster):
+    c = make_cluster(3, spare=1)
+    c.start_all()
+    create_everywhere(c, [0, 1, 2])
+    rounds = 400
+    procs = [c.worker(0, push_spec(rounds, sleep=0.01)), c.worker(2, push_spec(rounds, 0.01))]
+    time.sleep(0.5)
+    # a fourth host joins
+    c.members.append(c.addrs[3])
+    c.write_hosts()
+    c.start(3)
+    c.wait_converged(30, hosts=[0, 1, 2, 3])
+    assert len(c.health(3)["owned"]) > 0
+    # host 1 is removed: it hands over and exits
+    c.members.remove(c.addrs[1])
+    c.write_hosts()
+    c.procs[1].wait(30)
+    assert c.procs[1].returncode == 0, c.describe()
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err.decode() + c.describe()
+    c.wait_converged(20, hosts=[0, 2, 3])
+    wait_totals(c, [0, 2, 3], 2 * rounds)
+
+
+# --------------------------------------------------------------------------- hostile peers
+
+async def _ws_session(c: Cluster, i: int, secret: bytes, client: str, incarnation: int):
+    import aiohttp
+    session = aiohttp.ClientSession()
+    ws = await session.ws_connect(c.url(i, "/v1/stream"), max_msg_size=64 << 20)
+    hello = await ws.receive_bytes(timeout=5)
+    hs = auth.ClientHandshake(secret, client, "data", sender=member_id(client),
+                              incarnation=incarnation, server_id=c.addrs[i])
+    await ws.send_bytes(hs.answer(hello))
+    return session, ws, hs
+
+
+def rejected(c: Cluster, i: int, reason: str) -> float:
+    for line in c.metrics(i).splitlines():
+        if line.startswith("shmps_bridge_rejected_frames_total{") and f'reason="{reason}"' in line:
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_hostile_peers_are_refused(make_cluster):
+    c = make_cluster(3)
+    c.start_all()
+    create_everywhere(c, [0, 1, 2])
+    secret = c.secret_file.read_bytes().strip()
+    target = 0
+    h = c.health(target)
+    key = next(k for k in h["owned"] if k.startswith("w/"))
+    shard = int(key.split("/")[1])
+    before, _ = pulled(c, target)
+
+    async def attack() -> dict:
+        import aiohttp
+        out: dict = {}
+        # 1. wrong secret: the handshake fails, the connection is closed
+        session, ws, hs = await _ws_session(c, target, b"x" * 32, c.addrs[1], 7)
+        msg = await ws.receive(timeout=5)
+        out["wrong_secret"] = msg.type
+        await session.close()
+        # 2. garbage after a valid handshake: refused, closed after 3
+        session, ws, hs = await _ws_session(c, target, secret, c.addrs[1], 8)
+        hs.check(await ws.receive_bytes(timeout=5))
+        for _ in range(3):
+            await ws.send_bytes(os.urandom(100))
+        msg = await ws.receive(timeout=5)
+        out["garbage"] = msg.type
+        await session.close()
+        # 3. an oversized message: the connection is closed, nothing read
+        session, ws, hs = await _ws_session(c, target, secret, c.addrs[1], 9)
+        hs.check(await ws.receive_bytes(timeout=5))
+        try:
+            await ws.send_bytes(b"\0" * (16 << 20))
+            msg = await ws.receive(timeout=5)
+            out["oversized"] = msg.type
+        except (ConnectionError, aiohttp.ClientError):
+            out["oversized"] = aiohttp.WSMsgType.CLOSED   # closed while we were sending
+        await session.close()
+        # 4. a batch replayed (same stream and seq, also on a new connection): applied once
+        session, ws, hs = await _ws_session(c, target, secret, c.addrs[1], 10)
+        hs.check(await ws.receive_bytes(timeout=5))
+        epoch = c.health(target)["epoch"]
+        batch = frames.encode_batch(epoch=epoch, sender=member_id(c.addrs[1]), incarnation=10,
+                                    tensor=frames.tensor_id("w"), shard=shard, seq=1,
+                                    values=np.ones((64, 8), np.int32), start=shard * 64)
+        acks = []
+        for _ in range(2):
+            await ws.send_bytes(batch)
+            acks.append(frames.decode(await ws.receive_bytes(timeout=5)))
+        await session.close()
+        session, ws, hs = await _ws_session(c, target, secret, c.addrs[1], 10)
+        hs.check(await ws.receive_bytes(timeout=5))
+        await ws.send_bytes(batch)
+        acks.append(frames.decode(await ws.receive_bytes(timeout=5)))
+        await session.close()
+        out["acks"] = [(a.status, a.seq) for a in acks]
+        # 5. membership change without a MAC
+        async with aiohttp.ClientSession() as s:
+            async with s.post(c.url(target, "/v1/members"), data=b'{"remove": []}') as r:
+                out["members_status"] = r.status
+        return out
+
+    out = asyncio.run(attack())
+    import aiohttp
+    closed = (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.CLOSING,
+              aiohttp.WSMsgType.ERROR)
+    assert out["wrong_secret"] in closed
+    assert out["garbage"] in closed
+    assert out["oversized"] in closed
+    assert out["members_status"] == 401
+    assert out["acks"] == [(frames.Status.OK, 1)] * 3, out["acks"]
+    assert rejected(c, target, "auth") >= 2
+    assert rejected(c, target, "malformed") >= 3
+    after, _ = pulled(c, target)
+    diff = after.astype(np.int64) - before
+    rows = slice(shard * 64, shard * 64 + 64)
+    assert (diff[rows] == 1).all(), "the replayed batch must be applied exactly once"
+    diff[rows] = 0
+    assert not diff.any()
+
+
+def test_bridge_cli_refuses_bad_setups(tmp_path):
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("10.1.2.3:7070\n127.0.0.1:7071\n")
+    env = dict(os.environ)
+    r = subprocess.run(["shmps-bridge" if shutil.which("shmps-bridge") else "python", *(
+        [] if shutil.which("shmps-bridge") else ["-m", "shmps.bridge.cli"]), "--peers",
+        str(hosts), "--store", "m", "--listen", "10.1.2.3:7070"], capture_output=True,
+        text=True, timeout=30, env=env)
+    assert r.returncode == 2
+    assert "without --secret-file" in r.stderr and "Traceback" not in r.stderr
+    r = subprocess.run(["python", "-m", "shmps.bridge.cli", "--peers", str(hosts), "--store",
+                        "m", "--listen", "127.0.0.1:9999"], capture_output=True, text=True,
+                       timeout=30)
+    assert r.returncode == 2 and "not listed" in r.stderr, r.stderr
+    bad = tmp_path / "bad.txt"
+    bad.write_text("127.0.0.1:+80\n")
+    r = subprocess.run(["python", "-m", "shmps.bridge.cli", "--peers", str(bad), "--store", "m",
+                        "--listen", "127.0.0.1:80"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and "line 1" in r.stderr, r.stderr
+    sec = tmp_path / "secret"
+    sec.write_text("s" * 32)
+    os.chmod(sec, 0o644)
+    r = subprocess.run(["python", "-m", "shmps.bridge.cli", "--peers", str(hosts), "--store",
+                        "m", "--listen", "10.1.2.3:7070", "--secret-file", str(sec)],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and "chmod 600" in r.stderr, r.stderr
+
+
+# --------------------------------------------------------------------------- network namespaces
+
+def _netns_hosts(tag: str, n: int):
+    """Create ``n`` network namespaces joined by a Linux bridge; yield their addresses.
+    Returns None (with the reason) where the machine does not allow it."""
+    if os.geteuid() != 0:
+        return None, "needs root to create network namespaces"
+    if shutil.which("ip") is None:
+        return None, "the `ip` command (iproute2) is not installed"
+    br = f"br{tag}"
+    cmds = [["ip", "link", "add", br, "type", "bridge"],
+            ["ip", "addr", "add", "10.77.0.1/24", "dev", br], ["ip", "link", "set", br, "up"]]
+    for i in range(n):
+        ns, va, vb = f"ns{tag}{i}", f"va{tag}{i}", f"vb{tag}{i}"
+        cmds += [["ip", "netns", "add", ns],
+                 ["ip", "link", "add", va, "type", "veth", "peer", "name", vb],
+                 ["ip", "link", "set", vb, "netns", ns],
+                 ["ip", "link", "set", va, "master", br], ["ip", "link", "set", va, "up"],
+                 ["ip", "-n", ns, "addr", "add", f"10.77.0.{i + 2}/24", "dev", vb],
+                 ["ip", "-n", ns, "link", "set", vb, "up"],
+                 ["ip", "-n", ns, "link", "set", "lo", "up"]]
+    for cmd in cmds:
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            _netns_cleanup(tag, n)
+            return None, f"`{' '.join(cmd)}` failed: {r.stderr.strip()}"
+    return [f"10.77.0.{i + 2}" for i in range(n)], ""
+
+
+def _netns_cleanup(tag: str, n: int) -> None:
+    for i in range(n):
+        subprocess.run(["ip", "netns", "del", f"ns{tag}{i}"], capture_output=True)
+        subprocess.run(["ip", "link", "del", f"va{tag}{i}"], capture_output=True)
+    subprocess.run(["ip", "link", "del", f"br{tag}"], capture_output=True)
+
+
+def test_network_namespace_hosts(make_cluster):
+    """Three hosts in their own network namespaces with their own addresses (10.77.0.x),
+    talking over veth pairs and a bridge, with a secret (they are not on loopback)."""
+    tag = f"{os.getpid() % 10000}"
+    ips, why = _netns_hosts(tag, 3)
+    if ips is None:
+        pytest.skip(f"network namespaces not available here: {why}")
+    try:
+        c = make_cluster(3, ip_base=ips,
+                         wrap=lambda i, cmd: ["ip", "netns", "exec", f"ns{tag}{i}", *cmd])
+        c.start_all(30)
+        create_everywhere(c, [0, 1, 2])
+        procs = [c.worker(i, push_spec(20)) for i in range(3)]
+        for p in procs:
+            out, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err.decode() + c.describe()
+        wait_totals(c, [0, 1, 2], 3 * 20)
+        # every peer address seen in /health is a namespace address, not loopback
+        assert all(m["address"].startswith("10.77.0.") for m in c.health(0)["members"])
+        c.close()
+    finally:
+        _netns_cleanup(tag, 3)
