@@ -365,3 +365,31 @@ def test_network_namespace_hosts(make_cluster):
         c.close()
     finally:
         _netns_cleanup(tag, 3)
+
+
+def test_leave_by_members_api_and_sigterm(make_cluster):
+    c = make_cluster(4)
+    c.start_all()
+    create_everywhere(c, [0, 1, 2, 3])
+    rounds = 300
+    procs = [c.worker(0, push_spec(rounds, sleep=0.01)), c.worker(1, push_spec(rounds, 0.01))]
+    time.sleep(0.5)
+    # a signed POST /v1/members removes host 3 on every host; it hands over and exits
+    secret = c.secret_file.read_bytes().strip()
+    body = json.dumps({"remove": [c.addrs[3]]}).encode()
+    req = urllib.request.Request(c.url(1, "/v1/members"), data=body, method="POST",
+                                 headers=auth.sign_request(secret, "POST", "/v1/members",
+                                                           body, c.addrs[1]))
+    with urllib.request.urlopen(req, timeout=5) as r:
+        assert c.addrs[3] not in json.loads(r.read())["members"]
+    assert c.procs[3].wait(30) == 0, c.describe()
+    # SIGTERM: host 2 forwards its pushes, hands over and exits
+    c.signal(2, signal.SIGTERM)
+    assert c.procs[2].wait(30) == 0, c.describe()
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err.decode() + c.describe()
+    wait_totals(c, [0, 1], 2 * rounds)
+    h = c.health(0)
+    states = {m["address"]: m["state"] for m in h["members"]}
+    assert c.addrs[3] not in states and states[c.addrs[2]] == "dead", states

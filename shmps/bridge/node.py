@@ -405,9 +405,13 @@ class Bridge:
         except Error as e:
             log.warning("leaving with pushes not yet acknowledged: %s", e)
         self.handed_over = True
+        log.info("leaving: this host's pushes are acknowledged; handed over")
         # wait until the others dropped this host from the ring, and hand its shards over
         while time.monotonic() < deadline and self._others_still_see_me():
             await asyncio.sleep(0.02)
+        if self._others_still_see_me():
+            log.warning("leaving: %s still count this host in after %g s", ", ".join(
+                p for p, r in self._peer_rings.items() if self.addr in r), timeout)
         await asyncio.sleep(0.1)
 
     async def close(self) -> None:
@@ -565,7 +569,8 @@ class Bridge:
                 self.metrics.failovers.inc()
 
     def _others_still_see_me(self) -> bool:
-        return any(self.addr in ring_members for ring_members in self._peer_rings.values())
+        reach = self.members.reachable()
+        return any(self.addr in ring for p, ring in self._peer_rings.items() if p in reach)
 
     # ------------------------------------------------------------ membership I/O
     async def _heartbeat_loop(self) -> None:
@@ -604,6 +609,8 @@ class Bridge:
     def on_heartbeat(self, peer: str, hb: frames.Heartbeat) -> None:
         if peer not in self.members.states():
             return
+        if hb.hb_flags & frames.HB_HANDED_OVER and self.members.state(peer) is State.DEAD:
+            return  # it left on purpose and is about to exit: not a rejoin
         known = self._incarnations.get(peer)
         self._incarnations[peer] = hb.incarnation
         if known is not None and known != hb.incarnation:
@@ -1257,13 +1264,15 @@ class Bridge:
             remove = [normalize_address(a) for a in req.get("remove", [])]
         except (ValueError, AttributeError, TypeError, Error) as e:
             return web.json_response({"error": f"bad request: {e}"}, status=400)
-        members = [m for m in self.members.configured if m not in remove]
+        before = list(self.members.configured)
+        members = [m for m in before if m not in remove]
         members += [a for a in add if a not in members]
         self._set_members(members)
         if not req.get("forwarded"):
-            # every other member applies the same change
-            for m in self.members.configured:
-                if m in (self.addr,) or m in add:
+            # every other member applies the same change, the removed ones included (they
+            # hand over and exit); added ones read it from their own member list
+            for m in before:
+                if m == self.addr:
                     continue
                 asyncio.get_running_loop().create_task(
                     self._post_members(m, {"add": add, "remove": remove, "forwarded": True}))
