@@ -79,6 +79,7 @@ FO_SHAPE = (1024, 64)              # 256 KiB, 32 shards: every host owns some
 FO_SHARD_ROWS = 32
 FO_SLEEP = 0.01                    # the failover worker pushes every ~10 ms (~25 MB/s)
 FO_TIMEOUT = 10.0                  # a kill without a successor's apply by then is a failure
+REJOIN_TIMEOUT = 20.0              # a restarted bridge converges in 1-2 s when all is well
 
 # glibc returns freed 1 MiB buffers to the kernel (trim / mmap thresholds), so a sender
 # that allocates a fresh 1 MiB message copy per frame (aiohttp's client masking) page-faults
@@ -168,6 +169,37 @@ def measure_windows(read: Callable[[], dict[str, float]], roles: dict[str, list[
         out.other_load = max(0.0, busy - ours - own) / total
         out.steal = steal / total
     return out
+
+
+class LoadMeter:
+    """Other load over intervals in which processes come and go (a killed bridge, its
+    restart): ours = CPU of the processes alive at the end minus, for those alive at the
+    start, their CPU then (a process killed meanwhile used next to nothing after it)."""
+
+    def __init__(self, pids: Callable[[], list[int]]) -> None:
+        self.pids = pids
+        self.busy = self.steal_s = self.total = self.ours = self.own = 0.0
+        self._a: Any = None
+        self._p0: dict[int, float] = {}
+
+    def start(self) -> None:
+        self._a, self._p0 = cpu_sample(), {p: proc_cpu(p) for p in self.pids()}
+
+    def stop(self) -> None:
+        b, p1 = cpu_sample(), {p: proc_cpu(p) for p in self.pids()}
+        self.ours += sum(p1.values()) - sum(v for p, v in self._p0.items() if p in p1)
+        self.busy += b.busy - self._a.busy
+        self.steal_s += b.steal - self._a.steal
+        self.total += b.total - self._a.total
+        self.own += b.own - self._a.own
+
+    @property
+    def other_load(self) -> float:
+        return max(0.0, self.busy - self.ours - self.own) / self.total if self.total > 0 else 0.0
+
+    @property
+    def steal(self) -> float:
+        return self.steal_s / self.total if self.total > 0 else 0.0
 
 
 def add_row(sec: Section, key: str, label: str, procs: int, unit: str, samples: list[float],
@@ -679,8 +711,10 @@ def failover(ctx: RunContext, sec: Section, workdir: Path, plan: Plan) -> None:
         wait_tensor(c, [0, 1, 2], FO_NAME)
         ps = Pushers(stack, c, 0, 1, "dense", FO_NAME, sleep=FO_SLEEP)
         time.sleep(1.0)
+        load = LoadMeter(lambda: [c.procs[i].pid for i in c.running()] + ps.pids)
         for n in range(1, total + 1):
             ps.check()
+            load.start()
             k = kill_once(c)
             kills.append(k)
             if k.took is None:
@@ -693,15 +727,20 @@ def failover(ctx: RunContext, sec: Section, workdir: Path, plan: Plan) -> None:
                          f"({k.taken} shards taken over; {k.since_hb * 1000:.0f} ms after its "
                          "last heartbeat)")
             c.start(k.victim)
+            rejoin = REJOIN_TIMEOUT / 2 if ctx.quick else REJOIN_TIMEOUT
             try:
-                c.wait_converged(30.0)
+                c.wait_converged(rejoin)
             except AssertionError as exc:
                 done = ", ".join("none" if x.took is None else f"{x.took * 1000:.0f} ms"
                                  for x in kills)
+                views = {i: [m["state"] for m in (c.health(i) or {}).get("members", [])]
+                         for i in range(3)}
                 raise BridgeUnusable(
                     f"failover: after kill {n} of {total}, the restarted bridge (host "
-                    f"{k.victim}) did not rejoin within 30 s (it stayed 'joining' in the others' "
-                    f"/health; failover times measured until then: {done})\n{exc}") from None
+                    f"{k.victim}) did not rejoin within {rejoin:.0f} s (member states seen by "
+                    f"hosts 0, 1, 2: {views}; failover times measured until then: {done})\n"
+                    f"{exc}") from None
+            load.stop()
             time.sleep(0.5)
         ps.check()
     took = [k.took for k in kills if k.took is not None]
@@ -718,12 +757,18 @@ def failover(ctx: RunContext, sec: Section, workdir: Path, plan: Plan) -> None:
              f"{min(k.taken for k in kills if k.took is not None)}-"
              f"{max(k.taken for k in kills)}")
     row.data.update(kills=len(kills), no_successor=missing,
-                    victims=[k.victim for k in kills], shards_taken=[k.taken for k in kills])
+                    victims=[k.victim for k in kills], shards_taken=[k.taken for k in kills],
+                    other_load=round(load.other_load, 3), steal=round(load.steal, 3))
+    if row.noisy:
+        row.note(f"[NOISY: other load {load.other_load:.0%}, steal {load.steal:.0%}]")
     hb_row = sec.add(Row(key="failover_hb", label="failover: the dead owner's last heartbeat -> "
                          "that first apply", procs=1, unit="s",
                          samples=[k.since_hb for k in kills if k.since_hb is not None]))
     hb_row.note("the bridge's own measure (since_last_heartbeat_s, the "
                 "shmps_bridge_failover_seconds histogram)")
+    hb_row.data.update(other_load=row.data["other_load"], steal=row.data["steal"])
+    if hb_row.noisy:
+        hb_row.note(row.notes[-1])
     progress(f"[bridge] failover over {len(took)} kills: {summary(took)} s")
 
 
