@@ -21,6 +21,28 @@ static uint64_t mix64(uint64_t x) { /* splitmix64 finaliser */
     return x ^ (x >> 31);
 }
 
+/* Outbox shards (SHMPS_F_OUTBOX): counts one push piece on every row that elements
+ * [e0, e1) -- all inside one stripe, whose lock the caller holds -- touch.  A row's
+ * count is > 0 whenever the row may hold values no drain took: every write of
+ * outbox values comes with a count under the same stripe lock, and a drain zeroes
+ * both holding every stripe of the row (outbox.c).  Rows inside one stripe are only
+ * ever counted under that stripe's lock (relaxed load + store: plain moves, the
+ * lock orders them); a row that straddles stripes is counted under several locks, so
+ * with an atomic add.  Relaxed: the lock's acquire/release orders them against the
+ * drain, and the push's release add to ob_pushed against a drain's unlocked scan. */
+static void note_pending(void *base, uint64_t e0, uint64_t e1) {
+    const shmps_spec_t *s = &hdr_of(base)->spec;
+    uint64_t *pend = (uint64_t *)at(base, s->rowstep_off);
+    uint64_t rl = s->row_len, se = s->stripe_elems;
+    uint64_t r0 = e0 / rl, r1 = (e1 - 1) / rl; /* rows touched, inclusive */
+    for (uint64_t r = r0; r <= r1; r++) {
+        /* only the first and last rows can reach past [e0, e1)'s stripe */
+        int straddles = (r == r0 || r == r1) && (r * rl) / se != (r * rl + rl - 1) / se;
+        if (straddles) FETCH_ADD(&pend[r], 1, RELAXED);
+        else STORE(&pend[r], LOAD(&pend[r], RELAXED) + 1, RELAXED);
+    }
+}
+
 /* Applies the push to stripe j, which the caller has locked. */
 static int apply_stripe(void *base, shmps_stripe_t *st, uint64_t j, const char *grad,
                         uint64_t step) {
@@ -29,6 +51,7 @@ static int apply_stripe(void *base, shmps_stripe_t *st, uint64_t j, const char *
     uint64_t n = s->nnz - i0 < s->stripe_elems ? s->nnz - i0 : s->stripe_elems;
     shmps_stripe_write_begin(st);
     int r = shmps_apply(base, i0, n, grad + i0 * shmps_grad_size(s->dtype), step);
+    if (s->flags & SHMPS_F_OUTBOX) note_pending(base, i0, i0 + n);
     shmps_stripe_write_end(st);
     shmps_stripe_unlock(st);
     return r;
@@ -101,9 +124,14 @@ int shmps_dense_push(void *base, uint64_t token, const void *grad, uint32_t grad
 }
 
 /* A whole push to a one-shard tensor in one call (the small-push fast path):
- * NaN/Inf check, step, stripes, statistics. */
-int shmps_dense_push_all(void *base, uint64_t token, const void *grad, uint32_t grad_dtype,
-                         int check) {
+ * NaN/Inf check, step, stripes, statistics.  `forward` is the store's forwarding
+ * switch (shmps_forward_word): if set, returns SHMPS_FORWARDING having done nothing
+ * (the caller sends the push to the outbox).  Relaxed: the switch orders nothing the
+ * push reads (see shmps_forward_word); tested here to spare the small push a
+ * separate test in Python. */
+int shmps_dense_push_all(void *base, const uint32_t *forward, uint64_t token,
+                         const void *grad, uint32_t grad_dtype, int check) {
+    if (forward && LOAD(forward, RELAXED)) return SHMPS_FORWARDING;
     shmps_shard_hdr_t *h = hdr_of(base);
     const shmps_spec_t *s = &h->spec;
     int r = check_dense(s, grad_dtype);
@@ -164,6 +192,7 @@ int shmps_dense_push_rows(void *base, uint64_t token, const int64_t *rows, uint6
                 held = j;
             }
             r = shmps_apply(base, e, stop - e, gr + (e - e0) * gsz, step);
+            if (s->flags & SHMPS_F_OUTBOX) note_pending(base, e, stop);
             e = stop;
         }
     }

@@ -52,9 +52,19 @@ typedef struct {
     uint64_t last_pusher;     /* token of the latest whole-tensor pusher (heuristic) */
     uint64_t last_pusher_ns;  /* and when it started */
     uint64_t fingerprint;     /* SHMPS_FINGERPRINT of the build that laid it out */
+    /* outbox shards only (SHMPS_F_OUTBOX; outbox.c): monotone push counters.  Pushers
+     * write ob_pushed, the bridge writes the line after it: apart, so pushers do not
+     * share a line with the bridge's writes. */
+    uint64_t ob_pushed __attribute__((aligned(SHMPS_CACHELINE))); /* pushes landed */
+    uint64_t ob_acked __attribute__((aligned(SHMPS_CACHELINE)));  /* owner has them */
+    uint64_t ob_drained;      /* ob_pushed covered by the latest drain (empty or not) */
+    uint64_t ob_sent;         /* ob_pushed covered by the latest drain that took rows */
 } shmps_shard_hdr_t;
 
 _Static_assert(sizeof(shmps_shard_hdr_t) <= SHMPS_HEADER_SIZE, "shard header too big");
+_Static_assert(__builtin_offsetof(shmps_shard_hdr_t, ob_pushed) == 1152 &&
+               __builtin_offsetof(shmps_shard_hdr_t, ob_acked) == 1216,
+               "outbox words moved: update docs/segment-layout.md");
 
 /* What two builds must agree on to share a shard: the header's and the spec's sizes
  * and where the mutable words sit.  A process of another build refuses the segment
@@ -89,6 +99,11 @@ void shmps_stripe_unlock(shmps_stripe_t *s);
 int shmps_stripe_read(shmps_stripe_t *s, uint64_t token, void *dst, const void *src,
                       size_t nbytes);
 
+/* outboxes (outbox.c): a drain's bookkeeping of ob_drained/ob_sent/ob_acked, shared by
+ * the dense and table drains.  `pushed` is ob_pushed read (acquire) before the drain,
+ * `took` whether it took any row; returns ob_drained as it was before. */
+uint64_t shmps_outbox_drained(shmps_shard_hdr_t *h, uint64_t pushed, int took);
+
 /* updaters (updaters.c): apply grads g[0..n) to values starting at element i0 */
 int shmps_apply(void *base, uint64_t i0, uint64_t n, const void *g, uint64_t step);
 size_t shmps_dtype_size(uint32_t dtype);
@@ -117,7 +132,7 @@ typedef struct {
     char ident[196];         /* "namespace\0store" (namespace may be empty) */
     int64_t staleness;       /* worker clocks: -1 eventual, k >= 0 bounded delay */
     uint32_t clock_seq;      /* futex word: bumped on every clock/leave/drop */
-    uint32_t pad1;
+    uint32_t forward;        /* 1: pushes go to outboxes (the bridge runs); outbox.c */
     pthread_mutex_t lock __attribute__((aligned(SHMPS_CACHELINE)));
 } shmps_manifest_t;
 

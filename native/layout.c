@@ -5,7 +5,8 @@
  *   colidx_off       int64[nnz] (csr) | uint64[nrows] keys (table); dense: absent
  *   value_off        dtype[nnz]
  *   state_off[k]     state_dtype[nnz]      k < nstate (optimizer state)
- *   rowstep_off      uint64[nrows]         csr and table: per-row step counts
+ *   rowstep_off      uint64[nrows]         csr and table: per-row step counts;
+ *                                          dense outbox: per-row pending counts
  *   stripes_off      shmps_stripe_t[nstripes]
  *   index_off        table hash index: uint64[2 * nslots] (key, row+1 | flags)
  *   (table)          control block (SHMPS_TABLE_CTL_BYTES) at index_off + 16 * nslots,
@@ -61,7 +62,12 @@ int shmps_layout(shmps_spec_t *s) {
     if (isz == 0) return SHMPS_E_ARG;
     if (s->updater < SHMPS_SUM || s->updater > SHMPS_FTRL) return SHMPS_E_ARG;
     if (s->updater >= SHMPS_SGD && !is_float(s->dtype)) return SHMPS_E_ARG;
-    if (s->flags & ~(uint32_t)(SHMPS_F_HOGWILD | SHMPS_F_ALLOW_NONFINITE | SHMPS_F_IMPLICIT))
+    if (s->flags & ~(uint32_t)(SHMPS_F_HOGWILD | SHMPS_F_ALLOW_NONFINITE | SHMPS_F_IMPLICIT |
+                               SHMPS_F_OUTBOX))
+        return SHMPS_E_ARG;
+    /* an outbox accumulates gradients exactly: sum, locked, dense or table */
+    if ((s->flags & SHMPS_F_OUTBOX) &&
+        (s->kind == SHMPS_CSR || s->updater != SHMPS_SUM || (s->flags & SHMPS_F_HOGWILD)))
         return SHMPS_E_ARG;
     if (s->row_len == 0 && s->nrows != 0 && s->kind != SHMPS_CSR) return SHMPS_E_ARG;
     for (int i = 0; i < SHMPS_NPARAMS; i++)
@@ -119,7 +125,8 @@ int shmps_layout(shmps_spec_t *s) {
             return SHMPS_E_BOUNDS;
         off = ALIGN64(off);
     }
-    if (s->kind != SHMPS_DENSE) {
+    /* csr, table: per-row steps; dense outbox: per-row pending counts (outbox.c) */
+    if (s->kind != SHMPS_DENSE || (s->flags & SHMPS_F_OUTBOX)) {
         s->rowstep_off = off;
         if (!mul_ok(s->nrows, 8, &len) || !add_ok(off, len, &off)) return SHMPS_E_BOUNDS;
         off = ALIGN64(off);

@@ -56,7 +56,8 @@ enum { SHMPS_INT8 = 1, SHMPS_INT32 = 2, SHMPS_FLOAT16 = 3, SHMPS_FLOAT32 = 4,
 enum { SHMPS_SUM = 1, SHMPS_ASSIGN = 2, SHMPS_MAX = 3, SHMPS_MIN = 4, SHMPS_SGD = 5,
        SHMPS_MOMENTUM = 6, SHMPS_ADAGRAD = 7, SHMPS_ADAM = 8, SHMPS_FTRL = 9 };
 /* flags */
-enum { SHMPS_F_HOGWILD = 1, SHMPS_F_ALLOW_NONFINITE = 2, SHMPS_F_IMPLICIT = 4 };
+enum { SHMPS_F_HOGWILD = 1, SHMPS_F_ALLOW_NONFINITE = 2, SHMPS_F_IMPLICIT = 4,
+       SHMPS_F_OUTBOX = 8 /* a bridge outbox (dense or table, updater sum, exact) */ };
 
 /* What a shard holds.  Callers fill the inputs; shmps_layout() fills the rest.
  * The whole struct is stored in the shard header, and attach recomputes the
@@ -107,8 +108,8 @@ int shmps_dense_push(void *base, uint64_t token, const void *grad, uint32_t grad
                      uint64_t stripe_lo, uint64_t stripe_hi, uint64_t step, int check);
 int shmps_dense_push_rows(void *base, uint64_t token, const int64_t *rows, uint64_t n,
                           const void *grad, uint32_t grad_dtype, uint64_t step);
-int shmps_dense_push_all(void *base, uint64_t token, const void *grad, uint32_t grad_dtype,
-                         int check);
+int shmps_dense_push_all(void *base, const uint32_t *forward, uint64_t token,
+                         const void *grad, uint32_t grad_dtype, int check);
 int shmps_dense_pull_all(void *base, uint64_t token, void *out, int consistent);
 int shmps_check_finite(const void *data, uint32_t dtype, uint64_t n);
 int shmps_next_step(void *base, uint64_t *step);
@@ -253,6 +254,37 @@ int shmps_csr_push(void *base, uint64_t token, const int64_t *rowcnt, uint64_t n
 int shmps_csr_pull(void *base, uint64_t token, const int64_t *rows, uint64_t n, void *out,
                    int consistent);
 uint64_t shmps_csr_scratch_bytes(const void *base);
+/* outboxes of the multi-host bridge (outbox.c, table.c; docs/concurrency.md
+ * "Outboxes").  The forwarding switch lives in the manifest; the counters in each
+ * outbox shard's header.  A drain returns SHMPS_OK or SHMPS_DRAIN_PARTIAL (a stripe
+ * stayed locked by a live process past the bounded wait: the rows taken are returned,
+ * and *pushed is the previous drain's, claiming no new push). */
+enum { SHMPS_DRAIN_PARTIAL = 2,
+       SHMPS_FORWARDING = 3 /* shmps_dense_push_all: *forward set, nothing done */ };
+int shmps_forward_set(void *man, uint32_t on);
+uint32_t shmps_forward_get(const void *man);
+uint32_t *shmps_forward_word(void *man);
+int shmps_outbox_pushed(void *base);
+int shmps_outbox_counters(const void *base, uint64_t *pushed, uint64_t *acked);
+int shmps_outbox_ack(void *base, uint64_t pushed);
+int shmps_outbox_drain(void *base, uint64_t token, int64_t *rows, void *vals, uint64_t cap,
+                       uint64_t *n, uint64_t *pushed, uint64_t *prev);
+int shmps_outbox_pending(const void *base, uint64_t *out, uint64_t cap);
+int shmps_dense_write_rows(void *base, uint64_t token, const int64_t *rows, uint64_t n,
+                           const void *vals, void *const *states, uint32_t nstates);
+int shmps_raise_step(void *base, uint64_t step);
+int shmps_count_pushes(void *base, uint64_t n);
+int shmps_table_drain(void **bases, uint32_t nshards, uint32_t shard, uint64_t token,
+                      uint64_t *keys, void *vals, uint64_t cap, uint64_t *n,
+                      uint64_t *pushed, uint64_t *prev);
+int shmps_table_read_rows(void **bases, uint32_t nshards, uint32_t shard, uint64_t token,
+                          const uint64_t *keys, uint64_t n, uint64_t *keys_out, void *vals,
+                          void *const *states, uint64_t *rowsteps, uint64_t cap,
+                          uint64_t *nout);
+int shmps_table_write_rows(void **bases, uint32_t nshards, uint32_t shard, uint64_t token,
+                           const uint64_t *keys, uint64_t n, const void *vals,
+                           void *const *states, uint32_t nstates, const uint64_t *rowsteps,
+                           uint64_t *info);
 /* CDEF END */
 
 #endif

@@ -888,6 +888,11 @@ int shmps_table_push(void **bases, uint32_t nshards, uint64_t token, const uint6
     }
     /* relaxed: a statistic */
     if (contended) FETCH_ADD(&ts[0].h->stats.contended, contended, RELAXED);
+    /* an outbox (outbox.c): count this push in every shard it touched, after its rows
+     * landed (the add is a release: see shmps_outbox_pushed) */
+    if (r == SHMPS_OK && (s0->flags & SHMPS_F_OUTBOX))
+        for (uint32_t s = 0; s < nshards; s++)
+            if (touched(&b, s)) shmps_outbox_pushed(bases[s]);
     leave_all(&b, ts, nshards);
     if (r == SHMPS_OK) shmps_count(bases[0], 0, n * dim * gsz, n);
     return r;
@@ -1126,6 +1131,201 @@ int shmps_table_evict(void **bases, uint32_t nshards, uint32_t shard, uint64_t t
     removal_t q = {NULL, 0, which, min_pushes, idle_steps, LOAD(&ts[0].h->step, RELAXED)};
     *evicted = 0;
     return remove_rows(ts, nshards, shard, token, &q, evicted);
+}
+
+/* ---- outbox drain, row reads and writes (the bridge; outbox.c, docs/concurrency.md) --- */
+
+int shmps_table_drain(void **bases, uint32_t nshards, uint32_t shard, uint64_t token,
+                      uint64_t *keys, void *vals, uint64_t cap, uint64_t *n_out,
+                      uint64_t *pushed, uint64_t *prev) {
+    tshard_t ts[SHMPS_TABLE_MAX_SHARDS];
+    int r = shard_views(bases, nshards, ts);
+    if (r) return r;
+    if (shard >= nshards) return SHMPS_E_BOUNDS;
+    tshard_t *t = &ts[shard];
+    if (!(t->s->flags & SHMPS_F_OUTBOX)) return SHMPS_E_ARG;
+    if (cap < t->nrows) return SHMPS_E_BOUNDS;
+    *n_out = 0;
+    /* acquire: pairs with the pushers' release adds (shmps_outbox_pushed): every push
+     * counted in P created and wrote its rows before */
+    uint64_t P = LOAD(&t->h->ob_pushed, ACQUIRE);
+    /* relaxed: a push counted in P that created a row counted it (table_used) before
+     * its release add, so we read at least that, or a drain's decrement after it took
+     * the row.  No live row: nothing to take, and no freeze for the pushers to wait on. */
+    if (LOAD(&t->h->table_used, RELAXED) == 0) {
+        *prev = shmps_outbox_drained(t->h, P, 0);
+        *pushed = P;
+        return SHMPS_OK;
+    }
+    /* Take every row and remove it, as delete does: the exclusive freeze waits for the
+     * batches inside the shard and keeps new ones out (a pusher of a key we remove
+     * waits, then creates it afresh, zero), the creation lock orders us with creators
+     * of other shards' rows and the free list. */
+    if ((r = shmps_freeze(t->base, token, SHMPS_LOCK_TIMEOUT_S)) < 0) return r;
+    if ((r = create_lock(ts, nshards, token)) < 0) {
+        shmps_thaw(t->base, token);
+        return r;
+    }
+    tctl_t *c0 = ts[0].ctl;
+    /* relaxed throughout: frozen and locked (see remove_rows) */
+    uint64_t hwm = LOAD(&t->ctl->hwm, RELAXED), n = 0;
+    if (hwm > t->nrows) r = SHMPS_E_CORRUPT;
+    for (uint64_t row = 0; row < hwm && r == SHMPS_OK; row++) {
+        if (LOAD(&t->link[row], RELAXED) != LINK_LIVE) continue;
+        uint64_t key = LOAD(&t->keys[row], RELAXED), i = 0;
+        if (find(t, shmps_key_hash(key), key, &i, NULL) != (int64_t)row) {
+            r = SHMPS_E_CORRUPT;
+            break;
+        }
+        /* pushes == 0: created by a pusher killed before its update; nothing to send */
+        if (aux_pushes(LOAD(aux_of(t, row), RELAXED)) > 0) {
+            keys[n] = key;
+            memcpy((char *)vals + n * t->rowbytes, t->base + t->s->value_off + row * t->rowbytes,
+                   t->rowbytes);
+            n++;
+        }
+        remove_slot(t, c0, i, row); /* a reused row is re-initialised (zeros) */
+    }
+    if (r == SHMPS_OK) r = maybe_compact(t);
+    create_unlock(ts);
+    shmps_thaw(t->base, token);
+    *n_out = n;
+    if (r) return r;
+    *prev = shmps_outbox_drained(t->h, P, n > 0);
+    *pushed = P;
+    return SHMPS_OK;
+}
+
+/* Copies row `row` of t to position k of the outputs (any of which may be NULL). */
+static void copy_row_out(const tshard_t *t, uint64_t row, uint64_t k, void *vals,
+                         void *const *states, uint64_t *rowsteps) {
+    const shmps_spec_t *s = t->s;
+    if (vals)
+        memcpy((char *)vals + k * t->rowbytes, t->base + s->value_off + row * t->rowbytes,
+               t->rowbytes);
+    uint64_t sb = s->row_len * s->state_itemsize;
+    for (uint32_t j = 0; states && j < s->nstate && j < SHMPS_MAX_STATE; j++)
+        memcpy((char *)states[j] + k * sb, t->base + s->state_off[j] + row * sb, sb);
+    /* relaxed: frozen, no pusher changes it now */
+    if (rowsteps) rowsteps[k] = LOAD(&t->rowstep[row], RELAXED);
+}
+
+/* Rows of `keys` (or, keys NULL, every row) of shard `shard`, under the shard's shared
+ * freeze: no push, delete or creation runs inside it meanwhile, so each row is whole
+ * and its state and step go with its values.  Missing keys are skipped; *nout says how
+ * many rows were written (keys_out names them). */
+int shmps_table_read_rows(void **bases, uint32_t nshards, uint32_t shard, uint64_t token,
+                          const uint64_t *keys, uint64_t n, uint64_t *keys_out, void *vals,
+                          void *const *states, uint64_t *rowsteps, uint64_t cap,
+                          uint64_t *nout) {
+    tshard_t ts[SHMPS_TABLE_MAX_SHARDS];
+    int r = shard_views(bases, nshards, ts);
+    if (r) return r;
+    if (shard >= nshards) return SHMPS_E_BOUNDS;
+    tshard_t *t = &ts[shard];
+    *nout = 0;
+    if (keys) {
+        for (uint64_t i = 0; i < n; i++)
+            if (shard_of(shmps_key_hash(keys[i]), nshards) != shard) return SHMPS_E_ARG;
+    }
+    if ((r = shmps_freeze_shared(t->base, token, SHMPS_LOCK_TIMEOUT_S)) < 0) return r;
+    uint64_t k = 0;
+    if (keys) {
+        for (uint64_t i = 0; i < n && r == SHMPS_OK; i++) {
+            int64_t row = find(t, shmps_key_hash(keys[i]), keys[i], NULL, NULL);
+            if (row == -2) r = SHMPS_E_CORRUPT;
+            if (row < 0) continue;
+            if (k >= cap) { r = SHMPS_E_BOUNDS; break; }
+            keys_out[k] = keys[i];
+            copy_row_out(t, (uint64_t)row, k++, vals, states, rowsteps);
+        }
+    } else {
+        /* relaxed: frozen, rows are neither created nor removed meanwhile */
+        uint64_t hwm = LOAD(&t->ctl->hwm, RELAXED);
+        if (hwm > t->nrows) r = SHMPS_E_CORRUPT;
+        for (uint64_t row = 0; row < hwm && r == SHMPS_OK; row++) {
+            /* acquire: pairs with insert_key's release store of LINK_LIVE */
+            if (LOAD(&t->link[row], ACQUIRE) != LINK_LIVE) continue;
+            if (k >= cap) { r = SHMPS_E_BOUNDS; break; }
+            keys_out[k] = LOAD(&t->keys[row], RELAXED);
+            copy_row_out(t, row, k++, vals, states, rowsteps);
+        }
+    }
+    shmps_thaw_shared(t->base, token);
+    *nout = k;
+    return r;
+}
+
+/* Writes the rows of `keys` (distinct, all of shard `shard`) := vals, their state and
+ * (rowsteps not NULL) their steps, creating missing keys first, all or none
+ * (SHMPS_E_FULL with info as a push's: nothing written).  Under the shard's exclusive
+ * freeze: no batch is inside the shard (pulls included), so nobody sees a half-written
+ * row; each row's seqlock is still bumped around the write, which also closes a
+ * dead pusher's odd seq.  The creation lock is taken inside the freeze, as delete
+ * does (lock order: freeze -> creation lock). */
+int shmps_table_write_rows(void **bases, uint32_t nshards, uint32_t shard, uint64_t token,
+                           const uint64_t *keys, uint64_t n, const void *vals,
+                           void *const *states, uint32_t nstates, const uint64_t *rowsteps,
+                           uint64_t *info) {
+    tshard_t ts[SHMPS_TABLE_MAX_SHARDS];
+    int r = shard_views(bases, nshards, ts);
+    if (r) return r;
+    if (shard >= nshards) return SHMPS_E_BOUNDS;
+    tshard_t *t = &ts[shard];
+    const shmps_spec_t *s = t->s;
+    if (nstates != s->nstate || n > SHMPS_TABLE_MAX_BATCH) return SHMPS_E_ARG;
+    for (uint64_t i = 0; i < n; i++)
+        if (shard_of(shmps_key_hash(keys[i]), nshards) != shard) return SHMPS_E_ARG;
+    if (n == 0) return SHMPS_OK;
+    if ((r = shmps_freeze(t->base, token, SHMPS_LOCK_TIMEOUT_S)) < 0) return r;
+    if ((r = create_lock(ts, nshards, token)) < 0) {
+        shmps_thaw(t->base, token);
+        return r;
+    }
+    tctl_t *c0 = ts[0].ctl;
+    uint64_t missing = 0;
+    for (uint64_t i = 0; i < n && r == SHMPS_OK; i++) {
+        int64_t row = find(t, shmps_key_hash(keys[i]), keys[i], NULL, NULL);
+        if (row == -2) r = SHMPS_E_CORRUPT;
+        missing += row == -1;
+    }
+    if (r == SHMPS_OK && missing) {
+        /* relaxed: changed only under the creation lock, which we hold */
+        uint64_t live = LOAD(&c0->table_live, RELAXED), used = LOAD(&t->h->table_used, RELAXED);
+        if (live + missing > c0->capacity) {
+            if (info) info[0] = missing, info[1] = live, info[2] = c0->capacity, info[3] = UINT64_MAX;
+            r = SHMPS_E_FULL;
+        } else if (used + missing > t->nrows) {
+            if (info) info[0] = missing, info[1] = used, info[2] = t->nrows, info[3] = shard;
+            r = SHMPS_E_FULL;
+        }
+        /* relaxed: the creation step only orders idle-eviction, a heuristic */
+        uint64_t now = LOAD(&ts[0].h->step, RELAXED), slot;
+        for (uint64_t i = 0; i < n && r == SHMPS_OK; i++) {
+            uint64_t h = shmps_key_hash(keys[i]);
+            if (find(t, h, keys[i], NULL, NULL) >= 0) continue;
+            int64_t row = insert_key(t, c0, h, keys[i], token, now, &slot);
+            if (row < 0) r = (int)row;
+        }
+    }
+    create_unlock(ts);
+    uint64_t sb = s->row_len * s->state_itemsize;
+    for (uint64_t i = 0; i < n && r == SHMPS_OK; i++) {
+        uint64_t slot;
+        int64_t row = find(t, shmps_key_hash(keys[i]), keys[i], &slot, NULL);
+        if (row < 0) { r = SHMPS_E_CORRUPT; break; }
+        row_write_begin(&t->slots[slot]);
+        memcpy(t->base + s->value_off + (uint64_t)row * t->rowbytes,
+               (const char *)vals + i * t->rowbytes, t->rowbytes);
+        for (uint32_t j = 0; j < nstates && j < SHMPS_MAX_STATE; j++)
+            memcpy(t->base + s->state_off[j] + (uint64_t)row * sb,
+                   (const char *)states[j] + i * sb, sb);
+        /* relaxed: frozen; the thaw's release orders it for later pushers */
+        if (rowsteps) STORE(&t->rowstep[row], rowsteps[i], RELAXED);
+        row_write_end(&t->slots[slot]);
+    }
+    shmps_thaw(t->base, token);
+    return r;
 }
 
 /* ---- invariant check (tests, debugging) ------------------------------------------

@@ -225,7 +225,16 @@ class CSRTensor(Tensor):
         missing (row, col) and nothing is applied.  Repeated entries accumulate as
         gradients do.  Each pushed row's step advances by one; entries not listed are
         untouched (lazy).  Exact per row.  Cost: O(nnz of the push * log row length),
-        one C call per shard, GIL released.  ``wait=False`` returns a PushHandle."""
+        one C call per shard, GIL released.  ``wait=False`` returns a PushHandle.
+
+        While shmps-bridge runs (the store's forwarding switch), a push raises
+        InvalidArgument: csr tensors are not forwarded in this version."""
+        if self._fwd[0]:
+            raise InvalidArgument(f"push to csr tensor {self.name!r} refused: shmps-bridge "
+                                  "is forwarding the pushes of this store, and csr tensors "
+                                  "are not forwarded by the bridge in this version; nothing "
+                                  "was changed",
+                                  "push to csr tensors only while no bridge runs for the store")
         rc, ci, g = self._prepare(csr)
         if wait:
             self._apply(rc, ci, g)

@@ -96,16 +96,29 @@ class DenseTensor(Tensor):
         allow_nonfinite), one fused pass over the values; large pushes are split
         across this process's cores.  The GIL is released while C runs.
         ``wait=False`` returns a :class:`PushHandle` at once; the gradient array must
-        not be modified until the handle is waited on."""
+        not be modified until the handle is waited on.
+
+        While shmps-bridge runs (the store's forwarding switch), the push is checked
+        the same way and then summed into the tensor's outbox for the bridge to send
+        to the shard's owner (shmps/outbox.py); it shows in pull() once the owner's
+        update comes back."""
         if (self._fast and rows is None and wait and type(grad) is np.ndarray
                 and grad.dtype == self._gdtype and grad.shape == self.shape
                 and grad.flags.c_contiguous):
-            code = lib.shmps_dense_push_all(self._shard(0).ptr, _native.token(),
+            code = lib.shmps_dense_push_all(self._shard(0).ptr, self._fwd, _native.token(),
                                             _native.ffi.from_buffer(grad), self._gcode,
                                             int(self._check_finite))
-            if code:
+            if not code:
+                return None
+            if code != lib.SHMPS_FORWARDING:
                 _native.check(code, f"push to {self.name!r}")
-            return None
+            # forwarding: C tested the switch (and did nothing); on below
+        if self._fwd[0] and self._forwards():
+            g, r = self._prepare(grad, rows)
+            if wait:
+                self._forward(g, r)
+                return None
+            return self._store._submit(self._forward, g, r)
         g, r = self._prepare(grad, rows)
         if wait:
             self._apply(g, r)
@@ -124,6 +137,12 @@ class DenseTensor(Tensor):
             raise SchemaError(f"gradient shape {g.shape} != {(r.size,) + self.row_shape} "
                               f"(len(rows),) + row shape of {self.name!r}")
         return g, r
+
+    def _forward(self, g: np.ndarray, r: Optional[np.ndarray]) -> None:
+        """A validated push while forwarding: NaN/Inf check (this tensor's rule), then
+        summed into the outbox and counted there."""
+        self._require_finite(g)
+        self._outbox()._push_counted(g, r)
 
     def _apply(self, g: np.ndarray, r: Optional[np.ndarray]) -> None:
         nthreads = self._threads_for(g.nbytes) if r is None else 1
@@ -234,6 +253,106 @@ class DenseTensor(Tensor):
             local = np.ascontiguousarray(r[idx] - i * self.shard_rows)
             yield i, local, (np.ascontiguousarray(g[idx]) if g is not None else idx)
 
+    # -- the bridge's side (shmps/outbox.py; private API) -------------------------
+    def _outbox(self) -> Any:
+        """This tensor's outbox (``<name>#outbox``), created on first need."""
+        if self._ob is None:
+            from . import outbox
+            self._ob = outbox.get_or_create(self)
+        return self._ob
+
+    def _outbox_drain(self, shard: int) -> Any:
+        """Take what the outbox's ``shard`` holds: an ``outbox.Drained``, or None when no
+        row is pending.  Exact against concurrent pushers (docs/concurrency.md)."""
+        from . import outbox
+        return outbox.drain_dense(self, shard)
+
+    def _outbox_ack(self, shard: int, pushed: int) -> None:
+        """The owner has applied every drain of ``shard`` up to ``Drained.pushed``."""
+        from . import outbox
+        outbox.ack(self, shard, pushed)
+
+    def _apply_direct(self, index: Any, grads: Any, pushes: int = 1) -> None:
+        """Apply the updater as a push with forwarding off would, whatever the switch
+        says (the owner's bridge): ``index`` global rows (None: the whole tensor).
+        Same validation as push; one call is one step of a per-tensor step (Adam's t);
+        ``pushes`` is how many pushes the batch stands for (statistics)."""
+        g, r = self._prepare(grads, index)
+        self._apply(g, r)
+        if int(pushes) > 1:
+            lib.shmps_count_pushes(self._shard(0).ptr, int(pushes) - 1)
+
+    def _rows_of(self, shard: int, index: Any) -> tuple[Any, np.ndarray, np.ndarray]:
+        """(shard, global rows, local rows) with every row inside ``shard``."""
+        from .errors import OutOfRange
+        sh = self._shard_checked(shard)
+        r = check_rows(index, self.nrows)
+        local = r - int(shard) * self.shard_rows
+        if local.size and (int(local.min()) < 0 or int(local.max()) >= sh.spec["nrows"]):
+            raise OutOfRange(f"rows of {self.name!r} outside shard {shard} (rows "
+                             f"{int(shard) * self.shard_rows} to "
+                             f"{int(shard) * self.shard_rows + sh.spec['nrows'] - 1})")
+        return sh, r, local
+
+    def _copy_rows(self, shard: int, r: np.ndarray, local: Optional[np.ndarray]) -> Any:
+        from .outbox import RowData
+        sh = self._shard(int(shard))
+        n = sh.spec["nrows"] if local is None else local.size
+        tok = _native.token()
+        code = None
+        try:
+            code = lib.shmps_freeze_shared(sh.ptr, tok, 60.0)
+            _native.check(code, f"read rows of {self.name!r} (shard {shard})")
+            arrays = [sh.values(self.dtype)] + [sh.state(k) for k in range(sh.spec["nstate"])]
+            out = []
+            for a in arrays:
+                a = a.reshape(sh.spec["nrows"], self.row_len)
+                a = np.array(a) if local is None else a[local]
+                out.append(a.reshape((n,) + self.row_shape))
+            step = _native.stats(self._shard(0).ptr)["step"]
+        finally:
+            if code is None or code == 0:
+                lib.shmps_thaw_shared(sh.ptr, tok)
+        return RowData(index=r, values=out[0], states=out[1:], row_steps=None, step=int(step))
+
+    def _read_rows(self, shard: int, index: Any) -> Any:
+        """Rows ``index`` (global, all in ``shard``) with their optimizer state and the
+        tensor's step: an ``outbox.RowData``, copied under the shard's shared freeze
+        (no push inside meanwhile: each row whole, state and values together)."""
+        _, r, local = self._rows_of(shard, index)
+        return self._copy_rows(shard, r, local)
+
+    def _snapshot(self, shard: int) -> Any:
+        """Every row of ``shard``, as :meth:`_read_rows`."""
+        sh = self._shard_checked(shard)
+        r0 = int(shard) * self.shard_rows
+        return self._copy_rows(shard, np.arange(r0, r0 + sh.spec["nrows"], dtype=np.int64),
+                               None)
+
+    def _write_rows(self, shard: int, data: Any) -> None:
+        """Write ``data`` (an ``outbox.RowData`` of rows of ``shard``) into this copy:
+        absolute values and optimizer state, under the shard's exclusive freeze and
+        each stripe's lock (no pull sees a half-written row); the tensor's step is
+        raised to ``data.step``.  Never goes through the outbox."""
+        sh, r, local = self._rows_of(shard, data.index)
+        shape = (r.size,) + self.row_shape
+        vals = _as_rows(data.values, self.dtype, shape, "values")
+        sdt = _native.DTYPE_NAMES[sh.spec["state_dtype"]]
+        if len(data.states) != sh.spec["nstate"]:
+            raise SchemaError(f"{len(data.states)} state arrays for {self.name!r}, its "
+                              f"optimizer keeps {sh.spec['nstate']}")
+        states = [_as_rows(a, np.dtype(sdt), shape, "state") for a in data.states]
+        bufs = [_native.ffi.from_buffer(a) for a in states]
+        sptr = _native.ffi.new("void *[]", bufs) if bufs else _native.ffi.NULL
+        code = lib.shmps_dense_write_rows(sh.ptr, _native.token(), _native.addr(local),
+                                          local.size, _native.ffi.from_buffer(vals), sptr,
+                                          len(bufs))
+        if code:
+            _native.check(code, f"write rows of {self.name!r} (shard {shard})")
+        step = int(data.step)
+        if step > 0:
+            lib.shmps_raise_step(self._shard(0).ptr, step)
+
     # -- pull --------------------------------------------------------------------
     def pull(self, rows: Any = None, *, out: Optional[np.ndarray] = None,
              consistent: bool = True) -> np.ndarray:
@@ -342,3 +461,13 @@ class DenseTensor(Tensor):
         arr = np.frombuffer(buf, dtype=self.dtype).reshape(self.shape)
         arr.flags.writeable = writable
         return arr
+
+
+def _as_rows(a: Any, dtype: np.dtype, shape: tuple, what: str) -> np.ndarray:
+    """``a`` as a C-contiguous array of ``dtype`` and ``shape`` (same_kind casting)."""
+    arr = np.asarray(a)
+    if arr.shape != shape:
+        raise SchemaError(f"{what} of shape {arr.shape}, expected {shape}")
+    if arr.dtype != dtype and not np.can_cast(arr.dtype, dtype, "same_kind"):
+        raise SchemaError(f"{what} of dtype {arr.dtype} cannot be cast to {dtype}")
+    return np.ascontiguousarray(arr, dtype=dtype)

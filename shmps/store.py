@@ -107,6 +107,8 @@ class Store:
         self._proc_slot = int(slot[0])
         self._proc_token = _native.token()
         self._worker: Optional[int] = None
+        # the forwarding switch, read by every push (Tensor._fwd; shmps/outbox.py)
+        self._fwd_word = lib.shmps_forward_word(manifest.ptr)
         self._refresh()
 
     # -- catalog -----------------------------------------------------------------
@@ -178,6 +180,9 @@ class Store:
         if rec.get("aggregate") and rec["kind"] == "dense":
             from .aggregate import AggregateDense  # synchronous aggregation
             cls = AggregateDense
+        if rec.get("outbox_of") is not None:
+            from .outbox import DenseOutbox, TableOutbox  # the bridge's outboxes
+            cls = {"dense": DenseOutbox, "table": TableOutbox}.get(rec["kind"])
         if cls is None:
             raise CorruptSegment(f"tensor {rec['name']!r} of store {self.name!r} has kind "
                                  f"{rec['kind']!r}, which this shmps version does not know",
@@ -274,6 +279,7 @@ class Store:
         nshards = int(shards) if shards is not None else None
 
         def create() -> dict:
+            _check_not_reserved(name)
             rec = tmod.create_record(name, req, init, nshards)
             upd = from_dict(rec["optimizer"])
             specs = tmod.shard_specs(rec, upd)
@@ -334,6 +340,7 @@ class Store:
             req["structure"] = cmod.structure_hash(rc, ci)
 
         def create() -> dict:
+            _check_not_reserved(name)
             rec = cmod.create_record(name, req, rc, ci, shard_rows)
             assert rc is not None and ci is not None
             dt_ = np.dtype(rec["dtype"])
@@ -425,6 +432,7 @@ class Store:
         return self._records[rec["name"]]
 
     def _create_dense(self, name: str, req: dict, init: Any) -> dict:
+        _check_not_reserved(name)
         if "shape" not in req:
             raise NotFound(f"no tensor {name!r} in store {self.name!r}",
                            "pass shape= (and dtype=, optimizer=) to create it")
@@ -463,6 +471,8 @@ class Store:
     def _restore_dense(self, rec: dict, values: np.ndarray, states: list, step: int,
                        bar: Any) -> None:
         """Create a dense tensor from checkpointed arrays (flat, row-major)."""
+        if _is_outbox(rec):
+            return  # pushes pending in an outbox are not part of the model (outbox.py)
         rec = dict(rec)
         dt = np.dtype(rec["dtype"])
         specs = _dense_specs(rec)
@@ -499,6 +509,8 @@ class Store:
         appended, so no process sees a half-restored tensor."""
         from .checkpoint import _AUX_STEP_MASK, _CTL_TABLE_LIVE, _raw_regions
 
+        if _is_outbox(rec):
+            return  # pushes pending in an outbox are not part of the model (outbox.py)
         rec = dict(rec)
         dt = np.dtype(rec["dtype"])
         table = rec["kind"] == "table"
@@ -567,6 +579,34 @@ class Store:
         from .checkpoint import save
 
         return save(self, path)
+
+    # -- the multi-host bridge (shmps/outbox.py) -----------------------------------
+    def _set_forwarding(self, on: bool) -> None:
+        """Turn forwarding on or off for every process of the store (shmps-bridge):
+        while on, pushes to dense tensors and tables go to their outboxes."""
+        _native.check(lib.shmps_forward_set(self._mptr, int(bool(on))), "set forwarding")
+
+    @property
+    def _forwarding(self) -> bool:
+        """Whether pushes go to outboxes now (read from shared memory each time)."""
+        return bool(lib.shmps_forward_get(self._mptr))
+
+    def flush(self, timeout: Optional[float] = None) -> None:
+        """Wait until every push made so far to this store has reached the owner of
+        its shard, while shmps-bridge forwards pushes to other hosts.
+
+        Reads, for every outbox shard, how many pushes it holds now, and waits until
+        the bridge reports each of those applied by the shard's owner (so pulls on
+        the owner see them; here, once its updated rows come back).  Pushes this
+        process made with ``wait=False`` are waited for first.  Returns at once when
+        nothing was forwarded (no bridge, or everything acknowledged).  ``timeout``
+        (seconds, default 60; ``math.inf`` to wait indefinitely): then raises
+        :class:`shmps.Timeout` naming the tensor and shard that lag.  Polls with
+        sleeps of 0.2 to 5 ms."""
+        if self._executor is not None and self._executor_pid == os.getpid():
+            self._executor.submit(int).result()  # pushes made with wait=False land first
+        from .outbox import flush
+        flush(self, timeout)
 
     # -- non-blocking pushes -----------------------------------------------------
     def _submit(self, fn: Any, *args: Any) -> PushHandle:
@@ -739,6 +779,8 @@ def _dense_specs(rec: dict) -> list[dict]:
     flags = lib.SHMPS_F_IMPLICIT | (lib.SHMPS_F_HOGWILD if rec.get("mode") == "hogwild" else 0)
     if rec.get("allow_nonfinite"):
         flags |= lib.SHMPS_F_ALLOW_NONFINITE
+    if rec.get("outbox_of") is not None:  # shmps/outbox.py: per-row pending counts
+        flags |= lib.SHMPS_F_OUTBOX
     specs = []
     for s in range(rec["nshards"]):
         r0 = s * shard_rows
@@ -757,6 +799,18 @@ def _is_own_segment(seg: str, prefix: str) -> bool:
         return False
     rest = seg[len(prefix):]
     return rest == "manifest" or re.fullmatch(r"t\d+\.s\d+", rest) is not None
+
+
+def _check_not_reserved(name: str) -> None:
+    """Names ending in '#outbox' belong to the bridge's outboxes (shmps/outbox.py)."""
+    if name.endswith("#outbox"):
+        raise InvalidArgument(f"tensor name {name!r}: names ending in '#outbox' are "
+                              "reserved for the outboxes of shmps-bridge", "pick another name")
+
+
+def _is_outbox(rec: dict) -> bool:
+    """A record of an outbox (a checkpoint drops the marker; the name is reserved)."""
+    return rec.get("outbox_of") is not None or str(rec.get("name", "")).endswith("#outbox")
 
 
 def _loose_name(name: object) -> bool:
@@ -812,7 +866,7 @@ def _check_record(rec: Any, where: str) -> None:
 
 _SCHEMA_KEYS = ("kind", "shape", "dtype", "optimizer", "mode", "allow_nonfinite",
                 "shard_rows", "dim", "capacity", "ncols", "seed", "init_spec", "structure",
-                "aggregate", "workers")
+                "aggregate", "workers", "outbox_of")
 
 
 def _match(rec: dict, req: dict) -> None:

@@ -128,6 +128,8 @@ def shard_specs(rec: dict, upd: Updater) -> list[dict]:
     """The shard specs (shmps_spec_t inputs) of a table record."""
     dt = np.dtype(rec["dtype"])
     flags = lib.SHMPS_F_ALLOW_NONFINITE if rec.get("allow_nonfinite") else 0
+    if rec.get("outbox_of") is not None:  # shmps/outbox.py
+        flags |= lib.SHMPS_F_OUTBOX
     rows = rec["shard_rows"]
     init = _init_array(rec["init_spec"])
     return [{"kind": lib.SHMPS_TABLE, "dtype": _native.DTYPE_CODES[dt.name],
@@ -320,7 +322,23 @@ class Table(Tensor):
         NonFinite unless the table allows them.  Cost: O(n * dim), one C call, GIL
         released; a row being pushed by another process is waited for (per-row lock),
         no other row is.  ``wait=False`` returns a PushHandle; keys and grads must then
-        stay unmodified until it is waited on."""
+        stay unmodified until it is waited on.
+
+        While shmps-bridge runs (the store's forwarding switch), the push is checked the
+        same way and summed into the table's outbox for the bridge to send to each
+        key's owner (shmps/outbox.py)."""
+        k, g = self._prepare(keys, grads)
+        if self._fwd[0] and self._forwards():
+            if wait:
+                self._forward(k, g)
+                return None
+            return self._store._submit(self._forward, k, g)
+        if wait:
+            self._push(k, g)
+            return None
+        return self._store._submit(self._push, k, g)
+
+    def _prepare(self, keys: Any, grads: Any) -> tuple[np.ndarray, np.ndarray]:
         k = as_keys(keys)
         g = cast_grad(grads, self.dtype)
         if g.shape != (k.size, self.dim):
@@ -329,10 +347,13 @@ class Table(Tensor):
         if k.size > MAX_BATCH:
             raise InvalidArgument(f"{k.size} keys in one push; at most {MAX_BATCH}",
                                   "split the batch")
-        if wait:
-            self._push(k, g)
-            return None
-        return self._store._submit(self._push, k, g)
+        return k, g
+
+    def _forward(self, k: np.ndarray, g: np.ndarray) -> None:
+        """A validated push while forwarding: into the outbox (NaN/Inf checked there
+        by this table's rule, before anything changes)."""
+        if k.size:
+            self._outbox()._push_counted(k, g, self._check_finite)
 
     def _push(self, k: np.ndarray, g: np.ndarray) -> None:
         scratch, nbytes, info = self._scratch(k.size)
@@ -507,6 +528,125 @@ class Table(Tensor):
             raise CorruptSegment(f"table {self.name!r}: invariant {int(info[0])} broken in "
                                  f"shard {int(info[1])} at {int(info[2])} (see table.c)")
         _native.check(code, f"check of table {self.name!r}")
+
+    # -- the bridge's side (shmps/outbox.py; private API) ------------------------------
+    def _key_shard(self, keys: Any) -> np.ndarray:
+        """The shard of each key (uint32)."""
+        return key_shards(keys, self.nshards)
+
+    def _outbox(self) -> Any:
+        """This table's outbox (``<name>#outbox``), created on first need."""
+        if self._ob is None:
+            from . import outbox
+            self._ob = outbox.get_or_create(self)
+        return self._ob
+
+    def _outbox_drain(self, shard: int) -> Any:
+        """Take (and remove) every row the outbox's ``shard`` holds: an
+        ``outbox.Drained`` (keys, summed gradients), or None when none is pending.
+        The outbox shard is frozen meanwhile (its pushers wait, O(rows taken))."""
+        from . import outbox
+        return outbox.drain_table(self, shard)
+
+    def _outbox_ack(self, shard: int, pushed: int) -> None:
+        """The owner has applied every drain of ``shard`` up to ``Drained.pushed``."""
+        from . import outbox
+        outbox.ack(self, shard, pushed)
+
+    def _apply_direct(self, index: Any, grads: Any, pushes: int = 1) -> None:
+        """Apply the updater to keys ``index`` as a push with forwarding off would,
+        whatever the switch says (the owner's bridge).  Same validation as push;
+        ``pushes``: how many pushes the batch stands for (statistics)."""
+        k, g = self._prepare(index, grads)
+        self._push(k, g)
+        if int(pushes) > 1 and k.size:
+            lib.shmps_count_pushes(self._shard(0).ptr, int(pushes) - 1)
+
+    def _state_arrays(self, n: int) -> list:
+        sp = self._shard(0).spec
+        sdt = _native.DTYPE_NAMES[sp["state_dtype"]]
+        return [np.empty((n, self.dim), sdt) for _ in range(sp["nstate"])]
+
+    def _rows_out(self, shard: int, keys: Optional[np.ndarray]) -> Any:
+        from .outbox import RowData
+        self._shard_checked(shard)
+        cap = self.shard_rows if keys is None else keys.size
+        kout = np.empty(cap, np.uint64)
+        vals = np.empty((cap, self.dim), self.dtype)
+        states = self._state_arrays(cap)
+        steps = np.empty(cap, np.uint64)
+        bufs = [ffi.from_buffer(a) for a in states]
+        sptr = ffi.new("void *[]", bufs) if bufs else ffi.NULL
+        n = ffi.new("uint64_t *")
+        kptr = _native.addr(keys) if keys is not None else ffi.NULL
+        code = lib.shmps_table_read_rows(self._ptrs(), self.nshards, int(shard), _native.token(),
+                                         kptr, 0 if keys is None else keys.size,
+                                         _native.addr(kout), ffi.from_buffer(vals), sptr,
+                                         _native.addr(steps), cap, n)
+        if code:
+            self._fail(code, None, "read rows")
+        k = int(n[0])
+        return RowData(index=kout[:k], values=vals[:k], states=[a[:k] for a in states],
+                       row_steps=steps[:k], step=0)
+
+    def _check_keys_in(self, shard: int, k: np.ndarray) -> None:
+        self._shard_checked(shard)
+        if k.size:
+            bad = np.flatnonzero(self._key_shard(k) != int(shard))
+            if bad.size:
+                raise InvalidArgument(f"key {int(k[bad[0]])} belongs to shard "
+                                      f"{int(self._key_shard(k[bad[:1]])[0])} of {self.name!r}, "
+                                      f"not {shard}")
+
+    def _read_rows(self, shard: int, index: Any) -> Any:
+        """The rows of keys ``index`` (all of ``shard``; missing keys are left out) with
+        their optimizer state and per-row steps: an ``outbox.RowData``, copied under the
+        shard's shared freeze (no push inside meanwhile: each row whole)."""
+        k = as_keys(index)
+        self._check_keys_in(shard, k)
+        return self._rows_out(shard, k)
+
+    def _snapshot(self, shard: int) -> Any:
+        """Every key of ``shard``, as :meth:`_read_rows`."""
+        return self._rows_out(shard, None)
+
+    def _write_rows(self, shard: int, data: Any) -> None:
+        """Write ``data`` (an ``outbox.RowData`` of keys of ``shard``) into this copy:
+        absolute values, optimizer state and (``row_steps`` not None) per-row steps,
+        creating missing keys first, all or none (CapacityError: nothing written).
+        Under the shard's exclusive freeze, so no pull sees a half-written row; a
+        repeated key's last row wins.  Never goes through the outbox."""
+        from .dense import _as_rows
+        k = as_keys(data.index)
+        self._check_keys_in(shard, k)
+        n = k.size
+        vals = _as_rows(data.values, self.dtype, (n, self.dim), "values")
+        sp = self._shard(0).spec
+        sdt = np.dtype(_native.DTYPE_NAMES[sp["state_dtype"]])
+        if len(data.states) != sp["nstate"]:
+            raise SchemaError(f"{len(data.states)} state arrays for {self.name!r}, its "
+                              f"optimizer keeps {sp['nstate']}")
+        states = [_as_rows(a, sdt, (n, self.dim), "state") for a in data.states]
+        steps = None
+        if data.row_steps is not None:
+            steps = _as_rows(data.row_steps, np.dtype(np.uint64), (n,), "row_steps")
+        if n > 1:  # distinct keys, the last occurrence of each
+            _, first_rev = np.unique(k[::-1], return_index=True)
+            keep = np.sort(n - 1 - first_rev)
+            if keep.size < n:
+                k, vals = k[keep], vals[keep]
+                states = [a[keep] for a in states]
+                steps = steps[keep] if steps is not None else None
+        bufs = [ffi.from_buffer(a) for a in states]
+        sptr = ffi.new("void *[]", bufs) if bufs else ffi.NULL
+        info = ffi.new("uint64_t[4]")
+        code = lib.shmps_table_write_rows(self._ptrs(), self.nshards, int(shard),
+                                          _native.token(), _native.addr(k), k.size,
+                                          ffi.from_buffer(vals), sptr, len(bufs),
+                                          _native.addr(steps) if steps is not None else ffi.NULL,
+                                          info)
+        if code:
+            self._fail(code, info, "write rows")
 
     # -- description -----------------------------------------------------------------
     @property

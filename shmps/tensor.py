@@ -24,6 +24,10 @@ if TYPE_CHECKING:
 
 FLOAT_DTYPES = ("float16", "float32", "float64")
 
+#: The forwarding word of a tensor that never forwards (outboxes, aggregation
+#: helpers, closed tensors): always 0.  See Tensor._fwd.
+NO_FWD = _native.ffi.new("uint32_t[1]")
+
 
 @dataclass
 class Shard:
@@ -127,11 +131,49 @@ class Tensor:
         self.allow_nonfinite: bool = bool(record.get("allow_nonfinite", False))
         self._shards = shards
         self._check_finite = self.dtype.kind == "f" and not self.allow_nonfinite
+        # The store's forwarding switch (a uint32_t * into the manifest), read on every
+        # push: one aligned load, ~25 ns.  Non-zero while shmps-bridge runs: pushes go to
+        # the tensor's outbox (shmps/outbox.py).  NO_FWD once the tensor is known never
+        # to forward, or is closed (the manifest may be unmapped then).
+        self._fwd: Any = getattr(store, "_fwd_word", NO_FWD)
+        self._fwd_ok: Optional[bool] = None
+        self._ob: Any = None
 
     # -- shared plumbing ---------------------------------------------------------
     @property
     def nshards(self) -> int:
         return int(self.record["nshards"])
+
+    @property
+    def _nshards(self) -> int:
+        """Shard count (the bridge's ring key of shard i is ``"<name>/<i>"``)."""
+        return self.nshards
+
+    @property
+    def _forwardable(self) -> bool:
+        """Whether pushes to this tensor go to its outbox while forwarding is on
+        (False for outboxes, the hidden tensors of synchronous aggregation, and csr
+        tensors, whose pushes are refused then)."""
+        if self._fwd_ok is None:
+            from .outbox import forwardable
+            self._fwd_ok = forwardable(self._store, self.record)
+        return self._fwd_ok
+
+    def _forwards(self) -> bool:
+        """Called by push when the forwarding word is set: True if this push must go
+        to the outbox.  A tensor that never forwards stops reading the word."""
+        if self._forwardable:
+            return True
+        self._fwd = NO_FWD
+        return False
+
+    def _shard_checked(self, shard: Any) -> Shard:
+        """Shard ``shard`` (an int in range, else OutOfRange)."""
+        from .errors import OutOfRange
+        if isinstance(shard, bool) or not isinstance(shard, (int, np.integer)) \
+                or not 0 <= int(shard) < self.nshards:
+            raise OutOfRange(f"shard {shard!r} of {self.name!r}: it has {self.nshards} shards")
+        return self._shard(int(shard))
 
     def _shard(self, i: int) -> Shard:
         if self._shards is None:
@@ -203,6 +245,7 @@ class Tensor:
 
     def close(self) -> None:
         """Unmap this tensor's segments in this process (idempotent)."""
+        self._fwd = NO_FWD  # the store's manifest is unmapped next
         if self._shards is not None:
             for sh in self._shards:
                 sh.seg.close()

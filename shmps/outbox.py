@@ -1,0 +1,343 @@
+"""Outboxes: where pushes go while the multi-host bridge runs (store side).
+
+While the store's forwarding switch is on (``store._set_forwarding(True)``, set by
+shmps-bridge), every push to a dense tensor or table is validated as usual and then
+*summed into the tensor's outbox* instead of applying the tensor's updater; the
+bridge drains each outbox shard, sends what it held to the shard's owner, and the
+owner's bridge applies it with ``tensor._apply_direct`` (so while a bridge runs, it is
+the only process that applies updaters).  docs/bridge-protocol.md section 12 has the
+design; docs/concurrency.md "Outboxes" why the drain is exact; docs/segment-layout.md
+the bytes.
+
+An outbox is a hidden tensor named ``<name>#outbox`` (as synchronous aggregation's
+``<name>#agg0``; listed by ``store.tensors()``), created on first need by any process
+(get-or-create, race-safe):
+
+- dense: the tensor's shape and ``shard_rows``, the gradient dtype (float32 for
+  float16 tensors), updater Sum, exact, with a per-row pending count (flag
+  SHMPS_F_OUTBOX: a uint64 per row at ``rowstep_off``);
+- table: the table's dim, capacity and shard count (so key k is in the same shard of
+  both), the gradient dtype, Sum, zeros; each row's push count is its pending count,
+  and a drain removes the rows it takes (the outbox never fills up with old keys).
+
+Each outbox shard header counts ``ob_pushed`` (pushes landed) and ``ob_acked`` (the
+highest ``pushed`` the bridge reported applied by the owner); ``store.flush()`` waits
+for the second to reach the first.  Names ending in ``#outbox`` are reserved.
+
+What is not forwarded: csr tensors (a push raises while forwarding is on), the hidden
+tensors of synchronous aggregation (its rounds run per host; the round's single update
+of the aggregated tensor is a push, so it is forwarded: across hosts, each host's
+round result reaches the owner as one push), and outboxes themselves.  Checkpoints
+save outboxes as they save every tensor, but a restore skips them: pushes still
+pending when the checkpoint was taken are not part of the model it holds.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+from . import _native
+from .dense import DenseTensor
+from .errors import CorruptSegment, InvalidArgument, Timeout
+from .table import Table
+from .tensor import NO_FWD, grad_dtype
+
+lib = _native.lib
+ffi = _native.ffi
+
+SUFFIX = "#outbox"
+#: store.flush(timeout=None) waits at most this long
+FLUSH_TIMEOUT_S = 60.0
+
+
+def outbox_name(name: str) -> str:
+    """The outbox tensor's name of tensor ``name``."""
+    return name + SUFFIX
+
+
+def is_outbox_name(name: str) -> bool:
+    return name.endswith(SUFFIX)
+
+
+@dataclass
+class Drained:
+    """What one drain of an outbox shard took (``tensor._outbox_drain(shard)``).
+
+    ``pushed``: the shard's ``ob_pushed`` read before draining; every push it counts
+    has landed and is in this drain or an earlier one, so once the owner applied this
+    drain (and the earlier ones), ``tensor._outbox_ack(shard, pushed)``.
+    ``index``: dense: sorted unique global rows (int64); table: keys (uint64).
+    ``grads``: ``(n,) + row_shape`` (dense) or ``(n, dim)`` (table), gradient dtype:
+    the sum of every push of those rows since the last drain.
+    ``pushes``: pushes folded in (``pushed`` minus the previous drain's, at least 1)."""
+
+    pushed: int
+    index: np.ndarray
+    grads: np.ndarray
+    pushes: int
+
+
+@dataclass
+class RowData:
+    """Rows of one shard with everything a replica needs (``_read_rows``,
+    ``_snapshot``; written by ``_write_rows``).
+
+    ``index``: dense: global rows (int64); table: keys (uint64).  ``values``:
+    ``(n,) + row_shape`` / ``(n, dim)`` in the tensor's dtype.  ``states``: the
+    optimizer's state arrays for those rows (state dtype, the shape of ``values``).
+    ``row_steps``: tables: each row's step (uint64); dense: None.  ``step``: dense:
+    the tensor's step count (Adam's t, kept in shard 0); tables: 0."""
+
+    index: np.ndarray
+    values: np.ndarray
+    states: list
+    row_steps: Optional[np.ndarray]
+    step: int
+
+
+# ---- which tensors forward ------------------------------------------------------------
+
+def forwardable(store: Any, rec: dict) -> bool:
+    """Whether pushes to the tensor of record ``rec`` go to its outbox while forwarding
+    is on: dense tensors and tables, except outboxes and the hidden tensors of
+    synchronous aggregation (local bookkeeping of this host's rounds)."""
+    if rec.get("outbox_of") is not None or rec["kind"] not in ("dense", "table"):
+        return False
+    name = rec["name"]
+    if "#" in name:
+        from .aggregate import hidden_names
+        base = name.rsplit("#", 1)[0]
+        if name in hidden_names(base):
+            brec = store._record(base)
+            if brec is not None and brec.get("aggregate"):
+                return False
+    return True
+
+
+# ---- creation ---------------------------------------------------------------------------
+
+def get_or_create(t: Any) -> Any:
+    """The outbox of tensor ``t`` (created if absent; race-safe)."""
+    store = t._store
+    name = outbox_name(t.name)
+    gdt = grad_dtype(t.dtype).name
+    req: dict = {"kind": t.kind, "dtype": gdt, "outbox_of": t.name}
+    if t.kind == "dense":
+        req.update(shape=list(t.shape), shard_rows=t.shard_rows)
+        make = lambda: _create_dense(store, t, name, gdt)  # noqa: E731
+    elif t.kind == "table":
+        req.update(dim=t.dim, capacity=t.capacity)
+        make = lambda: _create_table(store, t, name, gdt)  # noqa: E731
+    else:
+        raise InvalidArgument(f"{t.kind} tensor {t.name!r} has no outbox",
+                              "csr tensors are not forwarded by shmps-bridge in this version")
+    ob = store._get_or_create(name, req, make)
+    if not isinstance(ob, (DenseOutbox, TableOutbox)) or ob.nshards != t.nshards:
+        raise CorruptSegment(f"tensor {name!r} is not the outbox of {t.name!r}")
+    return ob
+
+
+def _create_dense(store: Any, t: Any, name: str, gdt: str) -> dict:
+    from .store import _dense_specs
+    from .updaters import Sum
+
+    rec = {"name": name, "kind": "dense", "dtype": gdt, "shape": list(t.shape),
+           "shard_rows": t.shard_rows, "nshards": t.nshards, "optimizer": Sum().to_dict(),
+           "mode": "exact", "allow_nonfinite": True, "outbox_of": t.name}
+    rec["id"] = tid = store._next_id()
+    rec["bytes"] = store._create_segments(tid, _dense_specs(rec), lambda s, seg, lay: None)
+    return store._append(rec)
+
+
+def _create_table(store: Any, t: Any, name: str, gdt: str) -> dict:
+    from . import table as tmod
+    from .updaters import Sum
+
+    upd = Sum()
+    rec = {"name": name, "kind": "table", "dtype": gdt, "dim": t.dim, "capacity": t.capacity,
+           "seed": 0, "init_spec": ["zeros"], "nshards": t.nshards,
+           "shard_rows": t.shard_rows, "optimizer": upd.to_dict(), "mode": "exact",
+           "allow_nonfinite": True, "shape": [t.capacity, t.dim], "outbox_of": t.name}
+
+    def fill(s: int, seg: Any, lay: dict) -> None:
+        _native.check(lib.shmps_table_setup(seg.ptr, rec["capacity"], rec["nshards"], s),
+                      f"outbox {name!r} shard {s}")
+
+    rec["id"] = tid = store._next_id()
+    rec["bytes"] = store._create_segments(tid, tmod.shard_specs(rec, upd), fill)
+    return store._append(rec)
+
+
+# ---- the outbox tensors ---------------------------------------------------------------
+
+def _refuse(ob: Any) -> InvalidArgument:
+    return InvalidArgument(f"{ob.name!r} is the outbox of {ob.record['outbox_of']!r}: only "
+                           "forwarded pushes write it", f"push to {ob.record['outbox_of']!r}")
+
+
+class DenseOutbox(DenseTensor):
+    """The outbox of a dense tensor (module docstring).  Pushes come from the
+    tensor's forwarded pushes only; pull() shows what is pending."""
+
+    def __init__(self, store: Any, record: dict, shards: list) -> None:
+        super().__init__(store, record, shards)
+        self._fwd = NO_FWD
+        if not all(sh.spec["flags"] & lib.SHMPS_F_OUTBOX for sh in shards):
+            self.close()
+            raise CorruptSegment(f"tensor {self.name!r}: its segments are not outbox shards")
+
+    def push(self, grad: Any, rows: Any = None, *, wait: bool = True) -> None:
+        raise _refuse(self)
+
+    def _push_counted(self, g: np.ndarray, r: Optional[np.ndarray]) -> None:
+        """Sum a validated gradient (gradient dtype; ``r`` checked rows or None) into
+        the outbox, then count the push in every shard it touched (after its values
+        landed: shmps_outbox_pushed's release)."""
+        if r is not None and r.size == 0:
+            return
+        DenseTensor._apply(self, g, r)
+        touched = range(self.nshards) if r is None else np.unique(r // self.shard_rows)
+        for i in touched:
+            _native.check(lib.shmps_outbox_pushed(self._shards[int(i)].ptr),
+                          f"push to {self.name!r}")
+
+    def _pending(self, shard: int) -> np.ndarray:
+        """Per-row pending counts of ``shard`` (tests, statistics): > 0 where a row
+        holds pushes no drain took; a push counts 1 per stripe a row spans."""
+        sh = self._shard_checked(shard)
+        out = np.zeros(sh.spec["nrows"], np.uint64)
+        _native.check(lib.shmps_outbox_pending(sh.ptr, _native.addr(out), out.size),
+                      f"pending of {self.name!r}")
+        return out
+
+
+class TableOutbox(Table):
+    """The outbox of a table (module docstring)."""
+
+    def __init__(self, store: Any, record: dict, shards: list) -> None:
+        super().__init__(store, record, shards)
+        self._fwd = NO_FWD
+        if not all(sh.spec["flags"] & lib.SHMPS_F_OUTBOX for sh in shards):
+            self.close()
+            raise CorruptSegment(f"tensor {self.name!r}: its segments are not outbox shards")
+
+    def push(self, keys: Any, grads: Any, *, wait: bool = True) -> None:
+        raise _refuse(self)
+
+    def _push_counted(self, k: np.ndarray, g: np.ndarray, check: bool) -> None:
+        """Sum validated rows into the outbox; C counts the push in every shard it
+        touched (shmps_table_push on an outbox shard).  ``check``: the table's NaN/Inf
+        rule, applied here before anything changes."""
+        scratch, nbytes, info = self._scratch(k.size)
+        code = lib.shmps_table_push(self._ptrs(), self.nshards, _native.token(),
+                                    _native.addr(k), k.size, ffi.from_buffer(g), self._gcode,
+                                    int(check), scratch, nbytes, info)
+        if code == lib.SHMPS_E_NONFINITE:
+            _native.check(code, f"push to {self.record['outbox_of']!r}")
+        if code:
+            try:
+                self._fail(code, info, "forwarded push")
+            except Exception as exc:
+                if code == lib.SHMPS_E_FULL:
+                    exc.hint = ("the outbox holds the pushes not yet sent by shmps-bridge: is "
+                                "the bridge running (and draining) for this store?")
+                raise
+
+
+# ---- drains -----------------------------------------------------------------------------
+
+def _drained(pushed: int, prev: int, index: np.ndarray, grads: np.ndarray, n: int,
+             cap: int) -> Optional[Drained]:
+    if n == 0:
+        return None
+    if 2 * n < cap:  # let the full-size buffers go
+        index, grads = index[:n].copy(), grads[:n].copy()
+    else:
+        index, grads = index[:n], grads[:n]
+    return Drained(pushed=pushed, index=index, grads=grads, pushes=max(1, pushed - prev))
+
+
+def drain_dense(t: Any, shard: int) -> Optional[Drained]:
+    ob = t._outbox()
+    sh = ob._shard_checked(shard)
+    cap = sh.spec["nrows"]
+    rows = np.empty(cap, np.int64)
+    vals = np.empty((cap,) + t.row_shape, ob.dtype)
+    n, pushed, prev = ffi.new("uint64_t *"), ffi.new("uint64_t *"), ffi.new("uint64_t *")
+    code = lib.shmps_outbox_drain(sh.ptr, _native.token(), _native.addr(rows),
+                                  ffi.from_buffer(vals), cap, n, pushed, prev)
+    if code not in (0, lib.SHMPS_DRAIN_PARTIAL):
+        _native.check(code, f"drain of the outbox of {t.name!r} (shard {shard})")
+    rows += int(shard) * t.shard_rows  # global rows
+    return _drained(int(pushed[0]), int(prev[0]), rows, vals, int(n[0]), cap)
+
+
+def drain_table(t: Any, shard: int) -> Optional[Drained]:
+    ob = t._outbox()
+    ob._shard_checked(shard)
+    cap = ob.shard_rows
+    keys = np.empty(cap, np.uint64)
+    vals = np.empty((cap, t.dim), ob.dtype)
+    n, pushed, prev = ffi.new("uint64_t *"), ffi.new("uint64_t *"), ffi.new("uint64_t *")
+    code = lib.shmps_table_drain(ob._ptrs(), ob.nshards, int(shard), _native.token(),
+                                 _native.addr(keys), ffi.from_buffer(vals), cap, n, pushed,
+                                 prev)
+    if code:
+        _native.check(code, f"drain of the outbox of {t.name!r} (shard {shard})")
+    return _drained(int(pushed[0]), int(prev[0]), keys, vals, int(n[0]), cap)
+
+
+def ack(t: Any, shard: int, pushed: int) -> None:
+    ob = t._outbox()
+    sh = ob._shard_checked(shard)
+    if isinstance(pushed, bool) or not isinstance(pushed, (int, np.integer)) or pushed < 0:
+        raise InvalidArgument(f"pushed={pushed!r} must be a non-negative integer "
+                              "(a Drained.pushed)")
+    _native.check(lib.shmps_outbox_ack(sh.ptr, int(pushed)), f"ack of {ob.name!r}")
+
+
+def counters(ob: Any, shard: int) -> tuple[int, int]:
+    """``(pushed, acked)`` of an outbox shard."""
+    p, a = ffi.new("uint64_t *"), ffi.new("uint64_t *")
+    _native.check(lib.shmps_outbox_counters(ob._shard(shard).ptr, p, a),
+                  f"counters of {ob.name!r}")
+    return int(p[0]), int(a[0])
+
+
+# ---- flush -------------------------------------------------------------------------------
+
+def flush(store: Any, timeout: Optional[float]) -> None:
+    """store.flush(): wait until every push counted in an outbox now is acknowledged."""
+    limit = FLUSH_TIMEOUT_S if timeout is None else float(timeout)
+    if not limit >= 0:
+        raise InvalidArgument(f"timeout={timeout!r} must be >= 0 (or None)")
+    deadline = time.monotonic() + limit
+    store._refresh()
+    waits = []
+    for rec in list(store._record_list):
+        if rec.get("outbox_of") is None:
+            continue
+        ob = store[rec["name"]]
+        for i in range(ob.nshards):
+            pushed, acked = counters(ob, i)
+            if acked < pushed:
+                waits.append((ob, i, pushed))
+    pause = 0.0002
+    for ob, i, target in waits:
+        while True:
+            pushed, acked = counters(ob, i)
+            if acked >= target:
+                break
+            if time.monotonic() >= deadline:
+                ns = f" namespace {store.namespace!r}" if store.namespace else ""
+                raise Timeout(
+                    f"flush of store {store.name!r}{ns}: shard {i} of tensor "
+                    f"{ob.record['outbox_of']!r} has {target} pushes to forward, {acked} "
+                    f"acknowledged after {limit} s; is shmps-bridge running for this store "
+                    "and namespace?",
+                    "start shmps-bridge for it (or turn forwarding off), or raise the timeout")
+            time.sleep(pause)
+            pause = min(2 * pause, 0.005)

@@ -1,0 +1,767 @@
+"""The store side of the multi-host bridge: the forwarding switch, outboxes, drains,
+acknowledgements, store.flush(), direct application, and row reads/writes for
+replication (shmps/outbox.py, native/outbox.c; docs/concurrency.md "Outboxes").
+
+Real processes and shared memory; every wait is bounded."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import shmps
+import shmps._native as native
+from helpers import GO, SHM, STOP, Workers, dead_token, new_flags, poke, wait_until
+
+pytestmark = pytest.mark.timeout(240)
+
+lib = native.lib
+ACTIVE_OFF = 448  # shard header: active[] (docs/segment-layout.md)
+
+
+def drain_all(t, into=None):
+    """Drain every shard of t's outbox; returns {index: summed grad} (float64/int64)."""
+    into = {} if into is None else into
+    for s in range(t._nshards):
+        d = t._outbox_drain(s)
+        if d is None:
+            continue
+        assert d.pushes >= 1
+        for key, g in zip(d.index.tolist(), d.grads):
+            acc = into.get(key)
+            g = g.astype(np.float64 if g.dtype.kind == "f" else np.int64)
+            into[key] = g if acc is None else acc + g
+    return into
+
+
+def as_dense(sums: dict, shape: tuple, dtype=np.int64) -> np.ndarray:
+    out = np.zeros(shape, dtype)
+    for r, g in sums.items():
+        out[r] = g
+    return out
+
+
+def segment_path(store: shmps.Store, tensor) -> str:
+    return os.path.join(SHM, tensor._shards[0].seg.name.lstrip("/"))
+
+
+# ---- forwarding off: nothing changes ----------------------------------------------------
+
+def test_forwarding_off_is_unchanged(store):
+    assert store._forwarding is False
+    w = store.dense("w", shape=(8, 3), optimizer=shmps.SGD(lr=0.5))
+    w.push(np.ones((8, 3), np.float32))
+    w.push(np.ones((2, 3), np.float32), rows=[1, 1])
+    w.push(np.ones((8, 3), np.float32), wait=False).wait(10)
+    want = np.full((8, 3), -1.0, np.float32)
+    want[1] -= 1.0
+    np.testing.assert_array_equal(w.pull(), want)
+    t = store.table("e", dim=2, capacity=10)
+    t.push([1, 2], np.ones((2, 2)))
+    np.testing.assert_array_equal(t.pull([1, 2]), np.ones((2, 2)))
+    assert not any(d["name"].endswith("#outbox") for d in store.tensors())
+    t0 = time.monotonic()
+    store.flush(timeout=0.0)
+    assert time.monotonic() - t0 < 0.05
+
+
+def test_switch_is_shared_between_attachments(store, store_name):
+    other = shmps.attach(store_name)
+    try:
+        store._set_forwarding(True)
+        assert other._forwarding is True
+        other._set_forwarding(False)
+        assert store._forwarding is False
+    finally:
+        other.close()
+
+
+def test_outbox_names_are_reserved(store):
+    with pytest.raises(shmps.InvalidArgument, match="reserved"):
+        store.dense("x#outbox", shape=(2,))
+    with pytest.raises(shmps.InvalidArgument, match="reserved"):
+        store.table("y#outbox", dim=2, capacity=4)
+    assert len(store.tensors()) == 0
+
+
+# ---- dense: pushes go to the outbox, drains take them exactly ----------------------------
+
+def test_dense_forwarded_pushes_and_drain(store):
+    w = store.dense("w", shape=(10, 3), init=5.0, optimizer=shmps.SGD(lr=0.5), shard_rows=4)
+    store._set_forwarding(True)
+    g = np.arange(30, dtype=np.float32).reshape(10, 3)
+    w.push(g)
+    w.push(np.ones((4, 3), np.float32), rows=[1, 1, 9, 5])       # duplicates accumulate
+    w.push(np.full((1, 3), 2, np.float32), rows=np.array([9]), wait=False).wait(10)
+    w.push(np.ones((0, 3), np.float32), rows=[])                  # touches nothing
+    np.testing.assert_array_equal(w.pull(), np.full((10, 3), 5.0, np.float32))
+    assert w.stats()["pushes"] == 0                               # no updater ran
+    ob = w._outbox()
+    assert ob.name == "w#outbox" and ob.dtype == np.float32 and ob.shape == w.shape
+    assert "w#outbox" in [d["name"] for d in store.tensors()]
+    assert w._outbox() is ob and store["w#outbox"] is ob
+    # per-row pending counts: one per push touching the row (rows fit in one stripe)
+    np.testing.assert_array_equal(ob._pending(0), [1, 3, 1, 1])
+    np.testing.assert_array_equal(ob._pending(1), [1, 2, 1, 1])
+    np.testing.assert_array_equal(ob._pending(2), [1, 3])
+    pushed = [native_counters(ob, s)[0] for s in range(3)]
+    assert pushed == [2, 2, 3]                                    # pushes per shard
+    want = g.astype(np.float64)
+    np.add.at(want, [1, 1, 9, 5], 1.0)
+    want[9] += 2
+    got = {}
+    for s in range(3):
+        d = w._outbox_drain(s)
+        assert d.pushed == pushed[s] and d.pushes == pushed[s]
+        assert d.index.dtype == np.int64 and d.grads.dtype == np.float32
+        assert np.all(np.diff(d.index) > 0)
+        assert d.grads.shape == (d.index.size, 3)
+        for r, gr in zip(d.index, d.grads):
+            got[int(r)] = gr
+        assert w._outbox_drain(s) is None                         # nothing left
+        assert not ob._pending(s).any()
+    np.testing.assert_array_equal(as_dense(got, (10, 3), np.float64), want)
+    np.testing.assert_array_equal(ob.pull(), np.zeros((10, 3), np.float32))
+    # a push after a drain: counted from the previous drain
+    w.push(np.ones((1, 3), np.float32), rows=[0])
+    d = w._outbox_drain(0)
+    assert (d.pushed, d.pushes, d.index.tolist()) == (3, 1, [0])
+    with pytest.raises(shmps.InvalidArgument):
+        ob.push(np.ones((10, 3), np.float32))                     # outboxes: forwarded only
+
+
+def native_counters(ob, shard):
+    from shmps.outbox import counters
+    return counters(ob, shard)
+
+
+def test_forwarded_push_validation_changes_nothing(store):
+    w = store.dense("w", shape=(6, 2), dtype="float32", shard_rows=3)
+    t = store.table("e", dim=2, capacity=8)
+    store._set_forwarding(True)
+    bad = [
+        (shmps.SchemaError, lambda: w.push(np.ones((5, 2), np.float32))),
+        (shmps.SchemaError, lambda: w.push(np.ones((6, 2), np.complex64))),
+        (shmps.NonFinite, lambda: w.push(np.full((6, 2), np.nan, np.float32))),
+        (shmps.NonFinite, lambda: w.push(np.full((1, 2), np.inf), rows=[2])),
+        (shmps.OutOfRange, lambda: w.push(np.ones((1, 2), np.float32), rows=[6])),
+        (shmps.OutOfRange, lambda: w.push(np.ones((1, 2), np.float32), rows=[-1])),
+        (shmps.SchemaError, lambda: w.push(np.ones((2, 2), np.float32), rows=[1])),
+        (shmps.SchemaError, lambda: t.push([1, 2], np.ones((3, 2)))),
+        (shmps.InvalidArgument, lambda: t.push([-1], np.ones((1, 2)))),
+        (shmps.NonFinite, lambda: t.push([1, 2], np.array([[0, 1], [np.nan, 0]]))),
+    ]
+    for exc, call in bad:
+        with pytest.raises(exc):
+            call()
+    for tensor in (w, t):
+        ob = tensor._outbox()
+        for s in range(ob.nshards):
+            assert native_counters(ob, s) == (0, 0)
+            assert tensor._outbox_drain(s) is None
+    assert len(t._outbox()) == 0
+    np.testing.assert_array_equal(w.pull(), np.zeros((6, 2), np.float32))
+    # allow_nonfinite tensors forward NaN/Inf, as they would apply them
+    wn = store.dense("wn", shape=(2,), allow_nonfinite=True)
+    wn.push(np.array([np.inf, 1.0], np.float32))
+    d = wn._outbox_drain(0)
+    assert np.isinf(d.grads[0]) and d.grads[1] == 1.0
+
+
+def test_float16_tensor_forwards_float32_gradients(store):
+    w = store.dense("h", shape=(3, 2), dtype="float16")
+    store._set_forwarding(True)
+    w.push(np.full((3, 2), 1.0 + 2.0 ** -12, np.float32))  # not representable in float16
+    d = w._outbox_drain(0)
+    assert d.grads.dtype == np.float32
+    np.testing.assert_array_equal(d.grads, np.full((3, 2), 1.0 + 2.0 ** -12, np.float32))
+
+
+def test_rows_straddling_stripes(store):
+    # int32 rows of 3000 values: 4096 per 16 KiB stripe, so most rows span two stripes
+    w = store.dense("w", shape=(9, 3000), dtype="int32", shard_rows=5)
+    store._set_forwarding(True)
+    rng = np.random.default_rng(1)
+    want = np.zeros((9, 3000), np.int64)
+    touches = np.zeros(9, np.int64)
+    for k in range(6):
+        if k % 2:
+            g = rng.integers(-9, 10, size=(9, 3000)).astype(np.int32)
+            w.push(g)
+            want += g
+            touches += 1
+        else:
+            rows = rng.integers(0, 9, size=5)
+            g = rng.integers(-9, 10, size=(5, 3000)).astype(np.int32)
+            w.push(g, rows=rows)
+            np.add.at(want, rows, g)
+            np.add.at(touches, rows, 1)
+    # a push counts once per stripe the row spans (offsets within the row's shard)
+    local = np.r_[np.arange(5), np.arange(4)] * 3000
+    spans = (local + 2999) // 4096 - local // 4096 + 1
+    assert spans.max() == 2 and spans.min() == 1
+    ob = w._outbox()
+    pend = np.r_[ob._pending(0), ob._pending(1)].astype(np.int64)
+    np.testing.assert_array_equal(pend, touches * spans)
+    np.testing.assert_array_equal(as_dense(drain_all(w), (9, 3000)), want)
+    assert all(not ob._pending(s).any() for s in range(2))
+
+
+# ---- exact against concurrent pushers --------------------------------------------------------
+
+def forward_pusher(store: str, tensor: str, seed: int, npush: int, flags, idx: int) -> dict:
+    """Push random integers (whole and rows= with duplicates) into a forwarding store;
+    return their exact sum and how many pushes touched each shard."""
+    s = shmps.attach(store)
+    try:
+        t = s[tensor]
+        rng = np.random.default_rng(seed)
+        total = np.zeros(t.shape, np.int64)
+        touched = np.zeros(t.nshards, np.int64)
+        flags[2 + idx] = 1
+        while not flags[GO]:
+            time.sleep(0.001)
+        for k in range(npush):
+            if k % 3 == 0:
+                g = rng.integers(-50, 51, size=t.shape)
+                t.push(g.astype(t.dtype))
+                total += g
+                touched += 1
+            else:
+                rows = rng.integers(0, t.nrows, size=int(rng.integers(1, 8)))
+                rows[: rows.size // 2] = rows[0]
+                g = rng.integers(-50, 51, size=(rows.size,) + t.shape[1:])
+                t.push(g.astype(t.dtype), rows=rows, wait=k % 5 != 1)
+                np.add.at(total, rows, g)
+                touched[np.unique(rows // t.shard_rows)] += 1
+        s.close()  # waits for the wait=False pushes
+        flags[2 + idx] = 2  # done (the result is sent once the parent reads it)
+        return {"total": total, "touched": touched}
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("dtype", ["int32", "float64"])
+def test_concurrent_drain_is_exact(store, store_name, dtype):
+    shape = (12, 1500) if dtype == "int32" else (12, 700)   # rows straddle stripes
+    w = store.dense("w", shape=shape, dtype=dtype, shard_rows=5)
+    store._set_forwarding(True)
+    w._outbox()  # created once here (the workers would race to create it: also fine)
+    nproc, npush = 4, 150
+    flags = new_flags(nproc)
+    got: dict = {}
+    last = [0] * w.nshards
+    with Workers() as ws:
+        procs = [ws.start(forward_pusher, store_name, "w", 100 + i, npush, flags, i)
+                 for i in range(nproc)]
+        wait_until(lambda: all(flags[2 + i] for i in range(nproc)), 120, "pushers ready")
+        flags[GO] = 1
+        drains = 0
+        while not all(flags[2 + i] == 2 for i in range(nproc)):
+            assert all(p.alive() for p in procs)
+            for s in range(w.nshards):
+                d = w._outbox_drain(s)
+                if d is not None:
+                    assert d.pushed >= last[s]
+                    last[s] = d.pushed
+                    drains += 1
+                    for r, g in zip(d.index.tolist(), d.grads):
+                        got[r] = got.get(r, 0) + g.astype(np.int64)
+            time.sleep(0.001)
+        results = [p.result(60) for p in procs]
+    for s in range(w.nshards):  # the final drain
+        d = w._outbox_drain(s)
+        if d is not None:
+            for r, g in zip(d.index.tolist(), d.grads):
+                got[r] = got.get(r, 0) + g.astype(np.int64)
+    want = sum(r["total"] for r in results)
+    np.testing.assert_array_equal(as_dense(got, shape), want)
+    ob = w._outbox()
+    touched = sum(r["touched"] for r in results)
+    for s in range(w.nshards):
+        assert native_counters(ob, s)[0] == touched[s]
+        assert not ob._pending(s).any()
+    assert drains > nproc  # drains really ran while pushers pushed
+    np.testing.assert_array_equal(w.pull(), np.zeros(shape, dtype))
+
+
+def table_pusher(store: str, tensor: str, seed: int, npush: int, flags, idx: int) -> dict:
+    s = shmps.attach(store)
+    try:
+        t = s[tensor]
+        rng = np.random.default_rng(seed)
+        total: dict = {}
+        flags[2 + idx] = 1
+        while not flags[GO]:
+            time.sleep(0.001)
+        for _ in range(npush):
+            keys = rng.integers(0, 40, size=int(rng.integers(1, 12))).astype(np.uint64)
+            g = rng.integers(-50, 51, size=(keys.size, t.dim))
+            t.push(keys, g.astype(t.dtype))
+            for k, row in zip(keys.tolist(), g):
+                total[k] = total.get(k, 0) + row
+        flags[2 + idx] = 2  # done (the result is sent once the parent reads it)
+        return {"total": total}
+    finally:
+        s.close()
+
+
+def test_table_concurrent_drain_is_exact(store, store_name):
+    t = store.table("e", dim=4, dtype="float64", capacity=40, shards=2,
+                    optimizer=shmps.Adagrad(lr=0.1))
+    store._set_forwarding(True)
+    t._outbox()
+    nproc, npush = 4, 300
+    flags = new_flags(nproc)
+    got: dict = {}
+    drains = 0
+    with Workers() as ws:
+        procs = [ws.start(table_pusher, store_name, "e", 7 + i, npush, flags, i)
+                 for i in range(nproc)]
+        wait_until(lambda: all(flags[2 + i] for i in range(nproc)), 120, "pushers ready")
+        flags[GO] = 1
+        while not all(flags[2 + i] == 2 for i in range(nproc)):
+            assert all(p.alive() for p in procs)
+            for s in range(t._nshards):
+                d = t._outbox_drain(s)
+                if d is not None:
+                    drains += 1
+                    for k, g in zip(d.index.tolist(), d.grads):
+                        got[k] = got.get(k, 0) + g
+            time.sleep(0.0005)
+        results = [p.result(60) for p in procs]
+    assert drains > nproc  # drains really ran while pushers pushed
+    drain_all(t, got)
+    want: dict = {}
+    for r in results:
+        for k, g in r["total"].items():
+            want[k] = want.get(k, 0) + g
+    assert sorted(got) == sorted(want)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=f"key {k}")
+    ob = t._outbox()
+    assert len(ob) == 0
+    ob.check()                      # index, free lists and counters consistent
+    assert len(t) == 0              # the table itself was never touched
+
+
+def test_table_drain_removes_rows_and_keeps_counts(store):
+    t = store.table("e", dim=2, capacity=6, optimizer=shmps.SGD(lr=1.0), shards=1)
+    store._set_forwarding(True)
+    ob = t._outbox()
+    assert ob.capacity == 6 and ob.nshards == 1 and ob.dtype == np.float32
+    for rnd in range(5):  # 5 x 5 distinct keys through a 6-key outbox: drains free rows
+        keys = np.arange(rnd * 5, rnd * 5 + 5, dtype=np.uint64)
+        t.push(keys, np.ones((5, 2)))
+        t.push(keys[:2], np.ones((2, 2)))
+        assert len(ob) == 5
+        assert ob.row_stats(keys)["pushes"].tolist() == [2, 2, 1, 1, 1]
+        d = t._outbox_drain(0)
+        assert sorted(d.index.tolist()) == keys.tolist()
+        order = np.argsort(d.index)
+        np.testing.assert_array_equal(d.grads[order], [[2, 2], [2, 2], [1, 1], [1, 1], [1, 1]])
+        assert (d.pushed, d.pushes) == (2 * rnd + 2, 2)
+        assert len(ob) == 0 and t._outbox_drain(0) is None
+    ob.check()
+    # a push that would overflow the outbox: CapacityError naming the bridge, nothing changed
+    with pytest.raises(shmps.CapacityError, match="bridge"):
+        t.push(np.arange(100, 107, dtype=np.uint64), np.ones((7, 2)))
+    assert len(ob) == 0 and native_counters(ob, 0)[0] == 10
+
+
+# ---- acknowledgements and flush -------------------------------------------------------------
+
+def test_flush_times_out_without_a_bridge(store):
+    w = store.dense("w", shape=(4,))
+    store._set_forwarding(True)
+    w.push(np.ones(4, np.float32))
+    t0 = time.monotonic()
+    with pytest.raises(shmps.Timeout) as ei:
+        store.flush(timeout=0.2)
+    assert 0.15 < time.monotonic() - t0 < 2.0
+    msg = str(ei.value)
+    assert "'w'" in msg and "shard 0" in msg and "1 pushes" in msg and "0 acknowledged" in msg
+    assert "is shmps-bridge running for this store and namespace?" in msg
+    assert isinstance(ei.value, TimeoutError)
+    # forwarding off does not forget what is still pending
+    store._set_forwarding(False)
+    with pytest.raises(shmps.Timeout):
+        store.flush(timeout=0.05)
+
+
+def test_flush_returns_once_acked(store):
+    w = store.dense("w", shape=(64, 8), shard_rows=16)
+    t = store.table("e", dim=3, capacity=100, shards=3)
+    store._set_forwarding(True)
+    stop = threading.Event()
+    applied = {"w": np.zeros((64, 8)), "e": {}}
+
+    def bridge():  # drain, "apply", ack: what an owner's acknowledgement amounts to
+        while not stop.is_set():
+            for tensor in (w, t):
+                for s in range(tensor._nshards):
+                    d = tensor._outbox_drain(s)
+                    if d is None:
+                        continue
+                    time.sleep(0.002)
+                    if tensor is w:
+                        np.add.at(applied["w"], d.index, d.grads)
+                    else:
+                        for k, g in zip(d.index.tolist(), d.grads):
+                            applied["e"][k] = applied["e"].get(k, 0) + g
+                    tensor._outbox_ack(s, d.pushed)
+            time.sleep(0.001)
+
+    th = threading.Thread(target=bridge, daemon=True)
+    th.start()
+    try:
+        for k in range(20):
+            w.push(np.ones((64, 8), np.float32))
+            w.push(np.ones((2, 8), np.float32), rows=[k, 63 - k], wait=False)
+            t.push([k, k + 1], np.ones((2, 3)))
+        store.flush(timeout=10)
+        # everything pushed before flush() was drained and acknowledged
+        want = np.full((64, 8), 20.0)
+        np.add.at(want, np.r_[np.arange(20), 63 - np.arange(20)], 1.0)
+        np.testing.assert_array_equal(applied["w"], want)
+        assert sorted(applied["e"]) == list(range(21))
+    finally:
+        stop.set()
+        th.join(10)
+
+
+def test_empty_drain_acknowledges_pushes_taken_earlier(store):
+    """A push still landing during a drain has its values taken by that drain but is
+    counted only after: the next (empty) drain, or the ack that catches up, must
+    still let flush() return."""
+    from shmps.dense import DenseTensor
+
+    w = store.dense("w", shape=(4, 2))
+    store._set_forwarding(True)
+    ob = w._outbox()
+    ptr = ob._shard(0).ptr
+    w.push(np.ones((4, 2), np.float32))              # counted: pushed 1
+    d0 = w._outbox_drain(0)
+    assert d0.pushed == 1
+    # a push whose values land before the next drain and whose count comes after it
+    DenseTensor._apply(ob, np.ones((4, 2), np.float32), None)
+    d1 = w._outbox_drain(0)
+    assert d1.pushed == 1 and d1.index.size == 4
+    native.check(lib.shmps_outbox_pushed(ptr), "count")   # now it is counted: 2
+    assert w._outbox_drain(0) is None                 # empty drain covering pushed 2
+    with pytest.raises(shmps.Timeout):
+        store.flush(timeout=0.05)                     # nothing acknowledged yet
+    w._outbox_ack(0, d0.pushed)
+    w._outbox_ack(0, d1.pushed)                       # catches up with the last drain
+    assert native_counters(ob, 0) == (2, 2)
+    store.flush(timeout=1)
+    # and with the ack first: an empty drain after it raises acked itself
+    DenseTensor._apply(ob, np.ones((4, 2), np.float32), None)
+    d2 = w._outbox_drain(0)
+    w._outbox_ack(0, d2.pushed)
+    native.check(lib.shmps_outbox_pushed(ptr), "count")   # 3
+    assert native_counters(ob, 0) == (3, 2)
+    assert w._outbox_drain(0) is None
+    assert native_counters(ob, 0) == (3, 3)
+    store.flush(timeout=1)
+    # an ack beyond any drain is clamped
+    w._outbox_ack(0, 10**9)
+    assert native_counters(ob, 0) == (3, 3)
+    with pytest.raises(shmps.InvalidArgument):
+        w._outbox_ack(0, -1)
+
+
+# ---- direct application (the owner's bridge) ---------------------------------------------------
+
+@pytest.mark.parametrize("opt", [shmps.SGD(lr=0.1, weight_decay=0.01),
+                                 shmps.Momentum(lr=0.1, momentum=0.9),
+                                 shmps.Adam(lr=0.01), shmps.Adagrad(lr=0.1)])
+def test_apply_direct_equals_push(store, opt):
+    rng = np.random.default_rng(3)
+    a = store.dense("a", shape=(10, 4), dtype="float64", optimizer=opt, shard_rows=4)
+    b = store.dense("b", shape=(10, 4), dtype="float64", optimizer=opt, shard_rows=4)
+    ta = store.table("ta", dim=4, dtype="float64", capacity=20, optimizer=opt)
+    tb = store.table("tb", dim=4, dtype="float64", capacity=20, optimizer=opt)
+    steps = []
+    for k in range(6):
+        if k % 2:
+            steps.append((rng.integers(-4, 5, size=(10, 4)).astype(np.float64), None))
+        else:
+            rows = rng.integers(0, 10, size=5)
+            rows[1] = rows[0]  # a duplicate
+            steps.append((rng.integers(-4, 5, size=(5, 4)).astype(np.float64), rows))
+    for g, rows in steps:   # reference: plain pushes, forwarding off
+        a.push(g, rows=rows)
+        if rows is not None:
+            ta.push(rows.astype(np.uint64), g)
+    store._set_forwarding(True)
+    for g, rows in steps:   # forwarded, drained, applied directly (switch still on)
+        b.push(g, rows=rows)
+        if rows is not None:
+            tb.push(rows.astype(np.uint64), g)
+        parts = [d for d in (b._outbox_drain(s) for s in range(b.nshards)) if d is not None]
+        # one call = one step of the per-tensor step: the shards' drains together
+        b._apply_direct(np.concatenate([d.index for d in parts]),
+                        np.concatenate([d.grads for d in parts]))
+        for s in range(tb.nshards):
+            d = tb._outbox_drain(s)
+            if d is not None:  # per-row steps: shard by shard is the same
+                tb._apply_direct(d.index, d.grads, d.pushes)
+    np.testing.assert_array_equal(b.pull(), a.pull())
+    assert b.stats()["step"] == a.stats()["step"]
+    keys = np.arange(10, dtype=np.uint64)
+    np.testing.assert_array_equal(tb.pull(keys), ta.pull(keys))
+    assert ta.row_stats(keys)["found"].tolist() == tb.row_stats(keys)["found"].tolist()
+    # direct application validates as a push does
+    with pytest.raises(shmps.NonFinite):
+        b._apply_direct([0], np.full((1, 4), np.nan))
+    with pytest.raises(shmps.OutOfRange):
+        b._apply_direct([10], np.ones((1, 4)))
+
+
+def test_apply_direct_whole_tensor_counts_pushes(store):
+    w = store.dense("w", shape=(3,), optimizer="sum")
+    store._set_forwarding(True)
+    w._apply_direct(None, np.ones(3, np.float32), pushes=5)
+    np.testing.assert_array_equal(w.pull(), np.ones(3, np.float32))
+    assert w.stats()["pushes"] == 5
+    assert w._outbox_drain(0) is None
+
+
+# ---- replication: reads and writes of rows --------------------------------------------------------
+
+@pytest.fixture
+def second_store(store_name):
+    s = shmps.attach(store_name, namespace="replica")
+    yield s
+    s.destroy()
+
+
+def test_dense_rows_round_trip(store, second_store):
+    opt = shmps.Adam(lr=0.01)
+    a = store.dense("w", shape=(10, 2, 3), optimizer=opt, shard_rows=4)
+    b = second_store.dense("w", shape=(10, 2, 3), optimizer=opt, shard_rows=4)
+    rng = np.random.default_rng(5)
+    for _ in range(3):
+        a.push(rng.normal(size=(10, 2, 3)).astype(np.float32))
+    assert a._nshards == 3
+    for s in range(a._nshards):
+        snap = a._snapshot(s)
+        assert snap.row_steps is None and snap.step == 3 and len(snap.states) == 2
+        assert snap.values.shape == (snap.index.size, 2, 3)
+        b._write_rows(s, snap)
+    np.testing.assert_array_equal(b.pull(), a.pull())
+    assert b.stats()["step"] == 3
+    for k in range(2):
+        for sa, sb in zip(a._shards, b._shards):
+            np.testing.assert_array_equal(sa.state(k), sb.state(k))
+    # the same next push gives the same result on both
+    g = rng.normal(size=(10, 2, 3)).astype(np.float32)
+    a.push(g)
+    b.push(g)
+    np.testing.assert_array_equal(b.pull(), a.pull())
+    # a subset of rows, read and written; others untouched
+    a.push(np.ones((2, 2, 3), np.float32), rows=[5, 6])
+    rd = a._read_rows(1, [6, 5])
+    assert rd.index.tolist() == [6, 5] and rd.step == 5
+    np.testing.assert_array_equal(rd.values, a.pull([6, 5]))
+    before = b.pull()
+    b._write_rows(1, rd)
+    after = b.pull()
+    np.testing.assert_array_equal(after[[5, 6]], a.pull([5, 6]))
+    np.testing.assert_array_equal(np.delete(after, [5, 6], 0), np.delete(before, [5, 6], 0))
+    with pytest.raises(shmps.OutOfRange):
+        a._read_rows(1, [3])                   # row 3 is in shard 0
+    with pytest.raises(shmps.OutOfRange):
+        a._snapshot(3)
+    with pytest.raises(shmps.SchemaError):
+        rd.states = rd.states[:1]
+        b._write_rows(1, rd)
+
+
+def test_dense_write_rows_skips_the_outbox(store, second_store):
+    a = store.dense("w", shape=(4, 2), init=1.0)
+    b = second_store.dense("w", shape=(4, 2))
+    second_store._set_forwarding(True)
+    b._write_rows(0, a._snapshot(0))
+    np.testing.assert_array_equal(b.pull(), np.ones((4, 2), np.float32))
+    assert "w#outbox" not in second_store
+
+
+def test_table_rows_round_trip(store, second_store):
+    opt = shmps.Adagrad(lr=0.1)
+    a = store.table("e", dim=3, capacity=50, shards=3, optimizer=opt, init=("normal", 0, 1),
+                    seed=4)
+    b = second_store.table("e", dim=3, capacity=50, shards=3, optimizer=opt,
+                           init=("normal", 0, 1), seed=4)
+    keys = np.arange(0, 30, dtype=np.uint64)
+    a.push(keys, np.ones((30, 3)))
+    a.push(keys[::3], np.ones((10, 3)))
+    b.pull(keys[:5])                     # some keys exist on the replica already
+    total = 0
+    for s in range(a._nshards):
+        snap = a._snapshot(s)
+        assert snap.step == 0 and len(snap.states) == 1 and snap.row_steps.dtype == np.uint64
+        assert (a._key_shard(snap.index) == s).all()
+        total += snap.index.size
+        b._write_rows(s, snap)
+    assert total == 30 and len(b) == 30
+    np.testing.assert_array_equal(b.pull(keys), a.pull(keys))
+    for s in range(3):
+        ra, rb = a._snapshot(s), b._snapshot(s)
+        oa, ob_ = np.argsort(ra.index), np.argsort(rb.index)
+        np.testing.assert_array_equal(ra.index[oa], rb.index[ob_])
+        np.testing.assert_array_equal(ra.states[0][oa], rb.states[0][ob_])
+        np.testing.assert_array_equal(ra.row_steps[oa], rb.row_steps[ob_])
+    # a subset; missing keys are left out of a read
+    s0 = int(a._key_shard([3])[0])
+    mine = keys[a._key_shard(keys) == s0]
+    absent = next(k for k in range(1000, 2000) if a._key_shard([k])[0] == s0)
+    rd = a._read_rows(s0, np.r_[mine[:2], np.uint64(absent)].astype(np.uint64))
+    assert rd.index.tolist() == mine[:2].tolist()
+    np.testing.assert_array_equal(rd.values, a.pull(mine[:2]))
+    with pytest.raises(shmps.InvalidArgument):
+        a._read_rows((s0 + 1) % 3, mine[:1])
+    b.check()
+
+
+def test_table_write_rows_capacity_is_all_or_nothing(store, second_store):
+    a = store.table("e", dim=2, capacity=20, shards=1, optimizer=shmps.SGD(lr=1.0))
+    b = second_store.table("e", dim=2, capacity=5, shards=1, optimizer=shmps.SGD(lr=1.0))
+    a.push(np.arange(8, dtype=np.uint64), np.ones((8, 2)))
+    b.push([0, 1], np.full((2, 2), -3.0))
+    snap = a._snapshot(0)
+    with pytest.raises(shmps.CapacityError):
+        b._write_rows(0, snap)
+    assert len(b) == 2
+    np.testing.assert_array_equal(b.pull([0, 1]), np.full((2, 2), 3.0, np.float32))
+    # duplicates: the last row of a key wins
+    from shmps.outbox import RowData
+    b._write_rows(0, RowData(index=np.array([0, 0], np.uint64),
+                             values=np.array([[1, 1], [2, 2]], np.float32), states=[],
+                             row_steps=np.array([4, 7], np.uint64), step=0))
+    np.testing.assert_array_equal(b.pull([0]), [[2, 2]])
+    assert b._read_rows(0, [0]).row_steps.tolist() == [7]
+    b.check()
+
+
+# ---- what is not forwarded --------------------------------------------------------------------
+
+def test_csr_push_refused_while_forwarding(store):
+    rc, ci = np.array([0, 2, 3]), np.array([0, 2, 1])
+    m = store.csr("m", rc, ci, init=1.0)
+    store._set_forwarding(True)
+    with pytest.raises(shmps.InvalidArgument, match="not forwarded"):
+        m.push(shmps.CSR(rc, ci, np.ones(3, np.float32)))
+    with pytest.raises(shmps.InvalidArgument, match="not forwarded"):
+        m.push(shmps.CSR(rc, ci, np.ones(3, np.float32)), wait=False)
+    np.testing.assert_array_equal(m.pull().value, np.ones(3, np.float32))
+    assert "m#outbox" not in store
+    store._set_forwarding(False)
+    m.push(shmps.CSR(rc, ci, np.ones(3, np.float32)))
+    np.testing.assert_array_equal(m.pull().value, np.full(3, 2.0, np.float32))
+
+
+def test_aggregated_tensor_forwards_only_its_round(store):
+    store.join()
+    w = store.dense("w", shape=(3,), dtype="float64", optimizer=shmps.SGD(lr=1.0),
+                    aggregate="sum", workers=1)
+    store._set_forwarding(True)
+    w.push(np.ones(3))           # the round completes: its one update is forwarded
+    np.testing.assert_array_equal(w.pull(), np.zeros(3))
+    d = w._outbox_drain(0)
+    assert d.pushes == 1
+    np.testing.assert_array_equal(d.grads, np.ones(3))
+    names = [x["name"] for x in store.tensors()]
+    assert "w#outbox" in names and not any(n.startswith("w#agg") and n.endswith("#outbox")
+                                           for n in names)
+    store.clock()
+    store.leave()
+
+
+def test_restore_skips_outboxes(store, tmp_path):
+    w = store.dense("w", shape=(4,))
+    t = store.table("e", dim=2, capacity=4)
+    store._set_forwarding(True)
+    w.push(np.ones(4, np.float32))
+    t.push([1], np.ones((1, 2)))
+    store._set_forwarding(False)
+    w.push(np.full(4, 2, np.float32))
+    path = store.checkpoint(tmp_path / "ckpt")
+    r = shmps.restore(path, store.name + "r")
+    try:
+        assert sorted(d["name"] for d in r.tensors()) == ["e", "w"]
+        np.testing.assert_array_equal(r["w"].pull(), np.full(4, 2, np.float32))
+        r._set_forwarding(True)
+        r["w"].push(np.ones(4, np.float32))          # a fresh outbox is made
+        assert r["w"]._outbox_drain(0).pushed == 1
+    finally:
+        r.destroy()
+
+
+# ---- crashes -----------------------------------------------------------------------------------
+
+def test_dead_pusher_holding_an_outbox_stripe_does_not_stall_the_drain(store):
+    w = store.dense("w", shape=(8, 4096), dtype="float32")   # 8 stripes, one per row
+    store._set_forwarding(True)
+    w.push(np.ones((8, 4096), np.float32))
+    ob = w._outbox()
+    sp = ob._shards[0].spec
+    path = segment_path(store, ob)
+    tok = dead_token()
+    poke(path, sp["stripes_off"] + 16 * 3, "<QI", tok, 7)    # owner dead, seq odd
+    t0 = time.monotonic()
+    d = w._outbox_drain(0)
+    assert time.monotonic() - t0 < 1.0
+    assert d.index.tolist() == list(range(8))
+    np.testing.assert_array_equal(d.grads, np.ones((8, 4096), np.float32))
+    assert ob.stats()["takeovers"] >= 1
+    w.push(np.ones((1, 4096), np.float32), rows=[3])        # the stripe works again
+    assert w._outbox_drain(0).index.tolist() == [3]
+
+
+def test_dead_pusher_inside_a_table_outbox_does_not_stall_the_drain(store):
+    t = store.table("e", dim=2, capacity=8, shards=1)
+    store._set_forwarding(True)
+    t.push([1, 2], np.ones((2, 2)))
+    ob = t._outbox()
+    poke(segment_path(store, ob), ACTIVE_OFF + 8 * 5, "<Q", dead_token())  # a dead pusher
+    t0 = time.monotonic()
+    d = t._outbox_drain(0)
+    assert time.monotonic() - t0 < 1.0
+    assert sorted(d.index.tolist()) == [1, 2]
+
+
+def forward_forever(store: str, tensor: str, flags, idx: int) -> int:
+    s = shmps.attach(store)
+    t = s[tensor]
+    g = np.ones(t.shape, t.dtype)
+    rows = np.arange(t.nrows)
+    n = 0
+    flags[2 + idx] = 1
+    while not flags[STOP]:
+        t.push(g) if n % 2 else t.push(g[:4], rows=rows[:4])
+        n += 1
+        flags[2 + idx] = 1 + n
+    return n
+
+
+def test_sigkilled_forwarding_pusher_does_not_stall_the_drain(store, store_name):
+    w = store.dense("w", shape=(64, 4096), dtype="float32", shard_rows=32)
+    store._set_forwarding(True)
+    w._outbox()
+    flags = new_flags(1)
+    with Workers() as ws:
+        p = ws.start(forward_forever, store_name, "w", flags, 0)
+        wait_until(lambda: flags[2] > 50, 120, "pusher pushing")
+        p.kill()
+    t0 = time.monotonic()
+    drain_all(w)
+    assert time.monotonic() - t0 < 1.0
+    drain_all(w)
+    w.push(np.ones((64, 4096), np.float32))
+    got = drain_all(w)
+    assert sorted(got) == list(range(64))
