@@ -128,8 +128,9 @@ static void unhold(shmps_stripe_t *st, uint64_t *lo, uint64_t upto) {
     }
 }
 
-int shmps_outbox_drain(void *base, uint64_t token, int64_t *rows, void *vals, uint64_t cap,
-                       uint64_t *n_out, uint64_t *pushed, uint64_t *prev) {
+int shmps_outbox_drain(void *base, uint64_t token, double timeout_s, int64_t *rows,
+                       void *vals, uint64_t cap, uint64_t *n_out, uint64_t *pushed,
+                       uint64_t *prev) {
     shmps_shard_hdr_t *h = outbox_hdr(base);
     if (!h || h->spec.kind != SHMPS_DENSE) return SHMPS_E_ARG;
     const shmps_spec_t *s = &h->spec;
@@ -139,7 +140,7 @@ int shmps_outbox_drain(void *base, uint64_t token, int64_t *rows, void *vals, ui
      * counted in P wrote its values and pending counts before, visible to us now */
     uint64_t P = LOAD(&h->ob_pushed, ACQUIRE);
     uint32_t slot;
-    int r = shmps_enter(base, token, SHMPS_LOCK_TIMEOUT_S, &slot); /* as a pusher */
+    int r = shmps_enter(base, token, timeout_s, &slot); /* as a pusher */
     if (r < 0) return r;
     uint64_t *pend = (uint64_t *)at(base, s->rowstep_off);
     shmps_stripe_t *st = (shmps_stripe_t *)at(base, s->stripes_off);
@@ -157,8 +158,7 @@ int shmps_outbox_drain(void *base, uint64_t token, int64_t *rows, void *vals, ui
         if (lo >= hi) lo = hi = ja;
         for (; hi <= jb; hi++) { /* increasing order: two drainers cannot deadlock, and
                                   * pushers hold one stripe at a time */
-            int lr = shmps_stripe_lock(&st[hi], token, SHMPS_LOCK_TIMEOUT_S,
-                                       &h->stats.takeovers);
+            int lr = shmps_stripe_lock(&st[hi], token, timeout_s, &h->stats.takeovers);
             if (lr < 0) { partial = 1; break; }
             shmps_stripe_write_begin(&st[hi]);
         }

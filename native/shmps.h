@@ -256,9 +256,11 @@ int shmps_csr_pull(void *base, uint64_t token, const int64_t *rows, uint64_t n, 
 uint64_t shmps_csr_scratch_bytes(const void *base);
 /* outboxes of the multi-host bridge (outbox.c, table.c; docs/concurrency.md
  * "Outboxes").  The forwarding switch lives in the manifest; the counters in each
- * outbox shard's header.  A drain returns SHMPS_OK or SHMPS_DRAIN_PARTIAL (a stripe
- * stayed locked by a live process past the bounded wait: the rows taken are returned,
- * and *pushed is the previous drain's, claiming no new push). */
+ * outbox shard's header.  A drain waits at most timeout_s for any one lock or freeze
+ * (dead holders are taken over in ~1 ms): SHMPS_E_TIMEOUT before it took anything
+ * (nothing changed), or SHMPS_DRAIN_PARTIAL (dense: a stripe stayed locked by a live
+ * process; the rows taken are returned, and *pushed is the previous drain's, claiming
+ * no new push). */
 enum { SHMPS_DRAIN_PARTIAL = 2,
        SHMPS_FORWARDING = 3 /* shmps_dense_push_all: *forward set, nothing done */ };
 int shmps_forward_set(void *man, uint32_t on);
@@ -267,16 +269,17 @@ uint32_t *shmps_forward_word(void *man);
 int shmps_outbox_pushed(void *base);
 int shmps_outbox_counters(const void *base, uint64_t *pushed, uint64_t *acked);
 int shmps_outbox_ack(void *base, uint64_t pushed);
-int shmps_outbox_drain(void *base, uint64_t token, int64_t *rows, void *vals, uint64_t cap,
-                       uint64_t *n, uint64_t *pushed, uint64_t *prev);
+int shmps_outbox_drain(void *base, uint64_t token, double timeout_s, int64_t *rows,
+                       void *vals, uint64_t cap, uint64_t *n, uint64_t *pushed,
+                       uint64_t *prev);
 int shmps_outbox_pending(const void *base, uint64_t *out, uint64_t cap);
 int shmps_dense_write_rows(void *base, uint64_t token, const int64_t *rows, uint64_t n,
                            const void *vals, void *const *states, uint32_t nstates);
 int shmps_raise_step(void *base, uint64_t step);
 int shmps_count_pushes(void *base, uint64_t n);
 int shmps_table_drain(void **bases, uint32_t nshards, uint32_t shard, uint64_t token,
-                      uint64_t *keys, void *vals, uint64_t cap, uint64_t *n,
-                      uint64_t *pushed, uint64_t *prev);
+                      double timeout_s, uint64_t *keys, void *vals, uint64_t cap,
+                      uint64_t *n, uint64_t *pushed, uint64_t *prev);
 int shmps_table_read_rows(void **bases, uint32_t nshards, uint32_t shard, uint64_t token,
                           const uint64_t *keys, uint64_t n, uint64_t *keys_out, void *vals,
                           void *const *states, uint64_t *rowsteps, uint64_t cap,

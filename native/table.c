@@ -651,8 +651,9 @@ static int table_repair(tshard_t *ts, uint32_t nshards, uint64_t token) {
     return SHMPS_OK;
 }
 
-static int create_lock(tshard_t *ts, uint32_t nshards, uint64_t token) {
-    int r = shmps_stripe_lock(&ts[0].ctl->create, token, SHMPS_LOCK_TIMEOUT_S,
+static int create_lock_within(tshard_t *ts, uint32_t nshards, uint64_t token,
+                              double timeout_s) {
+    int r = shmps_stripe_lock(&ts[0].ctl->create, token, timeout_s,
                               &ts[0].h->stats.takeovers);
     if (r < 0) return r;
     if (r == SHMPS_RECOVERED) {
@@ -663,6 +664,10 @@ static int create_lock(tshard_t *ts, uint32_t nshards, uint64_t token) {
         }
     }
     return SHMPS_OK;
+}
+
+static int create_lock(tshard_t *ts, uint32_t nshards, uint64_t token) {
+    return create_lock_within(ts, nshards, token, SHMPS_LOCK_TIMEOUT_S);
 }
 
 static void create_unlock(tshard_t *ts) { shmps_stripe_unlock(&ts[0].ctl->create); }
@@ -1136,8 +1141,8 @@ int shmps_table_evict(void **bases, uint32_t nshards, uint32_t shard, uint64_t t
 /* ---- outbox drain, row reads and writes (the bridge; outbox.c, docs/concurrency.md) --- */
 
 int shmps_table_drain(void **bases, uint32_t nshards, uint32_t shard, uint64_t token,
-                      uint64_t *keys, void *vals, uint64_t cap, uint64_t *n_out,
-                      uint64_t *pushed, uint64_t *prev) {
+                      double timeout_s, uint64_t *keys, void *vals, uint64_t cap,
+                      uint64_t *n_out, uint64_t *pushed, uint64_t *prev) {
     tshard_t ts[SHMPS_TABLE_MAX_SHARDS];
     int r = shard_views(bases, nshards, ts);
     if (r) return r;
@@ -1161,8 +1166,8 @@ int shmps_table_drain(void **bases, uint32_t nshards, uint32_t shard, uint64_t t
      * batches inside the shard and keeps new ones out (a pusher of a key we remove
      * waits, then creates it afresh, zero), the creation lock orders us with creators
      * of other shards' rows and the free list. */
-    if ((r = shmps_freeze(t->base, token, SHMPS_LOCK_TIMEOUT_S)) < 0) return r;
-    if ((r = create_lock(ts, nshards, token)) < 0) {
+    if ((r = shmps_freeze(t->base, token, timeout_s)) < 0) return r;
+    if ((r = create_lock_within(ts, nshards, token, timeout_s)) < 0) {
         shmps_thaw(t->base, token);
         return r;
     }

@@ -261,11 +261,13 @@ class DenseTensor(Tensor):
             self._ob = outbox.get_or_create(self)
         return self._ob
 
-    def _outbox_drain(self, shard: int) -> Any:
+    def _outbox_drain(self, shard: int, timeout: Optional[float] = None) -> Any:
         """Take what the outbox's ``shard`` holds: an ``outbox.Drained``, or None when no
-        row is pending.  Exact against concurrent pushers (docs/concurrency.md)."""
+        row is pending.  Exact against concurrent pushers (docs/concurrency.md).  Waits
+        at most ``timeout`` (default outbox.DRAIN_TIMEOUT_S, 0.1 s) for a lock a live
+        process holds: then returns what it took so far, or None."""
         from . import outbox
-        return outbox.drain_dense(self, shard)
+        return outbox.drain_dense(self, shard, timeout)
 
     def _outbox_ack(self, shard: int, pushed: int) -> None:
         """The owner has applied every drain of ``shard`` up to ``Drained.pushed``."""

@@ -51,6 +51,11 @@ ffi = _native.ffi
 SUFFIX = "#outbox"
 #: store.flush(timeout=None) waits at most this long
 FLUSH_TIMEOUT_S = 60.0
+#: a drain waits at most this long for any one lock or freeze that a *live* process
+#: holds (a dead holder is taken over in ~1 ms), so a stopped worker cannot stall the
+#: bridge: then it takes what it could reach, or nothing (None), and the next drain
+#: goes on
+DRAIN_TIMEOUT_S = 0.1
 
 
 def outbox_name(name: str) -> str:
@@ -260,22 +265,32 @@ def _drained(pushed: int, prev: int, index: np.ndarray, grads: np.ndarray, n: in
     return Drained(pushed=pushed, index=index, grads=grads, pushes=max(1, pushed - prev))
 
 
-def drain_dense(t: Any, shard: int) -> Optional[Drained]:
+def _timeout(timeout: Optional[float]) -> float:
+    limit = DRAIN_TIMEOUT_S if timeout is None else float(timeout)
+    if not limit >= 0:
+        raise InvalidArgument(f"timeout={timeout!r} must be >= 0 (or None)")
+    return limit
+
+
+def drain_dense(t: Any, shard: int, timeout: Optional[float] = None) -> Optional[Drained]:
     ob = t._outbox()
     sh = ob._shard_checked(shard)
     cap = sh.spec["nrows"]
     rows = np.empty(cap, np.int64)
     vals = np.empty((cap,) + t.row_shape, ob.dtype)
     n, pushed, prev = ffi.new("uint64_t *"), ffi.new("uint64_t *"), ffi.new("uint64_t *")
-    code = lib.shmps_outbox_drain(sh.ptr, _native.token(), _native.addr(rows),
-                                  ffi.from_buffer(vals), cap, n, pushed, prev)
+    code = lib.shmps_outbox_drain(sh.ptr, _native.token(), _timeout(timeout),
+                                  _native.addr(rows), ffi.from_buffer(vals), cap, n, pushed,
+                                  prev)
+    if code == lib.SHMPS_E_TIMEOUT:
+        return None  # a live process held the shard past the bound: nothing taken
     if code not in (0, lib.SHMPS_DRAIN_PARTIAL):
         _native.check(code, f"drain of the outbox of {t.name!r} (shard {shard})")
     rows += int(shard) * t.shard_rows  # global rows
     return _drained(int(pushed[0]), int(prev[0]), rows, vals, int(n[0]), cap)
 
 
-def drain_table(t: Any, shard: int) -> Optional[Drained]:
+def drain_table(t: Any, shard: int, timeout: Optional[float] = None) -> Optional[Drained]:
     ob = t._outbox()
     ob._shard_checked(shard)
     cap = ob.shard_rows
@@ -283,8 +298,10 @@ def drain_table(t: Any, shard: int) -> Optional[Drained]:
     vals = np.empty((cap, t.dim), ob.dtype)
     n, pushed, prev = ffi.new("uint64_t *"), ffi.new("uint64_t *"), ffi.new("uint64_t *")
     code = lib.shmps_table_drain(ob._ptrs(), ob.nshards, int(shard), _native.token(),
-                                 _native.addr(keys), ffi.from_buffer(vals), cap, n, pushed,
-                                 prev)
+                                 _timeout(timeout), _native.addr(keys), ffi.from_buffer(vals),
+                                 cap, n, pushed, prev)
+    if code == lib.SHMPS_E_TIMEOUT:
+        return None  # a live process held the shard past the bound: nothing taken
     if code:
         _native.check(code, f"drain of the outbox of {t.name!r} (shard {shard})")
     return _drained(int(pushed[0]), int(prev[0]), keys, vals, int(n[0]), cap)

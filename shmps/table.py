@@ -541,12 +541,14 @@ class Table(Tensor):
             self._ob = outbox.get_or_create(self)
         return self._ob
 
-    def _outbox_drain(self, shard: int) -> Any:
+    def _outbox_drain(self, shard: int, timeout: Optional[float] = None) -> Any:
         """Take (and remove) every row the outbox's ``shard`` holds: an
         ``outbox.Drained`` (keys, summed gradients), or None when none is pending.
-        The outbox shard is frozen meanwhile (its pushers wait, O(rows taken))."""
+        The outbox shard is frozen meanwhile (its pushers wait, O(rows taken)).  Waits
+        at most ``timeout`` (default outbox.DRAIN_TIMEOUT_S, 0.1 s) for the pushers
+        inside to leave: then takes nothing and returns None."""
         from . import outbox
-        return outbox.drain_table(self, shard)
+        return outbox.drain_table(self, shard, timeout)
 
     def _outbox_ack(self, shard: int, pushed: int) -> None:
         """The owner has applied every drain of ``shard`` up to ``Drained.pushed``."""

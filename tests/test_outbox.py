@@ -735,6 +735,38 @@ def test_dead_pusher_inside_a_table_outbox_does_not_stall_the_drain(store):
     assert sorted(d.index.tolist()) == [1, 2]
 
 
+def test_drain_does_not_wait_long_for_a_live_holder(store):
+    """A stopped worker holding an outbox stripe (or inside a table outbox) must not
+    stall the bridge: the drain takes what it can reach, or nothing, within its bound."""
+    w = store.dense("w", shape=(8, 4096), dtype="float32")
+    store._set_forwarding(True)
+    w.push(np.ones((8, 4096), np.float32))
+    ob = w._outbox()
+    path, off = segment_path(store, ob), ob._shards[0].spec["stripes_off"] + 16 * 3
+    poke(path, off, "<Q", native.token())                    # a live holder: us
+    t0 = time.monotonic()
+    d = w._outbox_drain(0, timeout=0.05)
+    assert time.monotonic() - t0 < 0.5
+    assert d.index.tolist() == [0, 1, 2] and d.pushed == 0   # partial: claims no push
+    assert w._outbox_drain(0, timeout=0.05) is None           # stuck at the same row
+    poke(path, off, "<Q", 0)
+    d2 = w._outbox_drain(0)
+    assert d2.index.tolist() == [3, 4, 5, 6, 7] and d2.pushed == 1
+    w._outbox_ack(0, d.pushed)
+    w._outbox_ack(0, d2.pushed)
+    store.flush(timeout=1)
+    t = store.table("e", dim=2, capacity=8, shards=1)
+    t.push([1, 2], np.ones((2, 2)))
+    tob = t._outbox()
+    apath = segment_path(store, tob)
+    poke(apath, ACTIVE_OFF + 8 * 7, "<Q", native.token())     # "a pusher inside"
+    t0 = time.monotonic()
+    assert t._outbox_drain(0, timeout=0.05) is None
+    assert time.monotonic() - t0 < 0.5 and len(tob) == 2      # nothing taken
+    poke(apath, ACTIVE_OFF + 8 * 7, "<Q", 0)
+    assert sorted(t._outbox_drain(0).index.tolist()) == [1, 2]
+
+
 def forward_forever(store: str, tensor: str, flags, idx: int) -> int:
     s = shmps.attach(store)
     t = s[tensor]
