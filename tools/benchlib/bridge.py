@@ -79,7 +79,8 @@ FO_SHAPE = (1024, 64)              # 256 KiB, 32 shards: every host owns some
 FO_SHARD_ROWS = 32
 FO_SLEEP = 0.01                    # the failover worker pushes every ~10 ms (~25 MB/s)
 FO_TIMEOUT = 10.0                  # a kill without a successor's apply by then is a failure
-REJOIN_TIMEOUT = 20.0              # a restarted bridge converges in 1-2 s when all is well
+REJOIN_TIMEOUT = 20.0
+FLUSH_TIMEOUT = 20.0               # a push + flush of 16 MiB takes ~50 ms when all is well              # a restarted bridge converges in 1-2 s when all is well
 
 # glibc returns freed 1 MiB buffers to the kernel (trim / mmap thresholds), so a sender
 # that allocates a fresh 1 MiB message copy per frame (aiohttp's client masking) page-faults
@@ -416,7 +417,7 @@ def _pusher(spec: dict, stop: Any, status: Any, count: Any) -> None:
         while not stop.is_set():
             push(n)
             if flush:
-                store.flush(timeout=60.0)
+                store.flush(timeout=FLUSH_TIMEOUT)
             n += 1
             count.value = n
             if sleep:
@@ -424,6 +425,10 @@ def _pusher(spec: dict, stop: Any, status: Any, count: Any) -> None:
         store.close()
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         status.put(("error", spec["rank"], f"{type(exc).__name__}: {exc}"))
+
+
+class WorkerFailed(RuntimeError):
+    """A pusher raised (e.g. store.flush timed out) or died."""
 
 
 class Pushers:
@@ -446,7 +451,7 @@ class Pushers:
         while ready < n:
             msg, rank, text = self.status.get(timeout=120)
             if msg == "error":
-                raise RuntimeError(f"worker {rank}: {text}")
+                raise WorkerFailed(f"worker {rank}: {text}")
             ready += 1
 
     @property
@@ -460,10 +465,10 @@ class Pushers:
         while not self.status.empty():
             msg, rank, text = self.status.get_nowait()
             if msg == "error":
-                raise RuntimeError(f"worker {rank}: {text}")
+                raise WorkerFailed(f"worker {rank}: {text}")
         for p in self.procs:
             if not p.is_alive():
-                raise RuntimeError(f"a worker exited with code {p.exitcode}")
+                raise WorkerFailed(f"a worker exited with code {p.exitcode}")
 
     def finish(self) -> None:
         self.stop.set()
@@ -472,7 +477,7 @@ class Pushers:
         while not self.status.empty():
             msg, rank, text = self.status.get_nowait()
             if msg == "error":
-                raise RuntimeError(f"worker {rank}: {text}")
+                raise WorkerFailed(f"worker {rank}: {text}")
 
 
 # ------------------------------------------------------------------ cluster helpers
@@ -559,7 +564,7 @@ def create(c: Any, host: int, what: str) -> None:
         s.close()
 
 
-def wait_drained(c: Any, host: int, timeout: float = 60.0) -> None:
+def wait_drained(c: Any, host: int, timeout: float = FLUSH_TIMEOUT) -> None:
     """Every push made on ``host`` so far is applied by its owner (``store.flush``)."""
     s = c.attach(host)
     try:
@@ -580,10 +585,9 @@ def describe(cluster: Any) -> str:
 
 # ------------------------------------------------------------------ forwarded pushes
 
-def forwarded(ctx: RunContext, sec: Section, c: Any, plan: Plan, *, key: str, label: str,
-              what: str, workers: int, flush: bool = True) -> None:
-    """Workers on host A (0) push ``what``; host B's (1) applied gradient bytes per second."""
-    ctx.quiet.wait()
+def _forward(c: Any, plan: Plan, what: str, workers: int,
+             flush: bool) -> tuple[Windows, dict[str, float]]:
+    """Run the pushers on host A (0) over the windows; counters of both bridges."""
     with ExitStack() as stack:
         ps = Pushers(stack, c, 0, workers, "dense" if what == DENSE else "table", what,
                      flush=flush)
@@ -599,8 +603,18 @@ def forwarded(ctx: RunContext, sec: Section, c: Any, plan: Plan, *, key: str, la
                             plan.warmup, plan.window, plan.reps)
         ps.check()
         ps.finish()
+    return w, {k: statistics.median(v) for k, v in w.rates.items()}
+
+
+def forwarded(ctx: RunContext, sec: Section, c: Any, plan: Plan, *, key: str, label: str,
+              what: str, workers: int, flush: bool = True) -> None:
+    """Workers on host A (0) push ``what``; host B's (1) applied gradient bytes per second."""
+    ctx.quiet.wait()
+    try:
+        w, med = _forward(c, plan, what, workers, flush)
+    except WorkerFailed as exc:
+        raise BridgeUnusable(f"{label}, {workers} worker(s): {exc}\n{describe(c)}") from None
     wait_drained(c, 0)
-    med = {k: statistics.median(v) for k, v in w.rates.items()}
     if not any(w.rates["b"]):
         raise BridgeUnusable(f"{label}: host B applied nothing in {plan.reps} windows of "
                              f"{plan.window:.0f} s (workers pushed {med['pushes']:.0f}/s)")
@@ -650,6 +664,10 @@ def throughput(ctx: RunContext, sec: Section, workdir: Path, plan: Plan) -> None
         for n in (1, 2):
             forwarded(ctx, sec, c, plan, key="table_r1", label=table_label, what=TABLE,
                       workers=n)
+
+
+def throughput_r2(ctx: RunContext, sec: Section, workdir: Path, plan: Plan) -> None:
+    """2 bridges, replicas 2: the owner waits for the other host's acknowledgement."""
     if ctx.quick:
         return
     with ExitStack() as stack:
@@ -836,10 +854,10 @@ def run(ctx: RunContext, sec: Section) -> None:
     if str(TESTS) not in sys.path:
         sys.path.insert(0, str(TESTS))
     with tempfile.TemporaryDirectory(prefix="bench-bridge-") as tmp:
-        for step in (throughput, failover):
+        for step in (throughput, throughput_r2, failover):
             try:
                 step(ctx, sec, Path(tmp), plan)
-            except BridgeUnusable as exc:
+            except (BridgeUnusable, WorkerFailed) as exc:
                 progress(f"[bridge] {exc}")
                 sec.messages.append(f"bridge misbehaved, no figure: {str(exc).splitlines()[0]}")
     add_checks(sec)
