@@ -110,8 +110,8 @@ def section() -> Section:
         "bridge", "BRIDGE: forwarded pushes between bridges on loopback, failover",
         intro=("GB/s = 1e9 B/s of payload (gradient values; table rows: 64 float32 = 256 B). "
                "procs = pushing worker processes on host A (baselines: one sender, one receiver). "
-               "vs limit = raw TCP socket, vs baseline = aiohttp websocket, both on loopback "
-               "between two processes in this run."))
+               "vs limit = raw TCP socket, vs baseline = aiohttp websocket client -> server, both "
+               "on loopback between two processes in this run."))
 
 
 # ------------------------------------------------------------------ CPU and windows
@@ -849,6 +849,10 @@ def run(ctx: RunContext, sec: Section) -> None:
         sec.messages.append("not available: needs aiohttp (pip install '.[bridge]' or aiohttp)")
         return
     base, plan = plans(ctx)
+    sec.messages.append(f"Each figure: the median (min-max) of {plan.reps} windows of "
+                        f"{plan.window:.0f} s after a warm-up of {base.warmup:.1f} s "
+                        f"(baselines) or {plan.warmup:.1f} s (bridges); failover: one "
+                        "sample per kill.")
     baselines(ctx, sec, base)
     why = bridge_missing(ctx)
     if why:
