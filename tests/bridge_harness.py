@@ -143,7 +143,7 @@ class Cluster:
             h = self.health(i, 0.5)
             out.append(f"host {i} {self.addrs[i]} rc={self.procs[i].poll()}: "
                        + (json.dumps({k: h[k] for k in ("epoch", "state", "acting", "members",
-                                                        "pending") if k in h}) if h else "-"))
+                                                        "pending", "owner_waits") if k in h}) if h else "-"))
             if i in self.logs and self.logs[i].exists():
                 out.append("  log tail: " + "  ".join(
                     self.logs[i].read_text(errors="replace").splitlines(True)[-15:]))

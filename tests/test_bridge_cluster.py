@@ -72,9 +72,10 @@ def wait_totals(c: Cluster, hosts: list, total: int, timeout: float = 10.0) -> N
         for i in hosts:
             w, e = pulled(c, i)
             last[i] = (int(w.min()), int(w.max()), int(e.min()), int(e.max()))
-            if last[i] != (total,) * 4:
-                return False
-        return True
+            if last[i][:2] != (total, total):
+                bad = sorted({int(r) // 64 for r in np.nonzero((w != total).any(axis=1))[0]})
+                last[i] += (f"w shards off: {bad}",)
+        return all(last[i][:4] == (total,) * 4 for i in hosts)
 
     try:
         c.wait(ok, timeout, f"every host to hold the total {total}")
@@ -204,7 +205,9 @@ def test_hostile_peers_are_refused(make_cluster):
     c.start_all()
     create_everywhere(c, [0, 1, 2])
     secret = c.secret_file.read_bytes().strip()
-    target = 0
+    # attack a host that owns a shard of w (the ring depends on the random ports)
+    target = next(i for i in range(3) if any(k.startswith("w/") for k in c.health(i)["owned"]))
+    other = (target + 1) % 3
     h = c.health(target)
     key = next(k for k in h["owned"] if k.startswith("w/"))
     shard = int(key.split("/")[1])
@@ -214,12 +217,12 @@ def test_hostile_peers_are_refused(make_cluster):
         import aiohttp
         out: dict = {}
         # 1. wrong secret: the handshake fails, the connection is closed
-        session, ws, hs = await _ws_session(c, target, b"x" * 32, c.addrs[1], 7)
+        session, ws, hs = await _ws_session(c, target, b"x" * 32, c.addrs[other], 7)
         msg = await ws.receive(timeout=5)
         out["wrong_secret"] = msg.type
         await session.close()
         # 2. garbage after a valid handshake: refused, closed after 3
-        session, ws, hs = await _ws_session(c, target, secret, c.addrs[1], 8)
+        session, ws, hs = await _ws_session(c, target, secret, c.addrs[other], 8)
         hs.check(await ws.receive_bytes(timeout=5))
         for _ in range(3):
             await ws.send_bytes(os.urandom(100))
@@ -227,7 +230,7 @@ def test_hostile_peers_are_refused(make_cluster):
         out["garbage"] = msg.type
         await session.close()
         # 3. an oversized message: the connection is closed, nothing read
-        session, ws, hs = await _ws_session(c, target, secret, c.addrs[1], 9)
+        session, ws, hs = await _ws_session(c, target, secret, c.addrs[other], 9)
         hs.check(await ws.receive_bytes(timeout=5))
         try:
             await ws.send_bytes(b"\0" * (16 << 20))
@@ -237,10 +240,10 @@ def test_hostile_peers_are_refused(make_cluster):
             out["oversized"] = aiohttp.WSMsgType.CLOSED   # closed while we were sending
         await session.close()
         # 4. a batch replayed (same stream and seq, also on a new connection): applied once
-        session, ws, hs = await _ws_session(c, target, secret, c.addrs[1], 10)
+        session, ws, hs = await _ws_session(c, target, secret, c.addrs[other], 10)
         hs.check(await ws.receive_bytes(timeout=5))
         epoch = c.health(target)["epoch"]
-        batch = frames.encode_batch(epoch=epoch, sender=member_id(c.addrs[1]), incarnation=10,
+        batch = frames.encode_batch(epoch=epoch, sender=member_id(c.addrs[other]), incarnation=10,
                                     tensor=frames.tensor_id("w"), shard=shard, seq=1,
                                     values=np.ones((64, 8), np.int32), start=shard * 64)
         acks = []
@@ -248,7 +251,7 @@ def test_hostile_peers_are_refused(make_cluster):
             await ws.send_bytes(batch)
             acks.append(frames.decode(await ws.receive_bytes(timeout=5)))
         await session.close()
-        session, ws, hs = await _ws_session(c, target, secret, c.addrs[1], 10)
+        session, ws, hs = await _ws_session(c, target, secret, c.addrs[other], 10)
         hs.check(await ws.receive_bytes(timeout=5))
         await ws.send_bytes(batch)
         acks.append(frames.decode(await ws.receive_bytes(timeout=5)))

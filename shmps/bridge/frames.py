@@ -82,6 +82,7 @@ class Flag(IntFlag):
     LAST = 1            #: SNAPSHOT: the last chunk of the shard
     ROW_STEPS = 2       #: ROWS/SNAPSHOT: a uint64 step count per row follows the index
     FLOOR_MARKS = 4     #: ROWS/SNAPSHOT: marks mean "every seq <= mark applied"
+    HANDOVER = 8        #: SNAPSHOT: from the previous owner, which no longer applies batches
 
 
 class Status(IntEnum):
@@ -107,7 +108,7 @@ _ALLOWED_FLAGS = {
     FrameType.BATCH: Flag(0),
     FrameType.ACK: Flag(0),
     FrameType.ROWS: Flag.ROW_STEPS | Flag.FLOOR_MARKS,
-    FrameType.SNAPSHOT: Flag.LAST | Flag.ROW_STEPS | Flag.FLOOR_MARKS,
+    FrameType.SNAPSHOT: Flag.LAST | Flag.ROW_STEPS | Flag.FLOOR_MARKS | Flag.HANDOVER,
     FrameType.HEARTBEAT: Flag(0),
     FrameType.SYNC: Flag(0),
 }
@@ -418,10 +419,12 @@ def encode_snapshot(*, epoch: int, sender: int, incarnation: int, tensor: int, s
                     keys: np.ndarray | None = None, step: int = 0, marks: Sequence[Mark] = (),
                     floor_marks: bool = True, state: Sequence[np.ndarray] = (),
                     row_steps: np.ndarray | None = None, last: bool = False,
+                    handover: bool = False,
                     limits: Limits | None = DEFAULT_LIMITS) -> bytes:
     """A SNAPSHOT chunk of a shard (rows ``start..`` or table ``keys``); ``last`` marks
     the final chunk. Marks default to floors (the shard's dedup state). O(frame bytes)."""
-    flags = (Flag.LAST if last else Flag(0)) | (Flag.FLOOR_MARKS if floor_marks else Flag(0))
+    flags = ((Flag.LAST if last else Flag(0)) | (Flag.FLOOR_MARKS if floor_marks else Flag(0))
+             | (Flag.HANDOVER if handover else Flag(0)))
     return _encode_data(FrameType.SNAPSHOT, epoch=epoch, sender=sender,
                         incarnation=incarnation, tensor=tensor, shard=shard, seq=seq,
                         values=values, start=start, rows=None, keys=keys, step=step,

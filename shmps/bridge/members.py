@@ -432,16 +432,18 @@ class Membership:
         return self._apply(changes, before)
 
     def adopt(self, view: Mapping[str, State], epoch: int,
-              now: float | None = None) -> list[Change]:
+              now: float | None = None, *, same_epoch: bool = False) -> list[Change]:
         """Take over a majority peer's ``view`` (member -> state, from its heartbeat) and
         its ``epoch``, if that epoch is higher than this host's; else change nothing.
 
         Used by a host that was cut off (paused, partitioned): members the view has alive
         count as just heard from; this host itself becomes ``joining`` if the view has it
         dead or joining (it must copy its shards again). Members this host does not track
-        are ignored. The epoch becomes ``epoch`` (no bump of its own). O(n).
+        are ignored. The epoch becomes ``epoch`` (no bump of its own). With ``same_epoch``
+        a view of this host's own epoch is adopted too (a joining host follows the
+        majority it is copying from). O(n).
         """
-        if epoch <= self.epoch:
+        if epoch < self.epoch or (epoch == self.epoch and not same_epoch):
             return []
         t = self._now(now)
         changes: list[Change] = []

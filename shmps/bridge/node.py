@@ -51,6 +51,7 @@ log = logging.getLogger("shmps.bridge")
 ROWS_SEQ_BASE = 1 << 63          #: ROWS/SNAPSHOT seqs live above this (BATCH seqs below)
 TICK = 0.02                      #: maintenance interval (s)
 RETRY = 0.05                     #: resend delay after a refusal (s)
+RESEND_AFTER = 2.0                #: resend a stream's unacknowledged frames after this silence
 HANDOVER_TIMEOUT = 3.0           #: a new owner waits this long for the old owner's snapshot
 CATALOG_INTERVAL = 0.5           #: how often tensor catalogs are compared with peers (s)
 MAX_MSG = frames.MAX_FRAME_BYTES + 4096
@@ -135,7 +136,8 @@ class ShardState:
     failover_dead_seen: float = 0.0
     # replica side
     snap_epoch_seen: int = -1                            # a LAST snapshot chunk arrived
-    last_snap: tuple = ("", -1)                          # (from whom, its epoch)
+    handover_done: tuple = ("", 0.0)                     # (previous owner, when) its
+                                                         # hand-over snapshot arrived
     sync_sent_at: float = 0.0                            # joining: last SYNC request
     snap_retry: dict = field(default_factory=dict)       # member -> no snapshot before
     snapshots_received: int = 0
@@ -149,6 +151,7 @@ class SendStream:
     drains: deque = field(default_factory=deque)         # (last seq, outbox pushed value)
     target: Optional[str] = None
     retry_at: float = 0.0
+    progress_at: float = 0.0          # last acknowledgement (or first send after idle)
 
 
 # --------------------------------------------------------------------------- connections
@@ -346,6 +349,8 @@ class Bridge:
         self._peer_rings: dict[str, set] = {}   # the ring each peer's last heartbeat shows
         self._incarnations: dict[str, int] = {}
         self._initial = set(configured)
+        self._ever_acted = False                 # this host has owned shards at some time
+        self._says_joining: dict[str, int] = {}  # peer -> epoch at which it has us joining
 
     # ------------------------------------------------------------ life cycle
     async def start(self) -> None:
@@ -501,8 +506,10 @@ class Bridge:
     def acting(self) -> bool:
         """This host may own shards now: it has quorum, is on the ring, and its start-up
         grace (listening for a running cluster's epoch) is over."""
-        return (time.monotonic() >= self.grace_until and self.members.has_quorum()
-                and self.members.state(self.addr) in (State.ALIVE, State.SUSPECT, State.LEAVING))
+        ok = (time.monotonic() >= self.grace_until and self.members.has_quorum()
+              and self.members.state(self.addr) in (State.ALIVE, State.SUSPECT, State.LEAVING))
+        self._ever_acted = self._ever_acted or ok
+        return ok
 
     def _on_changes(self, changes: list) -> None:
         if not changes:
@@ -555,8 +562,9 @@ class Bridge:
             st.acked = {}
             prev = old[0] if old else None
             if prev and prev != self.addr and prev in self.members.reachable():
-                if st.last_snap[0] == prev and st.last_snap[1] >= self.members.epoch:
+                if st.handover_done[0] == prev and st.handover_done[1] > time.monotonic() - 5:
                     log.info("shard %s: hand-over snapshot from %s already here", st.key, prev)
+                    st.handover_done = ("", 0.0)
                 else:
                     st.handover_from = prev
                     st.handover_until = time.monotonic() + HANDOVER_TIMEOUT
@@ -578,7 +586,9 @@ class Bridge:
             self.hb_seq += 1
             st = self.members.states()
             flags = 0
-            if self.members.has_quorum() and time.monotonic() >= self.grace_until:
+            if self.acting():
+                # only a host on the majority's ring speaks for it (a joining or cut-off
+                # host's view must not be adopted)
                 flags |= frames.HB_QUORUM
             if self.ready_flag:
                 flags |= frames.HB_READY
@@ -622,10 +632,11 @@ class Bridge:
             if self.members.state(peer) is not State.DEAD:
                 self._on_changes(self.members.mark_joining(peer))
         self._on_changes(self.members.heartbeat(peer))
-        if (self.members.epoch == 0 and peer in self._initial
+        if (self.members.epoch == 0 and not self._ever_acted and peer in self._initial
                 and self.members.state(peer) is State.JOINING):
-            # epoch 0: the cluster has never changed its live set with a majority, so no
-            # shard has moved; a peer of the original list that started late simply joins
+            # epoch 0 and this host never acted: the cluster has not formed yet (nothing
+            # was applied anywhere), so a peer of the original list that started late is
+            # simply alive
             self._on_changes(self.members.mark_ready(peer))
         view = {}
         for mid, code in hb.members:
@@ -646,11 +657,27 @@ class Bridge:
             self._on_changes(self.members.adopt(view, hb.epoch))
             self.grace_until = min(self.grace_until, time.monotonic())
         elif ((hb.hb_flags & frames.HB_QUORUM) and hb.epoch == self.members.epoch
+              and self.members.state(self.addr) is State.JOINING
+              and hb.digest != self.ring.digest):
+            # joining: follow the view of the majority this host copies from (a view this
+            # host built while cut off may still count members dead or joining)
+            if view.get(self.addr) not in (State.ALIVE, State.SUSPECT):
+                view[self.addr] = State.JOINING
+            self._on_changes(self.members.adopt(view, hb.epoch, same_epoch=True))
+        elif ((hb.hb_flags & frames.HB_QUORUM) and hb.epoch == self.members.epoch
               and view.get(self.addr) is State.JOINING and not self.leaving
               and self.members.state(self.addr) in (State.ALIVE, State.SUSPECT)):
-            # the majority (same epoch) counts this host as joining (it was added, or came
-            # back): copy the shards before owning any
-            self._on_changes(self.members.rejoin())
+            # a peer at this host's epoch counts it as joining (it was added, or came
+            # back). When a majority of the members says so, copy the shards before owning
+            # any; one peer alone may be the confused one.
+            self._says_joining[peer] = hb.epoch
+            n = sum(1 for p, e in self._says_joining.items()
+                    if e == self.members.epoch and p in self.members.configured)
+            if 2 * n > len(self.members.configured):
+                self._says_joining.clear()
+                self._on_changes(self.members.rejoin())
+        if view.get(self.addr) is not State.JOINING:
+            self._says_joining.pop(peer, None)
         s_peer = view.get(peer)
         state = self.members.state(peer)
         if s_peer is State.LEAVING and state in (State.ALIVE, State.SUSPECT):
@@ -666,10 +693,6 @@ class Bridge:
             self._on_changes(self.members.remove(peer))
         if (hb.hb_flags & frames.HB_READY) and self.members.state(peer) is State.JOINING:
             self._on_changes(self.members.mark_ready(peer))
-        if (self.members.state(self.addr) is State.JOINING and view.get(self.addr) is State.ALIVE
-                and hb.epoch >= self.members.epoch and hb.hb_flags & frames.HB_QUORUM):
-            self._on_changes(self.members.mark_ready(self.addr))
-            self.ready_flag = False
 
     def _on_hosts_file(self, data: bytes) -> None:
         members = parse_hosts(data.decode("utf-8", "replace"), self.cfg.peers_file)
@@ -741,6 +764,7 @@ class Bridge:
             if ack.seq > stream.q.last_seq:
                 return
             stream.q.ack(ack.seq)
+            stream.progress_at = time.monotonic()
             t = self.tensors.get(ack.tensor)
             last = None
             while stream.drains and stream.drains[0][0] <= ack.seq:
@@ -766,6 +790,10 @@ class Bridge:
         while True:
             t0 = time.monotonic()
             try:
+                if t0 >= self.grace_until:
+                    # first notice who went silent (this process may have been stopped):
+                    # never act on a view older than one flush interval
+                    self._on_changes(self.members.tick())
                 self._drain_all()
                 self._send_all()
             except asyncio.CancelledError:
@@ -827,7 +855,14 @@ class Bridge:
         quorum = self.members.has_quorum() and now >= self.grace_until
         for (tid, s), stream in self.streams.items():
             if not len(stream.q) or now < stream.retry_at or not quorum:
+                stream.progress_at = now if not len(stream.q) else stream.progress_at
                 continue
+            if now - stream.progress_at > RESEND_AFTER:
+                # nothing acknowledged for a while: a reply may have been lost with a
+                # connection or a role change the owner saw and this host did not; the
+                # owner's duplicate filter makes resending safe
+                stream.q.rewind()
+                stream.progress_at = now
             info = self.tensors[tid]
             owner = self.owner(shard_key(info.name, s))
             if owner is None:
@@ -919,6 +954,9 @@ class Bridge:
                                                          or f.seq))
             return
         if v is Verdict.TOO_FAR or f.seq != st.dedup.expected(stream):
+            if os.environ.get("SHMPS_BRIDGE_DEBUG"):
+                log.warning("GAP %s from %s seq %d expected %d (epoch %d)", st.key, peer, f.seq,
+                            st.dedup.expected(stream), self.members.epoch)
             return self._refuse(f, reply, Status.GAP, "gap")
         # apply
         if f.layout == Layout.RANGE:
@@ -978,8 +1016,10 @@ class Bridge:
                                    state=[np.asarray(a).reshape(n, info.cols) for a in rd.states],
                                    **kw)
         for m in self._targets():
-            if m in st.snapshotting or m not in st.synced:
-                continue  # a snapshot (coming) covers it
+            if m not in st.synced and m not in st.snapshotting:
+                continue  # the snapshot it will get is taken later: it covers these rows
+            # (a member being sent a snapshot gets these rows after it, on the same link:
+            # the snapshot was read before this batch was applied)
             link = self.links.get(m)
             if link is not None and link.send(frame):
                 self.metrics.sent("rows", len(frame))
@@ -1020,13 +1060,11 @@ class Bridge:
         key = (f.tensor, f.shard)
         st = self.shards[key]
         owner = self.owner(st.key)
-        prev = self.prev_ring.owner(st.key) if self.prev_ring is not None and len(
-            self.prev_ring) else None
+        # rows come from the shard's owner in this host's ring, or, while this host waits
+        # to take the shard over, from its previous owner (its last ROWS, then its
+        # hand-over snapshot)
         handover = st.handover_from == peer
-        if peer != owner and not handover and not (
-                self.members.state(self.addr) is State.JOINING) and peer != prev:
-            return self._refuse(f, reply, Status.NOT_OWNER, "not_owner")
-        if owner == self.addr and not handover:
+        if (peer != owner or owner == self.addr) and not handover:
             return self._refuse(f, reply, Status.NOT_OWNER, "not_owner")
         try:
             frames.check_schema(f, dtype=info.dtype, cols=info.cols, nrows=info.nrows)
@@ -1042,6 +1080,13 @@ class Bridge:
         except (frames.BadFrame, Error) as e:
             log.warning("%s %d from %s refused: %s", f.type.name, f.seq, peer, e)
             return self._refuse(f, reply, Status.REJECTED, "schema")
+        if os.environ.get("SHMPS_BRIDGE_DEBUG") and f.marks:
+            log.warning("%s %s from %s marks %s", f.type.name, st.key, peer,
+                        [(m.sender, m.seq) for m in f.marks][:6])
+        if f.type == FrameType.SNAPSHOT and f.flags & frames.Flag.LAST:
+            # the owner's filter replaces this host's: marks this host recorded itself
+            # (say, while it applied batches cut off from the majority) are not the shard's
+            st.dedup = Dedup()
         for m in f.marks:
             stream = (m.sender, m.incarnation, f.tensor, f.shard)
             try:
@@ -1056,10 +1101,12 @@ class Bridge:
         if f.type == FrameType.SNAPSHOT and f.flags & frames.Flag.LAST:
             st.snap_epoch_seen = self.members.epoch
             st.snapshots_received += 1
-            st.last_snap = (peer, f.epoch)
-            if handover:
-                st.handover_from = None
-                log.info("shard %s handed over by %s", st.key, peer)
+            if f.flags & frames.Flag.HANDOVER:
+                if handover:
+                    st.handover_from = None
+                    log.info("shard %s handed over by %s", st.key, peer)
+                else:   # it came before this host saw the new ring
+                    st.handover_done = (peer, time.monotonic())
         self.metrics.frames_recv.labels(f.type.name.lower()).inc()
         reply(self._ack(f, Status.OK))
 
@@ -1101,9 +1148,9 @@ class Bridge:
             chunks.append(frames.encode_snapshot(
                 epoch=self.members.epoch, sender=self.mid, incarnation=self.incarnation,
                 tensor=info.tid, shard=key[1], seq=ROWS_SEQ_BASE + st.rseq, values=vals,
-                step=int(rd.step), marks=marks if i == 0 else (),
+                step=int(rd.step), marks=marks if j >= n else (),
                 state=[np.asarray(a[i:j]).reshape(j - i, info.cols) for a in rd.states],
-                last=j >= n, **kw))
+                last=j >= n, handover=handover, **kw))
             i = j
             if i >= n:
                 break
@@ -1220,6 +1267,12 @@ class Bridge:
                      "staleness_ms": round(self._staleness() * 1000, 3),
                      "tensors": sorted(self.by_name), "failovers": self.failover_log[-20:],
                      "ring_digest": self.ring.digest, "ready": self.ready_flag,
+                     "owner_waits": {st.key: {"pending": len(st.pending),
+                                              "backups": self._required(st),
+                                              "synced": sorted(st.synced),
+                                              "snapshotting": sorted(st.snapshotting),
+                                              "handover_from": st.handover_from}
+                                     for st in self.shards.values() if st.pending},
                      "copied": sum(st.snap_epoch_seen >= 0 for st in self.shards.values()),
                      "shards": len(self.shards),
                      "applied": int(self.metrics.applied._value.get())})
