@@ -45,7 +45,7 @@ def run_example(script: str, *args: str, env_extra: dict | None = None) -> str:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         for seg in os.listdir("/dev/shm"):
-            if seg.startswith(f"shmps.{ns}."):
+            if seg.startswith(f"shmps.{ns}"):   # multihost_logreg.py uses <ns>h0, <ns>h1...
                 os.unlink(os.path.join("/dev/shm", seg))
     assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{out}\n{err[-3000:]}"
     return out
@@ -96,6 +96,17 @@ def test_sparse_ftrl():
     out = run_example("sparse_ftrl.py")
     ok_line(out)
     assert sum(ln.startswith("epoch ") for ln in out.splitlines()) == 3
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not has("aiohttp") or not has("prometheus_client"),
+                    reason="needs the bridge extras: pip install '.[bridge]'")
+def test_multihost_logreg():
+    """examples/multihost_logreg.py: three bridges on loopback, one worker per host; the
+    hosts' copies end equal and the model learns."""
+    out = run_example("multihost_logreg.py")
+    ok_line(out)
+    assert "largest difference between hosts' copies 0;" in out
 
 
 def test_missing_optional_package_exits_0(tmp_path):
