@@ -136,7 +136,7 @@ class ShardState:
     failover_dead_seen: float = 0.0
     # replica side
     snap_epoch_seen: int = -1                            # a LAST snapshot chunk arrived
-    handover_done: tuple = ("", 0.0)                     # (previous owner, when) its
+    handover_done: tuple = ("", 0.0, 0)                  # (previous owner, when, epoch) its
                                                          # hand-over snapshot arrived
     sync_sent_at: float = 0.0                            # joining: last SYNC request
     snap_retry: dict = field(default_factory=dict)       # member -> no snapshot before
@@ -562,9 +562,12 @@ class Bridge:
             st.acked = {}
             prev = old[0] if old else None
             if prev and prev != self.addr and prev in self.members.reachable():
-                if st.handover_done[0] == prev and st.handover_done[1] > time.monotonic() - 5:
+                hd_from, hd_when, hd_epoch = st.handover_done
+                if (hd_from == prev and hd_when > time.monotonic() - 5
+                        and hd_epoch >= self.members.epoch - 1):
+                    # (an older one would be from before prev owned the shard again)
                     log.info("shard %s: hand-over snapshot from %s already here", st.key, prev)
-                    st.handover_done = ("", 0.0)
+                    st.handover_done = ("", 0.0, 0)
                 else:
                     st.handover_from = prev
                     st.handover_until = time.monotonic() + HANDOVER_TIMEOUT
@@ -1106,7 +1109,7 @@ class Bridge:
                     st.handover_from = None
                     log.info("shard %s handed over by %s", st.key, peer)
                 else:   # it came before this host saw the new ring
-                    st.handover_done = (peer, time.monotonic())
+                    st.handover_done = (peer, time.monotonic(), f.epoch)
         self.metrics.frames_recv.labels(f.type.name.lower()).inc()
         reply(self._ack(f, Status.OK))
 
