@@ -913,13 +913,19 @@ class Bridge:
         self.metrics.rejected(reason)
         reply(self._ack(f, status))
 
-    def on_batch(self, peer: str, f: frames.Data, reply: Callable[[bytes], None]) -> None:
+    def _tensor_for(self, f: frames.FrameHeader) -> Optional[TInfo]:
+        """The tensor a data frame names (looking again for tensors created since), or
+        None if this host does not have it yet (the catalog sync creates it soon)."""
         info = self.tensors.get(f.tensor)
         if info is None or f.shard >= info.nshards:
             self.refresh_tensors()
             info = self.tensors.get(f.tensor)
-            if info is None or f.shard >= info.nshards:
-                return self._refuse(f, reply, Status.BUSY, "unknown_tensor")
+        return info if info is not None and f.shard < info.nshards else None
+
+    def on_batch(self, peer: str, f: frames.Data, reply: Callable[[bytes], None]) -> None:
+        info = self._tensor_for(f)
+        if info is None:
+            return self._refuse(f, reply, Status.BUSY, "unknown_tensor")
         if f.epoch != self.members.epoch:
             return self._refuse(f, reply, Status.STALE_EPOCH, "stale_epoch")
         if not self.acting():
@@ -1054,12 +1060,9 @@ class Bridge:
 
     # ------------------------------------------------------------ replica side
     def on_rows(self, peer: str, f: frames.Data, reply: Callable[[bytes], None]) -> None:
-        info = self.tensors.get(f.tensor)
-        if info is None or f.shard >= info.nshards:
-            self.refresh_tensors()
-            info = self.tensors.get(f.tensor)
-            if info is None or f.shard >= info.nshards:
-                return self._refuse(f, reply, Status.BUSY, "unknown_tensor")
+        info = self._tensor_for(f)
+        if info is None:
+            return self._refuse(f, reply, Status.BUSY, "unknown_tensor")
         key = (f.tensor, f.shard)
         st = self.shards[key]
         owner = self.owner(st.key)

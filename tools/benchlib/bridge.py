@@ -254,6 +254,22 @@ def _payload() -> bytes:
     return np.random.default_rng(0).integers(0, 256, MSG, dtype=np.uint8).tobytes()
 
 
+async def _pump(ws: Any, send: bool, counter: Any) -> None:
+    """One end of a websocket baseline: send 1 MiB messages for ever, or count the bytes
+    received into ``counter`` (a shared value the parent samples)."""
+    import aiohttp
+
+    if send:
+        data = _payload()
+        while True:
+            await ws.send_bytes(data)
+    total = 0
+    async for msg in ws:
+        if msg.type == aiohttp.WSMsgType.BINARY:
+            total += len(msg.data)
+            counter.value = total
+
+
 def _tcp_server(port_q: Any, counter: Any) -> None:
     """Count the bytes one connection sends."""
     _die_with_parent()
@@ -288,15 +304,7 @@ def _ws_server(port_q: Any, counter: Any, server_sends: bool) -> None:
     async def handler(request: Any) -> Any:
         ws = web.WebSocketResponse(max_msg_size=8 * MSG, autoping=True)
         await ws.prepare(request)
-        if server_sends:
-            data = _payload()
-            while True:
-                await ws.send_bytes(data)
-        total = 0
-        async for msg in ws:
-            if msg.type == aiohttp.WSMsgType.BINARY:
-                total += len(msg.data)
-                counter.value = total
+        await _pump(ws, server_sends, counter)
         return ws
 
     async def main() -> None:
@@ -321,15 +329,7 @@ def _ws_client(port: int, counter: Any, server_sends: bool) -> None:
         async with aiohttp.ClientSession() as session:
             async with session.ws_connect(f"http://127.0.0.1:{port}/ws", max_msg_size=8 * MSG,
                                           autoping=True) as ws:
-                if not server_sends:
-                    data = _payload()
-                    while True:
-                        await ws.send_bytes(data)
-                total = 0
-                async for msg in ws:
-                    if msg.type == aiohttp.WSMsgType.BINARY:
-                        total += len(msg.data)
-                        counter.value = total
+                await _pump(ws, not server_sends, counter)
 
     asyncio.run(main())
 
