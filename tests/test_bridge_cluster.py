@@ -16,7 +16,6 @@ import urllib.request
 import numpy as np
 import pytest
 
-import shmps
 from shmps.bridge import auth, frames
 from shmps.bridge.members import member_id
 

@@ -26,6 +26,7 @@ docs/bridge-protocol.md describes the protocol; this module is its implementatio
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -187,10 +188,8 @@ class Conn:
     async def close(self) -> None:
         self.closed = True
         self.writer.cancel()
-        try:
+        with contextlib.suppress(Exception):   # already broken: nothing left to close
             await self.ws.close()
-        except Exception:
-            pass
 
 
 class Link:
@@ -333,7 +332,7 @@ class Bridge:
         self.streams: dict[tuple[int, int], SendStream] = {}
         self.budget = ByteBudget(cfg.budget_bytes)
         self.links: dict[str, Link] = {}
-        self.incoming: dict[str, Conn] = {}
+        self.incoming: dict[tuple, Conn] = {}   # (peer address, incarnation) -> its stream
         self.ids: dict[int, str] = {member_id(m): m for m in configured}
         self.hb_seq = 0
         self.failover_log: list[dict] = []
@@ -579,6 +578,11 @@ class Bridge:
                     st.failover_dead_seen = time.monotonic()
                 self.metrics.failovers.inc()
 
+    def _was_owner(self, key: tuple) -> bool:
+        """This host owned shard ``key`` in the ring before the current one."""
+        ring = self.prev_ring
+        return ring is not None and len(ring) > 0 and ring.owner(self.shards[key].key) == self.addr
+
     def _others_still_see_me(self) -> bool:
         reach = self.members.reachable()
         return any(self.addr in ring for p, ring in self._peer_rings.items() if p in reach)
@@ -782,8 +786,8 @@ class Bridge:
                 if ack.seq <= stream.q.last_seq:
                     stream.q.ack(ack.seq)
                 return
-            if ack.status == Status.STALE_EPOCH and ack.epoch > self.members.epoch:
-                pass  # heartbeats bring the newer view; resend then
+            # any other refusal (STALE_EPOCH: heartbeats bring the newer view; NOT_OWNER,
+            # NO_QUORUM, BUSY, GAP): resend everything unacknowledged a little later
             stream.q.rewind()
             stream.retry_at = time.monotonic() + (RETRY if ack.status != Status.BUSY else 0.02)
 
@@ -1182,6 +1186,13 @@ class Bridge:
                 continue
             owned += 1
             if st.handover_from is not None:
+                if st.sync_sent_at < now - 0.5:
+                    # ask the previous owner (again) for its hand-over snapshot
+                    link = self.links.get(st.handover_from)
+                    if link is not None and link.send(frames.encode_sync(
+                            epoch=self.members.epoch, sender=self.mid,
+                            incarnation=self.incarnation, tensor=key[0], shard=key[1])):
+                        st.sync_sent_at = now
                 continue
             for m in targets:
                 if m in st.synced or m in st.snapshotting or st.snap_retry.get(m, 0) > now:
@@ -1380,8 +1391,11 @@ class Bridge:
             await ws.close()
             return ws
         conn = Conn(ws, peer.client_id)
-        old = self.incoming.get(peer.client_id)
-        self.incoming[peer.client_id] = conn
+        # a reconnect of the same process replaces its old stream; another process using
+        # the same address (a restart) has its own
+        who = (peer.client_id, peer.incarnation)
+        old = self.incoming.get(who)
+        self.incoming[who] = conn
         if old is not None:
             await old.close()
         bad = 0
@@ -1412,8 +1426,8 @@ class Bridge:
                         break
         finally:
             await conn.close()
-            if self.incoming.get(peer.client_id) is conn:
-                del self.incoming[peer.client_id]
+            if self.incoming.get(who) is conn:
+                del self.incoming[who]
         return ws
 
     def on_frame(self, peer: str, f: Any, reply: Callable[[bytes], None]) -> None:
@@ -1437,6 +1451,12 @@ class Bridge:
                 if peer not in st.snapshotting:
                     st.synced.discard(peer)
                     st.snap_retry.pop(peer, None)
+            elif (key in self.shards and self.owner(self.shards[key].key) == peer
+                    and self._was_owner(key)):
+                # the new owner still waits for this host's hand-over (the first one was
+                # refused or lost): this host no longer applies batches, send it again
+                asyncio.get_running_loop().create_task(
+                    self._send_snapshot(key, peer, handover=True))
             else:
                 reply(self._ack(f, Status.NOT_OWNER))
         elif isinstance(f, frames.Ack):
@@ -1453,8 +1473,8 @@ async def serve(cfg: Config, ready: Optional[Callable[[Bridge], None]] = None) -
     for sig in (signal.SIGTERM, signal.SIGINT):
         try:
             loop.add_signal_handler(sig, node.request_stop)
-        except (NotImplementedError, RuntimeError):
-            pass
+        except (NotImplementedError, RuntimeError):   # not the main thread (tests), Windows
+            log.debug("no handler for %s: stop with request_stop()", sig)
     if ready is not None:
         ready(node)
     try:
