@@ -367,6 +367,15 @@ class Membership:
                 self._set(changes, m, State.SUSPECT)
         return self._apply(changes, before)
 
+    def mark_dead(self, member: str) -> list[Change]:
+        """``member`` is gone before ``dead_after`` (its connections were closed by its
+        kernel: the process died): dead now, as :meth:`tick` would make it later. O(n)."""
+        before = frozenset(self.live())
+        changes: list[Change] = []
+        if member != self.self_addr and self.state(member) is not State.DEAD:
+            self._set(changes, member, State.DEAD if member in self._configured else None)
+        return self._apply(changes, before)
+
     def mark_ready(self, member: str) -> list[Change]:
         """``member`` finished copying its shards: joining -> alive (it joins the ring).
         No change in any other state. O(n)."""

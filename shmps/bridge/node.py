@@ -200,6 +200,7 @@ class Link:
         self.addr = addr
         self.conn: Optional[Conn] = None
         self.up_since = 0.0
+        self.down_since = 0.0     # when an established connection last broke (0: never)
         self.task = asyncio.get_running_loop().create_task(self._run(), name=f"link {addr}")
 
     @property
@@ -246,6 +247,7 @@ class Link:
             if self.conn is not None:
                 await self.conn.close()
                 self.conn = None
+                self.down_since = time.monotonic()
                 self.node.on_link_down(self.addr)
             await asyncio.sleep(0.05)
 
@@ -578,6 +580,24 @@ class Bridge:
                     st.failover_dead_seen = time.monotonic()
                 self.metrics.failovers.inc()
 
+    def _closed_and_silent(self) -> None:
+        """A peer whose connections both closed (its kernel closes them when the process
+        dies) and that has been silent for half of ``dead_after`` is dead now: a killed
+        bridge fails over sooner than a stopped or cut-off one, whose connections stay."""
+        now = time.monotonic()
+        for m, st in self.members.states().items():
+            if m == self.addr or st in (State.DEAD, State.JOINING):
+                continue
+            link = self.links.get(m)
+            if link is None or link.up or link.down_since == 0.0:
+                continue
+            if any(who[0] == m for who in self.incoming):
+                continue
+            silent = now - self.members.last_seen(m)
+            if silent >= self.cfg.dead_after / 2 and now - link.down_since < 5 * self.cfg.dead_after:
+                log.info("member %s: connections closed, silent %.0f ms: dead", m, silent * 1e3)
+                self._on_changes(self.members.mark_dead(m))
+
     def _was_owner(self, key: tuple) -> bool:
         """This host owned shard ``key`` in the ring before the current one."""
         ring = self.prev_ring
@@ -616,6 +636,7 @@ class Bridge:
                 if time.monotonic() >= self.grace_until:
                     # during the start-up grace peers are still starting: nobody is dead yet
                     self._on_changes(self.members.tick())
+                    self._closed_and_silent()
                 self._maintain()
             except asyncio.CancelledError:
                 raise
