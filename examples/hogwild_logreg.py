@@ -6,7 +6,7 @@ and pushes its minibatch gradient; shmps applies SGD in place, in C, with no upd
 lost.  At the end the held-out accuracy is printed beside scikit-learn's own
 SGDClassifier trained on the same split.
 
-    python examples/hogwild_logreg.py            # 4 workers, 60 epochs, ~3 s
+    python examples/hogwild_logreg.py            # 4 workers, 160 epochs, ~4 s
 """
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def accuracy(w: np.ndarray, X: np.ndarray, y: np.ndarray) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workers", type=int, default=4)
-    ap.add_argument("--epochs", type=int, default=60)
+    ap.add_argument("--epochs", type=int, default=160)  # 60 missed the 1-point bar in ~1 run of 20
     ap.add_argument("--lr", type=float, default=0.3)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--l2", type=float, default=1e-4)
