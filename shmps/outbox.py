@@ -183,16 +183,22 @@ def _refuse(ob: Any) -> InvalidArgument:
                            "forwarded pushes write it", f"push to {ob.record['outbox_of']!r}")
 
 
+def _check_outbox_shards(ob: Any, shards: list) -> None:
+    """An outbox never forwards, and every segment it opened must be an outbox shard
+    (flag SHMPS_F_OUTBOX), else CorruptSegment (the tensor is closed)."""
+    ob._fwd = NO_FWD
+    if not all(sh.spec["flags"] & lib.SHMPS_F_OUTBOX for sh in shards):
+        ob.close()
+        raise CorruptSegment(f"tensor {ob.name!r}: its segments are not outbox shards")
+
+
 class DenseOutbox(DenseTensor):
     """The outbox of a dense tensor (module docstring).  Pushes come from the
     tensor's forwarded pushes only; pull() shows what is pending."""
 
     def __init__(self, store: Any, record: dict, shards: list) -> None:
         super().__init__(store, record, shards)
-        self._fwd = NO_FWD
-        if not all(sh.spec["flags"] & lib.SHMPS_F_OUTBOX for sh in shards):
-            self.close()
-            raise CorruptSegment(f"tensor {self.name!r}: its segments are not outbox shards")
+        _check_outbox_shards(self, shards)
 
     def push(self, grad: Any, rows: Any = None, *, wait: bool = True) -> None:
         raise _refuse(self)
@@ -224,10 +230,7 @@ class TableOutbox(Table):
 
     def __init__(self, store: Any, record: dict, shards: list) -> None:
         super().__init__(store, record, shards)
-        self._fwd = NO_FWD
-        if not all(sh.spec["flags"] & lib.SHMPS_F_OUTBOX for sh in shards):
-            self.close()
-            raise CorruptSegment(f"tensor {self.name!r}: its segments are not outbox shards")
+        _check_outbox_shards(self, shards)
 
     def push(self, keys: Any, grads: Any, *, wait: bool = True) -> None:
         raise _refuse(self)

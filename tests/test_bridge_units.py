@@ -1334,3 +1334,16 @@ def test_exactly_once_through_owner_failover(grads, crash_after, crash_stage, du
             q.ack(backup.dedup.floor(stream))
     assert len(q) == 0
     assert backup.value == sum(grads)
+
+
+def test_mark_dead_and_rejoin():
+    """mark_dead: a peer is dead at once (epoch bump with quorum), never this host;
+    rejoin: this host becomes joining without minting an epoch."""
+    m = Membership(["a:1", "b:1", "c:1"], "a:1", now=0.0)
+    changes = m.mark_dead("c:1")
+    assert m.state("c:1") is State.DEAD and m.epoch == 1 and changes
+    assert m.mark_dead("a:1") == [] and m.state("a:1") is State.ALIVE
+    assert m.mark_dead("c:1") == [] and m.epoch == 1
+    m.rejoin()
+    assert m.state("a:1") is State.JOINING and m.epoch == 1
+    assert m.live() == ("b:1",)

@@ -580,6 +580,13 @@ class Bridge:
                     st.failover_dead_seen = time.monotonic()
                 self.metrics.failovers.inc()
 
+    def _notice_silence(self) -> None:
+        """Members silent too long become suspect or dead (none during the start-up
+        grace: peers are still starting)."""
+        if time.monotonic() >= self.grace_until:
+            self._on_changes(self.members.tick())
+            self._closed_and_silent()
+
     def _closed_and_silent(self) -> None:
         """A peer whose connections both closed (its kernel closes them when the process
         dies) and that has been silent for half of ``dead_after`` is dead now: a killed
@@ -633,10 +640,7 @@ class Bridge:
     async def _tick_loop(self) -> None:
         while True:
             try:
-                if time.monotonic() >= self.grace_until:
-                    # during the start-up grace peers are still starting: nobody is dead yet
-                    self._on_changes(self.members.tick())
-                    self._closed_and_silent()
+                self._notice_silence()
                 self._maintain()
             except asyncio.CancelledError:
                 raise
@@ -818,10 +822,9 @@ class Bridge:
         while True:
             t0 = time.monotonic()
             try:
-                if t0 >= self.grace_until:
-                    # first notice who went silent (this process may have been stopped):
-                    # never act on a view older than one flush interval
-                    self._on_changes(self.members.tick())
+                # first notice who went silent (this process may have been stopped):
+                # never drain or apply on a view older than one flush interval
+                self._notice_silence()
                 self._drain_all()
                 self._send_all()
             except asyncio.CancelledError:
