@@ -49,10 +49,14 @@ def worker(host: int, namespace: str) -> None:
     store = shmps.attach(STORE, namespace=namespace)
     w = store.dense("w", shape=(FEATURES, 1), optimizer=shmps.SGD(lr=LR), shard_rows=16)
     rng = np.random.default_rng(host)
-    for _ in range(STEPS):
+    for step in range(STEPS):
         idx = rng.integers(0, len(x), BATCH)
         p = 1 / (1 + np.exp(-(x[idx] @ w.pull()[:, 0])))
         w.push((x[idx].T @ (p - y[idx]) / BATCH / HOSTS)[:, None].astype(np.float32))
+        if step % 10 == 9:
+            # pushes reach the owners every few ms; without this, a fast worker would
+            # take hundreds of steps on weights that do not include its own pushes yet
+            store.flush(timeout=60)
     store.flush(timeout=60)          # every push applied by its owner and backed up
     store.close()
 
