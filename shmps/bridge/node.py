@@ -287,6 +287,9 @@ class Metrics:
         self.staleness = Gauge("shmps_bridge_staleness_seconds", "age of the oldest "
                                "unacknowledged batch", registry=r)
         self.owned = Gauge("shmps_bridge_shards_owned", "shards this host owns", registry=r)
+        self.stalls = Counter("shmps_bridge_stalls", "times this process did not run for "
+                              "half of dead_after and listened before acting again",
+                              registry=r)
 
     def rejected(self, reason: str) -> None:
         self.rejected_c.labels(reason).inc()
@@ -351,6 +354,7 @@ class Bridge:
         self._incarnations: dict[str, int] = {}
         self._initial = set(configured)
         self._ever_acted = False                 # this host has owned shards at some time
+        self._last_run = time.monotonic()        # see _check_stall
         self._says_joining: dict[str, int] = {}  # peer -> epoch at which it has us joining
 
     # ------------------------------------------------------------ life cycle
@@ -507,6 +511,7 @@ class Bridge:
     def acting(self) -> bool:
         """This host may own shards now: it has quorum, is on the ring, and its start-up
         grace (listening for a running cluster's epoch) is over."""
+        self._check_stall()
         ok = (time.monotonic() >= self.grace_until and self.members.has_quorum()
               and self.members.state(self.addr) in (State.ALIVE, State.SUSPECT, State.LEAVING))
         self._ever_acted = self._ever_acted or ok
@@ -531,6 +536,9 @@ class Bridge:
                 stream.target = None
             log.info("epoch %d: ring %s", self.members.epoch, ", ".join(live) or "(empty)")
         self.metrics.epoch.set(self.members.epoch)
+        if not self.acting():
+            for st in self.shards.values():
+                st.pending.clear()   # see _release: only an acting owner acknowledges
         for c in changes:
             if c.new is State.DEAD or c.new is None:
                 for st in self.shards.values():
@@ -580,9 +588,29 @@ class Bridge:
                     st.failover_dead_seen = time.monotonic()
                 self.metrics.failovers.inc()
 
+    def _check_stall(self) -> None:
+        """A process that did not run for half of ``dead_after`` (SIGSTOP, a starved CPU)
+        may have been counted dead meanwhile: the epoch may have moved on without it, and
+        what it hears first are heartbeats buffered while it was stopped. Like a process
+        that just started, it listens for the cluster's view before it acts again (and a
+        newer majority view makes it copy its shards before owning any); replies it held
+        for its backups are dropped (senders resend)."""
+        now = time.monotonic()
+        gap = now - self._last_run
+        self._last_run = now
+        if gap > self.cfg.dead_after / 2 and now >= self.grace_until:
+            log.warning("this process did not run for %.0f ms (stopped or starved): listening "
+                        "for the cluster's view for %.0f ms before acting (epoch %d)",
+                        gap * 1e3, self.cfg.dead_after * 1e3, self.members.epoch)
+            self.metrics.stalls.inc()
+            self.grace_until = now + self.cfg.dead_after
+            for st in self.shards.values():
+                st.pending.clear()
+
     def _notice_silence(self) -> None:
         """Members silent too long become suspect or dead (none during the start-up
         grace: peers are still starting)."""
+        self._check_stall()
         if time.monotonic() >= self.grace_until:
             self._on_changes(self.members.tick())
             self._closed_and_silent()
@@ -1077,6 +1105,13 @@ class Bridge:
     def _release(self, key: tuple) -> None:
         st = self.shards[key]
         if not st.pending:
+            return
+        if not self.acting() or self.owner(st.key) != self.addr:
+            # no longer an owner that may acknowledge (a stopped host that wakes up alone,
+            # without quorum, must not count its dead backups out and acknowledge): drop
+            # the replies; senders resend to the owner of the current view, whose copy
+            # and duplicate filter decide whether the batch is applied there
+            st.pending.clear()
             return
         req = self._required(st)
         while st.pending:
