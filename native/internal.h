@@ -59,11 +59,18 @@ typedef struct {
     uint64_t ob_acked __attribute__((aligned(SHMPS_CACHELINE)));  /* owner has them */
     uint64_t ob_drained;      /* ob_pushed covered by the latest drain (empty or not) */
     uint64_t ob_sent;         /* ob_pushed covered by the latest drain that took rows */
+    /* what a bridge process drained and never saw acknowledged before it ended
+     * (shmps_outbox_recover): the latest such range (lo, hi] of ob_pushed values, and
+     * the pushes of every range so far */
+    uint64_t ob_lost_lo;
+    uint64_t ob_lost_hi;
+    uint64_t ob_lost;
 } shmps_shard_hdr_t;
 
 _Static_assert(sizeof(shmps_shard_hdr_t) <= SHMPS_HEADER_SIZE, "shard header too big");
 _Static_assert(__builtin_offsetof(shmps_shard_hdr_t, ob_pushed) == 1152 &&
-               __builtin_offsetof(shmps_shard_hdr_t, ob_acked) == 1216,
+               __builtin_offsetof(shmps_shard_hdr_t, ob_acked) == 1216 &&
+               __builtin_offsetof(shmps_shard_hdr_t, ob_lost) == 1256,
                "outbox words moved: update docs/segment-layout.md");
 
 /* What two builds must agree on to share a shard: the header's and the spec's sizes

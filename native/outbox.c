@@ -102,6 +102,41 @@ int shmps_outbox_ack(void *base, uint64_t pushed) {
     return SHMPS_OK;
 }
 
+/* A bridge starting on a store, before its first drain of this outbox shard: what an
+ * earlier bridge process drained and did not see acknowledged, (ob_acked, ob_drained],
+ * lived only in that process's frames.  The owner may have applied it (an ACK lost with
+ * the process) or not; nobody can resend it.  Record the range as lost, then
+ * acknowledge it, so store.flush() neither waits forever nor returns as if those pushes
+ * had been applied: it reads the range and raises.  *lost: the pushes in the range. */
+int shmps_outbox_recover(void *base, uint64_t *lost) {
+    shmps_shard_hdr_t *h = outbox_hdr(base);
+    if (!h) return SHMPS_E_ARG;
+    *lost = 0;
+    uint64_t d = LOAD(&h->ob_drained, SEQ_CST);
+    uint64_t a = LOAD(&h->ob_acked, SEQ_CST);
+    if (a >= d) return SHMPS_OK;
+    /* one bridge per store: no other writer of these words runs now */
+    STORE(&h->ob_lost_lo, a, RELAXED);
+    STORE(&h->ob_lost_hi, d, RELAXED);
+    FETCH_ADD(&h->ob_lost, d - a, RELAXED);
+    /* the seq_cst raise of ob_acked below publishes the three words above: a flusher
+     * that reads the raised ob_acked (acquire) reads them too */
+    cas_max(&h->ob_acked, d);
+    *lost = d - a;
+    return SHMPS_OK;
+}
+
+int shmps_outbox_lost(const void *base, uint64_t *lo, uint64_t *hi, uint64_t *count) {
+    shmps_shard_hdr_t *h = outbox_hdr((void *)base);
+    if (!h) return SHMPS_E_ARG;
+    /* relaxed: the caller loaded ob_acked (acquire) first, which orders these loads
+     * after the recover that raised it (see shmps_outbox_recover) */
+    *lo = LOAD(&h->ob_lost_lo, RELAXED);
+    *hi = LOAD(&h->ob_lost_hi, RELAXED);
+    *count = LOAD(&h->ob_lost, RELAXED);
+    return SHMPS_OK;
+}
+
 uint64_t shmps_outbox_drained(shmps_shard_hdr_t *h, uint64_t pushed, int took) {
     uint64_t prev = LOAD(&h->ob_drained, SEQ_CST);
     if (took) {

@@ -269,6 +269,8 @@ uint32_t *shmps_forward_word(void *man);
 int shmps_outbox_pushed(void *base);
 int shmps_outbox_counters(const void *base, uint64_t *pushed, uint64_t *acked);
 int shmps_outbox_ack(void *base, uint64_t pushed);
+int shmps_outbox_recover(void *base, uint64_t *lost);
+int shmps_outbox_lost(const void *base, uint64_t *lo, uint64_t *hi, uint64_t *count);
 int shmps_outbox_drain(void *base, uint64_t token, double timeout_s, int64_t *rows,
                        void *vals, uint64_t cap, uint64_t *n, uint64_t *pushed,
                        uint64_t *prev);

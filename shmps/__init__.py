@@ -11,7 +11,8 @@ Sample usage (every worker process)::
 from __future__ import annotations
 
 from .errors import (CapacityError, Closed, CorruptFile, CorruptSegment, Error,
-                     InvalidArgument, NonFinite, NotFound, OutOfRange, SchemaError, Timeout)
+                     InvalidArgument, NonFinite, NotFound, OutOfRange, PushesLost, SchemaError,
+                     Timeout)
 from .store import Store, attach
 from .tensor import PushHandle
 from .updaters import FTRL, SGD, Adagrad, Adam, Assign, Max, Min, Momentum, Sum, Updater
@@ -27,5 +28,5 @@ __all__ = [
     "attach", "restore", "Store", "DenseTensor", "Table", "CSRTensor", "CSR", "PushHandle",
     "Sum", "Assign", "Max", "Min", "SGD", "Momentum", "Adagrad", "Adam", "FTRL", "Updater",
     "Error", "SchemaError", "NotFound", "CapacityError", "CorruptSegment", "CorruptFile",
-    "InvalidArgument", "OutOfRange", "NonFinite", "Timeout", "Closed",
+    "InvalidArgument", "OutOfRange", "NonFinite", "Timeout", "Closed", "PushesLost",
 ]

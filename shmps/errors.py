@@ -89,7 +89,16 @@ class Closed(Error, ValueError):
     hint = "attach again with shmps.attach(name)"
 
 
+class PushesLost(Error, RuntimeError):
+    """``store.flush()``: pushes it waited for were taken by a bridge process that ended
+    before their owner acknowledged them (SIGKILL, a crash): they may or may not have
+    been applied, and nobody can resend them."""
+
+    hint = ("the parameters may lack these pushes: restore a checkpoint, or accept the "
+            "loss and go on (later flushes are not affected)")
+
+
 __all__ = [
     "Error", "InvalidArgument", "SchemaError", "OutOfRange", "NonFinite", "NotFound",
-    "CapacityError", "CorruptSegment", "CorruptFile", "Timeout", "Closed",
+    "CapacityError", "CorruptSegment", "CorruptFile", "Timeout", "Closed", "PushesLost",
 ]

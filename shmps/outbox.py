@@ -22,7 +22,12 @@ An outbox is a hidden tensor named ``<name>#outbox`` (as synchronous aggregation
 
 Each outbox shard header counts ``ob_pushed`` (pushes landed) and ``ob_acked`` (the
 highest ``pushed`` the bridge reported applied by the owner); ``store.flush()`` waits
-for the second to reach the first.  Names ending in ``#outbox`` are reserved.
+for the second to reach the first.  A bridge that starts on a store first calls
+:func:`recover` on every outbox shard: what an earlier bridge process drained and never
+saw acknowledged is recorded as lost (``ob_lost_lo``/``ob_lost_hi``/``ob_lost``) and
+acknowledged, and a ``flush()`` that waited for those pushes raises
+:class:`~shmps.errors.PushesLost` instead of returning as if they had been applied.
+Names ending in ``#outbox`` are reserved.
 
 What is not forwarded: csr tensors (a push raises while forwarding is on), the hidden
 tensors of synchronous aggregation (its rounds run per host; the round's single update
@@ -41,7 +46,7 @@ import numpy as np
 
 from . import _native
 from .dense import DenseTensor
-from .errors import CorruptSegment, InvalidArgument, Timeout
+from .errors import CorruptSegment, InvalidArgument, PushesLost, Timeout
 from .table import Table
 from .tensor import NO_FWD, grad_dtype
 
@@ -142,6 +147,10 @@ def get_or_create(t: Any) -> Any:
     ob = store._get_or_create(name, req, make)
     if not isinstance(ob, (DenseOutbox, TableOutbox)) or ob.nshards != t.nshards:
         raise CorruptSegment(f"tensor {name!r} is not the outbox of {t.name!r}")
+    if name not in store._lost_seen:
+        # this handle's pushes to the outbox all come after this: losses recorded before
+        # cannot hold them (flush compares with these counts)
+        store._lost_seen[name] = [lost(ob, i)[2] for i in range(ob.nshards)]
     return ob
 
 
@@ -319,6 +328,26 @@ def ack(t: Any, shard: int, pushed: int) -> None:
     _native.check(lib.shmps_outbox_ack(sh.ptr, int(pushed)), f"ack of {ob.name!r}")
 
 
+def recover(t: Any, shard: int) -> int:
+    """A bridge starting on this store, before it drains ``shard``: record what an earlier
+    bridge process drained and did not see acknowledged as lost, and acknowledge it
+    (``store.flush()`` then raises PushesLost for it).  Returns how many pushes."""
+    ob = t._outbox()
+    sh = ob._shard_checked(shard)
+    lost = ffi.new("uint64_t *")
+    _native.check(lib.shmps_outbox_recover(sh.ptr, lost), f"recover of {ob.name!r}")
+    return int(lost[0])
+
+
+def lost(ob: Any, shard: int) -> tuple[int, int, int]:
+    """``(lo, hi, count)``: the latest range (lo, hi] of ``ob_pushed`` values a bridge
+    process took with it, and the pushes of every such range so far."""
+    lo, hi, n = ffi.new("uint64_t *"), ffi.new("uint64_t *"), ffi.new("uint64_t *")
+    _native.check(lib.shmps_outbox_lost(ob._shard(shard).ptr, lo, hi, n),
+                  f"lost counters of {ob.name!r}")
+    return int(lo[0]), int(hi[0]), int(n[0])
+
+
 def counters(ob: Any, shard: int) -> tuple[int, int]:
     """``(pushed, acked)`` of an outbox shard."""
     p, a = ffi.new("uint64_t *"), ffi.new("uint64_t *")
@@ -361,3 +390,27 @@ def flush(store: Any, timeout: Optional[float]) -> None:
                     "start shmps-bridge for it (or turn forwarding off), or raise the timeout")
             time.sleep(pause)
             pause = min(2 * pause, 0.005)
+    _raise_lost(store)
+
+
+def _raise_lost(store: Any) -> None:
+    """PushesLost if a bridge process took pushes with it since this handle first pushed
+    to an outbox (or since its last flush that raised this): they may include its own.
+    Called after the waits (their acquire loads of ob_acked order these reads after the
+    recover that acknowledged the lost range)."""
+    found = []
+    for name, seen in store._lost_seen.items():
+        ob = store[name]
+        for i in range(ob.nshards):
+            count = lost(ob, i)[2]
+            if count > seen[i]:
+                found.append(f"{ob.record['outbox_of']!r} shard {i}: {count - seen[i]}")
+                seen[i] = count
+    if found:
+        ns = f" namespace {store.namespace!r}" if store.namespace else ""
+        raise PushesLost(
+            f"flush of store {store.name!r}{ns}: pushes (of every process on this host) were "
+            "taken by a bridge process that ended before their owner acknowledged them, so "
+            "they may or may not have been applied; this process's pushes made before may be "
+            f"among them. Pushes per tensor shard: {', '.join(found[:8])}"
+            + (f" and {len(found) - 8} shards more" if len(found) > 8 else ""))

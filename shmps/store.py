@@ -98,6 +98,9 @@ class Store:
         self._catalog_len = 0
         self._generation = -1
         self._tensors: dict[str, Tensor] = {}
+        # outbox name -> per shard, the pushes lost with a bridge process as this handle
+        # first used the outbox (outbox.get_or_create; flush raises for later losses)
+        self._lost_seen: dict[str, list[int]] = {}
         self._lock = threading.RLock()
         self._executor: Optional[ThreadPoolExecutor] = None
         self._executor_pid = 0

@@ -180,6 +180,13 @@ class Tensor:
             raise Closed(f"tensor {self.name!r} is closed")
         return self._shards[i]
 
+    def _outbox_recover(self, shard: int) -> int:
+        """A bridge starting on this store (dense tensors and tables): record the pushes an
+        earlier bridge process drained from the outbox's ``shard`` and never saw
+        acknowledged as lost (``outbox.recover``); returns how many."""
+        from . import outbox
+        return outbox.recover(self, shard)
+
     def _require_finite(self, g: np.ndarray, nthreads: int = 1) -> None:
         """Raise NonFinite if a float gradient holds NaN/Inf (unless allowed).
 

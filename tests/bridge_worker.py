@@ -7,7 +7,9 @@ The JSON says what to do on one host's store (``store``, ``namespace``):
   "table": {name: [dim, dtype, capacity]}}`` (optimizer: "sum" or an SGD lr);
 - ``pushes``: how many rounds; each round pushes +1 to every row of each dense tensor and
   ``[1]*dim`` to every key in ``keys`` of each table; ``sleep`` between rounds;
-- ``flush``: call ``store.flush(timeout)`` at the end;
+- ``flush``: call ``store.flush(timeout)`` at the end (and every ``flush_every`` rounds);
+  with ``catch_lost``, a flush raising ``shmps.PushesLost`` is counted (``lost_flushes``)
+  and training goes on;
 - ``pull``: print the pulled tensors.
 
 Prints one JSON line: the rounds done and (with ``pull``) the pulled values as lists.
@@ -34,7 +36,17 @@ def main() -> None:
         made[name] = store.table(name, dim=dim, dtype=dtype, capacity=cap)
     keys = np.asarray(spec.get("keys", []), dtype=np.uint64)
     rounds = int(spec.get("pushes", 0))
-    done = 0
+    done = lost_flushes = 0
+
+    def flush() -> None:
+        nonlocal lost_flushes
+        try:
+            store.flush(timeout=spec.get("flush_timeout", 30.0))
+        except shmps.PushesLost:
+            if not spec.get("catch_lost"):
+                raise
+            lost_flushes += 1
+
     for _ in range(rounds):
         for name, t in made.items():
             if t.kind == "dense":
@@ -44,9 +56,11 @@ def main() -> None:
         done += 1
         if spec.get("sleep"):
             time.sleep(spec["sleep"])
+        if spec.get("flush_every") and done % spec["flush_every"] == 0:
+            flush()
     if spec.get("flush"):
-        store.flush(timeout=spec.get("flush_timeout", 30.0))
-    out: dict = {"rounds": done}
+        flush()
+    out: dict = {"rounds": done, "lost_flushes": lost_flushes}
     if spec.get("pull"):
         pulled = {}
         for name in spec["pull"]:

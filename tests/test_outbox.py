@@ -797,3 +797,78 @@ def test_sigkilled_forwarding_pusher_does_not_stall_the_drain(store, store_name)
     w.push(np.ones((64, 4096), np.float32))
     got = drain_all(w)
     assert sorted(got) == list(range(64))
+
+
+# ---- a bridge process that ends with drained, unacknowledged pushes ---------------------
+
+def drain_and_end(store: str, tensor: str) -> int:
+    """An "old bridge": drain every shard of ``tensor``'s outbox, acknowledge nothing,
+    and end (what it took ends with it)."""
+    s = shmps.attach(store, create=False)
+    t = s[tensor]
+    took = sum(t._outbox_drain(i) is not None for i in range(t._nshards))
+    s.close()
+    return took
+
+
+def push_then_flush(store: str, flags) -> str:
+    """A worker: push once to every row, then flush; reports how the flush ended."""
+    s = shmps.attach(store, create=False)
+    w = s["w"]
+    w.push(np.ones(w.shape, np.float32))
+    flags[2] = 1
+    try:
+        s.flush(timeout=30)
+        return "returned"
+    except shmps.PushesLost as e:
+        assert "taken by a bridge process" in str(e) and "'w'" in str(e), str(e)
+        s.flush(timeout=30)   # raised once: the next flush is not affected
+        return "lost"
+    finally:
+        s.close()
+
+
+def test_pushes_taken_by_an_ended_bridge_make_flush_raise(store, store_name):
+    """flush() must not return as if pushes had been applied when the bridge process that
+    drained them ended before their owner acknowledged them (nobody can resend them)."""
+    w = store.dense("w", shape=(64, 8), shard_rows=16)
+    store._set_forwarding(True)
+    w._outbox()
+    assert [w._outbox_recover(s) for s in range(4)] == [0, 0, 0, 0]   # nothing to recover
+    flags = new_flags(1)
+    with Workers() as ws:
+        worker = ws.start(push_then_flush, store_name, flags)
+        wait_until(lambda: flags[2] == 1, 60, "worker pushed")
+        old = ws.start(drain_and_end, store_name, "w")
+        assert old.result(timeout=60) == 4          # the old bridge took all 4 shards
+        time.sleep(0.2)
+        assert worker.process.is_alive()             # the worker's flush still waits
+        # a new bridge starts: it records what the old one took with it
+        assert [w._outbox_recover(s) for s in range(4)] == [1, 1, 1, 1]
+        assert worker.result(timeout=60) == "lost"
+    assert [w._outbox_recover(s) for s in range(4)] == [0, 0, 0, 0]   # recorded once
+    # this handle used the outbox before the loss (its pushes may be among the lost):
+    # its next flush raises too, once
+    with pytest.raises(shmps.PushesLost):
+        store.flush(timeout=1)
+    store.flush(timeout=1)
+    # a handle that first uses the outbox after the loss does not raise
+    later = shmps.attach(store_name, create=False)
+    try:
+        later["w"]._outbox()
+        later.flush(timeout=1)
+    finally:
+        later.close()
+    w.push(np.ones((64, 8), np.float32))
+    for s in range(4):
+        d = w._outbox_drain(s)
+        w._outbox_ack(s, d.pushed)
+    store.flush(timeout=1)
+    # and the handle that pushed before a loss raises once
+    w.push(np.ones((64, 8), np.float32))
+    for s in range(4):
+        assert w._outbox_drain(s) is not None       # drained, never acknowledged
+    assert [w._outbox_recover(s) for s in range(4)] == [1, 1, 1, 1]
+    with pytest.raises(shmps.PushesLost):
+        store.flush(timeout=1)
+    store.flush(timeout=1)

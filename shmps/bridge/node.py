@@ -287,6 +287,8 @@ class Metrics:
         self.staleness = Gauge("shmps_bridge_staleness_seconds", "age of the oldest "
                                "unacknowledged batch", registry=r)
         self.owned = Gauge("shmps_bridge_shards_owned", "shards this host owns", registry=r)
+        self.lost = Counter("shmps_bridge_lost_pushes", "pushes an earlier bridge process "
+                            "on this store drained and never saw acknowledged", registry=r)
         self.stalls = Counter("shmps_bridge_stalls", "times this process did not run for "
                               "half of dead_after and listened before acting again",
                               registry=r)
@@ -470,6 +472,14 @@ class Bridge:
                 continue
             info = TInfo(rec["name"], tid, rec["kind"], t, int(rec["nshards"]), dt, gdt, cols,
                          row_shape, nrows, int(rec.get("shard_rows", 1)), rec)
+            for s in range(info.nshards):
+                # what an earlier bridge process on this store drained and took with it
+                lost = t._outbox_recover(s)
+                if lost:
+                    self.metrics.lost.inc(lost)
+                    log.error("tensor %r shard %d: %d pushes were taken by an earlier bridge "
+                              "process that ended before their owner acknowledged them; "
+                              "store.flush() raises PushesLost for them", rec["name"], s, lost)
             self.tensors[tid] = info
             self.by_name[info.name] = info
             for s in range(info.nshards):
