@@ -171,6 +171,7 @@ def test_senders_bridge_killed_and_restarted(make_cluster):
     spec = dict(push_spec(rounds, sleep=0.01), flush_every=10, catch_lost=True)
     procs = [c.worker(1, spec), c.worker(0, push_spec(rounds, sleep=0.01))]
     time.sleep(0.8)
+    old_inc = c.health(1)["incarnation"]
     os.killpg(c.procs[1].pid, signal.SIGKILL)
     c.procs[1].wait(10)
     c.start(1)
@@ -198,6 +199,12 @@ def test_senders_bridge_killed_and_restarted(make_cluster):
     # nothing else is missing or applied twice
     assert 2 * rounds - lost <= int(w.min()) and int(w.max()) <= 2 * rounds, (w.min(), lost)
     assert 2 * rounds - lost <= int(e.min()) and int(e.max()) <= 2 * rounds, (e.min(), lost)
+    # the duplicate filters of host 1's old bridge process are forgotten everywhere: each
+    # host keeps filters for the three live bridge processes at most
+    for i in range(3):
+        h = c.health(i)
+        assert len(h["filters"]) <= 3, h["filters"]
+        assert not any(f.endswith(f"/{old_inc:08x}") for f in h["filters"]), h["filters"]
 
 
 def test_host_added_and_removed_mid_training(make_cluster):

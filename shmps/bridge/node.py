@@ -357,6 +357,8 @@ class Bridge:
         self._initial = set(configured)
         self._ever_acted = False                 # this host has owned shards at some time
         self._last_run = time.monotonic()        # see _check_stall
+        self._gone: set[tuple[int, int]] = set()  # (member id, incarnation) of processes
+                                                  # that restarted since: filters forgotten
         self._says_joining: dict[str, int] = {}  # peer -> epoch at which it has us joining
 
     # ------------------------------------------------------------ life cycle
@@ -691,14 +693,22 @@ class Bridge:
             return
         if hb.hb_flags & frames.HB_HANDED_OVER and self.members.state(peer) is State.DEAD:
             return  # it left on purpose and is about to exit: not a rejoin
+        if (hb.sender, hb.incarnation) in self._gone:
+            return  # buffered in a connection of a process that has restarted since
         known = self._incarnations.get(peer)
         self._incarnations[peer] = hb.incarnation
         if known is not None and known != hb.incarnation:
             log.info("member %s restarted (incarnation %08x -> %08x): it copies its shards "
                      "again", peer, known, hb.incarnation)
+            # the old process is gone and its frames are refused from now on (on_frame):
+            # its duplicate filters are no longer needed
+            self._gone.add((hb.sender, known))
             for st in self.shards.values():
                 st.synced.discard(peer)
                 st.snapshotting.pop(peer, None)
+                for stream in st.dedup.streams():
+                    if stream[0] == hb.sender and stream[1] == known:
+                        st.dedup.forget(stream)
             if self.members.state(peer) is not State.DEAD:
                 self._on_changes(self.members.mark_joining(peer))
         self._on_changes(self.members.heartbeat(peer))
@@ -1167,6 +1177,8 @@ class Bridge:
             # (say, while it applied batches cut off from the majority) are not the shard's
             st.dedup = Dedup()
         for m in f.marks:
+            if (m.sender, m.incarnation) in self._gone:
+                continue   # a restarted sender's old process: its filter is forgotten
             stream = (m.sender, m.incarnation, f.tensor, f.shard)
             try:
                 if f.flags & frames.Flag.FLOOR_MARKS:
@@ -1360,6 +1372,9 @@ class Bridge:
                                               "handover_from": st.handover_from}
                                      for st in self.shards.values() if st.pending},
                      "copied": sum(st.snap_epoch_seen >= 0 for st in self.shards.values()),
+                     # sender processes (member id/incarnation) with duplicate filters here
+                     "filters": sorted({f"{s[0]:08x}/{s[1]:08x}" for st in self.shards.values()
+                                        for s in st.dedup.streams()}),
                      "shards": len(self.shards),
                      "applied": int(self.metrics.applied._value.get())})
         return snap
@@ -1503,6 +1518,13 @@ class Bridge:
         if isinstance(f, frames.Heartbeat):
             self.metrics.frames_recv.labels("heartbeat").inc()
             self.on_heartbeat(peer, f)
+            return
+        if (f.sender, f.incarnation) in self._gone and not isinstance(f, frames.Ack):
+            # a frame of a process that has restarted since (still buffered in its old
+            # connection): that process is gone, and its duplicate filters are forgotten
+            self.metrics.rejected("old_incarnation")
+            if isinstance(f, (frames.Data, frames.Sync)):
+                reply(self._ack(f, Status.STALE_EPOCH))
             return
         # any authenticated frame counts as hearing from the peer
         self._on_changes(self.members.heartbeat(peer))
