@@ -160,9 +160,11 @@ class SendStream:
 class Conn:
     """One websocket with a writer task, so senders never wait on the network."""
 
-    def __init__(self, ws: Any, peer: str) -> None:
+    def __init__(self, ws: Any, peer: str, incarnation: int = 0) -> None:
         self.ws = ws
         self.peer = peer
+        self.incarnation = incarnation
+        self.opened = time.monotonic()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.closed = False
         self.writer = asyncio.get_running_loop().create_task(self._write())
@@ -227,14 +229,21 @@ class Link:
                                               incarnation=self.node.incarnation,
                                               server_id=self.addr)
                     await ws.send_bytes(hs.answer(hello))
-                    hs.check(await asyncio.wait_for(ws.receive_bytes(), 2.0))
-                    self.conn = Conn(ws, self.addr)
+                    server = hs.check(await asyncio.wait_for(ws.receive_bytes(), 2.0))
+                    if server.sender != member_id(self.addr):
+                        raise auth.AuthError(f"member id {server.sender:08x} does not match "
+                                             f"the address {self.addr}")
+                    self.conn = conn = Conn(ws, self.addr)
                     self.up_since = time.monotonic()
-                    self.node.on_link_up(self.addr)
+                    bad = 0
                     async for msg in ws:
                         if msg.type != aiohttp.WSMsgType.BINARY:
                             break
-                        self.node.on_reply(self.addr, msg.data)
+                        # the peer's data frames (it sends them on this host's connection,
+                        # server to client: unmasked) and ACKs of this host's frames
+                        bad = self.node.on_message(self.addr, server, msg.data, conn.send, bad)
+                        if bad >= MAX_BAD_FRAMES:
+                            break
             except asyncio.CancelledError:
                 if self.conn:
                     await self.conn.close()
@@ -248,7 +257,6 @@ class Link:
                 await self.conn.close()
                 self.conn = None
                 self.down_since = time.monotonic()
-                self.node.on_link_down(self.addr)
             await asyncio.sleep(0.05)
 
 
@@ -340,6 +348,8 @@ class Bridge:
         self.budget = ByteBudget(cfg.budget_bytes)
         self.links: dict[str, Link] = {}
         self.incoming: dict[tuple, Conn] = {}   # (peer address, incarnation) -> its stream
+        self.data_out: dict[str, Conn] = {}     # peer -> the connection this host's data
+                                                # frames to it take (see _out)
         self.ids: dict[int, str] = {member_id(m): m for m in configured}
         self.hb_seq = 0
         self.failover_log: list[dict] = []
@@ -711,6 +721,8 @@ class Bridge:
                         st.dedup.forget(stream)
             if self.members.state(peer) is not State.DEAD:
                 self._on_changes(self.members.mark_joining(peer))
+        if known != hb.incarnation:
+            self._rebind_data(peer)   # prefer the connection of the current incarnation
         self._on_changes(self.members.heartbeat(peer))
         if (self.members.epoch == 0 and not self._ever_acted and peer in self._initial
                 and self.members.state(peer) is State.JOINING):
@@ -791,12 +803,39 @@ class Bridge:
                 self.links[m] = Link(self, m)
 
     # ------------------------------------------------------------ links
-    def on_link_up(self, peer: str) -> None:
-        for key, stream in self.streams.items():
-            if stream.target == peer:
-                stream.q.rewind()
+    def _out(self, peer: str) -> Optional[Conn]:
+        """The connection this host's data frames (BATCH, ROWS, SNAPSHOT) to ``peer``
+        take: the one ``peer`` opened to this host, on which this host is the websocket
+        server and sends unmasked (a client masks every byte, RFC 6455 5.3: two more
+        copies of each frame on both ends). One connection per peer at a time, so
+        a snapshot and the ROWS after it arrive in order; when it changes, what was sent
+        on the old one counts as lost (see _data_path_changed)."""
+        c = self.data_out.get(peer)
+        return c if c is not None and not c.closed else None
 
-    def on_link_down(self, peer: str) -> None:
+    def _rebind_data(self, peer: str) -> None:
+        """Choose the connection for data frames to ``peer`` among the open ones it opened
+        to this host: the newest of its current incarnation (the one its heartbeats
+        carry), else the newest. Called when one opens or closes, and on a restart."""
+        inc = self._incarnations.get(peer)
+        best: Optional[Conn] = None
+        for (addr, _), c in self.incoming.items():
+            if addr != peer or c.closed:
+                continue
+            if best is None or ((c.incarnation == inc, c.opened)
+                                > (best.incarnation == inc, best.opened)):
+                best = c
+        if best is not self.data_out.get(peer):
+            if best is None:
+                del self.data_out[peer]
+            else:
+                self.data_out[peer] = best
+            self._data_path_changed(peer)
+
+    def _data_path_changed(self, peer: str) -> None:
+        """The connection for data frames to ``peer`` opened, closed or was replaced:
+        resend what it did not acknowledge, and copy the shards to it again (ROWS and
+        snapshots on the old connection may be lost)."""
         for key, stream in self.streams.items():
             if stream.target == peer:
                 stream.q.rewind()
@@ -804,16 +843,30 @@ class Bridge:
             st.synced.discard(peer)
             st.snapshotting.pop(peer, None)
 
-    def on_reply(self, peer: str, data: bytes) -> None:
-        """Frames arriving on this host's outgoing link: ACKs of what it sent."""
+    def on_message(self, peer: str, auth_peer: Any, data: bytes,
+                   reply: Callable[[bytes], None], bad: int) -> int:
+        """One websocket message from authenticated ``peer`` (on either connection):
+        its frames, each checked to come from that peer's process. Returns the count of
+        malformed messages in a row (``bad`` before this one)."""
         try:
             for f in frames.iter_frames(data):
-                if isinstance(f, frames.Ack):
-                    self.metrics.frames_recv.labels("ack").inc()
-                    self.on_ack(peer, f)
+                if f.sender != auth_peer.sender or f.incarnation != auth_peer.incarnation:
+                    raise frames.BadFrame(f"sender {f.sender:08x}/{f.incarnation:08x} is not "
+                                          "the authenticated peer")
+                try:
+                    self.on_frame(peer, f, reply)
+                except (frames.BadFrame, asyncio.CancelledError):
+                    raise
+                except Exception:
+                    log.exception("handling %s from %s failed", type(f).__name__, peer)
+            return 0
         except frames.BadFrame as e:
             self.metrics.rejected("malformed")
-            log.warning("malformed reply from %s: %s", peer, e)
+            log.warning("malformed frame from %s: %s", peer, e)
+            if bad + 1 >= MAX_BAD_FRAMES:
+                log.warning("closing the connection with %s after %d malformed frames",
+                            peer, bad + 1)
+            return bad + 1
 
     def on_ack(self, peer: str, ack: frames.Ack) -> None:
         key = (ack.tensor, ack.shard)
@@ -963,7 +1016,7 @@ class Bridge:
                     if stream.retry_at > now:
                         break   # refused (hand-over in progress, ...): resend later
                     continue
-                link = self.links.get(owner)
+                link = self._out(owner)
                 if link is None or not link.send(frame):
                     stream.q.rewind()
                     stream.retry_at = now + RETRY
@@ -1105,7 +1158,7 @@ class Bridge:
                 continue  # the snapshot it will get is taken later: it covers these rows
             # (a member being sent a snapshot gets these rows after it, on the same link:
             # the snapshot was read before this batch was applied)
-            link = self.links.get(m)
+            link = self._out(m)
             if link is not None and link.send(frame):
                 self.metrics.sent("rows", len(frame))
             else:
@@ -1215,8 +1268,8 @@ class Bridge:
     async def _send_snapshot_now(self, key: tuple, member: str, handover: bool) -> None:
         st = self.shards[key]
         info = self.tensors[key[0]]
-        link = self.links.get(member)
-        if link is None or not link.up:
+        link = self._out(member)
+        if link is None:
             return
         rd = info.t._snapshot(key[1])
         n = len(rd.index)
@@ -1278,8 +1331,7 @@ class Bridge:
             for m in targets:
                 if m in st.synced or m in st.snapshotting or st.snap_retry.get(m, 0) > now:
                     continue
-                link = self.links.get(m)
-                if link is None or not link.up:
+                if self._out(m) is None:
                     continue
                 asyncio.get_running_loop().create_task(self._send_snapshot(key, m))
             self._release(key)
@@ -1474,7 +1526,7 @@ class Bridge:
             log.warning("refused a connection from %s: %s", request.remote, e)
             await ws.close()
             return ws
-        conn = Conn(ws, peer.client_id)
+        conn = Conn(ws, peer.client_id, peer.incarnation)
         # a reconnect of the same process replaces its old stream; another process using
         # the same address (a restart) has its own
         who = (peer.client_id, peer.incarnation)
@@ -1482,36 +1534,20 @@ class Bridge:
         self.incoming[who] = conn
         if old is not None:
             await old.close()
+        self._rebind_data(peer.client_id)
         bad = 0
         try:
             async for msg in ws:
                 if msg.type != aiohttp.WSMsgType.BINARY:
                     break
-                try:
-                    for f in frames.iter_frames(msg.data):
-                        if f.sender != peer.sender or f.incarnation != peer.incarnation:
-                            raise frames.BadFrame(f"sender {f.sender:08x}/{f.incarnation:08x}"
-                                                  " is not the authenticated peer")
-                        try:
-                            self.on_frame(peer.client_id, f, conn.send)
-                        except (frames.BadFrame, asyncio.CancelledError):
-                            raise
-                        except Exception:
-                            log.exception("handling %s from %s failed", type(f).__name__,
-                                          peer.client_id)
-                    bad = 0
-                except frames.BadFrame as e:
-                    bad += 1
-                    self.metrics.rejected("malformed")
-                    log.warning("malformed frame from %s: %s", peer.client_id, e)
-                    if bad >= MAX_BAD_FRAMES:
-                        log.warning("closing the connection from %s after %d malformed frames",
-                                    peer.client_id, bad)
-                        break
+                bad = self.on_message(peer.client_id, peer, msg.data, conn.send, bad)
+                if bad >= MAX_BAD_FRAMES:
+                    break
         finally:
             await conn.close()
             if self.incoming.get(who) is conn:
                 del self.incoming[who]
+            self._rebind_data(peer.client_id)
         return ws
 
     def on_frame(self, peer: str, f: Any, reply: Callable[[bytes], None]) -> None:
@@ -1551,6 +1587,7 @@ class Bridge:
             else:
                 reply(self._ack(f, Status.NOT_OWNER))
         elif isinstance(f, frames.Ack):
+            self.metrics.frames_recv.labels("ack").inc()
             self.on_ack(peer, f)
 
 
