@@ -14,15 +14,18 @@ baselines measured in the same run:
   ``shmps.bridge.cli`` process per host on 127.0.0.2 / .3, one shared-memory namespace
   each, flush every 5 ms, replicas 1: an owner acknowledges without waiting for a
   backup, but still sends ROWS to every other host, which keeps a copy for local pulls).
-  1 or 2 worker processes on host A loop over ``push`` of a (4096, 1024) float32 gradient
-  (16 MiB, 16 shards of 1 MiB, SGD) and ``store.flush()``; the figure is
+  A (4096, 1024) float32 SGD tensor (16 MiB, 16 shards of 1 MiB) is created on A; 1 or 2
+  worker processes on A loop over ``push`` of a gradient for the rows of the shards host
+  B owns (``rows=``: every pushed byte is forwarded; the ring's split depends on the
+  ports, so that row count varies between runs) and ``store.flush()``; the figure is
   ``shmps_bridge_gradient_bytes_applied_total`` of host B, which has no workers: the
   gradient bytes of shards owned by the other host applied per second.  The full run adds
-  the loop without ``flush()`` (the outbox sums pushes until the bridge drains it) and
-  replicas 2.
+  the loop without ``flush()`` (the outbox sums pushes until the bridge drains it), a
+  loop pushing every row (A's bridge also applies the shards A owns, on the same 2
+  cores: the definition of the figure before 2026-11-23 14:30) and replicas 2.
 - **table rows**: the same cluster, a 64-dim float32 SGD table (16 shards), workers
-  pushing batches of 4096 uniform keys out of 1,000,000 (+ ``flush()``); rows/s and row
-  payload GB/s applied on host B.
+  pushing batches of 4096 uniform keys, out of 1,000,000, of the shards B owns
+  (+ ``flush()``); rows/s and row payload GB/s applied on host B.
 - **failover**: 3 bridges, replicas 2, one worker pushing a 256 KiB tensor (32 shards)
   every ~10 ms on host 0; kill -9 of the bridge owning most shards (never host 0); the
   time from the kill to the first batch applied by a successor (the survivors' ``/health``
@@ -397,20 +400,37 @@ def _pusher(spec: dict, stop: Any, status: Any, count: Any) -> None:
         import shmps
         store = shmps.attach(spec["store"], namespace=spec["namespace"])
         rng = np.random.default_rng(spec["seed"])
+        shards = spec.get("shards")   # only rows/keys of these shards (None: all)
         if spec["kind"] == "dense":
             t = store[spec["name"]]
-            g = (rng.standard_normal(t.shape, dtype=np.float32) * 1e-3)
+            if shards is None:
+                g = (rng.standard_normal(t.shape, dtype=np.float32) * 1e-3)
 
-            def push(i: int) -> None:
-                t.push(g)
+                def push(i: int) -> None:
+                    t.push(g)
+            else:
+                rows = np.concatenate([np.arange(s * t.shard_rows,
+                                                 min(t.nrows, (s + 1) * t.shard_rows))
+                                       for s in shards])
+                g = (rng.standard_normal((rows.size,) + t.shape[1:], dtype=np.float32) * 1e-3)
+
+                def push(i: int) -> None:
+                    t.push(g, rows=rows)
         else:
             t = store[spec["name"]]
-            ids = rng.integers(0, TABLE_KEYS, (16, TABLE_BATCH), dtype=np.uint64)
-            keys = ids * np.uint64(KEY_MUL)
-            gs = rng.standard_normal((16, TABLE_BATCH, TABLE_DIM), dtype=np.float32) * 1e-3
+            pool = rng.integers(0, TABLE_KEYS, 64 * TABLE_BATCH, dtype=np.uint64)
+            pool = pool * np.uint64(KEY_MUL)
+            if shards is not None:
+                pool = pool[np.isin(t._key_shard(pool), np.asarray(shards, np.uint32))]
+            n_batches = min(16, pool.size // TABLE_BATCH)
+            if n_batches < 1:
+                raise RuntimeError(f"only {pool.size} keys of the shards {shards}")
+            keys = pool[:n_batches * TABLE_BATCH].reshape(n_batches, TABLE_BATCH)
+            gs = rng.standard_normal((n_batches, TABLE_BATCH, TABLE_DIM),
+                                     dtype=np.float32) * 1e-3
 
             def push(i: int) -> None:
-                t.push(keys[i % 16], gs[i % 16])
+                t.push(keys[i % n_batches], gs[i % n_batches])
         status.put(("ready", spec["rank"], ""))
         n = 0
         sleep, flush = spec.get("sleep", 0.0), spec.get("flush", False)
@@ -435,7 +455,8 @@ class Pushers:
     """``n`` spawned pushers on host ``i`` of a cluster; stopped when the block ends."""
 
     def __init__(self, stack: ExitStack, cluster: Any, host: int, n: int, kind: str, name: str,
-                 sleep: float = 0.0, flush: bool = False) -> None:
+                 sleep: float = 0.0, flush: bool = False,
+                 shards: Optional[list[int]] = None) -> None:
         spawn = mp.get_context("spawn")
         self.stop = spawn.Event()
         self.status = spawn.Queue()
@@ -443,7 +464,8 @@ class Pushers:
         self.procs = []
         for r in range(n):
             spec = {"store": cluster.store, "namespace": cluster.namespaces[host], "kind": kind,
-                    "name": name, "seed": 1000 + r, "rank": r, "sleep": sleep, "flush": flush}
+                    "name": name, "seed": 1000 + r, "rank": r, "sleep": sleep, "flush": flush,
+                    "shards": shards}
             self.procs.append(_spawn(stack, _pusher, spec, self.stop, self.status,
                                      self.counts[r]))
         stack.callback(self.stop.set)   # runs before the terminations registered above
@@ -585,12 +607,12 @@ def describe(cluster: Any) -> str:
 
 # ------------------------------------------------------------------ forwarded pushes
 
-def _forward(c: Any, plan: Plan, what: str, workers: int,
-             flush: bool) -> tuple[Windows, dict[str, float]]:
+def _forward(c: Any, plan: Plan, what: str, workers: int, flush: bool,
+             shards: Optional[list[int]]) -> tuple[Windows, dict[str, float]]:
     """Run the pushers on host A (0) over the windows; counters of both bridges."""
     with ExitStack() as stack:
         ps = Pushers(stack, c, 0, workers, "dense" if what == DENSE else "table", what,
-                     flush=flush)
+                     flush=flush, shards=shards)
 
         def read() -> dict[str, float]:
             a, b = metrics(c, 0), metrics(c, 1)
@@ -607,35 +629,43 @@ def _forward(c: Any, plan: Plan, what: str, workers: int,
 
 
 def forwarded(ctx: RunContext, sec: Section, c: Any, plan: Plan, *, key: str, label: str,
-              what: str, workers: int, flush: bool = True) -> None:
-    """Workers on host A (0) push ``what``; host B's (1) applied gradient bytes per second."""
+              what: str, workers: int, flush: bool = True, remote_only: bool = True) -> None:
+    """Workers on host A (0) push ``what`` (only rows/keys of the shards host B owns when
+    ``remote_only``: every pushed byte is forwarded); host B's (1) applied gradient bytes
+    per second."""
     ctx.quiet.wait()
+    b_shards = sorted(int(k.rsplit("/", 1)[1]) for k in owned(c, 1, what))
+    if remote_only and not b_shards:
+        raise BridgeUnusable(f"{label}: host B owns no shard of {what!r}")
     try:
-        w, med = _forward(c, plan, what, workers, flush)
+        w, med = _forward(c, plan, what, workers, flush, b_shards if remote_only else None)
     except WorkerFailed as exc:
         raise BridgeUnusable(f"{label}, {workers} worker(s): {exc}\n{describe(c)}") from None
     wait_drained(c, 0)
     if not any(w.rates["b"]):
         raise BridgeUnusable(f"{label}: host B applied nothing in {plan.reps} windows of "
                              f"{plan.window:.0f} s (workers pushed {med['pushes']:.0f}/s)")
-    nb, total = len(owned(c, 1, what)), DENSE_SHAPE[0] // DENSE_SHARD_ROWS
+    nb = len(b_shards)
+    total = DENSE_SHAPE[0] // DENSE_SHARD_ROWS if what == DENSE else TABLE_SHARDS
     loop = "push + store.flush()" if flush else "push in a loop, no flush"
+    scope = (f"pushes to the {nb} of {total} shards B owns only" if remote_only else
+             f"pushes to every shard (B owns {nb} of {total})")
     wire = (f"on the wire: A->B BATCH {fmt_num(med['a_batch'] / 1e9)} GB/s, B->A ROWS "
             f"{fmt_num(med['b_rows'] / 1e9)} GB/s")
     if what == DENSE:
         row = add_row(sec, key, label, workers, "GB/s", [x / 1e9 for x in w.rates["b"]], w)
-        pushed = med["pushes"] * DENSE_SHAPE[0] * DENSE_SHAPE[1] * 4
-        row.note(f"{loop}: {fmt_num(med['pushes'])} pushes/s = {fmt_num(pushed / 1e9)} GB/s "
+        per_push = (nb if remote_only else total) * DENSE_SHARD_ROWS * DENSE_SHAPE[1] * 4
+        pushed = med["pushes"] * per_push
+        row.note(f"{scope}; {loop}: {fmt_num(med['pushes'])} pushes/s of "
+                 f"{per_push / 2**20:.0f} MiB = {fmt_num(pushed / 1e9)} GB/s "
                  f"{'pushed and flushed' if flush else 'into the outboxes (summed there)'}; "
-                 f"B owns {nb} of {total} shards, A applied its own "
-                 f"{fmt_num(med['a'] / 1e9)} GB/s; {wire}")
+                 f"A applied its own {fmt_num(med['a'] / 1e9)} GB/s; {wire}")
     else:
         rb = TABLE_DIM * 4
         rows = add_row(sec, key + "_rows", label + ": rows", workers, "rows/s",
                        [x / rb for x in w.rates["b"]], w, limit=None, baseline=None)
-        rows.note(f"{loop}: {fmt_num(med['pushes'] * TABLE_BATCH)} rows/s pushed on A; B owns "
-                  f"{nb} of {TABLE_SHARDS} shards; A applied its own {fmt_num(med['a'] / rb)} "
-                  f"rows/s; {wire}")
+        rows.note(f"{scope}; {loop}: {fmt_num(med['pushes'] * TABLE_BATCH)} rows/s pushed on "
+                  f"A; A applied its own {fmt_num(med['a'] / rb)} rows/s; {wire}")
         row = add_row(sec, key, label + ": row payload", workers, "GB/s",
                       [x / 1e9 for x in w.rates["b"]], w)
     row.data.update({k: v for k, v in w.rates.items() if k != "b"}, owned_by_b=nb)
@@ -643,9 +673,10 @@ def forwarded(ctx: RunContext, sec: Section, c: Any, plan: Plan, *, key: str, la
 
 def throughput(ctx: RunContext, sec: Section, workdir: Path, plan: Plan) -> None:
     """2 bridges: dense and table pushes from host A forwarded to host B."""
-    dense_label = "forwarded dense push, 16 MiB float32 SGD, replicas 1"
-    table_label = (f"forwarded table push, {TABLE_BATCH} uniform keys x {TABLE_DIM} float32 "
-                   "SGD, replicas 1")
+    dense_label = ("forwarded dense push, the rows of B's shards of a 16 MiB float32 SGD "
+                   "tensor, replicas 1")
+    table_label = (f"forwarded table push, {TABLE_BATCH} uniform keys of B's shards x "
+                   f"{TABLE_DIM} float32 SGD, replicas 1")
     with ExitStack() as stack:
         c = start_cluster(stack, sec, workdir / "r1", 2, replicas=1)
         create(c, 0, DENSE)
@@ -661,6 +692,9 @@ def throughput(ctx: RunContext, sec: Section, workdir: Path, plan: Plan) -> None
         if not ctx.quick:
             forwarded(ctx, sec, c, plan, key="dense_r1_noflush", what=DENSE, workers=1,
                       label=dense_label + ", no flush", flush=False)
+            forwarded(ctx, sec, c, plan, key="dense_r1_all", what=DENSE, workers=2,
+                      label="forwarded dense push, every row of a 16 MiB float32 SGD tensor "
+                            "(A applies the shards it owns), replicas 1", remote_only=False)
         for n in (1, 2):
             forwarded(ctx, sec, c, plan, key="table_r1", label=table_label, what=TABLE,
                       workers=n)
@@ -675,7 +709,8 @@ def throughput_r2(ctx: RunContext, sec: Section, workdir: Path, plan: Plan) -> N
         create(c, 0, DENSE)
         wait_tensor(c, [0, 1], DENSE)
         forwarded(ctx, sec, c, plan, key="dense_r2", what=DENSE, workers=2,
-                  label="forwarded dense push, 16 MiB float32 SGD, replicas 2")
+                  label="forwarded dense push, the rows of B's shards of a 16 MiB float32 "
+                        "SGD tensor, replicas 2")
 
 
 # ------------------------------------------------------------------ failover
