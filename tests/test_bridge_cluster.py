@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -205,6 +206,39 @@ def test_senders_bridge_killed_and_restarted(make_cluster):
         h = c.health(i)
         assert len(h["filters"]) <= 3, h["filters"]
         assert not any(f.endswith(f"/{old_inc:08x}") for f in h["filters"]), h["filters"]
+
+
+def test_lost_handover_is_asked_for_again(make_cluster, monkeypatch):
+    """A host joins mid-training and every first hand-over snapshot is lost on the way
+    (failpoint): each new owner answers BUSY and asks the previous owner again with SYNC
+    (every 0.5 s), which sends it again; totals stay exact, and no new owner falls back
+    to serving its own copy after the 3 s hand-over timeout."""
+    monkeypatch.setenv("SHMPS_BRIDGE_FAILPOINTS", "drop_first_handover")
+    c = make_cluster(3, spare=1)
+    c.start_all()
+    create_everywhere(c, [0, 1, 2])
+    rounds = 200
+    procs = [c.worker(0, push_spec(rounds, sleep=0.01)), c.worker(2, push_spec(rounds, 0.01))]
+    time.sleep(0.3)
+    c.members.append(c.addrs[3])
+    c.write_hosts()
+    c.start(3)
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err.decode() + c.describe()
+    c.wait_converged(30, hosts=[0, 1, 2, 3])
+    wait_totals(c, [0, 1, 2, 3], 2 * rounds)
+    logs = {i: c.logs[i].read_text(errors="replace") for i in range(4)}
+    dropped = re.findall(r"hand-over of (\S+) to (\S+) dropped", "".join(logs.values()))
+    assert dropped, c.describe()          # host 3 took shards over: hand-overs were lost
+    for key, to in dropped:
+        text = logs[c.addrs.index(to)]
+        # it came again, after the new owner's SYNC (or before the new owner saw the
+        # new ring: then it was kept and used when it did)
+        assert (f"shard {key} handed over by" in text
+                or f"shard {key}: hand-over snapshot from" in text), (key, to, c.describe())
+    for text in logs.values():
+        assert "serving from this host's copy" not in text, c.describe()
 
 
 def test_host_added_and_removed_mid_training(make_cluster):

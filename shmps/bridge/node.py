@@ -367,6 +367,10 @@ class Bridge:
         self._initial = set(configured)
         self._ever_acted = False                 # this host has owned shards at some time
         self._last_run = time.monotonic()        # see _check_stall
+        #: fault injection for tests (SHMPS_BRIDGE_FAILPOINTS, comma-separated names)
+        self._failpoints = set(filter(None, os.environ.get("SHMPS_BRIDGE_FAILPOINTS",
+                                                           "").split(",")))
+        self._dropped: set[tuple] = set()
         self._gone: set[tuple[int, int]] = set()  # (member id, incarnation) of processes
                                                   # that restarted since: filters forgotten
         self._says_joining: dict[str, int] = {}  # peer -> epoch at which it has us joining
@@ -584,7 +588,9 @@ class Bridge:
             st.pending.clear()
             st.synced.clear()
             st.snapshotting.clear()
-            if new and new[0] in self.members.reachable():
+            # (a host that never acted owned nothing: a joiner's first ring counted it
+            # in before it heard the cluster's view)
+            if new and new[0] in self.members.reachable() and self._ever_acted:
                 asyncio.get_running_loop().create_task(self._send_snapshot(key, new[0],
                                                                            handover=True))
         elif now and not was:
@@ -1270,6 +1276,13 @@ class Bridge:
         info = self.tensors[key[0]]
         link = self._out(member)
         if link is None:
+            return
+        if handover and "drop_first_handover" in self._failpoints and key not in self._dropped:
+            # test failpoint: the first hand-over of each shard is lost on the way (the
+            # new owner must ask again with SYNC)
+            self._dropped.add(key)
+            log.warning("failpoint drop_first_handover: hand-over of %s to %s dropped",
+                        st.key, member)
             return
         rd = info.t._snapshot(key[1])
         n = len(rd.index)
