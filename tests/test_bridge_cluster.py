@@ -214,15 +214,8 @@ def test_lost_handover_is_asked_for_again(make_cluster, monkeypatch):
     (every 0.5 s), which sends it again; totals stay exact, and no new owner falls back
     to serving its own copy after the 3 s hand-over timeout."""
     monkeypatch.setenv("SHMPS_BRIDGE_FAILPOINTS", "drop_first_handover")
-    c = make_cluster(3, spare=1)
-    c.start_all()
-    create_everywhere(c, [0, 1, 2])
     rounds = 200
-    procs = [c.worker(0, push_spec(rounds, sleep=0.01)), c.worker(2, push_spec(rounds, 0.01))]
-    time.sleep(0.3)
-    c.members.append(c.addrs[3])
-    c.write_hosts()
-    c.start(3)
+    c, procs = train_while_a_host_joins(make_cluster, rounds, after=0.3)
     for p in procs:
         out, err = p.communicate(timeout=120)
         assert p.returncode == 0, err.decode() + c.describe()
@@ -241,17 +234,23 @@ def test_lost_handover_is_asked_for_again(make_cluster, monkeypatch):
         assert "serving from this host's copy" not in text, c.describe()
 
 
-def test_host_added_and_removed_mid_training(make_cluster):
+def train_while_a_host_joins(make_cluster, rounds: int, after: float):
+    """3 hosts; workers on hosts 0 and 2 push ``rounds`` rounds; after ``after`` s a fourth
+    host is added to hosts.txt and started. Returns the cluster and the workers."""
     c = make_cluster(3, spare=1)
     c.start_all()
     create_everywhere(c, [0, 1, 2])
-    rounds = 400
     procs = [c.worker(0, push_spec(rounds, sleep=0.01)), c.worker(2, push_spec(rounds, 0.01))]
-    time.sleep(0.5)
-    # a fourth host joins
+    time.sleep(after)
     c.members.append(c.addrs[3])
     c.write_hosts()
     c.start(3)
+    return c, procs
+
+
+def test_host_added_and_removed_mid_training(make_cluster):
+    rounds = 400
+    c, procs = train_while_a_host_joins(make_cluster, rounds, after=0.5)
     c.wait_converged(30, hosts=[0, 1, 2, 3])   # host 3 is on every host's ring
     # host 1 is removed: it hands over and exits
     c.members.remove(c.addrs[1])
