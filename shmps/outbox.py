@@ -334,9 +334,11 @@ def recover(t: Any, shard: int) -> int:
     (``store.flush()`` then raises PushesLost for it).  Returns how many pushes."""
     ob = t._outbox()
     sh = ob._shard_checked(shard)
-    lost = ffi.new("uint64_t *")
-    _native.check(lib.shmps_outbox_recover(sh.ptr, lost), f"recover of {ob.name!r}")
-    return int(lost[0])
+    n = ffi.new("uint64_t *")
+    _native.check(lib.shmps_outbox_recover(sh.ptr, n), f"recover of {ob.name!r}")
+    # the recovering handle (the bridge) knows of this loss: its own flush does not raise
+    t._store._lost_seen[ob.name][int(shard)] = lost(ob, shard)[2]
+    return int(n[0])
 
 
 def lost(ob: Any, shard: int) -> tuple[int, int, int]:
