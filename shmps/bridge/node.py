@@ -367,6 +367,7 @@ class Bridge:
         self._initial = set(configured)
         self._ever_acted = False                 # this host has owned shards at some time
         self._last_run = time.monotonic()        # see _check_stall
+        self._join_progress_at = 0.0             # joining: next progress line (0: first)
         #: fault injection for tests (SHMPS_BRIDGE_FAILPOINTS, comma-separated names)
         self._failpoints = set(filter(None, os.environ.get("SHMPS_BRIDGE_FAILPOINTS",
                                                            "").split(",")))
@@ -573,6 +574,7 @@ class Bridge:
                     st.acked.pop(c.member, None)
             if c.member == self.addr and c.new is State.JOINING:
                 self.joined_at_epoch = self.members.epoch
+                self._join_progress_at = 0.0
                 self.ready_flag = False
                 for st in self.shards.values():
                     st.snap_epoch_seen = -1
@@ -1362,7 +1364,14 @@ class Bridge:
                 self.ready_flag = True
 
     def _request_copies(self, now: float) -> None:
-        """Joining: ask each shard's owner for a snapshot (SYNC) until one arrived."""
+        """Joining: ask each shard's owner for a snapshot (SYNC) until one arrived; say how
+        far the copy got every 2 s (a large store takes a while)."""
+        if now >= self._join_progress_at:
+            if self._join_progress_at:
+                done = sum(st.snap_epoch_seen >= 0 for st in self.shards.values())
+                log.info("joining: %d of %d shards copied (epoch %d)", done, len(self.shards),
+                         self.members.epoch)
+            self._join_progress_at = now + 2.0
         for (tid, s), st in self.shards.items():
             if st.snap_epoch_seen >= 0 or st.sync_sent_at > now - 1.0:
                 continue
