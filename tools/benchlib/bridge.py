@@ -7,9 +7,9 @@ baselines measured in the same run:
 - **baselines**, two processes on 127.0.0.1 spawned here, the receiver counting bytes:
   raw TCP (``sendall`` of 1 MiB, ``recv_into``: the rows' "limit"), an aiohttp websocket
   client sending 1 MiB binary messages to a server (``ws_connect`` /
-  ``WebSocketResponse`` as the bridge calls them, and the direction its BATCH frames
-  take: the rows' "baseline"), the same with glibc's malloc thresholds raised, and the
-  server -> client direction (servers do not mask).
+  ``WebSocketResponse`` as the bridge calls them), the same with glibc's malloc
+  thresholds raised, and the server -> client direction (servers do not mask; the
+  direction the bridge's data frames take since c100b87: the rows' "baseline").
 - **forwarded dense push**: 2 bridges (``tests/bridge_harness.Cluster``: one
   ``shmps.bridge.cli`` process per host on 127.0.0.2 / .3, one shared-memory namespace
   each, flush every 5 ms, replicas 1: an owner acknowledges without waiting for a
@@ -91,7 +91,7 @@ FLUSH_TIMEOUT = 20.0               # a push + flush of 16 MiB takes ~50 ms when 
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(256 << 20)}
 
 TCP = Ref("row:tcp", "raw TCP")
-WS = Ref("row:ws", "aiohttp ws")
+WS = Ref("row:ws_down", "aiohttp ws server -> client")
 
 
 class BridgeSection(Section):
@@ -113,7 +113,7 @@ def section() -> Section:
         "bridge", "BRIDGE: forwarded pushes between bridges on loopback, failover",
         intro=("GB/s = 1e9 B/s of payload (gradient values; table rows: 64 float32 = 256 B). "
                "procs = pushing worker processes on host A (baselines: one sender, one receiver). "
-               "vs limit = raw TCP socket, vs baseline = aiohttp websocket client -> server, both "
+               "vs limit = raw TCP socket, vs baseline = aiohttp websocket server -> client (the direction of the bridge's data frames), both "
                "on loopback between two processes in this run."))
 
 
@@ -380,13 +380,14 @@ def measure_baseline(ctx: RunContext, sec: Section, key: str, label: str, server
 def baselines(ctx: RunContext, sec: Section, plan: Plan) -> None:
     measure_baseline(ctx, sec, "tcp", "raw TCP socket, client sendall(1 MiB) -> server recv_into",
                      _tcp_server, _tcp_client, plan)
-    measure_baseline(ctx, sec, "ws", "aiohttp websocket, client -> server, 1 MiB binary messages "
-                     "(the bridge's direction)", _ws_server, _ws_client, plan, False, limit=TCP)
+    measure_baseline(ctx, sec, "ws", "aiohttp websocket, client -> server, 1 MiB binary messages",
+                     _ws_server, _ws_client, plan, False, limit=TCP)
     measure_baseline(ctx, sec, "ws_malloc", "aiohttp websocket, client -> server, glibc malloc "
                      "thresholds raised (MALLOC_MMAP_THRESHOLD_=32 MiB, MALLOC_TRIM_THRESHOLD_="
                      "256 MiB)", _ws_server, _ws_client, plan, False, limit=TCP, env=MALLOC_ENV)
-    measure_baseline(ctx, sec, "ws_down", "aiohttp websocket, server -> client (no masking)",
-                     _ws_server, _ws_client, plan, True, limit=TCP)
+    measure_baseline(ctx, sec, "ws_down", "aiohttp websocket, server -> client (no masking; the "
+                     "direction of the bridge's data frames)", _ws_server, _ws_client, plan, True,
+                     limit=TCP)
 
 
 # ------------------------------------------------------------------ workers on a host
