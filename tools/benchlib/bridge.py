@@ -113,8 +113,9 @@ def section() -> Section:
         "bridge", "BRIDGE: forwarded pushes between bridges on loopback, failover",
         intro=("GB/s = 1e9 B/s of payload (gradient values; table rows: 64 float32 = 256 B). "
                "procs = pushing worker processes on host A (baselines: one sender, one receiver). "
-               "vs limit = raw TCP socket, vs baseline = aiohttp websocket server -> client (the direction of the bridge's data frames), both "
-               "on loopback between two processes in this run."))
+               "vs limit = raw TCP socket, vs baseline = aiohttp websocket server -> client "
+               "(the direction of the bridge's data frames), both on loopback between two "
+               "processes in this run."))
 
 
 # ------------------------------------------------------------------ CPU and windows
