@@ -56,7 +56,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 from .context import RunContext
-from .harness import _die_with_parent, cpu_sample, progress, summary
+from .harness import _die_with_parent, cpu_sample, progress, stop_process, summary
 from .report import NOISY_FRACTION, Check, Metric, Ref, Row, Section, fmt_num, median_of
 
 REPO = Path(__file__).resolve().parents[2]
@@ -241,15 +241,7 @@ def _spawn(stack: ExitStack, target: Callable[..., None], *args: Any) -> Any:
     """A spawned daemon process, terminated (then killed) when ``stack`` closes."""
     p = mp.get_context("spawn").Process(target=target, args=args, daemon=True)
     p.start()
-
-    def stop() -> None:
-        if p.is_alive():
-            p.terminate()
-            p.join(5)
-        if p.is_alive():
-            p.kill()
-            p.join(5)
-    stack.callback(stop)
+    stack.callback(stop_process, p)
     return p
 
 
@@ -302,7 +294,6 @@ def _tcp_client(port: int, counter: Any) -> None:
 def _ws_server(port_q: Any, counter: Any, server_sends: bool) -> None:
     """A websocket server counting the binary bytes it receives, or sending 1 MiB messages."""
     _die_with_parent()
-    import aiohttp
     from aiohttp import web
 
     async def handler(request: Any) -> Any:

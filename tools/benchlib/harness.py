@@ -266,13 +266,18 @@ class _Group:
                 p.join(max(0.0, deadline - time.monotonic()))
         finally:
             for p in self.procs:
-                if p.is_alive():
-                    p.terminate()
-                    p.join(5)
-                if p.is_alive():
-                    p.kill()
-                    p.join(5)
+                stop_process(p)
             self.results.close()
+
+
+def stop_process(p: Any) -> None:
+    """Terminate, then kill, a multiprocessing process that is still alive."""
+    if p.is_alive():
+        p.terminate()
+        p.join(5)
+    if p.is_alive():
+        p.kill()
+        p.join(5)
 
 
 def run_group(target: str, params: dict[str, Any], nprocs: int, timing: Timing) -> GroupResult:
