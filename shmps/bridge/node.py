@@ -32,6 +32,7 @@ import logging
 import os
 import random
 import signal
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -1620,11 +1621,13 @@ async def serve(cfg: Config, ready: Optional[Callable[[Bridge], None]] = None) -
     node = Bridge(cfg)
     await node.start()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
+    if os.name == "posix" and threading.current_thread() is threading.main_thread():
+        # asyncio installs signal handlers only there; elsewhere (a bridge run in a
+        # thread, as some tests do) the caller stops it with request_stop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, node.request_stop)
-        except (NotImplementedError, RuntimeError):   # not the main thread (tests), Windows
-            log.debug("no handler for %s: stop with request_stop()", sig)
+    else:
+        log.debug("no SIGTERM/SIGINT handler here: stop with request_stop()")
     if ready is not None:
         ready(node)
     try:
