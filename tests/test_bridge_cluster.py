@@ -19,6 +19,7 @@ import pytest
 
 from shmps.bridge import auth, frames
 from shmps.bridge.members import member_id
+from shmps.bridge.ring import Ring, shard_key
 
 from bridge_harness import Cluster
 
@@ -236,8 +237,18 @@ def test_lost_handover_is_asked_for_again(make_cluster, monkeypatch):
 
 def train_while_a_host_joins(make_cluster, rounds: int, after: float):
     """3 hosts; workers on hosts 0 and 2 push ``rounds`` rounds; after ``after`` s a fourth
-    host is added to hosts.txt and started. Returns the cluster and the workers."""
-    c = make_cluster(3, spare=1)
+    host is added to hosts.txt and started. Returns the cluster and the workers.
+
+    The ring depends on the (random) ports; the addresses are drawn again until the
+    fourth host owns at least one of the 9 shards, so that its join moves ownership."""
+    keys = [shard_key("w", s) for s in range(8)] + [shard_key("emb", 0)]
+    for _ in range(50):
+        c = make_cluster(3, spare=1)
+        ring = Ring(c.addrs[:4])
+        if any(ring.owner(k) == c.addrs[3] for k in keys):
+            break
+    else:
+        raise AssertionError("no draw of ports gave the fourth host a shard")
     c.start_all()
     create_everywhere(c, [0, 1, 2])
     procs = [c.worker(0, push_spec(rounds, sleep=0.01)), c.worker(2, push_spec(rounds, 0.01))]
