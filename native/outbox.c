@@ -232,6 +232,24 @@ int shmps_outbox_pending(const void *base, uint64_t *out, uint64_t cap) {
     return SHMPS_OK;
 }
 
+/* The flush loop's test, one call per tensor: busy[i] = 1 where outbox shard
+ * bases[i] holds pushes no drain has counted yet (ob_pushed != ob_drained), else 0 (a
+ * base that is no outbox: 0).  *nbusy: how many are busy.  Relaxed loads suffice: this
+ * is a hint, and the drain it leads to makes its own acquire load of ob_pushed, which
+ * orders the pushes it takes.  A push whose release add this reads too early (not yet
+ * visible) is seen by the next call, one flush interval later; a shard left with
+ * ob_drained short of ob_pushed (a partial or timed-out drain) stays busy. */
+int shmps_outbox_busy(void *const *bases, uint32_t n, uint8_t *busy, uint32_t *nbusy) {
+    uint32_t k = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        shmps_shard_hdr_t *h = bases[i] ? outbox_hdr(bases[i]) : NULL;
+        busy[i] = h && LOAD(&h->ob_pushed, RELAXED) != LOAD(&h->ob_drained, RELAXED);
+        k += busy[i];
+    }
+    *nbusy = k;
+    return SHMPS_OK;
+}
+
 /* ---- replication: absolute writes of dense rows ------------------------------------ */
 
 /* Writes rows[i] (local) := vals[i], and its optimizer state, under the shard's

@@ -275,6 +275,7 @@ int shmps_outbox_drain(void *base, uint64_t token, double timeout_s, int64_t *ro
                        void *vals, uint64_t cap, uint64_t *n, uint64_t *pushed,
                        uint64_t *prev);
 int shmps_outbox_pending(const void *base, uint64_t *out, uint64_t cap);
+int shmps_outbox_busy(void *const *bases, uint32_t n, uint8_t *busy, uint32_t *nbusy);
 int shmps_dense_write_rows(void *base, uint64_t token, const int64_t *rows, uint64_t n,
                            const void *vals, void *const *states, uint32_t nstates);
 int shmps_raise_step(void *base, uint64_t step);

@@ -4,7 +4,8 @@ from __future__ import annotations
 import math
 import os
 import time
-from typing import Any, Optional
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
 
 import numpy as np
 
@@ -261,13 +262,16 @@ class DenseTensor(Tensor):
             self._ob = outbox.get_or_create(self)
         return self._ob
 
-    def _outbox_drain(self, shard: int, timeout: Optional[float] = None) -> Any:
+    def _outbox_drain(self, shard: int, timeout: Optional[float] = None,
+                      into: Any = None) -> Any:
         """Take what the outbox's ``shard`` holds: an ``outbox.Drained``, or None when no
         row is pending.  Exact against concurrent pushers (docs/concurrency.md).  Waits
         at most ``timeout`` (default outbox.DRAIN_TIMEOUT_S, 0.1 s) for a lock a live
-        process holds: then returns what it took so far, or None."""
+        process holds: then returns what it took so far, or None.
+        ``into``: an ``outbox.DrainBuffers`` to drain into (the result holds views of
+        it, valid until its next use)."""
         from . import outbox
-        return outbox.drain_dense(self, shard, timeout)
+        return outbox.drain_dense(self, shard, timeout, into)
 
     def _outbox_ack(self, shard: int, pushed: int) -> None:
         """The owner has applied every drain of ``shard`` up to ``Drained.pushed``."""
@@ -284,6 +288,30 @@ class DenseTensor(Tensor):
         if int(pushes) > 1:
             lib.shmps_count_pushes(self._shard(0).ptr, int(pushes) - 1)
 
+    def _apply_shard(self, shard: int, local: np.ndarray, grads: np.ndarray,
+                     pushes: int = 1) -> None:
+        """The owner's bridge, one BATCH: apply ``grads`` (``(n, row_len)`` values of the
+        gradient dtype) to the strictly increasing ``local`` rows (int64) of ``shard``
+        as one push (one step of the tensor's step count, Adam's t); ``pushes``: how
+        many pushes the batch stands for (statistics).  The caller checked the frame
+        (shard, rows, dtype); NaN/Inf is checked here and C checks the rows again.
+        One C call, no copy of the gradient: the lean form of ``_apply_direct``."""
+        g = np.ascontiguousarray(grads, dtype=self._gdtype)  # no copy when it already is
+        r = np.ascontiguousarray(local, dtype=np.int64)
+        if g.size != r.size * self.row_len:
+            raise SchemaError(f"{g.size} gradient values for {r.size} rows of {self.row_len}")
+        self._require_finite(g)
+        step = _native.ffi.new("uint64_t *")
+        lib.shmps_next_step(self._shard(0).ptr, step)
+        code = lib.shmps_dense_push_rows(self._shard_checked(shard).ptr, _native.token(),
+                                         _native.addr(r), r.size, _native.addr(g),
+                                         self._gcode, int(step[0]))
+        if code:
+            _native.check(code, f"push to {self.name!r}")
+        self._count(False, g.nbytes, r.size)
+        if int(pushes) > 1:
+            lib.shmps_count_pushes(self._shard(0).ptr, int(pushes) - 1)
+
     def _rows_of(self, shard: int, index: Any) -> tuple[Any, np.ndarray, np.ndarray]:
         """(shard, global rows, local rows) with every row inside ``shard``."""
         from .errors import OutOfRange
@@ -296,26 +324,49 @@ class DenseTensor(Tensor):
                              f"{int(shard) * self.shard_rows + sh.spec['nrows'] - 1})")
         return sh, r, local
 
+    @contextmanager
+    def _frozen_shared(self, shard: int) -> Iterator[list[np.ndarray]]:
+        """``shard``'s values and optimizer state arrays, each ``(nrows, row_len)``, while
+        the shard's shared freeze keeps pushes out (each row whole, state and values
+        together)."""
+        sh = self._shard(int(shard))
+        tok = _native.token()
+        _native.check(lib.shmps_freeze_shared(sh.ptr, tok, 60.0),
+                      f"read rows of {self.name!r} (shard {shard})")
+        try:
+            arrays = [sh.values(self.dtype)] + [sh.state(k) for k in range(sh.spec["nstate"])]
+            yield [a.reshape(sh.spec["nrows"], self.row_len) for a in arrays]
+        finally:
+            lib.shmps_thaw_shared(sh.ptr, tok)
+
     def _copy_rows(self, shard: int, r: np.ndarray, local: Optional[np.ndarray]) -> Any:
         from .outbox import RowData
-        sh = self._shard(int(shard))
-        n = sh.spec["nrows"] if local is None else local.size
-        tok = _native.token()
-        code = None
-        try:
-            code = lib.shmps_freeze_shared(sh.ptr, tok, 60.0)
-            _native.check(code, f"read rows of {self.name!r} (shard {shard})")
-            arrays = [sh.values(self.dtype)] + [sh.state(k) for k in range(sh.spec["nstate"])]
-            out = []
-            for a in arrays:
-                a = a.reshape(sh.spec["nrows"], self.row_len)
-                a = np.array(a) if local is None else a[local]
-                out.append(a.reshape((n,) + self.row_shape))
+        with self._frozen_shared(shard) as arrays:
+            n = arrays[0].shape[0] if local is None else local.size
+            out = [(np.array(a) if local is None else a[local]).reshape((n,) + self.row_shape)
+                   for a in arrays]
             step = _native.stats(self._shard(0).ptr)["step"]
-        finally:
-            if code is None or code == 0:
-                lib.shmps_thaw_shared(sh.ptr, tok)
         return RowData(index=r, values=out[0], states=out[1:], row_steps=None, step=int(step))
+
+    def _read_rows_into(self, shard: int, local: np.ndarray, out: list[np.ndarray]) -> int:
+        """The owner's bridge: the values, then each optimizer state array, of the
+        strictly increasing ``local`` rows (int64) of ``shard``, copied into ``out``
+        (``(n, row_len)`` arrays: the frame being built, frames.RowsBuilder) under the
+        shard's shared freeze, as :meth:`_read_rows`.  Returns the tensor's step.  The
+        caller checked the rows (a BATCH just applied to them); numpy checks them again."""
+        with self._frozen_shared(shard) as arrays:
+            if len(out) != len(arrays):
+                raise SchemaError(f"{len(out)} arrays to read {len(arrays)} into")
+            n = local.size
+            run = n and int(local[-1]) - int(local[0]) == n - 1   # a contiguous range
+            for a, o in zip(arrays, out):
+                if run:
+                    o[...] = a[int(local[0]):int(local[0]) + n]
+                else:
+                    np.take(a, local, axis=0, out=o)
+            st = _native.ffi.new("shmps_stats_t *")
+            lib.shmps_stats(self._shard(0).ptr, st)
+            return int(st.step)
 
     def _read_rows(self, shard: int, index: Any) -> Any:
         """Rows ``index`` (global, all in ``shard``) with their optimizer state and the

@@ -224,6 +224,13 @@ class DenseOutbox(DenseTensor):
             _native.check(lib.shmps_outbox_pushed(self._shards[int(i)].ptr),
                           f"push to {self.name!r}")
 
+    def _busy_bases(self) -> Any:
+        """Every shard's base (``void *[]``) for shmps_outbox_busy, built once."""
+        if getattr(self, "_bases_arr", None) is None:
+            self._bases_arr = ffi.new("void *[]", [self._shard(i).ptr
+                                                   for i in range(self.nshards)])
+        return self._bases_arr
+
     def _pending(self, shard: int) -> np.ndarray:
         """Per-row pending counts of ``shard`` (tests, statistics): > 0 where a row
         holds pushes no drain took; a push counts 1 per stripe a row spans."""
@@ -243,6 +250,10 @@ class TableOutbox(Table):
 
     def push(self, keys: Any, grads: Any, *, wait: bool = True) -> None:
         raise _refuse(self)
+
+    def _busy_bases(self) -> Any:
+        """Every shard's base (``void *[]``) for shmps_outbox_busy."""
+        return self._ptrs()
 
     def _push_counted(self, k: np.ndarray, g: np.ndarray, check: bool) -> None:
         """Sum validated rows into the outbox; C counts the push in every shard it
@@ -266,15 +277,52 @@ class TableOutbox(Table):
 
 # ---- drains -----------------------------------------------------------------------------
 
+class DrainBuffers:
+    """Reusable drain buffers (the bridge keeps one per tensor): a drain into them returns
+    views of them, valid until the next drain into the same buffers.  Without them every
+    drain allocates a shard's worth and returns arrays of its own."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[tuple, np.ndarray] = {}
+
+    def get(self, what: str, shape: tuple, dtype: Any) -> np.ndarray:
+        dt = np.dtype(dtype)
+        a = self._bufs.get((what, dt))
+        need = int(np.prod(shape, dtype=np.int64))
+        if a is None or a.size < need:
+            a = self._bufs[(what, dt)] = np.empty(need, dt)
+        return a[:need].reshape(shape)
+
+
+def _buffers(into: Optional[DrainBuffers], cap: int, row_shape: tuple, index_dtype: Any,
+             dtype: Any) -> tuple[np.ndarray, np.ndarray]:
+    if into is None:
+        return np.empty(cap, index_dtype), np.empty((cap,) + row_shape, dtype)
+    return into.get("index", (cap,), index_dtype), into.get("values", (cap,) + row_shape, dtype)
+
+
 def _drained(pushed: int, prev: int, index: np.ndarray, grads: np.ndarray, n: int,
-             cap: int) -> Optional[Drained]:
+             cap: int, into: Optional[DrainBuffers]) -> Optional[Drained]:
     if n == 0:
         return None
-    if 2 * n < cap:  # let the full-size buffers go
+    if into is None and 2 * n < cap:  # let the full-size buffers go
         index, grads = index[:n].copy(), grads[:n].copy()
     else:
         index, grads = index[:n], grads[:n]
     return Drained(pushed=pushed, index=index, grads=grads, pushes=max(1, pushed - prev))
+
+
+def busy(t: Any) -> list[int]:
+    """The shards of ``t``'s outbox holding pushes no drain has counted yet (one C call
+    for every shard): the ones worth draining.  A hint, read without ordering: a push
+    landing meanwhile shows at the next call."""
+    ob = t._outbox()
+    bases = ob._busy_bases()
+    flags = np.zeros(ob.nshards, np.uint8)
+    n = ffi.new("uint32_t *")
+    _native.check(lib.shmps_outbox_busy(bases, ob.nshards, ffi.from_buffer(flags), n),
+                  f"state of {ob.name!r}")
+    return np.flatnonzero(flags).tolist() if n[0] else []
 
 
 def _timeout(timeout: Optional[float]) -> float:
@@ -284,12 +332,12 @@ def _timeout(timeout: Optional[float]) -> float:
     return limit
 
 
-def drain_dense(t: Any, shard: int, timeout: Optional[float] = None) -> Optional[Drained]:
+def drain_dense(t: Any, shard: int, timeout: Optional[float] = None,
+                into: Optional[DrainBuffers] = None) -> Optional[Drained]:
     ob = t._outbox()
     sh = ob._shard_checked(shard)
     cap = sh.spec["nrows"]
-    rows = np.empty(cap, np.int64)
-    vals = np.empty((cap,) + t.row_shape, ob.dtype)
+    rows, vals = _buffers(into, cap, tuple(t.row_shape), np.int64, ob.dtype)
     n, pushed, prev = ffi.new("uint64_t *"), ffi.new("uint64_t *"), ffi.new("uint64_t *")
     code = lib.shmps_outbox_drain(sh.ptr, _native.token(), _timeout(timeout),
                                   _native.addr(rows), ffi.from_buffer(vals), cap, n, pushed,
@@ -298,16 +346,17 @@ def drain_dense(t: Any, shard: int, timeout: Optional[float] = None) -> Optional
         return None  # a live process held the shard past the bound: nothing taken
     if code not in (0, lib.SHMPS_DRAIN_PARTIAL):
         _native.check(code, f"drain of the outbox of {t.name!r} (shard {shard})")
-    rows += int(shard) * t.shard_rows  # global rows
-    return _drained(int(pushed[0]), int(prev[0]), rows, vals, int(n[0]), cap)
+    got = int(n[0])
+    rows[:got] += int(shard) * t.shard_rows  # global rows
+    return _drained(int(pushed[0]), int(prev[0]), rows, vals, got, cap, into)
 
 
-def drain_table(t: Any, shard: int, timeout: Optional[float] = None) -> Optional[Drained]:
+def drain_table(t: Any, shard: int, timeout: Optional[float] = None,
+                into: Optional[DrainBuffers] = None) -> Optional[Drained]:
     ob = t._outbox()
     ob._shard_checked(shard)
     cap = ob.shard_rows
-    keys = np.empty(cap, np.uint64)
-    vals = np.empty((cap, t.dim), ob.dtype)
+    keys, vals = _buffers(into, cap, (t.dim,), np.uint64, ob.dtype)
     n, pushed, prev = ffi.new("uint64_t *"), ffi.new("uint64_t *"), ffi.new("uint64_t *")
     code = lib.shmps_table_drain(ob._ptrs(), ob.nshards, int(shard), _native.token(),
                                  _timeout(timeout), _native.addr(keys), ffi.from_buffer(vals),
@@ -316,7 +365,7 @@ def drain_table(t: Any, shard: int, timeout: Optional[float] = None) -> Optional
         return None  # a live process held the shard past the bound: nothing taken
     if code:
         _native.check(code, f"drain of the outbox of {t.name!r} (shard {shard})")
-    return _drained(int(pushed[0]), int(prev[0]), keys, vals, int(n[0]), cap)
+    return _drained(int(pushed[0]), int(prev[0]), keys, vals, int(n[0]), cap, into)
 
 
 def ack(t: Any, shard: int, pushed: int) -> None:

@@ -541,14 +541,17 @@ class Table(Tensor):
             self._ob = outbox.get_or_create(self)
         return self._ob
 
-    def _outbox_drain(self, shard: int, timeout: Optional[float] = None) -> Any:
+    def _outbox_drain(self, shard: int, timeout: Optional[float] = None,
+                      into: Any = None) -> Any:
         """Take (and remove) every row the outbox's ``shard`` holds: an
         ``outbox.Drained`` (keys, summed gradients), or None when none is pending.
         The outbox shard is frozen meanwhile (its pushers wait, O(rows taken)).  Waits
         at most ``timeout`` (default outbox.DRAIN_TIMEOUT_S, 0.1 s) for the pushers
-        inside to leave: then takes nothing and returns None."""
+        inside to leave: then takes nothing and returns None.
+        ``into``: an ``outbox.DrainBuffers`` to drain into (the result holds views of
+        it, valid until its next use)."""
         from . import outbox
-        return outbox.drain_table(self, shard, timeout)
+        return outbox.drain_table(self, shard, timeout, into)
 
     def _outbox_ack(self, shard: int, pushed: int) -> None:
         """The owner has applied every drain of ``shard`` up to ``Drained.pushed``."""

@@ -187,6 +187,12 @@ class Tensor:
         from . import outbox
         return outbox.recover(self, shard)
 
+    def _outbox_busy(self) -> list[int]:
+        """The bridge's flush loop (dense tensors and tables): the outbox shards holding
+        pushes no drain has counted yet, the ones worth draining (``outbox.busy``)."""
+        from . import outbox
+        return outbox.busy(self)
+
     def _require_finite(self, g: np.ndarray, nthreads: int = 1) -> None:
         """Raise NonFinite if a float gradient holds NaN/Inf (unless allowed).
 

@@ -4,7 +4,7 @@ The JSON says what to do on one host's store (``store``, ``namespace``):
 
 - ``create``: tensors to get-or-create: ``{"dense": {name: [shape, dtype, optimizer,
   shard_rows]},
-  "table": {name: [dim, dtype, capacity]}}`` (optimizer: "sum" or an SGD lr);
+  "table": {name: [dim, dtype, capacity(, shards)]}}`` (optimizer: "sum" or an SGD lr);
 - ``pushes``: how many rounds; each round pushes +1 to every row of each dense tensor and
   ``[1]*dim`` to every key in ``keys`` of each table; ``sleep`` between rounds;
 - ``flush``: call ``store.flush(timeout)`` at the end (and every ``flush_every`` rounds);
@@ -32,8 +32,9 @@ def main() -> None:
     for name, (shape, dtype, opt, shard_rows) in spec.get("create", {}).get("dense", {}).items():
         upd = shmps.SGD(lr=opt) if isinstance(opt, (int, float)) else None
         made[name] = store.dense(name, tuple(shape), dtype, optimizer=upd, shard_rows=shard_rows)
-    for name, (dim, dtype, cap) in spec.get("create", {}).get("table", {}).items():
-        made[name] = store.table(name, dim=dim, dtype=dtype, capacity=cap)
+    for name, (dim, dtype, cap, *shards) in spec.get("create", {}).get("table", {}).items():
+        made[name] = store.table(name, dim=dim, dtype=dtype, capacity=cap,
+                                 **({"shards": shards[0]} if shards else {}))
     keys = np.asarray(spec.get("keys", []), dtype=np.uint64)
     rounds = int(spec.get("pushes", 0))
     done = lost_flushes = 0

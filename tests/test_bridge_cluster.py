@@ -299,13 +299,30 @@ def test_hostile_peers_are_refused(make_cluster):
     c = make_cluster(3)
     c.start_all()
     create_everywhere(c, [0, 1, 2])
+    c.run_worker(0, {"create": {"table": {"emb4": [4, "int32", 1000, 4]}}})
+    c.wait(lambda: all("emb4" in (c.health(i) or {}).get("tensors", []) for i in range(3)),
+           15, "every bridge to forward emb4")
     secret = c.secret_file.read_bytes().strip()
-    # attack a host that owns a shard of w (the ring depends on the random ports)
-    target = next(i for i in range(3) if any(k.startswith("w/") for k in c.health(i)["owned"]))
+    # attack a host that owns a shard of w, and of emb4 if one does (the ring depends on
+    # the random ports)
+    owns = [(any(k.startswith("w/") for k in c.health(i)["owned"]),
+             any(k.startswith("emb4/") for k in c.health(i)["owned"])) for i in range(3)]
+    target = max((i for i in range(3) if owns[i][0]), key=lambda i: owns[i][1])
     other = (target + 1) % 3
     h = c.health(target)
     key = next(k for k in h["owned"] if k.startswith("w/"))
     shard = int(key.split("/")[1])
+    emb_keys = [k for k in h["owned"] if k.startswith("emb4/")]
+    emb_shard = int(emb_keys[0].split("/")[1]) if emb_keys else None
+    s = c.attach(target)
+    try:
+        keys = np.arange(1, 200, dtype=np.uint64)
+        home = s["emb4"]._key_shard(keys)
+        emb_attack = (np.array([keys[home == emb_shard][0], keys[home != emb_shard][0]])
+                      if emb_shard is not None else keys[:2])
+        emb_before = s["emb4"].pull(emb_attack)
+    finally:
+        s.close()
     before, _ = pulled(c, target)
 
     async def attack() -> dict:
@@ -350,9 +367,28 @@ def test_hostile_peers_are_refused(make_cluster):
         hs.check(await ws.receive_bytes(timeout=5))
         await ws.send_bytes(batch)
         acks.append(frames.decode(await ws.receive_bytes(timeout=5)))
-        await session.close()
         out["acks"] = [(a.status, a.seq) for a in acks]
-        # 5. membership change without a MAC
+        # 5. batches naming this shard with rows of another shard, or rows out of order
+        # (a drain sends them sorted): refused before anything is applied
+        wrong = []
+        for seq, kw in ((2, {"start": ((shard + 1) % 8) * 64}),
+                        (3, {"rows": np.arange(shard * 64, shard * 64 + 64)[::-1].copy()}),
+                        (4, {"rows": np.array([shard * 64, (shard + 1) % 8 * 64])})):
+            n = 64 if seq < 4 else 2
+            await ws.send_bytes(frames.encode_batch(
+                epoch=epoch, sender=member_id(c.addrs[other]), incarnation=10,
+                tensor=frames.tensor_id("w"), shard=shard, seq=seq,
+                values=np.full((n, 8), 5, np.int32), **kw))
+            wrong.append(frames.decode(await ws.receive_bytes(timeout=5)).status)
+        if emb_shard is not None:   # a table batch with a key of another shard
+            await ws.send_bytes(frames.encode_batch(
+                epoch=epoch, sender=member_id(c.addrs[other]), incarnation=10,
+                tensor=frames.tensor_id("emb4"), shard=emb_shard, seq=1,
+                values=np.full((2, 4), 5, np.int32), keys=emb_attack))
+            wrong.append(frames.decode(await ws.receive_bytes(timeout=5)).status)
+        out["wrong_shard"] = wrong
+        await session.close()
+        # 6. membership change without a MAC
         async with aiohttp.ClientSession() as s:
             async with s.post(c.url(target, "/v1/members"), data=b'{"remove": []}') as r:
                 out["members_status"] = r.status
@@ -367,6 +403,8 @@ def test_hostile_peers_are_refused(make_cluster):
     assert out["oversized"] in closed
     assert out["members_status"] == 401
     assert out["acks"] == [(frames.Status.OK, 1)] * 3, out["acks"]
+    assert out["wrong_shard"] == [frames.Status.REJECTED] * len(out["wrong_shard"])
+    assert rejected(c, target, "schema") >= len(out["wrong_shard"])
     assert rejected(c, target, "auth") >= 2
     assert rejected(c, target, "malformed") >= 3
     after, _ = pulled(c, target)
@@ -375,6 +413,11 @@ def test_hostile_peers_are_refused(make_cluster):
     assert (diff[rows] == 1).all(), "the replayed batch must be applied exactly once"
     diff[rows] = 0
     assert not diff.any()
+    s = c.attach(target)
+    try:
+        assert np.array_equal(s["emb4"].pull(emb_attack), emb_before)
+    finally:
+        s.close()
 
 
 def test_bridge_cli_refuses_bad_setups(tmp_path):

@@ -138,6 +138,35 @@ def native_counters(ob, shard):
     return counters(ob, shard)
 
 
+def test_busy_names_the_shards_worth_draining_and_buffers_are_reused(store):
+    from shmps.outbox import DrainBuffers
+    w = store.dense("w", shape=(12, 2), dtype="float32", shard_rows=3)      # 4 shards
+    t = store.table("e", dim=2, capacity=64, shards=4)
+    store._set_forwarding(True)
+    assert w._outbox_busy() == [] and t._outbox_busy() == []
+    w.push(np.ones((2, 2), np.float32), rows=[1, 10])                      # shards 0, 3
+    keys = np.arange(1, 40, dtype=np.uint64)
+    home = t._key_shard(keys)
+    k1 = keys[home == 1][:3]
+    t.push(k1, np.ones((3, 2)))
+    assert w._outbox_busy() == [0, 3] and t._outbox_busy() == [1]
+    buf = DrainBuffers()
+    d0 = w._outbox_drain(0, into=buf)
+    assert d0.index.tolist() == [1] and d0.grads.tolist() == [[1.0, 1.0]]
+    assert w._outbox_busy() == [3]                # shard 0 is drained, 3 is still busy
+    d3 = w._outbox_drain(3, into=buf)
+    assert d3.index.tolist() == [10]
+    assert np.shares_memory(d0.grads, d3.grads)   # views of the same buffers
+    assert w._outbox_busy() == []
+    dk = t._outbox_drain(1, into=DrainBuffers())
+    assert sorted(dk.index.tolist()) == sorted(k1.tolist()) and t._outbox_busy() == []
+    # without buffers a drain owns its arrays; an empty drain leaves nothing busy
+    w.push(np.ones((1, 2), np.float32), rows=[4])
+    assert w._outbox_busy() == [1]
+    d = w._outbox_drain(1)
+    assert d.index.tolist() == [4] and w._outbox_drain(1) is None and w._outbox_busy() == []
+
+
 def test_forwarded_push_validation_changes_nothing(store):
     w = store.dense("w", shape=(6, 2), dtype="float32", shard_rows=3)
     t = store.table("e", dim=2, capacity=8)

@@ -41,6 +41,8 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from ..errors import CapacityError, Error, InvalidArgument
+from .. import _native
+from ..outbox import DrainBuffers
 from . import auth, frames
 from .frames import FrameType, Layout, Mark, Status
 from .members import (DEAD_AFTER, HEARTBEAT_INTERVAL, Membership, State, member_id,
@@ -53,6 +55,7 @@ log = logging.getLogger("shmps.bridge")
 ROWS_SEQ_BASE = 1 << 63          #: ROWS/SNAPSHOT seqs live above this (BATCH seqs below)
 TICK = 0.02                      #: maintenance interval (s)
 RETRY = 0.05                     #: resend delay after a refusal (s)
+SWEEP_EVERY = 1.0                #: drain every outbox shard, busy or not, this often (s)
 RESEND_AFTER = 2.0                #: resend a stream's unacknowledged frames after this silence
 HANDOVER_TIMEOUT = 3.0           #: a new owner waits this long for the old owner's snapshot
 CATALOG_INTERVAL = 0.5           #: how often tensor catalogs are compared with peers (s)
@@ -97,6 +100,8 @@ class TInfo:
     nrows: Optional[int]      #: dense rows; None for tables
     shard_rows: int
     record: dict
+    #: the flush loop drains into these (one shard at a time, encoded at once)
+    drain_buffers: DrainBuffers = field(default_factory=DrainBuffers)
 
     def shard_range(self, s: int) -> tuple[int, int]:
         lo = s * self.shard_rows
@@ -346,6 +351,7 @@ class Bridge:
         self.by_name: dict[str, TInfo] = {}
         self.shards: dict[tuple[int, int], ShardState] = {}
         self.streams: dict[tuple[int, int], SendStream] = {}
+        self._sweep_at = 0.0               # next drain of every outbox shard (_drain_all)
         self.budget = ByteBudget(cfg.budget_bytes)
         self.links: dict[str, Link] = {}
         self.incoming: dict[tuple, Conn] = {}   # (peer address, incarnation) -> its stream
@@ -946,14 +952,21 @@ class Bridge:
     def _drain_all(self) -> None:
         if not self.members.has_quorum():
             return  # a minority holds its outboxes
-        for (tid, s), stream in self.streams.items():
-            if self.budget.available < (8 << 20):
-                return
-            info = self.tensors[tid]
-            d = info.t._outbox_drain(s)
-            if d is None:
-                continue
-            self._queue_drain(info, s, stream, d)
+        now = time.monotonic()
+        sweep = now >= self._sweep_at
+        if sweep:
+            # now and then every shard, busy or not: what a pusher that died between
+            # writing its values and counting its push left behind goes out too
+            self._sweep_at = now + SWEEP_EVERY
+        for tid, info in self.tensors.items():
+            # one C call tells which shards hold uncounted pushes: an idle tensor costs
+            # that call, not a drain of each of its shards
+            for s in (range(info.nshards) if sweep else info.t._outbox_busy()):
+                if self.budget.available < (8 << 20):
+                    return
+                d = info.t._outbox_drain(s, into=info.drain_buffers)
+                if d is not None:
+                    self._queue_drain(info, s, self.streams[(tid, s)], d)
 
     def _queue_drain(self, info: TInfo, s: int, stream: SendStream, d: Any) -> None:
         n = len(d.index)
@@ -1082,6 +1095,7 @@ class Bridge:
         stream = (f.sender, f.incarnation, f.tensor, f.shard)
         try:
             frames.check_schema(f, dtype=info.gdtype, cols=info.cols, nrows=info.nrows)
+            self._check_in_shard(info, f)
         except frames.BadFrame as e:
             log.warning("batch %d from %s refused: %s", f.seq, peer, e)
             if stream not in st.dedup:
@@ -1110,9 +1124,13 @@ class Bridge:
             index = np.arange(f.start, f.start + f.n, dtype=np.int64)
         else:
             index = f.index
-        grads = f.values.reshape((f.n,) + info.row_shape)
         try:
-            info.t._apply_direct(index, grads, pushes=max(1, f.step))
+            if info.kind == "dense":
+                # checked above: sorted unique rows of this shard, the gradient dtype
+                info.t._apply_shard(f.shard, index - info.shard_range(f.shard)[0],
+                                    f.values, pushes=max(1, f.step))
+            else:
+                info.t._apply_direct(index, f.values, pushes=max(1, f.step))
         except CapacityError as e:
             log.error("batch %d from %s for %s: %s", f.seq, peer, st.key, e)
             return self._refuse(f, reply, Status.BUSY, "capacity")
@@ -1131,16 +1149,68 @@ class Bridge:
                                       "since_last_heartbeat_s": round(took, 4)})
             del self.failover_log[:-100]
             st.failover_from = None
-        rd = info.t._read_rows(f.shard, index)
-        rseq = self._send_rows(key, info, f.shard, rd, f.start if f.layout == Layout.RANGE
-                               else None, [Mark(f.sender, f.incarnation, f.seq)])
+        mark = [Mark(f.sender, f.incarnation, f.seq)]
+        if info.kind == "dense":
+            rseq = self._send_dense_rows(key, info, f.shard, index, f.start
+                                         if f.layout == Layout.RANGE else None, mark)
+        else:
+            rd = info.t._read_rows(f.shard, index)
+            rseq = self._send_rows(key, info, f.shard, rd, None, mark)
         self._wait_backups(key, st, reply, self._ack(f, Status.OK), rseq)
+
+    @staticmethod
+    def _check_in_shard(info: TInfo, f: frames.Data) -> None:
+        """Every row (key) of BATCH ``f`` lies in the shard the frame names, and a dense
+        batch's rows are strictly increasing (what a drain sends): else BadFrame, before
+        anything is applied.  The owner of one shard never changes another, which may
+        be owned elsewhere.  O(n)."""
+        if not f.n:
+            return
+        if info.kind == "table":
+            assert f.index is not None
+            wrong = np.flatnonzero(info.t._key_shard(f.index) != f.shard)
+            if wrong.size:
+                raise frames.BadFrame(f"malformed BATCH frame: key {int(f.index[wrong[0]])} "
+                                      f"is not in shard {f.shard}")
+            return
+        lo, hi = info.shard_range(f.shard)
+        if f.layout == Layout.RANGE:
+            first, last = f.start, f.start + f.n - 1
+        else:
+            assert f.index is not None
+            if f.n > 1 and not bool(np.all(f.index[1:] > f.index[:-1])):
+                raise frames.BadFrame("malformed BATCH frame: rows not strictly increasing")
+            first, last = int(f.index[0]), int(f.index[-1])
+        if first < lo or last >= hi:
+            raise frames.BadFrame(f"malformed BATCH frame: rows {first}..{last} are not all "
+                                  f"in shard {f.shard} (rows {lo}..{hi - 1})")
 
     def _targets(self) -> list[str]:
         """Every other member that keeps a copy: on the ring or joining."""
         return [m for m, s in self.members.states().items()
                 if m != self.addr and s in (State.ALIVE, State.SUSPECT, State.LEAVING,
                                             State.JOINING)]
+
+    def _send_dense_rows(self, key: tuple, info: TInfo, shard: int, index: np.ndarray,
+                         start: Optional[int], marks: list) -> int:
+        """ROWS of the dense rows ``index`` (global, sorted, in ``shard``) just applied: read
+        under the shard's freeze straight into the frame, then sent as _send_rows does."""
+        st = self.shards[key]
+        st.rseq += 1
+        spec = info.t._shard(shard).spec
+        nstate = int(spec["nstate"])
+        b = frames.RowsBuilder(epoch=self.members.epoch, sender=self.mid,
+                               incarnation=self.incarnation, tensor=info.tid, shard=shard,
+                               seq=ROWS_SEQ_BASE + st.rseq, n=len(index), cols=info.cols,
+                               dtype=info.dtype, start=start,
+                               rows=None if start is not None else index, marks=marks,
+                               nstate=nstate,
+                               state_dtype=_native.DTYPE_NAMES[spec["state_dtype"]] if nstate
+                               else None)
+        local = index - info.shard_range(shard)[0]
+        step = info.t._read_rows_into(shard, local, [b.values] + b.state)
+        self._send_to_copies(st, b.finish(step))
+        return st.rseq
 
     def _send_rows(self, key: tuple, info: TInfo, shard: int, rd: Any, start: Optional[int],
                    marks: list) -> int:
@@ -1162,6 +1232,11 @@ class Bridge:
                                    step=int(rd.step), marks=marks,
                                    state=[np.asarray(a).reshape(n, info.cols) for a in rd.states],
                                    **kw)
+        self._send_to_copies(st, frame)
+        return st.rseq
+
+    def _send_to_copies(self, st: ShardState, frame: bytes | bytearray) -> None:
+        """Send a ROWS frame to every other host that keeps a copy of the shard."""
         for m in self._targets():
             if m not in st.synced and m not in st.snapshotting:
                 continue  # the snapshot it will get is taken later: it covers these rows
@@ -1172,7 +1247,6 @@ class Bridge:
                 self.metrics.sent("rows", len(frame))
             else:
                 st.synced.discard(m)
-        return st.rseq
 
     def _required(self, st: ShardState) -> list[str]:
         """The backups whose acknowledgement an owner waits for."""
