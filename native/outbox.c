@@ -28,6 +28,12 @@
  */
 #include "internal.h"
 
+#include <limits.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
 /* ---- the forwarding switch (manifest) ------------------------------------------- */
 
 int shmps_forward_set(void *man, uint32_t on) {
@@ -47,6 +53,27 @@ uint32_t shmps_forward_get(const void *man) {
  * pusher reads afterwards was published through this word (outboxes are found
  * through the catalog, which has its own release/acquire). */
 uint32_t *shmps_forward_word(void *man) { return &((shmps_manifest_t *)man)->forward; }
+
+/* store.flush(): ask the bridge to drain now rather than at its next flush interval:
+ * bump flush_req and wake its waiter (a futex on a MAP_SHARED word: the shared ops).
+ * Relaxed: a wake-up hint only.  The pushes the flusher waits for are published by
+ * their own release adds of ob_pushed, which the drain acquires; a bridge that misses
+ * this bump drains them at its next interval anyway. */
+int shmps_flush_request(void *man) {
+    uint32_t *w = &((shmps_manifest_t *)man)->flush_req;
+    FETCH_ADD(w, 1, RELAXED);
+    syscall(SYS_futex, w, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+    return SHMPS_OK;
+}
+
+/* The bridge's waiting thread: sleep until flush_req differs from `seen` (at once if it
+ * does already) or max_ns pass; returns flush_req.  Relaxed, as above. */
+uint32_t shmps_flush_wait(void *man, uint32_t seen, uint64_t max_ns) {
+    uint32_t *w = &((shmps_manifest_t *)man)->flush_req;
+    struct timespec ts = {(time_t)(max_ns / 1000000000ull), (long)(max_ns % 1000000000ull)};
+    syscall(SYS_futex, w, FUTEX_WAIT, seen, &ts, NULL, 0);
+    return LOAD(w, RELAXED);
+}
 
 /* ---- counters -------------------------------------------------------------------- */
 

@@ -266,6 +266,8 @@ enum { SHMPS_DRAIN_PARTIAL = 2,
 int shmps_forward_set(void *man, uint32_t on);
 uint32_t shmps_forward_get(const void *man);
 uint32_t *shmps_forward_word(void *man);
+int shmps_flush_request(void *man);
+uint32_t shmps_flush_wait(void *man, uint32_t seen, uint64_t max_ns);
 int shmps_outbox_pushed(void *base);
 int shmps_outbox_counters(const void *base, uint64_t *pushed, uint64_t *acked);
 int shmps_outbox_ack(void *base, uint64_t pushed);

@@ -425,6 +425,9 @@ def flush(store: Any, timeout: Optional[float]) -> None:
             pushed, acked = counters(ob, i)
             if acked < pushed:
                 waits.append((ob, i, pushed))
+    if waits:
+        # wake the bridge: it drains now, not at its next flush interval
+        _native.check(lib.shmps_flush_request(store._mptr), "flush request")
     pause = 0.0002
     for ob, i, target in waits:
         while True:

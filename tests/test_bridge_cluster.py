@@ -106,6 +106,33 @@ def test_three_hosts_exact_totals(make_cluster):
     assert sum(owned) == 8 + 1 and all(n < 9 for n in owned), owned
 
 
+def test_flush_wakes_the_bridge_instead_of_waiting_for_the_interval(make_cluster):
+    """store.flush() asks the bridge to drain at once: with --flush-ms 2000, a push to a
+    shard owned by the other host is applied there and flushed in far less than the
+    interval (about a round trip; without the wake-up, half the interval on average)."""
+    c = make_cluster(2, flush_ms=2000)
+    c.start_all()
+    create_everywhere(c, [0, 1])
+    key = next(k for k in c.health(1)["owned"] if k.startswith("w/"))
+    row = int(key.split("/")[1]) * 64
+    s = c.attach(0)
+    took = []
+    try:
+        for _ in range(5):
+            t0 = time.monotonic()
+            s["w"].push(np.ones((1, 8), np.int32), rows=[row])
+            s.flush(timeout=30)
+            took.append(time.monotonic() - t0)
+    finally:
+        s.close()
+    assert sorted(took)[2] < 0.5, took
+    owner = c.attach(1)
+    try:
+        assert (owner["w"].pull(rows=[row]) == 5).all()
+    finally:
+        owner.close()
+
+
 def test_owner_killed_mid_stream(make_cluster):
     c = make_cluster(3)
     c.start_all()

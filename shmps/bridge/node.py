@@ -42,6 +42,7 @@ import numpy as np
 
 from ..errors import CapacityError, Error, InvalidArgument
 from .. import _native
+from .._native import lib
 from ..outbox import DrainBuffers
 from . import auth, frames
 from .frames import FrameType, Layout, Mark, Status
@@ -352,6 +353,10 @@ class Bridge:
         self.shards: dict[tuple[int, int], ShardState] = {}
         self.streams: dict[tuple[int, int], SendStream] = {}
         self._sweep_at = 0.0               # next drain of every outbox shard (_drain_all)
+        self._flush_wake: Optional[asyncio.Future] = None   # the flush loop's pause
+        self._flush_asked = False          # a worker asked for a drain (_wake_flush)
+        self._waiter_stop = False
+        self._waiter: Optional[threading.Thread] = None
         self.budget = ByteBudget(cfg.budget_bytes)
         self.links: dict[str, Link] = {}
         self.incoming: dict[tuple, Conn] = {}   # (peer address, incarnation) -> its stream
@@ -410,6 +415,9 @@ class Bridge:
             if m != self.addr:
                 self.links[m] = Link(self, m)
         loop = asyncio.get_running_loop()
+        self._waiter = threading.Thread(target=self._flush_waiter, args=(loop,),
+                                        name="shmps-flush-waiter", daemon=True)
+        self._waiter.start()
         self._tasks += [loop.create_task(self._heartbeat_loop(), name="heartbeat"),
                         loop.create_task(self._tick_loop(), name="tick"),
                         loop.create_task(self._flush_loop(), name="flush"),
@@ -463,6 +471,10 @@ class Bridge:
             await self.session.close()
         if self.runner is not None:
             await self.runner.cleanup()
+        if self._waiter is not None:
+            self._waiter_stop = True
+            lib.shmps_flush_request(self.store._mptr)   # wakes it
+            self._waiter.join(5)
         if self.store is not None:
             self.store.close()
 
@@ -933,6 +945,43 @@ class Bridge:
             stream.retry_at = time.monotonic() + (RETRY if ack.status != Status.BUSY else 0.02)
 
     # ------------------------------------------------------------ sender side
+    def _flush_waiter(self, loop: asyncio.AbstractEventLoop) -> None:
+        """A thread: sleeps on the store's flush-request word (a futex in the manifest)
+        and wakes the flush loop when a worker's store.flush() asks for a drain, so that
+        flush() does not wait for the next flush interval.  Costs nothing while nobody
+        flushes (it wakes once a second to look at the stop flag)."""
+        man = self.store._mptr
+        seen = lib.shmps_flush_wait(man, 0, 0)
+        while not self._waiter_stop:
+            now = lib.shmps_flush_wait(man, seen, 1_000_000_000)
+            if now != seen and not self._waiter_stop:
+                seen = now
+                try:
+                    loop.call_soon_threadsafe(self._wake_flush)
+                except RuntimeError:   # the loop closed
+                    return
+
+    def _wake_flush(self) -> None:
+        self._flush_asked = True
+        if self._flush_wake is not None and not self._flush_wake.done():
+            self._flush_wake.set_result(None)
+
+    async def _flush_pause(self, delay: float) -> None:
+        """Sleep ``delay`` s, or less if a worker asks for a flush meanwhile (or did while
+        this loop was draining)."""
+        if self._flush_asked:
+            self._flush_asked = False
+            return
+        loop = asyncio.get_running_loop()
+        fut = self._flush_wake = loop.create_future()
+        timer = loop.call_later(delay, lambda: fut.done() or fut.set_result(None))
+        try:
+            await fut
+        finally:
+            timer.cancel()
+            self._flush_wake = None
+            self._flush_asked = False
+
     async def _flush_loop(self) -> None:
         interval = self.cfg.flush_ms / 1000.0
         while True:
@@ -947,7 +996,7 @@ class Bridge:
                 raise
             except Exception:
                 log.exception("flush failed")
-            await asyncio.sleep(max(0.0, interval - (time.monotonic() - t0)))
+            await self._flush_pause(max(0.0, interval - (time.monotonic() - t0)))
 
     def _drain_all(self) -> None:
         if not self.members.has_quorum():
