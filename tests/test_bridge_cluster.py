@@ -106,6 +106,46 @@ def test_three_hosts_exact_totals(make_cluster):
     assert sum(owned) == 8 + 1 and all(n < 9 for n in owned), owned
 
 
+def test_initial_values_come_from_the_creating_host(make_cluster):
+    """A tensor created on one host with init= values (an array, or a scalar) has those
+    values on every host, including the shards other hosts own: an owner that created
+    the tensor from a peer's catalog starts from the origin's copy, not from zeros."""
+    c = make_cluster(3)
+    c.start_all()
+    init = np.random.default_rng(7).integers(-1000, 1000, (512, 8), dtype=np.int32)
+    s0 = c.attach(0)
+    try:
+        s0.dense("wa", (512, 8), "int32", init=init, shard_rows=64)
+        s0.dense("ws", (512, 8), "int32", init=3, shard_rows=64)
+    finally:
+        s0.close()
+    c.wait(lambda: all({"wa", "ws"} <= set((c.health(i) or {}).get("tensors", []))
+                       for i in range(3)), 15, "every bridge to forward wa and ws")
+    assert any(k.startswith("wa/") for i in (1, 2) for k in c.health(i)["owned"])
+
+    def copies(extra: int) -> bool:
+        for i in range(3):
+            s = c.attach(i)
+            try:
+                if not (np.array_equal(s["wa"].pull(), init + extra)
+                        and (s["ws"].pull() == 3 + extra).all()):
+                    return False
+            finally:
+                s.close()
+        return True
+
+    c.wait(lambda: copies(0), 10, "every host to hold the initial values")
+    s2 = c.attach(2)   # pushes from a host that did not create the tensors
+    try:
+        for _ in range(3):
+            s2["wa"].push(np.ones((512, 8), np.int32))
+            s2["ws"].push(np.ones((512, 8), np.int32))
+        s2.flush(timeout=30)
+    finally:
+        s2.close()
+    c.wait(lambda: copies(3), 10, "every host to hold the initial values + 3")
+
+
 def test_flush_wakes_the_bridge_instead_of_waiting_for_the_interval(make_cluster):
     """store.flush() asks the bridge to drain at once: with --flush-ms 2000, a push to a
     shard owned by the other host is applied there and flushed in far less than the

@@ -350,6 +350,10 @@ class Bridge:
         self.handed_over = False
         self.tensors: dict[int, TInfo] = {}
         self.by_name: dict[str, TInfo] = {}
+        # tensors this bridge created from a peer's catalog record: name -> the address of
+        # the host where a worker created it (its "origin"), whose copy holds the initial
+        # values (init= arrays or scalars are not in the record)
+        self.adopted: dict[str, str] = {}
         self.shards: dict[tuple[int, int], ShardState] = {}
         self.streams: dict[tuple[int, int], SendStream] = {}
         self._sweep_at = 0.0               # next drain of every outbox shard (_drain_all)
@@ -518,17 +522,31 @@ class Bridge:
                               "store.flush() raises PushesLost for them", rec["name"], s, lost)
             self.tensors[tid] = info
             self.by_name[info.name] = info
+            origin = self.adopted.get(info.name)
             for s in range(info.nshards):
                 self.shards[(tid, s)] = ShardState(shard_key(info.name, s))
                 self.streams[(tid, s)] = SendStream(OutQueue(self.budget))
                 self._role_change((tid, s), None, self.owners(shard_key(info.name, s)))
+                if (origin is not None and self.owner(shard_key(info.name, s)) == self.addr
+                        and origin in self.members.reachable()):
+                    # an owner of a tensor created elsewhere starts from the origin's
+                    # copy (its initial values), asked for as a hand-over snapshot;
+                    # batches wait (BUSY) until it is here
+                    st = self.shards[(tid, s)]
+                    st.handover_from = origin
+                    st.handover_until = time.monotonic() + HANDOVER_TIMEOUT
             log.info("forwarding tensor %r (%s, %d shards)", info.name, info.kind, info.nshards)
 
-    def create_from_record(self, rec: dict) -> None:
-        """Create a tensor a peer has (same schema), so this host can own and replicate it."""
+    def create_from_record(self, rec: dict, peer: Optional[str] = None) -> None:
+        """Create a tensor a peer has (same schema), so this host can own and replicate it;
+        its initial values come from the host where it was created (``rec["origin"]``,
+        else ``peer``): see refresh_tensors."""
         from ..updaters import from_dict
 
         name = rec["name"]
+        origin = rec.get("origin") if isinstance(rec.get("origin"), str) else peer
+        if origin is not None and origin != self.addr:
+            self.adopted[name] = origin
         if rec["kind"] == "dense":
             self.store.dense(name, tuple(rec["shape"]), rec["dtype"],
                              optimizer=from_dict(rec["optimizer"]), mode=rec.get("mode"),
@@ -681,6 +699,12 @@ class Bridge:
             if silent >= self.cfg.dead_after / 2 and now - link.down_since < 5 * self.cfg.dead_after:
                 log.info("member %s: connections closed, silent %.0f ms: dead", m, silent * 1e3)
                 self._on_changes(self.members.mark_dead(m))
+
+    def _is_origin(self, key: tuple) -> bool:
+        """A worker of this host created the tensor of shard ``key`` (the bridge did not
+        adopt it from a peer's catalog): this host's copy has its initial values."""
+        info = self.tensors.get(key[0])
+        return info is not None and info.name not in self.adopted
 
     def _was_owner(self, key: tuple) -> bool:
         """This host owned shard ``key`` in the ring before the current one."""
@@ -1541,7 +1565,7 @@ class Bridge:
                 continue
             if rec["name"] not in self.by_name:
                 try:
-                    self.create_from_record(rec)
+                    self.create_from_record(rec, peer)
                 except Error as e:
                     log.error("cannot create tensor %r like %s has it: %s", rec["name"], peer, e)
         self.refresh_tensors()
@@ -1601,7 +1625,9 @@ class Bridge:
         if self._verify(request, b"") is None:
             return web.json_response({"error": "authentication failed"}, status=401)
         self.store._refresh()
-        recs = [r for r in self.store._record_list if _user_record(r)]
+        # each record says where its tensor was created: the copy with its initial values
+        recs = [dict(r, origin=self.adopted.get(r["name"], self.addr))
+                for r in self.store._record_list if _user_record(r)]
         return web.json_response(recs)
 
     async def h_members(self, request: Any) -> Any:
@@ -1725,9 +1751,11 @@ class Bridge:
                     st.synced.discard(peer)
                     st.snap_retry.pop(peer, None)
             elif (key in self.shards and self.owner(self.shards[key].key) == peer
-                    and self._was_owner(key)):
+                    and (self._was_owner(key) or self._is_origin(key))):
                 # the new owner still waits for this host's hand-over (the first one was
-                # refused or lost): this host no longer applies batches, send it again
+                # refused or lost): this host no longer applies batches, send it again;
+                # or the owner of a tensor created here asks for its initial values
+                # (it accepts them only while it waits for them: refresh_tensors)
                 asyncio.get_running_loop().create_task(
                     self._send_snapshot(key, peer, handover=True))
             else:
