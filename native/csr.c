@@ -219,3 +219,110 @@ int shmps_csr_pull(void *base, uint64_t token, const int64_t *rows, uint64_t n, 
     if (r == SHMPS_OK) shmps_count(base, 1, copied * isz, count);
     return r;
 }
+
+/* ---- replication (the bridge): entries of a csr shard ----------------------------- */
+
+/* Local entries pos[0..n) strictly increasing within [0, nnz): checked before anything
+ * is read or changed.  *row0: the row of pos[0]; each later entry's row is found by
+ * walking on (entries ascend, so rows do). */
+static int check_entries(const shmps_spec_t *s, const int64_t *rc, const int64_t *pos,
+                         uint64_t n, uint64_t *row0) {
+    for (uint64_t i = 0; i < n; i++)
+        if (pos[i] < 0 || (uint64_t)pos[i] >= s->nnz || (i && pos[i] <= pos[i - 1]))
+            return SHMPS_E_BOUNDS;
+    uint64_t l = 0, h = s->nrows; /* the last row starting at or before pos[0] */
+    while (n && h - l > 1) {
+        uint64_t m = l + (h - l) / 2;
+        if (rc[m] <= pos[0]) l = m;
+        else h = m;
+    }
+    *row0 = l;
+    return SHMPS_OK;
+}
+
+/* Advances *row to the row holding entry e (e >= that row's start); SHMPS_E_CORRUPT
+ * if the structure's offsets do not cover e. */
+static int walk_to(const shmps_spec_t *s, const int64_t *rc, uint64_t *row, uint64_t e,
+                   uint64_t *lo, uint64_t *hi) {
+    for (;;) {
+        int r = span(s, rc, *row, lo, hi);
+        if (r) return r;
+        if (e < *hi && e >= *lo) return SHMPS_OK;
+        if (e < *lo || ++*row >= s->nrows) return SHMPS_E_CORRUPT;
+    }
+}
+
+int shmps_csr_read_entries(void *base, uint64_t token, const int64_t *pos, uint64_t n,
+                           void *vals, void *const *states, uint32_t nstates,
+                           uint64_t *rowsteps) {
+    shmps_shard_hdr_t *h = hdr_of(base);
+    const shmps_spec_t *s = &h->spec;
+    if (s->kind != SHMPS_CSR || nstates != s->nstate) return SHMPS_E_ARG;
+    const int64_t *rc = (const int64_t *)at(base, s->rowcnt_off);
+    uint64_t row = 0, lo, hi;
+    int r = check_entries(s, rc, pos, n, &row);
+    if (r) return r;
+    /* the shared freeze keeps pushers out: each row whole, values and state together */
+    if ((r = shmps_freeze_shared(base, token, SHMPS_LOCK_TIMEOUT_S)) < 0) return r;
+    const uint64_t *rowstep = (const uint64_t *)at(base, s->rowstep_off);
+    size_t isz = s->itemsize, ssz = s->state_itemsize;
+    for (uint64_t i = 0; i < n && r == SHMPS_OK; i++) {
+        uint64_t e = (uint64_t)pos[i];
+        if ((r = walk_to(s, rc, &row, e, &lo, &hi))) break;
+        memcpy((char *)vals + i * isz, at(base, s->value_off + e * isz), isz);
+        for (uint32_t k = 0; k < nstates; k++)
+            memcpy((char *)states[k] + i * ssz, at(base, s->state_off[k] + e * ssz), ssz);
+        /* relaxed: written only under the row lock, and no pusher is inside (frozen) */
+        rowsteps[i] = LOAD(&rowstep[row], RELAXED);
+    }
+    shmps_thaw_shared(base, token);
+    return r;
+}
+
+/* Writes entries pos[i] := vals[i] with their optimizer state and (rowsteps not NULL)
+ * the step of each entry's row := rowsteps[i], under the shard's exclusive freeze and,
+ * row by row, the row lock with its seqlock write open (pull(consistent=False) never
+ * sees a half-written row). */
+int shmps_csr_write_entries(void *base, uint64_t token, const int64_t *pos, uint64_t n,
+                            const void *vals, void *const *states, uint32_t nstates,
+                            const uint64_t *rowsteps) {
+    shmps_shard_hdr_t *h = hdr_of(base);
+    const shmps_spec_t *s = &h->spec;
+    if (s->kind != SHMPS_CSR || nstates != s->nstate) return SHMPS_E_ARG;
+    const int64_t *rc = (const int64_t *)at(base, s->rowcnt_off);
+    uint64_t row = 0, lo = 0, hi = 0;
+    int r = check_entries(s, rc, pos, n, &row);
+    if (r) return r;
+    if ((r = shmps_freeze(base, token, SHMPS_LOCK_TIMEOUT_S)) < 0) return r;
+    shmps_stripe_t *st = (shmps_stripe_t *)at(base, s->stripes_off);
+    uint64_t *rowstep = (uint64_t *)at(base, s->rowstep_off);
+    size_t isz = s->itemsize, ssz = s->state_itemsize;
+    uint64_t held = UINT64_MAX; /* the row whose lock is held */
+    for (uint64_t i = 0; i < n && r >= 0; i++) {
+        uint64_t e = (uint64_t)pos[i];
+        if ((r = walk_to(s, rc, &row, e, &lo, &hi))) break;
+        if (held != row) {
+            if (held != UINT64_MAX) {
+                shmps_stripe_write_end(&st[held]);
+                shmps_stripe_unlock(&st[held]);
+                held = UINT64_MAX;
+            }
+            /* a dead pusher's lock is taken over; no live pusher is inside (frozen) */
+            r = shmps_stripe_lock(&st[row], token, SHMPS_LOCK_TIMEOUT_S, &h->stats.takeovers);
+            if (r < 0) break;
+            shmps_stripe_write_begin(&st[row]);
+            held = row;
+        }
+        memcpy(at(base, s->value_off + e * isz), (const char *)vals + i * isz, isz);
+        for (uint32_t k = 0; k < nstates; k++)
+            memcpy(at(base, s->state_off[k] + e * ssz), (const char *)states[k] + i * ssz, ssz);
+        /* relaxed: under the row lock, as a push writes it */
+        if (rowsteps) STORE(&rowstep[row], rowsteps[i], RELAXED);
+    }
+    if (held != UINT64_MAX) {
+        shmps_stripe_write_end(&st[held]);
+        shmps_stripe_unlock(&st[held]);
+    }
+    shmps_thaw(base, token);
+    return r < 0 ? r : SHMPS_OK;
+}

@@ -254,6 +254,12 @@ int shmps_csr_push(void *base, uint64_t token, const int64_t *rowcnt, uint64_t n
 int shmps_csr_pull(void *base, uint64_t token, const int64_t *rows, uint64_t n, void *out,
                    int consistent);
 uint64_t shmps_csr_scratch_bytes(const void *base);
+int shmps_csr_read_entries(void *base, uint64_t token, const int64_t *pos, uint64_t n,
+                           void *vals, void *const *states, uint32_t nstates,
+                           uint64_t *rowsteps);
+int shmps_csr_write_entries(void *base, uint64_t token, const int64_t *pos, uint64_t n,
+                            const void *vals, void *const *states, uint32_t nstates,
+                            const uint64_t *rowsteps);
 /* outboxes of the multi-host bridge (outbox.c, table.c; docs/concurrency.md
  * "Outboxes").  The forwarding switch lives in the manifest; the counters in each
  * outbox shard's header.  A drain waits at most timeout_s for any one lock or freeze

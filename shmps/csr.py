@@ -227,15 +227,15 @@ class CSRTensor(Tensor):
         untouched (lazy).  Exact per row.  Cost: O(nnz of the push * log row length),
         one C call per shard, GIL released.  ``wait=False`` returns a PushHandle.
 
-        While shmps-bridge runs (the store's forwarding switch), a push raises
-        InvalidArgument: csr tensors are not forwarded in this version."""
-        if self._fwd[0]:
-            raise InvalidArgument(f"push to csr tensor {self.name!r} refused: shmps-bridge "
-                                  "is forwarding the pushes of this store, and csr tensors "
-                                  "are not forwarded by the bridge in this version; nothing "
-                                  "was changed",
-                                  "push to csr tensors only while no bridge runs for the store")
+        While shmps-bridge runs (the store's forwarding switch), the push is checked the
+        same way and summed into the tensor's outbox; the bridge forwards it to the
+        owner of each shard (docs/bridge.md)."""
         rc, ci, g = self._prepare(csr)
+        if self._fwd[0] and self._forwards():
+            if wait:
+                self._forward(rc, ci, g)
+                return None
+            return self._store._submit(self._forward, rc, ci, g)
         if wait:
             self._apply(rc, ci, g)
             return None
@@ -266,9 +266,23 @@ class CSRTensor(Tensor):
 
     def _apply(self, rc: np.ndarray, ci: np.ndarray, g: np.ndarray) -> None:
         self._require_finite(g)
-        scratch, nbytes, bad = self._scratch()
+        pos, parts = self._locate(rc, ci)
+        scratch, nbytes, _ = self._scratch()
+        tok = _native.token()
+        pg = ffi.from_buffer(g)
+        for _, sh, part, n in parts:
+            code = lib.shmps_csr_push(sh.ptr, tok, _native.addr(part), n, _native.addr(pos), pg,
+                                      self._gcode, scratch, nbytes)
+            if code:
+                _native.check(code, f"push to {self.name!r}")
+
+    def _locate(self, rc: np.ndarray, ci: np.ndarray) -> tuple[np.ndarray, list]:
+        """Each pushed entry's position in its shard (``pos``, local entry indices) and the
+        shards touched as ``(shard, Shard, rowcnt slice, rows)``; InvalidArgument naming
+        the first entry absent from the structure (nothing changed)."""
+        _, _, bad = self._scratch()
         pos = np.empty(ci.size, np.int64)
-        pci, ppos, pg = _native.addr(ci), _native.addr(pos), ffi.from_buffer(g)
+        pci, ppos = _native.addr(ci), _native.addr(pos)
         parts = []
         for s, sh in enumerate(self._shards):  # locate everything before applying anything
             r0, r1 = self._bounds(s)
@@ -283,13 +297,175 @@ class CSRTensor(Tensor):
                     "applied", "push only entries the matrix was created with")
             if code:
                 _native.check(code, f"push to {self.name!r}")
-            parts.append((sh, part, r1 - r0))
-        tok = _native.token()
-        for sh, part, n in parts:
-            code = lib.shmps_csr_push(sh.ptr, tok, _native.addr(part), n, ppos, pg, self._gcode,
-                                      scratch, nbytes)
-            if code:
-                _native.check(code, f"push to {self.name!r}")
+            parts.append((s, sh, part, r1 - r0))
+        return pos, parts
+
+    # -- the bridge's side (shmps/outbox.py; private API) -------------------------
+    # Across hosts a csr tensor travels as its entries: "rows" of one value, numbered
+    # 0..nnz-1 in structure order (shard s holds entries entry_bounds[s]..[s+1]), with
+    # the step of each entry's row.  The outbox is a hidden dense tensor of nshards x
+    # outbox_cap values: outbox row s * outbox_cap + k holds local entry k of shard s.
+    row_shape: tuple = ()
+
+    @property
+    def _entry_bounds(self) -> np.ndarray:
+        """Global index of each shard's first entry, and nnz (nshards + 1, int64)."""
+        b = getattr(self, "_bounds_cache", None)
+        if b is None:
+            rc, _ = self.structure()
+            b = self._bounds_cache = rc[np.minimum(np.arange(self.nshards + 1)
+                                                   * self.shard_rows, self.nrows)]
+        return b
+
+    @property
+    def _outbox_cap(self) -> int:
+        """Entries of the fullest shard (>= 1): the outbox's rows per shard."""
+        return max(1, max(int(sh.spec["nnz"]) for sh in self._shards))
+
+    def _forward(self, rc: np.ndarray, ci: np.ndarray, g: np.ndarray) -> None:
+        """A validated push while forwarding: NaN/Inf check (this tensor's rule), every
+        entry located (an absent one raises, nothing changed), then summed into the
+        outbox at its entry's row and counted there."""
+        self._require_finite(g)
+        pos, parts = self._locate(rc, ci)
+        cap = self._outbox_cap
+        rows = np.empty(ci.size, np.int64)
+        for s, _, part, _ in parts:
+            k0, k1 = int(part[0]), int(part[-1])
+            rows[k0:k1] = s * cap + pos[k0:k1]
+        self._outbox()._push_counted(np.ascontiguousarray(g, dtype=self._gdtype), rows)
+
+    def _outbox(self) -> Any:
+        """This tensor's outbox (``<name>#outbox``), created on first need."""
+        if self._ob is None:
+            from . import outbox
+            self._ob = outbox.get_or_create(self)
+        return self._ob
+
+    def _outbox_drain(self, shard: int, timeout: Optional[float] = None,
+                      into: Any = None) -> Any:
+        """Take what the outbox's ``shard`` holds: an ``outbox.Drained`` whose ``index``
+        is global entries (sorted) and ``grads`` their summed gradients, or None.  As
+        DenseTensor._outbox_drain."""
+        from . import outbox
+        first = int(self._entry_bounds[self._shard_index(shard)])
+        return outbox.drain_dense(self, shard, timeout, into, first=first, row_shape=())
+
+    def _outbox_ack(self, shard: int, pushed: int) -> None:
+        """The owner has applied every drain of ``shard`` up to ``Drained.pushed``."""
+        from . import outbox
+        outbox.ack(self, shard, pushed)
+
+    def _shard_index(self, shard: Any) -> int:
+        self._shard_checked(shard)
+        return int(shard)
+
+    def _local_entries(self, shard: int, index: Any) -> np.ndarray:
+        """Global entries ``index`` as local entries of ``shard``, strictly increasing,
+        else InvalidArgument / OutOfRange."""
+        from .errors import OutOfRange
+        s = self._shard_index(shard)
+        e = np.ascontiguousarray(np.asarray(index), dtype=np.int64).reshape(-1)
+        if e.size > 1 and not bool(np.all(e[1:] > e[:-1])):
+            raise InvalidArgument("entries must be strictly increasing")
+        b = self._entry_bounds
+        if e.size and (int(e[0]) < int(b[s]) or int(e[-1]) >= int(b[s + 1])):
+            raise OutOfRange(f"entries of {self.name!r} outside shard {s} (entries "
+                             f"{int(b[s])} to {int(b[s + 1]) - 1})")
+        return e - int(b[s])
+
+    def _apply_direct(self, index: Any, grads: Any, pushes: int = 1) -> None:
+        """The owner's bridge: apply ``grads`` (one value per entry) to the global
+        entries ``index`` (strictly increasing, all in one shard) as one push: each row
+        they touch steps once.  NaN/Inf and the entries are checked before anything
+        changes; ``pushes``: how many pushes the batch stands for (statistics)."""
+        e = np.ascontiguousarray(np.asarray(index), dtype=np.int64).reshape(-1)
+        if e.size == 0:
+            return
+        s = int(np.searchsorted(self._entry_bounds, e[0], side="right")) - 1
+        if not 0 <= s < self.nshards:
+            from .errors import OutOfRange
+            raise OutOfRange(f"entry {int(e[0])} of {self.name!r} out of range [0, {self.nnz})")
+        local = self._local_entries(s, e)
+        g = cast_grad(np.asarray(grads).reshape(-1), self.dtype, "grads")
+        if g.size != local.size:
+            raise InvalidArgument(f"{g.size} gradient values for {local.size} entries")
+        g = np.ascontiguousarray(g, dtype=self._gdtype)
+        self._require_finite(g)
+        sh = self._shard(s)
+        nrows = int(sh.spec["nrows"])
+        rc = sh.seg.array(np.int64, sh.spec["rowcnt_off"], nrows + 1)
+        rows = np.searchsorted(rc[1:], local, side="right")   # the row of each entry
+        part = np.zeros(nrows + 1, np.int64)
+        np.cumsum(np.bincount(rows, minlength=nrows)[:nrows], out=part[1:])
+        scratch, nbytes, _ = self._scratch()
+        code = lib.shmps_csr_push(sh.ptr, _native.token(), _native.addr(part), nrows,
+                                  _native.addr(local), ffi.from_buffer(g), self._gcode,
+                                  scratch, nbytes)
+        if code:
+            _native.check(code, f"push to {self.name!r}")
+        if int(pushes) > 1:
+            lib.shmps_count_pushes(self._shard(0).ptr, int(pushes) - 1)
+
+    def _state_arrays(self, s: int, n: int) -> list:
+        sp = self._shard(s).spec
+        sdt = _native.DTYPE_NAMES[sp["state_dtype"]]
+        return [np.empty(n, sdt) for _ in range(sp["nstate"])]
+
+    def _read_rows(self, shard: int, index: Any) -> Any:
+        """Global entries ``index`` (strictly increasing, in ``shard``) with their values,
+        optimizer state and the step of each one's row: an ``outbox.RowData`` (values
+        ``(n,)``), copied under the shard's shared freeze."""
+        from .outbox import RowData
+        local = self._local_entries(shard, index)
+        s = int(shard)
+        n = local.size
+        vals = np.empty(n, self.dtype)
+        states = self._state_arrays(s, n)
+        steps = np.empty(n, np.uint64)
+        bufs = [ffi.from_buffer(a) for a in states]
+        code = lib.shmps_csr_read_entries(self._shard(s).ptr, _native.token(),
+                                          _native.addr(local), n, ffi.from_buffer(vals),
+                                          ffi.new("void *[]", bufs) if bufs else ffi.NULL,
+                                          len(bufs), _native.addr(steps))
+        if code:
+            _native.check(code, f"read entries of {self.name!r} (shard {s})")
+        return RowData(index=local + int(self._entry_bounds[s]), values=vals, states=states,
+                       row_steps=steps, step=0)
+
+    def _snapshot(self, shard: int) -> Any:
+        """Every entry of ``shard``, as :meth:`_read_rows`."""
+        b = self._entry_bounds
+        s = self._shard_index(shard)
+        return self._read_rows(s, np.arange(int(b[s]), int(b[s + 1]), dtype=np.int64))
+
+    def _write_rows(self, shard: int, data: Any) -> None:
+        """Write ``data`` (an ``outbox.RowData`` of entries of ``shard``) into this copy:
+        absolute values, optimizer state and (``row_steps`` not None) each entry's row
+        step, under the shard's exclusive freeze and each row's lock.  Never goes
+        through the outbox."""
+        from .dense import _as_rows
+        local = self._local_entries(shard, data.index)
+        s, n = int(shard), local.size
+        vals = _as_rows(np.asarray(data.values).reshape(-1), self.dtype, (n,), "values")
+        sp = self._shard(s).spec
+        sdt = np.dtype(_native.DTYPE_NAMES[sp["state_dtype"]])
+        if len(data.states) != sp["nstate"]:
+            raise SchemaError(f"{len(data.states)} state arrays for {self.name!r}, its "
+                              f"optimizer keeps {sp['nstate']}")
+        states = [_as_rows(np.asarray(a).reshape(-1), sdt, (n,), "state") for a in data.states]
+        steps = None
+        if data.row_steps is not None:
+            steps = _as_rows(data.row_steps, np.dtype(np.uint64), (n,), "row_steps")
+        bufs = [ffi.from_buffer(a) for a in states]
+        code = lib.shmps_csr_write_entries(self._shard(s).ptr, _native.token(),
+                                           _native.addr(local), n, ffi.from_buffer(vals),
+                                           ffi.new("void *[]", bufs) if bufs else ffi.NULL,
+                                           len(bufs),
+                                           _native.addr(steps) if steps is not None
+                                           else ffi.NULL)
+        if code:
+            _native.check(code, f"write entries of {self.name!r} (shard {s})")
 
     # -- pull ------------------------------------------------------------------------
     def pull(self, rows: Any = None, *, consistent: bool = True) -> CSR:

@@ -112,9 +112,9 @@ class RowData:
 
 def forwardable(store: Any, rec: dict) -> bool:
     """Whether pushes to the tensor of record ``rec`` go to its outbox while forwarding
-    is on: dense tensors and tables, except outboxes and the hidden tensors of
-    synchronous aggregation (local bookkeeping of this host's rounds)."""
-    if rec.get("outbox_of") is not None or rec["kind"] not in ("dense", "table"):
+    is on: dense tensors, tables and csr tensors, except outboxes and the hidden tensors
+    of synchronous aggregation (local bookkeeping of this host's rounds)."""
+    if rec.get("outbox_of") is not None or rec["kind"] not in ("dense", "table", "csr"):
         return False
     name = rec["name"]
     if "#" in name:
@@ -134,16 +134,23 @@ def get_or_create(t: Any) -> Any:
     store = t._store
     name = outbox_name(t.name)
     gdt = grad_dtype(t.dtype).name
-    req: dict = {"kind": t.kind, "dtype": gdt, "outbox_of": t.name}
+    req: dict = {"kind": "dense" if t.kind == "csr" else t.kind, "dtype": gdt,
+                 "outbox_of": t.name}
     if t.kind == "dense":
         req.update(shape=list(t.shape), shard_rows=t.shard_rows)
-        make = lambda: _create_dense(store, t, name, gdt)  # noqa: E731
+        make = lambda: _create_dense(store, t.name, name, gdt, list(t.shape),  # noqa: E731
+                                     t.shard_rows, t.nshards)
     elif t.kind == "table":
         req.update(dim=t.dim, capacity=t.capacity)
         make = lambda: _create_table(store, t, name, gdt)  # noqa: E731
+    elif t.kind == "csr":
+        # one value per entry: shard s's entries at rows s * cap .. s * cap + nnz_s - 1
+        cap = t._outbox_cap
+        req.update(shape=[t.nshards * cap], shard_rows=cap)
+        make = lambda: _create_dense(store, t.name, name, gdt, [t.nshards * cap],  # noqa: E731
+                                     cap, t.nshards)
     else:
-        raise InvalidArgument(f"{t.kind} tensor {t.name!r} has no outbox",
-                              "csr tensors are not forwarded by shmps-bridge in this version")
+        raise InvalidArgument(f"{t.kind} tensor {t.name!r} has no outbox")
     ob = store._get_or_create(name, req, make)
     if not isinstance(ob, (DenseOutbox, TableOutbox)) or ob.nshards != t.nshards:
         raise CorruptSegment(f"tensor {name!r} is not the outbox of {t.name!r}")
@@ -154,13 +161,14 @@ def get_or_create(t: Any) -> Any:
     return ob
 
 
-def _create_dense(store: Any, t: Any, name: str, gdt: str) -> dict:
+def _create_dense(store: Any, of: str, name: str, gdt: str, shape: list, shard_rows: int,
+                  nshards: int) -> dict:
     from .store import _dense_specs
     from .updaters import Sum
 
-    rec = {"name": name, "kind": "dense", "dtype": gdt, "shape": list(t.shape),
-           "shard_rows": t.shard_rows, "nshards": t.nshards, "optimizer": Sum().to_dict(),
-           "mode": "exact", "allow_nonfinite": True, "outbox_of": t.name}
+    rec = {"name": name, "kind": "dense", "dtype": gdt, "shape": shape,
+           "shard_rows": shard_rows, "nshards": nshards, "optimizer": Sum().to_dict(),
+           "mode": "exact", "allow_nonfinite": True, "outbox_of": of}
     rec["id"] = tid = store._next_id()
     rec["bytes"] = store._create_segments(tid, _dense_specs(rec), lambda s, seg, lay: None)
     return store._append(rec)
@@ -333,11 +341,16 @@ def _timeout(timeout: Optional[float]) -> float:
 
 
 def drain_dense(t: Any, shard: int, timeout: Optional[float] = None,
-                into: Optional[DrainBuffers] = None) -> Optional[Drained]:
+                into: Optional[DrainBuffers] = None, *, first: Optional[int] = None,
+                row_shape: Optional[tuple] = None) -> Optional[Drained]:
+    """Drain shard ``shard`` of the dense outbox of ``t`` (a dense tensor; a csr tensor
+    passes ``first``, the global index of the shard's first entry, and ``row_shape``
+    ``()``): the rows taken, numbered from ``first`` (default shard * shard_rows)."""
     ob = t._outbox()
     sh = ob._shard_checked(shard)
     cap = sh.spec["nrows"]
-    rows, vals = _buffers(into, cap, tuple(t.row_shape), np.int64, ob.dtype)
+    shape = tuple(t.row_shape) if row_shape is None else tuple(row_shape)
+    rows, vals = _buffers(into, cap, shape, np.int64, ob.dtype)
     n, pushed, prev = ffi.new("uint64_t *"), ffi.new("uint64_t *"), ffi.new("uint64_t *")
     code = lib.shmps_outbox_drain(sh.ptr, _native.token(), _timeout(timeout),
                                   _native.addr(rows), ffi.from_buffer(vals), cap, n, pushed,
@@ -347,7 +360,7 @@ def drain_dense(t: Any, shard: int, timeout: Optional[float] = None,
     if code not in (0, lib.SHMPS_DRAIN_PARTIAL):
         _native.check(code, f"drain of the outbox of {t.name!r} (shard {shard})")
     got = int(n[0])
-    rows[:got] += int(shard) * t.shard_rows  # global rows
+    rows[:got] += int(shard) * t.shard_rows if first is None else int(first)  # global
     return _drained(int(pushed[0]), int(prev[0]), rows, vals, got, cap, into)
 
 

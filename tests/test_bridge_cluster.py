@@ -17,6 +17,8 @@ import urllib.request
 import numpy as np
 import pytest
 
+import shmps
+
 from shmps.bridge import auth, frames
 from shmps.bridge.members import member_id
 from shmps.bridge.ring import Ring, shard_key
@@ -144,6 +146,63 @@ def test_initial_values_come_from_the_creating_host(make_cluster):
     finally:
         s2.close()
     c.wait(lambda: copies(3), 10, "every host to hold the initial values + 3")
+
+
+def _random_structure(rows: int, cols: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    per = rng.integers(0, 8, rows)
+    ci = np.concatenate([np.sort(rng.choice(cols, k, replace=False)) for k in per])
+    return np.concatenate(([0], np.cumsum(per))), ci
+
+
+def test_csr_tensors_are_forwarded(make_cluster):
+    """csr tensors cross hosts as their entries: created on one host with init values,
+    every host holds them; pushes from every host reach each shard's owner exactly once
+    and every copy agrees (an int32 sum matrix, exactly; an Adagrad float32 one, values
+    and optimizer state, identically on every host)."""
+    c = make_cluster(3)
+    c.start_all()
+    rc, ci = _random_structure(300, 50, 3)
+    init = np.random.default_rng(4).integers(-50, 50, ci.size, dtype=np.int32)
+    s0 = c.attach(0)
+    try:
+        s0.csr("X", rc, ci, "int32", init=init, shard_rows=32)            # 10 shards
+        s0.csr("Y", rc, ci, "float32", init=0.5, optimizer=shmps.Adagrad(lr=0.1),
+               shard_rows=64)
+    finally:
+        s0.close()
+    c.wait(lambda: all({"X", "Y"} <= set((c.health(i) or {}).get("tensors", []))
+                       for i in range(3)), 15, "every bridge to forward X and Y")
+    assert all(any(k.startswith("X/") for k in c.health(i)["owned"]) for i in range(3))
+
+    def values(i: int) -> tuple:
+        s = c.attach(i)
+        try:
+            return s["X"].pull().value, s["Y"].pull().value
+        finally:
+            s.close()
+
+    c.wait(lambda: all(np.array_equal(values(i)[0], init) for i in range(3)), 10,
+           "every host to hold X's initial values")
+    rounds = 4
+    for i in range(3):
+        s = c.attach(i)
+        try:
+            for _ in range(rounds):
+                s["X"].push(shmps.CSR(rc, ci, np.ones(ci.size, np.int32)))
+                s["Y"].push(shmps.CSR(rc, ci, np.ones(ci.size, np.float32)))
+            with pytest.raises(shmps.InvalidArgument):   # an absent entry: nothing pushed
+                s["X"].push(shmps.CSR([0, 1] + [1] * 299, [49 if 49 not in ci[:rc[1]]
+                                                            else 48], [1]))
+            s.flush(timeout=30)
+        finally:
+            s.close()
+    c.wait(lambda: all(np.array_equal(values(i)[0], init + 3 * rounds) for i in range(3)),
+           10, f"every host to hold X's initial values + {3 * rounds}")
+    c.wait(lambda: all(np.array_equal(values(i)[1], values(0)[1]) for i in range(3)), 10,
+           "every host to hold the same Y")
+    y = values(0)[1]
+    assert (y < 0.5).all() and (y > 0.5 - 0.1 * 3 * rounds - 1e-6).all()   # stepped
 
 
 def test_flush_wakes_the_bridge_instead_of_waiting_for_the_interval(make_cluster):

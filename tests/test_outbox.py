@@ -677,21 +677,60 @@ def test_table_write_rows_capacity_is_all_or_nothing(store, second_store):
     b.check()
 
 
-# ---- what is not forwarded --------------------------------------------------------------------
+# ---- csr tensors: forwarded as their entries -------------------------------------------
 
-def test_csr_push_refused_while_forwarding(store):
-    rc, ci = np.array([0, 2, 3]), np.array([0, 2, 1])
-    m = store.csr("m", rc, ci, init=1.0)
+def test_csr_push_goes_to_the_outbox_as_entries(store):
+    # rows: 0 -> cols 0, 3; 1 -> none; 2 -> 1, 2, 4; 3 -> 0; 4 -> 2, 3 (3 shards of 2 rows)
+    rc, ci = np.array([0, 2, 2, 5, 6, 8]), np.array([0, 3, 1, 2, 4, 0, 2, 3])
+    m = store.csr("m", rc, ci, dtype="int32", init=1, shard_rows=2)
     store._set_forwarding(True)
-    with pytest.raises(shmps.InvalidArgument, match="not forwarded"):
-        m.push(shmps.CSR(rc, ci, np.ones(3, np.float32)))
-    with pytest.raises(shmps.InvalidArgument, match="not forwarded"):
-        m.push(shmps.CSR(rc, ci, np.ones(3, np.float32)), wait=False)
-    np.testing.assert_array_equal(m.pull().value, np.ones(3, np.float32))
-    assert "m#outbox" not in store
+    m.push(shmps.CSR(rc, ci, np.arange(8, dtype=np.int32)))
+    m.push(shmps.CSR([0, 1, 1, 1, 1, 3], [3, 2, 2], np.array([10, 20, 30], np.int32)),
+           wait=False).wait(10)
+    np.testing.assert_array_equal(m.pull().value, np.ones(8, np.int32))   # not applied here
+    ob = m._outbox()
+    assert ob.name == "m#outbox" and ob.shape == (3 * 4,) and ob.shard_rows == 4
+    # an absent entry, NaN in a float matrix: refused, nothing reaches the outbox
+    with pytest.raises(shmps.InvalidArgument, match="not in the structure"):
+        m.push(shmps.CSR([0, 1, 1, 1, 1, 1], [1], np.ones(1, np.int32)))
+    f = store.csr("f", rc, ci, dtype="float32", shard_rows=2)
+    with pytest.raises(shmps.NonFinite):
+        f.push(shmps.CSR(rc, ci, np.full(8, np.nan, np.float32)))
+    assert f._outbox_busy() == []
+    assert m._outbox_busy() == [0, 1, 2]
+    got = {}
+    for s in range(3):
+        d = m._outbox_drain(s)
+        assert np.all(np.diff(d.index) > 0)
+        got.update(zip(d.index.tolist(), d.grads.tolist()))
+        m._apply_direct(d.index, d.grads, d.pushes)        # as the owner's bridge does
+    assert got == {0: 0, 1: 11, 2: 2, 3: 3, 4: 4, 5: 5, 6: 6 + 50, 7: 7}
+    np.testing.assert_array_equal(m.pull().value, 1 + np.array([0, 11, 2, 3, 4, 5, 56, 7]))
+    # entries with their row steps (one step per batch and row), written to another copy
+    rd = m._read_rows(2, [6, 7])
+    assert rd.values.tolist() == [57, 8] and rd.row_steps.tolist() == [1, 1]
+    snap = m._snapshot(1)
+    assert snap.index.tolist() == [2, 3, 4, 5] and snap.values.tolist() == [3, 4, 5, 6]
+    other = store.csr("copy", rc, ci, dtype="int32", shard_rows=2)
+    other._write_rows(2, rd)
+    other._write_rows(1, snap)
+    np.testing.assert_array_equal(other.pull().value, [0, 0, 3, 4, 5, 6, 57, 8])
+    assert other._read_rows(2, [6]).row_steps.tolist() == [1]
+    # entries outside the shard, unsorted or repeated: refused before anything changes
+    with pytest.raises(shmps.OutOfRange):                  # entries of two shards
+        m._apply_direct([5, 6], np.ones(2, np.int32))
+    for bad in ([5], [7, 6], [6, 6]):
+        with pytest.raises((shmps.InvalidArgument, shmps.OutOfRange)):
+            m._read_rows(2, bad)
+    with pytest.raises(shmps.InvalidArgument):
+        m._apply_direct([7, 6], np.ones(2, np.int32))
+    with pytest.raises(shmps.OutOfRange):
+        other._write_rows(0, rd)
+    np.testing.assert_array_equal(m.pull().value, 1 + np.array([0, 11, 2, 3, 4, 5, 56, 7]))
+    # forwarding off: pushes apply here again
     store._set_forwarding(False)
-    m.push(shmps.CSR(rc, ci, np.ones(3, np.float32)))
-    np.testing.assert_array_equal(m.pull().value, np.full(3, 2.0, np.float32))
+    m.push(shmps.CSR(rc, ci, np.ones(8, np.int32)))
+    np.testing.assert_array_equal(m.pull().value, 2 + np.array([0, 11, 2, 3, 4, 5, 56, 7]))
 
 
 def test_aggregated_tensor_forwards_only_its_round(store):

@@ -91,27 +91,33 @@ class TInfo:
 
     name: str
     tid: int
-    kind: str                 #: "dense" or "table"
+    kind: str                 #: "dense", "table" or "csr"
     t: Any                    #: the store's tensor object
     nshards: int
     dtype: np.dtype           #: value dtype
     gdtype: np.dtype          #: gradient dtype (BATCH)
     cols: int                 #: values per row
     row_shape: tuple
-    nrows: Optional[int]      #: dense rows; None for tables
+    nrows: Optional[int]      #: dense rows, csr entries; None for tables
     shard_rows: int
     record: dict
     #: the flush loop drains into these (one shard at a time, encoded at once)
     drain_buffers: DrainBuffers = field(default_factory=DrainBuffers)
+    #: csr: each shard's first entry, and nnz (a csr tensor crosses as its entries)
+    bounds: Optional[list] = None
 
     def shard_range(self, s: int) -> tuple[int, int]:
+        """Rows (csr: entries) [lo, hi) of shard ``s``."""
+        if self.bounds is not None:
+            return self.bounds[s], self.bounds[s + 1]
         lo = s * self.shard_rows
         return lo, min(self.nrows or 0, lo + self.shard_rows)
 
 
 def _user_record(rec: dict) -> bool:
-    """Tensors the bridge forwards: dense (not aggregated) and tables, not hidden ones."""
-    return ("#" not in rec["name"] and rec["kind"] in ("dense", "table")
+    """Tensors the bridge forwards: dense (not aggregated), tables and csr tensors, not
+    hidden ones."""
+    return ("#" not in rec["name"] and rec["kind"] in ("dense", "table", "csr")
             and not rec.get("aggregate"))
 
 
@@ -410,6 +416,7 @@ class Bridge:
         app.router.add_get("/v1/stream", self.h_stream)
         app.router.add_get("/v1/catalog", self.h_catalog)
         app.router.add_post("/v1/members", self.h_members)
+        app.router.add_post("/v1/structure", self.h_structure)
         self.runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self.runner.setup()
         host, port = parse_address(self.addr)
@@ -497,11 +504,16 @@ class Bridge:
             t = self.store[rec["name"]]
             dt = np.dtype(rec["dtype"])
             gdt = np.dtype("float32") if dt == np.float16 else dt
+            bounds = None
             if rec["kind"] == "dense":
                 shape = tuple(rec["shape"])
                 row_shape = shape[1:]
                 cols = int(np.prod(row_shape, dtype=np.int64)) if shape else 1
                 nrows: Optional[int] = shape[0] if shape else 1
+            elif rec["kind"] == "csr":
+                # entries cross as rows of one value (CSRTensor's bridge side)
+                row_shape, cols, nrows = (), 1, int(rec["nnz"])
+                bounds = [int(b) for b in t._entry_bounds]
             else:
                 row_shape = (int(rec["dim"]),)
                 cols = int(rec["dim"])
@@ -511,7 +523,7 @@ class Bridge:
                           "forwarded", rec["name"], cols * gdt.itemsize)
                 continue
             info = TInfo(rec["name"], tid, rec["kind"], t, int(rec["nshards"]), dt, gdt, cols,
-                         row_shape, nrows, int(rec.get("shard_rows", 1)), rec)
+                         row_shape, nrows, int(rec.get("shard_rows", 1)), rec, bounds=bounds)
             for s in range(info.nshards):
                 # what an earlier bridge process on this store drained and took with it
                 lost = t._outbox_recover(s)
@@ -537,7 +549,8 @@ class Bridge:
                     st.handover_until = time.monotonic() + HANDOVER_TIMEOUT
             log.info("forwarding tensor %r (%s, %d shards)", info.name, info.kind, info.nshards)
 
-    def create_from_record(self, rec: dict, peer: Optional[str] = None) -> None:
+    def create_from_record(self, rec: dict, peer: Optional[str] = None,
+                           structure: Optional[tuple] = None) -> None:
         """Create a tensor a peer has (same schema), so this host can own and replicate it;
         its initial values come from the host where it was created (``rec["origin"]``,
         else ``peer``): see refresh_tensors."""
@@ -552,6 +565,13 @@ class Bridge:
                              optimizer=from_dict(rec["optimizer"]), mode=rec.get("mode"),
                              shard_rows=int(rec["shard_rows"]),
                              allow_nonfinite=bool(rec.get("allow_nonfinite", False)))
+        elif rec["kind"] == "csr":
+            if structure is None:
+                raise InvalidArgument(f"csr tensor {name!r}: no structure to create it with")
+            rc, ci = structure
+            self.store.csr(name, rc, ci, rec["dtype"], optimizer=from_dict(rec["optimizer"]),
+                           shape=tuple(rec["shape"]), shard_rows=int(rec["shard_rows"]),
+                           allow_nonfinite=bool(rec.get("allow_nonfinite", False)))
         elif rec["kind"] == "table":
             spec = rec.get("init_spec") or ["zeros"]
             self.store.table(name, dim=int(rec["dim"]), dtype=rec["dtype"],
@@ -1297,6 +1317,8 @@ class Bridge:
             kw["start"] = start
         else:
             kw["rows"] = np.asarray(rd.index, dtype=np.int64)
+        if info.kind == "csr":   # each entry's row step
+            kw["row_steps"] = np.asarray(rd.row_steps, dtype=np.uint64)
         n = len(rd.index)
         frame = frames.encode_rows(epoch=self.members.epoch, sender=self.mid,
                                    incarnation=self.incarnation, tensor=info.tid, shard=shard,
@@ -1451,6 +1473,8 @@ class Bridge:
                 kw["row_steps"] = np.asarray(rd.row_steps[i:j], dtype=np.uint64)
             else:
                 kw["start"] = int(rd.index[i]) if j > i else info.shard_range(key[1])[0]
+                if info.kind == "csr":
+                    kw["row_steps"] = np.asarray(rd.row_steps[i:j], dtype=np.uint64)
             vals = np.asarray(rd.values[i:j]).reshape(j - i, info.cols)
             chunks.append(frames.encode_snapshot(
                 epoch=self.members.epoch, sender=self.mid, incarnation=self.incarnation,
@@ -1565,11 +1589,41 @@ class Bridge:
                 continue
             if rec["name"] not in self.by_name:
                 try:
-                    self.create_from_record(rec, peer)
+                    structure = (await self._fetch_structure(peer, rec)
+                                 if rec["kind"] == "csr" else None)
+                    self.create_from_record(rec, peer, structure)
                 except Error as e:
                     log.error("cannot create tensor %r like %s has it: %s", rec["name"], peer, e)
         self.refresh_tensors()
         self.catalog_seen_from.add(peer)
+
+    async def _fetch_structure(self, peer: str, rec: dict) -> tuple[np.ndarray, np.ndarray]:
+        """The structure (rowcnt, colidx) of csr tensor ``rec`` from ``peer``
+        (``POST /v1/structure``, request MAC), checked against the record's digest."""
+        from ..csr import check_colidx, check_rowcnt, check_sorted, structure_hash
+        import aiohttp
+        host, port = parse_address(peer)
+        path = "/v1/structure"
+        body = json.dumps({"name": rec["name"]}).encode()
+        headers = auth.sign_request(self.cfg.secret, "POST", path, body, self.addr)
+        url = f"http://{host if ':' not in host else '[' + host + ']'}:{port}{path}"
+        async with self.session.post(url, data=body, headers=headers,
+                                     timeout=aiohttp.ClientTimeout(total=60.0)) as r:
+            if r.status != 200:
+                raise InvalidArgument(f"structure of {rec['name']!r} from {peer}: HTTP {r.status}")
+            data = await r.read()
+        rows, nnz = int(rec["shape"][0]), int(rec["nnz"])
+        if len(data) != 8 * (rows + 1 + nnz):
+            raise InvalidArgument(f"structure of {rec['name']!r} from {peer}: {len(data)} "
+                                  f"bytes, expected {8 * (rows + 1 + nnz)}")
+        arr = np.frombuffer(data, "<i8")
+        ci = check_colidx(arr[rows + 1:], int(rec["shape"][1]))
+        rc = check_rowcnt(arr[:rows + 1], ci.size)
+        check_sorted(rc, ci)
+        if structure_hash(rc, ci) != rec.get("structure"):
+            raise InvalidArgument(f"structure of {rec['name']!r} from {peer} does not match "
+                                  "its record's digest")
+        return rc, ci
 
     # ------------------------------------------------------------ HTTP
     def health(self) -> dict:
@@ -1629,6 +1683,24 @@ class Bridge:
         recs = [dict(r, origin=self.adopted.get(r["name"], self.addr))
                 for r in self.store._record_list if _user_record(r)]
         return web.json_response(recs)
+
+    async def h_structure(self, request: Any) -> Any:
+        """``POST /v1/structure`` ``{"name": N}``: csr tensor N's rowcnt then colidx
+        (little-endian int64), for a peer creating it (request MAC)."""
+        from aiohttp import web
+        body = await request.read()
+        if self._verify(request, body) is None:
+            return web.json_response({"error": "authentication failed"}, status=401)
+        try:
+            name = json.loads(body)["name"]
+            info = self.by_name[name] if isinstance(name, str) else None
+        except (ValueError, KeyError, TypeError):
+            info = None
+        if info is None or info.kind != "csr":
+            return web.json_response({"error": "no such csr tensor"}, status=404)
+        rc, ci = info.t.structure()
+        return web.Response(body=rc.astype("<i8").tobytes() + ci.astype("<i8").tobytes(),
+                            content_type="application/octet-stream")
 
     async def h_members(self, request: Any) -> Any:
         from aiohttp import web
