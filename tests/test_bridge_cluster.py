@@ -24,6 +24,7 @@ from shmps.bridge.members import member_id
 from shmps.bridge.ring import Ring, shard_key
 
 from bridge_harness import Cluster
+from bridge_worker import csr_structure
 
 pytest.importorskip("aiohttp")
 pytest.importorskip("prometheus_client")
@@ -32,6 +33,7 @@ pytestmark = [pytest.mark.timeout(240)]
 
 KEYS = [0, 1, 777, 12345, 2**64 - 1]
 DENSE = {"w": [[512, 8], "int32", "sum", 64]}      # 8 shards of 64 rows
+CSR = {"X": [256, 40, 5, "int32", 64]}             # 4 shards of 64 rows
 TABLE = {"emb": [4, "int32", 1000]}
 
 
@@ -52,16 +54,18 @@ def make_cluster(tmp_path):
 def create_everywhere(c: Cluster, hosts: list) -> None:
     for i in hosts:
         c.run_worker(i, {"create": {"dense": DENSE, "table": TABLE}})
-    c.wait(lambda: all((c.health(i) or {}).get("tensors") == ["emb", "w"] for i in hosts),
+    c.run_worker(hosts[0], {"create": {"csr": CSR}})
+    c.wait(lambda: all((c.health(i) or {}).get("tensors") == ["X", "emb", "w"] for i in hosts),
            15, "every bridge to forward the tensors")
 
 
-def pulled(c: Cluster, i: int) -> tuple[np.ndarray, np.ndarray]:
+def pulled(c: Cluster, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     s = c.attach(i)
     try:
         w = s["w"].pull()
         e = s["emb"].pull(np.asarray(KEYS, dtype=np.uint64))
-        return w, e
+        x = s["X"].pull().value
+        return w, e, x
     finally:
         s.close()
 
@@ -73,22 +77,24 @@ def wait_totals(c: Cluster, hosts: list, total: int, timeout: float = 10.0) -> N
 
     def ok() -> bool:
         for i in hosts:
-            w, e = pulled(c, i)
-            last[i] = (int(w.min()), int(w.max()), int(e.min()), int(e.max()))
+            w, e, x = pulled(c, i)
+            last[i] = (int(w.min()), int(w.max()), int(e.min()), int(e.max()), int(x.min()),
+                       int(x.max()))
             if last[i][:2] != (total, total):
                 bad = sorted({int(r) // 64 for r in np.nonzero((w != total).any(axis=1))[0]})
                 last[i] += (f"w shards off: {bad}",)
-        return all(last[i][:4] == (total,) * 4 for i in hosts)
+        return all(last[i][:6] == (total,) * 6 for i in hosts)
 
     try:
         c.wait(ok, timeout, f"every host to hold the total {total}")
     except AssertionError:
-        raise AssertionError(f"totals (min/max of w, min/max of emb) per host: {last}, "
+        raise AssertionError(f"totals (min/max of w, emb and X) per host: {last}, "
                              f"expected {total}\n{c.describe()}") from None
 
 
 def push_spec(rounds: int, sleep: float = 0.0, flush: bool = True) -> dict:
-    return {"create": {"dense": DENSE, "table": TABLE}, "keys": KEYS, "pushes": rounds,
+    return {"create": {"dense": DENSE, "table": TABLE, "csr": CSR}, "keys": KEYS,
+            "pushes": rounds,
             "sleep": sleep, "flush": flush, "flush_timeout": 60.0}
 
 
@@ -105,7 +111,7 @@ def test_three_hosts_exact_totals(make_cluster):
     wait_totals(c, [0, 1, 2], 3 * 2 * 25)
     # every host owns some shards, and none owns them all
     owned = [len(c.health(i)["owned"]) for i in range(3)]
-    assert sum(owned) == 8 + 1 and all(n < 9 for n in owned), owned
+    assert sum(owned) == 8 + 1 + 4 and all(n < 13 for n in owned), owned
 
 
 def test_initial_values_come_from_the_creating_host(make_cluster):
@@ -148,13 +154,6 @@ def test_initial_values_come_from_the_creating_host(make_cluster):
     c.wait(lambda: copies(3), 10, "every host to hold the initial values + 3")
 
 
-def _random_structure(rows: int, cols: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    per = rng.integers(0, 8, rows)
-    ci = np.concatenate([np.sort(rng.choice(cols, k, replace=False)) for k in per])
-    return np.concatenate(([0], np.cumsum(per))), ci
-
-
 def test_csr_tensors_are_forwarded(make_cluster):
     """csr tensors cross hosts as their entries: created on one host with init values,
     every host holds them; pushes from every host reach each shard's owner exactly once
@@ -162,7 +161,7 @@ def test_csr_tensors_are_forwarded(make_cluster):
     and optimizer state, identically on every host)."""
     c = make_cluster(3)
     c.start_all()
-    rc, ci = _random_structure(300, 50, 3)
+    rc, ci = csr_structure(300, 50, 3)
     init = np.random.default_rng(4).integers(-50, 50, ci.size, dtype=np.int32)
     s0 = c.attach(0)
     try:
@@ -319,14 +318,15 @@ def test_senders_bridge_killed_and_restarted(make_cluster):
 
     def same_everywhere() -> bool:
         copies = [pulled(c, i) for i in range(3)]
-        return all(np.array_equal(copies[0][k], cp[k]) for cp in copies for k in (0, 1))
+        return all(np.array_equal(copies[0][k], cp[k]) for cp in copies for k in (0, 1, 2))
 
     c.wait(same_everywhere, 15, "every host to hold the same copy")
-    w, e = pulled(c, 0)
+    w, e, x = pulled(c, 0)
     # each lost push may or may not have been applied (its ACK may be what was lost);
     # nothing else is missing or applied twice
     assert 2 * rounds - lost <= int(w.min()) and int(w.max()) <= 2 * rounds, (w.min(), lost)
     assert 2 * rounds - lost <= int(e.min()) and int(e.max()) <= 2 * rounds, (e.min(), lost)
+    assert 2 * rounds - lost <= int(x.min()) and int(x.max()) <= 2 * rounds, (x.min(), lost)
     # the duplicate filters of host 1's old bridge process are forgotten everywhere: each
     # host keeps filters for the three live bridge processes at most
     for i in range(3):
@@ -449,7 +449,7 @@ def test_hostile_peers_are_refused(make_cluster):
         emb_before = s["emb4"].pull(emb_attack)
     finally:
         s.close()
-    before, _ = pulled(c, target)
+    before = pulled(c, target)[0]
 
     async def attack() -> dict:
         import aiohttp
@@ -507,11 +507,16 @@ def test_hostile_peers_are_refused(make_cluster):
                 values=np.full((n, 8), 5, np.int32), **kw))
             wrong.append(frames.decode(await ws.receive_bytes(timeout=5)).status)
         if emb_shard is not None:   # a table batch with a key of another shard
-            await ws.send_bytes(frames.encode_batch(
-                epoch=epoch, sender=member_id(c.addrs[other]), incarnation=10,
-                tensor=frames.tensor_id("emb4"), shard=emb_shard, seq=1,
-                values=np.full((2, 4), 5, np.int32), keys=emb_attack))
-            wrong.append(frames.decode(await ws.receive_bytes(timeout=5)).status)
+            for _ in range(50):     # (BUSY while the owner copies emb4 from its origin)
+                await ws.send_bytes(frames.encode_batch(
+                    epoch=epoch, sender=member_id(c.addrs[other]), incarnation=10,
+                    tensor=frames.tensor_id("emb4"), shard=emb_shard, seq=1,
+                    values=np.full((2, 4), 5, np.int32), keys=emb_attack))
+                status = frames.decode(await ws.receive_bytes(timeout=5)).status
+                if status != frames.Status.BUSY:
+                    break
+                await asyncio.sleep(0.1)
+            wrong.append(status)
         out["wrong_shard"] = wrong
         await session.close()
         # 6. membership change without a MAC
@@ -533,7 +538,7 @@ def test_hostile_peers_are_refused(make_cluster):
     assert rejected(c, target, "schema") >= len(out["wrong_shard"])
     assert rejected(c, target, "auth") >= 2
     assert rejected(c, target, "malformed") >= 3
-    after, _ = pulled(c, target)
+    after = pulled(c, target)[0]
     diff = after.astype(np.int64) - before
     rows = slice(shard * 64, shard * 64 + 64)
     assert (diff[rows] == 1).all(), "the replayed batch must be applied exactly once"
