@@ -335,13 +335,6 @@ class CSRTensor(Tensor):
             rows[k0:k1] = s * cap + pos[k0:k1]
         self._outbox()._push_counted(np.ascontiguousarray(g, dtype=self._gdtype), rows)
 
-    def _outbox(self) -> Any:
-        """This tensor's outbox (``<name>#outbox``), created on first need."""
-        if self._ob is None:
-            from . import outbox
-            self._ob = outbox.get_or_create(self)
-        return self._ob
-
     def _outbox_drain(self, shard: int, timeout: Optional[float] = None,
                       into: Any = None) -> Any:
         """Take what the outbox's ``shard`` holds: an ``outbox.Drained`` whose ``index``
@@ -350,11 +343,6 @@ class CSRTensor(Tensor):
         from . import outbox
         first = int(self._entry_bounds[self._shard_index(shard)])
         return outbox.drain_dense(self, shard, timeout, into, first=first, row_shape=())
-
-    def _outbox_ack(self, shard: int, pushed: int) -> None:
-        """The owner has applied every drain of ``shard`` up to ``Drained.pushed``."""
-        from . import outbox
-        outbox.ack(self, shard, pushed)
 
     def _shard_index(self, shard: Any) -> int:
         self._shard_checked(shard)

@@ -255,13 +255,6 @@ class DenseTensor(Tensor):
             yield i, local, (np.ascontiguousarray(g[idx]) if g is not None else idx)
 
     # -- the bridge's side (shmps/outbox.py; private API) -------------------------
-    def _outbox(self) -> Any:
-        """This tensor's outbox (``<name>#outbox``), created on first need."""
-        if self._ob is None:
-            from . import outbox
-            self._ob = outbox.get_or_create(self)
-        return self._ob
-
     def _outbox_drain(self, shard: int, timeout: Optional[float] = None,
                       into: Any = None) -> Any:
         """Take what the outbox's ``shard`` holds: an ``outbox.Drained``, or None when no
@@ -272,11 +265,6 @@ class DenseTensor(Tensor):
         it, valid until its next use)."""
         from . import outbox
         return outbox.drain_dense(self, shard, timeout, into)
-
-    def _outbox_ack(self, shard: int, pushed: int) -> None:
-        """The owner has applied every drain of ``shard`` up to ``Drained.pushed``."""
-        from . import outbox
-        outbox.ack(self, shard, pushed)
 
     def _apply_direct(self, index: Any, grads: Any, pushes: int = 1) -> None:
         """Apply the updater as a push with forwarding off would, whatever the switch

@@ -1,9 +1,9 @@
 """Outboxes: where pushes go while the multi-host bridge runs (store side).
 
 While the store's forwarding switch is on (``store._set_forwarding(True)``, set by
-shmps-bridge), every push to a dense tensor or table is validated as usual and then
-*summed into the tensor's outbox* instead of applying the tensor's updater; the
-bridge drains each outbox shard, sends what it held to the shard's owner, and the
+shmps-bridge), every push to a dense tensor, table or csr tensor is validated as usual
+and then *summed into the tensor's outbox* instead of applying the tensor's updater;
+the bridge drains each outbox shard, sends what it held to the shard's owner, and the
 owner's bridge applies it with ``tensor._apply_direct`` (so while a bridge runs, it is
 the only process that applies updaters).  docs/bridge-protocol.md section 12 has the
 design; docs/concurrency.md "Outboxes" why the drain is exact; docs/segment-layout.md
@@ -18,7 +18,10 @@ An outbox is a hidden tensor named ``<name>#outbox`` (as synchronous aggregation
   SHMPS_F_OUTBOX: a uint64 per row at ``rowstep_off``);
 - table: the table's dim, capacity and shard count (so key k is in the same shard of
   both), the gradient dtype, Sum, zeros; each row's push count is its pending count,
-  and a drain removes the rows it takes (the outbox never fills up with old keys).
+  and a drain removes the rows it takes (the outbox never fills up with old keys);
+- csr: one value per entry, a dense outbox of ``nshards * cap`` values with
+  ``shard_rows = cap`` (the entry count of the fullest shard): local entry k of shard s
+  is outbox row ``s * cap + k``.
 
 Each outbox shard header counts ``ob_pushed`` (pushes landed) and ``ob_acked`` (the
 highest ``pushed`` the bridge reported applied by the owner); ``store.flush()`` waits
@@ -29,8 +32,7 @@ acknowledged, and a ``flush()`` that waited for those pushes raises
 :class:`~shmps.errors.PushesLost` instead of returning as if they had been applied.
 Names ending in ``#outbox`` are reserved.
 
-What is not forwarded: csr tensors (a push raises while forwarding is on), the hidden
-tensors of synchronous aggregation (its rounds run per host; the round's single update
+What is not forwarded: the hidden tensors of synchronous aggregation (its rounds run per host; the round's single update
 of the aggregated tensor is a push, so it is forwarded: across hosts, each host's
 round result reaches the owner as one push), and outboxes themselves.  Checkpoints
 save outboxes as they save every tensor, but a restore skips them: pushes still

@@ -534,13 +534,6 @@ class Table(Tensor):
         """The shard of each key (uint32)."""
         return key_shards(keys, self.nshards)
 
-    def _outbox(self) -> Any:
-        """This table's outbox (``<name>#outbox``), created on first need."""
-        if self._ob is None:
-            from . import outbox
-            self._ob = outbox.get_or_create(self)
-        return self._ob
-
     def _outbox_drain(self, shard: int, timeout: Optional[float] = None,
                       into: Any = None) -> Any:
         """Take (and remove) every row the outbox's ``shard`` holds: an
@@ -552,11 +545,6 @@ class Table(Tensor):
         it, valid until its next use)."""
         from . import outbox
         return outbox.drain_table(self, shard, timeout, into)
-
-    def _outbox_ack(self, shard: int, pushed: int) -> None:
-        """The owner has applied every drain of ``shard`` up to ``Drained.pushed``."""
-        from . import outbox
-        outbox.ack(self, shard, pushed)
 
     def _apply_direct(self, index: Any, grads: Any, pushes: int = 1) -> None:
         """Apply the updater to keys ``index`` as a push with forwarding off would,

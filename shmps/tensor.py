@@ -152,8 +152,7 @@ class Tensor:
     @property
     def _forwardable(self) -> bool:
         """Whether pushes to this tensor go to its outbox while forwarding is on
-        (False for outboxes, the hidden tensors of synchronous aggregation, and csr
-        tensors, whose pushes are refused then)."""
+        (False for outboxes and the hidden tensors of synchronous aggregation)."""
         if self._fwd_ok is None:
             from .outbox import forwardable
             self._fwd_ok = forwardable(self._store, self.record)
@@ -180,15 +179,28 @@ class Tensor:
             raise Closed(f"tensor {self.name!r} is closed")
         return self._shards[i]
 
+    # -- the bridge's side (shmps/outbox.py; private API): dense, table and csr ---------
+    def _outbox(self) -> Any:
+        """This tensor's outbox (``<name>#outbox``), created on first need."""
+        if self._ob is None:
+            from . import outbox
+            self._ob = outbox.get_or_create(self)
+        return self._ob
+
+    def _outbox_ack(self, shard: int, pushed: int) -> None:
+        """The owner has applied every drain of ``shard`` up to ``Drained.pushed``."""
+        from . import outbox
+        outbox.ack(self, shard, pushed)
+
     def _outbox_recover(self, shard: int) -> int:
-        """A bridge starting on this store (dense tensors and tables): record the pushes an
+        """A bridge starting on this store: record the pushes an
         earlier bridge process drained from the outbox's ``shard`` and never saw
         acknowledged as lost (``outbox.recover``); returns how many."""
         from . import outbox
         return outbox.recover(self, shard)
 
     def _outbox_busy(self) -> list[int]:
-        """The bridge's flush loop (dense tensors and tables): the outbox shards holding
+        """The bridge's flush loop: the outbox shards holding
         pushes no drain has counted yet, the ones worth draining (``outbox.busy``)."""
         from . import outbox
         return outbox.busy(self)
