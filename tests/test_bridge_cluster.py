@@ -172,7 +172,8 @@ def test_csr_tensors_are_forwarded(make_cluster):
         s0.close()
     c.wait(lambda: all({"X", "Y"} <= set((c.health(i) or {}).get("tensors", []))
                        for i in range(3)), 15, "every bridge to forward X and Y")
-    assert all(any(k.startswith("X/") for k in c.health(i)["owned"]) for i in range(3))
+    # hosts that did not create X own some of its shards (1 - 3**-10 of port draws)
+    assert any(k.startswith("X/") for i in (1, 2) for k in c.health(i)["owned"])
 
     def values(i: int) -> tuple:
         s = c.attach(i)

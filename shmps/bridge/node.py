@@ -1253,10 +1253,10 @@ class Bridge:
 
     @staticmethod
     def _check_in_shard(info: TInfo, f: frames.Data) -> None:
-        """Every row (key) of BATCH ``f`` lies in the shard the frame names, and a dense
-        batch's rows are strictly increasing (what a drain sends): else BadFrame, before
-        anything is applied.  The owner of one shard never changes another, which may
-        be owned elsewhere.  O(n)."""
+        """Every row (key; csr: entry) of BATCH ``f`` lies in the shard the frame names, and
+        a dense or csr batch's rows are strictly increasing (what a drain sends): else
+        BadFrame, before anything is applied.  The owner of one shard never changes
+        another, which may be owned elsewhere.  O(n)."""
         if not f.n:
             return
         if info.kind == "table":
