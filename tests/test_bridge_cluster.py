@@ -212,9 +212,11 @@ def test_flush_wakes_the_bridge_instead_of_waiting_for_the_interval(make_cluster
     c = make_cluster(2, flush_ms=2000)
     c.start_all()
     create_everywhere(c, [0, 1])
-    key = next(k for k in c.health(1)["owned"] if k.startswith("w/"))
+    # push from one host to a shard the other owns (either may own all 8)
+    owner = next(i for i in (1, 0) if any(k.startswith("w/") for k in c.health(i)["owned"]))
+    key = next(k for k in c.health(owner)["owned"] if k.startswith("w/"))
     row = int(key.split("/")[1]) * 64
-    s = c.attach(0)
+    s = c.attach(1 - owner)
     took = []
     try:
         for _ in range(5):
@@ -225,11 +227,11 @@ def test_flush_wakes_the_bridge_instead_of_waiting_for_the_interval(make_cluster
     finally:
         s.close()
     assert sorted(took)[2] < 0.5, took
-    owner = c.attach(1)
+    s = c.attach(owner)
     try:
-        assert (owner["w"].pull(rows=[row]) == 5).all()
+        assert (s["w"].pull(rows=[row]) == 5).all()
     finally:
-        owner.close()
+        s.close()
 
 
 def test_owner_killed_mid_stream(make_cluster):
