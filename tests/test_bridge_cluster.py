@@ -59,6 +59,12 @@ def create_everywhere(c: Cluster, hosts: list) -> None:
            15, "every bridge to forward the tensors")
 
 
+def wait_forwarding(c: Cluster, names: set, hosts: list) -> None:
+    """Until the bridge of every host in ``hosts`` forwards the tensors ``names``."""
+    c.wait(lambda: all(names <= set((c.health(i) or {}).get("tensors", [])) for i in hosts),
+           15, f"every bridge to forward {sorted(names)}")
+
+
 def pulled(c: Cluster, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     s = c.attach(i)
     try:
@@ -127,8 +133,7 @@ def test_initial_values_come_from_the_creating_host(make_cluster):
         s0.dense("ws", (512, 8), "int32", init=3, shard_rows=64)
     finally:
         s0.close()
-    c.wait(lambda: all({"wa", "ws"} <= set((c.health(i) or {}).get("tensors", []))
-                       for i in range(3)), 15, "every bridge to forward wa and ws")
+    wait_forwarding(c, {"wa", "ws"}, [0, 1, 2])
     assert any(k.startswith("wa/") for i in (1, 2) for k in c.health(i)["owned"])
 
     def copies(extra: int) -> bool:
@@ -157,8 +162,8 @@ def test_initial_values_come_from_the_creating_host(make_cluster):
 def test_csr_tensors_are_forwarded(make_cluster):
     """csr tensors cross hosts as their entries: created on one host with init values,
     every host holds them; pushes from every host reach each shard's owner exactly once
-    and every copy agrees (an int32 sum matrix, exactly; an Adagrad float32 one, values
-    and optimizer state, identically on every host)."""
+    and every copy agrees (an int32 sum matrix, exactly; an Adagrad float32 one, the same
+    values on every host)."""
     c = make_cluster(3)
     c.start_all()
     rc, ci = csr_structure(300, 50, 3)
@@ -170,8 +175,7 @@ def test_csr_tensors_are_forwarded(make_cluster):
                shard_rows=64)
     finally:
         s0.close()
-    c.wait(lambda: all({"X", "Y"} <= set((c.health(i) or {}).get("tensors", []))
-                       for i in range(3)), 15, "every bridge to forward X and Y")
+    wait_forwarding(c, {"X", "Y"}, [0, 1, 2])
     # hosts that did not create X own some of its shards (1 - 3**-10 of port draws)
     assert any(k.startswith("X/") for i in (1, 2) for k in c.health(i)["owned"])
 
@@ -429,8 +433,7 @@ def test_hostile_peers_are_refused(make_cluster):
     c.start_all()
     create_everywhere(c, [0, 1, 2])
     c.run_worker(0, {"create": {"table": {"emb4": [4, "int32", 1000, 4]}}})
-    c.wait(lambda: all("emb4" in (c.health(i) or {}).get("tensors", []) for i in range(3)),
-           15, "every bridge to forward emb4")
+    wait_forwarding(c, {"emb4"}, [0, 1, 2])
     secret = c.secret_file.read_bytes().strip()
     # attack a host that owns a shard of w, and of emb4 if one does (the ring depends on
     # the random ports)
