@@ -208,6 +208,26 @@ def test_csr_tensors_are_forwarded(make_cluster):
     y = values(0)[1]
     assert (y < 0.5).all() and (y > 0.5 - 0.1 * 3 * rounds - 1e-6).all()   # stepped
 
+    # POST /v1/structure: the structure, to a peer with the secret only
+    secret = c.secret_file.read_bytes().strip()
+
+    def structure(name: object, sign: bool) -> tuple[int, bytes]:
+        body = json.dumps({"name": name}).encode()
+        headers = (auth.sign_request(secret, "POST", "/v1/structure", body, c.addrs[1])
+                   if sign else {})
+        req = urllib.request.Request(c.url(2, "/v1/structure"), data=body, method="POST",
+                                     headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=5) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, b""
+
+    status, data = structure("X", True)
+    assert status == 200 and data == rc.astype("<i8").tobytes() + ci.astype("<i8").tobytes()
+    assert structure("X", False)[0] == 401
+    assert structure("nope", True)[0] == 404 and structure(5, True)[0] == 404
+
 
 def test_flush_wakes_the_bridge_instead_of_waiting_for_the_interval(make_cluster):
     """store.flush() asks the bridge to drain at once: with --flush-ms 2000, a push to a
