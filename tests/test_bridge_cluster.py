@@ -89,6 +89,11 @@ def wait_totals(c: Cluster, hosts: list, total: int, timeout: float = 10.0) -> N
             if last[i][:2] != (total, total):
                 bad = sorted({int(r) // 64 for r in np.nonzero((w != total).any(axis=1))[0]})
                 last[i] += (f"w shards off: {bad}",)
+            if last[i][4:6] != (total, total):
+                rc = csr_structure(*CSR["X"][:3])[0]
+                off = np.nonzero(x != total)[0]
+                shards = sorted({int(r) // 64 for r in np.searchsorted(rc, off, "right") - 1})
+                last[i] += (f"X shards off: {shards}",)
         return all(last[i][:6] == (total,) * 6 for i in hosts)
 
     try:
@@ -504,6 +509,8 @@ def test_hostile_peers_are_refused(make_cluster):
             out["oversized"] = aiohttp.WSMsgType.CLOSED   # closed while we were sending
         await session.close()
         # 4. a batch replayed (same stream and seq, also on a new connection): applied once
+        # (the first frame of a stream the owner does not know is answered GAP: the
+        # sender is to resend from its oldest unacknowledged batch, here the same one)
         session, ws, hs = await _ws_session(c, target, secret, c.addrs[other], 10)
         hs.check(await ws.receive_bytes(timeout=5))
         epoch = c.health(target)["epoch"]
@@ -511,7 +518,7 @@ def test_hostile_peers_are_refused(make_cluster):
                                     tensor=frames.tensor_id("w"), shard=shard, seq=1,
                                     values=np.ones((64, 8), np.int32), start=shard * 64)
         acks = []
-        for _ in range(2):
+        for _ in range(3):
             await ws.send_bytes(batch)
             acks.append(frames.decode(await ws.receive_bytes(timeout=5)))
         await session.close()
@@ -559,7 +566,7 @@ def test_hostile_peers_are_refused(make_cluster):
     assert out["garbage"] in closed
     assert out["oversized"] in closed
     assert out["members_status"] == 401
-    assert out["acks"] == [(frames.Status.OK, 1)] * 3, out["acks"]
+    assert out["acks"] == [(frames.Status.GAP, 1)] + [(frames.Status.OK, 1)] * 3, out["acks"]
     assert out["wrong_shard"] == [frames.Status.REJECTED] * len(out["wrong_shard"])
     assert rejected(c, target, "schema") >= len(out["wrong_shard"])
     assert rejected(c, target, "auth") >= 2
@@ -575,6 +582,43 @@ def test_hostile_peers_are_refused(make_cluster):
         assert np.array_equal(s["emb4"].pull(emb_attack), emb_before)
     finally:
         s.close()
+
+
+def test_a_stream_seen_first_in_the_middle_loses_nothing(make_cluster):
+    """An owner that first sees batch 2 of a sender's stream (batch 1 refused or still on
+    its way, as when it waited for a hand-over) asks for the stream again (GAP) instead
+    of starting it at 2: batch 1, resent, and then batch 2 are both applied."""
+    c = make_cluster(3)
+    c.start_all()
+    create_everywhere(c, [0, 1, 2])
+    secret = c.secret_file.read_bytes().strip()
+    target = next(i for i in range(3) if any(k.startswith("w/") for k in c.health(i)["owned"]))
+    shard = int(next(k for k in c.health(target)["owned"] if k.startswith("w/")).split("/")[1])
+    other = (target + 1) % 3
+    before = pulled(c, target)[0]
+
+    async def send() -> list:
+        session, ws, hs = await _ws_session(c, target, secret, c.addrs[other], 21)
+        hs.check(await ws.receive_bytes(timeout=5))
+        epoch = c.health(target)["epoch"]
+        acks = []
+        for seq in (2, 1, 2):   # 2 overtook 1; the sender then resends from 1
+            await ws.send_bytes(frames.encode_batch(
+                epoch=epoch, sender=member_id(c.addrs[other]), incarnation=21,
+                tensor=frames.tensor_id("w"), shard=shard, seq=seq,
+                values=np.full((64, 8), seq, np.int32), start=shard * 64))
+            a = frames.decode(await ws.receive_bytes(timeout=5))
+            acks.append((a.status, a.seq))
+        await session.close()
+        return acks
+
+    acks = asyncio.run(send())
+    assert acks == [(frames.Status.GAP, 2), (frames.Status.OK, 1), (frames.Status.OK, 2)], acks
+    diff = pulled(c, target)[0].astype(np.int64) - before
+    rows = slice(shard * 64, shard * 64 + 64)
+    assert (diff[rows] == 1 + 2).all()   # both applied, once each
+    diff[rows] = 0
+    assert not diff.any()
 
 
 def test_bridge_cli_refuses_bad_setups(tmp_path):

@@ -138,6 +138,7 @@ class ShardState:
 
     key: str
     dedup: Dedup = field(default_factory=Dedup)
+    first_seen: dict = field(default_factory=dict)       # unknown stream -> first seq seen
     # owner side
     rseq: int = 0                                        # ROWS/SNAPSHOT counter
     acked: dict = field(default_factory=dict)            # member -> highest rseq acked
@@ -540,10 +541,13 @@ class Bridge:
                 self.streams[(tid, s)] = SendStream(OutQueue(self.budget))
                 self._role_change((tid, s), None, self.owners(shard_key(info.name, s)))
                 if (origin is not None and self.owner(shard_key(info.name, s)) == self.addr
-                        and origin in self.members.reachable()):
+                        and origin in self.members.reachable()
+                        and self.members.state(self.addr) in (State.ALIVE, State.SUSPECT,
+                                                              State.LEAVING)):
                     # an owner of a tensor created elsewhere starts from the origin's
                     # copy (its initial values), asked for as a hand-over snapshot;
-                    # batches wait (BUSY) until it is here
+                    # batches wait (BUSY) until it is here.  (A joining host copies
+                    # every shard from its owner before it owns any.)
                     st = self.shards[(tid, s)]
                     st.handover_from = origin
                     st.handover_until = time.monotonic() + HANDOVER_TIMEOUT
@@ -647,6 +651,7 @@ class Bridge:
             st.pending.clear()
             st.synced.clear()
             st.snapshotting.clear()
+            st.handover_from = None   # only an owner waits for a hand-over
             # (a host that never acted owned nothing: a joiner's first ring counted it
             # in before it heard the cluster's view)
             if new and new[0] in self.members.reachable() and self._ever_acted:
@@ -1197,8 +1202,18 @@ class Bridge:
                 st.dedup.record(stream, f.seq)
             return self._refuse(f, reply, Status.REJECTED, "schema")
         if stream not in st.dedup:
-            # first frame of this stream this host sees: nothing before it can be pending
-            # here (a shard's copies all carry the marks of what was applied)
+            # A stream this host's filter does not know: nothing of it was applied to the
+            # shard (its copies all carry the marks of what was), but this frame may be
+            # one of several the sender has in flight, the earlier ones refused (BUSY
+            # while a hand-over or the tensor was awaited) or still on their way.  Ask
+            # for the stream again (GAP): the sender resends from its oldest
+            # unacknowledged batch, which has a seq <= this one, and that is where the
+            # stream starts here.
+            first = st.first_seen.get(stream)
+            if first is None or f.seq > first:
+                st.first_seen[stream] = f.seq if first is None else first
+                return self._refuse(f, reply, Status.GAP, "gap")
+            del st.first_seen[stream]
             st.dedup.advance(stream, f.seq - 1)
         v = st.dedup.check(stream, f.seq)
         if v is Verdict.DUPLICATE:
