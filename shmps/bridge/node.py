@@ -1708,6 +1708,8 @@ class Bridge:
             return web.json_response({"error": "authentication failed"}, status=401)
         try:
             name = json.loads(body)["name"]
+            if isinstance(name, str) and name not in self.by_name:
+                self.refresh_tensors()   # a worker may have created it a moment ago
             info = self.by_name[name] if isinstance(name, str) else None
         except (ValueError, KeyError, TypeError):
             info = None
