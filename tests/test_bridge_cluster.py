@@ -255,7 +255,9 @@ def test_flush_wakes_the_bridge_instead_of_waiting_for_the_interval(make_cluster
             took.append(time.monotonic() - t0)
     finally:
         s.close()
-    assert sorted(took)[2] < 0.5, took
+    # every one, the first too (a new stream's first batch is answered GAP and resent
+    # after 50 ms, not at the next 2 s interval)
+    assert max(took) < 1.0 and sorted(took)[2] < 0.5, took
     s = c.attach(owner)
     try:
         assert (s["w"].pull(rows=[row]) == 5).all()

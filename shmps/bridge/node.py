@@ -366,6 +366,7 @@ class Bridge:
         self._sweep_at = 0.0               # next drain of every outbox shard (_drain_all)
         self._flush_wake: Optional[asyncio.Future] = None   # the flush loop's pause
         self._flush_asked = False          # a worker asked for a drain (_wake_flush)
+        self._pause_until = 0.0            # when the flush loop's current pause ends
         self._waiter_stop = False
         self._waiter: Optional[threading.Thread] = None
         self.budget = ByteBudget(cfg.budget_bytes)
@@ -991,7 +992,11 @@ class Bridge:
             # any other refusal (STALE_EPOCH: heartbeats bring the newer view; NOT_OWNER,
             # NO_QUORUM, BUSY, GAP): resend everything unacknowledged a little later
             stream.q.rewind()
-            stream.retry_at = time.monotonic() + (RETRY if ack.status != Status.BUSY else 0.02)
+            delay = RETRY if ack.status != Status.BUSY else 0.02
+            stream.retry_at = time.monotonic() + delay
+            if stream.retry_at < self._pause_until:
+                # the flush loop sleeps past the retry (a long --flush-ms): wake it then
+                asyncio.get_running_loop().call_later(delay, self._wake_flush)
 
     # ------------------------------------------------------------ sender side
     def _flush_waiter(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -1017,19 +1022,21 @@ class Bridge:
 
     async def _flush_pause(self, delay: float) -> None:
         """Sleep ``delay`` s, or less if a worker asks for a flush meanwhile (or did while
-        this loop was draining)."""
+        this loop was draining), or a refused stream's retry falls due (on_ack)."""
         if self._flush_asked:
             self._flush_asked = False
             return
         loop = asyncio.get_running_loop()
         fut = self._flush_wake = loop.create_future()
         timer = loop.call_later(delay, lambda: fut.done() or fut.set_result(None))
+        self._pause_until = time.monotonic() + delay
         try:
             await fut
         finally:
             timer.cancel()
             self._flush_wake = None
             self._flush_asked = False
+            self._pause_until = 0.0
 
     async def _flush_loop(self) -> None:
         interval = self.cfg.flush_ms / 1000.0
