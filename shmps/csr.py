@@ -320,7 +320,10 @@ class CSRTensor(Tensor):
     @property
     def _outbox_cap(self) -> int:
         """Entries of the fullest shard (>= 1): the outbox's rows per shard."""
-        return max(1, max(int(sh.spec["nnz"]) for sh in self._shards))
+        cap = getattr(self, "_cap_cache", None)
+        if cap is None:
+            cap = self._cap_cache = max(1, max(int(sh.spec["nnz"]) for sh in self._shards))
+        return cap
 
     def _forward(self, rc: np.ndarray, ci: np.ndarray, g: np.ndarray) -> None:
         """A validated push while forwarding: NaN/Inf check (this tensor's rule), every
