@@ -644,6 +644,7 @@ class Bridge:
 
     def _role_change(self, key: tuple, old: Optional[list], new: list) -> None:
         st = self.shards[key]
+        st.first_seen.clear()   # (on_batch) a probe of an earlier role could stall a stream
         was = bool(old) and old[0] == self.addr
         now = bool(new) and new[0] == self.addr
         if was and not now:
@@ -1429,6 +1430,7 @@ class Bridge:
             # the owner's filter replaces this host's: marks this host recorded itself
             # (say, while it applied batches cut off from the majority) are not the shard's
             st.dedup = Dedup()
+            st.first_seen.clear()
         for m in f.marks:
             if (m.sender, m.incarnation) in self._gone:
                 continue   # a restarted sender's old process: its filter is forgotten
