@@ -208,6 +208,8 @@ def test_multi_shard_whole_and_rows_across_shards(store, dtype):
     np.testing.assert_array_equal(t.pull(), m.w)
     pick = [36, 3, 4, 0, 20, 36]
     np.testing.assert_array_equal(t.pull(rows=pick), m.w[pick])
+    # sorted rows (each shard's rows one run: sliced, not gathered)
+    np.testing.assert_array_equal(t.pull(rows=sorted(pick)), m.w[sorted(pick)])
     out = np.empty((len(pick), 5), dtype)
     np.testing.assert_array_equal(t.pull(rows=pick, out=out), m.w[pick])
 
