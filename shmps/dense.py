@@ -285,30 +285,6 @@ class DenseTensor(Tensor):
         if int(pushes) > 1:
             lib.shmps_count_pushes(self._shard(0).ptr, int(pushes) - 1)
 
-    def _apply_shard(self, shard: int, local: np.ndarray, grads: np.ndarray,
-                     pushes: int = 1) -> None:
-        """The owner's bridge, one BATCH: apply ``grads`` (``(n, row_len)`` values of the
-        gradient dtype) to the strictly increasing ``local`` rows (int64) of ``shard``
-        as one push (one step of the tensor's step count, Adam's t); ``pushes``: how
-        many pushes the batch stands for (statistics).  The caller checked the frame
-        (shard, rows, dtype); NaN/Inf is checked here and C checks the rows again.
-        One C call, no copy of the gradient: the lean form of ``_apply_direct``."""
-        g = np.ascontiguousarray(grads, dtype=self._gdtype)  # no copy when it already is
-        r = np.ascontiguousarray(local, dtype=np.int64)
-        if g.size != r.size * self.row_len:
-            raise SchemaError(f"{g.size} gradient values for {r.size} rows of {self.row_len}")
-        self._require_finite(g)
-        step = _native.ffi.new("uint64_t *")
-        lib.shmps_next_step(self._shard(0).ptr, step)
-        code = lib.shmps_dense_push_rows(self._shard_checked(shard).ptr, _native.token(),
-                                         _native.addr(r), r.size, _native.addr(g),
-                                         self._gcode, int(step[0]))
-        if code:
-            _native.check(code, f"push to {self.name!r}")
-        self._count(False, g.nbytes, r.size)
-        if int(pushes) > 1:
-            lib.shmps_count_pushes(self._shard(0).ptr, int(pushes) - 1)
-
     def _rows_of(self, shard: int, index: Any) -> tuple[Any, np.ndarray, np.ndarray]:
         """(shard, global rows, local rows) with every row inside ``shard``."""
         from .errors import OutOfRange

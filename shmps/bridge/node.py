@@ -1241,12 +1241,8 @@ class Bridge:
         else:
             index = f.index
         try:
-            if info.kind == "dense":
-                # checked above: sorted unique rows of this shard, the gradient dtype
-                info.t._apply_shard(f.shard, index - info.shard_range(f.shard)[0],
-                                    f.values, pushes=max(1, f.step))
-            else:
-                info.t._apply_direct(index, f.values, pushes=max(1, f.step))
+            info.t._apply_direct(index, f.values.reshape((f.n,) + info.row_shape),
+                                 pushes=max(1, f.step))
         except CapacityError as e:
             log.error("batch %d from %s for %s: %s", f.seq, peer, st.key, e)
             return self._refuse(f, reply, Status.BUSY, "capacity")
