@@ -318,8 +318,14 @@ class DenseTensor(Tensor):
             n = arrays[0].shape[0] if local is None else local.size
             out = [(np.array(a) if local is None else a[local]).reshape((n,) + self.row_shape)
                    for a in arrays]
-            step = _native.stats(self._shard(0).ptr)["step"]
-        return RowData(index=r, values=out[0], states=out[1:], row_steps=None, step=int(step))
+            step = self._step()
+        return RowData(index=r, values=out[0], states=out[1:], row_steps=None, step=step)
+
+    def _step(self) -> int:
+        """The tensor's step count (kept in shard 0: Adam's t)."""
+        st = _native.ffi.new("shmps_stats_t *")
+        lib.shmps_stats(self._shard(0).ptr, st)
+        return int(st.step)
 
     def _read_rows_into(self, shard: int, local: np.ndarray, out: list[np.ndarray]) -> int:
         """The owner's bridge: the values, then each optimizer state array, of the
@@ -337,9 +343,7 @@ class DenseTensor(Tensor):
                     o[...] = a[int(local[0]):int(local[0]) + n]
                 else:
                     np.take(a, local, axis=0, out=o)
-            st = _native.ffi.new("shmps_stats_t *")
-            lib.shmps_stats(self._shard(0).ptr, st)
-            return int(st.step)
+            return self._step()
 
     def _read_rows(self, shard: int, index: Any) -> Any:
         """Rows ``index`` (global, all in ``shard``) with their optimizer state and the

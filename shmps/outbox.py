@@ -32,9 +32,10 @@ acknowledged, and a ``flush()`` that waited for those pushes raises
 :class:`~shmps.errors.PushesLost` instead of returning as if they had been applied.
 Names ending in ``#outbox`` are reserved.
 
-What is not forwarded: the hidden tensors of synchronous aggregation (its rounds run per host; the round's single update
-of the aggregated tensor is a push, so it is forwarded: across hosts, each host's
-round result reaches the owner as one push), and outboxes themselves.  Checkpoints
+What is not forwarded: the hidden tensors of synchronous aggregation (its rounds run
+per host; the round's single update of the aggregated tensor is a push, so it is
+forwarded: across hosts, each host's round result reaches the owner as one push), and
+outboxes themselves.  Checkpoints
 save outboxes as they save every tensor, but a restore skips them: pushes still
 pending when the checkpoint was taken are not part of the model it holds.
 """

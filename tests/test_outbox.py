@@ -611,6 +611,30 @@ def test_dense_rows_round_trip(store, second_store):
         b._write_rows(1, rd)
 
 
+@pytest.mark.parametrize("rows", [[5, 6, 7], [4, 6, 7]])        # a run; gathered
+def test_dense_rows_read_into_a_frame_match_read_rows(store, rows):
+    """The owner's ROWS built in place (frames.RowsBuilder + _read_rows_into) are the
+    bytes encode_rows makes of _read_rows: values, both Adam states and the step."""
+    from shmps.bridge import frames
+    a = store.dense("w", shape=(10, 2, 3), optimizer=shmps.Adam(lr=0.01), shard_rows=4)
+    rng = np.random.default_rng(8)
+    for _ in range(3):
+        a.push(rng.normal(size=(10, 2, 3)).astype(np.float32))
+    r = np.array(rows, np.int64)
+    ids = dict(epoch=1, sender=2, incarnation=3, tensor=4, shard=1, seq=5)
+    rd = a._read_rows(1, r)
+    start = {"start": int(r[0])} if r[-1] - r[0] == r.size - 1 else {"rows": r}
+    want = frames.encode_rows(**ids, values=rd.values.reshape(r.size, 6), step=rd.step,
+                              state=[x.reshape(r.size, 6) for x in rd.states], **start)
+    b = frames.RowsBuilder(**ids, n=r.size, cols=6, dtype="float32", nstate=2,
+                           state_dtype="float32", **start)
+    step = a._read_rows_into(1, r - 4, [b.values] + b.state)
+    assert step == rd.step == 3
+    assert bytes(b.finish(step)) == want
+    with pytest.raises(IndexError):                     # rows beyond the shard
+        a._read_rows_into(1, np.array([2, 5]), [b.values[:2]] + [x[:2] for x in b.state])
+
+
 def test_dense_write_rows_skips_the_outbox(store, second_store):
     a = store.dense("w", shape=(4, 2), init=1.0)
     b = second_store.dense("w", shape=(4, 2))
