@@ -44,7 +44,7 @@ from ..errors import CapacityError, Error, InvalidArgument
 from .. import _native
 from .._native import lib
 from ..outbox import DrainBuffers
-from . import auth, frames
+from . import auth, frames, wsstream
 from .frames import FrameType, Layout, Mark, Status
 from .members import (DEAD_AFTER, HEARTBEAT_INTERVAL, Membership, State, member_id,
                       normalize_address, parse_address, parse_hosts, read_hosts, watch_file)
@@ -172,40 +172,25 @@ class SendStream:
 # --------------------------------------------------------------------------- connections
 
 class Conn:
-    """One websocket with a writer task, so senders never wait on the network."""
+    """One established websocket (:class:`.wsstream.WsStream`) to or from a peer."""
 
-    def __init__(self, ws: Any, peer: str, incarnation: int = 0) -> None:
-        self.ws = ws
+    def __init__(self, stream: wsstream.WsStream, peer: str, incarnation: int = 0) -> None:
+        self.stream = stream
         self.peer = peer
         self.incarnation = incarnation
         self.opened = time.monotonic()
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.closed = False
-        self.writer = asyncio.get_running_loop().create_task(self._write())
 
-    def send(self, data: bytes) -> bool:
-        if self.closed:
-            return False
-        self.queue.put_nowait(data)
-        return True
+    @property
+    def closed(self) -> bool:
+        return self.stream.is_closed
 
-    async def _write(self) -> None:
-        try:
-            while True:
-                data = await self.queue.get()
-                await self.ws.send_bytes(data)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # the connection broke: the reader notices and reconnects
-            log.debug("send to %s failed: %s", self.peer, e)
-            self.closed = True
-            await self.ws.close()
+    def send(self, data: bytes | bytearray) -> bool:
+        """Queue ``data`` (one message) on the connection; False if it is closed. Never
+        waits: the transport sends at once and keeps what the socket does not take."""
+        return self.stream.send(data)
 
     async def close(self) -> None:
-        self.closed = True
-        self.writer.cancel()
-        with contextlib.suppress(Exception):   # already broken: nothing left to close
-            await self.ws.close()
+        self.stream.close()
 
 
 class Link:
@@ -228,47 +213,47 @@ class Link:
         return c.send(data) if c is not None else False
 
     async def _run(self) -> None:
-        import aiohttp
-
         host, port = parse_address(self.addr)
-        url = f"http://{host if ':' not in host else '[' + host + ']'}:{port}/v1/stream"
         while True:
+            stream: Optional[wsstream.WsStream] = None
             try:
-                async with self.node.session.ws_connect(
-                        url, max_msg_size=MAX_MSG, autoping=True,
-                        timeout=aiohttp.ClientWSTimeout(ws_close=1.0)) as ws:
-                    hello = await asyncio.wait_for(ws.receive_bytes(), 2.0)
-                    hs = auth.ClientHandshake(self.node.cfg.secret, self.node.addr, "data",
-                                              sender=self.node.mid,
-                                              incarnation=self.node.incarnation,
-                                              server_id=self.addr)
-                    await ws.send_bytes(hs.answer(hello))
-                    server = hs.check(await asyncio.wait_for(ws.receive_bytes(), 2.0))
-                    if server.sender != member_id(self.addr):
-                        raise auth.AuthError(f"member id {server.sender:08x} does not match "
-                                             f"the address {self.addr}")
-                    self.conn = conn = Conn(ws, self.addr)
-                    self.up_since = time.monotonic()
-                    bad = 0
-                    async for msg in ws:
-                        if msg.type != aiohttp.WSMsgType.BINARY:
-                            break
-                        # the peer's data frames (it sends them on this host's connection,
-                        # server to client: unmasked) and ACKs of this host's frames
-                        bad = self.node.on_message(self.addr, server, msg.data, conn.send, bad)
-                        if bad >= MAX_BAD_FRAMES:
-                            break
+                stream = await wsstream.connect(host, port, "/v1/stream", max_msg=MAX_MSG,
+                                                timeout=2.0)
+                hello = await stream.receive(2.0)
+                hs = auth.ClientHandshake(self.node.cfg.secret, self.node.addr, "data",
+                                          sender=self.node.mid,
+                                          incarnation=self.node.incarnation,
+                                          server_id=self.addr)
+                stream.send(hs.answer(hello))
+                server = hs.check(await stream.receive(2.0))
+                if server.sender != member_id(self.addr):
+                    raise auth.AuthError(f"member id {server.sender:08x} does not match "
+                                         f"the address {self.addr}")
+                self.conn = conn = Conn(stream, self.addr)
+                self.up_since = time.monotonic()
+                bad = 0
+
+                def on_message(data: memoryview) -> bool:
+                    # the peer's data frames (it sends them on this host's connection,
+                    # server to client: unmasked) and ACKs of this host's frames
+                    nonlocal bad
+                    bad = self.node.on_message(self.addr, server, data, conn.send, bad)
+                    return bad < MAX_BAD_FRAMES
+
+                stream.start(on_message)
+                await stream.wait_closed()
             except asyncio.CancelledError:
-                if self.conn:
-                    await self.conn.close()
+                if stream is not None:
+                    stream.close()
                 raise
             except auth.AuthError as e:
                 self.node.metrics.rejected("auth")
                 log.warning("peer %s failed authentication: %s", self.addr, e)
             except Exception as e:
                 log.debug("link to %s: %s", self.addr, e)
+            if stream is not None:
+                stream.close()
             if self.conn is not None:
-                await self.conn.close()
                 self.conn = None
                 self.down_since = time.monotonic()
             await asyncio.sleep(0.05)
@@ -1768,31 +1753,42 @@ class Bridge:
             log.warning("could not forward the member change to %s: %s", peer, e)
 
     async def h_stream(self, request: Any) -> Any:
-        """A peer's incoming websocket: handshake, then its frames."""
-        import aiohttp
+        """A peer's incoming websocket: aiohttp upgrades it, a WsStream reads it from then
+        on (handshake, then the peer's frames)."""
         from aiohttp import web
-        ws = web.WebSocketResponse(max_msg_size=MAX_MSG, autoping=True)
+        ws = web.WebSocketResponse(max_msg_size=MAX_MSG)
         await ws.prepare(request)
+        try:
+            stream = wsstream.take_over(request, max_msg=MAX_MSG, peer=str(request.remote))
+        except wsstream.WsClosed:
+            return ws
+        try:
+            await self._serve_stream(stream, request)
+        finally:
+            stream.close()
+            # aiohttp's side of it: the transport is closing, so this only marks it closed
+            with contextlib.suppress(Exception):
+                await ws.close()
+        return ws
+
+    async def _serve_stream(self, stream: wsstream.WsStream, request: Any) -> None:
         hs = auth.ServerHandshake(self.cfg.secret, sender=self.mid,
                                   incarnation=self.incarnation)
-        await ws.send_bytes(hs.hello())
+        stream.send(hs.hello())
         try:
-            msg = await asyncio.wait_for(ws.receive(), auth.HANDSHAKE_TIMEOUT)
-            if msg.type != aiohttp.WSMsgType.BINARY:
-                raise auth.AuthError("expected the AUTH message")
-            peer, ok = hs.verify(msg.data)
+            peer, ok = hs.verify(await stream.receive(auth.HANDSHAKE_TIMEOUT))
             if peer.client_id not in self.members.states():
                 raise auth.AuthError(f"{peer.client_id} is not a member")
             if member_id(peer.client_id) != peer.sender:
                 raise auth.AuthError(f"{peer.client_id}: member id {peer.sender:08x} does not "
                                      "match its address")
-            await ws.send_bytes(ok)
-        except (auth.AuthError, asyncio.TimeoutError) as e:
+            stream.send(ok)
+        except (auth.AuthError, asyncio.TimeoutError, wsstream.WsClosed) as e:
             self.metrics.rejected("auth")
             log.warning("refused a connection from %s: %s", request.remote, e)
-            await ws.close()
-            return ws
-        conn = Conn(ws, peer.client_id, peer.incarnation)
+            return
+        stream.peer = peer.client_id
+        conn = Conn(stream, peer.client_id, peer.incarnation)
         # a reconnect of the same process replaces its old stream; another process using
         # the same address (a restart) has its own
         who = (peer.client_id, peer.incarnation)
@@ -1802,19 +1798,20 @@ class Bridge:
             await old.close()
         self._rebind_data(peer.client_id)
         bad = 0
+
+        def on_message(data: memoryview) -> bool:
+            nonlocal bad
+            bad = self.on_message(peer.client_id, peer, data, conn.send, bad)
+            return bad < MAX_BAD_FRAMES
+
         try:
-            async for msg in ws:
-                if msg.type != aiohttp.WSMsgType.BINARY:
-                    break
-                bad = self.on_message(peer.client_id, peer, msg.data, conn.send, bad)
-                if bad >= MAX_BAD_FRAMES:
-                    break
+            stream.start(on_message)
+            await stream.wait_closed()
         finally:
-            await conn.close()
+            stream.close()
             if self.incoming.get(who) is conn:
                 del self.incoming[who]
             self._rebind_data(peer.client_id)
-        return ws
 
     def on_frame(self, peer: str, f: Any, reply: Callable[[bytes], None]) -> None:
         if isinstance(f, frames.Heartbeat):

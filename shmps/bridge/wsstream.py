@@ -1,0 +1,377 @@
+"""A websocket connection read straight into one reusable buffer (RFC 6455, binary only).
+
+The bridges talk websocket (``GET /v1/stream``), but aiohttp's message reader copies
+every received byte twice after the kernel did (a slice per read, a join per message):
+at 1 MiB data frames that was a sixth of an owner's CPU.  :class:`WsStream` is an
+:class:`asyncio.BufferedProtocol` that takes over the connection once the HTTP upgrade
+is done (the server: :func:`take_over` after aiohttp's ``WebSocketResponse.prepare``;
+the client: :func:`connect`, which sends the upgrade request itself), so the kernel
+copies each message into :attr:`WsStream._buf` and the message handler gets a
+memoryview of it, valid until the handler returns (the bridge applies or writes every
+frame before it returns; a handler that keeps data must copy it).
+
+On the wire it is plain RFC 6455: a client masks what it sends, a server does not,
+control frames (ping, pong, close) are answered, and a standard websocket client
+(aiohttp's ``ws_connect``, used by the tests' hostile peers) talks to a bridge as
+before.  What this end refuses closes the connection with the RFC's status code:
+text and fragmented messages (1003: the bridge protocol uses neither), a message over
+``max_msg`` bytes (1009, before its payload is read), a client frame without a mask
+or a server frame with one, reserved bits set, unknown opcodes (1002).
+
+Sending: :meth:`WsStream.send` writes the frame header and then the payload object to
+the transport, which sends it without copying unless the socket is full (then asyncio
+keeps a copy of the rest).  Only the server side sends large messages in the bridge
+(data frames take the connection the peer opened: ``Bridge._out``), so the masking copy
+of a client (a fresh XOR per message, RFC 6455 5.3) applies to ACKs and heartbeats.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import logging
+import os
+import struct
+from collections import deque
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+log = logging.getLogger("shmps.bridge")
+
+GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
+OP_CONT, OP_TEXT, OP_BINARY, OP_CLOSE, OP_PING, OP_PONG = 0x0, 0x1, 0x2, 0x8, 0x9, 0xA
+CLOSE_NORMAL, CLOSE_PROTOCOL, CLOSE_UNSUPPORTED, CLOSE_TOO_BIG = 1000, 1002, 1003, 1009
+READ_CHUNK = 64 << 10         #: read size between messages (several small ones per read)
+MAX_HTTP_HEAD = 16 << 10      #: the client's limit on the server's 101 response head
+LEN16 = struct.Struct("!H")
+LEN64 = struct.Struct("!Q")
+
+Handler = Callable[[memoryview], bool]
+"""Called with each binary message; returns False to close the connection."""
+
+
+class WsClosed(ConnectionError):
+    """The websocket closed (or never opened) before the awaited message."""
+
+
+def accept_key(key: bytes) -> bytes:
+    """``Sec-WebSocket-Accept`` for the client's ``Sec-WebSocket-Key`` (RFC 6455 4.2.2)."""
+    return base64.b64encode(hashlib.sha1(key + GUID).digest())
+
+
+def frame_header(opcode: int, n: int, mask: Optional[bytes] = None) -> bytes:
+    """The header of one final (FIN) frame of ``n`` payload bytes, masked with ``mask``."""
+    first = 0x80 | opcode
+    bit = 0x80 if mask is not None else 0
+    if n < 126:
+        head = bytes((first, bit | n))
+    elif n < 65536:
+        head = bytes((first, bit | 126)) + LEN16.pack(n)
+    else:
+        head = bytes((first, bit | 127)) + LEN64.pack(n)
+    return head + mask if mask is not None else head
+
+
+def apply_mask(data: memoryview, mask: bytes) -> None:
+    """XOR ``data`` in place with the 4-byte ``mask`` repeated (RFC 6455 5.3). O(n)."""
+    n = len(data)
+    if not n:
+        return
+    a = np.frombuffer(data, dtype=np.uint8)
+    words = n // 4
+    if words:
+        w = a[:words * 4].view(np.uint32)
+        w ^= np.frombuffer(mask, dtype=np.uint32)[0]
+    for i in range(words * 4, n):
+        a[i] ^= mask[i & 3]
+
+
+class WsStream(asyncio.BufferedProtocol):
+    """One websocket connection after the upgrade; see the module docstring.
+
+    Messages that arrive before :meth:`start` (the handshake) are copied into an inbox
+    and read with :meth:`receive`; from :meth:`start` on, each one is passed to the
+    handler as a view of the receive buffer, in order, on the event loop."""
+
+    def __init__(self, *, client: bool, max_msg: int, peer: str = "",
+                 request: Optional[tuple[str, str]] = None) -> None:
+        self.client = client
+        self.max_msg = max_msg
+        self.peer = peer
+        self.transport: Optional[asyncio.Transport] = None
+        self.orig: Optional[asyncio.BaseProtocol] = None  # aiohttp's, told when we close
+        self._buf = bytearray(READ_CHUNK * 4)
+        self._mv = memoryview(self._buf)
+        self._pos = 0            # first byte not yet parsed
+        self._end = 0            # end of the bytes received
+        self._need = 0           # bytes of the message at _pos, once its header is read
+        self._handler: Optional[Handler] = None
+        self._inbox: deque = deque()
+        self._waiter: Optional[asyncio.Future] = None
+        self._close_sent = False
+        self.close_code: Optional[int] = None
+        loop = asyncio.get_running_loop()
+        self.closed: asyncio.Future = loop.create_future()
+        self.opened: asyncio.Future = loop.create_future()
+        self._request = request  # client: (host header, path) of the upgrade request
+        self._key = base64.b64encode(os.urandom(16)) if client else b""
+        self._http = client      # client: reading the server's 101 response
+        if not client:
+            self.opened.set_result(None)
+
+    # ------------------------------------------------------------ asyncio protocol
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+        if self._request is not None:
+            host, path = self._request
+            transport.write(
+                f"GET {path} HTTP/1.1\r\nHost: {host}\r\nUpgrade: websocket\r\n"
+                f"Connection: Upgrade\r\nSec-WebSocket-Key: {self._key.decode()}\r\n"
+                "Sec-WebSocket-Version: 13\r\n\r\n".encode())
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._pos == self._end:
+            self._pos = self._end = 0
+        have = self._end - self._pos
+        left = self._need - have          # bytes still missing of the message at _pos
+        # a large message is read to its end exactly, so the next one starts a read (and
+        # usually the buffer); else read a chunk, which may hold several small messages
+        size = left if left >= READ_CHUNK else READ_CHUNK
+        if self._end + size > len(self._buf):
+            self._make_room(have + size)
+        return self._mv[self._end:self._end + size]
+
+    def _make_room(self, size: int) -> None:
+        """Move the unparsed bytes to the buffer's start, in a bigger buffer if ``size``
+        (those bytes plus the next read) does not fit."""
+        have = self._end - self._pos
+        if size > len(self._buf):
+            buf = bytearray(max(size, 2 * len(self._buf)))
+            buf[:have] = self._mv[self._pos:self._end]
+            self._buf, self._mv = buf, memoryview(buf)
+        elif have:
+            self._mv[:have] = bytes(self._mv[self._pos:self._end])
+        self._pos, self._end = 0, have
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._end += nbytes
+        try:
+            if self._http and not self._read_http():
+                return
+            self._parse()
+        except Exception:   # a handler bug must not leave the connection half-read
+            log.exception("websocket from %s: message handling failed", self.peer)
+            self.close(CLOSE_PROTOCOL)
+
+    def eof_received(self) -> bool:
+        return False   # the transport closes itself
+
+    def connection_lost(self, exc: Optional[BaseException]) -> None:
+        self._close_sent = True
+        if not self.closed.done():
+            self.closed.set_result(None)
+        if not self.opened.done():
+            self.opened.set_exception(WsClosed(f"connection to {self.peer} closed during the "
+                                               f"upgrade{': ' + str(exc) if exc else ''}"))
+        self._wake()
+        if self.orig is not None:
+            orig, self.orig = self.orig, None
+            orig.connection_lost(exc)
+
+    # ------------------------------------------------------------ reading
+    def _read_http(self) -> bool:
+        """Client: parse the server's response to the upgrade request; True once the
+        websocket is open (bytes after the head are its first frames)."""
+        head_end = self._buf.find(b"\r\n\r\n", 0, self._end)
+        if head_end < 0:
+            if self._end > MAX_HTTP_HEAD:
+                return self._fail_upgrade("the upgrade response head is too long")
+            return False
+        lines = bytes(self._mv[:head_end]).decode("latin-1").split("\r\n")
+        status = lines[0].split(" ", 2)
+        headers = {}
+        for line in lines[1:]:
+            k, _, v = line.partition(":")
+            headers[k.strip().lower()] = v.strip()
+        if len(status) < 2 or status[1] != "101":
+            return self._fail_upgrade(f"the server answered {lines[0]!r}")
+        if (headers.get("upgrade", "").lower() != "websocket"
+                or "upgrade" not in headers.get("connection", "").lower()
+                or headers.get("sec-websocket-accept", "").encode() != accept_key(self._key)):
+            return self._fail_upgrade("the server's 101 response is not a websocket upgrade")
+        self._http = False
+        self._pos = head_end + 4
+        self.opened.set_result(None)
+        return True
+
+    def _fail_upgrade(self, why: str) -> bool:
+        if not self.opened.done():
+            self.opened.set_exception(WsClosed(f"websocket to {self.peer}: {why}"))
+        assert self.transport is not None
+        self.transport.close()
+        return False
+
+    def _parse(self) -> None:
+        buf, mv = self._buf, self._mv
+        while not self._close_sent:
+            pos, avail = self._pos, self._end - self._pos
+            if avail < 2:
+                return
+            b0, b1 = buf[pos], buf[pos + 1]
+            n, hlen = b1 & 0x7F, 2
+            if n == 126:
+                hlen = 4
+                if avail < hlen:
+                    return
+                n = LEN16.unpack_from(buf, pos + 2)[0]
+            elif n == 127:
+                hlen = 10
+                if avail < hlen:
+                    return
+                n = LEN64.unpack_from(buf, pos + 2)[0]
+            masked = bool(b1 & 0x80)
+            if masked:
+                hlen += 4
+            opcode = b0 & 0x0F
+            if b0 & 0x70:
+                return self._protocol_error(CLOSE_PROTOCOL, "reserved bits set")
+            if masked == self.client:
+                return self._protocol_error(CLOSE_PROTOCOL, "a client must mask its frames "
+                                            "and a server must not (RFC 6455 5.1)")
+            if opcode in (OP_TEXT, OP_CONT) or not b0 & 0x80:
+                return self._protocol_error(CLOSE_UNSUPPORTED, "only unfragmented binary "
+                                            "messages are used")
+            if opcode not in (OP_BINARY, OP_CLOSE, OP_PING, OP_PONG):
+                return self._protocol_error(CLOSE_PROTOCOL, f"unknown opcode {opcode:#x}")
+            if opcode != OP_BINARY and n > 125:
+                return self._protocol_error(CLOSE_PROTOCOL, "control frame over 125 bytes")
+            if n > self.max_msg:
+                return self._protocol_error(CLOSE_TOO_BIG, f"a message of {n} bytes, over "
+                                            f"the {self.max_msg}-byte limit")
+            total = hlen + n
+            if avail < total:
+                self._need = total
+                return
+            self._need = 0
+            payload = mv[pos + hlen:pos + total]
+            if masked:
+                apply_mask(payload, bytes(mv[pos + hlen - 4:pos + hlen]))
+            self._pos = pos + total
+            if opcode == OP_BINARY:
+                self._message(payload)
+            elif opcode == OP_PING:
+                self._send_frame(OP_PONG, bytes(payload))
+            elif opcode == OP_CLOSE:
+                self.close(CLOSE_NORMAL if len(payload) < 2 else LEN16.unpack_from(payload)[0])
+
+    def _message(self, payload: memoryview) -> None:
+        if self._handler is None:
+            self._inbox.append(bytes(payload))
+            self._wake()
+        elif not self._handler(payload):
+            self.close(CLOSE_PROTOCOL)
+
+    def _protocol_error(self, code: int, why: str) -> None:
+        log.warning("websocket from %s: %s; closing it (%d)", self.peer, why, code)
+        self.close_code = code
+        self.close(code)
+
+    def _wake(self) -> None:
+        w, self._waiter = self._waiter, None
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    # ------------------------------------------------------------ API
+    async def receive(self, timeout: float) -> bytes:
+        """The next binary message (before :meth:`start`); WsClosed if the connection
+        closes first, TimeoutError after ``timeout`` seconds."""
+        async def wait() -> bytes:
+            while not self._inbox:
+                if self.closed.done():
+                    raise WsClosed(f"the websocket with {self.peer} closed")
+                self._waiter = asyncio.get_running_loop().create_future()
+                await self._waiter
+            return self._inbox.popleft()
+        return await asyncio.wait_for(wait(), timeout)
+
+    def start(self, handler: Handler) -> None:
+        """Pass every message from now on (the ones waiting first) to ``handler``."""
+        self._handler = handler
+        while self._inbox and not self._close_sent:
+            data = self._inbox.popleft()
+            if not handler(memoryview(data)):
+                self.close(CLOSE_PROTOCOL)
+
+    @property
+    def is_closed(self) -> bool:
+        return self._close_sent or self.transport is None or self.transport.is_closing()
+
+    def send(self, data: Any) -> bool:
+        """Send ``data`` (bytes-like) as one binary message; False if closed. The caller may
+        reuse ``data`` once this returns."""
+        return self._send_frame(OP_BINARY, data)
+
+    def _send_frame(self, opcode: int, data: Any) -> bool:
+        if self.is_closed:
+            return False
+        assert self.transport is not None
+        n = memoryview(data).nbytes
+        if self.client:
+            mask = os.urandom(4)
+            body = bytearray(data)
+            apply_mask(memoryview(body), mask)
+            self.transport.write(frame_header(opcode, n, mask) + body)
+        elif n < READ_CHUNK:
+            self.transport.write(frame_header(opcode, n) + bytes(data))
+        else:
+            self.transport.write(frame_header(opcode, n))
+            self.transport.write(data)
+        return True
+
+    def close(self, code: int = CLOSE_NORMAL) -> None:
+        """Send a close frame (once) and close the connection; idempotent."""
+        if self.transport is None or self.transport.is_closing():
+            self._close_sent = True
+            return
+        if not self._close_sent:
+            if not self._http:
+                self._send_frame(OP_CLOSE, LEN16.pack(code))
+            self._close_sent = True
+        self.transport.close()
+
+    async def wait_closed(self) -> None:
+        await asyncio.shield(self.closed)
+
+
+def take_over(request: Any, *, max_msg: int, peer: str = "") -> WsStream:
+    """Server: the connection of ``request``, upgraded by aiohttp's
+    ``WebSocketResponse.prepare`` a moment ago, read and written by a :class:`WsStream`
+    from now on.  Call it before the client can send anything (the bridge's server
+    speaks first); aiohttp's protocol is told when the connection closes."""
+    transport = request.transport
+    if transport is None or transport.is_closing():
+        raise WsClosed(f"the connection from {peer} closed during the upgrade")
+    stream = WsStream(client=False, max_msg=max_msg, peer=peer)
+    stream.orig = request.protocol
+    stream.transport = transport
+    transport.set_protocol(stream)
+    transport.resume_reading()
+    return stream
+
+
+async def connect(host: str, port: int, path: str, *, max_msg: int,
+                  timeout: float) -> WsStream:
+    """Client: open a websocket to ``http://host:port/path``; WsClosed or TimeoutError
+    if the server refuses the upgrade or does not answer within ``timeout`` seconds."""
+    loop = asyncio.get_running_loop()
+    hosthdr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    transport, stream = await asyncio.wait_for(loop.create_connection(
+        lambda: WsStream(client=True, max_msg=max_msg, peer=hosthdr,
+                         request=(hosthdr, path)), host, port), timeout)
+    try:
+        await asyncio.wait_for(asyncio.shield(stream.opened), timeout)
+    except BaseException:
+        transport.close()
+        raise
+    return stream

@@ -1,0 +1,268 @@
+"""shmps.bridge.wsstream: the bridges' websocket reader/writer, against aiohttp's.
+
+Real sockets on 127.0.0.1 and aiohttp's own websocket client and server as the other
+end, so both directions are checked against an independent RFC 6455 implementation."""
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import struct
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+aiohttp = pytest.importorskip("aiohttp")
+from aiohttp import web  # noqa: E402
+
+from shmps.bridge import wsstream  # noqa: E402
+
+MAX = 4 << 20
+SIZES = [0, 1, 125, 126, 127, 65535, 65536, 65537, 1 << 20, 3 << 20 | 5]
+
+
+def payload(n: int, seed: int) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+def run(coro, timeout: float = 30.0):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+class Server:
+    """An aiohttp app on a free port whose /ws handler hands the connection to a
+    WsStream (as Bridge.h_stream does) and echoes every message; /plain is aiohttp's own
+    websocket, echoing too."""
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []        # sizes of the messages the WsStream handler got
+        self.streams: list[wsstream.WsStream] = []
+
+    async def __aenter__(self) -> "Server":
+        app = web.Application()
+        app.router.add_get("/ws", self.taken_over)
+        app.router.add_get("/plain", self.plain)
+        self.runner = web.AppRunner(app, handle_signals=False)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]   # noqa: SLF001
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        for s in self.streams:
+            s.close()
+        await self.runner.cleanup()
+
+    async def taken_over(self, request):
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        stream = wsstream.take_over(request, max_msg=MAX, peer="test client")
+        self.streams.append(stream)
+
+        def echo(data: memoryview) -> bool:
+            self.seen.append(len(data))
+            if bytes(data[:4]) == b"STOP":
+                return False
+            stream.send(data)       # the view is only valid during the call: send copies
+            return True
+
+        stream.start(echo)
+        await stream.wait_closed()
+        try:
+            await ws.close()
+        except Exception:
+            pass
+        return ws
+
+    async def plain(self, request):
+        ws = web.WebSocketResponse(max_msg_size=MAX)
+        await ws.prepare(request)
+        async for msg in ws:
+            if msg.type == aiohttp.WSMsgType.BINARY:
+                await ws.send_bytes(msg.data)
+        return ws
+
+
+async def collect(stream: wsstream.WsStream, count: int) -> list[bytes]:
+    got: list[bytes] = []
+    done = asyncio.get_running_loop().create_future()
+
+    def keep(data: memoryview) -> bool:
+        got.append(bytes(data))
+        if len(got) == count and not done.done():
+            done.set_result(None)
+        return True
+
+    stream.start(keep)
+    if count:
+        await asyncio.wait_for(done, 20)
+    return got
+
+
+@pytest.mark.parametrize("path", ["/ws", "/plain"])
+def test_messages_of_every_header_size_round_trip(path):
+    """Our client (masking) to our server (taken over) and to aiohttp's own server:
+    every length class of the RFC's header (7-bit, 16-bit, 64-bit), in order."""
+    async def main():
+        async with Server() as srv:
+            c = await wsstream.connect("127.0.0.1", srv.port, path, max_msg=MAX, timeout=5)
+            sent = [payload(n, i) for i, n in enumerate(SIZES)]
+            for p in sent:
+                assert c.send(p)
+            got = await collect(c, len(sent))
+            c.close()
+            await c.wait_closed()
+            return sent, got, srv.seen
+    sent, got, seen = run(main())
+    assert got == sent
+    if path == "/ws":
+        assert seen == SIZES
+
+
+def test_aiohttp_client_talks_to_a_taken_over_server():
+    """aiohttp's ws_connect (masking, with its own reader) against the WsStream server,
+    including a ping, which is answered with a pong carrying the same bytes."""
+    async def main():
+        async with Server() as srv, aiohttp.ClientSession() as session:
+            ws = await session.ws_connect(f"http://127.0.0.1:{srv.port}/ws", autoping=False,
+                                          max_msg_size=MAX)
+            out = []
+            for i, n in enumerate(SIZES):
+                p = payload(n, 100 + i)
+                await ws.send_bytes(p)
+                out.append((await ws.receive_bytes(timeout=10)) == p)
+            await ws.ping(b"are you there")
+            pong = await ws.receive(timeout=5)
+            await ws.send_bytes(b"STOP")          # the handler returns False: closed
+            closed = await ws.receive(timeout=5)
+            await ws.close()
+            return out, pong, closed
+    out, pong, closed = run(main())
+    assert all(out)
+    assert pong.type == aiohttp.WSMsgType.PONG and pong.data == b"are you there"
+    assert closed.type == aiohttp.WSMsgType.CLOSE and closed.data == wsstream.CLOSE_PROTOCOL
+
+
+def test_many_small_messages_in_one_write_arrive_in_order():
+    """A burst of small messages (several per read) and large ones between them."""
+    async def main():
+        async with Server() as srv:
+            c = await wsstream.connect("127.0.0.1", srv.port, "/ws", max_msg=MAX, timeout=5)
+            sent = [struct.pack("<I", i) * (1 + (i % 7)) if i % 100 else payload(200_000, i)
+                    for i in range(2000)]
+            for p in sent:
+                c.send(p)
+            got = await collect(c, len(sent))
+            c.close()
+            return sent, got
+    sent, got = run(main())
+    assert got == sent
+
+
+@pytest.mark.parametrize("kind,code", [
+    ("oversized", wsstream.CLOSE_TOO_BIG),
+    ("text", wsstream.CLOSE_UNSUPPORTED),
+])
+def test_refused_messages_close_with_the_rfc_code(kind, code):
+    """A message over max_msg is refused from its header (nothing of it reaches the
+    handler), a text message as unsupported."""
+    async def main():
+        async with Server() as srv, aiohttp.ClientSession() as session:
+            ws = await session.ws_connect(f"http://127.0.0.1:{srv.port}/ws", max_msg_size=MAX)
+            try:
+                if kind == "oversized":
+                    await ws.send_bytes(b"\0" * (MAX + 1))
+                else:
+                    await ws.send_str("hello")
+            except (ConnectionError, aiohttp.ClientError):
+                pass
+            msg = await ws.receive(timeout=5)
+            await ws.close()
+            return msg, srv.seen
+    msg, seen = run(main())
+    assert msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED)
+    if msg.type == aiohttp.WSMsgType.CLOSE:
+        assert msg.data == code
+    assert seen == []
+
+
+def test_an_unmasked_client_frame_is_a_protocol_error():
+    """RFC 6455 5.1: a server closes the connection on a client frame without a mask."""
+    async def main():
+        async with Server() as srv:
+            r, w = await asyncio.open_connection("127.0.0.1", srv.port)
+            key = b"dGhlIHNhbXBsZSBub25jZQ=="
+            w.write(b"GET /ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
+                    b"Connection: Upgrade\r\nSec-WebSocket-Key: " + key +
+                    b"\r\nSec-WebSocket-Version: 13\r\n\r\n")
+            head = await r.readuntil(b"\r\n\r\n")
+            w.write(wsstream.frame_header(wsstream.OP_BINARY, 5) + b"hello")
+            close = await asyncio.wait_for(r.read(4), 5)
+            rest = await asyncio.wait_for(r.read(), 5)   # then EOF
+            w.close()
+            return head, close, rest, srv.seen
+    head, close, rest, seen = run(main())
+    assert head.startswith(b"HTTP/1.1 101")
+    assert wsstream.accept_key(b"dGhlIHNhbXBsZSBub25jZQ==") == b"s3pPLMBiTxaQ9kYGzzhZRbK+xOo="   # RFC 6455 1.3
+    assert close == bytes((0x88, 2)) + struct.pack("!H", wsstream.CLOSE_PROTOCOL)
+    assert rest == b""
+    assert seen == []
+
+
+def test_connect_fails_cleanly_without_an_upgrade():
+    """A path that is not a websocket (404), and a port nobody listens on."""
+    async def main():
+        async with Server() as srv:
+            with pytest.raises(wsstream.WsClosed, match="404"):
+                await wsstream.connect("127.0.0.1", srv.port, "/nothing", max_msg=MAX,
+                                       timeout=5)
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.close()
+        with pytest.raises(OSError):
+            await wsstream.connect("127.0.0.1", port, "/ws", max_msg=MAX, timeout=5)
+    run(main())
+
+
+def test_receive_before_start_and_after_close():
+    """Handshake messages queue until read; a closed stream raises WsClosed."""
+    async def main():
+        async with Server() as srv:
+            c = await wsstream.connect("127.0.0.1", srv.port, "/plain", max_msg=MAX,
+                                       timeout=5)
+            c.send(b"one")
+            c.send(b"two")
+            a, b = await c.receive(5), await c.receive(5)
+            with pytest.raises(asyncio.TimeoutError):
+                await c.receive(0.2)
+            c.close()
+            await c.wait_closed()
+            assert c.is_closed and not c.send(b"late")
+            with pytest.raises(wsstream.WsClosed):
+                await c.receive(5)
+            return a, b
+    assert run(main()) == (b"one", b"two")
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.binary(max_size=300), mask=st.binary(min_size=4, max_size=4),
+       offset=st.integers(0, 7))
+def test_apply_mask_is_the_rfc_xor(data, mask, offset):
+    """At any alignment in the buffer; applying it twice gives the data back."""
+    buf = bytearray(offset) + bytearray(data)
+    view = memoryview(buf)[offset:]
+    wsstream.apply_mask(view, mask)
+    assert bytes(view) == bytes(b ^ mask[i % 4] for i, b in enumerate(data))
+    wsstream.apply_mask(view, mask)
+    assert bytes(view) == data
+
+
+def test_frame_header_lengths():
+    assert wsstream.frame_header(2, 125) == bytes((0x82, 125))
+    assert wsstream.frame_header(2, 126) == bytes((0x82, 126)) + struct.pack("!H", 126)
+    assert wsstream.frame_header(2, 65536) == bytes((0x82, 127)) + struct.pack("!Q", 65536)
+    m = os.urandom(4)
+    assert wsstream.frame_header(2, 3, m) == bytes((0x82, 0x83)) + m
