@@ -248,7 +248,7 @@ def test_receive_before_start_and_after_close():
 
 
 @settings(max_examples=200, deadline=None)
-@given(data=st.binary(max_size=300), mask=st.binary(min_size=4, max_size=4),
+@given(data=st.binary(max_size=3000), mask=st.binary(min_size=4, max_size=4),
        offset=st.integers(0, 7))
 def test_apply_mask_is_the_rfc_xor(data, mask, offset):
     """At any alignment in the buffer; applying it twice gives the data back."""

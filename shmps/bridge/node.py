@@ -1044,6 +1044,7 @@ class Bridge:
         if not self.members.has_quorum():
             return  # a minority holds its outboxes
         now = time.monotonic()
+        quorum = now >= self.grace_until
         sweep = now >= self._sweep_at
         if sweep:
             # now and then every shard, busy or not: what a pusher that died between
@@ -1057,7 +1058,11 @@ class Bridge:
                     return
                 d = info.t._outbox_drain(s, into=info.drain_buffers)
                 if d is not None:
-                    self._queue_drain(info, s, self.streams[(tid, s)], d)
+                    stream = self.streams[(tid, s)]
+                    self._queue_drain(info, s, stream, d)
+                    # on its way before the next shard is drained: the owner applies
+                    # this one meanwhile
+                    self._send_stream(tid, s, stream, now, quorum)
 
     def _queue_drain(self, info: TInfo, s: int, stream: SendStream, d: Any) -> None:
         n = len(d.index)
@@ -1099,42 +1104,48 @@ class Bridge:
         now = time.monotonic()
         quorum = self.members.has_quorum() and now >= self.grace_until
         for (tid, s), stream in self.streams.items():
-            if not len(stream.q) or now < stream.retry_at or not quorum:
-                stream.progress_at = now if not len(stream.q) else stream.progress_at
+            self._send_stream(tid, s, stream, now, quorum)
+
+    def _send_stream(self, tid: int, s: int, stream: SendStream, now: float,
+                     quorum: bool) -> None:
+        """Send what stream (tid, s) has not sent yet to the shard's owner (rewinding first
+        after a silence or an owner change), unless it waits for a retry."""
+        if not len(stream.q) or now < stream.retry_at or not quorum:
+            stream.progress_at = now if not len(stream.q) else stream.progress_at
+            return
+        if now - stream.progress_at > RESEND_AFTER:
+            # nothing acknowledged for a while: a reply may have been lost with a
+            # connection or a role change the owner saw and this host did not; the
+            # owner's duplicate filter makes resending safe
+            stream.q.rewind()
+            stream.progress_at = now
+        info = self.tensors[tid]
+        owner = self.owner(shard_key(info.name, s))
+        if owner is None:
+            return
+        if owner != stream.target:
+            stream.q.rewind()
+            stream.target = owner
+        out = stream.q.to_send()
+        if not out:
+            return
+        epoch = self.members.epoch
+        for seq, frame in out:
+            if int.from_bytes(frame[8:16], "little") != epoch:
+                frame = frames.restamp_epoch(frame, epoch)
+            if owner == self.addr:
+                f = frames.decode(frame)
+                assert isinstance(f, frames.Data)
+                self.on_batch(self.addr, f, self._local_reply)
+                if stream.retry_at > now:
+                    break   # refused (hand-over in progress, ...): resend later
                 continue
-            if now - stream.progress_at > RESEND_AFTER:
-                # nothing acknowledged for a while: a reply may have been lost with a
-                # connection or a role change the owner saw and this host did not; the
-                # owner's duplicate filter makes resending safe
+            link = self._out(owner)
+            if link is None or not link.send(frame):
                 stream.q.rewind()
-                stream.progress_at = now
-            info = self.tensors[tid]
-            owner = self.owner(shard_key(info.name, s))
-            if owner is None:
-                continue
-            if owner != stream.target:
-                stream.q.rewind()
-                stream.target = owner
-            out = stream.q.to_send()
-            if not out:
-                continue
-            epoch = self.members.epoch
-            for seq, frame in out:
-                if int.from_bytes(frame[8:16], "little") != epoch:
-                    frame = frames.restamp_epoch(frame, epoch)
-                if owner == self.addr:
-                    f = frames.decode(frame)
-                    assert isinstance(f, frames.Data)
-                    self.on_batch(self.addr, f, self._local_reply)
-                    if stream.retry_at > now:
-                        break   # refused (hand-over in progress, ...): resend later
-                    continue
-                link = self._out(owner)
-                if link is None or not link.send(frame):
-                    stream.q.rewind()
-                    stream.retry_at = now + RETRY
-                    break
-                self.metrics.sent("batch", len(frame))
+                stream.retry_at = now + RETRY
+                break
+            self.metrics.sent("batch", len(frame))
 
     def _local_reply(self, data: bytes) -> None:
         for f in frames.iter_frames(data):

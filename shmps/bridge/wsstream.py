@@ -44,6 +44,7 @@ OP_CONT, OP_TEXT, OP_BINARY, OP_CLOSE, OP_PING, OP_PONG = 0x0, 0x1, 0x2, 0x8, 0x
 CLOSE_NORMAL, CLOSE_PROTOCOL, CLOSE_UNSUPPORTED, CLOSE_TOO_BIG = 1000, 1002, 1003, 1009
 READ_CHUNK = 64 << 10         #: read size between messages (several small ones per read)
 MAX_HTTP_HEAD = 16 << 10      #: the client's limit on the server's 101 response head
+SMALL_MASK = 512              #: (un)mask messages up to this size with Python ints
 LEN16 = struct.Struct("!H")
 LEN64 = struct.Struct("!Q")
 
@@ -77,6 +78,10 @@ def apply_mask(data: memoryview, mask: bytes) -> None:
     """XOR ``data`` in place with the 4-byte ``mask`` repeated (RFC 6455 5.3). O(n)."""
     n = len(data)
     if not n:
+        return
+    if n <= SMALL_MASK:   # ACKs, heartbeats: one big-int XOR beats numpy's set-up
+        m = int.from_bytes((mask * (n // 4 + 1))[:n], "little")
+        data[:] = (int.from_bytes(data, "little") ^ m).to_bytes(n, "little")
         return
     a = np.frombuffer(data, dtype=np.uint8)
     words = n // 4
