@@ -265,6 +265,48 @@ def test_flush_wakes_the_bridge_instead_of_waiting_for_the_interval(make_cluster
         s.close()
 
 
+def test_pushing_faster_than_the_owner_applies(make_cluster):
+    """A worker pushes 16 MiB in a loop without flush(), far more than the other host
+    can apply: the bridge drains only as fast as the owner takes the batches (the rest
+    keeps summing in the outbox) instead of queueing frames without bound.  Before,
+    its event loop stalled for up to 0.8 s copying an ever larger send buffer, and the
+    other host took it for dead.  Every push arrives exactly once; the view never
+    changes (same epoch, no stall) and the sender's queue stays small."""
+    c = make_cluster(2)
+    c.start_all()
+    big = {"big": [[4096, 1024], "int32", "sum", 256]}   # 16 shards of 1 MiB
+    c.run_worker(0, {"create": {"dense": big}})
+    wait_forwarding(c, {"big"}, [0, 1])
+    epochs = [c.health(i)["epoch"] for i in (0, 1)]
+    assert any(k.startswith("big/") for k in c.health(1)["owned"]), c.describe()
+    p = c.worker(0, {"create": {"dense": big}, "pushes": 400, "flush": False})
+    most_pending = 0
+    while p.poll() is None:
+        most_pending = max(most_pending, sum(c.health(0)["pending"].values()))
+        time.sleep(0.2)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err.decode()
+    s = c.attach(0)
+    try:
+        s.flush(timeout=60)
+    finally:
+        s.close()
+    for i in (0, 1):
+        s = c.attach(i)
+        try:
+            w = s["big"].pull()
+        finally:
+            s.close()
+        assert int(w.min()) == int(w.max()) == 400, (i, int(w.min()), int(w.max()))
+    assert [c.health(i)["epoch"] for i in (0, 1)] == epochs, c.describe()
+    for i in (0, 1):
+        assert "did not run for" not in c.logs[i].read_text(), c.describe()
+    # batches (of 1 MiB) sent and not acknowledged: the connection's backlog (SEND_AHEAD,
+    # 4 MiB) and what the sockets hold, not a drain of the whole outbox every interval
+    # up to the 256 MiB budget
+    assert most_pending < 64, most_pending
+
+
 def test_owner_killed_mid_stream(make_cluster):
     c = make_cluster(3)
     c.start_all()

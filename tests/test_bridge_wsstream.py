@@ -266,3 +266,71 @@ def test_frame_header_lengths():
     assert wsstream.frame_header(2, 65536) == bytes((0x82, 127)) + struct.pack("!Q", 65536)
     m = os.urandom(4)
     assert wsstream.frame_header(2, 3, m) == bytes((0x82, 0x83)) + m
+
+
+def test_a_slow_reader_backs_messages_up_in_order_then_refuses(monkeypatch):
+    """While the peer does not read, messages wait in the sender's queue (the transport
+    holds at most one partly sent message), ``backlog`` counts them, and past
+    MAX_BACKLOG ``send`` refuses (the bridge treats that as lost).  When the peer reads
+    again, every accepted message arrives, whole and in order."""
+    monkeypatch.setattr(wsstream, "MAX_BACKLOG", 8 << 20)
+
+    async def main():
+        got: list[bytes] = []
+        done = asyncio.get_running_loop().create_future()
+        ready = asyncio.get_running_loop().create_future()
+
+        async def slow(request):
+            ws = web.WebSocketResponse()
+            await ws.prepare(request)
+            stream = wsstream.take_over(request, max_msg=MAX, peer="slow client")
+            stream.transport.pause_reading()
+            ready.set_result(stream)
+
+            def keep(data: memoryview) -> bool:
+                got.append(bytes(data))
+                if bytes(data) == b"END" and not done.done():
+                    done.set_result(None)
+                return True
+
+            stream.start(keep)
+            await stream.wait_closed()
+            return ws
+
+        app = web.Application()
+        app.router.add_get("/slow", slow)
+        runner = web.AppRunner(app, handle_signals=False)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]   # noqa: SLF001
+        try:
+            c = await wsstream.connect("127.0.0.1", port, "/slow", max_msg=MAX, timeout=5)
+            server = await asyncio.wait_for(ready, 5)
+            accepted, refused, most = [], 0, 0
+            for i in range(200):
+                p = payload(1 << 20, 1000 + i)
+                if c.send(p):
+                    accepted.append(p)
+                else:
+                    refused += 1
+                most = max(most, c.backlog)
+                await asyncio.sleep(0)
+            server.transport.resume_reading()
+            # the queue drains as the server reads; then END gets through
+            for _ in range(200):
+                if c.send(b"END"):
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.wait_for(done, 20)
+            c.close()
+            server.close()
+            return accepted, refused, most, got
+        finally:
+            await runner.cleanup()
+
+    accepted, refused, most, got = run(main())
+    assert refused > 0 and len(accepted) < 200
+    assert (8 << 20) <= most < (8 << 20) + (16 << 20)   # queue + what the transport holds
+    body = [g for g in got if g != b"END"]
+    assert body == accepted

@@ -63,6 +63,8 @@ CATALOG_INTERVAL = 0.5           #: how often tensor catalogs are compared with 
 MAX_MSG = frames.MAX_FRAME_BYTES + 4096
 MAX_BAD_FRAMES = 3               #: malformed frames in a row before a connection is closed
 SNAPSHOT_FRAME_BYTES = 1 << 20   #: values per snapshot chunk
+ROWS_AHEAD = 16 << 20            #: an owner refuses batches (BUSY) while a copy's connection holds this much
+SEND_AHEAD = 4 << 20             #: a peer connection's unsent bytes above which no more is drained for it
 
 
 @dataclass
@@ -1056,6 +1058,8 @@ class Bridge:
             for s in (range(info.nshards) if sweep else info.t._outbox_busy()):
                 if self.budget.available < (8 << 20):
                     return
+                if self._backed_up(info, s):
+                    continue   # the pushes keep summing in the outbox meanwhile
                 d = info.t._outbox_drain(s, into=info.drain_buffers)
                 if d is not None:
                     stream = self.streams[(tid, s)]
@@ -1063,6 +1067,31 @@ class Bridge:
                     # on its way before the next shard is drained: the owner applies
                     # this one meanwhile
                     self._send_stream(tid, s, stream, now, quorum)
+
+    def _backed_up(self, info: TInfo, s: int) -> bool:
+        """A connection this shard's next batch would load still holds SEND_AHEAD bytes
+        the socket has not taken: the owner's (it applies slower than this host drains),
+        or, for a shard this host owns, one to a host its ROWS go to.  Draining more would
+        only queue frames (and, RESEND_AFTER later, resend them); left in the outbox, the
+        pushes are summed instead and go out as one batch once the peer catches up."""
+        owner = self.owner(shard_key(info.name, s))
+        if owner is None:
+            return False
+        peers = self._targets() if owner == self.addr else (owner,)
+        for m in peers:
+            c = self._out(m)
+            if c is not None and c.stream.backlog > SEND_AHEAD:
+                return True
+        return False
+
+    def _rows_backed_up(self, st: ShardState) -> bool:
+        """A host this shard's ROWS go to has ROWS_AHEAD bytes waiting for its socket."""
+        for m in self._targets():
+            if m in st.synced or m in st.snapshotting:
+                c = self._out(m)
+                if c is not None and c.stream.backlog > ROWS_AHEAD:
+                    return True
+        return False
 
     def _queue_drain(self, info: TInfo, s: int, stream: SendStream, d: Any) -> None:
         n = len(d.index)
@@ -1231,6 +1260,10 @@ class Bridge:
                 log.warning("GAP %s from %s seq %d expected %d (epoch %d)", st.key, peer, f.seq,
                             st.dedup.expected(stream), self.members.epoch)
             return self._refuse(f, reply, Status.GAP, "gap")
+        if self._rows_backed_up(st):
+            # the copies do not take the changed rows as fast as batches come: the sender
+            # retries shortly, its pushes summing in its outbox meanwhile
+            return self._refuse(f, reply, Status.BUSY, "backlog")
         # apply
         if f.layout == Layout.RANGE:
             index = np.arange(f.start, f.start + f.n, dtype=np.int64)
@@ -1356,7 +1389,10 @@ class Bridge:
             if link is not None and link.send(frame):
                 self.metrics.sent("rows", len(frame))
             else:
+                # these rows are lost to m: copy the shard to it again (a snapshot under
+                # way would end in a copy without them, and count m synced)
                 st.synced.discard(m)
+                st.snapshotting.pop(m, None)
 
     def _required(self, st: ShardState) -> list[str]:
         """The backups whose acknowledgement an owner waits for."""
@@ -1661,13 +1697,23 @@ class Bridge:
                                               "backups": self._required(st),
                                               "synced": sorted(st.synced),
                                               "snapshotting": sorted(st.snapshotting),
-                                              "handover_from": st.handover_from}
+                                              "handover_from": st.handover_from,
+                                              "rows_seq": st.rseq,
+                                              "first_waits_for": st.pending[0].rseq,
+                                              "acked": dict(st.acked)}
                                      for st in self.shards.values() if st.pending},
                      "copied": sum(st.snap_epoch_seen >= 0 for st in self.shards.values()),
                      # sender processes (member id/incarnation) with duplicate filters here
                      "filters": sorted({f"{s[0]:08x}/{s[1]:08x}" for st in self.shards.values()
                                         for s in st.dedup.streams()}),
                      "shards": len(self.shards),
+                     # bytes handed to each peer connection and not yet taken by its
+                     # socket: "data" (this host's data frames), "link" (heartbeats, ACKs)
+                     "send_backlog": {m: {"data": c.stream.backlog if c else None,
+                                          "link": (ln.conn.stream.backlog
+                                                   if ln.conn is not None else None)}
+                                      for m, ln in self.links.items()
+                                      for c in (self._out(m),)},
                      "applied": int(self.metrics.applied._value.get())})
         return snap
 

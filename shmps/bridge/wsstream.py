@@ -44,6 +44,7 @@ OP_CONT, OP_TEXT, OP_BINARY, OP_CLOSE, OP_PING, OP_PONG = 0x0, 0x1, 0x2, 0x8, 0x
 CLOSE_NORMAL, CLOSE_PROTOCOL, CLOSE_UNSUPPORTED, CLOSE_TOO_BIG = 1000, 1002, 1003, 1009
 READ_CHUNK = 64 << 10         #: read size between messages (several small ones per read)
 MAX_HTTP_HEAD = 16 << 10      #: the client's limit on the server's 101 response head
+MAX_BACKLOG = 64 << 20        #: bytes queued for a slow peer before send() refuses
 SMALL_MASK = 512              #: (un)mask messages up to this size with Python ints
 LEN16 = struct.Struct("!H")
 LEN64 = struct.Struct("!Q")
@@ -116,6 +117,9 @@ class WsStream(asyncio.BufferedProtocol):
         self._waiter: Optional[asyncio.Future] = None
         self._close_sent = False
         self.close_code: Optional[int] = None
+        self._paused = False     # the transport's buffer is over its high-water mark
+        self._backlog: deque = deque()   # messages waiting for resume_writing
+        self._backlog_bytes = 0
         loop = asyncio.get_running_loop()
         self.closed: asyncio.Future = loop.create_future()
         self.opened: asyncio.Future = loop.create_future()
@@ -172,6 +176,16 @@ class WsStream(asyncio.BufferedProtocol):
     def eof_received(self) -> bool:
         return False   # the transport closes itself
 
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        while self._backlog and not self._paused and not self.is_closed:
+            head, data = self._backlog.popleft()
+            self._backlog_bytes -= len(head) + memoryview(data).nbytes
+            self._write(head, data)
+
     def connection_lost(self, exc: Optional[BaseException]) -> None:
         self._close_sent = True
         if not self.closed.done():
@@ -180,6 +194,8 @@ class WsStream(asyncio.BufferedProtocol):
             self.opened.set_exception(WsClosed(f"connection to {self.peer} closed during the "
                                                f"upgrade{': ' + str(exc) if exc else ''}"))
         self._wake()
+        self._backlog.clear()
+        self._backlog_bytes = 0
         if self.orig is not None:
             orig, self.orig = self.orig, None
             orig.connection_lost(exc)
@@ -312,27 +328,48 @@ class WsStream(asyncio.BufferedProtocol):
     def is_closed(self) -> bool:
         return self._close_sent or self.transport is None or self.transport.is_closing()
 
+    @property
+    def backlog(self) -> int:
+        """Bytes given to :meth:`send` and not yet taken by the socket."""
+        t = self.transport
+        return self._backlog_bytes + (t.get_write_buffer_size() if t is not None else 0)
+
     def send(self, data: Any) -> bool:
-        """Send ``data`` (bytes-like) as one binary message; False if closed. The caller may
-        reuse ``data`` once this returns."""
+        """Send ``data`` (bytes-like) as one binary message; False if the connection is
+        closed or MAX_BACKLOG bytes already wait for the socket (the caller treats it as
+        lost).  Never waits: while the transport is over its high-water mark, messages
+        wait in a queue (references: the caller must not change ``data`` after this)."""
         return self._send_frame(OP_BINARY, data)
 
     def _send_frame(self, opcode: int, data: Any) -> bool:
         if self.is_closed:
             return False
-        assert self.transport is not None
         n = memoryview(data).nbytes
         if self.client:
             mask = os.urandom(4)
             body = bytearray(data)
             apply_mask(memoryview(body), mask)
-            self.transport.write(frame_header(opcode, n, mask) + body)
+            head, data = frame_header(opcode, n, mask), body
         elif n < READ_CHUNK:
-            self.transport.write(frame_header(opcode, n) + bytes(data))
+            head, data = frame_header(opcode, n) + bytes(data), b""
         else:
-            self.transport.write(frame_header(opcode, n))
-            self.transport.write(data)
+            head = frame_header(opcode, n)
+        if self._paused or self._backlog:
+            if self._backlog_bytes + n > MAX_BACKLOG and opcode == OP_BINARY:
+                return False
+            self._backlog.append((head, data))
+            self._backlog_bytes += len(head) + memoryview(data).nbytes
+            return True
+        self._write(head, data)
         return True
+
+    def _write(self, head: bytes, data: Any) -> None:
+        assert self.transport is not None
+        self.transport.write(head)
+        if len(data):
+            # asyncio sends what the socket takes now and copies the rest (at most one
+            # message: then it pauses us)
+            self.transport.write(data)
 
     def close(self, code: int = CLOSE_NORMAL) -> None:
         """Send a close frame (once) and close the connection; idempotent."""
