@@ -187,8 +187,9 @@ class Conn:
         return self.stream.is_closed
 
     def send(self, data: bytes | bytearray) -> bool:
-        """Queue ``data`` (one message) on the connection; False if it is closed. Never
-        waits: the transport sends at once and keeps what the socket does not take."""
+        """Send ``data`` (one message, not to be changed afterwards) on the connection;
+        False if it is closed or wsstream.MAX_BACKLOG bytes already wait for the socket
+        (the caller treats the message as lost). Never waits."""
         return self.stream.send(data)
 
     async def close(self) -> None:

@@ -20,9 +20,13 @@ or a server frame with one, reserved bits set, unknown opcodes (1002).
 
 Sending: :meth:`WsStream.send` writes the frame header and then the payload object to
 the transport, which sends it without copying unless the socket is full (then asyncio
-keeps a copy of the rest).  Only the server side sends large messages in the bridge
-(data frames take the connection the peer opened: ``Bridge._out``), so the masking copy
-of a client (a fresh XOR per message, RFC 6455 5.3) applies to ACKs and heartbeats.
+keeps a copy of the rest and pauses us).  While paused, messages wait in our own queue
+as references (asyncio would append each to one growing bytearray: a copy of
+everything queued, and at a few hundred MiB an event loop stalled for most of a second
+moving it); :attr:`WsStream.backlog` says how much waits, and past MAX_BACKLOG a send
+is refused.  Only the server side sends large messages in the bridge (data frames take
+the connection the peer opened: ``Bridge._out``), so the masking copy of a client (a
+fresh XOR per message, RFC 6455 5.3) applies to ACKs and heartbeats.
 """
 from __future__ import annotations
 
