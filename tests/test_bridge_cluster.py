@@ -615,6 +615,7 @@ def test_hostile_peers_are_refused(make_cluster):
     assert rejected(c, target, "schema") >= len(out["wrong_shard"])
     assert rejected(c, target, "auth") >= 2
     assert rejected(c, target, "malformed") >= 3
+    assert rejected(c, target, "oversized") >= 1
     after = pulled(c, target)[0]
     diff = after.astype(np.int64) - before
     rows = slice(shard * 64, shard * 64 + 64)

@@ -222,6 +222,7 @@ class Link:
             try:
                 stream = await wsstream.connect(host, port, "/v1/stream", max_msg=MAX_MSG,
                                                 timeout=2.0)
+                stream.on_refused = self.node.metrics.rejected
                 hello = await stream.receive(2.0)
                 hs = auth.ClientHandshake(self.node.cfg.secret, self.node.addr, "data",
                                           sender=self.node.mid,
@@ -1820,6 +1821,7 @@ class Bridge:
             stream = wsstream.take_over(request, max_msg=MAX_MSG, peer=str(request.remote))
         except wsstream.WsClosed:
             return ws
+        stream.on_refused = self.metrics.rejected
         try:
             await self._serve_stream(stream, request)
         finally:

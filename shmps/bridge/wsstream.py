@@ -121,6 +121,9 @@ class WsStream(asyncio.BufferedProtocol):
         self._waiter: Optional[asyncio.Future] = None
         self._close_sent = False
         self.close_code: Optional[int] = None
+        #: told why, when this end closes the connection for a protocol violation:
+        #: "oversized" (1009) or "malformed" (1002, 1003)
+        self.on_refused: Optional[Callable[[str], None]] = None
         self._paused = False     # the transport's buffer is over its high-water mark
         self._backlog: deque = deque()   # messages waiting for resume_writing
         self._backlog_bytes = 0
@@ -300,6 +303,8 @@ class WsStream(asyncio.BufferedProtocol):
     def _protocol_error(self, code: int, why: str) -> None:
         log.warning("websocket from %s: %s; closing it (%d)", self.peer, why, code)
         self.close_code = code
+        if self.on_refused is not None:
+            self.on_refused("oversized" if code == CLOSE_TOO_BIG else "malformed")
         self.close(code)
 
     def _wake(self) -> None:
