@@ -41,6 +41,7 @@ pending when the checkpoint was taken are not part of the model it holds.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -299,7 +300,7 @@ class DrainBuffers:
     def get(self, what: str, shape: tuple, dtype: Any) -> np.ndarray:
         dt = np.dtype(dtype)
         a = self._bufs.get((what, dt))
-        need = int(np.prod(shape, dtype=np.int64))
+        need = math.prod(shape)
         if a is None or a.size < need:
             a = self._bufs[(what, dt)] = np.empty(need, dt)
         return a[:need].reshape(shape)

@@ -280,9 +280,11 @@ def test_pushing_faster_than_the_owner_applies(make_cluster):
     epochs = [c.health(i)["epoch"] for i in (0, 1)]
     assert any(k.startswith("big/") for k in c.health(1)["owned"]), c.describe()
     p = c.worker(0, {"create": {"dense": big}, "pushes": 400, "flush": False})
-    most_pending = 0
+    most_pending, lags = 0, []
     while p.poll() is None:
-        most_pending = max(most_pending, sum(c.health(0)["pending"].values()))
+        h = c.health(0)
+        most_pending = max(most_pending, sum(h["pending"].values()))
+        lags.append(h["loop_lag_ms"])
         time.sleep(0.2)
     out, err = p.communicate(timeout=60)
     assert p.returncode == 0, err.decode()
@@ -301,6 +303,8 @@ def test_pushing_faster_than_the_owner_applies(make_cluster):
     assert [c.health(i)["epoch"] for i in (0, 1)] == epochs, c.describe()
     for i in (0, 1):
         assert "did not run for" not in c.logs[i].read_text(), c.describe()
+    # the event loop of the pushing host was never held up long (heartbeats go out)
+    assert max(lags) < 250, lags
     # batches (of 1 MiB) sent and not acknowledged: the connection's backlog (SEND_AHEAD,
     # 4 MiB) and what the sockets hold, not a drain of the whole outbox every interval
     # up to the 256 MiB budget

@@ -64,6 +64,8 @@ MAX_MSG = frames.MAX_FRAME_BYTES + 4096
 MAX_BAD_FRAMES = 3               #: malformed frames in a row before a connection is closed
 SNAPSHOT_FRAME_BYTES = 1 << 20   #: values per snapshot chunk
 ROWS_AHEAD = 16 << 20            #: an owner refuses batches (BUSY) while a copy's connection holds this much
+LAG_WINDOW = 10.0                #: /health loop_lag_ms is the largest lag over this many s
+DRAIN_SLICE = 0.02               #: a drain pass yields to the event loop after this long (s)
 SEND_AHEAD = 4 << 20             #: a peer connection's unsent bytes above which no more is drained for it
 
 
@@ -353,6 +355,8 @@ class Bridge:
         self.shards: dict[tuple[int, int], ShardState] = {}
         self.streams: dict[tuple[int, int], SendStream] = {}
         self._sweep_at = 0.0               # next drain of every outbox shard (_drain_all)
+        self._drain_cursor = 0             # where a drain pass cut short resumes
+        self._lags: deque = deque()        # (when, how late) of each tick (_tick_loop)
         self._flush_wake: Optional[asyncio.Future] = None   # the flush loop's pause
         self._flush_asked = False          # a worker asked for a drain (_wake_flush)
         self._pause_until = 0.0            # when the flush loop's current pause ends
@@ -755,7 +759,15 @@ class Bridge:
             await asyncio.sleep(self.cfg.heartbeat)
 
     async def _tick_loop(self) -> None:
+        due = time.monotonic()
         while True:
+            now = time.monotonic()
+            # how late this tick woke: the longest the event loop was kept from its
+            # timers and sockets (heartbeats!) by synchronous work, or starved of CPU
+            self._lags.append((now, max(0.0, now - due)))
+            while self._lags and self._lags[0][0] < now - LAG_WINDOW:
+                self._lags.popleft()
+            due = now + TICK
             try:
                 self._notice_silence()
                 self._maintain()
@@ -1015,6 +1027,7 @@ class Bridge:
         this loop was draining), or a refused stream's retry falls due (on_ack)."""
         if self._flush_asked:
             self._flush_asked = False
+            await asyncio.sleep(0)   # the event loop's turn (I/O, timers) all the same
             return
         loop = asyncio.get_running_loop()
         fut = self._flush_wake = loop.create_future()
@@ -1054,21 +1067,34 @@ class Bridge:
             # now and then every shard, busy or not: what a pusher that died between
             # writing its values and counting its push left behind goes out too
             self._sweep_at = now + SWEEP_EVERY
-        for tid, info in self.tensors.items():
-            # one C call tells which shards hold uncounted pushes: an idle tensor costs
-            # that call, not a drain of each of its shards
-            for s in (range(info.nshards) if sweep else info.t._outbox_busy()):
-                if self.budget.available < (8 << 20):
-                    return
-                if self._backed_up(info, s):
-                    continue   # the pushes keep summing in the outbox meanwhile
-                d = info.t._outbox_drain(s, into=info.drain_buffers)
-                if d is not None:
-                    stream = self.streams[(tid, s)]
-                    self._queue_drain(info, s, stream, d)
-                    # on its way before the next shard is drained: the owner applies
-                    # this one meanwhile
-                    self._send_stream(tid, s, stream, now, quorum)
+        # one C call per tensor tells which shards hold uncounted pushes: an idle tensor
+        # costs that call, not a drain of each of its shards
+        work = [(tid, info, s) for tid, info in self.tensors.items()
+                for s in (range(info.nshards) if sweep else info.t._outbox_busy())]
+        first = self._drain_cursor if self._drain_cursor < len(work) else 0
+        for k in range(first, len(work)):
+            tid, info, s = work[k]
+            if k > first and time.monotonic() - now > DRAIN_SLICE:
+                # let the event loop run (heartbeats, acknowledgements, the owner's
+                # frames) and come back at once for the rest, from there to the end of
+                # the list (a sweep cut short goes on as a sweep)
+                self._drain_cursor = k
+                self._flush_asked = True
+                if sweep:
+                    self._sweep_at = 0.0
+                return
+            if self.budget.available < (8 << 20):
+                return
+            if self._backed_up(info, s):
+                continue   # the pushes keep summing in the outbox meanwhile
+            d = info.t._outbox_drain(s, into=info.drain_buffers)
+            if d is not None:
+                stream = self.streams[(tid, s)]
+                self._queue_drain(info, s, stream, d)
+                # on its way before the next shard is drained: the owner applies this
+                # one meanwhile
+                self._send_stream(tid, s, stream, now, quorum)
+        self._drain_cursor = 0
 
     def _backed_up(self, info: TInfo, s: int) -> bool:
         """A connection this shard's next batch would load still holds SEND_AHEAD bytes
@@ -1709,6 +1735,9 @@ class Bridge:
                      "filters": sorted({f"{s[0]:08x}/{s[1]:08x}" for st in self.shards.values()
                                         for s in st.dedup.streams()}),
                      "shards": len(self.shards),
+                     # the event loop's longest delay of a 20 ms timer in the last 10 s
+                     "loop_lag_ms": round(1e3 * max((lag for _, lag in self._lags),
+                                                    default=0.0), 3),
                      # bytes handed to each peer connection and not yet taken by its
                      # socket: "data" (this host's data frames), "link" (heartbeats, ACKs)
                      "send_backlog": {m: {"data": c.stream.backlog if c else None,
