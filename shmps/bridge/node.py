@@ -1113,8 +1113,14 @@ class Bridge:
         return False
 
     def _rows_backed_up(self, st: ShardState) -> bool:
-        """A host this shard's ROWS go to has ROWS_AHEAD bytes waiting for its socket."""
+        """A live host this shard's ROWS go to has ROWS_AHEAD bytes waiting for its
+        socket.  A suspect one (stopped, cut off) does not hold the senders back: its
+        queue grows to wsstream.MAX_BACKLOG, then its copy is dropped and sent again as
+        a snapshot if it comes back (_send_to_copies)."""
+        states = self.members.states()
         for m in self._targets():
+            if states.get(m) is not State.ALIVE:
+                continue
             if m in st.synced or m in st.snapshotting:
                 c = self._out(m)
                 if c is not None and c.stream.backlog > ROWS_AHEAD:
