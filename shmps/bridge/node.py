@@ -56,7 +56,8 @@ log = logging.getLogger("shmps.bridge")
 ROWS_SEQ_BASE = 1 << 63          #: ROWS/SNAPSHOT seqs live above this (BATCH seqs below)
 TICK = 0.02                      #: maintenance interval (s)
 RETRY = 0.05                     #: resend delay after a refusal (s)
-SWEEP_EVERY = 1.0                #: drain every outbox shard, busy or not, this often (s)
+SWEEP_EVERY = 1.0                #: how often the sweep drains SWEEP_SHARDS shards, busy or not (s)
+SWEEP_SHARDS = 64                #: shards per sweep, in turn: a 16-shard store is swept whole every second
 RESEND_AFTER = 2.0                #: resend a stream's unacknowledged frames after this silence
 HANDOVER_TIMEOUT = 3.0           #: a new owner waits this long for the old owner's snapshot
 CATALOG_INTERVAL = 0.5           #: how often tensor catalogs are compared with peers (s)
@@ -354,8 +355,11 @@ class Bridge:
         self.adopted: dict[str, str] = {}
         self.shards: dict[tuple[int, int], ShardState] = {}
         self.streams: dict[tuple[int, int], SendStream] = {}
-        self._sweep_at = 0.0               # next drain of every outbox shard (_drain_all)
-        self._drain_cursor = 0             # where a drain pass cut short resumes
+        self._sweep_at = 0.0               # next sweep (_drain_all)
+        self._drain_round = 0              # rotates where a drain pass starts
+        self._sweep_pos = 0                # the next shard the sweep drains
+        self._every: tuple = (0, [])       # _every_shard's cache
+        self._sending: set = set()         # streams with frames not yet acknowledged
         self._lags: deque = deque()        # (when, how late) of each tick (_tick_loop)
         self._flush_wake: Optional[asyncio.Future] = None   # the flush loop's pause
         self._flush_asked = False          # a worker asked for a drain (_wake_flush)
@@ -1062,25 +1066,35 @@ class Bridge:
             return  # a minority holds its outboxes
         now = time.monotonic()
         quorum = now >= self.grace_until
-        sweep = now >= self._sweep_at
-        if sweep:
-            # now and then every shard, busy or not: what a pusher that died between
-            # writing its values and counting its push left behind goes out too
-            self._sweep_at = now + SWEEP_EVERY
         # one C call per tensor tells which shards hold uncounted pushes: an idle tensor
-        # costs that call, not a drain of each of its shards
+        # costs that call, not a drain of each of its shards; the busy ones start at a
+        # rotating place, so a pass cut short (below) does not always leave the same ones
         work = [(tid, info, s) for tid, info in self.tensors.items()
-                for s in (range(info.nshards) if sweep else info.t._outbox_busy())]
-        first = self._drain_cursor if self._drain_cursor < len(work) else 0
-        for k in range(first, len(work)):
-            tid, info, s = work[k]
-            if k > first and time.monotonic() - now > DRAIN_SLICE:
+                for s in info.t._outbox_busy()]
+        if work:
+            r = self._drain_round % len(work)
+            work = work[r:] + work[:r]
+            self._drain_round += 1
+        nbusy = len(work)
+        if now >= self._sweep_at:
+            # now and then some shards, busy or not, in turn (SWEEP_SHARDS a second): what
+            # a pusher that died between writing its values and counting its push left
+            # behind goes out too
+            self._sweep_at = now + SWEEP_EVERY
+            every = self._every_shard()
+            if every:
+                first = self._sweep_pos % len(every)
+                work += [every[(first + i) % len(every)]
+                         for i in range(min(SWEEP_SHARDS, len(every)))]
+                self._sweep_pos = first
+        for k, (tid, info, s) in enumerate(work):
+            if k and time.monotonic() - now > DRAIN_SLICE:
                 # let the event loop run (heartbeats, acknowledgements, the owner's
-                # frames) and come back at once for the rest, from there to the end of
-                # the list (a sweep cut short goes on as a sweep)
-                self._drain_cursor = k
+                # frames) and come back at once: the busy shards left are still busy, a
+                # sweep cut short goes on where it stopped
                 self._flush_asked = True
-                if sweep:
+                if k < len(work) and len(work) > nbusy:
+                    self._sweep_pos += max(0, k - nbusy)
                     self._sweep_at = 0.0
                 return
             if self.budget.available < (8 << 20):
@@ -1094,7 +1108,17 @@ class Bridge:
                 # on its way before the next shard is drained: the owner applies this
                 # one meanwhile
                 self._send_stream(tid, s, stream, now, quorum)
-        self._drain_cursor = 0
+        if len(work) > nbusy:
+            self._sweep_pos += len(work) - nbusy
+
+    def _every_shard(self) -> list:
+        """(tid, info, shard) of every forwarded tensor's shards (cached; tensors are
+        only ever added)."""
+        if self._every[0] != len(self.tensors):
+            self._every = (len(self.tensors), [(tid, info, s)
+                                               for tid, info in self.tensors.items()
+                                               for s in range(info.nshards)])
+        return self._every[1]
 
     def _backed_up(self, info: TInfo, s: int) -> bool:
         """A connection this shard's next batch would load still holds SEND_AHEAD bytes
@@ -1128,6 +1152,10 @@ class Bridge:
         return False
 
     def _queue_drain(self, info: TInfo, s: int, stream: SendStream, d: Any) -> None:
+        if (info.tid, s) not in self._sending:
+            # a stream coming back from idle: its silence counts from now (RESEND_AFTER)
+            self._sending.add((info.tid, s))
+            stream.progress_at = time.monotonic()
         n = len(d.index)
         grads = d.grads.reshape(n, info.cols)
         if info.kind == "table":
@@ -1166,8 +1194,12 @@ class Bridge:
     def _send_all(self) -> None:
         now = time.monotonic()
         quorum = self.members.has_quorum() and now >= self.grace_until
-        for (tid, s), stream in self.streams.items():
-            self._send_stream(tid, s, stream, now, quorum)
+        for key in list(self._sending):
+            stream = self.streams[key]
+            if not len(stream.q):
+                self._sending.discard(key)   # every frame acknowledged: idle
+                continue
+            self._send_stream(key[0], key[1], stream, now, quorum)
 
     def _send_stream(self, tid: int, s: int, stream: SendStream, now: float,
                      quorum: bool) -> None:
@@ -1642,7 +1674,8 @@ class Bridge:
                 self.metrics.sent("sync", frames.HEADER.size)
 
     def _staleness(self) -> float:
-        return max((s.q.oldest_age() for s in self.streams.values()), default=0.0)
+        # an idle stream (every frame acknowledged) is not stale: only the sending ones
+        return max((self.streams[k].q.oldest_age() for k in self._sending), default=0.0)
 
     # ------------------------------------------------------------ catalog sync
     async def _catalog_loop(self) -> None:
