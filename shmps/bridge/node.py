@@ -1123,32 +1123,33 @@ class Bridge:
     def _backed_up(self, info: TInfo, s: int) -> bool:
         """A connection this shard's next batch would load still holds SEND_AHEAD bytes
         the socket has not taken: the owner's (it applies slower than this host drains),
-        or, for a shard this host owns, one to a host its ROWS go to.  Draining more would
-        only queue frames (and, RESEND_AFTER later, resend them); left in the outbox, the
-        pushes are summed instead and go out as one batch once the peer catches up."""
+        or, for a shard this host owns, one to a live host its ROWS go to.  Draining more
+        would only queue frames (and, RESEND_AFTER later, resend them); left in the
+        outbox, the pushes are summed instead and go out as one batch once the peer
+        catches up."""
         owner = self.owner(shard_key(info.name, s))
         if owner is None:
             return False
-        peers = self._targets() if owner == self.addr else (owner,)
-        for m in peers:
-            c = self._out(m)
-            if c is not None and c.stream.backlog > SEND_AHEAD:
-                return True
-        return False
+        if owner == self.addr:
+            return self._copy_backed_up(SEND_AHEAD)
+        c = self._out(owner)
+        return c is not None and c.stream.backlog > SEND_AHEAD
 
-    def _rows_backed_up(self, st: ShardState) -> bool:
-        """A live host this shard's ROWS go to has ROWS_AHEAD bytes waiting for its
-        socket.  A suspect one (stopped, cut off) does not hold the senders back: its
-        queue grows to wsstream.MAX_BACKLOG, then its copy is dropped and sent again as
-        a snapshot if it comes back (_send_to_copies)."""
+    def _copy_backed_up(self, limit: int, st: Optional[ShardState] = None) -> bool:
+        """A live (ALIVE) host that gets this host's ROWS (of shard ``st``: the ones it is
+        synced or being copied for) has more than ``limit`` bytes waiting for its socket.
+        A suspect one (stopped, cut off) does not hold this host back: its queue grows to
+        wsstream.MAX_BACKLOG, then its copy is dropped and sent again as a snapshot if it
+        comes back (_send_to_copies)."""
         states = self.members.states()
         for m in self._targets():
             if states.get(m) is not State.ALIVE:
                 continue
-            if m in st.synced or m in st.snapshotting:
-                c = self._out(m)
-                if c is not None and c.stream.backlog > ROWS_AHEAD:
-                    return True
+            if st is not None and m not in st.synced and m not in st.snapshotting:
+                continue
+            c = self._out(m)
+            if c is not None and c.stream.backlog > limit:
+                return True
         return False
 
     def _queue_drain(self, info: TInfo, s: int, stream: SendStream, d: Any) -> None:
@@ -1326,7 +1327,7 @@ class Bridge:
                 log.warning("GAP %s from %s seq %d expected %d (epoch %d)", st.key, peer, f.seq,
                             st.dedup.expected(stream), self.members.epoch)
             return self._refuse(f, reply, Status.GAP, "gap")
-        if self._rows_backed_up(st):
+        if self._copy_backed_up(ROWS_AHEAD, st):
             # the copies do not take the changed rows as fast as batches come: the sender
             # retries shortly, its pushes summing in its outbox meanwhile
             return self._refuse(f, reply, Status.BUSY, "backlog")

@@ -359,6 +359,8 @@ class WsStream(asyncio.BufferedProtocol):
             body = bytearray(data)
             apply_mask(memoryview(body), mask)
             head, data = frame_header(opcode, n, mask), body
+            if n < READ_CHUNK:   # ACKs, heartbeats: one write, one segment
+                head, data = head + body, b""
         elif n < READ_CHUNK:
             head, data = frame_header(opcode, n) + bytes(data), b""
         else:
