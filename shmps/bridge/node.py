@@ -357,7 +357,8 @@ class Bridge:
         self.streams: dict[tuple[int, int], SendStream] = {}
         self._sweep_at = 0.0               # next sweep (_drain_all)
         self._drain_round = 0              # rotates where a drain pass starts
-        self._sweep_pos = 0                # the next shard the sweep drains
+        self._sweep_pos = 0                # the next shard a sweep starts with
+        self._sweep_due: list = []         # what the current sweep has left to drain
         self._every: tuple = (0, [])       # _every_shard's cache
         self._sending: set = set()         # streams with frames not yet acknowledged
         self._lags: deque = deque()        # (when, how late) of each tick (_tick_loop)
@@ -1076,28 +1077,26 @@ class Bridge:
             work = work[r:] + work[:r]
             self._drain_round += 1
         nbusy = len(work)
-        if now >= self._sweep_at:
+        if now >= self._sweep_at and not self._sweep_due:
             # now and then some shards, busy or not, in turn (SWEEP_SHARDS a second): what
             # a pusher that died between writing its values and counting its push left
             # behind goes out too
             self._sweep_at = now + SWEEP_EVERY
             every = self._every_shard()
-            if every:
-                first = self._sweep_pos % len(every)
-                work += [every[(first + i) % len(every)]
-                         for i in range(min(SWEEP_SHARDS, len(every)))]
-                self._sweep_pos = first
+            n = min(SWEEP_SHARDS, len(every))
+            self._sweep_due = [every[(self._sweep_pos + i) % len(every)] for i in range(n)]
+            self._sweep_pos += n
+        work += self._sweep_due
         for k, (tid, info, s) in enumerate(work):
-            if k and time.monotonic() - now > DRAIN_SLICE:
-                # let the event loop run (heartbeats, acknowledgements, the owner's
-                # frames) and come back at once: the busy shards left are still busy, a
-                # sweep cut short goes on where it stopped
-                self._flush_asked = True
-                if k < len(work) and len(work) > nbusy:
-                    self._sweep_pos += max(0, k - nbusy)
-                    self._sweep_at = 0.0
-                return
-            if self.budget.available < (8 << 20):
+            over_budget = self.budget.available < (8 << 20)
+            if over_budget or (k and time.monotonic() - now > DRAIN_SLICE):
+                # let the event loop run (heartbeats, acknowledgements, the owner's frames)
+                # and come back, at once unless over budget (then after the interval, the
+                # acknowledgements freeing it): the busy shards left are still busy, the
+                # sweep goes on where it stopped
+                self._sweep_due = work[max(k, nbusy):]
+                if not over_budget:
+                    self._flush_asked = True
                 return
             if self._backed_up(info, s):
                 continue   # the pushes keep summing in the outbox meanwhile
@@ -1108,8 +1107,7 @@ class Bridge:
                 # on its way before the next shard is drained: the owner applies this
                 # one meanwhile
                 self._send_stream(tid, s, stream, now, quorum)
-        if len(work) > nbusy:
-            self._sweep_pos += len(work) - nbusy
+        self._sweep_due = []
 
     def _every_shard(self) -> list:
         """(tid, info, shard) of every forwarded tensor's shards (cached; tensors are
@@ -1207,7 +1205,6 @@ class Bridge:
         """Send what stream (tid, s) has not sent yet to the shard's owner (rewinding first
         after a silence or an owner change), unless it waits for a retry."""
         if not len(stream.q) or now < stream.retry_at or not quorum:
-            stream.progress_at = now if not len(stream.q) else stream.progress_at
             return
         if now - stream.progress_at > RESEND_AFTER:
             # nothing acknowledged for a while: a reply may have been lost with a
@@ -1363,7 +1360,7 @@ class Bridge:
                                          if f.layout == Layout.RANGE else None, mark)
         else:
             rd = info.t._read_rows(f.shard, index)
-            rseq = self._send_rows(key, info, f.shard, rd, None, mark)
+            rseq = self._send_rows(key, info, f.shard, rd, mark)
         self._wait_backups(key, st, reply, self._ack(f, Status.OK), rseq)
 
     @staticmethod
@@ -1420,20 +1417,16 @@ class Bridge:
         self._send_to_copies(st, b.finish(step))
         return st.rseq
 
-    def _send_rows(self, key: tuple, info: TInfo, shard: int, rd: Any, start: Optional[int],
-                   marks: list) -> int:
+    def _send_rows(self, key: tuple, info: TInfo, shard: int, rd: Any, marks: list) -> int:
+        """ROWS of a table's keys or a csr tensor's entries (``rd``, read after the apply),
+        with each row's step; dense rows go by _send_dense_rows."""
         st = self.shards[key]
         st.rseq += 1
-        kw: dict = {}
+        kw: dict = {"row_steps": np.asarray(rd.row_steps, dtype=np.uint64)}
         if info.kind == "table":
             kw["keys"] = np.asarray(rd.index, dtype=np.uint64)
-            kw["row_steps"] = np.asarray(rd.row_steps, dtype=np.uint64)
-        elif start is not None:
-            kw["start"] = start
         else:
             kw["rows"] = np.asarray(rd.index, dtype=np.int64)
-        if info.kind == "csr":   # each entry's row step
-            kw["row_steps"] = np.asarray(rd.row_steps, dtype=np.uint64)
         n = len(rd.index)
         frame = frames.encode_rows(epoch=self.members.epoch, sender=self.mid,
                                    incarnation=self.incarnation, tensor=info.tid, shard=shard,
