@@ -237,7 +237,9 @@ class DenseOutbox(DenseTensor):
                           f"push to {self.name!r}")
 
     def _busy_bases(self) -> Any:
-        """Every shard's base (``void *[]``) for shmps_outbox_busy, built once."""
+        """Every shard's base (``void *[]``) for shmps_outbox_busy, built once; Closed
+        after close() (the bases would point at unmapped memory)."""
+        self._shard(0)
         if getattr(self, "_bases_arr", None) is None:
             self._bases_arr = ffi.new("void *[]", [self._shard(i).ptr
                                                    for i in range(self.nshards)])

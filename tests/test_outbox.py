@@ -165,6 +165,13 @@ def test_busy_names_the_shards_worth_draining_and_buffers_are_reused(store):
     assert w._outbox_busy() == [1]
     d = w._outbox_drain(1)
     assert d.index.tolist() == [4] and w._outbox_drain(1) is None and w._outbox_busy() == []
+    # a closed outbox raises Closed (its cached shard bases would point at unmapped
+    # memory: before, this call crashed the process with SIGSEGV)
+    w._outbox().close()
+    t._outbox().close()
+    for x in (w, t):
+        with pytest.raises(shmps.Closed):
+            x._outbox_busy()
 
 
 def test_forwarded_push_validation_changes_nothing(store):
