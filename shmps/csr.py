@@ -311,10 +311,9 @@ class CSRTensor(Tensor):
     def _entry_bounds(self) -> np.ndarray:
         """Global index of each shard's first entry, and nnz (nshards + 1, int64)."""
         b = getattr(self, "_bounds_cache", None)
-        if b is None:
-            rc, _ = self.structure()
-            b = self._bounds_cache = rc[np.minimum(np.arange(self.nshards + 1)
-                                                   * self.shard_rows, self.nrows)]
+        if b is None:   # from the shards' nnz: no copy of the structure
+            nnz = [int(self._shard(i).spec["nnz"]) for i in range(self.nshards)]
+            b = self._bounds_cache = np.concatenate(([0], np.cumsum(nnz))).astype(np.int64)
         return b
 
     @property

@@ -721,6 +721,8 @@ def test_csr_push_goes_to_the_outbox_as_entries(store):
     np.testing.assert_array_equal(m.pull().value, np.ones(8, np.int32))   # not applied here
     ob = m._outbox()
     assert ob.name == "m#outbox" and ob.shape == (3 * 4,) and ob.shard_rows == 4
+    # each shard's first entry (from the shards' nnz) is rowcnt at the shard's first row
+    assert m._entry_bounds.tolist() == rc[[0, 2, 4, 5]].tolist() == [0, 2, 6, 8]
     # an absent entry, NaN in a float matrix: refused, nothing reaches the outbox
     with pytest.raises(shmps.InvalidArgument, match="not in the structure"):
         m.push(shmps.CSR([0, 1, 1, 1, 1, 1], [1], np.ones(1, np.int32)))
