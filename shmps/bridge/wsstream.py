@@ -20,11 +20,11 @@ or a server frame with one, reserved bits set, unknown opcodes (1002).
 
 Sending: :meth:`WsStream.send` writes the frame header and then the payload object to
 the transport, which sends it without copying unless the socket is full (then asyncio
-keeps a copy of the rest and pauses us).  While paused, messages wait in our own queue
-as references (asyncio would append each to one growing bytearray: a copy of
-everything queued, and at a few hundred MiB an event loop stalled for most of a second
-moving it); :attr:`WsStream.backlog` says how much waits, and past MAX_BACKLOG a send
-is refused.  Only the server side sends large messages in the bridge (data frames take
+keeps the rest, a copy up to Python 3.11, a reference from 3.12, and pauses us).
+While paused, messages wait in our own queue as references (asyncio 3.11 would append
+each to one growing bytearray: a copy of everything queued, and at a few hundred MiB
+an event loop stalled for most of a second moving it); :attr:`WsStream.backlog` says
+how much waits, and past MAX_BACKLOG a send is refused.  Only the server side sends large messages in the bridge (data frames take
 the connection the peer opened: ``Bridge._out``), so the masking copy of a client (a
 fresh XOR per message, RFC 6455 5.3) applies to ACKs and heartbeats.
 """
@@ -40,12 +40,15 @@ from collections import deque
 from typing import Any, Callable, Optional
 
 import numpy as np
+from aiohttp import WSCloseCode
+from aiohttp.http import WS_KEY
 
 log = logging.getLogger("shmps.bridge")
 
-GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
 OP_CONT, OP_TEXT, OP_BINARY, OP_CLOSE, OP_PING, OP_PONG = 0x0, 0x1, 0x2, 0x8, 0x9, 0xA
-CLOSE_NORMAL, CLOSE_PROTOCOL, CLOSE_UNSUPPORTED, CLOSE_TOO_BIG = 1000, 1002, 1003, 1009
+CLOSE_NORMAL, CLOSE_PROTOCOL, CLOSE_UNSUPPORTED, CLOSE_TOO_BIG = (
+    int(WSCloseCode.OK), int(WSCloseCode.PROTOCOL_ERROR), int(WSCloseCode.UNSUPPORTED_DATA),
+    int(WSCloseCode.MESSAGE_TOO_BIG))
 READ_CHUNK = 16 << 10         #: read size between messages (several small ones per read)
 MAX_HTTP_HEAD = 16 << 10      #: the client's limit on the server's 101 response head
 MAX_BACKLOG = 64 << 20        #: bytes queued for a slow peer before send() refuses
@@ -63,7 +66,7 @@ class WsClosed(ConnectionError):
 
 def accept_key(key: bytes) -> bytes:
     """``Sec-WebSocket-Accept`` for the client's ``Sec-WebSocket-Key`` (RFC 6455 4.2.2)."""
-    return base64.b64encode(hashlib.sha1(key + GUID).digest())
+    return base64.b64encode(hashlib.sha1(key + WS_KEY).digest())
 
 
 def frame_header(opcode: int, n: int, mask: Optional[bytes] = None) -> bytes:
@@ -120,7 +123,6 @@ class WsStream(asyncio.BufferedProtocol):
         self._inbox: deque = deque()
         self._waiter: Optional[asyncio.Future] = None
         self._close_sent = False
-        self.close_code: Optional[int] = None
         #: told why, when this end closes the connection for a protocol violation:
         #: "oversized" (1009) or "malformed" (1002, 1003)
         self.on_refused: Optional[Callable[[str], None]] = None
@@ -162,8 +164,9 @@ class WsStream(asyncio.BufferedProtocol):
         """Move the unparsed bytes to the buffer's start, in a bigger buffer if ``size``
         (those bytes plus the next read) does not fit."""
         have = self._end - self._pos
-        if size > len(self._buf):
-            buf = bytearray(max(size, 2 * len(self._buf)))
+        if size > len(self._buf):   # at most one message (max_msg) plus a read
+            buf = bytearray(min(max(size, 2 * len(self._buf)),
+                                self.max_msg + 14 + READ_CHUNK))
             buf[:have] = self._mv[self._pos:self._end]
             self._buf, self._mv = buf, memoryview(buf)
         elif have:
@@ -179,9 +182,6 @@ class WsStream(asyncio.BufferedProtocol):
         except Exception:   # a handler bug must not leave the connection half-read
             log.exception("websocket from %s: message handling failed", self.peer)
             self.close(CLOSE_PROTOCOL)
-
-    def eof_received(self) -> bool:
-        return False   # the transport closes itself
 
     def pause_writing(self) -> None:
         self._paused = True
@@ -267,13 +267,14 @@ class WsStream(asyncio.BufferedProtocol):
             if masked == self.client:
                 return self._protocol_error(CLOSE_PROTOCOL, "a client must mask its frames "
                                             "and a server must not (RFC 6455 5.1)")
+            if opcode not in (OP_CONT, OP_TEXT, OP_BINARY, OP_CLOSE, OP_PING, OP_PONG):
+                return self._protocol_error(CLOSE_PROTOCOL, f"unknown opcode {opcode:#x}")
+            if opcode >= OP_CLOSE and (n > 125 or not b0 & 0x80):
+                return self._protocol_error(CLOSE_PROTOCOL, "a control frame over 125 bytes "
+                                            "or fragmented")
             if opcode in (OP_TEXT, OP_CONT) or not b0 & 0x80:
                 return self._protocol_error(CLOSE_UNSUPPORTED, "only unfragmented binary "
                                             "messages are used")
-            if opcode not in (OP_BINARY, OP_CLOSE, OP_PING, OP_PONG):
-                return self._protocol_error(CLOSE_PROTOCOL, f"unknown opcode {opcode:#x}")
-            if opcode != OP_BINARY and n > 125:
-                return self._protocol_error(CLOSE_PROTOCOL, "control frame over 125 bytes")
             if n > self.max_msg:
                 return self._protocol_error(CLOSE_TOO_BIG, f"a message of {n} bytes, over "
                                             f"the {self.max_msg}-byte limit")
@@ -291,7 +292,9 @@ class WsStream(asyncio.BufferedProtocol):
             elif opcode == OP_PING:
                 self._send_frame(OP_PONG, bytes(payload))
             elif opcode == OP_CLOSE:
-                self.close(CLOSE_NORMAL if len(payload) < 2 else LEN16.unpack_from(payload)[0])
+                if len(payload) == 1:
+                    return self._protocol_error(CLOSE_PROTOCOL, "a close frame of 1 byte")
+                self.close(CLOSE_NORMAL if not len(payload) else LEN16.unpack_from(payload)[0])
 
     def _message(self, payload: memoryview) -> None:
         if self._handler is None:
@@ -302,7 +305,6 @@ class WsStream(asyncio.BufferedProtocol):
 
     def _protocol_error(self, code: int, why: str) -> None:
         log.warning("websocket from %s: %s; closing it (%d)", self.peer, why, code)
-        self.close_code = code
         if self.on_refused is not None:
             self.on_refused("oversized" if code == CLOSE_TOO_BIG else "malformed")
         self.close(code)
@@ -347,13 +349,18 @@ class WsStream(asyncio.BufferedProtocol):
         """Send ``data`` (bytes-like) as one binary message; False if the connection is
         closed or MAX_BACKLOG bytes already wait for the socket (the caller treats it as
         lost).  Never waits: while the transport is over its high-water mark, messages
-        wait in a queue (references: the caller must not change ``data`` after this)."""
+        wait in a queue (references: the caller must not change ``data`` after this; a
+        memoryview, such as a handler's view of the receive buffer, is copied first)."""
         return self._send_frame(OP_BINARY, data)
 
     def _send_frame(self, opcode: int, data: Any) -> bool:
         if self.is_closed:
             return False
-        n = memoryview(data).nbytes
+        if isinstance(data, memoryview):
+            # e.g. a view of the receive buffer a handler got, which the next read reuses
+            # (and asyncio >= 3.12 keeps references to what it could not send yet)
+            data = bytes(data)
+        n = len(data)
         if self.client:
             mask = os.urandom(4)
             body = bytearray(data)
@@ -383,13 +390,17 @@ class WsStream(asyncio.BufferedProtocol):
             self.transport.write(data)
 
     def close(self, code: int = CLOSE_NORMAL) -> None:
-        """Send a close frame (once) and close the connection; idempotent."""
+        """Send what is queued and a close frame, then close the connection (asyncio
+        sends what it holds before it closes the socket); idempotent."""
         if self.transport is None or self.transport.is_closing():
             self._close_sent = True
             return
         if not self._close_sent:
             if not self._http:
                 self._send_frame(OP_CLOSE, LEN16.pack(code))
+            while self._backlog:
+                self._write(*self._backlog.popleft())
+            self._backlog_bytes = 0
             self._close_sent = True
         self.transport.close()
 
