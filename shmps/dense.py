@@ -145,7 +145,8 @@ class DenseTensor(Tensor):
         self._require_finite(g)
         self._outbox()._push_counted(g, r)
 
-    def _apply(self, g: np.ndarray, r: Optional[np.ndarray]) -> None:
+    def _apply(self, g: np.ndarray, r: Optional[np.ndarray]) -> Any:
+        """Push ``g`` (validated) into rows ``r`` (None: all); returns the shards touched."""
         nthreads = self._threads_for(g.nbytes) if r is None else 1
         self._require_finite(g, nthreads)
         step = _native.ffi.new("uint64_t *")
@@ -154,6 +155,7 @@ class DenseTensor(Tensor):
         if r is None:
             self._push_all(g, t, nthreads)
             self._count(False, g.nbytes, self.nrows)
+            return range(self.nshards)
         else:
             r, g = self._aggregate_duplicates(r, g)
             if r.size > 1 and bool(np.any(r[1:] < r[:-1])):
@@ -161,8 +163,9 @@ class DenseTensor(Tensor):
                 # locked once per push, so a stripe always holds whole pushes.
                 order = np.argsort(r, kind="stable")
                 r, g = r[order], g[order]
-            self._push_rows(g, r, t)
+            touched = self._push_rows(g, r, t)
             self._count(False, g.nbytes, r.size)
+            return touched
 
     def _threads_for(self, nbytes: int) -> int:
         """Split a large push over this process's cores, unless another process has
@@ -229,13 +232,17 @@ class DenseTensor(Tensor):
             parts.append(cur)
         return parts
 
-    def _push_rows(self, g: np.ndarray, r: np.ndarray, step: int) -> None:
+    def _push_rows(self, g: np.ndarray, r: np.ndarray, step: int) -> list[int]:
+        """Push ``g`` into rows ``r``, shard by shard; returns the shards touched."""
         tok = _native.token()
+        touched = []
         for i, local, gpart in self._by_shard(r, g):
             code = lib.shmps_dense_push_rows(self._shards[i].ptr, tok, _native.addr(local),
                                              local.size, _native.addr(gpart), self._gcode, step)
             if code:
                 _native.check(code, f"push to {self.name!r}")
+            touched.append(i)
+        return touched
 
     def _by_shard(self, r: np.ndarray, g: Optional[np.ndarray]):
         """Yield (shard, local rows, gradient rows or positions) grouped by shard."""

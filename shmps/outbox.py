@@ -230,9 +230,7 @@ class DenseOutbox(DenseTensor):
         landed: shmps_outbox_pushed's release)."""
         if r is not None and r.size == 0:
             return
-        DenseTensor._apply(self, g, r)
-        touched = range(self.nshards) if r is None else np.unique(r // self.shard_rows)
-        for i in touched:
+        for i in DenseTensor._apply(self, g, r):   # the shards it touched
             _native.check(lib.shmps_outbox_pushed(self._shards[int(i)].ptr),
                           f"push to {self.name!r}")
 
