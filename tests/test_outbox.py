@@ -428,6 +428,28 @@ def test_flush_times_out_without_a_bridge(store):
         store.flush(timeout=0.05)
 
 
+def test_flush_asks_the_bridge_only_when_it_has_to_wait(store):
+    """store.flush() bumps the manifest's flush_req word (the bridge's waiting thread
+    wakes on it) when a push waits for its acknowledgement, and not when nothing is
+    pending; a waiter whose word already moved returns at once, else after its bound."""
+    from shmps._native import lib
+    man = store._mptr
+    w = store.dense("w", shape=(4,))
+    store._set_forwarding(True)
+    seen = lib.shmps_flush_wait(man, 0, 0)
+    store.flush(timeout=0.05)                      # nothing pending: no request
+    assert lib.shmps_flush_wait(man, seen, 0) == seen
+    w.push(np.ones(4, np.float32))
+    with pytest.raises(shmps.Timeout):
+        store.flush(timeout=0.05)                  # pending: one request
+    now = lib.shmps_flush_wait(man, seen, 0)
+    assert now == seen + 1
+    t0 = time.monotonic()
+    assert lib.shmps_flush_wait(man, seen, 5_000_000_000) == now   # moved: no sleep
+    assert lib.shmps_flush_wait(man, now, 50_000_000) == now       # sleeps 50 ms
+    assert 0.04 < time.monotonic() - t0 < 2.0
+
+
 def test_flush_returns_once_acked(store):
     w = store.dense("w", shape=(64, 8), shard_rows=16)
     t = store.table("e", dim=3, capacity=100, shards=3)
