@@ -277,11 +277,7 @@ def _header(ftype: FrameType, *, epoch: int, sender: int, incarnation: int, tens
                        _u("seq", seq, U64), int(flags), int(layout), payload_len)
 
 
-def _finish(parts: list[object], total: int, limits: Limits | None) -> bytes:
-    if limits is not None and total > limits.max_frame_bytes:
-        raise InvalidArgument(f"frame of {total} bytes exceeds the {limits.max_frame_bytes}-byte "
-                              "limit", hint="split the rows over several frames "
-                                            "(frames.max_rows_per_frame)")
+def _finish(parts: list[object], total: int) -> bytes:
     out = b"".join(parts)  # type: ignore[arg-type]   # one copy of the arrays, no more
     assert len(out) == total
     return out
@@ -289,6 +285,64 @@ def _finish(parts: list[object], total: int, limits: Limits | None) -> bytes:
 
 def _bytes_of(a: np.ndarray) -> memoryview:
     return np.ascontiguousarray(a).reshape(-1).view(np.uint8).data
+
+
+def _layout(n: int, start: int | None, rows: np.ndarray | None,
+            keys: np.ndarray | None) -> tuple[Layout, int, np.ndarray | None]:
+    """How ``n`` rows are addressed (exactly one of ``start``, ``rows``, ``keys``): the
+    layout, the first row of a range (else 0), and the index as little-endian int64
+    (rows) or uint64 (keys).  InvalidArgument for anything else."""
+    if sum(x is not None for x in (start, rows, keys)) != 1:
+        raise InvalidArgument("pass exactly one of start= (a row range), rows= or keys=")
+    if start is not None:
+        first = _u("start", start, U63)
+        if first + n > U63:
+            raise InvalidArgument("start + rows exceeds 2**63 - 1")
+        return Layout.RANGE, first, None
+    if rows is not None:
+        index = np.asarray(rows)
+        if index.dtype.kind not in "iu" or index.shape != (n,):
+            raise InvalidArgument(f"rows must be {n} integers, got {index.dtype} {index.shape}")
+        if n and (int(index.min()) < 0 or int(index.max()) > U63):
+            raise InvalidArgument("rows must be in [0, 2**63)")
+        return Layout.INDEXED, 0, index.astype("<i8", copy=False)
+    index = np.asarray(keys)
+    if index.dtype.kind not in "iu" or index.shape != (n,):
+        raise InvalidArgument(f"keys must be {n} integers, got {index.dtype} {index.shape}")
+    if index.dtype.kind == "i" and n and int(index.min()) < 0:
+        raise InvalidArgument("keys must be non-negative (uint64)")
+    return Layout.KEYED, 0, index.astype("<u8", copy=False)
+
+
+def _state_code(dtype: np.dtype, nstate: int) -> int:
+    """The frame code of the optimizer state's dtype (0 without state); InvalidArgument
+    unless it is a float type and there are at most MAX_STATE arrays."""
+    if not 0 <= nstate <= MAX_STATE:
+        raise InvalidArgument(f"at most {MAX_STATE} state arrays")
+    if not nstate:
+        return 0
+    code = _dtype_code(dtype, "state")
+    if code not in FLOAT_CODES:
+        raise InvalidArgument("optimizer state must be float16/32/64")
+    return code
+
+
+def _pack_marks(marks: Sequence[Mark]) -> bytes:
+    if len(marks) > U32:
+        raise InvalidArgument("too many marks")
+    return b"".join(MARK.pack(_u("mark sender", m.sender, U32),
+                              _u("mark incarnation", m.incarnation, U32),
+                              _u("mark seq", m.seq, U64)) for m in marks)
+
+
+def _check_size(payload: int, limits: Limits | None) -> None:
+    if payload > U32:
+        raise InvalidArgument(f"frame payload of {payload} bytes does not fit a frame")
+    total = HEADER.size + payload
+    if limits is not None and total > limits.max_frame_bytes:
+        raise InvalidArgument(f"frame of {total} bytes exceeds the {limits.max_frame_bytes}"
+                              "-byte limit", hint="split the rows over several frames "
+                                                  "(frames.max_rows_per_frame)")
 
 
 def _encode_data(ftype: FrameType, *, epoch: int, sender: int, incarnation: int, tensor: int,
@@ -305,32 +359,7 @@ def _encode_data(ftype: FrameType, *, epoch: int, sender: int, incarnation: int,
     code = _dtype_code(v.dtype, "values")
     if cols < 1:
         raise InvalidArgument("rows must hold at least one value")
-    given = [x is not None for x in (start, rows, keys)]
-    if sum(given) != 1:
-        raise InvalidArgument("pass exactly one of start= (a row range), rows= or keys=")
-    parts: list[object] = []
-    index: np.ndarray | None = None
-    if start is not None:
-        layout = Layout.RANGE
-        first = _u("start", start, U63)
-        if first + n > U63:
-            raise InvalidArgument("start + rows exceeds 2**63 - 1")
-    elif rows is not None:
-        layout, first = Layout.INDEXED, 0
-        index = np.asarray(rows)
-        if index.dtype.kind not in "iu" or index.shape != (n,):
-            raise InvalidArgument(f"rows must be {n} integers, got {index.dtype} {index.shape}")
-        if n and (int(index.min()) < 0 or int(index.max()) > U63):
-            raise InvalidArgument("rows must be in [0, 2**63)")
-        index = index.astype("<i8", copy=False)
-    else:
-        layout, first = Layout.KEYED, 0
-        index = np.asarray(keys)
-        if index.dtype.kind not in "iu" or index.shape != (n,):
-            raise InvalidArgument(f"keys must be {n} integers, got {index.dtype} {index.shape}")
-        if index.dtype.kind == "i" and n and int(index.min()) < 0:
-            raise InvalidArgument("keys must be non-negative (uint64)")
-        index = index.astype("<u8", copy=False)
+    layout, first, index = _layout(n, start, rows, keys)
     if ftype is FrameType.BATCH:
         if n == 0:
             raise InvalidArgument("a BATCH carries at least one row")
@@ -341,48 +370,38 @@ def _encode_data(ftype: FrameType, *, epoch: int, sender: int, incarnation: int,
             raise InvalidArgument("a BATCH folds step >= 1 pushes")
     else:
         _u("step", step, U64)
-    if len(state) > MAX_STATE:
-        raise InvalidArgument(f"at most {MAX_STATE} state arrays")
-    scode, ssize = 0, 0
-    st = [np.asarray(s) for s in state]
-    if st:
-        scode = _dtype_code(st[0].dtype, "state")
-        if scode not in FLOAT_CODES:
-            raise InvalidArgument("optimizer state must be float16/32/64")
-        for s in st:
-            if s.dtype != st[0].dtype or s.size != n * cols:
-                raise InvalidArgument(f"each state array must be {n} x {cols} of {st[0].dtype}")
-        ssize = st[0].dtype.itemsize
+    st = [np.asarray(x) for x in state]
+    scode = _state_code(st[0].dtype if st else v.dtype, len(st))
+    for x in st:
+        if x.dtype != st[0].dtype or x.size != n * cols:
+            raise InvalidArgument(f"each state array must be {n} x {cols} of {st[0].dtype}")
+    ssize = st[0].dtype.itemsize if st else 0
     if row_steps is not None:
         rs = np.asarray(row_steps)
         if rs.dtype.kind not in "iu" or rs.shape != (n,) or (n and int(rs.min()) < 0):
             raise InvalidArgument(f"row_steps must be {n} non-negative integers")
         row_steps = rs.astype("<u8", copy=False)
         flags |= Flag.ROW_STEPS
-    if len(marks) > U32:
-        raise InvalidArgument("too many marks")
+    marks_bytes = _pack_marks(marks)
     payload = data_payload_bytes(layout, n, cols, v.dtype.itemsize, nmarks=len(marks),
                                  nstate=len(st), state_itemsize=ssize,
                                  row_steps=row_steps is not None)
-    if payload > U32 or n > U32 or cols > U32:
+    if n > U32 or cols > U32:
         raise InvalidArgument(f"frame payload of {payload} bytes does not fit a frame")
-    parts.append(_header(ftype, epoch=epoch, sender=sender, incarnation=incarnation,
-                         tensor=tensor, shard=shard, seq=seq, flags=flags, layout=layout,
-                         payload_len=payload))
-    parts.append(DATA_HEAD.pack(code, len(st), scode, 0, cols, n, first, int(step),
-                                len(marks), 0))
-    for m in marks:
-        parts.append(MARK.pack(_u("mark sender", m.sender, U32),
-                               _u("mark incarnation", m.incarnation, U32),
-                               _u("mark seq", m.seq, U64)))
+    _check_size(payload, limits)
+    parts: list[object] = [
+        _header(ftype, epoch=epoch, sender=sender, incarnation=incarnation, tensor=tensor,
+                shard=shard, seq=seq, flags=flags, layout=layout, payload_len=payload),
+        DATA_HEAD.pack(code, len(st), scode, 0, cols, n, first, int(step), len(marks), 0),
+        marks_bytes]
     if index is not None:
         parts.append(_bytes_of(index))
     if row_steps is not None:
         parts.append(_bytes_of(row_steps))
     parts.append(_bytes_of(v.astype(v.dtype.newbyteorder("<"), copy=False)))
-    for s in st:
-        parts.append(_bytes_of(s.astype(s.dtype.newbyteorder("<"), copy=False)))
-    return _finish(parts, HEADER.size + payload, limits)
+    for x in st:
+        parts.append(_bytes_of(x.astype(x.dtype.newbyteorder("<"), copy=False)))
+    return _finish(parts, HEADER.size + payload)
 
 
 def encode_batch(*, epoch: int, sender: int, incarnation: int, tensor: int, shard: int,
@@ -457,52 +476,28 @@ class RowsBuilder:
         n, cols = _u("n", n, U32), _u("cols", cols, U32)
         if cols < 1:
             raise InvalidArgument("rows must hold at least one value")
-        if (start is None) == (rows is None):
+        if rows is not None and start is not None:
             raise InvalidArgument("pass exactly one of start= (a row range) or rows=")
-        if not 0 <= nstate <= MAX_STATE:
-            raise InvalidArgument(f"at most {MAX_STATE} state arrays")
+        layout, self._first, index = _layout(n, start, rows, None)
         sdt = np.dtype(state_dtype if nstate else dt).newbyteorder("<")  # type: ignore
-        self._scode = _dtype_code(sdt, "state") if nstate else 0
-        if nstate and self._scode not in FLOAT_CODES:
-            raise InvalidArgument("optimizer state must be float16/32/64")
-        if len(marks) > U32:
-            raise InvalidArgument("too many marks")
-        if start is not None:
-            layout, self._first = Layout.RANGE, _u("start", start, U63)
-            if self._first + n > U63:
-                raise InvalidArgument("start + rows exceeds 2**63 - 1")
-        else:
-            layout, self._first = Layout.INDEXED, 0
-            idx = np.asarray(rows)
-            if idx.dtype.kind not in "iu" or idx.shape != (n,):
-                raise InvalidArgument(f"rows must be {n} integers, got {idx.dtype} {idx.shape}")
-            if n and (int(idx.min()) < 0 or int(idx.max()) > U63):
-                raise InvalidArgument("rows must be in [0, 2**63)")
+        self._scode = _state_code(sdt, nstate)
+        marks_bytes = _pack_marks(marks)
         payload = data_payload_bytes(layout, n, cols, dt.itemsize, nmarks=len(marks),
                                      nstate=nstate, state_itemsize=sdt.itemsize if nstate else 0)
+        _check_size(payload, limits)
         total = HEADER.size + payload
-        if payload > U32:
-            raise InvalidArgument(f"frame payload of {payload} bytes does not fit a frame")
-        if limits is not None and total > limits.max_frame_bytes:
-            raise InvalidArgument(f"frame of {total} bytes exceeds the {limits.max_frame_bytes}"
-                                  "-byte limit", hint="split the rows over several frames "
-                                                      "(frames.max_rows_per_frame)")
         self.buf = bytearray(total)
-        HEADER.pack_into(self.buf, 0, MAGIC, VERSION, int(FrameType.ROWS),
-                         _u("epoch", epoch, U64), _u("sender", sender, U32),
-                         _u("incarnation", incarnation, U32), _u("tensor", tensor, U32),
-                         _u("shard", shard, U32), _u("seq", seq, U64), 0, int(layout), payload)
+        self.buf[:HEADER.size] = _header(FrameType.ROWS, epoch=epoch, sender=sender,
+                                         incarnation=incarnation, tensor=tensor, shard=shard,
+                                         seq=seq, flags=0, layout=layout, payload_len=payload)
         off = HEADER.size + DATA_HEAD.size
-        for m in marks:
-            MARK.pack_into(self.buf, off, _u("mark sender", m.sender, U32),
-                           _u("mark incarnation", m.incarnation, U32),
-                           _u("mark seq", m.seq, U64))
-            off += MARK.size
+        self.buf[off:off + len(marks_bytes)] = marks_bytes
+        off += len(marks_bytes)
         self._n, self._cols, self._nstate, self._nmarks = n, cols, nstate, len(marks)
         self.index: np.ndarray | None = None
-        if rows is not None:
+        if index is not None:
             self.index = np.frombuffer(self.buf, "<i8", n, off)
-            self.index[:] = np.asarray(rows)
+            self.index[:] = index
             off += 8 * n
         self.values: np.ndarray = np.frombuffer(self.buf, dt, n * cols, off).reshape(n, cols)
         off += n * cols * dt.itemsize
@@ -545,10 +540,11 @@ def encode_heartbeat(*, epoch: int, sender: int, incarnation: int, seq: int, dig
             raise InvalidArgument(f"member state code must be 1..5, got {code!r}")
         body.append(MEMBER.pack(_u("member id", mid, U32), code, b"\0\0\0"))
     payload = b"".join(body)
+    _check_size(len(payload), limits)
     return _finish([_header(FrameType.HEARTBEAT, epoch=epoch, sender=sender,
                             incarnation=incarnation, tensor=0, shard=0, seq=seq, flags=0,
                             layout=Layout.NONE, payload_len=len(payload)), payload],
-                   HEADER.size + len(payload), limits)
+                   HEADER.size + len(payload))
 
 
 def encode_sync(*, epoch: int, sender: int, incarnation: int, tensor: int, shard: int,
