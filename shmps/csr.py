@@ -344,7 +344,7 @@ class CSRTensor(Tensor):
         DenseTensor._outbox_drain."""
         from . import outbox
         first = int(self._entry_bounds[self._shard_index(shard)])
-        return outbox.drain_dense(self, shard, timeout, into, first=first, row_shape=())
+        return outbox.drain_dense(self, shard, timeout, into, first=first)
 
     def _shard_index(self, shard: Any) -> int:
         self._shard_checked(shard)
@@ -385,9 +385,9 @@ class CSRTensor(Tensor):
         sh = self._shard(s)
         nrows = int(sh.spec["nrows"])
         rc = sh.seg.array(np.int64, sh.spec["rowcnt_off"], nrows + 1)
-        rows = np.searchsorted(rc[1:], local, side="right")   # the row of each entry
-        part = np.zeros(nrows + 1, np.int64)
-        np.cumsum(np.bincount(rows, minlength=nrows)[:nrows], out=part[1:])
+        # where each row's entries start among ``local`` (strictly increasing): the
+        # entries before the row's first
+        part = np.searchsorted(local, rc).astype(np.int64, copy=False)
         scratch, nbytes, _ = self._scratch()
         code = lib.shmps_csr_push(sh.ptr, _native.token(), _native.addr(part), nrows,
                                   _native.addr(local), ffi.from_buffer(g), self._gcode,

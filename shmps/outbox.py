@@ -345,16 +345,15 @@ def _timeout(timeout: Optional[float]) -> float:
 
 
 def drain_dense(t: Any, shard: int, timeout: Optional[float] = None,
-                into: Optional[DrainBuffers] = None, *, first: Optional[int] = None,
-                row_shape: Optional[tuple] = None) -> Optional[Drained]:
-    """Drain shard ``shard`` of the dense outbox of ``t`` (a dense tensor; a csr tensor
-    passes ``first``, the global index of the shard's first entry, and ``row_shape``
-    ``()``): the rows taken, numbered from ``first`` (default shard * shard_rows)."""
+                into: Optional[DrainBuffers] = None, *,
+                first: Optional[int] = None) -> Optional[Drained]:
+    """Drain shard ``shard`` of the dense outbox of ``t`` (a dense tensor; a csr tensor,
+    whose row_shape is ``()``, passes ``first``, the global index of the shard's first
+    entry): the rows taken, numbered from ``first`` (default shard * shard_rows)."""
     ob = t._outbox()
     sh = ob._shard_checked(shard)
     cap = sh.spec["nrows"]
-    shape = tuple(t.row_shape) if row_shape is None else tuple(row_shape)
-    rows, vals = _buffers(into, cap, shape, np.int64, ob.dtype)
+    rows, vals = _buffers(into, cap, tuple(t.row_shape), np.int64, ob.dtype)
     n, pushed, prev = ffi.new("uint64_t *"), ffi.new("uint64_t *"), ffi.new("uint64_t *")
     code = lib.shmps_outbox_drain(sh.ptr, _native.token(), _timeout(timeout),
                                   _native.addr(rows), ffi.from_buffer(vals), cap, n, pushed,
