@@ -788,6 +788,45 @@ def test_csr_push_goes_to_the_outbox_as_entries(store):
     np.testing.assert_array_equal(m.pull().value, 2 + np.array([0, 11, 2, 3, 4, 5, 56, 7]))
 
 
+def test_csr_entries_carry_optimizer_state_and_the_c_checks_hold(store):
+    """A csr tensor with Adam: the entries read for ROWS carry both moments and each
+    entry's row step, and written to another copy (with steps, then without: the steps
+    there are kept) reproduce them.  Bad positions given to the C calls directly (what a
+    corrupt caller could pass; Python refuses them first) are refused with BOUNDS and
+    change nothing."""
+    from shmps._native import ffi, lib
+    rc, ci = np.array([0, 2, 2, 5, 6, 8]), np.array([0, 3, 1, 2, 4, 0, 2, 3])
+    a = store.csr("a", rc, ci, dtype="float32", optimizer=shmps.Adam(lr=0.1), shard_rows=2)
+    a.push(shmps.CSR(rc, ci, np.arange(1, 9, dtype=np.float32)))
+    a.push(shmps.CSR(rc, ci, np.ones(8, np.float32)))
+    rd = a._read_rows(1, [2, 3, 4, 5])
+    assert len(rd.states) == 2 and all(np.abs(x).sum() > 0 for x in rd.states)
+    assert rd.row_steps.tolist() == [2, 2, 2, 2]
+    b = store.csr("b", rc, ci, dtype="float32", optimizer=shmps.Adam(lr=0.1), shard_rows=2)
+    b._write_rows(1, rd)
+    back = b._read_rows(1, [2, 3, 4, 5])
+    for x, y in zip([rd.values, *rd.states, rd.row_steps],
+                    [back.values, *back.states, back.row_steps]):
+        np.testing.assert_array_equal(x, y)
+    from shmps.outbox import RowData
+    b._write_rows(1, RowData(index=rd.index, values=rd.values * 0, states=rd.states,
+                             row_steps=None, step=0))
+    back = b._read_rows(1, [2, 3, 4, 5])
+    assert back.values.tolist() == [0, 0, 0, 0] and back.row_steps.tolist() == [2, 2, 2, 2]
+    before = a.pull().value.copy()
+    sh = a._shard(1)
+    vals, m1, m2 = (np.zeros(2, np.float32) for _ in range(3))
+    states = ffi.new("void *[]", [ffi.from_buffer(m1), ffi.from_buffer(m2)])
+    steps = np.zeros(2, np.uint64)
+    for bad in ([1, 0], [0, 0], [0, 4], [-1, 0]):   # unsorted, repeated, past nnz, negative
+        pos = np.array(bad, np.int64)
+        for call in (lib.shmps_csr_read_entries, lib.shmps_csr_write_entries):
+            code = call(sh.ptr, shmps._native.token(), shmps._native.addr(pos), 2,
+                        ffi.from_buffer(vals), states, 2, shmps._native.addr(steps))
+            assert code == lib.SHMPS_E_BOUNDS, (call, bad, code)
+    np.testing.assert_array_equal(a.pull().value, before)
+
+
 def test_aggregated_tensor_forwards_only_its_round(store):
     store.join()
     w = store.dense("w", shape=(3,), dtype="float64", optimizer=shmps.SGD(lr=1.0),
