@@ -24,8 +24,9 @@ static uint64_t mix64(uint64_t x) { /* splitmix64 finaliser */
 /* Outbox shards (SHMPS_F_OUTBOX): counts one push piece on every row that elements
  * [e0, e1) -- all inside one stripe, whose lock the caller holds -- touch.  A row's
  * count is > 0 whenever the row may hold values no drain took: every write of
- * outbox values comes with a count under the same stripe lock, and a drain zeroes
- * both holding every stripe of the row (outbox.c).  Rows inside one stripe are only
+ * outbox values comes after a count under the same stripe lock (before it, so that a
+ * pusher killed mid-write leaves a count too), and a drain zeroes both holding every
+ * stripe of the row (outbox.c).  Rows inside one stripe are only
  * ever counted under that stripe's lock (relaxed load + store: plain moves, the
  * lock orders them); a row that straddles stripes is counted under several locks, so
  * with an atomic add.  Relaxed: the lock's acquire/release orders them against the
@@ -50,8 +51,11 @@ static int apply_stripe(void *base, shmps_stripe_t *st, uint64_t j, const char *
     uint64_t i0 = j * s->stripe_elems;
     uint64_t n = s->nnz - i0 < s->stripe_elems ? s->nnz - i0 : s->stripe_elems;
     shmps_stripe_write_begin(st);
-    int r = shmps_apply(base, i0, n, grad + i0 * shmps_grad_size(s->dtype), step);
+    /* count before writing: a pusher killed mid-write leaves its rows counted, so a
+     * drain (the bridge's sweep) takes what it wrote; counted after, rows could hold
+     * values no drain would ever look at (note_pending) */
     if (s->flags & SHMPS_F_OUTBOX) note_pending(base, i0, i0 + n);
+    int r = shmps_apply(base, i0, n, grad + i0 * shmps_grad_size(s->dtype), step);
     shmps_stripe_write_end(st);
     shmps_stripe_unlock(st);
     return r;
@@ -191,8 +195,8 @@ int shmps_dense_push_rows(void *base, uint64_t token, const int64_t *rows, uint6
                 shmps_stripe_write_begin(&stripes[j]);
                 held = j;
             }
+            if (s->flags & SHMPS_F_OUTBOX) note_pending(base, e, stop); /* first: above */
             r = shmps_apply(base, e, stop - e, gr + (e - e0) * gsz, step);
-            if (s->flags & SHMPS_F_OUTBOX) note_pending(base, e, stop);
             e = stop;
         }
     }

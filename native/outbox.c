@@ -6,7 +6,7 @@
  * and the owner's bridge applies what they held.  docs/concurrency.md "Outboxes" has
  * the whole argument; in short:
  *
- *   pusher:  values += g and pending[row]++ under the stripe (row) lock, for every
+ *   pusher:  pending[row]++, then values += g, under the stripe (row) lock, for every
  *            stripe; then ob_pushed += 1 (release), once per outbox shard it touched.
  *   drainer: P = ob_pushed (acquire); then, holding every stripe of a row (in
  *            increasing order), take the row's values and zero them and its pending
