@@ -44,7 +44,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -335,6 +335,44 @@ def busy(t: Any) -> list[int]:
     _native.check(lib.shmps_outbox_busy(bases, ob.nshards, ffi.from_buffer(flags), n),
                   f"state of {ob.name!r}")
     return np.flatnonzero(flags).tolist() if n[0] else []
+
+
+class BusyScan:
+    """``busy`` for many tensors at once: one C call over every outbox shard of all of
+    them (the bridge's flush loop runs every few milliseconds; with hundreds of tensors,
+    a call per tensor cost an idle bridge most of a core).  Build a new one when the
+    tensors change (all of one store); :meth:`scan` raises Closed once the store is
+    closed."""
+
+    def __init__(self, tensors: Sequence[Any]) -> None:
+        self._outboxes = [t._outbox() for t in tensors]
+        self._stores = [ob._store for ob in self._outboxes[:1]]
+        ptrs = [ob._shard(i).ptr for ob in self._outboxes for i in range(ob.nshards)]
+        counts = [ob.nshards for ob in self._outboxes]
+        self._bases = ffi.new("void *[]", ptrs) if ptrs else None
+        #: which tensor (its position in ``tensors``) and shard each base is
+        self._tensor = np.repeat(np.arange(len(counts)), counts)
+        self._shard = (np.concatenate([np.arange(c) for c in counts]) if counts
+                       else np.zeros(0, np.int64))
+        self._flags = np.zeros(len(ptrs), np.uint8)
+        self._flags_ptr = ffi.from_buffer(self._flags)
+        self._n = ffi.new("uint32_t *")
+
+    def scan(self) -> list[tuple[int, int]]:
+        """(tensor position, shard) of every outbox shard holding pushes no drain has
+        counted yet; a hint, as ``busy``."""
+        if self._bases is None:
+            return []
+        # Closed once the store is: the bases would point at unmapped memory (the
+        # bridge closes tensors only by closing its store; one check, not one a tensor)
+        self._stores[0]._mptr
+        _native.check(lib.shmps_outbox_busy(self._bases, len(self._flags), self._flags_ptr,
+                                            self._n),
+                      "state of the outboxes")
+        if not self._n[0]:
+            return []
+        idx = np.flatnonzero(self._flags)
+        return list(zip(self._tensor[idx].tolist(), self._shard[idx].tolist()))
 
 
 def _timeout(timeout: Optional[float]) -> float:

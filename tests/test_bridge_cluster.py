@@ -336,6 +336,69 @@ def test_a_pusher_killed_mid_push_leaves_nothing_behind(make_cluster):
             s.close()
 
 
+def metric_value(c: Cluster, i: int, name: str) -> float:
+    for line in c.metrics(i).splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"no {name} in host {i}'s /metrics")
+
+
+def test_a_model_of_many_tensors_is_taken_up_without_a_stall(make_cluster):
+    """A worker creates a model's 400 parameter tensors (4 shards each) at once.  Every
+    bridge takes them all up (the other host creates them from the catalog) a slice at a
+    time, its event loop running in between: no bridge stops for so long that it takes
+    itself for stopped (stalls_total) or its peer for dead, and the ring never moves.
+    (Taken up in one go, this stalled each bridge 0.8-1.5 s; the 3-host variant saw
+    hosts declared dead.)  Then a push to each tensor from the other host and flush:
+    every host holds it exactly.  The catalog, unchanged, is answered 304 to its ETag."""
+    c = make_cluster(2)
+    c.start_all()
+    n = 400
+    model = {f"p{k}": [[64, 16], "int32", "sum", 16] for k in range(n)}
+    c.run_worker(0, {"create": {"dense": model}}, timeout=120)
+    wait_forwarding(c, set(model), [0, 1])
+    for i in (0, 1):
+        assert c.health(i)["epoch"] == 0, c.describe()
+        assert metric_value(c, i, "shmps_bridge_stalls_total") == 0, c.describe()
+        log = c.logs[i].read_text(errors="replace")
+        assert "-> dead" not in log and "did not run for" not in log, c.describe()
+    s = c.attach(1)
+    try:
+        for k in range(n):
+            s[f"p{k}"].push(np.ones((64, 16), np.int32))
+        s.flush(timeout=60)
+    finally:
+        s.close()
+    for i in (0, 1):
+        s = c.attach(i)
+        try:
+            short = [k for k in range(n) if not (s[f"p{k}"].pull() == 1).all()]
+        finally:
+            s.close()
+        assert not short, (i, short[:10], c.describe())
+
+    # the catalog is not sent again while it has not changed: 304 for its ETag
+    def catalog(tag: str | None) -> tuple[int, str, list]:
+        headers = auth.sign_request(c.secret_file.read_bytes().strip(), "GET",
+                                    "/v1/catalog", b"", c.addrs[1])
+        if tag is not None:
+            headers["If-None-Match"] = tag
+        req = urllib.request.Request(c.url(0, "/v1/catalog"), headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=5) as r:
+                return r.status, r.headers["ETag"], json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, e.headers["ETag"], []
+
+    status, tag, recs = catalog(None)
+    assert status == 200 and tag and {r["name"] for r in recs} == set(model)
+    assert catalog(tag)[:2] == (304, tag)
+    c.run_worker(0, {"create": {"dense": {"extra": [[8, 4], "int32", "sum", 8]}}})
+    status, tag2, recs = catalog(tag)
+    assert status == 200 and tag2 != tag and len(recs) == n + 1
+    wait_forwarding(c, {"extra"}, [1])
+
+
 def test_owner_killed_mid_stream(make_cluster):
     c = make_cluster(3)
     c.start_all()

@@ -174,6 +174,48 @@ def test_busy_names_the_shards_worth_draining_and_buffers_are_reused(store):
             x._outbox_busy()
 
 
+def test_one_busy_scan_over_many_tensors_equals_each_tensors_busy(store, store_name):
+    """outbox.BusyScan (the bridge's flush loop: one C call for every tensor) names the
+    same (tensor, shard) pairs as each tensor's _outbox_busy, for dense, table and csr
+    tensors of different shard counts, and raises Closed once the store is closed."""
+    from shmps.outbox import BusyScan
+    rng = np.random.default_rng(3)
+    ts = [store.dense(f"d{i}", shape=(4 * (i + 1), 2), dtype="float32", shard_rows=2)
+          for i in range(5)]
+    ts.append(store.table("e", dim=2, capacity=64, shards=3))
+    rc = np.array([0, 1, 2, 3, 4], np.int64)
+    ts.append(store.csr("x", rc, np.array([0, 1, 0, 1], np.int64), "float32", shape=(4, 2),
+                        shard_rows=2))
+    store._set_forwarding(True)
+    scan = BusyScan(ts)
+    assert scan.scan() == []
+    for _ in range(6):
+        i = int(rng.integers(len(ts)))
+        t = ts[i]
+        if i < 5:
+            rows = np.unique(rng.integers(0, t.nrows, 2))
+            t.push(np.ones((rows.size, 2), np.float32), rows=rows)
+        elif i == 5:
+            t.push(rng.integers(1, 1000, 3).astype(np.uint64), np.ones((3, 2)))
+        else:
+            t.push(np.ones(4, np.float32))
+        want = [(k, s) for k, x in enumerate(ts) for s in x._outbox_busy()]
+        assert scan.scan() == want and want
+        k, s = want[0]
+        ts[k]._outbox_drain(s)
+        assert scan.scan() == want[1:]
+        for k, s in want[1:]:
+            ts[k]._outbox_drain(s)
+        assert scan.scan() == []
+    other = shmps.attach(store_name)
+    try:
+        scan2 = BusyScan([other["d0"]])
+    finally:
+        other.close()
+    with pytest.raises(shmps.Closed):
+        scan2.scan()
+
+
 def test_forwarded_push_validation_changes_nothing(store):
     w = store.dense("w", shape=(6, 2), dtype="float32", shard_rows=3)
     t = store.table("e", dim=2, capacity=8)

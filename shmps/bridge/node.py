@@ -67,6 +67,8 @@ SNAPSHOT_FRAME_BYTES = 1 << 20   #: values per snapshot chunk
 ROWS_AHEAD = 16 << 20            #: an owner refuses batches (BUSY) while a copy's connection holds this much
 LAG_WINDOW = 10.0                #: /health loop_lag_ms is the largest lag over this many s
 DRAIN_SLICE = 0.02               #: a drain pass yields to the event loop after this long (s)
+ADOPT_SLICE = 0.02               #: picking up or creating new tensors yields after this long (s)
+MAINTAIN_SETTLED = 0.25          #: the shard pass's period while nothing is under way (s)
 SEND_AHEAD = 4 << 20             #: a peer connection's unsent bytes above which no more is drained for it
 
 
@@ -349,6 +351,7 @@ class Bridge:
         self.handed_over = False
         self.tensors: dict[int, TInfo] = {}
         self.by_name: dict[str, TInfo] = {}
+        self._records_seen = 0             # store catalog records refresh_tensors looked at
         # tensors this bridge created from a peer's catalog record: name -> the address of
         # the host where a worker created it (its "origin"), whose copy holds the initial
         # values (init= arrays or scalars are not in the record)
@@ -360,6 +363,10 @@ class Bridge:
         self._sweep_pos = 0                # the next shard a sweep starts with
         self._sweep_due: list = []         # what the current sweep has left to drain
         self._every: tuple = (0, [])       # _every_shard's cache
+        self._scan: tuple = (-1, [], None)  # _busy_scan's cache
+        self._maint_sig: tuple = ()        # what the last _maintain shard pass saw
+        self._catalog_tags: dict[str, str] = {}   # peer -> ETag of its catalog taken whole
+        self._maint_due = 0.0              # when the next one is due at the latest
         self._sending: set = set()         # streams with frames not yet acknowledged
         self._lags: deque = deque()        # (when, how late) of each tick (_tick_loop)
         self._flush_wake: Optional[asyncio.Future] = None   # the flush loop's pause
@@ -408,7 +415,7 @@ class Bridge:
         self._stop_event = asyncio.Event()
         self.store = shmps.attach(self.cfg.store, namespace=self.cfg.namespace)
         self.store._set_forwarding(True)
-        self.refresh_tensors()
+        self.refresh_tensors(budget=None)   # before serving anything: no peer waits yet
         self.session = aiohttp.ClientSession()
         app = web.Application(client_max_size=64 << 10)
         app.router.add_get("/health", self.h_health)
@@ -490,10 +497,20 @@ class Bridge:
             self.store.close()
 
     # ------------------------------------------------------------ tensors
-    def refresh_tensors(self) -> None:
-        """Pick up tensors created since the last look (workers create them)."""
+    def refresh_tensors(self, budget: Optional[float] = ADOPT_SLICE) -> bool:
+        """Pick up tensors created since the last look (workers create them, or the
+        catalog sync): True if some are left for the next call, which happens once
+        ``budget`` seconds were spent (None: no limit).  A model of hundreds of tensors
+        is picked up a slice at a time, the event loop running between slices
+        (heartbeats), not in one stall that peers would take for a dead host."""
         self.store._refresh()
-        for rec in list(self.store._record_list):
+        records = self.store._record_list
+        t0 = time.monotonic()
+        while self._records_seen < len(records):
+            if budget is not None and time.monotonic() - t0 > budget:
+                return True
+            rec = records[self._records_seen]
+            self._records_seen += 1   # looked at once: a refused one is not logged again
             if not _user_record(rec) or rec["name"] in self.by_name:
                 continue
             tid = frames.tensor_id(rec["name"])
@@ -501,7 +518,11 @@ class Bridge:
                 log.error("tensors %r and %r have the same 32-bit id; %r is not forwarded",
                           self.tensors[tid].name, rec["name"], rec["name"])
                 continue
-            t = self.store[rec["name"]]
+            try:
+                t = self.store[rec["name"]]
+            except Error:
+                self._records_seen -= 1   # not openable yet: looked at again next time
+                raise
             dt = np.dtype(rec["dtype"])
             gdt = np.dtype("float32") if dt == np.float16 else dt
             bounds = None
@@ -551,6 +572,12 @@ class Bridge:
                     st.handover_from = origin
                     st.handover_until = time.monotonic() + HANDOVER_TIMEOUT
             log.info("forwarding tensor %r (%s, %d shards)", info.name, info.kind, info.nshards)
+        return False
+
+    async def refresh_all_tensors(self) -> None:
+        """refresh_tensors until none is left, letting the loop run between slices."""
+        while self.refresh_tensors():
+            await asyncio.sleep(0)
 
     def create_from_record(self, rec: dict, peer: Optional[str] = None,
                            structure: Optional[tuple] = None) -> None:
@@ -631,6 +658,7 @@ class Bridge:
                 for st in self.shards.values():
                     st.synced.discard(c.member)
                     st.snapshotting.pop(c.member, None)
+                    self._unsettle()
                     st.acked.pop(c.member, None)
             if c.member == self.addr and c.new is State.JOINING:
                 self.joined_at_epoch = self.members.epoch
@@ -800,6 +828,7 @@ class Bridge:
             for st in self.shards.values():
                 st.synced.discard(peer)
                 st.snapshotting.pop(peer, None)
+                self._unsettle()
                 for stream in st.dedup.streams():
                     if stream[0] == hb.sender and stream[1] == known:
                         st.dedup.forget(stream)
@@ -864,6 +893,7 @@ class Bridge:
             for st in self.shards.values():
                 st.synced.discard(peer)
                 st.snapshotting.pop(peer, None)
+                self._unsettle()
             self._on_changes(self.members.mark_joining(peer))
         if (hb.hb_flags & frames.HB_HANDED_OVER) and self.members.state(peer) is State.LEAVING:
             self._on_changes(self.members.remove(peer))
@@ -926,6 +956,7 @@ class Bridge:
         for st in self.shards.values():
             st.synced.discard(peer)
             st.snapshotting.pop(peer, None)
+            self._unsettle()
 
     def on_message(self, peer: str, auth_peer: Any, data: bytes,
                    reply: Callable[[bytes], None], bad: int) -> int:
@@ -973,6 +1004,7 @@ class Bridge:
                 st.synced.discard(peer)
                 st.snapshotting.pop(peer, None)
                 st.snap_retry[peer] = time.monotonic() + 0.2
+                self._unsettle()
             return
         stream = self.streams.get(key)
         if stream is None:
@@ -1070,8 +1102,8 @@ class Bridge:
         # one C call per tensor tells which shards hold uncounted pushes: an idle tensor
         # costs that call, not a drain of each of its shards; the busy ones start at a
         # rotating place, so a pass cut short (below) does not always leave the same ones
-        work = [(tid, info, s) for tid, info in self.tensors.items()
-                for s in info.t._outbox_busy()]
+        infos, scan = self._busy_scan()
+        work = [(infos[i].tid, infos[i], s) for i, s in scan.scan()]
         if work:
             r = self._drain_round % len(work)
             work = work[r:] + work[:r]
@@ -1108,6 +1140,15 @@ class Bridge:
                 # one meanwhile
                 self._send_stream(tid, s, stream, now, quorum)
         self._sweep_due = []
+
+    def _busy_scan(self) -> tuple[list, Any]:
+        """The forwarded tensors (TInfo, in order) and one outbox.BusyScan over all of
+        them (cached; tensors are only ever added)."""
+        if self._scan[0] != len(self.tensors):
+            from ..outbox import BusyScan
+            infos = list(self.tensors.values())
+            self._scan = (len(infos), infos, BusyScan([i.t for i in infos]))
+        return self._scan[1], self._scan[2]
 
     def _every_shard(self) -> list:
         """(tid, info, shard) of every forwarded tensor's shards (cached; tensors are
@@ -1453,6 +1494,7 @@ class Bridge:
                 # way would end in a copy without them, and count m synced)
                 st.synced.discard(m)
                 st.snapshotting.pop(m, None)
+                self._unsettle()
 
     def _required(self, st: ShardState) -> list[str]:
         """The backups whose acknowledgement an owner waits for."""
@@ -1554,6 +1596,7 @@ class Bridge:
             log.exception("snapshot of %s to %s failed", self.shards[key].key, member)
             self.shards[key].snapshotting.pop(member, None)
             self.shards[key].snap_retry[member] = time.monotonic() + 1.0
+            self._unsettle()
 
     async def _send_snapshot_now(self, key: tuple, member: str, handover: bool) -> None:
         st = self.shards[key]
@@ -1602,39 +1645,29 @@ class Bridge:
         for c in chunks:
             if not link.send(c):
                 st.snapshotting.pop(member, None)
+                self._unsettle()
                 return
             self.metrics.sent("snapshot", len(c))
         await asyncio.sleep(0)
 
     def _maintain(self) -> None:
-        """Periodic: copies to members that lack them, releases, joining progress."""
+        """Periodic: copies to members that lack them, releases, joining progress.
+
+        The pass over every shard runs each TICK while something is under way (a copy
+        missing or being sent, a hand-over awaited) or right after anything changed
+        (the member states, the epoch, quorum, the tensors; a copy lost: _unsettle), and
+        every MAINTAIN_SETTLED otherwise: with thousands of shards, a pass every TICK
+        cost an idle bridge a sizeable share of a core."""
         if time.monotonic() < self.grace_until:
             return
-        targets = self._targets()
-        owned = 0
-        acting = self.acting()
         now = time.monotonic()
-        for key, st in self.shards.items():
-            if not acting or self.owner(st.key) != self.addr:
-                continue
-            owned += 1
-            if st.handover_from is not None:
-                if st.sync_sent_at < now - 0.5:
-                    # ask the previous owner (again) for its hand-over snapshot
-                    link = self.links.get(st.handover_from)
-                    if link is not None and link.send(frames.encode_sync(
-                            epoch=self.members.epoch, sender=self.mid,
-                            incarnation=self.incarnation, tensor=key[0], shard=key[1])):
-                        st.sync_sent_at = now
-                continue
-            for m in targets:
-                if m in st.synced or m in st.snapshotting or st.snap_retry.get(m, 0) > now:
-                    continue
-                if self._out(m) is None:
-                    continue
-                asyncio.get_running_loop().create_task(self._send_snapshot(key, m))
-            self._release(key)
-        self.metrics.owned.set(owned)
+        acting = self.acting()
+        sig = (self.members.epoch, tuple(sorted(self.members.states().items())), acting,
+               len(self.shards))
+        if sig != self._maint_sig or now >= self._maint_due:
+            self._maint_sig = sig
+            self._maint_due = now + (TICK if self._maintain_shards(acting, now)
+                                     else MAINTAIN_SETTLED)
         self.metrics.pending.set(self.budget.used)
         self.metrics.staleness.set(self._staleness())
         if (self.members.state(self.addr) is State.JOINING and not self.ready_flag
@@ -1646,6 +1679,46 @@ class Bridge:
                 log.info("joined: every shard copied; ready (epoch %d)", self.members.epoch)
             elif not self.shards and self.catalog_seen_from:
                 self.ready_flag = True
+
+    def _unsettle(self) -> None:
+        """Something a _maintain pass acts on changed (a copy was lost): pass at once."""
+        self._maint_due = 0.0
+
+    def _maintain_shards(self, acting: bool, now: float) -> bool:
+        """One pass over the shards this host owns: ask again for hand-overs, send
+        snapshots to members that lack a copy, release replies.  True while something
+        is under way (the next pass comes a TICK later)."""
+        targets = self._targets()
+        owned = 0
+        busy = False
+        for key, st in self.shards.items():
+            if not acting or self.owner(st.key) != self.addr:
+                continue
+            owned += 1
+            if st.handover_from is not None:
+                busy = True
+                if st.sync_sent_at < now - 0.5:
+                    # ask the previous owner (again) for its hand-over snapshot
+                    link = self.links.get(st.handover_from)
+                    if link is not None and link.send(frames.encode_sync(
+                            epoch=self.members.epoch, sender=self.mid,
+                            incarnation=self.incarnation, tensor=key[0], shard=key[1])):
+                        st.sync_sent_at = now
+                continue
+            for m in targets:
+                if m in st.synced:
+                    continue
+                busy = True
+                if m in st.snapshotting or st.snap_retry.get(m, 0) > now:
+                    continue
+                if self._out(m) is None:
+                    continue
+                asyncio.get_running_loop().create_task(self._send_snapshot(key, m))
+            # replies waiting for backups: released by their acknowledgements (on_ack),
+            # and here after a change of the member states (a backup gone)
+            self._release(key)
+        self.metrics.owned.set(owned)
+        return busy
 
     def _request_copies(self, now: float) -> None:
         """Joining: ask each shard's owner for a snapshot (SYNC) until one arrived; say how
@@ -1675,7 +1748,7 @@ class Bridge:
     async def _catalog_loop(self) -> None:
         while True:
             try:
-                self.refresh_tensors()
+                await self.refresh_all_tensors()
                 for m in list(self.members.reachable()):
                     if m == self.addr:
                         continue
@@ -1690,24 +1763,41 @@ class Bridge:
         host, port = parse_address(peer)
         path = "/v1/catalog"
         headers = auth.sign_request(self.cfg.secret, "GET", path, b"", self.addr)
+        known = self._catalog_tags.get(peer)
+        if known is not None:
+            headers["If-None-Match"] = known
         url = f"http://{host if ':' not in host else '[' + host + ']'}:{port}{path}"
         import aiohttp
         async with self.session.get(url, headers=headers,
                                     timeout=aiohttp.ClientTimeout(total=1.0)) as r:
+            if r.status == 304:   # nothing new there since every record was taken
+                self.catalog_seen_from.add(peer)
+                return
             if r.status != 200:
                 return
             recs = json.loads(await r.read())
+            tag = r.headers.get("ETag")
+        t0 = time.monotonic()
+        complete = True
         for rec in recs:
             if not isinstance(rec, dict) or not _user_record(rec):
                 continue
-            if rec["name"] not in self.by_name:
+            if rec["name"] not in self.by_name and rec["name"] not in self.store._records:
+                if time.monotonic() - t0 > ADOPT_SLICE:
+                    # creating hundreds of tensors takes a while: let the loop run
+                    # (heartbeats, batches) between slices
+                    await asyncio.sleep(0)
+                    t0 = time.monotonic()
                 try:
                     structure = (await self._fetch_structure(peer, rec)
                                  if rec["kind"] == "csr" else None)
                     self.create_from_record(rec, peer, structure)
                 except Error as e:
+                    complete = False   # asked for again (and logged) next time
                     log.error("cannot create tensor %r like %s has it: %s", rec["name"], peer, e)
-        self.refresh_tensors()
+        await self.refresh_all_tensors()
+        if complete and tag:
+            self._catalog_tags[peer] = tag
         self.catalog_seen_from.add(peer)
 
     async def _fetch_structure(self, peer: str, rec: dict) -> tuple[np.ndarray, np.ndarray]:
@@ -1805,10 +1895,16 @@ class Bridge:
         if self._verify(request, b"") is None:
             return web.json_response({"error": "authentication failed"}, status=401)
         self.store._refresh()
+        # The catalog only grows, and a record's origin is set with it: this tag changes
+        # whenever the answer does.  A peer that has taken every record of this answer
+        # sends it back (If-None-Match) and gets 304, not hundreds of records again.
+        tag = f'"{self.incarnation}-{len(self.store._record_list)}-{len(self.adopted)}"'
+        if request.headers.get("If-None-Match") == tag:
+            return web.Response(status=304, headers={"ETag": tag})
         # each record says where its tensor was created: the copy with its initial values
         recs = [dict(r, origin=self.adopted.get(r["name"], self.addr))
                 for r in self.store._record_list if _user_record(r)]
-        return web.json_response(recs)
+        return web.json_response(recs, headers={"ETag": tag})
 
     async def h_structure(self, request: Any) -> Any:
         """``POST /v1/structure`` ``{"name": N}``: csr tensor N's rowcnt then colidx
@@ -1820,7 +1916,7 @@ class Bridge:
         try:
             name = json.loads(body)["name"]
             if isinstance(name, str) and name not in self.by_name:
-                self.refresh_tensors()   # a worker may have created it a moment ago
+                await self.refresh_all_tensors()   # a worker may have created it a moment ago
             info = self.by_name[name] if isinstance(name, str) else None
         except (ValueError, KeyError, TypeError):
             info = None
@@ -1963,6 +2059,7 @@ class Bridge:
                 if peer not in st.snapshotting:
                     st.synced.discard(peer)
                     st.snap_retry.pop(peer, None)
+                    self._unsettle()
             elif (key in self.shards and self.owner(self.shards[key].key) == peer
                     and (self._was_owner(key) or self._is_origin(key))):
                 # the new owner still waits for this host's hand-over (the first one was
