@@ -77,6 +77,9 @@ TABLE_CAPACITY = 1_100_000
 TABLE_SHARDS = 16
 TABLE_BATCH = 4096
 KEY_MUL = 0x9E3779B97F4A7C15       # odd: id -> key is a bijection (keys look hashed)
+MANY_TENSORS = 500                 # a model's parameter tensors, created at once
+MANY_SHARDS = 4
+MANY_SHARD_ROWS = 16
 FO_NAME = "fo"
 FO_SHAPE = (1024, 64)              # 256 KiB, 32 shards: every host owns some
 FO_SHARD_ROWS = 32
@@ -213,7 +216,8 @@ def add_row(sec: Section, key: str, label: str, procs: int, unit: str, samples: 
                       limit=limit, baseline=baseline))
     row.data.update(cores={r: round(v, 2) for r, v in w.cores.items()},
                     other_load=round(w.other_load, 3), steal=round(w.steal, 3))
-    row.note("cores: " + ", ".join(f"{r} {v:.2f}" for r, v in w.cores.items()))
+    if w.cores:
+        row.note("cores: " + ", ".join(f"{r} {v:.2f}" for r, v in w.cores.items()))
     if w.other_load > NOISY_FRACTION or w.steal > NOISY_FRACTION:
         row.note(f"[NOISY: other load {w.other_load:.0%}, steal {w.steal:.0%}]")
     progress(f"[bridge] {label} {procs}p: {summary(samples)} {unit}")
@@ -706,6 +710,62 @@ def throughput_r2(ctx: RunContext, sec: Section, workdir: Path, plan: Plan) -> N
                         "SGD tensor, replicas 2")
 
 
+# ------------------------------------------------------------------ many tensors
+
+def many_tensors(ctx: RunContext, sec: Section, workdir: Path, plan: Plan) -> None:
+    """2 bridges, replicas 2; a worker on host A creates a model of MANY_TENSORS small
+    dense tensors at once (MANY_SHARDS shards each): how long until both bridges forward
+    them all, the event loops' worst lag and the stalls meanwhile; then the CPU each
+    idle bridge uses with that many shards."""
+    import shmps
+    n = MANY_TENSORS // 2 if ctx.quick else MANY_TENSORS
+    rows = MANY_SHARDS * MANY_SHARD_ROWS
+    with ExitStack() as stack:
+        c = start_cluster(stack, sec, workdir / "many", 2, replicas=2)
+        names = {f"m{k}" for k in range(n)}
+        s = c.attach(0)
+        t0 = time.perf_counter()
+        try:
+            for name in sorted(names):
+                s.dense(name, (rows, 64), "float32", optimizer=shmps.SGD(lr=1e-3),
+                        shard_rows=MANY_SHARD_ROWS)
+        finally:
+            s.close()
+        created = time.perf_counter() - t0
+        lag = 0.0
+        while True:
+            hs = [c.health(i) or {} for i in (0, 1)]
+            lag = max([lag] + [float(h.get("loop_lag_ms", 0.0)) for h in hs])
+            if all(names <= set(h.get("tensors") or []) for h in hs):
+                break
+            if time.perf_counter() - t0 > 120:
+                raise BridgeUnusable(f"the bridges did not take up {n} tensors in 120 s\n"
+                                     f"{describe(c)}")
+            time.sleep(0.05)
+        took = time.perf_counter() - t0
+        stalls = [metrics(c, i).get("shmps_bridge_stalls_total", 0.0) for i in (0, 1)]
+        epochs = [(c.health(i) or {}).get("epoch") for i in (0, 1)]
+        label = f"a model of {n} dense tensors x {MANY_SHARDS} shards created at once"
+        row = add_row(sec, "many_takeup", f"{label}: until both bridges forward all", 1,
+                      "s", [took], Windows(), limit=None, baseline=None)
+        row.note(f"the worker created them in {created:.2f} s; the bridges' event loops "
+                 f"were late by at most {lag:.0f} ms meanwhile (a bridge counts itself "
+                 f"stalled from {1000 * DEAD_AFTER / 2:.0f} ms); stalls {stalls[0]:.0f} / "
+                 f"{stalls[1]:.0f}; epochs {epochs[0]} / {epochs[1]} (0: the ring never "
+                 "moved)")
+        row.data.update(lag_ms=lag, stalls=stalls, epochs=epochs)
+        pids = {"bridge A": [c.procs[0].pid], "bridge B": [c.procs[1].pid]}
+
+        def read() -> dict[str, float]:
+            return {"cpu": sum(proc_cpu(p[0]) for p in pids.values()) / 2}
+
+        w = measure_windows(read, pids, plan.warmup, plan.window, plan.reps)
+        idle = add_row(sec, "many_idle", f"{label}: CPU of an idle bridge", 1,
+                       "cores", w.rates["cpu"], w, limit=None, baseline=None)
+        idle.note(f"{n * MANY_SHARDS} shards of {n} tensors on each host, no pushes; the "
+                  "figure is the mean of the two bridges")
+
+
 # ------------------------------------------------------------------ failover
 
 @dataclass
@@ -889,7 +949,7 @@ def run(ctx: RunContext, sec: Section) -> None:
     if str(TESTS) not in sys.path:
         sys.path.insert(0, str(TESTS))
     with tempfile.TemporaryDirectory(prefix="bench-bridge-") as tmp:
-        for step in (throughput, throughput_r2, failover):
+        for step in (throughput, throughput_r2, many_tensors, failover):
             try:
                 step(ctx, sec, Path(tmp), plan)
             except (BridgeUnusable, WorkerFailed) as exc:
