@@ -518,11 +518,20 @@ class Bridge:
                 log.error("tensors %r and %r have the same 32-bit id; %r is not forwarded",
                           self.tensors[tid].name, rec["name"], rec["name"])
                 continue
+            # Opening a tensor (mapping its segments) and creating or opening its outbox
+            # take ~0.1 ms a shard each: a tensor of thousands of shards is taken up in
+            # three steps, one a slice, so no single step keeps the loop for long.
+            opened = rec["name"] in self.store._tensors
             try:
                 t = self.store[rec["name"]]
             except Error:
                 self._records_seen -= 1   # not openable yet: looked at again next time
                 raise
+            if budget is not None and (not opened or t._ob is None):
+                if opened:
+                    t._outbox()
+                self._records_seen -= 1   # the next step of this record comes next slice
+                return True
             dt = np.dtype(rec["dtype"])
             gdt = np.dtype("float32") if dt == np.float16 else dt
             bounds = None
