@@ -399,6 +399,48 @@ def test_a_model_of_many_tensors_is_taken_up_without_a_stall(make_cluster):
     wait_forwarding(c, {"extra"}, [1])
 
 
+def test_a_shard_larger_than_the_send_backlog_is_copied(make_cluster):
+    """One 64 MiB shard with Adagrad: its snapshot (values and state, 128 MiB) is
+    larger than a connection may queue (wsstream.MAX_BACKLOG, 64 MiB).  It is streamed
+    a chunk at a time, queued whatever the backlog, the ROWS of later changes held until
+    its last chunk: the other host gets its copy (the new owner its hand-over, or the
+    backup its replica), so a push + flush from either host returns and both hold the
+    same values, the creating host's init moved by two Adagrad steps.  (Before, every chunk
+    past the backlog was refused: the new owner gave up waiting and served its own copy,
+    or the owner waited for its backup's copy for ever.)"""
+    c = make_cluster(2)
+    c.start_all()
+    rows = 16384
+    s = c.attach(0)
+    try:
+        s.dense("big", (rows, 1024), "float32", shard_rows=rows, init=0.5,
+                optimizer=shmps.Adagrad(lr=0.01))
+    finally:
+        s.close()
+    wait_forwarding(c, {"big"}, [0, 1])
+    for i in (1, 0):
+        s = c.attach(i)
+        try:
+            s["big"].push(np.ones((rows, 1024), np.float32))
+            s.flush(timeout=30)
+        except shmps.Timeout as e:
+            raise AssertionError(f"{e}\n{c.describe()}") from None
+        finally:
+            s.close()
+    got = []
+    for i in (0, 1):
+        s = c.attach(i)
+        try:
+            got.append(s["big"].pull())
+        finally:
+            s.close()
+    np.testing.assert_array_equal(got[0], got[1])
+    want = np.float32(0.5 - 0.01 - 0.01 / np.sqrt(2.0))   # G = 1, then 2
+    assert np.allclose(got[0], want, atol=1e-6), (got[0][:2, :4], c.describe())
+    for i in (0, 1):
+        assert "serving from this host's copy" not in c.logs[i].read_text(), c.describe()
+
+
 def test_owner_killed_mid_stream(make_cluster):
     c = make_cluster(3)
     c.start_all()

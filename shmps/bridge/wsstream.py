@@ -345,15 +345,18 @@ class WsStream(asyncio.BufferedProtocol):
         t = self.transport
         return self._backlog_bytes + (t.get_write_buffer_size() if t is not None else 0)
 
-    def send(self, data: Any) -> bool:
+    def send(self, data: Any, bulk: bool = False) -> bool:
         """Send ``data`` (bytes-like) as one binary message; False if the connection is
         closed or MAX_BACKLOG bytes already wait for the socket (the caller treats it as
         lost).  Never waits: while the transport is over its high-water mark, messages
         wait in a queue (references: the caller must not change ``data`` after this; a
-        memoryview, such as a handler's view of the receive buffer, is copied first)."""
-        return self._send_frame(OP_BINARY, data)
+        memoryview, such as a handler's view of the receive buffer, is copied first).
+        ``bulk``: queued whatever the backlog (a snapshot larger than MAX_BACKLOG, which
+        the caller holds in memory anyway, and what must follow it in order); the caller
+        bounds it (it starts one only below a limit of its own)."""
+        return self._send_frame(OP_BINARY, data, bulk)
 
-    def _send_frame(self, opcode: int, data: Any) -> bool:
+    def _send_frame(self, opcode: int, data: Any, bulk: bool = False) -> bool:
         if self.is_closed:
             return False
         if isinstance(data, memoryview):
@@ -373,7 +376,7 @@ class WsStream(asyncio.BufferedProtocol):
         else:
             head = frame_header(opcode, n)
         if self._paused or self._backlog:
-            if self._backlog_bytes + n > MAX_BACKLOG and opcode == OP_BINARY:
+            if self._backlog_bytes + n > MAX_BACKLOG and opcode == OP_BINARY and not bulk:
                 return False
             self._backlog.append((head, data))
             self._backlog_bytes += len(head) + memoryview(data).nbytes
