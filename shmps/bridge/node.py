@@ -152,8 +152,6 @@ class ShardState:
     acked: dict = field(default_factory=dict)            # member -> highest rseq acked
     synced: set = field(default_factory=set)             # members holding a full copy
     snapshotting: dict = field(default_factory=dict)     # member -> last rseq of its snapshot
-    holding: dict = field(default_factory=dict)          # member -> (last rseq, ROWS frames
-                                                         # waiting for its snapshot's chunks)
     pending: deque = field(default_factory=deque)
     handover_from: Optional[str] = None
     handover_until: float = 0.0
@@ -1499,10 +1497,6 @@ class Bridge:
                 continue  # the snapshot it will get is taken later: it covers these rows
             # (a member being sent a snapshot gets these rows after it, on the same link:
             # the snapshot was read before this batch was applied)
-            held = st.holding.get(m)
-            if held is not None:
-                held[1].append(frame)   # after the snapshot being sent (_send_snapshot_now)
-                continue
             link = self._out(m)
             # rows for a member whose snapshot is on its way follow it whatever the
             # backlog (the snapshot itself may exceed MAX_BACKLOG: _send_snapshot_now)
@@ -1644,57 +1638,43 @@ class Bridge:
                  if st.dedup.floor(s) > 0][:4096]
         row_bytes = info.cols * info.dtype.itemsize * (1 + len(rd.states)) + 16
         per = max(1, SNAPSHOT_FRAME_BYTES // row_bytes)
-        nchunks = max(1, -(-n // per))
-        first = st.rseq + 1
-        st.rseq += nchunks
-        last = st.rseq
-        if not handover:
-            # from now on the member counts as being copied, and ROWS for it (changes
-            # after the copy was read) wait in `held` until the last chunk is queued:
-            # chunks go out one at a time, the event loop running in between (a shard
-            # of hundreds of MiB is not one long stall), and must arrive before them
-            st.snapshotting[member] = last
-            st.holding[member] = held = (last, [])
-        done = False
-        try:
-            for k in range(nchunks):
-                i, j = k * per, min(n, (k + 1) * per)
-                if not handover and st.snapshotting.get(member) != last:
-                    return   # abandoned meanwhile (the copy was dropped, the member left)
-                if self._out(member) is not link:
-                    return   # the connection changed: what was sent on it counts as lost
-                kw: dict = {}
-                if info.kind == "table":
-                    kw["keys"] = np.asarray(rd.index[i:j], dtype=np.uint64)
+        chunks = []
+        i = 0
+        while True:
+            j = min(n, i + per)
+            st.rseq += 1
+            kw: dict = {}
+            if info.kind == "table":
+                kw["keys"] = np.asarray(rd.index[i:j], dtype=np.uint64)
+                kw["row_steps"] = np.asarray(rd.row_steps[i:j], dtype=np.uint64)
+            else:
+                kw["start"] = int(rd.index[i]) if j > i else info.shard_range(key[1])[0]
+                if info.kind == "csr":
                     kw["row_steps"] = np.asarray(rd.row_steps[i:j], dtype=np.uint64)
-                else:
-                    kw["start"] = int(rd.index[i]) if j > i else info.shard_range(key[1])[0]
-                    if info.kind == "csr":
-                        kw["row_steps"] = np.asarray(rd.row_steps[i:j], dtype=np.uint64)
-                vals = np.asarray(rd.values[i:j]).reshape(j - i, info.cols)
-                c = frames.encode_snapshot(
-                    epoch=self.members.epoch, sender=self.mid, incarnation=self.incarnation,
-                    tensor=info.tid, shard=key[1], seq=ROWS_SEQ_BASE + first + k,
-                    values=vals, step=int(rd.step), marks=marks if k == nchunks - 1 else (),
-                    state=[np.asarray(a[i:j]).reshape(j - i, info.cols) for a in rd.states],
-                    last=k == nchunks - 1, handover=handover, **kw)
-                if not link.send(c, bulk=True):   # closed
-                    return
-                self.metrics.sent("snapshot", len(c))
-                if k < nchunks - 1:
-                    await asyncio.sleep(0)
-            done = True
-        finally:
-            if not handover and st.holding.get(member) is held:
-                del st.holding[member]
-                for f in held[1]:   # the rows changed since the copy was read, in order
-                    if not (done and link.send(f, bulk=True)):
-                        done = False
-                        break
-                    self.metrics.sent("rows", len(f))
-                if not done and st.snapshotting.get(member) == last:
-                    st.snapshotting.pop(member, None)   # copy it again later
-                    self._unsettle()
+            vals = np.asarray(rd.values[i:j]).reshape(j - i, info.cols)
+            chunks.append(frames.encode_snapshot(
+                epoch=self.members.epoch, sender=self.mid, incarnation=self.incarnation,
+                tensor=info.tid, shard=key[1], seq=ROWS_SEQ_BASE + st.rseq, values=vals,
+                step=int(rd.step), marks=marks if j >= n else (),
+                state=[np.asarray(a[i:j]).reshape(j - i, info.cols) for a in rd.states],
+                last=j >= n, handover=handover, **kw))
+            i = j
+            if i >= n:
+                break
+        if not handover:
+            st.snapshotting[member] = st.rseq
+        # Queued whole in this step, whatever the backlog (bulk), so that a snapshot
+        # larger than wsstream.MAX_BACKLOG goes through: the ROWS of later changes are
+        # queued after it on the same connection and arrive after it.  (Streaming the
+        # chunks with the loop running between them, ROWS held meanwhile, was tried and
+        # once ended with copies that differed: not kept.)
+        for c in chunks:
+            if not link.send(c, bulk=True):   # closed
+                st.snapshotting.pop(member, None)
+                self._unsettle()
+                return
+            self.metrics.sent("snapshot", len(c))
+        await asyncio.sleep(0)
 
     def _maintain(self) -> None:
         """Periodic: copies to members that lack them, releases, joining progress.
