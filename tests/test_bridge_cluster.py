@@ -362,19 +362,13 @@ def test_a_model_of_many_tensors_is_taken_up_without_a_stall(make_cluster):
         assert metric_value(c, i, "shmps_bridge_stalls_total") == 0, c.describe()
         log = c.logs[i].read_text(errors="replace")
         assert "-> dead" not in log and "did not run for" not in log, c.describe()
-    s = c.attach(1)
-    try:
+    with c.attach(1) as s:
         for k in range(n):
             s[f"p{k}"].push(np.ones((64, 16), np.int32))
         s.flush(timeout=60)
-    finally:
-        s.close()
     for i in (0, 1):
-        s = c.attach(i)
-        try:
+        with c.attach(i) as s:
             short = [k for k in range(n) if not (s[f"p{k}"].pull() == 1).all()]
-        finally:
-            s.close()
         assert not short, (i, short[:10], c.describe())
 
     # the catalog is not sent again while it has not changed: 304 for its ETag
@@ -415,29 +409,21 @@ def test_a_shard_larger_than_the_send_backlog_is_copied(make_cluster):
     c = make_cluster(2, dead_after=2.0)
     c.start_all()
     rows = 16384
-    s = c.attach(0)
-    try:
+    with c.attach(0) as s:
         s.dense("big", (rows, 1024), "float32", shard_rows=rows, init=0.5,
                 optimizer=shmps.Adagrad(lr=0.01))
-    finally:
-        s.close()
     wait_forwarding(c, {"big"}, [0, 1])
     for i in (1, 0):
-        s = c.attach(i)
-        try:
+        with c.attach(i) as s:
             s["big"].push(np.ones((rows, 1024), np.float32))
-            s.flush(timeout=30)
-        except shmps.Timeout as e:
-            raise AssertionError(f"{e}\n{c.describe()}") from None
-        finally:
-            s.close()
+            try:
+                s.flush(timeout=30)
+            except shmps.Timeout as e:
+                raise AssertionError(f"{e}\n{c.describe()}") from None
     got = []
     for i in (0, 1):
-        s = c.attach(i)
-        try:
+        with c.attach(i) as s:
             got.append(s["big"].pull())
-        finally:
-            s.close()
     np.testing.assert_array_equal(got[0], got[1])
     want = np.float32(0.5 - 0.01 - 0.01 / np.sqrt(2.0))   # G = 1, then 2
     assert np.allclose(got[0], want, atol=1e-6), (got[0][:2, :4], c.describe())
