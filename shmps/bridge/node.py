@@ -669,8 +669,8 @@ class Bridge:
                 for st in self.shards.values():
                     st.synced.discard(c.member)
                     st.snapshotting.pop(c.member, None)
-                    self._unsettle()
                     st.acked.pop(c.member, None)
+                self._unsettle()
             if c.member == self.addr and c.new is State.JOINING:
                 self.joined_at_epoch = self.members.epoch
                 self._join_progress_at = 0.0
@@ -839,10 +839,10 @@ class Bridge:
             for st in self.shards.values():
                 st.synced.discard(peer)
                 st.snapshotting.pop(peer, None)
-                self._unsettle()
                 for stream in st.dedup.streams():
                     if stream[0] == hb.sender and stream[1] == known:
                         st.dedup.forget(stream)
+            self._unsettle()
             if self.members.state(peer) is not State.DEAD:
                 self._on_changes(self.members.mark_joining(peer))
         if known != hb.incarnation:
@@ -904,7 +904,7 @@ class Bridge:
             for st in self.shards.values():
                 st.synced.discard(peer)
                 st.snapshotting.pop(peer, None)
-                self._unsettle()
+            self._unsettle()
             self._on_changes(self.members.mark_joining(peer))
         if (hb.hb_flags & frames.HB_HANDED_OVER) and self.members.state(peer) is State.LEAVING:
             self._on_changes(self.members.remove(peer))
@@ -967,7 +967,7 @@ class Bridge:
         for st in self.shards.values():
             st.synced.discard(peer)
             st.snapshotting.pop(peer, None)
-            self._unsettle()
+        self._unsettle()
 
     def on_message(self, peer: str, auth_peer: Any, data: bytes,
                    reply: Callable[[bytes], None], bad: int) -> int:
@@ -1110,9 +1110,10 @@ class Bridge:
             return  # a minority holds its outboxes
         now = time.monotonic()
         quorum = now >= self.grace_until
-        # one C call per tensor tells which shards hold uncounted pushes: an idle tensor
-        # costs that call, not a drain of each of its shards; the busy ones start at a
-        # rotating place, so a pass cut short (below) does not always leave the same ones
+        # one C call over every tensor's outbox shards tells which hold uncounted pushes
+        # (outbox.BusyScan): an idle store costs that call, not a drain of each shard; the
+        # busy ones start at a rotating place, so a pass cut short (below) does not
+        # always leave the same ones
         infos, scan = self._busy_scan()
         work = [(infos[i].tid, infos[i], s) for i, s in scan.scan()]
         if work:
