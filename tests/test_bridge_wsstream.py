@@ -318,6 +318,12 @@ def test_a_slow_reader_backs_messages_up_in_order_then_refuses(monkeypatch):
                     refused += 1
                 most = max(most, c.backlog)
                 await asyncio.sleep(0)
+            # bulk (a snapshot): queued past the bound, in order after the rest
+            for i in range(3):
+                p = payload(1 << 20, 5000 + i)
+                assert c.send(p, bulk=True)
+                accepted.append(p)
+            bulk_backlog = c.backlog
             server.transport.resume_reading()
             # the queue drains as the server reads; then END gets through
             for _ in range(200):
@@ -325,6 +331,7 @@ def test_a_slow_reader_backs_messages_up_in_order_then_refuses(monkeypatch):
                     break
                 await asyncio.sleep(0.05)
             await asyncio.wait_for(done, 20)
+            assert bulk_backlog > most and c.backlog == 0
             c.close()
             server.close()
             return accepted, refused, most, got

@@ -364,8 +364,7 @@ class Bridge:
         self._drain_round = 0              # rotates where a drain pass starts
         self._sweep_pos = 0                # the next shard a sweep starts with
         self._sweep_due: list = []         # what the current sweep has left to drain
-        self._every: tuple = (0, [])       # _every_shard's cache
-        self._scan: tuple = (-1, [], None)  # _busy_scan's cache
+        self._index: tuple = (-1, [], None, [])   # _shard_index's cache
         self._maint_sig: tuple = ()        # what the last _maintain shard pass saw
         self._catalog_tags: dict[str, str] = {}   # peer -> ETag of its catalog taken whole
         self._maint_due = 0.0              # when the next one is due at the latest
@@ -1114,7 +1113,7 @@ class Bridge:
         # (outbox.BusyScan): an idle store costs that call, not a drain of each shard; the
         # busy ones start at a rotating place, so a pass cut short (below) does not
         # always leave the same ones
-        infos, scan = self._busy_scan()
+        infos, scan, every = self._shard_index()
         work = [(infos[i].tid, infos[i], s) for i, s in scan.scan()]
         if work:
             r = self._drain_round % len(work)
@@ -1126,7 +1125,6 @@ class Bridge:
             # a pusher that died between writing its values and counting its push left
             # behind goes out too
             self._sweep_at = now + SWEEP_EVERY
-            every = self._every_shard()
             n = min(SWEEP_SHARDS, len(every))
             self._sweep_due = [every[(self._sweep_pos + i) % len(every)] for i in range(n)]
             self._sweep_pos += n
@@ -1153,23 +1151,16 @@ class Bridge:
                 self._send_stream(tid, s, stream, now, quorum)
         self._sweep_due = []
 
-    def _busy_scan(self) -> tuple[list, Any]:
-        """The forwarded tensors (TInfo, in order) and one outbox.BusyScan over all of
-        them (cached; tensors are only ever added)."""
-        if self._scan[0] != len(self.tensors):
+    def _shard_index(self) -> tuple[list, Any, list]:
+        """The forwarded tensors (TInfo, in order), one outbox.BusyScan over all of them,
+        and (tid, info, shard) of every shard, for the sweep (cached; tensors are only
+        ever added)."""
+        if self._index[0] != len(self.tensors):
             from ..outbox import BusyScan
             infos = list(self.tensors.values())
-            self._scan = (len(infos), infos, BusyScan([i.t for i in infos]))
-        return self._scan[1], self._scan[2]
-
-    def _every_shard(self) -> list:
-        """(tid, info, shard) of every forwarded tensor's shards (cached; tensors are
-        only ever added)."""
-        if self._every[0] != len(self.tensors):
-            self._every = (len(self.tensors), [(tid, info, s)
-                                               for tid, info in self.tensors.items()
-                                               for s in range(info.nshards)])
-        return self._every[1]
+            every = [(i.tid, i, s) for i in infos for s in range(i.nshards)]
+            self._index = (len(infos), infos, BusyScan([i.t for i in infos]), every)
+        return self._index[1], self._index[2], self._index[3]
 
     def _backed_up(self, info: TInfo, s: int) -> bool:
         """A connection this shard's next batch would load still holds SEND_AHEAD bytes

@@ -347,13 +347,14 @@ class WsStream(asyncio.BufferedProtocol):
 
     def send(self, data: Any, bulk: bool = False) -> bool:
         """Send ``data`` (bytes-like) as one binary message; False if the connection is
-        closed or MAX_BACKLOG bytes already wait for the socket (the caller treats it as
-        lost).  Never waits: while the transport is over its high-water mark, messages
-        wait in a queue (references: the caller must not change ``data`` after this; a
-        memoryview, such as a handler's view of the receive buffer, is copied first).
-        ``bulk``: queued whatever the backlog (a snapshot larger than MAX_BACKLOG, which
-        the caller holds in memory anyway, and what must follow it in order); the caller
-        bounds it (it starts one only below a limit of its own)."""
+        closed, or if, while the transport is paused, the queued bytes plus this message
+        would exceed MAX_BACKLOG (the caller treats it as lost).  Never waits: while the
+        transport is over its high-water mark, messages wait in a queue (references: the
+        caller must not change ``data`` after this; a memoryview, such as a handler's
+        view of the receive buffer, is copied first).  Control frames are never refused.
+        ``bulk``: queued whatever the backlog: a snapshot larger than MAX_BACKLOG (the
+        bridge starts one only below SNAPSHOT_START_BACKLOG) and the ROWS that follow it
+        while it is acknowledged, which are not bounded here."""
         return self._send_frame(OP_BINARY, data, bulk)
 
     def _send_frame(self, opcode: int, data: Any, bulk: bool = False) -> bool:
@@ -363,7 +364,7 @@ class WsStream(asyncio.BufferedProtocol):
             # e.g. a view of the receive buffer a handler got, which the next read reuses
             # (and asyncio >= 3.12 keeps references to what it could not send yet)
             data = bytes(data)
-        n = len(data)
+        n = memoryview(data).nbytes
         if self.client:
             mask = os.urandom(4)
             body = bytearray(data)
