@@ -310,19 +310,24 @@ int shmps_set_table_used(void *base, uint64_t used) {
 }
 
 int shmps_count(void *base, int pull, uint64_t nbytes, uint64_t rows) {
+    if (!pull) return shmps_count_push(base, 1, nbytes, rows);
     shmps_stats_t *st = &hdr_of(base)->stats;
-    uint64_t now = shmps_now_ns();
     /* relaxed: statistics, each counter independently atomic */
-    if (pull) {
-        FETCH_ADD(&st->pulls, 1, RELAXED);
-        FETCH_ADD(&st->bytes_pulled, nbytes, RELAXED);
-        FETCH_ADD(&st->rows_pulled, rows, RELAXED);
-        STORE(&st->last_pull_ns, now, RELAXED);
-    } else {
-        FETCH_ADD(&st->pushes, 1, RELAXED);
-        FETCH_ADD(&st->bytes_pushed, nbytes, RELAXED);
-        FETCH_ADD(&st->rows_pushed, rows, RELAXED);
-        STORE(&st->last_push_ns, now, RELAXED);
-    }
+    FETCH_ADD(&st->pulls, 1, RELAXED);
+    FETCH_ADD(&st->bytes_pulled, nbytes, RELAXED);
+    FETCH_ADD(&st->rows_pulled, rows, RELAXED);
+    STORE(&st->last_pull_ns, shmps_now_ns(), RELAXED);
+    return SHMPS_OK;
+}
+
+/* A push's statistics, standing for `pushes` pushes (0: more rows of a push already
+ * counted, such as a later frame of one forwarded drain). */
+int shmps_count_push(void *base, uint64_t pushes, uint64_t nbytes, uint64_t rows) {
+    shmps_stats_t *st = &hdr_of(base)->stats;
+    /* relaxed: statistics, each counter independently atomic */
+    if (pushes) FETCH_ADD(&st->pushes, pushes, RELAXED);
+    FETCH_ADD(&st->bytes_pushed, nbytes, RELAXED);
+    FETCH_ADD(&st->rows_pushed, rows, RELAXED);
+    STORE(&st->last_push_ns, shmps_now_ns(), RELAXED);
     return SHMPS_OK;
 }

@@ -116,6 +116,7 @@ int shmps_next_step(void *base, uint64_t *step);
 int shmps_set_step(void *base, uint64_t step);
 int shmps_set_table_used(void *base, uint64_t used);
 int shmps_count(void *base, int pull, uint64_t nbytes, uint64_t rows);
+int shmps_count_push(void *base, uint64_t pushes, uint64_t nbytes, uint64_t rows);
 
 int shmps_freeze(void *base, uint64_t token, double timeout_s);
 int shmps_thaw(void *base, uint64_t token);

@@ -145,16 +145,22 @@ class DenseTensor(Tensor):
         self._require_finite(g)
         self._outbox()._push_counted(g, r)
 
-    def _apply(self, g: np.ndarray, r: Optional[np.ndarray]) -> Any:
-        """Push ``g`` (validated) into rows ``r`` (None: all); returns the shards touched."""
+    def _apply(self, g: np.ndarray, r: Optional[np.ndarray], pushes: int = 1,
+               new_step: bool = True) -> Any:
+        """Push ``g`` (validated) into rows ``r`` (None: all); returns the shards touched.
+        ``new_step`` False: apply at the tensor's current step without advancing it (a
+        later frame of one forwarded drain); ``pushes``: how many the call counts as."""
         nthreads = self._threads_for(g.nbytes) if r is None else 1
         self._require_finite(g, nthreads)
-        step = _native.ffi.new("uint64_t *")
-        lib.shmps_next_step(self._shard(0).ptr, step)
-        t = int(step[0])
+        if new_step:
+            step = _native.ffi.new("uint64_t *")
+            lib.shmps_next_step(self._shard(0).ptr, step)
+            t = int(step[0])
+        else:
+            t = max(1, self._step())
         if r is None:
             self._push_all(g, t, nthreads)
-            self._count(False, g.nbytes, self.nrows)
+            lib.shmps_count_push(self._shard(0).ptr, pushes, g.nbytes, self.nrows)
             return range(self.nshards)
         else:
             r, g = self._aggregate_duplicates(r, g)
@@ -164,7 +170,7 @@ class DenseTensor(Tensor):
                 order = np.argsort(r, kind="stable")
                 r, g = r[order], g[order]
             touched = self._push_rows(g, r, t)
-            self._count(False, g.nbytes, r.size)
+            lib.shmps_count_push(self._shard(0).ptr, pushes, g.nbytes, r.size)
             return touched
 
     def _threads_for(self, nbytes: int) -> int:
@@ -282,15 +288,17 @@ class DenseTensor(Tensor):
         from . import outbox
         return outbox.drain_dense(self, shard, timeout, into)
 
-    def _apply_direct(self, index: Any, grads: Any, pushes: int = 1) -> None:
+    def _apply_direct(self, index: Any, grads: Any, pushes: int = 1,
+                      continues: bool = False) -> None:
         """Apply the updater as a push with forwarding off would, whatever the switch
         says (the owner's bridge): ``index`` global rows (None: the whole tensor).
-        Same validation as push; one call is one step of a per-tensor step (Adam's t);
-        ``pushes`` is how many pushes the batch stands for (statistics)."""
+        Same validation as push; one call is one step of a per-tensor step (Adam's t),
+        unless ``continues``: more rows of the drain the previous call began, applied at
+        the current step (and counted as no further push).  ``pushes`` is how many
+        pushes the batch stands for (statistics)."""
         g, r = self._prepare(grads, index)
-        self._apply(g, r)
-        if int(pushes) > 1:
-            lib.shmps_count_pushes(self._shard(0).ptr, int(pushes) - 1)
+        self._apply(g, r, pushes=0 if continues else max(1, int(pushes)),
+                    new_step=not continues)
 
     def _rows_of(self, shard: int, index: Any) -> tuple[Any, np.ndarray, np.ndarray]:
         """(shard, global rows, local rows) with every row inside ``shard``."""

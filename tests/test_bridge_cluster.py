@@ -431,6 +431,41 @@ def test_a_shard_larger_than_the_send_backlog_is_copied(make_cluster):
         assert "serving from this host's copy" not in c.logs[i].read_text(), c.describe()
 
 
+def test_a_forwarded_drain_is_one_adam_step_however_many_frames(make_cluster):
+    """A 16 MiB shard drains into 16 BATCH frames of 1 MiB.  The frames after the first
+    carry Flag.CONTINUES, so the owner applies the whole drain at one step of the dense
+    tensor's Adam t: every row moves by the same first Adam step, on both hosts, and the
+    owner counts one step and one push.  (Before, t advanced once per frame: the 256-row
+    blocks of one push moved by the steps t = 1..16, and the owner counted 16 pushes.)"""
+    c = make_cluster(2, replicas=2)
+    c.start_all()
+    rows, cols, lr = 4096, 1024, 0.01
+    with c.attach(0) as s:
+        s.dense("adam", (rows, cols), "float32", shard_rows=rows, init=0.5,
+                optimizer=shmps.Adam(lr=lr))
+    wait_forwarding(c, {"adam"}, [0, 1])
+    owner = next(i for i in (0, 1) if "adam/0" in c.health(i)["owned"])
+    sender = 1 - owner
+    with c.attach(sender) as s:
+        s["adam"].push(np.ones((rows, cols), np.float32))
+        s.flush(timeout=30)
+    # torch.optim.Adam at t = 1 with g = 1: m_hat = v_hat = 1, w -= lr * 1 / (1 + eps)
+    want = np.float32(0.5) - np.float32(lr / (1 + 1e-8))
+    got = {}
+    for i in (owner, sender):
+        with c.attach(i) as s:
+            got[i] = s["adam"].pull()
+            if i == owner:
+                st = s["adam"].stats()
+                # one push of 16 MiB: one step, counted as one push of all its rows
+                assert (st["step"], st["pushes"], st["rows_pushed"], st["bytes_pushed"]) == (
+                    1, 1, rows, rows * cols * 4), c.describe()
+    np.testing.assert_array_equal(got[owner], got[sender])
+    blocks = np.unique(got[owner][::256, 0])
+    assert blocks.size == 1 and np.isclose(blocks[0], want, rtol=0, atol=1e-6), (
+        blocks, want)
+
+
 def test_owner_killed_mid_stream(make_cluster):
     c = make_cluster(3)
     c.start_all()

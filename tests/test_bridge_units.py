@@ -1079,6 +1079,41 @@ def test_encoders_refuse_bad_arguments_and_oversized_frames():
     assert frames.max_rows_per_frame(1, "int8") == frames.DEFAULT_LIMITS.max_rows
 
 
+@given(sizes=st.lists(st.integers(1, 40), max_size=30), per=st.integers(1, 25))
+@settings(max_examples=300, deadline=None)
+def test_frame_cuts_keep_a_group_in_one_frame_where_it_fits(sizes, per):
+    """frame_cuts covers the rows in order with slices of 1..per rows; a cut falls
+    inside a group (a csr row's entries) only if that group alone exceeds ``per``."""
+    groups = np.repeat(np.arange(len(sizes)), sizes) * 7      # sorted, gaps between labels
+    n = groups.size
+    for g in (None, groups):
+        cuts = frames.frame_cuts(n, per, g)
+        assert [c for c in cuts if not 0 < c[1] - c[0] <= per] == []
+        assert [i for i, _ in cuts] == ([0] if cuts else []) + [j for _, j in cuts[:-1]]
+        assert (cuts[-1][1] if cuts else 0) == n
+        if g is None:
+            assert len(cuts) == -(-n // per)
+            continue
+        for _, j in cuts[:-1]:
+            if groups[j] == groups[j - 1]:
+                assert sizes[groups[j] // 7] > per, (cuts, sizes, per)
+    with pytest.raises(InvalidArgument):
+        frames.frame_cuts(3, 0)
+
+
+def test_a_batch_may_continue_the_previous_one():
+    """Flag.CONTINUES is a BATCH flag (a later frame of one drain), refused on others."""
+    ok = dict(epoch=1, sender=1, incarnation=1, tensor=1, shard=0, seq=2)
+    v = np.ones((2, 2), np.float32)
+    f = frames.decode(frames.encode_batch(**ok, values=v, start=0, continues=True))
+    assert f.flags == frames.Flag.CONTINUES and f.step == 1
+    assert frames.decode(frames.encode_batch(**ok, values=v, start=0)).flags == 0
+    rows = bytearray(frames.encode_rows(**ok, values=v, start=0))
+    struct.pack_into("<H", rows, 40, int(frames.Flag.CONTINUES))
+    with pytest.raises(frames.BadFrame, match="not allowed"):
+        frames.decode(bytes(rows))
+
+
 def test_iter_frames_splits_concatenated_frames():
     """Back-to-back frames in one message decode in order; a truncated tail is BadFrame."""
     parts = [frames.encode_ack(epoch=1, sender=1, incarnation=1, tensor=1, shard=i, seq=i)

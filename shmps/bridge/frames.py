@@ -83,6 +83,8 @@ class Flag(IntFlag):
     ROW_STEPS = 2       #: ROWS/SNAPSHOT: a uint64 step count per row follows the index
     FLOOR_MARKS = 4     #: ROWS/SNAPSHOT: marks mean "every seq <= mark applied"
     HANDOVER = 8        #: SNAPSHOT: from the previous owner, which no longer applies batches
+    CONTINUES = 16      #: BATCH: a later frame of the drain the previous seq began: the
+    #:                     owner applies it at the tensor's current step, not a new one
 
 
 class Status(IntEnum):
@@ -105,7 +107,7 @@ FLOAT_CODES = frozenset({3, 4, 5})
 
 _DATA_TYPES = (FrameType.BATCH, FrameType.ROWS, FrameType.SNAPSHOT)
 _ALLOWED_FLAGS = {
-    FrameType.BATCH: Flag(0),
+    FrameType.BATCH: Flag.CONTINUES,
     FrameType.ACK: Flag(0),
     FrameType.ROWS: Flag.ROW_STEPS | Flag.FLOOR_MARKS,
     FrameType.SNAPSHOT: Flag.LAST | Flag.ROW_STEPS | Flag.FLOOR_MARKS | Flag.HANDOVER,
@@ -236,6 +238,26 @@ def _dtype_code(dtype: object, what: str) -> int:
     return code
 
 
+def frame_cuts(n: int, per: int, groups: np.ndarray | None = None) -> list[tuple[int, int]]:
+    """Split ``n`` rows into consecutive slices ``[i, j)`` of at most ``per`` rows each.
+    With ``groups`` (non-decreasing, one label per row: a csr entry's matrix row) a cut
+    falls between two groups wherever the group at the cut fits in a slice of its own,
+    so each frame steps the rows it touches once; a group larger than ``per`` is split.
+    O(slices * log n)."""
+    if per < 1:
+        raise InvalidArgument(f"per must be >= 1, got {per}")
+    cuts, i = [], 0
+    while i < n:
+        j = min(n, i + per)
+        if groups is not None and j < n and groups[j] == groups[j - 1]:
+            first = int(np.searchsorted(groups, groups[j], side="left"))
+            if first > i:
+                j = first
+        cuts.append((i, j))
+        i = j
+    return cuts
+
+
 def data_payload_bytes(layout: Layout, n: int, cols: int, itemsize: int, *, nmarks: int = 0,
                        nstate: int = 0, state_itemsize: int = 0, row_steps: bool = False) -> int:
     """Payload bytes of a data frame with these sizes (header excluded). O(1)."""
@@ -363,8 +385,9 @@ def _encode_data(ftype: FrameType, *, epoch: int, sender: int, incarnation: int,
     if ftype is FrameType.BATCH:
         if n == 0:
             raise InvalidArgument("a BATCH carries at least one row")
-        if marks or state or row_steps is not None or flags:
-            raise InvalidArgument("a BATCH carries no marks, state, row steps or flags")
+        if marks or state or row_steps is not None or flags & ~Flag.CONTINUES:
+            raise InvalidArgument("a BATCH carries no marks, state, row steps or flags "
+                                  "other than CONTINUES")
         _u("step", step, U64)
         if step < 1:
             raise InvalidArgument("a BATCH folds step >= 1 pushes")
@@ -407,15 +430,18 @@ def _encode_data(ftype: FrameType, *, epoch: int, sender: int, incarnation: int,
 def encode_batch(*, epoch: int, sender: int, incarnation: int, tensor: int, shard: int,
                  seq: int, values: np.ndarray, start: int | None = None,
                  rows: np.ndarray | None = None, keys: np.ndarray | None = None,
-                 step: int = 1, limits: Limits | None = DEFAULT_LIMITS) -> bytes:
+                 step: int = 1, continues: bool = False,
+                 limits: Limits | None = DEFAULT_LIMITS) -> bytes:
     """A BATCH of gradients: ``values`` (n rows, any trailing shape) for rows ``start..``,
-    for ``rows``, or for table ``keys`` (exactly one). ``step`` = pushes folded in.
+    for ``rows``, or for table ``keys`` (exactly one). ``step`` = pushes folded in;
+    ``continues``: this frame carries more rows of the drain the previous seq began
+    (Flag.CONTINUES: one drain is one step of a dense tensor, however many frames).
     Raises :class:`InvalidArgument` for bad arguments or a frame over ``limits``.
     O(frame bytes): the arrays are copied once, into the result."""
     return _encode_data(FrameType.BATCH, epoch=epoch, sender=sender, incarnation=incarnation,
                         tensor=tensor, shard=shard, seq=seq, values=values, start=start,
                         rows=rows, keys=keys, step=step, marks=(), state=(), row_steps=None,
-                        flags=Flag(0), limits=limits)
+                        flags=Flag.CONTINUES if continues else Flag(0), limits=limits)
 
 
 def encode_rows(*, epoch: int, sender: int, incarnation: int, tensor: int, shard: int,

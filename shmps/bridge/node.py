@@ -1207,9 +1207,11 @@ class Bridge:
             per = frames.max_rows_per_frame(info.cols, info.gdtype, Layout.RANGE)
         per = max(1, min(per, (1 << 20) // max(1, info.cols * info.gdtype.itemsize) or 1))
         idx = np.asarray(d.index)
-        i = 0
-        while i < n:
-            j = min(n, i + per)
+        # a csr row's entries go in one frame where the row fits (each frame steps the
+        # rows it touches once): the row of each entry, sorted as the entries are
+        csr_rows = (np.searchsorted(info.t.structure()[0], idx, side="right") - 1
+                    if info.kind == "csr" and n > per else None)
+        for i, j in frames.frame_cuts(n, per, csr_rows):
             kw: dict = {}
             if info.kind == "table":
                 kw["keys"] = idx[i:j].astype(np.uint64, copy=False)
@@ -1221,9 +1223,14 @@ class Bridge:
                 else:
                     kw["rows"] = rows.astype(np.int64, copy=False)
             seq = stream.q.next_seq()
+            # the later frames of a drain continue it (Flag.CONTINUES): a dense tensor's
+            # step (Adam's t) advances once per drain, and the pushes it stands for are
+            # counted with its first frame
             frame = frames.encode_batch(epoch=self.members.epoch, sender=self.mid,
                                         incarnation=self.incarnation, tensor=info.tid, shard=s,
-                                        seq=seq, values=grads[i:j], step=max(1, d.pushes), **kw)
+                                        seq=seq, values=grads[i:j],
+                                        step=max(1, d.pushes) if i == 0 else 1,
+                                        continues=i > 0, **kw)
             try:
                 stream.q.put(seq, frame)
             except Backpressure:
@@ -1231,7 +1238,6 @@ class Bridge:
                 # stops taking more until acknowledgements free the budget
                 self.budget.used += len(frame)
                 stream.q._append(seq, frame, len(frame), None)
-            i = j
         stream.drains.append((stream.q.last_seq, d.pushed))
 
     def _send_all(self) -> None:
@@ -1378,8 +1384,13 @@ class Bridge:
         else:
             index = f.index
         try:
-            info.t._apply_direct(index, f.values.reshape((f.n,) + info.row_shape),
-                                 pushes=max(1, f.step))
+            if info.kind == "dense":
+                info.t._apply_direct(index, f.values.reshape((f.n,) + info.row_shape),
+                                     pushes=f.step,
+                                     continues=bool(f.flags & frames.Flag.CONTINUES))
+            else:   # per-row steps: a later frame of a drain holds other keys / rows
+                info.t._apply_direct(index, f.values.reshape((f.n,) + info.row_shape),
+                                     pushes=max(1, f.step))
         except CapacityError as e:
             log.error("batch %d from %s for %s: %s", f.seq, peer, st.key, e)
             return self._refuse(f, reply, Status.BUSY, "capacity")
