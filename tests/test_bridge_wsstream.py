@@ -5,6 +5,7 @@ end, so both directions are checked against an independent RFC 6455 implementati
 from __future__ import annotations
 
 import asyncio
+import time
 import os
 import socket
 import struct
@@ -343,6 +344,60 @@ def test_a_slow_reader_backs_messages_up_in_order_then_refuses(monkeypatch):
     assert (8 << 20) <= most < (8 << 20) + (16 << 20)   # queue + what the transport holds
     body = [g for g in got if g != b"END"]
     assert body == accepted
+
+
+def test_close_drops_the_queue_and_a_peer_that_does_not_read_is_cut_off(monkeypatch):
+    """close() with messages queued for a peer that does not read: the queue is dropped
+    (not one large write into the transport), the close frame goes straight to the
+    transport, and the connection is aborted after CLOSE_LINGER instead of waiting for
+    the peer for ever.  (Before, every queued byte went into the transport and the
+    connection stayed open, holding them, while the peer did not read.)"""
+    monkeypatch.setattr(wsstream, "MAX_BACKLOG", 8 << 20)
+    monkeypatch.setattr(wsstream, "CLOSE_LINGER", 0.3)
+
+    async def main():
+        ready = asyncio.get_running_loop().create_future()
+
+        async def stuck(request):
+            ws = web.WebSocketResponse()
+            await ws.prepare(request)
+            stream = wsstream.take_over(request, max_msg=MAX, peer="stuck client")
+            stream.transport.pause_reading()      # a stopped peer: nothing is read
+            ready.set_result(stream)
+            stream.start(lambda data: True)
+            await stream.wait_closed()
+            return ws
+
+        app = web.Application()
+        app.router.add_get("/stuck", stuck)
+        runner = web.AppRunner(app, handle_signals=False)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]   # noqa: SLF001
+        try:
+            c = await wsstream.connect("127.0.0.1", port, "/stuck", max_msg=MAX, timeout=5)
+            server = await asyncio.wait_for(ready, 5)
+            for i in range(64):
+                if not c.send(payload(1 << 20, i)):
+                    break
+                await asyncio.sleep(0)
+            queued = c.backlog
+            t0 = time.monotonic()
+            c.close()
+            held = c.transport.get_write_buffer_size()
+            assert c.backlog == held and not c.send(b"after close")
+            await asyncio.wait_for(c.wait_closed(), 5)
+            took = time.monotonic() - t0
+            server.close()
+            return queued, held, took
+        finally:
+            await runner.cleanup()
+
+    queued, held, took = run(main())
+    assert queued >= 8 << 20
+    assert held <= (2 << 20) + 64, held       # at most one message past the water mark
+    assert 0.2 <= took < 3.0, took
 
 
 def masked_frame(first: int, payload: bytes, length: int | None = None) -> bytes:

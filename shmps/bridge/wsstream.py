@@ -52,6 +52,7 @@ CLOSE_NORMAL, CLOSE_PROTOCOL, CLOSE_UNSUPPORTED, CLOSE_TOO_BIG = (
 READ_CHUNK = 16 << 10         #: read size between messages (several small ones per read)
 MAX_HTTP_HEAD = 16 << 10      #: the client's limit on the server's 101 response head
 MAX_BACKLOG = 64 << 20        #: bytes queued for a slow peer before send() refuses
+CLOSE_LINGER = 2.0            #: seconds a closing connection may take to send its last bytes
 SMALL_MASK = 512              #: (un)mask messages up to this size with Python ints
 LEN16 = struct.Struct("!H")
 LEN64 = struct.Struct("!Q")
@@ -360,6 +361,20 @@ class WsStream(asyncio.BufferedProtocol):
     def _send_frame(self, opcode: int, data: Any, bulk: bool = False) -> bool:
         if self.is_closed:
             return False
+        n = memoryview(data).nbytes
+        head, data = self._encode(opcode, data)
+        if self._paused or self._backlog:
+            if self._backlog_bytes + n > MAX_BACKLOG and opcode == OP_BINARY and not bulk:
+                return False
+            self._backlog.append((head, data))
+            self._backlog_bytes += len(head) + memoryview(data).nbytes
+            return True
+        self._write(head, data)
+        return True
+
+    def _encode(self, opcode: int, data: Any) -> tuple[bytes, Any]:
+        """(header, payload) of one final frame: masked by a client; a small message is
+        all in the header (one write, one segment)."""
         if isinstance(data, memoryview):
             # e.g. a view of the receive buffer a handler got, which the next read reuses
             # (and asyncio >= 3.12 keeps references to what it could not send yet)
@@ -376,14 +391,7 @@ class WsStream(asyncio.BufferedProtocol):
             head, data = frame_header(opcode, n) + bytes(data), b""
         else:
             head = frame_header(opcode, n)
-        if self._paused or self._backlog:
-            if self._backlog_bytes + n > MAX_BACKLOG and opcode == OP_BINARY and not bulk:
-                return False
-            self._backlog.append((head, data))
-            self._backlog_bytes += len(head) + memoryview(data).nbytes
-            return True
-        self._write(head, data)
-        return True
+        return head, data
 
     def _write(self, head: bytes, data: Any) -> None:
         assert self.transport is not None
@@ -394,22 +402,41 @@ class WsStream(asyncio.BufferedProtocol):
             self.transport.write(data)
 
     def close(self, code: int = CLOSE_NORMAL) -> None:
-        """Send what is queued and a close frame, then close the connection (asyncio
-        sends what it holds before it closes the socket); idempotent."""
-        if self.transport is None or self.transport.is_closing():
+        """Drop the queue, send a close frame and close the connection; idempotent.
+
+        The queued messages are dropped, not sent: a connection that closes loses what
+        it did not deliver (the bridge resends unacknowledged batches and copies shards
+        again on the next connection), and writing a queue of up to MAX_BACKLOG plus a
+        bulk snapshot into the transport would be one large copy, then a wait, without
+        limit, for a peer that may be stopped.  asyncio sends what the transport already
+        holds (at most one message past its high-water mark) and the close frame before
+        it closes the socket; a peer that does not take them within CLOSE_LINGER seconds
+        has the connection aborted."""
+        t = self.transport
+        if t is None or t.is_closing():
             self._close_sent = True
             return
         if not self._close_sent:
-            if not self._http:
-                self._send_frame(OP_CLOSE, LEN16.pack(code))
-            while self._backlog:
-                self._write(*self._backlog.popleft())
+            self._backlog.clear()
             self._backlog_bytes = 0
+            if not self._http:   # straight to the transport: never behind the queue
+                self._write(*self._encode(OP_CLOSE, LEN16.pack(code)))
             self._close_sent = True
-        self.transport.close()
+        t.close()
+        if t.get_write_buffer_size():
+            try:
+                asyncio.get_running_loop().call_later(CLOSE_LINGER, _abort_if_open, t)
+            except RuntimeError:   # no loop runs to finish the close: drop it now
+                t.abort()
 
     async def wait_closed(self) -> None:
         await asyncio.shield(self.closed)
+
+
+def _abort_if_open(transport: asyncio.Transport) -> None:
+    """The end of a closing connection's linger: drop what the peer did not take."""
+    if transport.get_write_buffer_size():
+        transport.abort()
 
 
 def take_over(request: Any, *, max_msg: int, peer: str = "") -> WsStream:
