@@ -5,8 +5,8 @@ end, so both directions are checked against an independent RFC 6455 implementati
 from __future__ import annotations
 
 import asyncio
-import time
 import os
+import time
 import socket
 import struct
 
@@ -162,6 +162,39 @@ def test_many_small_messages_in_one_write_arrive_in_order():
             return sent, got
     sent, got = run(main())
     assert got == sent
+
+
+def test_a_corked_connection_sends_small_frames_of_one_unit_as_one_message(monkeypatch):
+    """node.Conn under node.Cork: the small frames sent while the cork is held wait and
+    go as one message (back to back, in order) when it is released; a large frame, or
+    CORK_FLUSH bytes waiting, sends what waits first, so the order on the wire is the
+    order of the sends; outside the cork each send is its own message."""
+    from shmps.bridge.node import CORK_MAX, Conn, Cork
+    monkeypatch.setattr("shmps.bridge.node.CORK_FLUSH", 3000)
+    small = [bytes([i]) * (100 + i) for i in range(6)]
+    big = payload(CORK_MAX, 7)
+
+    async def main():
+        async with Server() as srv:
+            c = await wsstream.connect("127.0.0.1", srv.port, "/ws", max_msg=MAX, timeout=5)
+            cork = Cork()
+            conn = Conn(c, "peer", cork=cork)
+            with cork:
+                with cork:                      # nested units release once, at the outer
+                    assert conn.send(small[0]) and conn.send(small[1])
+                assert srv.seen == [] and conn._pending
+                assert conn.send(big)           # large: what waits goes first
+                assert conn.send(small[2]) and conn.send(small[3])
+                assert conn.send(b"x" * 2900)   # CORK_FLUSH reached: sent now
+                assert conn.send(small[4])
+            assert conn.send(small[5])          # not corked
+            got = await collect(c, 5)
+            c.close()
+            return got
+
+    got = run(main())
+    assert got == [small[0] + small[1], big, small[2] + small[3] + b"x" * 2900, small[4],
+                   small[5]]
 
 
 @pytest.mark.parametrize("kind,code", [

@@ -70,6 +70,8 @@ LAG_WINDOW = 10.0                #: /health loop_lag_ms is the largest lag over 
 DRAIN_SLICE = 0.02               #: a drain pass yields to the event loop after this long (s)
 ADOPT_SLICE = 0.02               #: picking up or creating new tensors yields after this long (s)
 MAINTAIN_SETTLED = 0.25          #: the shard pass's period while nothing is under way (s)
+CORK_MAX = 256 << 10             #: frames below this size may share a message (Cork)
+CORK_FLUSH = 1 << 20             #: a corked connection sends what waits once it is this much
 SEND_AHEAD = 4 << 20             #: a peer connection's unsent bytes above which no more is drained for it
 
 
@@ -179,25 +181,75 @@ class SendStream:
 
 # --------------------------------------------------------------------------- connections
 
+class Cork:
+    """While a unit of the bridge's work runs (one incoming message, one pass of the flush
+    loop: ``with cork:``), frames smaller than CORK_MAX that it sends to one peer wait on
+    their connection and go out together, as one websocket message of frames laid back
+    to back (frames.iter_frames), when the unit ends or CORK_FLUSH bytes wait.  A table
+    push spread over many shards makes a small frame per shard, each answered by an ACK
+    and followed by ROWS; one message each cost a send, a wake-up and a dispatch on both
+    ends.  Larger frames and bulk sends go at once, after what waits (order is kept)."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.dirty: list["Conn"] = []
+
+    def __enter__(self) -> "Cork":
+        self.depth += 1
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.depth -= 1
+        if not self.depth:
+            dirty, self.dirty = self.dirty, []
+            for c in dirty:
+                c.flush()
+
+
 class Conn:
     """One established websocket (:class:`.wsstream.WsStream`) to or from a peer."""
 
-    def __init__(self, stream: wsstream.WsStream, peer: str, incarnation: int = 0) -> None:
+    def __init__(self, stream: wsstream.WsStream, peer: str, incarnation: int = 0,
+                 cork: Optional[Cork] = None) -> None:
         self.stream = stream
         self.peer = peer
         self.incarnation = incarnation
         self.opened = time.monotonic()
+        self.cork = cork
+        self._pending: list = []        # corked frames, in order
+        self._pending_bytes = 0
 
     @property
     def closed(self) -> bool:
         return self.stream.is_closed
 
     def send(self, data: bytes | bytearray, bulk: bool = False) -> bool:
-        """Send ``data`` (one message, not to be changed afterwards) on the connection;
-        False if it is closed or wsstream.MAX_BACKLOG bytes already wait for the socket
-        (the caller treats the message as lost; ``bulk``: queued anyway, see
-        WsStream.send). Never waits."""
+        """Send ``data`` (one or more frames, not to be changed afterwards) on the
+        connection; False if it is closed or wsstream.MAX_BACKLOG bytes already wait for
+        the socket (the caller treats the frames as lost; ``bulk``: queued anyway, see
+        WsStream.send). Never waits; while corked, a small frame waits for the others
+        (Cork)."""
+        n = len(data)
+        cork = self.cork
+        if cork is not None and cork.depth and not bulk and n < CORK_MAX:
+            if self.stream.is_closed or self.stream.refuses(self._pending_bytes + n):
+                return False
+            if not self._pending:
+                cork.dirty.append(self)
+            self._pending.append(data)
+            self._pending_bytes += n
+            if self._pending_bytes >= CORK_FLUSH:
+                self.flush()
+            return True
+        self.flush()
         return self.stream.send(data, bulk)
+
+    def flush(self) -> None:
+        """Send the corked frames as one message (admitted when they were corked)."""
+        if not self._pending:
+            return
+        parts, self._pending, self._pending_bytes = self._pending, [], 0
+        self.stream.send(parts[0] if len(parts) == 1 else b"".join(parts), bulk=True)
 
     async def close(self) -> None:
         self.stream.close()
@@ -240,7 +292,7 @@ class Link:
                 if server.sender != member_id(self.addr):
                     raise auth.AuthError(f"member id {server.sender:08x} does not match "
                                          f"the address {self.addr}")
-                self.conn = conn = Conn(stream, self.addr)
+                self.conn = conn = Conn(stream, self.addr, cork=self.node.cork)
                 self.up_since = time.monotonic()
                 bad = 0
 
@@ -330,6 +382,7 @@ class Bridge:
         if not cfg.flush_ms > 0:
             raise InvalidArgument(f"--flush-ms {cfg.flush_ms} must be > 0")
         self.cfg = cfg
+        self.cork = Cork()   # small frames of one unit of work share a message
         self.addr = normalize_address(cfg.listen)
         auth.check_bind(parse_address(self.addr)[0], cfg.secret)
         self.mid = member_id(self.addr)
@@ -972,18 +1025,20 @@ class Bridge:
                    reply: Callable[[bytes], None], bad: int) -> int:
         """One websocket message from authenticated ``peer`` (on either connection):
         its frames, each checked to come from that peer's process. Returns the count of
-        malformed messages in a row (``bad`` before this one)."""
+        malformed messages in a row (``bad`` before this one).  What its frames make this
+        host send (ACKs, ROWS) is corked until all are handled (Cork)."""
         try:
-            for f in frames.iter_frames(data):
-                if f.sender != auth_peer.sender or f.incarnation != auth_peer.incarnation:
-                    raise frames.BadFrame(f"sender {f.sender:08x}/{f.incarnation:08x} is not "
-                                          "the authenticated peer")
-                try:
-                    self.on_frame(peer, f, reply)
-                except (frames.BadFrame, asyncio.CancelledError):
-                    raise
-                except Exception:
-                    log.exception("handling %s from %s failed", type(f).__name__, peer)
+            with self.cork:
+                for f in frames.iter_frames(data):
+                    if f.sender != auth_peer.sender or f.incarnation != auth_peer.incarnation:
+                        raise frames.BadFrame(f"sender {f.sender:08x}/{f.incarnation:08x} is "
+                                              "not the authenticated peer")
+                    try:
+                        self.on_frame(peer, f, reply)
+                    except (frames.BadFrame, asyncio.CancelledError):
+                        raise
+                    except Exception:
+                        log.exception("handling %s from %s failed", type(f).__name__, peer)
             return 0
         except frames.BadFrame as e:
             self.metrics.rejected("malformed")
@@ -1096,8 +1151,9 @@ class Bridge:
                 # first notice who went silent (this process may have been stopped):
                 # never drain or apply on a view older than one flush interval
                 self._notice_silence()
-                self._drain_all()
-                self._send_all()
+                with self.cork:
+                    self._drain_all()
+                    self._send_all()
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -2035,7 +2091,7 @@ class Bridge:
             log.warning("refused a connection from %s: %s", request.remote, e)
             return
         stream.peer = peer.client_id
-        conn = Conn(stream, peer.client_id, peer.incarnation)
+        conn = Conn(stream, peer.client_id, peer.incarnation, cork=self.cork)
         # a reconnect of the same process replaces its old stream; another process using
         # the same address (a restart) has its own
         who = (peer.client_id, peer.incarnation)

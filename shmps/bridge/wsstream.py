@@ -346,6 +346,10 @@ class WsStream(asyncio.BufferedProtocol):
         t = self.transport
         return self._backlog_bytes + (t.get_write_buffer_size() if t is not None else 0)
 
+    def refuses(self, n: int) -> bool:
+        """Whether :meth:`send` would refuse a message of ``n`` bytes now."""
+        return (self._paused or bool(self._backlog)) and self._backlog_bytes + n > MAX_BACKLOG
+
     def send(self, data: Any, bulk: bool = False) -> bool:
         """Send ``data`` (bytes-like) as one binary message; False if the connection is
         closed, or if, while the transport is paused, the queued bytes plus this message
@@ -364,7 +368,7 @@ class WsStream(asyncio.BufferedProtocol):
         n = memoryview(data).nbytes
         head, data = self._encode(opcode, data)
         if self._paused or self._backlog:
-            if self._backlog_bytes + n > MAX_BACKLOG and opcode == OP_BINARY and not bulk:
+            if opcode == OP_BINARY and not bulk and self.refuses(n):
                 return False
             self._backlog.append((head, data))
             self._backlog_bytes += len(head) + memoryview(data).nbytes
