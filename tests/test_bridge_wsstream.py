@@ -164,6 +164,27 @@ def test_many_small_messages_in_one_write_arrive_in_order():
     assert got == sent
 
 
+def test_the_receive_buffer_grows_to_one_message_and_a_read_at_most():
+    """Messages up to max_msg, back to back: the receive buffer grows to hold the largest
+    (plus one read), never beyond max_msg + 14 (the longest header) + READ_CHUNK."""
+    sizes = [1 << 10, 3 << 20, MAX, 100, MAX - 1, MAX, 7]   # 3 MiB, then 4: 2x would be 6
+
+    async def main():
+        async with Server() as srv:
+            c = await wsstream.connect("127.0.0.1", srv.port, "/ws", max_msg=MAX, timeout=5)
+            sent = [payload(n, i) for i, n in enumerate(sizes)]
+            for p in sent:
+                c.send(p)
+            got = await collect(c, len(sent))
+            bufs = [len(s._buf) for s in srv.streams] + [len(c._buf)]
+            c.close()
+            return sent, got, bufs
+
+    sent, got, bufs = run(main())
+    assert got == sent
+    assert all(MAX <= b <= MAX + 14 + wsstream.READ_CHUNK for b in bufs), bufs
+
+
 def test_a_corked_connection_sends_small_frames_of_one_unit_as_one_message(monkeypatch):
     """node.Conn under node.Cork: the small frames sent while the cork is held wait and
     go as one message (back to back, in order) when it is released; a large frame, or

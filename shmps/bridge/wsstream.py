@@ -50,7 +50,10 @@ CLOSE_NORMAL, CLOSE_PROTOCOL, CLOSE_UNSUPPORTED, CLOSE_TOO_BIG = (
     int(WSCloseCode.OK), int(WSCloseCode.PROTOCOL_ERROR), int(WSCloseCode.UNSUPPORTED_DATA),
     int(WSCloseCode.MESSAGE_TOO_BIG))
 READ_CHUNK = 16 << 10         #: read size between messages (several small ones per read)
+ONE_WRITE = 16 << 10          #: a message below this goes out with its header in one write
 MAX_HTTP_HEAD = 16 << 10      #: the client's limit on the server's 101 response head
+# the buffer, at least max_msg + READ_CHUNK (_make_room), holds a whole 101 response head
+assert READ_CHUNK >= MAX_HTTP_HEAD
 MAX_BACKLOG = 64 << 20        #: bytes queued for a slow peer before send() refuses
 CLOSE_LINGER = 2.0            #: seconds a closing connection may take to send its last bytes
 SMALL_MASK = 512              #: (un)mask messages up to this size with Python ints
@@ -389,9 +392,9 @@ class WsStream(asyncio.BufferedProtocol):
             body = bytearray(data)
             apply_mask(memoryview(body), mask)
             head, data = frame_header(opcode, n, mask), body
-            if n < READ_CHUNK:   # ACKs, heartbeats: one write, one segment
+            if n < ONE_WRITE:    # ACKs, heartbeats: one write, one segment
                 head, data = head + body, b""
-        elif n < READ_CHUNK:
+        elif n < ONE_WRITE:
             head, data = frame_header(opcode, n) + bytes(data), b""
         else:
             head = frame_header(opcode, n)
