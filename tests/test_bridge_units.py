@@ -1075,6 +1075,9 @@ def test_encoders_refuse_bad_arguments_and_oversized_frames():
         with pytest.raises(InvalidArgument, match="exceeds the 4096-byte limit"):
             frames.encode_batch(**ok, values=np.ones((n + 1, 10), np.float32), limits=lim,
                                 **{kw: idx})
+    huge = np.lib.stride_tricks.as_strided(np.zeros(1, np.int8), (1, 1 << 32), (0, 0))
+    with pytest.raises(InvalidArgument, match="at most 4294967295 of each"):
+        frames.encode_rows(**ok, values=huge, start=0, limits=None)   # cols over u32
     assert frames.max_rows_per_frame(2000, "float64", limits=lim) == 0
     assert frames.max_rows_per_frame(1, "int8") == frames.DEFAULT_LIMITS.max_rows
 

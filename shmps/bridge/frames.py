@@ -394,7 +394,7 @@ def _encode_data(ftype: FrameType, *, epoch: int, sender: int, incarnation: int,
     else:
         _u("step", step, U64)
     st = [np.asarray(x) for x in state]
-    scode = _state_code(st[0].dtype if st else v.dtype, len(st))
+    scode = _state_code(st[0].dtype, len(st)) if st else 0
     for x in st:
         if x.dtype != st[0].dtype or x.size != n * cols:
             raise InvalidArgument(f"each state array must be {n} x {cols} of {st[0].dtype}")
@@ -410,7 +410,9 @@ def _encode_data(ftype: FrameType, *, epoch: int, sender: int, incarnation: int,
                                  nstate=len(st), state_itemsize=ssize,
                                  row_steps=row_steps is not None)
     if n > U32 or cols > U32:
-        raise InvalidArgument(f"frame payload of {payload} bytes does not fit a frame")
+        raise InvalidArgument(f"{n} rows of {cols} values: a frame counts at most {U32} of "
+                              "each", hint="split the rows over several frames "
+                                           "(frames.max_rows_per_frame)")
     _check_size(payload, limits)
     parts: list[object] = [
         _header(ftype, epoch=epoch, sender=sender, incarnation=incarnation, tensor=tensor,
