@@ -88,6 +88,18 @@ class Server:
         return ws
 
 
+async def serve_one(path: str, handler) -> tuple[web.AppRunner, int]:
+    """An aiohttp app on a free loopback port with ``handler`` at ``path``: (runner, port);
+    the caller cleans the runner up."""
+    app = web.Application()
+    app.router.add_get(path, handler)
+    runner = web.AppRunner(app, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, site._server.sockets[0].getsockname()[1]   # noqa: SLF001
+
+
 async def collect(stream: wsstream.WsStream, count: int) -> list[bytes]:
     got: list[bytes] = []
     done = asyncio.get_running_loop().create_future()
@@ -354,13 +366,7 @@ def test_a_slow_reader_backs_messages_up_in_order_then_refuses(monkeypatch):
             await stream.wait_closed()
             return ws
 
-        app = web.Application()
-        app.router.add_get("/slow", slow)
-        runner = web.AppRunner(app, handle_signals=False)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]   # noqa: SLF001
+        runner, port = await serve_one("/slow", slow)
         try:
             c = await wsstream.connect("127.0.0.1", port, "/slow", max_msg=MAX, timeout=5)
             server = await asyncio.wait_for(ready, 5)
@@ -422,13 +428,7 @@ def test_close_drops_the_queue_and_a_peer_that_does_not_read_is_cut_off(monkeypa
             await stream.wait_closed()
             return ws
 
-        app = web.Application()
-        app.router.add_get("/stuck", stuck)
-        runner = web.AppRunner(app, handle_signals=False)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]   # noqa: SLF001
+        runner, port = await serve_one("/stuck", stuck)
         try:
             c = await wsstream.connect("127.0.0.1", port, "/stuck", max_msg=MAX, timeout=5)
             server = await asyncio.wait_for(ready, 5)
