@@ -842,8 +842,9 @@ class Bridge:
                     if stream[0] == hb.sender and stream[1] == known:
                         st.dedup.forget(stream)
             self._unsettle()
-            if self.members.state(peer) is not State.DEAD:
-                self._on_changes(self.members.mark_joining(peer))
+            # joining even if it was dead: its new process copies its shards (its
+            # duplicate filters are gone), whether or not its death moved any
+            self._on_changes(self.members.mark_joining(peer))
         if known != hb.incarnation:
             self._rebind_data(peer)   # prefer the connection of the current incarnation
         self._on_changes(self.members.heartbeat(peer))
