@@ -58,19 +58,21 @@ typedef struct {
     uint64_t ob_pushed __attribute__((aligned(SHMPS_CACHELINE))); /* pushes landed */
     uint64_t ob_acked __attribute__((aligned(SHMPS_CACHELINE)));  /* owner has them */
     uint64_t ob_drained;      /* ob_pushed covered by the latest drain (empty or not) */
-    uint64_t ob_sent;         /* ob_pushed covered by the latest drain that took rows */
+    uint64_t ob_sent;         /* drains that took rows so far (each one's ticket) */
     /* what a bridge process drained and never saw acknowledged before it ended
      * (shmps_outbox_recover): the latest such range (lo, hi] of ob_pushed values, and
      * the pushes of every range so far */
     uint64_t ob_lost_lo;
     uint64_t ob_lost_hi;
     uint64_t ob_lost;
+    uint64_t ob_sent_acked;   /* the highest ticket acknowledged (shmps_outbox_ack) */
 } shmps_shard_hdr_t;
 
 _Static_assert(sizeof(shmps_shard_hdr_t) <= SHMPS_HEADER_SIZE, "shard header too big");
 _Static_assert(__builtin_offsetof(shmps_shard_hdr_t, ob_pushed) == 1152 &&
                __builtin_offsetof(shmps_shard_hdr_t, ob_acked) == 1216 &&
-               __builtin_offsetof(shmps_shard_hdr_t, ob_lost) == 1256,
+               __builtin_offsetof(shmps_shard_hdr_t, ob_lost) == 1256 &&
+               __builtin_offsetof(shmps_shard_hdr_t, ob_sent_acked) == 1264,
                "outbox words moved: update docs/segment-layout.md");
 
 /* What two builds must agree on to share a shard: the header's and the spec's sizes
@@ -108,8 +110,10 @@ int shmps_stripe_read(shmps_stripe_t *s, uint64_t token, void *dst, const void *
 
 /* outboxes (outbox.c): a drain's bookkeeping of ob_drained/ob_sent/ob_acked, shared by
  * the dense and table drains.  `pushed` is ob_pushed read (acquire) before the drain,
- * `took` whether it took any row; returns ob_drained as it was before. */
-uint64_t shmps_outbox_drained(shmps_shard_hdr_t *h, uint64_t pushed, int took);
+ * `took` whether it took any row; returns ob_drained as it was before, and in *ticket
+ * the drain's ticket (took) or 0, to be passed to shmps_outbox_ack with its `pushed`. */
+uint64_t shmps_outbox_drained(shmps_shard_hdr_t *h, uint64_t pushed, int took,
+                              uint64_t *ticket);
 
 /* updaters (updaters.c): apply grads g[0..n) to values starting at element i0 */
 int shmps_apply(void *base, uint64_t i0, uint64_t n, const void *g, uint64_t step);

@@ -22,9 +22,18 @@
  * owner; store.flush() waits until ob_acked reaches ob_pushed as read at the call.
  * A drain can find nothing left for pushes it counts (a push still in flight at the
  * previous drain had its values taken then, its count only now): ob_drained (the
- * latest drain's P) and ob_sent (the latest drain that took rows) let such an empty
- * drain, or the ack that catches up with ob_sent, raise ob_acked to ob_drained.  One
- * drainer per outbox shard at a time (the bridge), acks in drain order.
+ * latest drain's P), ob_sent (how many drains took rows: each such drain's ticket)
+ * and ob_sent_acked (the highest ticket acknowledged) let such an empty drain, or the
+ * ack of the latest drain that took rows, raise ob_acked to ob_drained.  One drainer
+ * per outbox shard at a time (the bridge), acks in drain order.
+ *
+ * Tickets, not P values, say which drains are acknowledged: two drains that took rows
+ * can read the same P (the second took only values of a push still landing, whose
+ * count comes after it), so an ack carrying that P cannot tell whether the second one
+ * was applied.  With ob_sent holding P (as before 2026-11-24), the first one's ack
+ * made the next empty drain acknowledge the landing push while the second drain's
+ * frames, which held all of its values, were still on their way: store.flush()
+ * returned before the owner had applied them.
  */
 #include "internal.h"
 
@@ -111,21 +120,23 @@ static void cas_max(uint64_t *p, uint64_t v) {
     }
 }
 
-int shmps_outbox_ack(void *base, uint64_t pushed) {
+int shmps_outbox_ack(void *base, uint64_t pushed, uint64_t ticket) {
     shmps_shard_hdr_t *h = outbox_hdr(base);
     if (!h) return SHMPS_E_ARG;
     /* never acknowledge more than a drain took (a confused caller) */
     uint64_t d = LOAD(&h->ob_drained, SEQ_CST);
     if (pushed > d) pushed = d;
     cas_max(&h->ob_acked, pushed);
-    /* Drained before sent: a drain that took rows raises ob_sent before ob_drained
-     * (seq_cst, outbox_drained), so if we see its ob_drained we see its ob_sent. */
+    cas_max(&h->ob_sent_acked, ticket);
+    /* A drain that took rows takes its ticket (ob_sent) before it raises ob_drained
+     * (seq_cst, outbox_drained), so if we see its ob_drained we see its ticket. */
     uint64_t d2 = LOAD(&h->ob_drained, SEQ_CST);
     uint64_t sent = LOAD(&h->ob_sent, SEQ_CST);
     /* Every drain that took rows is acknowledged: the empty drains after the last one
      * found nothing of the pushes they counted, whose values that one (or an earlier
-     * one) took, so those pushes are acknowledged too. */
-    if (pushed >= sent) cas_max(&h->ob_acked, d2);
+     * one) took, so those pushes are acknowledged too.  (A ticket of 0, from a caller
+     * without one, acknowledges only while no drain has taken rows.) */
+    if (ticket >= sent) cas_max(&h->ob_acked, d2);
     return SHMPS_OK;
 }
 
@@ -141,7 +152,13 @@ int shmps_outbox_recover(void *base, uint64_t *lost) {
     *lost = 0;
     uint64_t d = LOAD(&h->ob_drained, SEQ_CST);
     uint64_t a = LOAD(&h->ob_acked, SEQ_CST);
-    if (a >= d) return SHMPS_OK;
+    if (a >= d) {
+        /* still count the ended process's drains acknowledged: one that took only
+         * values of a push still landing claimed no P (header comment), and left
+         * unacknowledged it would keep every later empty drain from acknowledging */
+        cas_max(&h->ob_sent_acked, LOAD(&h->ob_sent, SEQ_CST));
+        return SHMPS_OK;
+    }
     /* one bridge per store: no other writer of these words runs now */
     STORE(&h->ob_lost_lo, a, RELAXED);
     STORE(&h->ob_lost_hi, d, RELAXED);
@@ -149,6 +166,8 @@ int shmps_outbox_recover(void *base, uint64_t *lost) {
     /* the seq_cst raise of ob_acked below publishes the three words above: a flusher
      * that reads the raised ob_acked (acquire) reads them too */
     cas_max(&h->ob_acked, d);
+    /* the ended bridge's drains count as acknowledged (their rows are in the range) */
+    cas_max(&h->ob_sent_acked, LOAD(&h->ob_sent, SEQ_CST));
     *lost = d - a;
     return SHMPS_OK;
 }
@@ -164,19 +183,22 @@ int shmps_outbox_lost(const void *base, uint64_t *lo, uint64_t *hi, uint64_t *co
     return SHMPS_OK;
 }
 
-uint64_t shmps_outbox_drained(shmps_shard_hdr_t *h, uint64_t pushed, int took) {
+uint64_t shmps_outbox_drained(shmps_shard_hdr_t *h, uint64_t pushed, int took,
+                              uint64_t *ticket) {
     uint64_t prev = LOAD(&h->ob_drained, SEQ_CST);
     if (took) {
-        cas_max(&h->ob_sent, pushed); /* before ob_drained: see shmps_outbox_ack */
+        /* its ticket before ob_drained: see shmps_outbox_ack (one drainer at a time) */
+        *ticket = FETCH_ADD(&h->ob_sent, 1, SEQ_CST) + 1;
         cas_max(&h->ob_drained, pushed);
         return prev;
     }
+    *ticket = 0;
     cas_max(&h->ob_drained, pushed);
-    /* Dekker with shmps_outbox_ack: we write ob_drained then read ob_acked, an ack
-     * writes ob_acked then reads ob_drained; seq_cst: at least one sees the other,
+    /* Dekker with shmps_outbox_ack: we write ob_drained then read ob_sent_acked, an ack
+     * writes ob_sent_acked then reads ob_drained; seq_cst: at least one sees the other,
      * so an ack racing with this empty drain cannot leave ob_acked short of it. */
-    uint64_t sent = LOAD(&h->ob_sent, SEQ_CST);
-    if (LOAD(&h->ob_acked, SEQ_CST) >= sent) cas_max(&h->ob_acked, pushed);
+    uint64_t done = LOAD(&h->ob_sent_acked, SEQ_CST);
+    if (done >= LOAD(&h->ob_sent, SEQ_CST)) cas_max(&h->ob_acked, pushed);
     return prev;
 }
 
@@ -192,12 +214,13 @@ static void unhold(shmps_stripe_t *st, uint64_t *lo, uint64_t upto) {
 
 int shmps_outbox_drain(void *base, uint64_t token, double timeout_s, int64_t *rows,
                        void *vals, uint64_t cap, uint64_t *n_out, uint64_t *pushed,
-                       uint64_t *prev) {
+                       uint64_t *prev, uint64_t *ticket) {
     shmps_shard_hdr_t *h = outbox_hdr(base);
     if (!h || h->spec.kind != SHMPS_DENSE) return SHMPS_E_ARG;
     const shmps_spec_t *s = &h->spec;
     if (cap < s->nrows) return SHMPS_E_BOUNDS;
     *n_out = 0;
+    *ticket = 0;
     /* acquire: pairs with the pushers' release adds (shmps_outbox_pushed): every push
      * counted in P wrote its values and pending counts before, visible to us now */
     uint64_t P = LOAD(&h->ob_pushed, ACQUIRE);
@@ -236,15 +259,15 @@ int shmps_outbox_drain(void *base, uint64_t token, double timeout_s, int64_t *ro
     shmps_leave(base, token, slot);
     *n_out = n;
     if (partial) {
-        /* Claim no new push (rows we did not reach may hold pushes counted in P), and
-         * raise ob_sent to P so that no empty drain acknowledges past P until a whole
-         * drain has taken the rest (the row we stopped at stays pending, so the next
-         * whole drain takes rows and is acknowledged normally). */
-        cas_max(&h->ob_sent, P);
+        /* Claim no new push (rows we did not reach may hold pushes counted in P); rows
+         * taken get a ticket, so that no empty drain acknowledges anything until they
+         * are (the row we stopped at stays pending, so the next whole drain takes rows
+         * and is acknowledged normally). */
+        if (n) *ticket = FETCH_ADD(&h->ob_sent, 1, SEQ_CST) + 1;
         *pushed = *prev = LOAD(&h->ob_drained, SEQ_CST);
         return SHMPS_DRAIN_PARTIAL;
     }
-    *prev = shmps_outbox_drained(h, P, n > 0);
+    *prev = shmps_outbox_drained(h, P, n > 0, ticket);
     *pushed = P;
     return SHMPS_OK;
 }

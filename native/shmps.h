@@ -277,12 +277,12 @@ int shmps_flush_request(void *man);
 uint32_t shmps_flush_wait(void *man, uint32_t seen, uint64_t max_ns);
 int shmps_outbox_pushed(void *base);
 int shmps_outbox_counters(const void *base, uint64_t *pushed, uint64_t *acked);
-int shmps_outbox_ack(void *base, uint64_t pushed);
+int shmps_outbox_ack(void *base, uint64_t pushed, uint64_t ticket);
 int shmps_outbox_recover(void *base, uint64_t *lost);
 int shmps_outbox_lost(const void *base, uint64_t *lo, uint64_t *hi, uint64_t *count);
 int shmps_outbox_drain(void *base, uint64_t token, double timeout_s, int64_t *rows,
                        void *vals, uint64_t cap, uint64_t *n, uint64_t *pushed,
-                       uint64_t *prev);
+                       uint64_t *prev, uint64_t *ticket);
 int shmps_outbox_pending(const void *base, uint64_t *out, uint64_t cap);
 int shmps_outbox_busy(void *const *bases, uint32_t n, uint8_t *busy, uint32_t *nbusy);
 int shmps_dense_write_rows(void *base, uint64_t token, const int64_t *rows, uint64_t n,
@@ -291,7 +291,7 @@ int shmps_raise_step(void *base, uint64_t step);
 int shmps_count_pushes(void *base, uint64_t n);
 int shmps_table_drain(void **bases, uint32_t nshards, uint32_t shard, uint64_t token,
                       double timeout_s, uint64_t *keys, void *vals, uint64_t cap,
-                      uint64_t *n, uint64_t *pushed, uint64_t *prev);
+                      uint64_t *n, uint64_t *pushed, uint64_t *prev, uint64_t *ticket);
 int shmps_table_read_rows(void **bases, uint32_t nshards, uint32_t shard, uint64_t token,
                           const uint64_t *keys, uint64_t n, uint64_t *keys_out, void *vals,
                           void *const *states, uint64_t *rowsteps, uint64_t cap,

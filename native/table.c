@@ -1142,7 +1142,7 @@ int shmps_table_evict(void **bases, uint32_t nshards, uint32_t shard, uint64_t t
 
 int shmps_table_drain(void **bases, uint32_t nshards, uint32_t shard, uint64_t token,
                       double timeout_s, uint64_t *keys, void *vals, uint64_t cap,
-                      uint64_t *n_out, uint64_t *pushed, uint64_t *prev) {
+                      uint64_t *n_out, uint64_t *pushed, uint64_t *prev, uint64_t *ticket) {
     tshard_t ts[SHMPS_TABLE_MAX_SHARDS];
     int r = shard_views(bases, nshards, ts);
     if (r) return r;
@@ -1151,6 +1151,7 @@ int shmps_table_drain(void **bases, uint32_t nshards, uint32_t shard, uint64_t t
     if (!(t->s->flags & SHMPS_F_OUTBOX)) return SHMPS_E_ARG;
     if (cap < t->nrows) return SHMPS_E_BOUNDS;
     *n_out = 0;
+    *ticket = 0;
     /* acquire: pairs with the pushers' release adds (shmps_outbox_pushed): every push
      * counted in P created and wrote its rows before */
     uint64_t P = LOAD(&t->h->ob_pushed, ACQUIRE);
@@ -1158,7 +1159,7 @@ int shmps_table_drain(void **bases, uint32_t nshards, uint32_t shard, uint64_t t
      * its release add, so we read at least that, or a drain's decrement after it took
      * the row.  No live row: nothing to take, and no freeze for the pushers to wait on. */
     if (LOAD(&t->h->table_used, RELAXED) == 0) {
-        *prev = shmps_outbox_drained(t->h, P, 0);
+        *prev = shmps_outbox_drained(t->h, P, 0, ticket);
         *pushed = P;
         return SHMPS_OK;
     }
@@ -1196,7 +1197,7 @@ int shmps_table_drain(void **bases, uint32_t nshards, uint32_t shard, uint64_t t
     shmps_thaw(t->base, token);
     *n_out = n;
     if (r) return r;
-    *prev = shmps_outbox_drained(t->h, P, n > 0);
+    *prev = shmps_outbox_drained(t->h, P, n > 0, ticket);
     *pushed = P;
     return SHMPS_OK;
 }

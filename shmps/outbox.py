@@ -82,16 +82,19 @@ class Drained:
 
     ``pushed``: the shard's ``ob_pushed`` read before draining; every push it counts
     has landed and is in this drain or an earlier one, so once the owner applied this
-    drain (and the earlier ones), ``tensor._outbox_ack(shard, pushed)``.
+    drain (and the earlier ones), ``tensor._outbox_ack(shard, pushed, ticket)``.
     ``index``: dense: sorted unique global rows (int64); table: keys (uint64).
     ``grads``: ``(n,) + row_shape`` (dense) or ``(n, dim)`` (table), gradient dtype:
     the sum of every push of those rows since the last drain.
-    ``pushes``: pushes folded in (``pushed`` minus the previous drain's, at least 1)."""
+    ``pushes``: pushes folded in (``pushed`` minus the previous drain's, at least 1).
+    ``ticket``: this drain's number among the drains of the shard that took rows (the
+    ack passes it: two such drains can read the same ``pushed``, native/outbox.c)."""
 
     pushed: int
     index: np.ndarray
     grads: np.ndarray
     pushes: int
+    ticket: int = 0
 
 
 @dataclass
@@ -314,14 +317,15 @@ def _buffers(into: Optional[DrainBuffers], cap: int, row_shape: tuple, index_dty
 
 
 def _drained(pushed: int, prev: int, index: np.ndarray, grads: np.ndarray, n: int,
-             cap: int, into: Optional[DrainBuffers]) -> Optional[Drained]:
+             cap: int, into: Optional[DrainBuffers], ticket: int) -> Optional[Drained]:
     if n == 0:
         return None
     if into is None and 2 * n < cap:  # let the full-size buffers go
         index, grads = index[:n].copy(), grads[:n].copy()
     else:
         index, grads = index[:n], grads[:n]
-    return Drained(pushed=pushed, index=index, grads=grads, pushes=max(1, pushed - prev))
+    return Drained(pushed=pushed, index=index, grads=grads, pushes=max(1, pushed - prev),
+                   ticket=ticket)
 
 
 def busy(t: Any) -> list[int]:
@@ -393,16 +397,17 @@ def drain_dense(t: Any, shard: int, timeout: Optional[float] = None,
     cap = sh.spec["nrows"]
     rows, vals = _buffers(into, cap, tuple(t.row_shape), np.int64, ob.dtype)
     n, pushed, prev = ffi.new("uint64_t *"), ffi.new("uint64_t *"), ffi.new("uint64_t *")
+    ticket = ffi.new("uint64_t *")
     code = lib.shmps_outbox_drain(sh.ptr, _native.token(), _timeout(timeout),
                                   _native.addr(rows), ffi.from_buffer(vals), cap, n, pushed,
-                                  prev)
+                                  prev, ticket)
     if code == lib.SHMPS_E_TIMEOUT:
         return None  # a live process held the shard past the bound: nothing taken
     if code not in (0, lib.SHMPS_DRAIN_PARTIAL):
         _native.check(code, f"drain of the outbox of {t.name!r} (shard {shard})")
     got = int(n[0])
     rows[:got] += int(shard) * t.shard_rows if first is None else int(first)  # global
-    return _drained(int(pushed[0]), int(prev[0]), rows, vals, got, cap, into)
+    return _drained(int(pushed[0]), int(prev[0]), rows, vals, got, cap, into, int(ticket[0]))
 
 
 def drain_table(t: Any, shard: int, timeout: Optional[float] = None,
@@ -412,23 +417,29 @@ def drain_table(t: Any, shard: int, timeout: Optional[float] = None,
     cap = ob.shard_rows
     keys, vals = _buffers(into, cap, (t.dim,), np.uint64, ob.dtype)
     n, pushed, prev = ffi.new("uint64_t *"), ffi.new("uint64_t *"), ffi.new("uint64_t *")
+    ticket = ffi.new("uint64_t *")
     code = lib.shmps_table_drain(ob._ptrs(), ob.nshards, int(shard), _native.token(),
                                  _timeout(timeout), _native.addr(keys), ffi.from_buffer(vals),
-                                 cap, n, pushed, prev)
+                                 cap, n, pushed, prev, ticket)
     if code == lib.SHMPS_E_TIMEOUT:
         return None  # a live process held the shard past the bound: nothing taken
     if code:
         _native.check(code, f"drain of the outbox of {t.name!r} (shard {shard})")
-    return _drained(int(pushed[0]), int(prev[0]), keys, vals, int(n[0]), cap, into)
+    return _drained(int(pushed[0]), int(prev[0]), keys, vals, int(n[0]), cap, into,
+                    int(ticket[0]))
 
 
-def ack(t: Any, shard: int, pushed: int) -> None:
+def ack(t: Any, shard: int, pushed: int, ticket: int) -> None:
+    """The owner applied every drain of ``shard`` up to the one that returned ``pushed``
+    and ``ticket`` (a ``Drained``'s; acks in drain order)."""
     ob = t._outbox()
     sh = ob._shard_checked(shard)
-    if isinstance(pushed, bool) or not isinstance(pushed, (int, np.integer)) or pushed < 0:
-        raise InvalidArgument(f"pushed={pushed!r} must be a non-negative integer "
-                              "(a Drained.pushed)")
-    _native.check(lib.shmps_outbox_ack(sh.ptr, int(pushed)), f"ack of {ob.name!r}")
+    for what, v in (("pushed", pushed), ("ticket", ticket)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+            raise InvalidArgument(f"{what}={v!r} must be a non-negative integer "
+                                  f"(a Drained.{what})")
+    _native.check(lib.shmps_outbox_ack(sh.ptr, int(pushed), int(ticket)),
+                  f"ack of {ob.name!r}")
 
 
 def recover(t: Any, shard: int) -> int:

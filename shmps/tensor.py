@@ -187,10 +187,11 @@ class Tensor:
             self._ob = outbox.get_or_create(self)
         return self._ob
 
-    def _outbox_ack(self, shard: int, pushed: int) -> None:
-        """The owner has applied every drain of ``shard`` up to ``Drained.pushed``."""
+    def _outbox_ack(self, shard: int, pushed: int, ticket: int) -> None:
+        """The owner has applied every drain of ``shard`` up to the one that returned
+        ``Drained.pushed`` and ``Drained.ticket``."""
         from . import outbox
-        outbox.ack(self, shard, pushed)
+        outbox.ack(self, shard, pushed, ticket)
 
     def _outbox_recover(self, shard: int) -> int:
         """A bridge starting on this store: record the pushes an

@@ -304,6 +304,39 @@ def test_dead_member_rejoins_only_after_copying():
     assert m.mark_ready("c:3") == [] and m.epoch == 2
 
 
+def test_a_member_counted_dead_without_a_majority_is_alive_when_heard():
+    """Two hosts: each alone is no majority, so counting the other dead (a stall under
+    load) mints no epoch and moves no shard.  Heard again, the other is alive, on the
+    ring of the unchanged epoch: not joining, which left the pair with one host owning
+    every shard on a ring of itself (the joining one counting for its quorum) and the
+    other never copying (one peer of two is no majority telling it to).  A new
+    incarnation is joining all the same; so is a member whose death a majority made."""
+    m = Membership(["a:1", "b:2"], "a:1", now=0.0)
+    assert [(c.member, c.new) for c in m.tick(1.0)] == [("b:2", State.DEAD)]
+    assert m.live() == ("a:1",) and not m.has_quorum() and m.epoch == 0
+    assert m.epoch_live == {"a:1", "b:2"}
+    assert m.heartbeat("b:2", 1.1) == [members.Change("b:2", State.DEAD, State.ALIVE)]
+    assert m.live() == ("a:1", "b:2") and m.epoch == 0
+    m.tick(2.0)
+    assert m.state("b:2") is State.DEAD
+    assert m.mark_joining("b:2") == [members.Change("b:2", State.DEAD, State.JOINING)]
+    assert m.has_quorum() and m.live() == ("a:1",) and m.epoch == 1   # ratified now
+    assert m.mark_ready("b:2") and m.epoch == 2 and m.live() == ("a:1", "b:2")
+    # three hosts: c's death is the majority's (epoch 1), so back it is joining
+    m3 = Membership(THREE, "a:1", now=0.0)
+    m3.heartbeat("b:2", 0.6)
+    m3.tick(0.6)
+    assert m3.epoch == 1 and m3.heartbeat("c:3", 0.7)[0].new is State.JOINING
+    # a: cut off, counts b and c dead alone; b heard again before c: alive, and the
+    # live set {a, b} is not the epoch's {a, b, c}, with a majority: a new epoch
+    m4 = Membership(THREE, "a:1", now=0.0)
+    m4.tick(1.0)
+    assert m4.live() == ("a:1",) and m4.epoch == 0
+    assert m4.heartbeat("b:2", 1.1)[0].new is State.ALIVE
+    assert m4.epoch == 1 and m4.live() == ("a:1", "b:2")
+    assert m4.heartbeat("c:3", 1.2)[0].new is State.JOINING   # its death was ratified
+
+
 def test_cut_off_host_never_dies_to_itself_and_mints_no_epoch():
     """This host never marks itself dead; alone (no majority) it changes its view but not
     the epoch; observe_epoch only raises the epoch."""
@@ -409,13 +442,15 @@ OPS = st.lists(st.tuples(st.sampled_from(["hb", "tick", "ready", "leave", "join"
 @settings(max_examples=150, deadline=None)
 @given(OPS)
 def test_epoch_bumps_exactly_when_the_live_set_changes(ops):
-    """Under any sequence of events the epoch rises by one per live-set change made with a
-    majority, else stays; silence never kills self; nobody heard from within suspect_after is suspect or dead."""
+    """Under any sequence of events the epoch rises by one when a change leaves the live set
+    different from the epoch's (epoch_live) with a majority, which then becomes the epoch's
+    live set, else stays; silence never kills self; nobody heard from within
+    suspect_after is suspect or dead."""
     m = Membership(["a:1", "b:2", "c:3", "d:4", "e:5"], "a:1", now=0.0)
     t, self_removed = 0.0, False
     for op, who, dt in ops:
         t += dt
-        before_live, before_epoch = m.live(), m.epoch
+        before_epoch, before_epoch_live = m.epoch, m.epoch_live
         if op == "hb":
             m.heartbeat(who, t)
         elif op == "tick":
@@ -428,7 +463,9 @@ def test_epoch_bumps_exactly_when_the_live_set_changes(ops):
             {"ready": m.mark_ready, "leave": m.mark_leaving, "join": m.mark_joining,
              "remove": m.remove}[op](who)
             self_removed |= who == "a:1" and op in ("remove", "leave")
-        assert m.epoch == before_epoch + (m.live() != before_live and m.has_quorum())
+        bumped = frozenset(m.live()) != before_epoch_live and m.has_quorum()
+        assert m.epoch == before_epoch + bumped
+        assert m.epoch_live == (frozenset(m.live()) if bumped else before_epoch_live)
         assert self_removed or m.state("a:1") is not State.DEAD
 
 

@@ -26,15 +26,18 @@ leaving     :meth:`Membership.remove`                   dead (or dropped)
   shards (a late heartbeat must not cause a failover).
 - ``dead``: silent for ``dead_after`` (default 0.5 s, so the ring changes and the next
   host takes over well within 1 s of a death).
-- ``joining``: newly configured, or back from ``dead``: it copies its shards first and is
-  not on the ring until :meth:`Membership.mark_ready`.
+- ``joining``: newly configured, or back from ``dead`` when its death changed the ring
+  of an epoch (or its process restarted): it copies its shards first and is not on the
+  ring until :meth:`Membership.mark_ready`.  A member this host counted dead while it
+  had no majority (no epoch was minted, so no shard moved) is ``alive`` again when heard.
 - ``leaving``: handing its shards over; still on the ring until :meth:`Membership.remove`
   (or until it dies).
 
 The **live set** (members on the ring) is alive + suspect + leaving. The **epoch** bumps
-by one on every change of the live set made while this host reaches a majority (a host
-cut off from the majority changes its view but mints no epoch, so it cannot come back
-with an epoch that overrides the majority's), and never goes down. A host that hears a
+by one whenever the live set differs from the one the current epoch stands for
+(:attr:`Membership.epoch_live`) while this host reaches a majority (a host cut off from
+the majority changes its view but mints no epoch, so it cannot come back with an epoch
+that overrides the majority's), and never goes down. A host that hears a
 majority member with a higher epoch takes over that member's view with
 :meth:`Membership.adopt`.
 """
@@ -265,6 +268,9 @@ class Membership:
         if joining and self_addr is not None:
             self._state[self_addr] = State.JOINING
         self.epoch = 0
+        #: the live set the current epoch stands for: the ring a majority agreed on, as
+        #: this host knows it.  A member counted dead without a majority is still in it.
+        self.epoch_live: frozenset[str] = frozenset(self.live())
 
     # ---------------------------------------------------------------- queries
     def _now(self, now: float | None) -> float:
@@ -310,8 +316,14 @@ class Membership:
 
     # ---------------------------------------------------------------- transitions
     def _apply(self, changes: list[Change], before: frozenset[str]) -> list[Change]:
-        if frozenset(self.live()) != before and self.has_quorum():
+        # Against the epoch's live set, not the one before this change: a ring changed
+        # without a majority (a member counted dead alone) was never the epoch's, so
+        # when the majority is back the epoch bumps for it, unless the members came back
+        # and the ring is the epoch's again (then nothing moved: no bump).
+        live = frozenset(self.live())
+        if live != self.epoch_live and self.has_quorum():
             self.epoch += 1
+            self.epoch_live = live
         for c in changes:
             log.info("member %s: %s -> %s (epoch %d)", c.member,
                      c.old.value if c.old else "none", c.new.value if c.new else "none",
@@ -332,8 +344,15 @@ class Membership:
     def heartbeat(self, member: str, now: float | None = None) -> list[Change]:
         """Record a heartbeat from ``member`` at ``now``.
 
-        suspect -> alive; dead -> joining (it must copy its shards again). A heartbeat from
-        a non-member is ignored (``[]``). O(n) (the live-set comparison).
+        suspect -> alive; dead -> joining (it must copy its shards again), or -> alive if
+        it is on the epoch's ring (:attr:`epoch_live`): this host counted it dead without
+        a majority, so no epoch was minted and no shard moved.  (Made joining, a member
+        of a two-host cluster that the other took for dead under load stayed joining
+        for good: it does not copy its shards unless a majority of the members says
+        so, and one peer of two is not; meanwhile the other, its quorum back through
+        the joining member, owned every shard on a ring of itself, with no backup to
+        wait for, and when both did, both owned.) A heartbeat from a non-member is
+        ignored (``[]``). O(n) (the live-set comparison).
         """
         if member not in self._state:
             return []
@@ -345,7 +364,8 @@ class Membership:
         if s is State.SUSPECT:
             self._set(changes, member, State.ALIVE)
         elif s is State.DEAD:
-            self._set(changes, member, State.JOINING)
+            self._set(changes, member,
+                      State.ALIVE if member in self.epoch_live else State.JOINING)
         return self._apply(changes, before)
 
     def tick(self, now: float | None = None) -> list[Change]:
@@ -386,11 +406,13 @@ class Membership:
         return self._apply(changes, before)
 
     def mark_joining(self, member: str) -> list[Change]:
-        """``member`` must (re)copy its shards before owning any: it leaves the ring. O(n)."""
+        """``member`` must (re)copy its shards before owning any: it leaves the ring (a
+        dead one is joining at once: call this only when hearing from it, e.g. a new
+        incarnation's heartbeat). O(n)."""
         before = frozenset(self.live())
         changes: list[Change] = []
-        if self.state(member) is not State.DEAD:
-            self._set(changes, member, State.JOINING)
+        self.state(member)
+        self._set(changes, member, State.JOINING)
         return self._apply(changes, before)
 
     def mark_leaving(self, member: str) -> list[Change]:
@@ -466,7 +488,8 @@ class Membership:
                 self._seen[m] = max(self._seen[m], t)
             self._set(changes, m, s)
         self.epoch = int(epoch)
-        return self._apply(changes, frozenset(self.live()))
+        self.epoch_live = frozenset(self.live())   # the view that epoch stands for
+        return self._apply(changes, self.epoch_live)
 
     def rejoin(self) -> list[Change]:
         """This host must copy its shards again (the majority's view, at this host's epoch,
@@ -476,6 +499,7 @@ class Membership:
         changes: list[Change] = []
         if self._state.get(self.self_addr) in (State.ALIVE, State.SUSPECT):
             self._set(changes, self.self_addr, State.JOINING)
+            self.epoch_live = frozenset(self.live())   # the majority's ring at this epoch
         for c in changes:
             log.info("member %s: %s -> %s (epoch %d)", c.member, c.old.value if c.old else
                      "none", c.new.value if c.new else "none", self.epoch)

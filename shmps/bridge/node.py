@@ -173,7 +173,7 @@ class SendStream:
     """This host's stream of BATCH frames for one shard."""
 
     q: OutQueue
-    drains: deque = field(default_factory=deque)         # (last seq, outbox pushed value)
+    drains: deque = field(default_factory=deque)         # (last seq, Drained.pushed, .ticket)
     target: Optional[str] = None
     retry_at: float = 0.0
     progress_at: float = 0.0          # last acknowledgement (or first send after idle)
@@ -895,8 +895,9 @@ class Bridge:
                     if stream[0] == hb.sender and stream[1] == known:
                         st.dedup.forget(stream)
             self._unsettle()
-            if self.members.state(peer) is not State.DEAD:
-                self._on_changes(self.members.mark_joining(peer))
+            # joining even if it was dead: its new process copies its shards (its
+            # duplicate filters are gone), whether or not its death moved any
+            self._on_changes(self.members.mark_joining(peer))
         if known != hb.incarnation:
             self._rebind_data(peer)   # prefer the connection of the current incarnation
         self._on_changes(self.members.heartbeat(peer))
@@ -1082,9 +1083,11 @@ class Bridge:
             t = self.tensors.get(ack.tensor)
             last = None
             while stream.drains and stream.drains[0][0] <= ack.seq:
-                last = stream.drains.popleft()[1]
+                last = stream.drains.popleft()
             if last is not None and t is not None:
-                t.t._outbox_ack(ack.shard, last)
+                # with the drain's ticket: two drains can read the same pushed value, and
+                # only the ticket says which of them this ack covers (native/outbox.c)
+                t.t._outbox_ack(ack.shard, last[1], last[2])
         else:
             if ack.status == Status.REJECTED:
                 log.error("owner %s rejected batch %d of %s/%d: dropped", peer, ack.seq,
@@ -1294,7 +1297,7 @@ class Bridge:
                 # stops taking more until acknowledgements free the budget
                 self.budget.used += len(frame)
                 stream.q._append(seq, frame, len(frame), None)
-        stream.drains.append((stream.q.last_seq, d.pushed))
+        stream.drains.append((stream.q.last_seq, d.pushed, d.ticket))
 
     def _send_all(self) -> None:
         now = time.monotonic()
