@@ -8,6 +8,7 @@ import os
 import struct
 import subprocess
 import sys
+import time
 import tracemalloc
 import types
 from pathlib import Path
@@ -413,6 +414,47 @@ def test_leaving_and_rejoining_transitions():
     assert m.state("c:3") is State.JOINING and m.epoch == 2
     m.mark_leaving("c:3")
     assert m.state("c:3") is State.DEAD
+
+
+def _heartbeat(sender: str, epoch: int, view: dict) -> frames.Heartbeat:
+    """A decoded HEARTBEAT from ``sender`` at ``epoch`` with quorum and ``view``."""
+    live = [m for m, s in view.items() if s in (State.ALIVE, State.SUSPECT, State.LEAVING)]
+    return frames.decode(frames.encode_heartbeat(
+        epoch=epoch, sender=members.member_id(sender), incarnation=7, seq=1,
+        digest=ring.Ring(live).digest, sent_ms=0, hb_flags=frames.HB_QUORUM,
+        members=[(members.member_id(m), st.code) for m, st in sorted(view.items())]))
+
+
+def test_a_host_back_from_a_partition_takes_the_majoritys_ring_not_its_own(tmp_path):
+    """Host C of {A, B, C} counted A and B dead without a majority (no epoch minted),
+    while A and B moved on to epoch 1 without C.  When B is heard again, C takes over
+    B's view (epoch 1, ring {A, B}, C joining) before B counts alive: it must not count
+    B alive on its own epoch's ring, have a majority with it and mint epoch 1 itself on
+    the ring {B, C}, which would also make B's epoch no longer newer (two rings at one
+    epoch; with replicas 1, C would acknowledge its own workers' pushes on shards the
+    majority gives to A or B).  A data frame from a dead peer does not count it alive:
+    only its heartbeat, which carries its view, does."""
+    from shmps.bridge.node import Bridge, Config
+
+    a, b, c = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text(f"{a}\n{b}\n{c}\n")
+    node = Bridge(Config(peers_file=str(hosts), store="unused", listen=c, startup_grace=0.0))
+    everyone = {a: State.ALIVE, b: State.ALIVE, c: State.ALIVE}
+    for p in (a, b):
+        node.on_heartbeat(p, _heartbeat(p, 0, everyone))
+    assert node.members.epoch == 0 and node.acting()
+    node.members.tick(now=time.monotonic() + 10 * node.cfg.dead_after)   # cut off
+    assert node.members.state(a) is node.members.state(b) is State.DEAD
+    assert not node.acting() and node.members.epoch == 0
+    ack = frames.decode(frames.encode_ack(epoch=1, sender=members.member_id(b), incarnation=7,
+                                          tensor=1, shard=0, seq=1, status=Status.OK))
+    node.on_frame(b, ack, lambda data: None)
+    assert node.members.state(b) is State.DEAD          # a data frame revives nobody
+    node.on_heartbeat(b, _heartbeat(b, 1, {a: State.ALIVE, b: State.ALIVE, c: State.DEAD}))
+    assert node.members.epoch == 1
+    assert node.ring.digest == ring.Ring([a, b]).digest, node.members.states()
+    assert node.members.state(c) is State.JOINING and not node.acting()
 
 
 def test_membership_rejects_bad_configuration():

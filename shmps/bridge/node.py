@@ -900,21 +900,19 @@ class Bridge:
             self._on_changes(self.members.mark_joining(peer))
         if known != hb.incarnation:
             self._rebind_data(peer)   # prefer the connection of the current incarnation
-        self._on_changes(self.members.heartbeat(peer))
-        if (self.members.epoch == 0 and not self._ever_acted and peer in self._initial
-                and self.members.state(peer) is State.JOINING):
-            # epoch 0 and this host never acted: the cluster has not formed yet (nothing
-            # was applied anywhere), so a peer of the original list that started late is
-            # simply alive
-            self._on_changes(self.members.mark_ready(peer))
         view = {}
         for mid, code in hb.members:
             a = self.ids.get(mid)
             if a is not None:
                 view[a] = State.from_code(code)
-        self._peer_rings[peer] = {m for m, s in view.items()
-                                  if s in (State.ALIVE, State.SUSPECT, State.LEAVING)}
+        adopted = False
         if (hb.hb_flags & frames.HB_QUORUM) and hb.epoch > self.members.epoch:
+            # The majority's newer view first, before this heartbeat counts the peer
+            # alive: a host that counted every peer dead without a majority (no epoch
+            # minted) would otherwise count this one alive again on its own epoch's ring,
+            # have a majority with it, and mint the next epoch itself, on a ring the
+            # majority does not hold (3 hosts: {B, C} while A and B hold {A, B}) and with
+            # the majority's epoch number, so the peer's epoch would no longer be newer.
             mine = view.get(self.addr)
             if self.leaving:
                 view[self.addr] = State.LEAVING
@@ -925,7 +923,17 @@ class Bridge:
                 view[self.addr] = State.JOINING
             self._on_changes(self.members.adopt(view, hb.epoch))
             self.grace_until = min(self.grace_until, time.monotonic())
-        elif ((hb.hb_flags & frames.HB_QUORUM) and hb.epoch == self.members.epoch
+            adopted = True
+        self._on_changes(self.members.heartbeat(peer))
+        if (self.members.epoch == 0 and not self._ever_acted and peer in self._initial
+                and self.members.state(peer) is State.JOINING):
+            # epoch 0 and this host never acted: the cluster has not formed yet (nothing
+            # was applied anywhere), so a peer of the original list that started late is
+            # simply alive
+            self._on_changes(self.members.mark_ready(peer))
+        self._peer_rings[peer] = {m for m, s in view.items()
+                                  if s in (State.ALIVE, State.SUSPECT, State.LEAVING)}
+        if (not adopted and (hb.hb_flags & frames.HB_QUORUM) and hb.epoch == self.members.epoch
               and self.members.state(self.addr) is State.JOINING
               and hb.digest != self.ring.digest):
             # joining: follow the view of the majority this host copies from (a view this
@@ -933,7 +941,8 @@ class Bridge:
             if view.get(self.addr) not in (State.ALIVE, State.SUSPECT):
                 view[self.addr] = State.JOINING
             self._on_changes(self.members.adopt(view, hb.epoch, same_epoch=True))
-        elif ((hb.hb_flags & frames.HB_QUORUM) and hb.epoch == self.members.epoch
+        elif (not adopted and (hb.hb_flags & frames.HB_QUORUM)
+              and hb.epoch == self.members.epoch
               and view.get(self.addr) is State.JOINING and not self.leaving
               and self.members.state(self.addr) in (State.ALIVE, State.SUSPECT)):
             # a peer at this host's epoch counts it as joining (it was added, or came
@@ -2133,8 +2142,11 @@ class Bridge:
             if isinstance(f, (frames.Data, frames.Sync)):
                 reply(self._ack(f, Status.STALE_EPOCH))
             return
-        # any authenticated frame counts as hearing from the peer
-        self._on_changes(self.members.heartbeat(peer))
+        # any authenticated frame keeps a peer alive; a dead one comes back only by its
+        # heartbeat, which carries its view and epoch (see on_heartbeat: a majority's
+        # newer epoch is taken over before the peer counts alive again)
+        if self.members.state(peer) is not State.DEAD:
+            self._on_changes(self.members.heartbeat(peer))
         if isinstance(f, frames.Data):
             if f.type == FrameType.BATCH:
                 self.metrics.frames_recv.labels("batch").inc()
