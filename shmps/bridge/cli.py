@@ -13,7 +13,7 @@ import logging
 import os
 import socket
 import sys
-from typing import Any, Coroutine, Optional, Sequence
+from typing import Optional, Sequence
 
 from ..errors import Error
 from .members import DEAD_AFTER, normalize_address, parse_address, read_hosts
@@ -71,28 +71,6 @@ def _pick_listen(members: list[str]) -> str:
     return mine[0]
 
 
-def loop_name() -> str:
-    """The event loop a bridge runs on: ``"uvloop"`` (libuv's loop, whose transports read
-    and write sockets in C: less CPU per forwarded byte than asyncio's selector loop) when
-    it is installed, unless the environment says ``SHMPS_BRIDGE_LOOP=asyncio``; else
-    ``"asyncio"``."""
-    if os.environ.get("SHMPS_BRIDGE_LOOP", "uvloop") != "asyncio":
-        try:
-            import uvloop  # noqa: F401
-            return "uvloop"
-        except ImportError:
-            pass
-    return "asyncio"
-
-
-def run_loop(main: Coroutine[Any, Any, Any]) -> Any:
-    """Run ``main`` to completion on the loop :func:`loop_name` names."""
-    if loop_name() == "uvloop":
-        import uvloop
-        return uvloop.run(main)
-    return asyncio.run(main)
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level),
@@ -107,7 +85,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                      replicas=args.replicas, secret=secret, namespace=args.namespace,
                      flush_ms=args.flush_ms, allow_minority=args.allow_minority,
                      dead_after=args.dead_after)
-        run_loop(serve(cfg))
+        asyncio.run(serve(cfg))
     except Error as e:
         print(f"shmps-bridge: {e}", file=sys.stderr)
         return 2

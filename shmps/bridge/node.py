@@ -1938,8 +1938,6 @@ class Bridge:
         snap.update({"address": self.addr, "incarnation": self.incarnation,
                      "state": self.members.state(self.addr).value,
                      "acting": self.acting(), "owned": owned, "pending": pending,
-                     "loop": ("uvloop" if type(asyncio.get_running_loop()).__module__
-                              .startswith("uvloop") else "asyncio"),
                      "staleness_ms": round(self._staleness() * 1000, 3),
                      "tensors": sorted(self.by_name), "failovers": self.failover_log[-20:],
                      "ring_digest": self.ring.digest, "ready": self.ready_flag,

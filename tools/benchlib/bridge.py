@@ -316,7 +316,7 @@ def _ws_server(port_q: Any, counter: Any, server_sends: bool) -> None:
         port_q.put(sock.getsockname()[1])
         await asyncio.Event().wait()
 
-    _run(main())
+    asyncio.run(main())
 
 
 def _ws_client(port: int, counter: Any, server_sends: bool) -> None:
@@ -330,16 +330,7 @@ def _ws_client(port: int, counter: Any, server_sends: bool) -> None:
                                           autoping=True) as ws:
                 await _pump(ws, not server_sends, counter)
 
-    _run(main())
-
-
-def _run(main: Any) -> None:
-    """asyncio's loop, or uvloop's where the environment says BENCH_LOOP=uvloop."""
-    if os.environ.get("BENCH_LOOP") == "uvloop":
-        import uvloop
-        uvloop.run(main)
-    else:
-        asyncio.run(main)
+    asyncio.run(main())
 
 
 @contextmanager
@@ -393,11 +384,6 @@ def baselines(ctx: RunContext, sec: Section, plan: Plan) -> None:
     measure_baseline(ctx, sec, "ws_down", "aiohttp websocket, server -> client (no masking; the "
                      "direction of the bridge's data frames)", _ws_server, _ws_client, plan, True,
                      limit=TCP)
-    if importlib.util.find_spec("uvloop") is not None:
-        measure_baseline(ctx, sec, "ws_down_uvloop", "aiohttp websocket, server -> client, on "
-                         "uvloop (the bridges' event loop where installed; information)",
-                         _ws_server, _ws_client, plan, True, limit=TCP,
-                         env={"BENCH_LOOP": "uvloop"})
 
 
 # ------------------------------------------------------------------ workers on a host
