@@ -306,9 +306,11 @@ def test_pushing_faster_than_the_owner_applies(make_cluster):
     # the event loop of the pushing host was never held up long (heartbeats go out)
     assert max(lags) < 250, lags
     # batches (of 1 MiB) sent and not acknowledged: the connection's backlog (SEND_AHEAD,
-    # 4 MiB) and what the sockets hold, not a drain of the whole outbox every interval
-    # up to the 256 MiB budget
-    assert most_pending < 64, most_pending
+    # 4 MiB), what the sockets hold (the receiver's buffer autotunes up to tcp_rmem's
+    # 32 MiB, the sender's to 4 MiB) and ACKs not yet read, not a drain of the whole
+    # outbox every interval up to the 256 MiB budget.  (36-56 on a quiet machine, 73
+    # once in a loaded CI run; without flow control it climbs to the budget.)
+    assert most_pending < 128, most_pending
 
 
 def test_a_pusher_killed_mid_push_leaves_nothing_behind(make_cluster):
