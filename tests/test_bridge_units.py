@@ -457,6 +457,29 @@ def test_a_host_back_from_a_partition_takes_the_majoritys_ring_not_its_own(tmp_p
     assert node.members.state(c) is State.JOINING and not node.acting()
 
 
+def test_a_host_acts_only_while_a_majority_holds_its_epoch_and_ring(tmp_path):
+    """Quorum is not enough to own shards: a majority of the members (this host
+    included) must last have said, in heartbeats, that they are at this host's epoch on
+    this host's ring.  Two hosts that minted the same epoch number for different rings
+    (each alone) do not both act: the one a majority agrees with does."""
+    from shmps.bridge.node import Bridge, Config
+
+    a, b, c = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text(f"{a}\n{b}\n{c}\n")
+    node = Bridge(Config(peers_file=str(hosts), store="unused", listen=c, startup_grace=0.0))
+    everyone = {a: State.ALIVE, b: State.ALIVE, c: State.ALIVE}
+    assert node.speaks_for_majority() and not node.acting()   # nobody heard yet
+    node.on_heartbeat(a, _heartbeat(a, 0, everyone))
+    assert node.acting()                                       # a and c: 2 of 3
+    # a now says it is at epoch 0 on another ring (as if it had minted it alone): no
+    # majority holds this host's ring any more, though every member is reachable
+    node.on_heartbeat(a, _heartbeat(a, 0, {a: State.ALIVE, b: State.ALIVE, c: State.DEAD}))
+    assert node.members.has_quorum() and node.speaks_for_majority() and not node.acting()
+    node.on_heartbeat(b, _heartbeat(b, 0, everyone))
+    assert node.acting()                                       # b and c: 2 of 3
+
+
 def test_membership_rejects_bad_configuration():
     """Duplicates, a self address not listed, and bad timings raise InvalidArgument."""
     with pytest.raises(InvalidArgument, match="twice"):

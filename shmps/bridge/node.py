@@ -458,6 +458,10 @@ class Bridge:
         self._gone: set[tuple[int, int]] = set()  # (member id, incarnation) of processes
                                                   # that restarted since: filters forgotten
         self._says_joining: dict[str, int] = {}  # peer -> epoch at which it has us joining
+        self._peer_view: dict[str, tuple[int, int]] = {}   # peer -> (epoch, ring digest)
+                                                           # of its last heartbeat
+        self._hb_epoch: tuple[int, int] = (-1, 0)   # (epoch, digest) last sent
+        self._hb_wake: Optional[asyncio.Event] = None   # set: send a heartbeat now
 
     # ------------------------------------------------------------ life cycle
     async def start(self) -> None:
@@ -685,14 +689,33 @@ class Bridge:
         o = self.owners(key)
         return o[0] if o else None
 
-    def acting(self) -> bool:
-        """This host may own shards now: it has quorum, is on the ring, and its start-up
-        grace (listening for a running cluster's epoch) is over."""
+    def speaks_for_majority(self) -> bool:
+        """This host has quorum, is on the ring, and its start-up grace (listening for a
+        running cluster's epoch) is over: its heartbeats carry HB_QUORUM, and peers at an
+        older epoch take its view over."""
         self._check_stall()
-        ok = (time.monotonic() >= self.grace_until and self.members.has_quorum()
-              and self.members.state(self.addr) in (State.ALIVE, State.SUSPECT, State.LEAVING))
+        return (time.monotonic() >= self.grace_until and self.members.has_quorum()
+                and self.members.state(self.addr) in (State.ALIVE, State.SUSPECT,
+                                                      State.LEAVING))
+
+    def acting(self) -> bool:
+        """This host may own shards (apply batches, acknowledge) now: it speaks for a
+        majority, and a majority of the members, itself included, last said (heartbeats)
+        they are at this host's epoch on this host's ring.  Hosts mint epochs on their
+        own, so two could mint the same number for different rings (a host back from a
+        partition, hearing one peer first); the agreement keeps either from owning a
+        shard by a ring that no majority holds."""
+        ok = self.speaks_for_majority() and self._ring_agreed()
         self._ever_acted = self._ever_acted or ok
         return ok
+
+    def _ring_agreed(self) -> bool:
+        if self.members.allow_minority:
+            return True   # a lone host may act by its own ring (DESIGN: two-host trade-off)
+        mine = (self.members.epoch, self.ring.digest)
+        agree = 1 + sum(1 for p in self.members.reachable()
+                        if p != self.addr and self._peer_view.get(p) == mine)
+        return 2 * agree > len(self.members.configured)
 
     def _on_changes(self, changes: list) -> None:
         if not changes:
@@ -713,6 +736,9 @@ class Bridge:
                 stream.target = None
             log.info("epoch %d: ring %s", self.members.epoch, ", ".join(live) or "(empty)")
         self.metrics.epoch.set(self.members.epoch)
+        if self._hb_wake is not None and self._hb_epoch != (self.members.epoch,
+                                                            self.ring.digest):
+            self._hb_wake.set()
         if not self.acting():
             for st in self.shards.values():
                 st.pending.clear()   # see _release: only an acting owner acknowledges
@@ -833,13 +859,16 @@ class Bridge:
 
     # ------------------------------------------------------------ membership I/O
     async def _heartbeat_loop(self) -> None:
+        self._hb_wake = asyncio.Event()
         while True:
             self.hb_seq += 1
             st = self.members.states()
             flags = 0
-            if self.acting():
+            if self.speaks_for_majority():
                 # only a host on the majority's ring speaks for it (a joining or cut-off
-                # host's view must not be adopted)
+                # host's view must not be adopted); not "acting": a host that has just
+                # minted an epoch acts once a majority says it is at that epoch, which it
+                # does after taking this host's view over
                 flags |= frames.HB_QUORUM
             if self.ready_flag:
                 flags |= frames.HB_READY
@@ -852,7 +881,13 @@ class Bridge:
             for link in self.links.values():
                 if link.send(hb):
                     self.metrics.sent("heartbeat", len(hb))
-            await asyncio.sleep(self.cfg.heartbeat)
+            self._hb_epoch = (self.members.epoch, self.ring.digest)
+            # the next one after the interval, or at once when the epoch or ring changes
+            # (_on_changes): peers adopt or agree, and so this host acts, a round trip
+            # after the change rather than a heartbeat interval
+            self._hb_wake.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._hb_wake.wait(), self.cfg.heartbeat)
 
     async def _tick_loop(self) -> None:
         due = time.monotonic()
@@ -880,6 +915,7 @@ class Bridge:
             return  # it left on purpose and is about to exit: not a rejoin
         if (hb.sender, hb.incarnation) in self._gone:
             return  # buffered in a connection of a process that has restarted since
+        self._peer_view[peer] = (hb.epoch, hb.digest)
         known = self._incarnations.get(peer)
         self._incarnations[peer] = hb.incarnation
         if known is not None and known != hb.incarnation:
