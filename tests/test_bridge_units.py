@@ -480,6 +480,68 @@ def test_a_host_acts_only_while_a_majority_holds_its_epoch_and_ring(tmp_path):
     assert node.acting()                                       # b and c: 2 of 3
 
 
+def test_a_new_owner_waits_while_the_hand_over_is_arriving(tmp_path):
+    """A new owner waits for the previous owner's hand-over snapshot at most
+    HANDOVER_TIMEOUT, counted from the last frame it had from it: a snapshot whose chunks
+    take longer in all (a 128 MiB one on a loaded machine) is waited for to its end, so
+    batches are still refused BUSY after the first deadline.  (Before, the owner gave up
+    at the first deadline, served a copy of which only the chunks before it were the
+    previous owner's, and refused the rest.)  Drives a Bridge, not started, on a real
+    store."""
+    import uuid
+
+    import shmps
+    from shmps.bridge import node as bridge_node
+    from shmps.bridge.node import Bridge, Config
+    from shmps.bridge.ring import shard_key
+
+    me, prev = "127.0.0.2:7001", "127.0.0.3:7001"
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text(f"{me}\n{prev}\n")
+    ns = f"u{uuid.uuid4().hex[:10]}"
+    # dead_after 5 s: the test's short sleeps are no stall of this (not running) bridge
+    node = Bridge(Config(peers_file=str(hosts), store="handover", namespace=ns, listen=me,
+                         startup_grace=0.0, dead_after=5.0))
+    node.store = shmps.attach("handover", namespace=ns)
+    try:
+        name = next(f"w{i}" for i in range(1000)
+                    if node.owner(shard_key(f"w{i}", 0)) == me)
+        node.store.dense(name, (8, 4), "float32", init=0.0, optimizer="sum")
+        while node.refresh_tensors(budget=None):
+            pass
+        node.on_heartbeat(prev, _heartbeat(prev, 0, {me: State.ALIVE, prev: State.ALIVE}))
+        assert node.acting()
+        info = node.by_name[name]
+        st = node.shards[(info.tid, 0)]
+        st.handover_from, st.handover_until = prev, time.monotonic() + 0.2
+        ids = dict(epoch=0, sender=members.member_id(prev), incarnation=7, tensor=info.tid,
+                   shard=0)
+        got: list = []
+
+        def reply(data) -> None:
+            got.extend(frames.iter_frames(bytes(data)))
+
+        chunk = frames.encode_snapshot(**ids, seq=bridge_node.ROWS_SEQ_BASE + 1,
+                                       values=np.full((4, 4), 3, np.float32), start=0,
+                                       handover=True)
+        time.sleep(0.15)
+        node.on_rows(prev, frames.decode(chunk), reply)          # the first chunk, late
+        assert got[-1].status is Status.OK
+        time.sleep(0.15)                                        # past the first deadline
+        batch = frames.encode_batch(**ids, seq=1, values=np.ones((8, 4), np.float32),
+                                    start=0)
+        node.on_batch(prev, frames.decode(batch), reply)
+        assert got[-1].status is Status.BUSY and st.handover_from == prev, got[-1]
+        last = frames.encode_snapshot(**ids, seq=bridge_node.ROWS_SEQ_BASE + 2,
+                                      values=np.full((4, 4), 3, np.float32), start=4,
+                                      handover=True, last=True)
+        node.on_rows(prev, frames.decode(last), reply)
+        assert st.handover_from is None                          # handed over whole
+        np.testing.assert_array_equal(node.store[name].pull(), np.full((8, 4), 3, np.float32))
+    finally:
+        node.store.destroy()
+
+
 def test_membership_rejects_bad_configuration():
     """Duplicates, a self address not listed, and bad timings raise InvalidArgument."""
     with pytest.raises(InvalidArgument, match="twice"):

@@ -1673,6 +1673,12 @@ class Bridge:
         except (frames.BadFrame, Error) as e:
             log.warning("%s %d from %s refused: %s", f.type.name, f.seq, peer, e)
             return self._refuse(f, reply, Status.REJECTED, "schema")
+        if handover:
+            # the previous owner is sending (its last ROWS, its snapshot's chunks): wait
+            # on.  Giving up mid-snapshot served a copy of which only the chunks before
+            # the deadline were the previous owner's, and refused the rest (seen under
+            # load with a 128 MiB snapshot: a mix of the origin's init and zeros)
+            st.handover_until = max(st.handover_until, time.monotonic() + HANDOVER_TIMEOUT)
         if os.environ.get("SHMPS_BRIDGE_DEBUG") and f.marks:
             log.warning("%s %s from %s marks %s", f.type.name, st.key, peer,
                         [(m.sender, m.seq) for m in f.marks][:6])
