@@ -425,6 +425,16 @@ def _heartbeat(sender: str, epoch: int, view: dict) -> frames.Heartbeat:
         members=[(members.member_id(m), st.code) for m, st in sorted(view.items())]))
 
 
+def _bridge(tmp_path, members_: list, **cfg):
+    """A Bridge (not started) for the first of ``members_``, the hosts file listing all."""
+    from shmps.bridge.node import Bridge, Config
+
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("".join(m + "\n" for m in members_))
+    cfg.setdefault("store", "unused")
+    return Bridge(Config(peers_file=str(hosts), listen=members_[0], startup_grace=0.0, **cfg))
+
+
 def test_a_host_back_from_a_partition_takes_the_majoritys_ring_not_its_own(tmp_path):
     """Host C of {A, B, C} counted A and B dead without a majority (no epoch minted),
     while A and B moved on to epoch 1 without C.  When B is heard again, C takes over
@@ -434,12 +444,8 @@ def test_a_host_back_from_a_partition_takes_the_majoritys_ring_not_its_own(tmp_p
     epoch; with replicas 1, C would acknowledge its own workers' pushes on shards the
     majority gives to A or B).  A data frame from a dead peer does not count it alive:
     only its heartbeat, which carries its view, does."""
-    from shmps.bridge.node import Bridge, Config
-
     a, b, c = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
-    hosts = tmp_path / "hosts.txt"
-    hosts.write_text(f"{a}\n{b}\n{c}\n")
-    node = Bridge(Config(peers_file=str(hosts), store="unused", listen=c, startup_grace=0.0))
+    node = _bridge(tmp_path, [c, a, b])
     everyone = {a: State.ALIVE, b: State.ALIVE, c: State.ALIVE}
     for p in (a, b):
         node.on_heartbeat(p, _heartbeat(p, 0, everyone))
@@ -462,12 +468,8 @@ def test_a_host_acts_only_while_a_majority_holds_its_epoch_and_ring(tmp_path):
     included) must last have said, in heartbeats, that they are at this host's epoch on
     this host's ring.  Two hosts that minted the same epoch number for different rings
     (each alone) do not both act: the one a majority agrees with does."""
-    from shmps.bridge.node import Bridge, Config
-
     a, b, c = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
-    hosts = tmp_path / "hosts.txt"
-    hosts.write_text(f"{a}\n{b}\n{c}\n")
-    node = Bridge(Config(peers_file=str(hosts), store="unused", listen=c, startup_grace=0.0))
+    node = _bridge(tmp_path, [c, a, b])
     everyone = {a: State.ALIVE, b: State.ALIVE, c: State.ALIVE}
     assert node.speaks_for_majority() and not node.acting()   # nobody heard yet
     node.on_heartbeat(a, _heartbeat(a, 0, everyone))
@@ -492,16 +494,12 @@ def test_a_new_owner_waits_while_the_hand_over_is_arriving(tmp_path):
 
     import shmps
     from shmps.bridge import node as bridge_node
-    from shmps.bridge.node import Bridge, Config
     from shmps.bridge.ring import shard_key
 
     me, prev = "127.0.0.2:7001", "127.0.0.3:7001"
-    hosts = tmp_path / "hosts.txt"
-    hosts.write_text(f"{me}\n{prev}\n")
     ns = f"u{uuid.uuid4().hex[:10]}"
     # dead_after 5 s: the test's short sleeps are no stall of this (not running) bridge
-    node = Bridge(Config(peers_file=str(hosts), store="handover", namespace=ns, listen=me,
-                         startup_grace=0.0, dead_after=5.0))
+    node = _bridge(tmp_path, [me, prev], store="handover", namespace=ns, dead_after=5.0)
     node.store = shmps.attach("handover", namespace=ns)
     try:
         name = next(f"w{i}" for i in range(1000)
