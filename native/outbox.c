@@ -150,15 +150,14 @@ int shmps_outbox_recover(void *base, uint64_t *lost) {
     shmps_shard_hdr_t *h = outbox_hdr(base);
     if (!h) return SHMPS_E_ARG;
     *lost = 0;
+    /* the ended process's drains count as acknowledged: their rows are in the lost
+     * range below, or, with nothing lost, one took only values of a push still landing
+     * (it claimed no P: header comment), and left unacknowledged it would keep every
+     * later empty drain from acknowledging */
+    cas_max(&h->ob_sent_acked, LOAD(&h->ob_sent, SEQ_CST));
     uint64_t d = LOAD(&h->ob_drained, SEQ_CST);
     uint64_t a = LOAD(&h->ob_acked, SEQ_CST);
-    if (a >= d) {
-        /* still count the ended process's drains acknowledged: one that took only
-         * values of a push still landing claimed no P (header comment), and left
-         * unacknowledged it would keep every later empty drain from acknowledging */
-        cas_max(&h->ob_sent_acked, LOAD(&h->ob_sent, SEQ_CST));
-        return SHMPS_OK;
-    }
+    if (a >= d) return SHMPS_OK;
     /* one bridge per store: no other writer of these words runs now */
     STORE(&h->ob_lost_lo, a, RELAXED);
     STORE(&h->ob_lost_hi, d, RELAXED);
@@ -166,8 +165,6 @@ int shmps_outbox_recover(void *base, uint64_t *lost) {
     /* the seq_cst raise of ob_acked below publishes the three words above: a flusher
      * that reads the raised ob_acked (acquire) reads them too */
     cas_max(&h->ob_acked, d);
-    /* the ended bridge's drains count as acknowledged (their rows are in the range) */
-    cas_max(&h->ob_sent_acked, LOAD(&h->ob_sent, SEQ_CST));
     *lost = d - a;
     return SHMPS_OK;
 }
