@@ -350,6 +350,11 @@ class CSRTensor(Tensor):
         self._shard_checked(shard)
         return int(shard)
 
+    def _entry_rows(self, entries: np.ndarray) -> np.ndarray:
+        """The matrix row of each global entry (int64, non-decreasing for sorted
+        ``entries``), from the structure."""
+        return np.searchsorted(self.structure()[0], entries, side="right") - 1
+
     def _local_entries(self, shard: int, index: Any) -> np.ndarray:
         """Global entries ``index`` as local entries of ``shard``, strictly increasing,
         else InvalidArgument / OutOfRange."""
@@ -364,11 +369,14 @@ class CSRTensor(Tensor):
                              f"{int(b[s])} to {int(b[s + 1]) - 1})")
         return e - int(b[s])
 
-    def _apply_direct(self, index: Any, grads: Any, pushes: int = 1) -> None:
+    def _apply_direct(self, index: Any, grads: Any, pushes: int = 1,
+                      continues: bool = False) -> None:
         """The owner's bridge: apply ``grads`` (one value per entry) to the global
         entries ``index`` (strictly increasing, all in one shard) as one push: each row
         they touch steps once.  NaN/Inf and the entries are checked before anything
-        changes; ``pushes``: how many pushes the batch stands for (statistics)."""
+        changes; ``pushes``: how many pushes the batch stands for (statistics), counted
+        unless ``continues`` (more entries of the batch the previous call began, cut
+        between rows: :meth:`_entry_rows`)."""
         e = np.ascontiguousarray(np.asarray(index), dtype=np.int64).reshape(-1)
         if e.size == 0:
             return
@@ -394,7 +402,7 @@ class CSRTensor(Tensor):
                                   scratch, nbytes)
         if code:
             _native.check(code, f"push to {self.name!r}")
-        if int(pushes) > 1:
+        if int(pushes) > 1 and not continues:
             lib.shmps_count_pushes(self._shard(0).ptr, int(pushes) - 1)
 
     def _state_arrays(self, s: int, n: int) -> list:

@@ -546,13 +546,16 @@ class Table(Tensor):
         from . import outbox
         return outbox.drain_table(self, shard, timeout, into)
 
-    def _apply_direct(self, index: Any, grads: Any, pushes: int = 1) -> None:
+    def _apply_direct(self, index: Any, grads: Any, pushes: int = 1,
+                      continues: bool = False) -> None:
         """Apply the updater to keys ``index`` as a push with forwarding off would,
         whatever the switch says (the owner's bridge).  Same validation as push;
-        ``pushes``: how many pushes the batch stands for (statistics)."""
+        ``pushes``: how many pushes the batch stands for (statistics), counted unless
+        ``continues`` (more keys of the batch the previous call began: rows step per
+        key, so nothing else changes)."""
         k, g = self._prepare(index, grads)
         self._push(k, g)
-        if int(pushes) > 1 and k.size:
+        if int(pushes) > 1 and k.size and not continues:
             lib.shmps_count_pushes(self._shard(0).ptr, int(pushes) - 1)
 
     def _state_arrays(self, n: int) -> list:

@@ -1312,9 +1312,8 @@ class Bridge:
         per = max(1, min(per, (1 << 20) // max(1, info.cols * info.gdtype.itemsize) or 1))
         idx = np.asarray(d.index)
         # a csr row's entries go in one frame where the row fits (each frame steps the
-        # rows it touches once): the row of each entry, sorted as the entries are
-        csr_rows = (np.searchsorted(info.t.structure()[0], idx, side="right") - 1
-                    if info.kind == "csr" and n > per else None)
+        # rows it touches once)
+        csr_rows = info.t._entry_rows(idx) if info.kind == "csr" and n > per else None
         for i, j in frames.frame_cuts(n, per, csr_rows):
             kw: dict = {}
             if info.kind == "table":
@@ -1328,12 +1327,11 @@ class Bridge:
                     kw["rows"] = rows.astype(np.int64, copy=False)
             seq = stream.q.next_seq()
             # the later frames of a drain continue it (Flag.CONTINUES): a dense tensor's
-            # step (Adam's t) advances once per drain, and the pushes it stands for are
-            # counted with its first frame
+            # step (Adam's t) advances once per drain, and the owner counts the drain's
+            # pushes once
             frame = frames.encode_batch(epoch=self.members.epoch, sender=self.mid,
                                         incarnation=self.incarnation, tensor=info.tid, shard=s,
-                                        seq=seq, values=grads[i:j],
-                                        step=max(1, d.pushes) if i == 0 else 1,
+                                        seq=seq, values=grads[i:j], step=max(1, d.pushes),
                                         continues=i > 0, **kw)
             try:
                 stream.q.put(seq, frame)
@@ -1488,13 +1486,9 @@ class Bridge:
         else:
             index = f.index
         try:
-            if info.kind == "dense":
-                info.t._apply_direct(index, f.values.reshape((f.n,) + info.row_shape),
-                                     pushes=f.step,
-                                     continues=bool(f.flags & frames.Flag.CONTINUES))
-            else:   # per-row steps: a later frame of a drain holds other keys / rows
-                info.t._apply_direct(index, f.values.reshape((f.n,) + info.row_shape),
-                                     pushes=max(1, f.step))
+            info.t._apply_direct(index, f.values.reshape((f.n,) + info.row_shape),
+                                 pushes=f.step,
+                                 continues=bool(f.flags & frames.Flag.CONTINUES))
         except CapacityError as e:
             log.error("batch %d from %s for %s: %s", f.seq, peer, st.key, e)
             return self._refuse(f, reply, Status.BUSY, "capacity")
