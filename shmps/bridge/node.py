@@ -969,17 +969,17 @@ class Bridge:
             self._on_changes(self.members.mark_ready(peer))
         self._peer_rings[peer] = {m for m, s in view.items()
                                   if s in (State.ALIVE, State.SUSPECT, State.LEAVING)}
-        if (not adopted and (hb.hb_flags & frames.HB_QUORUM) and hb.epoch == self.members.epoch
-              and self.members.state(self.addr) is State.JOINING
-              and hb.digest != self.ring.digest):
+        # a majority's member at this host's epoch (not one just taken over)
+        same_epoch = (not adopted and bool(hb.hb_flags & frames.HB_QUORUM)
+                      and hb.epoch == self.members.epoch)
+        if (same_epoch and self.members.state(self.addr) is State.JOINING
+                and hb.digest != self.ring.digest):
             # joining: follow the view of the majority this host copies from (a view this
             # host built while cut off may still count members dead or joining)
             if view.get(self.addr) not in (State.ALIVE, State.SUSPECT):
                 view[self.addr] = State.JOINING
             self._on_changes(self.members.adopt(view, hb.epoch, same_epoch=True))
-        elif (not adopted and (hb.hb_flags & frames.HB_QUORUM)
-              and hb.epoch == self.members.epoch
-              and view.get(self.addr) is State.JOINING and not self.leaving
+        elif (same_epoch and view.get(self.addr) is State.JOINING and not self.leaving
               and self.members.state(self.addr) in (State.ALIVE, State.SUSPECT)):
             # a peer at this host's epoch counts it as joining (it was added, or came
             # back). When a majority of the members says so, copy the shards before owning
