@@ -482,6 +482,33 @@ def test_a_host_acts_only_while_a_majority_holds_its_epoch_and_ring(tmp_path):
     assert node.acting()                                       # b and c: 2 of 3
 
 
+def test_a_heartbeat_goes_out_at_once_when_the_epoch_changes(tmp_path):
+    """The heartbeat loop waits its interval, or less: a change of epoch or ring sends the
+    next heartbeat at once, so the peers take the new view over (or agree with it) and
+    the host acts a round trip after the change, not an interval (_ring_agreed)."""
+    a, b, c = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
+    node = _bridge(tmp_path, [c, a, b], heartbeat=5.0)
+
+    async def main() -> list:
+        seen = []
+        task = asyncio.get_running_loop().create_task(node._heartbeat_loop())
+        await asyncio.sleep(0.1)
+        seen.append(node.hb_seq)                     # the first one, then the interval
+        node.on_heartbeat(a, _heartbeat(a, 0, {a: State.ALIVE, b: State.ALIVE,
+                                               c: State.ALIVE}))
+        await asyncio.sleep(0.1)
+        seen.append(node.hb_seq)                     # nothing changed: still waiting
+        node.on_heartbeat(b, _heartbeat(b, 1, {a: State.ALIVE, b: State.ALIVE,
+                                               c: State.ALIVE}))   # a newer epoch
+        await asyncio.sleep(0.1)
+        seen.append(node.hb_seq)
+        task.cancel()
+        return seen
+
+    assert asyncio.run(main()) == [1, 1, 2]
+    assert node.members.epoch == 1
+
+
 def test_a_new_owner_waits_while_the_hand_over_is_arriving(tmp_path):
     """A new owner waits for the previous owner's hand-over snapshot at most
     HANDOVER_TIMEOUT, counted from the last frame it had from it: a snapshot whose chunks

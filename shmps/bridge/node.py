@@ -718,7 +718,11 @@ class Bridge:
         return 2 * agree > len(self.members.configured)
 
     def _on_changes(self, changes: list) -> None:
+        # the epoch can move with no member changing state (adopt: a newer epoch of the
+        # same ring): it is published and goes out in a heartbeat at once all the same
+        self.metrics.epoch.set(self.members.epoch)
         if not changes:
+            self._heartbeat_if_new()
             return
         live = self.members.live()
         if tuple(self.ring.members) != tuple(live):
@@ -735,10 +739,7 @@ class Bridge:
                 stream.q.rewind()
                 stream.target = None
             log.info("epoch %d: ring %s", self.members.epoch, ", ".join(live) or "(empty)")
-        self.metrics.epoch.set(self.members.epoch)
-        if self._hb_wake is not None and self._hb_epoch != (self.members.epoch,
-                                                            self.ring.digest):
-            self._hb_wake.set()
+        self._heartbeat_if_new()
         if not self.acting():
             for st in self.shards.values():
                 st.pending.clear()   # see _release: only an acting owner acknowledges
@@ -756,6 +757,14 @@ class Bridge:
                 for st in self.shards.values():
                     st.snap_epoch_seen = -1
                     st.sync_sent_at = 0.0
+
+    def _heartbeat_if_new(self) -> None:
+        """Wake the heartbeat loop if this host's (epoch, ring) is not the one its last
+        heartbeat carried: peers take the view over, or agree with it, a round trip after
+        the change rather than an interval (acting waits for a majority's agreement)."""
+        if self._hb_wake is not None and self._hb_epoch != (self.members.epoch,
+                                                            self.ring.digest):
+            self._hb_wake.set()
 
     def _role_change(self, key: tuple, old: Optional[list], new: list) -> None:
         st = self.shards[key]
