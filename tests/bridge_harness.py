@@ -149,6 +149,14 @@ class Cluster:
                     self.logs[i].read_text(errors="replace").splitlines(True)[-15:]))
         return "\n".join(out)
 
+    def wait_exit(self, i: int, timeout: float) -> int:
+        """Host i's exit status; on timeout an AssertionError that shows every host."""
+        try:
+            return self.procs[i].wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"host {i} still running after {timeout} s\n"
+                                 + self.describe()) from None
+
     def signal(self, i: int, sig: int) -> None:
         self.procs[i].send_signal(sig)
 

@@ -73,6 +73,7 @@ MAINTAIN_SETTLED = 0.25          #: the shard pass's period while nothing is und
 CORK_MAX = 256 << 10             #: frames below this size may share a message (Cork)
 CORK_FLUSH = 1 << 20             #: a corked connection sends what waits once it is this much
 SEND_AHEAD = 4 << 20             #: a peer connection's unsent bytes above which no more is drained for it
+SHUTDOWN_TIMEOUT = 2.0          #: closing, the web server waits this long for a handler still running (s)
 
 
 @dataclass
@@ -431,6 +432,8 @@ class Bridge:
         self.budget = ByteBudget(cfg.budget_bytes)
         self.links: dict[str, Link] = {}
         self.incoming: dict[tuple, Conn] = {}   # (peer address, incarnation) -> its stream
+        self._streams: set[wsstream.WsStream] = set()   # every incoming one, handshake too
+        self._closing = False     # close() began: no new incoming connection is served
         self.data_out: dict[str, Conn] = {}     # peer -> the connection this host's data
                                                 # frames to it take (see _out)
         self.ids: dict[int, str] = {member_id(m): m for m in configured}
@@ -441,6 +444,7 @@ class Bridge:
         self.store: Any = None
         self.session: Any = None
         self.runner: Any = None
+        self._site: Any = None
         self._tasks: list[asyncio.Task] = []
         self._verifier = auth.RequestVerifier(cfg.secret)
         self._stop_event: Optional[asyncio.Event] = None
@@ -482,11 +486,15 @@ class Bridge:
         app.router.add_get("/v1/catalog", self.h_catalog)
         app.router.add_post("/v1/members", self.h_members)
         app.router.add_post("/v1/structure", self.h_structure)
-        self.runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        # close() closes every incoming stream itself; the shutdown timeout only bounds
+        # a handler that is still busy (aiohttp's default would wait 60 s)
+        self.runner = web.AppRunner(app, access_log=None, handle_signals=False,
+                                    shutdown_timeout=SHUTDOWN_TIMEOUT)
         await self.runner.setup()
         host, port = parse_address(self.addr)
-        site = web.TCPSite(self.runner, host, port, reuse_address=True)
-        await site.start()
+        self._site = web.TCPSite(self.runner, host, port, reuse_address=True,
+                                 shutdown_timeout=SHUTDOWN_TIMEOUT)
+        await self._site.start()
         for m in self.members.configured:
             if m != self.addr:
                 self.links[m] = Link(self, m)
@@ -535,12 +543,20 @@ class Bridge:
         await asyncio.sleep(0.1)
 
     async def close(self) -> None:
+        # stop accepting first: a peer whose stream is closed below connects again at
+        # once, and a handler started after the streams were closed would hold the
+        # runner's cleanup until its shutdown timeout
+        self._closing = True
+        if self._site is not None:
+            await self._site.stop()
         for t in self._tasks:
             t.cancel()
         for link in self.links.values():
             link.task.cancel()
         for c in list(self.incoming.values()):
             await c.close()
+        for stream in list(self._streams):   # the ones still in their handshake
+            stream.close()
         await asyncio.gather(*self._tasks, *(ln.task for ln in self.links.values()),
                              return_exceptions=True)
         if self.session is not None:
@@ -2115,6 +2131,8 @@ class Bridge:
         """A peer's incoming websocket: aiohttp upgrades it, a WsStream reads it from then
         on (handshake, then the peer's frames)."""
         from aiohttp import web
+        if self._closing:
+            return web.Response(status=503, text="this bridge is stopping\n")
         ws = web.WebSocketResponse(max_msg_size=MAX_MSG)
         await ws.prepare(request)
         try:
@@ -2122,9 +2140,12 @@ class Bridge:
         except wsstream.WsClosed:
             return ws
         stream.on_refused = self.metrics.rejected
+        self._streams.add(stream)
         try:
-            await self._serve_stream(stream, request)
+            if not self._closing:   # close() may have run while the upgrade was sent
+                await self._serve_stream(stream, request)
         finally:
+            self._streams.discard(stream)
             stream.close()
             # aiohttp's side of it: the transport is closing, so this only marks it closed
             with contextlib.suppress(Exception):
