@@ -522,3 +522,78 @@ def test_an_echo_of_the_handlers_view_survives_a_slow_reader():
             return sent, got
     sent, got = run(main())
     assert got == sent
+
+
+def test_a_corked_send_is_refused_while_the_queue_is_full(monkeypatch):
+    """node.Conn under node.Cork refuses a small frame (False, nothing kept) when the
+    stream's queue could not take it with what is corked already, as an uncorked send
+    would: the bridge treats it as lost and resends.  The frames corked around it go
+    out after everything queued before, as one message; a refused frame never arrives,
+    and once the peer reads again, corked frames are accepted again."""
+    from shmps.bridge.node import Conn, Cork
+    monkeypatch.setattr(wsstream, "MAX_BACKLOG", 4 << 20)
+
+    async def main():
+        got: list[bytes] = []
+        done = asyncio.get_running_loop().create_future()
+        ready = asyncio.get_running_loop().create_future()
+
+        async def slow(request):
+            ws = web.WebSocketResponse()
+            await ws.prepare(request)
+            stream = wsstream.take_over(request, max_msg=MAX, peer="slow client")
+            stream.transport.pause_reading()
+            ready.set_result(stream)
+
+            def keep(data: memoryview) -> bool:
+                got.append(bytes(data))
+                if bytes(data[-3:]) == b"END" and not done.done():
+                    done.set_result(None)
+                return True
+
+            stream.start(keep)
+            await stream.wait_closed()
+            return ws
+
+        runner, port = await serve_one("/slow", slow)
+        try:
+            c = await wsstream.connect("127.0.0.1", port, "/slow", max_msg=MAX, timeout=5)
+            server = await asyncio.wait_for(ready, 5)
+            cork = Cork()
+            conn = Conn(c, "peer", cork=cork)
+            accepted: list[bytes] = []
+            for i in range(100):            # fill the queue: the first refusal ends it
+                p = payload(1 << 20, 2000 + i)
+                if not conn.send(p):
+                    break
+                accepted.append(p)
+                await asyncio.sleep(0)
+            else:
+                raise AssertionError("the queue never filled")
+            # exactly 1000 bytes of room left in the queue
+            monkeypatch.setattr(wsstream, "MAX_BACKLOG", c._backlog_bytes + 1000)
+            with cork:
+                # what is corked counts: 600 fits, 600 more does not, 300 more does
+                sent = [conn.send(b"x" * 600), conn.send(b"lost" * 150), conn.send(b"y" * 300)]
+                assert conn._pending_bytes == 900 and got == []
+            accepted.append(b"x" * 600 + b"y" * 300)
+            monkeypatch.setattr(wsstream, "MAX_BACKLOG", 4 << 20)
+            server.transport.resume_reading()
+            for _ in range(400):            # until a small frame fits again
+                if not c.refuses(1000):
+                    break
+                await asyncio.sleep(0.01)
+            with cork:
+                assert conn.send(b"a" * 300) and conn.send(b"b" * 300)
+                assert conn.send(b"END")
+            await asyncio.wait_for(done, 20)
+            c.close()
+            server.close()
+            return accepted, sent, got
+        finally:
+            await runner.cleanup()
+
+    accepted, sent, got = run(main())
+    assert sent == [True, False, True]
+    assert len(accepted) >= 5
+    assert got == accepted + [b"a" * 300 + b"b" * 300 + b"END"]
