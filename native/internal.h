@@ -145,6 +145,8 @@ typedef struct {
     uint32_t clock_seq;      /* futex word: bumped on every clock/leave/drop */
     uint32_t forward;        /* 1: pushes go to outboxes (the bridge runs); outbox.c */
     uint32_t flush_req;      /* bumped by store.flush(): the bridge drains at once */
+    uint32_t ack_seq;        /* futex word: bumped by the bridge after acks (outbox.c) */
+    uint32_t ack_waiters;    /* store.flush() calls sleeping on ack_seq */
     pthread_mutex_t lock __attribute__((aligned(SHMPS_CACHELINE)));
 } shmps_manifest_t;
 
@@ -154,7 +156,10 @@ typedef struct {
 } proc_slot_t;
 
 _Static_assert(sizeof(shmps_manifest_t) <= PROCS_OFF, "manifest header too big");
-_Static_assert(__builtin_offsetof(shmps_manifest_t, flush_req) == 280, "documented offset");
+_Static_assert(__builtin_offsetof(shmps_manifest_t, flush_req) == 280 &&
+               __builtin_offsetof(shmps_manifest_t, ack_seq) == 284 &&
+               __builtin_offsetof(shmps_manifest_t, ack_waiters) == 288 &&
+               __builtin_offsetof(shmps_manifest_t, lock) == 320, "documented offsets");
 _Static_assert(WORKERS_OFF + 64ull * SHMPS_MAX_WORKERS <= CATALOG_OFF, "worker area");
 _Static_assert(CATALOG_OFF + SHMPS_CATALOG_BYTES <= SHMPS_MANIFEST_SIZE, "catalog area");
 

@@ -84,6 +84,45 @@ uint32_t shmps_flush_wait(void *man, uint32_t seen, uint64_t max_ns) {
     return LOAD(w, RELAXED);
 }
 
+/* store.flush() waiting for acknowledgements: instead of polling the counters, it sleeps
+ * on the manifest's ack_seq (a futex word), which the bridge bumps after a unit of work
+ * that may have raised some shard's ob_acked (acks handled, an empty drain), waking the
+ * sleepers when ack_waiters says there are any.  Pairing (all seq_cst, one total order):
+ *
+ *   flusher: ack_waiters += 1; g = ack_seq; read ob_acked (short); futex_wait(ack_seq, g)
+ *   bridge:  raise ob_acked;   ack_seq += 1; if ack_waiters: futex_wake
+ *
+ * If the flusher's read of ob_acked missed the raise, that read precedes the raise, so
+ * its read of ack_seq precedes the bridge's add: the wait finds ack_seq != g and returns,
+ * or sleeps first and is woken, since the bridge's load of ack_waiters follows the
+ * flusher's add.  A flusher killed while registered leaves ack_waiters high: the
+ * bridge then makes a needless wake call per unit of work, nothing worse. */
+void shmps_ack_notify(void *man) {
+    shmps_manifest_t *m = man;
+    FETCH_ADD(&m->ack_seq, 1, SEQ_CST);
+    if (LOAD(&m->ack_waiters, SEQ_CST))
+        syscall(SYS_futex, &m->ack_seq, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+}
+
+uint32_t shmps_ack_seq(const void *man) {
+    /* seq_cst: see above (read after registering, before the counters) */
+    return LOAD(&((const shmps_manifest_t *)man)->ack_seq, SEQ_CST);
+}
+
+void shmps_ack_waiting(void *man, int32_t delta) {
+    /* seq_cst: the registration comes before the flusher's read of ack_seq (above) */
+    FETCH_ADD(&((shmps_manifest_t *)man)->ack_waiters, (uint32_t)delta, SEQ_CST);
+}
+
+/* Sleep until ack_seq differs from `seen` (at once if it does already) or max_ns pass;
+ * returns ack_seq. */
+uint32_t shmps_ack_wait(void *man, uint32_t seen, uint64_t max_ns) {
+    uint32_t *w = &((shmps_manifest_t *)man)->ack_seq;
+    struct timespec ts = {(time_t)(max_ns / 1000000000ull), (long)(max_ns % 1000000000ull)};
+    syscall(SYS_futex, w, FUTEX_WAIT, seen, &ts, NULL, 0);
+    return LOAD(w, SEQ_CST);
+}
+
 /* ---- counters -------------------------------------------------------------------- */
 
 static shmps_shard_hdr_t *outbox_hdr(void *base) {

@@ -65,6 +65,8 @@ FLUSH_TIMEOUT_S = 60.0
 #: bridge: then it takes what it could reach, or nothing (None), and the next drain
 #: goes on
 DRAIN_TIMEOUT_S = 0.1
+#: store.flush() sleeps on the ack word at most this long at a time (ns)
+ACK_POLL_NS = 1_000_000
 
 
 def outbox_name(name: str) -> str:
@@ -493,22 +495,36 @@ def flush(store: Any, timeout: Optional[float]) -> None:
     if waits:
         # wake the bridge: it drains now, not at its next flush interval
         _native.check(lib.shmps_flush_request(store._mptr), "flush request")
-    pause = 0.0002
-    for ob, i, target in waits:
-        while True:
-            pushed, acked = counters(ob, i)
-            if acked >= target:
-                break
-            if time.monotonic() >= deadline:
-                ns = f" namespace {store.namespace!r}" if store.namespace else ""
-                raise Timeout(
-                    f"flush of store {store.name!r}{ns}: shard {i} of tensor "
-                    f"{ob.record['outbox_of']!r} has {target} pushes to forward, {acked} "
-                    f"acknowledged after {limit} s; is shmps-bridge running for this store "
-                    "and namespace?",
-                    "start shmps-bridge for it (or turn forwarding off), or raise the timeout")
-            time.sleep(pause)
-            pause = min(2 * pause, 0.001)   # returns within 1 ms of the ack
+    # sleep on the manifest's ack word, which the bridge bumps after acknowledgements
+    # (native/outbox.c, shmps_ack_notify), registered first; at most ACK_POLL_NS at a
+    # time, so a bridge that does not bump it (an older build) costs 1 ms, as polling did
+    man = store._mptr
+    registered = False
+    try:
+        for ob, i, target in waits:
+            while True:
+                seen = lib.shmps_ack_seq(man)
+                pushed, acked = counters(ob, i)
+                if acked >= target:
+                    break
+                if time.monotonic() >= deadline:
+                    ns = f" namespace {store.namespace!r}" if store.namespace else ""
+                    raise Timeout(
+                        f"flush of store {store.name!r}{ns}: shard {i} of tensor "
+                        f"{ob.record['outbox_of']!r} has {target} pushes to forward, {acked} "
+                        f"acknowledged after {limit} s; is shmps-bridge running for this "
+                        "store and namespace?",
+                        "start shmps-bridge for it (or turn forwarding off), or raise the "
+                        "timeout")
+                if not registered:
+                    lib.shmps_ack_waiting(man, 1)
+                    registered = True
+                    continue            # read ack_seq and the counters again, registered
+                left_ns = int((deadline - time.monotonic()) * 1e9)
+                lib.shmps_ack_wait(man, seen, max(0, min(ACK_POLL_NS, left_ns)))
+    finally:
+        if registered:
+            lib.shmps_ack_waiting(man, -1)
     _raise_lost(store)
 
 

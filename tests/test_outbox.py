@@ -492,6 +492,45 @@ def test_flush_asks_the_bridge_only_when_it_has_to_wait(store):
     assert 0.04 < time.monotonic() - t0 < 2.0
 
 
+def test_flush_sleeps_on_the_ack_word_and_an_ack_notify_wakes_it(store, monkeypatch):
+    """store.flush() waiting for an acknowledgement sleeps on the manifest's ack word,
+    registered in ack_waiters, and returns when the bridge's shmps_ack_notify follows
+    the ack, not only at its poll bound (set to 20 s here: without the wake, flush would
+    sleep it out); ack_waiters is back to 0 after it returns and after a Timeout."""
+    from shmps import outbox
+    from shmps._native import ffi, lib
+    monkeypatch.setattr(outbox, "ACK_POLL_NS", 20_000_000_000)
+    man = store._mptr
+    waiters = ffi.cast("uint32_t *", ffi.cast("char *", man) + 288)   # segment-layout.md
+    w = store.dense("w", shape=(4,))
+    store._set_forwarding(True)
+    w.push(np.ones(4, np.float32))
+    t0 = time.monotonic()
+    with pytest.raises(shmps.Timeout):
+        store.flush(timeout=0.05)              # the sleep ends at the deadline
+    assert time.monotonic() - t0 < 5.0 and waiters[0] == 0
+    seen = []
+
+    def bridge():
+        while waiters[0] == 0:                 # flush() sleeps on the word
+            time.sleep(0.005)
+        seen.append(waiters[0])
+        d = w._outbox_drain(0)
+        w._outbox_ack(0, d.pushed, d.ticket)
+        time.sleep(0.2)                        # flush is still asleep: nothing woke it
+        seen.append(waiters[0])
+        lib.shmps_ack_notify(man)
+
+    th = threading.Thread(target=bridge, daemon=True)
+    th.start()
+    t0 = time.monotonic()
+    store.flush(timeout=30)
+    took = time.monotonic() - t0
+    th.join(5)
+    assert seen == [1, 1] and waiters[0] == 0
+    assert 0.2 <= took < 10.0, took
+
+
 def test_flush_returns_once_acked(store):
     w = store.dense("w", shape=(64, 8), shard_rows=16)
     t = store.table("e", dim=3, capacity=100, shards=3)

@@ -434,6 +434,7 @@ class Bridge:
         self.incoming: dict[tuple, Conn] = {}   # (peer address, incarnation) -> its stream
         self._streams: set[wsstream.WsStream] = set()   # every incoming one, handshake too
         self._closing = False     # close() began: no new incoming connection is served
+        self._acks_new = False    # some ob_acked may have risen since flushers were told
         self.data_out: dict[str, Conn] = {}     # peer -> the connection this host's data
                                                 # frames to it take (see _out)
         self.ids: dict[int, str] = {member_id(m): m for m in configured}
@@ -632,6 +633,7 @@ class Bridge:
                 # what an earlier bridge process on this store drained and took with it
                 lost = t._outbox_recover(s)
                 if lost:
+                    self._acks_new = True   # recover acknowledged the lost range
                     self.metrics.lost.inc(lost)
                     log.error("tensor %r shard %d: %d pushes were taken by an earlier bridge "
                               "process that ended before their owner acknowledged them; "
@@ -1099,17 +1101,22 @@ class Bridge:
         malformed messages in a row (``bad`` before this one).  What its frames make this
         host send (ACKs, ROWS) is corked until all are handled (Cork)."""
         try:
-            with self.cork:
-                for f in frames.iter_frames(data):
-                    if f.sender != auth_peer.sender or f.incarnation != auth_peer.incarnation:
-                        raise frames.BadFrame(f"sender {f.sender:08x}/{f.incarnation:08x} is "
-                                              "not the authenticated peer")
-                    try:
-                        self.on_frame(peer, f, reply)
-                    except (frames.BadFrame, asyncio.CancelledError):
-                        raise
-                    except Exception:
-                        log.exception("handling %s from %s failed", type(f).__name__, peer)
+            try:
+                with self.cork:
+                    for f in frames.iter_frames(data):
+                        if (f.sender != auth_peer.sender
+                                or f.incarnation != auth_peer.incarnation):
+                            raise frames.BadFrame(f"sender {f.sender:08x}/{f.incarnation:08x}"
+                                                  " is not the authenticated peer")
+                        try:
+                            self.on_frame(peer, f, reply)
+                        except (frames.BadFrame, asyncio.CancelledError):
+                            raise
+                        except Exception:
+                            log.exception("handling %s from %s failed", type(f).__name__,
+                                          peer)
+            finally:
+                self._tell_acks()
             return 0
         except frames.BadFrame as e:
             self.metrics.rejected("malformed")
@@ -1158,6 +1165,7 @@ class Bridge:
                 # with the drain's ticket: two drains can read the same pushed value, and
                 # only the ticket says which of them this ack covers (native/outbox.c)
                 t.t._outbox_ack(ack.shard, last[1], last[2])
+                self._acks_new = True
         else:
             if ack.status == Status.REJECTED:
                 log.error("owner %s rejected batch %d of %s/%d: dropped", peer, ack.seq,
@@ -1192,6 +1200,15 @@ class Bridge:
                 except RuntimeError:   # the loop closed
                     return
 
+    def _tell_acks(self) -> None:
+        """Wake the store.flush() calls sleeping on the store's ack word, if some
+        ob_acked may have risen since they were last told (an ACK handled, a drain that
+        may have acknowledged, a recover): an atomic add, and a futex wake only while
+        some flush waits."""
+        if self._acks_new and self.store is not None:
+            self._acks_new = False
+            lib.shmps_ack_notify(self.store._mptr)
+
     def _wake_flush(self) -> None:
         self._flush_asked = True
         if self._flush_wake is not None and not self._flush_wake.done():
@@ -1224,9 +1241,12 @@ class Bridge:
                 # first notice who went silent (this process may have been stopped):
                 # never drain or apply on a view older than one flush interval
                 self._notice_silence()
-                with self.cork:
-                    self._drain_all()
-                    self._send_all()
+                try:
+                    with self.cork:
+                        self._drain_all()
+                        self._send_all()
+                finally:
+                    self._tell_acks()
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -1272,6 +1292,7 @@ class Bridge:
             if self._backed_up(info, s):
                 continue   # the pushes keep summing in the outbox meanwhile
             d = info.t._outbox_drain(s, into=info.drain_buffers)
+            self._acks_new = True    # an empty drain may acknowledge (native/outbox.c)
             if d is not None:
                 stream = self.streams[(tid, s)]
                 self._queue_drain(info, s, stream, d)
