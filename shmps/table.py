@@ -626,21 +626,29 @@ class Table(Tensor):
         steps = None
         if data.row_steps is not None:
             steps = _as_rows(data.row_steps, np.dtype(np.uint64), (n,), "row_steps")
-        if n > 1:  # distinct keys, the last occurrence of each
+        info = ffi.new("uint64_t[4]")
+
+        def write() -> int:
+            bufs = [ffi.from_buffer(a) for a in states]
+            sptr = ffi.new("void *[]", bufs) if bufs else ffi.NULL
+            return lib.shmps_table_write_rows(
+                self._ptrs(), self.nshards, int(shard), _native.token(), _native.addr(k),
+                k.size, ffi.from_buffer(vals), sptr, len(bufs),
+                _native.addr(steps) if steps is not None else ffi.NULL, info)
+
+        # The C writes the rows in order, so a repeated key's last row wins as it is;
+        # only its capacity check counts a missing key once per occurrence.  So the keys
+        # are made distinct (a sort) only when that check failed: then the exact count
+        # decides (nothing was written).  What an owner sends has distinct keys.
+        code = write()
+        if code == lib.SHMPS_E_FULL and n > 1:
             _, first_rev = np.unique(k[::-1], return_index=True)
             keep = np.sort(n - 1 - first_rev)
             if keep.size < n:
                 k, vals = k[keep], vals[keep]
                 states = [a[keep] for a in states]
                 steps = steps[keep] if steps is not None else None
-        bufs = [ffi.from_buffer(a) for a in states]
-        sptr = ffi.new("void *[]", bufs) if bufs else ffi.NULL
-        info = ffi.new("uint64_t[4]")
-        code = lib.shmps_table_write_rows(self._ptrs(), self.nshards, int(shard),
-                                          _native.token(), _native.addr(k), k.size,
-                                          ffi.from_buffer(vals), sptr, len(bufs),
-                                          _native.addr(steps) if steps is not None else ffi.NULL,
-                                          info)
+                code = write()
         if code:
             self._fail(code, info, "write rows")
 

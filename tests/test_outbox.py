@@ -864,6 +864,20 @@ def test_table_write_rows_capacity_is_all_or_nothing(store, second_store):
                              row_steps=np.array([4, 7], np.uint64), step=0))
     np.testing.assert_array_equal(b.pull([0]), [[2, 2]])
     assert b._read_rows(0, [0]).row_steps.tolist() == [7]
+    # a missing key repeated counts once against the capacity (4 of 5 used: it fits),
+    # its last row wins; two missing keys do not fit, and nothing is written
+    b.push([2, 3], np.zeros((2, 2)))
+    assert len(b) == 4
+    b._write_rows(0, RowData(index=np.array([9, 0, 9, 9], np.uint64),
+                             values=np.array([[5, 5], [6, 6], [7, 7], [8, 8]], np.float32),
+                             states=[], row_steps=None, step=0))
+    assert len(b) == 5
+    np.testing.assert_array_equal(b.pull([9, 0]), [[8, 8], [6, 6]])
+    with pytest.raises(shmps.CapacityError):
+        b._write_rows(0, RowData(index=np.array([10, 11, 10], np.uint64),
+                                 values=np.ones((3, 2), np.float32), states=[],
+                                 row_steps=None, step=0))
+    assert len(b) == 5 and 10 not in b and 11 not in b
     b.check()
 
 
