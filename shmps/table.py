@@ -571,6 +571,25 @@ class Table(Tensor):
         vals = np.empty((cap, self.dim), self.dtype)
         states = self._state_arrays(cap)
         steps = np.empty(cap, np.uint64)
+        k = self._rows_into(shard, keys, kout, vals, states, steps)
+        return RowData(index=kout[:k], values=vals[:k], states=[a[:k] for a in states],
+                       row_steps=steps[:k], step=0)
+
+    def _rows_into(self, shard: int, keys: Optional[np.ndarray], kout: np.ndarray,
+                   vals: np.ndarray, states: list, steps: np.ndarray) -> int:
+        """Read the rows of ``keys`` of ``shard`` (None: every key) into the given
+        arrays, C-contiguous, of room for as many rows as ``kout`` (states as the
+        optimizer keeps: ``_state_arrays``): how many were found, in the first rows,
+        under the shard's shared freeze.  What _read_rows_into does for a frame."""
+        cap = kout.size
+        if vals.shape != (cap, self.dim) or vals.dtype != self.dtype or steps.size != cap \
+                or kout.dtype != np.uint64 or steps.dtype != np.uint64 or \
+                len(states) != self._shard(0).spec["nstate"] or \
+                any(a.shape != (cap, self.dim) for a in states) or \
+                not all(a.flags.c_contiguous for a in (kout, vals, steps, *states)):
+            raise InvalidArgument("read buffers of the wrong shape, dtype or layout")
+        if keys is not None and keys.size > cap:
+            raise InvalidArgument(f"{keys.size} keys, room for {cap} rows")
         bufs = [ffi.from_buffer(a) for a in states]
         sptr = ffi.new("void *[]", bufs) if bufs else ffi.NULL
         n = ffi.new("uint64_t *")
@@ -581,9 +600,17 @@ class Table(Tensor):
                                          _native.addr(steps), cap, n)
         if code:
             self._fail(code, None, "read rows")
-        k = int(n[0])
-        return RowData(index=kout[:k], values=vals[:k], states=[a[:k] for a in states],
-                       row_steps=steps[:k], step=0)
+        return int(n[0])
+
+    def _read_rows_into(self, shard: int, index: Any, kout: np.ndarray, vals: np.ndarray,
+                        states: list, steps: np.ndarray) -> int:
+        """:meth:`_read_rows` into the given arrays (views into a ROWS frame: the owner
+        sends the rows it applied without copying them again): how many keys were
+        found, in order, in the first rows.  A missing key is left out, so the rows
+        after it move up: then the arrays do not line up with ``index``."""
+        k = as_keys(index)
+        self._check_keys_in(shard, k)
+        return self._rows_into(shard, k, kout, vals, states, steps)
 
     def _check_keys_in(self, shard: int, k: np.ndarray) -> None:
         self._shard_checked(shard)

@@ -801,6 +801,42 @@ def test_dense_rows_read_into_a_frame_match_read_rows(store, rows):
         a._read_rows_into(1, np.array([2, 5]), [b.values[:2]] + [x[:2] for x in b.state])
 
 
+def test_table_rows_read_into_a_frame_match_read_rows(store):
+    """A table owner's ROWS built in place (RowsBuilder with keys and row steps +
+    Table._read_rows_into) are the bytes encode_rows makes of _read_rows: keys, values,
+    both Adam states and each row's step; a missing key is left out (the count says
+    so); a key of another shard or buffers of the wrong shape are refused."""
+    from shmps.bridge import frames
+    t = store.table("e", dim=3, capacity=100, shards=2, optimizer=shmps.Adam(lr=0.01))
+    keys = np.arange(40, dtype=np.uint64)
+    rng = np.random.default_rng(3)
+    for i in range(3):
+        t.push(keys[: 10 * (i + 2)], rng.normal(size=(10 * (i + 2), 3)).astype(np.float32))
+    mine = keys[t._key_shard(keys) == 1][::-1].copy()         # not sorted: as pushed
+    ids = dict(epoch=1, sender=2, incarnation=3, tensor=4, shard=1, seq=5)
+    rd = t._read_rows(1, mine)
+    want = frames.encode_rows(**ids, values=rd.values, step=0, keys=rd.index,
+                              state=list(rd.states), row_steps=rd.row_steps)
+    b = frames.RowsBuilder(**ids, n=mine.size, cols=3, dtype="float32", keys=mine,
+                           row_steps=True, nstate=2, state_dtype="float32")
+    assert t._read_rows_into(1, mine, b.index, b.values, b.state, b.row_steps) == mine.size
+    assert sorted(set(b.row_steps.tolist())) == [1, 2, 3]     # pushed 1, 2 or 3 times
+    assert bytes(b.finish(0)) == want
+    far = np.arange(1000, 1100, dtype=np.uint64)
+    absent = np.array([far[t._key_shard(far) == 1][0], mine[0]], np.uint64)
+    kout, vals = np.empty(2, np.uint64), np.empty((2, 3), np.float32)
+    st, steps = t._state_arrays(2), np.empty(2, np.uint64)
+    assert t._read_rows_into(1, absent, kout, vals, st, steps) == 1
+    assert kout[0] == mine[0] and absent[0] not in t
+    other = keys[t._key_shard(keys) == 0][:1]
+    with pytest.raises(shmps.InvalidArgument, match="belongs to shard 0"):
+        t._read_rows_into(1, other, kout, vals, st, steps)
+    with pytest.raises(shmps.InvalidArgument, match="wrong shape"):
+        t._read_rows_into(1, mine[:1], kout, vals[:, :2].copy(), st, steps)
+    with pytest.raises(shmps.InvalidArgument, match="room for 2"):
+        t._read_rows_into(1, mine[:3], kout, vals, st, steps)
+
+
 def test_dense_write_rows_skips_the_outbox(store, second_store):
     a = store.dense("w", shape=(4, 2), init=1.0)
     b = second_store.dense("w", shape=(4, 2))

@@ -480,9 +480,10 @@ def encode_snapshot(*, epoch: int, sender: int, incarnation: int, tensor: int, s
 
 
 class RowsBuilder:
-    """A ROWS frame of dense rows written in place: fill :attr:`values` (and
-    :attr:`state`, and :attr:`index` when ``rows`` were not a range), numpy views into
-    the frame, then :meth:`finish` with the step.  The owner reads the rows it applied
+    """A ROWS frame written in place: fill :attr:`values` (and :attr:`state`, and
+    :attr:`row_steps` with ``row_steps=True``), numpy views into the frame, then
+    :meth:`finish` with the step; the ``rows`` or table ``keys`` are copied in at once
+    (or ``start``, a range).  The owner reads the rows it applied
     straight into the frame it sends, sparing the copy :func:`encode_rows` makes of
     arrays read first.  The bytes are those :func:`encode_rows` makes of the same rows.
 
@@ -497,6 +498,7 @@ class RowsBuilder:
     def __init__(self, *, epoch: int, sender: int, incarnation: int, tensor: int,
                  shard: int, seq: int, n: int, cols: int, dtype: object,
                  start: int | None = None, rows: np.ndarray | None = None,
+                 keys: np.ndarray | None = None, row_steps: bool = False,
                  marks: Sequence[Mark] = (), nstate: int = 0, state_dtype: object = None,
                  limits: Limits | None = DEFAULT_LIMITS) -> None:
         dt = np.dtype(dtype).newbyteorder("<")  # type: ignore[call-overload]
@@ -504,28 +506,36 @@ class RowsBuilder:
         n, cols = _u("n", n, U32), _u("cols", cols, U32)
         if cols < 1:
             raise InvalidArgument("rows must hold at least one value")
-        if rows is not None and start is not None:
-            raise InvalidArgument("pass exactly one of start= (a row range) or rows=")
-        layout, self._first, index = _layout(n, start, rows, None)
+        if sum(x is not None for x in (start, rows, keys)) != 1:
+            raise InvalidArgument("pass exactly one of start= (a row range), rows= or keys=")
+        layout, self._first, index = _layout(n, start, rows, keys)
         sdt = np.dtype(state_dtype if nstate else dt).newbyteorder("<")  # type: ignore
         self._scode = _state_code(sdt, nstate)
         marks_bytes = _pack_marks(marks)
         payload = data_payload_bytes(layout, n, cols, dt.itemsize, nmarks=len(marks),
-                                     nstate=nstate, state_itemsize=sdt.itemsize if nstate else 0)
+                                     nstate=nstate, state_itemsize=sdt.itemsize if nstate else 0,
+                                     row_steps=row_steps)
         _check_size(payload, limits)
         total = HEADER.size + payload
         self.buf = bytearray(total)
         self.buf[:HEADER.size] = _header(FrameType.ROWS, epoch=epoch, sender=sender,
                                          incarnation=incarnation, tensor=tensor, shard=shard,
-                                         seq=seq, flags=0, layout=layout, payload_len=payload)
+                                         seq=seq, flags=Flag.ROW_STEPS if row_steps else 0,
+                                         layout=layout, payload_len=payload)
         off = HEADER.size + DATA_HEAD.size
         self.buf[off:off + len(marks_bytes)] = marks_bytes
         off += len(marks_bytes)
         self._n, self._cols, self._nstate, self._nmarks = n, cols, nstate, len(marks)
+        #: the rows (int64) or keys (uint64) the frame names, written in already
         self.index: np.ndarray | None = None
         if index is not None:
-            self.index = np.frombuffer(self.buf, "<i8", n, off)
+            self.index = np.frombuffer(self.buf, "<u8" if keys is not None else "<i8", n, off)
             self.index[:] = index
+            off += 8 * n
+        #: each row's step (row_steps=True), to be filled in
+        self.row_steps: np.ndarray | None = None
+        if row_steps:
+            self.row_steps = np.frombuffer(self.buf, "<u8", n, off)
             off += 8 * n
         self.values: np.ndarray = np.frombuffer(self.buf, dt, n * cols, off).reshape(n, cols)
         off += n * cols * dt.itemsize

@@ -1557,6 +1557,8 @@ class Bridge:
         if info.kind == "dense":
             rseq = self._send_dense_rows(key, info, f.shard, index, f.start
                                          if f.layout == Layout.RANGE else None, mark)
+        elif info.kind == "table":
+            rseq = self._send_table_rows(key, info, f.shard, index, mark)
         else:
             rd = info.t._read_rows(f.shard, index)
             rseq = self._send_rows(key, info, f.shard, rd, mark)
@@ -1614,6 +1616,29 @@ class Bridge:
         local = index - info.shard_range(shard)[0]
         step = info.t._read_rows_into(shard, local, [b.values] + b.state)
         self._send_to_copies(st, b.finish(step))
+        return st.rseq
+
+    def _send_table_rows(self, key: tuple, info: TInfo, shard: int, keys: np.ndarray,
+                         marks: list) -> int:
+        """ROWS of the table ``keys`` (of ``shard``) just applied, with each row's step:
+        read under the shard's freeze straight into the frame; if a key is missing
+        (evicted meanwhile), read again and sent as _send_rows does."""
+        spec = info.t._shard(shard).spec
+        nstate = int(spec["nstate"])
+        st = self.shards[key]
+        b = frames.RowsBuilder(epoch=self.members.epoch, sender=self.mid,
+                               incarnation=self.incarnation, tensor=info.tid, shard=shard,
+                               seq=ROWS_SEQ_BASE + st.rseq + 1, n=len(keys), cols=info.cols,
+                               dtype=info.dtype, keys=keys, row_steps=True, marks=marks,
+                               nstate=nstate,
+                               state_dtype=_native.DTYPE_NAMES[spec["state_dtype"]] if nstate
+                               else None)
+        assert b.index is not None and b.row_steps is not None
+        found = info.t._read_rows_into(shard, keys, b.index, b.values, b.state, b.row_steps)
+        if found < len(keys):
+            return self._send_rows(key, info, shard, info.t._read_rows(shard, keys), marks)
+        st.rseq += 1
+        self._send_to_copies(st, b.finish(0))
         return st.rseq
 
     def _send_rows(self, key: tuple, info: TInfo, shard: int, rd: Any, marks: list) -> int:
