@@ -203,6 +203,8 @@ class Cork:
         self.depth -= 1
         if not self.depth:
             dirty, self.dirty = self.dirty, []
+            if len(dirty) > 1:
+                dirty.sort(key=Conn.pending_bytes)
             for c in dirty:
                 c.flush()
 
@@ -219,6 +221,9 @@ class Conn:
         self.cork = cork
         self._pending: list = []        # corked frames, in order
         self._pending_bytes = 0
+
+    def pending_bytes(self) -> int:
+        return self._pending_bytes
 
     @property
     def closed(self) -> bool:
