@@ -1172,6 +1172,14 @@ int shmps_table_drain(void **bases, uint32_t nshards, uint32_t shard, uint64_t t
         shmps_thaw(t->base, token);
         return r;
     }
+    /* P again, now that no pusher is inside the shard: a push that was inside when we
+     * read it above wrote its rows and counted itself (before it left: shmps_table_push)
+     * while we waited, and we take its rows now.  Read before the freeze, P did not
+     * count it, and a bridge ending with this drain unacknowledged lost it silently
+     * (recover found nothing counted unacknowledged).  Acquire: the freeze read each
+     * pusher's slot free (seq_cst loads of its release in shmps_leave), after its
+     * count; so this load reads it. */
+    P = LOAD(&t->h->ob_pushed, ACQUIRE);
     tctl_t *c0 = ts[0].ctl;
     /* relaxed throughout: frozen and locked (see remove_rows) */
     uint64_t hwm = LOAD(&t->ctl->hwm, RELAXED), n = 0;

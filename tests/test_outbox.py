@@ -14,12 +14,14 @@ import pytest
 
 import shmps
 import shmps._native as native
-from helpers import GO, SHM, STOP, Workers, dead_token, new_flags, poke, wait_until
+from helpers import GO, SHM, STOP, Workers, dead_token, new_flags, peek, poke, wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
 lib = native.lib
 ACTIVE_OFF = 448  # shard header: active[] (docs/segment-layout.md)
+FREEZE_OFF = 384  # the exclusive freezer's token
+OB_PUSHED_OFF = 1152  # outbox shards: ob_pushed
 
 
 def drain_all(t, into=None):
@@ -1278,3 +1280,41 @@ def test_pushes_taken_by_an_ended_bridge_make_flush_raise(store, store_name):
     store.flush(timeout=1)
     bridge.flush(timeout=1)
     bridge.close()
+
+
+def test_a_table_drain_counts_every_push_whose_rows_it_takes(store, store_name):
+    """A table drain that read ob_pushed before its freeze took the rows of a push that
+    was inside the shard then and counted itself while the drain waited for it: the
+    drain's P did not count that push.  The bridge holding the drain ends; the next empty
+    drain acknowledged the push: flush() returned.  (The push inside the shard is a real
+    push whose count is held back and whose active slot is poked.)"""
+    t = store.table("e", dim=2, capacity=8, shards=1)
+    store._set_forwarding(True)
+    ob = t._outbox()
+    path = segment_path(store, ob)
+    bridge = shmps.attach(store_name, create=False)
+    try:
+        tb = bridge["e"]
+        t.push([1], np.ones((1, 2)))                             # pushed 1
+        d0 = tb._outbox_drain(0)
+        tb._outbox_ack(0, d0.pushed, d0.ticket)                   # acknowledged: acked 1
+        t.push([2], np.ones((1, 2)))                             # its rows and count...
+        poke(path, OB_PUSHED_OFF, "<Q", 1)                       # ...not counted yet
+        poke(path, ACTIVE_OFF + 8 * 9, "<Q", native.token())     # ...still inside
+        out = {}
+        th = threading.Thread(target=lambda: out.update(d=tb._outbox_drain(0, timeout=30)))
+        th.start()
+        try:
+            wait_until(lambda: peek(path, FREEZE_OFF, "<Q")[0] != 0, 30, "the drain's freeze")
+        finally:
+            poke(path, OB_PUSHED_OFF, "<Q", 2)                   # the push counts
+            poke(path, ACTIVE_OFF + 8 * 9, "<Q", 0)              # and leaves the shard
+            th.join(60)
+        assert out["d"].index.tolist() == [2]                    # the drain took its row
+        # the bridge ends with that drain unacknowledged; a new one starts
+        tb._outbox_recover(0)
+        assert tb._outbox_drain(0) is None
+        with pytest.raises(shmps.PushesLost):
+            store.flush(timeout=5)
+    finally:
+        bridge.close()
