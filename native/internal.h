@@ -21,6 +21,7 @@
 #define CAS(p, expp, desired, mo_ok, mo_fail) \
     __atomic_compare_exchange_n((p), (expp), (desired), 0, (mo_ok), (mo_fail))
 #define FETCH_ADD(p, v, mo) __atomic_fetch_add((p), (v), (mo))
+#define FETCH_SUB(p, v, mo) __atomic_fetch_sub((p), (v), (mo))
 #define RELAXED __ATOMIC_RELAXED
 #define ACQUIRE __ATOMIC_ACQUIRE
 #define RELEASE __ATOMIC_RELEASE
@@ -35,6 +36,14 @@ typedef struct {
     uint32_t seq;
     uint32_t pad;
 } shmps_stripe_t;
+
+/* A landing slot of an outbox shard (outbox.c "Landing"): token, 0 when free, of a
+ * pusher between its first write of values into the shard and its count; seq, how many
+ * pushes released the slot (written only by the holder, before it frees the slot). */
+typedef struct {
+    uint64_t token;
+    uint64_t seq;
+} shmps_landing_t;
 
 /* The shard header: the first SHMPS_HEADER_SIZE bytes of every shard segment. */
 typedef struct {
@@ -66,14 +75,34 @@ typedef struct {
     uint64_t ob_lost_hi;
     uint64_t ob_lost;
     uint64_t ob_sent_acked;   /* the highest ticket acknowledged (shmps_outbox_ack) */
+    /* pushes landing (outbox.c "Landing"): the highest ticket of a drain that took rows
+     * while a push may have been landing (values in, count not yet made) */
+    uint64_t ob_landing_ticket;
+    /* 1 while a lost range opened by recover waits for the pushes landing then to be
+     * counted (2 while a drain closes it); the bridge's words, on a line of their own */
+    uint64_t ob_lost_open __attribute__((aligned(SHMPS_CACHELINE)));
+    uint64_t ob_draining;     /* drains in progress (one killed inside leaves it > 0) */
+    /* recover's snapshot of the landing slots: seq + 1 of a slot held then, else 0 */
+    uint64_t ob_landing_snap[SHMPS_LANDING_SLOTS];
+    /* the pushers' landing slots (shmps_outbox_land / shmps_outbox_landed) */
+    shmps_landing_t ob_landing[SHMPS_LANDING_SLOTS] __attribute__((aligned(SHMPS_CACHELINE)));
 } shmps_shard_hdr_t;
 
 _Static_assert(sizeof(shmps_shard_hdr_t) <= SHMPS_HEADER_SIZE, "shard header too big");
 _Static_assert(__builtin_offsetof(shmps_shard_hdr_t, ob_pushed) == 1152 &&
                __builtin_offsetof(shmps_shard_hdr_t, ob_acked) == 1216 &&
                __builtin_offsetof(shmps_shard_hdr_t, ob_lost) == 1256 &&
-               __builtin_offsetof(shmps_shard_hdr_t, ob_sent_acked) == 1264,
+               __builtin_offsetof(shmps_shard_hdr_t, ob_sent_acked) == 1264 &&
+               __builtin_offsetof(shmps_shard_hdr_t, ob_landing_ticket) == 1272 &&
+               __builtin_offsetof(shmps_shard_hdr_t, ob_lost_open) == 1280 &&
+               __builtin_offsetof(shmps_shard_hdr_t, ob_draining) == 1288 &&
+               __builtin_offsetof(shmps_shard_hdr_t, ob_landing_snap) == 1296 &&
+               __builtin_offsetof(shmps_shard_hdr_t, ob_landing) == 1856,
                "outbox words moved: update docs/segment-layout.md");
+/* SHMPS_FINGERPRINT (below) holds sizeof(shmps_shard_hdr_t), which is rounded up to 64
+ * bytes: a word added into padding leaves it unchanged, and a build that misreads the
+ * new word is not refused (ob_sent_acked at 1264 did so: 1280 bytes before and after).
+ * Such a change must bump SHMPS_LAYOUT_VERSION.  The landing words grew it to 2880. */
 
 /* What two builds must agree on to share a shard: the header's and the spec's sizes
  * and where the mutable words sit.  A process of another build refuses the segment
@@ -110,10 +139,19 @@ int shmps_stripe_read(shmps_stripe_t *s, uint64_t token, void *dst, const void *
 
 /* outboxes (outbox.c): a drain's bookkeeping of ob_drained/ob_sent/ob_acked, shared by
  * the dense and table drains.  `pushed` is ob_pushed read (acquire) before the drain,
- * `took` whether it took any row; returns ob_drained as it was before, and in *ticket
- * the drain's ticket (took) or 0, to be passed to shmps_outbox_ack with its `pushed`. */
+ * `took` whether it took any row, `landing` whether it may hold values of a push that
+ * `pushed` does not count (outbox.c "Landing"; a table drain never does); returns
+ * ob_drained as it was before, and in *ticket the drain's ticket (took) or 0, to be
+ * passed to shmps_outbox_ack with its `pushed`. */
 uint64_t shmps_outbox_drained(shmps_shard_hdr_t *h, uint64_t pushed, int took,
-                              uint64_t *ticket);
+                              int landing, uint64_t *ticket);
+/* and around it: a drain calls shmps_outbox_settle before it reads ob_pushed (it closes
+ * a lost range recover left open, returning the pushes it recorded lost),
+ * shmps_outbox_drain_begin before it takes anything and shmps_outbox_drain_end after
+ * its bookkeeping (shmps_outbox_drained, or a partial drain's ticket) */
+uint64_t shmps_outbox_settle(shmps_shard_hdr_t *h);
+void shmps_outbox_drain_begin(shmps_shard_hdr_t *h);
+void shmps_outbox_drain_end(shmps_shard_hdr_t *h);
 
 /* updaters (updaters.c): apply grads g[0..n) to values starting at element i0 */
 int shmps_apply(void *base, uint64_t i0, uint64_t n, const void *g, uint64_t step);

@@ -34,6 +34,58 @@
  * made the next empty drain acknowledge the landing push while the second drain's
  * frames, which held all of its values, were still on their way: store.flush()
  * returned before the owner had applied them.
+ *
+ * Lost with a bridge (shmps_outbox_recover).  A bridge that ends takes with it what it
+ * drained and did not see acknowledged; the next bridge records a range (lo, hi] of
+ * ob_pushed values as lost and acknowledges it, and store.flush() raises PushesLost.
+ * Without more, that range was (ob_acked, ob_drained], which misses two cases:
+ *
+ *   - a landing push: a drain that took values of a push its P does not count (the
+ *     count came after the drain read P).  Recover found nothing counted unacknowledged
+ *     and counted every ticket acknowledged; the push then counted, the next drain
+ *     found nothing of it and acknowledged it: flush() returned.
+ *   - a bridge killed inside a drain: rows taken, and no ticket or ob_drained yet.
+ *
+ * Landing.  So a dense push also holds a landing slot of every outbox shard it
+ * writes, from before its first write there until after its count:
+ *
+ *   pusher:  claim a free slot (CAS 0 -> its token) before its first value or pending
+ *            write to the shard (shmps_outbox_land); after its release add of
+ *            ob_pushed, add 1 to the slot's seq and free it (shmps_outbox_landed).
+ *   drainer: after taking rows, if a slot is held or ob_pushed moved since its P
+ *            (maybe_landing), the drain may hold values of a push P does not count: it
+ *            records its ticket in ob_landing_ticket.  A partial drain that took rows
+ *            always does (it claims no new P).  ob_draining counts drains in progress.
+ *   recover: if a drain of the ended bridge may hold such values (ob_landing_ticket
+ *            above the acknowledged tickets) or the bridge ended inside a drain
+ *            (ob_draining > 0), the range goes past ob_drained, up to an ob_pushed read
+ *            once every push landing at recover has counted: recover snapshots the
+ *            held slots (seq + 1 each).  If each is free, re-claimed (its seq moved) or
+ *            held by a dead process, the range ends at ob_pushed now; else it stays
+ *            open (ob_lost_open) and the first drain that finds so ends it at its
+ *            ob_pushed (shmps_outbox_settle).  While a range is open no ack or empty
+ *            drain raises ob_acked: a flush waiting past the range waits for its end,
+ *            then raises PushesLost.
+ *
+ * A push whose values the ended bridge took held its slot before that drain took them
+ * (its claim comes before its stripe writes, which the drain read under the stripe
+ * lock), so at recover it has counted (its count is then <= the ob_pushed recover or
+ * settle reads: the slot's release and seq stores, read by acquire loads, order it) or
+ * it still holds the slot (snapshotted, waited for).  A drain that saw no slot held and
+ * ob_pushed unmoved took no value of a push its P does not count: a taken push's claim
+ * is visible to it (the stripe lock), so it read that token or a later value, and a 0
+ * or a later claim orders the push's count before its second load of ob_pushed.
+ *
+ * The range may hold pushes that were not lost (maybe_landing is conservative, and the
+ * range ends at a later P): PushesLost says "may or may not have been applied".  A
+ * recover with every drain acknowledged and none cut short records nothing, and one
+ * whose unacknowledged drains saw nothing landing records (ob_acked, ob_drained] only,
+ * as before.  A pusher killed while landing holds its slot until a settle (or a pusher
+ * finding every slot held) sees it dead and frees it; a pusher stopped (SIGSTOP) while
+ * landing keeps the range open until it resumes: flushes waiting past the range time
+ * out meanwhile, none returns.  Tables need no slots: a table drain reads its P under
+ * its exclusive freeze, when no pusher is inside the shard (a table push counts itself
+ * before it leaves), so its P counts every push whose rows it takes.
  */
 #include "internal.h"
 
@@ -165,8 +217,15 @@ int shmps_outbox_ack(void *base, uint64_t pushed, uint64_t ticket) {
     /* never acknowledge more than a drain took (a confused caller) */
     uint64_t d = LOAD(&h->ob_drained, SEQ_CST);
     if (pushed > d) pushed = d;
-    cas_max(&h->ob_acked, pushed);
     cas_max(&h->ob_sent_acked, ticket);
+    /* A lost range is open (shmps_outbox_recover): pushes counted after its lower end
+     * may be among the lost ones until it ends; shmps_outbox_settle raises ob_acked
+     * past every drain before it.  seq_cst: after our write of ob_sent_acked (an empty
+     * drain after the range ended sees that write: it reads ob_sent_acked after the
+     * settle's seq_cst store of 0, which comes after this load in the total order), and
+     * a 0 read here comes after the settle's writes of the range (its seq_cst store). */
+    if (LOAD(&h->ob_lost_open, SEQ_CST)) return SHMPS_OK;
+    cas_max(&h->ob_acked, pushed);
     /* A drain that took rows takes its ticket (ob_sent) before it raises ob_drained
      * (seq_cst, outbox_drained), so if we see its ob_drained we see its ticket. */
     uint64_t d2 = LOAD(&h->ob_drained, SEQ_CST);
@@ -179,32 +238,239 @@ int shmps_outbox_ack(void *base, uint64_t pushed, uint64_t ticket) {
     return SHMPS_OK;
 }
 
+/* ---- landing pushes (header comment "Landing") ------------------------------------ */
+
+/* Takes a free landing slot of h for `token` (*slot: its index), waiting at most the
+ * lock bound while all are held (a dead holder's slot is freed). */
+static int land_one(shmps_shard_hdr_t *h, uint64_t token, uint8_t *slot) {
+    shmps_wait_t w;
+    shmps_wait_init(&w, SHMPS_LOCK_TIMEOUT_S);
+    uint32_t first = (uint32_t)((token >> 32) * 0x9e3779b9u) % SHMPS_LANDING_SLOTS;
+    for (;;) {
+        for (uint32_t k = 0; k < SHMPS_LANDING_SLOTS; k++) {
+            shmps_landing_t *l = &h->ob_landing[(first + k) % SHMPS_LANDING_SLOTS];
+            uint64_t expected = 0;
+            /* relaxed look (a hint), then CAS acquire: pairs with the previous holder's
+             * release of the slot (shmps_outbox_landed), so its count happens-before
+             * our claim and anything ordered after it (a drain or settle that reads our
+             * token's release acquires that count too).  That our claim precedes our
+             * value writes for a drain needs no order here: the claim is sequenced
+             * before our stripe lock's release, which the drain acquires. */
+            if (LOAD(&l->token, RELAXED) == 0 &&
+                CAS(&l->token, &expected, token, ACQUIRE, RELAXED)) {
+                *slot = (uint8_t)((first + k) % SHMPS_LANDING_SLOTS);
+                return SHMPS_OK;
+            }
+        }
+        /* every slot held (64 pushes landing at once): wait for one */
+        uint64_t v = LOAD(&h->ob_landing[first].token, RELAXED);
+        int r = shmps_wait_step(&w, v);
+        /* relaxed: a dead holder writes nothing more (see landed_since_snap) */
+        if (r == WAIT_HOLDER_DEAD) CAS(&h->ob_landing[first].token, &v, 0, RELAXED, RELAXED);
+        else if (r < 0) return r;
+    }
+}
+
+int shmps_outbox_land(void *const *bases, uint32_t n, const uint8_t *touched,
+                      uint64_t token, uint8_t *slots) {
+    for (uint32_t i = 0; i < n; i++) slots[i] = SHMPS_LANDING_NONE;
+    /* in increasing shard order, as every pusher: one waiting for a slot of shard i
+     * holds slots of lower shards only, so no two wait for each other */
+    for (uint32_t i = 0; i < n; i++) {
+        if (!touched[i]) continue;
+        shmps_shard_hdr_t *h = bases[i] ? outbox_hdr(bases[i]) : NULL;
+        int r = h ? land_one(h, token, &slots[i]) : SHMPS_E_ARG;
+        if (r < 0) { /* free the slots taken so far: this push writes nothing */
+            shmps_outbox_landed(bases, i, touched, token, slots, 0);
+            for (uint32_t k = 0; k < i; k++) slots[k] = SHMPS_LANDING_NONE;
+            return r;
+        }
+    }
+    return SHMPS_OK;
+}
+
+int shmps_outbox_landed(void *const *bases, uint32_t n, const uint8_t *touched,
+                        uint64_t token, const uint8_t *slots, int count) {
+    int r = SHMPS_OK;
+    for (uint32_t i = 0; i < n; i++) {
+        if (!touched[i]) continue;
+        if (slots[i] == SHMPS_LANDING_NONE) continue; /* none claimed (land failed) */
+        shmps_shard_hdr_t *h = bases[i] ? outbox_hdr(bases[i]) : NULL;
+        if (!h || slots[i] >= SHMPS_LANDING_SLOTS) { r = SHMPS_E_ARG; continue; }
+        /* release: as shmps_outbox_pushed */
+        if (count) FETCH_ADD(&h->ob_pushed, 1, RELEASE);
+        shmps_landing_t *l = &h->ob_landing[slots[i]];
+        /* relaxed: our own claim (a slot is freed by another process only once we
+         * are dead) */
+        if (LOAD(&l->token, RELAXED) != token) { r = SHMPS_E_ARG; continue; }
+        /* only the holder writes seq (relaxed load + store: plain moves).  Release, and
+         * the release store of 0 after it: our count (above) happens-before the acquire
+         * load that reads the new seq or the free slot (a drain's maybe_landing, a
+         * settle, recover's snapshot, the next holder's claim) */
+        STORE(&l->seq, LOAD(&l->seq, RELAXED) + 1, RELEASE);
+        STORE(&l->token, 0, RELEASE);
+    }
+    return r;
+}
+
+/* After a drain took rows (P: its ob_pushed): 1 if it may hold values of a push P does
+ * not count.  Such a push claimed its slot before the drain took its values (stripe
+ * lock), so each load below reads its token, or a later value: a 0 or a new token,
+ * after its release (a new holder's claim acquired it), ordering its count before our
+ * load of ob_pushed, which then differs from P unless the count was in P. */
+static int maybe_landing(shmps_shard_hdr_t *h, uint64_t P) {
+    for (uint32_t i = 0; i < SHMPS_LANDING_SLOTS; i++)
+        /* acquire: pairs with the slot's release stores (shmps_outbox_landed) */
+        if (LOAD(&h->ob_landing[i].token, ACQUIRE)) return 1;
+    /* acquire: as the drain's load of P */
+    return LOAD(&h->ob_pushed, ACQUIRE) != P;
+}
+
+/* Recover's snapshot: every held slot's seq + 1, else 0. */
+static void snap_landing(shmps_shard_hdr_t *h) {
+    for (uint32_t i = 0; i < SHMPS_LANDING_SLOTS; i++) {
+        shmps_landing_t *l = &h->ob_landing[i];
+        /* acquire, both: a free slot, or a seq moved, read here orders the released
+         * holder's count before recover's later load of ob_pushed */
+        uint64_t tok = LOAD(&l->token, ACQUIRE);
+        uint64_t snap = tok ? LOAD(&l->seq, ACQUIRE) + 1 : 0;
+        /* relaxed: the snapshot is the bridge's alone (recover and its drains; one
+         * bridge per store) */
+        STORE(&h->ob_landing_snap[i], snap, RELAXED);
+    }
+}
+
+/* 1 if every push that held a landing slot at recover's snapshot has freed it (its
+ * count made) or died; the snapshot's entries found so are cleared.  A slot whose seq
+ * did not move is held by the same push still (a holder adds 1 to seq before it frees
+ * the slot, and a new holder can claim it only after that).  A seq read after it moved
+ * at the snapshot itself makes us wait for the next holder too: later, never wrong. */
+static int landed_since_snap(shmps_shard_hdr_t *h) {
+    for (uint32_t i = 0; i < SHMPS_LANDING_SLOTS; i++) {
+        uint64_t want = LOAD(&h->ob_landing_snap[i], RELAXED); /* the bridge's own */
+        if (!want) continue;
+        shmps_landing_t *l = &h->ob_landing[i];
+        /* acquire, both: as in snap_landing; a new token read here is a claim that
+         * acquired the snapshotted holder's release (an RMW continuing its release
+         * sequence), so the seq load after it sees the moved seq */
+        uint64_t tok = LOAD(&l->token, ACQUIRE);
+        if (tok && LOAD(&l->seq, ACQUIRE) + 1 == want) {
+            if (shmps_token_alive(tok)) return 0; /* still landing */
+            /* Died landing: its push never counts, or counted before it died (a
+             * process seen dead wrote everything it ever will).  Relaxed: only the
+             * word's value matters. */
+            CAS(&l->token, &tok, 0, RELAXED, RELAXED);
+        }
+        STORE(&h->ob_landing_snap[i], 0, RELAXED);
+    }
+    return 1;
+}
+
+uint64_t shmps_outbox_settle(shmps_shard_hdr_t *h) {
+    /* relaxed look: the common case (no range open) costs one load of a line only the
+     * bridge writes; recover, which opened a range, ran before in this bridge */
+    if (LOAD(&h->ob_lost_open, RELAXED) != 1) return 0;
+    uint64_t one = 1;
+    /* seq_cst: claims the settle (1 -> 2, against a second drainer) and is ordered with
+     * the ack's and empty drain's seq_cst loads of the word (2 still reads open) */
+    if (!CAS(&h->ob_lost_open, &one, 2, SEQ_CST, RELAXED)) return 0;
+    if (!landed_since_snap(h)) {
+        STORE(&h->ob_lost_open, 1, SEQ_CST); /* seq_cst: as the CAS */
+        return 0;
+    }
+    /* acquire: as a drain's; with the slot loads above, every push landing at the
+     * snapshot is counted in P (or died) */
+    uint64_t P = LOAD(&h->ob_pushed, ACQUIRE);
+    /* relaxed: the bridge's words; published by the seq_cst stores below */
+    uint64_t hi = LOAD(&h->ob_lost_hi, RELAXED), n = P > hi ? P - hi : 0;
+    if (n) {
+        FETCH_ADD(&h->ob_lost, n, RELAXED);
+        STORE(&h->ob_lost_hi, P, RELAXED);
+    }
+    /* seq_cst, after the range's words: an ack that reads 0 raises ob_acked only after
+     * them, and our raise of ob_acked publishes them to flushers (as in recover) */
+    STORE(&h->ob_lost_open, 0, SEQ_CST);
+    cas_max(&h->ob_acked, P);
+    return n;
+}
+
+void shmps_outbox_drain_begin(shmps_shard_hdr_t *h) {
+    FETCH_ADD(&h->ob_draining, 1, RELAXED);
+    /* a full fence: no write of the rows this drain takes becomes visible before the
+     * count above, so a bridge killed inside the drain that took anything leaves
+     * ob_draining > 0 for recover (which reads it after that process ended) */
+    __atomic_thread_fence(SEQ_CST);
+}
+
+void shmps_outbox_drain_end(shmps_shard_hdr_t *h) {
+    /* release: this drain's ticket, ob_landing_ticket and ob_drained, all written
+     * before, are visible to a recover that reads the decremented count (acquire) */
+    FETCH_SUB(&h->ob_draining, 1, RELEASE);
+}
+
 /* A bridge starting on a store, before its first drain of this outbox shard: what an
  * earlier bridge process drained and did not see acknowledged, (ob_acked, ob_drained],
  * lived only in that process's frames.  The owner may have applied it (an ACK lost with
  * the process) or not; nobody can resend it.  Record the range as lost, then
  * acknowledge it, so store.flush() neither waits forever nor returns as if those pushes
- * had been applied: it reads the range and raises.  *lost: the pushes in the range. */
+ * had been applied: it reads the range and raises.  If that process may have held
+ * values of a push still landing, or ended inside a drain, the range goes on up to an
+ * ob_pushed read once the pushes landing now have counted (header comment, "Landing"):
+ * now, or at a later drain (shmps_outbox_settle).  *lost: the pushes recorded now. */
 int shmps_outbox_recover(void *base, uint64_t *lost) {
     shmps_shard_hdr_t *h = outbox_hdr(base);
     if (!h) return SHMPS_E_ARG;
     *lost = 0;
+    /* The ended process's words.  seq_cst as everywhere for the tickets; acquire for
+     * ob_draining: pairs with shmps_outbox_drain_end's release.  (What the process did
+     * before it ended is visible to us in any case: it ended before this bridge began.) */
+    uint64_t sent = LOAD(&h->ob_sent, SEQ_CST);
+    uint64_t done = LOAD(&h->ob_sent_acked, SEQ_CST);
+    int cut = LOAD(&h->ob_draining, ACQUIRE) != 0;
+    int landing = LOAD(&h->ob_landing_ticket, SEQ_CST) > done;
+    /* one bridge per store: no drain runs now, and no other writer of the bridge's
+     * words (relaxed: a later drain of this bridge is ordered after us by the bridge) */
+    STORE(&h->ob_draining, 0, RELAXED);
     /* the ended process's drains count as acknowledged: their rows are in the lost
-     * range below, or, with nothing lost, one took only values of a push still landing
-     * (it claimed no P: header comment), and left unacknowledged it would keep every
-     * later empty drain from acknowledging */
-    cas_max(&h->ob_sent_acked, LOAD(&h->ob_sent, SEQ_CST));
+     * range below, and left unacknowledged they would keep every later empty drain
+     * from acknowledging */
+    cas_max(&h->ob_sent_acked, sent);
     uint64_t d = LOAD(&h->ob_drained, SEQ_CST);
     uint64_t a = LOAD(&h->ob_acked, SEQ_CST);
-    if (a >= d) return SHMPS_OK;
-    /* one bridge per store: no other writer of these words runs now */
-    STORE(&h->ob_lost_lo, a, RELAXED);
-    STORE(&h->ob_lost_hi, d, RELAXED);
-    FETCH_ADD(&h->ob_lost, d - a, RELAXED);
+    /* a range an earlier recover left open goes on (its bridge ended before a drain
+     * ended it; ob_acked stayed at its upper end since) */
+    int was_open = LOAD(&h->ob_lost_open, RELAXED) != 0;
+    uint64_t lo = was_open ? LOAD(&h->ob_lost_lo, RELAXED) : a;
+    uint64_t hi = d > a ? d : a;
+    int open = 0;
+    if (cut || landing || was_open) {
+        snap_landing(h);
+        if (landed_since_snap(h)) {
+            /* acquire: as a drain's; every push landing at the snapshot is counted */
+            uint64_t P = LOAD(&h->ob_pushed, ACQUIRE);
+            if (P > hi) hi = P;
+        } else {
+            open = 1;
+        }
+    }
+    if (hi == a && !open && !was_open) return SHMPS_OK;
+    STORE(&h->ob_lost_lo, lo, RELAXED);
+    STORE(&h->ob_lost_hi, hi, RELAXED);
+    FETCH_ADD(&h->ob_lost, hi - a, RELAXED);
+    /* seq_cst: acks and empty drains of this bridge read it (they come after us) */
+    STORE(&h->ob_lost_open, (uint64_t)open, SEQ_CST);
     /* the seq_cst raise of ob_acked below publishes the three words above: a flusher
      * that reads the raised ob_acked (acquire) reads them too */
-    cas_max(&h->ob_acked, d);
-    *lost = d - a;
+    cas_max(&h->ob_acked, hi);
+    *lost = hi - a;
+    return SHMPS_OK;
+}
+
+int shmps_outbox_lost_open(const void *base, uint32_t *open) {
+    shmps_shard_hdr_t *h = outbox_hdr((void *)base);
+    if (!h) return SHMPS_E_ARG;
+    /* relaxed: a hint for messages and tests */
+    *open = LOAD(&h->ob_lost_open, RELAXED) != 0;
     return SHMPS_OK;
 }
 
@@ -220,11 +486,13 @@ int shmps_outbox_lost(const void *base, uint64_t *lo, uint64_t *hi, uint64_t *co
 }
 
 uint64_t shmps_outbox_drained(shmps_shard_hdr_t *h, uint64_t pushed, int took,
-                              uint64_t *ticket) {
+                              int landing, uint64_t *ticket) {
     uint64_t prev = LOAD(&h->ob_drained, SEQ_CST);
     if (took) {
         /* its ticket before ob_drained: see shmps_outbox_ack (one drainer at a time) */
         *ticket = FETCH_ADD(&h->ob_sent, 1, SEQ_CST) + 1;
+        /* recover reads it after this process ended (or after drain_end's release) */
+        if (landing) cas_max(&h->ob_landing_ticket, *ticket);
         cas_max(&h->ob_drained, pushed);
         return prev;
     }
@@ -232,9 +500,11 @@ uint64_t shmps_outbox_drained(shmps_shard_hdr_t *h, uint64_t pushed, int took,
     cas_max(&h->ob_drained, pushed);
     /* Dekker with shmps_outbox_ack: we write ob_drained then read ob_sent_acked, an ack
      * writes ob_sent_acked then reads ob_drained; seq_cst: at least one sees the other,
-     * so an ack racing with this empty drain cannot leave ob_acked short of it. */
+     * so an ack racing with this empty drain cannot leave ob_acked short of it.  Not
+     * while a lost range is open (shmps_outbox_ack; seq_cst as there). */
     uint64_t done = LOAD(&h->ob_sent_acked, SEQ_CST);
-    if (done >= LOAD(&h->ob_sent, SEQ_CST)) cas_max(&h->ob_acked, pushed);
+    if (done >= LOAD(&h->ob_sent, SEQ_CST) && !LOAD(&h->ob_lost_open, SEQ_CST))
+        cas_max(&h->ob_acked, pushed);
     return prev;
 }
 
@@ -250,19 +520,21 @@ static void unhold(shmps_stripe_t *st, uint64_t *lo, uint64_t upto) {
 
 int shmps_outbox_drain(void *base, uint64_t token, double timeout_s, int64_t *rows,
                        void *vals, uint64_t cap, uint64_t *n_out, uint64_t *pushed,
-                       uint64_t *prev, uint64_t *ticket) {
+                       uint64_t *prev, uint64_t *ticket, uint64_t *lost) {
     shmps_shard_hdr_t *h = outbox_hdr(base);
     if (!h || h->spec.kind != SHMPS_DENSE) return SHMPS_E_ARG;
     const shmps_spec_t *s = &h->spec;
     if (cap < s->nrows) return SHMPS_E_BOUNDS;
     *n_out = 0;
     *ticket = 0;
+    *lost = shmps_outbox_settle(h); /* a lost range left open by recover, if it can end */
     /* acquire: pairs with the pushers' release adds (shmps_outbox_pushed): every push
      * counted in P wrote its values and pending counts before, visible to us now */
     uint64_t P = LOAD(&h->ob_pushed, ACQUIRE);
     uint32_t slot;
     int r = shmps_enter(base, token, timeout_s, &slot); /* as a pusher */
     if (r < 0) return r;
+    shmps_outbox_drain_begin(h);
     uint64_t *pend = (uint64_t *)at(base, s->rowstep_off);
     shmps_stripe_t *st = (shmps_stripe_t *)at(base, s->stripes_off);
     char *v = at(base, s->value_off);
@@ -298,13 +570,20 @@ int shmps_outbox_drain(void *base, uint64_t token, double timeout_s, int64_t *ro
         /* Claim no new push (rows we did not reach may hold pushes counted in P); rows
          * taken get a ticket, so that no empty drain acknowledges anything until they
          * are (the row we stopped at stays pending, so the next whole drain takes rows
-         * and is acknowledged normally). */
-        if (n) *ticket = FETCH_ADD(&h->ob_sent, 1, SEQ_CST) + 1;
+         * and is acknowledged normally).  They may hold values of pushes the P it
+         * claims does not count: for recover, a landing ticket (seq_cst, as in
+         * shmps_outbox_drained). */
+        if (n) {
+            *ticket = FETCH_ADD(&h->ob_sent, 1, SEQ_CST) + 1;
+            cas_max(&h->ob_landing_ticket, *ticket);
+        }
         *pushed = *prev = LOAD(&h->ob_drained, SEQ_CST);
+        shmps_outbox_drain_end(h);
         return SHMPS_DRAIN_PARTIAL;
     }
-    *prev = shmps_outbox_drained(h, P, n > 0, ticket);
+    *prev = shmps_outbox_drained(h, P, n > 0, n > 0 && maybe_landing(h, P), ticket);
     *pushed = P;
+    shmps_outbox_drain_end(h);
     return SHMPS_OK;
 }
 
@@ -320,8 +599,8 @@ int shmps_outbox_pending(const void *base, uint64_t *out, uint64_t cap) {
 
 /* The flush loop's test, one call over any set of outbox shards (the bridge passes
  * every shard of every forwarded tensor: outbox.BusyScan): busy[i] = 1 where outbox shard
- * bases[i] holds pushes no drain has counted yet (ob_pushed != ob_drained), else 0 (a
- * base that is no outbox: 0).  *nbusy: how many are busy.  Relaxed loads suffice: this
+ * bases[i] holds pushes no drain has counted yet (ob_pushed != ob_drained) or a lost
+ * range recover left open (shmps_outbox_settle), else 0 (a base that is no outbox: 0).  *nbusy: how many are busy.  Relaxed loads suffice: this
  * is a hint, and the drain it leads to makes its own acquire load of ob_pushed, which
  * orders the pushes it takes.  A push whose release add this reads too early (not yet
  * visible) is seen by the next call, one flush interval later; a shard left with
@@ -330,7 +609,8 @@ int shmps_outbox_busy(void *const *bases, uint32_t n, uint8_t *busy, uint32_t *n
     uint32_t k = 0;
     for (uint32_t i = 0; i < n; i++) {
         shmps_shard_hdr_t *h = bases[i] ? outbox_hdr(bases[i]) : NULL;
-        busy[i] = h && LOAD(&h->ob_pushed, RELAXED) != LOAD(&h->ob_drained, RELAXED);
+        busy[i] = h && (LOAD(&h->ob_pushed, RELAXED) != LOAD(&h->ob_drained, RELAXED) ||
+                        LOAD(&h->ob_lost_open, RELAXED)); /* a drain may end the range */
         k += busy[i];
     }
     *nbusy = k;

@@ -38,6 +38,7 @@ enum {
     SHMPS_HEADER_SIZE = 4096,        /* shard header bytes; arrays follow */
     SHMPS_STRIPE_BYTES = 16384,      /* dense stripe: values per lock word */
     SHMPS_ACTIVE_SLOTS = 64,         /* concurrent pushers per shard */
+    SHMPS_LANDING_SLOTS = 64,        /* dense pushes landing at once in an outbox shard */
     SHMPS_MAX_STATE = 4,             /* optimizer state arrays per value */
     SHMPS_NPARAMS = 8,               /* updater hyper-parameters */
     SHMPS_MAX_STRIPES = 1048576,     /* stripes per shard (bitmap bound) */
@@ -280,13 +281,25 @@ uint32_t shmps_ack_seq(const void *man);
 void shmps_ack_waiting(void *man, int32_t delta);
 uint32_t shmps_ack_wait(void *man, uint32_t seen, uint64_t max_ns);
 int shmps_outbox_pushed(void *base);
+/* A dense push into an outbox (outbox.c "Landing"): land claims a landing slot (slots[i])
+ * of every outbox shard bases[i] with touched[i], before the push writes any of them
+ * (the others, and all on failure: SHMPS_LANDING_NONE); landed, after the writes,
+ * counts the push in each (count != 0) and frees the slots (skipping NONE ones). */
+enum { SHMPS_LANDING_NONE = 255 };
+int shmps_outbox_land(void *const *bases, uint32_t n, const uint8_t *touched,
+                      uint64_t token, uint8_t *slots);
+int shmps_outbox_landed(void *const *bases, uint32_t n, const uint8_t *touched,
+                        uint64_t token, const uint8_t *slots, int count);
 int shmps_outbox_counters(const void *base, uint64_t *pushed, uint64_t *acked);
 int shmps_outbox_ack(void *base, uint64_t pushed, uint64_t ticket);
 int shmps_outbox_recover(void *base, uint64_t *lost);
 int shmps_outbox_lost(const void *base, uint64_t *lo, uint64_t *hi, uint64_t *count);
+int shmps_outbox_lost_open(const void *base, uint32_t *open);
+/* *lost (both drains): pushes recorded lost by this drain, which ended a lost range
+ * recover had left open (they are acknowledged: store.flush() raises PushesLost) */
 int shmps_outbox_drain(void *base, uint64_t token, double timeout_s, int64_t *rows,
                        void *vals, uint64_t cap, uint64_t *n, uint64_t *pushed,
-                       uint64_t *prev, uint64_t *ticket);
+                       uint64_t *prev, uint64_t *ticket, uint64_t *lost);
 int shmps_outbox_pending(const void *base, uint64_t *out, uint64_t cap);
 int shmps_outbox_busy(void *const *bases, uint32_t n, uint8_t *busy, uint32_t *nbusy);
 int shmps_dense_write_rows(void *base, uint64_t token, const int64_t *rows, uint64_t n,
@@ -295,7 +308,8 @@ int shmps_raise_step(void *base, uint64_t step);
 int shmps_count_pushes(void *base, uint64_t n);
 int shmps_table_drain(void **bases, uint32_t nshards, uint32_t shard, uint64_t token,
                       double timeout_s, uint64_t *keys, void *vals, uint64_t cap,
-                      uint64_t *n, uint64_t *pushed, uint64_t *prev, uint64_t *ticket);
+                      uint64_t *n, uint64_t *pushed, uint64_t *prev, uint64_t *ticket,
+                      uint64_t *lost);
 int shmps_table_read_rows(void **bases, uint32_t nshards, uint32_t shard, uint64_t token,
                           const uint64_t *keys, uint64_t n, uint64_t *keys_out, void *vals,
                           void *const *states, uint64_t *rowsteps, uint64_t cap,

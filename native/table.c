@@ -1142,7 +1142,8 @@ int shmps_table_evict(void **bases, uint32_t nshards, uint32_t shard, uint64_t t
 
 int shmps_table_drain(void **bases, uint32_t nshards, uint32_t shard, uint64_t token,
                       double timeout_s, uint64_t *keys, void *vals, uint64_t cap,
-                      uint64_t *n_out, uint64_t *pushed, uint64_t *prev, uint64_t *ticket) {
+                      uint64_t *n_out, uint64_t *pushed, uint64_t *prev, uint64_t *ticket,
+                      uint64_t *lost) {
     tshard_t ts[SHMPS_TABLE_MAX_SHARDS];
     int r = shard_views(bases, nshards, ts);
     if (r) return r;
@@ -1152,6 +1153,9 @@ int shmps_table_drain(void **bases, uint32_t nshards, uint32_t shard, uint64_t t
     if (cap < t->nrows) return SHMPS_E_BOUNDS;
     *n_out = 0;
     *ticket = 0;
+    /* a lost range recover left open (outbox.c; table pushes hold no landing slot, so
+     * recover ends a table shard's range at once and this finds none open) */
+    *lost = shmps_outbox_settle(t->h);
     /* acquire: pairs with the pushers' release adds (shmps_outbox_pushed): every push
      * counted in P created and wrote its rows before */
     uint64_t P = LOAD(&t->h->ob_pushed, ACQUIRE);
@@ -1159,7 +1163,7 @@ int shmps_table_drain(void **bases, uint32_t nshards, uint32_t shard, uint64_t t
      * its release add, so we read at least that, or a drain's decrement after it took
      * the row.  No live row: nothing to take, and no freeze for the pushers to wait on. */
     if (LOAD(&t->h->table_used, RELAXED) == 0) {
-        *prev = shmps_outbox_drained(t->h, P, 0, ticket);
+        *prev = shmps_outbox_drained(t->h, P, 0, 0, ticket);
         *pushed = P;
         return SHMPS_OK;
     }
@@ -1172,13 +1176,13 @@ int shmps_table_drain(void **bases, uint32_t nshards, uint32_t shard, uint64_t t
         shmps_thaw(t->base, token);
         return r;
     }
+    shmps_outbox_drain_begin(t->h);
     /* P again, now that no pusher is inside the shard: a push that was inside when we
      * read it above wrote its rows and counted itself (before it left: shmps_table_push)
      * while we waited, and we take its rows now.  Read before the freeze, P did not
      * count it, and a bridge ending with this drain unacknowledged lost it silently
-     * (recover found nothing counted unacknowledged).  Acquire: the freeze read each
-     * pusher's slot free (seq_cst loads of its release in shmps_leave), after its
-     * count; so this load reads it. */
+     * (outbox.c "Landing").  Acquire: the freeze read each pusher's slot free (seq_cst
+     * loads of its release in shmps_leave), after its count; so this load reads it. */
     P = LOAD(&t->h->ob_pushed, ACQUIRE);
     tctl_t *c0 = ts[0].ctl;
     /* relaxed throughout: frozen and locked (see remove_rows) */
@@ -1204,9 +1208,14 @@ int shmps_table_drain(void **bases, uint32_t nshards, uint32_t shard, uint64_t t
     create_unlock(ts);
     shmps_thaw(t->base, token);
     *n_out = n;
-    if (r) return r;
-    *prev = shmps_outbox_drained(t->h, P, n > 0, ticket);
+    if (r) {
+        shmps_outbox_drain_end(t->h);
+        return r;
+    }
+    /* no landing push: P was read with no pusher inside */
+    *prev = shmps_outbox_drained(t->h, P, n > 0, 0, ticket);
     *pushed = P;
+    shmps_outbox_drain_end(t->h);
     return SHMPS_OK;
 }
 

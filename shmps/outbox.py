@@ -30,6 +30,9 @@ for the second to reach the first.  A bridge that starts on a store first calls
 saw acknowledged is recorded as lost (``ob_lost_lo``/``ob_lost_hi``/``ob_lost``) and
 acknowledged, and a ``flush()`` that waited for those pushes raises
 :class:`~shmps.errors.PushesLost` instead of returning as if they had been applied.
+A dense push holds a *landing slot* of each outbox shard it writes from before its
+first write to after its count, so that the values of a push still landing, taken by
+a drain of a bridge that then ended, are caught too (native/outbox.c, "Landing").
 Names ending in ``#outbox`` are reserved.
 
 What is not forwarded: the hidden tensors of synchronous aggregation (its rounds run
@@ -232,12 +235,63 @@ class DenseOutbox(DenseTensor):
     def _push_counted(self, g: np.ndarray, r: Optional[np.ndarray]) -> None:
         """Sum a validated gradient (gradient dtype; ``r`` checked rows or None) into
         the outbox, then count the push in every shard it touched (after its values
-        landed: shmps_outbox_pushed's release)."""
+        landed: shmps_outbox_landed's release).  From before its first write to after
+        its count the push holds a landing slot of each of those shards (native/outbox.c
+        "Landing": a bridge that ends holding values of a landing push is then caught
+        by the next bridge's recover)."""
         if r is not None and r.size == 0:
             return
-        for i in DenseTensor._apply(self, g, r):   # the shards it touched
-            _native.check(lib.shmps_outbox_pushed(self._shards[int(i)].ptr),
-                          f"push to {self.name!r}")
+        touched = self._touched(r)
+        # every entry SHMPS_LANDING_NONE before the claim: an interrupt anywhere after
+        # this line still frees exactly the slots claimed
+        slots = ffi.new("uint8_t[]", self._no_slots())
+        counted = False
+        try:
+            self._land(touched, slots)
+            DenseTensor._apply(self, g, r)
+            counted = True
+        finally:
+            # a push that failed part way is not counted (as before): what it wrote goes
+            # out with the next drain, and no flush waits for it
+            self._landed(touched, slots, counted)
+
+    def _no_slots(self) -> list:
+        none = getattr(self, "_none", None)
+        if none is None:
+            none = self._none = [lib.SHMPS_LANDING_NONE] * self.nshards
+        return none
+
+    def _touched(self, r: Optional[np.ndarray]) -> Any:
+        """The shards a push of rows ``r`` (None: every row) writes: a ``uint8_t *`` mask
+        (every shard: one, built once, only ever read)."""
+        if r is None or self.nshards == 1:
+            every = getattr(self, "_every_shard", None)
+            if every is None:
+                every = self._every_shard = ffi.from_buffer(
+                    "uint8_t[]", bytearray(b"\x01" * self.nshards))
+            return every
+        mask = np.zeros(self.nshards, np.uint8)
+        mask[r // self.shard_rows] = 1
+        return ffi.from_buffer("uint8_t[]", mask)
+
+    def _land(self, touched: Any, slots: Any = None) -> Any:
+        """Claim a landing slot of every shard in ``touched`` (shmps_outbox_land) into
+        ``slots`` (``uint8_t[nshards]``; a new one if None); returns it."""
+        if slots is None:
+            slots = ffi.new("uint8_t[]", self._no_slots())
+        code = lib.shmps_outbox_land(self._busy_bases(), self.nshards, touched,
+                                     _native.token(), slots)
+        if code:
+            _native.check(code, f"push to {self.record['outbox_of']!r}")
+        return slots
+
+    def _landed(self, touched: Any, slots: Any, count: bool) -> None:
+        """Count the push in every shard in ``touched`` (``count``), then free its
+        landing slots (shmps_outbox_landed)."""
+        code = lib.shmps_outbox_landed(self._busy_bases(), self.nshards, touched,
+                                       _native.token(), slots, int(count))
+        if code:
+            _native.check(code, f"push to {self.record['outbox_of']!r}")
 
     def _busy_bases(self) -> Any:
         """Every shard's base (``void *[]``) for shmps_outbox_busy, built once; Closed
@@ -388,6 +442,14 @@ def _timeout(timeout: Optional[float]) -> float:
     return limit
 
 
+def _settled(t: Any, ob: Any, shard: int, n: int) -> None:
+    """A drain of ``shard`` ended a lost range that recover had left open, recording
+    ``n`` more pushes lost: the draining handle (the bridge's, which recovered) knows of
+    them, as of those recover recorded."""
+    store = t._store
+    store._lost_seen[ob.name][int(shard)] = lost(ob, shard)[2]
+
+
 def drain_dense(t: Any, shard: int, timeout: Optional[float] = None,
                 into: Optional[DrainBuffers] = None, *,
                 first: Optional[int] = None) -> Optional[Drained]:
@@ -399,10 +461,12 @@ def drain_dense(t: Any, shard: int, timeout: Optional[float] = None,
     cap = sh.spec["nrows"]
     rows, vals = _buffers(into, cap, tuple(t.row_shape), np.int64, ob.dtype)
     n, pushed, prev = ffi.new("uint64_t *"), ffi.new("uint64_t *"), ffi.new("uint64_t *")
-    ticket = ffi.new("uint64_t *")
+    ticket, nlost = ffi.new("uint64_t *"), ffi.new("uint64_t *")
     code = lib.shmps_outbox_drain(sh.ptr, _native.token(), _timeout(timeout),
                                   _native.addr(rows), ffi.from_buffer(vals), cap, n, pushed,
-                                  prev, ticket)
+                                  prev, ticket, nlost)
+    if nlost[0]:
+        _settled(t, ob, shard, nlost[0])
     if code == lib.SHMPS_E_TIMEOUT:
         return None  # a live process held the shard past the bound: nothing taken
     if code not in (0, lib.SHMPS_DRAIN_PARTIAL):
@@ -419,10 +483,12 @@ def drain_table(t: Any, shard: int, timeout: Optional[float] = None,
     cap = ob.shard_rows
     keys, vals = _buffers(into, cap, (t.dim,), np.uint64, ob.dtype)
     n, pushed, prev = ffi.new("uint64_t *"), ffi.new("uint64_t *"), ffi.new("uint64_t *")
-    ticket = ffi.new("uint64_t *")
+    ticket, nlost = ffi.new("uint64_t *"), ffi.new("uint64_t *")
     code = lib.shmps_table_drain(ob._ptrs(), ob.nshards, int(shard), _native.token(),
                                  _timeout(timeout), _native.addr(keys), ffi.from_buffer(vals),
-                                 cap, n, pushed, prev, ticket)
+                                 cap, n, pushed, prev, ticket, nlost)
+    if nlost[0]:
+        _settled(t, ob, shard, nlost[0])
     if code == lib.SHMPS_E_TIMEOUT:
         return None  # a live process held the shard past the bound: nothing taken
     if code:
@@ -447,7 +513,12 @@ def ack(t: Any, shard: int, pushed: int, ticket: int) -> None:
 def recover(t: Any, shard: int) -> int:
     """A bridge starting on this store, before it drains ``shard``: record what an earlier
     bridge process drained and did not see acknowledged as lost, and acknowledge it
-    (``store.flush()`` then raises PushesLost for it).  Returns how many pushes."""
+    (``store.flush()`` then raises PushesLost for it).  Returns how many pushes.
+
+    If that process may have held values of a push still landing (or ended inside a
+    drain), the range goes on to pushes counted once every push landing now is counted:
+    at once, or at a later drain of ``shard``, which records the rest (flushes wait for
+    it meanwhile).  native/outbox.c, "Landing"."""
     ob = t._outbox()
     sh = ob._shard_checked(shard)
     n = ffi.new("uint64_t *")
@@ -464,6 +535,15 @@ def lost(ob: Any, shard: int) -> tuple[int, int, int]:
     _native.check(lib.shmps_outbox_lost(ob._shard(shard).ptr, lo, hi, n),
                   f"lost counters of {ob.name!r}")
     return int(lo[0]), int(hi[0]), int(n[0])
+
+
+def lost_open(ob: Any, shard: int) -> bool:
+    """Whether a lost range recover recorded in ``shard`` waits for pushes landing at
+    recover to be counted (then a drain ends it: native/outbox.c, "Landing")."""
+    o = ffi.new("uint32_t *")
+    _native.check(lib.shmps_outbox_lost_open(ob._shard(shard).ptr, o),
+                  f"lost counters of {ob.name!r}")
+    return bool(o[0])
 
 
 def counters(ob: Any, shard: int) -> tuple[int, int]:
@@ -509,6 +589,15 @@ def flush(store: Any, timeout: Optional[float]) -> None:
                     break
                 if time.monotonic() >= deadline:
                     ns = f" namespace {store.namespace!r}" if store.namespace else ""
+                    if lost_open(ob, i):
+                        raise Timeout(
+                            f"flush of store {store.name!r}{ns}: shard {i} of tensor "
+                            f"{ob.record['outbox_of']!r} has {target} pushes to forward, "
+                            f"{acked} acknowledged after {limit} s: a bridge process ended "
+                            "holding pushes, and which of them were lost is known only once "
+                            "every push landing in the outbox then is counted; a process "
+                            "stopped in the middle of a push holds that up",
+                            "resume or kill the stopped worker, or raise the timeout")
                     raise Timeout(
                         f"flush of store {store.name!r}{ns}: shard {i} of tensor "
                         f"{ob.record['outbox_of']!r} has {target} pushes to forward, {acked} "

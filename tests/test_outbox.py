@@ -22,6 +22,7 @@ lib = native.lib
 ACTIVE_OFF = 448  # shard header: active[] (docs/segment-layout.md)
 FREEZE_OFF = 384  # the exclusive freezer's token
 OB_PUSHED_OFF = 1152  # outbox shards: ob_pushed
+LANDING_OFF = 1856  # outbox shards: landing slots {token, seq}[64]
 
 
 def drain_all(t, into=None):
@@ -1282,6 +1283,133 @@ def test_pushes_taken_by_an_ended_bridge_make_flush_raise(store, store_name):
     bridge.close()
 
 
+# ---- a bridge process that ends holding the values of a push still landing ----------------
+#
+# A push lands in an outbox shard in two steps: its values (under the stripe locks), then
+# its count (ob_pushed).  A drain between the two takes the values of a push that no P
+# counts yet.  If the bridge holding that drain ends before the owner acknowledged it,
+# the values are gone; the push then counts, the next drain finds nothing of it and, with
+# every ticket of the ended bridge counted acknowledged by recover, acknowledged it:
+# store.flush() returned as if it had been applied.
+
+def test_a_landing_push_taken_by_an_ended_bridge_makes_flush_raise(store, store_name,
+                                                                   monkeypatch):
+    """Store level, one process: a push stopped between its values and its count (a
+    thread), an "old bridge" drain that takes the values and is never acknowledged, a new
+    bridge's recover, then the count and the new bridge's (empty) drain: flush() must
+    raise PushesLost, not return."""
+    from shmps.dense import DenseTensor
+
+    w = store.dense("w", shape=(4, 2))
+    store._set_forwarding(True)
+    ob = w._outbox()
+    landed, go = threading.Event(), threading.Event()
+    apply = DenseTensor._apply
+
+    def stop_after_values(self, *args, **kw):
+        out = apply(self, *args, **kw)
+        if self is ob:                      # the outbox: values in, count not yet made
+            landed.set()
+            assert go.wait(60)
+        return out
+
+    monkeypatch.setattr(DenseTensor, "_apply", stop_after_values)
+    pusher = threading.Thread(target=w.push, args=(np.ones((4, 2), np.float32),))
+    pusher.start()
+    bridge = shmps.attach(store_name, create=False)   # the new bridge's handle
+    try:
+        assert landed.wait(60)
+        d = w._outbox_drain(0)                         # the old bridge takes the values
+        assert d.index.size == 4 and d.pushed == 0     # of a push no P counts yet
+        # the old bridge ends with d unacknowledged; a new one starts
+        wb = bridge["w"]
+        assert wb._outbox_recover(0) == 0              # nothing counted is unacknowledged
+        go.set()
+        pusher.join(60)
+        assert native_counters(ob, 0)[0] == 1          # the push is counted now
+        assert wb._outbox_drain(0) is None             # and nothing of it is left
+        with pytest.raises(shmps.PushesLost):
+            store.flush(timeout=5)
+        store.flush(timeout=1)                         # once
+        bridge.flush(timeout=1)                        # the bridge's handle knows of it
+    finally:
+        go.set()
+        pusher.join(60)
+        bridge.close()
+
+
+def push_landing_then_flush(store: str, flags) -> str:
+    """A worker whose push stops after its values landed in the outbox and before its
+    count (flags[2] = 1) until flags[3] is set; then it flushes.  Reports how."""
+    from shmps.dense import DenseTensor
+
+    s = shmps.attach(store, create=False)
+    try:
+        w = s["w"]
+        ob = w._outbox()
+        apply = DenseTensor._apply
+
+        def stop_after_values(self, *args, **kw):
+            out = apply(self, *args, **kw)
+            if self is ob:
+                flags[2] = 1
+                wait_until(lambda: flags[3] == 1, 60, "go")
+            return out
+
+        DenseTensor._apply = stop_after_values
+        w.push(np.ones(w.shape, np.float32))
+        try:
+            s.flush(timeout=30)
+            return "returned"
+        except shmps.PushesLost as e:
+            assert "taken by a bridge process" in str(e) and "'w'" in str(e), str(e)
+            return "lost"
+    finally:
+        s.close()
+
+
+def drain_and_hang(store: str, tensor: str, flags) -> None:
+    """An "old bridge": drain every shard of ``tensor``'s outbox (flags[4] = shards that
+    gave rows), acknowledge nothing, and wait to be SIGKILLed."""
+    s = shmps.attach(store, create=False)
+    t = s[tensor]
+    flags[4] = sum(t._outbox_drain(i) is not None for i in range(t._nshards))
+    time.sleep(120)
+
+
+def test_a_landing_push_lost_with_a_killed_bridge_makes_its_pushers_flush_raise(
+        store, store_name):
+    """The same with processes: a worker stopped between its push's values and its count,
+    a bridge process that drains them and is SIGKILLed, a new bridge (this process) that
+    recovers and drains while the worker counts its push and flushes: the worker's
+    flush() must raise PushesLost."""
+    w = store.dense("w", shape=(64, 8), shard_rows=16)
+    store._set_forwarding(True)
+    w._outbox()
+    flags = new_flags(3)
+    bridge = shmps.attach(store_name, create=False)
+    try:
+        wb = bridge["w"]
+        with Workers() as ws:
+            pusher = ws.start(push_landing_then_flush, store_name, flags)
+            wait_until(lambda: flags[2] == 1, 60, "the push's values landed")
+            old = ws.start(drain_and_hang, store_name, "w", flags)
+            wait_until(lambda: flags[4] == 4, 60, "the old bridge drained every shard")
+            old.kill()
+            assert [wb._outbox_recover(s) for s in range(4)] == [0, 0, 0, 0]
+            flags[3] = 1                         # the push counts, the worker flushes
+            deadline = time.monotonic() + 60
+            while not pusher.conn.poll(0) and time.monotonic() < deadline:
+                for s in range(4):              # the new bridge's flush loop
+                    d = wb._outbox_drain(s)
+                    if d is not None:
+                        wb._outbox_ack(s, d.pushed, d.ticket)
+                time.sleep(0.002)
+            assert pusher.result(timeout=60) == "lost"
+    finally:
+        bridge.close()
+
+
 def test_a_table_drain_counts_every_push_whose_rows_it_takes(store, store_name):
     """A table drain that read ob_pushed before its freeze took the rows of a push that
     was inside the shard then and counted itself while the drain waited for it: the
@@ -1316,5 +1444,201 @@ def test_a_table_drain_counts_every_push_whose_rows_it_takes(store, store_name):
         assert tb._outbox_drain(0) is None
         with pytest.raises(shmps.PushesLost):
             store.flush(timeout=5)
+    finally:
+        bridge.close()
+
+
+def drain_until_killed(store: str, tensor: str, flags) -> None:
+    """An "old bridge" whose drain of shard 0 stops at a stripe a live process holds
+    (the test): killed there, it has taken rows and has no ticket."""
+    s = shmps.attach(store, create=False)
+    flags[4] = 1
+    s[tensor]._outbox_drain(0, timeout=100)
+
+
+def test_a_bridge_killed_mid_drain_makes_flush_raise(store, store_name):
+    """A bridge SIGKILLed inside a drain has taken rows (their values gone with it) and
+    recorded nothing: no ticket, no ob_drained.  The new bridge's recover saw nothing
+    unacknowledged, its drain took the rest and was acknowledged: flush() returned."""
+    w = store.dense("w", shape=(8, 4096), dtype="float32")     # 8 stripes, one per row
+    store._set_forwarding(True)
+    ob = w._outbox()
+    path, off = segment_path(store, ob), ob._shards[0].spec["stripes_off"] + 16 * 3
+    w.push(np.ones((8, 4096), np.float32))                     # pushed 1
+    poke(path, off, "<Q", native.token())                      # stripe 3: a live holder
+    flags = new_flags(3)
+    bridge = shmps.attach(store_name, create=False)
+    try:
+        wb = bridge["w"]
+        with Workers() as ws:
+            old = ws.start(drain_until_killed, store_name, "w", flags)
+            wait_until(lambda: flags[4] == 1 and not ob._pending(0)[:3].any(), 60,
+                       "the old bridge taking rows 0-2")
+            old.kill()
+        poke(path, off, "<Q", 0)
+        wb._outbox_recover(0)
+        d = wb._outbox_drain(0)
+        assert d.index.tolist() == [3, 4, 5, 6, 7] and d.pushed == 1
+        wb._outbox_ack(0, d.pushed, d.ticket)
+        with pytest.raises(shmps.PushesLost):
+            store.flush(timeout=5)
+    finally:
+        bridge.close()
+
+
+def test_recover_records_no_more_than_before_when_nothing_was_landing(store, store_name):
+    """No false alarm in the common cases: every drain acknowledged, recover records
+    nothing; a drain left unacknowledged while nothing was landing, recover records
+    exactly its range (ob_acked, ob_drained], not the pushes counted after it.  Both
+    kinds; nothing is left open."""
+    from shmps.outbox import lost, lost_open
+
+    w = store.dense("w", shape=(4, 2))
+    t = store.table("e", dim=2, capacity=8, shards=1)
+    store._set_forwarding(True)
+    ob, tob = w._outbox(), t._outbox()
+    bridge = shmps.attach(store_name, create=False)
+    try:
+        wb, tb = bridge["w"], bridge["e"]
+        for x, xb, push in ((w, wb, lambda: w.push(np.ones((4, 2), np.float32))),
+                            (t, tb, lambda: t.push([1, 2], np.ones((2, 2))))):
+            o = x._outbox()
+            push()
+            d = xb._outbox_drain(0)
+            xb._outbox_ack(0, d.pushed, d.ticket)
+            assert xb._outbox_recover(0) == 0 and not lost_open(o, 0)
+            assert native_counters(o, 0) == (1, 1)
+            push()
+            push()                                         # pushed 3
+            assert xb._outbox_drain(0).pushed == 3         # never acknowledged
+            push()                                         # pushed 4, in the outbox
+            assert xb._outbox_recover(0) == 2 and not lost_open(o, 0)
+            assert lost(o, 0) == (1, 3, 2) and native_counters(o, 0) == (4, 3)
+            d = xb._outbox_drain(0)                        # the push after: sent as usual
+            assert d.pushed == 4
+            xb._outbox_ack(0, d.pushed, d.ticket)
+            assert native_counters(o, 0) == (4, 4) and lost(o, 0)[2] == 2
+        with pytest.raises(shmps.PushesLost):
+            store.flush(timeout=1)
+        store.flush(timeout=1)
+        assert ob._pending(0).sum() == 0 and len(tob) == 0
+    finally:
+        bridge.close()
+
+
+def test_a_dead_landing_pusher_does_not_hold_a_lost_range_open(store, store_name):
+    """A pusher killed while landing holds its landing slot: every drain counts as
+    possibly holding a landing push, and recover must not wait for that one to be
+    counted (it never will): it sees the holder dead, frees its slot and ends the range
+    at once."""
+    from shmps.outbox import lost, lost_open
+
+    w = store.dense("w", shape=(4, 2))
+    store._set_forwarding(True)
+    ob = w._outbox()
+    path = segment_path(store, ob)
+    bridge = shmps.attach(store_name, create=False)
+    try:
+        wb = bridge["w"]
+        w.push(np.ones((4, 2), np.float32))                     # pushed 1
+        poke(path, LANDING_OFF + 16 * 5, "<QQ", dead_token(), 7)  # killed while landing
+        assert wb._outbox_drain(0).pushed == 1                 # not acknowledged
+        assert wb._outbox_recover(0) == 1 and not lost_open(ob, 0)
+        assert peek(path, LANDING_OFF + 16 * 5, "<QQ") == (0, 7)  # its slot is free again
+        assert lost(ob, 0) == (0, 1, 1) and native_counters(ob, 0) == (1, 1)
+        with pytest.raises(shmps.PushesLost):
+            store.flush(timeout=1)
+        # 64 slots held by dead pushers: a push takes one over (within a few ms)
+        dead = dead_token()
+        for i in range(64):
+            poke(path, LANDING_OFF + 16 * i, "<Q", dead)
+        t0 = time.monotonic()
+        w.push(np.ones((4, 2), np.float32))
+        assert time.monotonic() - t0 < 1.0
+        assert native_counters(ob, 0)[0] == 2
+    finally:
+        bridge.close()
+
+
+def test_a_lost_range_waits_for_a_live_landing_push(store, store_name):
+    """A push landing at recover (here: its slot claimed, its values and count to come,
+    as a worker stopped in the middle of a push) may be one whose values the ended
+    bridge took: the range stays open, acks and empty drains raise ob_acked no further,
+    flush() times out (saying why) instead of returning, and the first drain after the
+    push counted ends the range; flush() then raises PushesLost, once."""
+    from shmps.dense import DenseTensor
+    from shmps.outbox import busy, lost, lost_open
+
+    w = store.dense("w", shape=(4, 2))
+    store._set_forwarding(True)
+    ob = w._outbox()
+    bridge = shmps.attach(store_name, create=False)
+    try:
+        wb = bridge["w"]
+        g = np.ones((4, 2), np.float32)
+        w.push(g)                                              # pushed 1
+        touched = ob._touched(None)
+        slots = ob._land(touched)                              # a push landing
+        assert wb._outbox_drain(0).pushed == 1                 # not acknowledged
+        assert wb._outbox_recover(0) == 1                      # (0, 1] now, and open
+        assert lost_open(ob, 0) and lost(ob, 0) == (0, 1, 1)
+        assert busy(wb) == [0]                                 # the bridge drains it
+        w.push(g)                                              # pushed 2: a later push
+        d = wb._outbox_drain(0)
+        wb._outbox_ack(0, d.pushed, d.ticket)
+        assert wb._outbox_drain(0) is None
+        assert native_counters(ob, 0) == (2, 1)               # nothing past the range
+        with pytest.raises(shmps.Timeout, match="stopped in the middle of a push"):
+            store.flush(timeout=0.05)
+        DenseTensor._apply(ob, g, None)                        # the landing push: values,
+        ob._landed(touched, slots, True)                       # count (pushed 3), slot
+        d = wb._outbox_drain(0)                                # ends the range at 3
+        assert d.pushed == 3 and not lost_open(ob, 0)
+        assert lost(ob, 0) == (0, 3, 3) and native_counters(ob, 0) == (3, 3)
+        wb._outbox_ack(0, d.pushed, d.ticket)
+        with pytest.raises(shmps.PushesLost, match="'w' shard 0: 3"):
+            store.flush(timeout=1)
+        store.flush(timeout=1)
+        bridge.flush(timeout=1)                                # the bridge's handle knows
+        w.push(g)                                              # and on as usual
+        d = wb._outbox_drain(0)
+        wb._outbox_ack(0, d.pushed, d.ticket)
+        store.flush(timeout=1)
+    finally:
+        bridge.close()
+
+
+def test_a_slot_claimed_again_does_not_hold_a_lost_range_open(store, store_name):
+    """The range waits for the pushes landing at recover, not for the slots: a slot
+    freed and claimed again (its seq moved; here by the same process, as a worker pushing
+    without pause does) does not keep it open, nor does a push that began landing after
+    recover."""
+    from shmps.dense import DenseTensor
+    from shmps.outbox import lost, lost_open
+
+    w = store.dense("w", shape=(4, 2))
+    store._set_forwarding(True)
+    ob = w._outbox()
+    bridge = shmps.attach(store_name, create=False)
+    try:
+        wb = bridge["w"]
+        touched = ob._touched(None)
+        a = ob._land(touched)                                  # push A landing
+        DenseTensor._apply(ob, np.ones((4, 2), np.float32), None)   # A's values
+        assert wb._outbox_drain(0).pushed == 0                 # taken, A not counted
+        assert wb._outbox_recover(0) == 0 and lost_open(ob, 0)
+        c = ob._land(touched)                                  # C begins after recover
+        assert list(c) != list(a)
+        ob._landed(touched, a, True)                           # A counts: pushed 1
+        b = ob._land(touched)                                  # B, in A's slot
+        assert list(b) == list(a)
+        assert wb._outbox_drain(0) is None                     # ends the range: A counted
+        assert not lost_open(ob, 0) and lost(ob, 0) == (0, 1, 1)
+        ob._landed(touched, b, True)
+        ob._landed(touched, c, True)                           # pushed 3
+        assert wb._outbox_drain(0) is None
+        assert native_counters(ob, 0) == (3, 3)
+        with pytest.raises(shmps.PushesLost):
+            store.flush(timeout=1)
     finally:
         bridge.close()
