@@ -445,9 +445,18 @@ def _timeout(timeout: Optional[float]) -> float:
 def _settled(t: Any, ob: Any, shard: int, n: int) -> None:
     """A drain of ``shard`` ended a lost range that recover had left open, recording
     ``n`` more pushes lost: the draining handle (the bridge's, which recovered) knows of
-    them, as of those recover recorded."""
+    them, as of those recover recorded; the bridge reads them with :func:`take_lost`."""
     store = t._store
     store._lost_seen[ob.name][int(shard)] = lost(ob, shard)[2]
+    store._lost_settled.append((t.name, int(shard), int(n)))
+
+
+def take_lost(store: Any) -> list[tuple[str, int, int]]:
+    """``(tensor, shard, pushes)`` recorded lost by this handle's drains since the last
+    call (a lost range recover left open, ended by a drain; the bridge logs and counts
+    them as it does what ``recover`` returns)."""
+    out, store._lost_settled = store._lost_settled, []
+    return out
 
 
 def drain_dense(t: Any, shard: int, timeout: Optional[float] = None,
@@ -517,8 +526,8 @@ def recover(t: Any, shard: int) -> int:
 
     If that process may have held values of a push still landing (or ended inside a
     drain), the range goes on to pushes counted once every push landing now is counted:
-    at once, or at a later drain of ``shard``, which records the rest (flushes wait for
-    it meanwhile).  native/outbox.c, "Landing"."""
+    at once, or at a later drain of ``shard``, which records the rest (see
+    :func:`take_lost`; flushes wait for it meanwhile).  native/outbox.c, "Landing"."""
     ob = t._outbox()
     sh = ob._shard_checked(shard)
     n = ffi.new("uint64_t *")

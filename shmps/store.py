@@ -101,6 +101,8 @@ class Store:
         # outbox name -> per shard, the pushes lost with a bridge process as this handle
         # first used the outbox (outbox.get_or_create; flush raises for later losses)
         self._lost_seen: dict[str, list[int]] = {}
+        # (tensor, shard, pushes) recorded lost by this handle's drains (outbox.take_lost)
+        self._lost_settled: list[tuple[str, int, int]] = []
         self._lock = threading.RLock()
         self._executor: Optional[ThreadPoolExecutor] = None
         self._executor_pid = 0

@@ -435,6 +435,20 @@ def _bridge(tmp_path, members_: list, **cfg):
     return Bridge(Config(peers_file=str(hosts), listen=members_[0], startup_grace=0.0, **cfg))
 
 
+def test_pushes_a_drain_recorded_lost_are_logged_and_counted(tmp_path, caplog):
+    """A lost range that recover left open (pushes were landing in the outbox) is ended
+    by a drain (native/outbox.c "Landing"): the bridge counts those pushes in
+    shmps_bridge_lost_pushes_total and logs them, as it does what recover returns."""
+    node = _bridge(tmp_path, ["127.0.0.2:7001"])
+    node.store = types.SimpleNamespace(_lost_settled=[("w", 0, 3), ("e", 2, 1)])
+    with caplog.at_level("ERROR", logger="shmps.bridge"):
+        node._note_lost()
+        node._note_lost()                                  # each recorded once
+    assert node.metrics.lost._value.get() == 4
+    assert node.store._lost_settled == []
+    assert [r.args[:3] for r in caplog.records] == [("w", 0, 3), ("e", 2, 1)]
+
+
 def test_a_host_back_from_a_partition_takes_the_majoritys_ring_not_its_own(tmp_path):
     """Host C of {A, B, C} counted A and B dead without a majority (no epoch minted),
     while A and B moved on to epoch 1 without C.  When B is heard again, C takes over

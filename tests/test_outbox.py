@@ -1567,7 +1567,7 @@ def test_a_lost_range_waits_for_a_live_landing_push(store, store_name):
     flush() times out (saying why) instead of returning, and the first drain after the
     push counted ends the range; flush() then raises PushesLost, once."""
     from shmps.dense import DenseTensor
-    from shmps.outbox import busy, lost, lost_open
+    from shmps.outbox import busy, lost, lost_open, take_lost
 
     w = store.dense("w", shape=(4, 2))
     store._set_forwarding(True)
@@ -1595,6 +1595,7 @@ def test_a_lost_range_waits_for_a_live_landing_push(store, store_name):
         d = wb._outbox_drain(0)                                # ends the range at 3
         assert d.pushed == 3 and not lost_open(ob, 0)
         assert lost(ob, 0) == (0, 3, 3) and native_counters(ob, 0) == (3, 3)
+        assert take_lost(bridge) == [("w", 0, 2)] and take_lost(bridge) == []
         wb._outbox_ack(0, d.pushed, d.ticket)
         with pytest.raises(shmps.PushesLost, match="'w' shard 0: 3"):
             store.flush(timeout=1)
