@@ -1486,6 +1486,38 @@ def test_a_bridge_killed_mid_drain_makes_flush_raise(store, store_name):
         bridge.close()
 
 
+def test_a_partial_drain_taken_by_an_ended_bridge_makes_flush_raise(store, store_name):
+    """A partial drain (a stripe held by a live process) takes the rows before it and
+    claims no push: its P is the previous drain's.  The rows it took may hold values of
+    pushes counted after that P.  If the bridge holding it ends, recover must count
+    those pushes lost: before, it found (ob_acked, ob_drained] empty, the next drain took
+    the remaining rows, was acknowledged, and flush() returned without rows 0-2."""
+    from shmps.outbox import lost
+
+    w = store.dense("w", shape=(8, 4096), dtype="float32")     # 8 stripes, one per row
+    store._set_forwarding(True)
+    ob = w._outbox()
+    path, off = segment_path(store, ob), ob._shards[0].spec["stripes_off"] + 16 * 3
+    w.push(np.ones((8, 4096), np.float32))                     # pushed 1, counted
+    bridge = shmps.attach(store_name, create=False)            # the new bridge's handle
+    try:
+        poke(path, off, "<Q", native.token())                  # stripe 3: a live holder
+        d = w._outbox_drain(0, timeout=0.05)                   # the old bridge's drain
+        assert d.index.tolist() == [0, 1, 2] and d.pushed == 0 and d.ticket > 0
+        poke(path, off, "<Q", 0)
+        # the old bridge ends with d unacknowledged; a new one starts
+        wb = bridge["w"]
+        assert wb._outbox_recover(0) == 1 and lost(ob, 0)[2] == 1
+        d2 = wb._outbox_drain(0)
+        assert d2.index.tolist() == [3, 4, 5, 6, 7] and d2.pushed == 1
+        wb._outbox_ack(0, d2.pushed, d2.ticket)
+        with pytest.raises(shmps.PushesLost):
+            store.flush(timeout=5)
+        store.flush(timeout=1)                                  # once
+    finally:
+        bridge.close()
+
+
 def test_recover_records_no_more_than_before_when_nothing_was_landing(store, store_name):
     """No false alarm in the common cases: every drain acknowledged, recover records
     nothing; a drain left unacknowledged while nothing was landing, recover records
