@@ -100,6 +100,34 @@ async def serve_one(path: str, handler) -> tuple[web.AppRunner, int]:
     return runner, site._server.sockets[0].getsockname()[1]   # noqa: SLF001
 
 
+async def serve_slow(got: list, done: asyncio.Future) -> tuple[web.AppRunner, int,
+                                                              asyncio.Future]:
+    """A server at /slow that takes the connection over and does not read until the
+    test resumes it (``ready``'s result, the server's WsStream); it keeps every message
+    in ``got`` and sets ``done`` at one that ends with b"END".  (runner, port, ready)."""
+    ready = asyncio.get_running_loop().create_future()
+
+    async def slow(request):
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        stream = wsstream.take_over(request, max_msg=MAX, peer="slow client")
+        stream.transport.pause_reading()
+        ready.set_result(stream)
+
+        def keep(data: memoryview) -> bool:
+            got.append(bytes(data))
+            if bytes(data[-3:]) == b"END" and not done.done():
+                done.set_result(None)
+            return True
+
+        stream.start(keep)
+        await stream.wait_closed()
+        return ws
+
+    runner, port = await serve_one("/slow", slow)
+    return runner, port, ready
+
+
 async def collect(stream: wsstream.WsStream, count: int) -> list[bytes]:
     got: list[bytes] = []
     done = asyncio.get_running_loop().create_future()
@@ -347,26 +375,7 @@ def test_a_slow_reader_backs_messages_up_in_order_then_refuses(monkeypatch):
     async def main():
         got: list[bytes] = []
         done = asyncio.get_running_loop().create_future()
-        ready = asyncio.get_running_loop().create_future()
-
-        async def slow(request):
-            ws = web.WebSocketResponse()
-            await ws.prepare(request)
-            stream = wsstream.take_over(request, max_msg=MAX, peer="slow client")
-            stream.transport.pause_reading()
-            ready.set_result(stream)
-
-            def keep(data: memoryview) -> bool:
-                got.append(bytes(data))
-                if bytes(data) == b"END" and not done.done():
-                    done.set_result(None)
-                return True
-
-            stream.start(keep)
-            await stream.wait_closed()
-            return ws
-
-        runner, port = await serve_one("/slow", slow)
+        runner, port, ready = await serve_slow(got, done)
         try:
             c = await wsstream.connect("127.0.0.1", port, "/slow", max_msg=MAX, timeout=5)
             server = await asyncio.wait_for(ready, 5)
@@ -536,26 +545,7 @@ def test_a_corked_send_is_refused_while_the_queue_is_full(monkeypatch):
     async def main():
         got: list[bytes] = []
         done = asyncio.get_running_loop().create_future()
-        ready = asyncio.get_running_loop().create_future()
-
-        async def slow(request):
-            ws = web.WebSocketResponse()
-            await ws.prepare(request)
-            stream = wsstream.take_over(request, max_msg=MAX, peer="slow client")
-            stream.transport.pause_reading()
-            ready.set_result(stream)
-
-            def keep(data: memoryview) -> bool:
-                got.append(bytes(data))
-                if bytes(data[-3:]) == b"END" and not done.done():
-                    done.set_result(None)
-                return True
-
-            stream.start(keep)
-            await stream.wait_closed()
-            return ws
-
-        runner, port = await serve_one("/slow", slow)
+        runner, port, ready = await serve_slow(got, done)
         try:
             c = await wsstream.connect("127.0.0.1", port, "/slow", max_msg=MAX, timeout=5)
             server = await asyncio.wait_for(ready, 5)
