@@ -477,6 +477,52 @@ def test_a_host_back_from_a_partition_takes_the_majoritys_ring_not_its_own(tmp_p
     assert node.members.state(c) is State.JOINING and not node.acting()
 
 
+def test_a_gap_for_the_oldest_frame_resends_the_stream_at_once(tmp_path):
+    """An owner that does not know a stream (its first batch, after a restart or a move)
+    answers GAP to every frame in flight.  The GAP of the oldest unacknowledged frame
+    rewinds the stream and wakes the flush loop to resend it now (the first flush of
+    every stream waited RETRY, ~60 ms, before); the GAPs of the frames sent with it
+    change nothing (the resend covers them).  A second GAP of the oldest frame within
+    RETRY, a GAP of this host's own apply, and other refusals wait RETRY as before."""
+    from shmps.bridge.node import RETRY, SendStream
+    from shmps.bridge.outq import OutQueue
+
+    a, b = "127.0.0.2:7001", "127.0.0.3:7001"
+    node = _bridge(tmp_path, [a, b])
+    stream = SendStream(OutQueue(1 << 20))
+    node.streams[(1, 0)] = stream
+    for seq in (1, 2, 3):
+        stream.q.put(seq, b"frame %d" % seq)
+    assert [q for q, _ in stream.q.to_send()] == [1, 2, 3]
+
+    def refuse(seq: int, status: Status = Status.GAP, peer: str = b) -> None:
+        node.on_ack(peer, frames.decode(frames.encode_ack(
+            epoch=0, sender=members.member_id(peer), incarnation=7, tensor=1, shard=0,
+            seq=seq, status=status)))
+
+    refuse(1)
+    assert stream.retry_at == 0.0 and node._flush_asked and stream.q.sent == 0
+    assert [q for q, _ in stream.q.to_send()] == [1, 2, 3]       # the flush loop resends
+    refuse(2)
+    refuse(3)                                                     # answers to the first send
+    assert stream.retry_at == 0.0 and stream.q.sent == 3
+    t0 = time.monotonic()
+    refuse(1)                                                     # again, within RETRY
+    assert stream.retry_at >= t0 + RETRY and stream.q.sent == 0
+    stream.retry_at, stream.gap_resent_at = 0.0, -1e9
+    stream.q.to_send()
+    refuse(2)                                                     # not the oldest frame
+    assert stream.retry_at >= t0 + RETRY and stream.q.sent == 0
+    stream.retry_at = 0.0
+    stream.q.to_send()
+    refuse(1, Status.BUSY)                                        # another refusal
+    assert stream.retry_at > t0 and stream.q.sent == 0
+    stream.retry_at = 0.0
+    stream.q.to_send()
+    refuse(1, peer=a)                                             # this host's own apply
+    assert stream.retry_at >= t0 + RETRY
+
+
 def test_a_host_acts_only_while_a_majority_holds_its_epoch_and_ring(tmp_path):
     """Quorum is not enough to own shards: a majority of the members (this host
     included) must last have said, in heartbeats, that they are at this host's epoch on

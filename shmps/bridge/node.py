@@ -178,6 +178,8 @@ class SendStream:
     target: Optional[str] = None
     retry_at: float = 0.0
     progress_at: float = 0.0          # last acknowledgement (or first send after idle)
+    gap_resent_at: float = -1e9       # when a GAP for the oldest frame resent the stream
+    gap_upto: int = 0                 # the highest seq sent before that resend
 
 
 # --------------------------------------------------------------------------- connections
@@ -1179,6 +1181,22 @@ class Bridge:
                 if ack.seq <= stream.q.last_seq:
                     stream.q.ack(ack.seq)
                 return
+            now = time.monotonic()
+            if ack.status == Status.GAP and peer != self.addr:
+                if ack.seq == stream.q.acked + 1 and now - stream.gap_resent_at > RETRY:
+                    # An owner that does not know the stream (its first batch, after a
+                    # restart of this bridge or a move of the shard) asks for it from
+                    # the oldest unacknowledged frame, which this is: resend now, not
+                    # after RETRY (the first flush of every stream waited ~60 ms)
+                    stream.gap_upto = stream.q.sent
+                    stream.gap_resent_at = now
+                    stream.q.rewind()
+                    stream.retry_at = 0.0
+                    self._wake_flush()
+                    return
+                if (stream.q.acked + 1 < ack.seq <= stream.gap_upto
+                        and now - stream.gap_resent_at < RETRY):
+                    return   # the answer to a frame sent before that resend: resent too
             # any other refusal (STALE_EPOCH: heartbeats bring the newer view; NOT_OWNER,
             # NO_QUORUM, BUSY, GAP): resend everything unacknowledged a little later
             stream.q.rewind()

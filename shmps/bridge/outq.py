@@ -133,6 +133,11 @@ class OutQueue:
         return self._acked
 
     @property
+    def sent(self) -> int:
+        """The highest seq handed out by :meth:`to_send` (since the last rewind)."""
+        return self._sent
+
+    @property
     def last_seq(self) -> int:
         """The highest seq queued so far."""
         return self.next_seq() - 1
