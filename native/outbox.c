@@ -667,8 +667,11 @@ int shmps_raise_step(void *base, uint64_t step) {
     return SHMPS_OK;
 }
 
-int shmps_count_pushes(void *base, uint64_t n) {
-    /* relaxed: a statistic (a batch the owner applies stands for n pushes) */
-    FETCH_ADD(&hdr_of(base)->stats.pushes, n, RELAXED);
+int shmps_count_pushes(void *base, int64_t delta) {
+    /* relaxed: a statistic.  The owner's table and csr pushes count one push each in C;
+     * a batch stands for `pushes` of them, or none (a later frame of one drain): the
+     * caller adds the difference, which may be -1 (a modular add of its two's
+     * complement: the counter only ever reads as the sum) */
+    FETCH_ADD(&hdr_of(base)->stats.pushes, (uint64_t)delta, RELAXED);
     return SHMPS_OK;
 }

@@ -305,7 +305,7 @@ int shmps_outbox_busy(void *const *bases, uint32_t n, uint8_t *busy, uint32_t *n
 int shmps_dense_write_rows(void *base, uint64_t token, const int64_t *rows, uint64_t n,
                            const void *vals, void *const *states, uint32_t nstates);
 int shmps_raise_step(void *base, uint64_t step);
-int shmps_count_pushes(void *base, uint64_t n);
+int shmps_count_pushes(void *base, int64_t delta);
 int shmps_table_drain(void **bases, uint32_t nshards, uint32_t shard, uint64_t token,
                       double timeout_s, uint64_t *keys, void *vals, uint64_t cap,
                       uint64_t *n, uint64_t *pushed, uint64_t *prev, uint64_t *ticket,

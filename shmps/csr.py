@@ -402,8 +402,7 @@ class CSRTensor(Tensor):
                                   scratch, nbytes)
         if code:
             _native.check(code, f"push to {self.name!r}")
-        if int(pushes) > 1 and not continues:
-            lib.shmps_count_pushes(self._shard(0).ptr, int(pushes) - 1)
+        self._count_batch(pushes, continues)
 
     def _state_arrays(self, s: int, n: int) -> list:
         sp = self._shard(s).spec

@@ -555,8 +555,8 @@ class Table(Tensor):
         key, so nothing else changes)."""
         k, g = self._prepare(index, grads)
         self._push(k, g)
-        if int(pushes) > 1 and k.size and not continues:
-            lib.shmps_count_pushes(self._shard(0).ptr, int(pushes) - 1)
+        if k.size:
+            self._count_batch(pushes, continues)
 
     def _state_arrays(self, n: int) -> list:
         sp = self._shard(0).spec

@@ -187,6 +187,14 @@ class Tensor:
             self._ob = outbox.get_or_create(self)
         return self._ob
 
+    def _count_batch(self, pushes: int, continues: bool) -> None:
+        """After an owner's apply that the C push counted as one push: count it as the
+        ``pushes`` the batch stands for, or as none if it ``continues`` the batch the
+        previous call began (statistics; dense counts in DenseTensor._apply instead)."""
+        delta = -1 if continues else max(1, int(pushes)) - 1
+        if delta:
+            _native.lib.shmps_count_pushes(self._shard(0).ptr, delta)
+
     def _outbox_ack(self, shard: int, pushed: int, ticket: int) -> None:
         """The owner has applied every drain of ``shard`` up to the one that returned
         ``Drained.pushed`` and ``Drained.ticket``."""

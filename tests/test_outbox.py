@@ -708,8 +708,8 @@ def test_apply_direct_whole_tensor_counts_pushes(store):
 def test_a_continued_batch_is_applied_as_more_of_the_same_push(store):
     """``_apply_direct(..., continues=True)``: more rows of the batch the previous call
     began (a later BATCH frame of one drain).  Dense: applied at the current step (Adam's
-    t stays 1) and counted as no further push; table and csr: their rows step as usual,
-    and the batch's pushes are not counted again (the C push counts the call as one)."""
+    t stays 1); table and csr: their rows step as usual.  Every kind counts the batch's
+    pushes once, with its first frame (docs/bridge-protocol.md, BATCH step)."""
     a = store.dense("a", shape=(4, 2), optimizer=shmps.Adam(lr=0.1), shard_rows=4)
     t = store.table("t", dim=2, capacity=16, shards=1)
     rc = np.array([0, 2, 4], np.int64)
@@ -721,10 +721,10 @@ def test_a_continued_batch_is_applied_as_more_of_the_same_push(store):
     assert np.all(w == w[0, 0]) and a.stats()["step"] == 1 and a.stats()["pushes"] == 5
     t._apply_direct([1, 2], np.ones((2, 2), np.float32), pushes=5)
     t._apply_direct([3], np.ones((1, 2), np.float32), pushes=5, continues=True)
-    assert t.stats()["pushes"] == 5 + 1
+    assert t.stats()["pushes"] == 5
     m._apply_direct([0, 1], np.ones(2, np.float32), pushes=5)             # row 0
     m._apply_direct([2, 3], np.ones(2, np.float32), pushes=5, continues=True)  # row 1
-    assert m.stats()["pushes"] == 5 + 1
+    assert m.stats()["pushes"] == 5
     assert m._entry_rows(np.arange(4)).tolist() == [0, 0, 1, 1]
     assert m.pull().value.tolist() == [1.0, 1.0, 1.0, 1.0]
 
