@@ -36,7 +36,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
@@ -1108,22 +1108,17 @@ class Bridge:
         malformed messages in a row (``bad`` before this one).  What its frames make this
         host send (ACKs, ROWS) is corked until all are handled (Cork)."""
         try:
-            try:
-                with self.cork:
-                    for f in frames.iter_frames(data):
-                        if (f.sender != auth_peer.sender
-                                or f.incarnation != auth_peer.incarnation):
-                            raise frames.BadFrame(f"sender {f.sender:08x}/{f.incarnation:08x}"
-                                                  " is not the authenticated peer")
-                        try:
-                            self.on_frame(peer, f, reply)
-                        except (frames.BadFrame, asyncio.CancelledError):
-                            raise
-                        except Exception:
-                            log.exception("handling %s from %s failed", type(f).__name__,
-                                          peer)
-            finally:
-                self._tell_acks()
+            with self._unit():
+                for f in frames.iter_frames(data):
+                    if f.sender != auth_peer.sender or f.incarnation != auth_peer.incarnation:
+                        raise frames.BadFrame(f"sender {f.sender:08x}/{f.incarnation:08x} is "
+                                              "not the authenticated peer")
+                    try:
+                        self.on_frame(peer, f, reply)
+                    except (frames.BadFrame, asyncio.CancelledError):
+                        raise
+                    except Exception:
+                        log.exception("handling %s from %s failed", type(f).__name__, peer)
             return 0
         except frames.BadFrame as e:
             self.metrics.rejected("malformed")
@@ -1223,6 +1218,17 @@ class Bridge:
                 except RuntimeError:   # the loop closed
                     return
 
+    @contextlib.contextmanager
+    def _unit(self) -> Iterator[None]:
+        """One unit of the bridge's work (an incoming message, a flush-loop pass): what it
+        sends is corked until it ends (Cork), and then the flushes waiting on
+        acknowledgements it made are woken (_tell_acks), whether it ended well or not."""
+        try:
+            with self.cork:
+                yield
+        finally:
+            self._tell_acks()
+
     def _tell_acks(self) -> None:
         """Wake the store.flush() calls sleeping on the store's ack word, if some
         ob_acked may have risen since they were last told (an ACK handled, a drain that
@@ -1264,13 +1270,10 @@ class Bridge:
                 # first notice who went silent (this process may have been stopped):
                 # never drain or apply on a view older than one flush interval
                 self._notice_silence()
-                try:
-                    with self.cork:
-                        self._drain_all()
-                        self._note_lost()
-                        self._send_all()
-                finally:
-                    self._tell_acks()
+                with self._unit():
+                    self._drain_all()
+                    self._note_lost()
+                    self._send_all()
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -1634,22 +1637,27 @@ class Bridge:
                 if m != self.addr and s in (State.ALIVE, State.SUSPECT, State.LEAVING,
                                             State.JOINING)]
 
+    def _rows_builder(self, info: TInfo, shard: int, seq: int, n: int, marks: list,
+                      **where: Any) -> frames.RowsBuilder:
+        """A ROWS frame of ``n`` rows of ``shard`` to read into (frames.RowsBuilder), with
+        the tensor's optimizer state; ``where``: start=, rows= or keys= (and row_steps=)."""
+        spec = info.t._shard(shard).spec
+        nstate = int(spec["nstate"])
+        return frames.RowsBuilder(
+            epoch=self.members.epoch, sender=self.mid, incarnation=self.incarnation,
+            tensor=info.tid, shard=shard, seq=ROWS_SEQ_BASE + seq, n=n, cols=info.cols,
+            dtype=info.dtype, marks=marks, nstate=nstate,
+            state_dtype=_native.DTYPE_NAMES[spec["state_dtype"]] if nstate else None,
+            **where)
+
     def _send_dense_rows(self, key: tuple, info: TInfo, shard: int, index: np.ndarray,
                          start: Optional[int], marks: list) -> int:
         """ROWS of the dense rows ``index`` (global, sorted, in ``shard``) just applied: read
         under the shard's freeze straight into the frame, then sent as _send_rows does."""
         st = self.shards[key]
         st.rseq += 1
-        spec = info.t._shard(shard).spec
-        nstate = int(spec["nstate"])
-        b = frames.RowsBuilder(epoch=self.members.epoch, sender=self.mid,
-                               incarnation=self.incarnation, tensor=info.tid, shard=shard,
-                               seq=ROWS_SEQ_BASE + st.rseq, n=len(index), cols=info.cols,
-                               dtype=info.dtype, start=start,
-                               rows=None if start is not None else index, marks=marks,
-                               nstate=nstate,
-                               state_dtype=_native.DTYPE_NAMES[spec["state_dtype"]] if nstate
-                               else None)
+        b = self._rows_builder(info, shard, st.rseq, len(index), marks, start=start,
+                               rows=None if start is not None else index)
         local = index - info.shard_range(shard)[0]
         step = info.t._read_rows_into(shard, local, [b.values] + b.state)
         self._send_to_copies(st, b.finish(step))
@@ -1660,16 +1668,9 @@ class Bridge:
         """ROWS of the table ``keys`` (of ``shard``) just applied, with each row's step:
         read under the shard's freeze straight into the frame; if a key is missing
         (evicted meanwhile), read again and sent as _send_rows does."""
-        spec = info.t._shard(shard).spec
-        nstate = int(spec["nstate"])
         st = self.shards[key]
-        b = frames.RowsBuilder(epoch=self.members.epoch, sender=self.mid,
-                               incarnation=self.incarnation, tensor=info.tid, shard=shard,
-                               seq=ROWS_SEQ_BASE + st.rseq + 1, n=len(keys), cols=info.cols,
-                               dtype=info.dtype, keys=keys, row_steps=True, marks=marks,
-                               nstate=nstate,
-                               state_dtype=_native.DTYPE_NAMES[spec["state_dtype"]] if nstate
-                               else None)
+        b = self._rows_builder(info, shard, st.rseq + 1, len(keys), marks, keys=keys,
+                               row_steps=True)
         assert b.index is not None and b.row_steps is not None
         found = info.t._read_rows_into(shard, keys, b.index, b.values, b.state, b.row_steps)
         if found < len(keys):
