@@ -146,8 +146,8 @@ class DenseTensor(Tensor):
         self._outbox()._push_counted(g, r)
 
     def _apply(self, g: np.ndarray, r: Optional[np.ndarray], pushes: int = 1,
-               new_step: bool = True) -> Any:
-        """Push ``g`` (validated) into rows ``r`` (None: all); returns the shards touched.
+               new_step: bool = True) -> None:
+        """Push ``g`` (validated) into rows ``r`` (None: all).
         ``new_step`` False: apply at the tensor's current step without advancing it (a
         later frame of one forwarded drain); ``pushes``: how many the call counts as."""
         nthreads = self._threads_for(g.nbytes) if r is None else 1
@@ -161,7 +161,6 @@ class DenseTensor(Tensor):
         if r is None:
             self._push_all(g, t, nthreads)
             lib.shmps_count_push(self._shard(0).ptr, pushes, g.nbytes, self.nrows)
-            return range(self.nshards)
         else:
             r, g = self._aggregate_duplicates(r, g)
             if r.size > 1 and bool(np.any(r[1:] < r[:-1])):
@@ -169,9 +168,8 @@ class DenseTensor(Tensor):
                 # locked once per push, so a stripe always holds whole pushes.
                 order = np.argsort(r, kind="stable")
                 r, g = r[order], g[order]
-            touched = self._push_rows(g, r, t)
+            self._push_rows(g, r, t)
             lib.shmps_count_push(self._shard(0).ptr, pushes, g.nbytes, r.size)
-            return touched
 
     def _threads_for(self, nbytes: int) -> int:
         """Split a large push over this process's cores, unless another process has
@@ -238,17 +236,14 @@ class DenseTensor(Tensor):
             parts.append(cur)
         return parts
 
-    def _push_rows(self, g: np.ndarray, r: np.ndarray, step: int) -> list[int]:
-        """Push ``g`` into rows ``r``, shard by shard; returns the shards touched."""
+    def _push_rows(self, g: np.ndarray, r: np.ndarray, step: int) -> None:
+        """Push ``g`` into rows ``r``, shard by shard."""
         tok = _native.token()
-        touched = []
         for i, local, gpart in self._by_shard(r, g):
             code = lib.shmps_dense_push_rows(self._shards[i].ptr, tok, _native.addr(local),
                                              local.size, _native.addr(gpart), self._gcode, step)
             if code:
                 _native.check(code, f"push to {self.name!r}")
-            touched.append(i)
-        return touched
 
     def _by_shard(self, r: np.ndarray, g: Optional[np.ndarray]):
         """Yield (shard, local rows, gradient rows or positions) grouped by shard."""

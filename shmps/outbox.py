@@ -597,23 +597,7 @@ def flush(store: Any, timeout: Optional[float]) -> None:
                 if acked >= target:
                     break
                 if time.monotonic() >= deadline:
-                    ns = f" namespace {store.namespace!r}" if store.namespace else ""
-                    if lost_open(ob, i):
-                        raise Timeout(
-                            f"flush of store {store.name!r}{ns}: shard {i} of tensor "
-                            f"{ob.record['outbox_of']!r} has {target} pushes to forward, "
-                            f"{acked} acknowledged after {limit} s: a bridge process ended "
-                            "holding pushes, and which of them were lost is known only once "
-                            "every push landing in the outbox then is counted; a process "
-                            "stopped in the middle of a push holds that up",
-                            "resume or kill the stopped worker, or raise the timeout")
-                    raise Timeout(
-                        f"flush of store {store.name!r}{ns}: shard {i} of tensor "
-                        f"{ob.record['outbox_of']!r} has {target} pushes to forward, {acked} "
-                        f"acknowledged after {limit} s; is shmps-bridge running for this "
-                        "store and namespace?",
-                        "start shmps-bridge for it (or turn forwarding off), or raise the "
-                        "timeout")
+                    raise _flush_timeout(store, ob, i, target, acked, limit)
                 if not registered:
                     lib.shmps_ack_waiting(man, 1)
                     registered = True
@@ -624,6 +608,23 @@ def flush(store: Any, timeout: Optional[float]) -> None:
         if registered:
             lib.shmps_ack_waiting(man, -1)
     _raise_lost(store)
+
+
+def _flush_timeout(store: Any, ob: Any, shard: int, target: int, acked: int,
+                   limit: float) -> Timeout:
+    """The Timeout of a flush that waited ``limit`` s for shard ``shard`` of outbox ``ob``,
+    saying why: a lost range waiting for a stopped pusher, or no bridge at work."""
+    ns = f" namespace {store.namespace!r}" if store.namespace else ""
+    head = (f"flush of store {store.name!r}{ns}: shard {shard} of tensor "
+            f"{ob.record['outbox_of']!r} has {target} pushes to forward, {acked} "
+            f"acknowledged after {limit} s")
+    if lost_open(ob, shard):
+        return Timeout(head + ": a bridge process ended holding pushes, and which of them "
+                       "were lost is known only once every push landing in the outbox then "
+                       "is counted; a process stopped in the middle of a push holds that up",
+                       "resume or kill the stopped worker, or raise the timeout")
+    return Timeout(head + "; is shmps-bridge running for this store and namespace?",
+                   "start shmps-bridge for it (or turn forwarding off), or raise the timeout")
 
 
 def _raise_lost(store: Any) -> None:
