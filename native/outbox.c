@@ -600,7 +600,8 @@ int shmps_outbox_pending(const void *base, uint64_t *out, uint64_t cap) {
 /* The flush loop's test, one call over any set of outbox shards (the bridge passes
  * every shard of every forwarded tensor: outbox.BusyScan): busy[i] = 1 where outbox shard
  * bases[i] holds pushes no drain has counted yet (ob_pushed != ob_drained) or a lost
- * range recover left open (shmps_outbox_settle), else 0 (a base that is no outbox: 0).  *nbusy: how many are busy.  Relaxed loads suffice: this
+ * range recover left open (shmps_outbox_settle), else 0 (a base that is no outbox: 0).
+ * *nbusy: how many are busy.  Relaxed loads suffice: this
  * is a hint, and the drain it leads to makes its own acquire load of ob_pushed, which
  * orders the pushes it takes.  A push whose release add this reads too early (not yet
  * visible) is seen by the next call, one flush interval later; a shard left with

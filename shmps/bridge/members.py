@@ -411,7 +411,7 @@ class Membership:
         incarnation's heartbeat). O(n)."""
         before = frozenset(self.live())
         changes: list[Change] = []
-        self.state(member)
+        self.state(member)   # InvalidArgument unless a member
         self._set(changes, member, State.JOINING)
         return self._apply(changes, before)
 
