@@ -53,7 +53,7 @@ import re
 import time
 from dataclasses import dataclass
 from enum import Enum
-from typing import Awaitable, Callable, Iterable, Mapping, Union
+from typing import Any, Awaitable, Callable, Iterable, Mapping, Union
 
 from ..errors import InvalidArgument
 from .ring import stable_hash64
@@ -264,6 +264,10 @@ class Membership:
         self.self_addr = self_addr
         self._configured: tuple[str, ...] = tuple(configured)
         self._state: dict[str, State] = {m: State.ALIVE for m in configured}
+        # live(), reachable() and has_quorum() of the current states and configured
+        # list, kept until one changes (_set, set_members): the bridge asks for them for
+        # every frame it handles
+        self._views: dict[str, Any] = {}
         self._seen: dict[str, float] = {m: t for m in configured}
         if joining and self_addr is not None:
             self._state[self_addr] = State.JOINING
@@ -294,11 +298,19 @@ class Membership:
 
     def live(self) -> tuple[str, ...]:
         """The members on the ring (alive, suspect, leaving), sorted. O(n log n)."""
-        return tuple(sorted(m for m, s in self._state.items() if s in ON_RING))
+        v = self._views.get("live")
+        if v is None:
+            v = self._views["live"] = tuple(sorted(m for m, s in self._state.items()
+                                                   if s in ON_RING))
+        return v
 
     def reachable(self) -> set[str]:
         """Members heard from within ``dead_after`` (every state but dead), self included. O(n)."""
-        return {m for m, s in self._state.items() if s is not State.DEAD}
+        v = self._views.get("reachable")
+        if v is None:
+            v = self._views["reachable"] = frozenset(m for m, s in self._state.items()
+                                                     if s is not State.DEAD)
+        return set(v)
 
     def last_seen(self, member: str) -> float:
         """When ``member`` was last heard from (clock units). O(1)."""
@@ -310,17 +322,26 @@ class Membership:
         configured members, or ``allow_minority`` is set. O(n)."""
         if self.allow_minority:
             return True
+        if reachable is None:
+            v = self._views.get("quorum")
+            if v is None:
+                v = self._views["quorum"] = self._majority(self.reachable())
+            return bool(v)
+        return self._majority(reachable)
+
+    def _majority(self, reachable: Iterable[str]) -> bool:
         base = set(self._configured)
-        got = set(self.reachable() if reachable is None else reachable) & base
-        return 2 * len(got) > len(base)
+        return 2 * len(set(reachable) & base) > len(base)
 
     # ---------------------------------------------------------------- transitions
-    def _apply(self, changes: list[Change], before: frozenset[str]) -> list[Change]:
+    def _apply(self, changes: list[Change]) -> list[Change]:
         # Against the epoch's live set, not the one before this change: a ring changed
         # without a majority (a member counted dead alone) was never the epoch's, so
         # when the majority is back the epoch bumps for it, unless the members came back
         # and the ring is the epoch's again (then nothing moved: no bump).
-        live = frozenset(self.live())
+        live = self._views.get("live_set")
+        if live is None:
+            live = self._views["live_set"] = frozenset(self.live())
         if live != self.epoch_live and self.has_quorum():
             self.epoch += 1
             self.epoch_live = live
@@ -334,6 +355,7 @@ class Membership:
         old = self._state.get(member)
         if old is new:
             return
+        self._views.clear()
         if new is None:
             del self._state[member]
             del self._seen[member]
@@ -358,7 +380,6 @@ class Membership:
             return []
         t = self._now(now)
         self._seen[member] = max(self._seen[member], t)
-        before = frozenset(self.live())
         changes: list[Change] = []
         s = self._state[member]
         if s is State.SUSPECT:
@@ -366,7 +387,7 @@ class Membership:
         elif s is State.DEAD:
             self._set(changes, member,
                       State.ALIVE if member in self.epoch_live else State.JOINING)
-        return self._apply(changes, before)
+        return self._apply(changes)
 
     def tick(self, now: float | None = None) -> list[Change]:
         """Advance time to ``now``: silent members become suspect, then dead.
@@ -375,7 +396,6 @@ class Membership:
         itself never goes silent. O(n).
         """
         t = self._now(now)
-        before = frozenset(self.live())
         changes: list[Change] = []
         for m, s in list(self._state.items()):
             if m == self.self_addr or s is State.DEAD:
@@ -385,53 +405,48 @@ class Membership:
                 self._set(changes, m, State.DEAD if m in self._configured else None)
             elif silence >= self.suspect_after and s is State.ALIVE:
                 self._set(changes, m, State.SUSPECT)
-        return self._apply(changes, before)
+        return self._apply(changes)
 
     def mark_dead(self, member: str) -> list[Change]:
         """``member`` is gone before ``dead_after`` (its connections were closed by its
         kernel: the process died): dead now, as :meth:`tick` would make it later. O(n)."""
-        before = frozenset(self.live())
         changes: list[Change] = []
         if member != self.self_addr and self.state(member) is not State.DEAD:
             self._set(changes, member, State.DEAD if member in self._configured else None)
-        return self._apply(changes, before)
+        return self._apply(changes)
 
     def mark_ready(self, member: str) -> list[Change]:
         """``member`` finished copying its shards: joining -> alive (it joins the ring).
         No change in any other state. O(n)."""
-        before = frozenset(self.live())
         changes: list[Change] = []
         if self.state(member) is State.JOINING:
             self._set(changes, member, State.ALIVE)
-        return self._apply(changes, before)
+        return self._apply(changes)
 
     def mark_joining(self, member: str) -> list[Change]:
         """``member`` must (re)copy its shards before owning any: it leaves the ring (a
         dead one is joining at once: call this only when hearing from it, e.g. a new
         incarnation's heartbeat). O(n)."""
-        before = frozenset(self.live())
         changes: list[Change] = []
         self.state(member)   # InvalidArgument unless a member
         self._set(changes, member, State.JOINING)
-        return self._apply(changes, before)
+        return self._apply(changes)
 
     def mark_leaving(self, member: str) -> list[Change]:
         """``member`` hands its shards over (stays on the ring until :meth:`remove`). O(n)."""
-        before = frozenset(self.live())
         changes: list[Change] = []
         if self.state(member) in (State.ALIVE, State.SUSPECT):
             self._set(changes, member, State.LEAVING)
         elif self.state(member) is State.JOINING:  # owns nothing yet: just stop tracking it
             self._set(changes, member, State.DEAD if member in self._configured else None)
-        return self._apply(changes, before)
+        return self._apply(changes)
 
     def remove(self, member: str) -> list[Change]:
         """``member`` finished leaving: off the ring (dead if still configured). O(n)."""
-        before = frozenset(self.live())
         changes: list[Change] = []
         self.state(member)
         self._set(changes, member, State.DEAD if member in self._configured else None)
-        return self._apply(changes, before)
+        return self._apply(changes)
 
     def set_members(self, members: Iterable[str], now: float | None = None) -> list[Change]:
         """Adopt a new configured list (hosts.txt edited, or a join/leave request).
@@ -444,10 +459,10 @@ class Membership:
         if len(set(new)) != len(new):
             raise InvalidArgument("a member is listed twice", hint="list each member once")
         t = self._now(now)
-        before = frozenset(self.live())
         changes: list[Change] = []
         old_cfg = set(self._configured)
         self._configured = tuple(new)
+        self._views.clear()
         for m in new:
             if m not in self._state:
                 self._seen[m] = t
@@ -460,7 +475,7 @@ class Membership:
                 self._set(changes, m, State.LEAVING)
             elif s in (State.DEAD, State.JOINING):
                 self._set(changes, m, None)
-        return self._apply(changes, before)
+        return self._apply(changes)
 
     def adopt(self, view: Mapping[str, State], epoch: int,
               now: float | None = None, *, same_epoch: bool = False) -> list[Change]:
@@ -489,7 +504,7 @@ class Membership:
             self._set(changes, m, s)
         self.epoch = int(epoch)
         self.epoch_live = frozenset(self.live())   # the view that epoch stands for
-        return self._apply(changes, self.epoch_live)
+        return self._apply(changes)
 
     def rejoin(self) -> list[Change]:
         """This host must copy its shards again (the majority's view, at this host's epoch,

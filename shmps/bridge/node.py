@@ -371,12 +371,35 @@ class Metrics:
                               "half of dead_after and listened before acting again",
                               registry=r)
 
+        # the children of each label value, looked up once: labels() costs several us,
+        # and these count every frame
+        self._sent: dict[str, tuple[Any, Any]] = {}
+        self._received: dict[str, Any] = {}
+        self._received_bytes: dict[str, Any] = {}
+
     def rejected(self, reason: str) -> None:
         self.rejected_c.labels(reason).inc()
 
     def sent(self, ftype: str, n: int) -> None:
-        self.frames_sent.labels(ftype).inc()
-        self.bytes_sent.labels(ftype).inc(n)
+        """A frame of type ``ftype`` and ``n`` bytes sent."""
+        c = self._sent.get(ftype)
+        if c is None:
+            c = self._sent[ftype] = (self.frames_sent.labels(ftype),
+                                     self.bytes_sent.labels(ftype))
+        c[0].inc()
+        c[1].inc(n)
+
+    def received(self, ftype: str, n: int = 0) -> None:
+        """A frame of type ``ftype`` received; ``n``: bytes counted in bytes_recv."""
+        c = self._received.get(ftype)
+        if c is None:
+            c = self._received[ftype] = self.frames_recv.labels(ftype)
+        c.inc()
+        if n:
+            c = self._received_bytes.get(ftype)
+            if c is None:
+                c = self._received_bytes[ftype] = self.bytes_recv.labels(ftype)
+            c.inc(n)
 
 
 # --------------------------------------------------------------------------- the bridge
@@ -1812,7 +1835,7 @@ class Bridge:
                     log.info("shard %s handed over by %s", st.key, peer)
                 else:   # it came before this host saw the new ring
                     st.handover_done = (peer, time.monotonic(), f.epoch)
-        self.metrics.frames_recv.labels(f.type.name.lower()).inc()
+        self.metrics.received(f.type.name.lower())
         reply(self._ack(f, Status.OK))
 
     async def _send_snapshot(self, key: tuple, member: str, handover: bool = False) -> None:
@@ -2280,7 +2303,7 @@ class Bridge:
 
     def on_frame(self, peer: str, f: Any, reply: Callable[[bytes], None]) -> None:
         if isinstance(f, frames.Heartbeat):
-            self.metrics.frames_recv.labels("heartbeat").inc()
+            self.metrics.received("heartbeat")
             self.on_heartbeat(peer, f)
             return
         if (f.sender, f.incarnation) in self._gone and not isinstance(f, frames.Ack):
@@ -2297,8 +2320,7 @@ class Bridge:
             self._on_changes(self.members.heartbeat(peer))
         if isinstance(f, frames.Data):
             if f.type == FrameType.BATCH:
-                self.metrics.frames_recv.labels("batch").inc()
-                self.metrics.bytes_recv.labels("batch").inc(f.values.nbytes)
+                self.metrics.received("batch", f.values.nbytes)
                 self.on_batch(peer, f, reply)
             else:
                 self.on_rows(peer, f, reply)
@@ -2321,7 +2343,7 @@ class Bridge:
             else:
                 reply(self._ack(f, Status.NOT_OWNER))
         elif isinstance(f, frames.Ack):
-            self.metrics.frames_recv.labels("ack").inc()
+            self.metrics.received("ack")
             self.on_ack(peer, f)
 
 
