@@ -150,6 +150,9 @@ uint64_t shmps_outbox_drained(shmps_shard_hdr_t *h, uint64_t pushed, int took,
  * shmps_outbox_drain_begin before it takes anything and shmps_outbox_drain_end after
  * its bookkeeping (shmps_outbox_drained, or a partial drain's ticket) */
 uint64_t shmps_outbox_settle(shmps_shard_hdr_t *h);
+/* a drain that fails after it took rows (P: its ob_pushed) records the pushes it cannot
+ * deliver lost and claims P as an empty drain (outbox.c); returns how many it recorded */
+uint64_t shmps_outbox_drain_lost(shmps_shard_hdr_t *h, uint64_t P);
 void shmps_outbox_drain_begin(shmps_shard_hdr_t *h);
 void shmps_outbox_drain_end(shmps_shard_hdr_t *h);
 

@@ -86,6 +86,11 @@
  * out meanwhile, none returns.  Tables need no slots: a table drain reads its P under
  * its exclusive freeze, when no pusher is inside the shard (a table push counts itself
  * before it leaves), so its P counts every push whose rows it takes.
+ *
+ * Lost by a failed drain (shmps_outbox_drain_lost).  A table drain that took rows and
+ * then failed (a corrupt row) cannot deliver them: it records the pushes past ob_drained
+ * that its P counts as a lost range and claims P as an empty drain, so store.flush()
+ * raises PushesLost for them rather than see a later drain's ack cover them.
  */
 #include "internal.h"
 
@@ -506,6 +511,46 @@ uint64_t shmps_outbox_drained(shmps_shard_hdr_t *h, uint64_t pushed, int took,
     if (done >= LOAD(&h->ob_sent, SEQ_CST) && !LOAD(&h->ob_lost_open, SEQ_CST))
         cas_max(&h->ob_acked, pushed);
     return prev;
+}
+
+/* A drain that failed after it took rows it cannot deliver (a table drain that met a
+ * corrupt row part way: the caller raises and throws away what it took, and the rows
+ * are gone from the outbox).  P: its ob_pushed, read with no pusher inside the shard,
+ * so the rows it took hold pushes counted in (ob_drained, P] only: those counted up to
+ * ob_drained had their rows taken by earlier drains, and those up to ob_lost_hi are in
+ * a lost range already (recover ends one past ob_drained).  That range is recorded lost
+ * as recover records one (a push may have had some rows taken and some left, which a
+ * later drain sends: "may or may not have been applied"), and the drain then claims P
+ * as an empty drain does: every push P counts is taken, lost or left for a later drain
+ * (whose P counts it again), so once the drains that took rows before are acknowledged
+ * ob_acked reaches P (here, or by the ack of the latest of them), and a flush waiting
+ * for those pushes raises PushesLost instead of waiting or returning.  Returns the
+ * pushes recorded lost.  A range recover left open stays open and grows to P (the
+ * settle that ends it counts from ob_lost_hi on); a table shard never has one here (its
+ * drain's settle ends it: table pushes hold no landing slot). */
+uint64_t shmps_outbox_drain_lost(shmps_shard_hdr_t *h, uint64_t P) {
+    /* seq_cst, as every load of ob_drained; relaxed for the range: the bridge's words
+     * (one drainer per shard; recover ran before, in this bridge or an ended one) */
+    uint64_t d = LOAD(&h->ob_drained, SEQ_CST);
+    uint64_t hi = LOAD(&h->ob_lost_hi, RELAXED);
+    uint64_t lo = d > hi ? d : hi, n = P > lo ? P - lo : 0;
+    if (n) {
+        /* relaxed: the bridge's word too (this drain's settle wrote it last) */
+        if (!LOAD(&h->ob_lost_open, RELAXED)) STORE(&h->ob_lost_lo, lo, RELAXED);
+        STORE(&h->ob_lost_hi, P, RELAXED);
+        FETCH_ADD(&h->ob_lost, n, RELAXED);
+    }
+    /* The range's words are published by the seq_cst (release) CAS of ob_drained in
+     * shmps_outbox_drained: a flusher whose target is past lo reads them after its
+     * acquire load of an ob_acked raised to at least that target.  Until that CAS,
+     * ob_acked is at most lo (acks and empty drains raise it to ob_drained at most,
+     * recover and settle to ob_lost_hi), and every raise past lo comes after it: the
+     * empty drain's own (program order), or an ack's or a later drain's, made after a
+     * seq_cst load of ob_drained that reads the CAS or a later one (an RMW, continuing
+     * its release sequence). */
+    uint64_t ticket;
+    shmps_outbox_drained(h, P, 0, 0, &ticket);
+    return n;
 }
 
 /* ---- dense drain ------------------------------------------------------------------ */

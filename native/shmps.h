@@ -296,7 +296,8 @@ int shmps_outbox_recover(void *base, uint64_t *lost);
 int shmps_outbox_lost(const void *base, uint64_t *lo, uint64_t *hi, uint64_t *count);
 int shmps_outbox_lost_open(const void *base, uint32_t *open);
 /* *lost (both drains): pushes recorded lost by this drain, which ended a lost range
- * recover had left open (they are acknowledged: store.flush() raises PushesLost) */
+ * recover had left open, or (a table drain) failed after it took rows, which the caller
+ * cannot deliver (store.flush() raises PushesLost for them) */
 int shmps_outbox_drain(void *base, uint64_t token, double timeout_s, int64_t *rows,
                        void *vals, uint64_t cap, uint64_t *n, uint64_t *pushed,
                        uint64_t *prev, uint64_t *ticket, uint64_t *lost);

@@ -1209,6 +1209,12 @@ int shmps_table_drain(void **bases, uint32_t nshards, uint32_t shard, uint64_t t
     shmps_thaw(t->base, token);
     *n_out = n;
     if (r) {
+        /* Failed part way (a corrupt row, or compaction): the caller throws away the n
+         * rows with pushes taken, already removed.  Record their pushes lost, or the
+         * next drain's P counts them and its ack tells store.flush() they were applied
+         * (outbox.c, shmps_outbox_drain_lost).  Rows without a push hold nothing to
+         * lose; a drain that took none of those leaves the counters as they were. */
+        if (n) *lost += shmps_outbox_drain_lost(t->h, P);
         shmps_outbox_drain_end(t->h);
         return r;
     }

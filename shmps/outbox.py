@@ -443,9 +443,10 @@ def _timeout(timeout: Optional[float]) -> float:
 
 
 def _settled(t: Any, ob: Any, shard: int, n: int) -> None:
-    """A drain of ``shard`` ended a lost range that recover had left open, recording
-    ``n`` more pushes lost: the draining handle (the bridge's, which recovered) knows of
-    them, as of those recover recorded; the bridge reads them with :func:`take_lost`."""
+    """A drain of ``shard`` ended a lost range that recover had left open, or (a table
+    drain) failed after it took rows, recording ``n`` more pushes lost: the draining
+    handle (the bridge's) knows of them, as of those recover recorded; the bridge reads
+    them with :func:`take_lost`."""
     store = t._store
     store._lost_seen[ob.name][int(shard)] = lost(ob, shard)[2]
     store._lost_settled.append((t.name, int(shard), int(n)))
@@ -453,8 +454,9 @@ def _settled(t: Any, ob: Any, shard: int, n: int) -> None:
 
 def take_lost(store: Any) -> list[tuple[str, int, int]]:
     """``(tensor, shard, pushes)`` recorded lost by this handle's drains since the last
-    call (a lost range recover left open, ended by a drain; the bridge logs and counts
-    them as it does what ``recover`` returns)."""
+    call (a lost range recover left open, ended by a drain; a table drain that failed
+    after it took rows, which raised CorruptSegment; the bridge logs and counts them as
+    it does what ``recover`` returns)."""
     out, store._lost_settled = store._lost_settled, []
     return out
 
@@ -644,7 +646,8 @@ def _raise_lost(store: Any) -> None:
         ns = f" namespace {store.namespace!r}" if store.namespace else ""
         raise PushesLost(
             f"flush of store {store.name!r}{ns}: pushes (of every process on this host) were "
-            "taken by a bridge process that ended before their owner acknowledged them, so "
-            "they may or may not have been applied; this process's pushes made before may be "
+            "taken by a bridge process that ended before their owner acknowledged them (or "
+            "by a drain that failed part way, on a corrupt outbox shard), so they may or may "
+            "not have been applied; this process's pushes made before may be "
             f"among them. Pushes per tensor shard: {', '.join(found[:8])}"
             + (f" and {len(found) - 8} shards more" if len(found) > 8 else ""))

@@ -1675,3 +1675,106 @@ def test_a_slot_claimed_again_does_not_hold_a_lost_range_open(store, store_name)
             store.flush(timeout=1)
     finally:
         bridge.close()
+
+
+# ---- a table drain that fails part way ------------------------------------------------------
+#
+# A table drain removes each row it takes as it goes.  One that met a corrupt row after
+# taking others returned CorruptSegment, and what it had taken was thrown away with its
+# buffers; the next drain counted those pushes again and their ack made flush() return
+# as if they had been applied.
+
+OB_DRAINED_OFF = 1224  # outbox shards: ob_drained, then ob_sent
+
+
+def _corrupt_live_row(ob, path, keys, k):
+    """Overwrite the stored key of the k-th lowest live row holding one of ``keys`` (the
+    drain takes rows in row order, and finds each row's key in the index: that one is
+    then CorruptSegment); returns (row, its key)."""
+    sp = ob._shards[0].spec
+    stored = peek(path, sp["colidx_off"], f"<{sp['nrows']}Q")
+    rows = sorted(r for r, key in enumerate(stored) if key in set(keys))
+    assert len(rows) == len(keys)
+    row = rows[k]
+    poke(path, sp["colidx_off"] + 8 * row, "<Q", 999_999)
+    return row, stored[row]
+
+
+def test_a_table_drain_that_fails_after_taking_rows_makes_flush_raise(store, store_name):
+    """A drain that removed rows and then met a corrupt row records the pushes it took as
+    lost: flush() raises PushesLost for them (the next drain, which finds the rest, and
+    its ack do not make them acknowledged), and the bridge's handle reports them."""
+    from shmps.outbox import lost, take_lost
+
+    t = store.table("e", dim=2, capacity=8, shards=1)
+    store._set_forwarding(True)
+    ob = t._outbox()
+    path = segment_path(store, ob)
+    bridge = shmps.attach(store_name, create=False)
+    try:
+        tb = bridge["e"]
+        t.push([100], np.ones((1, 2)))                           # pushed 1
+        d = tb._outbox_drain(0)
+        tb._outbox_ack(0, d.pushed, d.ticket)                    # acked 1
+        store.flush(timeout=1)
+        t.push([1, 2], np.ones((2, 2)))                          # pushed 2, 3, 4
+        t.push([3], np.ones((1, 2)))
+        t.push([4, 5], np.ones((2, 2)))
+        row, key = _corrupt_live_row(ob, path, [1, 2, 3, 4, 5], 2)  # two rows before it
+        with pytest.raises(shmps.CorruptSegment):
+            tb._outbox_drain(0)
+        assert len(ob) == 3                                      # two rows taken and gone
+        assert lost(ob, 0) == (1, 4, 3)                          # pushes 2..4 recorded lost
+        assert take_lost(bridge) == [("e", 0, 3)] and take_lost(bridge) == []
+        assert native_counters(ob, 0) == (4, 4)                  # nothing else to wait for
+        sp = ob._shards[0].spec
+        poke(path, sp["colidx_off"] + 8 * row, "<Q", key)        # repaired
+        d = tb._outbox_drain(0)                                  # takes the other three
+        assert len(d.index) == 3 and len(ob) == 0
+        tb._outbox_ack(0, d.pushed, d.ticket)
+        with pytest.raises(shmps.PushesLost, match="'e' shard 0: 3"):
+            store.flush(timeout=5)
+        store.flush(timeout=1)                                   # raised once
+        bridge.flush(timeout=1)                                  # the drainer's handle knows
+        t.push([6], np.ones((1, 2)))                             # and on as usual
+        d = tb._outbox_drain(0)
+        assert d.index.tolist() == [6] and d.pushed == 5
+        tb._outbox_ack(0, d.pushed, d.ticket)
+        store.flush(timeout=1)
+        ob.check()
+    finally:
+        bridge.close()
+
+
+def test_a_table_drain_that_fails_before_taking_a_row_changes_nothing(store, store_name):
+    """A drain whose first row is corrupt removed nothing: rows, counters and the lost
+    range stay as they were, and once the row is repaired the next drain takes it all
+    and its ack lets flush() return."""
+    from shmps.outbox import lost, take_lost
+
+    t = store.table("e", dim=2, capacity=8, shards=1)
+    store._set_forwarding(True)
+    ob = t._outbox()
+    path = segment_path(store, ob)
+    bridge = shmps.attach(store_name, create=False)
+    try:
+        tb = bridge["e"]
+        t.push([1, 2], np.ones((2, 2)))                          # pushed 1, 2
+        t.push([3], np.full((1, 2), 2.0))
+        before = peek(path, OB_DRAINED_OFF, "<2Q"), native_counters(ob, 0), len(ob)
+        row, key = _corrupt_live_row(ob, path, [1, 2, 3], 0)
+        with pytest.raises(shmps.CorruptSegment):
+            tb._outbox_drain(0)
+        assert (peek(path, OB_DRAINED_OFF, "<2Q"), native_counters(ob, 0), len(ob)) == before
+        assert lost(ob, 0) == (0, 0, 0) and take_lost(bridge) == []
+        sp = ob._shards[0].spec
+        poke(path, sp["colidx_off"] + 8 * row, "<Q", key)        # repaired
+        d = tb._outbox_drain(0)
+        order = np.argsort(d.index)
+        assert d.index[order].tolist() == [1, 2, 3] and (d.pushed, d.pushes) == (2, 2)
+        np.testing.assert_array_equal(d.grads[order], [[1, 1], [1, 1], [2, 2]])
+        tb._outbox_ack(0, d.pushed, d.ticket)
+        store.flush(timeout=1)
+        ob.check()
+    finally:
+        bridge.close()

@@ -366,7 +366,8 @@ class Metrics:
                                "unacknowledged batch", registry=r)
         self.owned = Gauge("shmps_bridge_shards_owned", "shards this host owns", registry=r)
         self.lost = Counter("shmps_bridge_lost_pushes", "pushes an earlier bridge process "
-                            "on this store drained and never saw acknowledged", registry=r)
+                            "on this store drained and never saw acknowledged, or a "
+                            "drain that failed part way took", registry=r)
         self.stalls = Counter("shmps_bridge_stalls", "times this process did not run for "
                               "half of dead_after and listened before acting again",
                               registry=r)
@@ -1294,8 +1295,12 @@ class Bridge:
                 # never drain or apply on a view older than one flush interval
                 self._notice_silence()
                 with self._unit():
-                    self._drain_all()
-                    self._note_lost()
+                    try:
+                        self._drain_all()
+                    finally:
+                        # a drain that failed part way (a corrupt outbox) recorded what
+                        # it took as lost: counted even when it raises every pass
+                        self._note_lost()
                     self._send_all()
             except asyncio.CancelledError:
                 raise
@@ -1306,15 +1311,18 @@ class Bridge:
     def _note_lost(self) -> None:
         """Pushes recorded lost by this bridge's drains: a range that recover (at start)
         left open, because pushes were landing in the outbox then, ended by a drain once
-        they were counted (native/outbox.c "Landing").  Logged and counted as recover's."""
+        they were counted (native/outbox.c "Landing"), or the pushes of rows a table
+        drain took before it failed (a corrupt outbox shard; shmps_outbox_drain_lost).
+        Logged and counted as recover's."""
         if not self.store._lost_settled:
             return
         from ..outbox import take_lost
         for name, s, lost in take_lost(self.store):
             self.metrics.lost.inc(lost)
-            log.error("tensor %r shard %d: %d more pushes may have been taken by an earlier "
-                      "bridge process that ended while they were landing in the outbox; "
-                      "store.flush() raises PushesLost for them", name, s, lost)
+            log.error("tensor %r shard %d: %d more pushes may have been lost, taken by an "
+                      "earlier bridge process that ended while they were landing in the "
+                      "outbox or by a drain that failed part way; store.flush() raises "
+                      "PushesLost for them", name, s, lost)
 
     def _drain_all(self) -> None:
         if not self.members.has_quorum():
@@ -1354,8 +1362,9 @@ class Bridge:
                 return
             if self._backed_up(info, s):
                 continue   # the pushes keep summing in the outbox meanwhile
+            # an empty drain may acknowledge (native/outbox.c), and so may one that fails
+            self._acks_new = True
             d = info.t._outbox_drain(s, into=info.drain_buffers)
-            self._acks_new = True    # an empty drain may acknowledge (native/outbox.c)
             if d is not None:
                 stream = self.streams[(tid, s)]
                 self._queue_drain(info, s, stream, d)
