@@ -10,7 +10,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 
 from . import _native
-from .errors import CorruptSegment, SchemaError
+from .errors import CorruptSegment, OutOfRange, SchemaError
 from .tensor import PushHandle, Tensor, cast_grad, check_rows, split_pool
 
 lib = _native.lib
@@ -294,6 +294,35 @@ class DenseTensor(Tensor):
         g, r = self._prepare(grads, index)
         self._apply(g, r, pushes=0 if continues else max(1, int(pushes)),
                     new_step=not continues)
+
+    def _apply_shard(self, shard: int, local: np.ndarray, grads: np.ndarray, pushes: int = 1,
+                     continues: bool = False) -> None:
+        """The owner's bridge: :meth:`_apply_direct` of a batch whose rows ``local`` (int64,
+        numbered within ``shard``) the caller checked strictly increasing and inside the
+        shard (a BATCH frame: Bridge._check_in_shard), ``grads`` ``(n, row_len)``: one C
+        push into the shard, without the sorting, duplicate and shard-split work a push
+        of any rows needs.  Same NaN/Inf rule, step and counts."""
+        sh = self._shard_checked(shard)
+        n = local.size
+        if local.dtype != np.int64 or not local.flags.c_contiguous or (
+                n and (int(local[0]) < 0 or int(local[-1]) >= sh.spec["nrows"])):
+            raise OutOfRange(f"rows of {self.name!r} outside shard {shard}")
+        g = cast_grad(grads, self.dtype)
+        if g.shape[:1] != (n,) or g.size != n * self.row_len:
+            raise SchemaError(f"gradient shape {g.shape} for {n} rows of {self.name!r}")
+        self._require_finite(g)
+        if continues:
+            t = max(1, self._step())
+        else:
+            step = _native.ffi.new("uint64_t *")
+            lib.shmps_next_step(self._shard(0).ptr, step)
+            t = int(step[0])
+        code = lib.shmps_dense_push_rows(sh.ptr, _native.token(), _native.addr(local), n,
+                                         _native.addr(g), self._gcode, t)
+        if code:
+            _native.check(code, f"push to {self.name!r}")
+        lib.shmps_count_push(self._shard(0).ptr, 0 if continues else max(1, int(pushes)),
+                             g.nbytes, n)
 
     def _rows_of(self, shard: int, index: Any) -> tuple[Any, np.ndarray, np.ndarray]:
         """(shard, global rows, local rows) with every row inside ``shard``."""

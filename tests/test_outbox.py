@@ -696,6 +696,34 @@ def test_apply_direct_equals_push(store, opt):
         b._apply_direct([10], np.ones((1, 4)))
 
 
+@pytest.mark.parametrize("opt", [shmps.SGD(lr=0.1, weight_decay=0.01), shmps.Adam(lr=0.01)])
+def test_apply_shard_equals_apply_direct(store, opt):
+    """The owner's bridge applies a dense BATCH with ``_apply_shard`` (rows numbered in
+    the shard, increasing): the same values, steps and counts as ``_apply_direct`` of
+    the same rows, continued frames included; the same NaN/Inf rule and bounds."""
+    rng = np.random.default_rng(5)
+    a = store.dense("a", shape=(12, 3), dtype="float32", optimizer=opt, shard_rows=5)
+    b = store.dense("b", shape=(12, 3), dtype="float32", optimizer=opt, shard_rows=5)
+    store._set_forwarding(True)
+    batches = [(1, np.array([0, 2, 3]), False), (2, np.array([0, 1]), False),
+               (1, np.array([4]), True), (2, np.array([1]), False), (0, np.arange(5), False)]
+    for shard, local, continues in batches:
+        g = rng.integers(-4, 5, size=(local.size, 3)).astype(np.float32)
+        a._apply_direct(local + 5 * shard, g, pushes=3, continues=continues)
+        b._apply_shard(shard, local.astype(np.int64), g, pushes=3, continues=continues)
+    np.testing.assert_array_equal(b.pull(), a.pull())
+    for k in ("step", "pushes"):
+        assert b.stats()[k] == a.stats()[k]
+    assert b.stats()["pushes"] == 12      # the continued frame counts no further push
+    with pytest.raises(shmps.NonFinite):
+        b._apply_shard(0, np.array([1]), np.full((1, 3), np.nan, np.float32))
+    with pytest.raises(shmps.OutOfRange):
+        b._apply_shard(2, np.array([2]), np.ones((1, 3), np.float32))   # shard 2: 2 rows
+    with pytest.raises(shmps.SchemaError):
+        b._apply_shard(0, np.array([1, 2]), np.ones((1, 3), np.float32))
+    np.testing.assert_array_equal(b.pull(), a.pull())   # refused ones changed nothing
+
+
 def test_apply_direct_whole_tensor_counts_pushes(store):
     w = store.dense("w", shape=(3,), optimizer="sum")
     store._set_forwarding(True)

@@ -1599,14 +1599,24 @@ class Bridge:
             # retries shortly, its pushes summing in its outbox meanwhile
             return self._refuse(f, reply, Status.BUSY, "backlog")
         # apply
-        if f.layout == Layout.RANGE:
+        continues = bool(f.flags & frames.Flag.CONTINUES)
+        local = None
+        if info.kind == "dense":
+            # rows numbered within the shard (checked inside it and increasing above)
+            first = info.shard_range(f.shard)[0]
+            local = (np.arange(f.start - first, f.start - first + f.n, dtype=np.int64)
+                     if f.layout == Layout.RANGE else f.index - first)
+        elif f.layout == Layout.RANGE:
             index = np.arange(f.start, f.start + f.n, dtype=np.int64)
         else:
             index = f.index
         try:
-            info.t._apply_direct(index, f.values.reshape((f.n,) + info.row_shape),
-                                 pushes=f.step,
-                                 continues=bool(f.flags & frames.Flag.CONTINUES))
+            if local is not None:
+                info.t._apply_shard(f.shard, local, f.values, pushes=f.step,
+                                    continues=continues)
+            else:
+                info.t._apply_direct(index, f.values.reshape((f.n,) + info.row_shape),
+                                     pushes=f.step, continues=continues)
         except CapacityError as e:
             log.error("batch %d from %s for %s: %s", f.seq, peer, st.key, e)
             return self._refuse(f, reply, Status.BUSY, "capacity")
@@ -1626,9 +1636,8 @@ class Bridge:
             del self.failover_log[:-100]
             st.failover_from = None
         mark = [Mark(f.sender, f.incarnation, f.seq)]
-        if info.kind == "dense":
-            rseq = self._send_dense_rows(key, info, f.shard, index, f.start
-                                         if f.layout == Layout.RANGE else None, mark)
+        if local is not None:
+            rseq = self._send_dense_rows(key, info, f.shard, local, f, mark)
         elif info.kind == "table":
             rseq = self._send_table_rows(key, info, f.shard, index, mark)
         else:
@@ -1682,15 +1691,17 @@ class Bridge:
             state_dtype=_native.DTYPE_NAMES[spec["state_dtype"]] if nstate else None,
             **where)
 
-    def _send_dense_rows(self, key: tuple, info: TInfo, shard: int, index: np.ndarray,
-                         start: Optional[int], marks: list) -> int:
-        """ROWS of the dense rows ``index`` (global, sorted, in ``shard``) just applied: read
-        under the shard's freeze straight into the frame, then sent as _send_rows does."""
+    def _send_dense_rows(self, key: tuple, info: TInfo, shard: int, local: np.ndarray,
+                         f: frames.Data, marks: list) -> int:
+        """ROWS of the dense rows ``local`` (numbered within ``shard``, increasing) that
+        BATCH ``f`` just applied, addressed as ``f`` addressed them: read under the
+        shard's freeze straight into the frame, then sent as _send_rows does."""
         st = self.shards[key]
         st.rseq += 1
-        b = self._rows_builder(info, shard, st.rseq, len(index), marks, start=start,
-                               rows=None if start is not None else index)
-        local = index - info.shard_range(shard)[0]
+        if f.layout == Layout.RANGE:
+            b = self._rows_builder(info, shard, st.rseq, f.n, marks, start=f.start)
+        else:
+            b = self._rows_builder(info, shard, st.rseq, f.n, marks, rows=f.index)
         step = info.t._read_rows_into(shard, local, [b.values] + b.state)
         self._send_to_copies(st, b.finish(step))
         return st.rseq
