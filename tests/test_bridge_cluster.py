@@ -517,6 +517,54 @@ def test_flush_waits_for_the_drain_that_took_a_landing_push(make_cluster):
         assert (got == 2.0).all(), (i, np.unique(got), c.describe())
 
 
+def test_a_corrupt_outbox_shard_stops_only_itself(make_cluster):
+    """A table outbox shard that fails every drain (a corrupt row) is counted, logged and
+    skipped: the other tensors' pushes still reach their owners (and a refused first
+    batch is still resent: a failing drain used to end the flush pass before its
+    resends), and flush() raises PushesLost for the rows that drain took and lost."""
+    from test_outbox import _corrupt_live_row, segment_path
+
+    c = make_cluster(2, replicas=1, dead_after=5.0)
+    c.start_all()
+    s = c.attach(0)
+    try:
+        e = s.table("e", dim=2, dtype="float32", capacity=64, shards=1, optimizer="sum")
+        w = s.dense("w", (64, 4), "int32", optimizer="sum", shard_rows=16)
+        wait_forwarding(c, {"e", "w"}, [0, 1])
+        e.push([1], np.ones((1, 2), np.float32))
+        s.flush(timeout=20)                          # e's outbox is in use
+        path = segment_path(s, e._outbox())
+        c.signal(0, signal.SIGSTOP)                  # no drain while the row is broken
+        try:
+            e.push([2, 3, 4], np.ones((3, 2), np.float32))
+            w.push(np.ones((64, 4), np.int32))
+            _corrupt_live_row(e._outbox(), path, [2, 3, 4], 1)   # a row taken before it
+        finally:
+            c.signal(0, signal.SIGCONT)
+        with pytest.raises(shmps.PushesLost, match="'e' shard 0"):
+            s.flush(timeout=20)
+        w.push(np.ones((64, 4), np.int32))
+        s.flush(timeout=20)                          # e's loss was raised once
+        for i in (0, 1):
+            h = c.attach(i)
+            try:
+                c.wait(lambda: int(h["w"].pull().min()) == 2, 10, f"host {i} to hold w's total")
+            finally:
+                h.close()
+        c.wait(lambda: "shmps_bridge_drain_failures_total" in c.metrics(0)
+               and _sample(c.metrics(0), "shmps_bridge_drain_failures_total") >= 1, 10,
+               "the failed drains to be counted")
+    finally:
+        s.close()
+
+
+def _sample(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
 def test_owner_killed_mid_stream(make_cluster):
     c = make_cluster(3)
     c.start_all()

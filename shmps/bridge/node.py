@@ -58,6 +58,7 @@ TICK = 0.02                      #: maintenance interval (s)
 RETRY = 0.05                     #: resend delay after a refusal (s)
 SWEEP_EVERY = 1.0                #: how often the sweep drains SWEEP_SHARDS shards, busy or not (s)
 SWEEP_SHARDS = 64                #: shards per sweep, in turn: a 16-shard store is swept whole every second
+DRAIN_FAILURE_LOG_S = 60.0       #: a failing outbox shard is logged at most this often (s)
 RESEND_AFTER = 2.0                #: resend a stream's unacknowledged frames after this silence
 HANDOVER_TIMEOUT = 3.0           #: a new owner waits this long for the old owner's snapshot
 CATALOG_INTERVAL = 0.5           #: how often tensor catalogs are compared with peers (s)
@@ -368,6 +369,9 @@ class Metrics:
         self.lost = Counter("shmps_bridge_lost_pushes", "pushes an earlier bridge process "
                             "on this store drained and never saw acknowledged, or a "
                             "drain that failed part way took", registry=r)
+        self.drain_failures = Counter("shmps_bridge_drain_failures", "outbox drains that "
+                                      "raised (a corrupt outbox shard); logged",
+                                      registry=r)
         self.stalls = Counter("shmps_bridge_stalls", "times this process did not run for "
                               "half of dead_after and listened before acting again",
                               registry=r)
@@ -447,6 +451,7 @@ class Bridge:
         self.streams: dict[tuple[int, int], SendStream] = {}
         self._sweep_at = 0.0               # next sweep (_drain_all)
         self._drain_round = 0              # rotates where a drain pass starts
+        self._drain_failed_at: dict[tuple, float] = {}   # (tid, shard) -> last logged
         self._sweep_pos = 0                # the next shard a sweep starts with
         self._sweep_due: list = []         # what the current sweep has left to drain
         self._index: tuple = (-1, [], None, [])   # _shard_index's cache
@@ -1364,7 +1369,13 @@ class Bridge:
                 continue   # the pushes keep summing in the outbox meanwhile
             # an empty drain may acknowledge (native/outbox.c), and so may one that fails
             self._acks_new = True
-            d = info.t._outbox_drain(s, into=info.drain_buffers)
+            try:
+                d = info.t._outbox_drain(s, into=info.drain_buffers)
+            except Error as e:
+                # this shard only (a corrupt outbox shard fails every pass): the other
+                # shards and tensors go on, and what it took is recorded lost
+                self._drain_failed(info, s, e)
+                continue
             if d is not None:
                 stream = self.streams[(tid, s)]
                 self._queue_drain(info, s, stream, d)
@@ -1372,6 +1383,17 @@ class Bridge:
                 # one meanwhile
                 self._send_stream(tid, s, stream, now, quorum)
         self._sweep_due = []
+
+    def _drain_failed(self, info: TInfo, s: int, e: Exception) -> None:
+        """Count a drain of shard ``s`` that raised, and log it (once a minute a shard)."""
+        self.metrics.drain_failures.inc()
+        now = time.monotonic()
+        if now - self._drain_failed_at.get((info.tid, s), -DRAIN_FAILURE_LOG_S) >= \
+                DRAIN_FAILURE_LOG_S:
+            self._drain_failed_at[(info.tid, s)] = now
+            log.error("tensor %r shard %d: the outbox drain failed: %s (the other shards "
+                      "go on; this one is tried again every pass, logged once a minute)",
+                      info.name, s, e)
 
     def _shard_index(self) -> tuple[list, Any, list]:
         """The forwarded tensors (TInfo, in order), one outbox.BusyScan over all of them,
