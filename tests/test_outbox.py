@@ -1233,6 +1233,22 @@ def test_a_pusher_killed_mid_write_leaves_its_rows_counted(store, store_name):
 
 # ---- a bridge process that ends with drained, unacknowledged pushes ---------------------
 
+@pytest.fixture
+def new_handle(store, store_name):
+    """Opens another handle of the test's store, as a new bridge process attaches it;
+    every handle opened is closed after the test, before the store is destroyed."""
+    opened: list = []
+
+    def open_handle():
+        h = shmps.attach(store_name, create=False)
+        opened.append(h)
+        return h
+
+    yield open_handle
+    for h in opened:
+        h.close()
+
+
 def drain_and_end(store: str, tensor: str) -> int:
     """An "old bridge": drain every shard of ``tensor``'s outbox, acknowledge nothing,
     and end (what it took ends with it)."""
@@ -1406,7 +1422,7 @@ def drain_and_hang(store: str, tensor: str, flags) -> None:
 
 
 def test_a_landing_push_lost_with_a_killed_bridge_makes_its_pushers_flush_raise(
-        store, store_name):
+        store, store_name, new_handle):
     """The same with processes: a worker stopped between its push's values and its count,
     a bridge process that drains them and is SIGKILLed, a new bridge (this process) that
     recovers and drains while the worker counts its push and flushes: the worker's
@@ -1415,30 +1431,27 @@ def test_a_landing_push_lost_with_a_killed_bridge_makes_its_pushers_flush_raise(
     store._set_forwarding(True)
     w._outbox()
     flags = new_flags(3)
-    bridge = shmps.attach(store_name, create=False)
-    try:
-        wb = bridge["w"]
-        with Workers() as ws:
-            pusher = ws.start(push_landing_then_flush, store_name, flags)
-            wait_until(lambda: flags[2] == 1, 60, "the push's values landed")
-            old = ws.start(drain_and_hang, store_name, "w", flags)
-            wait_until(lambda: flags[4] == 4, 60, "the old bridge drained every shard")
-            old.kill()
-            assert [wb._outbox_recover(s) for s in range(4)] == [0, 0, 0, 0]
-            flags[3] = 1                         # the push counts, the worker flushes
-            deadline = time.monotonic() + 60
-            while not pusher.conn.poll(0) and time.monotonic() < deadline:
-                for s in range(4):              # the new bridge's flush loop
-                    d = wb._outbox_drain(s)
-                    if d is not None:
-                        wb._outbox_ack(s, d.pushed, d.ticket)
-                time.sleep(0.002)
-            assert pusher.result(timeout=60) == "lost"
-    finally:
-        bridge.close()
+    bridge = new_handle()
+    wb = bridge["w"]
+    with Workers() as ws:
+        pusher = ws.start(push_landing_then_flush, store_name, flags)
+        wait_until(lambda: flags[2] == 1, 60, "the push's values landed")
+        old = ws.start(drain_and_hang, store_name, "w", flags)
+        wait_until(lambda: flags[4] == 4, 60, "the old bridge drained every shard")
+        old.kill()
+        assert [wb._outbox_recover(s) for s in range(4)] == [0, 0, 0, 0]
+        flags[3] = 1                         # the push counts, the worker flushes
+        deadline = time.monotonic() + 60
+        while not pusher.conn.poll(0) and time.monotonic() < deadline:
+            for s in range(4):              # the new bridge's flush loop
+                d = wb._outbox_drain(s)
+                if d is not None:
+                    wb._outbox_ack(s, d.pushed, d.ticket)
+            time.sleep(0.002)
+        assert pusher.result(timeout=60) == "lost"
 
 
-def test_a_table_drain_counts_every_push_whose_rows_it_takes(store, store_name):
+def test_a_table_drain_counts_every_push_whose_rows_it_takes(store, new_handle):
     """A table drain that read ob_pushed before its freeze took the rows of a push that
     was inside the shard then and counted itself while the drain waited for it: the
     drain's P did not count that push.  The bridge holding the drain ends; the next empty
@@ -1448,32 +1461,29 @@ def test_a_table_drain_counts_every_push_whose_rows_it_takes(store, store_name):
     store._set_forwarding(True)
     ob = t._outbox()
     path = segment_path(store, ob)
-    bridge = shmps.attach(store_name, create=False)
+    bridge = new_handle()
+    tb = bridge["e"]
+    t.push([1], np.ones((1, 2)))                             # pushed 1
+    d0 = tb._outbox_drain(0)
+    tb._outbox_ack(0, d0.pushed, d0.ticket)                   # acknowledged: acked 1
+    t.push([2], np.ones((1, 2)))                             # its rows and count...
+    poke(path, OB_PUSHED_OFF, "<Q", 1)                       # ...not counted yet
+    poke(path, ACTIVE_OFF + 8 * 9, "<Q", native.token())     # ...still inside
+    out = {}
+    th = threading.Thread(target=lambda: out.update(d=tb._outbox_drain(0, timeout=30)))
+    th.start()
     try:
-        tb = bridge["e"]
-        t.push([1], np.ones((1, 2)))                             # pushed 1
-        d0 = tb._outbox_drain(0)
-        tb._outbox_ack(0, d0.pushed, d0.ticket)                   # acknowledged: acked 1
-        t.push([2], np.ones((1, 2)))                             # its rows and count...
-        poke(path, OB_PUSHED_OFF, "<Q", 1)                       # ...not counted yet
-        poke(path, ACTIVE_OFF + 8 * 9, "<Q", native.token())     # ...still inside
-        out = {}
-        th = threading.Thread(target=lambda: out.update(d=tb._outbox_drain(0, timeout=30)))
-        th.start()
-        try:
-            wait_until(lambda: peek(path, FREEZE_OFF, "<Q")[0] != 0, 30, "the drain's freeze")
-        finally:
-            poke(path, OB_PUSHED_OFF, "<Q", 2)                   # the push counts
-            poke(path, ACTIVE_OFF + 8 * 9, "<Q", 0)              # and leaves the shard
-            th.join(60)
-        assert out["d"].index.tolist() == [2]                    # the drain took its row
-        # the bridge ends with that drain unacknowledged; a new one starts
-        tb._outbox_recover(0)
-        assert tb._outbox_drain(0) is None
-        with pytest.raises(shmps.PushesLost):
-            store.flush(timeout=5)
+        wait_until(lambda: peek(path, FREEZE_OFF, "<Q")[0] != 0, 30, "the drain's freeze")
     finally:
-        bridge.close()
+        poke(path, OB_PUSHED_OFF, "<Q", 2)                   # the push counts
+        poke(path, ACTIVE_OFF + 8 * 9, "<Q", 0)              # and leaves the shard
+        th.join(60)
+    assert out["d"].index.tolist() == [2]                    # the drain took its row
+    # the bridge ends with that drain unacknowledged; a new one starts
+    tb._outbox_recover(0)
+    assert tb._outbox_drain(0) is None
+    with pytest.raises(shmps.PushesLost):
+        store.flush(timeout=5)
 
 
 def drain_until_killed(store: str, tensor: str, flags) -> None:
@@ -1484,7 +1494,7 @@ def drain_until_killed(store: str, tensor: str, flags) -> None:
     s[tensor]._outbox_drain(0, timeout=100)
 
 
-def test_a_bridge_killed_mid_drain_makes_flush_raise(store, store_name):
+def test_a_bridge_killed_mid_drain_makes_flush_raise(store, store_name, new_handle):
     """A bridge SIGKILLed inside a drain has taken rows (their values gone with it) and
     recorded nothing: no ticket, no ob_drained.  The new bridge's recover saw nothing
     unacknowledged, its drain took the rest and was acknowledged: flush() returned."""
@@ -1495,26 +1505,23 @@ def test_a_bridge_killed_mid_drain_makes_flush_raise(store, store_name):
     w.push(np.ones((8, 4096), np.float32))                     # pushed 1
     poke(path, off, "<Q", native.token())                      # stripe 3: a live holder
     flags = new_flags(3)
-    bridge = shmps.attach(store_name, create=False)
-    try:
-        wb = bridge["w"]
-        with Workers() as ws:
-            old = ws.start(drain_until_killed, store_name, "w", flags)
-            wait_until(lambda: flags[4] == 1 and not ob._pending(0)[:3].any(), 60,
-                       "the old bridge taking rows 0-2")
-            old.kill()
-        poke(path, off, "<Q", 0)
-        wb._outbox_recover(0)
-        d = wb._outbox_drain(0)
-        assert d.index.tolist() == [3, 4, 5, 6, 7] and d.pushed == 1
-        wb._outbox_ack(0, d.pushed, d.ticket)
-        with pytest.raises(shmps.PushesLost):
-            store.flush(timeout=5)
-    finally:
-        bridge.close()
+    bridge = new_handle()
+    wb = bridge["w"]
+    with Workers() as ws:
+        old = ws.start(drain_until_killed, store_name, "w", flags)
+        wait_until(lambda: flags[4] == 1 and not ob._pending(0)[:3].any(), 60,
+                   "the old bridge taking rows 0-2")
+        old.kill()
+    poke(path, off, "<Q", 0)
+    wb._outbox_recover(0)
+    d = wb._outbox_drain(0)
+    assert d.index.tolist() == [3, 4, 5, 6, 7] and d.pushed == 1
+    wb._outbox_ack(0, d.pushed, d.ticket)
+    with pytest.raises(shmps.PushesLost):
+        store.flush(timeout=5)
 
 
-def test_a_partial_drain_taken_by_an_ended_bridge_makes_flush_raise(store, store_name):
+def test_a_partial_drain_taken_by_an_ended_bridge_makes_flush_raise(store, new_handle):
     """A partial drain (a stripe held by a live process) takes the rows before it and
     claims no push: its P is the previous drain's.  The rows it took may hold values of
     pushes counted after that P.  If the bridge holding it ends, recover must count
@@ -1527,26 +1534,23 @@ def test_a_partial_drain_taken_by_an_ended_bridge_makes_flush_raise(store, store
     ob = w._outbox()
     path, off = segment_path(store, ob), ob._shards[0].spec["stripes_off"] + 16 * 3
     w.push(np.ones((8, 4096), np.float32))                     # pushed 1, counted
-    bridge = shmps.attach(store_name, create=False)            # the new bridge's handle
-    try:
-        poke(path, off, "<Q", native.token())                  # stripe 3: a live holder
-        d = w._outbox_drain(0, timeout=0.05)                   # the old bridge's drain
-        assert d.index.tolist() == [0, 1, 2] and d.pushed == 0 and d.ticket > 0
-        poke(path, off, "<Q", 0)
-        # the old bridge ends with d unacknowledged; a new one starts
-        wb = bridge["w"]
-        assert wb._outbox_recover(0) == 1 and lost(ob, 0)[2] == 1
-        d2 = wb._outbox_drain(0)
-        assert d2.index.tolist() == [3, 4, 5, 6, 7] and d2.pushed == 1
-        wb._outbox_ack(0, d2.pushed, d2.ticket)
-        with pytest.raises(shmps.PushesLost):
-            store.flush(timeout=5)
-        store.flush(timeout=1)                                  # once
-    finally:
-        bridge.close()
+    bridge = new_handle()            # the new bridge's handle
+    poke(path, off, "<Q", native.token())                  # stripe 3: a live holder
+    d = w._outbox_drain(0, timeout=0.05)                   # the old bridge's drain
+    assert d.index.tolist() == [0, 1, 2] and d.pushed == 0 and d.ticket > 0
+    poke(path, off, "<Q", 0)
+    # the old bridge ends with d unacknowledged; a new one starts
+    wb = bridge["w"]
+    assert wb._outbox_recover(0) == 1 and lost(ob, 0)[2] == 1
+    d2 = wb._outbox_drain(0)
+    assert d2.index.tolist() == [3, 4, 5, 6, 7] and d2.pushed == 1
+    wb._outbox_ack(0, d2.pushed, d2.ticket)
+    with pytest.raises(shmps.PushesLost):
+        store.flush(timeout=5)
+    store.flush(timeout=1)                                  # once
 
 
-def test_recover_records_no_more_than_before_when_nothing_was_landing(store, store_name):
+def test_recover_records_no_more_than_before_when_nothing_was_landing(store, new_handle):
     """No false alarm in the common cases: every drain acknowledged, recover records
     nothing; a drain left unacknowledged while nothing was landing, recover records
     exactly its range (ob_acked, ob_drained], not the pushes counted after it.  Both
@@ -1557,36 +1561,33 @@ def test_recover_records_no_more_than_before_when_nothing_was_landing(store, sto
     t = store.table("e", dim=2, capacity=8, shards=1)
     store._set_forwarding(True)
     ob, tob = w._outbox(), t._outbox()
-    bridge = shmps.attach(store_name, create=False)
-    try:
-        wb, tb = bridge["w"], bridge["e"]
-        for x, xb, push in ((w, wb, lambda: w.push(np.ones((4, 2), np.float32))),
-                            (t, tb, lambda: t.push([1, 2], np.ones((2, 2))))):
-            o = x._outbox()
-            push()
-            d = xb._outbox_drain(0)
-            xb._outbox_ack(0, d.pushed, d.ticket)
-            assert xb._outbox_recover(0) == 0 and not lost_open(o, 0)
-            assert native_counters(o, 0) == (1, 1)
-            push()
-            push()                                         # pushed 3
-            assert xb._outbox_drain(0).pushed == 3         # never acknowledged
-            push()                                         # pushed 4, in the outbox
-            assert xb._outbox_recover(0) == 2 and not lost_open(o, 0)
-            assert lost(o, 0) == (1, 3, 2) and native_counters(o, 0) == (4, 3)
-            d = xb._outbox_drain(0)                        # the push after: sent as usual
-            assert d.pushed == 4
-            xb._outbox_ack(0, d.pushed, d.ticket)
-            assert native_counters(o, 0) == (4, 4) and lost(o, 0)[2] == 2
-        with pytest.raises(shmps.PushesLost):
-            store.flush(timeout=1)
+    bridge = new_handle()
+    wb, tb = bridge["w"], bridge["e"]
+    for x, xb, push in ((w, wb, lambda: w.push(np.ones((4, 2), np.float32))),
+                        (t, tb, lambda: t.push([1, 2], np.ones((2, 2))))):
+        o = x._outbox()
+        push()
+        d = xb._outbox_drain(0)
+        xb._outbox_ack(0, d.pushed, d.ticket)
+        assert xb._outbox_recover(0) == 0 and not lost_open(o, 0)
+        assert native_counters(o, 0) == (1, 1)
+        push()
+        push()                                         # pushed 3
+        assert xb._outbox_drain(0).pushed == 3         # never acknowledged
+        push()                                         # pushed 4, in the outbox
+        assert xb._outbox_recover(0) == 2 and not lost_open(o, 0)
+        assert lost(o, 0) == (1, 3, 2) and native_counters(o, 0) == (4, 3)
+        d = xb._outbox_drain(0)                        # the push after: sent as usual
+        assert d.pushed == 4
+        xb._outbox_ack(0, d.pushed, d.ticket)
+        assert native_counters(o, 0) == (4, 4) and lost(o, 0)[2] == 2
+    with pytest.raises(shmps.PushesLost):
         store.flush(timeout=1)
-        assert ob._pending(0).sum() == 0 and len(tob) == 0
-    finally:
-        bridge.close()
+    store.flush(timeout=1)
+    assert ob._pending(0).sum() == 0 and len(tob) == 0
 
 
-def test_a_dead_landing_pusher_does_not_hold_a_lost_range_open(store, store_name):
+def test_a_dead_landing_pusher_does_not_hold_a_lost_range_open(store, new_handle):
     """A pusher killed while landing holds its landing slot: every drain counts as
     possibly holding a landing push, and recover must not wait for that one to be
     counted (it never will): it sees the holder dead, frees its slot and ends the range
@@ -1597,30 +1598,27 @@ def test_a_dead_landing_pusher_does_not_hold_a_lost_range_open(store, store_name
     store._set_forwarding(True)
     ob = w._outbox()
     path = segment_path(store, ob)
-    bridge = shmps.attach(store_name, create=False)
-    try:
-        wb = bridge["w"]
-        w.push(np.ones((4, 2), np.float32))                     # pushed 1
-        poke(path, LANDING_OFF + 16 * 5, "<QQ", dead_token(), 7)  # killed while landing
-        assert wb._outbox_drain(0).pushed == 1                 # not acknowledged
-        assert wb._outbox_recover(0) == 1 and not lost_open(ob, 0)
-        assert peek(path, LANDING_OFF + 16 * 5, "<QQ") == (0, 7)  # its slot is free again
-        assert lost(ob, 0) == (0, 1, 1) and native_counters(ob, 0) == (1, 1)
-        with pytest.raises(shmps.PushesLost):
-            store.flush(timeout=1)
-        # 64 slots held by dead pushers: a push takes one over (within a few ms)
-        dead = dead_token()
-        for i in range(64):
-            poke(path, LANDING_OFF + 16 * i, "<Q", dead)
-        t0 = time.monotonic()
-        w.push(np.ones((4, 2), np.float32))
-        assert time.monotonic() - t0 < 1.0
-        assert native_counters(ob, 0)[0] == 2
-    finally:
-        bridge.close()
+    bridge = new_handle()
+    wb = bridge["w"]
+    w.push(np.ones((4, 2), np.float32))                     # pushed 1
+    poke(path, LANDING_OFF + 16 * 5, "<QQ", dead_token(), 7)  # killed while landing
+    assert wb._outbox_drain(0).pushed == 1                 # not acknowledged
+    assert wb._outbox_recover(0) == 1 and not lost_open(ob, 0)
+    assert peek(path, LANDING_OFF + 16 * 5, "<QQ") == (0, 7)  # its slot is free again
+    assert lost(ob, 0) == (0, 1, 1) and native_counters(ob, 0) == (1, 1)
+    with pytest.raises(shmps.PushesLost):
+        store.flush(timeout=1)
+    # 64 slots held by dead pushers: a push takes one over (within a few ms)
+    dead = dead_token()
+    for i in range(64):
+        poke(path, LANDING_OFF + 16 * i, "<Q", dead)
+    t0 = time.monotonic()
+    w.push(np.ones((4, 2), np.float32))
+    assert time.monotonic() - t0 < 1.0
+    assert native_counters(ob, 0)[0] == 2
 
 
-def test_a_lost_range_waits_for_a_live_landing_push(store, store_name):
+def test_a_lost_range_waits_for_a_live_landing_push(store, new_handle):
     """A push landing at recover (here: its slot claimed, its values and count to come,
     as a worker stopped in the middle of a push) may be one whose values the ended
     bridge took: the range stays open, acks and empty drains raise ob_acked no further,
@@ -1632,44 +1630,41 @@ def test_a_lost_range_waits_for_a_live_landing_push(store, store_name):
     w = store.dense("w", shape=(4, 2))
     store._set_forwarding(True)
     ob = w._outbox()
-    bridge = shmps.attach(store_name, create=False)
-    try:
-        wb = bridge["w"]
-        g = np.ones((4, 2), np.float32)
-        w.push(g)                                              # pushed 1
-        touched = ob._touched(None)
-        slots = ob._land(touched)                              # a push landing
-        assert wb._outbox_drain(0).pushed == 1                 # not acknowledged
-        assert wb._outbox_recover(0) == 1                      # (0, 1] now, and open
-        assert lost_open(ob, 0) and lost(ob, 0) == (0, 1, 1)
-        assert busy(wb) == [0]                                 # the bridge drains it
-        w.push(g)                                              # pushed 2: a later push
-        d = wb._outbox_drain(0)
-        wb._outbox_ack(0, d.pushed, d.ticket)
-        assert wb._outbox_drain(0) is None
-        assert native_counters(ob, 0) == (2, 1)               # nothing past the range
-        with pytest.raises(shmps.Timeout, match="stopped in the middle of a push"):
-            store.flush(timeout=0.05)
-        DenseTensor._apply(ob, g, None)                        # the landing push: values,
-        ob._landed(touched, slots, True)                       # count (pushed 3), slot
-        d = wb._outbox_drain(0)                                # ends the range at 3
-        assert d.pushed == 3 and not lost_open(ob, 0)
-        assert lost(ob, 0) == (0, 3, 3) and native_counters(ob, 0) == (3, 3)
-        assert take_lost(bridge) == [("w", 0, 2)] and take_lost(bridge) == []
-        wb._outbox_ack(0, d.pushed, d.ticket)
-        with pytest.raises(shmps.PushesLost, match="'w' shard 0: 3"):
-            store.flush(timeout=1)
+    bridge = new_handle()
+    wb = bridge["w"]
+    g = np.ones((4, 2), np.float32)
+    w.push(g)                                              # pushed 1
+    touched = ob._touched(None)
+    slots = ob._land(touched)                              # a push landing
+    assert wb._outbox_drain(0).pushed == 1                 # not acknowledged
+    assert wb._outbox_recover(0) == 1                      # (0, 1] now, and open
+    assert lost_open(ob, 0) and lost(ob, 0) == (0, 1, 1)
+    assert busy(wb) == [0]                                 # the bridge drains it
+    w.push(g)                                              # pushed 2: a later push
+    d = wb._outbox_drain(0)
+    wb._outbox_ack(0, d.pushed, d.ticket)
+    assert wb._outbox_drain(0) is None
+    assert native_counters(ob, 0) == (2, 1)               # nothing past the range
+    with pytest.raises(shmps.Timeout, match="stopped in the middle of a push"):
+        store.flush(timeout=0.05)
+    DenseTensor._apply(ob, g, None)                        # the landing push: values,
+    ob._landed(touched, slots, True)                       # count (pushed 3), slot
+    d = wb._outbox_drain(0)                                # ends the range at 3
+    assert d.pushed == 3 and not lost_open(ob, 0)
+    assert lost(ob, 0) == (0, 3, 3) and native_counters(ob, 0) == (3, 3)
+    assert take_lost(bridge) == [("w", 0, 2)] and take_lost(bridge) == []
+    wb._outbox_ack(0, d.pushed, d.ticket)
+    with pytest.raises(shmps.PushesLost, match="'w' shard 0: 3"):
         store.flush(timeout=1)
-        bridge.flush(timeout=1)                                # the bridge's handle knows
-        w.push(g)                                              # and on as usual
-        d = wb._outbox_drain(0)
-        wb._outbox_ack(0, d.pushed, d.ticket)
-        store.flush(timeout=1)
-    finally:
-        bridge.close()
+    store.flush(timeout=1)
+    bridge.flush(timeout=1)                                # the bridge's handle knows
+    w.push(g)                                              # and on as usual
+    d = wb._outbox_drain(0)
+    wb._outbox_ack(0, d.pushed, d.ticket)
+    store.flush(timeout=1)
 
 
-def test_a_slot_claimed_again_does_not_hold_a_lost_range_open(store, store_name):
+def test_a_slot_claimed_again_does_not_hold_a_lost_range_open(store, new_handle):
     """The range waits for the pushes landing at recover, not for the slots: a slot
     freed and claimed again (its seq moved; here by the same process, as a worker pushing
     without pause does) does not keep it open, nor does a push that began landing after
@@ -1680,29 +1675,26 @@ def test_a_slot_claimed_again_does_not_hold_a_lost_range_open(store, store_name)
     w = store.dense("w", shape=(4, 2))
     store._set_forwarding(True)
     ob = w._outbox()
-    bridge = shmps.attach(store_name, create=False)
-    try:
-        wb = bridge["w"]
-        touched = ob._touched(None)
-        a = ob._land(touched)                                  # push A landing
-        DenseTensor._apply(ob, np.ones((4, 2), np.float32), None)   # A's values
-        assert wb._outbox_drain(0).pushed == 0                 # taken, A not counted
-        assert wb._outbox_recover(0) == 0 and lost_open(ob, 0)
-        c = ob._land(touched)                                  # C begins after recover
-        assert list(c) != list(a)
-        ob._landed(touched, a, True)                           # A counts: pushed 1
-        b = ob._land(touched)                                  # B, in A's slot
-        assert list(b) == list(a)
-        assert wb._outbox_drain(0) is None                     # ends the range: A counted
-        assert not lost_open(ob, 0) and lost(ob, 0) == (0, 1, 1)
-        ob._landed(touched, b, True)
-        ob._landed(touched, c, True)                           # pushed 3
-        assert wb._outbox_drain(0) is None
-        assert native_counters(ob, 0) == (3, 3)
-        with pytest.raises(shmps.PushesLost):
-            store.flush(timeout=1)
-    finally:
-        bridge.close()
+    bridge = new_handle()
+    wb = bridge["w"]
+    touched = ob._touched(None)
+    a = ob._land(touched)                                  # push A landing
+    DenseTensor._apply(ob, np.ones((4, 2), np.float32), None)   # A's values
+    assert wb._outbox_drain(0).pushed == 0                 # taken, A not counted
+    assert wb._outbox_recover(0) == 0 and lost_open(ob, 0)
+    c = ob._land(touched)                                  # C begins after recover
+    assert list(c) != list(a)
+    ob._landed(touched, a, True)                           # A counts: pushed 1
+    b = ob._land(touched)                                  # B, in A's slot
+    assert list(b) == list(a)
+    assert wb._outbox_drain(0) is None                     # ends the range: A counted
+    assert not lost_open(ob, 0) and lost(ob, 0) == (0, 1, 1)
+    ob._landed(touched, b, True)
+    ob._landed(touched, c, True)                           # pushed 3
+    assert wb._outbox_drain(0) is None
+    assert native_counters(ob, 0) == (3, 3)
+    with pytest.raises(shmps.PushesLost):
+        store.flush(timeout=1)
 
 
 # ---- a table drain that fails part way ------------------------------------------------------
@@ -1728,7 +1720,7 @@ def _corrupt_live_row(ob, path, keys, k):
     return row, stored[row]
 
 
-def test_a_table_drain_that_fails_after_taking_rows_makes_flush_raise(store, store_name):
+def test_a_table_drain_that_fails_after_taking_rows_makes_flush_raise(store, new_handle):
     """A drain that removed rows and then met a corrupt row records the pushes it took as
     lost: flush() raises PushesLost for them (the next drain, which finds the rest, and
     its ack do not make them acknowledged), and the bridge's handle reports them."""
@@ -1738,43 +1730,40 @@ def test_a_table_drain_that_fails_after_taking_rows_makes_flush_raise(store, sto
     store._set_forwarding(True)
     ob = t._outbox()
     path = segment_path(store, ob)
-    bridge = shmps.attach(store_name, create=False)
-    try:
-        tb = bridge["e"]
-        t.push([100], np.ones((1, 2)))                           # pushed 1
-        d = tb._outbox_drain(0)
-        tb._outbox_ack(0, d.pushed, d.ticket)                    # acked 1
-        store.flush(timeout=1)
-        t.push([1, 2], np.ones((2, 2)))                          # pushed 2, 3, 4
-        t.push([3], np.ones((1, 2)))
-        t.push([4, 5], np.ones((2, 2)))
-        row, key = _corrupt_live_row(ob, path, [1, 2, 3, 4, 5], 2)  # two rows before it
-        with pytest.raises(shmps.CorruptSegment):
-            tb._outbox_drain(0)
-        assert len(ob) == 3                                      # two rows taken and gone
-        assert lost(ob, 0) == (1, 4, 3)                          # pushes 2..4 recorded lost
-        assert take_lost(bridge) == [("e", 0, 3)] and take_lost(bridge) == []
-        assert native_counters(ob, 0) == (4, 4)                  # nothing else to wait for
-        sp = ob._shards[0].spec
-        poke(path, sp["colidx_off"] + 8 * row, "<Q", key)        # repaired
-        d = tb._outbox_drain(0)                                  # takes the other three
-        assert len(d.index) == 3 and len(ob) == 0
-        tb._outbox_ack(0, d.pushed, d.ticket)
-        with pytest.raises(shmps.PushesLost, match="'e' shard 0: 3"):
-            store.flush(timeout=5)
-        store.flush(timeout=1)                                   # raised once
-        bridge.flush(timeout=1)                                  # the drainer's handle knows
-        t.push([6], np.ones((1, 2)))                             # and on as usual
-        d = tb._outbox_drain(0)
-        assert d.index.tolist() == [6] and d.pushed == 5
-        tb._outbox_ack(0, d.pushed, d.ticket)
-        store.flush(timeout=1)
-        ob.check()
-    finally:
-        bridge.close()
+    bridge = new_handle()
+    tb = bridge["e"]
+    t.push([100], np.ones((1, 2)))                           # pushed 1
+    d = tb._outbox_drain(0)
+    tb._outbox_ack(0, d.pushed, d.ticket)                    # acked 1
+    store.flush(timeout=1)
+    t.push([1, 2], np.ones((2, 2)))                          # pushed 2, 3, 4
+    t.push([3], np.ones((1, 2)))
+    t.push([4, 5], np.ones((2, 2)))
+    row, key = _corrupt_live_row(ob, path, [1, 2, 3, 4, 5], 2)  # two rows before it
+    with pytest.raises(shmps.CorruptSegment):
+        tb._outbox_drain(0)
+    assert len(ob) == 3                                      # two rows taken and gone
+    assert lost(ob, 0) == (1, 4, 3)                          # pushes 2..4 recorded lost
+    assert take_lost(bridge) == [("e", 0, 3)] and take_lost(bridge) == []
+    assert native_counters(ob, 0) == (4, 4)                  # nothing else to wait for
+    sp = ob._shards[0].spec
+    poke(path, sp["colidx_off"] + 8 * row, "<Q", key)        # repaired
+    d = tb._outbox_drain(0)                                  # takes the other three
+    assert len(d.index) == 3 and len(ob) == 0
+    tb._outbox_ack(0, d.pushed, d.ticket)
+    with pytest.raises(shmps.PushesLost, match="'e' shard 0: 3"):
+        store.flush(timeout=5)
+    store.flush(timeout=1)                                   # raised once
+    bridge.flush(timeout=1)                                  # the drainer's handle knows
+    t.push([6], np.ones((1, 2)))                             # and on as usual
+    d = tb._outbox_drain(0)
+    assert d.index.tolist() == [6] and d.pushed == 5
+    tb._outbox_ack(0, d.pushed, d.ticket)
+    store.flush(timeout=1)
+    ob.check()
 
 
-def test_a_table_drain_that_fails_before_taking_a_row_changes_nothing(store, store_name):
+def test_a_table_drain_that_fails_before_taking_a_row_changes_nothing(store, new_handle):
     """A drain whose first row is corrupt removed nothing: rows, counters and the lost
     range stay as they were, and once the row is repaired the next drain takes it all
     and its ack lets flush() return."""
@@ -1784,25 +1773,22 @@ def test_a_table_drain_that_fails_before_taking_a_row_changes_nothing(store, sto
     store._set_forwarding(True)
     ob = t._outbox()
     path = segment_path(store, ob)
-    bridge = shmps.attach(store_name, create=False)
-    try:
-        tb = bridge["e"]
-        t.push([1, 2], np.ones((2, 2)))                          # pushed 1, 2
-        t.push([3], np.full((1, 2), 2.0))
-        before = peek(path, OB_DRAINED_OFF, "<2Q"), native_counters(ob, 0), len(ob)
-        row, key = _corrupt_live_row(ob, path, [1, 2, 3], 0)
-        with pytest.raises(shmps.CorruptSegment):
-            tb._outbox_drain(0)
-        assert (peek(path, OB_DRAINED_OFF, "<2Q"), native_counters(ob, 0), len(ob)) == before
-        assert lost(ob, 0) == (0, 0, 0) and take_lost(bridge) == []
-        sp = ob._shards[0].spec
-        poke(path, sp["colidx_off"] + 8 * row, "<Q", key)        # repaired
-        d = tb._outbox_drain(0)
-        order = np.argsort(d.index)
-        assert d.index[order].tolist() == [1, 2, 3] and (d.pushed, d.pushes) == (2, 2)
-        np.testing.assert_array_equal(d.grads[order], [[1, 1], [1, 1], [2, 2]])
-        tb._outbox_ack(0, d.pushed, d.ticket)
-        store.flush(timeout=1)
-        ob.check()
-    finally:
-        bridge.close()
+    bridge = new_handle()
+    tb = bridge["e"]
+    t.push([1, 2], np.ones((2, 2)))                          # pushed 1, 2
+    t.push([3], np.full((1, 2), 2.0))
+    before = peek(path, OB_DRAINED_OFF, "<2Q"), native_counters(ob, 0), len(ob)
+    row, key = _corrupt_live_row(ob, path, [1, 2, 3], 0)
+    with pytest.raises(shmps.CorruptSegment):
+        tb._outbox_drain(0)
+    assert (peek(path, OB_DRAINED_OFF, "<2Q"), native_counters(ob, 0), len(ob)) == before
+    assert lost(ob, 0) == (0, 0, 0) and take_lost(bridge) == []
+    sp = ob._shards[0].spec
+    poke(path, sp["colidx_off"] + 8 * row, "<Q", key)        # repaired
+    d = tb._outbox_drain(0)
+    order = np.argsort(d.index)
+    assert d.index[order].tolist() == [1, 2, 3] and (d.pushed, d.pushes) == (2, 2)
+    np.testing.assert_array_equal(d.grads[order], [[1, 1], [1, 1], [2, 2]])
+    tb._outbox_ack(0, d.pushed, d.ticket)
+    store.flush(timeout=1)
+    ob.check()
