@@ -598,6 +598,8 @@ class Table(Tensor):
                                          kptr, 0 if keys is None else keys.size,
                                          _native.addr(kout), ffi.from_buffer(vals), sptr,
                                          _native.addr(steps), cap, n)
+        if code == lib.SHMPS_E_ARG and keys is not None:
+            self._check_keys_in(shard, keys)   # C checked every key's shard: name the one
         if code:
             self._fail(code, None, "read rows")
         return int(n[0])
@@ -609,7 +611,7 @@ class Table(Tensor):
         found, in order, in the first rows.  A missing key is left out, so the rows
         after it move up: then the arrays do not line up with ``index``."""
         k = as_keys(index)
-        self._check_keys_in(shard, k)
+        self._shard_checked(shard)
         return self._rows_into(shard, k, kout, vals, states, steps)
 
     def _check_keys_in(self, shard: int, k: np.ndarray) -> None:
@@ -641,7 +643,7 @@ class Table(Tensor):
         repeated key's last row wins.  Never goes through the outbox."""
         from .dense import _as_rows
         k = as_keys(data.index)
-        self._check_keys_in(shard, k)
+        self._shard_checked(shard)
         n = k.size
         vals = _as_rows(data.values, self.dtype, (n, self.dim), "values")
         sp = self._shard(0).spec
@@ -676,6 +678,10 @@ class Table(Tensor):
                 states = [a[keep] for a in states]
                 steps = steps[keep] if steps is not None else None
                 code = write()
+        if code == lib.SHMPS_E_ARG:
+            # the C checks every key's shard before it writes (not numpy first, for every
+            # frame of rows a replica takes): name the key that is not of this shard
+            self._check_keys_in(shard, k)
         if code:
             self._fail(code, info, "write rows")
 

@@ -911,6 +911,16 @@ def test_table_rows_round_trip(store, second_store):
     np.testing.assert_array_equal(rd.values, a.pull(mine[:2]))
     with pytest.raises(shmps.InvalidArgument):
         a._read_rows((s0 + 1) % 3, mine[:1])
+    # rows written to the wrong shard: refused whole, naming the key, nothing written
+    fresh = np.array([k for k in range(3000, 3100) if a._key_shard([k])[0] == s0][:2],
+                     np.uint64)
+    foreign = np.uint64(next(k for k in range(3100, 4000) if a._key_shard([k])[0] != s0))
+    bad = shmps.outbox.RowData(index=np.r_[fresh, foreign].astype(np.uint64),
+                               values=np.ones((3, 3)), states=[np.zeros((3, 3))],
+                               row_steps=np.ones(3, np.uint64), step=0)
+    with pytest.raises(shmps.InvalidArgument, match=f"key {int(foreign)} belongs to shard"):
+        b._write_rows(s0, bad)
+    assert len(b) == 30 and not any(int(k) in b for k in bad.index)
     b.check()
 
 
