@@ -348,6 +348,17 @@ def environment(env: dict[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
+def tcp_core_s_per_gb(sec: Section) -> Optional[float]:
+    """Core-seconds (client + server) the raw TCP baseline of this run spent per GB it
+    moved: what loopback costs before any bridge work; None if it did not run."""
+    row = sec.row("tcp", 1)
+    rate = row.median if row is not None else None
+    cores = row.data.get("cores") if row is not None else None
+    if not rate or not cores:
+        return None
+    return sum(cores.values()) / rate
+
+
 def measure_baseline(ctx: RunContext, sec: Section, key: str, label: str, server: Callable[..., None],
                      client: Callable[..., None], plan: Plan, *args: Any,
                      limit: Optional[Ref] = None, env: Optional[dict[str, str]] = None) -> None:
@@ -651,6 +662,13 @@ def forwarded(ctx: RunContext, sec: Section, c: Any, plan: Plan, *, key: str, la
             f"{fmt_num(med['b_rows'] / 1e9)} GB/s")
     if what == DENSE:
         row = add_row(sec, key, label, workers, "GB/s", [x / 1e9 for x in w.rates["b"]], w)
+        floor = tcp_core_s_per_gb(sec)
+        if floor is not None and med["b"] > 0:
+            per_gb = sum(w.cores.values()) / (med["b"] / 1e9)
+            row.note(f"core-s per GB applied on B: {per_gb:.2f} (of the 2 a second this "
+                     f"machine has per GB at 1 GB/s); loopback TCP alone costs "
+                     f"{floor:.2f} per GB moved in this run (raw TCP row), and each forwarded "
+                     f"byte crosses twice (BATCH, ROWS back): {2 * floor:.2f}")
         per_push = (nb if remote_only else total) * DENSE_SHARD_ROWS * DENSE_SHAPE[1] * 4
         pushed = med["pushes"] * per_push
         row.note(f"{scope}; {loop}: {fmt_num(med['pushes'])} pushes/s of "
