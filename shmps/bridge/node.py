@@ -72,7 +72,7 @@ DRAIN_SLICE = 0.02               #: a drain pass yields to the event loop after 
 ADOPT_SLICE = 0.02               #: picking up or creating new tensors yields after this long (s)
 MAINTAIN_SETTLED = 0.25          #: the shard pass's period while nothing is under way (s)
 CORK_MAX = 256 << 10             #: frames below this size may share a message (Cork)
-CORK_FLUSH = 128 << 10           #: a corked connection sends what waits once it is this much (the peer starts on it)
+CORK_FLUSH = 128 << 10           #: a corked connection sends what waits at this much (the peer starts on it)
 SEND_AHEAD = 4 << 20             #: a peer connection's unsent bytes above which no more is drained for it
 SHUTDOWN_TIMEOUT = 2.0          #: closing, the web server waits this long for a handler still running (s)
 

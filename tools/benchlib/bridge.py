@@ -665,10 +665,11 @@ def forwarded(ctx: RunContext, sec: Section, c: Any, plan: Plan, *, key: str, la
         floor = tcp_core_s_per_gb(sec)
         if floor is not None and med["b"] > 0:
             per_gb = sum(w.cores.values()) / (med["b"] / 1e9)
-            row.note(f"core-s per GB applied on B: {per_gb:.2f} (of the 2 a second this "
-                     f"machine has per GB at 1 GB/s); loopback TCP alone costs "
-                     f"{floor:.2f} per GB moved in this run (raw TCP row), and each forwarded "
-                     f"byte crosses twice (BATCH, ROWS back): {2 * floor:.2f}")
+            row.note(f"core-s per GB applied on B, workers and both bridges: {per_gb:.2f} "
+                     f"(1 GB/s needs at most {os.cpu_count()}, the cores here); loopback TCP "
+                     f"alone: {floor:.2f} core-s per GB moved (raw TCP row), twice that "
+                     f"= {2 * floor:.2f} as each forwarded byte crosses twice (BATCH, then "
+                     "ROWS back)")
         per_push = (nb if remote_only else total) * DENSE_SHARD_ROWS * DENSE_SHAPE[1] * 4
         pushed = med["pushes"] * per_push
         row.note(f"{scope}; {loop}: {fmt_num(med['pushes'])} pushes/s of "
