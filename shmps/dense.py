@@ -237,9 +237,17 @@ class DenseTensor(Tensor):
         return parts
 
     def _push_rows(self, g: np.ndarray, r: np.ndarray, step: int) -> None:
-        """Push ``g`` into rows ``r``, shard by shard."""
+        """Push ``g`` into rows ``r`` (sorted: _apply), shard by shard."""
+        if not r.size:
+            return
         tok = _native.token()
-        for i, local, gpart in self._by_shard(r, g):
+        sr = self.shard_rows
+        first = int(r[0]) // sr
+        if int(r[-1]) // sr == first:   # sorted, so all in one shard: no split to work out
+            parts: Any = ((first, r - first * sr if first else r, g),)
+        else:
+            parts = self._by_shard(r, g)
+        for i, local, gpart in parts:
             code = lib.shmps_dense_push_rows(self._shards[i].ptr, tok, _native.addr(local),
                                              local.size, _native.addr(gpart), self._gcode, step)
             if code:

@@ -79,7 +79,11 @@ def check_rows(rows: Any, nrows: int) -> np.ndarray:
             return np.zeros(0, np.int64)
         raise OutOfRange(f"rows must be a 1-d integer array, got {r.dtype} with shape {r.shape}")
     if r.size:
-        lo, hi = int(r.min()), int(r.max())
+        if r.size <= 16:   # a few rows: two numpy reductions cost more than the list
+            small = r.tolist()
+            lo, hi = min(small), max(small)
+        else:
+            lo, hi = int(r.min()), int(r.max())
         if lo < 0 or hi >= nrows:
             bad = lo if lo < 0 else hi
             raise OutOfRange(f"row {bad} out of range for {nrows} rows")
@@ -220,7 +224,7 @@ class Tensor:
         One read of the gradient, split over ``nthreads`` of the split pool."""
         if not (self._check_finite and g.size):
             return
-        code_dt = _native.DTYPE_CODES[g.dtype.name]
+        code_dt = _native.DTYPE_CODES_BY_DTYPE[g.dtype]
         flat = g.reshape(-1)
 
         def scan(part: np.ndarray) -> int:
