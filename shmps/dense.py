@@ -245,6 +245,15 @@ class DenseTensor(Tensor):
         first = int(r[0]) // sr
         if int(r[-1]) // sr == first:   # sorted, so all in one shard: no split to work out
             parts: Any = ((first, r - first * sr if first else r, g),)
+        elif r.size <= 32:
+            # a few rows: their runs (sorted, so one a shard) found in a list, not with
+            # the numpy of _by_shard (a dozen calls whatever the size)
+            rows, parts, a = r.tolist(), [], 0
+            for j in range(1, len(rows) + 1):
+                if j == len(rows) or rows[j] // sr != rows[a] // sr:
+                    i = rows[a] // sr
+                    parts.append((i, r[a:j] - i * sr, g[a:j]))
+                    a = j
         else:
             parts = self._by_shard(r, g)
         for i, local, gpart in parts:
