@@ -262,6 +262,20 @@ class DenseTensor(Tensor):
             if code:
                 _native.check(code, f"push to {self.name!r}")
 
+    def _one_shard(self, r: np.ndarray) -> Optional[tuple[int, np.ndarray]]:
+        """(shard, local rows) if the checked rows ``r`` (any order) all lie in one shard
+        (a single-shard tensor; or a few rows, looked at in a list), else None."""
+        if self.nshards == 1:
+            return 0, r
+        if not 0 < r.size <= 16:
+            return None
+        sr = self.shard_rows
+        shards = {x // sr for x in r.tolist()}
+        if len(shards) != 1:
+            return None
+        i = shards.pop()
+        return i, (r - i * sr if i else r)
+
     def _by_shard(self, r: np.ndarray, g: Optional[np.ndarray]):
         """Yield (shard, local rows, gradient rows or positions) grouped by shard."""
         if self.nshards == 1:
@@ -480,9 +494,11 @@ class DenseTensor(Tensor):
                     _native.check(code, f"pull from {self.name!r}")
             self._count(True, out.nbytes, self.nrows)
             return out
-        if self.nshards == 1:
-            code = lib.shmps_dense_pull_rows(self._shard(0).ptr, tok, _native.addr(r), r.size,
-                                             _native.addr(out), c)
+        one = self._one_shard(r)
+        if one is not None:
+            i, local = one
+            code = lib.shmps_dense_pull_rows(self._shards[i].ptr, tok, _native.addr(local),
+                                             r.size, _native.addr(out), c)
             if code:
                 _native.check(code, f"pull from {self.name!r}")
         else:
