@@ -262,19 +262,22 @@ class DenseTensor(Tensor):
             if code:
                 _native.check(code, f"push to {self.name!r}")
 
-    def _one_shard(self, r: np.ndarray) -> Optional[tuple[int, np.ndarray]]:
-        """(shard, local rows) if the checked rows ``r`` (any order) all lie in one shard
-        (a single-shard tensor; or a few rows, looked at in a list), else None."""
+    def _pull_groups(self, r: np.ndarray) -> Any:
+        """(shard, local rows, positions in ``r``: None for all of them, in order) for the
+        checked rows ``r`` (any order): a single-shard tensor's, and up to 16 rows, worked
+        out in a list (_by_shard's numpy costs a dozen calls whatever the size)."""
         if self.nshards == 1:
-            return 0, r
-        if not 0 < r.size <= 16:
-            return None
+            return [(0, r, None)]
+        if r.size > 16:
+            return self._by_shard(r, None)
         sr = self.shard_rows
-        shards = {x // sr for x in r.tolist()}
-        if len(shards) != 1:
-            return None
-        i = shards.pop()
-        return i, (r - i * sr if i else r)
+        groups: dict[int, list[int]] = {}
+        for pos, row in enumerate(r.tolist()):
+            groups.setdefault(row // sr, []).append(pos)
+        if len(groups) == 1:
+            i = next(iter(groups))
+            return [(i, r - i * sr if i else r, None)]
+        return [(i, r[pos] - i * sr, pos) for i, pos in groups.items()]
 
     def _by_shard(self, r: np.ndarray, g: Optional[np.ndarray]):
         """Yield (shard, local rows, gradient rows or positions) grouped by shard."""
@@ -494,20 +497,14 @@ class DenseTensor(Tensor):
                     _native.check(code, f"pull from {self.name!r}")
             self._count(True, out.nbytes, self.nrows)
             return out
-        one = self._one_shard(r)
-        if one is not None:
-            i, local = one
+        for i, local, pos in self._pull_groups(r):
+            # every row of r in this shard: straight into out; else a buffer, scattered
+            buf = out if pos is None else np.empty((local.size,) + self.row_shape, self.dtype)
             code = lib.shmps_dense_pull_rows(self._shards[i].ptr, tok, _native.addr(local),
-                                             r.size, _native.addr(out), c)
+                                             local.size, _native.addr(buf), c)
             if code:
                 _native.check(code, f"pull from {self.name!r}")
-        else:
-            for i, local, pos in self._by_shard(r, None):
-                buf = np.empty((local.size,) + self.row_shape, self.dtype)
-                code = lib.shmps_dense_pull_rows(self._shards[i].ptr, tok, _native.addr(local),
-                                                 local.size, _native.addr(buf), c)
-                if code:
-                    _native.check(code, f"pull from {self.name!r}")
+            if pos is not None:
                 out[pos] = buf
         self._count(True, out.nbytes, r.size)
         return out
