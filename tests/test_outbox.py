@@ -1259,6 +1259,17 @@ def new_handle(store, store_name):
         h.close()
 
 
+@pytest.fixture
+def outbox_table(store, new_handle):
+    """A one-shard table "e" of the test's store with forwarding on: (the table, its
+    outbox, the outbox segment's path, a new bridge's handle, the table in it)."""
+    t = store.table("e", dim=2, capacity=8, shards=1)
+    store._set_forwarding(True)
+    ob = t._outbox()
+    bridge = new_handle()
+    return t, ob, segment_path(store, ob), bridge, bridge["e"]
+
+
 def drain_and_end(store: str, tensor: str) -> int:
     """An "old bridge": drain every shard of ``tensor``'s outbox, acknowledge nothing,
     and end (what it took ends with it)."""
@@ -1461,18 +1472,13 @@ def test_a_landing_push_lost_with_a_killed_bridge_makes_its_pushers_flush_raise(
         assert pusher.result(timeout=60) == "lost"
 
 
-def test_a_table_drain_counts_every_push_whose_rows_it_takes(store, new_handle):
+def test_a_table_drain_counts_every_push_whose_rows_it_takes(store, outbox_table):
     """A table drain that read ob_pushed before its freeze took the rows of a push that
     was inside the shard then and counted itself while the drain waited for it: the
     drain's P did not count that push.  The bridge holding the drain ends; the next empty
     drain acknowledged the push: flush() returned.  (The push inside the shard is a real
     push whose count is held back and whose active slot is poked.)"""
-    t = store.table("e", dim=2, capacity=8, shards=1)
-    store._set_forwarding(True)
-    ob = t._outbox()
-    path = segment_path(store, ob)
-    bridge = new_handle()
-    tb = bridge["e"]
+    t, ob, path, bridge, tb = outbox_table
     t.push([1], np.ones((1, 2)))                             # pushed 1
     d0 = tb._outbox_drain(0)
     tb._outbox_ack(0, d0.pushed, d0.ticket)                   # acknowledged: acked 1
@@ -1730,18 +1736,13 @@ def _corrupt_live_row(ob, path, keys, k):
     return row, stored[row]
 
 
-def test_a_table_drain_that_fails_after_taking_rows_makes_flush_raise(store, new_handle):
+def test_a_table_drain_that_fails_after_taking_rows_makes_flush_raise(store, outbox_table):
     """A drain that removed rows and then met a corrupt row records the pushes it took as
     lost: flush() raises PushesLost for them (the next drain, which finds the rest, and
     its ack do not make them acknowledged), and the bridge's handle reports them."""
     from shmps.outbox import lost, take_lost
 
-    t = store.table("e", dim=2, capacity=8, shards=1)
-    store._set_forwarding(True)
-    ob = t._outbox()
-    path = segment_path(store, ob)
-    bridge = new_handle()
-    tb = bridge["e"]
+    t, ob, path, bridge, tb = outbox_table
     t.push([100], np.ones((1, 2)))                           # pushed 1
     d = tb._outbox_drain(0)
     tb._outbox_ack(0, d.pushed, d.ticket)                    # acked 1
@@ -1773,18 +1774,13 @@ def test_a_table_drain_that_fails_after_taking_rows_makes_flush_raise(store, new
     ob.check()
 
 
-def test_a_table_drain_that_fails_before_taking_a_row_changes_nothing(store, new_handle):
+def test_a_table_drain_that_fails_before_taking_a_row_changes_nothing(store, outbox_table):
     """A drain whose first row is corrupt removed nothing: rows, counters and the lost
     range stay as they were, and once the row is repaired the next drain takes it all
     and its ack lets flush() return."""
     from shmps.outbox import lost, take_lost
 
-    t = store.table("e", dim=2, capacity=8, shards=1)
-    store._set_forwarding(True)
-    ob = t._outbox()
-    path = segment_path(store, ob)
-    bridge = new_handle()
-    tb = bridge["e"]
+    t, ob, path, bridge, tb = outbox_table
     t.push([1, 2], np.ones((2, 2)))                          # pushed 1, 2
     t.push([3], np.full((1, 2), 2.0))
     before = peek(path, OB_DRAINED_OFF, "<2Q"), native_counters(ob, 0), len(ob)
