@@ -15,7 +15,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
@@ -175,6 +175,8 @@ def run(ctx: RunContext, sec: Section) -> None:
         run_shmps(ctx, sec, name, store)
     with ctx.temp_store("a") as (name, store):
         run_attach(ctx, sec, name, store)
+    with ctx.temp_store("r") as (name, store):
+        run_one_row(ctx, sec, store)
 
 
 def run_baselines(ctx: RunContext, sec: Section) -> None:
@@ -270,6 +272,54 @@ def run_attach(ctx: RunContext, sec: Section, name: str, store: Any) -> None:
     row.note(f"fresh process each, {runs} runs; then store[name] x {ATTACH_TENSORS}: "
              f"median {statistics.median(lookups):.2f} ms")
     progress(f"[dense] attach: median {row.median:.2f} ms, lookups {statistics.median(lookups):.2f} ms")
+
+
+ROW_SHAPE = (4096, 64)                 # 1 MiB float32, 16 shards of 256 rows
+ROW_CALLS = 20000                      # calls per sample
+NP_ROW = Ref("row:np_row_push", "numpy w[r] -= lr*g")
+NP_ROW_PULL = Ref("row:np_row_pull", "numpy w[r]")
+
+
+def run_one_row(ctx: RunContext, sec: Section, store: Any) -> None:
+    """What one call costs when it moves one row (64 float32): shmps push(g, rows=[r])
+    and pull(rows=[r]) beside numpy's fancy indexing and torch's index_add_ on a
+    shared-memory array (the per-call overhead a small sparse update pays; one process,
+    microseconds a call, lower is better)."""
+    import timeit
+    assert ctx.shmps is not None
+    shm, w = create_array(ctx.stack, ROW_SHAPE, "float32")
+    g = np.ones((1, ROW_SHAPE[1]), np.float32)
+    r = np.array([1000])
+    reps = 3 if ctx.quick else 5
+
+    def per_call(fn: Any) -> list[float]:
+        fn()
+        return [timeit.timeit(fn, number=ROW_CALLS) / ROW_CALLS * 1e6 for _ in range(reps)]
+
+    def lower_is_better(row: Row, what: str) -> None:
+        row.note(f"{what}; us per call, lower is better (a ratio below 1 beats the baseline)")
+        progress(f"[dense] {row.label}: {row.median:.2f} us")
+
+    calls: list[tuple[str, str, Any, Optional[Ref]]] = [
+        ("np_row_push", "numpy w[r] -= lr*g, one row, on multiprocessing.shm",
+         lambda: w.__setitem__(r, w[r] - LR * g), None)]
+    if importlib.util.find_spec("torch") is not None:
+        torch = single_threaded_torch()
+        tw, tg, ti = torch.from_numpy(w), torch.from_numpy(g), torch.from_numpy(r)
+        calls.append(("torch_row_push", "torch w.index_add_(0, r, g, alpha=-lr), one row, on "
+                      "shm", lambda: tw.index_add_(0, ti, tg, alpha=-LR), NP_ROW))
+    t = store.dense("w_row", ROW_SHAPE, "float32", init=0.0,
+                    optimizer=ctx.shmps.SGD(lr=LR), shard_rows=256)
+    calls += [("shmps_row_push", "shmps w.push(g, rows=[r]), one row, exact (SGD)",
+               lambda: t.push(g, rows=r), NP_ROW),
+              ("np_row_pull", "numpy w[r], one row", lambda: w[r], None),
+              ("shmps_row_pull", "shmps w.pull(rows=[r]), one row",
+               lambda: t.pull(rows=r), NP_ROW_PULL),
+              ("shmps_row_pull_fast", "shmps w.pull(rows=[r], consistent=False), one row",
+               lambda: t.pull(rows=r, consistent=False), NP_ROW_PULL)]
+    for key, label, fn, ref in calls:
+        row = sec.add(Row(key, label, 1, "us", samples=per_call(fn), baseline=ref))
+        lower_is_better(row, f"{ROW_SHAPE[0]}x{ROW_SHAPE[1]} float32, {ROW_CALLS} calls a sample")
 
 
 def shmps_root(ctx: RunContext) -> str:
