@@ -163,6 +163,10 @@ static void release_held(shmps_stripe_t *stripes, uint64_t *held) {
     *held = UINT64_MAX;
 }
 
+/* Rows rows[i] - off of shard `base` (checked by the caller) get gradient row i. */
+static int push_rows_at(void *base, uint64_t token, const int64_t *rows, uint64_t n,
+                        int64_t off, const void *grad, uint32_t grad_dtype, uint64_t step);
+
 int shmps_dense_push_rows(void *base, uint64_t token, const int64_t *rows, uint64_t n,
                           const void *grad, uint32_t grad_dtype, uint64_t step) {
     shmps_shard_hdr_t *h = hdr_of(base);
@@ -171,6 +175,60 @@ int shmps_dense_push_rows(void *base, uint64_t token, const int64_t *rows, uint6
     if (r) return r;
     for (uint64_t i = 0; i < n; i++) /* all rows checked before anything changes */
         if (rows[i] < 0 || (uint64_t)rows[i] >= s->nrows) return SHMPS_E_BOUNDS;
+    return push_rows_at(base, token, rows, n, 0, grad, grad_dtype, step);
+}
+
+/* A push of rows given by their numbers in the tensor, in one call (a few rows cost a
+ * dozen calls from Python otherwise): `rows` ascending (repeats allowed, applied in
+ * turn), all checked (in range, ascending, the gradient's dtype, with `check` no
+ * NaN/Inf) before anything changes; then the tensor's next step (shard 0; or, new_step
+ * 0, its current one, at least 1), each shard's run of rows, and the push counted in
+ * shard 0 as `pushes`.  bases: every shard, shard i holding rows i*shard_rows on. */
+int shmps_dense_push_sorted_rows(void **bases, uint32_t nshards, uint64_t shard_rows,
+                                 uint64_t token, const int64_t *rows, uint64_t n,
+                                 const void *grad, uint32_t grad_dtype, int check,
+                                 int new_step, uint64_t pushes) {
+    if (nshards == 0 || shard_rows == 0) return SHMPS_E_ARG;
+    const shmps_spec_t *s0 = &hdr_of(bases[0])->spec;
+    int r = check_dense(s0, grad_dtype);
+    if (r) return r;
+    for (uint64_t i = 0, last = UINT64_MAX; i < n; i++) {
+        if (rows[i] < 0 || (i && rows[i] < rows[i - 1])) return SHMPS_E_ARG;
+        uint64_t sh = (uint64_t)rows[i] / shard_rows;
+        if (sh >= nshards) return SHMPS_E_BOUNDS;
+        const shmps_spec_t *s = &hdr_of(bases[sh])->spec;
+        if (sh != last && (check_dense(s, grad_dtype) || s->row_len != s0->row_len))
+            return SHMPS_E_ARG;   /* every shard of one tensor: one spec but nrows */
+        if ((uint64_t)rows[i] - sh * shard_rows >= s->nrows) return SHMPS_E_BOUNDS;
+        last = sh;
+    }
+    size_t gsz = shmps_grad_size(s0->dtype);
+    if (check && (r = shmps_check_finite(grad, grad_dtype, n * s0->row_len))) return r;
+    uint64_t step;
+    if (new_step) {
+        shmps_next_step(bases[0], &step);
+    } else {
+        /* relaxed: as shmps_stats reads it (a later frame of one drain) */
+        step = LOAD(&hdr_of(bases[0])->step, RELAXED);
+        if (step == 0) step = 1;
+    }
+    const char *g = (const char *)grad;
+    for (uint64_t a = 0, b; a < n && r == SHMPS_OK; a = b) {
+        uint64_t sh = (uint64_t)rows[a] / shard_rows;
+        for (b = a + 1; b < n && (uint64_t)rows[b] / shard_rows == sh; b++) {}
+        r = push_rows_at(bases[sh], token, rows + a, b - a, (int64_t)(sh * shard_rows),
+                         g + a * s0->row_len * gsz, grad_dtype, step);
+    }
+    if (r == SHMPS_OK) shmps_count_push(bases[0], pushes, n * s0->row_len * gsz, n);
+    return r;
+}
+
+static int push_rows_at(void *base, uint64_t token, const int64_t *rows, uint64_t n,
+                        int64_t off, const void *grad, uint32_t grad_dtype, uint64_t step) {
+    shmps_shard_hdr_t *h = hdr_of(base);
+    const shmps_spec_t *s = &h->spec;
+    int r;
+    (void)grad_dtype;
     uint32_t slot;
     r = shmps_enter(base, token, SHMPS_LOCK_TIMEOUT_S, &slot);
     if (r < 0) return r;
@@ -181,7 +239,7 @@ int shmps_dense_push_rows(void *base, uint64_t token, const int64_t *rows, uint6
     int hog = (s->flags & SHMPS_F_HOGWILD) != 0;
     uint64_t held = UINT64_MAX; /* stripe locked across consecutive rows */
     for (uint64_t i = 0; i < n && r == SHMPS_OK; i++) {
-        uint64_t e0 = (uint64_t)rows[i] * rl, e1 = e0 + rl;
+        uint64_t e0 = (uint64_t)(rows[i] - off) * rl, e1 = e0 + rl;
         const char *gr = g + i * rl * gsz;
         if (hog) { r = shmps_apply(base, e0, rl, gr, step); continue; }
         for (uint64_t e = e0; e < e1 && r == SHMPS_OK;) {

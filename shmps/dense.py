@@ -150,7 +150,10 @@ class DenseTensor(Tensor):
         """Push ``g`` (validated) into rows ``r`` (None: all).
         ``new_step`` False: apply at the tensor's current step without advancing it (a
         later frame of one forwarded drain); ``pushes``: how many the call counts as."""
-        nthreads = self._threads_for(g.nbytes) if r is None else 1
+        if r is not None:
+            self._apply_rows(g, r, pushes, new_step)
+            return
+        nthreads = self._threads_for(g.nbytes)
         self._require_finite(g, nthreads)
         if new_step:
             step = _native.ffi.new("uint64_t *")
@@ -158,18 +161,40 @@ class DenseTensor(Tensor):
             t = int(step[0])
         else:
             t = max(1, self._step())
-        if r is None:
-            self._push_all(g, t, nthreads)
-            lib.shmps_count_push(self._shard(0).ptr, pushes, g.nbytes, self.nrows)
-        else:
-            r, g = self._aggregate_duplicates(r, g)
-            if r.size > 1 and bool(np.any(r[1:] < r[:-1])):
-                # Sorted (stably: assign's last duplicate still wins), each stripe is
-                # locked once per push, so a stripe always holds whole pushes.
-                order = np.argsort(r, kind="stable")
-                r, g = r[order], g[order]
-            self._push_rows(g, r, t)
-            lib.shmps_count_push(self._shard(0).ptr, pushes, g.nbytes, r.size)
+        self._push_all(g, t, nthreads)
+        lib.shmps_count_push(self._shard(0).ptr, pushes, g.nbytes, self.nrows)
+
+    def _apply_rows(self, g: np.ndarray, r: np.ndarray, pushes: int, new_step: bool) -> None:
+        """_apply of rows ``r``: one C call (shmps_dense_push_sorted_rows) checks the
+        gradient for NaN/Inf, takes the step, pushes each shard's run of rows and counts
+        the push, once the rows are sorted (stably: assign's last duplicate still wins;
+        each stripe is then locked once per push, so a stripe always holds whole pushes)
+        and repeated rows summed where the updater needs it."""
+        check = self._check_finite
+        rs, gs = self._aggregate_duplicates(r, g)
+        if rs is not r and check:
+            self._require_finite(g)   # the gradient pushed, not its sums, is checked
+            check = False
+        if rs.size > 1 and (rs.size <= 16 and rs.tolist() != sorted(rs.tolist())
+                            or rs.size > 16 and bool(np.any(rs[1:] < rs[:-1]))):
+            order = np.argsort(rs, kind="stable")
+            rs, gs = rs[order], gs[order]
+        code = lib.shmps_dense_push_sorted_rows(
+            self._shard_bases(), self.nshards, self.shard_rows, _native.token(),
+            _native.addr(rs), rs.size, _native.addr(gs), self._gcode, int(check),
+            int(new_step), pushes)
+        if code:
+            _native.check(code, f"push to {self.name!r}")
+
+    def _shard_bases(self) -> Any:
+        """Every shard's base (``void *[]``), built once; Closed after close() (the bases
+        would point at unmapped memory)."""
+        self._shard(0)
+        bases = getattr(self, "_bases_arr", None)
+        if bases is None:
+            bases = self._bases_arr = _native.ffi.new("void *[]",
+                                                     [sh.ptr for sh in self._shards])
+        return bases
 
     def _threads_for(self, nbytes: int) -> int:
         """Split a large push over this process's cores, unless another process has
@@ -235,32 +260,6 @@ class DenseTensor(Tensor):
         if cur:
             parts.append(cur)
         return parts
-
-    def _push_rows(self, g: np.ndarray, r: np.ndarray, step: int) -> None:
-        """Push ``g`` into rows ``r`` (sorted: _apply), shard by shard."""
-        if not r.size:
-            return
-        tok = _native.token()
-        sr = self.shard_rows
-        first = int(r[0]) // sr
-        if int(r[-1]) // sr == first:   # sorted, so all in one shard: no split to work out
-            parts: Any = ((first, r - first * sr if first else r, g),)
-        elif r.size <= 32:
-            # a few rows: their runs (sorted, so one a shard) found in a list, not with
-            # the numpy of _by_shard (a dozen calls whatever the size)
-            rows, parts, a = r.tolist(), [], 0
-            for j in range(1, len(rows) + 1):
-                if j == len(rows) or rows[j] // sr != rows[a] // sr:
-                    i = rows[a] // sr
-                    parts.append((i, r[a:j] - i * sr, g[a:j]))
-                    a = j
-        else:
-            parts = self._by_shard(r, g)
-        for i, local, gpart in parts:
-            code = lib.shmps_dense_push_rows(self._shards[i].ptr, tok, _native.addr(local),
-                                             local.size, _native.addr(gpart), self._gcode, step)
-            if code:
-                _native.check(code, f"push to {self.name!r}")
 
     def _pull_groups(self, r: np.ndarray) -> Any:
         """(shard, local rows, positions in ``r``: None for all of them, in order) for the

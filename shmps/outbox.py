@@ -294,13 +294,8 @@ class DenseOutbox(DenseTensor):
             _native.check(code, f"push to {self.record['outbox_of']!r}")
 
     def _busy_bases(self) -> Any:
-        """Every shard's base (``void *[]``) for shmps_outbox_busy, built once; Closed
-        after close() (the bases would point at unmapped memory)."""
-        self._shard(0)
-        if getattr(self, "_bases_arr", None) is None:
-            self._bases_arr = ffi.new("void *[]", [self._shard(i).ptr
-                                                   for i in range(self.nshards)])
-        return self._bases_arr
+        """Every shard's base (``void *[]``) for shmps_outbox_busy (DenseTensor's)."""
+        return self._shard_bases()
 
     def _pending(self, shard: int) -> np.ndarray:
         """Per-row pending counts of ``shard`` (tests, statistics): > 0 where a row

@@ -467,3 +467,39 @@ def test_push_returns_none_when_waiting(store):
     """A blocking push returns None."""
     t = store.dense("w", shape=(2,))
     assert t.push(np.ones(2)) is None
+
+
+@pytest.mark.parametrize("opt", [shmps.SGD(lr=0.5), shmps.Adam(lr=0.1)])
+def test_a_rows_push_over_several_shards_changes_nothing_when_refused(store, opt):
+    """A push of rows spread over shards is one C call (shmps_dense_push_sorted_rows) that
+    checks every row and the gradient before it changes anything: a NaN in the last
+    shard's rows, repeated rows whose gradients are summed first (Adam), unsorted or
+    out-of-range rows all leave every shard, the step and the counts as they were; a
+    good push lands in every shard, in row order, at one step."""
+    t = store.dense("w", shape=(10, 2), dtype="float32", optimizer=opt, shard_rows=3)
+    t.push(np.ones((10, 2), np.float32))
+    before, stats = t.pull(), t.stats()
+    rows = np.array([8, 0, 4, 0, 9])
+    g = np.ones((5, 2), np.float32)
+    g[4, 1] = np.nan                                      # in the last shard's run
+    with pytest.raises(shmps.NonFinite):
+        t.push(g, rows=rows)
+    g[4, 1] = 1.0
+    with pytest.raises(shmps.OutOfRange):
+        t.push(g, rows=[8, 0, 4, 0, 10])
+    lib, native = shmps._native.lib, shmps._native
+    for bad_rows, code in (([0, 4, 3], lib.SHMPS_E_ARG), ([0, 4, 12], lib.SHMPS_E_BOUNDS),
+                           ([0, 4, -1], lib.SHMPS_E_ARG)):
+        r = np.array(bad_rows, np.int64)
+        assert lib.shmps_dense_push_sorted_rows(
+            t._shard_bases(), t.nshards, t.shard_rows, native.token(), native.addr(r), 3,
+            native.addr(np.ones((3, 2), np.float32)), t._gcode, 1, 1, 1) == code
+    np.testing.assert_array_equal(t.pull(), before)
+    assert {k: t.stats()[k] for k in ("step", "pushes")} == \
+        {k: stats[k] for k in ("step", "pushes")}
+    t.push(g, rows=rows)                                  # all good: every shard, one step
+    ref = store.dense("ref", shape=(10, 2), dtype="float32", optimizer=opt, shard_rows=10)
+    ref.push(np.ones((10, 2), np.float32))
+    ref.push(g, rows=rows)                                # one shard: the same arithmetic
+    np.testing.assert_array_equal(t.pull(), ref.pull())
+    assert t.stats()["step"] == stats["step"] + 1 and t.stats()["pushes"] == 2
