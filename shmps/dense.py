@@ -268,7 +268,7 @@ class DenseTensor(Tensor):
         if self.nshards == 1:
             return [(0, r, None)]
         if r.size > 16:
-            return self._by_shard(r, None)
+            return self._by_shard(r)
         sr = self.shard_rows
         groups: dict[int, list[int]] = {}
         for pos, row in enumerate(r.tolist()):
@@ -278,20 +278,16 @@ class DenseTensor(Tensor):
             return [(i, r - i * sr if i else r, None)]
         return [(i, r[pos] - i * sr, pos) for i, pos in groups.items()]
 
-    def _by_shard(self, r: np.ndarray, g: Optional[np.ndarray]):
-        """Yield (shard, local rows, gradient rows or positions) grouped by shard."""
-        if self.nshards == 1:
-            yield 0, r, g if g is not None else np.arange(r.size)
-            return
+    def _by_shard(self, r: np.ndarray):
+        """Yield (shard, local rows, their positions in ``r``) grouped by shard (rows in
+        any order; _pull_groups for more than a few rows)."""
         sid = r // self.shard_rows
         if r.size and bool(np.all(sid[1:] >= sid[:-1])):
-            # sorted rows (every push, which sorts them first): each shard's rows are one
-            # run, sliced in place of a sort and two gathers
+            # sorted rows: each shard's rows are one run, sliced in place of a sort
             starts = np.flatnonzero(np.diff(sid)) + 1
             for a, b in zip([0, *starts.tolist()], [*starts.tolist(), r.size]):
                 i = int(sid[a])
-                yield (i, r[a:b] - i * self.shard_rows,
-                       np.ascontiguousarray(g[a:b]) if g is not None else np.arange(a, b))
+                yield i, r[a:b] - i * self.shard_rows, np.arange(a, b)
             return
         order = np.argsort(sid, kind="stable")
         counts = np.bincount(sid, minlength=self.nshards)
@@ -301,8 +297,7 @@ class DenseTensor(Tensor):
                 continue
             idx = order[pos:pos + c]
             pos += c
-            local = np.ascontiguousarray(r[idx] - i * self.shard_rows)
-            yield i, local, (np.ascontiguousarray(g[idx]) if g is not None else idx)
+            yield i, np.ascontiguousarray(r[idx] - i * self.shard_rows), idx
 
     # -- the bridge's side (shmps/outbox.py; private API) -------------------------
     def _outbox_drain(self, shard: int, timeout: Optional[float] = None,
@@ -332,30 +327,24 @@ class DenseTensor(Tensor):
                      continues: bool = False) -> None:
         """The owner's bridge: :meth:`_apply_direct` of a batch whose rows ``local`` (int64,
         numbered within ``shard``) the caller checked strictly increasing and inside the
-        shard (a BATCH frame: Bridge._check_in_shard), ``grads`` ``(n, row_len)``: one C
-        push into the shard, without the sorting, duplicate and shard-split work a push
-        of any rows needs.  Same NaN/Inf rule, step and counts."""
+        shard (a BATCH frame: Bridge._check_in_shard), ``grads`` ``(n, row_len)``: the C
+        push of sorted rows (which checks them again), without the sorting and duplicate
+        work a push of any rows needs.  Same NaN/Inf rule, step and counts."""
         sh = self._shard_checked(shard)
         n = local.size
-        if local.dtype != np.int64 or not local.flags.c_contiguous or (
-                n and (int(local[0]) < 0 or int(local[-1]) >= sh.spec["nrows"])):
+        if local.dtype != np.int64 or (n and (int(local[0]) < 0
+                                              or int(local[-1]) >= sh.spec["nrows"])):
             raise OutOfRange(f"rows of {self.name!r} outside shard {shard}")
         g = cast_grad(grads, self.dtype)
         if g.shape[:1] != (n,) or g.size != n * self.row_len:
             raise SchemaError(f"gradient shape {g.shape} for {n} rows of {self.name!r}")
-        self._require_finite(g)
-        if continues:
-            t = max(1, self._step())
-        else:
-            step = _native.ffi.new("uint64_t *")
-            lib.shmps_next_step(self._shard(0).ptr, step)
-            t = int(step[0])
-        code = lib.shmps_dense_push_rows(sh.ptr, _native.token(), _native.addr(local), n,
-                                         _native.addr(g), self._gcode, t)
+        rows = local + int(shard) * self.shard_rows
+        code = lib.shmps_dense_push_sorted_rows(
+            self._shard_bases(), self.nshards, self.shard_rows, _native.token(),
+            _native.addr(rows), n, _native.addr(g), self._gcode, int(self._check_finite),
+            int(not continues), 0 if continues else max(1, int(pushes)))
         if code:
             _native.check(code, f"push to {self.name!r}")
-        lib.shmps_count_push(self._shard(0).ptr, 0 if continues else max(1, int(pushes)),
-                             g.nbytes, n)
 
     def _rows_of(self, shard: int, index: Any) -> tuple[Any, np.ndarray, np.ndarray]:
         """(shard, global rows, local rows) with every row inside ``shard``."""
