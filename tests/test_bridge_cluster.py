@@ -519,9 +519,10 @@ def test_flush_waits_for_the_drain_that_took_a_landing_push(make_cluster):
 
 def test_a_corrupt_outbox_shard_stops_only_itself(make_cluster):
     """A table outbox shard that fails every drain (a corrupt row) is counted, logged and
-    skipped: the other tensors' pushes still reach their owners (and a refused first
-    batch is still resent: a failing drain used to end the flush pass before its
-    resends), and flush() raises PushesLost for the rows that drain took and lost."""
+    skipped, and tried again once a second: the other tensors' pushes still reach their
+    owners (and a refused first batch is still resent: a failing drain used to end the
+    flush pass before its resends), and flush() raises PushesLost for the rows that
+    drain took and lost."""
     from test_outbox import _corrupt_live_row, segment_path
 
     c = make_cluster(2, replicas=1, dead_after=5.0)
@@ -554,6 +555,15 @@ def test_a_corrupt_outbox_shard_stops_only_itself(make_cluster):
         c.wait(lambda: "shmps_bridge_drain_failures_total" in c.metrics(0)
                and _sample(c.metrics(0), "shmps_bridge_drain_failures_total") >= 1, 10,
                "the failed drains to be counted")
+        # pushes keep the broken shard busy: its drain is tried once a second
+        # (DRAIN_RETRY_S), not every flush pass (each takes the shard's freeze)
+        first = _sample(c.metrics(0), "shmps_bridge_drain_failures_total")
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 2.5:
+            e.push([20], np.ones((1, 2), np.float32))
+            time.sleep(0.005)
+        tries = _sample(c.metrics(0), "shmps_bridge_drain_failures_total") - first
+        assert 1 <= tries <= 5, f"{tries} failed drains in 2.5 s of pushes"
     finally:
         s.close()
 

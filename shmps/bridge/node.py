@@ -59,6 +59,7 @@ RETRY = 0.05                     #: resend delay after a refusal (s)
 SWEEP_EVERY = 1.0                #: how often the sweep drains SWEEP_SHARDS shards, busy or not (s)
 SWEEP_SHARDS = 64                #: shards per sweep, in turn: a 16-shard store is swept whole every second
 DRAIN_FAILURE_LOG_S = 60.0       #: a failing outbox shard is logged at most this often (s)
+DRAIN_RETRY_S = 1.0              #: a shard whose drain failed is tried again after this (s)
 RESEND_AFTER = 2.0                #: resend a stream's unacknowledged frames after this silence
 HANDOVER_TIMEOUT = 3.0           #: a new owner waits this long for the old owner's snapshot
 CATALOG_INTERVAL = 0.5           #: how often tensor catalogs are compared with peers (s)
@@ -452,6 +453,7 @@ class Bridge:
         self._sweep_at = 0.0               # next sweep (_drain_all)
         self._drain_round = 0              # rotates where a drain pass starts
         self._drain_failed_at: dict[tuple, float] = {}   # (tid, shard) -> last logged
+        self._drain_retry_at: dict[tuple, float] = {}    # (tid, shard) -> next try
         self._sweep_pos = 0                # the next shard a sweep starts with
         self._sweep_due: list = []         # what the current sweep has left to drain
         self._index: tuple = (-1, [], None, [])   # _shard_index's cache
@@ -1367,15 +1369,18 @@ class Bridge:
                 return
             if self._backed_up(info, s):
                 continue   # the pushes keep summing in the outbox meanwhile
+            if self._drain_retry_at and self._drain_retry_at.get((tid, s), 0.0) > now:
+                continue   # its last drain failed: not every pass (each takes its freeze)
             # an empty drain may acknowledge (native/outbox.c), and so may one that fails
             self._acks_new = True
             try:
                 d = info.t._outbox_drain(s, into=info.drain_buffers)
             except Error as e:
-                # this shard only (a corrupt outbox shard fails every pass): the other
-                # shards and tensors go on, and what it took is recorded lost
+                # this shard only (a corrupt outbox shard fails again and again): the
+                # other shards and tensors go on, and what it took is recorded lost
                 self._drain_failed(info, s, e)
                 continue
+            self._drain_retry_at.pop((tid, s), None)
             if d is not None:
                 stream = self.streams[(tid, s)]
                 self._queue_drain(info, s, stream, d)
@@ -1385,15 +1390,17 @@ class Bridge:
         self._sweep_due = []
 
     def _drain_failed(self, info: TInfo, s: int, e: Exception) -> None:
-        """Count a drain of shard ``s`` that raised, and log it (once a minute a shard)."""
+        """Count a drain of shard ``s`` that raised, try it again DRAIN_RETRY_S later, and
+        log it (once a minute a shard)."""
         self.metrics.drain_failures.inc()
         now = time.monotonic()
+        self._drain_retry_at[(info.tid, s)] = now + DRAIN_RETRY_S
         if now - self._drain_failed_at.get((info.tid, s), -DRAIN_FAILURE_LOG_S) >= \
                 DRAIN_FAILURE_LOG_S:
             self._drain_failed_at[(info.tid, s)] = now
             log.error("tensor %r shard %d: the outbox drain failed: %s (the other shards "
-                      "go on; this one is tried again every pass, logged once a minute)",
-                      info.name, s, e)
+                      "go on; this one is tried again every %.0f s, logged once a minute)",
+                      info.name, s, e, DRAIN_RETRY_S)
 
     def _shard_index(self) -> tuple[list, Any, list]:
         """The forwarded tensors (TInfo, in order), one outbox.BusyScan over all of them,
