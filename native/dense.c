@@ -165,25 +165,18 @@ static void release_held(shmps_stripe_t *stripes, uint64_t *held) {
 
 /* Rows rows[i] - off of shard `base` (checked by the caller) get gradient row i. */
 static int push_rows_at(void *base, uint64_t token, const int64_t *rows, uint64_t n,
-                        int64_t off, const void *grad, uint32_t grad_dtype, uint64_t step);
-
-int shmps_dense_push_rows(void *base, uint64_t token, const int64_t *rows, uint64_t n,
-                          const void *grad, uint32_t grad_dtype, uint64_t step) {
-    shmps_shard_hdr_t *h = hdr_of(base);
-    const shmps_spec_t *s = &h->spec;
-    int r = check_dense(s, grad_dtype);
-    if (r) return r;
-    for (uint64_t i = 0; i < n; i++) /* all rows checked before anything changes */
-        if (rows[i] < 0 || (uint64_t)rows[i] >= s->nrows) return SHMPS_E_BOUNDS;
-    return push_rows_at(base, token, rows, n, 0, grad, grad_dtype, step);
-}
+                        int64_t off, const void *grad, uint64_t step);
 
 /* A push of rows given by their numbers in the tensor, in one call (a few rows cost a
  * dozen calls from Python otherwise): `rows` ascending (repeats allowed, applied in
  * turn), all checked (in range, ascending, the gradient's dtype, with `check` no
  * NaN/Inf) before anything changes; then the tensor's next step (shard 0; or, new_step
  * 0, its current one, at least 1), each shard's run of rows, and the push counted in
- * shard 0 as `pushes`.  bases: every shard, shard i holding rows i*shard_rows on. */
+ * shard 0 as `pushes`.  bases: every shard, shard i holding rows i*shard_rows on.
+ * Into an outbox (SHMPS_F_OUTBOX), each run holds a landing slot of its shard from
+ * before its first write there until the push is counted in that shard's ob_pushed
+ * (outbox.c "Landing"; one slot at a time, so none waits holding another); a run that
+ * failed is not counted, and what it wrote goes out with the next drain. */
 int shmps_dense_push_sorted_rows(void **bases, uint32_t nshards, uint64_t shard_rows,
                                  uint64_t token, const int64_t *rows, uint64_t n,
                                  const void *grad, uint32_t grad_dtype, int check,
@@ -213,24 +206,30 @@ int shmps_dense_push_sorted_rows(void **bases, uint32_t nshards, uint64_t shard_
         if (step == 0) step = 1;
     }
     const char *g = (const char *)grad;
+    int outbox = (s0->flags & SHMPS_F_OUTBOX) != 0;
     for (uint64_t a = 0, b; a < n && r == SHMPS_OK; a = b) {
         uint64_t sh = (uint64_t)rows[a] / shard_rows;
         for (b = a + 1; b < n && (uint64_t)rows[b] / shard_rows == sh; b++) {}
+        shmps_shard_hdr_t *h = hdr_of(bases[sh]);
+        uint8_t slot = 0;
+        if (outbox && (r = shmps_landing_claim(h, token, &slot)) < 0) break;
         r = push_rows_at(bases[sh], token, rows + a, b - a, (int64_t)(sh * shard_rows),
-                         g + a * s0->row_len * gsz, grad_dtype, step);
+                         g + a * s0->row_len * gsz, step);
+        if (outbox) {
+            int rr = shmps_landing_release(h, token, slot, r == SHMPS_OK);
+            if (r == SHMPS_OK) r = rr;
+        }
     }
     if (r == SHMPS_OK) shmps_count_push(bases[0], pushes, n * s0->row_len * gsz, n);
     return r;
 }
 
 static int push_rows_at(void *base, uint64_t token, const int64_t *rows, uint64_t n,
-                        int64_t off, const void *grad, uint32_t grad_dtype, uint64_t step) {
+                        int64_t off, const void *grad, uint64_t step) {
     shmps_shard_hdr_t *h = hdr_of(base);
     const shmps_spec_t *s = &h->spec;
-    int r;
-    (void)grad_dtype;
     uint32_t slot;
-    r = shmps_enter(base, token, SHMPS_LOCK_TIMEOUT_S, &slot);
+    int r = shmps_enter(base, token, SHMPS_LOCK_TIMEOUT_S, &slot);
     if (r < 0) return r;
     const char *g = (const char *)grad;
     size_t gsz = shmps_grad_size(s->dtype);

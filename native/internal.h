@@ -155,6 +155,10 @@ uint64_t shmps_outbox_settle(shmps_shard_hdr_t *h);
 uint64_t shmps_outbox_drain_lost(shmps_shard_hdr_t *h, uint64_t P);
 void shmps_outbox_drain_begin(shmps_shard_hdr_t *h);
 void shmps_outbox_drain_end(shmps_shard_hdr_t *h);
+/* a dense push's landing slot of one outbox shard (outbox.c "Landing"): claimed before
+ * its first write there; released after its writes, counting the push (count != 0) */
+int shmps_landing_claim(shmps_shard_hdr_t *h, uint64_t token, uint8_t *slot);
+int shmps_landing_release(shmps_shard_hdr_t *h, uint64_t token, uint8_t slot, int count);
 
 /* updaters (updaters.c): apply grads g[0..n) to values starting at element i0 */
 int shmps_apply(void *base, uint64_t i0, uint64_t n, const void *g, uint64_t step);

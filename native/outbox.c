@@ -247,7 +247,7 @@ int shmps_outbox_ack(void *base, uint64_t pushed, uint64_t ticket) {
 
 /* Takes a free landing slot of h for `token` (*slot: its index), waiting at most the
  * lock bound while all are held (a dead holder's slot is freed). */
-static int land_one(shmps_shard_hdr_t *h, uint64_t token, uint8_t *slot) {
+int shmps_landing_claim(shmps_shard_hdr_t *h, uint64_t token, uint8_t *slot) {
     shmps_wait_t w;
     shmps_wait_init(&w, SHMPS_LOCK_TIMEOUT_S);
     uint32_t first = (uint32_t)((token >> 32) * 0x9e3779b9u) % SHMPS_LANDING_SLOTS;
@@ -284,13 +284,30 @@ int shmps_outbox_land(void *const *bases, uint32_t n, const uint8_t *touched,
     for (uint32_t i = 0; i < n; i++) {
         if (!touched[i]) continue;
         shmps_shard_hdr_t *h = bases[i] ? outbox_hdr(bases[i]) : NULL;
-        int r = h ? land_one(h, token, &slots[i]) : SHMPS_E_ARG;
+        int r = h ? shmps_landing_claim(h, token, &slots[i]) : SHMPS_E_ARG;
         if (r < 0) { /* free the slots taken so far: this push writes nothing */
             shmps_outbox_landed(bases, i, touched, token, slots, 0);
             for (uint32_t k = 0; k < i; k++) slots[k] = SHMPS_LANDING_NONE;
             return r;
         }
     }
+    return SHMPS_OK;
+}
+
+int shmps_landing_release(shmps_shard_hdr_t *h, uint64_t token, uint8_t slot, int count) {
+    if (slot >= SHMPS_LANDING_SLOTS) return SHMPS_E_ARG;
+    /* release: as shmps_outbox_pushed */
+    if (count) FETCH_ADD(&h->ob_pushed, 1, RELEASE);
+    shmps_landing_t *l = &h->ob_landing[slot];
+    /* relaxed: our own claim (a slot is freed by another process only once we are
+     * dead) */
+    if (LOAD(&l->token, RELAXED) != token) return SHMPS_E_ARG;
+    /* only the holder writes seq (relaxed load + store: plain moves).  Release, and the
+     * release store of 0 after it: our count (above) happens-before the acquire load
+     * that reads the new seq or the free slot (a drain's maybe_landing, a settle,
+     * recover's snapshot, the next holder's claim) */
+    STORE(&l->seq, LOAD(&l->seq, RELAXED) + 1, RELEASE);
+    STORE(&l->token, 0, RELEASE);
     return SHMPS_OK;
 }
 
@@ -301,19 +318,8 @@ int shmps_outbox_landed(void *const *bases, uint32_t n, const uint8_t *touched,
         if (!touched[i]) continue;
         if (slots[i] == SHMPS_LANDING_NONE) continue; /* none claimed (land failed) */
         shmps_shard_hdr_t *h = bases[i] ? outbox_hdr(bases[i]) : NULL;
-        if (!h || slots[i] >= SHMPS_LANDING_SLOTS) { r = SHMPS_E_ARG; continue; }
-        /* release: as shmps_outbox_pushed */
-        if (count) FETCH_ADD(&h->ob_pushed, 1, RELEASE);
-        shmps_landing_t *l = &h->ob_landing[slots[i]];
-        /* relaxed: our own claim (a slot is freed by another process only once we
-         * are dead) */
-        if (LOAD(&l->token, RELAXED) != token) { r = SHMPS_E_ARG; continue; }
-        /* only the holder writes seq (relaxed load + store: plain moves).  Release, and
-         * the release store of 0 after it: our count (above) happens-before the acquire
-         * load that reads the new seq or the free slot (a drain's maybe_landing, a
-         * settle, recover's snapshot, the next holder's claim) */
-        STORE(&l->seq, LOAD(&l->seq, RELAXED) + 1, RELEASE);
-        STORE(&l->token, 0, RELEASE);
+        int ri = h ? shmps_landing_release(h, token, slots[i], count) : SHMPS_E_ARG;
+        if (ri) r = ri;
     }
     return r;
 }

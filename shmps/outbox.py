@@ -235,13 +235,16 @@ class DenseOutbox(DenseTensor):
     def _push_counted(self, g: np.ndarray, r: Optional[np.ndarray]) -> None:
         """Sum a validated gradient (gradient dtype; ``r`` checked rows or None) into
         the outbox, then count the push in every shard it touched (after its values
-        landed: shmps_outbox_landed's release).  From before its first write to after
-        its count the push holds a landing slot of each of those shards (native/outbox.c
-        "Landing": a bridge that ends holding values of a landing push is then caught
-        by the next bridge's recover)."""
-        if r is not None and r.size == 0:
+        landed).  From before its first write to after its count the push holds a
+        landing slot of each of those shards (native/outbox.c "Landing": a bridge that
+        ends holding values of a landing push is then caught by the next bridge's
+        recover): a push of rows in C (shmps_dense_push_sorted_rows, shard by shard),
+        a push of the whole tensor, split over threads, here around it."""
+        if r is not None:
+            if r.size:
+                DenseTensor._apply(self, g, r)
             return
-        touched = self._touched(r)
+        touched = self._every_shard()
         # every entry SHMPS_LANDING_NONE before the claim: an interrupt anywhere after
         # this line still frees exactly the slots claimed
         slots = ffi.new("uint8_t[]", self._no_slots())
@@ -261,18 +264,14 @@ class DenseOutbox(DenseTensor):
             none = self._none = [lib.SHMPS_LANDING_NONE] * self.nshards
         return none
 
-    def _touched(self, r: Optional[np.ndarray]) -> Any:
-        """The shards a push of rows ``r`` (None: every row) writes: a ``uint8_t *`` mask
-        (every shard: one, built once, only ever read)."""
-        if r is None or self.nshards == 1:
-            every = getattr(self, "_every_shard", None)
-            if every is None:
-                every = self._every_shard = ffi.from_buffer(
-                    "uint8_t[]", bytearray(b"\x01" * self.nshards))
-            return every
-        mask = np.zeros(self.nshards, np.uint8)
-        mask[r // self.shard_rows] = 1
-        return ffi.from_buffer("uint8_t[]", mask)
+    def _every_shard(self) -> Any:
+        """A ``uint8_t *`` mask of every shard (a whole-tensor push writes them all),
+        built once, only ever read."""
+        every = getattr(self, "_every_mask", None)
+        if every is None:
+            every = self._every_mask = ffi.from_buffer("uint8_t[]",
+                                                       bytearray(b"\x01" * self.nshards))
+        return every
 
     def _land(self, touched: Any, slots: Any = None) -> Any:
         """Claim a landing slot of every shard in ``touched`` (shmps_outbox_land) into

@@ -1650,7 +1650,7 @@ def test_a_lost_range_waits_for_a_live_landing_push(store, new_handle):
     wb = bridge["w"]
     g = np.ones((4, 2), np.float32)
     w.push(g)                                              # pushed 1
-    touched = ob._touched(None)
+    touched = ob._every_shard()
     slots = ob._land(touched)                              # a push landing
     assert wb._outbox_drain(0).pushed == 1                 # not acknowledged
     assert wb._outbox_recover(0) == 1                      # (0, 1] now, and open
@@ -1693,7 +1693,7 @@ def test_a_slot_claimed_again_does_not_hold_a_lost_range_open(store, new_handle)
     ob = w._outbox()
     bridge = new_handle()
     wb = bridge["w"]
-    touched = ob._touched(None)
+    touched = ob._every_shard()
     a = ob._land(touched)                                  # push A landing
     DenseTensor._apply(ob, np.ones((4, 2), np.float32), None)   # A's values
     assert wb._outbox_drain(0).pushed == 0                 # taken, A not counted
@@ -1798,3 +1798,26 @@ def test_a_table_drain_that_fails_before_taking_a_row_changes_nothing(store, out
     tb._outbox_ack(0, d.pushed, d.ticket)
     store.flush(timeout=1)
     ob.check()
+
+
+def test_a_rows_push_lands_in_each_shard_it_writes_and_counts_there(store):
+    """A push of rows into an outbox is one C call (shmps_dense_push_sorted_rows) that
+    takes a landing slot of each shard it writes, for that shard's run, and counts the
+    push there when it frees it (native/outbox.c "Landing"): the slots' seq move in
+    shards 0 and 2 only, each by one, every slot is free again, and ob_pushed counts the
+    push in those shards alone.  Without the slot, a bridge killed while holding values
+    of this push would let the next one acknowledge it (the landing tests above)."""
+    w = store.dense("w", shape=(9, 2), dtype="float32", shard_rows=3)     # 3 shards
+    store._set_forwarding(True)
+    ob = w._outbox()
+    paths = [os.path.join(SHM, ob._shards[k].seg.name.lstrip("/")) for k in range(3)]
+
+    def slots(k):
+        words = peek(paths[k], LANDING_OFF, "<128Q")
+        return words[0::2], sum(words[1::2])          # tokens, the seqs' sum
+
+    w.push(np.ones((4, 2), np.float32), rows=[7, 0, 1, 6])                 # shards 0, 2
+    for k, moved in ((0, 1), (1, 0), (2, 1)):
+        tokens, seqs = slots(k)
+        assert not any(tokens) and seqs == moved, (k, seqs)
+        assert native_counters(ob, k)[0] == moved
