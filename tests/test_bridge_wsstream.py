@@ -5,10 +5,12 @@ end, so both directions are checked against an independent RFC 6455 implementati
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 import socket
 import struct
+from typing import AsyncIterator
 
 import numpy as np
 import pytest
@@ -100,11 +102,16 @@ async def serve_one(path: str, handler) -> tuple[web.AppRunner, int]:
     return runner, site._server.sockets[0].getsockname()[1]   # noqa: SLF001
 
 
-async def serve_slow(got: list, done: asyncio.Future) -> tuple[web.AppRunner, int,
-                                                              asyncio.Future]:
-    """A server at /slow that takes the connection over and does not read until the
-    test resumes it (``ready``'s result, the server's WsStream); it keeps every message
-    in ``got`` and sets ``done`` at one that ends with b"END".  (runner, port, ready)."""
+@contextlib.asynccontextmanager
+async def slow_peer() -> AsyncIterator[tuple[wsstream.WsStream, wsstream.WsStream, list,
+                                             asyncio.Future]]:
+    """A client connected to a server at /slow that takes the connection over and does
+    not read until the test resumes it (``server.transport.resume_reading()``): yields
+    (client, server stream, got, done); the server keeps every message in ``got`` and
+    sets ``done`` at one that ends with b"END".  Both ends and the server are closed
+    after."""
+    got: list[bytes] = []
+    done = asyncio.get_running_loop().create_future()
     ready = asyncio.get_running_loop().create_future()
 
     async def slow(request):
@@ -125,7 +132,16 @@ async def serve_slow(got: list, done: asyncio.Future) -> tuple[web.AppRunner, in
         return ws
 
     runner, port = await serve_one("/slow", slow)
-    return runner, port, ready
+    try:
+        c = await wsstream.connect("127.0.0.1", port, "/slow", max_msg=MAX, timeout=5)
+        server = await asyncio.wait_for(ready, 5)
+        try:
+            yield c, server, got, done
+        finally:
+            c.close()
+            server.close()
+    finally:
+        await runner.cleanup()
 
 
 async def collect(stream: wsstream.WsStream, count: int) -> list[bytes]:
@@ -373,12 +389,7 @@ def test_a_slow_reader_backs_messages_up_in_order_then_refuses(monkeypatch):
     monkeypatch.setattr(wsstream, "MAX_BACKLOG", 8 << 20)
 
     async def main():
-        got: list[bytes] = []
-        done = asyncio.get_running_loop().create_future()
-        runner, port, ready = await serve_slow(got, done)
-        try:
-            c = await wsstream.connect("127.0.0.1", port, "/slow", max_msg=MAX, timeout=5)
-            server = await asyncio.wait_for(ready, 5)
+        async with slow_peer() as (c, server, got, done):
             accepted, refused, most = [], 0, 0
             for i in range(200):
                 p = payload(1 << 20, 1000 + i)
@@ -402,11 +413,7 @@ def test_a_slow_reader_backs_messages_up_in_order_then_refuses(monkeypatch):
                 await asyncio.sleep(0.05)
             await asyncio.wait_for(done, 20)
             assert bulk_backlog > most and c.backlog == 0
-            c.close()
-            server.close()
             return accepted, refused, most, got
-        finally:
-            await runner.cleanup()
 
     accepted, refused, most, got = run(main())
     assert refused > 0 and len(accepted) < 200
@@ -543,12 +550,7 @@ def test_a_corked_send_is_refused_while_the_queue_is_full(monkeypatch):
     monkeypatch.setattr(wsstream, "MAX_BACKLOG", 4 << 20)
 
     async def main():
-        got: list[bytes] = []
-        done = asyncio.get_running_loop().create_future()
-        runner, port, ready = await serve_slow(got, done)
-        try:
-            c = await wsstream.connect("127.0.0.1", port, "/slow", max_msg=MAX, timeout=5)
-            server = await asyncio.wait_for(ready, 5)
+        async with slow_peer() as (c, server, got, done):
             cork = Cork()
             conn = Conn(c, "peer", cork=cork)
             accepted: list[bytes] = []
@@ -577,11 +579,7 @@ def test_a_corked_send_is_refused_while_the_queue_is_full(monkeypatch):
                 assert conn.send(b"a" * 300) and conn.send(b"b" * 300)
                 assert conn.send(b"END")
             await asyncio.wait_for(done, 20)
-            c.close()
-            server.close()
             return accepted, sent, got
-        finally:
-            await runner.cleanup()
 
     accepted, sent, got = run(main())
     assert sent == [True, False, True]
