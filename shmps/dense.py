@@ -323,22 +323,23 @@ class DenseTensor(Tensor):
         self._apply(g, r, pushes=0 if continues else max(1, int(pushes)),
                     new_step=not continues)
 
-    def _apply_shard(self, shard: int, local: np.ndarray, grads: np.ndarray, pushes: int = 1,
+    def _apply_shard(self, shard: int, rows: np.ndarray, grads: np.ndarray, pushes: int = 1,
                      continues: bool = False) -> None:
-        """The owner's bridge: :meth:`_apply_direct` of a batch whose rows ``local`` (int64,
-        numbered within ``shard``) the caller checked strictly increasing and inside the
-        shard (a BATCH frame: Bridge._check_in_shard), ``grads`` ``(n, row_len)``: the C
-        push of sorted rows (which checks them again), without the sorting and duplicate
-        work a push of any rows needs.  Same NaN/Inf rule, step and counts."""
+        """The owner's bridge: :meth:`_apply_direct` of a batch whose rows ``rows``
+        (int64, global) the caller checked strictly increasing (a BATCH frame:
+        Bridge._check_in_shard), ``grads`` ``(n, row_len)``: the C push of sorted rows,
+        without the sorting and duplicate work a push of any rows needs, after a check
+        that every row lies in ``shard`` (the owner of one shard changes no other).
+        Same NaN/Inf rule, step and counts."""
         sh = self._shard_checked(shard)
-        n = local.size
-        if local.dtype != np.int64 or (n and (int(local[0]) < 0
-                                              or int(local[-1]) >= sh.spec["nrows"])):
+        n = rows.size
+        first = int(shard) * self.shard_rows
+        if rows.dtype != np.int64 or (n and (int(rows[0]) < first
+                                             or int(rows[-1]) >= first + sh.spec["nrows"])):
             raise OutOfRange(f"rows of {self.name!r} outside shard {shard}")
         g = cast_grad(grads, self.dtype)
         if g.shape[:1] != (n,) or g.size != n * self.row_len:
             raise SchemaError(f"gradient shape {g.shape} for {n} rows of {self.name!r}")
-        rows = local + int(shard) * self.shard_rows
         code = lib.shmps_dense_push_sorted_rows(
             self._shard_bases(), self.nshards, self.shard_rows, _native.token(),
             _native.addr(rows), n, _native.addr(g), self._gcode, int(self._check_finite),

@@ -698,9 +698,11 @@ def test_apply_direct_equals_push(store, opt):
 
 @pytest.mark.parametrize("opt", [shmps.SGD(lr=0.1, weight_decay=0.01), shmps.Adam(lr=0.01)])
 def test_apply_shard_equals_apply_direct(store, opt):
-    """The owner's bridge applies a dense BATCH with ``_apply_shard`` (rows numbered in
-    the shard, increasing): the same values, steps and counts as ``_apply_direct`` of
-    the same rows, continued frames included; the same NaN/Inf rule and bounds."""
+    """The owner's bridge applies a dense BATCH with ``_apply_shard`` (rows of one
+    shard, increasing): the same values, steps and counts as ``_apply_direct`` of the
+    same rows, continued frames included; the same NaN/Inf rule; and a row outside the
+    shard named (one of the next shard's too: the owner of one shard changes no other)
+    is refused with nothing changed."""
     rng = np.random.default_rng(5)
     a = store.dense("a", shape=(12, 3), dtype="float32", optimizer=opt, shard_rows=5)
     b = store.dense("b", shape=(12, 3), dtype="float32", optimizer=opt, shard_rows=5)
@@ -710,7 +712,7 @@ def test_apply_shard_equals_apply_direct(store, opt):
     for shard, local, continues in batches:
         g = rng.integers(-4, 5, size=(local.size, 3)).astype(np.float32)
         a._apply_direct(local + 5 * shard, g, pushes=3, continues=continues)
-        b._apply_shard(shard, local.astype(np.int64), g, pushes=3, continues=continues)
+        b._apply_shard(shard, local + 5 * shard, g, pushes=3, continues=continues)
     np.testing.assert_array_equal(b.pull(), a.pull())
     for k in ("step", "pushes"):
         assert b.stats()[k] == a.stats()[k]
@@ -718,7 +720,9 @@ def test_apply_shard_equals_apply_direct(store, opt):
     with pytest.raises(shmps.NonFinite):
         b._apply_shard(0, np.array([1]), np.full((1, 3), np.nan, np.float32))
     with pytest.raises(shmps.OutOfRange):
-        b._apply_shard(2, np.array([2]), np.ones((1, 3), np.float32))   # shard 2: 2 rows
+        b._apply_shard(2, np.array([12]), np.ones((1, 3), np.float32))  # shard 2: rows 10, 11
+    with pytest.raises(shmps.OutOfRange):
+        b._apply_shard(0, np.array([3, 5]), np.ones((2, 3), np.float32))  # 5: shard 1
     with pytest.raises(shmps.SchemaError):
         b._apply_shard(0, np.array([1, 2]), np.ones((1, 3), np.float32))
     np.testing.assert_array_equal(b.pull(), a.pull())   # refused ones changed nothing

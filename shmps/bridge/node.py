@@ -1629,19 +1629,13 @@ class Bridge:
             return self._refuse(f, reply, Status.BUSY, "backlog")
         # apply
         continues = bool(f.flags & frames.Flag.CONTINUES)
-        local = None
-        if info.kind == "dense":
-            # rows numbered within the shard (checked inside it and increasing above)
-            first = info.shard_range(f.shard)[0]
-            local = (np.arange(f.start - first, f.start - first + f.n, dtype=np.int64)
-                     if f.layout == Layout.RANGE else f.index - first)
-        elif f.layout == Layout.RANGE:
+        if f.layout == Layout.RANGE:
             index = np.arange(f.start, f.start + f.n, dtype=np.int64)
         else:
             index = f.index
         try:
-            if local is not None:
-                info.t._apply_shard(f.shard, local, f.values, pushes=f.step,
+            if info.kind == "dense":   # rows in the shard and increasing (checked above)
+                info.t._apply_shard(f.shard, index, f.values, pushes=f.step,
                                     continues=continues)
             else:
                 info.t._apply_direct(index, f.values.reshape((f.n,) + info.row_shape),
@@ -1665,8 +1659,8 @@ class Bridge:
             del self.failover_log[:-100]
             st.failover_from = None
         mark = [Mark(f.sender, f.incarnation, f.seq)]
-        if local is not None:
-            rseq = self._send_dense_rows(key, info, f.shard, local, f, mark)
+        if info.kind == "dense":
+            rseq = self._send_dense_rows(key, info, f.shard, index, f, mark)
         elif info.kind == "table":
             rseq = self._send_table_rows(key, info, f.shard, index, mark)
         else:
@@ -1720,17 +1714,18 @@ class Bridge:
             state_dtype=_native.DTYPE_NAMES[spec["state_dtype"]] if nstate else None,
             **where)
 
-    def _send_dense_rows(self, key: tuple, info: TInfo, shard: int, local: np.ndarray,
+    def _send_dense_rows(self, key: tuple, info: TInfo, shard: int, index: np.ndarray,
                          f: frames.Data, marks: list) -> int:
-        """ROWS of the dense rows ``local`` (numbered within ``shard``, increasing) that
-        BATCH ``f`` just applied, addressed as ``f`` addressed them: read under the
-        shard's freeze straight into the frame, then sent as _send_rows does."""
+        """ROWS of the dense rows ``index`` (global, in ``shard``, increasing) that BATCH
+        ``f`` just applied, addressed as ``f`` addressed them: read under the shard's
+        freeze straight into the frame, then sent as _send_rows does."""
         st = self.shards[key]
         st.rseq += 1
         if f.layout == Layout.RANGE:
             b = self._rows_builder(info, shard, st.rseq, f.n, marks, start=f.start)
         else:
             b = self._rows_builder(info, shard, st.rseq, f.n, marks, rows=f.index)
+        local = index - info.shard_range(shard)[0]
         step = info.t._read_rows_into(shard, local, [b.values] + b.state)
         self._send_to_copies(st, b.finish(step))
         return st.rseq
