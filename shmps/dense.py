@@ -175,8 +175,9 @@ class DenseTensor(Tensor):
         if rs is not r and check:
             self._require_finite(g)   # the gradient pushed, not its sums, is checked
             check = False
-        if rs.size > 1 and (rs.size <= 16 and rs.tolist() != sorted(rs.tolist())
-                            or rs.size > 16 and bool(np.any(rs[1:] < rs[:-1]))):
+        few = rs.tolist() if 1 < rs.size <= 16 else None   # a list beats numpy here
+        if rs.size > 1 and (few != sorted(few) if few is not None
+                            else bool(np.any(rs[1:] < rs[:-1]))):
             order = np.argsort(rs, kind="stable")
             rs, gs = rs[order], gs[order]
         code = lib.shmps_dense_push_sorted_rows(

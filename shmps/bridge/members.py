@@ -304,13 +304,14 @@ class Membership:
                                                    if s in ON_RING))
         return v
 
-    def reachable(self) -> set[str]:
-        """Members heard from within ``dead_after`` (every state but dead), self included. O(n)."""
+    def reachable(self) -> frozenset[str]:
+        """Members heard from within ``dead_after`` (every state but dead), self included.
+        O(1) while no state changed, else O(n)."""
         v = self._views.get("reachable")
         if v is None:
             v = self._views["reachable"] = frozenset(m for m, s in self._state.items()
                                                      if s is not State.DEAD)
-        return set(v)
+        return v
 
     def last_seen(self, member: str) -> float:
         """When ``member`` was last heard from (clock units). O(1)."""
