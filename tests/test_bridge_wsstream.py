@@ -432,22 +432,7 @@ def test_close_drops_the_queue_and_a_peer_that_does_not_read_is_cut_off(monkeypa
     monkeypatch.setattr(wsstream, "CLOSE_LINGER", 0.3)
 
     async def main():
-        ready = asyncio.get_running_loop().create_future()
-
-        async def stuck(request):
-            ws = web.WebSocketResponse()
-            await ws.prepare(request)
-            stream = wsstream.take_over(request, max_msg=MAX, peer="stuck client")
-            stream.transport.pause_reading()      # a stopped peer: nothing is read
-            ready.set_result(stream)
-            stream.start(lambda data: True)
-            await stream.wait_closed()
-            return ws
-
-        runner, port = await serve_one("/stuck", stuck)
-        try:
-            c = await wsstream.connect("127.0.0.1", port, "/stuck", max_msg=MAX, timeout=5)
-            server = await asyncio.wait_for(ready, 5)
+        async with slow_peer() as (c, server, got, done):   # a stopped peer: reads nothing
             for i in range(64):
                 if not c.send(payload(1 << 20, i)):
                     break
@@ -459,10 +444,7 @@ def test_close_drops_the_queue_and_a_peer_that_does_not_read_is_cut_off(monkeypa
             assert c.backlog == held and not c.send(b"after close")
             await asyncio.wait_for(c.wait_closed(), 5)
             took = time.monotonic() - t0
-            server.close()
             return queued, held, took
-        finally:
-            await runner.cleanup()
 
     queued, held, took = run(main())
     assert queued >= 8 << 20
