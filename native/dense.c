@@ -289,28 +289,91 @@ int shmps_dense_pull(void *base, uint64_t token, void *out, uint64_t elem_lo,
     return SHMPS_OK;
 }
 
-int shmps_dense_pull_rows(void *base, uint64_t token, const int64_t *rows, uint64_t n,
-                          void *out, int consistent) {
-    shmps_shard_hdr_t *h = hdr_of(base);
-    const shmps_spec_t *s = &h->spec;
-    if (s->kind != SHMPS_DENSE) return SHMPS_E_ARG;
-    for (uint64_t i = 0; i < n; i++)
-        if (rows[i] < 0 || (uint64_t)rows[i] >= s->nrows) return SHMPS_E_BOUNDS;
+/* One shard's part of a pull of rows: rows[k] (k < m, numbered in the tensor; the
+ * shard's first row is `off`) goes to row pos[k] of out (pos NULL: row first + k).
+ * Consistent: under one shared freeze of the shard, so the rows reflect a whole number
+ * of pushes; else each row's stripes are read by their seqlocks. */
+static int pull_group(void *base, uint64_t token, const int64_t *rows, const int64_t *pos,
+                      uint64_t m, int64_t off, char *out, uint64_t first, int consistent) {
+    const shmps_spec_t *s = &hdr_of(base)->spec;
     const char *v = at(base, s->value_off);
     size_t rb = s->row_len * s->itemsize;
-    char *o = (char *)out;
     if (consistent) {
         int r = shmps_freeze_shared(base, token, SHMPS_LOCK_TIMEOUT_S);
         if (r < 0) return r;
-        for (uint64_t i = 0; i < n; i++) memcpy(o + i * rb, v + (uint64_t)rows[i] * rb, rb);
+        for (uint64_t k = 0; k < m; k++) {
+            uint64_t d = pos ? (uint64_t)pos[k] : first + k;
+            memcpy(out + d * rb, v + (uint64_t)(rows[k] - off) * rb, rb);
+        }
         return shmps_thaw_shared(base, token);
     }
-    for (uint64_t i = 0; i < n; i++) {
-        uint64_t e0 = (uint64_t)rows[i] * s->row_len;
-        int r = shmps_dense_pull(base, token, o + i * rb, e0, e0 + s->row_len, 0);
+    for (uint64_t k = 0; k < m; k++) {
+        uint64_t d = pos ? (uint64_t)pos[k] : first + k;
+        uint64_t e0 = (uint64_t)(rows[k] - off) * s->row_len;
+        int r = shmps_dense_pull(base, token, out + d * rb, e0, e0 + s->row_len, 0);
         if (r < 0) return r;
     }
     return SHMPS_OK;
+}
+
+/* A pull of rows given by their numbers in the tensor (repeats allowed) in one call:
+ * rows[i] is copied to row pos[i] of out (pos NULL: row i).  Everything is checked
+ * first (each row in range of its shard, each pos in [0, n): SHMPS_E_BOUNDS with out
+ * untouched); then each shard's rows are copied under one freeze of that shard, one
+ * shard at a time (none waits holding another), and the pull is counted in shard 0.
+ * bases: every shard, shard i holding rows i*shard_rows on.
+ * The rows' shard numbers must not decrease (one run per shard), except without pos
+ * for up to 64 rows, which are grouped here (on the stack: nothing is allocated).
+ * More unordered rows without pos return SHMPS_UNSORTED having done nothing: the
+ * caller sorts them by shard and passes their positions as pos. */
+int shmps_dense_pull_rows(void **bases, uint32_t nshards, uint64_t shard_rows,
+                          uint64_t token, const int64_t *rows, const int64_t *pos,
+                          uint64_t n, void *out, int consistent) {
+    if (nshards == 0 || shard_rows == 0) return SHMPS_E_ARG;
+    const shmps_spec_t *s0 = &hdr_of(bases[0])->spec;
+    if (s0->kind != SHMPS_DENSE) return SHMPS_E_ARG;
+    size_t rb = s0->row_len * s0->itemsize;
+    int runs = 1;   /* shard numbers never decrease */
+    for (uint64_t i = 0, last = UINT64_MAX; i < n; i++) {
+        if (rows[i] < 0) return SHMPS_E_BOUNDS;
+        uint64_t sh = (uint64_t)rows[i] / shard_rows;
+        if (sh >= nshards) return SHMPS_E_BOUNDS;
+        const shmps_spec_t *s = &hdr_of(bases[sh])->spec;
+        if (sh != last && (s->kind != SHMPS_DENSE || s->row_len != s0->row_len ||
+                           s->itemsize != s0->itemsize))
+            return SHMPS_E_ARG;   /* every shard of one tensor: one spec but nrows */
+        if ((uint64_t)rows[i] - sh * shard_rows >= s->nrows) return SHMPS_E_BOUNDS;
+        if (pos && (pos[i] < 0 || (uint64_t)pos[i] >= n)) return SHMPS_E_BOUNDS;
+        if (i && sh < last) runs = 0;
+        last = sh;
+    }
+    int64_t srows[64], spos[64];
+    if (!runs) {
+        if (pos) return SHMPS_E_ARG;
+        if (n > 64) return SHMPS_UNSORTED;
+        /* stable insertion sort of the positions by shard: at most 64 rows */
+        for (uint64_t i = 0; i < n; i++) {
+            uint64_t sh = (uint64_t)rows[i] / shard_rows, k = i;
+            for (; k > 0 && (uint64_t)srows[k - 1] / shard_rows > sh; k--) {
+                srows[k] = srows[k - 1];
+                spos[k] = spos[k - 1];
+            }
+            srows[k] = rows[i];
+            spos[k] = (int64_t)i;
+        }
+        rows = srows;
+        pos = spos;
+    }
+    char *o = (char *)out;
+    int r = SHMPS_OK;
+    for (uint64_t a = 0, b; a < n && r == SHMPS_OK; a = b) {
+        uint64_t sh = (uint64_t)rows[a] / shard_rows;
+        for (b = a + 1; b < n && (uint64_t)rows[b] / shard_rows == sh; b++) {}
+        r = pull_group(bases[sh], token, rows + a, pos ? pos + a : NULL, b - a,
+                       (int64_t)(sh * shard_rows), o, a, consistent);
+    }
+    if (r == SHMPS_OK) shmps_count(bases[0], 1, n * rb, n);
+    return r;
 }
 
 /* Non-finite test on the exponent bits: integer ops that vectorise without

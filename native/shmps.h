@@ -23,6 +23,7 @@
 enum {
     SHMPS_OK = 0,
     SHMPS_RECOVERED = 1,          /* lock acquired from a dead owner: repair state */
+    SHMPS_UNSORTED = 4,           /* shmps_dense_pull_rows: sort the rows by shard first */
     SHMPS_E_CORRUPT = -30001,     /* segment header not ours / inconsistent */
     SHMPS_E_BOUNDS = -30002,      /* index or size out of range */
     SHMPS_E_TIMEOUT = -30003,     /* bounded wait ran out */
@@ -129,8 +130,9 @@ int shmps_enter(void *base, uint64_t token, double timeout_s, uint32_t *slot);
 int shmps_leave(void *base, uint64_t token, uint32_t slot);
 int shmps_dense_pull(void *base, uint64_t token, void *out, uint64_t elem_lo,
                      uint64_t elem_hi, int consistent);
-int shmps_dense_pull_rows(void *base, uint64_t token, const int64_t *rows, uint64_t n,
-                          void *out, int consistent);
+int shmps_dense_pull_rows(void **bases, uint32_t nshards, uint64_t shard_rows,
+                          uint64_t token, const int64_t *rows, const int64_t *pos,
+                          uint64_t n, void *out, int consistent);
 int shmps_active_pushers(const void *base, uint32_t *n);
 int shmps_note_pusher(void *base, uint64_t token, uint64_t window_ns, uint32_t *others);
 

@@ -262,44 +262,6 @@ class DenseTensor(Tensor):
             parts.append(cur)
         return parts
 
-    def _pull_groups(self, r: np.ndarray) -> Any:
-        """(shard, local rows, positions in ``r``: None for all of them, in order) for the
-        checked rows ``r`` (any order): a single-shard tensor's, and up to 16 rows, worked
-        out in a list (_by_shard's numpy costs a dozen calls whatever the size)."""
-        if self.nshards == 1:
-            return [(0, r, None)]
-        if r.size > 16:
-            return self._by_shard(r)
-        sr = self.shard_rows
-        groups: dict[int, list[int]] = {}
-        for pos, row in enumerate(r.tolist()):
-            groups.setdefault(row // sr, []).append(pos)
-        if len(groups) == 1:
-            i = next(iter(groups))
-            return [(i, r - i * sr if i else r, None)]
-        return [(i, r[pos] - i * sr, pos) for i, pos in groups.items()]
-
-    def _by_shard(self, r: np.ndarray):
-        """Yield (shard, local rows, their positions in ``r``) grouped by shard (rows in
-        any order; _pull_groups for more than a few rows)."""
-        sid = r // self.shard_rows
-        if r.size and bool(np.all(sid[1:] >= sid[:-1])):
-            # sorted rows: each shard's rows are one run, sliced in place of a sort
-            starts = np.flatnonzero(np.diff(sid)) + 1
-            for a, b in zip([0, *starts.tolist()], [*starts.tolist(), r.size]):
-                i = int(sid[a])
-                yield i, r[a:b] - i * self.shard_rows, np.arange(a, b)
-            return
-        order = np.argsort(sid, kind="stable")
-        counts = np.bincount(sid, minlength=self.nshards)
-        pos = 0
-        for i, c in enumerate(counts):
-            if c == 0:
-                continue
-            idx = order[pos:pos + c]
-            pos += c
-            yield i, np.ascontiguousarray(r[idx] - i * self.shard_rows), idx
-
     # -- the bridge's side (shmps/outbox.py; private API) -------------------------
     def _outbox_drain(self, shard: int, timeout: Optional[float] = None,
                       into: Any = None) -> Any:
@@ -454,12 +416,17 @@ class DenseTensor(Tensor):
         ``consistent=True`` (default): each shard is copied while no push is inside
         it, so it reflects a whole number of pushes (pushers wait for the copy, about
         a memcpy of the shard).  ``consistent=False``: each 16 KiB stripe is a
-        whole number of pushes (seqlock), and pushers never wait.  ``out=`` (C
+        whole number of pushes (seqlock; with ``rows``, each row's part of a stripe),
+        and pushers never wait.  ``out=`` (C
         contiguous, the tensor's dtype and the result's shape) avoids allocating."""
         self._shard(0)  # Closed after close()
         if rows is None:
             want = self.shape
             r = None
+        elif (type(rows) is np.ndarray and rows.dtype == np.int64 and rows.ndim == 1
+              and rows.flags.c_contiguous):
+            r = rows   # the C pull checks each row's range (check_rows names a bad one)
+            want = (r.size,) + self.row_shape
         else:
             r = check_rows(rows, self.nrows)
             want = (r.size,) + self.row_shape
@@ -487,16 +454,20 @@ class DenseTensor(Tensor):
                     _native.check(code, f"pull from {self.name!r}")
             self._count(True, out.nbytes, self.nrows)
             return out
-        for i, local, pos in self._pull_groups(r):
-            # every row of r in this shard: straight into out; else a buffer, scattered
-            buf = out if pos is None else np.empty((local.size,) + self.row_shape, self.dtype)
-            code = lib.shmps_dense_pull_rows(self._shards[i].ptr, tok, _native.addr(local),
-                                             local.size, _native.addr(buf), c)
-            if code:
-                _native.check(code, f"pull from {self.name!r}")
-            if pos is not None:
-                out[pos] = buf
-        self._count(True, out.nbytes, r.size)
+        bases, rp = self._shard_bases(), _native.addr(r)
+        code = lib.shmps_dense_pull_rows(bases, self.nshards, self.shard_rows, tok, rp,
+                                         _native.ffi.NULL, r.size, _native.addr(out), c)
+        if code == lib.SHMPS_UNSORTED:
+            # many rows, not in shard order: sorted by shard, each row's place in `out`
+            pos = np.argsort(r // self.shard_rows, kind="stable")
+            sr = r[pos]
+            code = lib.shmps_dense_pull_rows(bases, self.nshards, self.shard_rows, tok,
+                                             _native.addr(sr), _native.addr(pos), r.size,
+                                             _native.addr(out), c)
+        if code == lib.SHMPS_E_BOUNDS:
+            check_rows(r, self.nrows)   # raises OutOfRange naming the row
+        if code:
+            _native.check(code, f"pull from {self.name!r}")
         return out
 
     def view(self, writable: bool = False) -> np.ndarray:

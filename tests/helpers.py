@@ -393,10 +393,12 @@ def assign_writer(store: str, tensor: str, flags: Any, idx: int, how: str = "who
 
 
 def torn_reader(store: str, tensor: str, consistent: bool, unit: int, flags: Any,
-                idx: int, max_seconds: float = 30.0) -> dict:
+                idx: int, max_seconds: float = 30.0, rows: bool = False) -> dict:
     """Pull until ``stop``; every ``unit`` consecutive elements (a shard for
-    consistent pulls, a 16 KiB stripe otherwise) must hold one value, and a unit's
-    value never goes back in time.  Returns pulls, violations, distinct values seen."""
+    consistent pulls, a 16 KiB stripe otherwise; whole rows) must hold one value, and
+    a unit's value never goes back in time.  ``rows``: pull rows= in a random order,
+    every row and 60 of them in turn; the rows of one unit that one pull took must
+    hold one value.  Returns pulls, violations, distinct values seen."""
     import shmps
 
     s = shmps.attach(store)
@@ -407,10 +409,29 @@ def torn_reader(store: str, tensor: str, consistent: bool, unit: int, flags: Any
         pulls = mixed = backwards = 0
         examples: list = []
         seen: set = set()
+        rng = np.random.default_rng(idx)
+        nrows = t.shape[0]
+        row_len = t.size // nrows
         _await_go(flags, idx)
         t_end = time.monotonic() + max_seconds
         while not flags[STOP] and time.monotonic() < t_end:
-            t.pull(out=out, consistent=consistent)
+            if rows:
+                perm = rng.permutation(nrows)[:nrows if pulls % 2 else min(60, nrows)]
+                got = t.pull(rows=perm, consistent=consistent).reshape(perm.size, row_len)
+                if perm.size < nrows:
+                    units = perm * row_len // unit
+                    for u in np.unique(units):
+                        part = got[units == u]
+                        if part.min() != part.max():
+                            mixed += 1
+                            if len(examples) < 5:
+                                examples.append((int(u), float(part.min()), float(part.max())))
+                    pulls += 1
+                    flags[2 + idx] = pulls
+                    continue
+                out.reshape(nrows, row_len)[perm] = got
+            else:
+                t.pull(out=out, consistent=consistent)
             u = out.reshape(-1, unit)
             lo, hi = u.min(axis=1), u.max(axis=1)
             bad = np.flatnonzero(lo != hi)

@@ -77,15 +77,17 @@ def test_hogwild_mode_runs(store, store_name):
     assert t.stats()["pushes"] == NPROCS * 200
 
 
-def run_torn(store_name: str, how: str, seconds: float = 2.0) -> tuple:
+def run_torn(store_name: str, how: str, seconds: float = 2.0, rows: bool = False) -> tuple:
     """One assign writer (k = 1, 2, ...) and two readers (consistent and not) for
     ``seconds``; returns (last k, consistent reader's result, stripe reader's result)."""
     flags = new_flags(3)
     with Workers() as ws:
         writer = ws.start(assign_writer, store_name, "w", flags, 0, how)
         per_shard = 64 * 1024
-        cons = ws.start(torn_reader, store_name, "w", True, per_shard, flags, 1)
-        racy = ws.start(torn_reader, store_name, "w", False, STRIPE_BYTES // 4, flags, 2)
+        cons = ws.start(torn_reader, store_name, "w", True, per_shard, flags, 1, 30.0, rows)
+        # a stripe pull copies each 16 KiB stripe whole; one of rows=, each row's part
+        racy = ws.start(torn_reader, store_name, "w", False,
+                        1024 if rows else STRIPE_BYTES // 4, flags, 2, 30.0, rows)
         wait_until(lambda: all(flags[2 + i] for i in range(3)), 90, "workers ready")
         flags[GO] = 1
         wait_until(lambda: flags[2] > 2, 30, "writer progress")
@@ -120,6 +122,19 @@ def test_no_torn_stripe_reads_with_shuffled_rows(store, store_name):
     last_k, cons, racy = run_torn(store_name, "shuffled")
     assert cons["mixed"] == 0 and cons["backwards"] == 0
     assert racy["mixed"] == 0, f"stripe reader saw mixed values: {racy['examples']}"
+
+
+def test_no_torn_reads_of_rows_in_any_order(store, store_name):
+    """pull(rows=) of every row, or of 60, in a random order (one C call grouping them
+    by shard) never tears a shard (consistent) or a stripe under an assign writer."""
+    store.dense("w", shape=(256, 1024), dtype="float32", optimizer="assign", shard_rows=64)
+    last_k, cons, racy = run_torn(store_name, "whole", rows=True)
+    assert last_k > 2
+    for name, r in (("consistent", cons), ("stripe", racy)):
+        assert r["pulls"] > 1
+        assert r["mixed"] == 0, f"{name} reader saw mixed values: {r['examples']}"
+        assert r["backwards"] == 0, f"{name} reader saw a unit go back in time"
+    assert cons["distinct"] > 1 and racy["distinct"] > 1, "the writer ran during the reads"
 
 
 def test_single_process_two_handles_interleave_exactly(store_name):

@@ -187,6 +187,62 @@ def test_inconsistent_pull_returns_the_same_values(store):
                                   init[[299, 0, 140]])
 
 
+@pytest.mark.parametrize("consistent", [True, False])
+@pytest.mark.parametrize("case", ["one", "few sorted", "few unsorted", "many sorted",
+                                  "many unsorted", "repeats"])
+def test_pull_rows_over_shards_in_one_call(store, case, consistent):
+    """pull(rows=) of rows over several shards, in any order, is one C call: up to 64
+    unordered rows are grouped there, more come back SHMPS_UNSORTED and are sorted by
+    shard in Python first.  Each case returns what indexing the values returns, and
+    counts one pull of len(rows) rows."""
+    rng = np.random.default_rng(9)
+    init = rng.normal(size=(200, 3)).astype(np.float32)
+    t = store.dense("w", shape=(200, 3), init=init, shard_rows=16)
+    rows = {"one": np.array([170]), "few sorted": np.array([1, 3, 40, 41, 199]),
+            "few unsorted": np.array([199, 0, 150, 3, 40, 16, 15]),
+            "many sorted": np.sort(rng.integers(0, 200, 150)),
+            "many unsorted": rng.permutation(200)[:150],
+            "repeats": np.array([7, 190, 7, 7, 33, 190] * 20)}[case].astype(np.int64)
+    before = t.stats()
+    out = np.full((rows.size, 3), -1, np.float32)
+    assert t.pull(rows=rows, out=out, consistent=consistent) is out
+    np.testing.assert_array_equal(out, init[rows])
+    np.testing.assert_array_equal(t.pull(rows=rows.tolist(), consistent=consistent),
+                                  init[rows])   # a list: checked in Python first
+    after = t.stats()
+    assert after["pulls"] - before["pulls"] == 2
+    assert after["rows_pulled"] - before["rows_pulled"] == 2 * rows.size
+
+
+@pytest.mark.parametrize("bad", [-1, 200])
+def test_pull_rows_out_of_range_names_the_row_and_writes_nothing(store, bad):
+    """An int64 array of rows goes to C unchecked; a row out of range there is an
+    OutOfRange naming it, with ``out`` untouched (C checks every row before copying)."""
+    t = store.dense("w", shape=(200, 3), dtype="float32", init=1.0, shard_rows=16)
+    out = np.zeros((3, 3), np.float32)
+    with pytest.raises(shmps.OutOfRange, match=f"row {bad} "):
+        t.pull(rows=np.array([5, 100, bad], np.int64), out=out)
+    np.testing.assert_array_equal(out, 0)
+    lib, native = shmps._native.lib, shmps._native
+    r = np.array([100, 5], np.int64)                         # shards decreasing
+    pos = np.array([0, 1], np.int64)
+    assert lib.shmps_dense_pull_rows(t._shard_bases(), t.nshards, t.shard_rows,
+                                     native.token(), native.addr(r), native.addr(pos), 2,
+                                     native.addr(out), 1) == lib.SHMPS_E_ARG
+    r = np.array([5, 100], np.int64)
+    for p in ([0, 2], [-1, 0]):                              # a place outside out
+        assert lib.shmps_dense_pull_rows(
+            t._shard_bases(), t.nshards, t.shard_rows, native.token(), native.addr(r),
+            native.addr(np.array(p, np.int64)), 2, native.addr(out), 1) == lib.SHMPS_E_BOUNDS
+    many = np.arange(199, 99, -1, dtype=np.int64)            # 100 rows, unordered
+    big = np.zeros((100, 3), np.float32)
+    assert lib.shmps_dense_pull_rows(t._shard_bases(), t.nshards, t.shard_rows,
+                                     native.token(), native.addr(many), native.ffi.NULL, 100,
+                                     native.addr(big), 1) == lib.SHMPS_UNSORTED
+    np.testing.assert_array_equal(big, 0)
+    np.testing.assert_array_equal(out, 0)
+
+
 # ---- shards -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", ["int8", "float32", "float64"])

@@ -111,7 +111,9 @@ class StoreVersusModel(RuleBasedStateMachine):
         m = self.models[name]
         rows = data.draw(st.lists(st.integers(0, m.w.shape[0] - 1), max_size=12), label="rows")
         out = np.empty((len(rows),) + m.w.shape[1:], m.dtype)
-        got = self.store[name].pull(rows=rows, out=out)
+        as_array = data.draw(st.booleans(), label="int64 array")   # C checks the rows
+        got = self.store[name].pull(rows=np.array(rows, np.int64) if as_array else rows,
+                                    out=out)
         assert got is out
         m.check(got, rows=rows, what=f"{name} pull(rows={rows})")
 
