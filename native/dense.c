@@ -186,7 +186,8 @@ int shmps_dense_push_sorted_rows(void **bases, uint32_t nshards, uint64_t shard_
     int r = check_dense(s0, grad_dtype);
     if (r) return r;
     for (uint64_t i = 0, last = UINT64_MAX; i < n; i++) {
-        if (rows[i] < 0 || (i && rows[i] < rows[i - 1])) return SHMPS_E_ARG;
+        if (rows[i] < 0) return SHMPS_E_BOUNDS;
+        if (i && rows[i] < rows[i - 1]) return SHMPS_E_ARG;
         uint64_t sh = (uint64_t)rows[i] / shard_rows;
         if (sh >= nshards) return SHMPS_E_BOUNDS;
         const shmps_spec_t *s = &hdr_of(bases[sh])->spec;

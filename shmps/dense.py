@@ -11,7 +11,7 @@ import numpy as np
 
 from . import _native
 from .errors import CorruptSegment, OutOfRange, SchemaError
-from .tensor import PushHandle, Tensor, cast_grad, check_rows, split_pool
+from .tensor import PushHandle, Tensor, cast_grad, check_rows, rows_for_c, split_pool
 
 lib = _native.lib
 
@@ -115,25 +115,30 @@ class DenseTensor(Tensor):
                 _native.check(code, f"push to {self.name!r}")
             # forwarding: C tested the switch (and did nothing); on below
         if self._fwd[0] and self._forwards():
-            g, r = self._prepare(grad, rows)
+            g, r = self._prepare(grad, rows, c_checks_rows=wait)
             if wait:
                 self._forward(g, r)
                 return None
             return self._store._submit(self._forward, g, r)
-        g, r = self._prepare(grad, rows)
+        g, r = self._prepare(grad, rows, c_checks_rows=wait)
         if wait:
             self._apply(g, r)
             return None
         return self._store._submit(self._apply, g, r)
 
-    def _prepare(self, grad: Any, rows: Any) -> tuple[np.ndarray, Optional[np.ndarray]]:
+    def _prepare(self, grad: Any, rows: Any,
+                 c_checks_rows: bool = False) -> tuple[np.ndarray, Optional[np.ndarray]]:
+        """(gradient, rows) validated for a push; ``c_checks_rows``: the rows go straight
+        to shmps_dense_push_sorted_rows, which checks their range before anything
+        changes (rows_for_c), else they are checked here (a push with wait=False
+        raises a bad row at once, not at its wait)."""
         g = cast_grad(grad, self.dtype)
         if rows is None:
             if g.shape != self.shape:
                 raise SchemaError(f"gradient shape {g.shape} != tensor {self.name!r} shape "
                                   f"{self.shape}", "pass rows= to push only some rows")
             return g, None
-        r = check_rows(rows, self.nrows)
+        r = rows_for_c(rows, self.nrows) if c_checks_rows else check_rows(rows, self.nrows)
         if g.shape != (r.size,) + self.row_shape:
             raise SchemaError(f"gradient shape {g.shape} != {(r.size,) + self.row_shape} "
                               f"(len(rows),) + row shape of {self.name!r}")
@@ -184,6 +189,8 @@ class DenseTensor(Tensor):
             self._shard_bases(), self.nshards, self.shard_rows, _native.token(),
             _native.addr(rs), rs.size, _native.addr(gs), self._gcode, int(check),
             int(new_step), pushes)
+        if code == lib.SHMPS_E_BOUNDS:
+            check_rows(rs, self.nrows)   # raises OutOfRange naming the row
         if code:
             _native.check(code, f"push to {self.name!r}")
 
@@ -423,12 +430,8 @@ class DenseTensor(Tensor):
         if rows is None:
             want = self.shape
             r = None
-        elif (type(rows) is np.ndarray and rows.dtype == np.int64 and rows.ndim == 1
-              and rows.flags.c_contiguous):
-            r = rows   # the C pull checks each row's range (check_rows names a bad one)
-            want = (r.size,) + self.row_shape
         else:
-            r = check_rows(rows, self.nrows)
+            r = rows_for_c(rows, self.nrows)
             want = (r.size,) + self.row_shape
         if out is None:
             out = np.empty(want, self.dtype)

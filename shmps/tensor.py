@@ -70,6 +70,17 @@ def cast_grad(arr: Any, dtype: np.dtype, what: str = "gradient") -> np.ndarray:
     return a if a.flags.c_contiguous else np.array(a, order="C")
 
 
+def rows_for_c(rows: Any, nrows: int) -> np.ndarray:
+    """Row indices for a C call that checks each row's range itself before it changes
+    or copies anything (shmps_dense_push_sorted_rows, shmps_dense_pull_rows): a
+    C-contiguous 1-d int64 array as it is, anything else through check_rows.  On the
+    call's SHMPS_E_BOUNDS the caller runs check_rows, which names the row."""
+    if (type(rows) is np.ndarray and rows.dtype == np.int64 and rows.ndim == 1
+            and rows.flags.c_contiguous):
+        return rows
+    return check_rows(rows, nrows)
+
+
 def check_rows(rows: Any, nrows: int) -> np.ndarray:
     """Row indices as C-contiguous int64, all in [0, nrows)."""
     from .errors import OutOfRange

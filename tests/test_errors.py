@@ -170,14 +170,23 @@ def test_nonfinite_init_rejected(store):
 # ---- rows --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("rows", [[0, 6], [-1], [2, -3], [10**12],
-                                  np.array([1, 2**63 + 5], np.uint64)],
-                         ids=["past-end", "negative", "negative-later", "huge", "uint64-huge"])
+                                  np.array([1, 2**63 + 5], np.uint64),
+                                  np.array([0, 6], np.int64), np.array([2, -3], np.int64),
+                                  np.array([10**12], np.int64)],
+                         ids=["past-end", "negative", "negative-later", "huge", "uint64-huge",
+                              "int64-past-end", "int64-negative-later", "int64-huge"])
 def test_rows_out_of_range(w, rows):
-    """Rows past the end or negative are OutOfRange (an IndexError); no row changes."""
+    """Rows past the end or negative are OutOfRange (an IndexError) naming the row; no
+    row changes.  An int64 array goes to C unchecked (rows_for_c): C refuses it before
+    it changes or copies anything, and Python names the row; with wait=False the push
+    is refused at once, not at its wait."""
+    bad = [r for r in np.asarray(rows).tolist() if not 0 <= r < 6][0]
     g = np.ones((len(rows), 4), np.float32)
-    err = rejected(w, shmps.OutOfRange, lambda: w.push(g, rows=rows), match="row")
+    err = rejected(w, shmps.OutOfRange, lambda: w.push(g, rows=rows), match=f"row {bad} ")
     assert isinstance(err, IndexError)
-    rejected(w, shmps.OutOfRange, lambda: w.pull(rows=rows))
+    rejected(w, shmps.OutOfRange, lambda: w.push(g, rows=rows, wait=False),
+             match=f"row {bad} ")
+    rejected(w, shmps.OutOfRange, lambda: w.pull(rows=rows), match=f"row {bad} ")
 
 
 @pytest.mark.parametrize("rows", [np.array([0.0, 1.0]), np.array([True, False]), [[0], [1]],

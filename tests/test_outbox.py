@@ -230,6 +230,11 @@ def test_forwarded_push_validation_changes_nothing(store):
         (shmps.NonFinite, lambda: w.push(np.full((1, 2), np.inf), rows=[2])),
         (shmps.OutOfRange, lambda: w.push(np.ones((1, 2), np.float32), rows=[6])),
         (shmps.OutOfRange, lambda: w.push(np.ones((1, 2), np.float32), rows=[-1])),
+        # int64 arrays: checked by the C push into the outbox, before it writes
+        (shmps.OutOfRange, lambda: w.push(np.ones((2, 2), np.float32),
+                                          rows=np.array([0, 6], np.int64))),
+        (shmps.OutOfRange, lambda: w.push(np.ones((2, 2), np.float32),
+                                          rows=np.array([-1, 4], np.int64))),
         (shmps.SchemaError, lambda: w.push(np.ones((2, 2), np.float32), rows=[1])),
         (shmps.SchemaError, lambda: t.push([1, 2], np.ones((3, 2)))),
         (shmps.InvalidArgument, lambda: t.push([-1], np.ones((1, 2)))),
