@@ -75,6 +75,7 @@ MAINTAIN_SETTLED = 0.25          #: the shard pass's period while nothing is und
 CORK_MAX = 256 << 10             #: frames below this size may share a message (Cork)
 CORK_FLUSH = 128 << 10           #: a corked connection sends what waits at this much (the peer starts on it)
 SEND_AHEAD = 4 << 20             #: a peer connection's unsent bytes above which no more is drained for it
+ACK_AHEAD = 32 << 20             #: a peer's sent, unacknowledged batch bytes above which no more is drained for it
 SHUTDOWN_TIMEOUT = 2.0          #: closing, the web server waits this long for a handler still running (s)
 
 
@@ -461,6 +462,7 @@ class Bridge:
         self._catalog_tags: dict[str, str] = {}   # peer -> ETag of its catalog taken whole
         self._maint_due = 0.0              # when the next one is due at the latest
         self._sending: set = set()         # streams with frames not yet acknowledged
+        self._unacked_to: dict = {}        # owner -> unacknowledged batch bytes (_drain_all)
         self._lags: deque = deque()        # (when, how late) of each tick (_tick_loop)
         self._flush_wake: Optional[asyncio.Future] = None   # the flush loop's pause
         self._flush_asked = False          # a worker asked for a drain (_wake_flush)
@@ -1356,6 +1358,8 @@ class Bridge:
             self._sweep_due = [every[(self._sweep_pos + i) % len(every)] for i in range(n)]
             self._sweep_pos += n
         work += self._sweep_due
+        if work:
+            self._unacked_to = self._unacked_by_owner()
         for k, (tid, info, s) in enumerate(work):
             over_budget = self.budget.available < (8 << 20)
             if over_budget or (k and time.monotonic() - now > DRAIN_SLICE):
@@ -1426,7 +1430,21 @@ class Bridge:
         if owner == self.addr:
             return self._copy_backed_up(SEND_AHEAD)
         c = self._out(owner)
-        return c is not None and c.stream.backlog > SEND_AHEAD
+        if c is not None and c.stream.backlog > SEND_AHEAD:
+            return True
+        # the owner's ACKs come behind the ROWS it sends this host (on_batch): a host
+        # slow to take those would otherwise be sent batches up to the byte budget
+        return self._unacked_to.get(owner, 0) > ACK_AHEAD
+
+    def _unacked_by_owner(self) -> dict:
+        """Unacknowledged batch bytes per owner they were sent to, over the sending
+        streams (once per drain pass: within one, what it drains is not added)."""
+        by: dict = {}
+        for key in self._sending:
+            stream = self.streams[key]
+            if stream.target is not None:
+                by[stream.target] = by.get(stream.target, 0) + stream.q.pending_bytes
+        return by
 
     def _copy_backed_up(self, limit: int, st: Optional[ShardState] = None) -> bool:
         """A live (ALIVE) host that gets this host's ROWS (of shard ``st``: the ones it is
@@ -1568,6 +1586,14 @@ class Bridge:
         return info if info is not None and f.shard < info.nshards else None
 
     def on_batch(self, peer: str, f: frames.Data, reply: Callable[[bytes], None]) -> None:
+        out = self._out(peer)
+        if out is not None and out.incarnation == f.incarnation:
+            # answer on the connection the ROWS to the sender take (the one its process
+            # opened), after them: the sender writes the rows into its copy before it
+            # takes the ACK, so once its flush() returns its pull shows the push (read
+            # your writes); the connection the BATCH came on would let the ACK overtake
+            # them
+            reply = out.send
         info = self._tensor_for(f)
         if info is None:
             return self._refuse(f, reply, Status.BUSY, "unknown_tensor")
