@@ -605,6 +605,27 @@ def test_a_corrupt_outbox_shard_stops_only_itself(make_cluster):
         assert 1 <= tries <= 5, f"{tries} failed drains in 2.5 s of pushes"
     finally:
         s.close()
+    # the repair (docs/bridge.md, "A corrupt outbox shard"): with this host's workers
+    # stopped (the test's handle closed above), stop its bridge (SIGTERM: it hands its
+    # shards over), remove this host's copy of the store, start the bridge again: it
+    # joins, takes the tensors from the other host's catalog and copies every shard
+    c.signal(0, signal.SIGTERM)
+    assert c.wait_exit(0, 30) == 0, c.describe()
+    shmps.attach(c.store, namespace=c.namespaces[0]).destroy()
+    c.start(0)
+    c.wait_converged(30)
+    wait_forwarding(c, {"e", "w"}, [0, 1])
+    with c.attach(0) as s:
+        c.wait(lambda: int(s["w"].pull().min()) == 2, 15, "host 0's copy of w")
+        c.wait(lambda: "e" in [t["name"] for t in s.tensors()], 15, "host 0's e")
+        s["e"].push([7], np.full((1, 2), 5.0, np.float32))
+        s["w"].push(np.ones((64, 4), np.int32))
+        s.flush(timeout=20)                          # no PushesLost: a new outbox
+    for i in (0, 1):
+        with c.attach(i) as h:
+            c.wait(lambda: np.array_equal(h["e"].pull([7]), [[5.0, 5.0]])
+                   and int(h["w"].pull().min()) == 3, 10, f"host {i} after the repair")
+    assert _sample(c.metrics(0), "shmps_bridge_drain_failures_total") == 0
 
 
 def _sample(text: str, name: str) -> float:

@@ -1403,8 +1403,9 @@ class Bridge:
                 DRAIN_FAILURE_LOG_S:
             self._drain_failed_at[(info.tid, s)] = now
             log.error("tensor %r shard %d: the outbox drain failed: %s (the other shards "
-                      "go on; this one is tried again every %.0f s, logged once a minute)",
-                      info.name, s, e, DRAIN_RETRY_S)
+                      "go on; this one is tried again every %.0f s, logged once a minute; "
+                      "to repair this host, rebuild its copy of the store: docs/bridge.md, "
+                      "'A corrupt outbox shard')", info.name, s, e, DRAIN_RETRY_S)
 
     def _shard_index(self) -> tuple[list, Any, list]:
         """The forwarded tensors (TInfo, in order), one outbox.BusyScan over all of them,
