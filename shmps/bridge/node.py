@@ -192,9 +192,9 @@ class Cork:
     loop: ``with cork:``), frames smaller than CORK_MAX that it sends to one peer wait on
     their connection and go out together, as one websocket message of frames laid back
     to back (frames.iter_frames), when the unit ends or CORK_FLUSH bytes wait.  A table
-    push spread over many shards makes a small frame per shard, each answered by an ACK
-    and followed by ROWS; one message each cost a send, a wake-up and a dispatch on both
-    ends.  Larger frames and bulk sends go at once, after what waits (order is kept)."""
+    push spread over many shards makes a small frame per shard, each answered by ROWS
+    and an ACK (after them, on the same connection: on_batch); one message each cost a
+    send, a wake-up and a dispatch on both ends.  Larger frames and bulk sends go at once, after what waits (order is kept)."""
 
     def __init__(self) -> None:
         self.depth = 0
