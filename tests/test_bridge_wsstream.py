@@ -422,6 +422,35 @@ def test_a_slow_reader_backs_messages_up_in_order_then_refuses(monkeypatch):
     assert body == accepted
 
 
+def test_an_answer_is_queued_past_the_backlog_bound(monkeypatch):
+    """An owner's ACK follows the ROWS on its data connection (Bridge.on_batch), where a
+    bulk snapshot may hold more than MAX_BACKLOG: Conn.reply queues it anyway, after
+    what waits, where Conn.send refuses it (a dropped ACK costs the sender a resend
+    RESEND_AFTER later)."""
+    from shmps.bridge import node
+
+    monkeypatch.setattr(wsstream, "MAX_BACKLOG", 8 << 20)
+    ack = payload(53, 7) + b"END"
+
+    async def main() -> tuple:
+        async with slow_peer() as (c, server, got, done):
+            cork = node.Cork()
+            conn = node.Conn(c, "peer", cork=cork)
+            for i in range(48):                      # a snapshot past the bound
+                assert conn.send(payload(1 << 20, i), bulk=True)
+            assert c.backlog > wsstream.MAX_BACKLOG  # (the sockets hold the rest)
+            with cork:
+                refused = not conn.send(ack)
+                answered = conn.reply(ack)
+            server.transport.resume_reading()
+            await asyncio.wait_for(done, 20)
+            return refused, answered, got
+
+    refused, answered, got = run(main())
+    assert refused and answered
+    assert got == [payload(1 << 20, i) for i in range(48)] + [ack]
+
+
 def test_close_drops_the_queue_and_a_peer_that_does_not_read_is_cut_off(monkeypatch):
     """close() with messages queued for a peer that does not read: the queue is dropped
     (not one large write into the transport), the close frame goes straight to the

@@ -255,6 +255,13 @@ class Conn:
         self.flush()
         return self.stream.send(data, bulk)
 
+    def reply(self, data: bytes | bytearray) -> bool:
+        """Send an answer (an ACK or a refusal: 56 bytes) as :meth:`send`, but never
+        refused for the backlog: a bulk snapshot queued ahead of it may hold more than
+        wsstream.MAX_BACKLOG, and a dropped ACK only makes the sender resend
+        RESEND_AFTER later.  False only if the connection is closed."""
+        return self.send(data) or self.send(data, bulk=True)
+
     def flush(self) -> None:
         """Send the corked frames as one message (admitted when they were corked)."""
         if not self._pending:
@@ -1594,7 +1601,7 @@ class Bridge:
             # takes the ACK, so once its flush() returns its pull shows the push (read
             # your writes); the connection the BATCH came on would let the ACK overtake
             # them
-            reply = out.send
+            reply = out.reply
         info = self._tensor_for(f)
         if info is None:
             return self._refuse(f, reply, Status.BUSY, "unknown_tensor")
