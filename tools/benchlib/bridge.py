@@ -86,6 +86,7 @@ FO_SHARD_ROWS = 32
 FO_SLEEP = 0.01                    # the failover worker pushes every ~10 ms (~25 MB/s)
 FO_TIMEOUT = 10.0                  # a kill without a successor's apply by then is a failure
 REJOIN_TIMEOUT = 20.0
+RTT_ROUNDS = 100                   # push + flush + pull rounds per sample (read your writes)
 FLUSH_TIMEOUT = 20.0               # a push + flush of 16 MiB takes ~50 ms when all is well              # a restarted bridge converges in 1-2 s when all is well
 
 # glibc returns freed 1 MiB buffers to the kernel (trim / mmap thresholds), so a sender
@@ -719,6 +720,47 @@ def forwarded(ctx: RunContext, sec: Section, c: Any, plan: Plan, *, key: str, la
     row.data.update({k: v for k, v in w.rates.items() if k != "b"}, owned_by_b=nb)
 
 
+def flush_round_trip(ctx: RunContext, sec: Section, c: Any, plan: Plan) -> None:
+    """A process on host A pushes one row of a shard host B owns, calls store.flush()
+    and pulls the row: the round's wall time (push to the pull's return; the median of
+    RTT_ROUNDS rounds is one sample), and how many pulls did not show the push (read
+    your writes: none may)."""
+    import numpy as np
+
+    ctx.quiet.wait()
+    b_shards = sorted(int(k.rsplit("/", 1)[1]) for k in owned(c, 1, DENSE))
+    if not b_shards:
+        raise BridgeUnusable(f"host B owns no shard of {DENSE!r}")
+    rows = np.array([b_shards[0] * DENSE_SHARD_ROWS], np.int64)
+    g = np.ones((1, DENSE_SHAPE[1]), np.float32)
+    samples: list[float] = []
+    stale = rounds = 0
+    with c.attach(0) as s:
+        t = s[DENSE]
+        for _ in range(20):                                   # warm-up
+            t.push(g, rows=rows)
+            s.flush(timeout=FLUSH_TIMEOUT)
+        for _ in range(plan.reps):
+            took = []
+            for _ in range(RTT_ROUNDS):
+                before = t.pull(rows=rows)
+                t0 = time.perf_counter()
+                t.push(g, rows=rows)
+                s.flush(timeout=FLUSH_TIMEOUT)
+                after = t.pull(rows=rows)
+                took.append(time.perf_counter() - t0)
+                stale += int(np.array_equal(after, before))
+                rounds += 1
+            samples.append(1e3 * statistics.median(took))
+    row = add_row(sec, "rtt", "one-row push + store.flush() + pull() on host A, of a row host "
+                  "B owns (4 KiB, SGD), replicas 1", 1, "ms", samples, Windows(),
+                  limit=None, baseline=None)
+    row.note(f"each sample the median of {RTT_ROUNDS} rounds; {stale} of {rounds} pulls "
+             f"after flush() did not show the push (read your writes: must be 0); "
+             f"--flush-ms {FLUSH_MS:g}, flush() wakes the bridge at once")
+    row.data.update(stale=stale, rounds=rounds)
+
+
 def throughput(ctx: RunContext, sec: Section, workdir: Path, plan: Plan) -> None:
     """2 bridges: dense and table pushes from host A forwarded to host B."""
     dense_label = ("forwarded dense push, the rows of B's shards of a 16 MiB float32 SGD "
@@ -746,6 +788,7 @@ def throughput(ctx: RunContext, sec: Section, workdir: Path, plan: Plan) -> None
         for n in (1, 2):
             forwarded(ctx, sec, c, plan, key="table_r1", label=table_label, what=TABLE,
                       workers=n)
+        flush_round_trip(ctx, sec, c, plan)
 
 
 def throughput_r2(ctx: RunContext, sec: Section, workdir: Path, plan: Plan) -> None:
@@ -956,6 +999,9 @@ def add_checks(sec: Section) -> None:
         if sec.row("table_r1", n):
             sec.checks.append(Check(f"forwarded table row payload GB/s, {n} worker(s)",
                                     median_of("table_r1", n), ">=", 0.5, "{:.2f}"))
+    if sec.row("rtt", 1):
+        sec.checks.append(Check("pulls on the pushing host after flush() that missed the push",
+                                data_of("rtt", 1, "stale"), "==", 0, "{:.0f}"))
     if sec.row("failover", 1):
         sec.checks.append(Check("failover, median s", median_of("failover", 1), "<", 0.5,
                                 "{:.3f}"))
