@@ -167,12 +167,42 @@ static void release_held(shmps_stripe_t *stripes, uint64_t *held) {
 static int push_rows_at(void *base, uint64_t token, const int64_t *rows, uint64_t n,
                         int64_t off, const void *grad, uint64_t step);
 
+/* The shard of tensor row `row` into *sh (bases: every shard, shard i holding rows
+ * i*shard_rows on), checked before anything is read or written there: in range of its
+ * shard (SHMPS_E_BOUNDS), and that shard a dense shard of shard 0's dtype and row
+ * length (SHMPS_E_ARG: one tensor's shards share a spec but nrows), looked at when the
+ * shard differs from `last` (the previous row's). */
+static int row_shard(void **bases, uint32_t nshards, uint64_t shard_rows,
+                     const shmps_spec_t *s0, int64_t row, uint64_t last, uint64_t *sh) {
+    if (row < 0) return SHMPS_E_BOUNDS;
+    uint64_t k = (uint64_t)row / shard_rows;
+    if (k >= nshards) return SHMPS_E_BOUNDS;
+    const shmps_spec_t *s = &hdr_of(bases[k])->spec;
+    if (k != last && (s->kind != SHMPS_DENSE || s->dtype != s0->dtype ||
+                      s->row_len != s0->row_len))
+        return SHMPS_E_ARG;
+    if ((uint64_t)row - k * shard_rows >= s->nrows) return SHMPS_E_BOUNDS;
+    *sh = k;
+    return SHMPS_OK;
+}
+
+/* The end of the run of rows from rows[a] on that lie in rows[a]'s shard. */
+static uint64_t shard_run_end(const int64_t *rows, uint64_t a, uint64_t n,
+                              uint64_t shard_rows) {
+    uint64_t sh = (uint64_t)rows[a] / shard_rows, b = a + 1;
+    while (b < n && (uint64_t)rows[b] / shard_rows == sh) b++;
+    return b;
+}
+
 /* A push of rows given by their numbers in the tensor, in one call (a few rows cost a
  * dozen calls from Python otherwise): `rows` ascending (repeats allowed, applied in
- * turn), all checked (in range, ascending, the gradient's dtype, with `check` no
- * NaN/Inf) before anything changes; then the tensor's next step (shard 0; or, new_step
- * 0, its current one, at least 1), each shard's run of rows, and the push counted in
- * shard 0 as `pushes`.  bases: every shard, shard i holding rows i*shard_rows on.
+ * turn), all checked (row_shard, the gradient's dtype, with `check` no NaN/Inf) before
+ * anything changes; rows not ascending return SHMPS_UNSORTED having done nothing (the
+ * caller sorts them, stably, and calls again: each stripe is then locked once per push,
+ * so a stripe always holds whole pushes).  Then the tensor's next step (shard 0; or,
+ * new_step 0, its current one, at least 1), each shard's run of rows, and the push
+ * counted in shard 0 as `pushes`.  bases: every shard, shard i holding rows
+ * i*shard_rows on.
  * Into an outbox (SHMPS_F_OUTBOX), each run holds a landing slot of its shard from
  * before its first write there until the push is counted in that shard's ob_pushed
  * (outbox.c "Landing"; one slot at a time, so none waits holding another); a run that
@@ -185,17 +215,13 @@ int shmps_dense_push_sorted_rows(void **bases, uint32_t nshards, uint64_t shard_
     const shmps_spec_t *s0 = &hdr_of(bases[0])->spec;
     int r = check_dense(s0, grad_dtype);
     if (r) return r;
-    for (uint64_t i = 0, last = UINT64_MAX; i < n; i++) {
-        if (rows[i] < 0) return SHMPS_E_BOUNDS;
-        if (i && rows[i] < rows[i - 1]) return SHMPS_E_ARG;
-        uint64_t sh = (uint64_t)rows[i] / shard_rows;
-        if (sh >= nshards) return SHMPS_E_BOUNDS;
-        const shmps_spec_t *s = &hdr_of(bases[sh])->spec;
-        if (sh != last && (check_dense(s, grad_dtype) || s->row_len != s0->row_len))
-            return SHMPS_E_ARG;   /* every shard of one tensor: one spec but nrows */
-        if ((uint64_t)rows[i] - sh * shard_rows >= s->nrows) return SHMPS_E_BOUNDS;
+    int ascending = 1;
+    for (uint64_t i = 0, last = UINT64_MAX, sh; i < n; i++) {
+        if ((r = row_shard(bases, nshards, shard_rows, s0, rows[i], last, &sh))) return r;
+        if (i && rows[i] < rows[i - 1]) ascending = 0;
         last = sh;
     }
+    if (!ascending) return SHMPS_UNSORTED;
     size_t gsz = shmps_grad_size(s0->dtype);
     if (check && (r = shmps_check_finite(grad, grad_dtype, n * s0->row_len))) return r;
     uint64_t step;
@@ -210,7 +236,7 @@ int shmps_dense_push_sorted_rows(void **bases, uint32_t nshards, uint64_t shard_
     int outbox = (s0->flags & SHMPS_F_OUTBOX) != 0;
     for (uint64_t a = 0, b; a < n && r == SHMPS_OK; a = b) {
         uint64_t sh = (uint64_t)rows[a] / shard_rows;
-        for (b = a + 1; b < n && (uint64_t)rows[b] / shard_rows == sh; b++) {}
+        b = shard_run_end(rows, a, n, shard_rows);
         shmps_shard_hdr_t *h = hdr_of(bases[sh]);
         uint8_t slot = 0;
         if (outbox && (r = shmps_landing_claim(h, token, &slot)) < 0) break;
@@ -335,15 +361,9 @@ int shmps_dense_pull_rows(void **bases, uint32_t nshards, uint64_t shard_rows,
     if (s0->kind != SHMPS_DENSE) return SHMPS_E_ARG;
     size_t rb = s0->row_len * s0->itemsize;
     int runs = 1;   /* shard numbers never decrease */
-    for (uint64_t i = 0, last = UINT64_MAX; i < n; i++) {
-        if (rows[i] < 0) return SHMPS_E_BOUNDS;
-        uint64_t sh = (uint64_t)rows[i] / shard_rows;
-        if (sh >= nshards) return SHMPS_E_BOUNDS;
-        const shmps_spec_t *s = &hdr_of(bases[sh])->spec;
-        if (sh != last && (s->kind != SHMPS_DENSE || s->row_len != s0->row_len ||
-                           s->itemsize != s0->itemsize))
-            return SHMPS_E_ARG;   /* every shard of one tensor: one spec but nrows */
-        if ((uint64_t)rows[i] - sh * shard_rows >= s->nrows) return SHMPS_E_BOUNDS;
+    for (uint64_t i = 0, last = UINT64_MAX, sh; i < n; i++) {
+        int rc = row_shard(bases, nshards, shard_rows, s0, rows[i], last, &sh);
+        if (rc) return rc;
         if (pos && (pos[i] < 0 || (uint64_t)pos[i] >= n)) return SHMPS_E_BOUNDS;
         if (i && sh < last) runs = 0;
         last = sh;
@@ -369,7 +389,7 @@ int shmps_dense_pull_rows(void **bases, uint32_t nshards, uint64_t shard_rows,
     int r = SHMPS_OK;
     for (uint64_t a = 0, b; a < n && r == SHMPS_OK; a = b) {
         uint64_t sh = (uint64_t)rows[a] / shard_rows;
-        for (b = a + 1; b < n && (uint64_t)rows[b] / shard_rows == sh; b++) {}
+        b = shard_run_end(rows, a, n, shard_rows);
         r = pull_group(bases[sh], token, rows + a, pos ? pos + a : NULL, b - a,
                        (int64_t)(sh * shard_rows), o, a, consistent);
     }

@@ -23,7 +23,7 @@
 enum {
     SHMPS_OK = 0,
     SHMPS_RECOVERED = 1,          /* lock acquired from a dead owner: repair state */
-    SHMPS_UNSORTED = 4,           /* shmps_dense_pull_rows: sort the rows by shard first */
+    SHMPS_UNSORTED = 4,           /* dense push/pull of rows: sort the rows first, nothing done */
     SHMPS_E_CORRUPT = -30001,     /* segment header not ours / inconsistent */
     SHMPS_E_BOUNDS = -30002,      /* index or size out of range */
     SHMPS_E_TIMEOUT = -30003,     /* bounded wait ran out */

@@ -170,29 +170,34 @@ class DenseTensor(Tensor):
         lib.shmps_count_push(self._shard(0).ptr, pushes, g.nbytes, self.nrows)
 
     def _apply_rows(self, g: np.ndarray, r: np.ndarray, pushes: int, new_step: bool) -> None:
-        """_apply of rows ``r``: one C call (shmps_dense_push_sorted_rows) checks the
-        gradient for NaN/Inf, takes the step, pushes each shard's run of rows and counts
-        the push, once the rows are sorted (stably: assign's last duplicate still wins;
-        each stripe is then locked once per push, so a stripe always holds whole pushes)
-        and repeated rows summed where the updater needs it."""
+        """_apply of rows ``r``: repeated rows summed where the updater needs it, then one
+        C call (:meth:`_push_sorted`) that checks the rows and the gradient, takes the
+        step, pushes each shard's run of rows and counts the push; rows out of order
+        come back SHMPS_UNSORTED, and are sorted (stably: assign's last duplicate still
+        wins) for a second call."""
         check = self._check_finite
         rs, gs = self._aggregate_duplicates(r, g)
         if rs is not r and check:
             self._require_finite(g)   # the gradient pushed, not its sums, is checked
             check = False
-        few = rs.tolist() if 1 < rs.size <= 16 else None   # a list beats numpy here
-        if rs.size > 1 and (few != sorted(few) if few is not None
-                            else bool(np.any(rs[1:] < rs[:-1]))):
+        if self._push_sorted(rs, gs, check, new_step, pushes) == lib.SHMPS_UNSORTED:
             order = np.argsort(rs, kind="stable")
-            rs, gs = rs[order], gs[order]
+            self._push_sorted(rs[order], gs[order], check, new_step, pushes)
+
+    def _push_sorted(self, rows: np.ndarray, g: np.ndarray, check: bool, new_step: bool,
+                     pushes: int) -> int:
+        """shmps_dense_push_sorted_rows of ``rows`` (int64, C-contiguous) and their
+        gradient rows ``g``: 0, or SHMPS_UNSORTED (rows not ascending: nothing done);
+        any error raised, a row out of range as OutOfRange naming it."""
         code = lib.shmps_dense_push_sorted_rows(
             self._shard_bases(), self.nshards, self.shard_rows, _native.token(),
-            _native.addr(rs), rs.size, _native.addr(gs), self._gcode, int(check),
+            _native.addr(rows), rows.size, _native.addr(g), self._gcode, int(check),
             int(new_step), pushes)
         if code == lib.SHMPS_E_BOUNDS:
-            check_rows(rs, self.nrows)   # raises OutOfRange naming the row
-        if code:
+            check_rows(rows, self.nrows)   # raises OutOfRange naming the row
+        if code and code != lib.SHMPS_UNSORTED:
             _native.check(code, f"push to {self.name!r}")
+        return code
 
     def _shard_bases(self) -> Any:
         """Every shard's base (``void *[]``), built once; Closed after close() (the bases
@@ -310,12 +315,9 @@ class DenseTensor(Tensor):
         g = cast_grad(grads, self.dtype)
         if g.shape[:1] != (n,) or g.size != n * self.row_len:
             raise SchemaError(f"gradient shape {g.shape} for {n} rows of {self.name!r}")
-        code = lib.shmps_dense_push_sorted_rows(
-            self._shard_bases(), self.nshards, self.shard_rows, _native.token(),
-            _native.addr(rows), n, _native.addr(g), self._gcode, int(self._check_finite),
-            int(not continues), 0 if continues else max(1, int(pushes)))
-        if code:
-            _native.check(code, f"push to {self.name!r}")
+        if self._push_sorted(rows, g, self._check_finite, not continues,
+                             0 if continues else max(1, int(pushes))) == lib.SHMPS_UNSORTED:
+            raise SchemaError(f"rows of {self.name!r} not increasing")
 
     def _rows_of(self, shard: int, index: Any) -> tuple[Any, np.ndarray, np.ndarray]:
         """(shard, global rows, local rows) with every row inside ``shard``."""

@@ -544,7 +544,7 @@ def test_a_rows_push_over_several_shards_changes_nothing_when_refused(store, opt
     with pytest.raises(shmps.OutOfRange):
         t.push(g, rows=[8, 0, 4, 0, 10])
     lib, native = shmps._native.lib, shmps._native
-    for bad_rows, code in (([0, 4, 3], lib.SHMPS_E_ARG), ([0, 4, 12], lib.SHMPS_E_BOUNDS),
+    for bad_rows, code in (([0, 4, 3], lib.SHMPS_UNSORTED), ([0, 4, 12], lib.SHMPS_E_BOUNDS),
                            ([-1, 0, 4], lib.SHMPS_E_BOUNDS)):
         r = np.array(bad_rows, np.int64)
         assert lib.shmps_dense_push_sorted_rows(
