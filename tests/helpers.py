@@ -392,6 +392,17 @@ def assign_writer(store: str, tensor: str, flags: Any, idx: int, how: str = "who
         s.close()
 
 
+def _mixed_units(got: np.ndarray, units: np.ndarray) -> list:
+    """(unit, lowest, highest) of each unit whose rows in ``got`` (row i of unit
+    ``units[i]``) do not all hold one value."""
+    out = []
+    for u in np.unique(units):
+        part = got[units == u]
+        if part.min() != part.max():
+            out.append((int(u), float(part.min()), float(part.max())))
+    return out
+
+
 def torn_reader(store: str, tensor: str, consistent: bool, unit: int, flags: Any,
                 idx: int, max_seconds: float = 30.0, rows: bool = False) -> dict:
     """Pull until ``stop``; every ``unit`` consecutive elements (a shard for
@@ -419,13 +430,9 @@ def torn_reader(store: str, tensor: str, consistent: bool, unit: int, flags: Any
                 perm = rng.permutation(nrows)[:nrows if pulls % 2 else min(60, nrows)]
                 got = t.pull(rows=perm, consistent=consistent).reshape(perm.size, row_len)
                 if perm.size < nrows:
-                    units = perm * row_len // unit
-                    for u in np.unique(units):
-                        part = got[units == u]
-                        if part.min() != part.max():
-                            mixed += 1
-                            if len(examples) < 5:
-                                examples.append((int(u), float(part.min()), float(part.max())))
+                    bad = _mixed_units(got, perm * row_len // unit)
+                    mixed += len(bad)
+                    examples += bad[:5 - len(examples)]
                     pulls += 1
                     flags[2 + idx] = pulls
                     continue

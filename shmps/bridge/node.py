@@ -194,7 +194,8 @@ class Cork:
     to back (frames.iter_frames), when the unit ends or CORK_FLUSH bytes wait.  A table
     push spread over many shards makes a small frame per shard, each answered by ROWS
     and an ACK (after them, on the same connection: on_batch); one message each cost a
-    send, a wake-up and a dispatch on both ends.  Larger frames and bulk sends go at once, after what waits (order is kept)."""
+    send, a wake-up and a dispatch on both ends.  Larger frames and bulk sends go at
+    once, after what waits (order is kept)."""
 
     def __init__(self) -> None:
         self.depth = 0
