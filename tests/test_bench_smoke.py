@@ -62,3 +62,33 @@ def test_dense_quick_json(tmp_path: Path) -> None:
         assert rows[("shmps_pull", procs)]["median"] > 0
     assert rows[("shmps_attach", 1)]["median"] > 0
     assert not _segments(f"shmps.bench{proc.pid}"), "the stores must be destroyed"
+
+
+def test_perf_split_of_a_python_loop(tmp_path: Path) -> None:
+    """bench.py --perf's recorder: a process spinning in the interpreter shows mostly
+    "Python interpreter"; the split sums to about 100 %.  Skipped where perf cannot
+    record (not installed, or perf_event_paranoid forbids it)."""
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        from benchlib.perfsplit import PerfRecorder
+    finally:
+        sys.path.remove(str(BENCH.parent))
+    spin = subprocess.Popen([sys.executable, "-c",
+                             "import time\nt = time.time()\n"
+                             "while time.time() - t < 20: sum(i * i for i in range(1000))"])
+    try:
+        rec = PerfRecorder.start({"spin": spin.pid}, tmp_path / "perf")
+        if rec.error:
+            pytest.skip(rec.error)
+        import time
+        time.sleep(1.5)
+        split = rec.stop()
+        if not split:
+            pytest.skip(f"perf could not record here: {rec.error}")
+    finally:
+        spin.kill()
+        spin.wait(10)
+    s = split["spin"]
+    assert s.samples > 100, s
+    assert 95 <= sum(s.percent.values()) <= 100.5, s.percent
+    assert s.percent.get("Python interpreter", 0) > 50, s.describe()

@@ -7,6 +7,7 @@ Usage::
     python tools/bench.py table --json table.json  # issue 3
     python tools/bench.py training --quick         # issue 5: shmps vs torch Hogwild, 1/2/4 procs
     python tools/bench.py all --dir /var/tmp       # everything; files go under --dir
+    python tools/bench.py bridge --quick --perf    # issue 6, and where each bridge's CPU goes
 
 Method (docs/benchmarks.md): every workload runs in freshly spawned processes (1 and 2),
 each repeating "barrier, run the operation for 0.4 s (at least 3 times), report";
@@ -72,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dir", metavar="DIR", type=Path, default=None,
                    help="where 'files' writes (default: a new temporary directory under /tmp)")
     p.add_argument("--reps", type=int, default=None, help="measured repetitions (default 5, quick 2)")
+    p.add_argument("--perf", action="store_true",
+                   help="bridge: also sample both bridges with `perf record` over each forwarded "
+                        "row's windows and note where their CPU went (Python, kernel, C, libc)")
     return p
 
 
@@ -146,7 +150,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         with ExitStack() as stack:
             ctx = RunContext(timing=timing_for(args), quick=args.quick, stack=stack,
-                             workdir=args.dir, shmps=shmps_mod, shmps_error=shmps_error)
+                             workdir=args.dir, shmps=shmps_mod, shmps_error=shmps_error,
+                             perf=args.perf)
             sections, lim = run_sections(ctx, names)
             elapsed = time.perf_counter() - t0
             text = report(info, ctx, lim, sections, elapsed)

@@ -44,6 +44,7 @@ import asyncio
 import importlib.util
 import multiprocessing as mp
 import os
+import shutil
 import socket
 import statistics
 import sys
@@ -57,6 +58,7 @@ from typing import Any, Callable, Iterator, Optional
 
 from .context import RunContext
 from .harness import _die_with_parent, cpu_sample, progress, stop_process, summary
+from .perfsplit import PerfRecorder
 from .report import NOISY_FRACTION, Check, Metric, Ref, Row, Section, fmt_num, median_of
 
 REPO = Path(__file__).resolve().parents[2]
@@ -149,10 +151,15 @@ class Windows:
 
 
 def measure_windows(read: Callable[[], dict[str, float]], roles: dict[str, list[int]],
-                    warmup: float, window: float, reps: int) -> Windows:
+                    warmup: float, window: float, reps: int,
+                    after_warmup: Optional[Callable[[], None]] = None) -> Windows:
     """Sleep ``warmup``, then ``reps`` windows of ``window`` s: rate of every counter
-    ``read()`` returns, CPU cores of each role, and the rest of the machine's load."""
+    ``read()`` returns, CPU cores of each role, and the rest of the machine's load.
+    ``after_warmup`` is called once the warm-up is over (bench.py --perf starts
+    recording there)."""
     time.sleep(warmup)
+    if after_warmup is not None:
+        after_warmup()
     out = Windows()
     cpu = {r: 0.0 for r in roles}
     busy = steal = total = own = wall = 0.0
@@ -649,8 +656,11 @@ def describe(cluster: Any) -> str:
 # ------------------------------------------------------------------ forwarded pushes
 
 def _forward(c: Any, plan: Plan, what: str, workers: int, flush: bool,
-             shards: Optional[list[int]]) -> tuple[Windows, dict[str, float]]:
-    """Run the pushers on host A (0) over the windows; counters of both bridges."""
+             shards: Optional[list[int]], perf_dir: Optional[Path] = None,
+             ) -> tuple[Windows, dict[str, float], Optional[str]]:
+    """Run the pushers on host A (0) over the windows; counters of both bridges, and
+    with ``perf_dir`` (bench.py --perf) where each bridge's CPU went (a note)."""
+    recorder: list[PerfRecorder] = []
     with ExitStack() as stack:
         ps = Pushers(stack, c, 0, workers, "dense" if what == DENSE else "table", what,
                      flush=flush, shards=shards)
@@ -661,12 +671,26 @@ def _forward(c: Any, plan: Plan, what: str, workers: int, flush: bool,
                     "a_batch": a.get(SENT_BATCH, 0.0), "b_rows": b.get(SENT_ROWS, 0.0),
                     "pushes": ps.pushes()}
 
-        w = measure_windows(read, {"workers": ps.pids, "bridge A": [c.procs[0].pid],
-                                   "bridge B": [c.procs[1].pid]},
-                            plan.warmup, plan.window, plan.reps)
+        def record() -> None:
+            assert perf_dir is not None
+            recorder.append(PerfRecorder.start({"bridge A": c.procs[0].pid,
+                                                "bridge B": c.procs[1].pid}, perf_dir))
+
+        try:
+            w = measure_windows(read, {"workers": ps.pids, "bridge A": [c.procs[0].pid],
+                                       "bridge B": [c.procs[1].pid]},
+                                plan.warmup, plan.window, plan.reps,
+                                after_warmup=record if perf_dir is not None else None)
+        finally:
+            splits = recorder[0].stop() if recorder else {}
         ps.check()
         ps.finish()
-    return w, {k: statistics.median(v) for k, v in w.rates.items()}
+    note = None
+    if recorder:
+        note = ("CPU by the code it ran (perf record, " +
+                ("; ".join(f"{role}: {s.describe()}" for role, s in splits.items())
+                 if splits else f"no figures: {recorder[0].error}") + ")")
+    return w, {k: statistics.median(v) for k, v in w.rates.items()}, note
 
 
 def forwarded(ctx: RunContext, sec: Section, c: Any, plan: Plan, *, key: str, label: str,
@@ -678,8 +702,13 @@ def forwarded(ctx: RunContext, sec: Section, c: Any, plan: Plan, *, key: str, la
     b_shards = sorted(int(k.rsplit("/", 1)[1]) for k in owned(c, 1, what))
     if remote_only and not b_shards:
         raise BridgeUnusable(f"{label}: host B owns no shard of {what!r}")
+    perf_dir = None
+    if ctx.perf:
+        perf_dir = Path(tempfile.mkdtemp(prefix="shmps-perf-"))
+        ctx.stack.callback(shutil.rmtree, perf_dir, True)
     try:
-        w, med = _forward(c, plan, what, workers, flush, b_shards if remote_only else None)
+        w, med, perf_note = _forward(c, plan, what, workers, flush,
+                                     b_shards if remote_only else None, perf_dir)
     except WorkerFailed as exc:
         raise BridgeUnusable(f"{label}, {workers} worker(s): {exc}\n{describe(c)}") from None
     wait_drained(c, 0)
@@ -717,6 +746,8 @@ def forwarded(ctx: RunContext, sec: Section, c: Any, plan: Plan, *, key: str, la
                   f"A; A applied its own {fmt_num(med['a'] / rb)} rows/s; {wire}")
         row = add_row(sec, key, label + ": row payload", workers, "GB/s",
                       [x / 1e9 for x in w.rates["b"]], w)
+    if perf_note:
+        row.note(perf_note)
     row.data.update({k: v for k, v in w.rates.items() if k != "b"}, owned_by_b=nb)
 
 

@@ -24,6 +24,7 @@ class RunContext:
     quick: bool
     stack: ExitStack
     workdir: Optional[Path] = None
+    perf: bool = False   #: bench.py --perf (the bridge section samples its bridges)
     shmps: Optional[ModuleType] = None
     shmps_error: str = ""
     limits: dict[str, float] = field(default_factory=dict)
