@@ -177,7 +177,7 @@ class DenseTensor(Tensor):
         wins) for a second call."""
         check = self._check_finite
         rs, gs = self._aggregate_duplicates(r, g)
-        if rs is not r and check:
+        if rs.size < r.size and check:
             self._require_finite(g)   # the gradient pushed, not its sums, is checked
             check = False
         if self._push_sorted(rs, gs, check, new_step, pushes) == lib.SHMPS_UNSORTED:
@@ -309,6 +309,7 @@ class DenseTensor(Tensor):
         sh = self._shard_checked(shard)
         n = rows.size
         first = int(shard) * self.shard_rows
+        rows = np.ascontiguousarray(rows)   # a frame's rows are: no copy then
         if rows.dtype != np.int64 or (n and (int(rows[0]) < first
                                              or int(rows[-1]) >= first + sh.spec["nrows"])):
             raise OutOfRange(f"rows of {self.name!r} outside shard {shard}")

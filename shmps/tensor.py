@@ -260,7 +260,10 @@ class Tensor:
         _native.lib.shmps_count(self._shard(0).ptr, int(pull), nbytes, rows)
 
     def _aggregate_duplicates(self, keys: np.ndarray, g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Sum the gradients of repeated keys (rows) so a stateful updater sees one."""
+        """Sum the gradients of repeated keys (rows) so a stateful updater sees one.
+        What it returns is in ascending order whenever it had to sort (the C push of
+        rows wants them so, and would otherwise send them back to be sorted again);
+        keys already ascending and distinct come back as they are."""
         if self.optimizer.sequential_duplicates or keys.size < 2:
             return keys, g
         order = np.argsort(keys, kind="stable")
@@ -268,7 +271,9 @@ class Tensor:
         first = np.ones(sk.size, bool)
         first[1:] = sk[1:] != sk[:-1]
         if first.all():
-            return keys, g
+            if np.array_equal(sk, keys):
+                return keys, g
+            return sk, g[order]
         starts = np.flatnonzero(first)
         return sk[starts], np.add.reduceat(g[order], starts, axis=0)
 

@@ -559,3 +559,25 @@ def test_a_rows_push_over_several_shards_changes_nothing_when_refused(store, opt
     ref.push(g, rows=rows)                                # one shard: the same arithmetic
     np.testing.assert_array_equal(t.pull(), ref.pull())
     assert t.stats()["step"] == stats["step"] + 1 and t.stats()["pushes"] == 2
+
+
+def test_a_stateful_rows_push_hands_its_sort_on(store):
+    """A push of rows to a stateful updater (Adam) sorts them to find repeats; what it
+    hands the C push is then in ascending order, so the C call does not send them back
+    to be sorted a second time (SHMPS_UNSORTED).  Rows already ascending and distinct
+    go on as they are, without a copy of the gradient."""
+    t = store.dense("w", shape=(10, 2), dtype="float32", optimizer=shmps.Adam(lr=0.1))
+    g = np.arange(8, dtype=np.float32).reshape(4, 2)
+    rows = np.array([7, 1, 9, 4])
+    rs, gs = t._aggregate_duplicates(rows, g)
+    np.testing.assert_array_equal(rs, [1, 4, 7, 9])
+    np.testing.assert_array_equal(gs, g[[1, 3, 0, 2]])
+    rs, gs = t._aggregate_duplicates(np.sort(rows), g)
+    assert gs is g
+    rs, gs = t._aggregate_duplicates(np.array([7, 1, 7, 4]), g)   # repeats summed
+    np.testing.assert_array_equal(rs, [1, 4, 7])
+    np.testing.assert_array_equal(gs, [g[1], g[3], g[0] + g[2]])
+    ref = store.dense("ref", shape=(10, 2), dtype="float32", optimizer=shmps.Adam(lr=0.1))
+    t.push(g, rows=rows)
+    ref.push(g[[1, 3, 0, 2]], rows=np.sort(rows))
+    np.testing.assert_array_equal(t.pull(), ref.pull())

@@ -722,6 +722,9 @@ def test_apply_shard_equals_apply_direct(store, opt):
     for k in ("step", "pushes"):
         assert b.stats()[k] == a.stats()[k]
     assert b.stats()["pushes"] == 12      # the continued frame counts no further push
+    strided = np.array([5, 0, 7, 0])[::2]  # rows 5, 7 as a view that is not contiguous
+    a._apply_direct(strided.copy(), np.ones((2, 3), np.float32))
+    b._apply_shard(1, strided, np.ones((2, 3), np.float32))
     with pytest.raises(shmps.NonFinite):
         b._apply_shard(0, np.array([1]), np.full((1, 3), np.nan, np.float32))
     with pytest.raises(shmps.OutOfRange):
