@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -77,10 +78,10 @@ def test_perf_split_of_a_python_loop(tmp_path: Path) -> None:
                              "import time\nt = time.time()\n"
                              "while time.time() - t < 20: sum(i * i for i in range(1000))"])
     try:
-        rec = PerfRecorder.start({"spin": spin.pid}, tmp_path / "perf")
+        rec = PerfRecorder({"spin": spin.pid}, tmp_path / "perf")
         if rec.error:
             pytest.skip(rec.error)
-        import time
+        rec.start()
         time.sleep(1.5)
         split = rec.stop()
         if not split:

@@ -660,7 +660,8 @@ def _forward(c: Any, plan: Plan, what: str, workers: int, flush: bool,
              ) -> tuple[Windows, dict[str, float], Optional[str]]:
     """Run the pushers on host A (0) over the windows; counters of both bridges, and
     with ``perf_dir`` (bench.py --perf) where each bridge's CPU went (a note)."""
-    recorder: list[PerfRecorder] = []
+    rec = (PerfRecorder({"bridge A": c.procs[0].pid, "bridge B": c.procs[1].pid}, perf_dir)
+           if perf_dir is not None else None)
     with ExitStack() as stack:
         ps = Pushers(stack, c, 0, workers, "dense" if what == DENSE else "table", what,
                      flush=flush, shards=shards)
@@ -671,25 +672,20 @@ def _forward(c: Any, plan: Plan, what: str, workers: int, flush: bool,
                     "a_batch": a.get(SENT_BATCH, 0.0), "b_rows": b.get(SENT_ROWS, 0.0),
                     "pushes": ps.pushes()}
 
-        def record() -> None:
-            assert perf_dir is not None
-            recorder.append(PerfRecorder.start({"bridge A": c.procs[0].pid,
-                                                "bridge B": c.procs[1].pid}, perf_dir))
-
         try:
             w = measure_windows(read, {"workers": ps.pids, "bridge A": [c.procs[0].pid],
                                        "bridge B": [c.procs[1].pid]},
                                 plan.warmup, plan.window, plan.reps,
-                                after_warmup=record if perf_dir is not None else None)
+                                after_warmup=rec.start if rec is not None else None)
         finally:
-            splits = recorder[0].stop() if recorder else {}
+            splits = rec.stop() if rec is not None else {}
         ps.check()
         ps.finish()
     note = None
-    if recorder:
+    if rec is not None:
         note = ("CPU by the code it ran (perf record, " +
                 ("; ".join(f"{role}: {s.describe()}" for role, s in splits.items())
-                 if splits else f"no figures: {recorder[0].error}") + ")")
+                 if splits else f"no figures: {rec.error}") + ")")
     return w, {k: statistics.median(v) for k, v in w.rates.items()}, note
 
 

@@ -9,7 +9,8 @@ can reach the throughput targets (docs/benchmarks.md).
 
 Sample usage::
 
-    rec = PerfRecorder.start({"bridge A": pid_a}, workdir)
+    rec = PerfRecorder({"bridge A": pid_a}, workdir)
+    rec.start()
     ...                                     # the measurement
     split = rec.stop()                      # {"bridge A": Split(...)}, or rec.error
 """
@@ -79,32 +80,34 @@ def _sample_count(text: str) -> int:
 
 
 class PerfRecorder:
-    """``perf record`` of some processes until :meth:`stop`; :attr:`error` says why there
-    is no split (perf missing, not permitted, the process gone)."""
+    """``perf record`` of some processes from :meth:`start` to :meth:`stop`;
+    :attr:`error` says why there is no split (perf missing, not permitted, the process
+    gone)."""
 
-    def __init__(self) -> None:
+    def __init__(self, pids: dict[str, int], workdir: Path) -> None:
+        self.pids = pids
+        self.workdir = workdir
+        self.perf = shutil.which("perf")
         self.procs: dict[str, tuple[subprocess.Popen, Path]] = {}
-        self.error: Optional[str] = None
+        self.error: Optional[str] = (None if self.perf else
+                                     "perf is not installed (linux-tools / the perf package)")
 
-    @classmethod
-    def start(cls, pids: dict[str, int], workdir: Path) -> "PerfRecorder":
-        rec = cls()
-        perf = shutil.which("perf")
-        if perf is None:
-            rec.error = "perf is not installed (linux-tools / the perf package)"
-            return rec
-        workdir.mkdir(parents=True, exist_ok=True)
-        for i, (role, pid) in enumerate(pids.items()):
-            out = workdir / f"perf{i}.data"
-            p = subprocess.Popen([perf, "record", "-F", str(FREQ_HZ), "-p", str(pid),
+    def start(self) -> None:
+        if self.perf is None:
+            return
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        for i, (role, pid) in enumerate(self.pids.items()):
+            out = self.workdir / f"perf{i}.data"
+            p = subprocess.Popen([self.perf, "record", "-F", str(FREQ_HZ), "-p", str(pid),
                                   "-o", str(out), "--quiet"],
                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-            rec.procs[role] = (p, out)
-        return rec
+            self.procs[role] = (p, out)
 
     def stop(self) -> dict[str, Split]:
         """Stop recording and split each process's samples; {} (and :attr:`error`) if
-        perf could not record."""
+        perf could not record (or :meth:`start` was not reached)."""
+        if not self.procs and self.error is None:
+            self.error = "the measurement ended before recording started"
         for p, _ in self.procs.values():
             if p.poll() is None:
                 p.send_signal(signal.SIGINT)
@@ -123,7 +126,8 @@ class PerfRecorder:
                               + (f": {why[-1]}" if why else "")
                               + " (perf_event_paranoid, or not permitted here)")
                 continue
-            r = subprocess.run(["perf", "report", "-i", str(out), "--sort", "dso", "--stdio",
+            assert self.perf is not None
+            r = subprocess.run([self.perf, "report", "-i", str(out), "--sort", "dso", "--stdio",
                                 "--no-children"], capture_output=True, text=True,
                                timeout=120)
             pct = parse_report(r.stdout)
