@@ -1501,6 +1501,74 @@ def test_out_queue_rewind_resends_unacked_after_failover():
     assert q.last_seq == 15 and q.oldest_age(now=q._entries[0].queued_at + 2) == 2.0
 
 
+def test_out_queue_sends_within_its_window():
+    """With a send window, to_send hands out only the frames that fit it; an ACK frees
+    what it acknowledged and the next to_send goes on; a rewind frees what was in flight
+    (it is sent again); a frame larger than the whole window goes out alone."""
+    w = ByteBudget(10)
+    q = OutQueue(1 << 20)
+    q.set_window(w)
+    for s in range(1, 6):
+        q.put(s, b"x" * 4)
+    assert [s for s, _ in q.to_send()] == [1, 2] and q.unsent
+    assert (w.used, q.in_flight) == (8, 8)
+    assert q.to_send() == []
+    q.ack(1)
+    assert [s for s, _ in q.to_send()] == [3] and (w.used, q.in_flight) == (8, 8)
+    q.rewind()
+    assert (w.used, q.in_flight) == (0, 0)
+    assert [s for s, _ in q.to_send()] == [2, 3]
+    q.ack(5)   # a late ACK for everything (even frames not handed out since the rewind)
+    assert (w.used, q.in_flight, len(q), q.unsent) == (0, 0, 0, False)
+    q.put(6, b"y" * 25)
+    q.put(7, b"z")
+    assert [s for s, _ in q.to_send()] == [6] and w.used == 25
+    q.ack(6)
+    assert [s for s, _ in q.to_send()] == [7] and w.used == 1
+    q.close()
+    assert w.used == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["put", "send", "ack", "rewind", "move", "close"]),
+                          st.integers(0, 1), st.integers(1, 15)), max_size=60))
+def test_a_send_window_counts_exactly_what_its_queues_have_in_flight(ops):
+    """Two queues and two windows (limit 12), any sequence of puts, sends, ACKs (of a
+    frame handed out, or a late one of any queued frame), rewinds, moves to the other
+    window (set_window) and closes: each window holds exactly the bytes its queues
+    handed out and did not get acknowledged or rewind, it exceeds its limit only by one
+    frame sent alone, and every frame is handed out in order."""
+    windows = [ByteBudget(12), ByteBudget(12)]
+    qs = [OutQueue(1 << 20), OutQueue(1 << 20)]
+    for q, w in zip(qs, windows):
+        q.set_window(w)
+    for op, i, n in ops:
+        q = qs[i]
+        if q._closed:
+            continue
+        if op == "put":
+            q.put(q.next_seq(), b"v" * n)
+        elif op == "send":
+            before = q.sent
+            out = q.to_send()
+            assert [s for s, _ in out] == list(range(before + 1, before + 1 + len(out)))
+        elif op == "ack" and len(q):
+            q.ack(q._entries[0].seq + (n - 1) % len(q))
+        elif op == "rewind":
+            q.rewind()
+        elif op == "move":
+            q.set_window(windows[1 - windows.index(q.window)])
+        elif op == "close":
+            q.close()
+        for qq in qs:
+            assert qq.in_flight == sum(len(e.frame) for e in qq._entries if e.seq <= qq.sent)
+        for w in windows:
+            bound = [qq for qq in qs if qq.window is w]
+            assert w.used == sum(qq.in_flight for qq in bound)
+            sizes = [len(e.frame) for qq in bound for e in qq._entries if e.seq <= qq.sent]
+            assert w.used <= w.limit or len(sizes) == 1
+
+
 def test_put_wait_blocks_until_an_ack_frees_space_or_times_out():
     """put_wait waits for acknowledgements to free the budget, and times out otherwise."""
     async def main() -> None:

@@ -75,6 +75,13 @@ MAINTAIN_SETTLED = 0.25          #: the shard pass's period while nothing is und
 CORK_MAX = 256 << 10             #: frames below this size may share a message (Cork)
 CORK_FLUSH = 128 << 10           #: a corked connection sends what waits at this much (the peer starts on it)
 SEND_AHEAD = 4 << 20             #: a peer connection's unsent bytes above which no more is drained for it
+#: a peer's sent, unacknowledged BATCH bytes above which no more are sent to it until
+#: ACKs come (a window per owner, OutQueue.set_window): below ROWS_AHEAD, so an owner's
+#: ROWS back to this host never reach the backlog at which it refuses batches (BUSY, and
+#: a resend 20 ms later).  Without it a 16 MiB shard went out as 16 frames at once and
+#: the owner refused the later ones while this host, busy sending, left its ROWS unread
+SEND_WINDOW = 8 << 20
+assert SEND_WINDOW < ROWS_AHEAD
 ACK_AHEAD = 32 << 20             #: a peer's sent, unacknowledged batch bytes above which no more is drained for it
 SHUTDOWN_TIMEOUT = 2.0          #: closing, the web server waits this long for a handler still running (s)
 
@@ -471,6 +478,8 @@ class Bridge:
         self._maint_due = 0.0              # when the next one is due at the latest
         self._sending: set = set()         # streams with frames not yet acknowledged
         self._unacked_to: dict = {}        # owner -> unacknowledged batch bytes (_drain_all)
+        self._windows: dict[str, ByteBudget] = {}   # owner -> its send window (SEND_WINDOW)
+        self._window_waits: dict[str, set] = {}     # owner -> streams (tid, s) waiting for it
         self._lags: deque = deque()        # (when, how late) of each tick (_tick_loop)
         self._flush_wake: Optional[asyncio.Future] = None   # the flush loop's pause
         self._flush_asked = False          # a worker asked for a drain (_wake_flush)
@@ -1209,6 +1218,7 @@ class Bridge:
                 # only the ticket says which of them this ack covers (native/outbox.c)
                 t.t._outbox_ack(ack.shard, last[1], last[2])
                 self._acks_new = True
+            self._send_waiting(stream.target)
         else:
             if ack.status == Status.REJECTED:
                 log.error("owner %s rejected batch %d of %s/%d: dropped", peer, ack.seq,
@@ -1543,9 +1553,12 @@ class Bridge:
         if owner is None:
             return
         if owner != stream.target:
-            stream.q.rewind()
+            # (rewinds) what was in flight to the previous owner counted in its window
+            stream.q.set_window(None if owner == self.addr else self._window(owner))
             stream.target = owner
         out = stream.q.to_send()
+        if stream.q.unsent and owner != self.addr:
+            self._window_waits.setdefault(owner, set()).add((tid, s))
         if not out:
             return
         epoch = self.members.epoch
@@ -1565,6 +1578,25 @@ class Bridge:
                 stream.retry_at = now + RETRY
                 break
             self.metrics.sent("batch", len(frame))
+
+    def _window(self, owner: str) -> ByteBudget:
+        w = self._windows.get(owner)
+        if w is None:
+            w = self._windows[owner] = ByteBudget(SEND_WINDOW)
+        return w
+
+    def _send_waiting(self, owner: Optional[str]) -> None:
+        """Send the frames that waited for room in the window to ``owner`` (an ACK from it
+        just made some), instead of at the next flush pass."""
+        keys = self._window_waits.pop(owner, None) if owner is not None else None
+        if not keys:
+            return
+        now = time.monotonic()
+        quorum = self.members.has_quorum() and now >= self.grace_until
+        for key in keys:
+            stream = self.streams.get(key)
+            if stream is not None:
+                self._send_stream(key[0], key[1], stream, now, quorum)
 
     def _local_reply(self, data: bytes) -> None:
         for f in frames.iter_frames(data):

@@ -71,6 +71,14 @@ class ByteBudget:
         self.used += nbytes
         return True
 
+    def admit(self, nbytes: int) -> bool:
+        """Take ``nbytes`` if they fit, or whatever their size if nothing is taken (a send
+        window: one frame larger than the window still goes out, alone); True if taken."""
+        if self.used and self.used + nbytes > self.limit:
+            return False
+        self.used += nbytes
+        return True
+
     def release(self, nbytes: int) -> None:
         """Give ``nbytes`` back and wake waiters."""
         if not 0 <= nbytes <= self.used:
@@ -125,6 +133,10 @@ class OutQueue:
         self._sent = first_seq - 1      # every seq <= this was handed out by to_send()
         self._bytes = 0
         self._closed = False
+        #: a send window shared by the queues sending to one peer (set_window): bytes
+        #: handed out by to_send and not yet acknowledged or rewound are taken from it
+        self.window: ByteBudget | None = None
+        self._flight = 0                # bytes of the frames handed out, not acknowledged
 
     # ---------------------------------------------------------------- state
     @property
@@ -141,6 +153,12 @@ class OutQueue:
     def last_seq(self) -> int:
         """The highest seq queued so far."""
         return self.next_seq() - 1
+
+    @property
+    def in_flight(self) -> int:
+        """Bytes of the frames handed out by :meth:`to_send` and not acknowledged since
+        (nor rewound)."""
+        return self._flight
 
     @property
     def pending_bytes(self) -> int:
@@ -206,10 +224,14 @@ class OutQueue:
             raise InvalidArgument(f"ack for seq {seq}, but only {self.last_seq} were queued")
         released = 0
         freed = 0
+        flown = 0
         while self._entries and self._entries[0].seq <= seq:
             e = self._entries.popleft()
             freed += len(e.frame)
+            if e.seq <= self._sent:
+                flown += len(e.frame)
             released += 1
+        self._land(flown)
         if seq > self._acked:
             self._acked = seq
             self._sent = max(self._sent, seq)
@@ -223,20 +245,51 @@ class OutQueue:
         return [(e.seq, e.frame) for e in self._entries]
 
     def to_send(self) -> list[tuple[int, bytes]]:
-        """Frames queued but not handed out yet, oldest first; they count as handed out."""
-        out = [(e.seq, e.frame) for e in self._entries if e.seq > self._sent]
+        """Frames queued but not handed out yet, oldest first; they count as handed out.
+        With a :attr:`window`, only those that fit it (ByteBudget.admit): the rest wait
+        for acknowledgements to free it, and the next call hands them out."""
+        out = []
+        w = self.window
+        for e in self._entries:
+            if e.seq <= self._sent:
+                continue
+            if w is not None:
+                if not w.admit(len(e.frame)):
+                    break
+                self._flight += len(e.frame)
+            out.append((e.seq, e.frame))
         if out:
             self._sent = out[-1][0]
         return out
+
+    @property
+    def unsent(self) -> bool:
+        """Some queued frame was not handed out since the last rewind."""
+        return self._sent < self.last_seq
 
     def rewind(self) -> int:
         """After a reconnect or a failover: hand every unacknowledged frame out again with
         the next :meth:`to_send`. Returns how many."""
         self._sent = self._acked
+        self._land(self._flight)
         return len(self._entries)
+
+    def set_window(self, window: ByteBudget | None) -> None:
+        """Send within ``window`` from now on (None: no limit); rewinds first (the frames
+        in flight were counted in the old window)."""
+        self.rewind()
+        self.window = window
+
+    def _land(self, nbytes: int) -> None:
+        """``nbytes`` of the frames in flight were acknowledged or will be sent again."""
+        if nbytes:
+            self._flight -= nbytes
+            if self.window is not None:
+                self.window.release(nbytes)
 
     def close(self) -> None:
         """Drop every frame and give the bytes back (the stream is abandoned)."""
+        self._land(self._flight)
         self.budget.release(self._bytes)
         self._entries.clear()
         self._bytes = 0
