@@ -14,7 +14,8 @@ baselines measured in the same run:
   ``shmps.bridge.cli`` process per host on 127.0.0.2 / .3, one shared-memory namespace
   each, flush every 5 ms, replicas 1: an owner acknowledges without waiting for a
   backup, but still sends ROWS to every other host, which keeps a copy for local pulls).
-  A (4096, 1024) float32 SGD tensor (16 MiB, 16 shards of 1 MiB) is created on A; 1 or 2
+  A (16384, 1024) float32 SGD tensor (64 MiB; the library's default shards, 4 of 16 MiB,
+  each drain of one cut into 1 MiB frames) is created on A; 1 or 2
   worker processes on A loop over ``push`` of a gradient for the rows of the shards host
   B owns (``rows=``: every pushed byte is forwarded; the ring's split depends on the
   ports, so that row count varies between runs) and ``store.flush()``; the figure is
@@ -22,8 +23,11 @@ baselines measured in the same run:
   gradient bytes of shards owned by the other host applied per second.  The full run adds
   the loop without ``flush()`` (the outbox sums pushes until the bridge drains it), a
   loop pushing every row (A's bridge also applies the shards A owns, on the same 2
-  cores: the definition of the figure before 2026-11-23 14:30) and replicas 2.
-- **table rows**: the same cluster, a 64-dim float32 SGD table (16 shards), workers
+  cores: the definition of the figure before 2026-11-23 14:30), replicas 2, and the
+  tensor of these rows before 2026-11-25: (4096, 1024) in 16 shards of 1 MiB (a frame a
+  shard: more per-frame work per byte).
+- **table rows**: the same cluster, a 64-dim float32 SGD table of capacity 2**20 (the
+  library's default shards for it, 4 of 64 MiB; 16 before 2026-11-25), workers
   pushing batches of 4096 uniform keys, out of 1,000,000, of the shards B owns
   (+ ``flush()``); rows/s and row payload GB/s applied on host B.
 - **failover**: 3 bridges, replicas 2, one worker pushing a 256 KiB tensor (32 shards)
@@ -70,13 +74,17 @@ STORE = "benchbridge"
 FLUSH_MS = 5.0
 DEAD_AFTER = 0.5
 DENSE = "w"
-DENSE_SHAPE = (4096, 1024)         # 16 MiB float32
-DENSE_SHARD_ROWS = 256             # 16 shards of 1 MiB
+DENSE_SHAPE = (16384, 1024)        # 64 MiB float32
+DENSE_SHARD_ROWS = 4096            # the default for it (dense.default_shard_rows): 4 of 16 MiB
+SMALL = "w1m"                      # the full run's comparison: the tensor of before 2026-11-25
+SMALL_SHAPE = (4096, 1024)         # 16 MiB float32
+SMALL_SHARD_ROWS = 256             # 16 shards of 1 MiB
+DENSES = {DENSE: (DENSE_SHAPE, DENSE_SHARD_ROWS), SMALL: (SMALL_SHAPE, SMALL_SHARD_ROWS)}
 TABLE = "emb"
 TABLE_DIM = 64
 TABLE_KEYS = 1_000_000
-TABLE_CAPACITY = 1_100_000
-TABLE_SHARDS = 16
+TABLE_CAPACITY = 1 << 20
+TABLE_SHARDS = 4                   # the default for it (table.default_shards): 4 of 64 MiB
 TABLE_BATCH = 4096
 KEY_MUL = 0x9E3779B97F4A7C15       # odd: id -> key is a bijection (keys look hashed)
 MANY_TENSORS = 500                 # a model's parameter tensors, created at once
@@ -87,9 +95,9 @@ FO_SHAPE = (1024, 64)              # 256 KiB, 32 shards: every host owns some
 FO_SHARD_ROWS = 32
 FO_SLEEP = 0.01                    # the failover worker pushes every ~10 ms (~25 MB/s)
 FO_TIMEOUT = 10.0                  # a kill without a successor's apply by then is a failure
-REJOIN_TIMEOUT = 20.0
+REJOIN_TIMEOUT = 20.0              # a restarted bridge converges in 1-2 s when all is well
 RTT_ROUNDS = 100                   # push + flush + pull rounds per sample (read your writes)
-FLUSH_TIMEOUT = 20.0               # a push + flush of 16 MiB takes ~50 ms when all is well              # a restarted bridge converges in 1-2 s when all is well
+FLUSH_TIMEOUT = 20.0               # a push + flush of 32 MiB takes ~40 ms when all is well
 
 # glibc returns freed 1 MiB buffers to the kernel (trim / mmap thresholds), so a sender
 # that allocates a fresh 1 MiB message copy per frame (aiohttp's client masking) page-faults
@@ -555,7 +563,8 @@ class BridgeUnusable(RuntimeError):
     """The bridge did not do what the benchmark needs; the message says what was seen."""
 
 
-BALANCED = ((DENSE, DENSE_SHAPE[0] // DENSE_SHARD_ROWS), (TABLE, TABLE_SHARDS))
+BALANCED = tuple((name, shape[0] // rows) for name, (shape, rows) in DENSES.items()) + (
+    (TABLE, TABLE_SHARDS),)
 BALANCE_TRIES = 2000
 
 
@@ -621,12 +630,20 @@ def create(c: Any, host: int, what: str) -> None:
     import shmps
     s = c.attach(host)
     try:
-        if what == DENSE:
-            s.dense(DENSE, DENSE_SHAPE, "float32", init=0.0, optimizer=shmps.SGD(lr=1e-3),
-                    shard_rows=DENSE_SHARD_ROWS)
+        if what == DENSE:   # the library's default shards, which the figures assume
+            t = s.dense(DENSE, DENSE_SHAPE, "float32", init=0.0, optimizer=shmps.SGD(lr=1e-3))
+            if t.shard_rows != DENSE_SHARD_ROWS:
+                raise BridgeUnusable(f"{DENSE!r} has shards of {t.shard_rows} rows by default "
+                                     f"now, not {DENSE_SHARD_ROWS}: update DENSE_SHARD_ROWS")
+        elif what == SMALL:
+            s.dense(SMALL, SMALL_SHAPE, "float32", init=0.0, optimizer=shmps.SGD(lr=1e-3),
+                    shard_rows=SMALL_SHARD_ROWS)
         elif what == TABLE:
-            s.table(TABLE, dim=TABLE_DIM, dtype="float32", capacity=TABLE_CAPACITY,
-                    optimizer=shmps.SGD(lr=1e-3), shards=TABLE_SHARDS)
+            t = s.table(TABLE, dim=TABLE_DIM, dtype="float32", capacity=TABLE_CAPACITY,
+                        optimizer=shmps.SGD(lr=1e-3))
+            if t.nshards != TABLE_SHARDS:
+                raise BridgeUnusable(f"{TABLE!r} has {t.nshards} shards by default now, not "
+                                     f"{TABLE_SHARDS}: update TABLE_SHARDS")
         else:
             s.dense(FO_NAME, FO_SHAPE, "float32", init=0.0, optimizer=shmps.SGD(lr=1e-3),
                     shard_rows=FO_SHARD_ROWS)
@@ -663,7 +680,7 @@ def _forward(c: Any, plan: Plan, what: str, workers: int, flush: bool,
     rec = (PerfRecorder({"bridge A": c.procs[0].pid, "bridge B": c.procs[1].pid}, perf_dir)
            if perf_dir is not None else None)
     with ExitStack() as stack:
-        ps = Pushers(stack, c, 0, workers, "dense" if what == DENSE else "table", what,
+        ps = Pushers(stack, c, 0, workers, "dense" if what in DENSES else "table", what,
                      flush=flush, shards=shards)
 
         def read() -> dict[str, float]:
@@ -712,13 +729,14 @@ def forwarded(ctx: RunContext, sec: Section, c: Any, plan: Plan, *, key: str, la
         raise BridgeUnusable(f"{label}: host B applied nothing in {plan.reps} windows of "
                              f"{plan.window:.0f} s (workers pushed {med['pushes']:.0f}/s)")
     nb = len(b_shards)
-    total = DENSE_SHAPE[0] // DENSE_SHARD_ROWS if what == DENSE else TABLE_SHARDS
+    shape, shard_rows = DENSES.get(what, ((0, 0), 1))
+    total = shape[0] // shard_rows if what in DENSES else TABLE_SHARDS
     loop = "push + store.flush()" if flush else "push in a loop, no flush"
     scope = (f"pushes to the {nb} of {total} shards B owns only" if remote_only else
              f"pushes to every shard (B owns {nb} of {total})")
     wire = (f"on the wire: A->B BATCH {fmt_num(med['a_batch'] / 1e9)} GB/s, B->A ROWS "
             f"{fmt_num(med['b_rows'] / 1e9)} GB/s")
-    if what == DENSE:
+    if what in DENSES:
         row = add_row(sec, key, label, workers, "GB/s", [x / 1e9 for x in w.rates["b"]], w)
         floor = tcp_core_s_per_gb(sec)
         if floor is not None and med["b"] > 0:
@@ -728,7 +746,7 @@ def forwarded(ctx: RunContext, sec: Section, c: Any, plan: Plan, *, key: str, la
                      f"alone: {floor:.2f} core-s per GB moved (raw TCP row), twice that "
                      f"= {2 * floor:.2f} as each forwarded byte crosses twice (BATCH, then "
                      "ROWS back)")
-        per_push = (nb if remote_only else total) * DENSE_SHARD_ROWS * DENSE_SHAPE[1] * 4
+        per_push = (nb if remote_only else total) * shard_rows * shape[1] * 4
         pushed = med["pushes"] * per_push
         row.note(f"{scope}; {loop}: {fmt_num(med['pushes'])} pushes/s of "
                  f"{per_push / 2**20:.0f} MiB = {fmt_num(pushed / 1e9)} GB/s "
@@ -790,16 +808,19 @@ def flush_round_trip(ctx: RunContext, sec: Section, c: Any, plan: Plan) -> None:
 
 def throughput(ctx: RunContext, sec: Section, workdir: Path, plan: Plan) -> None:
     """2 bridges: dense and table pushes from host A forwarded to host B."""
-    dense_label = ("forwarded dense push, the rows of B's shards of a 16 MiB float32 SGD "
-                   "tensor, replicas 1")
+    dense_label = ("forwarded dense push, the rows of B's shards of a 64 MiB float32 SGD "
+                   "tensor (default shards: 16 MiB), replicas 1")
     table_label = (f"forwarded table push, {TABLE_BATCH} uniform keys of B's shards x "
-                   f"{TABLE_DIM} float32 SGD, replicas 1")
+                   f"{TABLE_DIM} float32 SGD (default shards: 64 MiB), replicas 1")
     with ExitStack() as stack:
         c = start_cluster(stack, sec, workdir / "r1", 2, replicas=1, balanced=True)
         create(c, 0, DENSE)
         create(c, 0, TABLE)
         wait_tensor(c, [0, 1], DENSE)
         wait_tensor(c, [0, 1], TABLE)
+        if not ctx.quick:
+            create(c, 0, SMALL)
+            wait_tensor(c, [0, 1], SMALL)
         progress(f"[bridge] host B owns {len(owned(c, 1, DENSE))} of "
                  f"{DENSE_SHAPE[0] // DENSE_SHARD_ROWS} dense shards, "
                  f"{len(owned(c, 1, TABLE))} of {TABLE_SHARDS} table shards")
@@ -810,8 +831,11 @@ def throughput(ctx: RunContext, sec: Section, workdir: Path, plan: Plan) -> None
             forwarded(ctx, sec, c, plan, key="dense_r1_noflush", what=DENSE, workers=1,
                       label=dense_label + ", no flush", flush=False)
             forwarded(ctx, sec, c, plan, key="dense_r1_all", what=DENSE, workers=2,
-                      label="forwarded dense push, every row of a 16 MiB float32 SGD tensor "
+                      label="forwarded dense push, every row of a 64 MiB float32 SGD tensor "
                             "(A applies the shards it owns), replicas 1", remote_only=False)
+            forwarded(ctx, sec, c, plan, key="dense_r1_1mib", what=SMALL, workers=1,
+                      label="forwarded dense push, the rows of B's shards of a 16 MiB "
+                            "float32 SGD tensor in 1 MiB shards (a frame a shard), replicas 1")
         for n in (1, 2):
             forwarded(ctx, sec, c, plan, key="table_r1", label=table_label, what=TABLE,
                       workers=n)
@@ -827,8 +851,8 @@ def throughput_r2(ctx: RunContext, sec: Section, workdir: Path, plan: Plan) -> N
         create(c, 0, DENSE)
         wait_tensor(c, [0, 1], DENSE)
         forwarded(ctx, sec, c, plan, key="dense_r2", what=DENSE, workers=2,
-                  label="forwarded dense push, the rows of B's shards of a 16 MiB float32 "
-                        "SGD tensor, replicas 2")
+                  label="forwarded dense push, the rows of B's shards of a 64 MiB float32 "
+                        "SGD tensor (default shards: 16 MiB), replicas 2")
 
 
 # ------------------------------------------------------------------ many tensors
