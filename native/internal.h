@@ -114,9 +114,10 @@ _Static_assert(__builtin_offsetof(shmps_shard_hdr_t, ob_pushed) == 1152 &&
 
 /* Bounded waiting with dead-owner detection.  wait_step() spins briefly, then
  * yields, then sleeps; from 1 ms on it checks every millisecond whether the token
- * it waits on names a live process. */
+ * it waits on names a live process.  The timeout and that 1 ms count from the first
+ * yield (64 spins in: microseconds), so init() reads no clock. */
 typedef struct {
-    uint64_t deadline_ns, next_check_ns;
+    uint64_t timeout_ns, deadline_ns, next_check_ns; /* deadline 0: not started */
     uint32_t spins;
 } shmps_wait_t;
 

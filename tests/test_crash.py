@@ -227,6 +227,23 @@ def test_dead_freeze_holder_taken_over(store, dead):
     assert peek(path, FREEZE_OFF, "<Q")[0] == 0
 
 
+def test_a_live_holder_is_waited_for_until_the_timeout(store):
+    """A claim a live process holds is waited for until the caller's timeout, which
+    counts from the wait's first yield (a free claim reads no clock): with the freeze
+    word naming this live process, shmps_freeze with 0.3 s gives up with
+    SHMPS_E_TIMEOUT after about 0.3 s (not at once, not for ever) and leaves the word."""
+    t = store.dense("w", shape=(16, 16), dtype="float64")
+    path = shard_path(store)
+    me = native.token()
+    poke(path, FREEZE_OFF, "<Q", me)
+    r, dt = timed(lambda: native.lib.shmps_freeze(t._shards[0].ptr, me, 0.3))
+    assert r == native.lib.SHMPS_E_TIMEOUT and 0.25 < dt < 2.0, (r, dt)
+    assert peek(path, FREEZE_OFF, "<Q")[0] == me
+    poke(path, FREEZE_OFF, "<Q", 0)
+    t.push(np.ones((16, 16)))
+    np.testing.assert_array_equal(t.pull(), 1.0)
+
+
 @pytest.mark.parametrize("slot", [0, 17, 63])
 def test_dead_active_pusher_slot_cleared(store, dead, slot):
     """An active-pusher slot left by a dead pusher delays a consistent pull by < 1 s."""
