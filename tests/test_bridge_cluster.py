@@ -329,9 +329,9 @@ def test_default_size_shards_go_out_within_the_send_window(make_cluster):
     """Pushes to shards of the default size (16 MiB: a drain is 16 frames) go to their
     owner within a send window (SEND_WINDOW, 8 MiB unacknowledged), the rest as ACKs
     come, so the owner's ROWS back to the sender never pile up to the backlog at which
-    it refuses batches (ROWS_AHEAD): eight rounds of push + flush of two such shards (after
-    one that ends the copying of the new tensor) see no batch refused BUSY "backlog", and
-    land exactly once.  (Sent all at once, about a
+    it refuses batches (ROWS_AHEAD): eight rounds of push + flush of two such shards (once
+    the new tensor's shards are copied: those snapshots may hold the owner's backlog up
+    for a moment) see no batch refused BUSY "backlog", and land exactly once.  (Sent all at once, about a
     third of each round's frames were refused while the sender, busy sending, left the
     owner's ROWS unread; each refusal cost a resend 20 ms later, and a flush took 100 ms
     instead of 20: 0.5 GB/s forwarded instead of 0.9.)"""
@@ -349,10 +349,14 @@ def test_default_size_shards_go_out_within_the_send_window(make_cluster):
     rows = np.concatenate([np.arange(k * 4096, (k + 1) * 4096) for k in shards])
     with c.attach(1 - owner) as s:
         g = np.ones((rows.size, 1024), np.int32)
-        # a first round: once it is acknowledged, the copies made at creation (snapshots
-        # of 16 MiB shards, which may hold the owner's backlog up for a moment) are done
         s["big"].push(g, rows=rows)
         s.flush(timeout=60)
+
+        def copied() -> bool:   # every shard's copy made, nothing left to send
+            hs = [c.health(i) for i in (0, 1)]
+            return sum(h["copied"] for h in hs) >= 8 and all(
+                not v["data"] and not v["link"] for h in hs for v in h["send_backlog"].values())
+        c.wait(copied, 30, "the copies of the new tensor's shards")
         before = rejected(c, owner, "backlog")
         for _ in range(8):
             s["big"].push(g, rows=rows)
