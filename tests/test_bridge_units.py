@@ -1379,6 +1379,30 @@ def test_iter_frames_splits_concatenated_frames():
     assert list(frames.iter_frames(b"")) == []
 
 
+def test_a_batch_in_pieces_is_the_same_frame_without_copying_its_values():
+    """encode_batch(copy=False) gives frames.Pieces: the same bytes as the copying
+    encoder for each layout (joined: tobytes / as_bytes), the same epoch (epoch_of) and
+    restamp, and a body that is a view of the values, not a copy (the sender's drain
+    buffers stay unchanged until the frame is acknowledged: Bridge._queue_drain)."""
+    v = np.arange(12, dtype=np.float32).reshape(3, 4)
+    for where in ({"start": 10}, {"rows": np.array([1, 5, 9])},
+                  {"keys": np.array([7, 8, 9], np.uint64)}):
+        kw = dict(epoch=3, sender=1, incarnation=2, tensor=4, shard=5, seq=6, values=v,
+                  step=2, **where)
+        b = frames.encode_batch(**kw)
+        p = frames.encode_batch(copy=False, **kw)
+        assert isinstance(p, frames.Pieces) and len(p) == len(b)
+        assert p.tobytes() == frames.as_bytes(p) == b and frames.as_bytes(b) is b
+        assert frames.epoch_of(p) == frames.epoch_of(b) == 3
+        r = frames.restamp_epoch(p, 9)
+        assert r.tobytes() == frames.restamp_epoch(b, 9) and r.body is p.body
+        f = frames.decode(frames.as_bytes(p))
+        assert isinstance(f, frames.Data) and (f.values.reshape(3, 4) == v).all()
+    v[0, 0] = 99.0
+    f = frames.decode(p.tobytes())
+    assert isinstance(f, frames.Data) and f.values.reshape(3, 4)[0, 0] == 99.0
+
+
 def test_restamp_epoch_changes_only_the_epoch():
     """A frame restamped with a new epoch decodes identically except for the epoch."""
     b = frames.encode_batch(epoch=3, sender=1, incarnation=2, tensor=4, shard=5, seq=6,

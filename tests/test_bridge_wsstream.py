@@ -19,7 +19,7 @@ from hypothesis import given, settings, strategies as st
 aiohttp = pytest.importorskip("aiohttp")
 from aiohttp import web  # noqa: E402
 
-from shmps.bridge import wsstream  # noqa: E402
+from shmps.bridge import frames, wsstream  # noqa: E402
 
 MAX = 4 << 20
 SIZES = [0, 1, 125, 126, 127, 65535, 65536, 65537, 1 << 20, 3 << 20 | 5]
@@ -178,6 +178,30 @@ def test_messages_of_every_header_size_round_trip(path):
     assert got == sent
     if path == "/ws":
         assert seen == SIZES
+
+
+def test_a_message_in_pieces_arrives_whole_from_either_end():
+    """A message given as pieces (frames.Pieces: the head, then a view of the values,
+    not joined) arrives as the joined bytes: from a client, which masks and so joins
+    them, and from the server, which writes the pieces one after the other; small (one
+    write) and large, in order, queued behind a reader that is slow at first."""
+    async def main():
+        async with slow_peer() as (c, server, got, done):
+            msgs = [frames.encode_batch(epoch=1, sender=1, incarnation=1, tensor=0, shard=0,
+                                        seq=i + 1, values=np.arange(n, dtype=np.float32)
+                                        .reshape(-1, 1), start=0, copy=False)
+                    for i, n in enumerate((3, 300_000, 5))]
+            for m in msgs:
+                assert c.send(m)
+            assert c.send(b"END")
+            server.transport.resume_reading()
+            await asyncio.wait_for(done, 10)
+            for m in msgs:
+                assert server.send(m)
+            back = await collect(c, len(msgs))
+            return [m.tobytes() for m in msgs], got, back
+    want, got, back = run(main())
+    assert got[:3] == want and back == want
 
 
 def test_aiohttp_client_talks_to_a_taken_over_server():

@@ -308,6 +308,43 @@ def _header(ftype: FrameType, *, epoch: int, sender: int, incarnation: int, tens
                        _u("seq", seq, U64), int(flags), int(layout), payload_len)
 
 
+class Pieces:
+    """A BATCH frame kept as two pieces, sent one after the other: :attr:`head` (the
+    header and the row index or keys, bytes) and :attr:`body` (the values: a view of the
+    sender's drain buffers, not copied).  ``len()`` is the frame's size, :meth:`tobytes`
+    the frame itself.  A websocket sends :attr:`pieces` without joining them
+    (``wsstream.WsStream.send``); the caller keeps the buffers unchanged while the frame
+    may still be sent.  :func:`encode_batch` with ``copy=False``."""
+
+    __slots__ = ("head", "body", "_n")
+
+    def __init__(self, head: bytes, body: memoryview) -> None:
+        self.head = head
+        self.body = body
+        self._n = len(head) + body.nbytes
+
+    def __len__(self) -> int:
+        return self._n
+
+    @property
+    def pieces(self) -> tuple[bytes, memoryview]:
+        return self.head, self.body
+
+    def tobytes(self) -> bytes:
+        return b"".join((self.head, self.body))
+
+
+def as_bytes(frame: "bytes | bytearray | Pieces") -> "bytes | bytearray":
+    """The frame as one buffer (:class:`Pieces` joined: a copy)."""
+    return frame.tobytes() if isinstance(frame, Pieces) else frame
+
+
+def epoch_of(frame: "bytes | bytearray | Pieces") -> int:
+    """The epoch field of an encoded frame (bytes 8..16, little-endian)."""
+    head = frame.head if isinstance(frame, Pieces) else frame
+    return int.from_bytes(head[8:16], "little")
+
+
 def _finish(parts: list[object], total: int) -> bytes:
     out = b"".join(parts)  # type: ignore[arg-type]   # one copy of the arrays, no more
     assert len(out) == total
@@ -380,7 +417,8 @@ def _encode_data(ftype: FrameType, *, epoch: int, sender: int, incarnation: int,
                  shard: int, seq: int, values: np.ndarray, start: int | None,
                  rows: np.ndarray | None, keys: np.ndarray | None, step: int,
                  marks: Sequence[Mark], state: Sequence[np.ndarray],
-                 row_steps: np.ndarray | None, flags: Flag, limits: Limits | None) -> bytes:
+                 row_steps: np.ndarray | None, flags: Flag, limits: Limits | None,
+                 copy: bool = True) -> "bytes | Pieces":
     v = np.asarray(values)
     if v.ndim == 0:
         raise InvalidArgument("values must have a row axis (shape (n, ...))")
@@ -433,6 +471,10 @@ def _encode_data(ftype: FrameType, *, epoch: int, sender: int, incarnation: int,
     if row_steps is not None:
         parts.append(_bytes_of(row_steps))
     parts.append(_bytes_of(v.astype(v.dtype.newbyteorder("<"), copy=False)))
+    if not copy and not st:   # the values last: everything before them is the head
+        out = Pieces(b"".join(parts[:-1]), parts[-1])  # type: ignore[arg-type]
+        assert len(out) == HEADER.size + payload
+        return out
     for x in st:
         parts.append(_bytes_of(x.astype(x.dtype.newbyteorder("<"), copy=False)))
     return _finish(parts, HEADER.size + payload)
@@ -442,17 +484,20 @@ def encode_batch(*, epoch: int, sender: int, incarnation: int, tensor: int, shar
                  seq: int, values: np.ndarray, start: int | None = None,
                  rows: np.ndarray | None = None, keys: np.ndarray | None = None,
                  step: int = 1, continues: bool = False,
-                 limits: Limits | None = DEFAULT_LIMITS) -> bytes:
+                 limits: Limits | None = DEFAULT_LIMITS, copy: bool = True) -> "bytes | Pieces":
     """A BATCH of gradients: ``values`` (n rows, any trailing shape) for rows ``start..``,
     for ``rows``, or for table ``keys`` (exactly one). ``step`` = pushes folded in;
     ``continues``: this frame carries more rows of the drain the previous seq began
     (Flag.CONTINUES: one drain is one step of a dense tensor, however many frames).
     Raises :class:`InvalidArgument` for bad arguments or a frame over ``limits``.
-    O(frame bytes): the arrays are copied once, into the result."""
+    O(frame bytes): the arrays are copied once, into the result.  ``copy=False``: the
+    values are not copied (C-contiguous little-endian ones): a :class:`Pieces` whose
+    body is a view of ``values``, which must not change while the frame may be sent."""
     return _encode_data(FrameType.BATCH, epoch=epoch, sender=sender, incarnation=incarnation,
                         tensor=tensor, shard=shard, seq=seq, values=values, start=start,
                         rows=rows, keys=keys, step=step, marks=(), state=(), row_steps=None,
-                        flags=Flag.CONTINUES if continues else Flag(0), limits=limits)
+                        flags=Flag.CONTINUES if continues else Flag(0), limits=limits,
+                        copy=copy)
 
 
 def encode_rows(*, epoch: int, sender: int, incarnation: int, tensor: int, shard: int,
@@ -604,10 +649,13 @@ def encode_sync(*, epoch: int, sender: int, incarnation: int, tensor: int, shard
                    payload_len=0)
 
 
-def restamp_epoch(buf: bytes, epoch: int) -> bytes:
+def restamp_epoch(buf: "bytes | Pieces", epoch: int) -> "bytes | Pieces":
     """A copy of the encoded frame ``buf`` with its epoch field set to ``epoch`` (for
     resending unacknowledged frames after an epoch change; seq and payload unchanged).
-    Raises :class:`BadFrame` if ``buf`` has no valid header. O(len(buf)) (one copy)."""
+    Raises :class:`BadFrame` if ``buf`` has no valid header. O(len(buf)) (one copy);
+    of a :class:`Pieces`, the head is copied and the body shared."""
+    if isinstance(buf, Pieces):
+        return Pieces(restamp_epoch(buf.head, epoch), buf.body)  # type: ignore[arg-type]
     mv = _as_bytes_view(buf)
     _read_header(mv, Limits(max_frame_bytes=U64))
     out = bytearray(mv)
@@ -852,4 +900,5 @@ __all__ = ["Ack", "BadFrame", "CODE_DTYPES", "DEFAULT_LIMITS", "DTYPE_CODES", "D
            "HEADER", "Heartbeat", "Layout", "Limits", "MAGIC", "MAX_FRAME_BYTES", "Mark",
            "RowsBuilder", "Status", "Sync", "VERSION", "check_schema", "data_payload_bytes", "decode",
            "encode_ack", "encode_batch", "encode_heartbeat", "encode_rows", "encode_snapshot",
-           "encode_sync", "iter_frames", "max_rows_per_frame", "restamp_epoch", "tensor_id"]
+           "encode_sync", "iter_frames", "max_rows_per_frame", "restamp_epoch", "tensor_id",
+           "Pieces", "as_bytes", "epoch_of"]

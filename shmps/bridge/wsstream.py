@@ -368,7 +368,7 @@ class WsStream(asyncio.BufferedProtocol):
     def _send_frame(self, opcode: int, data: Any, bulk: bool = False) -> bool:
         if self.is_closed:
             return False
-        n = memoryview(data).nbytes
+        n = len(data) if hasattr(data, "pieces") else memoryview(data).nbytes
         head, data = self._encode(opcode, data)
         if self._paused or self._backlog:
             if opcode == OP_BINARY and not bulk and self.refuses(n):
@@ -381,7 +381,16 @@ class WsStream(asyncio.BufferedProtocol):
 
     def _encode(self, opcode: int, data: Any) -> tuple[bytes, Any]:
         """(header, payload) of one final frame: masked by a client; a small message is
-        all in the header (one write, one segment)."""
+        all in the header (one write, one segment).  A message in pieces (an object with
+        ``pieces``: (head bytes, body), e.g. ``frames.Pieces``) goes out as the frame
+        header and head in one write, the body in the next, not joined (a client, which
+        masks, and a small message join them)."""
+        pieces = getattr(data, "pieces", None)
+        if pieces is not None:
+            first, body = pieces
+            if not self.client and len(data) >= ONE_WRITE:
+                return frame_header(opcode, len(data)) + first, body
+            data = b"".join(pieces)
         if isinstance(data, memoryview):
             # e.g. a view of the receive buffer a handler got, which the next read reuses
             # (and asyncio >= 3.12 keeps references to what it could not send yet)
