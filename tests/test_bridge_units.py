@@ -1765,3 +1765,21 @@ def test_mark_dead_and_rejoin():
     m.rejoin()
     assert m.state("a:1") is State.JOINING and m.epoch == 1
     assert m.live() == ("b:1",)
+
+
+def test_a_close_step_that_hangs_is_given_up_with_a_warning(monkeypatch, caplog):
+    """Each step of Bridge.close() is bounded (CLOSE_STEP_TIMEOUT): a step that never
+    ends is cancelled after it, with a warning naming it, so a stopping bridge exits."""
+    from shmps.bridge import node
+    monkeypatch.setattr(node, "CLOSE_STEP_TIMEOUT", 0.1)
+    hung = asyncio.Event()
+
+    async def never() -> None:
+        await hung.wait()
+
+    t0 = time.monotonic()
+    with caplog.at_level("WARNING", logger="shmps.bridge"):
+        asyncio.run(node.Bridge._bounded(never(), "a test step"))
+    assert time.monotonic() - t0 < 2.0
+    assert "closing: a test step took over 0.1 s" in caplog.text
+    asyncio.run(node.Bridge._bounded(asyncio.sleep(0), "a quick step"))

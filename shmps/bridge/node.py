@@ -90,6 +90,7 @@ SEND_AHEAD = 4 << 20             #: a peer connection's unsent bytes above which
 SEND_WINDOW = 8 << 20
 assert DATA_FRAME_BYTES < SEND_WINDOW < ROWS_AHEAD
 ACK_AHEAD = 32 << 20             #: a peer's sent, unacknowledged batch bytes above which no more is drained for it
+CLOSE_STEP_TIMEOUT = 5.0         #: each step of Bridge.close() at most this long (s)
 SHUTDOWN_TIMEOUT = 2.0          #: closing, the web server waits this long for a handler still running (s)
 
 
@@ -631,7 +632,7 @@ class Bridge:
         # runner's cleanup until its shutdown timeout
         self._closing = True
         if self._site is not None:
-            await self._site.stop()
+            await self._bounded(self._site.stop(), "stopping the listener")
         for t in self._tasks:
             t.cancel()
         for link in self.links.values():
@@ -640,18 +641,29 @@ class Bridge:
             await c.close()
         for stream in list(self._streams):   # the ones still in their handshake
             stream.close()
-        await asyncio.gather(*self._tasks, *(ln.task for ln in self.links.values()),
-                             return_exceptions=True)
+        await self._bounded(asyncio.gather(*self._tasks, *(ln.task for ln in self.links.values()),
+                                           return_exceptions=True), "ending its tasks")
         if self.session is not None:
-            await self.session.close()
+            await self._bounded(self.session.close(), "closing its client session")
         if self.runner is not None:
-            await self.runner.cleanup()
+            await self._bounded(self.runner.cleanup(), "cleaning up the web server")
         if self._waiter is not None:
             self._waiter_stop = True
             lib.shmps_flush_request(self.store._mptr)   # wakes it
             self._waiter.join(5)
         if self.store is not None:
             self.store.close()
+
+    @staticmethod
+    async def _bounded(step: Any, what: str) -> None:
+        """Await one step of close() for at most CLOSE_STEP_TIMEOUT seconds: a bridge
+        told to stop exits even if a step hangs (one did once in CI, after a leave on
+        SIGTERM: the bridge never logged "stopped"), and the log says which."""
+        try:
+            await asyncio.wait_for(step, CLOSE_STEP_TIMEOUT)
+        except asyncio.TimeoutError:
+            log.warning("closing: %s took over %g s; going on without it", what,
+                        CLOSE_STEP_TIMEOUT)
 
     # ------------------------------------------------------------ tensors
     def refresh_tensors(self, budget: Optional[float] = ADOPT_SLICE) -> bool:
