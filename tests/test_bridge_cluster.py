@@ -1196,6 +1196,9 @@ def test_leave_by_members_api_and_sigterm(make_cluster):
     h = c.health(0)
     states = {m["address"]: m["state"] for m in h["members"]}
     assert c.addrs[3] not in states and states[c.addrs[2]] == "dead", states
+    # the removed host's last frames (ACKs) were handled, not failed on
+    for i in (0, 1):
+        assert "is not a member" not in c.logs[i].read_text(errors="replace"), c.describe()
 
 
 def test_a_bridge_stops_promptly_with_a_peer_connection_still_open(make_cluster):

@@ -2476,7 +2476,14 @@ class Bridge:
         # any authenticated frame keeps a peer alive; a dead one comes back only by its
         # heartbeat, which carries its view and epoch (see on_heartbeat: a majority's
         # newer epoch is taken over before the peer counts alive again)
-        if self.members.state(peer) is not State.DEAD:
+        try:
+            counts = self.members.state(peer) is not State.DEAD
+        except InvalidArgument:
+            # removed from the member list (it is leaving): its frames (ACKs of the ROWS
+            # it still got) are handled, but it is no member to keep alive.  This raised,
+            # and logged a traceback for each such frame
+            counts = False
+        if counts:
             self._on_changes(self.members.heartbeat(peer))
         if isinstance(f, frames.Data):
             if f.type == FrameType.BATCH:
