@@ -66,7 +66,7 @@ CATALOG_INTERVAL = 0.5           #: how often tensor catalogs are compared with 
 MAX_MSG = frames.MAX_FRAME_BYTES + 4096
 MAX_BAD_FRAMES = 3               #: malformed frames in a row before a connection is closed
 SNAPSHOT_FRAME_BYTES = 1 << 20   #: values per snapshot chunk
-SPARE_DRAIN_BUFFERS = 2          #: a dense tensor's drain buffers kept for reuse (TInfo.spare)
+SPARE_DRAIN_BUFFERS = 2          #: a tensor's drain buffers kept for reuse (TInfo.spare)
 #: gradient bytes per BATCH frame (and so per ROWS frame answering it): a drain of a
 #: larger shard goes out in frames of this much.  2 MiB, not 1: each frame costs both
 #: bridges the same Python work whatever its size, and with 16 MiB shards 2 MiB frames
@@ -130,25 +130,20 @@ class TInfo:
     nrows: Optional[int]      #: dense rows, csr entries; None for tables
     shard_rows: int
     record: dict
-    #: the flush loop drains a table or csr tensor into these (one shard at a time,
-    #: encoded at once: the frames are copies)
-    drain_buffers: DrainBuffers = field(default_factory=DrainBuffers)
-    #: a dense tensor's drain buffers whose frames were all acknowledged, for the next
-    #: drains: its BATCH frames are views of the buffers drained into, not copies
-    #: (frames.Pieces), so a set is reused only once they are acknowledged
+    #: drain buffers no frame refers to any more, for the next drains: a set comes back
+    #: once its drain is encoded (table, csr: the frames are copies) or acknowledged
+    #: (dense: the frames are views of it, frames.Pieces)
     spare: list = field(default_factory=list)
     #: csr: each shard's first entry, and nnz (a csr tensor crosses as its entries)
     bounds: Optional[list] = None
 
     def buffers(self) -> DrainBuffers:
         """Buffers for the next drain (see :attr:`spare`)."""
-        if self.kind != "dense":
-            return self.drain_buffers
         return self.spare.pop() if self.spare else DrainBuffers()
 
     def give_back(self, bufs: DrainBuffers) -> None:
         """``bufs`` is no longer referenced by a frame that may be sent."""
-        if self.kind == "dense" and len(self.spare) < SPARE_DRAIN_BUFFERS:
+        if len(self.spare) < SPARE_DRAIN_BUFFERS:
             self.spare.append(bufs)
 
     def shard_range(self, s: int) -> tuple[int, int]:
@@ -1530,7 +1525,8 @@ class Bridge:
         """Encode drain ``d`` (views of ``bufs``) of shard ``s`` into BATCH frames queued
         on ``stream``: a dense tensor's frames are views of ``bufs`` (frames.Pieces:
         the sender's copy of each frame's values, 1.85 ms per 16 MiB shard, was a tenth
-        of a forwarding bridge), given back to the tensor once all are acknowledged."""
+        of a forwarding bridge), given back to the tensor once all are acknowledged;
+        other frames are copies, and ``bufs`` goes back at once (TInfo.spare)."""
         views = info.kind == "dense"
         if (info.tid, s) not in self._sending:
             # a stream coming back from idle: its silence counts from now (RESEND_AFTER)
@@ -1574,6 +1570,8 @@ class Bridge:
                 self.budget.used += len(frame)
                 stream.q._append(seq, frame, len(frame), None)
         stream.drains.append((stream.q.last_seq, d.pushed, d.ticket, bufs if views else None))
+        if not views:
+            info.give_back(bufs)   # the frames are copies
 
     def _send_all(self) -> None:
         now = time.monotonic()
