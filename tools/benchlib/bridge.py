@@ -15,7 +15,7 @@ baselines measured in the same run:
   each, flush every 5 ms, replicas 1: an owner acknowledges without waiting for a
   backup, but still sends ROWS to every other host, which keeps a copy for local pulls).
   A (16384, 1024) float32 SGD tensor (64 MiB; the library's default shards, 4 of 16 MiB,
-  each drain of one cut into 1 MiB frames) is created on A; 1 or 2
+  each drain of one cut into frames of node.DATA_FRAME_BYTES) is created on A; 1 or 2
   worker processes on A loop over ``push`` of a gradient for the rows of the shards host
   B owns (``rows=``: every pushed byte is forwarded; the ring's split depends on the
   ports, so that row count varies between runs) and ``store.flush()``; the figure is
@@ -729,8 +729,11 @@ def forwarded(ctx: RunContext, sec: Section, c: Any, plan: Plan, *, key: str, la
         raise BridgeUnusable(f"{label}: host B applied nothing in {plan.reps} windows of "
                              f"{plan.window:.0f} s (workers pushed {med['pushes']:.0f}/s)")
     nb = len(b_shards)
-    shape, shard_rows = DENSES.get(what, ((0, 0), 1))
-    total = shape[0] // shard_rows if what in DENSES else TABLE_SHARDS
+    if what in DENSES:
+        shape, shard_rows = DENSES[what]
+        total = shape[0] // shard_rows
+    else:
+        total = TABLE_SHARDS
     loop = "push + store.flush()" if flush else "push in a loop, no flush"
     scope = (f"pushes to the {nb} of {total} shards B owns only" if remote_only else
              f"pushes to every shard (B owns {nb} of {total})")
