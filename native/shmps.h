@@ -231,6 +231,11 @@ uint64_t shmps_table_scratch_bytes(uint64_t n, uint64_t dim);
 int shmps_table_push(void **bases, uint32_t nshards, uint64_t token, const uint64_t *keys,
                      uint64_t n, const void *grad, uint32_t grad_dtype, int check,
                      void *scratch, uint64_t scratch_bytes, uint64_t *info);
+int shmps_table_push_read(void **bases, uint32_t nshards, uint64_t token,
+                          const uint64_t *keys, uint64_t n, const void *grad,
+                          uint32_t grad_dtype, int check, void *scratch,
+                          uint64_t scratch_bytes, uint64_t *info, void *vals,
+                          void *const *states, uint32_t nstates, uint64_t *rowsteps);
 int shmps_table_pull(void **bases, uint32_t nshards, uint64_t token, const uint64_t *keys,
                      uint64_t n, void *out, int create, uint8_t *found, void *scratch,
                      uint64_t scratch_bytes, uint64_t *info);

@@ -74,6 +74,7 @@
 #define CTL_MAGIC 0x4c54435453504d48ull /* "HMPSTCTL" */
 #define PF 24                       /* prefetch distance of row updates and copies, keys */
 #define LPF 32                      /* prefetch distance of lookups (cheaper steps) */
+#define WPF 16                      /* rows looked up ahead of their write (write_rows) */
 #define NONE UINT64_MAX
 #define READ_TRIES 64               /* optimistic row copies before locking */
 
@@ -743,6 +744,22 @@ static int create_for_missing(batch_t *b, tshard_t *ts, uint64_t step, uint64_t 
 
 /* ---- push ----------------------------------------------------------------------- */
 
+/* Copies row `row` of t to position k of the outputs (any of which may be NULL). */
+static void copy_row_out(const tshard_t *t, uint64_t row, uint64_t k, void *vals,
+                         void *const *states, uint64_t *rowsteps) {
+    const shmps_spec_t *s = t->s;
+    if (vals)
+        memcpy((char *)vals + k * t->rowbytes, t->base + s->value_off + row * t->rowbytes,
+               t->rowbytes);
+    uint64_t sb = s->row_len * s->state_itemsize;
+    for (uint32_t j = 0; states && j < s->nstate && j < SHMPS_MAX_STATE; j++)
+        memcpy((char *)states[j] + k * sb, t->base + s->state_off[j] + row * sb, sb);
+    /* relaxed: the caller holds the shard frozen or the row's lock, so no pusher
+     * changes it now */
+    if (rowsteps) rowsteps[k] = LOAD(&t->rowstep[row], RELAXED);
+}
+
+
 /* Prefetches what updating (PF_WRITE) or copying (PF_READ) row r at slot `slot`
  * touches.  A macro: __builtin_prefetch needs literal rw/locality arguments (GCC drops
  * the prefetch, silently, when they reach it through an inline function's parameter);
@@ -811,11 +828,21 @@ static const void *combine(const batch_t *b, int32_t i, const char *grad, uint32
     return b->agg;
 }
 
+/* Where a push copies each updated row (shmps_table_push_read), or NULL. */
+typedef struct {
+    void *vals;
+    void *const *states;
+    uint64_t *rowsteps;
+} rows_out_t;
+
 /* Under the lock of row `row` (slot `slot`): one updater application of g0 (standing
  * for `occ` occurrences of the key in the batch), one more step (for updaters that use
- * it), the push count and last push step; then unlocks. */
+ * it), the push count and last push step; with `out`, the row as it now is is copied
+ * to position i of the outputs and to every later occurrence of the key (next[]);
+ * then unlocks. */
 static inline int update_row(tshard_t *t, uint64_t row, uint64_t slot, uint64_t dim,
-                             const void *g0, uint64_t step, int stepped, uint64_t occ) {
+                             const void *g0, uint64_t step, int stepped, uint64_t occ,
+                             const rows_out_t *out, const batch_t *b, int32_t i) {
     tslot_t *sl = &t->slots[slot];
     row_write_begin(sl);
     /* relaxed: rowstep and aux are written only under the row lock; evict reads them
@@ -828,20 +855,29 @@ static inline int update_row(tshard_t *t, uint64_t row, uint64_t slot, uint64_t 
     int r = shmps_apply(t->base, row * dim, dim, g0, rs);
     uint64_t *aux = aux_of(t, row);
     STORE(aux, aux_make(aux_pushes(LOAD(aux, RELAXED)) + occ, step), RELAXED);
+    if (out && r == SHMPS_OK)
+        /* under the row lock: values, state and step are those of one moment, as a
+         * read under the shard's freeze would give them */
+        for (int32_t j = i; j >= 0; j = b->next[j])
+            copy_row_out(t, row, (uint64_t)j, out->vals, out->states, out->rowsteps);
     row_write_end(sl);
     shmps_stripe_unlock(&t->stripes[row]);
     return r;
 }
 
-int shmps_table_push(void **bases, uint32_t nshards, uint64_t token, const uint64_t *keys,
-                     uint64_t n, const void *grad, uint32_t grad_dtype, int check,
-                     void *scratch, uint64_t scratch_bytes, uint64_t *info) {
+static int table_push(void **bases, uint32_t nshards, uint64_t token, const uint64_t *keys,
+                      uint64_t n, const void *grad, uint32_t grad_dtype, int check,
+                      void *scratch, uint64_t scratch_bytes, uint64_t *info,
+                      const rows_out_t *out, uint32_t nstates) {
     tshard_t ts[SHMPS_TABLE_MAX_SHARDS];
     int r = shard_views(bases, nshards, ts);
     if (r) return r;
     const shmps_spec_t *s0 = ts[0].s;
     uint32_t want = s0->dtype == SHMPS_FLOAT16 ? SHMPS_FLOAT32 : s0->dtype;
     if (grad_dtype != want || n > SHMPS_TABLE_MAX_BATCH) return SHMPS_E_ARG;
+    if (out && (nstates != s0->nstate || !out->vals || !out->rowsteps ||
+                (nstates && !out->states)))
+        return SHMPS_E_ARG;
     uint64_t dim = s0->row_len;
     if (check && (r = shmps_check_finite(grad, grad_dtype, n * dim))) return r;
     if (n == 0) return SHMPS_OK;
@@ -889,7 +925,7 @@ int shmps_table_push(void **bases, uint32_t nshards, uint64_t token, const uint6
             int lr = shmps_stripe_lock(lk, token, SHMPS_LOCK_TIMEOUT_S, &t->h->stats.takeovers);
             if (lr < 0) { r = lr; break; }
         }
-        r = update_row(t, row, b.slot[i], dim, gi, step, stepped, occ);
+        r = update_row(t, row, b.slot[i], dim, gi, step, stepped, occ, out, &b, (int32_t)i);
     }
     /* relaxed: a statistic */
     if (contended) FETCH_ADD(&ts[0].h->stats.contended, contended, RELAXED);
@@ -901,6 +937,29 @@ int shmps_table_push(void **bases, uint32_t nshards, uint64_t token, const uint6
     leave_all(&b, ts, nshards);
     if (r == SHMPS_OK) shmps_count(bases[0], 0, n * dim * gsz, n);
     return r;
+}
+
+int shmps_table_push(void **bases, uint32_t nshards, uint64_t token, const uint64_t *keys,
+                     uint64_t n, const void *grad, uint32_t grad_dtype, int check,
+                     void *scratch, uint64_t scratch_bytes, uint64_t *info) {
+    return table_push(bases, nshards, token, keys, n, grad, grad_dtype, check, scratch,
+                      scratch_bytes, info, NULL, 0);
+}
+
+/* A push that also copies each key's row, as its update left it, to position i of
+ * vals (rows of the table's dtype), states[j] (nstates == the updater's state arrays)
+ * and rowsteps: what the shard's owner sends its copies after applying a batch,
+ * without looking every key up again.  A repeated key's positions all get its one
+ * updated row.  On an error the outputs are undefined (and nothing changed, as for
+ * shmps_table_push). */
+int shmps_table_push_read(void **bases, uint32_t nshards, uint64_t token,
+                          const uint64_t *keys, uint64_t n, const void *grad,
+                          uint32_t grad_dtype, int check, void *scratch,
+                          uint64_t scratch_bytes, uint64_t *info, void *vals,
+                          void *const *states, uint32_t nstates, uint64_t *rowsteps) {
+    rows_out_t out = {vals, states, rowsteps};
+    return table_push(bases, nshards, token, keys, n, grad, grad_dtype, check, scratch,
+                      scratch_bytes, info, &out, nstates);
 }
 
 /* ---- pull ----------------------------------------------------------------------- */
@@ -1225,20 +1284,6 @@ int shmps_table_drain(void **bases, uint32_t nshards, uint32_t shard, uint64_t t
     return SHMPS_OK;
 }
 
-/* Copies row `row` of t to position k of the outputs (any of which may be NULL). */
-static void copy_row_out(const tshard_t *t, uint64_t row, uint64_t k, void *vals,
-                         void *const *states, uint64_t *rowsteps) {
-    const shmps_spec_t *s = t->s;
-    if (vals)
-        memcpy((char *)vals + k * t->rowbytes, t->base + s->value_off + row * t->rowbytes,
-               t->rowbytes);
-    uint64_t sb = s->row_len * s->state_itemsize;
-    for (uint32_t j = 0; states && j < s->nstate && j < SHMPS_MAX_STATE; j++)
-        memcpy((char *)states[j] + k * sb, t->base + s->state_off[j] + row * sb, sb);
-    /* relaxed: frozen, no pusher changes it now */
-    if (rowsteps) rowsteps[k] = LOAD(&t->rowstep[row], RELAXED);
-}
-
 /* Rows of `keys` (or, keys NULL, every row) of shard `shard`, under the shard's shared
  * freeze: no push, delete or creation runs inside it meanwhile, so each row is whole
  * and its state and step go with its values.  Missing keys are skipped; *nout says how
@@ -1307,18 +1352,25 @@ int shmps_table_write_rows(void **bases, uint32_t nshards, uint32_t shard, uint6
         if (shard_of(shmps_key_hash(keys[i]), nshards) != shard) return SHMPS_E_ARG;
     if (n == 0) return SHMPS_OK;
     if ((r = shmps_freeze(t->base, token, SHMPS_LOCK_TIMEOUT_S)) < 0) return r;
-    if ((r = create_lock(ts, nshards, token)) < 0) {
-        shmps_thaw(t->base, token);
-        return r;
-    }
-    tctl_t *c0 = ts[0].ctl;
+    /* Count the missing keys.  No creation lock for it: frozen, no push, pull or delete
+     * is inside this shard, so no key of it is created or removed meanwhile (a repair
+     * by a creation lock's taker only puts back keys that a dead delete had half
+     * removed, which a count that saw them missing finds again below).  The home slot
+     * of the key LPF ahead is prefetched: every lookup is a miss in a large shard. */
     uint64_t missing = 0;
     for (uint64_t i = 0; i < n && r == SHMPS_OK; i++) {
+        if (i + LPF < n)
+            __builtin_prefetch(&t->slots[shmps_key_hash(keys[i + LPF]) & t->mask], 0, 3);
         int64_t row = find(t, shmps_key_hash(keys[i]), keys[i], NULL, NULL);
         if (row == -2) r = SHMPS_E_CORRUPT;
         missing += row == -1;
     }
     if (r == SHMPS_OK && missing) {
+        tctl_t *c0 = ts[0].ctl;
+        if ((r = create_lock(ts, nshards, token)) < 0) {
+            shmps_thaw(t->base, token);
+            return r;
+        }
         /* relaxed: changed only under the creation lock, which we hold */
         uint64_t live = LOAD(&c0->table_live, RELAXED), used = LOAD(&t->h->table_used, RELAXED);
         if (live + missing > c0->capacity) {
@@ -1336,22 +1388,34 @@ int shmps_table_write_rows(void **bases, uint32_t nshards, uint32_t shard, uint6
             int64_t row = insert_key(t, c0, h, keys[i], token, now, &slot);
             if (row < 0) r = (int)row;
         }
+        create_unlock(ts);
     }
-    create_unlock(ts);
+    /* The writes, software-pipelined: key i's row is looked up (its slot is cached by
+     * the count) and prefetched for writing WPF keys before it is written, so the
+     * misses on the rows overlap instead of queueing.  ring[] holds the rows between. */
     uint64_t sb = s->row_len * s->state_itemsize;
-    for (uint64_t i = 0; i < n && r == SHMPS_OK; i++) {
-        uint64_t slot;
-        int64_t row = find(t, shmps_key_hash(keys[i]), keys[i], &slot, NULL);
-        if (row < 0) { r = SHMPS_E_CORRUPT; break; }
-        row_write_begin(&t->slots[slot]);
-        memcpy(t->base + s->value_off + (uint64_t)row * t->rowbytes,
-               (const char *)vals + i * t->rowbytes, t->rowbytes);
-        for (uint32_t j = 0; j < nstates && j < SHMPS_MAX_STATE; j++)
-            memcpy(t->base + s->state_off[j] + (uint64_t)row * sb,
-                   (const char *)states[j] + i * sb, sb);
-        /* relaxed: frozen; the thaw's release orders it for later pushers */
-        if (rowsteps) STORE(&t->rowstep[row], rowsteps[i], RELAXED);
-        row_write_end(&t->slots[slot]);
+    int64_t ring_row[WPF];
+    uint64_t ring_slot[WPF];
+    for (uint64_t i = 0; i < n + WPF && r == SHMPS_OK; i++) {
+        if (i >= WPF) { /* write key i - WPF (its ring entry is reused for key i below) */
+            uint64_t j = i - WPF, row = (uint64_t)ring_row[j % WPF], slot = ring_slot[j % WPF];
+            row_write_begin(&t->slots[slot]);
+            memcpy(t->base + s->value_off + row * t->rowbytes,
+                   (const char *)vals + j * t->rowbytes, t->rowbytes);
+            for (uint32_t q = 0; q < nstates && q < SHMPS_MAX_STATE; q++)
+                memcpy(t->base + s->state_off[q] + row * sb, (const char *)states[q] + j * sb,
+                       sb);
+            /* relaxed: frozen; the thaw's release orders it for later pushers */
+            if (rowsteps) STORE(&t->rowstep[row], rowsteps[j], RELAXED);
+            row_write_end(&t->slots[slot]);
+        }
+        if (i < n) {
+            uint64_t slot;
+            int64_t row = find(t, shmps_key_hash(keys[i]), keys[i], &slot, NULL);
+            if (row < 0) { r = SHMPS_E_CORRUPT; break; }
+            ring_row[i % WPF] = row, ring_slot[i % WPF] = slot;
+            PREFETCH_ROW(t, (uint64_t)row, slot, PF_WRITE);
+        }
     }
     shmps_thaw(t->base, token);
     return r;

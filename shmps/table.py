@@ -547,16 +547,48 @@ class Table(Tensor):
         return outbox.drain_table(self, shard, timeout, into)
 
     def _apply_direct(self, index: Any, grads: Any, pushes: int = 1,
-                      continues: bool = False) -> None:
+                      continues: bool = False, out: Optional[tuple] = None) -> None:
         """Apply the updater to keys ``index`` as a push with forwarding off would,
         whatever the switch says (the owner's bridge).  Same validation as push;
         ``pushes``: how many pushes the batch stands for (statistics), counted unless
         ``continues`` (more keys of the batch the previous call began: rows step per
-        key, so nothing else changes)."""
+        key, so nothing else changes).
+
+        ``out``: ``(values, states, row_steps)`` arrays of ``len(index)`` rows
+        (C-contiguous; the table's dtype, the optimizer's state arrays as
+        ``_state_arrays`` makes them, uint64): each key's row as this push left it is
+        copied there, under the row's lock, in the order of ``index`` (views into the
+        ROWS frame the owner sends: no second lookup of the keys)."""
         k, g = self._prepare(index, grads)
-        self._push(k, g)
+        if out is None:
+            self._push(k, g)
+        else:
+            self._push_read(k, g, *out)
         if k.size:
             self._count_batch(pushes, continues)
+
+    def _push_read(self, k: np.ndarray, g: np.ndarray, vals: np.ndarray, states: list,
+                   steps: np.ndarray) -> None:
+        n = k.size
+        sp = self._shard(0).spec
+        if vals.shape != (n, self.dim) or vals.dtype != self.dtype or \
+                steps.shape != (n,) or steps.dtype != np.uint64 or \
+                len(states) != sp["nstate"] or \
+                any(a.shape != (n, self.dim) or
+                    a.dtype != np.dtype(_native.DTYPE_NAMES[sp["state_dtype"]]) for a in states) or \
+                not all(a.flags.c_contiguous and a.flags.writeable
+                        for a in (vals, steps, *states)):
+            raise InvalidArgument("row output buffers of the wrong shape, dtype or layout")
+        scratch, nbytes, info = self._scratch(n)
+        bufs = [ffi.from_buffer(a) for a in states]
+        sptr = ffi.new("void *[]", bufs) if bufs else ffi.NULL
+        code = lib.shmps_table_push_read(self._ptrs(), self.nshards, _native.token(),
+                                         _native.addr(k), n, ffi.from_buffer(g), self._gcode,
+                                         int(self._check_finite), scratch, nbytes, info,
+                                         ffi.from_buffer(vals), sptr, len(bufs),
+                                         _native.addr(steps))
+        if code:
+            self._fail(code, info, "push")
 
     def _state_arrays(self, n: int) -> list:
         sp = self._shard(0).spec
@@ -580,7 +612,7 @@ class Table(Tensor):
         """Read the rows of ``keys`` of ``shard`` (None: every key) into the given
         arrays, C-contiguous, of room for as many rows as ``kout`` (states as the
         optimizer keeps: ``_state_arrays``): how many were found, in the first rows,
-        under the shard's shared freeze.  What _read_rows_into does for a frame."""
+        under the shard's shared freeze."""
         cap = kout.size
         if vals.shape != (cap, self.dim) or vals.dtype != self.dtype or steps.size != cap \
                 or kout.dtype != np.uint64 or steps.dtype != np.uint64 or \
@@ -603,16 +635,6 @@ class Table(Tensor):
         if code:
             self._fail(code, None, "read rows")
         return int(n[0])
-
-    def _read_rows_into(self, shard: int, index: Any, kout: np.ndarray, vals: np.ndarray,
-                        states: list, steps: np.ndarray) -> int:
-        """:meth:`_read_rows` into the given arrays (views into a ROWS frame: the owner
-        sends the rows it applied without copying them again): how many keys were
-        found, in order, in the first rows.  A missing key is left out, so the rows
-        after it move up: then the arrays do not line up with ``index``."""
-        k = as_keys(index)
-        self._shard_checked(shard)
-        return self._rows_into(shard, k, kout, vals, states, steps)
 
     def _check_keys_in(self, shard: int, k: np.ndarray) -> None:
         self._shard_checked(shard)

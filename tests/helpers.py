@@ -287,6 +287,28 @@ def push_loop(store: str, tensor: str, value: int, flags: Any, idx: int,
         s.close()
 
 
+def table_push_loop(store: str, tensor: str, nkeys: int, flags: Any, idx: int,
+                    max_seconds: float = 60.0) -> int:
+    """Push +1 to every element of table keys 0..nkeys-1 until ``stop``; the count."""
+    import shmps
+
+    s = shmps.attach(store)
+    try:
+        t = s[tensor]
+        keys = np.arange(nkeys, dtype=np.uint64)
+        g = np.ones((nkeys, t.dim), t.dtype)
+        n = 0
+        _await_go(flags, idx)
+        t_end = time.monotonic() + max_seconds
+        while not flags[STOP] and time.monotonic() < t_end:
+            t.push(keys, g)
+            n += 1
+            flags[2 + idx] = n
+        return n
+    finally:
+        s.close()
+
+
 def create_dense(store: str, tensor: str, shape: tuple, dtype: str, init: float,
                  flags: Any, idx: int) -> bool:
     """Attach, then create ``tensor`` (flags progress: 1 = attached, about to create;

@@ -1747,10 +1747,19 @@ class Bridge:
             index = np.arange(f.start, f.start + f.n, dtype=np.int64)
         else:
             index = f.index
+        mark = [Mark(f.sender, f.incarnation, f.seq)]
+        rows_out = None   # a table's ROWS frame, filled by the push itself
         try:
             if info.kind == "dense":   # rows in the shard and increasing (checked above)
                 info.t._apply_shard(f.shard, index, f.values, pushes=f.step,
                                     continues=continues)
+            elif info.kind == "table":
+                rows_out = self._rows_builder(info, f.shard, st.rseq + 1, f.n, mark,
+                                              keys=index, row_steps=True)
+                assert rows_out.row_steps is not None
+                info.t._apply_direct(index, f.values.reshape((f.n,) + info.row_shape),
+                                     pushes=f.step, continues=continues,
+                                     out=(rows_out.values, rows_out.state, rows_out.row_steps))
             else:
                 info.t._apply_direct(index, f.values.reshape((f.n,) + info.row_shape),
                                      pushes=f.step, continues=continues)
@@ -1772,11 +1781,12 @@ class Bridge:
                                       "since_last_heartbeat_s": round(took, 4)})
             del self.failover_log[:-100]
             st.failover_from = None
-        mark = [Mark(f.sender, f.incarnation, f.seq)]
         if info.kind == "dense":
             rseq = self._send_dense_rows(key, info, f.shard, index, f, mark)
-        elif info.kind == "table":
-            rseq = self._send_table_rows(key, info, f.shard, index, mark)
+        elif rows_out is not None:   # a table's: the rows as the push left them
+            st.rseq += 1
+            self._send_to_copies(st, rows_out.finish(0))
+            rseq = st.rseq
         else:
             rd = info.t._read_rows(f.shard, index)
             rseq = self._send_rows(key, info, f.shard, rd, mark)
@@ -1842,22 +1852,6 @@ class Bridge:
         local = index - info.shard_range(shard)[0]
         step = info.t._read_rows_into(shard, local, [b.values] + b.state)
         self._send_to_copies(st, b.finish(step))
-        return st.rseq
-
-    def _send_table_rows(self, key: tuple, info: TInfo, shard: int, keys: np.ndarray,
-                         marks: list) -> int:
-        """ROWS of the table ``keys`` (of ``shard``) just applied, with each row's step:
-        read under the shard's freeze straight into the frame; if a key is missing
-        (evicted meanwhile), read again and sent as _send_rows does."""
-        st = self.shards[key]
-        b = self._rows_builder(info, shard, st.rseq + 1, len(keys), marks, keys=keys,
-                               row_steps=True)
-        assert b.index is not None and b.row_steps is not None
-        found = info.t._read_rows_into(shard, keys, b.index, b.values, b.state, b.row_steps)
-        if found < len(keys):
-            return self._send_rows(key, info, shard, info.t._read_rows(shard, keys), marks)
-        st.rseq += 1
-        self._send_to_copies(st, b.finish(0))
         return st.rseq
 
     def _send_rows(self, key: tuple, info: TInfo, shard: int, rd: Any, marks: list) -> int:
