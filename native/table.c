@@ -759,7 +759,6 @@ static void copy_row_out(const tshard_t *t, uint64_t row, uint64_t k, void *vals
     if (rowsteps) rowsteps[k] = LOAD(&t->rowstep[row], RELAXED);
 }
 
-
 /* Prefetches what updating (PF_WRITE) or copying (PF_READ) row r at slot `slot`
  * touches.  A macro: __builtin_prefetch needs literal rw/locality arguments (GCC drops
  * the prefetch, silently, when they reach it through an inline function's parameter);

@@ -420,11 +420,10 @@ class CSRTensor(Tensor):
         vals = np.empty(n, self.dtype)
         states = self._state_arrays(s, n)
         steps = np.empty(n, np.uint64)
-        bufs = [ffi.from_buffer(a) for a in states]
         code = lib.shmps_csr_read_entries(self._shard(s).ptr, _native.token(),
                                           _native.addr(local), n, ffi.from_buffer(vals),
-                                          ffi.new("void *[]", bufs) if bufs else ffi.NULL,
-                                          len(bufs), _native.addr(steps))
+                                          _native.addrs(states), len(states),
+                                          _native.addr(steps))
         if code:
             _native.check(code, f"read entries of {self.name!r} (shard {s})")
         return RowData(index=local + int(self._entry_bounds[s]), values=vals, states=states,
@@ -454,11 +453,9 @@ class CSRTensor(Tensor):
         steps = None
         if data.row_steps is not None:
             steps = _as_rows(data.row_steps, np.dtype(np.uint64), (n,), "row_steps")
-        bufs = [ffi.from_buffer(a) for a in states]
         code = lib.shmps_csr_write_entries(self._shard(s).ptr, _native.token(),
                                            _native.addr(local), n, ffi.from_buffer(vals),
-                                           ffi.new("void *[]", bufs) if bufs else ffi.NULL,
-                                           len(bufs),
+                                           _native.addrs(states), len(states),
                                            _native.addr(steps) if steps is not None
                                            else ffi.NULL)
         if code:

@@ -407,11 +407,9 @@ class DenseTensor(Tensor):
             raise SchemaError(f"{len(data.states)} state arrays for {self.name!r}, its "
                               f"optimizer keeps {sh.spec['nstate']}")
         states = [_as_rows(a, np.dtype(sdt), shape, "state") for a in data.states]
-        bufs = [_native.ffi.from_buffer(a) for a in states]
-        sptr = _native.ffi.new("void *[]", bufs) if bufs else _native.ffi.NULL
         code = lib.shmps_dense_write_rows(sh.ptr, _native.token(), _native.addr(local),
-                                          local.size, _native.ffi.from_buffer(vals), sptr,
-                                          len(bufs))
+                                          local.size, _native.ffi.from_buffer(vals),
+                                          _native.addrs(states), len(states))
         if code:
             _native.check(code, f"write rows of {self.name!r} (shard {shard})")
         step = int(data.step)

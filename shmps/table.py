@@ -355,11 +355,22 @@ class Table(Tensor):
         if k.size:
             self._outbox()._push_counted(k, g, self._check_finite)
 
-    def _push(self, k: np.ndarray, g: np.ndarray) -> None:
+    def _push(self, k: np.ndarray, g: np.ndarray, out: Optional[tuple] = None) -> None:
+        """The C push of validated keys and grads; ``out``: see _apply_direct."""
         scratch, nbytes, info = self._scratch(k.size)
-        code = lib.shmps_table_push(self._ptrs(), self.nshards, _native.token(), _native.addr(k),
-                                    k.size, ffi.from_buffer(g), self._gcode,
-                                    int(self._check_finite), scratch, nbytes, info)
+        if out is None:
+            code = lib.shmps_table_push(self._ptrs(), self.nshards, _native.token(),
+                                        _native.addr(k), k.size, ffi.from_buffer(g), self._gcode,
+                                        int(self._check_finite), scratch, nbytes, info)
+        else:
+            vals, states, steps = out
+            self._check_row_buffers(k.size, vals, states, steps)
+            code = lib.shmps_table_push_read(self._ptrs(), self.nshards, _native.token(),
+                                             _native.addr(k), k.size, ffi.from_buffer(g),
+                                             self._gcode, int(self._check_finite), scratch,
+                                             nbytes, info, ffi.from_buffer(vals),
+                                             _native.addrs(states), len(states),
+                                             _native.addr(steps))
         if code:
             self._fail(code, info, "push")
 
@@ -560,35 +571,24 @@ class Table(Tensor):
         copied there, under the row's lock, in the order of ``index`` (views into the
         ROWS frame the owner sends: no second lookup of the keys)."""
         k, g = self._prepare(index, grads)
-        if out is None:
-            self._push(k, g)
-        else:
-            self._push_read(k, g, *out)
+        self._push(k, g, out)
         if k.size:
             self._count_batch(pushes, continues)
 
-    def _push_read(self, k: np.ndarray, g: np.ndarray, vals: np.ndarray, states: list,
-                   steps: np.ndarray) -> None:
-        n = k.size
+    def _check_row_buffers(self, n: int, vals: np.ndarray, states: list,
+                           steps: np.ndarray) -> None:
+        """``vals``, ``states`` and ``steps`` can take ``n`` rows as C writes them: the
+        table's dtype, the optimizer's state arrays (``_state_arrays``), uint64 steps,
+        C-contiguous and writable; else InvalidArgument."""
         sp = self._shard(0).spec
+        sdt = np.dtype(_native.DTYPE_NAMES[sp["state_dtype"]])
         if vals.shape != (n, self.dim) or vals.dtype != self.dtype or \
                 steps.shape != (n,) or steps.dtype != np.uint64 or \
                 len(states) != sp["nstate"] or \
-                any(a.shape != (n, self.dim) or
-                    a.dtype != np.dtype(_native.DTYPE_NAMES[sp["state_dtype"]]) for a in states) or \
+                any(a.shape != (n, self.dim) or a.dtype != sdt for a in states) or \
                 not all(a.flags.c_contiguous and a.flags.writeable
                         for a in (vals, steps, *states)):
-            raise InvalidArgument("row output buffers of the wrong shape, dtype or layout")
-        scratch, nbytes, info = self._scratch(n)
-        bufs = [ffi.from_buffer(a) for a in states]
-        sptr = ffi.new("void *[]", bufs) if bufs else ffi.NULL
-        code = lib.shmps_table_push_read(self._ptrs(), self.nshards, _native.token(),
-                                         _native.addr(k), n, ffi.from_buffer(g), self._gcode,
-                                         int(self._check_finite), scratch, nbytes, info,
-                                         ffi.from_buffer(vals), sptr, len(bufs),
-                                         _native.addr(steps))
-        if code:
-            self._fail(code, info, "push")
+            raise InvalidArgument("row buffers of the wrong shape, dtype or layout")
 
     def _state_arrays(self, n: int) -> list:
         sp = self._shard(0).spec
@@ -614,22 +614,17 @@ class Table(Tensor):
         optimizer keeps: ``_state_arrays``): how many were found, in the first rows,
         under the shard's shared freeze."""
         cap = kout.size
-        if vals.shape != (cap, self.dim) or vals.dtype != self.dtype or steps.size != cap \
-                or kout.dtype != np.uint64 or steps.dtype != np.uint64 or \
-                len(states) != self._shard(0).spec["nstate"] or \
-                any(a.shape != (cap, self.dim) for a in states) or \
-                not all(a.flags.c_contiguous for a in (kout, vals, steps, *states)):
-            raise InvalidArgument("read buffers of the wrong shape, dtype or layout")
+        if kout.dtype != np.uint64 or not kout.flags.c_contiguous or not kout.flags.writeable:
+            raise InvalidArgument("row buffers of the wrong shape, dtype or layout")
+        self._check_row_buffers(cap, vals, states, steps)
         if keys is not None and keys.size > cap:
             raise InvalidArgument(f"{keys.size} keys, room for {cap} rows")
-        bufs = [ffi.from_buffer(a) for a in states]
-        sptr = ffi.new("void *[]", bufs) if bufs else ffi.NULL
         n = ffi.new("uint64_t *")
         kptr = _native.addr(keys) if keys is not None else ffi.NULL
         code = lib.shmps_table_read_rows(self._ptrs(), self.nshards, int(shard), _native.token(),
                                          kptr, 0 if keys is None else keys.size,
-                                         _native.addr(kout), ffi.from_buffer(vals), sptr,
-                                         _native.addr(steps), cap, n)
+                                         _native.addr(kout), ffi.from_buffer(vals),
+                                         _native.addrs(states), _native.addr(steps), cap, n)
         if code == lib.SHMPS_E_ARG and keys is not None:
             self._check_keys_in(shard, keys)   # C checked every key's shard: name the one
         if code:
@@ -678,11 +673,9 @@ class Table(Tensor):
         info = ffi.new("uint64_t[4]")
 
         def write() -> int:
-            bufs = [ffi.from_buffer(a) for a in states]
-            sptr = ffi.new("void *[]", bufs) if bufs else ffi.NULL
             return lib.shmps_table_write_rows(
                 self._ptrs(), self.nshards, int(shard), _native.token(), _native.addr(k),
-                k.size, ffi.from_buffer(vals), sptr, len(bufs),
+                k.size, ffi.from_buffer(vals), _native.addrs(states), len(states),
                 _native.addr(steps) if steps is not None else ffi.NULL, info)
 
         # The C writes the rows in order, so a repeated key's last row wins as it is;

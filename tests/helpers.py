@@ -287,6 +287,17 @@ def push_loop(store: str, tensor: str, value: int, flags: Any, idx: int,
         s.close()
 
 
+def publish_token(flags: Any, idx: int, max_seconds: float = 60.0) -> int:
+    """Put this process's token in worker idx's counter and stay alive until ``stop``:
+    a live owner for a lock word a test writes it into."""
+    import shmps._native as native
+
+    flags[2 + idx] = native.token()
+    t_end = time.monotonic() + max_seconds
+    while not flags[STOP] and time.monotonic() < t_end:
+        time.sleep(0.005)
+    return 0
+
 def table_push_loop(store: str, tensor: str, nkeys: int, flags: Any, idx: int,
                     max_seconds: float = 60.0) -> int:
     """Push +1 to every element of table keys 0..nkeys-1 until ``stop``; the count."""

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 import shmps
 import shmps._native as native
 from helpers import (GO, SHM, STOP, Workers, dead_token, new_flags, peek, poke,
-                     table_push_loop, wait_until)
+                     publish_token, table_push_loop, wait_until)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -1013,6 +1013,41 @@ def test_table_write_rows_writes_each_key_its_last_row(existing, written):
         t.check()
     finally:
         s.destroy()
+
+
+def test_table_write_rows_of_existing_keys_does_not_wait_for_the_creation_lock(store):
+    """A replica's write of rows whose keys it has does not take the table's creation
+    lock (frozen, no key of the shard can appear or go meanwhile): it finishes at once
+    while another live process holds that lock, where taking it would wait up to 60 s.
+    Once the lock is free, a write with a new key creates it."""
+    from shmps.outbox import RowData
+    t = store.table("e", dim=2, capacity=64, shards=1)
+    keys = np.arange(20, dtype=np.uint64)
+    t.push(keys, np.ones((20, 2)))
+    sh = t._shards[0]
+    ctl = sh.seg.array(np.uint64, sh.spec["index_off"] + 16 * sh.spec["nslots"], 32)
+    flags = new_flags(1)
+    with Workers() as ws:
+        w = ws.start(publish_token, flags, 0)
+        wait_until(lambda: flags[2] != 0, 60, "the holder's token")
+        ctl[8] = np.uint64(flags[2])          # the creation lock's owner (offset 64)
+        try:
+            t0 = time.monotonic()
+            t._write_rows(0, RowData(index=keys[::-1].copy(),
+                                     values=np.full((20, 2), 7, np.float32), states=[],
+                                     row_steps=None, step=0))
+            took = time.monotonic() - t0
+        finally:
+            ctl[8] = np.uint64(0)
+            flags[STOP] = 1
+        w.result(30)
+    assert took < 1.0
+    np.testing.assert_array_equal(t.pull(keys), np.full((20, 2), 7, np.float32))
+    t._write_rows(0, RowData(index=np.array([5, 99], np.uint64),
+                             values=np.full((2, 2), 3, np.float32), states=[], row_steps=None,
+                             step=0))
+    assert len(t) == 21 and t.pull([99]).tolist() == [[3, 3]]
+    t.check()
 
 
 def test_table_write_rows_capacity_is_all_or_nothing(store, second_store):

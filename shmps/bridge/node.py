@@ -1756,7 +1756,6 @@ class Bridge:
             elif info.kind == "table":
                 rows_out = self._rows_builder(info, f.shard, st.rseq + 1, f.n, mark,
                                               keys=index, row_steps=True)
-                assert rows_out.row_steps is not None
                 info.t._apply_direct(index, f.values.reshape((f.n,) + info.row_shape),
                                      pushes=f.step, continues=continues,
                                      out=(rows_out.values, rows_out.state, rows_out.row_steps))
@@ -1783,13 +1782,14 @@ class Bridge:
             st.failover_from = None
         if info.kind == "dense":
             rseq = self._send_dense_rows(key, info, f.shard, index, f, mark)
-        elif rows_out is not None:   # a table's: the rows as the push left them
+        elif info.kind == "table":   # the rows as the push left them, filled in by it
+            assert rows_out is not None
             st.rseq += 1
             self._send_to_copies(st, rows_out.finish(0))
             rseq = st.rseq
         else:
             rd = info.t._read_rows(f.shard, index)
-            rseq = self._send_rows(key, info, f.shard, rd, mark)
+            rseq = self._send_csr_rows(key, info, f.shard, rd, mark)
         self._wait_backups(key, st, reply, self._ack(f, Status.OK), rseq)
 
     @staticmethod
@@ -1842,7 +1842,7 @@ class Bridge:
                          f: frames.Data, marks: list) -> int:
         """ROWS of the dense rows ``index`` (global, in ``shard``, increasing) that BATCH
         ``f`` just applied, addressed as ``f`` addressed them: read under the shard's
-        freeze straight into the frame, then sent as _send_rows does."""
+        freeze straight into the frame, and sent to every copy."""
         st = self.shards[key]
         st.rseq += 1
         if f.layout == Layout.RANGE:
@@ -1854,16 +1854,13 @@ class Bridge:
         self._send_to_copies(st, b.finish(step))
         return st.rseq
 
-    def _send_rows(self, key: tuple, info: TInfo, shard: int, rd: Any, marks: list) -> int:
-        """ROWS of a table's keys or a csr tensor's entries (``rd``, read after the apply),
-        with each row's step; dense rows go by _send_dense_rows."""
+    def _send_csr_rows(self, key: tuple, info: TInfo, shard: int, rd: Any,
+                       marks: list) -> int:
+        """ROWS of a csr tensor's entries (``rd``, read after the apply), with each
+        entry's step; dense rows go by _send_dense_rows, a table's ROWS are filled by
+        the push that applied them (on_batch)."""
         st = self.shards[key]
         st.rseq += 1
-        kw: dict = {"row_steps": np.asarray(rd.row_steps, dtype=np.uint64)}
-        if info.kind == "table":
-            kw["keys"] = np.asarray(rd.index, dtype=np.uint64)
-        else:
-            kw["rows"] = np.asarray(rd.index, dtype=np.int64)
         n = len(rd.index)
         frame = frames.encode_rows(epoch=self.members.epoch, sender=self.mid,
                                    incarnation=self.incarnation, tensor=info.tid, shard=shard,
@@ -1871,7 +1868,8 @@ class Bridge:
                                    values=np.asarray(rd.values).reshape(n, info.cols),
                                    step=int(rd.step), marks=marks,
                                    state=[np.asarray(a).reshape(n, info.cols) for a in rd.states],
-                                   **kw)
+                                   rows=np.asarray(rd.index, dtype=np.int64),
+                                   row_steps=np.asarray(rd.row_steps, dtype=np.uint64))
         self._send_to_copies(st, frame)
         return st.rseq
 
