@@ -481,6 +481,27 @@ int shmps_agg_reset(void *ctl, void *man, uint64_t token, int finish, uint32_t *
     return e;
 }
 
+/* What a pull brackets its copy with (aggregate.py): the oldest round not yet
+ * applied, or UINT64_MAX while a round is claimed (being applied, its values going
+ * into the tensor: the claim step() waits for or takes over; none in a stale block).  Two equal marks other than UINT64_MAX, one read before the copy
+ * and one after, mean no round was applied in between: the copy is of one whole
+ * round.  Lock-free. */
+uint64_t shmps_agg_mark(void *ctl, void *man) {
+    agg_ctl_t *c = ctl_of(ctl);
+    if (!c) return 0; /* no control block: no rounds (the pull's own checks refuse it) */
+    /* acquire: pairs with finish's release store; a mark read after a copy that saw
+     * any shard the applier wrote is ordered after the applier's claim (its stores
+     * reach us through that shard's lock or seqlock, release then acquire), so it
+     * sees applier set, or next_round moved on */
+    uint64_t r = LOAD(&c->next_round, ACQUIRE);
+    /* relaxed: written under the lock; no load moves before an acquire, so these
+     * come after the copy's and the one above.  A claim counts as step() counts it:
+     * applier set and claim_round == next_round */
+    int claimed = LOAD(&c->applier, RELAXED) != 0 && LOAD(&c->claim_round, RELAXED) == r &&
+                  !stale(c, man); /* a restored block's claim is never carried on */
+    return claimed ? UINT64_MAX : r;
+}
+
 int shmps_agg_info(void *ctl, shmps_agg_info_t *out) {
     agg_ctl_t *c = ctl_of(ctl);
     if (!c) return SHMPS_E_CORRUPT;

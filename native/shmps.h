@@ -199,6 +199,7 @@ int shmps_agg_wait(void *ctl, void *man, uint64_t token, uint32_t want, uint64_t
                    double timeout_s, uint32_t *done, int32_t *behind);
 int shmps_agg_reset(void *ctl, void *man, uint64_t token, int finish, uint32_t *state);
 int shmps_agg_info(void *ctl, shmps_agg_info_t *out);
+uint64_t shmps_agg_mark(void *ctl, void *man);
 /* a read-write view (view.c; DenseTensor.view(writable=True), the torch adapter) */
 int shmps_view_map_rw(const int *fds, const uint64_t *offs, const uint64_t *lens, uint32_t n,
                       void **addr, uint64_t *total);

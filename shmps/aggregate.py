@@ -338,9 +338,18 @@ class AggregateDense(DenseTensor):
     def pull(self, rows: Any = None, *, out: Optional[np.ndarray] = None,
              consistent: bool = True) -> np.ndarray:
         """As :meth:`DenseTensor.pull`, after applying any complete round (and waiting
-        for one another process is applying)."""
-        self._settle(True, WAIT_TIMEOUT_S)
-        return super().pull(rows, out=out, consistent=consistent)
+        for one another process is applying).  A round applied while the shards were
+        being copied makes it copy again (shmps_agg_mark before and after): the copy
+        is of one whole round, never some shards of the next."""
+        busy, man = 2**64 - 1, self._store._mptr
+        while True:
+            self._settle(True, WAIT_TIMEOUT_S)
+            before = int(lib.shmps_agg_mark(self._cptr(), man))
+            if before == busy:
+                continue                # claimed since: _settle waits for it or takes it
+            got = super().pull(rows, out=out, consistent=consistent)
+            if int(lib.shmps_agg_mark(self._cptr(), man)) == before:
+                return got
 
     def view(self, writable: bool = False) -> np.ndarray:
         """As :meth:`DenseTensor.view`, after applying any complete round."""

@@ -100,6 +100,22 @@ def agg_worker(store: str, idx: int, barrier, nrounds: int, kind: str,
         s.close()
 
 
+def round_pusher(store: str, nrounds: int) -> int:
+    """Join as the job's only worker and push ones for ``nrounds`` rounds as fast as
+    it can (eventual consistency): each push completes its round and applies it."""
+    s = shmps.attach(store)
+    try:
+        s.join()
+        W = s["B"]
+        g = np.ones(W.shape, np.int32)
+        for _ in range(nrounds):
+            W.push(g)
+            s.clock(timeout=30)
+        return W.rounds()["applied"]
+    finally:
+        s.close()
+
+
 def idle_worker(store: str, flags) -> int:
     """Join, report the worker id in ``flags[1]``, and never push; leave() once
     ``flags[0]`` is set."""
@@ -178,6 +194,31 @@ def run_job(name: str, nrounds: int, kind: str, stall: dict | None = None,
 
 
 # ---- multi-process tests ------------------------------------------------------------
+
+def test_pull_never_sees_part_of_a_round_being_applied(job):
+    """A process that is no worker pulls while the job's worker applies round after
+    round (pushes of ones, Sum: the tensor holds r everywhere after round r) into a
+    tensor of 16 shards: every pull holds one number, never some shards of the next
+    round (a pull that checked for an apply only before copying mixed 1-2 of about 500
+    here, and once in a CI run of test_sum_of_integers_is_exact)."""
+    B = job.dense("B", shape=(16 * 4096, 64), dtype="int32", aggregate="sum", workers=1,
+                  shard_rows=4096)
+    assert B.nshards == 16
+    nrounds = 400
+    mixed = pulls = 0
+    with Workers(hard_timeout=90) as ws:
+        w = ws.start(round_pusher, job.name, nrounds)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            a = B.pull()
+            pulls += 1
+            mixed += int(a.min() != a.max())
+            if a.min() == nrounds:
+                break
+        applied = w.result(60)
+    assert applied == nrounds and pulls > 10
+    assert mixed == 0, f"{mixed} of {pulls} pulls mixed two rounds"
+
 
 @pytest.mark.parametrize("k", [0, None])
 def test_sum_of_integers_is_exact(job, k):
