@@ -68,8 +68,12 @@ FLUSH_TIMEOUT_S = 60.0
 #: bridge: then it takes what it could reach, or nothing (None), and the next drain
 #: goes on
 DRAIN_TIMEOUT_S = 0.1
-#: store.flush() sleeps on the ack word at most this long at a time (ns)
-ACK_POLL_NS = 1_000_000
+#: store.flush() sleeps on the ack word at most this long at a time (ns).  The bridge
+#: wakes it after every acknowledgement (shmps_ack_notify), so this only bounds what a
+#: bridge that never does (an older build) costs.  It was 1 ms: in the bench's table
+#: round (7 ms on a slow day) every flush then woke 5-7 times for nothing, and the
+#: round took 9-20 % longer than with 20 ms (3 alternated pairs, docs/benchmarks.md)
+ACK_POLL_NS = 20_000_000
 
 
 def outbox_name(name: str) -> str:
@@ -582,7 +586,7 @@ def flush(store: Any, timeout: Optional[float]) -> None:
         _native.check(lib.shmps_flush_request(store._mptr), "flush request")
     # sleep on the manifest's ack word, which the bridge bumps after acknowledgements
     # (native/outbox.c, shmps_ack_notify), registered first; at most ACK_POLL_NS at a
-    # time, so a bridge that does not bump it (an older build) costs 1 ms, as polling did
+    # time, so a bridge that does not bump it (an older build) costs up to 20 ms
     man = store._mptr
     registered = False
     try:

@@ -1427,18 +1427,24 @@ class Bridge:
                 continue   # the pushes keep summing in the outbox meanwhile
             if self._drain_retry_at and self._drain_retry_at.get((tid, s), 0.0) > now:
                 continue   # its last drain failed: not every pass (each takes its freeze)
-            # an empty drain may acknowledge (native/outbox.c), and so may one that fails
-            self._acks_new = True
             bufs = info.buffers()
             try:
                 d = info.t._outbox_drain(s, into=bufs)
             except Error as e:
                 # this shard only (a corrupt outbox shard fails again and again): the
                 # other shards and tensors go on, and what it took is recorded lost
+                # (which acknowledges it: native/outbox.c, shmps_outbox_drain_lost)
+                self._acks_new = True
                 info.give_back(bufs)
                 self._drain_failed(info, s, e)
                 continue
             self._drain_retry_at.pop((tid, s), None)
+            if d is None or self.store._lost_settled:
+                # An empty drain may acknowledge (native/outbox.c), and so does one that
+                # ended a lost range.  One that took rows does not (its ack will): waking
+                # the flushers for it cost a futex wake and a needless wake-up of every
+                # waiting store.flush() per pass
+                self._acks_new = True
             if d is None:
                 info.give_back(bufs)
             else:
