@@ -608,7 +608,7 @@ class Store:
         (seconds, default 60; ``math.inf`` to wait indefinitely): then raises
         :class:`shmps.Timeout` naming the tensor and shard that lag.  Wakes the bridge
         (it drains at once instead of at its next flush interval), then sleeps until
-        the bridge says acknowledgements came (a futex word; at most 1 ms at a time)."""
+        the bridge says acknowledgements came (a futex word; at most 20 ms at a time)."""
         if self._executor is not None and self._executor_pid == os.getpid():
             self._executor.submit(int).result()  # pushes made with wait=False land first
         from .outbox import flush
