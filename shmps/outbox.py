@@ -582,8 +582,10 @@ def flush(store: Any, timeout: Optional[float]) -> None:
             if acked < pushed:
                 waits.append((ob, i, pushed))
     if waits:
-        # wake the bridge: it drains now, not at its next flush interval
-        _native.check(lib.shmps_flush_request(store._mptr), "flush request")
+        # wake the bridge: it drains now, not at its next flush interval (its doorbell
+        # socket, else the futex word its waiting thread sleeps on: shmps/doorbell.py)
+        if not store._bell.ring():
+            _native.check(lib.shmps_flush_request(store._mptr), "flush request")
     # sleep on the manifest's ack word, which the bridge bumps after acknowledgements
     # (native/outbox.c, shmps_ack_notify), registered first; at most ACK_POLL_NS at a
     # time, so a bridge that does not bump it (an older build) costs up to 20 ms

@@ -15,7 +15,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
 
-from . import _native, names
+from . import _native, doorbell, names
 from .dense import DenseTensor, default_shard_rows
 from .errors import Closed, CorruptFile, CorruptSegment, InvalidArgument, NotFound, SchemaError
 from .segment import Segment, list_names, unlink
@@ -114,6 +114,8 @@ class Store:
         self._worker: Optional[int] = None
         # the forwarding switch, read by every push (Tensor._fwd; shmps/outbox.py)
         self._fwd_word = lib.shmps_forward_word(manifest.ptr)
+        # what flush() rings to wake the bridge (shmps/doorbell.py)
+        self._bell = doorbell.Bell(name, namespace)
         self._refresh()
 
     # -- catalog -----------------------------------------------------------------
@@ -732,6 +734,7 @@ class Store:
                                               self._proc_slot)
                 self._manifest.close()
                 self._manifest = None
+            self._bell.close()
 
     def destroy(self) -> None:
         """Remove every segment of the store (global).  Processes still attached
