@@ -673,6 +673,22 @@ static int create_lock(tshard_t *ts, uint32_t nshards, uint64_t token) {
 
 static void create_unlock(tshard_t *ts) { shmps_stripe_unlock(&ts[0].ctl->create); }
 
+/* Prefetches the home slot of group g's key, if there is such a group and its key is
+ * missing (row -1): the creation loops below look each missing key up again and then
+ * insert it, and without this every insert waited for its slot's line (a profile of a
+ * table outbox push: 77 % of insert_key on that load). */
+#define prefetch_home(b, ts, g, RW)                                                      \
+    do {                                                                                 \
+        if ((g) < (b)->ngroups) {                                                        \
+            int32_t ip_ = (b)->groups[(g)];                                              \
+            if ((b)->row[ip_] < 0) {                                                     \
+                uint64_t hp_ = (b)->hash[ip_];                                           \
+                const tshard_t *tp_ = &(ts)[shard_of(hp_, (b)->nshards)];                \
+                __builtin_prefetch(&tp_->slots[hp_ & tp_->mask], RW, 3);                 \
+            }                                                                            \
+        }                                                                                \
+    } while (0)
+
 /* Creates the keys of the groups whose row is -1, all or none.  info (on
  * SHMPS_E_FULL): new keys needed, keys used, capacity, and the shard that is full
  * (UINT64_MAX: the table as a whole). */
@@ -683,6 +699,7 @@ static int create_missing(batch_t *b, tshard_t *ts, uint64_t step, uint64_t *inf
     memset(newcnt, 0, sizeof(uint64_t) * b->nshards);
     uint64_t total = 0;
     for (uint64_t g = 0; g < b->ngroups; g++) {
+        prefetch_home(b, ts, g + LPF, 0);
         int32_t i = b->groups[g];
         if (b->row[i] >= 0) continue;
         uint64_t h = b->hash[i];
@@ -711,6 +728,7 @@ static int create_missing(batch_t *b, tshard_t *ts, uint64_t step, uint64_t *inf
             }
         }
         for (uint64_t g = 0; g < b->ngroups && r == SHMPS_OK; g++) {
+            prefetch_home(b, ts, g + LPF, 1);
             int32_t i = b->groups[g];
             if (b->row[i] >= 0) continue;
             uint64_t h = b->hash[i];
