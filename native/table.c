@@ -1265,6 +1265,9 @@ int shmps_table_drain(void **bases, uint32_t nshards, uint32_t shard, uint64_t t
     uint64_t hwm = LOAD(&t->ctl->hwm, RELAXED), n = 0;
     if (hwm > t->nrows) r = SHMPS_E_CORRUPT;
     for (uint64_t row = 0; row < hwm && r == SHMPS_OK; row++) {
+        if (row + LPF < hwm) /* the slot find() and remove_slot() touch, ahead: a miss each */
+            __builtin_prefetch(&t->slots[shmps_key_hash(LOAD(&t->keys[row + LPF], RELAXED)) &
+                                         t->mask], 1, 3);
         if (LOAD(&t->link[row], RELAXED) != LINK_LIVE) continue;
         uint64_t key = LOAD(&t->keys[row], RELAXED), i = 0;
         if (find(t, shmps_key_hash(key), key, &i, NULL) != (int64_t)row) {
