@@ -14,6 +14,18 @@ def _store() -> str:
     return f"bell{os.getpid()}x{uuid.uuid4().hex[:8]}"
 
 
+@pytest.fixture
+def rung():
+    """A bridge's listening socket and a worker's bell of one fresh store."""
+    store = _store()
+    sock = doorbell.listen(store, None)
+    assert sock is not None
+    bell = doorbell.Bell(store, None)
+    yield sock, bell
+    bell.close()
+    sock.close()
+
+
 def test_addresses_are_per_store_and_namespace_and_fit():
     a = doorbell.address("model", None)
     assert a == b"\0shmps.model.flush"
@@ -28,23 +40,16 @@ def test_addresses_are_per_store_and_namespace_and_fit():
     assert long1.startswith(b"\0shmps.flush.")
 
 
-def test_a_ring_reaches_the_listener_and_wakes_its_poll():
-    store = _store()
-    sock = doorbell.listen(store, None)
-    assert sock is not None
-    bell = doorbell.Bell(store, None)
-    try:
-        p = select.poll()
-        p.register(sock.fileno(), select.POLLIN)
-        assert p.poll(0) == []
-        assert bell.ring() and bell.ring()
-        assert p.poll(1000)                      # readable: an event loop wakes
-        assert doorbell.take_rings(sock) == 2    # every waiting ring, in one go
-        assert doorbell.take_rings(sock) == 0
-        assert p.poll(0) == []
-    finally:
-        bell.close()
-        sock.close()
+def test_a_ring_reaches_the_listener_and_wakes_its_poll(rung):
+    sock, bell = rung
+    p = select.poll()
+    p.register(sock.fileno(), select.POLLIN)
+    assert p.poll(0) == []
+    assert bell.ring() and bell.ring()
+    assert p.poll(1000)                      # readable: an event loop wakes
+    assert doorbell.take_rings(sock) == 2    # every waiting ring, in one go
+    assert doorbell.take_rings(sock) == 0
+    assert p.poll(0) == []
 
 
 def test_without_a_listener_ring_says_so():
@@ -69,40 +74,26 @@ def test_one_listener_per_store_and_the_address_is_free_once_it_closes():
     again.close()
 
 
-def test_a_full_queue_still_counts_as_rung():
-    store = _store()
-    sock = doorbell.listen(store, None)
-    assert sock is not None
-    bell = doorbell.Bell(store, None)
-    try:
-        # nobody reads: the queue fills (net.unix.max_dgram_qlen, 10 by default: a flood
-        # of rings holds no memory), and ringing goes on saying the bridge will wake
-        assert all(bell.ring() for _ in range(5000))
-        n = doorbell.take_rings(sock)
-        assert 1 <= n <= doorbell.READ_BATCH
-        if n < doorbell.READ_BATCH:
-            assert doorbell.take_rings(sock) == 0        # all of them were read
-    finally:
-        bell.close()
-        sock.close()
+def test_a_full_queue_still_counts_as_rung(rung):
+    sock, bell = rung
+    # nobody reads: the queue fills (net.unix.max_dgram_qlen, 10 by default: a flood of
+    # rings holds no memory), and ringing goes on saying the bridge will wake
+    assert all(bell.ring() for _ in range(5000))
+    n = doorbell.take_rings(sock)
+    assert 1 <= n <= doorbell.READ_BATCH
+    if n < doorbell.READ_BATCH:
+        assert doorbell.take_rings(sock) == 0        # all of them were read
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
-def test_a_forked_child_rings_with_a_socket_of_its_own():
-    store = _store()
-    sock = doorbell.listen(store, None)
-    assert sock is not None
-    bell = doorbell.Bell(store, None)
-    try:
-        assert bell.ring()
-        parent_sock = bell._sock
-        pid = os.fork()
-        if pid == 0:
-            ok = bell.ring() and bell._sock is not parent_sock
-            os._exit(0 if ok else 1)
-        _, status = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0
-        assert doorbell.take_rings(sock) == 2
-    finally:
-        bell.close()
-        sock.close()
+def test_a_forked_child_rings_with_a_socket_of_its_own(rung):
+    sock, bell = rung
+    assert bell.ring()
+    parent_sock = bell._sock
+    pid = os.fork()
+    if pid == 0:
+        ok = bell.ring() and bell._sock is not parent_sock
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert doorbell.take_rings(sock) == 2
