@@ -267,6 +267,12 @@ def test_flush_wakes_the_bridge_instead_of_waiting_for_the_interval(make_cluster
             assert flush_req() - req0 == (0 if way == "doorbell" else 5), way
     finally:
         s.close()
+    # the asker's bridge counts each way it was woken (/metrics)
+    wakes = {m.group(1): float(m.group(2)) for m in re.finditer(
+        r'^shmps_bridge_flush_wakes_total\{via="(\w+)"\} (\S+)$',
+        urllib.request.urlopen(c.url(1 - owner, "/metrics"), timeout=10).read().decode(),
+        re.M)}
+    assert wakes["doorbell"] >= 5 and wakes["futex"] == 5, wakes
     for way, t in took.items():
         # every one, the first too (a new stream's first batch is answered GAP and
         # resent after 50 ms, not at the next 2 s interval)

@@ -414,6 +414,12 @@ class Metrics:
         self.stalls = Counter("shmps_bridge_stalls", "times this process did not run for "
                               "half of dead_after and listened before acting again",
                               registry=r)
+        wakes = Counter("shmps_bridge_flush_wakes", "store.flush() calls that woke this "
+                        "bridge, by the way they came: the doorbell socket, or the "
+                        "manifest's futex word (workers that cannot reach the doorbell: "
+                        "another network namespace, an older build)", ["via"], registry=r)
+        self.wakes_doorbell = wakes.labels(via="doorbell")
+        self.wakes_futex = wakes.labels(via="futex")
 
         # the children of each label value, looked up once: labels() costs several us,
         # and these count every frame
@@ -1314,11 +1320,17 @@ class Bridge:
         while not self._waiter_stop:
             now = lib.shmps_flush_wait(man, seen, 1_000_000_000)
             if now != seen and not self._waiter_stop:
-                seen = now
+                asked, seen = (now - seen) & 0xFFFFFFFF, now   # flush() calls since
                 try:
-                    loop.call_soon_threadsafe(self._wake_flush)
+                    loop.call_soon_threadsafe(self._on_flush_word, asked)
                 except RuntimeError:   # the loop closed
                     return
+
+    def _on_flush_word(self, asked: int) -> None:
+        """``asked`` store.flush() calls bumped the manifest's flush_req word (the
+        waiting thread's hand-over): drain now."""
+        self.metrics.wakes_futex.inc(asked)
+        self._wake_flush()
 
     @contextlib.contextmanager
     def _unit(self) -> Iterator[None]:
@@ -1342,7 +1354,9 @@ class Bridge:
 
     def _on_doorbell(self) -> None:
         """A store.flush() rang (shmps/doorbell.py): drain now."""
-        if self._doorbell is not None and doorbell.take_rings(self._doorbell):
+        n = doorbell.take_rings(self._doorbell) if self._doorbell is not None else 0
+        if n:
+            self.metrics.wakes_doorbell.inc(n)
             self._wake_flush()
 
     def _wake_flush(self) -> None:
