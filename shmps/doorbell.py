@@ -81,7 +81,10 @@ class Bell:
 def listen(store: str, namespace: Optional[str]) -> Optional[socket.socket]:
     """The bridge's side: a non-blocking socket bound to the store's doorbell, or None
     if the address is taken (another bridge process of the same store, say one still
-    ending: the futex word still wakes this one)."""
+    ending).  The bridge then logs it and tries again every second; meanwhile the rings
+    go to the other process, and a flush waits for this bridge's next --flush-ms
+    interval (or, once that process is gone and before the doorbell is bound again,
+    wakes it through the futex word)."""
     sock = socket.socket(socket.AF_UNIX,
                          socket.SOCK_DGRAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
     try:

@@ -19,6 +19,7 @@ import pytest
 
 import shmps
 
+from shmps import doorbell
 from shmps._native import lib
 from shmps.bridge import auth, frames
 from shmps.bridge.members import member_id
@@ -268,10 +269,7 @@ def test_flush_wakes_the_bridge_instead_of_waiting_for_the_interval(make_cluster
     finally:
         s.close()
     # the asker's bridge counts each way it was woken (/metrics)
-    wakes = {m.group(1): float(m.group(2)) for m in re.finditer(
-        r'^shmps_bridge_flush_wakes_total\{via="(\w+)"\} (\S+)$',
-        urllib.request.urlopen(c.url(1 - owner, "/metrics"), timeout=10).read().decode(),
-        re.M)}
+    wakes = _flush_wakes(c, 1 - owner)
     assert wakes["doorbell"] >= 5 and wakes["futex"] == 5, wakes
     for way, t in took.items():
         # every one, the first too (a new stream's first batch is answered GAP and
@@ -282,6 +280,51 @@ def test_flush_wakes_the_bridge_instead_of_waiting_for_the_interval(make_cluster
         assert (s["w"].pull(rows=[row]) == 10).all()
     finally:
         s.close()
+
+
+def _flush_wakes(c: Cluster, i: int) -> dict:
+    """Host ``i``'s bridge's store.flush() wake-ups by the way they came (/metrics)."""
+    text = urllib.request.urlopen(c.url(i, "/metrics"), timeout=10).read().decode()
+    return {m.group(1): float(m.group(2)) for m in re.finditer(
+        r'^shmps_bridge_flush_wakes_total\{via="(\w+)"\} (\S+)$', text, re.M)}
+
+
+def test_a_taken_flush_doorbell_is_bound_once_it_is_free(make_cluster):
+    """A bridge that finds its store's doorbell taken (another process of it still
+    ending) says so in its log and binds it once it is free (tried every second):
+    store.flush() then wakes it through the doorbell, not the futex word."""
+    c = make_cluster(2, flush_ms=2000)
+    held = [doorbell.listen(c.store, ns) for ns in c.namespaces]
+    try:
+        assert all(h is not None for h in held)
+        c.start_all()
+        create_everywhere(c, [0, 1])
+        for i in (0, 1):
+            assert "flush doorbell" in c.logs[i].read_text() and "is taken" in \
+                c.logs[i].read_text(), c.logs[i].read_text()[-2000:]
+    finally:
+        for h in held:
+            if h is not None:
+                h.close()
+    owner = next(i for i in (1, 0) if any(k.startswith("w/") for k in c.health(i)["owned"]))
+    row = int(next(k for k in c.health(owner)["owned"] if k.startswith("w/")).split("/")[1]) * 64
+    pusher = 1 - owner
+    c.wait(lambda: "is free: listening on it" in c.logs[pusher].read_text(), 10,
+           "the bridge to bind the freed doorbell")
+    s = c.attach(pusher)
+    try:
+        req0 = lib.shmps_flush_wait(s._mptr, 0, 0)
+        took = []
+        for _ in range(3):
+            t0 = time.monotonic()
+            s["w"].push(np.ones((1, 8), np.int32), rows=[row])
+            s.flush(timeout=30)
+            took.append(time.monotonic() - t0)
+        assert lib.shmps_flush_wait(s._mptr, 0, 0) == req0      # the futex word unused
+    finally:
+        s.close()
+    assert max(took) < 1.0, took
+    assert _flush_wakes(c, pusher)["doorbell"] >= 3
 
 
 def test_pushing_faster_than_the_owner_applies(make_cluster):

@@ -56,6 +56,7 @@ log = logging.getLogger("shmps.bridge")
 
 ROWS_SEQ_BASE = 1 << 63          #: ROWS/SNAPSHOT seqs live above this (BATCH seqs below)
 TICK = 0.02                      #: maintenance interval (s)
+DOORBELL_RETRY = 1.0             #: s between tries to bind a flush doorbell another holds
 RETRY = 0.05                     #: resend delay after a refusal (s)
 SWEEP_EVERY = 1.0                #: how often the sweep drains SWEEP_SHARDS shards, busy or not (s)
 SWEEP_SHARDS = 64                #: shards per sweep, in turn: a 16-shard store is swept whole every second
@@ -515,6 +516,7 @@ class Bridge:
         self._waiter_stop = False
         self._waiter: Optional[threading.Thread] = None
         self._doorbell: Optional[socket.socket] = None
+        self._doorbell_tried = 0.0                 # the last try to bind it
         self.budget = ByteBudget(cfg.budget_bytes)
         self.links: dict[str, Link] = {}
         self.incoming: dict[tuple, Conn] = {}   # (peer address, incarnation) -> its stream
@@ -590,13 +592,12 @@ class Bridge:
                                         name="shmps-flush-waiter", daemon=True)
         self._waiter.start()
         # store.flush() rings this (shmps/doorbell.py); the waiter above is the fallback
-        self._doorbell = doorbell.listen(self.store.name, self.store.namespace)
-        if self._doorbell is not None:
-            loop.add_reader(self._doorbell.fileno(), self._on_doorbell)
-        else:
-            log.warning("the flush doorbell of store %r is taken (another bridge of it "
-                        "still running?): store.flush() wakes this bridge through the "
-                        "manifest's futex word instead", self.store.name)
+        if not self._listen_doorbell():
+            log.warning("the flush doorbell of store %r is taken (another bridge process "
+                        "of it still ending?): until it is free (tried again every %g s) "
+                        "store.flush() wakes this bridge through the manifest's futex word, "
+                        "or not at all while the other process holds the doorbell",
+                        self.store.name, DOORBELL_RETRY)
         self._tasks += [loop.create_task(self._heartbeat_loop(), name="heartbeat"),
                         loop.create_task(self._tick_loop(), name="tick"),
                         loop.create_task(self._flush_loop(), name="flush"),
@@ -1038,6 +1039,11 @@ class Bridge:
             try:
                 self._notice_silence()
                 self._maintain()
+                if (self._doorbell is None and not self._closing
+                        and now - self._doorbell_tried >= DOORBELL_RETRY
+                        and self._listen_doorbell()):
+                    log.info("the flush doorbell of store %r is free: listening on it",
+                             self.store.name)
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -1351,6 +1357,16 @@ class Bridge:
         if self._acks_new and self.store is not None:
             self._acks_new = False
             lib.shmps_ack_notify(self.store._mptr)
+
+    def _listen_doorbell(self) -> bool:
+        """Bind the store's doorbell and read it on the event loop; False if another
+        process holds it (the tick loop tries again every DOORBELL_RETRY s)."""
+        self._doorbell_tried = time.monotonic()
+        self._doorbell = doorbell.listen(self.store.name, self.store.namespace)
+        if self._doorbell is None:
+            return False
+        asyncio.get_running_loop().add_reader(self._doorbell.fileno(), self._on_doorbell)
+        return True
 
     def _on_doorbell(self) -> None:
         """A store.flush() rang (shmps/doorbell.py): drain now."""
