@@ -483,9 +483,9 @@ int shmps_agg_reset(void *ctl, void *man, uint64_t token, int finish, uint32_t *
 
 /* What a pull brackets its copy with (aggregate.py): the oldest round not yet
  * applied, or UINT64_MAX while a round is claimed (being applied, its values going
- * into the tensor: the claim step() waits for or takes over; none in a stale block).  Two equal marks other than UINT64_MAX, one read before the copy
- * and one after, mean no round was applied in between: the copy is of one whole
- * round.  Lock-free. */
+ * into the tensor: the claim step() waits for or takes over; none in a stale block).
+ * Two equal marks other than UINT64_MAX, one read before the copy and one after, mean
+ * no round was applied in between: the copy is of one whole round.  Lock-free. */
 uint64_t shmps_agg_mark(void *ctl, void *man) {
     agg_ctl_t *c = ctl_of(ctl);
     if (!c) return 0; /* no control block: no rounds (the pull's own checks refuse it) */

@@ -468,6 +468,12 @@ static int enter_all(batch_t *b, tshard_t *ts) {
     return SHMPS_OK;
 }
 
+/* Prefetches the home slot of hash h in shard t, where a lookup of its key starts:
+ * in a large shard every lookup's first load is a miss, so the loops that look keys up
+ * one after another prefetch the slot LPF keys ahead (lookups, creation, a replica's
+ * writes, the outbox drain).  A macro: see PREFETCH_ROW on literal rw arguments. */
+#define PREFETCH_HOME(t, h, RW) __builtin_prefetch(&(t)->slots[(h) & (t)->mask], RW, 3)
+
 /* Looks up keys list[0..cnt) (list NULL: every key) into row[], slot[], state[];
  * returns the number missing, or a negative code.  Home slots are prefetched. */
 static int64_t lookup_keys(batch_t *b, tshard_t *ts, const int32_t *list, uint64_t cnt) {
@@ -476,7 +482,7 @@ static int64_t lookup_keys(batch_t *b, tshard_t *ts, const int32_t *list, uint64
         if (k + LPF < cnt) {
             uint64_t hp = b->hash[list ? (uint64_t)list[k + LPF] : k + LPF];
             const tshard_t *tp = &ts[shard_of(hp, b->nshards)];
-            __builtin_prefetch(&tp->slots[hp & tp->mask], 0, 3); /* t0: t2 measured slower */
+            PREFETCH_HOME(tp, hp, 0); /* locality t0: t2 measured slower */
         }
         uint64_t i = list ? (uint64_t)list[k] : k;
         uint64_t h = b->hash[i];
@@ -673,19 +679,15 @@ static int create_lock(tshard_t *ts, uint32_t nshards, uint64_t token) {
 
 static void create_unlock(tshard_t *ts) { shmps_stripe_unlock(&ts[0].ctl->create); }
 
-/* Prefetches the home slot of group g's key, if there is such a group and its key is
- * missing (row -1): the creation loops below look each missing key up again and then
- * insert it, and without this every insert waited for its slot's line (a profile of a
- * table outbox push: 77 % of insert_key on that load). */
-#define prefetch_home(b, ts, g, RW)                                                      \
+/* PREFETCH_HOME of group g's key, if there is such a group and its key is missing
+ * (row -1): the creation loops below look each missing key up again and then insert
+ * it, and without this every insert waited for its slot's line (a profile of a table
+ * outbox push: 77 % of insert_key on that load). */
+#define PREFETCH_MISSING(b, ts, g, RW)                                                   \
     do {                                                                                 \
-        if ((g) < (b)->ngroups) {                                                        \
-            int32_t ip_ = (b)->groups[(g)];                                              \
-            if ((b)->row[ip_] < 0) {                                                     \
-                uint64_t hp_ = (b)->hash[ip_];                                           \
-                const tshard_t *tp_ = &(ts)[shard_of(hp_, (b)->nshards)];                \
-                __builtin_prefetch(&tp_->slots[hp_ & tp_->mask], RW, 3);                 \
-            }                                                                            \
+        if ((g) < (b)->ngroups && (b)->row[(b)->groups[(g)]] < 0) {                      \
+            uint64_t hp_ = (b)->hash[(b)->groups[(g)]];                                  \
+            PREFETCH_HOME(&(ts)[shard_of(hp_, (b)->nshards)], hp_, RW);                 \
         }                                                                                \
     } while (0)
 
@@ -699,7 +701,7 @@ static int create_missing(batch_t *b, tshard_t *ts, uint64_t step, uint64_t *inf
     memset(newcnt, 0, sizeof(uint64_t) * b->nshards);
     uint64_t total = 0;
     for (uint64_t g = 0; g < b->ngroups; g++) {
-        prefetch_home(b, ts, g + LPF, 0);
+        PREFETCH_MISSING(b, ts, g + LPF, 0);
         int32_t i = b->groups[g];
         if (b->row[i] >= 0) continue;
         uint64_t h = b->hash[i];
@@ -728,7 +730,7 @@ static int create_missing(batch_t *b, tshard_t *ts, uint64_t step, uint64_t *inf
             }
         }
         for (uint64_t g = 0; g < b->ngroups && r == SHMPS_OK; g++) {
-            prefetch_home(b, ts, g + LPF, 1);
+            PREFETCH_MISSING(b, ts, g + LPF, 1);
             int32_t i = b->groups[g];
             if (b->row[i] >= 0) continue;
             uint64_t h = b->hash[i];
@@ -1269,9 +1271,8 @@ int shmps_table_drain(void **bases, uint32_t nshards, uint32_t shard, uint64_t t
     uint64_t hwm = LOAD(&t->ctl->hwm, RELAXED), n = 0;
     if (hwm > t->nrows) r = SHMPS_E_CORRUPT;
     for (uint64_t row = 0; row < hwm && r == SHMPS_OK; row++) {
-        if (row + LPF < hwm) /* the slot find() and remove_slot() touch, ahead: a miss each */
-            __builtin_prefetch(&t->slots[shmps_key_hash(LOAD(&t->keys[row + LPF], RELAXED)) &
-                                         t->mask], 1, 3);
+        if (row + LPF < hwm) /* the slot find() and remove_slot() touch, ahead */
+            PREFETCH_HOME(t, shmps_key_hash(LOAD(&t->keys[row + LPF], RELAXED)), 1);
         if (LOAD(&t->link[row], RELAXED) != LINK_LIVE) continue;
         uint64_t key = LOAD(&t->keys[row], RELAXED), i = 0;
         if (find(t, shmps_key_hash(key), key, &i, NULL) != (int64_t)row) {
@@ -1384,7 +1385,7 @@ int shmps_table_write_rows(void **bases, uint32_t nshards, uint32_t shard, uint6
     uint64_t missing = 0;
     for (uint64_t i = 0; i < n && r == SHMPS_OK; i++) {
         if (i + LPF < n)
-            __builtin_prefetch(&t->slots[shmps_key_hash(keys[i + LPF]) & t->mask], 0, 3);
+            PREFETCH_HOME(t, shmps_key_hash(keys[i + LPF]), 0);
         int64_t row = find(t, shmps_key_hash(keys[i]), keys[i], NULL, NULL);
         if (row == -2) r = SHMPS_E_CORRUPT;
         missing += row == -1;

@@ -96,11 +96,11 @@ def addr(arr: np.ndarray) -> Any:
     return ffi.from_buffer(arr)
 
 
-
 def addrs(arrays: list) -> Any:
     """A ``void *[]`` of the C-contiguous arrays' data (optimizer state arrays, as C
     takes them with their count), or NULL for none.  The arrays must outlive it."""
     return ffi.new("void *[]", [ffi.from_buffer(a) for a in arrays]) if arrays else ffi.NULL
+
 
 # ---- shard layout ---------------------------------------------------------------
 

@@ -298,6 +298,7 @@ def publish_token(flags: Any, idx: int, max_seconds: float = 60.0) -> int:
         time.sleep(0.005)
     return 0
 
+
 def table_push_loop(store: str, tensor: str, nkeys: int, flags: Any, idx: int,
                     max_seconds: float = 60.0) -> int:
     """Push +1 to every element of table keys 0..nkeys-1 until ``stop``; the count."""

@@ -1319,8 +1319,8 @@ class Bridge:
         flush() does not wait for the next flush interval.  The fallback of the doorbell
         (_on_doorbell), for a store.flush() that cannot reach it: the hop from this
         thread to the event loop (the GIL) took 0.1-0.16 ms at the median and about 1 ms
-        at the 90th percentile (shmps/doorbell.py).  Costs nothing while nobody flushes (it wakes
-        once a second to look at the stop flag)."""
+        at the 90th percentile (shmps/doorbell.py).  Costs nothing while nobody flushes
+        (it wakes once a second to look at the stop flag)."""
         man = self.store._mptr
         seen = lib.shmps_flush_wait(man, 0, 0)
         while not self._waiter_stop:
