@@ -236,13 +236,18 @@ def test_csr_tensors_are_forwarded(make_cluster):
     assert structure("nope", True)[0] == 404 and structure(5, True)[0] == 404
 
 
-def test_flush_wakes_the_bridge_instead_of_waiting_for_the_interval(make_cluster):
+def test_flush_wakes_the_bridge_instead_of_waiting_for_the_interval(make_cluster,
+                                                                    monkeypatch):
     """store.flush() asks the bridge to drain at once: with --flush-ms 2000, a push to a
     shard owned by the other host is applied there and flushed in far less than the
     interval (about a round trip; without the wake-up, half the interval on average).
     Both ways of asking: the doorbell socket (shmps/doorbell.py; the manifest's
     flush_req word is left alone) and, where no bridge listens on it, the futex word
-    (bumped once per flush)."""
+    (bumped once per flush).  And the bridge wakes the flush when the ack comes: the
+    flush's own poll is set to 20 s here, so a bridge that did not tell it would fail
+    the time bound."""
+    from shmps import outbox
+    monkeypatch.setattr(outbox, "ACK_POLL_NS", 20_000_000_000)
     c = make_cluster(2, flush_ms=2000)
     c.start_all()
     create_everywhere(c, [0, 1])
