@@ -46,6 +46,11 @@ def address(store: str, namespace: Optional[str]) -> bytes:
     return b"\0" + raw
 
 
+def _socket() -> socket.socket:
+    return socket.socket(socket.AF_UNIX,
+                         socket.SOCK_DGRAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+
+
 class Bell:
     """A worker's side: one non-blocking datagram socket, made on first use (per
     process: a socket inherited across fork would do too, but costs nothing to
@@ -60,9 +65,7 @@ class Bell:
         """True if the bridge will wake (a datagram sent, or its queue full of them);
         False if nobody listens: the caller falls back to the futex word."""
         if self._sock is None or self._pid != os.getpid():
-            self._sock = socket.socket(socket.AF_UNIX,
-                                       socket.SOCK_DGRAM | socket.SOCK_NONBLOCK |
-                                       socket.SOCK_CLOEXEC)
+            self._sock = _socket()
             self._pid = os.getpid()
         try:
             self._sock.sendto(b"f", self.address)
@@ -85,8 +88,7 @@ def listen(store: str, namespace: Optional[str]) -> Optional[socket.socket]:
     go to the other process, and a flush waits for this bridge's next --flush-ms
     interval (or, once that process is gone and before the doorbell is bound again,
     wakes it through the futex word)."""
-    sock = socket.socket(socket.AF_UNIX,
-                         socket.SOCK_DGRAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+    sock = _socket()
     try:
         sock.bind(address(store, namespace))
     except OSError:
