@@ -559,6 +559,51 @@ def test_a_shard_larger_than_the_send_backlog_is_copied(make_cluster):
         assert "serving from this host's copy" not in c.logs[i].read_text(), c.describe()
 
 
+def test_a_slow_snapshot_read_leaves_the_event_loop_running(make_cluster, monkeypatch):
+    """Snapshots are read and encoded off the event loop, in the snapshot thread.  Every
+    read here takes 2 s longer (failpoint slow_snapshot: a slow machine's copy of a large
+    shard took 0.5-0.7 s for 192 MiB), while a worker pushes and flushes every round:
+    - heartbeats go on: with --dead-after 1 s neither host ever sees the other other than
+      alive, the epochs do not move, and neither event loop is ever 1 s late;
+    - a shard being read refuses batches (BUSY, reason "snapshot"), which the sender
+      resends, so every flush returns and the totals are exact on both hosts.
+    (Reading in one step of the event loop, as before, fails the first point.)"""
+    monkeypatch.setenv("SHMPS_BRIDGE_FAILPOINTS", "slow_snapshot")
+    c = make_cluster(2, dead_after=1.0)
+    c.start_all()
+    epochs = {i: c.health(i)["epoch"] for i in (0, 1)}
+    rounds = 40
+    dense = {"w": [[256, 8], "int32", "sum", 64]}   # 4 shards: their copies are read in turn
+    w = c.worker(0, {"create": {"dense": dense}, "pushes": rounds, "sleep": 0.05,
+                     "flush": True, "flush_every": 1, "flush_timeout": 60.0})
+    states: set = set()
+    lag, seen_epochs = 0.0, set()
+    deadline = time.monotonic() + 120
+    while w.poll() is None and time.monotonic() < deadline:
+        for i in (0, 1):
+            h = c.health(i)
+            if h is None:
+                continue
+            states |= {(i, m["address"], m["state"]) for m in h["members"]}
+            lag = max(lag, h["loop_lag_ms"])
+            seen_epochs.add((i, h["epoch"]))
+        time.sleep(0.1)
+    out, err = w.communicate(timeout=30)
+    assert w.returncode == 0, err.decode() + c.describe()
+    logs = "".join(c.logs[i].read_text(errors="replace") for i in (0, 1))
+    slow = logs.count("failpoint slow_snapshot")
+    assert slow >= 4, (slow, c.describe())   # the copies of the 4 shards, at least
+    assert {s for _, _, s in states} == {"alive"}, (sorted(states), c.describe())
+    assert seen_epochs == {(0, epochs[0]), (1, epochs[1])}, (seen_epochs, epochs, c.describe())
+    assert lag < 1000, (lag, c.describe())
+    assert "did not run for" not in logs, c.describe()
+    assert rejected(c, 0, "snapshot") + rejected(c, 1, "snapshot") > 0, c.describe()
+    for i in (0, 1):
+        with c.attach(i) as s:
+            got = s["w"].pull()
+        assert (got == rounds).all(), (i, np.unique(got), c.describe())
+
+
 def test_a_forwarded_drain_is_one_adam_step_however_many_frames(make_cluster):
     """A 16 MiB shard drains into 16 BATCH frames of 1 MiB.  The frames after the first
     carry Flag.CONTINUES, so the owner applies the whole drain at one step of the dense

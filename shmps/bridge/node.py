@@ -36,6 +36,7 @@ import socket
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
@@ -76,6 +77,7 @@ SPARE_DRAIN_BUFFERS = 2          #: a tensor's drain buffers kept for reuse (TIn
 #: 4 frames fit the send window
 DATA_FRAME_BYTES = 2 << 20
 SNAPSHOT_START_BACKLOG = 32 << 20  #: a snapshot starts only while its connection holds less unsent
+SLOW_SNAPSHOT_S = 2.0            #: failpoint slow_snapshot: each snapshot's read takes this much longer (s)
 ROWS_AHEAD = 16 << 20            #: an owner refuses batches (BUSY) while a copy's connection holds this much
 LAG_WINDOW = 10.0                #: /health loop_lag_ms is the largest lag over this many s
 DRAIN_SLICE = 0.02               #: a drain pass yields to the event loop after this long (s)
@@ -186,6 +188,8 @@ class ShardState:
     acked: dict = field(default_factory=dict)            # member -> highest rseq acked
     synced: set = field(default_factory=set)             # members holding a full copy
     snapshotting: dict = field(default_factory=dict)     # member -> last rseq of its snapshot
+    reading: set = field(default_factory=set)            # members whose snapshot is being read
+    writes: int = 0                                      # writes to this copy by the bridge
     pending: deque = field(default_factory=deque)
     handover_from: Optional[str] = None
     handover_until: float = 0.0
@@ -548,6 +552,9 @@ class Bridge:
         self._failpoints = set(filter(None, os.environ.get("SHMPS_BRIDGE_FAILPOINTS",
                                                            "").split(",")))
         self._dropped: set[tuple] = set()
+        #: reads and encodes snapshots off the event loop, one at a time (_send_snapshot_now)
+        self._snap_pool = ThreadPoolExecutor(1, thread_name_prefix="shmps-snapshot")
+        self._snap_reads = 0   # snapshots being read or waiting for the thread
         self._gone: set[tuple[int, int]] = set()  # (member id, incarnation) of processes
                                                   # that restarted since: filters forgotten
         self._says_joining: dict[str, int] = {}  # peer -> epoch at which it has us joining
@@ -636,6 +643,9 @@ class Bridge:
         if self._others_still_see_me():
             log.warning("leaving: %s still count this host in after %g s", ", ".join(
                 p for p, r in self._peer_rings.items() if self.addr in r), timeout)
+        # the hand-over snapshots are read in the snapshot thread: queued before closing
+        while self._snap_reads and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
         await asyncio.sleep(0.1)
 
     async def close(self) -> None:
@@ -667,6 +677,9 @@ class Bridge:
             self._waiter_stop = True
             lib.shmps_flush_request(self.store._mptr)   # wakes it
             self._waiter.join(5)
+        # a snapshot read under way ends before the store it reads is unmapped (the
+        # ones queued behind it are dropped)
+        self._snap_pool.shutdown(wait=True, cancel_futures=True)
         if self.store is not None:
             self.store.close()
 
@@ -1758,6 +1771,12 @@ class Bridge:
             log.warning("shard %s: no hand-over snapshot from %s; serving from this host's "
                         "copy", st.key, st.handover_from)
             st.handover_from = None
+        if st.reading:
+            # a snapshot of this shard is being read off the event loop: a batch applied
+            # now would change the shard under the copy, and its ROWS would reach the
+            # member ahead of the snapshot they follow.  The sender resends 20 ms later
+            # (BUSY); the other shards go on
+            return self._refuse(f, reply, Status.BUSY, "snapshot")
         stream = (f.sender, f.incarnation, f.tensor, f.shard)
         try:
             frames.check_schema(f, dtype=info.gdtype, cols=info.cols, nrows=info.nrows)
@@ -1828,6 +1847,7 @@ class Bridge:
             st.dedup.record(stream, f.seq)
             return self._refuse(f, reply, Status.REJECTED, "invalid")
         st.dedup.record(stream, f.seq)
+        st.writes += 1
         self.metrics.applied.inc()
         self.metrics.applied_bytes.inc(f.values.nbytes)
         if st.failover_from is not None:
@@ -2004,6 +2024,7 @@ class Bridge:
                              states=[a.reshape(shape) for a in f.state],
                              row_steps=f.row_steps, step=f.step)
                 info.t._write_rows(f.shard, rd)
+                st.writes += 1
         except (frames.BadFrame, Error) as e:
             log.warning("%s %d from %s refused: %s", f.type.name, f.seq, peer, e)
             return self._refuse(f, reply, Status.REJECTED, "schema")
@@ -2062,8 +2083,8 @@ class Bridge:
         st = self.shards[key]
         info = self.tensors[key[0]]
         link = self._out(member)
-        if link is None:
-            return
+        if link is None or member in st.reading:
+            return   # (a read for this member under way: its copy follows)
         if handover and "drop_first_handover" in self._failpoints and key not in self._dropped:
             # test failpoint: the first hand-over of each shard is lost on the way (the
             # new owner must ask again with SYNC)
@@ -2079,35 +2100,39 @@ class Bridge:
                 st.snap_retry[member] = time.monotonic() + RETRY
                 self._unsettle()
             return
-        rd = info.t._snapshot(key[1])   # one consistent copy of the shard
-        n = len(rd.index)
+        # Read and encode the copy in the snapshot thread, so that the event loop goes on
+        # meanwhile (heartbeats above all: a 192 MiB copy took 0.5-0.7 s, longer than
+        # --dead-after).  While it reads, this shard refuses batches (on_batch: BUSY), so
+        # the bridge changes nothing in it and its ROW seqs stay where they are; any other
+        # write to this copy (st.writes) voids the read, which is tried again.
         marks = [Mark(s[0], s[1], st.dedup.floor(s)) for s in st.dedup.streams()
                  if st.dedup.floor(s) > 0][:4096]
-        row_bytes = info.cols * info.dtype.itemsize * (1 + len(rd.states)) + 16
-        per = max(1, SNAPSHOT_FRAME_BYTES // row_bytes)
-        chunks = []
-        i = 0
-        while True:
-            j = min(n, i + per)
-            st.rseq += 1
-            kw: dict = {}
-            if info.kind == "table":
-                kw["keys"] = np.asarray(rd.index[i:j], dtype=np.uint64)
-                kw["row_steps"] = np.asarray(rd.row_steps[i:j], dtype=np.uint64)
-            else:
-                kw["start"] = int(rd.index[i]) if j > i else info.shard_range(key[1])[0]
-                if info.kind == "csr":
-                    kw["row_steps"] = np.asarray(rd.row_steps[i:j], dtype=np.uint64)
-            vals = np.asarray(rd.values[i:j]).reshape(j - i, info.cols)
-            chunks.append(frames.encode_snapshot(
-                epoch=self.members.epoch, sender=self.mid, incarnation=self.incarnation,
-                tensor=info.tid, shard=key[1], seq=ROWS_SEQ_BASE + st.rseq, values=vals,
-                step=int(rd.step), marks=marks if j >= n else (),
-                state=[np.asarray(a[i:j]).reshape(j - i, info.cols) for a in rd.states],
-                last=j >= n, handover=handover, **kw))
-            i = j
-            if i >= n:
-                break
+        epoch, rseq, writes = self.members.epoch, st.rseq, st.writes
+        st.reading.add(member)
+        self._snap_reads += 1
+        try:
+            chunks = await asyncio.get_running_loop().run_in_executor(
+                self._snap_pool, self._snapshot_chunks, info, key[1], marks, epoch,
+                rseq, handover)
+        finally:
+            st.reading.discard(member)
+            self._snap_reads -= 1
+        link = self._out(member)
+        if handover:
+            still = self.owner(st.key) == member
+        else:
+            still = (self.acting() and self.owner(st.key) == self.addr
+                     and member in self._targets() and member not in st.synced)
+        if st.writes != writes or st.rseq != rseq or link is None or not still:
+            # the copy is out of date or no longer wanted: a copy still missing is sent
+            # again (_maintain_shards; a hand-over is asked for again by its SYNC)
+            if not handover:
+                st.snap_retry[member] = time.monotonic() + RETRY
+                self._unsettle()
+            return
+        st.rseq += len(chunks)
+        if self.members.epoch != epoch:
+            chunks = [frames.restamp_epoch(c, self.members.epoch) for c in chunks]
         if not handover:
             st.snapshotting[member] = st.rseq
         # Queued whole in this step, whatever the backlog (bulk), so that a snapshot
@@ -2122,6 +2147,45 @@ class Bridge:
                 return
             self.metrics.sent("snapshot", len(c))
         await asyncio.sleep(0)
+
+    def _snapshot_chunks(self, info: TInfo, shard: int, marks: list, epoch: int, rseq: int,
+                         handover: bool) -> list[bytes]:
+        """The snapshot thread: one consistent copy of ``shard`` (read under its shared
+        freeze) as SNAPSHOT chunks of about SNAPSHOT_FRAME_BYTES, ROW seqs from ``rseq +
+        1`` on, the last one with ``marks``.  Touches no state of the event loop."""
+        if "slow_snapshot" in self._failpoints:
+            # test failpoint: a slow machine's copy of a large shard
+            log.warning("failpoint slow_snapshot: reading shard %d of %r %.1f s later",
+                        shard, info.name, SLOW_SNAPSHOT_S)
+            time.sleep(SLOW_SNAPSHOT_S)
+        rd = info.t._snapshot(shard)
+        n = len(rd.index)
+        row_bytes = info.cols * info.dtype.itemsize * (1 + len(rd.states)) + 16
+        per = max(1, SNAPSHOT_FRAME_BYTES // row_bytes)
+        chunks = []
+        i = 0
+        while True:
+            j = min(n, i + per)
+            rseq += 1
+            kw: dict = {}
+            if info.kind == "table":
+                kw["keys"] = np.asarray(rd.index[i:j], dtype=np.uint64)
+                kw["row_steps"] = np.asarray(rd.row_steps[i:j], dtype=np.uint64)
+            else:
+                kw["start"] = int(rd.index[i]) if j > i else info.shard_range(shard)[0]
+                if info.kind == "csr":
+                    kw["row_steps"] = np.asarray(rd.row_steps[i:j], dtype=np.uint64)
+            vals = np.asarray(rd.values[i:j]).reshape(j - i, info.cols)
+            chunks.append(frames.encode_snapshot(
+                epoch=epoch, sender=self.mid, incarnation=self.incarnation,
+                tensor=info.tid, shard=shard, seq=ROWS_SEQ_BASE + rseq, values=vals,
+                step=int(rd.step), marks=marks if j >= n else (),
+                state=[np.asarray(a[i:j]).reshape(j - i, info.cols) for a in rd.states],
+                last=j >= n, handover=handover, **kw))
+            i = j
+            if i >= n:
+                break
+        return chunks
 
     def _maintain(self) -> None:
         """Periodic: copies to members that lack them, releases, joining progress.
@@ -2182,7 +2246,7 @@ class Bridge:
                 if m in st.synced:
                     continue
                 busy = True
-                if m in st.snapshotting or st.snap_retry.get(m, 0) > now:
+                if m in st.snapshotting or m in st.reading or st.snap_retry.get(m, 0) > now:
                     continue
                 if self._out(m) is None:
                     continue
@@ -2543,7 +2607,7 @@ class Bridge:
             key = (f.tensor, f.shard)
             if key in self.shards and self.owner(self.shards[key].key) == self.addr:
                 st = self.shards[key]
-                if peer not in st.snapshotting:
+                if peer not in st.snapshotting and peer not in st.reading:
                     st.synced.discard(peer)
                     st.snap_retry.pop(peer, None)
                     self._unsettle()
