@@ -627,6 +627,58 @@ def test_a_new_owner_waits_while_the_hand_over_is_arriving(tmp_path):
         node.store.destroy()
 
 
+def test_a_duplicate_batch_waits_for_the_last_rows_not_another_members_snapshot(tmp_path):
+    """An owner answers a duplicate batch (a resend of one it applied) once its backups
+    acknowledged the last ROWS it sent, which every copy gets.  Its ROW seq counter may
+    have moved on since, to a snapshot chunk sent to one other member only, which the
+    backup never gets and so never acknowledges: waiting for that seq held the answer
+    until a new batch came, and a store.flush() at the end of training waited for ever
+    (seen while a host joined with slow snapshot reads).  Drives a Bridge, not started,
+    on a real store."""
+    import uuid
+
+    import shmps
+    from shmps.bridge.ring import shard_key
+
+    me, backup, other = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
+    ns = f"u{uuid.uuid4().hex[:10]}"
+    node = _bridge(tmp_path, [me, backup, other], store="dup", namespace=ns, dead_after=5.0,
+                   replicas=2)
+    node.store = shmps.attach("dup", namespace=ns)
+    try:
+        name = next(f"w{i}" for i in range(1000)
+                    if node.owners(shard_key(f"w{i}", 0)) == [me, backup])
+        node.store.dense(name, (8, 4), "float32", init=0.0, optimizer="sum")
+        while node.refresh_tensors(budget=None):
+            pass
+        everyone = {me: State.ALIVE, backup: State.ALIVE, other: State.ALIVE}
+        for p in (backup, other):
+            node.on_heartbeat(p, _heartbeat(p, 0, everyone))
+        assert node.acting() and node.owner(shard_key(name, 0)) == me
+        info = node.by_name[name]
+        st = node.shards[(info.tid, 0)]
+        # batch 1 of the other host's stream was applied here and its ROWS (seq 4) went
+        # to both copies; then a snapshot chunk (seq 5) went to the other host only
+        st.dedup.advance((members.member_id(other), 7, info.tid, 0), 1)
+        st.synced = {backup, other}
+        st.rseq, st.rows_rseq = 5, 4
+        st.acked = {backup: 4, other: 5}
+        got: list = []
+
+        def reply(data) -> None:
+            got.extend(frames.iter_frames(bytes(data)))
+
+        batch = frames.encode_batch(epoch=0, sender=members.member_id(other), incarnation=7,
+                                    tensor=info.tid, shard=0, seq=1,
+                                    values=np.ones((8, 4), np.float32), start=0)
+        node.on_batch(other, frames.decode(batch), reply)      # its resend: a duplicate
+        assert [(a.status, a.seq) for a in got] == [(Status.OK, 1)], (got, st.pending)
+        assert not st.pending
+        np.testing.assert_array_equal(node.store[name].pull(), np.zeros((8, 4), np.float32))
+    finally:
+        node.store.destroy()
+
+
 def test_membership_rejects_bad_configuration():
     """Duplicates, a self address not listed, and bad timings raise InvalidArgument."""
     with pytest.raises(InvalidArgument, match="twice"):

@@ -185,6 +185,7 @@ class ShardState:
     first_seen: dict = field(default_factory=dict)       # unknown stream -> first seq seen
     # owner side
     rseq: int = 0                                        # ROWS/SNAPSHOT counter
+    rows_rseq: int = 0                                   # rseq of the last ROWS (to all copies)
     acked: dict = field(default_factory=dict)            # member -> highest rseq acked
     synced: set = field(default_factory=set)             # members holding a full copy
     snapshotting: dict = field(default_factory=dict)     # member -> last rseq of its snapshot
@@ -1952,7 +1953,9 @@ class Bridge:
         return st.rseq
 
     def _send_to_copies(self, st: ShardState, frame: bytes | bytearray) -> None:
-        """Send a ROWS frame to every other host that keeps a copy of the shard."""
+        """Send a ROWS frame (numbered ``st.rseq``) to every other host that keeps a copy
+        of the shard."""
+        st.rows_rseq = st.rseq
         for m in self._targets():
             if m not in st.synced and m not in st.snapshotting:
                 continue  # the snapshot it will get is taken later: it covers these rows
@@ -1977,7 +1980,12 @@ class Bridge:
 
     def _wait_backups(self, key: tuple, st: ShardState, reply: Callable[[bytes], None],
                       ack: bytes, rseq: Optional[int] = None) -> None:
-        st.pending.append(Pending(st.rseq if rseq is None else rseq, reply, ack))
+        """Send ``ack`` once every backup acknowledged ROW seq ``rseq``: the ROWS of the
+        batch it answers, or (None: a duplicate) the last ROWS sent, which every copy
+        gets.  Not st.rseq: that may be a snapshot chunk sent to one member only, which
+        the others never acknowledge (a duplicate waiting for one waited for ever once
+        no new batch came)."""
+        st.pending.append(Pending(st.rows_rseq if rseq is None else rseq, reply, ack))
         self._release(key)
 
     def _release(self, key: tuple) -> None:
