@@ -77,7 +77,7 @@ SPARE_DRAIN_BUFFERS = 2          #: a tensor's drain buffers kept for reuse (TIn
 #: 4 frames fit the send window
 DATA_FRAME_BYTES = 2 << 20
 SNAPSHOT_START_BACKLOG = 32 << 20  #: a snapshot starts only while its connection holds less unsent
-SLOW_SNAPSHOT_S = 2.0            #: failpoint slow_snapshot: each snapshot's read takes this much longer (s)
+SLOW_SNAPSHOT_S = 2.0            #: failpoint slow_snapshot[=s]: each snapshot's read takes this much longer (s)
 ROWS_AHEAD = 16 << 20            #: an owner refuses batches (BUSY) while a copy's connection holds this much
 LAG_WINDOW = 10.0                #: /health loop_lag_ms is the largest lag over this many s
 DRAIN_SLICE = 0.02               #: a drain pass yields to the event loop after this long (s)
@@ -550,8 +550,9 @@ class Bridge:
         self._last_run = time.monotonic()        # see _check_stall
         self._join_progress_at = 0.0             # joining: next progress line (0: first)
         #: fault injection for tests (SHMPS_BRIDGE_FAILPOINTS, comma-separated names)
-        self._failpoints = set(filter(None, os.environ.get("SHMPS_BRIDGE_FAILPOINTS",
-                                                           "").split(",")))
+        fps = [x for x in os.environ.get("SHMPS_BRIDGE_FAILPOINTS", "").split(",") if x]
+        self._failpoints = {x.partition("=")[0] for x in fps}
+        self._failpoint_args = {k: v for k, _, v in (x.partition("=") for x in fps) if v}
         self._dropped: set[tuple] = set()
         #: reads and encodes snapshots off the event loop, one at a time (_send_snapshot_now)
         self._snap_pool = ThreadPoolExecutor(1, thread_name_prefix="shmps-snapshot")
@@ -2091,8 +2092,16 @@ class Bridge:
         st = self.shards[key]
         info = self.tensors[key[0]]
         link = self._out(member)
-        if link is None or member in st.reading:
-            return   # (a read for this member under way: its copy follows)
+        if link is None:
+            return
+        if st.reading:
+            # one read of a shard at a time, so that its ROW seqs follow the shard's last
+            # ROWS (below): this copy waits for the one under way (a hand-over is asked
+            # for again by the new owner's SYNC, every 0.5 s)
+            if not handover:
+                st.snap_retry[member] = time.monotonic() + RETRY
+                self._unsettle()
+            return
         if handover and "drop_first_handover" in self._failpoints and key not in self._dropped:
             # test failpoint: the first hand-over of each shard is lost on the way (the
             # new owner must ask again with SYNC)
@@ -2112,7 +2121,8 @@ class Bridge:
         # meanwhile (heartbeats above all: a 192 MiB copy took 0.5-0.7 s, longer than
         # --dead-after).  While it reads, this shard refuses batches (on_batch: BUSY), so
         # the bridge changes nothing in it and its ROW seqs stay where they are; any other
-        # write to this copy (st.writes) voids the read, which is tried again.
+        # write to this copy (st.writes), or a change of roles that leaves the copy
+        # unwanted, voids the read (a copy still missing is read again).
         marks = [Mark(s[0], s[1], st.dedup.floor(s)) for s in st.dedup.streams()
                  if st.dedup.floor(s) > 0][:4096]
         epoch, rseq, writes = self.members.epoch, st.rseq, st.writes
@@ -2130,10 +2140,14 @@ class Bridge:
             still = self.owner(st.key) == member
         else:
             still = (self.acting() and self.owner(st.key) == self.addr
-                     and member in self._targets() and member not in st.synced)
+                     and st.handover_from is None and member in self._targets()
+                     and member not in st.synced)
         if st.writes != writes or st.rseq != rseq or link is None or not still:
             # the copy is out of date or no longer wanted: a copy still missing is sent
             # again (_maintain_shards; a hand-over is asked for again by its SYNC)
+            log.info("snapshot of %s for %s dropped after its read: %s (epoch %d)", st.key,
+                     member, "the shard changed meanwhile" if st.writes != writes or
+                     st.rseq != rseq else "no longer wanted", self.members.epoch)
             if not handover:
                 st.snap_retry[member] = time.monotonic() + RETRY
                 self._unsettle()
@@ -2163,9 +2177,10 @@ class Bridge:
         1`` on, the last one with ``marks``.  Touches no state of the event loop."""
         if "slow_snapshot" in self._failpoints:
             # test failpoint: a slow machine's copy of a large shard
+            delay = float(self._failpoint_args.get("slow_snapshot", SLOW_SNAPSHOT_S))
             log.warning("failpoint slow_snapshot: reading shard %d of %r %.1f s later",
-                        shard, info.name, SLOW_SNAPSHOT_S)
-            time.sleep(SLOW_SNAPSHOT_S)
+                        shard, info.name, delay)
+            time.sleep(delay)
         rd = info.t._snapshot(shard)
         n = len(rd.index)
         row_bytes = info.cols * info.dtype.itemsize * (1 + len(rd.states)) + 16
@@ -2254,7 +2269,7 @@ class Bridge:
                 if m in st.synced:
                     continue
                 busy = True
-                if m in st.snapshotting or m in st.reading or st.snap_retry.get(m, 0) > now:
+                if m in st.snapshotting or st.reading or st.snap_retry.get(m, 0) > now:
                     continue
                 if self._out(m) is None:
                     continue
