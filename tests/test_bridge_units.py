@@ -523,6 +523,53 @@ def test_a_gap_for_the_oldest_frame_resends_the_stream_at_once(tmp_path):
     assert stream.retry_at >= t0 + RETRY
 
 
+def test_busy_answers_in_a_row_back_off(tmp_path):
+    """An owner answers BUSY while it reads a snapshot of the shard (up to a second for
+    a large one), waits for a hand-over or its copies are behind; each resend sends the
+    stream's whole window again.  So the sender waits BUSY_RETRY after the first BUSY
+    and twice as long after each BUSY to the resend that followed, up to BUSY_RETRY_MAX;
+    the BUSY answers to the other frames of one send do not count again, and an
+    acknowledgement starts over."""
+    from shmps.bridge.node import BUSY_RETRY, BUSY_RETRY_MAX, SendStream
+    from shmps.bridge.outq import OutQueue
+
+    a, b = "127.0.0.2:7001", "127.0.0.3:7001"
+    node = _bridge(tmp_path, [a, b])
+    stream = SendStream(OutQueue(1 << 20))
+    node.streams[(1, 0)] = stream
+    for seq in (1, 2, 3):
+        stream.q.put(seq, b"frame %d" % seq)
+
+    def answer(seq: int, status: Status) -> None:
+        node.on_ack(b, frames.decode(frames.encode_ack(
+            epoch=0, sender=members.member_id(b), incarnation=7, tensor=1, shard=0,
+            seq=seq, status=status)))
+
+    def send_and_refuse() -> float:
+        """The resend (at its retry time), all of it answered BUSY: the wait set."""
+        stream.retry_at = 0.0
+        assert [q for q, _ in stream.q.to_send()] == [q for q in (1, 2, 3) if q > stream.q.acked]
+        t0 = time.monotonic()
+        for seq in range(stream.q.acked + 1, 4):
+            answer(seq, Status.BUSY)
+        assert stream.q.sent == stream.q.acked     # rewound: all of it goes again
+        return stream.retry_at - t0
+
+    waits = [send_and_refuse() for _ in range(5)]
+    want = [BUSY_RETRY, 2 * BUSY_RETRY, 4 * BUSY_RETRY, BUSY_RETRY_MAX, BUSY_RETRY_MAX]
+    assert BUSY_RETRY_MAX == 4 * BUSY_RETRY
+    for got, w in zip(waits, want):
+        assert w <= got < w + 0.01, (waits, want)
+    stream.retry_at = 0.0
+    stream.q.to_send()
+    answer(1, Status.OK)                            # progress: the backoff starts over
+    assert stream.busy == 0
+    t0 = time.monotonic()
+    answer(2, Status.BUSY)                          # frames 2 and 3 of that send
+    answer(3, Status.BUSY)
+    assert BUSY_RETRY <= stream.retry_at - t0 < BUSY_RETRY + 0.01 and stream.busy == 1
+
+
 def test_a_host_acts_only_while_a_majority_holds_its_epoch_and_ring(tmp_path):
     """Quorum is not enough to own shards: a majority of the members (this host
     included) must last have said, in heartbeats, that they are at this host's epoch on

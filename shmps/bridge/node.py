@@ -59,6 +59,8 @@ ROWS_SEQ_BASE = 1 << 63          #: ROWS/SNAPSHOT seqs live above this (BATCH se
 TICK = 0.02                      #: maintenance interval (s)
 DOORBELL_RETRY = 1.0             #: s between tries to bind a flush doorbell another holds
 RETRY = 0.05                     #: resend delay after a refusal (s)
+BUSY_RETRY = 0.02                #: resend delay after a BUSY (s), doubled for each BUSY in a row...
+BUSY_RETRY_MAX = 0.08            #: ...up to this: each resend is the stream's whole window again
 SWEEP_EVERY = 1.0                #: how often the sweep drains SWEEP_SHARDS shards, busy or not (s)
 SWEEP_SHARDS = 64                #: shards per sweep, in turn: a 16-shard store is swept whole every second
 DRAIN_FAILURE_LOG_S = 60.0       #: a failing outbox shard is logged at most this often (s)
@@ -217,6 +219,7 @@ class SendStream:
     progress_at: float = 0.0          # last acknowledgement (or first send after idle)
     gap_resent_at: float = -1e9       # when a GAP for the oldest frame resent the stream
     gap_upto: int = 0                 # the highest seq sent before that resend
+    busy: int = 0                     # resends answered BUSY in a row (the backoff's step)
 
 
 # --------------------------------------------------------------------------- connections
@@ -1282,6 +1285,7 @@ class Bridge:
                 return
             stream.q.ack(ack.seq)
             stream.progress_at = time.monotonic()
+            stream.busy = 0
             t = self.tensors.get(ack.tensor)
             last = None
             while stream.drains and stream.drains[0][0] <= ack.seq:
@@ -1321,8 +1325,17 @@ class Bridge:
             # any other refusal (STALE_EPOCH: heartbeats bring the newer view; NOT_OWNER,
             # NO_QUORUM, BUSY, GAP): resend everything unacknowledged a little later
             stream.q.rewind()
-            delay = RETRY if ack.status != Status.BUSY else 0.02
-            stream.retry_at = time.monotonic() + delay
+            if ack.status == Status.BUSY:
+                # BUSY answers the resend that followed the last one (not another frame
+                # of that resend): wait twice as long, up to BUSY_RETRY_MAX.  A snapshot
+                # read of the shard lasts up to a second, and every 20 ms a 2 MiB-frame
+                # stream would send its whole window (8 MiB) again to be refused
+                if now >= stream.retry_at:
+                    stream.busy += 1
+                delay = min(BUSY_RETRY * 2 ** max(0, stream.busy - 1), BUSY_RETRY_MAX)
+            else:
+                delay = RETRY
+            stream.retry_at = now + delay
             if stream.retry_at < self._pause_until:
                 # the flush loop sleeps past the retry (a long --flush-ms): wake it then
                 asyncio.get_running_loop().call_later(delay, self._wake_flush)
@@ -1776,8 +1789,8 @@ class Bridge:
         if st.reading:
             # a snapshot of this shard is being read off the event loop: a batch applied
             # now would change the shard under the copy, and its ROWS would reach the
-            # member ahead of the snapshot they follow.  The sender resends 20 ms later
-            # (BUSY); the other shards go on
+            # member ahead of the snapshot they follow.  The sender resends 20-80 ms
+            # later (BUSY); the other shards go on
             return self._refuse(f, reply, Status.BUSY, "snapshot")
         stream = (f.sender, f.incarnation, f.tensor, f.shard)
         try:
