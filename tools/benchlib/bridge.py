@@ -90,6 +90,9 @@ KEY_MUL = 0x9E3779B97F4A7C15       # odd: id -> key is a bijection (keys look ha
 MANY_TENSORS = 500                 # a model's parameter tensors, created at once
 MANY_SHARDS = 4
 MANY_SHARD_ROWS = 16
+BIG_COPY_SHAPE = (16384, 1024)     # one 64 MiB float32 shard; with Adam a 192 MiB copy
+BIG_COPY_REPS = 3
+LAG_WINDOW_S = 10.0                # /health loop_lag_ms: the largest lag over this many s
 FO_NAME = "fo"
 FO_SHAPE = (1024, 64)              # 256 KiB, 32 shards: every host owns some
 FO_SHARD_ROWS = 32
@@ -914,6 +917,59 @@ def many_tensors(ctx: RunContext, sec: Section, workdir: Path, plan: Plan) -> No
                   "figure is the mean of the two bridges")
 
 
+def big_copy(ctx: RunContext, sec: Section, workdir: Path, plan: Plan) -> None:
+    """2 bridges, replicas 2; host A creates a tensor of one 64 MiB float32 shard with
+    Adam (its copy, values and state, is 192 MiB), and its owner copies it to the other
+    host (a snapshot, as for a joining host or a new backup): how long until host B holds
+    the copy, and how late each bridge's event loop was meanwhile (heartbeats run on it:
+    a bridge counts itself stalled from half of --dead-after).  BIG_COPY_REPS tensors,
+    one after the other, each after the loop-lag window (10 s) of the one before.  (When
+    host B owns the shard, A first sends it the initial values, also a 192 MiB copy.)"""
+    import shmps
+    if ctx.quick:
+        return
+    took: list[float] = []
+    lags: list[float] = []
+    with ExitStack() as stack:
+        c = start_cluster(stack, sec, workdir / "copy", 2, replicas=2)
+        for k in range(BIG_COPY_REPS):
+            time.sleep(LAG_WINDOW_S)   # the last lags (start-up, the copy before) forgotten
+            before = [(c.health(i) or {}).get("copied", 0) for i in (0, 1)]
+            t0 = time.perf_counter()
+            with c.attach(0) as s:
+                s.dense(f"copy{k}", BIG_COPY_SHAPE, "float32", shard_rows=BIG_COPY_SHAPE[0],
+                        init=0.5, optimizer=shmps.Adam(lr=1e-3))
+            lag = 0.0
+            while True:
+                hs = [c.health(i) or {} for i in (0, 1)]
+                lag = max([lag] + [float(h.get("loop_lag_ms", 0.0)) for h in hs])
+                owner = [i for i in (0, 1) if f"copy{k}/0" in (hs[i].get("owned") or [])]
+                if len(owner) == 1 and hs[1 - owner[0]].get("copied", 0) > before[1 - owner[0]]:
+                    break   # the other host holds the owner's copy
+                if time.perf_counter() - t0 > 60:
+                    raise BridgeUnusable(f"big copy: no copy of copy{k} reached the host not "
+                                         f"owning it in 60 s\n{describe(c)}")
+                time.sleep(0.05)
+            took.append(time.perf_counter() - t0)
+            time.sleep(0.3)
+            lags.append(max([lag] + [float((c.health(i) or {}).get("loop_lag_ms", 0.0))
+                                     for i in (0, 1)]))
+            progress(f"[bridge] big copy {k + 1}/{BIG_COPY_REPS}: {took[-1]:.2f} s, event "
+                     f"loops late by at most {lags[-1]:.0f} ms")
+        stalls = [metrics(c, i).get("shmps_bridge_stalls_total", 0.0) for i in (0, 1)]
+        epochs = [(c.health(i) or {}).get("epoch") for i in (0, 1)]
+    mib = BIG_COPY_SHAPE[0] * BIG_COPY_SHAPE[1] * 4 * 3 / 2**20
+    row = add_row(sec, "big_copy", f"a {mib:.0f} MiB shard copy (64 MiB float32 + Adam state) "
+                  "to the other host: create -> the host not owning it holds the owner's copy",
+                  1, "s", took, Windows(), limit=None, baseline=None)
+    row.note(f"{len(took)} tensors; the bridges' event loops late by at most "
+             f"{', '.join(f'{x:.0f}' for x in lags)} ms (each copy: both bridges, from the "
+             f"create to 0.3 s after; a bridge counts itself stalled from "
+             f"{1000 * DEAD_AFTER / 2:.0f} ms); stalls {stalls[0]:.0f} / {stalls[1]:.0f}; "
+             f"epochs {epochs[0]} / {epochs[1]} (0: the ring never moved)")
+    row.data.update(lag_ms=lags, stalls=stalls, epochs=epochs)
+
+
 # ------------------------------------------------------------------ failover
 
 @dataclass
@@ -1044,6 +1100,13 @@ def data_of(key: str, procs: int, name: str) -> Metric:
     return Metric([(key, procs)], value)
 
 
+def largest_lag() -> Metric:
+    def value(s: Section) -> Optional[float]:
+        r = s.row("big_copy", 1)
+        return max(r.data["lag_ms"]) if r and r.data.get("lag_ms") else None
+    return Metric([("big_copy", 1)], value)
+
+
 def add_checks(sec: Section) -> None:
     for n in (1, 2):
         if sec.row("dense_r1", n):
@@ -1064,6 +1127,10 @@ def add_checks(sec: Section) -> None:
         sec.checks.append(Check(f"failover: kills without a successor's apply within "
                                 f"{FO_TIMEOUT:.0f} s", data_of("failover", 1, "no_successor"),
                                 "==", 0, "{:.0f}"))
+    if sec.row("big_copy", 1):
+        sec.checks.append(Check("largest event-loop lag while a 192 MiB shard is copied, ms "
+                                "(a bridge counts itself stalled from half of --dead-after)",
+                                largest_lag(), "<", 1000 * DEAD_AFTER / 2, "{:.0f}"))
 
 
 def bridge_missing(ctx: RunContext) -> Optional[str]:
@@ -1100,7 +1167,7 @@ def run(ctx: RunContext, sec: Section) -> None:
     if str(TESTS) not in sys.path:
         sys.path.insert(0, str(TESTS))
     with tempfile.TemporaryDirectory(prefix="bench-bridge-") as tmp:
-        for step in (throughput, throughput_r2, many_tensors, failover):
+        for step in (throughput, throughput_r2, many_tensors, big_copy, failover):
             try:
                 step(ctx, sec, Path(tmp), plan)
             except (BridgeUnusable, WorkerFailed) as exc:
