@@ -944,15 +944,7 @@ def test_lost_handover_is_asked_for_again(make_cluster, monkeypatch):
     (failpoint): each new owner answers BUSY and asks the previous owner again with SYNC
     (every 0.5 s), which sends it again; totals stay exact, and no new owner falls back
     to serving its own copy after the 3 s hand-over timeout."""
-    monkeypatch.setenv("SHMPS_BRIDGE_FAILPOINTS", "drop_first_handover")
-    rounds = 200
-    c, procs = train_while_a_host_joins(make_cluster, rounds, after=0.3)
-    for p in procs:
-        out, err = p.communicate(timeout=120)
-        assert p.returncode == 0, err.decode() + c.describe()
-    c.wait_converged(30, hosts=[0, 1, 2, 3])
-    wait_totals(c, [0, 1, 2, 3], 2 * rounds)
-    logs = {i: c.logs[i].read_text(errors="replace") for i in range(4)}
+    c, logs = train_through_a_join(make_cluster, monkeypatch, "drop_first_handover")
     dropped = re.findall(r"hand-over of (\S+) to (\S+) dropped", "".join(logs.values()))
     assert dropped, c.describe()          # host 3 took shards over: hand-overs were lost
     for key, to in dropped:
@@ -975,18 +967,26 @@ def test_a_host_joins_while_snapshot_reads_are_slow(make_cluster, monkeypatch):
     values of every shard for its owner, one at a time, so here some owners wait longer
     than the 3 s hand-over timeout and serve their own copy, made from the same
     record; test_lost_handover_is_asked_for_again checks hand-overs.)"""
-    monkeypatch.setenv("SHMPS_BRIDGE_FAILPOINTS", "slow_snapshot=0.5")
-    rounds = 200
+    c, logs = train_through_a_join(make_cluster, monkeypatch, "slow_snapshot=0.5",
+                                   totals_timeout=30.0)
+    assert sum(t.count("failpoint slow_snapshot") for t in logs.values()) >= 9, c.describe()
+    for text in logs.values():
+        assert "did not run for" not in text, c.describe()
+
+
+def train_through_a_join(make_cluster, monkeypatch, failpoints: str, rounds: int = 200,
+                         totals_timeout: float = 10.0) -> tuple[Cluster, dict]:
+    """train_while_a_host_joins (after 0.3 s) with the bridges' ``failpoints``: both
+    workers end well, the four hosts converge and hold the exact totals.  Returns the
+    cluster and each host's log."""
+    monkeypatch.setenv("SHMPS_BRIDGE_FAILPOINTS", failpoints)
     c, procs = train_while_a_host_joins(make_cluster, rounds, after=0.3)
     for p in procs:
         out, err = p.communicate(timeout=150)
         assert p.returncode == 0, err.decode() + c.describe()
     c.wait_converged(30, hosts=[0, 1, 2, 3])
-    wait_totals(c, [0, 1, 2, 3], 2 * rounds, timeout=30)
-    logs = {i: c.logs[i].read_text(errors="replace") for i in range(4)}
-    assert sum(t.count("failpoint slow_snapshot") for t in logs.values()) >= 9, c.describe()
-    for text in logs.values():
-        assert "did not run for" not in text, c.describe()
+    wait_totals(c, [0, 1, 2, 3], 2 * rounds, timeout=totals_timeout)
+    return c, {i: c.logs[i].read_text(errors="replace") for i in range(4)}
 
 
 def train_while_a_host_joins(make_cluster, rounds: int, after: float):

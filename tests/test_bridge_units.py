@@ -477,14 +477,11 @@ def test_a_host_back_from_a_partition_takes_the_majoritys_ring_not_its_own(tmp_p
     assert node.members.state(c) is State.JOINING and not node.acting()
 
 
-def test_a_gap_for_the_oldest_frame_resends_the_stream_at_once(tmp_path):
-    """An owner that does not know a stream (its first batch, after a restart or a move)
-    answers GAP to every frame in flight.  The GAP of the oldest unacknowledged frame
-    rewinds the stream and wakes the flush loop to resend it now (the first flush of
-    every stream waited RETRY, ~60 ms, before); the GAPs of the frames sent with it
-    change nothing (the resend covers them).  A second GAP of the oldest frame within
-    RETRY, a GAP of this host's own apply, and other refusals wait RETRY as before."""
-    from shmps.bridge.node import RETRY, SendStream
+def _sending_stream(tmp_path):
+    """A Bridge (not started) of two members a and b, sending stream (tensor 1, shard 0)
+    with frames 1-3 queued: (node, stream, a, b, answer), where ``answer(seq, status,
+    peer=b)`` hands the node an ACK of ``seq`` from ``peer``."""
+    from shmps.bridge.node import SendStream
     from shmps.bridge.outq import OutQueue
 
     a, b = "127.0.0.2:7001", "127.0.0.3:7001"
@@ -493,12 +490,29 @@ def test_a_gap_for_the_oldest_frame_resends_the_stream_at_once(tmp_path):
     node.streams[(1, 0)] = stream
     for seq in (1, 2, 3):
         stream.q.put(seq, b"frame %d" % seq)
-    assert [q for q, _ in stream.q.to_send()] == [1, 2, 3]
 
-    def refuse(seq: int, status: Status = Status.GAP, peer: str = b) -> None:
+    def answer(seq: int, status: Status, peer: str = b) -> None:
         node.on_ack(peer, frames.decode(frames.encode_ack(
             epoch=0, sender=members.member_id(peer), incarnation=7, tensor=1, shard=0,
             seq=seq, status=status)))
+
+    return node, stream, a, b, answer
+
+
+def test_a_gap_for_the_oldest_frame_resends_the_stream_at_once(tmp_path):
+    """An owner that does not know a stream (its first batch, after a restart or a move)
+    answers GAP to every frame in flight.  The GAP of the oldest unacknowledged frame
+    rewinds the stream and wakes the flush loop to resend it now (the first flush of
+    every stream waited RETRY, ~60 ms, before); the GAPs of the frames sent with it
+    change nothing (the resend covers them).  A second GAP of the oldest frame within
+    RETRY, a GAP of this host's own apply, and other refusals wait RETRY as before."""
+    from shmps.bridge.node import RETRY
+
+    node, stream, a, b, answer = _sending_stream(tmp_path)
+    assert [q for q, _ in stream.q.to_send()] == [1, 2, 3]
+
+    def refuse(seq: int, status: Status = Status.GAP, peer: str = b) -> None:
+        answer(seq, status, peer)
 
     refuse(1)
     assert stream.retry_at == 0.0 and node._flush_asked and stream.q.sent == 0
@@ -530,20 +544,9 @@ def test_busy_answers_in_a_row_back_off(tmp_path):
     and twice as long after each BUSY to the resend that followed, up to BUSY_RETRY_MAX;
     the BUSY answers to the other frames of one send do not count again, and an
     acknowledgement starts over."""
-    from shmps.bridge.node import BUSY_RETRY, BUSY_RETRY_MAX, SendStream
-    from shmps.bridge.outq import OutQueue
+    from shmps.bridge.node import BUSY_RETRY, BUSY_RETRY_MAX
 
-    a, b = "127.0.0.2:7001", "127.0.0.3:7001"
-    node = _bridge(tmp_path, [a, b])
-    stream = SendStream(OutQueue(1 << 20))
-    node.streams[(1, 0)] = stream
-    for seq in (1, 2, 3):
-        stream.q.put(seq, b"frame %d" % seq)
-
-    def answer(seq: int, status: Status) -> None:
-        node.on_ack(b, frames.decode(frames.encode_ack(
-            epoch=0, sender=members.member_id(b), incarnation=7, tensor=1, shard=0,
-            seq=seq, status=status)))
+    node, stream, a, b, answer = _sending_stream(tmp_path)
 
     def send_and_refuse() -> float:
         """The resend (at its retry time), all of it answered BUSY: the wait set."""
