@@ -729,6 +729,56 @@ def test_a_duplicate_batch_waits_for_the_last_rows_not_another_members_snapshot(
         node.store.destroy()
 
 
+def test_a_refusal_in_the_middle_of_a_resend_does_not_start_a_stream_late(tmp_path):
+    """An owner that does not know a stream answers its first frame GAP and starts the
+    stream at the first frame at or below that one: the sender's oldest unacknowledged,
+    where its resend begins.  A snapshot read of the shard that ends in the middle of
+    that resend must not make a later frame look like the start: the frames before it
+    were refused (BUSY), so the stream is asked for again (GAP), and it starts at the
+    oldest.  (Started at the first frame after the read, the earlier batches were then
+    acknowledged as duplicates and never applied: a join with slow snapshot reads lost
+    85 of a stream's batches.)  Drives a Bridge, not started, on a real store."""
+    import uuid
+
+    import shmps
+    from shmps.bridge.ring import shard_key
+
+    me, peer = "127.0.0.2:7001", "127.0.0.3:7001"
+    ns = f"u{uuid.uuid4().hex[:10]}"
+    node = _bridge(tmp_path, [me, peer], store="gap", namespace=ns, dead_after=5.0,
+                   replicas=1)
+    node.store = shmps.attach("gap", namespace=ns)
+    try:
+        name = next(f"w{i}" for i in range(1000) if node.owner(shard_key(f"w{i}", 0)) == me)
+        node.store.dense(name, (8, 4), "float32", init=0.0, optimizer="sum")
+        while node.refresh_tensors(budget=None):
+            pass
+        node.on_heartbeat(peer, _heartbeat(peer, 0, {me: State.ALIVE, peer: State.ALIVE}))
+        assert node.acting()
+        info = node.by_name[name]
+        st = node.shards[(info.tid, 0)]
+        got: list = []
+
+        def send(seq: int) -> Status:
+            batch = frames.encode_batch(epoch=0, sender=members.member_id(peer), incarnation=7,
+                                        tensor=info.tid, shard=0, seq=seq,
+                                        values=np.full((8, 4), 10.0 ** (seq - 1), np.float32),
+                                        start=0)
+            node.on_batch(peer, frames.decode(batch), lambda d: got.extend(
+                frames.iter_frames(bytes(d))))
+            return got[-1].status
+
+        assert send(3) is Status.GAP                  # in flight when the stream is new here
+        st.reading.add(peer)                          # a snapshot read begins...
+        assert send(1) is Status.BUSY                 # ...the sender's resend: its oldest
+        st.reading.clear()                            # ...and ends
+        assert send(2) is Status.GAP                  # not taken for the start
+        assert [send(q) for q in (1, 2, 3)] == [Status.OK] * 3
+        np.testing.assert_array_equal(node.store[name].pull(), np.full((8, 4), 111.0))
+    finally:
+        node.store.destroy()
+
+
 def test_membership_rejects_bad_configuration():
     """Duplicates, a self address not listed, and bad timings raise InvalidArgument."""
     with pytest.raises(InvalidArgument, match="twice"):

@@ -1747,6 +1747,20 @@ class Bridge:
 
     def _refuse(self, f: frames.FrameHeader, reply: Callable[[bytes], None], status: Status,
                 reason: str) -> None:
+        """Answer ``f`` with ``status`` (not OK), counted by ``reason``.
+
+        A BATCH of a stream its shard does not know yet is answered GAP, and the stream
+        starts at the first frame at or below that one (on_batch): the sender's oldest
+        unacknowledged, which its resend after the GAP begins with.  A refusal of
+        another kind in the middle of that resend breaks this (a snapshot read or a
+        hand-over wait that ends there: the frames before it are refused, and the first
+        after it is not the oldest), so any other refusal asks for the GAP again.  (A
+        read that ended mid-resend started a stream at seq 86; its 85 earlier batches
+        were then acknowledged as duplicates and never applied.)"""
+        if status is not Status.GAP and f.type == FrameType.BATCH:
+            st = self.shards.get((f.tensor, f.shard))
+            if st is not None:
+                st.first_seen.pop((f.sender, f.incarnation, f.tensor, f.shard), None)
         self.metrics.rejected(reason)
         reply(self._ack(f, status))
 
