@@ -3,6 +3,7 @@ ring, membership, authentication, frames, and exactly-once queues."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 import struct
@@ -619,6 +620,37 @@ def test_a_heartbeat_goes_out_at_once_when_the_epoch_changes(tmp_path):
     assert node.members.epoch == 1
 
 
+@contextlib.contextmanager
+def _owner_on_a_store(tmp_path, members_: list, store: str, owners: int = 1, **cfg):
+    """A Bridge (not started) for ``members_[0]`` on a real store of its own namespace,
+    every member alive in its view at epoch 0, forwarding a dense (8, 4) float32 "sum"
+    tensor of which it owns shard 0 (and ``members_[:owners]`` are the shard's first
+    owners): yields (node, the tensor's TInfo, shard 0's ShardState); destroys the store
+    after.  ``dead_after`` 5 s: a test's short sleeps are no stall of this bridge."""
+    import uuid
+
+    import shmps
+    from shmps.bridge.ring import shard_key
+
+    ns = f"u{uuid.uuid4().hex[:10]}"
+    node = _bridge(tmp_path, members_, store=store, namespace=ns, dead_after=5.0, **cfg)
+    node.store = shmps.attach(store, namespace=ns)
+    try:
+        name = next(f"w{i}" for i in range(1000)
+                    if node.owners(shard_key(f"w{i}", 0))[:owners] == members_[:owners])
+        node.store.dense(name, (8, 4), "float32", init=0.0, optimizer="sum")
+        while node.refresh_tensors(budget=None):
+            pass
+        everyone = {m: State.ALIVE for m in members_}
+        for p in members_[1:]:
+            node.on_heartbeat(p, _heartbeat(p, 0, everyone))
+        assert node.acting() and node.owner(shard_key(name, 0)) == members_[0]
+        info = node.by_name[name]
+        yield node, info, node.shards[(info.tid, 0)]
+    finally:
+        node.store.destroy()
+
+
 def test_a_new_owner_waits_while_the_hand_over_is_arriving(tmp_path):
     """A new owner waits for the previous owner's hand-over snapshot at most
     HANDOVER_TIMEOUT, counted from the last frame it had from it: a snapshot whose chunks
@@ -627,27 +659,11 @@ def test_a_new_owner_waits_while_the_hand_over_is_arriving(tmp_path):
     at the first deadline, served a copy of which only the chunks before it were the
     previous owner's, and refused the rest.)  Drives a Bridge, not started, on a real
     store."""
-    import uuid
-
-    import shmps
     from shmps.bridge import node as bridge_node
-    from shmps.bridge.ring import shard_key
 
     me, prev = "127.0.0.2:7001", "127.0.0.3:7001"
-    ns = f"u{uuid.uuid4().hex[:10]}"
-    # dead_after 5 s: the test's short sleeps are no stall of this (not running) bridge
-    node = _bridge(tmp_path, [me, prev], store="handover", namespace=ns, dead_after=5.0)
-    node.store = shmps.attach("handover", namespace=ns)
-    try:
-        name = next(f"w{i}" for i in range(1000)
-                    if node.owner(shard_key(f"w{i}", 0)) == me)
-        node.store.dense(name, (8, 4), "float32", init=0.0, optimizer="sum")
-        while node.refresh_tensors(budget=None):
-            pass
-        node.on_heartbeat(prev, _heartbeat(prev, 0, {me: State.ALIVE, prev: State.ALIVE}))
-        assert node.acting()
-        info = node.by_name[name]
-        st = node.shards[(info.tid, 0)]
+    with _owner_on_a_store(tmp_path, [me, prev], "handover") as (node, info, st):
+        name = info.name
         st.handover_from, st.handover_until = prev, time.monotonic() + 0.2
         ids = dict(epoch=0, sender=members.member_id(prev), incarnation=7, tensor=info.tid,
                    shard=0)
@@ -673,8 +689,6 @@ def test_a_new_owner_waits_while_the_hand_over_is_arriving(tmp_path):
         node.on_rows(prev, frames.decode(last), reply)
         assert st.handover_from is None                          # handed over whole
         np.testing.assert_array_equal(node.store[name].pull(), np.full((8, 4), 3, np.float32))
-    finally:
-        node.store.destroy()
 
 
 def test_a_duplicate_batch_waits_for_the_last_rows_not_another_members_snapshot(tmp_path):
@@ -685,28 +699,9 @@ def test_a_duplicate_batch_waits_for_the_last_rows_not_another_members_snapshot(
     until a new batch came, and a store.flush() at the end of training waited for ever
     (seen while a host joined with slow snapshot reads).  Drives a Bridge, not started,
     on a real store."""
-    import uuid
-
-    import shmps
-    from shmps.bridge.ring import shard_key
-
     me, backup, other = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
-    ns = f"u{uuid.uuid4().hex[:10]}"
-    node = _bridge(tmp_path, [me, backup, other], store="dup", namespace=ns, dead_after=5.0,
-                   replicas=2)
-    node.store = shmps.attach("dup", namespace=ns)
-    try:
-        name = next(f"w{i}" for i in range(1000)
-                    if node.owners(shard_key(f"w{i}", 0)) == [me, backup])
-        node.store.dense(name, (8, 4), "float32", init=0.0, optimizer="sum")
-        while node.refresh_tensors(budget=None):
-            pass
-        everyone = {me: State.ALIVE, backup: State.ALIVE, other: State.ALIVE}
-        for p in (backup, other):
-            node.on_heartbeat(p, _heartbeat(p, 0, everyone))
-        assert node.acting() and node.owner(shard_key(name, 0)) == me
-        info = node.by_name[name]
-        st = node.shards[(info.tid, 0)]
+    with _owner_on_a_store(tmp_path, [me, backup, other], "dup", owners=2,
+                           replicas=2) as (node, info, st):
         # batch 1 of the other host's stream was applied here and its ROWS (seq 4) went
         # to both copies; then a snapshot chunk (seq 5) went to the other host only
         st.dedup.advance((members.member_id(other), 7, info.tid, 0), 1)
@@ -724,9 +719,7 @@ def test_a_duplicate_batch_waits_for_the_last_rows_not_another_members_snapshot(
         node.on_batch(other, frames.decode(batch), reply)      # its resend: a duplicate
         assert [(a.status, a.seq) for a in got] == [(Status.OK, 1)], (got, st.pending)
         assert not st.pending
-        np.testing.assert_array_equal(node.store[name].pull(), np.zeros((8, 4), np.float32))
-    finally:
-        node.store.destroy()
+        np.testing.assert_array_equal(node.store[info.name].pull(), np.zeros((8, 4), np.float32))
 
 
 def test_a_refusal_in_the_middle_of_a_resend_does_not_start_a_stream_late(tmp_path):
@@ -738,25 +731,8 @@ def test_a_refusal_in_the_middle_of_a_resend_does_not_start_a_stream_late(tmp_pa
     oldest.  (Started at the first frame after the read, the earlier batches were then
     acknowledged as duplicates and never applied: a join with slow snapshot reads lost
     85 of a stream's batches.)  Drives a Bridge, not started, on a real store."""
-    import uuid
-
-    import shmps
-    from shmps.bridge.ring import shard_key
-
     me, peer = "127.0.0.2:7001", "127.0.0.3:7001"
-    ns = f"u{uuid.uuid4().hex[:10]}"
-    node = _bridge(tmp_path, [me, peer], store="gap", namespace=ns, dead_after=5.0,
-                   replicas=1)
-    node.store = shmps.attach("gap", namespace=ns)
-    try:
-        name = next(f"w{i}" for i in range(1000) if node.owner(shard_key(f"w{i}", 0)) == me)
-        node.store.dense(name, (8, 4), "float32", init=0.0, optimizer="sum")
-        while node.refresh_tensors(budget=None):
-            pass
-        node.on_heartbeat(peer, _heartbeat(peer, 0, {me: State.ALIVE, peer: State.ALIVE}))
-        assert node.acting()
-        info = node.by_name[name]
-        st = node.shards[(info.tid, 0)]
+    with _owner_on_a_store(tmp_path, [me, peer], "gap", replicas=1) as (node, info, st):
         got: list = []
 
         def send(seq: int) -> Status:
@@ -774,9 +750,7 @@ def test_a_refusal_in_the_middle_of_a_resend_does_not_start_a_stream_late(tmp_pa
         st.reading.clear()                            # ...and ends
         assert send(2) is Status.GAP                  # not taken for the start
         assert [send(q) for q in (1, 2, 3)] == [Status.OK] * 3
-        np.testing.assert_array_equal(node.store[name].pull(), np.full((8, 4), 111.0))
-    finally:
-        node.store.destroy()
+        np.testing.assert_array_equal(node.store[info.name].pull(), np.full((8, 4), 111.0))
 
 
 def test_membership_rejects_bad_configuration():
