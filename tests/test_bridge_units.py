@@ -745,9 +745,9 @@ def test_a_refusal_in_the_middle_of_a_resend_does_not_start_a_stream_late(tmp_pa
             return got[-1].status
 
         assert send(3) is Status.GAP                  # in flight when the stream is new here
-        st.reading.add(peer)                          # a snapshot read begins...
+        st.reading = peer                             # a snapshot read begins...
         assert send(1) is Status.BUSY                 # ...the sender's resend: its oldest
-        st.reading.clear()                            # ...and ends
+        st.reading = None                             # ...and ends
         assert send(2) is Status.GAP                  # not taken for the start
         assert [send(q) for q in (1, 2, 3)] == [Status.OK] * 3
         np.testing.assert_array_equal(node.store[info.name].pull(), np.full((8, 4), 111.0))

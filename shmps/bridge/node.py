@@ -191,8 +191,8 @@ class ShardState:
     acked: dict = field(default_factory=dict)            # member -> highest rseq acked
     synced: set = field(default_factory=set)             # members holding a full copy
     snapshotting: dict = field(default_factory=dict)     # member -> last rseq of its snapshot
-    reading: set = field(default_factory=set)            # members whose snapshot is being read
-    writes: int = 0                                      # writes to this copy by the bridge
+    reading: Optional[str] = None                        # the member whose snapshot is being read
+    copied_in: int = 0                                   # ROWS/SNAPSHOT frames written into this copy
     pending: deque = field(default_factory=deque)
     handover_from: Optional[str] = None
     handover_until: float = 0.0
@@ -559,7 +559,6 @@ class Bridge:
         self._dropped: set[tuple] = set()
         #: reads and encodes snapshots off the event loop, one at a time (_send_snapshot_now)
         self._snap_pool = ThreadPoolExecutor(1, thread_name_prefix="shmps-snapshot")
-        self._snap_reads = 0   # snapshots being read or waiting for the thread
         self._gone: set[tuple[int, int]] = set()  # (member id, incarnation) of processes
                                                   # that restarted since: filters forgotten
         self._says_joining: dict[str, int] = {}  # peer -> epoch at which it has us joining
@@ -649,7 +648,8 @@ class Bridge:
             log.warning("leaving: %s still count this host in after %g s", ", ".join(
                 p for p, r in self._peer_rings.items() if self.addr in r), timeout)
         # the hand-over snapshots are read in the snapshot thread: queued before closing
-        while self._snap_reads and time.monotonic() < deadline:
+        while (any(st.reading is not None for st in self.shards.values())
+               and time.monotonic() < deadline):
             await asyncio.sleep(0.02)
         await asyncio.sleep(0.1)
 
@@ -1800,7 +1800,7 @@ class Bridge:
             log.warning("shard %s: no hand-over snapshot from %s; serving from this host's "
                         "copy", st.key, st.handover_from)
             st.handover_from = None
-        if st.reading:
+        if st.reading is not None:
             # a snapshot of this shard is being read off the event loop: a batch applied
             # now would change the shard under the copy, and its ROWS would reach the
             # member ahead of the snapshot they follow.  The sender resends 20-80 ms
@@ -1876,7 +1876,6 @@ class Bridge:
             st.dedup.record(stream, f.seq)
             return self._refuse(f, reply, Status.REJECTED, "invalid")
         st.dedup.record(stream, f.seq)
-        st.writes += 1
         self.metrics.applied.inc()
         self.metrics.applied_bytes.inc(f.values.nbytes)
         if st.failover_from is not None:
@@ -2060,7 +2059,7 @@ class Bridge:
                              states=[a.reshape(shape) for a in f.state],
                              row_steps=f.row_steps, step=f.step)
                 info.t._write_rows(f.shard, rd)
-                st.writes += 1
+                st.copied_in += 1
         except (frames.BadFrame, Error) as e:
             log.warning("%s %d from %s refused: %s", f.type.name, f.seq, peer, e)
             return self._refuse(f, reply, Status.REJECTED, "schema")
@@ -2121,7 +2120,7 @@ class Bridge:
         link = self._out(member)
         if link is None:
             return
-        if st.reading:
+        if st.reading is not None:
             # one read of a shard at a time, so that its ROW seqs follow the shard's last
             # ROWS (below): this copy waits for the one under way (a hand-over is asked
             # for again by the new owner's SYNC, every 0.5 s)
@@ -2146,22 +2145,21 @@ class Bridge:
             return
         # Read and encode the copy in the snapshot thread, so that the event loop goes on
         # meanwhile (heartbeats above all: a 192 MiB copy took 0.5-0.7 s, longer than
-        # --dead-after).  While it reads, this shard refuses batches (on_batch: BUSY), so
-        # the bridge changes nothing in it and its ROW seqs stay where they are; any other
-        # write to this copy (st.writes), or a change of roles that leaves the copy
+        # --dead-after).  While it reads, this shard refuses batches (on_batch: BUSY) and
+        # no other read of it starts (above), so the bridge applies nothing to it and its
+        # ROW seqs stay where they are.  A ROWS or SNAPSHOT from another host written into
+        # this copy meanwhile (st.copied_in), or a change of roles that leaves the copy
         # unwanted, voids the read (a copy still missing is read again).
         marks = [Mark(s[0], s[1], st.dedup.floor(s)) for s in st.dedup.streams()
                  if st.dedup.floor(s) > 0][:4096]
-        epoch, rseq, writes = self.members.epoch, st.rseq, st.writes
-        st.reading.add(member)
-        self._snap_reads += 1
+        epoch, rseq, copied_in = self.members.epoch, st.rseq, st.copied_in
+        st.reading = member
         try:
             chunks = await asyncio.get_running_loop().run_in_executor(
                 self._snap_pool, self._snapshot_chunks, info, key[1], marks, epoch,
                 rseq, handover)
         finally:
-            st.reading.discard(member)
-            self._snap_reads -= 1
+            st.reading = None
         link = self._out(member)
         if handover:
             still = self.owner(st.key) == member
@@ -2169,16 +2167,18 @@ class Bridge:
             still = (self.acting() and self.owner(st.key) == self.addr
                      and st.handover_from is None and member in self._targets()
                      and member not in st.synced)
-        if st.writes != writes or st.rseq != rseq or link is None or not still:
+        changed = st.copied_in != copied_in
+        if changed or link is None or not still:
             # the copy is out of date or no longer wanted: a copy still missing is sent
             # again (_maintain_shards; a hand-over is asked for again by its SYNC)
             log.info("snapshot of %s for %s dropped after its read: %s (epoch %d)", st.key,
-                     member, "the shard changed meanwhile" if st.writes != writes or
-                     st.rseq != rseq else "no longer wanted", self.members.epoch)
+                     member, "the shard changed meanwhile" if changed else "no longer wanted",
+                     self.members.epoch)
             if not handover:
                 st.snap_retry[member] = time.monotonic() + RETRY
                 self._unsettle()
             return
+        assert st.rseq == rseq   # (nothing numbered a ROWS meanwhile: see above)
         st.rseq += len(chunks)
         if self.members.epoch != epoch:
             chunks = [frames.restamp_epoch(c, self.members.epoch) for c in chunks]
@@ -2296,7 +2296,8 @@ class Bridge:
                 if m in st.synced:
                     continue
                 busy = True
-                if m in st.snapshotting or st.reading or st.snap_retry.get(m, 0) > now:
+                if (m in st.snapshotting or st.reading is not None
+                        or st.snap_retry.get(m, 0) > now):
                     continue
                 if self._out(m) is None:
                     continue
@@ -2657,7 +2658,7 @@ class Bridge:
             key = (f.tensor, f.shard)
             if key in self.shards and self.owner(self.shards[key].key) == self.addr:
                 st = self.shards[key]
-                if peer not in st.snapshotting and peer not in st.reading:
+                if peer not in st.snapshotting and peer != st.reading:
                     st.synced.discard(peer)
                     st.snap_retry.pop(peer, None)
                     self._unsettle()

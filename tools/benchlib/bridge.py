@@ -92,7 +92,6 @@ MANY_SHARDS = 4
 MANY_SHARD_ROWS = 16
 BIG_COPY_SHAPE = (16384, 1024)     # one 64 MiB float32 shard; with Adam a 192 MiB copy
 BIG_COPY_REPS = 3
-LAG_WINDOW_S = 10.0                # /health loop_lag_ms: the largest lag over this many s
 FO_NAME = "fo"
 FO_SHAPE = (1024, 64)              # 256 KiB, 32 shards: every host owns some
 FO_SHARD_ROWS = 32
@@ -863,6 +862,11 @@ def throughput_r2(ctx: RunContext, sec: Section, workdir: Path, plan: Plan) -> N
 
 # ------------------------------------------------------------------ many tensors
 
+def loop_lag_ms(healths: list[dict]) -> float:
+    """The largest ``loop_lag_ms`` of the bridges' /health answers (a missing one: 0)."""
+    return max([0.0] + [float(h.get("loop_lag_ms", 0.0)) for h in healths])
+
+
 def many_tensors(ctx: RunContext, sec: Section, workdir: Path, plan: Plan) -> None:
     """2 bridges, replicas 2; a worker on host A creates a model of MANY_TENSORS small
     dense tensors at once (MANY_SHARDS shards each): how long until both bridges forward
@@ -886,7 +890,7 @@ def many_tensors(ctx: RunContext, sec: Section, workdir: Path, plan: Plan) -> No
         lag = 0.0
         while True:
             hs = [c.health(i) or {} for i in (0, 1)]
-            lag = max([lag] + [float(h.get("loop_lag_ms", 0.0)) for h in hs])
+            lag = max(lag, loop_lag_ms(hs))
             if all(names <= set(h.get("tensors") or []) for h in hs):
                 break
             if time.perf_counter() - t0 > 120:
@@ -926,6 +930,7 @@ def big_copy(ctx: RunContext, sec: Section, workdir: Path, plan: Plan) -> None:
     one after the other, each after the loop-lag window (10 s) of the one before.  (When
     host B owns the shard, A first sends it the initial values, also a 192 MiB copy.)"""
     import shmps
+    from shmps.bridge.node import LAG_WINDOW
     if ctx.quick:
         return
     took: list[float] = []
@@ -933,7 +938,7 @@ def big_copy(ctx: RunContext, sec: Section, workdir: Path, plan: Plan) -> None:
     with ExitStack() as stack:
         c = start_cluster(stack, sec, workdir / "copy", 2, replicas=2)
         for k in range(BIG_COPY_REPS):
-            time.sleep(LAG_WINDOW_S)   # the last lags (start-up, the copy before) forgotten
+            time.sleep(LAG_WINDOW)     # the last lags (start-up, the copy before) forgotten
             before = [(c.health(i) or {}).get("copied", 0) for i in (0, 1)]
             t0 = time.perf_counter()
             with c.attach(0) as s:
@@ -942,7 +947,7 @@ def big_copy(ctx: RunContext, sec: Section, workdir: Path, plan: Plan) -> None:
             lag = 0.0
             while True:
                 hs = [c.health(i) or {} for i in (0, 1)]
-                lag = max([lag] + [float(h.get("loop_lag_ms", 0.0)) for h in hs])
+                lag = max(lag, loop_lag_ms(hs))
                 owner = [i for i in (0, 1) if f"copy{k}/0" in (hs[i].get("owned") or [])]
                 if len(owner) == 1 and hs[1 - owner[0]].get("copied", 0) > before[1 - owner[0]]:
                     break   # the other host holds the owner's copy
@@ -952,8 +957,7 @@ def big_copy(ctx: RunContext, sec: Section, workdir: Path, plan: Plan) -> None:
                 time.sleep(0.05)
             took.append(time.perf_counter() - t0)
             time.sleep(0.3)
-            lags.append(max([lag] + [float((c.health(i) or {}).get("loop_lag_ms", 0.0))
-                                     for i in (0, 1)]))
+            lags.append(max(lag, loop_lag_ms([c.health(i) or {} for i in (0, 1)])))
             progress(f"[bridge] big copy {k + 1}/{BIG_COPY_REPS}: {took[-1]:.2f} s, event "
                      f"loops late by at most {lags[-1]:.0f} ms")
         stalls = [metrics(c, i).get("shmps_bridge_stalls_total", 0.0) for i in (0, 1)]
