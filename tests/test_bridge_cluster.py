@@ -166,6 +166,59 @@ def test_initial_values_come_from_the_creating_host(make_cluster):
     c.wait(lambda: copies(3), 10, "every host to hold the initial values + 3")
 
 
+def test_initial_values_wait_for_an_origin_that_reads_them_one_at_a_time(make_cluster):
+    """The creating host reads the initial values of every shard its peers own in its
+    snapshot thread, one at a time: here each read takes 0.6 s longer (failpoint
+    slow_snapshot on host 0 only), so the last of ~10 owners gets its copy well after
+    the 3 s an owner waits without news, while a worker on host 1 pushes to every shard.
+    The origin answers each SYNC "coming" (BUSY), so every owner waits for its copy
+    (refusing the batches meanwhile): all hosts hold the init= array plus every push, and
+    none serves its own copy (zeros: the schema does not carry the array)."""
+    slow = {"SHMPS_BRIDGE_FAILPOINTS": "slow_snapshot=0.6"}
+    c = make_cluster(3, wrap=lambda i, cmd: (["env", *(f"{k}={v}" for k, v in slow.items())]
+                                            if i == 0 else []) + cmd)
+    c.start_all()
+    init = np.random.default_rng(8).integers(-1000, 1000, (512, 8), dtype=np.int32)
+    s0 = c.attach(0)
+    try:
+        s0.dense("wa", (512, 8), "int32", init=init, shard_rows=32)   # 16 shards
+    finally:
+        s0.close()
+    t0 = time.monotonic()
+    wait_forwarding(c, {"wa"}, [0, 1, 2])
+    others = sum(k.startswith("wa/") for i in (1, 2) for k in c.health(i)["owned"])
+    assert others >= 6, (others, c.describe())   # enough reads to outlast the 3 s
+
+    s1 = c.attach(1)
+    try:
+        rounds = 0
+        while time.monotonic() - t0 < 0.6 * others + 1.0:   # past the last owner's copy
+            s1["wa"].push(np.ones((512, 8), np.int32))
+            rounds += 1
+            time.sleep(0.05)
+        s1.flush(timeout=60)
+    finally:
+        s1.close()
+    waited = time.monotonic() - t0
+
+    def copies() -> bool:
+        for i in range(3):
+            s = c.attach(i)
+            try:
+                if not np.array_equal(s["wa"].pull(), init + rounds):
+                    return False
+            finally:
+                s.close()
+        return True
+
+    c.wait(copies, 30, f"every host to hold the initial values + {rounds}")
+    logs = {i: c.logs[i].read_text(errors="replace") for i in range(3)}
+    assert logs[0].count("failpoint slow_snapshot") >= others, c.describe()
+    assert waited > 0.6 * others > 3.0, (waited, others)
+    for text in logs.values():
+        assert "serving from this host's copy" not in text, c.describe()
+
+
 def test_csr_tensors_are_forwarded(make_cluster):
     """csr tensors cross hosts as their entries: created on one host with init values,
     every host holds them; pushes from every host reach each shard's owner exactly once

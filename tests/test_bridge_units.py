@@ -1909,3 +1909,60 @@ def test_a_close_step_that_hangs_is_given_up_with_a_warning(monkeypatch, caplog)
     assert time.monotonic() - t0 < 2.0
     assert "closing: a test step took over 0.1 s" in caplog.text
     asyncio.run(node.Bridge._bounded(asyncio.sleep(0), "a quick step"))
+
+
+# =========================================================================== urgent
+
+def test_the_snapshot_worker_runs_hand_overs_before_queued_copies():
+    """UrgentWorker: with a call under way, queued calls run by priority (hand-overs
+    first), in submission order among equals, one at a time; results and exceptions
+    reach their futures; shutdown cancels what is queued and waits for the call under
+    way.  (A first-in-first-out pool made a new owner's hand-over wait behind every
+    backup copy queued before it.)"""
+    import threading
+    from shmps.bridge import urgent
+
+    w = urgent.UrgentWorker("test-urgent")
+    gate, ran, lock = threading.Event(), [], threading.Lock()
+    inside = [0]
+
+    def call(tag):
+        with lock:
+            inside[0] += 1
+            assert inside[0] == 1, "two calls at once"
+        if tag == "first":
+            gate.wait(10)
+        if tag == "fails":
+            with lock:
+                inside[0] -= 1
+            raise ValueError("read failed")
+        ran.append(tag)
+        with lock:
+            inside[0] -= 1
+        return tag.upper()
+
+    first = w.submit(urgent.COPY, call, "first")
+    while not first.running():
+        time.sleep(0.001)
+    futs = {tag: w.submit(p, call, tag) for tag, p in [
+        ("copy1", urgent.COPY), ("hand1", urgent.HANDOVER), ("copy2", urgent.COPY),
+        ("fails", urgent.HANDOVER), ("hand2", urgent.HANDOVER)]}
+    assert w.pending() == 5
+    gate.set()
+    assert futs["copy2"].result(10) == "COPY2"
+    assert ran == ["first", "hand1", "hand2", "copy1", "copy2"]
+    with pytest.raises(ValueError, match="read failed"):
+        futs["fails"].result(0)
+    # shutdown: the call under way ends, the queued one is cancelled, no more submits
+    gate.clear()
+    under_way = w.submit(urgent.COPY, call, "first")
+    while not under_way.running():
+        time.sleep(0.001)
+    queued = w.submit(urgent.HANDOVER, call, "never")
+    threading.Timer(0.1, gate.set).start()
+    w.shutdown()
+    assert under_way.result(0) == "FIRST" and queued.cancelled()
+    assert "never" not in ran
+    with pytest.raises(RuntimeError):
+        w.submit(urgent.COPY, call, "late")
+    assert not any(t.name == "test-urgent" for t in threading.enumerate())

@@ -36,7 +36,6 @@ import socket
 import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
@@ -46,7 +45,7 @@ from ..errors import CapacityError, Error, InvalidArgument
 from .. import _native, doorbell
 from .._native import lib
 from ..outbox import DrainBuffers
-from . import auth, frames, wsstream
+from . import auth, frames, urgent, wsstream
 from .frames import FrameType, Layout, Mark, Status
 from .members import (DEAD_AFTER, HEARTBEAT_INTERVAL, Membership, State, member_id,
                       normalize_address, parse_address, parse_hosts, read_hosts, watch_file)
@@ -56,6 +55,8 @@ from .ring import Ring, shard_key
 log = logging.getLogger("shmps.bridge")
 
 ROWS_SEQ_BASE = 1 << 63          #: ROWS/SNAPSHOT seqs live above this (BATCH seqs below)
+#: the seq of every SYNC, and so of its answer (an ACK): not a BATCH stream's, not a ROWS's
+SYNC_SEQ = ROWS_SEQ_BASE - 1
 TICK = 0.02                      #: maintenance interval (s)
 DOORBELL_RETRY = 1.0             #: s between tries to bind a flush doorbell another holds
 RETRY = 0.05                     #: resend delay after a refusal (s)
@@ -557,8 +558,9 @@ class Bridge:
         self._failpoints = {x.partition("=")[0] for x in fps}
         self._failpoint_args = {k: v for k, _, v in (x.partition("=") for x in fps) if v}
         self._dropped: set[tuple] = set()
-        #: reads and encodes snapshots off the event loop, one at a time (_send_snapshot_now)
-        self._snap_pool = ThreadPoolExecutor(1, thread_name_prefix="shmps-snapshot")
+        #: reads and encodes snapshots off the event loop, one at a time, the hand-overs
+        #: that new owners wait for first (_send_snapshot_now)
+        self._snap_reader = urgent.UrgentWorker("shmps-snapshot")
         self._gone: set[tuple[int, int]] = set()  # (member id, incarnation) of processes
                                                   # that restarted since: filters forgotten
         self._says_joining: dict[str, int] = {}  # peer -> epoch at which it has us joining
@@ -684,7 +686,7 @@ class Bridge:
             self._waiter.join(5)
         # a snapshot read under way ends before the store it reads is unmapped (the
         # ones queued behind it are dropped)
-        self._snap_pool.shutdown(wait=True, cancel_futures=True)
+        self._snap_reader.shutdown()
         if self.store is not None:
             self.store.close()
 
@@ -1256,6 +1258,8 @@ class Bridge:
 
     def on_ack(self, peer: str, ack: frames.Ack) -> None:
         key = (ack.tensor, ack.shard)
+        if ack.seq == SYNC_SEQ:
+            return self._on_sync_answer(peer, key, ack.status)
         if ack.seq >= ROWS_SEQ_BASE:
             st = self.shards.get(key)
             if st is None:
@@ -2102,6 +2106,17 @@ class Bridge:
         self.metrics.received(f.type.name.lower())
         reply(self._ack(f, Status.OK))
 
+    def _on_sync_answer(self, peer: str, key: tuple, status: Status) -> None:
+        """The answer to a SYNC this host sent: BUSY from the host whose hand-over (or
+        initial values) this owner waits for means it is coming (queued for, or in, that
+        host's snapshot thread): wait another HANDOVER_TIMEOUT from now.  The SYNC goes
+        again every 0.5 s, so the wait lasts while that host keeps saying so; it ends
+        HANDOVER_TIMEOUT after its last answer or frame, or when it is unreachable."""
+        st = self.shards.get(key)
+        if st is None or st.handover_from != peer or status != Status.BUSY:
+            return
+        st.handover_until = max(st.handover_until, time.monotonic() + HANDOVER_TIMEOUT)
+
     async def _send_snapshot(self, key: tuple, member: str, handover: bool = False) -> None:
         """Send a consistent copy of shard ``key`` to ``member`` (chunks, then LAST)."""
         try:
@@ -2155,9 +2170,9 @@ class Bridge:
         epoch, rseq, copied_in = self.members.epoch, st.rseq, st.copied_in
         st.reading = member
         try:
-            chunks = await asyncio.get_running_loop().run_in_executor(
-                self._snap_pool, self._snapshot_chunks, info, key[1], marks, epoch,
-                rseq, handover)
+            chunks = await asyncio.wrap_future(self._snap_reader.submit(
+                urgent.HANDOVER if handover else urgent.COPY, self._snapshot_chunks, info,
+                key[1], marks, epoch, rseq, handover))
         finally:
             st.reading = None
         link = self._out(member)
@@ -2289,7 +2304,8 @@ class Bridge:
                     link = self.links.get(st.handover_from)
                     if link is not None and link.send(frames.encode_sync(
                             epoch=self.members.epoch, sender=self.mid,
-                            incarnation=self.incarnation, tensor=key[0], shard=key[1])):
+                            incarnation=self.incarnation, tensor=key[0], shard=key[1],
+                            seq=SYNC_SEQ)):
                         st.sync_sent_at = now
                 continue
             for m in targets:
@@ -2324,7 +2340,7 @@ class Bridge:
             link = self.links.get(owner) if owner else None
             if link is not None and link.send(frames.encode_sync(
                     epoch=self.members.epoch, sender=self.mid, incarnation=self.incarnation,
-                    tensor=tid, shard=s)):
+                    tensor=tid, shard=s, seq=SYNC_SEQ)):
                 st.sync_sent_at = now
                 self.metrics.sent("sync", frames.HEADER.size)
 
@@ -2667,9 +2683,16 @@ class Bridge:
                 # the new owner still waits for this host's hand-over (the first one was
                 # refused or lost): this host no longer applies batches, send it again;
                 # or the owner of a tensor created here asks for its initial values
-                # (it accepts them only while it waits for them: refresh_tensors)
-                asyncio.get_running_loop().create_task(
-                    self._send_snapshot(key, peer, handover=True))
+                # (it accepts them only while it waits for them: refresh_tensors).
+                # Answered BUSY, "coming": the snapshot thread reads one shard at a time,
+                # so the origin of a large model reads the initial values of its many
+                # shards one after the other, and an owner waiting for the last of them
+                # would give up after HANDOVER_TIMEOUT and serve its own copy (zeros
+                # where the origin's init= was an array)
+                if peer != self.shards[key].reading:
+                    asyncio.get_running_loop().create_task(
+                        self._send_snapshot(key, peer, handover=True))
+                reply(self._ack(f, Status.BUSY))
             else:
                 reply(self._ack(f, Status.NOT_OWNER))
         elif isinstance(f, frames.Ack):
