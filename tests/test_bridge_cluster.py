@@ -1010,6 +1010,25 @@ def test_lost_handover_is_asked_for_again(make_cluster, monkeypatch):
         assert "serving from this host's copy" not in text, c.describe()
 
 
+def test_a_new_owner_that_gets_no_hand_over_serves_its_own_copy(make_cluster, monkeypatch):
+    """A host joins mid-training and no hand-over ever arrives (failpoint drop_handovers:
+    every one is dropped, no SYNC is answered "coming"): each new owner refuses its
+    shard's batches for HANDOVER_TIMEOUT (3 s), then serves its own copy.  That copy
+    holds the joiner's snapshot and every ROWS the previous owner sent after it, in
+    order on one connection, so no acknowledged push is missing and none is applied
+    twice: the totals are exact on every host."""
+    c, logs = train_through_a_join(make_cluster, monkeypatch, "drop_handovers",
+                                   totals_timeout=30.0)
+    dropped = set(re.findall(r"hand-over of (\S+) to (\S+) dropped", "".join(logs.values())))
+    assert dropped, c.describe()          # host 3 took shards over: hand-overs were lost
+    fell_back = set(re.findall(r"shard (\S+): no hand-over snapshot from \S+; serving from "
+                               r"this host's copy", logs[3]))
+    assert fell_back, c.describe()
+    assert fell_back <= {key for key, to in dropped if to == c.addrs[3]}, c.describe()
+    for text in logs.values():
+        assert "handed over by" not in text, c.describe()
+
+
 def test_a_host_joins_while_snapshot_reads_are_slow(make_cluster, monkeypatch):
     """A host joins mid-training while every snapshot read takes 0.5 s longer (failpoint
     slow_snapshot=0.5, --dead-after 0.5): the backups' first copies, the joiner's copies

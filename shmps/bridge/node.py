@@ -2143,12 +2143,16 @@ class Bridge:
                 st.snap_retry[member] = time.monotonic() + RETRY
                 self._unsettle()
             return
-        if handover and "drop_first_handover" in self._failpoints and key not in self._dropped:
-            # test failpoint: the first hand-over of each shard is lost on the way (the
-            # new owner must ask again with SYNC)
+        if handover and ("drop_handovers" in self._failpoints
+                         or ("drop_first_handover" in self._failpoints
+                             and key not in self._dropped)):
+            # test failpoints: the first hand-over of each shard is lost on the way (the
+            # new owner must ask again with SYNC), or every one is (and no SYNC is
+            # answered "coming": the new owner serves its own copy after HANDOVER_TIMEOUT)
             self._dropped.add(key)
-            log.warning("failpoint drop_first_handover: hand-over of %s to %s dropped",
-                        st.key, member)
+            log.warning("failpoint %s: hand-over of %s to %s dropped",
+                        "drop_handovers" if "drop_handovers" in self._failpoints
+                        else "drop_first_handover", st.key, member)
             return
         if link.stream.backlog > SNAPSHOT_START_BACKLOG:
             # the connection is busy: start later (a snapshot is queued whole, whatever
@@ -2692,7 +2696,8 @@ class Bridge:
                 if peer != self.shards[key].reading:
                     asyncio.get_running_loop().create_task(
                         self._send_snapshot(key, peer, handover=True))
-                reply(self._ack(f, Status.BUSY))
+                if "drop_handovers" not in self._failpoints:
+                    reply(self._ack(f, Status.BUSY))
             else:
                 reply(self._ack(f, Status.NOT_OWNER))
         elif isinstance(f, frames.Ack):
