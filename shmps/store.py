@@ -417,6 +417,7 @@ class Store:
                 unlink(name)  # debris of a creator that died before registering
                 seg = Segment.create(name, lay["total_size"])
                 made.append(seg)
+                seg.ask_huge_pages()
                 _native.shard_init(seg.ptr, seg.size, spec)
                 fill(s, seg, lay)
                 total += seg.size

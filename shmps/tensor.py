@@ -317,6 +317,7 @@ def open_shards(store: "Store", record: dict) -> list[Shard]:
         for s in range(record["nshards"]):
             name = names.shard_name(store.name, store.namespace, record["id"], s)
             seg = Segment.open(name)
+            seg.ask_huge_pages()
             shards.append(Shard(seg, _native.shard_validate(seg.ptr, seg.size, name)))
             spec = shards[-1].spec
             if (spec["kind"] != _native.KINDS[record["kind"]]

@@ -274,3 +274,56 @@ def test_repeated_attach_close_does_not_leak_process_slots(store_name):
         assert time.monotonic() - t0 < 30
     finally:
         s.destroy()
+
+
+def _mapping_of(path: str) -> dict:
+    """This process's /proc/self/smaps entry of the mapping of file ``path``."""
+    entry: dict = {}
+    found = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()
+        if len(head) >= 5 and "-" in head[0] and not line.startswith(("VmFlags", " ")):
+            if found:
+                break
+            found = line.rstrip().endswith(path)
+            continue
+        if found and ":" in line:
+            k, _, v = line.partition(":")
+            entry[k.strip()] = v.strip()
+    return entry
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux /proc")
+def test_large_segments_ask_for_huge_pages(store):
+    """Shard segments of 2 MiB and more are advised MADV_HUGEPAGE (smaps VmFlags "hg")
+    in the process that creates them and in one that maps them later; small shards and
+    the manifest (8 MiB, a few KiB used) are not.  A table's rows are read at random, a
+    TLB miss a row in 4 KiB pages.  Where /dev/shm is mounted with huge=advise the
+    kernel takes the advice; the default mount ignores it (docs/tables.md, "Huge pages")."""
+    import subprocess
+    import sys
+
+    store.dense("big", (1024, 1024), "float32", shard_rows=512)   # two 2 MiB shards
+    store.dense("small", (64, 64), "float32")
+    names = {os.path.basename(sh.seg.name): name for name in ("big", "small")
+             for sh in store[name]._shards}
+    check = (
+        "import os, sys, shmps\n"
+        "sys.path.insert(0, sys.argv[3])\n"
+        "from test_attach import _mapping_of\n"
+        "s = shmps.attach(sys.argv[1], create=False)\n"
+        "for n in ('big', 'small'): s[n].pull()\n"
+        "for n in sys.argv[2].split(','):\n"
+        "    print(n, 'hg' in _mapping_of('/dev/shm/' + n).get('VmFlags', '?').split())\n"
+        "s.close()\n")
+    out = subprocess.run([sys.executable, "-c", check, store.name, ",".join(names),
+                          os.path.dirname(__file__)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    other = dict(line.split() for line in out.stdout.splitlines())
+    manifest = f"shmps.{store.name}.manifest"
+    assert "hg" not in _mapping_of(f"/dev/shm/{manifest}").get("VmFlags", "hg").split()
+    for seg, tensor in names.items():
+        here = "hg" in _mapping_of(f"/dev/shm/{seg}").get("VmFlags", "").split()
+        assert here == (tensor == "big") and other[seg] == str(tensor == "big"), (seg, here,
+                                                                                 other)

@@ -281,6 +281,20 @@ def _mem_gib() -> float:
     return float("nan")
 
 
+def _shm_huge() -> str:
+    """The ``huge=`` option of /dev/shm's mount (transparent huge pages for shared memory:
+    shmps segments ask for them, docs/deployment.md); "never" when it has none."""
+    try:
+        for line in Path("/proc/mounts").read_text().splitlines():
+            f = line.split()
+            if len(f) > 3 and f[1] == "/dev/shm":
+                huge = [o.split("=", 1)[1] for o in f[3].split(",") if o.startswith("huge=")]
+                return huge[-1] if huge else "never"
+    except OSError:
+        pass
+    return "unknown"
+
+
 def _version(module: str) -> str:
     try:
         mod = __import__(module)
@@ -305,6 +319,7 @@ def machine_info(repo: Path, shmps_status: str) -> dict[str, Any]:
     return {
         "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
         "cpu": _cpu_model(), "cores": os.cpu_count(), "mem_gib": round(_mem_gib(), 1),
+        "shm_huge": _shm_huge(),
         "platform": platform.platform(), "python": sys.version.split()[0],
         "numpy": _version("numpy"), "cffi": _version("cffi"), "torch": _version("torch"),
         "shmps": shmps_status, "repo": _git_rev(repo),
@@ -314,7 +329,8 @@ def machine_info(repo: Path, shmps_status: str) -> dict[str, Any]:
 def render_machine(info: dict[str, Any]) -> str:
     return (
         f"# shmps benchmark, {info['date']}\n\n"
-        f"Machine: {info['cpu']} x {info['cores']} cores, {info['mem_gib']} GiB, {info['platform']}; "
+        f"Machine: {info['cpu']} x {info['cores']} cores, {info['mem_gib']} GiB, {info['platform']}, "
+        f"/dev/shm huge pages: {info.get('shm_huge', 'unknown')}; "
         f"Python {info['python']}, numpy {info['numpy']}, cffi {info['cffi']}, torch {info['torch']}; "
         f"shmps {info['shmps']}; repo {info['repo']}.\n"
     )
