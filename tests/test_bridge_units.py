@@ -691,6 +691,58 @@ def test_a_new_owner_waits_while_the_hand_over_is_arriving(tmp_path):
         np.testing.assert_array_equal(node.store[name].pull(), np.full((8, 4), 3, np.float32))
 
 
+def test_a_coming_answer_to_a_sync_extends_the_hand_over_wait(tmp_path):
+    """A new owner asks the host it waits for (a previous owner, a tensor's origin) for
+    its hand-over with SYNC every 0.5 s; that host answers BUSY ("coming") while the
+    read is queued in its snapshot thread, and each such answer gives the new owner
+    another HANDOVER_TIMEOUT.  Only that host's BUSY counts: another peer's, or a
+    NOT_OWNER, changes nothing, and a SYNC answer never touches the shard's batch
+    stream.  Drives a Bridge, not started, on a real store."""
+    from shmps.bridge import node as bridge_node
+
+    me, prev, other = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
+    with _owner_on_a_store(tmp_path, [me, prev, other], "coming",
+                           replicas=1) as (node, info, st):
+        got: list = []
+
+        def reply(data) -> None:
+            got.extend(frames.iter_frames(bytes(data)))
+
+        def answer(peer: str, status: Status) -> None:
+            ack = frames.encode_ack(epoch=0, sender=members.member_id(peer), incarnation=7,
+                                    tensor=info.tid, shard=0, seq=bridge_node.SYNC_SEQ,
+                                    status=status)
+            node.on_ack(peer, frames.decode(ack))
+
+        def batch(seq: int) -> Status:
+            f = frames.encode_batch(epoch=0, sender=members.member_id(other), incarnation=7,
+                                    tensor=info.tid, shard=0, seq=seq,
+                                    values=np.ones((8, 4), np.float32), start=0)
+            node.on_batch(other, frames.decode(f), reply)
+            return got[-1].status
+
+        stream = node.streams[(info.tid, 0)]
+        retry_at = stream.retry_at
+        st.handover_from, st.handover_until = prev, time.monotonic() + 0.1
+        answer(other, Status.BUSY)        # not the host it waits for
+        answer(prev, Status.NOT_OWNER)    # not "coming"
+        assert st.handover_until < time.monotonic() + 0.2
+        assert stream.retry_at == retry_at
+        answer(prev, Status.BUSY)
+        assert st.handover_until > time.monotonic() + bridge_node.HANDOVER_TIMEOUT - 0.5
+        time.sleep(0.2)                   # past the deadline it had before the answer
+        assert batch(1) is Status.BUSY and st.handover_from == prev
+        # with no answer, the wait ends at its deadline and this host's copy serves
+        st.handover_until = time.monotonic()
+        answer(other, Status.BUSY)
+        # (the stream is new here: GAP, then its oldest frame again, applied)
+        assert batch(1) is Status.GAP and st.handover_from is None
+        assert batch(1) is Status.OK
+        np.testing.assert_array_equal(node.store[info.name].pull(), np.ones((8, 4), np.float32))
+        answer(prev, Status.BUSY)         # late: nothing is waited for any more
+        assert st.handover_from is None
+
+
 def test_a_duplicate_batch_waits_for_the_last_rows_not_another_members_snapshot(tmp_path):
     """An owner answers a duplicate batch (a resend of one it applied) once its backups
     acknowledged the last ROWS it sent, which every copy gets.  Its ROW seq counter may
