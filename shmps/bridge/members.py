@@ -35,9 +35,10 @@ leaving     :meth:`Membership.remove`                   dead (or dropped)
 
 The **live set** (members on the ring) is alive + suspect + leaving. The **epoch** bumps
 by one whenever the live set differs from the one the current epoch stands for
-(:attr:`Membership.epoch_live`) while this host reaches a majority (a host cut off from
-the majority changes its view but mints no epoch, so it cannot come back with an epoch
-that overrides the majority's), and never goes down. A host that hears a
+(:attr:`Membership.epoch_live`) while this host reaches a majority and is on the ring
+itself (a host cut off from the majority, or a joining one, changes its view but mints
+no epoch, so it cannot come back with an epoch that overrides the majority's), and never
+goes down. A host that hears a
 majority member with a higher epoch takes over that member's view with
 :meth:`Membership.adopt`.
 """
@@ -343,7 +344,12 @@ class Membership:
         live = self._views.get("live_set")
         if live is None:
             live = self._views["live_set"] = frozenset(self.live())
-        if live != self.epoch_live and self.has_quorum():
+        # Only a host on the ring mints: a joining one (copying its shards, owning none)
+        # that counted a slow peer dead minted an epoch the majority never takes over (its
+        # heartbeats carry no quorum flag), and then ignored the majority's heartbeats of
+        # the lower epoch it should follow: it copied from a ring of its own for good
+        if (live != self.epoch_live and self.has_quorum()
+                and (self.self_addr is None or self.self_addr in live)):
             self.epoch += 1
             self.epoch_live = live
         for c in changes:
