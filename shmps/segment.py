@@ -23,11 +23,12 @@ HUGE_PAGE = 2 << 20   #: x86-64's transparent huge page: shard segments from thi
 
 def ask_huge_pages(mm: mmap.mmap) -> bool:
     """Ask the kernel to back ``mm`` with transparent huge pages (MADV_HUGEPAGE); True
-    if it took the advice.  It has an effect only where /dev/shm is mounted with
-    ``huge=advise`` (or ``within_size``/``always``, which need no advice): the default
-    mount (no ``huge=``) ignores it.  A table's rows are read and written at random, one
-    TLB miss a row in 4 KiB pages: with 2 MiB pages a 4096-key push of a 64-dim float32
-    table ran in 0.77 ms instead of 1.23 ms here (docs/tables.md, "Huge pages")."""
+    if it accepted the advice, which says nothing of following it: only where /dev/shm
+    is mounted with ``huge=advise`` does it (``within_size``/``always`` need no advice),
+    and the default mount (no ``huge=``) ignores it.  A table's rows are read and
+    written at random, one TLB miss a row in 4 KiB pages: with 2 MiB pages a 4096-key
+    push of a 64-dim float32 table took 0.8-1.0 ms instead of 1.2-1.4 ms here
+    (docs/tables.md, "Huge pages")."""
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if advice is None:
         return False

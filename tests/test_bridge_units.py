@@ -771,6 +771,31 @@ def test_a_coming_answer_to_a_sync_extends_the_hand_over_wait(tmp_path):
         assert st.handover_from is None
 
 
+def test_a_new_owner_stops_waiting_for_a_hand_over_without_a_batch(tmp_path, caplog):
+    """The wait for a hand-over ends HANDOVER_TIMEOUT after the last news from the host
+    it waits for, or when that host is unreachable, whether or not a batch comes: the
+    maintenance pass ends it too, and the owner then keeps the shard's copies from its
+    own.  (Only a batch ended it: after the last batch of a training run a new owner
+    waited for good, and a copy that had missed the previous owner's last ROWS, whose
+    snapshot the change of owner had voided, stayed behind: a join test's totals were
+    off on one host.)  Drives a Bridge, not started, on a real store."""
+    me, prev = "127.0.0.2:7001", "127.0.0.3:7001"
+    with _owner_on_a_store(tmp_path, [me, prev], "giveup") as (node, info, st):
+        now = time.monotonic()
+        st.handover_from, st.handover_until = prev, now + 0.5
+        assert node._maintain_shards(True, now) is True          # still waiting
+        assert st.handover_from == prev
+        with caplog.at_level("WARNING", logger="shmps.bridge"):
+            node._maintain_shards(True, now + 0.6)
+        assert st.handover_from is None
+        assert f"shard {st.key}: no hand-over snapshot from {prev}" in caplog.text
+        # unreachable: at once, before the deadline
+        st.handover_from, st.handover_until = prev, now + 60
+        node.members.mark_dead(prev)
+        node._maintain_shards(True, now)
+        assert st.handover_from is None
+
+
 def test_a_duplicate_batch_waits_for_the_last_rows_not_another_members_snapshot(tmp_path):
     """An owner answers a duplicate batch (a resend of one it applied) once its backups
     acknowledged the last ROWS it sent, which every copy gets.  Its ROW seq counter may

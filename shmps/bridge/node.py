@@ -1797,13 +1797,8 @@ class Bridge:
         st = self.shards[key]
         if self.owner(st.key) != self.addr:
             return self._refuse(f, reply, Status.NOT_OWNER, "not_owner")
-        if st.handover_from is not None:
-            if (time.monotonic() < st.handover_until
-                    and st.handover_from in self.members.reachable()):
-                return self._refuse(f, reply, Status.BUSY, "handover")
-            log.warning("shard %s: no hand-over snapshot from %s; serving from this host's "
-                        "copy", st.key, st.handover_from)
-            st.handover_from = None
+        if st.handover_from is not None and not self._handover_given_up(st, time.monotonic()):
+            return self._refuse(f, reply, Status.BUSY, "handover")
         if st.reading is not None:
             # a snapshot of this shard is being read off the event loop: a batch applied
             # now would change the shard under the copy, and its ROWS would reach the
@@ -2106,6 +2101,21 @@ class Bridge:
         self.metrics.received(f.type.name.lower())
         reply(self._ack(f, Status.OK))
 
+    def _handover_given_up(self, st: ShardState, now: float) -> bool:
+        """Whether this owner stops waiting for the hand-over of ``st`` (it is waiting):
+        HANDOVER_TIMEOUT passed since the last frame or "coming" answer from the host it
+        waits for, or that host is unreachable.  Then this host's own copy serves: the
+        wait ends (logged), and the shard's copies are maintained from it.  Asked by
+        every batch and every maintenance pass (a wait that only a batch ended lasted
+        for good when none came, and no copy was repaired meanwhile: a copy that missed
+        the previous owner's last ROWS stayed behind)."""
+        if now < st.handover_until and st.handover_from in self.members.reachable():
+            return False
+        log.warning("shard %s: no hand-over snapshot from %s; serving from this host's copy",
+                    st.key, st.handover_from)
+        st.handover_from = None
+        return True
+
     def _on_sync_answer(self, peer: str, key: tuple, status: Status) -> None:
         """The answer to a SYNC this host sent: BUSY from the host whose hand-over (or
         initial values) this owner waits for means it is coming (queued for, or in, that
@@ -2301,7 +2311,7 @@ class Bridge:
             if not acting or self.owner(st.key) != self.addr:
                 continue
             owned += 1
-            if st.handover_from is not None:
+            if st.handover_from is not None and not self._handover_given_up(st, now):
                 busy = True
                 if st.sync_sent_at < now - 0.5:
                     # ask the previous owner (again) for its hand-over snapshot
@@ -2693,10 +2703,12 @@ class Bridge:
                 # shards one after the other, and an owner waiting for the last of them
                 # would give up after HANDOVER_TIMEOUT and serve its own copy (zeros
                 # where the origin's init= was an array)
+                # (only while this host has the data connection to send it on: the one
+                # the new owner opened, which its SYNCs come on too)
                 if peer != self.shards[key].reading:
                     asyncio.get_running_loop().create_task(
                         self._send_snapshot(key, peer, handover=True))
-                if "drop_handovers" not in self._failpoints:
+                if "drop_handovers" not in self._failpoints and self._out(peer) is not None:
                     reply(self._ack(f, Status.BUSY))
             else:
                 reply(self._ack(f, Status.NOT_OWNER))
