@@ -284,15 +284,16 @@ def _mem_gib() -> float:
 def _shm_huge() -> str:
     """The ``huge=`` option of /dev/shm's mount (transparent huge pages for shared memory:
     shmps segments ask for them, docs/deployment.md); "never" when it has none."""
+    found = "unknown"
     try:
         for line in Path("/proc/mounts").read_text().splitlines():
             f = line.split()
-            if len(f) > 3 and f[1] == "/dev/shm":
+            if len(f) > 3 and f[1] == "/dev/shm":   # the last one is the mount in use
                 huge = [o.split("=", 1)[1] for o in f[3].split(",") if o.startswith("huge=")]
-                return huge[-1] if huge else "never"
+                found = huge[-1] if huge else "never"
     except OSError:
         pass
-    return "unknown"
+    return found
 
 
 def _version(module: str) -> str:
