@@ -796,6 +796,91 @@ def test_a_new_owner_stops_waiting_for_a_hand_over_without_a_batch(tmp_path, cap
         assert st.handover_from is None
 
 
+def test_one_snapshot_read_of_a_shard_at_a_time_and_close_waits_for_it(tmp_path,
+                                                                         monkeypatch):
+    """An owner reads a shard's copy in its snapshot thread for one member at a time (a
+    second member's copy is tried again later, so that the chunks' ROW seqs follow the
+    shard's last ROWS); while the read runs the shard refuses batches (BUSY); the copy
+    goes out over the member's data connection once read; and close() waits for a read
+    under way before it unmaps the store (unmapped under the thread, the read would
+    touch freed memory).  Each read takes 0.4 s longer (failpoint slow_snapshot).
+    Drives a Bridge, not started, on a real store, with real websocket connections."""
+    from shmps.bridge import node as bridge_node, wsstream
+    from test_bridge_wsstream import collect, serve_one
+
+    monkeypatch.setenv("SHMPS_BRIDGE_FAILPOINTS", "slow_snapshot=0.4")
+    me, m1, m2 = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
+    with _owner_on_a_store(tmp_path, [me, m1, m2], "oneread") as (node, info, st):
+        key, name, ns = (info.tid, 0), info.name, node.store.namespace
+        node.store[name].push(np.full((8, 4), 5, np.float32))
+
+        async def main() -> tuple:
+            servers: list = []
+
+            async def taken(request):
+                from aiohttp import web
+                ws = web.WebSocketResponse()
+                await ws.prepare(request)
+                stream = wsstream.take_over(request, max_msg=1 << 24, peer="member")
+                servers.append(stream)
+                stream.start(lambda data: True)
+                await stream.wait_closed()
+                return ws
+
+            runner, port = await serve_one("/data", taken)
+            clients = []
+            try:
+                for m in (m1, m2):       # each member's data connection to this host
+                    clients.append(await wsstream.connect("127.0.0.1", port, "/data",
+                                                          max_msg=1 << 24, timeout=5))
+                    while len(servers) < len(clients):
+                        await asyncio.sleep(0.01)
+                    node.data_out[m] = bridge_node.Conn(servers[-1], m)
+                got = asyncio.ensure_future(collect(clients[0], 1))
+                first = asyncio.ensure_future(node._send_snapshot(key, m1))
+                await asyncio.sleep(0.1)
+                assert st.reading == m1
+                t0 = time.monotonic()
+                await node._send_snapshot(key, m2)   # the shard is being read for m1
+                second_took = time.monotonic() - t0
+                retry = dict(st.snap_retry)
+                refused = []
+                batch = frames.encode_batch(epoch=0, sender=members.member_id(m2),
+                                            incarnation=7, tensor=info.tid, shard=0, seq=1,
+                                            values=np.ones((8, 4), np.float32), start=0)
+                node.on_batch(m2, frames.decode(batch),
+                              lambda d: refused.extend(frames.iter_frames(bytes(d))))
+                await first
+                chunks = [frames.decode(c) for c in await asyncio.wait_for(got, 10)]
+                # a read under way when the bridge closes: close() waits for it
+                again = asyncio.ensure_future(node._send_snapshot(key, m2))
+                await asyncio.sleep(0.1)
+                assert st.reading == m2
+                t0 = time.monotonic()
+                await node.close()
+                close_took = time.monotonic() - t0
+                again.cancel()
+                return second_took, retry, refused, chunks, close_took
+            finally:
+                for c in clients:
+                    c.close()
+                for sv in servers:
+                    sv.close()
+                await runner.cleanup()
+
+        second_took, retry, refused, chunks, close_took = asyncio.run(
+            asyncio.wait_for(main(), 30))
+        assert second_took < 0.1 and m2 in retry and m1 not in retry
+        assert [(a.status, a.seq) for a in refused] == [(Status.BUSY, 1)]
+        assert chunks and chunks[-1].flags & frames.Flag.LAST
+        np.testing.assert_array_equal(chunks[0].values.reshape(8, 4),
+                                      np.full((8, 4), 5, np.float32))
+        assert st.snapshotting.get(m1) == st.rseq           # sent, awaiting its ack
+        assert close_took >= 0.2, close_took                # it waited for the read
+        import shmps
+        node.store = shmps.attach("oneread", namespace=ns)  # closed: again, to destroy
+
+
 def test_a_duplicate_batch_waits_for_the_last_rows_not_another_members_snapshot(tmp_path):
     """An owner answers a duplicate batch (a resend of one it applied) once its backups
     acknowledged the last ROWS it sent, which every copy gets.  Its ROW seq counter may
