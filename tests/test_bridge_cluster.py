@@ -175,8 +175,13 @@ def test_initial_values_wait_for_an_origin_that_reads_them_one_at_a_time(make_cl
     (refusing the batches meanwhile): all hosts hold the init= array plus every push, and
     none serves its own copy (zeros: the schema does not carry the array)."""
     slow = {"SHMPS_BRIDGE_FAILPOINTS": "slow_snapshot=0.6"}
-    c = make_cluster(3, wrap=lambda i, cmd: (["env", *(f"{k}={v}" for k, v in slow.items())]
-                                            if i == 0 else []) + cmd)
+    for _ in range(50):   # ports whose ring gives hosts 1 and 2 enough shards to read
+        c = make_cluster(3, wrap=lambda i, cmd: (["env", *(f"{k}={v}" for k, v in
+                                                           slow.items())]
+                                                if i == 0 else []) + cmd)
+        ring = Ring(c.addrs)
+        if sum(ring.owner(shard_key("wa", s)) != c.addrs[0] for s in range(16)) >= 6:
+            break
     c.start_all()
     init = np.random.default_rng(8).integers(-1000, 1000, (512, 8), dtype=np.int32)
     s0 = c.attach(0)
