@@ -294,6 +294,8 @@ def _mapping_of(path: str) -> dict:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux /proc")
+@pytest.mark.skipif(not os.path.exists("/sys/kernel/mm/transparent_hugepage"),
+                    reason="a kernel without transparent huge pages refuses MADV_HUGEPAGE")
 def test_large_segments_ask_for_huge_pages(store):
     """Shard segments of 2 MiB and more are advised MADV_HUGEPAGE (smaps VmFlags "hg")
     in the process that creates them and in one that maps them later; small shards and
