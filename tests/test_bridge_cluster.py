@@ -1018,18 +1018,27 @@ def test_lost_handover_is_asked_for_again(make_cluster, monkeypatch):
 def test_a_new_owner_that_gets_no_hand_over_serves_its_own_copy(make_cluster, monkeypatch):
     """A host joins mid-training and no hand-over ever arrives (failpoint drop_handovers:
     every one is dropped, no SYNC is answered "coming"): each new owner refuses its
-    shard's batches for HANDOVER_TIMEOUT (3 s), then serves its own copy.  That copy
-    holds the joiner's snapshot and every ROWS the previous owner sent after it, in
-    order on one connection, so no acknowledged push is missing and none is applied
-    twice: the totals are exact on every host."""
+    shard's batches for HANDOVER_TIMEOUT (3 s), then serves its own copy, whether or not
+    a batch comes (training may have ended by then).  That copy holds the joiner's
+    snapshot and every ROWS the previous owner sent after it, in order on one
+    connection, so no acknowledged push is missing and none is applied twice: the totals
+    are exact on every host, before the new owner gives up and after."""
+    from shmps.bridge.node import HANDOVER_TIMEOUT
+
     c, logs = train_through_a_join(make_cluster, monkeypatch, "drop_handovers",
                                    totals_timeout=30.0)
     dropped = set(re.findall(r"hand-over of (\S+) to (\S+) dropped", "".join(logs.values())))
-    assert dropped, c.describe()          # host 3 took shards over: hand-overs were lost
-    fell_back = set(re.findall(r"shard (\S+): no hand-over snapshot from \S+; serving from "
-                               r"this host's copy", logs[3]))
-    assert fell_back, c.describe()
-    assert fell_back <= {key for key, to in dropped if to == c.addrs[3]}, c.describe()
+    to_joiner = {key for key, to in dropped if to == c.addrs[3]}
+    assert to_joiner, c.describe()       # host 3 took shards over: their hand-overs were lost
+
+    def fell_back() -> set:
+        return set(re.findall(r"shard (\S+): no hand-over snapshot from \S+; serving from "
+                              r"this host's copy", c.logs[3].read_text(errors="replace")))
+
+    c.wait(lambda: to_joiner <= fell_back(), HANDOVER_TIMEOUT + 10,
+           f"host 3 to serve its own copy of {sorted(to_joiner)}")
+    assert fell_back() == to_joiner, c.describe()
+    wait_totals(c, [0, 1, 2, 3], 2 * 200)
     for text in logs.values():
         assert "handed over by" not in text, c.describe()
 
