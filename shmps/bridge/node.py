@@ -553,10 +553,11 @@ class Bridge:
         self._ever_acted = False                 # this host has owned shards at some time
         self._last_run = time.monotonic()        # see _check_stall
         self._join_progress_at = 0.0             # joining: next progress line (0: first)
-        #: fault injection for tests (SHMPS_BRIDGE_FAILPOINTS, comma-separated names)
-        fps = [x for x in os.environ.get("SHMPS_BRIDGE_FAILPOINTS", "").split(",") if x]
-        self._failpoints = {x.partition("=")[0] for x in fps}
-        self._failpoint_args = {k: v for k, _, v in (x.partition("=") for x in fps) if v}
+        #: fault injection for tests (SHMPS_BRIDGE_FAILPOINTS, comma-separated names, each
+        #: with an optional =argument): name -> argument ("" without one)
+        self._failpoints = {k: v for k, _, v in (
+            x.partition("=") for x in os.environ.get("SHMPS_BRIDGE_FAILPOINTS", "").split(",")
+            if x)}
         self._dropped: set[tuple] = set()
         #: reads and encodes snapshots off the event loop, one at a time, the hand-overs
         #: that new owners wait for first (_send_snapshot_now)
@@ -2153,16 +2154,15 @@ class Bridge:
                 st.snap_retry[member] = time.monotonic() + RETRY
                 self._unsettle()
             return
-        if handover and ("drop_handovers" in self._failpoints
-                         or ("drop_first_handover" in self._failpoints
-                             and key not in self._dropped)):
-            # test failpoints: the first hand-over of each shard is lost on the way (the
-            # new owner must ask again with SYNC), or every one is (and no SYNC is
-            # answered "coming": the new owner serves its own copy after HANDOVER_TIMEOUT)
+        # test failpoints: every hand-over is lost on the way (and no SYNC is answered
+        # "coming": the new owner serves its own copy after HANDOVER_TIMEOUT), or the
+        # first of each shard is (the new owner must ask again with SYNC)
+        drop = ("drop_handovers" if "drop_handovers" in self._failpoints else
+                "drop_first_handover" if ("drop_first_handover" in self._failpoints
+                                          and key not in self._dropped) else None)
+        if handover and drop:
             self._dropped.add(key)
-            log.warning("failpoint %s: hand-over of %s to %s dropped",
-                        "drop_handovers" if "drop_handovers" in self._failpoints
-                        else "drop_first_handover", st.key, member)
+            log.warning("failpoint %s: hand-over of %s to %s dropped", drop, st.key, member)
             return
         if link.stream.backlog > SNAPSHOT_START_BACKLOG:
             # the connection is busy: start later (a snapshot is queued whole, whatever
@@ -2233,7 +2233,7 @@ class Bridge:
         1`` on, the last one with ``marks``.  Touches no state of the event loop."""
         if "slow_snapshot" in self._failpoints:
             # test failpoint: a slow machine's copy of a large shard
-            delay = float(self._failpoint_args.get("slow_snapshot", SLOW_SNAPSHOT_S))
+            delay = float(self._failpoints["slow_snapshot"] or SLOW_SNAPSHOT_S)
             log.warning("failpoint slow_snapshot: reading shard %d of %r %.1f s later",
                         shard, info.name, delay)
             time.sleep(delay)
@@ -2697,17 +2697,17 @@ class Bridge:
                 # the new owner still waits for this host's hand-over (the first one was
                 # refused or lost): this host no longer applies batches, send it again;
                 # or the owner of a tensor created here asks for its initial values
-                # (it accepts them only while it waits for them: refresh_tensors).
-                # Answered BUSY, "coming": the snapshot thread reads one shard at a time,
-                # so the origin of a large model reads the initial values of its many
-                # shards one after the other, and an owner waiting for the last of them
-                # would give up after HANDOVER_TIMEOUT and serve its own copy (zeros
-                # where the origin's init= was an array)
-                # (only while this host has the data connection to send it on: the one
-                # the new owner opened, which its SYNCs come on too)
-                if peer != self.shards[key].reading:
-                    asyncio.get_running_loop().create_task(
-                        self._send_snapshot(key, peer, handover=True))
+                # (it accepts them only while it waits for them: refresh_tensors)
+                asyncio.get_running_loop().create_task(
+                    self._send_snapshot(key, peer, handover=True))
+                # Answered BUSY, "coming" (_on_sync_answer), while this host has the data
+                # connection to send it on (the one the new owner opened, which its SYNCs
+                # come on too): the snapshot thread reads one shard at a time, so the
+                # origin of a large model reads the initial values of its many shards one
+                # after the other, and an owner waiting for the last of them gave up after
+                # HANDOVER_TIMEOUT and served its own copy (zeros where the origin's init=
+                # was an array).  A read already queued or under way is not queued again
+                # (_send_snapshot_now: one read of a shard at a time)
                 if "drop_handovers" not in self._failpoints and self._out(peer) is not None:
                     reply(self._ack(f, Status.BUSY))
             else:
