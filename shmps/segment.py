@@ -21,24 +21,6 @@ MODE = 0o600
 HUGE_PAGE = 2 << 20   #: x86-64's transparent huge page: shard segments from this size ask for them
 
 
-def ask_huge_pages(mm: mmap.mmap) -> bool:
-    """Ask the kernel to back ``mm`` with transparent huge pages (MADV_HUGEPAGE); True
-    if it accepted the advice, which says nothing of following it: only where /dev/shm
-    is mounted with ``huge=advise`` does it (``within_size``/``always`` need no advice),
-    and the default mount (no ``huge=``) ignores it.  A table's rows are read and
-    written at random, one TLB miss a row in 4 KiB pages: with 2 MiB pages a 4096-key
-    push of a 64-dim float32 table took 0.8-1.0 ms instead of 1.2-1.4 ms here
-    (docs/tables.md, "Huge pages")."""
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is None:
-        return False
-    try:
-        mm.madvise(advice)
-    except OSError:   # a kernel without transparent huge pages
-        return False
-    return True
-
-
 class Segment:
     """A mapped segment: ``mm`` (mmap) and ``ptr`` (cffi ``char *`` for the C core)."""
 
@@ -110,9 +92,22 @@ class Segment:
         return cls(name, mm, size), created
 
     def ask_huge_pages(self) -> bool:
-        """A tensor shard's segment, before its first touch: huge pages if it spans one
-        (:func:`ask_huge_pages`).  Not the manifest: 8 MiB, of which a few KiB are used."""
-        return self.mm is not None and self.size >= HUGE_PAGE and ask_huge_pages(self.mm)
+        """A tensor shard's segment, before its first touch: ask the kernel to back it with
+        transparent huge pages (MADV_HUGEPAGE) if it spans one; True if it accepted the
+        advice, which says nothing of following it: only where /dev/shm is mounted with
+        ``huge=advise`` does it (``within_size``/``always`` need no advice), and the
+        default mount (no ``huge=``) ignores it.  A table's rows are read and written at
+        random, one TLB miss a row in 4 KiB pages: with 2 MiB pages a 4096-key push of a
+        64-dim float32 table took 0.8-1.0 ms instead of 1.2-1.4 ms here (docs/tables.md,
+        "Huge pages").  Not the manifest: 8 MiB, of which a few KiB are used."""
+        advice = getattr(mmap, "MADV_HUGEPAGE", None)
+        if self.mm is None or self.size < HUGE_PAGE or advice is None:
+            return False
+        try:
+            self.mm.madvise(advice)
+        except OSError:   # a kernel without transparent huge pages
+            return False
+        return True
 
     def array(self, dtype: Any, offset: int, count: int) -> np.ndarray:
         """A numpy array over ``count`` items at ``offset`` (pins the mapping)."""
