@@ -47,11 +47,6 @@ class UrgentWorker:
             self._cv.notify()
         return fut
 
-    def pending(self) -> int:
-        """Calls queued and not yet started."""
-        with self._cv:
-            return len(self._queue)
-
     def shutdown(self) -> None:
         """Cancel the queued calls, wait for the one under way, stop the thread."""
         with self._cv:
