@@ -867,6 +867,85 @@ def test_one_snapshot_read_of_a_shard_at_a_time_and_close_waits_for_it(tmp_path,
         node.store = shmps.attach("oneread", namespace=ns)  # closed: again, to destroy
 
 
+def test_rows_written_into_a_copy_while_it_is_read_void_the_read(tmp_path, monkeypatch,
+                                                                 caplog):
+    """A hand-over read (the previous owner's copy, read in the snapshot thread for the
+    new owner) is dropped if a ROWS frame is written into that copy while it is read
+    (ShardState.copied_in): the rows may or may not be in what was read, so the chunks
+    could carry a copy that is neither the one before them nor the one after.  The new
+    owner's ROWS come while it waits no longer (it gave up on the hand-over, or serves
+    batches meanwhile).  A read with no write meanwhile goes out, with the rows written
+    before it.  Each read takes 0.4 s longer (failpoint slow_snapshot).  Drives a Bridge,
+    not started, on a real store, with a real websocket connection to the new owner."""
+    from shmps.bridge import node as bridge_node, wsstream
+    from shmps.bridge.ring import shard_key
+    from test_bridge_wsstream import Server
+
+    monkeypatch.setenv("SHMPS_BRIDGE_FAILPOINTS", "slow_snapshot=0.4")
+    me, new_owner = "127.0.0.2:7001", "127.0.0.3:7001"
+    with _owner_on_a_store(tmp_path, [me, new_owner], "voided") as (node, _, _st):
+        # a tensor whose shard 0 the other member owns in this host's ring: this host
+        # hands its copy over
+        name = next(f"v{i}" for i in range(1000)
+                    if node.owner(shard_key(f"v{i}", 0)) == new_owner)
+        node.store.dense(name, (8, 4), "float32", init=0.0, optimizer="sum")
+        while node.refresh_tensors(budget=None):
+            pass
+        info = node.by_name[name]
+        key = (info.tid, 0)
+        st = node.shards[key]
+        node.store[name].push(np.full((8, 4), 5, np.float32))
+        acks: list = []
+
+        def rows_from_owner(seq: int, value: float) -> None:
+            f = frames.encode_rows(epoch=0, sender=members.member_id(new_owner),
+                                   incarnation=7, tensor=info.tid, shard=0, seq=seq,
+                                   values=np.full((8, 4), value, np.float32), start=0)
+            node.on_rows(new_owner, frames.decode(f),
+                         lambda d: acks.extend(frames.iter_frames(bytes(d))))
+
+        async def main() -> tuple:
+            async with Server() as srv:
+                client = await wsstream.connect("127.0.0.1", srv.port, "/ws",
+                                                max_msg=1 << 24, timeout=5)
+                while not srv.streams:
+                    await asyncio.sleep(0.01)
+                node.data_out[new_owner] = bridge_node.Conn(srv.streams[-1], new_owner)
+                try:
+                    got: list = []
+                    client.start(lambda d: got.append(bytes(d)) or True)
+                    read = asyncio.ensure_future(node._send_snapshot(key, new_owner,
+                                                                     handover=True))
+                    await asyncio.sleep(0.1)
+                    assert st.reading == new_owner
+                    rows_from_owner(1, 7.0)          # written while the read runs
+                    await asyncio.wait_for(read, 10)
+                    await asyncio.sleep(0.3)         # (what was sent has arrived by now)
+                    voided = list(got)
+                    # no write meanwhile: the read goes out, the rows before it in it
+                    rows_from_owner(2, 9.0)
+                    await asyncio.wait_for(node._send_snapshot(key, new_owner,
+                                                               handover=True), 10)
+                    for _ in range(100):
+                        if got:
+                            break
+                        await asyncio.sleep(0.05)
+                    return voided, [frames.decode(c) for c in got]
+                finally:
+                    client.close()
+
+        with caplog.at_level("INFO", logger="shmps.bridge"):
+            voided, chunks = asyncio.run(asyncio.wait_for(main(), 30))
+        assert [(a.status, a.seq) for a in acks] == [(Status.OK, 1), (Status.OK, 2)]
+        assert voided == []
+        assert (f"snapshot of {st.key} for {new_owner} dropped after its read: the shard "
+                "changed meanwhile") in caplog.text
+        assert len(chunks) == 1 and chunks[0].flags & frames.Flag.LAST
+        assert chunks[0].flags & frames.Flag.HANDOVER
+        np.testing.assert_array_equal(chunks[0].values.reshape(8, 4),
+                                      np.full((8, 4), 9, np.float32))
+
+
 def test_a_duplicate_batch_waits_for_the_last_rows_not_another_members_snapshot(tmp_path):
     """An owner answers a duplicate batch (a resend of one it applied) once its backups
     acknowledged the last ROWS it sent, which every copy gets.  Its ROW seq counter may
