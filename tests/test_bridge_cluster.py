@@ -1394,6 +1394,75 @@ def test_network_namespace_hosts(make_cluster):
         _netns_cleanup(tag, 3)
 
 
+def _cut(tag: str, n: int, host: int, cut: bool) -> None:
+    """Cut namespace host ``host`` off from the other hosts (blackhole routes both ways),
+    or join it again; the test process (10.77.0.1, on the Linux bridge) still reaches
+    every host."""
+    verb = "add" if cut else "del"
+    for i in range(n):
+        if i == host:
+            continue
+        for ns, dst in ((f"ns{tag}{host}", f"10.77.0.{i + 2}"),
+                        (f"ns{tag}{i}", f"10.77.0.{host + 2}")):
+            r = subprocess.run(["ip", "-n", ns, "route", verb, "blackhole", f"{dst}/32"],
+                               capture_output=True, text=True)
+            assert r.returncode == 0, r.stderr
+
+
+def test_a_host_cut_off_mid_training_holds_its_outboxes_and_rejoins(make_cluster):
+    """Three namespace hosts train; one is cut off from the other two for 3 s (its
+    packets to them and theirs to it are dropped; no process stops).  The majority counts
+    it dead and takes its shards over with a new epoch; the cut-off host, a minority of
+    one, mints no epoch, acts as owner of nothing and applies no batch, while its
+    workers' pulls still answer from its copy.  Joined again, it takes the majority's
+    ring, every host holds the same epoch, and every push of every host, the cut-off
+    host's included, is applied exactly once on every copy."""
+    tag = f"{os.getpid() % 10000}"
+    ips, why = _netns_hosts(tag, 3)
+    if ips is None:
+        pytest.skip(f"network namespaces not available here: {why}")
+    try:
+        c = make_cluster(3, ip_base=ips,
+                         wrap=lambda i, cmd: ["ip", "netns", "exec", f"ns{tag}{i}", *cmd])
+        c.start_all(30)
+        create_everywhere(c, [0, 1, 2])
+        epoch0 = c.health(0)["epoch"]
+        rounds = 250
+        procs = [c.worker(i, push_spec(rounds, sleep=0.02)) for i in range(3)]
+        time.sleep(1.0)
+        cut_epoch = c.health(2)["epoch"]
+        _cut(tag, 3, 2, True)
+        try:
+            def seen_dead() -> bool:
+                h = c.health(0) or {}
+                states = {m["address"]: m["state"] for m in h.get("members", [])}
+                return states.get(c.addrs[2]) == "dead" and h.get("epoch", 0) > epoch0
+            c.wait(seen_dead, 10, "the majority to count the cut-off host dead")
+            c.wait(lambda: not (c.health(2) or {"acting": True})["acting"], 10,
+                   "the cut-off host to stop acting")
+            applied = c.health(2)["applied"]
+            w, _, _ = pulled(c, 2)          # local pulls answer meanwhile
+            assert w.shape == (512, 8)
+            time.sleep(3.0)
+            h2 = c.health(2)
+            assert not h2["acting"] and not h2["owned"], h2
+            assert h2["epoch"] == cut_epoch, (h2["epoch"], cut_epoch)
+            assert h2["applied"] == applied, (h2["applied"], applied)
+            assert c.health(0)["acting"] and c.health(1)["acting"]
+        finally:
+            _cut(tag, 3, 2, False)
+        for p in procs:
+            out, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err.decode() + c.describe()
+        c.wait_converged(30)
+        hs = [c.health(i) for i in range(3)]
+        assert len({h["epoch"] for h in hs}) == 1 and hs[0]["epoch"] >= epoch0 + 2, hs
+        wait_totals(c, [0, 1, 2], 3 * rounds)
+        c.close()
+    finally:
+        _netns_cleanup(tag, 3)
+
+
 def test_leave_by_members_api_and_sigterm(make_cluster):
     c = make_cluster(4)
     c.start_all()
