@@ -1446,8 +1446,8 @@ def test_a_host_cut_off_mid_training_holds_its_outboxes_and_rejoins(make_cluster
             time.sleep(3.0)
             h2 = c.health(2)
             assert not h2["acting"] and not h2["owned"], h2
-            assert h2["epoch"] == cut_epoch, (h2["epoch"], cut_epoch)
-            assert h2["applied"] == applied, (h2["applied"], applied)
+            assert h2["epoch"] == cut_epoch, (h2["epoch"], cut_epoch, c.describe())
+            assert h2["applied"] == applied, (h2["applied"], applied, c.describe())
             assert c.health(0)["acting"] and c.health(1)["acting"]
         finally:
             _cut(tag, 3, 2, False)

@@ -350,6 +350,38 @@ def test_cut_off_host_never_dies_to_itself_and_mints_no_epoch():
     assert not m.observe_epoch(3) and m.epoch == 7
 
 
+def test_a_host_cut_off_counts_its_peers_dead_one_at_a_time_and_mints_no_epoch():
+    """A host cut off from both others hears neither again; the one heard last goes dead
+    a little after the first, and is suspect by then: no majority heard within
+    suspect_after, so no epoch.  (Suspects counted: this host and the suspect made 2 of 3,
+    it minted epoch 1 on a ring of the two, the number the real majority minted for its
+    own ring; back, it minted epoch 2 with a peer it counted joining, and the majority
+    took that over: every other host joining, this host's stale copies owning every
+    shard, flushes that never returned.  test_bridge_cluster's network cut, 2026-11-26.)
+    A peer that dies while another is only suspect under load is ratified as soon as
+    that one is heard: the failover waits a heartbeat, no more."""
+    m = Membership(THREE, "c:3", now=0.0)             # dead_after 0.5, suspect_after 0.25
+    m.heartbeat("a:1", 0.0)
+    m.heartbeat("b:2", 0.1)                           # the last heartbeats before the cut
+    m.tick(0.5)
+    assert m.state("a:1") is State.DEAD and m.state("b:2") is State.SUSPECT
+    assert m.has_quorum() and not m.can_mint() and m.epoch == 0
+    m.tick(0.6)
+    assert m.live() == ("c:3",) and m.epoch == 0 and not m.has_quorum()
+    # the other way round: a dies while b is suspect (a late heartbeat), then b is heard
+    m2 = Membership(THREE, "c:3", now=0.0)
+    m2.heartbeat("b:2", 0.1)
+    m2.tick(0.5)
+    assert m2.state("a:1") is State.DEAD and m2.state("b:2") is State.SUSPECT
+    assert m2.epoch == 0
+    m2.heartbeat("b:2", 0.55)
+    assert m2.can_mint() and m2.epoch == 1 and m2.live() == ("b:2", "c:3")
+    # allow_minority mints alone, as before
+    m3 = Membership(THREE, "c:3", now=0.0, allow_minority=True)
+    m3.tick(0.6)
+    assert m3.epoch == 1 and m3.live() == ("c:3",)
+
+
 def test_a_joining_host_that_counts_a_peer_dead_mints_no_epoch():
     """A joining host (copying its shards, on no ring) that counts a slow peer dead
     changes its view but mints no epoch, and the peer heard again is alive, on the ring
@@ -1036,7 +1068,8 @@ OPS = st.lists(st.tuples(st.sampled_from(["hb", "tick", "ready", "leave", "join"
 @given(OPS)
 def test_epoch_bumps_exactly_when_the_live_set_changes(ops):
     """Under any sequence of events the epoch rises by one when a change leaves the live set
-    different from the epoch's (epoch_live) with a majority and this host on it, which
+    different from the epoch's (epoch_live) with a majority heard from within
+    suspect_after and this host on it, which
     then becomes the epoch's live set, else stays; silence never kills self; nobody heard from within
     suspect_after is suspect or dead."""
     m = Membership(["a:1", "b:2", "c:3", "d:4", "e:5"], "a:1", now=0.0)
@@ -1056,8 +1089,12 @@ def test_epoch_bumps_exactly_when_the_live_set_changes(ops):
             {"ready": m.mark_ready, "leave": m.mark_leaving, "join": m.mark_joining,
              "remove": m.remove}[op](who)
             self_removed |= who == "a:1" and op in ("remove", "leave")
-        bumped = (frozenset(m.live()) != before_epoch_live and m.has_quorum()
-                  and "a:1" in m.live())   # only a host on the ring mints
+        # minted with a majority heard from within suspect_after (suspects do not
+        # count), only by a host on the ring
+        heard = {x for x, s in m.states().items() if s not in (State.DEAD, State.SUSPECT)}
+        majority = 2 * len(heard & set(m.configured)) > len(m.configured)
+        bumped = (frozenset(m.live()) != before_epoch_live and majority
+                  and "a:1" in m.live())
         assert m.epoch == before_epoch + bumped
         assert m.epoch_live == (frozenset(m.live()) if bumped else before_epoch_live)
         assert self_removed or m.state("a:1") is not State.DEAD

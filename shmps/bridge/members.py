@@ -35,10 +35,11 @@ leaving     :meth:`Membership.remove`                   dead (or dropped)
 
 The **live set** (members on the ring) is alive + suspect + leaving. The **epoch** bumps
 by one whenever the live set differs from the one the current epoch stands for
-(:attr:`Membership.epoch_live`) while this host reaches a majority and is on the ring
-itself (a host cut off from the majority, or a joining one, changes its view but mints
-no epoch, so it cannot come back with an epoch that overrides the majority's), and never
-goes down. A host that hears a
+(:attr:`Membership.epoch_live`) while a majority of the members was heard from within
+``suspect_after`` (:meth:`Membership.can_mint`: suspects do not count) and this host is
+on the ring itself (a host cut off from the majority, or a joining one, changes its view
+but mints no epoch, so it cannot come back with an epoch that overrides the majority's),
+and never goes down. A host that hears a
 majority member with a higher epoch takes over that member's view with
 :meth:`Membership.adopt`.
 """
@@ -331,6 +332,27 @@ class Membership:
             return bool(v)
         return self._majority(reachable)
 
+    def can_mint(self) -> bool:
+        """True if the members heard from within ``suspect_after`` (every state but dead
+        and suspect, self included) hold a strict majority of the configured members, or
+        ``allow_minority`` is set: the majority an epoch is minted with.  Stricter than
+        :meth:`has_quorum` (which counts suspects), so that a host cut off from the
+        others, which counts them dead one at a time, mints nothing: when the first
+        goes dead the second has been silent almost as long, so it is suspect, not a
+        member of a majority with this host.  (Counted in, it made a majority of 3 with
+        the cut-off host, which minted the epoch number the real majority minted too,
+        for another ring; back, it minted the next one with a peer it counted joining
+        and the majority took that ring over: every host but it joining, its stale
+        copies owning every shard, flushes that never returned.  A network cut test,
+        2026-11-26.) O(n)."""
+        if self.allow_minority:
+            return True
+        v = self._views.get("mint")
+        if v is None:
+            v = self._views["mint"] = self._majority(
+                m for m, s in self._state.items() if s not in (State.DEAD, State.SUSPECT))
+        return bool(v)
+
     def _majority(self, reachable: Iterable[str]) -> bool:
         base = set(self._configured)
         return 2 * len(set(reachable) & base) > len(base)
@@ -348,7 +370,7 @@ class Membership:
         # that counted a slow peer dead minted an epoch the majority never takes over (its
         # heartbeats carry no quorum flag), and then ignored the majority's heartbeats of
         # the lower epoch it should follow: it copied from a ring of its own for good
-        if (live != self.epoch_live and self.has_quorum()
+        if (live != self.epoch_live and self.can_mint()
                 and (self.self_addr is None or self.self_addr in live)):
             self.epoch += 1
             self.epoch_live = live
