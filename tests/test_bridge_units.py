@@ -477,12 +477,13 @@ def test_leaving_and_rejoining_transitions():
     assert m.state("c:3") is State.DEAD
 
 
-def _heartbeat(sender: str, epoch: int, view: dict) -> frames.Heartbeat:
-    """A decoded HEARTBEAT from ``sender`` at ``epoch`` with quorum and ``view``."""
+def _heartbeat(sender: str, epoch: int, view: dict,
+               flags: int = frames.HB_QUORUM) -> frames.Heartbeat:
+    """A decoded HEARTBEAT from ``sender`` at ``epoch`` with ``view`` (and quorum)."""
     live = [m for m, s in view.items() if s in (State.ALIVE, State.SUSPECT, State.LEAVING)]
     return frames.decode(frames.encode_heartbeat(
         epoch=epoch, sender=members.member_id(sender), incarnation=7, seq=1,
-        digest=ring.Ring(live).digest, sent_ms=0, hb_flags=frames.HB_QUORUM,
+        digest=ring.Ring(live).digest, sent_ms=0, hb_flags=flags,
         members=[(members.member_id(m), st.code) for m, st in sorted(view.items())]))
 
 
@@ -536,6 +537,40 @@ def test_a_host_back_from_a_partition_takes_the_majoritys_ring_not_its_own(tmp_p
     assert node.members.epoch == 1
     assert node.ring.digest == ring.Ring([a, b]).digest, node.members.states()
     assert node.members.state(c) is State.JOINING and not node.acting()
+
+
+def test_a_host_back_from_a_cut_takes_over_the_ring_a_majority_owns_by_at_its_epoch(
+        tmp_path):
+    """Host C of {A, B, C} minted epoch 1 on the ring {B, C} without a majority agreeing
+    to it (A went dead while B was still heard; then B went dead too: C's ring is {C} at
+    epoch 1), while A and B minted epoch 1 on {A, B} and own shards by it.  Heard again,
+    A's heartbeat says so (HB_ACTING at C's epoch, another ring): C takes A's view over
+    (E3b), joining, before A counts.  Without that, C counted A joining on its own ring,
+    had a majority with it and minted epoch 2 on the ring {C}, which A and B took over
+    (E3): every host but C joining, C's stale copies owning every shard.  A host that owns
+    by its own ring at the epoch keeps it."""
+    a, b, c = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
+    node = _bridge(tmp_path, [c, a, b])
+    everyone = {a: State.ALIVE, b: State.ALIVE, c: State.ALIVE}
+    for p in (a, b):
+        node.on_heartbeat(p, _heartbeat(p, 0, everyone))
+    assert node.members.epoch == 0 and node.acting()
+    # an acting peer on another ring at the epoch this host owns by: nothing changes
+    node.on_heartbeat(b, _heartbeat(b, 0, {a: State.DEAD, b: State.ALIVE, c: State.ALIVE},
+                                    frames.HB_QUORUM | frames.HB_ACTING))
+    assert node.ring.digest == ring.Ring([a, b, c]).digest and node.acting()
+    node._on_changes(node.members.mark_dead(a))          # B still heard: a majority
+    assert node.members.epoch == 1 and node.ring.digest == ring.Ring([b, c]).digest
+    assert not node.acting()                              # nobody agreed to it
+    node.members.tick(now=time.monotonic() + 10 * node.cfg.dead_after)   # cut off
+    assert node.members.live() == (c,) and node.members.epoch == 1
+    majority = {a: State.ALIVE, b: State.ALIVE, c: State.DEAD}
+    node.on_heartbeat(a, _heartbeat(a, 1, majority, frames.HB_QUORUM | frames.HB_ACTING))
+    assert node.members.epoch == 1
+    assert node.ring.digest == ring.Ring([a, b]).digest, node.members.states()
+    assert node.members.state(c) is State.JOINING and not node.acting()
+    node.on_heartbeat(b, _heartbeat(b, 1, majority, frames.HB_QUORUM | frames.HB_ACTING))
+    assert node.members.epoch == 1 and node.members.state(c) is State.JOINING
 
 
 def _sending_stream(tmp_path):

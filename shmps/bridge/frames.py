@@ -118,7 +118,8 @@ _ALLOWED_FLAGS = {
 HB_QUORUM = 1       #: heartbeat flag: the sender reaches a majority
 HB_READY = 2        #: heartbeat flag: a joining sender has copied its shards
 HB_HANDED_OVER = 4  #: heartbeat flag: a leaving sender has handed its shards over
-_HB_FLAGS = HB_QUORUM | HB_READY | HB_HANDED_OVER
+HB_ACTING = 8       #: heartbeat flag: the sender owns shards at this epoch on this ring
+_HB_FLAGS = HB_QUORUM | HB_READY | HB_HANDED_OVER | HB_ACTING
 
 # the members of each enum by value: a dict lookup per decoded field, where calling the
 # enum (FrameType(x)) took ~0.8 us each, three to four times a frame
@@ -222,7 +223,7 @@ class Heartbeat(FrameHeader):
 
     digest: int                                 #: ring digest of the sender's live set
     sent_ms: int                                #: sender's wall clock, ms since 1970
-    hb_flags: int                               #: HB_QUORUM | HB_READY | HB_HANDED_OVER
+    hb_flags: int                               #: HB_QUORUM | HB_READY | HB_HANDED_OVER | HB_ACTING
     members: tuple[tuple[int, int], ...]        #: (member id, state code 1..5)
 
 
@@ -896,7 +897,7 @@ def check_schema(frame: Data, *, dtype: object, cols: int, nrows: int | None = N
 
 
 __all__ = ["Ack", "BadFrame", "CODE_DTYPES", "DEFAULT_LIMITS", "DTYPE_CODES", "Data", "Flag",
-           "Frame", "FrameHeader", "FrameType", "HB_HANDED_OVER", "HB_QUORUM", "HB_READY",
+           "Frame", "FrameHeader", "FrameType", "HB_ACTING", "HB_HANDED_OVER", "HB_QUORUM", "HB_READY",
            "HEADER", "Heartbeat", "Layout", "Limits", "MAGIC", "MAX_FRAME_BYTES", "Mark",
            "RowsBuilder", "Status", "Sync", "VERSION", "check_schema", "data_payload_bytes", "decode",
            "encode_ack", "encode_batch", "encode_heartbeat", "encode_rows", "encode_snapshot",

@@ -551,6 +551,7 @@ class Bridge:
         self._incarnations: dict[str, int] = {}
         self._initial = set(configured)
         self._ever_acted = False                 # this host has owned shards at some time
+        self._acted_at: tuple = (-1, b"")        # (epoch, ring digest) it last owned shards at
         self._last_run = time.monotonic()        # see _check_stall
         self._join_progress_at = 0.0             # joining: next progress line (0: first)
         #: fault injection for tests (SHMPS_BRIDGE_FAILPOINTS, comma-separated names, each
@@ -855,7 +856,9 @@ class Bridge:
         partition, hearing one peer first); the agreement keeps either from owning a
         shard by a ring that no majority holds."""
         ok = self.speaks_for_majority() and self._ring_agreed()
-        self._ever_acted = self._ever_acted or ok
+        if ok:
+            self._ever_acted = True
+            self._acted_at = (self.members.epoch, self.ring.digest)
         return ok
 
     def _ring_agreed(self) -> bool:
@@ -1032,6 +1035,8 @@ class Bridge:
                 flags |= frames.HB_READY
             if self.handed_over:
                 flags |= frames.HB_HANDED_OVER
+            if self.acting():
+                flags |= frames.HB_ACTING   # a majority agrees to this ring at this epoch
             hb = frames.encode_heartbeat(
                 epoch=self.members.epoch, sender=self.mid, incarnation=self.incarnation,
                 seq=self.hb_seq, digest=self.ring.digest, sent_ms=int(time.time() * 1000),
@@ -1122,6 +1127,25 @@ class Bridge:
                 view[self.addr] = State.JOINING
             self._on_changes(self.members.adopt(view, hb.epoch))
             self.grace_until = min(self.grace_until, time.monotonic())
+            adopted = True
+        elif ((hb.hb_flags & frames.HB_ACTING) and hb.epoch == self.members.epoch
+              and hb.digest != self.ring.digest
+              and self._acted_at != (self.members.epoch, self.ring.digest)):
+            # E3b: the peer owns shards at this host's epoch on another ring, so a majority
+            # agreed to that ring at this number; this host never owned by its own ring at
+            # it, which it minted or changed without one (back from a cut, say).  Its view
+            # is taken over as a newer epoch's would be, before this heartbeat counts the
+            # peer: counted joining on this host's ring, the peer made a majority with it,
+            # and this host minted the next epoch on a ring of itself, which the majority
+            # then took over (E3): every other host joining, this host's stale copies
+            # owning every shard (the network-cut test, 2026-11-26)
+            if self.leaving:
+                view[self.addr] = State.LEAVING
+            elif view.get(self.addr) not in (State.ALIVE, State.SUSPECT):
+                view[self.addr] = State.JOINING
+            log.info("taking over %s's ring at epoch %d: it owns shards by it, this host "
+                     "never did by its own", peer, hb.epoch)
+            self._on_changes(self.members.adopt(view, hb.epoch, same_epoch=True))
             adopted = True
         self._on_changes(self.members.heartbeat(peer))
         if (self.members.epoch == 0 and not self._ever_acted and peer in self._initial
