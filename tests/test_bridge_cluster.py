@@ -4,6 +4,7 @@ shared-memory namespace; workers are separate processes (tests/bridge_worker.py)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -1370,18 +1371,30 @@ def _netns_cleanup(tag: str, n: int) -> None:
     subprocess.run(["ip", "link", "del", f"br{tag}"], capture_output=True)
 
 
-def test_network_namespace_hosts(make_cluster):
-    """Three hosts in their own network namespaces with their own addresses (10.77.0.x),
-    talking over veth pairs and a bridge, with a secret (they are not on loopback)."""
+@contextlib.contextmanager
+def _netns_cluster(make_cluster, n: int):
+    """``n`` bridges, each in a network namespace of its own (``_netns_hosts``), started
+    and forwarding the test tensors: yields (cluster, tag); skips the test where the
+    machine does not allow namespaces."""
     tag = f"{os.getpid() % 10000}"
-    ips, why = _netns_hosts(tag, 3)
+    ips, why = _netns_hosts(tag, n)
     if ips is None:
         pytest.skip(f"network namespaces not available here: {why}")
     try:
-        c = make_cluster(3, ip_base=ips,
+        c = make_cluster(n, ip_base=ips,
                          wrap=lambda i, cmd: ["ip", "netns", "exec", f"ns{tag}{i}", *cmd])
         c.start_all(30)
-        create_everywhere(c, [0, 1, 2])
+        create_everywhere(c, list(range(n)))
+        yield c, tag
+        c.close()
+    finally:
+        _netns_cleanup(tag, n)
+
+
+def test_network_namespace_hosts(make_cluster):
+    """Three hosts in their own network namespaces with their own addresses (10.77.0.x),
+    talking over veth pairs and a bridge, with a secret (they are not on loopback)."""
+    with _netns_cluster(make_cluster, 3) as (c, _):
         procs = [c.worker(i, push_spec(20)) for i in range(3)]
         for p in procs:
             out, err = p.communicate(timeout=120)
@@ -1389,9 +1402,6 @@ def test_network_namespace_hosts(make_cluster):
         wait_totals(c, [0, 1, 2], 3 * 20)
         # every peer address seen in /health is a namespace address, not loopback
         assert all(m["address"].startswith("10.77.0.") for m in c.health(0)["members"])
-        c.close()
-    finally:
-        _netns_cleanup(tag, 3)
 
 
 def _cut(tag: str, n: int, host: int, cut: bool) -> None:
@@ -1417,15 +1427,7 @@ def test_a_host_cut_off_mid_training_holds_its_outboxes_and_rejoins(make_cluster
     workers' pulls still answer from its copy.  Joined again, it takes the majority's
     ring, every host holds the same epoch, and every push of every host, the cut-off
     host's included, is applied exactly once on every copy."""
-    tag = f"{os.getpid() % 10000}"
-    ips, why = _netns_hosts(tag, 3)
-    if ips is None:
-        pytest.skip(f"network namespaces not available here: {why}")
-    try:
-        c = make_cluster(3, ip_base=ips,
-                         wrap=lambda i, cmd: ["ip", "netns", "exec", f"ns{tag}{i}", *cmd])
-        c.start_all(30)
-        create_everywhere(c, [0, 1, 2])
+    with _netns_cluster(make_cluster, 3) as (c, tag):
         epoch0 = c.health(0)["epoch"]
         rounds = 250
         procs = [c.worker(i, push_spec(rounds, sleep=0.02)) for i in range(3)]
@@ -1458,9 +1460,6 @@ def test_a_host_cut_off_mid_training_holds_its_outboxes_and_rejoins(make_cluster
         hs = [c.health(i) for i in range(3)]
         assert len({h["epoch"] for h in hs}) == 1 and hs[0]["epoch"] >= epoch0 + 2, hs
         wait_totals(c, [0, 1, 2], 3 * rounds)
-        c.close()
-    finally:
-        _netns_cleanup(tag, 3)
 
 
 def test_leave_by_members_api_and_sigterm(make_cluster):
