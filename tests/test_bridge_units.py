@@ -511,6 +511,18 @@ def test_pushes_a_drain_recorded_lost_are_logged_and_counted(tmp_path, caplog):
     assert [r.args[:3] for r in caplog.records] == [("w", 0, 3), ("e", 2, 1)]
 
 
+def _host_c_of_three(tmp_path):
+    """A Bridge (not started) for host C of {A, B, C}, acting at epoch 0 on the ring of
+    the three (it heard A and B): (node, a, b, c)."""
+    a, b, c = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
+    node = _bridge(tmp_path, [c, a, b])
+    everyone = {a: State.ALIVE, b: State.ALIVE, c: State.ALIVE}
+    for p in (a, b):
+        node.on_heartbeat(p, _heartbeat(p, 0, everyone))
+    assert node.members.epoch == 0 and node.acting()
+    return node, a, b, c
+
+
 def test_a_host_back_from_a_partition_takes_the_majoritys_ring_not_its_own(tmp_path):
     """Host C of {A, B, C} counted A and B dead without a majority (no epoch minted),
     while A and B moved on to epoch 1 without C.  When B is heard again, C takes over
@@ -520,12 +532,7 @@ def test_a_host_back_from_a_partition_takes_the_majoritys_ring_not_its_own(tmp_p
     epoch; with replicas 1, C would acknowledge its own workers' pushes on shards the
     majority gives to A or B).  A data frame from a dead peer does not count it alive:
     only its heartbeat, which carries its view, does."""
-    a, b, c = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
-    node = _bridge(tmp_path, [c, a, b])
-    everyone = {a: State.ALIVE, b: State.ALIVE, c: State.ALIVE}
-    for p in (a, b):
-        node.on_heartbeat(p, _heartbeat(p, 0, everyone))
-    assert node.members.epoch == 0 and node.acting()
+    node, a, b, c = _host_c_of_three(tmp_path)
     node.members.tick(now=time.monotonic() + 10 * node.cfg.dead_after)   # cut off
     assert node.members.state(a) is node.members.state(b) is State.DEAD
     assert not node.acting() and node.members.epoch == 0
@@ -549,12 +556,7 @@ def test_a_host_back_from_a_cut_takes_over_the_ring_a_majority_owns_by_at_its_ep
     had a majority with it and minted epoch 2 on the ring {C}, which A and B took over
     (E3): every host but C joining, C's stale copies owning every shard.  A host that owns
     by its own ring at the epoch keeps it."""
-    a, b, c = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
-    node = _bridge(tmp_path, [c, a, b])
-    everyone = {a: State.ALIVE, b: State.ALIVE, c: State.ALIVE}
-    for p in (a, b):
-        node.on_heartbeat(p, _heartbeat(p, 0, everyone))
-    assert node.members.epoch == 0 and node.acting()
+    node, a, b, c = _host_c_of_three(tmp_path)
     # an acting peer on another ring at the epoch this host owns by: nothing changes
     node.on_heartbeat(b, _heartbeat(b, 0, {a: State.DEAD, b: State.ALIVE, c: State.ALIVE},
                                     frames.HB_QUORUM | frames.HB_ACTING))
@@ -571,6 +573,31 @@ def test_a_host_back_from_a_cut_takes_over_the_ring_a_majority_owns_by_at_its_ep
     assert node.members.state(c) is State.JOINING and not node.acting()
     node.on_heartbeat(b, _heartbeat(b, 1, majority, frames.HB_QUORUM | frames.HB_ACTING))
     assert node.members.epoch == 1 and node.members.state(c) is State.JOINING
+
+
+def test_a_host_back_in_a_majority_listens_before_it_acts(tmp_path, caplog):
+    """Host C of {A, B, C}, cut off (A and B dead to it, no majority), is reached again,
+    and what it hears first is a heartbeat A sent early in the cut (TCP delivers it
+    now): epoch 0, the old ring, A acting by it.  C takes that view (E3b: it never owned
+    by its own ring of itself) but does not act: back in a majority, it listens for
+    dead_after first, as after a stall.  (It acted: A's and B's last heartbeats agreed to
+    the old ring, so C owned its old shards by its stale copy until the newer heartbeat
+    came, applied its workers' held pushes to that copy and acknowledged them; the
+    hand-over replaced the copy and those pushes were lost.)  A's current heartbeat
+    (epoch 1, C dead) then makes C joining."""
+    node, a, b, c = _host_c_of_three(tmp_path)
+    node._on_changes(node.members.tick(now=time.monotonic() + 10 * node.cfg.dead_after))
+    assert node.members.live() == (c,) and not node.acting()              # cut off
+    old = {a: State.ALIVE, b: State.ALIVE, c: State.ALIVE}
+    with caplog.at_level("WARNING", logger="shmps.bridge"):
+        node.on_heartbeat(a, _heartbeat(a, 0, old, frames.HB_QUORUM | frames.HB_ACTING))
+    assert node.members.live() == (a, b, c) and node.members.epoch == 0
+    assert not node.acting() and node.grace_until > time.monotonic() + 0.3
+    assert "back in a majority (epoch 0)" in caplog.text
+    node.on_heartbeat(a, _heartbeat(a, 1, {a: State.ALIVE, b: State.ALIVE, c: State.DEAD},
+                                    frames.HB_QUORUM | frames.HB_ACTING))
+    assert node.members.epoch == 1 and node.members.state(c) is State.JOINING
+    assert node.ring.digest == ring.Ring([a, b]).digest and not node.acting()
 
 
 def _sending_stream(tmp_path):
@@ -1011,6 +1038,120 @@ def test_rows_written_into_a_copy_while_it_is_read_void_the_read(tmp_path, monke
         assert chunks[0].flags & frames.Flag.HANDOVER
         np.testing.assert_array_equal(chunks[0].values.reshape(8, 4),
                                       np.full((8, 4), 9, np.float32))
+
+
+def test_a_hand_over_from_the_owner_at_no_newer_epoch_is_refused(tmp_path):
+    """A copy takes a SNAPSHOT marked as a hand-over from the shard's owner in its ring
+    only if the sender is at a newer epoch (it hands over by a ring this host has not
+    seen yet).  One at this host's epoch or older was read for a ring this host has
+    left, and the sender owns the shard now: taken, it replaced this copy and its
+    duplicate filter with a stale copy's, which this host then handed to the sender
+    (pushes lost, a filter asking for long-acknowledged seqs: GAP for good; the network
+    cut test, 2026-11-26).  Drives a Bridge, not started, on a real store."""
+    from shmps.bridge.ring import shard_key
+
+    me, other = "127.0.0.2:7001", "127.0.0.3:7001"
+    with _owner_on_a_store(tmp_path, [me, other], "stalehand") as (node, _, _st):
+        name = next(f"v{i}" for i in range(1000)
+                    if node.owner(shard_key(f"v{i}", 0)) == other)
+        node.store.dense(name, (8, 4), "float32", init=0.0, optimizer="sum")
+        while node.refresh_tensors(budget=None):
+            pass
+        info = node.by_name[name]
+        st = node.shards[(info.tid, 0)]
+        node.store[name].push(np.full((8, 4), 5, np.float32))
+        mine = members.member_id(me)
+        st.dedup.advance((mine, 7, info.tid, 0), 200)
+        got: list = []
+
+        def hand_over(epoch: int, value: float) -> Status:
+            f = frames.encode_snapshot(epoch=epoch, sender=members.member_id(other),
+                                       incarnation=7, tensor=info.tid, shard=0, seq=1,
+                                       values=np.full((8, 4), value, np.float32), start=0,
+                                       marks=[Mark(mine, 7, 15)], last=True, handover=True)
+            node.on_rows(other, frames.decode(f),
+                         lambda d: got.extend(frames.iter_frames(bytes(d))))
+            return got[-1].status
+
+        assert node.members.epoch == 0
+        assert hand_over(0, 1.0) is Status.NOT_OWNER
+        np.testing.assert_array_equal(node.store[name].pull(), np.full((8, 4), 5, np.float32))
+        assert st.dedup.floor((mine, 7, info.tid, 0)) == 200
+        # from a sender ahead of this host: the hand-over to a ring it has not seen yet
+        assert hand_over(1, 3.0) is Status.OK
+        np.testing.assert_array_equal(node.store[name].pull(), np.full((8, 4), 3, np.float32))
+        assert st.handover_done[0] == other
+
+
+def test_rows_from_an_owners_earlier_tenure_are_refused(tmp_path):
+    """The owner of a shard in this host's ring is cut off and dies to it (another host
+    owns the shard at epoch 1), then is back and owns it again at epoch 2.  ROWS it sent
+    in its first tenure (stamped epoch 0; TCP delivers them once the cut heals) are
+    refused: they would write its copy of then over the rows applied meanwhile.  Its
+    ROWS of epoch 2 are taken.  Drives a Bridge, not started, on a real store."""
+    from shmps.bridge.ring import shard_key
+
+    me, other, third = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
+    with _owner_on_a_store(tmp_path, [me, other, third], "tenure") as (node, _, _st):
+        name = next(f"v{i}" for i in range(1000)
+                    if node.owner(shard_key(f"v{i}", 0)) == other)
+        node.store.dense(name, (8, 4), "float32", init=0.0, optimizer="sum")
+        while node.refresh_tensors(budget=None):
+            pass
+        info = node.by_name[name]
+        st = node.shards[(info.tid, 0)]
+        node.store[name].push(np.full((8, 4), 5, np.float32))
+        got: list = []
+
+        def rows(epoch: int, seq: int, value: float) -> Status:
+            f = frames.encode_rows(epoch=epoch, sender=members.member_id(other),
+                                   incarnation=7, tensor=info.tid, shard=0, seq=seq,
+                                   values=np.full((8, 4), value, np.float32), start=0)
+            node.on_rows(other, frames.decode(f),
+                         lambda d: got.extend(frames.iter_frames(bytes(d))))
+            return got[-1].status
+
+        async def away_and_back() -> None:
+            node._on_changes(node.members.mark_dead(other))          # epoch 1 without it
+            assert node.members.epoch == 1 and node.owner(st.key) != other
+            node._on_changes(node.members.heartbeat(other))          # back: joining
+            node._on_changes(node.members.mark_ready(other))         # epoch 2: owner again
+            await asyncio.sleep(0)
+
+        assert rows(0, 1, 1.0) is Status.OK                           # its first tenure
+        asyncio.run(away_and_back())
+        assert node.members.epoch == 2 and node.owner(st.key) == other
+        assert st.owner_since == 2
+        assert rows(0, 2, 7.0) is Status.NOT_OWNER                    # from back then
+        np.testing.assert_array_equal(node.store[name].pull(), np.full((8, 4), 1, np.float32))
+        assert rows(2, 3, 9.0) is Status.OK
+        np.testing.assert_array_equal(node.store[name].pull(), np.full((8, 4), 9, np.float32))
+
+
+def test_a_host_listening_after_a_cut_hands_nothing_over(tmp_path):
+    """A host that leaves a shard's ownership hands its copy over to the new owner,
+    unless it is listening after a stall or a cut (grace): the ring it leaves then is
+    one it took from heartbeats buffered during the cut, by a copy from before it.
+    Drives a Bridge, not started, on a real store."""
+    me, other = "127.0.0.2:7001", "127.0.0.3:7001"
+    with _owner_on_a_store(tmp_path, [me, other], "nohand") as (node, info, st):
+        key = (info.tid, 0)
+        sent: list = []
+
+        async def record(k, member, handover=False) -> None:
+            sent.append((k, member, handover))
+
+        node._send_snapshot = record
+
+        async def leave(grace: float) -> None:
+            node.grace_until = time.monotonic() + grace
+            node._role_change(key, [me, other], [other, me])
+            await asyncio.sleep(0.01)
+
+        asyncio.run(leave(1.0))
+        assert sent == []
+        asyncio.run(leave(0.0))
+        assert sent == [(key, other, True)]
 
 
 def test_a_duplicate_batch_waits_for_the_last_rows_not_another_members_snapshot(tmp_path):

@@ -206,6 +206,8 @@ class ShardState:
     sync_sent_at: float = 0.0                            # joining: last SYNC request
     snap_retry: dict = field(default_factory=dict)       # member -> no snapshot before
     snapshots_received: int = 0
+    owner_since: int = 0                                 # epoch its owner last changed in this
+                                                         # host's view (ROWS of older ones are stale)
 
 
 @dataclass
@@ -552,6 +554,7 @@ class Bridge:
         self._initial = set(configured)
         self._ever_acted = False                 # this host has owned shards at some time
         self._acted_at: tuple = (-1, b"")        # (epoch, ring digest) it last owned shards at
+        self._had_quorum = self.members.has_quorum()   # at the last membership change
         self._last_run = time.monotonic()        # see _check_stall
         self._join_progress_at = 0.0             # joining: next progress line (0: first)
         #: fault injection for tests (SHMPS_BRIDGE_FAILPOINTS, comma-separated names, each
@@ -876,6 +879,22 @@ class Bridge:
         if not changes:
             self._heartbeat_if_new()
             return
+        quorum = self.members.has_quorum()
+        if quorum and not self._had_quorum and self._ever_acted:
+            # Back in a majority after being cut off from it.  The first heartbeats heard
+            # may be ones the peers sent early in the cut, which TCP delivers now, with an
+            # epoch and a ring they have left since: counted, they revived the peers on
+            # the old ring and agreed to it, so this host owned its old shards by its
+            # stale copy for the few ms until the newer heartbeats came (it applied its
+            # own workers' held pushes to that copy and acknowledged them; the hand-over
+            # that followed replaced the copy, and those pushes were gone: the network
+            # cut test, 2026-11-26).  Like a process back from a stall, it listens for
+            # dead_after before acting, and a newer view makes it copy its shards first
+            log.warning("back in a majority (epoch %d): listening for the cluster's view "
+                        "for %.0f ms before acting", self.members.epoch,
+                        self.cfg.dead_after * 1e3)
+            self.grace_until = max(self.grace_until, time.monotonic() + self.cfg.dead_after)
+        self._had_quorum = quorum
         live = self.members.live()
         if tuple(self.ring.members) != tuple(live):
             old = self.ring
@@ -921,6 +940,8 @@ class Bridge:
     def _role_change(self, key: tuple, old: Optional[list], new: list) -> None:
         st = self.shards[key]
         st.first_seen.clear()   # (on_batch) a probe of an earlier role could stall a stream
+        if (old[0] if old else None) != (new[0] if new else None):
+            st.owner_since = self.members.epoch   # (on_rows) a new owner's tenure
         was = bool(old) and old[0] == self.addr
         now = bool(new) and new[0] == self.addr
         if was and not now:
@@ -931,8 +952,16 @@ class Bridge:
             st.snapshotting.clear()
             st.handover_from = None   # only an owner waits for a hand-over
             # (a host that never acted owned nothing: a joiner's first ring counted it
-            # in before it heard the cluster's view)
-            if new and new[0] in self.members.reachable() and self._ever_acted:
+            # in before it heard the cluster's view; nor does one listening after a stall
+            # or a cut (grace): the ring it leaves is one it took from buffered
+            # heartbeats, and its copy is from before the cut.  Such a hand-over of a
+            # stale copy reached a host that had since made the sender the owner, which
+            # took it as the owner's copy, dropped its own, and handed that over in
+            # turn: pushes applied during the cut were gone, and the new owner's
+            # duplicate filter, from before the cut, asked for seqs long acknowledged,
+            # GAP after GAP, for good: the network cut test, 2026-11-26)
+            if (new and new[0] in self.members.reachable() and self._ever_acted
+                    and time.monotonic() >= self.grace_until):
                 asyncio.get_running_loop().create_task(self._send_snapshot(key, new[0],
                                                                            handover=True))
         elif now and not was:
@@ -1141,7 +1170,8 @@ class Bridge:
             # owning every shard (the network-cut test, 2026-11-26)
             if self.leaving:
                 view[self.addr] = State.LEAVING
-            elif view.get(self.addr) not in (State.ALIVE, State.SUSPECT):
+            elif (view.get(self.addr) not in (State.ALIVE, State.SUSPECT)
+                    or time.monotonic() < self.grace_until):
                 view[self.addr] = State.JOINING
             log.info("taking over %s's ring at epoch %d: it owns shards by it, this host "
                      "never did by its own", peer, hb.epoch)
@@ -2072,6 +2102,22 @@ class Bridge:
         handover = st.handover_from == peer
         if (peer != owner or owner == self.addr) and not handover:
             return self._refuse(f, reply, Status.NOT_OWNER, "not_owner")
+        if not handover and f.epoch < st.owner_since:
+            # Sent by the owner in an earlier tenure: it owned the shard, lost it, and
+            # owns it again in this host's view since st.owner_since.  Its frames from
+            # back then (buffered while it was cut off, and delivered by TCP once the cut
+            # healed) would write its copy of then over the rows the owner in between
+            # applied to (pushes lost on every copy, after this host handed its copy on:
+            # the network cut test, 2026-11-26).  The owner copies this host again
+            return self._refuse(f, reply, Status.NOT_OWNER, "stale_owner")
+        if (f.type == FrameType.SNAPSHOT and f.flags & frames.Flag.HANDOVER and not handover
+                and f.epoch <= self.members.epoch):
+            # a hand-over from the owner of this host's ring, sent at an epoch no newer
+            # than this host's: not one this host is about to wait for (that comes from
+            # a sender ahead of it), but one read for a ring this host has left, by a
+            # sender that is the owner now: its copy is not the shard's (the owner sends
+            # that as a copy, not a hand-over)
+            return self._refuse(f, reply, Status.NOT_OWNER, "stale_handover")
         try:
             frames.check_schema(f, dtype=info.dtype, cols=info.cols, nrows=info.nrows)
             if f.n:
