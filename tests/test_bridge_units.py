@@ -773,6 +773,21 @@ def _owner_on_a_store(tmp_path, members_: list, store: str, owners: int = 1, **c
         node.store.destroy()
 
 
+def _tensor_owned_by(node, member: str):
+    """On a node of ``_owner_on_a_store``: a dense (8, 4) float32 "sum" tensor whose shard 0
+    ``member`` owns in the node's ring, this host's copy pushed to 5: (name, TInfo, shard
+    0's ShardState)."""
+    from shmps.bridge.ring import shard_key
+
+    name = next(f"v{i}" for i in range(1000) if node.owner(shard_key(f"v{i}", 0)) == member)
+    node.store.dense(name, (8, 4), "float32", init=0.0, optimizer="sum")
+    while node.refresh_tensors(budget=None):
+        pass
+    info = node.by_name[name]
+    node.store[name].push(np.full((8, 4), 5, np.float32))
+    return name, info, node.shards[(info.tid, 0)]
+
+
 def test_a_new_owner_waits_while_the_hand_over_is_arriving(tmp_path):
     """A new owner waits for the previous owner's hand-over snapshot at most
     HANDOVER_TIMEOUT, counted from the last frame it had from it: a snapshot whose chunks
@@ -972,23 +987,14 @@ def test_rows_written_into_a_copy_while_it_is_read_void_the_read(tmp_path, monke
     before it.  Each read takes 0.4 s longer (failpoint slow_snapshot).  Drives a Bridge,
     not started, on a real store, with a real websocket connection to the new owner."""
     from shmps.bridge import node as bridge_node, wsstream
-    from shmps.bridge.ring import shard_key
     from test_bridge_wsstream import Server
 
     monkeypatch.setenv("SHMPS_BRIDGE_FAILPOINTS", "slow_snapshot=0.4")
     me, new_owner = "127.0.0.2:7001", "127.0.0.3:7001"
     with _owner_on_a_store(tmp_path, [me, new_owner], "voided") as (node, _, _st):
-        # a tensor whose shard 0 the other member owns in this host's ring: this host
-        # hands its copy over
-        name = next(f"v{i}" for i in range(1000)
-                    if node.owner(shard_key(f"v{i}", 0)) == new_owner)
-        node.store.dense(name, (8, 4), "float32", init=0.0, optimizer="sum")
-        while node.refresh_tensors(budget=None):
-            pass
-        info = node.by_name[name]
+        # this host hands its copy over to the shard's owner
+        name, info, st = _tensor_owned_by(node, new_owner)
         key = (info.tid, 0)
-        st = node.shards[key]
-        node.store[name].push(np.full((8, 4), 5, np.float32))
         acks: list = []
 
         def rows_from_owner(seq: int, value: float) -> None:
@@ -1048,18 +1054,9 @@ def test_a_hand_over_from_the_owner_at_no_newer_epoch_is_refused(tmp_path):
     duplicate filter with a stale copy's, which this host then handed to the sender
     (pushes lost, a filter asking for long-acknowledged seqs: GAP for good; the network
     cut test, 2026-11-26).  Drives a Bridge, not started, on a real store."""
-    from shmps.bridge.ring import shard_key
-
     me, other = "127.0.0.2:7001", "127.0.0.3:7001"
     with _owner_on_a_store(tmp_path, [me, other], "stalehand") as (node, _, _st):
-        name = next(f"v{i}" for i in range(1000)
-                    if node.owner(shard_key(f"v{i}", 0)) == other)
-        node.store.dense(name, (8, 4), "float32", init=0.0, optimizer="sum")
-        while node.refresh_tensors(budget=None):
-            pass
-        info = node.by_name[name]
-        st = node.shards[(info.tid, 0)]
-        node.store[name].push(np.full((8, 4), 5, np.float32))
+        name, info, st = _tensor_owned_by(node, other)
         mine = members.member_id(me)
         st.dedup.advance((mine, 7, info.tid, 0), 200)
         got: list = []
@@ -1089,18 +1086,9 @@ def test_rows_from_an_owners_earlier_tenure_are_refused(tmp_path):
     in its first tenure (stamped epoch 0; TCP delivers them once the cut heals) are
     refused: they would write its copy of then over the rows applied meanwhile.  Its
     ROWS of epoch 2 are taken.  Drives a Bridge, not started, on a real store."""
-    from shmps.bridge.ring import shard_key
-
     me, other, third = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
     with _owner_on_a_store(tmp_path, [me, other, third], "tenure") as (node, _, _st):
-        name = next(f"v{i}" for i in range(1000)
-                    if node.owner(shard_key(f"v{i}", 0)) == other)
-        node.store.dense(name, (8, 4), "float32", init=0.0, optimizer="sum")
-        while node.refresh_tensors(budget=None):
-            pass
-        info = node.by_name[name]
-        st = node.shards[(info.tid, 0)]
-        node.store[name].push(np.full((8, 4), 5, np.float32))
+        name, info, st = _tensor_owned_by(node, other)
         got: list = []
 
         def rows(epoch: int, seq: int, value: float) -> Status:
