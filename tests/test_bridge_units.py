@@ -600,6 +600,23 @@ def test_a_host_back_in_a_majority_listens_before_it_acts(tmp_path, caplog):
     assert node.ring.digest == ring.Ring([a, b]).digest and not node.acting()
 
 
+def test_a_ready_flag_of_an_older_epoch_does_not_make_a_joiner_alive(tmp_path):
+    """A host the majority counted dead (epoch 1) is heard again, joining: a heartbeat of
+    its from before (epoch 0, ready from an earlier join), which TCP delivers once a cut
+    heals, does not make it alive on the ring; its ready flag at the majority's epoch
+    does.  (Counted, it owned shards it had not copied again: the flapping network
+    test's flushes stuck on GAP.)"""
+    node, a, b, c = _host_c_of_three(tmp_path)
+    node._on_changes(node.members.mark_dead(a))
+    assert node.members.epoch == 1 and a not in node.members.live()
+    everyone = {a: State.ALIVE, b: State.ALIVE, c: State.ALIVE}
+    node.on_heartbeat(a, _heartbeat(a, 0, everyone, frames.HB_QUORUM | frames.HB_READY))
+    assert node.members.state(a) is State.JOINING and node.members.epoch == 1
+    joining = {a: State.JOINING, b: State.ALIVE, c: State.ALIVE}
+    node.on_heartbeat(a, _heartbeat(a, 1, joining, frames.HB_READY))
+    assert node.members.state(a) is State.ALIVE and node.members.epoch == 2
+
+
 def _sending_stream(tmp_path):
     """A Bridge (not started) of two members a and b, sending stream (tensor 1, shard 0)
     with frames 1-3 queued: (node, stream, a, b, answer), where ``answer(seq, status,
@@ -1237,13 +1254,16 @@ def test_epoch_bumps_exactly_when_the_live_set_changes(ops):
     then becomes the epoch's live set, else stays; silence never kills self; nobody heard from within
     suspect_after is suspect or dead."""
     m = Membership(["a:1", "b:2", "c:3", "d:4", "e:5"], "a:1", now=0.0)
-    t, self_removed = 0.0, False
+    t, self_removed, told = 0.0, False, 0.0     # told: the latest time given to m
     for op, who, dt in ops:
         t += dt
         before_epoch, before_epoch_live = m.epoch, m.epoch_live
         if op == "hb":
             m.heartbeat(who, t)
+            if who in m.states():   # (a heartbeat of a non-member is ignored whole)
+                told = t
         elif op == "tick":
+            told = t
             seen = {x: m.last_seen(x) for x in m.states()}
             for c in m.tick(t):      # only silence makes a member suspect or dead
                 assert c.member != "a:1" and t - seen[c.member] >= m.suspect_after
@@ -1254,8 +1274,9 @@ def test_epoch_bumps_exactly_when_the_live_set_changes(ops):
              "remove": m.remove}[op](who)
             self_removed |= who == "a:1" and op in ("remove", "leave")
         # minted with a majority heard from within suspect_after (suspects do not
-        # count), only by a host on the ring
-        heard = {x for x, s in m.states().items() if s not in (State.DEAD, State.SUSPECT)}
+        # count, nor members silent that long in any state), only by a host on the ring
+        heard = {x for x, s in m.states().items() if s not in (State.DEAD, State.SUSPECT)
+                 and (x == "a:1" or told - m.last_seen(x) < m.suspect_after)}
         majority = 2 * len(heard & set(m.configured)) > len(m.configured)
         bumped = (frozenset(m.live()) != before_epoch_live and majority
                   and "a:1" in m.live())

@@ -260,6 +260,7 @@ class Membership:
                                   hint="add this host's --listen address to hosts.txt")
         self._clock = clock
         t = self._now(now)
+        self._t = t                      # the latest time an operation was given (can_mint)
         self.dead_after = float(dead_after)
         self.suspect_after = float(suspect_after)
         self.allow_minority = bool(allow_minority)
@@ -281,6 +282,12 @@ class Membership:
     # ---------------------------------------------------------------- queries
     def _now(self, now: float | None) -> float:
         return self._clock() if now is None else float(now)
+
+    def _time(self, now: float | None) -> float:
+        """``now`` (or the clock's), kept as the latest time an operation was given."""
+        t = self._now(now)
+        self._t = max(self._t, t)
+        return t
 
     @property
     def configured(self) -> tuple[str, ...]:
@@ -344,14 +351,16 @@ class Membership:
         for another ring; back, it minted the next one with a peer it counted joining
         and the majority took that ring over: every host but it joining, its stale
         copies owning every shard, flushes that never returned.  A network cut test,
-        2026-11-26.) O(n)."""
+        2026-11-26.)  Heard means by time too, not only by state: a joining member is
+        never made suspect, and one silent since counted for a cut-off host's mint in
+        the flapping network test.  The time is the latest one an operation was given
+        (``now``, or the clock's). O(n)."""
         if self.allow_minority:
             return True
-        v = self._views.get("mint")
-        if v is None:
-            v = self._views["mint"] = self._majority(
-                m for m, s in self._state.items() if s not in (State.DEAD, State.SUSPECT))
-        return bool(v)
+        return self._majority(
+            m for m, s in self._state.items()
+            if s not in (State.DEAD, State.SUSPECT)
+            and (m == self.self_addr or self._t - self._seen[m] < self.suspect_after))
 
     def _majority(self, reachable: Iterable[str]) -> bool:
         base = set(self._configured)
@@ -407,7 +416,7 @@ class Membership:
         """
         if member not in self._state:
             return []
-        t = self._now(now)
+        t = self._time(now)
         self._seen[member] = max(self._seen[member], t)
         changes: list[Change] = []
         s = self._state[member]
@@ -424,7 +433,7 @@ class Membership:
         A dead member that is no longer configured (it was leaving) is dropped. This host
         itself never goes silent. O(n).
         """
-        t = self._now(now)
+        t = self._time(now)
         changes: list[Change] = []
         for m, s in list(self._state.items()):
             if m == self.self_addr or s is State.DEAD:
@@ -455,9 +464,11 @@ class Membership:
     def mark_joining(self, member: str) -> list[Change]:
         """``member`` must (re)copy its shards before owning any: it leaves the ring (a
         dead one is joining at once: call this only when hearing from it, e.g. a new
-        incarnation's heartbeat). O(n)."""
+        incarnation's heartbeat), so it counts as heard at the latest time this
+        Membership was given (:meth:`can_mint`). O(n)."""
         changes: list[Change] = []
         self.state(member)   # InvalidArgument unless a member
+        self._seen[member] = max(self._seen[member], self._t)
         self._set(changes, member, State.JOINING)
         return self._apply(changes)
 
@@ -487,7 +498,7 @@ class Membership:
         new = list(members)
         if len(set(new)) != len(new):
             raise InvalidArgument("a member is listed twice", hint="list each member once")
-        t = self._now(now)
+        t = self._time(now)
         changes: list[Change] = []
         old_cfg = set(self._configured)
         self._configured = tuple(new)
@@ -520,7 +531,7 @@ class Membership:
         """
         if epoch < self.epoch or (epoch == self.epoch and not same_epoch):
             return []
-        t = self._now(now)
+        t = self._time(now)
         changes: list[Change] = []
         for m, s in view.items():
             if m not in self._state:

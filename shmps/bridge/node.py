@@ -1223,7 +1223,14 @@ class Bridge:
             self._on_changes(self.members.mark_joining(peer))
         if (hb.hb_flags & frames.HB_HANDED_OVER) and self.members.state(peer) is State.LEAVING:
             self._on_changes(self.members.remove(peer))
-        if (hb.hb_flags & frames.HB_READY) and self.members.state(peer) is State.JOINING:
+        if ((hb.hb_flags & frames.HB_READY) and self.members.state(peer) is State.JOINING
+                and (hb.epoch > self.members.epoch
+                     or (hb.epoch == self.members.epoch and hb.digest == self.ring.digest))):
+            # (not one of an older epoch, or of this epoch's number on another ring: a
+            # host cut off again after it joined sent it before that cut, TCP delivered
+            # it after, and the host was counted ready, alive on the ring with copies it
+            # had not taken again since: the flapping network test, 2026-11-26.  A
+            # joiner takes the majority's epoch and ring first)
             self._on_changes(self.members.mark_ready(peer))
 
     def _on_hosts_file(self, data: bytes) -> None:
