@@ -376,6 +376,15 @@ def test_a_host_cut_off_counts_its_peers_dead_one_at_a_time_and_mints_no_epoch()
     assert m2.epoch == 0
     m2.heartbeat("b:2", 0.55)
     assert m2.can_mint() and m2.epoch == 1 and m2.live() == ("b:2", "c:3")
+    # a joining member is never made suspect: silent for suspect_after, it does not
+    # count either (it made the majority of a cut-off host in the flapping network test)
+    m4 = Membership(THREE, "c:3", now=0.0)
+    m4.mark_joining("b:2")                                   # heard at 0.0: epoch 1
+    m4.heartbeat("a:1", 0.1)
+    m4.tick(0.4)
+    assert m4.state("b:2") is State.JOINING and m4.state("a:1") is State.SUSPECT
+    m4.mark_dead("a:1")
+    assert m4.epoch == 1 and not m4.can_mint() and m4.has_quorum()
     # allow_minority mints alone, as before
     m3 = Membership(THREE, "c:3", now=0.0, allow_minority=True)
     m3.tick(0.6)
@@ -603,14 +612,18 @@ def test_a_host_back_in_a_majority_listens_before_it_acts(tmp_path, caplog):
 def test_a_ready_flag_of_an_older_epoch_does_not_make_a_joiner_alive(tmp_path):
     """A host the majority counted dead (epoch 1) is heard again, joining: a heartbeat of
     its from before (epoch 0, ready from an earlier join), which TCP delivers once a cut
-    heals, does not make it alive on the ring; its ready flag at the majority's epoch
-    does.  (Counted, it owned shards it had not copied again: the flapping network
+    heals, does not make it alive on the ring, nor does one at this epoch's number on
+    another ring; its ready flag at the majority's epoch and ring does.  (Counted, it owned shards it had not copied again: the flapping network
     test's flushes stuck on GAP.)"""
     node, a, b, c = _host_c_of_three(tmp_path)
     node._on_changes(node.members.mark_dead(a))
     assert node.members.epoch == 1 and a not in node.members.live()
     everyone = {a: State.ALIVE, b: State.ALIVE, c: State.ALIVE}
     node.on_heartbeat(a, _heartbeat(a, 0, everyone, frames.HB_QUORUM | frames.HB_READY))
+    assert node.members.state(a) is State.JOINING and node.members.epoch == 1
+    # this epoch's number on another ring (a's own view of epoch 1, say): not yet either
+    node.on_heartbeat(a, _heartbeat(a, 1, {a: State.JOINING, b: State.ALIVE,
+                                           c: State.DEAD}, frames.HB_READY))
     assert node.members.state(a) is State.JOINING and node.members.epoch == 1
     joining = {a: State.JOINING, b: State.ALIVE, c: State.ALIVE}
     node.on_heartbeat(a, _heartbeat(a, 1, joining, frames.HB_READY))
@@ -1063,58 +1076,39 @@ def test_rows_written_into_a_copy_while_it_is_read_void_the_read(tmp_path, monke
                                       np.full((8, 4), 9, np.float32))
 
 
-def test_a_hand_over_from_the_owner_at_no_newer_epoch_is_refused(tmp_path):
-    """A copy takes a SNAPSHOT marked as a hand-over from the shard's owner in its ring
-    only if the sender is at a newer epoch (it hands over by a ring this host has not
-    seen yet).  One at this host's epoch or older was read for a ring this host has
-    left, and the sender owns the shard now: taken, it replaced this copy and its
-    duplicate filter with a stale copy's, which this host then handed to the sender
-    (pushes lost, a filter asking for long-acknowledged seqs: GAP for good; the network
-    cut test, 2026-11-26).  Drives a Bridge, not started, on a real store."""
-    me, other = "127.0.0.2:7001", "127.0.0.3:7001"
-    with _owner_on_a_store(tmp_path, [me, other], "stalehand") as (node, _, _st):
-        name, info, st = _tensor_owned_by(node, other)
-        mine = members.member_id(me)
-        st.dedup.advance((mine, 7, info.tid, 0), 200)
-        got: list = []
-
-        def hand_over(epoch: int, value: float) -> Status:
-            f = frames.encode_snapshot(epoch=epoch, sender=members.member_id(other),
-                                       incarnation=7, tensor=info.tid, shard=0, seq=1,
-                                       values=np.full((8, 4), value, np.float32), start=0,
-                                       marks=[Mark(mine, 7, 15)], last=True, handover=True)
-            node.on_rows(other, frames.decode(f),
-                         lambda d: got.extend(frames.iter_frames(bytes(d))))
-            return got[-1].status
-
-        assert node.members.epoch == 0
-        assert hand_over(0, 1.0) is Status.NOT_OWNER
-        np.testing.assert_array_equal(node.store[name].pull(), np.full((8, 4), 5, np.float32))
-        assert st.dedup.floor((mine, 7, info.tid, 0)) == 200
-        # from a sender ahead of this host: the hand-over to a ring it has not seen yet
-        assert hand_over(1, 3.0) is Status.OK
-        np.testing.assert_array_equal(node.store[name].pull(), np.full((8, 4), 3, np.float32))
-        assert st.handover_done[0] == other
-
-
 def test_rows_from_an_owners_earlier_tenure_are_refused(tmp_path):
     """The owner of a shard in this host's ring is cut off and dies to it (another host
     owns the shard at epoch 1), then is back and owns it again at epoch 2.  ROWS it sent
     in its first tenure (stamped epoch 0; TCP delivers them once the cut heals) are
-    refused: they would write its copy of then over the rows applied meanwhile.  Its
-    ROWS of epoch 2 are taken.  Drives a Bridge, not started, on a real store."""
+    refused: they would write its copy of then over the rows applied meanwhile; so is a
+    hand-over it read back then (taken as the owner's copy, it replaced this copy and its
+    duplicate filter, which this host then handed on: pushes lost, a filter asking for
+    long-acknowledged seqs, GAP for good).  Its ROWS of epoch 2 are taken, and so is a
+    hand-over from a sender ahead of this host (to a ring it has not seen yet).  Drives
+    a Bridge, not started, on a real store."""
     me, other, third = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
     with _owner_on_a_store(tmp_path, [me, other, third], "tenure") as (node, _, _st):
         name, info, st = _tensor_owned_by(node, other)
         got: list = []
+        stream = (members.member_id(me), 7, info.tid, 0)
+        st.dedup.advance(stream, 200)
 
-        def rows(epoch: int, seq: int, value: float) -> Status:
-            f = frames.encode_rows(epoch=epoch, sender=members.member_id(other),
-                                   incarnation=7, tensor=info.tid, shard=0, seq=seq,
-                                   values=np.full((8, 4), value, np.float32), start=0)
+        def deliver(f: bytes) -> Status:
             node.on_rows(other, frames.decode(f),
                          lambda d: got.extend(frames.iter_frames(bytes(d))))
             return got[-1].status
+
+        def rows(epoch: int, seq: int, value: float) -> Status:
+            return deliver(frames.encode_rows(
+                epoch=epoch, sender=members.member_id(other), incarnation=7,
+                tensor=info.tid, shard=0, seq=seq, values=np.full((8, 4), value, np.float32),
+                start=0))
+
+        def hand_over(epoch: int, value: float) -> Status:
+            return deliver(frames.encode_snapshot(
+                epoch=epoch, sender=members.member_id(other), incarnation=7,
+                tensor=info.tid, shard=0, seq=1, values=np.full((8, 4), value, np.float32),
+                start=0, marks=[Mark(stream[0], 7, 15)], last=True, handover=True))
 
         async def away_and_back() -> None:
             node._on_changes(node.members.mark_dead(other))          # epoch 1 without it
@@ -1128,9 +1122,14 @@ def test_rows_from_an_owners_earlier_tenure_are_refused(tmp_path):
         assert node.members.epoch == 2 and node.owner(st.key) == other
         assert st.owner_since == 2
         assert rows(0, 2, 7.0) is Status.NOT_OWNER                    # from back then
+        assert hand_over(1, 7.0) is Status.NOT_OWNER
         np.testing.assert_array_equal(node.store[name].pull(), np.full((8, 4), 1, np.float32))
+        assert st.dedup.floor(stream) == 200
         assert rows(2, 3, 9.0) is Status.OK
         np.testing.assert_array_equal(node.store[name].pull(), np.full((8, 4), 9, np.float32))
+        assert hand_over(3, 3.0) is Status.OK                         # from a sender ahead
+        np.testing.assert_array_equal(node.store[name].pull(), np.full((8, 4), 3, np.float32))
+        assert st.handover_done[0] == other
 
 
 def test_a_host_listening_after_a_cut_hands_nothing_over(tmp_path):

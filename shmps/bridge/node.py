@@ -553,7 +553,6 @@ class Bridge:
         self._incarnations: dict[str, int] = {}
         self._initial = set(configured)
         self._ever_acted = False                 # this host has owned shards at some time
-        self._acted_at: tuple = (-1, b"")        # (epoch, ring digest) it last owned shards at
         self._had_quorum = self.members.has_quorum()   # at the last membership change
         self._last_run = time.monotonic()        # see _check_stall
         self._join_progress_at = 0.0             # joining: next progress line (0: first)
@@ -859,9 +858,7 @@ class Bridge:
         partition, hearing one peer first); the agreement keeps either from owning a
         shard by a ring that no majority holds."""
         ok = self.speaks_for_majority() and self._ring_agreed()
-        if ok:
-            self._ever_acted = True
-            self._acted_at = (self.members.epoch, self.ring.digest)
+        self._ever_acted = self._ever_acted or ok
         return ok
 
     def _ring_agreed(self) -> bool:
@@ -1158,11 +1155,10 @@ class Bridge:
             self.grace_until = min(self.grace_until, time.monotonic())
             adopted = True
         elif ((hb.hb_flags & frames.HB_ACTING) and hb.epoch == self.members.epoch
-              and hb.digest != self.ring.digest
-              and self._acted_at != (self.members.epoch, self.ring.digest)):
+              and hb.digest != self.ring.digest and not self.acting()):
             # E3b: the peer owns shards at this host's epoch on another ring, so a majority
-            # agreed to that ring at this number; this host never owned by its own ring at
-            # it, which it minted or changed without one (back from a cut, say).  Its view
+            # agreed to that ring at this number; this host does not own by its own ring,
+            # which it minted or changed without one (back from a cut, say).  Its view
             # is taken over as a newer epoch's would be, before this heartbeat counts the
             # peer: counted joining on this host's ring, the peer made a majority with it,
             # and this host minted the next epoch on a ring of itself, which the majority
@@ -1174,7 +1170,7 @@ class Bridge:
                     or time.monotonic() < self.grace_until):
                 view[self.addr] = State.JOINING
             log.info("taking over %s's ring at epoch %d: it owns shards by it, this host "
-                     "never did by its own", peer, hb.epoch)
+                     "does not by its own", peer, hb.epoch)
             self._on_changes(self.members.adopt(view, hb.epoch, same_epoch=True))
             adopted = True
         self._on_changes(self.members.heartbeat(peer))
@@ -2115,16 +2111,9 @@ class Bridge:
             # back then (buffered while it was cut off, and delivered by TCP once the cut
             # healed) would write its copy of then over the rows the owner in between
             # applied to (pushes lost on every copy, after this host handed its copy on:
-            # the network cut test, 2026-11-26).  The owner copies this host again
+            # the network cut test, 2026-11-26); so would a hand-over it read back then
+            # for the ring that took the shard from it.  The owner copies this host again
             return self._refuse(f, reply, Status.NOT_OWNER, "stale_owner")
-        if (f.type == FrameType.SNAPSHOT and f.flags & frames.Flag.HANDOVER and not handover
-                and f.epoch <= self.members.epoch):
-            # a hand-over from the owner of this host's ring, sent at an epoch no newer
-            # than this host's: not one this host is about to wait for (that comes from
-            # a sender ahead of it), but one read for a ring this host has left, by a
-            # sender that is the owner now: its copy is not the shard's (the owner sends
-            # that as a copy, not a hand-over)
-            return self._refuse(f, reply, Status.NOT_OWNER, "stale_handover")
         try:
             frames.check_schema(f, dtype=info.dtype, cols=info.cols, nrows=info.nrows)
             if f.n:
