@@ -436,6 +436,18 @@ def test_paused_host_adopts_the_majority_view_and_rejoins():
     assert m.adopt({"zz:1": State.ALIVE}, 9, now=3.2) == [] and m.epoch == 9
 
 
+def test_a_host_taking_over_a_view_that_suspects_it_is_alive_to_itself():
+    """A majority's view may have this host suspect (it was cut off for less than
+    dead_after): taken over, this host is alive to itself, on the ring, and its own
+    state never goes back to suspect by time.  (It stayed suspect to itself for good.)"""
+    m = Membership(THREE, "a:1", now=0.0)
+    view = {"a:1": State.SUSPECT, "b:2": State.ALIVE, "c:3": State.ALIVE}
+    m.adopt(view, 3, now=1.0)
+    assert m.state("a:1") is State.ALIVE and m.live() == tuple(THREE) and m.epoch == 3
+    m.tick(1.1)
+    assert m.state("a:1") is State.ALIVE
+
+
 @pytest.mark.parametrize("n, reachable, quorum", [
     (1, 1, True), (2, 1, False), (2, 2, True), (3, 1, False), (3, 2, True),
     (4, 2, False), (4, 3, True), (5, 2, False), (5, 3, True)])

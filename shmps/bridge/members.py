@@ -524,7 +524,8 @@ class Membership:
 
         Used by a host that was cut off (paused, partitioned): members the view has alive
         count as just heard from; this host itself becomes ``joining`` if the view has it
-        dead or joining (it must copy its shards again). Members this host does not track
+        dead or joining (it must copy its shards again), and ``alive`` if the view has it
+        suspect (it is never suspect to itself). Members this host does not track
         are ignored. The epoch becomes ``epoch`` (no bump of its own). With ``same_epoch``
         a view of this host's own epoch is adopted too (a joining host follows the
         majority it is copying from). O(n).
@@ -539,6 +540,12 @@ class Membership:
             if m == self.self_addr:
                 if s in (State.DEAD, State.JOINING):
                     s = State.JOINING
+                elif s is State.SUSPECT:
+                    # the peer had not heard from this host for a while (it was cut off
+                    # for less than dead_after); this host hears itself.  Taken over as
+                    # is, it stayed suspect to itself for good: no heartbeat of its own
+                    # ever made it alive (the flapping network test, 2026-11-26)
+                    s = State.ALIVE
             elif s is not State.DEAD:
                 self._seen[m] = max(self._seen[m], t)
             self._set(changes, m, s)
