@@ -947,6 +947,209 @@ def test_a_new_owner_stops_waiting_for_a_hand_over_without_a_batch(tmp_path, cap
         assert st.handover_from is None
 
 
+def test_a_new_owner_that_was_no_backup_takes_the_backups_copy_when_no_hand_over_comes(
+        tmp_path, caplog):
+    """A host that becomes a shard's owner without having been one of the previous
+    owner's backups (a joiner: the owner waits for no joiner's copy, so its copy may lack
+    acknowledged batches) asks those backups for their copy, in turn, when the previous
+    owner's hand-over does not come (it is cut off or dead), and takes it as the
+    hand-over; only with none of them reachable does its own copy serve.  A host that
+    was a backup serves its own copy, as before.  (A joiner cut off from its rows'
+    stream, made owner as the previous owner was cut off in turn, served its copy and
+    copied it over the backup's complete one: pushes lost, flushes stuck on GAP.  The
+    flapping network test, 2026-11-26.)  Drives a Bridge, not started, on a real store."""
+    from shmps.bridge import node as bridge_node
+
+    me, prev, bk = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
+    with _owner_on_a_store(tmp_path, [me, prev, bk], "nextbk") as (node, info, st):
+        key = (info.tid, 0)
+        stream = (members.member_id(prev), 7, info.tid, 0)
+        got: list = []
+
+        def hand_over(sender: str, value: float, seq: int) -> Status:
+            f = frames.encode_snapshot(
+                epoch=0, sender=members.member_id(sender), incarnation=7, tensor=info.tid,
+                shard=0, seq=bridge_node.ROWS_SEQ_BASE + 1,
+                values=np.full((8, 4), value, np.float32), start=0,
+                marks=[Mark(stream[0], 7, seq)], last=True, handover=True)
+            node.on_rows(sender, frames.decode(f), lambda d: got.extend(
+                frames.iter_frames(bytes(d))))
+            return got[-1].status
+
+        async def no_send(*a, **k) -> None:   # (this host's own hand-overs: not here)
+            pass
+
+        node._send_snapshot = no_send
+
+        async def run(steps) -> None:
+            steps()
+            await asyncio.sleep(0)
+
+        # was a backup of the previous owner: its own copy is complete, nobody else asked
+        node._role_change(key, [prev, me], [me, bk])
+        assert st.handover_from == prev and st.handover_next == []
+        # was not: the previous owner's backup is asked next
+        asyncio.run(run(lambda: (
+            node._role_change(key, [me, bk], [prev, bk]),          # (it lost the shard)
+            node._role_change(key, [prev, bk], [me, prev]))))
+        assert st.handover_from == prev and st.handover_next == [bk]
+        assert hand_over(bk, 4.0, 30) is Status.NOT_OWNER          # not waited for yet
+        now = time.monotonic()
+        node._on_changes(node.members.mark_dead(prev))
+        with caplog.at_level("WARNING", logger="shmps.bridge"):
+            assert node._maintain_shards(True, now) is True        # waiting on
+        assert st.handover_from == bk and st.handover_next == []
+        assert f"asking {bk}, a backup of the previous owner" in caplog.text
+        assert hand_over(bk, 4.0, 30) is Status.OK
+        assert st.handover_from is None
+        np.testing.assert_array_equal(node.store[info.name].pull(),
+                                      np.full((8, 4), 4, np.float32))
+        assert st.dedup.floor(stream) == 30
+        # the owner dead at the change (a failover) and this host no backup: the backup
+        node.members.mark_dead(prev)
+        asyncio.run(run(lambda: (
+            node._role_change(key, [me, bk], [prev, bk]),
+            node._role_change(key, [prev, bk], [me, bk]))))
+        assert st.handover_from == bk and st.failover_from == prev
+        # none of them reachable: its own copy serves
+        node._on_changes(node.members.mark_dead(bk))
+        node._maintain_shards(True, time.monotonic())
+        assert st.handover_from is None
+
+
+def test_a_hand_over_behind_this_hosts_copy_is_refused_before_a_row_is_written(tmp_path,
+                                                                                caplog):
+    """A hand-over's first chunk carries its marks: a copy that lacks a batch this host's
+    copy applied (its sender lost the shard again while it still waited for its own
+    hand-over, back from a cut with a copy from before it) is refused before a row is
+    written, and the wait ends (the next backup, else this host's copy).  A hand-over
+    at or ahead of this copy is taken; the first chunk's marks are only checked, the
+    last chunk's count.  (The stale copy replaced a complete one and its filter: GAP
+    for good.)  Drives a Bridge, not started, on a real store."""
+    from shmps.bridge import node as bridge_node
+
+    me, prev = "127.0.0.2:7001", "127.0.0.3:7001"
+    with _owner_on_a_store(tmp_path, [me, prev], "stalehand") as (node, info, st):
+        stream = (members.member_id(prev), 7, info.tid, 0)
+        node.store[info.name].push(np.full((8, 4), 5, np.float32))
+        st.dedup.advance(stream, 50)
+        got: list = []
+
+        def chunk(seq: int, start: int, mark: int, last: bool) -> Status:
+            f = frames.encode_snapshot(
+                epoch=0, sender=members.member_id(prev), incarnation=7, tensor=info.tid,
+                shard=0, seq=bridge_node.ROWS_SEQ_BASE + seq,
+                values=np.full((4, 4), 9, np.float32), start=start,
+                marks=[Mark(stream[0], 7, mark)], last=last, handover=True)
+            node.on_rows(prev, frames.decode(f), lambda d: got.extend(
+                frames.iter_frames(bytes(d))))
+            return got[-1].status
+
+        st.handover_from, st.handover_until = prev, time.monotonic() + 60
+        with caplog.at_level("WARNING", logger="shmps.bridge"):
+            assert chunk(1, 0, 40, last=False) is Status.NOT_OWNER
+        assert "is behind this host's copy" in caplog.text
+        assert st.handover_from is None and st.dedup.floor(stream) == 50
+        np.testing.assert_array_equal(node.store[info.name].pull(),
+                                      np.full((8, 4), 5, np.float32))
+        assert chunk(2, 4, 40, last=True) is Status.NOT_OWNER      # nor the rest of it
+        st.handover_from, st.handover_until = prev, time.monotonic() + 60
+        assert chunk(3, 0, 60, last=False) is Status.OK
+        assert st.dedup.floor(stream) == 50                        # checked, not counted
+        assert chunk(4, 4, 60, last=True) is Status.OK
+        assert st.handover_from is None and st.dedup.floor(stream) == 60
+        np.testing.assert_array_equal(node.store[info.name].pull(),
+                                      np.full((8, 4), 9, np.float32))
+
+
+def test_a_hand_over_carries_its_marks_on_its_first_chunk_and_its_last(tmp_path,
+                                                                        monkeypatch):
+    """A snapshot's duplicate-filter marks go with its last chunk; a hand-over's with its
+    first too, so that the new owner checks them before it writes a row.  Drives a
+    Bridge, not started, on a real store."""
+    from shmps.bridge import node as bridge_node
+
+    me, prev = "127.0.0.2:7001", "127.0.0.3:7001"
+    with _owner_on_a_store(tmp_path, [me, prev], "firstmarks") as (node, info, st):
+        monkeypatch.setattr(bridge_node, "SNAPSHOT_FRAME_BYTES", 64)   # 2 rows a chunk
+        marks = [Mark(1, 2, 3)]
+        for handover, want in ((True, [1, 0, 0, 1]), (False, [0, 0, 0, 1])):
+            chunks = [frames.decode(c) for c in node._snapshot_chunks(
+                info, 0, marks, 0, 0, handover)]
+            assert [len(c.marks) for c in chunks] == want
+            assert all(bool(c.flags & frames.Flag.HANDOVER) is handover for c in chunks)
+
+
+def test_the_backups_are_those_of_the_ring_the_owners_last_rows_came_by(tmp_path):
+    """A copy records the shard's owners in its ring when it takes the owner's ROWS.  A
+    host that became owner counts its copy complete only if it was a backup both in that
+    ring and in the ring before the change; otherwise it asks that ring's backups first.
+    (A host back from a cut was a backup in a ring the previous owner, cut off in turn,
+    never acted by; the owner's last ROWS had come by an earlier ring, whose backup held
+    the rows this host missed.  The flapping network test, 2026-11-26.)  Drives a
+    Bridge, not started, on a real store."""
+    from shmps.bridge.ring import shard_key
+
+    me, prev, bk = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
+    with _owner_on_a_store(tmp_path, [me, prev, bk], "fedby") as (node, _, _st):
+        name = next(f"v{i}" for i in range(1000)
+                    if node.owners(shard_key(f"v{i}", 0)) == [prev, bk])
+        node.store.dense(name, (8, 4), "float32", init=0.0, optimizer="sum")
+        while node.refresh_tensors(budget=None):
+            pass
+        info = node.by_name[name]
+        key, st = (info.tid, 0), node.shards[(info.tid, 0)]
+        got: list = []
+        node.on_rows(prev, frames.decode(frames.encode_rows(
+            epoch=0, sender=members.member_id(prev), incarnation=7, tensor=info.tid,
+            shard=0, seq=1, values=np.full((8, 4), 2, np.float32), start=0)),
+            lambda d: got.extend(frames.iter_frames(bytes(d))))
+        assert got[-1].status is Status.OK and st.fed_owners == [prev, bk]
+        node._role_change(key, [prev, me], [me, bk])   # a backup in the ring before only
+        assert st.handover_from == prev and st.handover_next == [bk]
+
+
+def test_a_backup_on_the_ring_answers_the_owners_sync_with_its_copy(tmp_path):
+    """A SYNC from a shard's owner to a host that neither owned the shard before nor
+    created its tensor (the owner asks one of the previous owner's backups, its
+    hand-over not coming) is answered with a hand-over snapshot while this host is on
+    the ring; a joining host, whose copy may be behind, answers NOT_OWNER.  Drives a
+    Bridge, not started, on a real store."""
+    from shmps.bridge import node as bridge_node
+
+    me, owner, third = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
+    with _owner_on_a_store(tmp_path, [me, owner, third], "bksync") as (node, _, _st):
+        name, info, st = _tensor_owned_by(node, owner)
+        node.adopted[name] = owner                     # created there, not here
+        node.prev_ring = None                          # and never owned here
+        key = (info.tid, 0)
+        sent: list = []
+        got: list = []
+
+        async def record(k, member, handover=False) -> None:
+            sent.append((k, member, handover))
+
+        node._send_snapshot = record
+        sync = frames.decode(frames.encode_sync(
+            epoch=0, sender=members.member_id(owner), incarnation=7, tensor=info.tid,
+            shard=0, seq=bridge_node.SYNC_SEQ))
+
+        async def ask() -> None:
+            node.on_frame(owner, sync, lambda d: got.extend(frames.iter_frames(bytes(d))))
+            await asyncio.sleep(0.01)
+
+        async def joining() -> None:
+            node._on_changes(node.members.mark_joining(me))
+            await asyncio.sleep(0.01)
+
+        asyncio.run(ask())
+        assert sent == [(key, owner, True)]
+        asyncio.run(joining())
+        sent.clear()
+        asyncio.run(ask())
+        assert sent == [] and got[-1].status is Status.NOT_OWNER
+
+
 def test_one_snapshot_read_of_a_shard_at_a_time_and_close_waits_for_it(tmp_path,
                                                                          monkeypatch):
     """An owner reads a shard's copy in its snapshot thread for one member at a time (a

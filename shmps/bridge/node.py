@@ -47,8 +47,9 @@ from .._native import lib
 from ..outbox import DrainBuffers
 from . import auth, frames, urgent, wsstream
 from .frames import FrameType, Layout, Mark, Status
-from .members import (DEAD_AFTER, HEARTBEAT_INTERVAL, Membership, State, member_id,
-                      normalize_address, parse_address, parse_hosts, read_hosts, watch_file)
+from .members import (DEAD_AFTER, HEARTBEAT_INTERVAL, ON_RING, Membership, State,
+                      member_id, normalize_address, parse_address, parse_hosts, read_hosts,
+                      watch_file)
 from .outq import Backpressure, ByteBudget, Dedup, OutQueue, Verdict
 from .ring import Ring, shard_key
 
@@ -72,6 +73,7 @@ CATALOG_INTERVAL = 0.5           #: how often tensor catalogs are compared with 
 MAX_MSG = frames.MAX_FRAME_BYTES + 4096
 MAX_BAD_FRAMES = 3               #: malformed frames in a row before a connection is closed
 SNAPSHOT_FRAME_BYTES = 1 << 20   #: values per snapshot chunk
+MAX_MARKS = frames.DEFAULT_LIMITS.max_marks  #: duplicate-filter marks a snapshot carries at most
 SPARE_DRAIN_BUFFERS = 2          #: a tensor's drain buffers kept for reuse (TInfo.spare)
 #: gradient bytes per BATCH frame (and so per ROWS frame answering it): a drain of a
 #: larger shard goes out in frames of this much.  2 MiB, not 1: each frame costs both
@@ -197,6 +199,9 @@ class ShardState:
     pending: deque = field(default_factory=deque)
     handover_from: Optional[str] = None
     handover_until: float = 0.0
+    handover_next: list = field(default_factory=list)    # asked in turn if handover_from's
+                                                         # does not come: the previous
+                                                         # owner's backups (_role_change)
     failover_from: Optional[str] = None                  # the dead owner, until first apply
     failover_dead_seen: float = 0.0
     # replica side
@@ -208,6 +213,8 @@ class ShardState:
     snapshots_received: int = 0
     owner_since: int = 0                                 # epoch its owner last changed in this
                                                          # host's view (ROWS of older ones are stale)
+    fed_owners: list = field(default_factory=list)       # the shard's owners in this host's ring
+                                                         # when it last took ROWS from the owner
 
 
 @dataclass
@@ -948,6 +955,7 @@ class Bridge:
             st.synced.clear()
             st.snapshotting.clear()
             st.handover_from = None   # only an owner waits for a hand-over
+            st.handover_next = []
             # (a host that never acted owned nothing: a joiner's first ring counted it
             # in before it heard the cluster's view; nor does one listening after a stall
             # or a cut (grace): the ring it leaves is one it took from buffered
@@ -966,6 +974,26 @@ class Bridge:
             st.snapshotting = {}
             st.acked = {}
             prev = old[0] if old else None
+            # The previous owner acknowledged a batch only once its backups had its rows,
+            # so their copies hold every acknowledged push.  This host's copy does if it
+            # was one of them; otherwise (a joiner that became owner: its copy takes the
+            # owner's ROWS, but the owner waits for no joiner) it may be behind, and if
+            # the previous owner's hand-over does not come, a backup's copy is taken
+            # instead (_handover_given_up).  (Serving its own copy, a joiner cut off from
+            # its rows' stream, then made owner as the previous owner was cut off in
+            # turn, lacked batches that owner had acknowledged; it copied that over the
+            # backup's complete copy, and the senders' filters were ahead of it: GAP for
+            # good.  The flapping network test, 2026-11-26.)
+            # Its backups are the shard's owners after the first in the ring by which this
+            # host last took the owner's ROWS, and in the ring before this one; this
+            # host's copy is complete if it is one of them in both.  (The ring before
+            # may be one the previous owner never acted by: that owner, cut off, never
+            # reached it.  This host, back from a cut of its own and a backup in it,
+            # served a copy that had missed the rows its last ROWS' ring's backup got.)
+            old_bk, fed_bk = (old or [])[1:], (st.fed_owners or old or [])[1:]
+            backups = [] if self.addr in old_bk and self.addr in fed_bk else list(
+                dict.fromkeys(b for b in fed_bk + old_bk if b != self.addr))
+            st.handover_next = []
             if prev and prev != self.addr and prev in self.members.reachable():
                 hd_from, hd_when, hd_epoch = st.handover_done
                 if (hd_from == prev and hd_when > time.monotonic() - 5
@@ -976,7 +1004,12 @@ class Bridge:
                 else:
                     st.handover_from = prev
                     st.handover_until = time.monotonic() + HANDOVER_TIMEOUT
+                    st.handover_next = backups
             elif prev and prev != self.addr:
+                if backups:   # the owner is gone: take its backups' copy (in turn)
+                    st.handover_next = backups
+                    st.handover_until = 0.0
+                    self._handover_given_up(st, time.monotonic())
                 st.failover_from = prev
                 try:
                     st.failover_dead_seen = self.members.last_seen(prev)
@@ -2114,6 +2147,25 @@ class Bridge:
             # the network cut test, 2026-11-26); so would a hand-over it read back then
             # for the ring that took the shard from it.  The owner copies this host again
             return self._refuse(f, reply, Status.NOT_OWNER, "stale_owner")
+        if not handover:
+            st.fed_owners = self.owners(st.key)   # (_role_change: whose copies are complete)
+        elif f.type == FrameType.SNAPSHOT and f.marks:
+            behind = self._behind(st, f)
+            if behind is not None:
+                # The copy handed over lacks batches this host's copy holds: the sender
+                # never had the owner's copy (it lost the shard again while it still
+                # waited for its own hand-over, back from a cut with a copy from before
+                # it).  Taken, it replaced this copy and its duplicate filter, and the
+                # senders' acknowledged seqs were past the filter: GAP for good (the
+                # flapping network test, 2026-11-26).  The chunk that carries the marks
+                # comes first (_snapshot_chunks), before any row is written.
+                stream, mine, theirs = behind
+                log.warning("shard %s: the hand-over from %s is behind this host's copy "
+                            "(sender %08x: applied up to %d here, %d there); refused",
+                            st.key, peer, stream[0], mine, theirs)
+                st.handover_until = 0.0
+                self._handover_given_up(st, time.monotonic())
+                return self._refuse(f, reply, Status.NOT_OWNER, "stale_handover")
         try:
             frames.check_schema(f, dtype=info.dtype, cols=info.cols, nrows=info.nrows)
             if f.n:
@@ -2143,7 +2195,11 @@ class Bridge:
             # (say, while it applied batches cut off from the majority) are not the shard's
             st.dedup = Dedup()
             st.first_seen.clear()
-        for m in f.marks:
+        if f.type == FrameType.SNAPSHOT and not f.flags & frames.Flag.LAST:
+            marks = ()   # (the first chunk's: to check, above; they count with the last)
+        else:
+            marks = f.marks
+        for m in marks:
             if (m.sender, m.incarnation) in self._gone:
                 continue   # a restarted sender's old process: its filter is forgotten
             stream = (m.sender, m.incarnation, f.tensor, f.shard)
@@ -2168,18 +2224,49 @@ class Bridge:
         self.metrics.received(f.type.name.lower())
         reply(self._ack(f, Status.OK))
 
+    def _behind(self, st: ShardState, f: frames.Data) -> Optional[tuple]:
+        """Whether hand-over chunk ``f``'s marks (floors) lack a batch this host's copy
+        of ``st`` applied: (stream, floor here, floor there) of the first such stream,
+        else None.  A stream the marks do not name counts as 0 there unless they are
+        cut at their limit."""
+        theirs = {(m.sender, m.incarnation): m.seq for m in f.marks}
+        whole = len(f.marks) < MAX_MARKS
+        for stream in st.dedup.streams():
+            who = (stream[0], stream[1])
+            if who in self._gone or (who not in theirs and not whole):
+                continue
+            mine = st.dedup.floor(stream)
+            if mine > theirs.get(who, 0):
+                return stream, mine, theirs.get(who, 0)
+        return None
+
     def _handover_given_up(self, st: ShardState, now: float) -> bool:
         """Whether this owner stops waiting for the hand-over of ``st`` (it is waiting):
         HANDOVER_TIMEOUT passed since the last frame or "coming" answer from the host it
-        waits for, or that host is unreachable.  Then this host's own copy serves: the
-        wait ends (logged), and the shard's copies are maintained from it.  Asked by
+        waits for, or that host is unreachable.  Then the next reachable host of
+        ``st.handover_next`` (a backup of the previous owner) is asked for its copy as
+        the hand-over, and the wait goes on; with none left, this host's own copy serves:
+        the wait ends (logged), and the shard's copies are maintained from it.  Asked by
         every batch and every maintenance pass (a wait that only a batch ended lasted
         for good when none came, and no copy was repaired meanwhile: a copy that missed
         the previous owner's last ROWS stayed behind)."""
-        if now < st.handover_until and st.handover_from in self.members.reachable():
+        reach = self.members.reachable()
+        if now < st.handover_until and st.handover_from in reach:
             return False
-        log.warning("shard %s: no hand-over snapshot from %s; serving from this host's copy",
-                    st.key, st.handover_from)
+        waited = st.handover_from
+        st.handover_next = [b for b in st.handover_next if b in reach and b != waited]
+        if st.handover_next:
+            st.handover_from = st.handover_next.pop(0)
+            st.handover_until = now + HANDOVER_TIMEOUT
+            st.sync_sent_at = 0.0   # (_maintain_shards asks it at once)
+            self._unsettle()
+            log.warning("shard %s: no hand-over snapshot from %s; asking %s, a backup of "
+                        "the previous owner, for its copy", st.key, waited or "a dead owner",
+                        st.handover_from)
+            return False
+        if waited is not None:
+            log.warning("shard %s: no hand-over snapshot from %s; serving from this host's "
+                        "copy", st.key, waited)
         st.handover_from = None
         return True
 
@@ -2246,7 +2333,7 @@ class Bridge:
         # this copy meanwhile (st.copied_in), or a change of roles that leaves the copy
         # unwanted, voids the read (a copy still missing is read again).
         marks = [Mark(s[0], s[1], st.dedup.floor(s)) for s in st.dedup.streams()
-                 if st.dedup.floor(s) > 0][:4096]
+                 if st.dedup.floor(s) > 0][:MAX_MARKS]
         epoch, rseq, copied_in = self.members.epoch, st.rseq, st.copied_in
         st.reading = member
         try:
@@ -2321,10 +2408,12 @@ class Bridge:
                 if info.kind == "csr":
                     kw["row_steps"] = np.asarray(rd.row_steps[i:j], dtype=np.uint64)
             vals = np.asarray(rd.values[i:j]).reshape(j - i, info.cols)
+            # the marks go with the last chunk, and with the first of a hand-over too:
+            # its receiver checks them before it writes a row (on_rows: _behind)
             chunks.append(frames.encode_snapshot(
                 epoch=epoch, sender=self.mid, incarnation=self.incarnation,
                 tensor=info.tid, shard=shard, seq=ROWS_SEQ_BASE + rseq, values=vals,
-                step=int(rd.step), marks=marks if j >= n else (),
+                step=int(rd.step), marks=marks if j >= n or (handover and i == 0) else (),
                 state=[np.asarray(a[i:j]).reshape(j - i, info.cols) for a in rd.states],
                 last=j >= n, handover=handover, **kw))
             i = j
@@ -2759,11 +2848,15 @@ class Bridge:
                     st.snap_retry.pop(peer, None)
                     self._unsettle()
             elif (key in self.shards and self.owner(self.shards[key].key) == peer
-                    and (self._was_owner(key) or self._is_origin(key))):
+                    and (self._was_owner(key) or self._is_origin(key)
+                         or self.members.state(self.addr) in ON_RING)):
                 # the new owner still waits for this host's hand-over (the first one was
                 # refused or lost): this host no longer applies batches, send it again;
                 # or the owner of a tensor created here asks for its initial values
-                # (it accepts them only while it waits for them: refresh_tensors)
+                # (it accepts them only while it waits for them: refresh_tensors); or,
+                # the previous owner's hand-over not coming, it asks this host, one of
+                # that owner's backups, for its copy (_handover_given_up; a joining
+                # host's copy may be behind: it answers NOT_OWNER)
                 asyncio.get_running_loop().create_task(
                     self._send_snapshot(key, peer, handover=True))
                 # Answered BUSY, "coming" (_on_sync_answer), while this host has the data
