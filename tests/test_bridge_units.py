@@ -1080,6 +1080,54 @@ def test_a_hand_over_carries_its_marks_on_its_first_chunk_and_its_last(tmp_path,
             assert all(bool(c.flags & frames.Flag.HANDOVER) is handover for c in chunks)
 
 
+def test_an_owner_on_a_ring_short_of_replicas_waits_for_a_joiner_holding_a_copy(tmp_path):
+    """An owner whose ring has fewer members than --replicas (3 hosts, one dead, one
+    joining: a ring of itself) waits, besides its backups in the ring, for joining
+    members that hold a full copy of the shard, up to --replicas - 1 in all; not for one
+    still copying, and not with a full ring.  (On a ring of itself it acknowledged
+    pushes held nowhere else, and lost them when the others went on without it.)
+    Drives a Bridge, not started, on a real store."""
+    me, j, x = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
+    with _owner_on_a_store(tmp_path, [me, j, x], "shortring") as (node, info, st):
+        st.synced = {j, x}
+        assert node._required(st) == [b for b in node.owners(st.key)[1:]]   # full ring
+        node._on_changes(node.members.mark_dead(x))
+        node._on_changes(node.members.mark_joining(j))
+        assert node.members.live() == (me,) and node.owners(st.key) == [me]
+        st.synced = set()
+        assert node._required(st) == []                      # still copying
+        st.synced = {j}
+        assert node._required(st) == [j]
+        node.cfg.replicas = 1
+        assert node._required(st) == []
+
+
+def test_a_joiner_copies_a_shard_again_when_its_owner_changes(tmp_path):
+    """A joining host that has not said it is ready counts a shard copied only once the
+    snapshot of the shard's current owner is here: a change of owner makes it ask again
+    (the previous owner's copy may lack ROWS the new owner holds).  Drives a Bridge, not
+    started, on a real store."""
+    me, a, b = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
+    with _owner_on_a_store(tmp_path, [me, a, b], "rejoin") as (node, info, st):
+        key = (info.tid, 0)
+
+        async def join() -> None:
+            node._on_changes(node.members.mark_joining(me))
+            await asyncio.sleep(0)
+
+        node._send_snapshot = lambda *a, **k: asyncio.sleep(0)
+        asyncio.run(join())
+        st.snap_epoch_seen, st.sync_sent_at = node.members.epoch, 5.0
+        node._role_change(key, [a, b], [a, b])             # no change of owner
+        assert st.snap_epoch_seen >= 0
+        node._role_change(key, [a, b], [b, a])
+        assert st.snap_epoch_seen == -1 and st.sync_sent_at == 0.0
+        st.snap_epoch_seen = node.members.epoch
+        node.ready_flag = True                             # said ready: the owners sync it
+        node._role_change(key, [b, a], [a, b])
+        assert st.snap_epoch_seen >= 0
+
+
 def test_the_backups_are_those_of_the_ring_the_owners_last_rows_came_by(tmp_path):
     """A copy records the shard's owners in its ring when it takes the owner's ROWS.  A
     host that became owner counts its copy complete only if it was a backup both in that

@@ -946,6 +946,13 @@ class Bridge:
         st.first_seen.clear()   # (on_batch) a probe of an earlier role could stall a stream
         if (old[0] if old else None) != (new[0] if new else None):
             st.owner_since = self.members.epoch   # (on_rows) a new owner's tenure
+            if self.members.state(self.addr) is State.JOINING and not self.ready_flag:
+                # joining: the copy counts once the new owner's snapshot is here (the
+                # previous owner's may lack its last ROWS, refused or cut off, which the
+                # new owner holds: a joiner counted ready by it lacked acknowledged
+                # pushes; the flapping network probe, 2026-11-26)
+                st.snap_epoch_seen = -1
+                st.sync_sent_at = 0.0
         was = bool(old) and old[0] == self.addr
         now = bool(new) and new[0] == self.addr
         if was and not now:
@@ -2091,9 +2098,20 @@ class Bridge:
                 self._unsettle()
 
     def _required(self, st: ShardState) -> list[str]:
-        """The backups whose acknowledgement an owner waits for."""
+        """The backups whose acknowledgement an owner waits for: the shard's reachable
+        backups in the ring, and, while those are fewer than ``--replicas - 1`` (a ring
+        smaller than that), joining members that hold a full copy (in ``st.synced``),
+        in address order.  (An owner on a ring of itself, its one peer joining, had no
+        backup to wait for and acknowledged pushes held nowhere else; cut off next, it
+        was counted joining by the other two, and those pushes were gone: the
+        flapping network probe, 2026-11-26.)"""
         reach = self.members.reachable()
-        return [b for b in self.owners(st.key)[1:] if b in reach and b != self.addr]
+        req = [b for b in self.owners(st.key)[1:] if b in reach and b != self.addr]
+        short = self.cfg.replicas - 1 - len(req)
+        if short > 0 and st.synced:
+            req += sorted(m for m in st.synced if m in reach and m not in req
+                          and self.members.state(m) is State.JOINING)[:short]
+        return req
 
     def _wait_backups(self, key: tuple, st: ShardState, reply: Callable[[bytes], None],
                       ack: bytes, rseq: Optional[int] = None) -> None:
