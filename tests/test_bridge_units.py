@@ -1080,24 +1080,27 @@ def test_a_hand_over_carries_its_marks_on_its_first_chunk_and_its_last(tmp_path,
             assert all(bool(c.flags & frames.Flag.HANDOVER) is handover for c in chunks)
 
 
-def test_an_owner_on_a_ring_short_of_replicas_waits_for_a_joiner_holding_a_copy(tmp_path):
-    """An owner whose ring has fewer members than --replicas (3 hosts, one dead, one
-    joining: a ring of itself) waits, besides its backups in the ring, for joining
-    members that hold a full copy of the shard, up to --replicas - 1 in all; not for one
-    still copying, and not with a full ring.  (On a ring of itself it acknowledged
-    pushes held nowhere else, and lost them when the others went on without it.)
-    Drives a Bridge, not started, on a real store."""
+def test_an_owner_waits_for_the_joiners_holding_a_copy(tmp_path):
+    """An owner waits, besides its backups in the ring, for every joining member that
+    holds a full copy of the shard (with --replicas above 1), not for one still copying:
+    when the join's epoch switches, the joiner holds every acknowledged batch.  (On a
+    ring of itself, its one peer joining, an owner acknowledged pushes held nowhere
+    else, and lost them when the others went on without it.)  Drives a Bridge, not
+    started, on a real store."""
     me, j, x = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
-    with _owner_on_a_store(tmp_path, [me, j, x], "shortring") as (node, info, st):
+    with _owner_on_a_store(tmp_path, [me, j, x], "joinacks") as (node, info, st):
         st.synced = {j, x}
-        assert node._required(st) == [b for b in node.owners(st.key)[1:]]   # full ring
-        node._on_changes(node.members.mark_dead(x))
+        backups = node.owners(st.key)[1:]
+        assert node._required(st) == backups                 # nobody joining
         node._on_changes(node.members.mark_joining(j))
-        assert node.members.live() == (me,) and node.owners(st.key) == [me]
-        st.synced = set()
-        assert node._required(st) == []                      # still copying
-        st.synced = {j}
-        assert node._required(st) == [j]
+        backups = node.owners(st.key)[1:]
+        assert j not in backups
+        st.synced = {x}
+        assert node._required(st) == backups                 # j still copying
+        st.synced = {j, x}
+        assert node._required(st) == backups + [j]
+        node._on_changes(node.members.mark_dead(x))
+        assert node.members.live() == (me,) and node._required(st) == [j]
         node.cfg.replicas = 1
         assert node._required(st) == []
 

@@ -983,10 +983,10 @@ class Bridge:
             prev = old[0] if old else None
             # The previous owner acknowledged a batch only once its backups had its rows,
             # so their copies hold every acknowledged push.  This host's copy does if it
-            # was one of them; otherwise (a joiner that became owner: its copy takes the
-            # owner's ROWS, but the owner waits for no joiner) it may be behind, and if
-            # the previous owner's hand-over does not come, a backup's copy is taken
-            # instead (_handover_given_up).  (Serving its own copy, a joiner cut off from
+            # was one of them; otherwise (a joiner that became owner, which the views of
+            # a flapping network can make before the owner waited for it) it may be
+            # behind, and if the previous owner's hand-over does not come, a backup's
+            # copy is taken instead (_handover_given_up).  (Serving its own copy, a joiner cut off from
             # its rows' stream, then made owner as the previous owner was cut off in
             # turn, lacked batches that owner had acknowledged; it copied that over the
             # backup's complete copy, and the senders' filters were ahead of it: GAP for
@@ -2099,18 +2099,20 @@ class Bridge:
 
     def _required(self, st: ShardState) -> list[str]:
         """The backups whose acknowledgement an owner waits for: the shard's reachable
-        backups in the ring, and, while those are fewer than ``--replicas - 1`` (a ring
-        smaller than that), joining members that hold a full copy (in ``st.synced``),
-        in address order.  (An owner on a ring of itself, its one peer joining, had no
-        backup to wait for and acknowledged pushes held nowhere else; cut off next, it
-        was counted joining by the other two, and those pushes were gone: the
+        backups in the ring and, with ``--replicas`` above 1, every reachable joining
+        member that holds a full copy of the shard (in ``st.synced``: it copies every
+        shard), so that when a join's epoch switches the joiner holds every
+        acknowledged batch of the shards it then owns or backs up.  (Without them, an
+        owner on a ring of itself, its one peer joining, had no backup to wait for and
+        acknowledged pushes held nowhere else; cut off next, it was counted joining by
+        the other two, and those pushes were gone; and a joiner made owner whose
+        hand-over did not come served a copy that lacked acknowledged batches: the
         flapping network probe, 2026-11-26.)"""
         reach = self.members.reachable()
         req = [b for b in self.owners(st.key)[1:] if b in reach and b != self.addr]
-        short = self.cfg.replicas - 1 - len(req)
-        if short > 0 and st.synced:
+        if st.synced and self.cfg.replicas > 1:
             req += sorted(m for m in st.synced if m in reach and m not in req
-                          and self.members.state(m) is State.JOINING)[:short]
+                          and self.members.state(m) is State.JOINING)
         return req
 
     def _wait_backups(self, key: tuple, st: ShardState, reply: Callable[[bytes], None],
