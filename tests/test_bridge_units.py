@@ -1081,26 +1081,44 @@ def test_a_hand_over_carries_its_marks_on_its_first_chunk_and_its_last(tmp_path,
 
 
 def test_an_owner_waits_for_the_joiners_holding_a_copy(tmp_path):
-    """An owner waits, besides its backups in the ring, for every joining member that
-    holds a full copy of the shard (with --replicas above 1), not for one still copying:
-    when the join's epoch switches, the joiner holds every acknowledged batch.  (On a
-    ring of itself, its one peer joining, an owner acknowledged pushes held nowhere
-    else, and lost them when the others went on without it.)  Drives a Bridge, not
-    started, on a real store."""
+    """With --replicas above 1 an owner waits, besides its backups in the ring, for the
+    joining members that got a full copy of the shard from it (so that a joiner holds
+    every acknowledged batch when its join's epoch switches), and on a ring of itself
+    for every reachable joiner, copied yet or not: no push is acknowledged while its
+    copy is the only one.  A joiner that refuses a ROWS (its view moved on) holds
+    acknowledgements back until it is copied again.  (Each looser rule lost
+    acknowledged pushes in the flapping-network probe.)  Drives a Bridge, not started,
+    on a real store."""
+    from shmps.bridge import node as bridge_node
+
     me, j, x = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
     with _owner_on_a_store(tmp_path, [me, j, x], "joinacks") as (node, info, st):
-        st.synced = {j, x}
-        backups = node.owners(st.key)[1:]
-        assert node._required(st) == backups                 # nobody joining
+        key = (info.tid, 0)
+
+        def answer(peer: str, rseq: int, status: Status) -> None:
+            node.on_ack(peer, frames.decode(frames.encode_ack(
+                epoch=0, sender=members.member_id(peer), incarnation=7, tensor=info.tid,
+                shard=0, seq=bridge_node.ROWS_SEQ_BASE + rseq, status=status)))
+
+        assert node._required(st) == node.owners(st.key)[1:]   # nobody joining
         node._on_changes(node.members.mark_joining(j))
         backups = node.owners(st.key)[1:]
-        assert j not in backups
-        st.synced = {x}
-        assert node._required(st) == backups                 # j still copying
-        st.synced = {j, x}
-        assert node._required(st) == backups + [j]
-        node._on_changes(node.members.mark_dead(x))
+        assert backups == [x] and node._required(st) == [x]    # j still copying
+        st.snapshotting[j] = 3
+        answer(j, 3, Status.OK)                                # j's copy is complete
+        assert j in st.synced and node._required(st) == [x, j]
+        node._on_changes(node.members.mark_dead(x))            # a ring of this host
         assert node.members.live() == (me,) and node._required(st) == [j]
+        released: list = []
+        st.rows_rseq = 4
+        node._wait_backups(key, st, lambda d: released.append(d), b"ack1")
+        assert released == []                                  # waits for j's ACK
+        answer(j, 4, Status.NOT_OWNER)                         # j's view moved on
+        assert j not in st.synced and node._required(st) == [j]
+        node._release(key)
+        assert released == []                                  # held back, not alone
+        st.joiners_synced.clear()                              # (a new tenure)
+        assert node._required(st) == [j]                       # alone: copied or not
         node.cfg.replicas = 1
         assert node._required(st) == []
 

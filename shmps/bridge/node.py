@@ -193,6 +193,8 @@ class ShardState:
     rows_rseq: int = 0                                   # rseq of the last ROWS (to all copies)
     acked: dict = field(default_factory=dict)            # member -> highest rseq acked
     synced: set = field(default_factory=set)             # members holding a full copy
+    joiners_synced: set = field(default_factory=set)     # joining members that held one in
+                                                         # this tenure (_required)
     snapshotting: dict = field(default_factory=dict)     # member -> last rseq of its snapshot
     reading: Optional[str] = None                        # the member whose snapshot is being read
     copied_in: int = 0                                   # ROWS/SNAPSHOT frames written into this copy
@@ -922,6 +924,7 @@ class Bridge:
             if c.new is State.DEAD or c.new is None:
                 for st in self.shards.values():
                     st.synced.discard(c.member)
+                    st.joiners_synced.discard(c.member)
                     st.snapshotting.pop(c.member, None)
                     st.acked.pop(c.member, None)
                 self._unsettle()
@@ -978,6 +981,7 @@ class Bridge:
                                                                            handover=True))
         elif now and not was:
             st.synced = set()
+            st.joiners_synced = set()
             st.snapshotting = {}
             st.acked = {}
             prev = old[0] if old else None
@@ -1370,6 +1374,8 @@ class Bridge:
                 if snap is not None and r >= snap:
                     del st.snapshotting[peer]
                     st.synced.add(peer)
+                    if self.members.states().get(peer) is State.JOINING:
+                        st.joiners_synced.add(peer)   # (_required)
                 self._release(key)
             else:
                 # the replica refused (views differ, or it lacks the tensor): copy it again,
@@ -2098,21 +2104,32 @@ class Bridge:
                 self._unsettle()
 
     def _required(self, st: ShardState) -> list[str]:
-        """The backups whose acknowledgement an owner waits for: the shard's reachable
-        backups in the ring and, with ``--replicas`` above 1, every reachable joining
-        member that holds a full copy of the shard (in ``st.synced``: it copies every
-        shard), so that when a join's epoch switches the joiner holds every
-        acknowledged batch of the shards it then owns or backs up.  (Without them, an
-        owner on a ring of itself, its one peer joining, had no backup to wait for and
-        acknowledged pushes held nowhere else; cut off next, it was counted joining by
-        the other two, and those pushes were gone; and a joiner made owner whose
-        hand-over did not come served a copy that lacked acknowledged batches: the
-        flapping network probe, 2026-11-26.)"""
+        """The members whose acknowledgement of a ROWS an owner waits for before it
+        acknowledges the batch (``_release``; one not in ``st.synced`` holds it back
+        until it is copied): the shard's reachable backups in the ring and, with
+        ``--replicas`` above 1, the reachable joining members that got a full copy of
+        the shard in this owner's tenure (``st.joiners_synced``), so that a joiner
+        holds every acknowledged batch when its join's epoch switches; with no backup
+        in the ring (a ring of this host), every reachable joining member, copied yet
+        or not.  So no push is acknowledged while the owner's copy is its only one,
+        unless no other member is reachable at all (a lone host by --allow-minority).
+
+        The flapping-network probe (2026-11-26) lost acknowledged pushes each time this
+        was looser: with joiners never waited for, an owner on a ring of itself
+        acknowledged pushes held nowhere else and lost them when the other two went on
+        without it, and a joiner made owner served a copy that lacked acknowledged
+        batches; with a joiner counted only while in ``st.synced``, one that refused a
+        ROWS (its view had moved on) dropped out and the owner acknowledged alone; with
+        only copied joiners, a host back from a cut that minted an epoch on a ring of
+        itself with a joiner it heard first acknowledged its own pushes alone for 0.2 s,
+        then took over the majority's ring of the same epoch number."""
         reach = self.members.reachable()
         req = [b for b in self.owners(st.key)[1:] if b in reach and b != self.addr]
-        if st.synced and self.cfg.replicas > 1:
-            req += sorted(m for m in st.synced if m in reach and m not in req
-                          and self.members.state(m) is State.JOINING)
+        if self.cfg.replicas > 1 and (st.joiners_synced or not req):
+            alone = not req
+            req += sorted(m for m, s in self.members.states().items()
+                          if s is State.JOINING and m in reach and m != self.addr
+                          and (alone or m in st.joiners_synced))
         return req
 
     def _wait_backups(self, key: tuple, st: ShardState, reply: Callable[[bytes], None],
