@@ -441,7 +441,11 @@ def test_a_slow_reader_backs_messages_up_in_order_then_refuses(monkeypatch):
 
     accepted, refused, most, got = run(main())
     assert refused > 0 and len(accepted) < 200
-    assert (8 << 20) <= most < (8 << 20) + (16 << 20)   # queue + what the transport holds
+    # the queue fills to within one 1 MiB message of the bound before a message is
+    # refused; the transport holds at most one more, partly sent, or less when the
+    # kernel took more of it (2026-11-26: 7.25 MiB in all, run after run, where it had
+    # always held a whole one)
+    assert (7 << 20) <= most < (8 << 20) + (16 << 20)   # queue + what the transport holds
     body = [g for g in got if g != b"END"]
     assert body == accepted
 
@@ -500,7 +504,7 @@ def test_close_drops_the_queue_and_a_peer_that_does_not_read_is_cut_off(monkeypa
             return queued, held, took
 
     queued, held, took = run(main())
-    assert queued >= 8 << 20
+    assert queued >= 7 << 20   # (within one message of the bound: see the test above)
     assert held <= (2 << 20) + 64, held       # at most one message past the water mark
     assert 0.2 <= took < 3.0, took
 
