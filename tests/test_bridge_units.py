@@ -1120,7 +1120,11 @@ def test_an_owner_waits_for_the_joiners_holding_a_copy(tmp_path):
         st.joiners_synced.clear()                              # (a new tenure)
         assert node._required(st) == [j]                       # alone: copied or not
         node.cfg.replicas = 1
-        assert node._required(st) == []
+        assert node._required(st) == []                        # (no copies wanted)
+        node.cfg.replicas = 2
+        st.joiners_synced.add(j)
+        node._on_changes(node.members.mark_ready(j))           # joined: a ring backup now
+        assert st.joiners_synced == set() and node._required(st) == [j]
 
 
 def test_a_joiner_copies_a_shard_again_when_its_owner_changes(tmp_path):

@@ -921,10 +921,15 @@ class Bridge:
             for st in self.shards.values():
                 st.pending.clear()   # see _release: only an acting owner acknowledges
         for c in changes:
+            if c.old is State.JOINING:
+                # waited for only while joining (_required): a member on the ring is a
+                # backup or not by the ring, and an empty set keeps _required's scan of
+                # the members off every acknowledgement once the join is over
+                for st in self.shards.values():
+                    st.joiners_synced.discard(c.member)
             if c.new is State.DEAD or c.new is None:
                 for st in self.shards.values():
                     st.synced.discard(c.member)
-                    st.joiners_synced.discard(c.member)
                     st.snapshotting.pop(c.member, None)
                     st.acked.pop(c.member, None)
                 self._unsettle()
@@ -990,11 +995,11 @@ class Bridge:
             # was one of them; otherwise (a joiner that became owner, which the views of
             # a flapping network can make before the owner waited for it) it may be
             # behind, and if the previous owner's hand-over does not come, a backup's
-            # copy is taken instead (_handover_given_up).  (Serving its own copy, a joiner cut off from
-            # its rows' stream, then made owner as the previous owner was cut off in
-            # turn, lacked batches that owner had acknowledged; it copied that over the
-            # backup's complete copy, and the senders' filters were ahead of it: GAP for
-            # good.  The flapping network test, 2026-11-26.)
+            # copy is taken instead (_handover_given_up).  (Serving its own copy, a
+            # joiner cut off from its rows' stream, then made owner as the previous
+            # owner was cut off in turn, lacked batches that owner had acknowledged; it
+            # copied that over the backup's complete copy, and the senders' filters
+            # were ahead of it: GAP for good.  The flapping network test, 2026-11-26.)
             # Its backups are the shard's owners after the first in the ring by which this
             # host last took the owner's ROWS, and in the ring before this one; this
             # host's copy is complete if it is one of them in both.  (The ring before
