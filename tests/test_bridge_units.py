@@ -1117,14 +1117,69 @@ def test_an_owner_waits_for_the_joiners_holding_a_copy(tmp_path):
         assert j not in st.synced and node._required(st) == [j]
         node._release(key)
         assert released == []                                  # held back, not alone
-        st.joiners_synced.clear()                              # (a new tenure)
+        st.joiners_copied.clear()                              # (a new tenure)
         assert node._required(st) == [j]                       # alone: copied or not
         node.cfg.replicas = 1
         assert node._required(st) == []                        # (no copies wanted)
         node.cfg.replicas = 2
-        st.joiners_synced.add(j)
+        st.joiners_copied.add(j)
         node._on_changes(node.members.mark_ready(j))           # joined: a ring backup now
-        assert st.joiners_synced == set() and node._required(st) == [j]
+        assert st.joiners_copied == set() and node._required(st) == [j]
+
+
+def test_an_owner_waits_for_a_joiner_from_the_moment_its_copy_is_queued(tmp_path):
+    """A joiner is waited for from the moment its copy goes out, not from its
+    acknowledgement: the ROWS of the batches acknowledged after it are queued behind the
+    copy, and were lost with it in a cut while the acknowledgement was on the way (the
+    flapping network probe, 2026-11-26: the joiner, made owner on the next ring, served a
+    copy without batches its owner had acknowledged with the ring backup alone).  Drives
+    a Bridge, not started, on a real store, with a real websocket connection."""
+    from shmps.bridge import node as bridge_node, wsstream
+    from test_bridge_wsstream import Server, collect
+
+    me, j, x = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
+    with _owner_on_a_store(tmp_path, [me, j, x], "joinqueued") as (node, info, st):
+        key = (info.tid, 0)
+        node.store[info.name].push(np.full((8, 4), 5, np.float32))
+        node._on_changes(node.members.mark_joining(j))
+        view = {me: State.ALIVE, j: State.JOINING, x: State.ALIVE}
+        node.on_heartbeat(x, _heartbeat(x, node.members.epoch, view))
+        assert node.acting() and node._required(st) == [x]    # nothing sent to j yet
+        st.synced.add(x)                                       # x holds a copy
+
+        def answer(peer: str, rseq: int) -> None:
+            node.on_ack(peer, frames.decode(frames.encode_ack(
+                epoch=0, sender=members.member_id(peer), incarnation=7, tensor=info.tid,
+                shard=0, seq=bridge_node.ROWS_SEQ_BASE + rseq, status=Status.OK)))
+
+        async def main() -> list:
+            async with Server() as srv:
+                client = await wsstream.connect("127.0.0.1", srv.port, "/ws",
+                                                max_msg=1 << 24, timeout=5)
+                while not srv.streams:
+                    await asyncio.sleep(0.01)
+                node.data_out[j] = bridge_node.Conn(srv.streams[-1], j)
+                try:
+                    got = asyncio.ensure_future(collect(client, 1))
+                    await asyncio.wait_for(node._send_snapshot(key, j), 10)
+                    return [frames.decode(c) for c in await asyncio.wait_for(got, 10)]
+                finally:
+                    client.close()
+
+        chunks = asyncio.run(asyncio.wait_for(main(), 30))
+        assert chunks and chunks[-1].flags & frames.Flag.LAST
+        snap = st.snapshotting[j]
+        assert snap == st.rseq and j not in st.synced
+        assert node._required(st) == [x, j]                    # queued: waited for
+        released: list = []
+        st.rows_rseq = st.rseq = snap + 1                      # a batch's ROWS after it
+        node._wait_backups(key, st, lambda d: released.append(d), b"ack1")
+        answer(x, snap + 1)
+        assert released == []                                  # j's copy is not here yet
+        answer(j, snap)
+        assert j in st.synced and released == []               # nor its ROWS
+        answer(j, snap + 1)
+        assert released == [b"ack1"]
 
 
 def test_a_joiner_copies_a_shard_again_when_its_owner_changes(tmp_path):

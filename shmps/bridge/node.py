@@ -193,8 +193,8 @@ class ShardState:
     rows_rseq: int = 0                                   # rseq of the last ROWS (to all copies)
     acked: dict = field(default_factory=dict)            # member -> highest rseq acked
     synced: set = field(default_factory=set)             # members holding a full copy
-    joiners_synced: set = field(default_factory=set)     # joining members that held one in
-                                                         # this tenure (_required)
+    joiners_copied: set = field(default_factory=set)     # joining members sent one in this
+                                                         # tenure (_required)
     snapshotting: dict = field(default_factory=dict)     # member -> last rseq of its snapshot
     reading: Optional[str] = None                        # the member whose snapshot is being read
     copied_in: int = 0                                   # ROWS/SNAPSHOT frames written into this copy
@@ -926,7 +926,7 @@ class Bridge:
                 # backup or not by the ring, and an empty set keeps _required's scan of
                 # the members off every acknowledgement once the join is over
                 for st in self.shards.values():
-                    st.joiners_synced.discard(c.member)
+                    st.joiners_copied.discard(c.member)
             if c.new is State.DEAD or c.new is None:
                 for st in self.shards.values():
                     st.synced.discard(c.member)
@@ -986,7 +986,7 @@ class Bridge:
                                                                            handover=True))
         elif now and not was:
             st.synced = set()
-            st.joiners_synced = set()
+            st.joiners_copied = set()
             st.snapshotting = {}
             st.acked = {}
             prev = old[0] if old else None
@@ -1380,7 +1380,7 @@ class Bridge:
                     del st.snapshotting[peer]
                     st.synced.add(peer)
                     if self.members.states().get(peer) is State.JOINING:
-                        st.joiners_synced.add(peer)   # (_required)
+                        st.joiners_copied.add(peer)   # (_required; one sent it as a backup)
                 self._release(key)
             else:
                 # the replica refused (views differ, or it lacks the tensor): copy it again,
@@ -2113,8 +2113,9 @@ class Bridge:
         acknowledges the batch (``_release``; one not in ``st.synced`` holds it back
         until it is copied): the shard's reachable backups in the ring and, with
         ``--replicas`` above 1, the reachable joining members that got a full copy of
-        the shard in this owner's tenure (``st.joiners_synced``), so that a joiner
-        holds every acknowledged batch when its join's epoch switches; with no backup
+        the shard in this owner's tenure (``st.joiners_copied``, from the moment the
+        copy is queued), so that a joiner holds every acknowledged batch when its join's
+        epoch switches; with no backup
         in the ring (a ring of this host), every reachable joining member, copied yet
         or not.  So no push is acknowledged while the owner's copy is its only one,
         unless no other member is reachable at all (a lone host by --allow-minority).
@@ -2127,14 +2128,18 @@ class Bridge:
         ROWS (its view had moved on) dropped out and the owner acknowledged alone; with
         only copied joiners, a host back from a cut that minted an epoch on a ring of
         itself with a joiner it heard first acknowledged its own pushes alone for 0.2 s,
-        then took over the majority's ring of the same epoch number."""
+        then took over the majority's ring of the same epoch number; with a joiner
+        counted from its copy's acknowledgement, the owner acknowledged batches whose
+        ROWS were queued to the joiner behind the copy (a slow connection, 0.5 s behind)
+        and lost with it in a cut, while the joiner's acknowledgement was on the way:
+        the joiner, made owner on the next ring, served its copy without them."""
         reach = self.members.reachable()
         req = [b for b in self.owners(st.key)[1:] if b in reach and b != self.addr]
-        if self.cfg.replicas > 1 and (st.joiners_synced or not req):
+        if self.cfg.replicas > 1 and (st.joiners_copied or not req):
             alone = not req
             req += sorted(m for m, s in self.members.states().items()
                           if s is State.JOINING and m in reach and m != self.addr
-                          and (alone or m in st.joiners_synced))
+                          and (alone or m in st.joiners_copied))
         return req
 
     def _wait_backups(self, key: tuple, st: ShardState, reply: Callable[[bytes], None],
@@ -2408,6 +2413,10 @@ class Bridge:
             chunks = [frames.restamp_epoch(c, self.members.epoch) for c in chunks]
         if not handover:
             st.snapshotting[member] = st.rseq
+            if self.members.states().get(member) is State.JOINING:
+                # waited for from now on (_required): the ROWS of the batches acknowledged
+                # from now on are queued to it behind this copy
+                st.joiners_copied.add(member)
         # Queued whole in this step, whatever the backlog (bulk), so that a snapshot
         # larger than wsstream.MAX_BACKLOG goes through: the ROWS of later changes are
         # queued after it on the same connection and arrive after it.  (Streaming the
