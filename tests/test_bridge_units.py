@@ -330,13 +330,17 @@ def test_a_member_counted_dead_without_a_majority_is_alive_when_heard():
     m3.tick(0.6)
     assert m3.epoch == 1 and m3.heartbeat("c:3", 0.7)[0].new is State.JOINING
     # a: cut off, counts b and c dead alone; b heard again before c: alive, and the
-    # live set {a, b} is not the epoch's {a, b, c}, with a majority: a new epoch
+    # live set {a, b} is not the epoch's {a, b, c}, with a majority: a new epoch, once
+    # dead_after has passed (the first heartbeat after a cut may be stale)
     m4 = Membership(THREE, "a:1", now=0.0)
     m4.tick(1.0)
     assert m4.live() == ("a:1",) and m4.epoch == 0
     assert m4.heartbeat("b:2", 1.1)[0].new is State.ALIVE
+    assert m4.epoch == 0 and m4.live() == ("a:1", "b:2")
+    m4.heartbeat("b:2", 1.5)
+    m4.tick(1.6)
     assert m4.epoch == 1 and m4.live() == ("a:1", "b:2")
-    assert m4.heartbeat("c:3", 1.2)[0].new is State.JOINING   # its death was ratified
+    assert m4.heartbeat("c:3", 1.7)[0].new is State.JOINING   # its death was ratified
 
 
 def test_cut_off_host_never_dies_to_itself_and_mints_no_epoch():
@@ -389,6 +393,32 @@ def test_a_host_cut_off_counts_its_peers_dead_one_at_a_time_and_mints_no_epoch()
     m3 = Membership(THREE, "c:3", now=0.0, allow_minority=True)
     m3.tick(0.6)
     assert m3.epoch == 1 and m3.live() == ("c:3",)
+
+
+def test_a_host_back_in_a_majority_mints_no_epoch_for_dead_after():
+    """A host that gets its majority back mints nothing for dead_after: the first
+    heartbeat after a cut may be one the peer sent early in it.  (c minted epoch 1 with
+    b, which it still heard from when a went silent: a was only slow, and the cut hit c
+    just after.  a and b minted their own epoch 1 without c.  Back, c heard a stale
+    heartbeat of a first, counted it joining, and minted epoch 2 on a ring of itself at
+    once, which the majority took over: its stale copies owned every shard.  The
+    flapping network test, 2026-11-26.)  A mint still due once the hold is over is made
+    by the next tick."""
+    m = Membership(THREE, "c:3", now=0.0)             # dead_after 0.5, suspect_after 0.25
+    m.heartbeat("b:2", 0.4)
+    m.tick(0.5)                                       # a silent since 0.0: dead
+    assert m.epoch == 1 and m.live() == ("b:2", "c:3")
+    m.tick(1.0)                                       # the cut: b dead too, no majority
+    assert m.live() == ("c:3",) and m.epoch == 1 and not m.has_quorum()
+    m.heartbeat("a:1", 1.2)                           # a stale heartbeat, delivered late
+    assert m.state("a:1") is State.JOINING and m.has_quorum() and m.can_mint()
+    assert m.epoch == 1 and m.mint_held_until == 1.7  # no mint on a ring of c alone yet
+    m.heartbeat("a:1", 1.6)
+    m.tick(1.65)
+    assert m.epoch == 1
+    m.heartbeat("a:1", 1.75)
+    m.tick(1.8)                                       # nobody said otherwise: minted now
+    assert m.epoch == 2 and m.live() == ("c:3",)
 
 
 def test_a_joining_host_that_counts_a_peer_dead_mints_no_epoch():
@@ -1594,16 +1624,21 @@ def test_epoch_bumps_exactly_when_the_live_set_changes(ops):
     different from the epoch's (epoch_live) with a majority heard from within
     suspect_after and this host on it, which
     then becomes the epoch's live set, else stays; silence never kills self; nobody heard from within
-    suspect_after is suspect or dead."""
+    suspect_after is suspect or dead; and none for dead_after after a dead member's
+    heartbeat gave this host its majority back (it may be a stale one)."""
     m = Membership(["a:1", "b:2", "c:3", "d:4", "e:5"], "a:1", now=0.0)
     t, self_removed, told = 0.0, False, 0.0     # told: the latest time given to m
+    held_until = float("-inf")
     for op, who, dt in ops:
         t += dt
         before_epoch, before_epoch_live = m.epoch, m.epoch_live
         if op == "hb":
+            back = m.states().get(who) is State.DEAD and not m.has_quorum()
             m.heartbeat(who, t)
             if who in m.states():   # (a heartbeat of a non-member is ignored whole)
                 told = t
+            if back and m.has_quorum():
+                held_until = t + m.dead_after
         elif op == "tick":
             told = t
             seen = {x: m.last_seen(x) for x in m.states()}
@@ -1621,7 +1656,7 @@ def test_epoch_bumps_exactly_when_the_live_set_changes(ops):
                  and (x == "a:1" or told - m.last_seen(x) < m.suspect_after)}
         majority = 2 * len(heard & set(m.configured)) > len(m.configured)
         bumped = (frozenset(m.live()) != before_epoch_live and majority
-                  and "a:1" in m.live())
+                  and "a:1" in m.live() and told >= held_until)
         assert m.epoch == before_epoch + bumped
         assert m.epoch_live == (frozenset(m.live()) if bumped else before_epoch_live)
         assert self_removed or m.state("a:1") is not State.DEAD

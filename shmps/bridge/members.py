@@ -38,10 +38,11 @@ by one whenever the live set differs from the one the current epoch stands for
 (:attr:`Membership.epoch_live`) while a majority of the members was heard from within
 ``suspect_after`` (:meth:`Membership.can_mint`: suspects do not count) and this host is
 on the ring itself (a host cut off from the majority, or a joining one, changes its view
-but mints no epoch, so it cannot come back with an epoch that overrides the majority's),
-and never goes down. A host that hears a
-majority member with a higher epoch takes over that member's view with
-:meth:`Membership.adopt`.
+but mints no epoch, so it cannot come back with an epoch that overrides the majority's;
+nor does one for ``dead_after`` after it got a majority back, while the heartbeats TCP
+delivers first may be stale: :attr:`Membership.mint_held_until`), and never goes down.
+A host that hears a majority member with a higher epoch takes over that member's view
+with :meth:`Membership.adopt`.
 """
 from __future__ import annotations
 
@@ -275,6 +276,9 @@ class Membership:
         if joining and self_addr is not None:
             self._state[self_addr] = State.JOINING
         self.epoch = 0
+        #: no epoch is minted before this time (clock units): this host got its majority
+        #: back then, and the first heartbeats heard may be stale (_apply)
+        self.mint_held_until = float("-inf")
         #: the live set the current epoch stands for: the ring a majority agreed on, as
         #: this host knows it.  A member counted dead without a majority is still in it.
         self.epoch_live: frozenset[str] = frozenset(self.live())
@@ -379,7 +383,7 @@ class Membership:
         # that counted a slow peer dead minted an epoch the majority never takes over (its
         # heartbeats carry no quorum flag), and then ignored the majority's heartbeats of
         # the lower epoch it should follow: it copied from a ring of its own for good
-        if (live != self.epoch_live and self.can_mint()
+        if (live != self.epoch_live and self.can_mint() and self._t >= self.mint_held_until
                 and (self.self_addr is None or self.self_addr in live)):
             self.epoch += 1
             self.epoch_live = live
@@ -423,8 +427,20 @@ class Membership:
         if s is State.SUSPECT:
             self._set(changes, member, State.ALIVE)
         elif s is State.DEAD:
+            quorum = self.has_quorum()
             self._set(changes, member,
                       State.ALIVE if member in self.epoch_live else State.JOINING)
+            if not quorum and self.has_quorum():
+                # A host that gets its majority back this way mints nothing for
+                # dead_after: the first heartbeat heard after a cut may be one the peer
+                # sent early in it, which TCP delivers now.  Counted joining, the peer
+                # made a majority with this host, which minted the next epoch on a ring
+                # of itself at once, before the peer's newer heartbeats (its ring, of
+                # this host's epoch number, which a majority held) could be taken over;
+                # the majority took this host's ring over instead, and its copies, from
+                # before the cut, owned every shard (the flapping network test,
+                # 2026-11-26).  A mint still due is made by a later call (tick).
+                self.mint_held_until = t + self.dead_after
         return self._apply(changes)
 
     def tick(self, now: float | None = None) -> list[Change]:
