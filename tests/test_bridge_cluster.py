@@ -1466,7 +1466,7 @@ def test_a_host_cut_off_mid_training_holds_its_outboxes_and_rejoins(make_cluster
 
 
 @pytest.mark.skipif(not os.environ.get("SHMPS_TEST_FLAPPING"),
-                    reason="still fails about 1 run in 10 (a residual race: bridge-protocol.md "
+                    reason="still fails about 1 run in 20 (residual races: bridge-protocol.md "
                            "section 9); set SHMPS_TEST_FLAPPING=1 to run it")
 def test_a_flapping_network_loses_no_push(make_cluster):
     """Three namespace hosts train while the network flaps: a host is cut off for less
