@@ -1505,6 +1505,53 @@ def test_rows_from_an_owners_earlier_tenure_are_refused(tmp_path):
         assert st.handover_done[0] == other
 
 
+def test_a_previous_owners_rows_from_before_its_tenure_are_no_hand_over(tmp_path):
+    """A new owner waiting for the previous owner's hand-over takes that owner's last
+    ROWS, but not ones stamped before the epoch at which it became the owner in this
+    host's view: those are from an earlier tenure, delivered late, and carry the rows of
+    its copy of then.  (This host's ring gave the shard to the peer for 6 ms, and the
+    host took the peer's ROWS of three epochs before as its last ones: the one misstep
+    in the logs of a flapping network run that ended with every copy 113 pushes short,
+    2026-11-26.)  Drives a Bridge, not started, on a real store."""
+    from shmps.bridge.ring import Ring, shard_key
+
+    me, other, third = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
+    with _owner_on_a_store(tmp_path, [me, other, third], "handsince") as (node, _, _st):
+        name = next(f"v{i}" for i in range(1000)
+                    if node.owner(shard_key(f"v{i}", 0)) == me
+                    and Ring([other, third]).owners(shard_key(f"v{i}", 0), 1) == [other])
+        node.store.dense(name, (8, 4), "float32", init=0.0, optimizer="sum")
+        while node.refresh_tensors(budget=None):
+            pass
+        info = node.by_name[name]
+        st = node.shards[(info.tid, 0)]
+        node.store[name].push(np.full((8, 4), 5, np.float32))
+        got: list = []
+
+        def rows(epoch: int, seq: int, value: float) -> Status:
+            node.on_rows(other, frames.decode(frames.encode_rows(
+                epoch=epoch, sender=members.member_id(other), incarnation=7,
+                tensor=info.tid, shard=0, seq=seq, values=np.full((8, 4), value, np.float32),
+                start=0)), lambda d: got.extend(frames.iter_frames(bytes(d))))
+            return got[-1].status
+
+        async def lose_and_regain() -> None:
+            node.members.observe_epoch(2)
+            node._on_changes(node.members.rejoin())          # a ring without this host
+            assert node.owner(st.key) == other and st.owner_since == 2
+            node._on_changes(node.members.mark_ready(me))    # back on it: epoch 3
+            await asyncio.sleep(0)
+
+        asyncio.run(lose_and_regain())
+        assert node.members.epoch == 3 and node.owner(st.key) == me
+        assert st.handover_from == other
+        assert rows(1, 1, 7.0) is Status.NOT_OWNER                 # its tenure of epoch 1
+        np.testing.assert_array_equal(node.store[name].pull(), np.full((8, 4), 5, np.float32))
+        assert rows(2, 2, 9.0) is Status.OK                        # its last ROWS
+        np.testing.assert_array_equal(node.store[name].pull(), np.full((8, 4), 9, np.float32))
+        assert st.handover_since == 2
+
+
 def test_a_host_listening_after_a_cut_hands_nothing_over(tmp_path):
     """A host that leaves a shard's ownership hands its copy over to the new owner,
     unless it is listening after a stall or a cut (grace): the ring it leaves then is

@@ -200,6 +200,8 @@ class ShardState:
     copied_in: int = 0                                   # ROWS/SNAPSHOT frames written into this copy
     pending: deque = field(default_factory=deque)
     handover_from: Optional[str] = None
+    handover_since: int = 0                              # the epoch handover_from became
+                                                         # the owner in this host's view
     handover_until: float = 0.0
     handover_next: list = field(default_factory=list)    # asked in turn if handover_from's
                                                          # does not come: the previous
@@ -798,6 +800,7 @@ class Bridge:
                     # every shard from its owner before it owns any.)
                     st = self.shards[(tid, s)]
                     st.handover_from = origin
+                    st.handover_since = 0
                     st.handover_until = time.monotonic() + HANDOVER_TIMEOUT
             log.info("forwarding tensor %r (%s, %d shards)", info.name, info.kind, info.nshards)
         return False
@@ -952,6 +955,7 @@ class Bridge:
     def _role_change(self, key: tuple, old: Optional[list], new: list) -> None:
         st = self.shards[key]
         st.first_seen.clear()   # (on_batch) a probe of an earlier role could stall a stream
+        prev_since = st.owner_since
         if (old[0] if old else None) != (new[0] if new else None):
             st.owner_since = self.members.epoch   # (on_rows) a new owner's tenure
             if self.members.state(self.addr) is State.JOINING and not self.ready_flag:
@@ -990,6 +994,7 @@ class Bridge:
             st.snapshotting = {}
             st.acked = {}
             prev = old[0] if old else None
+            st.handover_since = prev_since   # (on_rows: the previous owner's ROWS)
             # The previous owner acknowledged a batch only once its backups had its rows,
             # so their copies hold every acknowledged push.  This host's copy does if it
             # was one of them; otherwise (a joiner that became owner, which the views of
@@ -2193,6 +2198,18 @@ class Bridge:
             # applied to (pushes lost on every copy, after this host handed its copy on:
             # the network cut test, 2026-11-26); so would a hand-over it read back then
             # for the ring that took the shard from it.  The owner copies this host again
+            return self._refuse(f, reply, Status.NOT_OWNER, "stale_owner")
+        if handover and f.type == FrameType.ROWS and f.epoch < st.handover_since:
+            # The previous owner's ROWS from before its tenure in this host's view: it
+            # owned the shard at an earlier epoch, lost it, and this host made it the
+            # owner again only for the ring it has just left.  Its ROWS of back then,
+            # delivered late, carry the rows of its copy of then (with batches it never
+            # had acknowledged, whose earlier ROWS this host had refused) and would
+            # overwrite this copy's: the flapping network test, 2026-11-26, where a
+            # host's ring gave the shard to a peer for 6 ms, the host took that peer's
+            # ROWS of three epochs before as its last ones; every copy came out 113
+            # pushes short, and this was the one misstep in that run's logs.  The
+            # hand-over snapshot still counts (_behind)
             return self._refuse(f, reply, Status.NOT_OWNER, "stale_owner")
         if not handover:
             st.fed_owners = self.owners(st.key)   # (_role_change: whose copies are complete)
