@@ -529,11 +529,12 @@ def test_leaving_and_rejoining_transitions():
 
 
 def _heartbeat(sender: str, epoch: int, view: dict,
-               flags: int = frames.HB_QUORUM) -> frames.Heartbeat:
+               flags: int = frames.HB_QUORUM, *, seq: int = 1,
+               incarnation: int = 7) -> frames.Heartbeat:
     """A decoded HEARTBEAT from ``sender`` at ``epoch`` with ``view`` (and quorum)."""
     live = [m for m, s in view.items() if s in (State.ALIVE, State.SUSPECT, State.LEAVING)]
     return frames.decode(frames.encode_heartbeat(
-        epoch=epoch, sender=members.member_id(sender), incarnation=7, seq=1,
+        epoch=epoch, sender=members.member_id(sender), incarnation=incarnation, seq=seq,
         digest=ring.Ring(live).digest, sent_ms=0, hb_flags=flags,
         members=[(members.member_id(m), st.code) for m, st in sorted(view.items())]))
 
@@ -670,6 +671,29 @@ def test_a_ready_flag_of_an_older_epoch_does_not_make_a_joiner_alive(tmp_path):
     joining = {a: State.JOINING, b: State.ALIVE, c: State.ALIVE}
     node.on_heartbeat(a, _heartbeat(a, 1, joining, frames.HB_READY))
     assert node.members.state(a) is State.ALIVE and node.members.epoch == 2
+
+
+def test_a_heartbeat_older_than_one_heard_from_the_same_process_is_dropped(tmp_path):
+    """A peer's heartbeats carry its process's running seq: one older than a heartbeat
+    already heard from that process (buffered during a cut and delivered after the newer
+    ones of the connection that replaced it) changes nothing.  (Interleaved with the
+    fresh ones, such heartbeats turned a peer joining, ready, joining again within
+    100 ms, each turn moving this host's ring: the flapping network test.)  A restarted
+    process (new incarnation) starts its seqs again."""
+    node, a, b, c = _host_c_of_three(tmp_path)
+    node._on_changes(node.members.mark_dead(a))
+    assert node.members.epoch == 1
+    joining = {a: State.JOINING, b: State.ALIVE, c: State.ALIVE}
+    node.on_heartbeat(a, _heartbeat(a, 1, joining, seq=10))
+    assert node.members.state(a) is State.JOINING
+    node.on_heartbeat(a, _heartbeat(a, 1, joining, frames.HB_READY, seq=9))   # stale
+    assert node.members.state(a) is State.JOINING and node.members.epoch == 1
+    assert node.metrics.rejected_c.labels("stale_heartbeat")._value.get() == 1
+    node.on_heartbeat(a, _heartbeat(a, 1, joining, frames.HB_READY, seq=11))
+    assert node.members.state(a) is State.ALIVE and node.members.epoch == 2
+    node.on_heartbeat(a, _heartbeat(a, 2, {a: State.ALIVE, b: State.ALIVE, c: State.ALIVE},
+                                    seq=1, incarnation=8))              # restarted
+    assert node.members.state(a) is State.JOINING
 
 
 def _sending_stream(tmp_path):

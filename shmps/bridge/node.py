@@ -562,6 +562,7 @@ class Bridge:
         self._owner_cache: dict[str, list[str]] = {}
         self._peer_rings: dict[str, set] = {}   # the ring each peer's last heartbeat shows
         self._incarnations: dict[str, int] = {}
+        self._hb_newest: dict[str, tuple[int, int]] = {}   # peer -> (incarnation, hb seq)
         self._initial = set(configured)
         self._ever_acted = False                 # this host has owned shards at some time
         self._had_quorum = self.members.has_quorum()   # at the last membership change
@@ -1163,6 +1164,16 @@ class Bridge:
             return  # it left on purpose and is about to exit: not a rejoin
         if (hb.sender, hb.incarnation) in self._gone:
             return  # buffered in a connection of a process that has restarted since
+        newest = self._hb_newest.get(peer)
+        if newest is not None and newest[0] == hb.incarnation and hb.seq < newest[1]:
+            # Older than one already heard from this process: buffered in a connection
+            # during a cut and delivered after the newer ones of the connection that
+            # replaced it.  Counted, such heartbeats, interleaved with the fresh ones,
+            # turned a peer joining, ready, joining again within 100 ms, and each turn
+            # moved this host's ring and roles (the flapping network test, 2026-11-26)
+            self.metrics.rejected("stale_heartbeat")
+            return
+        self._hb_newest[peer] = (hb.incarnation, hb.seq)
         self._peer_view[peer] = (hb.epoch, hb.digest)
         known = self._incarnations.get(peer)
         self._incarnations[peer] = hb.incarnation
@@ -1880,6 +1891,11 @@ class Bridge:
             if st is not None:
                 st.first_seen.pop((f.sender, f.incarnation, f.tensor, f.shard), None)
         self.metrics.rejected(reason)
+        if f.type != FrameType.BATCH and os.environ.get("SHMPS_BRIDGE_DEBUG"):
+            info = self.tensors.get(f.tensor)
+            log.warning("%s %s/%d from %08x refused %s: %s (frame epoch %d, epoch %d)",
+                        f.type.name, info.name if info else f.tensor, f.shard, f.sender,
+                        status.name, reason, f.epoch, self.members.epoch)
         reply(self._ack(f, status))
 
     def _tensor_for(self, f: frames.FrameHeader) -> Optional[TInfo]:
