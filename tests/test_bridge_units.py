@@ -884,6 +884,26 @@ def _tensor_owned_by(node, member: str):
     return name, info, node.shards[(info.tid, 0)]
 
 
+@contextlib.asynccontextmanager
+async def _data_connection(node, member: str):
+    """A real websocket connection as ``member``'s data connection to ``node`` (the
+    connection this host's data frames to it take), its far end an echo server's:
+    yields the client end, on which what the node sends arrives."""
+    from shmps.bridge import node as bridge_node, wsstream
+    from test_bridge_wsstream import Server
+
+    async with Server() as srv:
+        client = await wsstream.connect("127.0.0.1", srv.port, "/ws", max_msg=1 << 24,
+                                        timeout=5)
+        while not srv.streams:
+            await asyncio.sleep(0.01)
+        node.data_out[member] = bridge_node.Conn(srv.streams[-1], member)
+        try:
+            yield client
+        finally:
+            client.close()
+
+
 def test_a_new_owner_waits_while_the_hand_over_is_arriving(tmp_path):
     """A new owner waits for the previous owner's hand-over snapshot at most
     HANDOVER_TIMEOUT, counted from the last frame it had from it: a snapshot whose chunks
@@ -1188,8 +1208,8 @@ def test_an_owner_waits_for_a_joiner_from_the_moment_its_copy_is_queued(tmp_path
     flapping network probe, 2026-11-26: the joiner, made owner on the next ring, served a
     copy without batches its owner had acknowledged with the ring backup alone).  Drives
     a Bridge, not started, on a real store, with a real websocket connection."""
-    from shmps.bridge import node as bridge_node, wsstream
-    from test_bridge_wsstream import Server, collect
+    from shmps.bridge import node as bridge_node
+    from test_bridge_wsstream import collect
 
     me, j, x = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
     with _owner_on_a_store(tmp_path, [me, j, x], "joinqueued") as (node, info, st):
@@ -1207,18 +1227,10 @@ def test_an_owner_waits_for_a_joiner_from_the_moment_its_copy_is_queued(tmp_path
                 shard=0, seq=bridge_node.ROWS_SEQ_BASE + rseq, status=Status.OK)))
 
         async def main() -> list:
-            async with Server() as srv:
-                client = await wsstream.connect("127.0.0.1", srv.port, "/ws",
-                                                max_msg=1 << 24, timeout=5)
-                while not srv.streams:
-                    await asyncio.sleep(0.01)
-                node.data_out[j] = bridge_node.Conn(srv.streams[-1], j)
-                try:
-                    got = asyncio.ensure_future(collect(client, 1))
-                    await asyncio.wait_for(node._send_snapshot(key, j), 10)
-                    return [frames.decode(c) for c in await asyncio.wait_for(got, 10)]
-                finally:
-                    client.close()
+            async with _data_connection(node, j) as client:
+                got = asyncio.ensure_future(collect(client, 1))
+                await asyncio.wait_for(node._send_snapshot(key, j), 10)
+                return [frames.decode(c) for c in await asyncio.wait_for(got, 10)]
 
         chunks = asyncio.run(asyncio.wait_for(main(), 30))
         assert chunks and chunks[-1].flags & frames.Flag.LAST
@@ -1413,9 +1425,6 @@ def test_rows_written_into_a_copy_while_it_is_read_void_the_read(tmp_path, monke
     batches meanwhile).  A read with no write meanwhile goes out, with the rows written
     before it.  Each read takes 0.4 s longer (failpoint slow_snapshot).  Drives a Bridge,
     not started, on a real store, with a real websocket connection to the new owner."""
-    from shmps.bridge import node as bridge_node, wsstream
-    from test_bridge_wsstream import Server
-
     monkeypatch.setenv("SHMPS_BRIDGE_FAILPOINTS", "slow_snapshot=0.4")
     me, new_owner = "127.0.0.2:7001", "127.0.0.3:7001"
     with _owner_on_a_store(tmp_path, [me, new_owner], "voided") as (node, _, _st):
@@ -1432,34 +1441,26 @@ def test_rows_written_into_a_copy_while_it_is_read_void_the_read(tmp_path, monke
                          lambda d: acks.extend(frames.iter_frames(bytes(d))))
 
         async def main() -> tuple:
-            async with Server() as srv:
-                client = await wsstream.connect("127.0.0.1", srv.port, "/ws",
-                                                max_msg=1 << 24, timeout=5)
-                while not srv.streams:
-                    await asyncio.sleep(0.01)
-                node.data_out[new_owner] = bridge_node.Conn(srv.streams[-1], new_owner)
-                try:
-                    got: list = []
-                    client.start(lambda d: got.append(bytes(d)) or True)
-                    read = asyncio.ensure_future(node._send_snapshot(key, new_owner,
-                                                                     handover=True))
-                    await asyncio.sleep(0.1)
-                    assert st.reading == new_owner
-                    rows_from_owner(1, 7.0)          # written while the read runs
-                    await asyncio.wait_for(read, 10)
-                    await asyncio.sleep(0.3)         # (what was sent has arrived by now)
-                    voided = list(got)
-                    # no write meanwhile: the read goes out, the rows before it in it
-                    rows_from_owner(2, 9.0)
-                    await asyncio.wait_for(node._send_snapshot(key, new_owner,
-                                                               handover=True), 10)
-                    for _ in range(100):
-                        if got:
-                            break
-                        await asyncio.sleep(0.05)
-                    return voided, [frames.decode(c) for c in got]
-                finally:
-                    client.close()
+            async with _data_connection(node, new_owner) as client:
+                got: list = []
+                client.start(lambda d: got.append(bytes(d)) or True)
+                read = asyncio.ensure_future(node._send_snapshot(key, new_owner,
+                                                                 handover=True))
+                await asyncio.sleep(0.1)
+                assert st.reading == new_owner
+                rows_from_owner(1, 7.0)          # written while the read runs
+                await asyncio.wait_for(read, 10)
+                await asyncio.sleep(0.3)         # (what was sent has arrived by now)
+                voided = list(got)
+                # no write meanwhile: the read goes out, the rows before it in it
+                rows_from_owner(2, 9.0)
+                await asyncio.wait_for(node._send_snapshot(key, new_owner,
+                                                           handover=True), 10)
+                for _ in range(100):
+                    if got:
+                        break
+                    await asyncio.sleep(0.05)
+                return voided, [frames.decode(c) for c in got]
 
         with caplog.at_level("INFO", logger="shmps.bridge"):
             voided, chunks = asyncio.run(asyncio.wait_for(main(), 30))
