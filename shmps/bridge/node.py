@@ -1409,6 +1409,11 @@ class Bridge:
         stream = self.streams.get(key)
         if stream is None:
             return
+        if os.environ.get("SHMPS_BRIDGE_DEBUG"):
+            log.warning("ACK %s/%d seq %d %s from %s (frame epoch %d, epoch %d, acked %d)",
+                        self.tensors[ack.tensor].name if ack.tensor in self.tensors else
+                        ack.tensor, ack.shard, ack.seq, ack.status.name, peer, ack.epoch,
+                        self.members.epoch, stream.q.acked)
         if ack.status == Status.OK:
             if ack.seq > stream.q.last_seq:
                 return
