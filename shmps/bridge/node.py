@@ -562,7 +562,11 @@ class Bridge:
         self._owner_cache: dict[str, list[str]] = {}
         self._peer_rings: dict[str, set] = {}   # the ring each peer's last heartbeat shows
         self._incarnations: dict[str, int] = {}
-        self._hb_newest: dict[str, tuple[int, int]] = {}   # peer -> (incarnation, hb seq)
+        self._hb_seq: dict[str, int] = {}   # peer -> the newest heartbeat counter heard of
+                                             # its incarnation (self._incarnations)
+        #: SHMPS_BRIDGE_DEBUG=1 at start: log every GAP, refused ROWS/SNAPSHOT, ACK taken
+        #: and the marks of every ROWS/SNAPSHOT (docs/bridge.md)
+        self.debug = bool(os.environ.get("SHMPS_BRIDGE_DEBUG"))
         self._initial = set(configured)
         self._ever_acted = False                 # this host has owned shards at some time
         self._had_quorum = self.members.has_quorum()   # at the last membership change
@@ -1164,8 +1168,8 @@ class Bridge:
             return  # it left on purpose and is about to exit: not a rejoin
         if (hb.sender, hb.incarnation) in self._gone:
             return  # buffered in a connection of a process that has restarted since
-        newest = self._hb_newest.get(peer)
-        if newest is not None and newest[0] == hb.incarnation and hb.seq < newest[1]:
+        known = self._incarnations.get(peer)
+        if known == hb.incarnation and hb.seq < self._hb_seq.get(peer, 0):
             # Older than one already heard from this process: buffered in a connection
             # during a cut and delivered after the newer ones of the connection that
             # replaced it.  Counted, such heartbeats, interleaved with the fresh ones,
@@ -1173,9 +1177,8 @@ class Bridge:
             # moved this host's ring and roles (the flapping network test, 2026-11-26)
             self.metrics.rejected("stale_heartbeat")
             return
-        self._hb_newest[peer] = (hb.incarnation, hb.seq)
+        self._hb_seq[peer] = hb.seq
         self._peer_view[peer] = (hb.epoch, hb.digest)
-        known = self._incarnations.get(peer)
         self._incarnations[peer] = hb.incarnation
         if known is not None and known != hb.incarnation:
             log.info("member %s restarted (incarnation %08x -> %08x): it copies its shards "
@@ -1409,7 +1412,7 @@ class Bridge:
         stream = self.streams.get(key)
         if stream is None:
             return
-        if os.environ.get("SHMPS_BRIDGE_DEBUG"):
+        if self.debug:
             log.warning("ACK %s/%d seq %d %s from %s (frame epoch %d, epoch %d, acked %d)",
                         self.tensors[ack.tensor].name if ack.tensor in self.tensors else
                         ack.tensor, ack.shard, ack.seq, ack.status.name, peer, ack.epoch,
@@ -1896,7 +1899,7 @@ class Bridge:
             if st is not None:
                 st.first_seen.pop((f.sender, f.incarnation, f.tensor, f.shard), None)
         self.metrics.rejected(reason)
-        if f.type != FrameType.BATCH and os.environ.get("SHMPS_BRIDGE_DEBUG"):
+        if self.debug and f.type != FrameType.BATCH:
             info = self.tensors.get(f.tensor)
             log.warning("%s %s/%d from %08x refused %s: %s (frame epoch %d, epoch %d)",
                         f.type.name, info.name if info else f.tensor, f.shard, f.sender,
@@ -1973,7 +1976,7 @@ class Bridge:
                                                          or f.seq))
             return
         if v is Verdict.TOO_FAR or f.seq != st.dedup.expected(stream):
-            if os.environ.get("SHMPS_BRIDGE_DEBUG"):
+            if self.debug:
                 log.warning("GAP %s from %s seq %d expected %d (epoch %d)", st.key, peer, f.seq,
                             st.dedup.expected(stream), self.members.epoch)
             return self._refuse(f, reply, Status.GAP, "gap")
@@ -2138,12 +2141,11 @@ class Bridge:
         """The members whose acknowledgement of a ROWS an owner waits for before it
         acknowledges the batch (``_release``; one not in ``st.synced`` holds it back
         until it is copied): the shard's reachable backups in the ring and, with
-        ``--replicas`` above 1, the reachable joining members that got a full copy of
-        the shard in this owner's tenure (``st.joiners_copied``, from the moment the
-        copy is queued), so that a joiner holds every acknowledged batch when its join's
-        epoch switches; with no backup
-        in the ring (a ring of this host), every reachable joining member, copied yet
-        or not.  So no push is acknowledged while the owner's copy is its only one,
+        ``--replicas`` above 1, the reachable joining members this owner sent a full
+        copy of the shard in its tenure (``st.joiners_copied``, from the moment the
+        copy is queued), so that a joiner holds every acknowledged batch when its
+        join's epoch switches; with no backup in the ring (a ring of this host), every
+        reachable joining member, copied yet or not.  So no push is acknowledged while the owner's copy is its only one,
         unless no other member is reachable at all (a lone host by --allow-minority).
 
         The flapping-network probe (2026-11-26) lost acknowledged pushes each time this
@@ -2211,26 +2213,21 @@ class Bridge:
         handover = st.handover_from == peer
         if (peer != owner or owner == self.addr) and not handover:
             return self._refuse(f, reply, Status.NOT_OWNER, "not_owner")
-        if not handover and f.epoch < st.owner_since:
-            # Sent by the owner in an earlier tenure: it owned the shard, lost it, and
-            # owns it again in this host's view since st.owner_since.  Its frames from
-            # back then (buffered while it was cut off, and delivered by TCP once the cut
-            # healed) would write its copy of then over the rows the owner in between
-            # applied to (pushes lost on every copy, after this host handed its copy on:
-            # the network cut test, 2026-11-26); so would a hand-over it read back then
-            # for the ring that took the shard from it.  The owner copies this host again
-            return self._refuse(f, reply, Status.NOT_OWNER, "stale_owner")
-        if handover and f.type == FrameType.ROWS and f.epoch < st.handover_since:
-            # The previous owner's ROWS from before its tenure in this host's view: it
-            # owned the shard at an earlier epoch, lost it, and this host made it the
-            # owner again only for the ring it has just left.  Its ROWS of back then,
-            # delivered late, carry the rows of its copy of then (with batches it never
-            # had acknowledged, whose earlier ROWS this host had refused) and would
-            # overwrite this copy's: the flapping network test, 2026-11-26, where a
-            # host's ring gave the shard to a peer for 6 ms, the host took that peer's
-            # ROWS of three epochs before as its last ones; every copy came out 113
-            # pushes short, and this was the one misstep in that run's logs.  The
-            # hand-over snapshot still counts (_behind)
+        since = st.handover_since if handover else st.owner_since
+        if f.epoch < since and (f.type == FrameType.ROWS or not handover):
+            # Sent by the owner (or, waited for as the previous owner, its last ROWS) in
+            # an earlier tenure: it owned the shard, lost it, and owns it again in this
+            # host's view since that epoch.  Its frames from back then (buffered while it
+            # was cut off, and delivered by TCP once the cut healed) would write its copy
+            # of then over the rows the owner in between applied to (pushes lost on
+            # every copy, after this host handed its copy on: the network cut test); so
+            # would a hand-over it read back then for the ring that took the shard from
+            # it.  The owner copies this host again.  The previous owner's ROWS are
+            # checked against the tenure before this host's (ShardState.handover_since):
+            # a host whose ring gave the shard to a peer for 6 ms took that peer's ROWS
+            # of three epochs before as its last ones (the flapping network test,
+            # 2026-11-26: the one misstep in a run that ended every copy 113 pushes
+            # short).  A hand-over snapshot is checked by its marks instead (_behind)
             return self._refuse(f, reply, Status.NOT_OWNER, "stale_owner")
         if not handover:
             st.fed_owners = self.owners(st.key)   # (_role_change: whose copies are complete)
@@ -2272,7 +2269,7 @@ class Bridge:
             # the deadline were the previous owner's, and refused the rest (seen under
             # load with a 128 MiB snapshot: a mix of the origin's init and zeros)
             st.handover_until = max(st.handover_until, time.monotonic() + HANDOVER_TIMEOUT)
-        if os.environ.get("SHMPS_BRIDGE_DEBUG") and f.marks:
+        if self.debug and f.marks:
             log.warning("%s %s from %s marks %s", f.type.name, st.key, peer,
                         [(m.sender, m.seq) for m in f.marks][:6])
         if f.type == FrameType.SNAPSHOT and f.flags & frames.Flag.LAST:
