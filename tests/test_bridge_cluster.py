@@ -1475,7 +1475,7 @@ def test_a_flapping_network_loses_no_push(make_cluster):
     Whatever the cuts left in the TCP streams (heartbeats, ready flags, ROWS and
     hand-overs of an earlier epoch) is delivered late.  Afterwards every flush has
     returned, every host holds one epoch, and every host holds every push of every host
-    exactly once.  (This schedule found nine bugs, each of which lost acknowledged
+    exactly once.  (This schedule found thirteen bugs, each of which lost acknowledged
     pushes or left flushes stuck on GAP for good; bridge-protocol.md sections 3, 6, 9
     and 13 name them.)"""
     cuts = [(2, 1.0, 0.5), (2, 0.8, 1.0), (1, 0.3, 0.5), (0, 1.2, 0.5), (1, 0.8, 1.0)]
