@@ -585,6 +585,9 @@ class Bridge:
                                                   # that restarted since: filters forgotten
         self._says_joining: dict[str, int] = {}  # peer -> epoch at which it has us joining
         self._peer_view: dict[str, tuple[int, int]] = {}   # peer -> (epoch, ring digest)
+        #: peers whose last heartbeat said they act (HB_ACTING) by that (epoch, ring)
+        self._peer_acts: dict[str, bool] = {}
+        self._kept_ring_logged: tuple[int, int, int] | None = None
                                                            # of its last heartbeat
         self._hb_epoch: tuple[int, int] = (-1, 0)   # (epoch, digest) last sent
         self._hb_wake: Optional[asyncio.Event] = None   # set: send a heartbeat now
@@ -886,6 +889,13 @@ class Bridge:
                         if p != self.addr and self._peer_view.get(p) == mine)
         return 2 * agree > len(self.members.configured)
 
+    def _ring_owned_by_peer(self) -> bool:
+        """A reachable peer's last heartbeat said it acts (owns shards) by this host's
+        epoch and ring: a majority agreed to that ring, this host among them."""
+        mine = (self.members.epoch, self.ring.digest)
+        return any(self._peer_acts.get(p, False) and self._peer_view.get(p) == mine
+                   for p in self.members.reachable() if p != self.addr)
+
     def _on_changes(self, changes: list) -> None:
         # the epoch can move with no member changing state (adopt: a newer epoch of the
         # same ring): it is published and goes out in a heartbeat at once all the same
@@ -1179,6 +1189,7 @@ class Bridge:
             return
         self._hb_seq[peer] = hb.seq
         self._peer_view[peer] = (hb.epoch, hb.digest)
+        self._peer_acts[peer] = bool(hb.hb_flags & frames.HB_ACTING)
         self._incarnations[peer] = hb.incarnation
         if known is not None and known != hb.incarnation:
             log.info("member %s restarted (incarnation %08x -> %08x): it copies its shards "
@@ -1254,6 +1265,21 @@ class Bridge:
         same_epoch = (not adopted and bool(hb.hb_flags & frames.HB_QUORUM)
                       and hb.epoch == self.members.epoch)
         if (same_epoch and self.members.state(self.addr) is State.JOINING
+                and hb.digest != self.ring.digest and self._ring_owned_by_peer()):
+            # A peer owns shards by this joiner's ring at this epoch, so a majority
+            # (this host among them) agreed to it: the ring of the same number that
+            # this heartbeat holds is not followed.  Followed, the same joiner agreed to
+            # two rings of one number a few ms apart, each owner acted by its ring with
+            # it, acknowledged batches once the joiner's copy held them, and then the
+            # joiner copied the other owner's shards over those batches (the flapping
+            # network test, 2026-11-26).  Its owner takes this ring over (E3b) once it
+            # hears that a peer acts by it.
+            seen = (hb.epoch, hb.digest, self.ring.digest)
+            if self._kept_ring_logged != seen:
+                self._kept_ring_logged = seen
+                log.info("joining at epoch %d: a peer owns shards by this host's ring, "
+                         "%s's ring of that number is not followed", hb.epoch, peer)
+        elif (same_epoch and self.members.state(self.addr) is State.JOINING
                 and hb.digest != self.ring.digest):
             # joining: follow the view of the majority this host copies from (a view this
             # host built while cut off may still count members dead or joining)
