@@ -1330,16 +1330,62 @@ def test_the_backups_are_those_of_the_ring_the_owners_last_rows_came_by(tmp_path
         assert st.handover_from == prev and st.handover_next == [bk]
 
 
+def test_a_new_owner_with_no_backup_left_asks_the_owner_its_last_rows_came_from(tmp_path,
+                                                                              caplog):
+    """A host took its last ROWS of a shard from owner A (its ring then: A, backup B).
+    In the next ring B owned the shard and this host was B's backup, but B never acted
+    by it (no copy came).  Now this host owns the shard on a ring of itself, B is dead
+    and A, which acknowledged batches this host's copy may lack, is back and joining:
+    after the unreachable B, A is asked for its copy.  (It served its own copy, which
+    the owner A's ROWS had reached only up to a point: A's acknowledged batches past it
+    were lost, flushes stuck on GAP.  The flapping network test, trace T32.)  Drives a
+    Bridge, not started, on a real store."""
+    from shmps.bridge.ring import shard_key
+
+    me, a, b = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
+    with _owner_on_a_store(tmp_path, [me, a, b], "fedowner") as (node, _, _st):
+        name = next(f"v{i}" for i in range(1000)
+                    if node.owners(shard_key(f"v{i}", 0)) == [a, b])
+        node.store.dense(name, (8, 4), "float32", init=0.0, optimizer="sum")
+        while node.refresh_tensors(budget=None):
+            pass
+        info = node.by_name[name]
+        key, st = (info.tid, 0), node.shards[(info.tid, 0)]
+        got: list = []
+        node.on_rows(a, frames.decode(frames.encode_rows(
+            epoch=0, sender=members.member_id(a), incarnation=7, tensor=info.tid,
+            shard=0, seq=1, values=np.full((8, 4), 2, np.float32), start=0)),
+            lambda d: got.extend(frames.iter_frames(bytes(d))))
+        assert got[-1].status is Status.OK and st.fed_owners == [a, b]
+        node.members.mark_dead(b)
+        node.members.mark_joining(a)
+        with caplog.at_level("WARNING", logger="shmps.bridge"):
+            node._role_change(key, [b, me], [me])
+        assert st.handover_from == a and st.handover_next == []
+        assert f"asking {a}, a backup of the previous owner" in caplog.text
+        # A gone too: this host's copy serves, and says so
+        st.handover_from = None
+        node.members.mark_dead(a)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="shmps.bridge"):
+            node._role_change(key, [me], [b, me])
+            node._role_change(key, [b, me], [me])
+        assert st.handover_from is None
+        assert f"its owner {b} is gone and none of {a} is reachable" in caplog.text
+
+
 def test_a_backup_on_the_ring_answers_the_owners_sync_with_its_copy(tmp_path):
     """A SYNC from a shard's owner to a host that neither owned the shard before nor
     created its tensor (the owner asks one of the previous owner's backups, its
     hand-over not coming) is answered with a hand-over snapshot while this host is on
-    the ring; a joining host, whose copy may be behind, answers NOT_OWNER.  Drives a
-    Bridge, not started, on a real store."""
+    the ring; a joining host, whose copy may be behind, answers NOT_OWNER, unless it
+    acknowledged batches of the shard as its owner once (the new owner may lack them;
+    it refuses a copy behind its own by the marks).  Drives a Bridge, not started, on a
+    real store."""
     from shmps.bridge import node as bridge_node
 
     me, owner, third = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
-    with _owner_on_a_store(tmp_path, [me, owner, third], "bksync") as (node, _, _st):
+    with _owner_on_a_store(tmp_path, [me, owner, third], "bksync") as (node, info0, st0):
         name, info, st = _tensor_owned_by(node, owner)
         node.adopted[name] = owner                     # created there, not here
         node.prev_ring = None                          # and never owned here
@@ -1363,12 +1409,41 @@ def test_a_backup_on_the_ring_answers_the_owners_sync_with_its_copy(tmp_path):
             node._on_changes(node.members.mark_joining(me))
             await asyncio.sleep(0.01)
 
+        # this host owns another tensor's shard and acknowledges a batch of it
+        released: list = []
+        key0, name0 = (info0.tid, 0), info0.name
+        st0.rows_rseq = 1
+        node._wait_backups(key0, st0, released.append, b"ack1")
+        assert not st0.acked_as_owner                  # its backups have not answered
+        for bk in node._required(st0):
+            st0.synced.add(bk)
+            node.on_ack(bk, frames.decode(frames.encode_ack(
+                epoch=node.members.epoch, sender=members.member_id(bk), incarnation=7,
+                tensor=info0.tid, shard=0, seq=bridge_node.ROWS_SEQ_BASE + 1,
+                status=Status.OK)))
+        assert released == [b"ack1"] and st0.acked_as_owner
         asyncio.run(ask())
         assert sent == [(key, owner, True)]
         asyncio.run(joining())
         sent.clear()
         asyncio.run(ask())
         assert sent == [] and got[-1].status is Status.NOT_OWNER
+        # the shard this host owned and acknowledged a batch of, now another's: its copy
+        # goes when that owner asks, joining or not
+        node.adopted[name0] = owner                    # (not the tensor's origin either)
+        node.prev_ring = None
+        new_owner = node.owner(st0.key)
+        assert new_owner != me and node.members.state(me) is State.JOINING
+        sync0 = frames.decode(frames.encode_sync(
+            epoch=0, sender=members.member_id(new_owner), incarnation=7,
+            tensor=info0.tid, shard=0, seq=bridge_node.SYNC_SEQ))
+
+        async def ask0() -> None:
+            node.on_frame(new_owner, sync0, lambda d: None)
+            await asyncio.sleep(0.01)
+
+        asyncio.run(ask0())
+        assert sent == [(key0, new_owner, True)]
 
 
 def test_one_snapshot_read_of_a_shard_at_a_time_and_close_waits_for_it(tmp_path,

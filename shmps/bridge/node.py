@@ -219,6 +219,9 @@ class ShardState:
                                                          # host's view (ROWS of older ones are stale)
     fed_owners: list = field(default_factory=list)       # the shard's owners in this host's ring
                                                          # when it last took ROWS from the owner
+    acked_as_owner: bool = False                         # this host acknowledged batches of
+                                                         # the shard as its owner (a SYNC of
+                                                         # a later owner gets its copy)
 
 
 @dataclass
@@ -1026,9 +1029,17 @@ class Bridge:
             # may be one the previous owner never acted by: that owner, cut off, never
             # reached it.  This host, back from a cut of its own and a backup in it,
             # served a copy that had missed the rows its last ROWS' ring's backup got.)
+            # When this host's copy may be incomplete, the owner whose ROWS it last took
+            # is asked after those backups: it held every batch it acknowledged, and
+            # may be reachable while they are not (joining: in the flapping network
+            # test a host made owner on a ring of itself, its previous owner dead, that
+            # owner's backup gone, served a copy that lacked the batches the owner
+            # before had acknowledged, while that owner, back and joining, held them).
+            # The hand-over's marks decide (_behind): one behind this copy is refused.
             old_bk, fed_bk = (old or [])[1:], (st.fed_owners or old or [])[1:]
             backups = [] if self.addr in old_bk and self.addr in fed_bk else list(
-                dict.fromkeys(b for b in fed_bk + old_bk if b != self.addr))
+                dict.fromkeys(b for b in fed_bk + old_bk + st.fed_owners[:1]
+                              if b != self.addr and b != prev))
             st.handover_next = []
             if prev and prev != self.addr and prev in self.members.reachable():
                 hd_from, hd_when, hd_epoch = st.handover_done
@@ -1045,7 +1056,10 @@ class Bridge:
                 if backups:   # the owner is gone: take its backups' copy (in turn)
                     st.handover_next = backups
                     st.handover_until = 0.0
-                    self._handover_given_up(st, time.monotonic())
+                    if self._handover_given_up(st, time.monotonic()):
+                        log.warning("shard %s: its owner %s is gone and none of %s is "
+                                    "reachable; serving from this host's copy, which "
+                                    "was no backup's", st.key, prev, ", ".join(backups))
                 st.failover_from = prev
                 try:
                     st.failover_dead_seen = self.members.last_seen(prev)
@@ -2224,6 +2238,7 @@ class Bridge:
                 break
             st.pending.popleft()
             p.reply(p.ack)
+            st.acked_as_owner = True
 
     # ------------------------------------------------------------ replica side
     def on_rows(self, peer: str, f: frames.Data, reply: Callable[[bytes], None]) -> None:
@@ -2961,6 +2976,7 @@ class Bridge:
                     self._unsettle()
             elif (key in self.shards and self.owner(self.shards[key].key) == peer
                     and (self._was_owner(key) or self._is_origin(key)
+                         or self.shards[key].acked_as_owner
                          or self.members.state(self.addr) in ON_RING)):
                 # the new owner still waits for this host's hand-over (the first one was
                 # refused or lost): this host no longer applies batches, send it again;
@@ -2968,7 +2984,9 @@ class Bridge:
                 # (it accepts them only while it waits for them: refresh_tensors); or,
                 # the previous owner's hand-over not coming, it asks this host, one of
                 # that owner's backups, for its copy (_handover_given_up; a joining
-                # host's copy may be behind: it answers NOT_OWNER)
+                # host's copy may be behind: it answers NOT_OWNER, unless it acknowledged
+                # batches of the shard as its owner once: the new owner may lack those,
+                # and refuses a copy behind its own by the marks)
                 asyncio.get_running_loop().create_task(
                     self._send_snapshot(key, peer, handover=True))
                 # Answered BUSY, "coming" (_on_sync_answer), while this host has the data
