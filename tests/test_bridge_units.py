@@ -1374,6 +1374,83 @@ def test_a_new_owner_with_no_backup_left_asks_the_owner_its_last_rows_came_from(
         assert f"its owner {b} is gone and none of {a} is reachable" in caplog.text
 
 
+def test_a_copy_counts_itself_a_backup_only_by_a_ring_its_owner_holds_too(tmp_path):
+    """A host takes the owner's ROWS of a shard; it records the shard's owners in its ring
+    as the owner's backups only while the owner's last heartbeat is at this host's epoch
+    and ring.  Its ring moved on without the owner (a member counted dead), the next
+    ROWS leave this host out and keep the backup it knew.  (Counted in by its own ring,
+    a host took itself for the owner's backup; the owner had acknowledged batches with
+    the real backup, and this host, made owner, served its copy without them: the
+    flapping network test, trace V33.)  A joining host that was the owner's backup by a
+    ring they both held answers the owner's SYNC with its copy.  Drives a Bridge, not
+    started, on a real store."""
+    from shmps.bridge import node as bridge_node
+    from shmps.bridge.ring import shard_key
+
+    me, a, b = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
+    with _owner_on_a_store(tmp_path, [me, a, b], "fedview") as (node, _, _st):
+        names = {}
+        for want in ([a, b], [a, me]):
+            names[want[1]] = next(f"v{i}" for i in range(1000)
+                                  if node.owners(shard_key(f"v{i}", 0)) == want
+                                  and f"v{i}" not in names.values())
+            node.store.dense(names[want[1]], (8, 4), "float32", init=0.0, optimizer="sum")
+        while node.refresh_tensors(budget=None):
+            pass
+        got: list = []
+
+        def rows(name: str, seq: int) -> "bridge_node.ShardState":
+            info = node.by_name[name]
+            node.on_rows(a, frames.decode(frames.encode_rows(
+                epoch=node.members.epoch, sender=members.member_id(a), incarnation=7,
+                tensor=info.tid, shard=0, seq=seq, values=np.full((8, 4), seq, np.float32),
+                start=0)),
+                lambda d: got.extend(frames.iter_frames(bytes(d))))
+            assert got[-1].status is Status.OK
+            return node.shards[(info.tid, 0)]
+
+        plain, backup = rows(names[b], 1), rows(names[me], 1)
+        assert plain.fed_owners == [a, b] and backup.fed_owners == [a, me]
+        async def b_dead() -> None:      # this host's ring moves on (a heard: a majority)
+            node._on_changes(node.members.mark_dead(b))
+            await asyncio.sleep(0)
+
+        asyncio.run(b_dead())
+        assert node.members.epoch == 1 and node.owners(plain.key) == [a, me]
+        assert rows(names[b], 2).fed_owners == [a, b]          # not [a, me]
+        # a's heartbeat at this epoch and ring: the ring's owners are a's again; a frame
+        # stamped with the epoch before is not trusted even then
+        node.on_heartbeat(a, _heartbeat(a, 1, {me: State.ALIVE, a: State.ALIVE,
+                                               b: State.DEAD}, seq=2))
+        assert rows(names[b], 3).fed_owners == [a, me]
+        info_b = node.by_name[names[b]]
+        node.on_rows(a, frames.decode(frames.encode_rows(
+            epoch=0, sender=members.member_id(a), incarnation=7, tensor=info_b.tid, shard=0,
+            seq=4, values=np.full((8, 4), 4, np.float32), start=0)), lambda d: None)
+        assert plain.fed_owners == [a]
+        # a joining host that was a's backup by a ring a held answers a's SYNC
+        info = node.by_name[names[me]]
+        node.adopted[names[me]] = a                  # (not the tensor's origin)
+        node.prev_ring = None                        # (nor its owner before)
+        sent: list = []
+
+        async def record(k, member, handover=False) -> None:
+            sent.append((k, member, handover))
+
+        node._send_snapshot = record
+
+        async def ask() -> None:
+            node._on_changes(node.members.mark_joining(me))
+            node.on_frame(a, frames.decode(frames.encode_sync(
+                epoch=1, sender=members.member_id(a), incarnation=7, tensor=info.tid,
+                shard=0, seq=bridge_node.SYNC_SEQ)), lambda d: None)
+            await asyncio.sleep(0.01)
+
+        asyncio.run(ask())
+        assert node.owner(backup.key) == a
+        assert ((info.tid, 0), a, True) in sent         # (and its own shard handed over)
+
+
 def test_a_backup_on_the_ring_answers_the_owners_sync_with_its_copy(tmp_path):
     """A SYNC from a shard's owner to a host that neither owned the shard before nor
     created its tensor (the owner asks one of the previous owner's backups, its

@@ -2271,7 +2271,23 @@ class Bridge:
             # short).  A hand-over snapshot is checked by its marks instead (_behind)
             return self._refuse(f, reply, Status.NOT_OWNER, "stale_owner")
         if not handover:
-            st.fed_owners = self.owners(st.key)   # (_role_change: whose copies are complete)
+            # (_role_change: whose copies are complete) The shard's owners in this host's
+            # ring are the owner's only for a frame stamped with this host's epoch while
+            # the owner's last heartbeat says it is at this host's epoch and ring (a
+            # frame of an earlier epoch may come after a heartbeat of this one: another
+            # connection).  Otherwise this host does not know whom the
+            # owner waits for: it counts itself no backup, and keeps the backups it knew.
+            # (A host whose ring had lost a member without a majority counted itself the
+            # owner's backup; the owner had acknowledged batches with that member, whose
+            # ROWS this host got only after a cut, refused by then; made owner, it served
+            # its copy without them: the flapping network test, 2026-11-26, trace V33.)
+            owners = self.owners(st.key)
+            if (f.epoch == self.members.epoch
+                    and self._peer_view.get(peer) == (self.members.epoch, self.ring.digest)):
+                st.fed_owners = owners
+            else:
+                st.fed_owners = [peer] + list(dict.fromkeys(
+                    b for b in st.fed_owners[1:] + owners[1:] if b not in (peer, self.addr)))
         elif f.type == FrameType.SNAPSHOT and f.marks:
             behind = self._behind(st, f)
             if behind is not None:
@@ -2977,6 +2993,7 @@ class Bridge:
             elif (key in self.shards and self.owner(self.shards[key].key) == peer
                     and (self._was_owner(key) or self._is_origin(key)
                          or self.shards[key].acked_as_owner
+                         or self.addr in self.shards[key].fed_owners[1:]
                          or self.members.state(self.addr) in ON_RING)):
                 # the new owner still waits for this host's hand-over (the first one was
                 # refused or lost): this host no longer applies batches, send it again;
@@ -2985,8 +3002,9 @@ class Bridge:
                 # the previous owner's hand-over not coming, it asks this host, one of
                 # that owner's backups, for its copy (_handover_given_up; a joining
                 # host's copy may be behind: it answers NOT_OWNER, unless it acknowledged
-                # batches of the shard as its owner once: the new owner may lack those,
-                # and refuses a copy behind its own by the marks)
+                # batches of the shard as its owner once, or was a backup in the ring its
+                # last ROWS came by: the new owner may lack those batches, and refuses a
+                # copy behind its own by the marks)
                 asyncio.get_running_loop().create_task(
                     self._send_snapshot(key, peer, handover=True))
                 # Answered BUSY, "coming" (_on_sync_answer), while this host has the data
