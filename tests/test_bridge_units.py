@@ -1099,7 +1099,8 @@ def test_a_new_owner_that_was_no_backup_takes_the_backups_copy_when_no_hand_over
         node._on_changes(node.members.mark_dead(prev))
         with caplog.at_level("WARNING", logger="shmps.bridge"):
             assert node._maintain_shards(True, now) is True        # waiting on
-        assert st.handover_from == bk and st.handover_next == []
+        # (prev, cut off before its copy came, is asked again if back within the hold)
+        assert st.handover_from == bk and st.handover_next == [prev]
         assert f"asking {bk}, a backup of the previous owner" in caplog.text
         assert hand_over(bk, 4.0, 30) is Status.OK
         assert st.handover_from is None
@@ -1112,9 +1113,14 @@ def test_a_new_owner_that_was_no_backup_takes_the_backups_copy_when_no_hand_over
             node._role_change(key, [me, bk], [prev, bk]),
             node._role_change(key, [prev, bk], [me, bk]))))
         assert st.handover_from == bk and st.failover_from == prev
-        # none of them reachable: its own copy serves
+        assert st.handover_next == [prev]                 # (it may come back: the hold)
+        # none of them reachable: waited for until the hold ends, then its own copy serves
         node._on_changes(node.members.mark_dead(bk))
-        node._maintain_shards(True, time.monotonic())
+        with caplog.at_level("WARNING", logger="shmps.bridge"):
+            node._maintain_shards(True, time.monotonic())
+        assert st.handover_from in (bk, prev)
+        assert "cut off, which may hold acknowledged batches" in caplog.text
+        node._maintain_shards(True, time.monotonic() + bridge_node.HANDOVER_TIMEOUT)
         assert st.handover_from is None
 
 
@@ -1361,17 +1367,24 @@ def test_a_new_owner_with_no_backup_left_asks_the_owner_its_last_rows_came_from(
         node.members.mark_joining(a)
         with caplog.at_level("WARNING", logger="shmps.bridge"):
             node._role_change(key, [b, me], [me])
-        assert st.handover_from == a and st.handover_next == []
+        assert st.handover_from == a and st.handover_next == [b]   # (b, if back in time)
         assert f"asking {a}, a backup of the previous owner" in caplog.text
-        # A gone too: this host's copy serves, and says so
-        st.handover_from = None
+        # A cut off on the way: waited for (with B) until the hold ends, asked again when
+        # back; then, nothing come, this host's copy serves
         node.members.mark_dead(a)
         caplog.clear()
+        t0 = time.monotonic()
         with caplog.at_level("WARNING", logger="shmps.bridge"):
-            node._role_change(key, [me], [b, me])
-            node._role_change(key, [b, me], [me])
+            assert not node._handover_given_up(st, t0)
+            assert st.handover_from == b and st.handover_next == [b, a]
+            assert "waiting up to" in caplog.text
+            node.members.heartbeat(a)                      # back, joining
+            assert not node._handover_given_up(st, t0 + 0.1)
+            assert st.handover_from == a and st.handover_next == [b]
+            assert node._handover_given_up(st, max(st.handover_until,
+                                                   st.handover_hold_until))
         assert st.handover_from is None
-        assert f"its owner {b} is gone and none of {a} is reachable" in caplog.text
+        assert "serving from this host's copy" in caplog.text
 
 
 def test_a_copy_counts_itself_a_backup_only_by_a_ring_its_owner_holds_too(tmp_path):

@@ -206,6 +206,8 @@ class ShardState:
     handover_next: list = field(default_factory=list)    # asked in turn if handover_from's
                                                          # does not come: the previous
                                                          # owner's backups (_role_change)
+    handover_hold_until: float = 0.0                     # until then, one of those cut off
+                                                         # is waited for to come back
     failover_from: Optional[str] = None                  # the dead owner, until first apply
     failover_dead_seen: float = 0.0
     # replica side
@@ -1041,6 +1043,15 @@ class Bridge:
                 dict.fromkeys(b for b in fed_bk + old_bk + st.fed_owners[:1]
                               if b != self.addr and b != prev))
             st.handover_next = []
+            # With this host's copy incomplete, a host of those cut off before its copy
+            # came is waited for to come back until the hold ends, and so is the previous
+            # owner if it is gone at the change (it held every batch it acknowledged):
+            # a cut in a flapping network lasts about a second.  (The flapping network
+            # test, trace V25: the one host asked was cut off on the way, the previous
+            # owner, which held the batches, was back 0.4 s after the change, and this
+            # host served its copy without them.)  A copy that is complete waits for
+            # nobody who is gone (a failover: the new owner was the first backup).
+            st.handover_hold_until = time.monotonic() + HANDOVER_TIMEOUT if backups else 0.0
             if prev and prev != self.addr and prev in self.members.reachable():
                 hd_from, hd_when, hd_epoch = st.handover_done
                 if (hd_from == prev and hd_when > time.monotonic() - 5
@@ -1054,12 +1065,9 @@ class Bridge:
                     st.handover_next = backups
             elif prev and prev != self.addr:
                 if backups:   # the owner is gone: take its backups' copy (in turn)
-                    st.handover_next = backups
+                    st.handover_next = backups + ([prev] if self.cfg.replicas > 1 else [])
                     st.handover_until = 0.0
-                    if self._handover_given_up(st, time.monotonic()):
-                        log.warning("shard %s: its owner %s is gone and none of %s is "
-                                    "reachable; serving from this host's copy, which "
-                                    "was no backup's", st.key, prev, ", ".join(backups))
+                    self._handover_given_up(st, time.monotonic())
                 st.failover_from = prev
                 try:
                     st.failover_dead_seen = self.members.last_seen(prev)
@@ -2393,15 +2401,33 @@ class Bridge:
         if now < st.handover_until and st.handover_from in reach:
             return False
         waited = st.handover_from
-        st.handover_next = [b for b in st.handover_next if b in reach and b != waited]
-        if st.handover_next:
-            st.handover_from = st.handover_next.pop(0)
+        hold = now < st.handover_hold_until
+        # one that did not deliver while reachable has nothing to give; one cut off
+        # before it did is asked again if it is back before the hold ends
+        st.handover_next = [b for b in st.handover_next
+                            if b != waited or (hold and b not in reach)]
+        if waited is not None and hold and waited not in reach and waited not in st.handover_next:
+            st.handover_next.append(waited)
+        nxt = next((b for b in st.handover_next if b in reach), None)
+        if nxt is not None:
+            st.handover_next.remove(nxt)
+            st.handover_from = nxt
             st.handover_until = now + HANDOVER_TIMEOUT
             st.sync_sent_at = 0.0   # (_maintain_shards asks it at once)
             self._unsettle()
             log.warning("shard %s: no hand-over snapshot from %s; asking %s, a backup of "
                         "the previous owner, for its copy", st.key, waited or "a dead owner",
                         st.handover_from)
+            return False
+        if st.handover_next and hold:
+            # nobody to ask is reachable now: wait for the first of them until the hold ends
+            st.handover_from = st.handover_next[0]
+            st.handover_until = st.handover_hold_until
+            if waited != st.handover_from:
+                log.warning("shard %s: no hand-over snapshot from %s; waiting up to %.1f s "
+                            "for %s, cut off, which may hold acknowledged batches", st.key,
+                            waited or "a dead owner", st.handover_hold_until - now,
+                            ", ".join(st.handover_next))
             return False
         if waited is not None:
             log.warning("shard %s: no hand-over snapshot from %s; serving from this host's "
