@@ -1307,6 +1307,27 @@ def test_a_joiner_copies_a_shard_again_when_its_owner_changes(tmp_path):
         assert st.snap_epoch_seen >= 0
 
 
+def _fed_by(node, owner: str, owners: list, name_prefix: str = "v"):
+    """On a node of ``_owner_on_a_store``: a dense (8, 4) float32 "sum" tensor whose shard
+    0 has ``owners`` in the node's ring, of which this host took one ROWS from ``owner``
+    (accepted): (shard 0's key, its ShardState)."""
+    from shmps.bridge.ring import shard_key
+
+    name = next(f"{name_prefix}{i}" for i in range(1000)
+                if node.owners(shard_key(f"{name_prefix}{i}", 0)) == owners)
+    node.store.dense(name, (8, 4), "float32", init=0.0, optimizer="sum")
+    while node.refresh_tensors(budget=None):
+        pass
+    info = node.by_name[name]
+    got: list = []
+    node.on_rows(owner, frames.decode(frames.encode_rows(
+        epoch=node.members.epoch, sender=members.member_id(owner), incarnation=7,
+        tensor=info.tid, shard=0, seq=1, values=np.full((8, 4), 2, np.float32), start=0)),
+        lambda d: got.extend(frames.iter_frames(bytes(d))))
+    assert got[-1].status is Status.OK
+    return (info.tid, 0), node.shards[(info.tid, 0)]
+
+
 def test_the_backups_are_those_of_the_ring_the_owners_last_rows_came_by(tmp_path):
     """A copy records the shard's owners in its ring when it takes the owner's ROWS.  A
     host that became owner counts its copy complete only if it was a backup both in that
@@ -1315,23 +1336,10 @@ def test_the_backups_are_those_of_the_ring_the_owners_last_rows_came_by(tmp_path
     never acted by; the owner's last ROWS had come by an earlier ring, whose backup held
     the rows this host missed.  The flapping network test, 2026-11-26.)  Drives a
     Bridge, not started, on a real store."""
-    from shmps.bridge.ring import shard_key
-
     me, prev, bk = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
     with _owner_on_a_store(tmp_path, [me, prev, bk], "fedby") as (node, _, _st):
-        name = next(f"v{i}" for i in range(1000)
-                    if node.owners(shard_key(f"v{i}", 0)) == [prev, bk])
-        node.store.dense(name, (8, 4), "float32", init=0.0, optimizer="sum")
-        while node.refresh_tensors(budget=None):
-            pass
-        info = node.by_name[name]
-        key, st = (info.tid, 0), node.shards[(info.tid, 0)]
-        got: list = []
-        node.on_rows(prev, frames.decode(frames.encode_rows(
-            epoch=0, sender=members.member_id(prev), incarnation=7, tensor=info.tid,
-            shard=0, seq=1, values=np.full((8, 4), 2, np.float32), start=0)),
-            lambda d: got.extend(frames.iter_frames(bytes(d))))
-        assert got[-1].status is Status.OK and st.fed_owners == [prev, bk]
+        key, st = _fed_by(node, prev, [prev, bk])
+        assert st.fed_owners == [prev, bk]
         node._role_change(key, [prev, me], [me, bk])   # a backup in the ring before only
         assert st.handover_from == prev and st.handover_next == [bk]
 
@@ -1346,23 +1354,10 @@ def test_a_new_owner_with_no_backup_left_asks_the_owner_its_last_rows_came_from(
     the owner A's ROWS had reached only up to a point: A's acknowledged batches past it
     were lost, flushes stuck on GAP.  The flapping network test, trace T32.)  Drives a
     Bridge, not started, on a real store."""
-    from shmps.bridge.ring import shard_key
-
     me, a, b = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
     with _owner_on_a_store(tmp_path, [me, a, b], "fedowner") as (node, _, _st):
-        name = next(f"v{i}" for i in range(1000)
-                    if node.owners(shard_key(f"v{i}", 0)) == [a, b])
-        node.store.dense(name, (8, 4), "float32", init=0.0, optimizer="sum")
-        while node.refresh_tensors(budget=None):
-            pass
-        info = node.by_name[name]
-        key, st = (info.tid, 0), node.shards[(info.tid, 0)]
-        got: list = []
-        node.on_rows(a, frames.decode(frames.encode_rows(
-            epoch=0, sender=members.member_id(a), incarnation=7, tensor=info.tid,
-            shard=0, seq=1, values=np.full((8, 4), 2, np.float32), start=0)),
-            lambda d: got.extend(frames.iter_frames(bytes(d))))
-        assert got[-1].status is Status.OK and st.fed_owners == [a, b]
+        key, st = _fed_by(node, a, [a, b])
+        assert st.fed_owners == [a, b]
         node.members.mark_dead(b)
         node.members.mark_joining(a)
         with caplog.at_level("WARNING", logger="shmps.bridge"):
