@@ -628,28 +628,33 @@ def test_a_host_back_from_a_cut_takes_over_the_ring_a_majority_owns_by_at_its_ep
 
 
 def test_a_joiner_does_not_follow_another_ring_of_the_epoch_a_peer_owns_by(tmp_path):
-    """Host C of {A, B, C}, joining, took A's view (epoch 1, the ring {A}): A acts by it
-    with C's agreement.  B, which minted its own epoch 1 on the ring {B}, is heard with
-    the quorum flag but not acting: C keeps A's ring.  (It followed B's: the same joiner
+    """Host C of {A, B, C}, joining, took A's view (epoch 1, the ring {A}).  B, which
+    minted its own epoch 1 on the ring {B}, is heard with the quorum flag but not
+    acting: C keeps A's ring while A acts by it (with C's agreement), and for three
+    heartbeat intervals after taking it while A holds it (A acts a round trip after C's
+    agreement, and says so in its next heartbeat).  (It followed B's: the same joiner
     agreed to two rings of one number a few ms apart, both owners acted and
     acknowledged batches once C's copy held them, then C copied the other owner's
-    shards over those batches, and the flushes of the batches stuck on GAP: the flapping
-    network test, trace T4.)  Once A is gone, C follows B's ring."""
+    shards over those batches; flushes stuck on GAP: the flapping network test, traces
+    T4 and Y2.)  A holding its ring without acting after that, C follows B's ring."""
     node, a, b, c = _host_c_of_three(tmp_path)
     node.members.tick(now=time.monotonic() + 10 * node.cfg.dead_after)   # cut off
     ring_a = {a: State.ALIVE, b: State.DEAD, c: State.JOINING}
+    ring_b = {a: State.DEAD, b: State.ALIVE, c: State.JOINING}
     node.on_heartbeat(a, _heartbeat(a, 1, ring_a, frames.HB_QUORUM, seq=2))
     assert node.members.epoch == 1 and node.members.state(c) is State.JOINING
     assert node.ring.digest == ring.Ring([a]).digest
+    node.on_heartbeat(b, _heartbeat(b, 1, ring_b, frames.HB_QUORUM, seq=2))
+    assert node.ring.digest == ring.Ring([a]).digest          # just taken, A holds it
     node.on_heartbeat(a, _heartbeat(a, 1, ring_a, frames.HB_QUORUM | frames.HB_ACTING,
                                     seq=3))
-    ring_b = {a: State.DEAD, b: State.ALIVE, c: State.JOINING}
-    node.on_heartbeat(b, _heartbeat(b, 1, ring_b, frames.HB_QUORUM, seq=2))
+    time.sleep(3 * node.cfg.heartbeat + 0.05)
+    node.on_heartbeat(b, _heartbeat(b, 1, ring_b, frames.HB_QUORUM, seq=3))
     assert node.members.epoch == 1 and node.ring.digest == ring.Ring([a]).digest
-    assert node.members.state(c) is State.JOINING
+    assert node.members.state(c) is State.JOINING              # A acts by it
     # A no longer acting by it (it lost its majority, say): B's ring is followed
     node.on_heartbeat(a, _heartbeat(a, 1, ring_a, frames.HB_QUORUM, seq=4))
-    node.on_heartbeat(b, _heartbeat(b, 1, ring_b, frames.HB_QUORUM, seq=3))
+    node.on_heartbeat(b, _heartbeat(b, 1, ring_b, frames.HB_QUORUM, seq=4))
     assert node.members.epoch == 1 and node.ring.digest == ring.Ring([b]).digest
     assert node.members.state(c) is State.JOINING
 

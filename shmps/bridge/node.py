@@ -593,6 +593,7 @@ class Bridge:
         #: peers whose last heartbeat said they act (HB_ACTING) by that (epoch, ring)
         self._peer_acts: dict[str, bool] = {}
         self._kept_ring_logged: tuple[int, int, int] | None = None
+        self._ring_since = float("-inf")   # when self.ring last changed (monotonic)
                                                            # of its last heartbeat
         self._hb_epoch: tuple[int, int] = (-1, 0)   # (epoch, digest) last sent
         self._hb_wake: Optional[asyncio.Event] = None   # set: send a heartbeat now
@@ -894,11 +895,13 @@ class Bridge:
                         if p != self.addr and self._peer_view.get(p) == mine)
         return 2 * agree > len(self.members.configured)
 
-    def _ring_owned_by_peer(self) -> bool:
+    def _ring_owned_by_peer(self, acting: bool = True) -> bool:
         """A reachable peer's last heartbeat said it acts (owns shards) by this host's
-        epoch and ring: a majority agreed to that ring, this host among them."""
+        epoch and ring: a majority agreed to that ring, this host among them.  With
+        ``acting=False``: said it is at this epoch and ring, acting or not."""
         mine = (self.members.epoch, self.ring.digest)
-        return any(self._peer_acts.get(p, False) and self._peer_view.get(p) == mine
+        return any((self._peer_acts.get(p, False) or not acting)
+                   and self._peer_view.get(p) == mine
                    for p in self.members.reachable() if p != self.addr)
 
     def _on_changes(self, changes: list) -> None:
@@ -929,6 +932,7 @@ class Bridge:
             old = self.ring
             self.prev_ring = old
             self.ring = old.with_members(live) if len(live) else Ring([])
+            self._ring_since = time.monotonic()
             self._owner_cache.clear()
             prev_owners = {}
             for key, st in self.shards.items():
@@ -1287,7 +1291,10 @@ class Bridge:
         same_epoch = (not adopted and bool(hb.hb_flags & frames.HB_QUORUM)
                       and hb.epoch == self.members.epoch)
         if (same_epoch and self.members.state(self.addr) is State.JOINING
-                and hb.digest != self.ring.digest and self._ring_owned_by_peer()):
+                and hb.digest != self.ring.digest
+                and (self._ring_owned_by_peer()
+                     or (time.monotonic() - self._ring_since < 3 * self.cfg.heartbeat
+                         and self._ring_owned_by_peer(acting=False)))):
             # A peer owns shards by this joiner's ring at this epoch, so a majority
             # (this host among them) agreed to it: the ring of the same number that
             # this heartbeat holds is not followed.  Followed, the same joiner agreed to
@@ -1295,7 +1302,12 @@ class Bridge:
             # it, acknowledged batches once the joiner's copy held them, and then the
             # joiner copied the other owner's shards over those batches (the flapping
             # network test, 2026-11-26).  Its owner takes this ring over (E3b) once it
-            # hears that a peer acts by it.
+            # hears that a peer acts by it.  Nor is it followed for three heartbeat
+            # intervals after this host took its ring, while a peer holds that ring: the
+            # peer acts by it with this host's agreement a round trip later, and says so
+            # in its next heartbeat.  (Trace Y2: two hosts had each minted one epoch
+            # number on a ring of itself; the joiner followed one, then the other, five
+            # times in 0.7 s, each owner acting with its agreement in turn.)
             seen = (hb.epoch, hb.digest, self.ring.digest)
             if self._kept_ring_logged != seen:
                 self._kept_ring_logged = seen
