@@ -1349,6 +1349,38 @@ def test_the_backups_are_those_of_the_ring_the_owners_last_rows_came_by(tmp_path
         assert st.handover_from == prev and st.handover_next == [bk]
 
 
+def test_a_backup_copy_is_complete_only_by_rows_of_the_owners_last_tenure(tmp_path):
+    """A host took its last ROWS of a shard as A's backup (epoch 0).  B then owned the
+    shard (epoch 1) and A again (epoch 2), and A is gone before it copied this host:
+    made owner, this host counts its copy incomplete (those ROWS were of an earlier
+    tenure of A's: B's batches are not in it) and waits for A to come back.  A copy
+    that took A's ROWS in A's last tenure is complete: no wait.  (Trace Y1 of the
+    flapping network test: this host served its copy without B's acknowledged
+    batches.)  Drives a Bridge, not started, on a real store."""
+    me, a, b = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
+    with _owner_on_a_store(tmp_path, [me, a, b], "tenure") as (node, _, _st):
+        old_key, old = _fed_by(node, a, [a, me])
+        assert old.fed_owners == [a, me] and old.fed_epoch == 0
+        node.members.observe_epoch(1)
+        node._role_change(old_key, [a, me], [b, a])           # B's tenure
+        node.members.observe_epoch(2)
+        node._role_change(old_key, [b, a], [a, me])           # A's again
+        everyone = {me: State.ALIVE, a: State.ALIVE, b: State.ALIVE}
+        node.on_heartbeat(a, _heartbeat(a, 2, everyone, seq=2))
+        new_key, new = _fed_by(node, a, [a, me], "u")         # in A's last tenure
+        node._role_change(new_key, [b, a], [a, me])
+        node.on_rows(a, frames.decode(frames.encode_rows(
+            epoch=2, sender=members.member_id(a), incarnation=7, tensor=new_key[0],
+            shard=0, seq=2, values=np.full((8, 4), 3, np.float32), start=0)),
+            lambda d: None)
+        assert new.fed_owners == [a, me] and new.fed_epoch == 2 and new.owner_since == 2
+        node.members.mark_dead(a)
+        node._role_change(old_key, [a, me], [me])
+        assert old.handover_from == a and old.handover_hold_until > time.monotonic()
+        node._role_change(new_key, [a, me], [me])
+        assert new.handover_from is None and new.handover_next == []
+
+
 def test_a_new_owner_with_no_backup_left_asks_the_owner_its_last_rows_came_from(tmp_path,
                                                                               caplog):
     """A host took its last ROWS of a shard from owner A (its ring then: A, backup B).

@@ -221,6 +221,7 @@ class ShardState:
                                                          # host's view (ROWS of older ones are stale)
     fed_owners: list = field(default_factory=list)       # the shard's owners in this host's ring
                                                          # when it last took ROWS from the owner
+    fed_epoch: int = -1                                  # the epoch of that ROWS or SNAPSHOT
     acked_as_owner: bool = False                         # this host acknowledged batches of
                                                          # the shard as its owner (a SYNC of
                                                          # a later owner gets its copy)
@@ -1042,8 +1043,17 @@ class Bridge:
             # owner's backup gone, served a copy that lacked the batches the owner
             # before had acknowledged, while that owner, back and joining, held them).
             # The hand-over's marks decide (_behind): one behind this copy is refused.
+            # And only if that ROWS (or SNAPSHOT: an owner copies every member at the
+            # start of its tenure) came in the previous owner's last tenure: one of an
+            # earlier one says nothing of the batches it acknowledged since.  (Trace Y1:
+            # a host took its last ROWS of a shard as the backup of A; B owned the shard
+            # for an epoch and acknowledged batches with A; A owned it again, cut off
+            # before it copied this host; made owner, this host served its copy
+            # without B's batches.)
             old_bk, fed_bk = (old or [])[1:], (st.fed_owners or old or [])[1:]
-            backups = [] if self.addr in old_bk and self.addr in fed_bk else list(
+            complete = (self.addr in old_bk and self.addr in fed_bk
+                        and (not st.fed_owners or st.fed_epoch >= prev_since))
+            backups = [] if complete else list(
                 dict.fromkeys(b for b in fed_bk + old_bk + st.fed_owners[:1]
                               if b != self.addr and b != prev))
             st.handover_next = []
@@ -1055,7 +1065,8 @@ class Bridge:
             # owner, which held the batches, was back 0.4 s after the change, and this
             # host served its copy without them.)  A copy that is complete waits for
             # nobody who is gone (a failover: the new owner was the first backup).
-            st.handover_hold_until = time.monotonic() + HANDOVER_TIMEOUT if backups else 0.0
+            st.handover_hold_until = (time.monotonic() + HANDOVER_TIMEOUT
+                                      if not complete and prev and prev != self.addr else 0.0)
             if prev and prev != self.addr and prev in self.members.reachable():
                 hd_from, hd_when, hd_epoch = st.handover_done
                 if (hd_from == prev and hd_when > time.monotonic() - 5
@@ -1068,8 +1079,9 @@ class Bridge:
                     st.handover_until = time.monotonic() + HANDOVER_TIMEOUT
                     st.handover_next = backups
             elif prev and prev != self.addr:
-                if backups:   # the owner is gone: take its backups' copy (in turn)
-                    st.handover_next = backups + ([prev] if self.cfg.replicas > 1 else [])
+                cands = backups + ([prev] if self.cfg.replicas > 1 else [])
+                if not complete and cands:   # the owner is gone: its backups' copy (in turn)
+                    st.handover_next = cands
                     st.handover_until = 0.0
                     self._handover_given_up(st, time.monotonic())
                 st.failover_from = prev
@@ -2302,6 +2314,7 @@ class Bridge:
             # ROWS this host got only after a cut, refused by then; made owner, it served
             # its copy without them: the flapping network test, 2026-11-26, trace V33.)
             owners = self.owners(st.key)
+            st.fed_epoch = f.epoch
             if (f.epoch == self.members.epoch
                     and self._peer_view.get(peer) == (self.members.epoch, self.ring.digest)):
                 st.fed_owners = owners
