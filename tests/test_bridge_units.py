@@ -1502,8 +1502,10 @@ def test_a_backup_on_the_ring_answers_the_owners_sync_with_its_copy(tmp_path):
     hand-over not coming) is answered with a hand-over snapshot while this host is on
     the ring; a joining host, whose copy may be behind, answers NOT_OWNER, unless it
     acknowledged batches of the shard as its owner once (the new owner may lack them;
-    it refuses a copy behind its own by the marks).  Drives a Bridge, not started, on a
-    real store."""
+    it refuses a copy behind its own by the marks).  Nor does any host while a snapshot
+    into its copy is half written (its rows ahead of its marks: the new owner would
+    apply again batches it holds; an over-count in the flapping network test, trace
+    Y19).  Drives a Bridge, not started, on a real store."""
     from shmps.bridge import node as bridge_node
 
     me, owner, third = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
@@ -1544,6 +1546,21 @@ def test_a_backup_on_the_ring_answers_the_owners_sync_with_its_copy(tmp_path):
                 tensor=info0.tid, shard=0, seq=bridge_node.ROWS_SEQ_BASE + 1,
                 status=Status.OK)))
         assert released == [b"ack1"] and st0.acked_as_owner
+        # a snapshot into this copy half written (its rows ahead of its marks): not
+        # handed over until its LAST chunk
+        def chunk(seq: int, last: bool) -> None:
+            node.on_rows(owner, frames.decode(frames.encode_snapshot(
+                epoch=0, sender=members.member_id(owner), incarnation=7, tensor=info.tid,
+                shard=0, seq=bridge_node.ROWS_SEQ_BASE + seq,
+                values=np.full((4, 4), 6, np.float32), start=4 * (seq - 1), marks=[],
+                last=last)), lambda d: None)
+
+        chunk(1, False)
+        assert st.snap_partial
+        asyncio.run(ask())
+        assert sent == [] and got[-1].status is Status.NOT_OWNER
+        chunk(2, True)
+        assert not st.snap_partial
         asyncio.run(ask())
         assert sent == [(key, owner, True)]
         asyncio.run(joining())

@@ -222,6 +222,8 @@ class ShardState:
     fed_owners: list = field(default_factory=list)       # the shard's owners in this host's ring
                                                          # when it last took ROWS from the owner
     fed_epoch: int = -1                                  # the epoch of that ROWS or SNAPSHOT
+    snap_partial: bool = False                           # chunks of a SNAPSHOT written, its
+                                                         # LAST (and marks) not yet
     acked_as_owner: bool = False                         # this host acknowledged batches of
                                                          # the shard as its owner (a SYNC of
                                                          # a later owner gets its copy)
@@ -2353,6 +2355,10 @@ class Bridge:
         except (frames.BadFrame, Error) as e:
             log.warning("%s %d from %s refused: %s", f.type.name, f.seq, peer, e)
             return self._refuse(f, reply, Status.REJECTED, "schema")
+        if f.type == FrameType.SNAPSHOT:
+            # between a snapshot's first chunk and its LAST the copy holds rows of the
+            # sender's copy under this host's older marks: no hand-over of it then
+            st.snap_partial = not f.flags & frames.Flag.LAST
         if handover:
             # the previous owner is sending (its last ROWS, its snapshot's chunks): wait
             # on.  Giving up mid-snapshot served a copy of which only the chunks before
@@ -2503,6 +2509,13 @@ class Bridge:
         drop = ("drop_handovers" if "drop_handovers" in self._failpoints else
                 "drop_first_handover" if ("drop_first_handover" in self._failpoints
                                           and key not in self._dropped) else None)
+        if handover and st.snap_partial:
+            # a snapshot into this copy is half written: its rows are ahead of its marks,
+            # and a new owner taking it would apply again batches they already hold
+            # (the new owner asks again, or another host: SYNC)
+            log.info("hand-over of %s to %s not sent: a snapshot into this copy is half "
+                     "written", st.key, member)
+            return
         if handover and drop:
             self._dropped.add(key)
             log.warning("failpoint %s: hand-over of %s to %s dropped", drop, st.key, member)
@@ -3042,6 +3055,7 @@ class Bridge:
                     st.snap_retry.pop(peer, None)
                     self._unsettle()
             elif (key in self.shards and self.owner(self.shards[key].key) == peer
+                    and not self.shards[key].snap_partial
                     and (self._was_owner(key) or self._is_origin(key)
                          or self.shards[key].acked_as_owner
                          or self.addr in self.shards[key].fed_owners[1:]
