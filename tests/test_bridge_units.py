@@ -1063,7 +1063,9 @@ def test_a_new_owner_that_was_no_backup_takes_the_backups_copy_when_no_hand_over
     was a backup serves its own copy, as before.  (A joiner cut off from its rows'
     stream, made owner as the previous owner was cut off in turn, served its copy and
     copied it over the backup's complete one: pushes lost, flushes stuck on GAP.  The
-    flapping network test, 2026-11-26.)  Drives a Bridge, not started, on a real store."""
+    flapping network test, 2026-11-26.)  A ROWS from the host asked is refused: only the
+    previous owner's last ROWS belong to a hand-over.  Drives a Bridge, not started, on
+    a real store."""
     from shmps.bridge import node as bridge_node
 
     me, prev, bk = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
@@ -1107,6 +1109,16 @@ def test_a_new_owner_that_was_no_backup_takes_the_backups_copy_when_no_hand_over
         # (prev, cut off before its copy came, is asked again if back within the hold)
         assert st.handover_from == bk and st.handover_next == [prev]
         assert f"asking {bk}, a backup of the previous owner" in caplog.text
+        # a ROWS from the host asked is no part of the hand-over (only the previous
+        # owner's last ROWS are): refused, nothing written
+        node.on_rows(bk, frames.decode(frames.encode_rows(
+            epoch=node.members.epoch, sender=members.member_id(bk), incarnation=7,
+            tensor=info.tid, shard=0, seq=bridge_node.ROWS_SEQ_BASE + 5,
+            values=np.full((8, 4), 9, np.float32), start=0,
+            marks=[Mark(stream[0], 7, 40)])), lambda d: got.extend(
+                frames.iter_frames(bytes(d))))
+        assert got[-1].status is Status.NOT_OWNER and st.handover_from == bk
+        assert not (node.store[info.name].pull() == 9).any()
         assert hand_over(bk, 4.0, 30) is Status.OK
         assert st.handover_from is None
         np.testing.assert_array_equal(node.store[info.name].pull(),

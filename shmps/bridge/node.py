@@ -200,6 +200,8 @@ class ShardState:
     copied_in: int = 0                                   # ROWS/SNAPSHOT frames written into this copy
     pending: deque = field(default_factory=deque)
     handover_from: Optional[str] = None
+    handover_prev: Optional[str] = None                  # the previous owner (its last ROWS
+                                                         # count as the hand-over's)
     handover_since: int = 0                              # the epoch handover_from became
                                                          # the owner in this host's view
     handover_until: float = 0.0
@@ -1022,6 +1024,7 @@ class Bridge:
             st.acked = {}
             prev = old[0] if old else None
             st.handover_since = prev_since   # (on_rows: the previous owner's ROWS)
+            st.handover_prev = prev
             # The previous owner acknowledged a batch only once its backups had its rows,
             # so their copies hold every acknowledged push.  This host's copy does if it
             # was one of them; otherwise (a joiner that became owner, which the views of
@@ -2286,6 +2289,13 @@ class Bridge:
         # to take the shard over, from its previous owner (its last ROWS, then its
         # hand-over snapshot)
         handover = st.handover_from == peer
+        if handover and f.type == FrameType.ROWS and peer != st.handover_prev:
+            # Only the previous owner's last ROWS belong to a hand-over; a host asked
+            # instead (a backup, the owner of the last ROWS, one waited for while cut
+            # off) gives its copy as a SNAPSHOT, whose marks are checked (_behind).
+            # ROWS from it are of another tenure or view of its own: written, they
+            # replaced rows of this copy with another history's under this copy's marks
+            handover = False
         if (peer != owner or owner == self.addr) and not handover:
             return self._refuse(f, reply, Status.NOT_OWNER, "not_owner")
         since = st.handover_since if handover else st.owner_since
