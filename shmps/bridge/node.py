@@ -595,8 +595,8 @@ class Bridge:
                                                   # that restarted since: filters forgotten
         self._says_joining: dict[str, int] = {}  # peer -> epoch at which it has us joining
         self._peer_view: dict[str, tuple[int, int]] = {}   # peer -> (epoch, ring digest)
-        #: peers whose last heartbeat said they act (HB_ACTING) by that (epoch, ring)
-        self._peer_acts: dict[str, bool] = {}
+        #: peers whose last heartbeat said they act (HB_ACTING) by its (epoch, ring)
+        self._peer_acting: set[str] = set()
         self._kept_ring_logged: tuple[int, int, int] | None = None
         self._ring_since = float("-inf")   # when self.ring last changed (monotonic)
                                                            # of its last heartbeat
@@ -895,19 +895,45 @@ class Bridge:
     def _ring_agreed(self) -> bool:
         if self.members.allow_minority:
             return True   # a lone host may act by its own ring (DESIGN: two-host trade-off)
-        mine = (self.members.epoch, self.ring.digest)
-        agree = 1 + sum(1 for p in self.members.reachable()
-                        if p != self.addr and self._peer_view.get(p) == mine)
-        return 2 * agree > len(self.members.configured)
+        return 2 * (1 + self._peers_on_this_ring()) > len(self.members.configured)
 
-    def _ring_owned_by_peer(self, acting: bool = True) -> bool:
-        """A reachable peer's last heartbeat said it acts (owns shards) by this host's
-        epoch and ring: a majority agreed to that ring, this host among them.  With
-        ``acting=False``: said it is at this epoch and ring, acting or not."""
+    def _peers_on_this_ring(self, acting: bool = False) -> int:
+        """How many reachable peers last said (heartbeat) that they are at this host's
+        epoch and ring; with ``acting``, and that they act (own shards) by it, which a
+        majority agreed to."""
         mine = (self.members.epoch, self.ring.digest)
-        return any((self._peer_acts.get(p, False) or not acting)
-                   and self._peer_view.get(p) == mine
-                   for p in self.members.reachable() if p != self.addr)
+        return sum(1 for p in self.members.reachable()
+                   if p != self.addr and self._peer_view.get(p) == mine
+                   and (not acting or p in self._peer_acting))
+
+    def _keeps_its_ring(self) -> bool:
+        """Joining, this host does not follow another ring of its epoch number (E3c): a
+        peer owns shards by its ring, so a majority agreed to it, this host among them;
+        or it took the ring less than three heartbeat intervals ago and a peer holds it
+        (that peer acts by it with this host's agreement a round trip later, and says
+        so in its next heartbeat).  Followed, the same joiner agreed to two rings of one
+        number a few ms apart, each owner acted by its ring with it and acknowledged
+        batches once the joiner's copy held them, and then the joiner copied the other
+        owner's shards over those batches (the flapping network test, traces T4 and Y2:
+        two hosts had each minted one number on a ring of itself; the joiner followed
+        one, then the other, five times in 0.7 s).  The other ring's owner takes this
+        ring over (E3b) once it hears that a peer acts by it."""
+        return bool(self._peers_on_this_ring(acting=True)
+                    or (time.monotonic() - self._ring_since < 3 * self.cfg.heartbeat
+                        and self._peers_on_this_ring()))
+
+    def _copy_to_give(self, key: tuple) -> bool:
+        """This host answers the owner's SYNC for shard ``key`` with a hand-over of its
+        copy: it owned the shard in its previous ring, created the tensor, is on the
+        ring, acknowledged batches of the shard as its owner once, or was a backup by
+        the ring its last ROWS came by (the new owner may lack batches those copies
+        hold, and refuses one behind its own by the marks: _behind); a joining host's
+        copy may be behind otherwise.  Never while a snapshot into the copy is half
+        written (its rows ahead of its marks: _send_snapshot_now)."""
+        st = self.shards[key]
+        return not st.snap_partial and (
+            self._was_owner(key) or self._is_origin(key) or st.acked_as_owner
+            or self.addr in st.fed_owners[1:] or self.members.state(self.addr) in ON_RING)
 
     def _on_changes(self, changes: list) -> None:
         # the epoch can move with no member changing state (adopt: a newer epoch of the
@@ -1232,7 +1258,10 @@ class Bridge:
             return
         self._hb_seq[peer] = hb.seq
         self._peer_view[peer] = (hb.epoch, hb.digest)
-        self._peer_acts[peer] = bool(hb.hb_flags & frames.HB_ACTING)
+        if hb.hb_flags & frames.HB_ACTING:
+            self._peer_acting.add(peer)
+        else:
+            self._peer_acting.discard(peer)
         self._incarnations[peer] = hb.incarnation
         if known is not None and known != hb.incarnation:
             log.info("member %s restarted (incarnation %08x -> %08x): it copies its shards "
@@ -1308,35 +1337,20 @@ class Bridge:
         same_epoch = (not adopted and bool(hb.hb_flags & frames.HB_QUORUM)
                       and hb.epoch == self.members.epoch)
         if (same_epoch and self.members.state(self.addr) is State.JOINING
-                and hb.digest != self.ring.digest
-                and (self._ring_owned_by_peer()
-                     or (time.monotonic() - self._ring_since < 3 * self.cfg.heartbeat
-                         and self._ring_owned_by_peer(acting=False)))):
-            # A peer owns shards by this joiner's ring at this epoch, so a majority
-            # (this host among them) agreed to it: the ring of the same number that
-            # this heartbeat holds is not followed.  Followed, the same joiner agreed to
-            # two rings of one number a few ms apart, each owner acted by its ring with
-            # it, acknowledged batches once the joiner's copy held them, and then the
-            # joiner copied the other owner's shards over those batches (the flapping
-            # network test, 2026-11-26).  Its owner takes this ring over (E3b) once it
-            # hears that a peer acts by it.  Nor is it followed for three heartbeat
-            # intervals after this host took its ring, while a peer holds that ring: the
-            # peer acts by it with this host's agreement a round trip later, and says so
-            # in its next heartbeat.  (Trace Y2: two hosts had each minted one epoch
-            # number on a ring of itself; the joiner followed one, then the other, five
-            # times in 0.7 s, each owner acting with its agreement in turn.)
-            seen = (hb.epoch, hb.digest, self.ring.digest)
-            if self._kept_ring_logged != seen:
-                self._kept_ring_logged = seen
-                log.info("joining at epoch %d: a peer owns shards by this host's ring, "
-                         "%s's ring of that number is not followed", hb.epoch, peer)
-        elif (same_epoch and self.members.state(self.addr) is State.JOINING
                 and hb.digest != self.ring.digest):
-            # joining: follow the view of the majority this host copies from (a view this
-            # host built while cut off may still count members dead or joining)
-            if view.get(self.addr) not in (State.ALIVE, State.SUSPECT):
-                view[self.addr] = State.JOINING
-            self._on_changes(self.members.adopt(view, hb.epoch, same_epoch=True))
+            if self._keeps_its_ring():
+                seen = (hb.epoch, hb.digest, self.ring.digest)
+                if self._kept_ring_logged != seen:
+                    self._kept_ring_logged = seen
+                    log.info("joining at epoch %d: keeping this host's ring (a peer acts "
+                             "by it, or holds it and it was taken just now); %s's ring of "
+                             "that number is not followed", hb.epoch, peer)
+            else:
+                # joining: follow the view of the majority this host copies from (a view
+                # this host built while cut off may still count members dead or joining)
+                if view.get(self.addr) not in (State.ALIVE, State.SUSPECT):
+                    view[self.addr] = State.JOINING
+                self._on_changes(self.members.adopt(view, hb.epoch, same_epoch=True))
         elif (same_epoch and view.get(self.addr) is State.JOINING and not self.leaving
               and self.members.state(self.addr) in (State.ALIVE, State.SUSPECT)):
             # a peer at this host's epoch counts it as joining (it was added, or came
@@ -3065,21 +3079,13 @@ class Bridge:
                     st.snap_retry.pop(peer, None)
                     self._unsettle()
             elif (key in self.shards and self.owner(self.shards[key].key) == peer
-                    and not self.shards[key].snap_partial
-                    and (self._was_owner(key) or self._is_origin(key)
-                         or self.shards[key].acked_as_owner
-                         or self.addr in self.shards[key].fed_owners[1:]
-                         or self.members.state(self.addr) in ON_RING)):
+                    and self._copy_to_give(key)):
                 # the new owner still waits for this host's hand-over (the first one was
                 # refused or lost): this host no longer applies batches, send it again;
                 # or the owner of a tensor created here asks for its initial values
                 # (it accepts them only while it waits for them: refresh_tensors); or,
                 # the previous owner's hand-over not coming, it asks this host, one of
-                # that owner's backups, for its copy (_handover_given_up; a joining
-                # host's copy may be behind: it answers NOT_OWNER, unless it acknowledged
-                # batches of the shard as its owner once, or was a backup in the ring its
-                # last ROWS came by: the new owner may lack those batches, and refuses a
-                # copy behind its own by the marks)
+                # that owner's backups, for its copy (_handover_given_up, _copy_to_give)
                 asyncio.get_running_loop().create_task(
                     self._send_snapshot(key, peer, handover=True))
                 # Answered BUSY, "coming" (_on_sync_answer), while this host has the data
