@@ -1324,6 +1324,18 @@ def test_a_joiner_copies_a_shard_again_when_its_owner_changes(tmp_path):
         assert st.snap_epoch_seen >= 0
 
 
+def _take_rows(node, owner: str, tid: int, seq: int, epoch: int | None = None) -> Status:
+    """``node`` takes a ROWS of shard 0 of tensor ``tid`` from ``owner`` (the whole (8, 4)
+    shard at ``seq``, stamped ``epoch``, by default the node's): the answer's status."""
+    got: list = []
+    node.on_rows(owner, frames.decode(frames.encode_rows(
+        epoch=node.members.epoch if epoch is None else epoch,
+        sender=members.member_id(owner), incarnation=7, tensor=tid, shard=0, seq=seq,
+        values=np.full((8, 4), seq, np.float32), start=0)),
+        lambda d: got.extend(frames.iter_frames(bytes(d))))
+    return got[-1].status
+
+
 def _fed_by(node, owner: str, owners: list, name_prefix: str = "v"):
     """On a node of ``_owner_on_a_store``: a dense (8, 4) float32 "sum" tensor whose shard
     0 has ``owners`` in the node's ring, of which this host took one ROWS from ``owner``
@@ -1336,12 +1348,7 @@ def _fed_by(node, owner: str, owners: list, name_prefix: str = "v"):
     while node.refresh_tensors(budget=None):
         pass
     info = node.by_name[name]
-    got: list = []
-    node.on_rows(owner, frames.decode(frames.encode_rows(
-        epoch=node.members.epoch, sender=members.member_id(owner), incarnation=7,
-        tensor=info.tid, shard=0, seq=1, values=np.full((8, 4), 2, np.float32), start=0)),
-        lambda d: got.extend(frames.iter_frames(bytes(d))))
-    assert got[-1].status is Status.OK
+    assert _take_rows(node, owner, info.tid, 1) is Status.OK
     return (info.tid, 0), node.shards[(info.tid, 0)]
 
 
@@ -1381,10 +1388,7 @@ def test_a_backup_copy_is_complete_only_by_rows_of_the_owners_last_tenure(tmp_pa
         node.on_heartbeat(a, _heartbeat(a, 2, everyone, seq=2))
         new_key, new = _fed_by(node, a, [a, me], "u")         # in A's last tenure
         node._role_change(new_key, [b, a], [a, me])
-        node.on_rows(a, frames.decode(frames.encode_rows(
-            epoch=2, sender=members.member_id(a), incarnation=7, tensor=new_key[0],
-            shard=0, seq=2, values=np.full((8, 4), 3, np.float32), start=0)),
-            lambda d: None)
+        assert _take_rows(node, a, new_key[0], 2) is Status.OK
         assert new.fed_owners == [a, me] and new.fed_epoch == 2 and new.owner_since == 2
         node.members.mark_dead(a)
         node._role_change(old_key, [a, me], [me])
@@ -1442,52 +1446,31 @@ def test_a_copy_counts_itself_a_backup_only_by_a_ring_its_owner_holds_too(tmp_pa
     ring they both held answers the owner's SYNC with its copy.  Drives a Bridge, not
     started, on a real store."""
     from shmps.bridge import node as bridge_node
-    from shmps.bridge.ring import shard_key
 
     me, a, b = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
     with _owner_on_a_store(tmp_path, [me, a, b], "fedview") as (node, _, _st):
-        names = {}
-        for want in ([a, b], [a, me]):
-            names[want[1]] = next(f"v{i}" for i in range(1000)
-                                  if node.owners(shard_key(f"v{i}", 0)) == want
-                                  and f"v{i}" not in names.values())
-            node.store.dense(names[want[1]], (8, 4), "float32", init=0.0, optimizer="sum")
-        while node.refresh_tensors(budget=None):
-            pass
-        got: list = []
-
-        def rows(name: str, seq: int) -> "bridge_node.ShardState":
-            info = node.by_name[name]
-            node.on_rows(a, frames.decode(frames.encode_rows(
-                epoch=node.members.epoch, sender=members.member_id(a), incarnation=7,
-                tensor=info.tid, shard=0, seq=seq, values=np.full((8, 4), seq, np.float32),
-                start=0)),
-                lambda d: got.extend(frames.iter_frames(bytes(d))))
-            assert got[-1].status is Status.OK
-            return node.shards[(info.tid, 0)]
-
-        plain, backup = rows(names[b], 1), rows(names[me], 1)
+        (plain_tid, _), plain = _fed_by(node, a, [a, b])
+        (backup_tid, _), backup = _fed_by(node, a, [a, me])
         assert plain.fed_owners == [a, b] and backup.fed_owners == [a, me]
+
         async def b_dead() -> None:      # this host's ring moves on (a heard: a majority)
             node._on_changes(node.members.mark_dead(b))
             await asyncio.sleep(0)
 
         asyncio.run(b_dead())
         assert node.members.epoch == 1 and node.owners(plain.key) == [a, me]
-        assert rows(names[b], 2).fed_owners == [a, b]          # not [a, me]
+        assert _take_rows(node, a, plain_tid, 2) is Status.OK
+        assert plain.fed_owners == [a, b]                      # not [a, me]
         # a's heartbeat at this epoch and ring: the ring's owners are a's again; a frame
         # stamped with the epoch before is not trusted even then
         node.on_heartbeat(a, _heartbeat(a, 1, {me: State.ALIVE, a: State.ALIVE,
                                                b: State.DEAD}, seq=2))
-        assert rows(names[b], 3).fed_owners == [a, me]
-        info_b = node.by_name[names[b]]
-        node.on_rows(a, frames.decode(frames.encode_rows(
-            epoch=0, sender=members.member_id(a), incarnation=7, tensor=info_b.tid, shard=0,
-            seq=4, values=np.full((8, 4), 4, np.float32), start=0)), lambda d: None)
+        assert _take_rows(node, a, plain_tid, 3) is Status.OK
+        assert plain.fed_owners == [a, me]
+        assert _take_rows(node, a, plain_tid, 4, epoch=0) is Status.OK
         assert plain.fed_owners == [a]
         # a joining host that was a's backup by a ring a held answers a's SYNC
-        info = node.by_name[names[me]]
-        node.adopted[names[me]] = a                  # (not the tensor's origin)
+        node.adopted[node.tensors[backup_tid].name] = a   # (not the tensor's origin)
         node.prev_ring = None                        # (nor its owner before)
         sent: list = []
 
@@ -1499,13 +1482,13 @@ def test_a_copy_counts_itself_a_backup_only_by_a_ring_its_owner_holds_too(tmp_pa
         async def ask() -> None:
             node._on_changes(node.members.mark_joining(me))
             node.on_frame(a, frames.decode(frames.encode_sync(
-                epoch=1, sender=members.member_id(a), incarnation=7, tensor=info.tid,
+                epoch=1, sender=members.member_id(a), incarnation=7, tensor=backup_tid,
                 shard=0, seq=bridge_node.SYNC_SEQ)), lambda d: None)
             await asyncio.sleep(0.01)
 
         asyncio.run(ask())
         assert node.owner(backup.key) == a
-        assert ((info.tid, 0), a, True) in sent         # (and its own shard handed over)
+        assert ((backup_tid, 0), a, True) in sent       # (and its own shard handed over)
 
 
 def test_a_backup_on_the_ring_answers_the_owners_sync_with_its_copy(tmp_path):
@@ -1595,6 +1578,37 @@ def test_a_backup_on_the_ring_answers_the_owners_sync_with_its_copy(tmp_path):
 
         asyncio.run(ask0())
         assert sent == [(key0, new_owner, True)]
+
+
+def test_no_hand_over_of_a_copy_a_snapshot_is_half_written_into(tmp_path):
+    """A host that loses a shard hands its copy over (_send_snapshot, handover=True) only
+    while no snapshot into it is half written: between the first chunk and the LAST its
+    rows are ahead of its marks, and the new owner would apply again batches they hold
+    (traces Y19 and A2-37 of the flapping network test over-counted a shard).  Once the
+    LAST chunk is in, the hand-over goes.  Drives a Bridge, not started, on a real store,
+    with a real websocket connection."""
+    from test_bridge_wsstream import collect
+
+    me, new, third = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
+    with _owner_on_a_store(tmp_path, [me, new, third], "halfsnap") as (node, _, _st):
+        _, info, st = _tensor_owned_by(node, new)       # (the owner it goes to: new)
+        key = (info.tid, 0)
+
+        async def main() -> tuple:
+            async with _data_connection(node, new) as client:
+                got = asyncio.ensure_future(collect(client, 1))
+                st.snap_partial = True       # (as on_rows leaves it after a first chunk)
+                await asyncio.wait_for(node._send_snapshot(key, new, handover=True), 10)
+                await asyncio.sleep(0.3)
+                sent_half = got.done()
+                st.snap_partial = False
+                await asyncio.wait_for(node._send_snapshot(key, new, handover=True), 10)
+                return sent_half, [frames.decode(c) for c in await asyncio.wait_for(got, 10)]
+
+        sent_half, chunks = asyncio.run(asyncio.wait_for(main(), 30))
+        assert not sent_half
+        assert chunks and chunks[0].type == FrameType.SNAPSHOT
+        assert chunks[0].flags & frames.Flag.HANDOVER
 
 
 def test_one_snapshot_read_of_a_shard_at_a_time_and_close_waits_for_it(tmp_path,
