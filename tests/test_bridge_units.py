@@ -659,6 +659,72 @@ def test_a_joiner_does_not_follow_another_ring_of_the_epoch_a_peer_owns_by(tmp_p
     assert node.members.state(c) is State.JOINING
 
 
+def test_a_joiner_keeps_the_ring_of_an_owner_whose_rows_it_took(tmp_path):
+    """Host C of {A, B, C}, joining, took A's view (epoch 1, the ring {A}) and then A's
+    ROWS stamped with epoch 1: A applied batches by that ring and counted C's copy when
+    it acknowledged them, whether or not its heartbeat saying it acts has come yet.  B's
+    epoch 1 on the ring {B}, heard with the quorum flag long after, is not followed.
+    (It was: in the flapping network test's trace B2-12 A's heartbeats saying it acted
+    came late, behind the backlog it applied first; the joiner followed B's ring 0.4 s
+    after it took A's, B copied its shard over the joiner's, and the batches A had
+    acknowledged were on no copy: flushes stuck on GAP.)  Once A's heartbeat holds
+    another ring, C follows B's."""
+    store = f"fedring{os.getpid()}"
+    c, a, b = "127.0.0.4:7001", "127.0.0.2:7001", "127.0.0.3:7001"
+    with _owner_on_a_store(tmp_path, [c, a, b], store) as (node, info, _):
+        node.members.tick(now=time.monotonic() + 10 * node.cfg.dead_after)   # cut off
+        node.grace_until = time.monotonic() + 60    # back: it listens (hands nothing over)
+        ring_a = {a: State.ALIVE, b: State.DEAD, c: State.JOINING}
+        ring_b = {a: State.DEAD, b: State.ALIVE, c: State.JOINING}
+        node.on_heartbeat(a, _heartbeat(a, 1, ring_a, frames.HB_QUORUM, seq=2))
+        assert node.members.epoch == 1 and node.members.state(c) is State.JOINING
+        assert node.ring.digest == ring.Ring([a]).digest
+        assert _take_rows(node, a, info.tid, 1) is Status.OK
+        time.sleep(3 * node.cfg.heartbeat + 0.05)     # past E3c's hold after taking it
+        node.on_heartbeat(b, _heartbeat(b, 1, ring_b, frames.HB_QUORUM, seq=2))
+        assert node.members.epoch == 1 and node.ring.digest == ring.Ring([a]).digest
+        # A itself gave way to B's ring (E3b): C follows it too
+        node.on_heartbeat(a, _heartbeat(a, 1, ring_b, frames.HB_QUORUM, seq=3))
+        node.on_heartbeat(b, _heartbeat(b, 1, ring_b, frames.HB_QUORUM, seq=3))
+        assert node.members.epoch == 1 and node.ring.digest == ring.Ring([b]).digest
+        assert node.members.state(c) is State.JOINING
+
+
+def test_a_newer_epochs_joiner_moves_no_ring_here(tmp_path):
+    """Host C of {A, B, C} at epoch 0 hears A at epoch 1, joining in A's view and ready,
+    without the quorum flag (a joiner sends none): C is behind, and neither A's ready
+    flag nor its joining state counts here; C mints nothing.  (They did: a host whose
+    inbound frames ran late counted the flag, minted epoch 1 on its own ring, a number
+    the majority had minted for another, then 2 by the joining state, and owned a
+    shard by those epochs with a copy that lacked batches B had acknowledged; its
+    snapshots replaced the copies that held them.  The flapping network test, trace
+    C2-9.)  The majority's heartbeat (B, epoch 1, quorum) is taken over (E3), and A's
+    ready flag at that epoch and ring then counts.  Likewise a ready flag of a newer
+    epoch from a peer this host counts joining."""
+    node, a, b, c = _host_c_of_three(tmp_path)
+    a_joins = {a: State.JOINING, b: State.ALIVE, c: State.DEAD}
+    node.on_heartbeat(a, _heartbeat(a, 1, a_joins, frames.HB_READY, seq=2))
+    assert node.members.epoch == 0 and node.members.state(a) is State.ALIVE
+    assert node.ring.digest == ring.Ring([a, b, c]).digest
+    node.on_heartbeat(a, _heartbeat(a, 1, a_joins, 0, seq=3))     # joining, not ready
+    assert node.members.epoch == 0 and node.members.state(a) is State.ALIVE
+    node.on_heartbeat(b, _heartbeat(b, 1, a_joins, frames.HB_QUORUM | frames.HB_ACTING,
+                                    seq=2))
+    assert node.members.epoch == 1 and node.members.state(c) is State.JOINING
+    assert node.members.state(a) is State.JOINING
+    node.on_heartbeat(a, _heartbeat(a, 1, a_joins, frames.HB_READY, seq=4))
+    assert node.members.state(a) is State.ALIVE     # (C, joining, mints no epoch: B does)
+    # C on the ring at epoch 1, counting A joining: A's ready flag of epoch 2 (C behind)
+    node, a, b, c = _host_c_of_three(tmp_path)
+    node._on_changes(node.members.mark_dead(a))
+    node.on_heartbeat(a, _heartbeat(a, 1, {a: State.JOINING, b: State.ALIVE, c: State.ALIVE},
+                                    0, seq=2))
+    assert node.members.epoch == 1 and node.members.state(a) is State.JOINING
+    node.on_heartbeat(a, _heartbeat(a, 2, a_joins, frames.HB_READY, seq=3))
+    assert node.members.epoch == 1 and node.members.state(a) is State.JOINING
+    assert node.ring.digest == ring.Ring([b, c]).digest
+
+
 def test_a_host_back_in_a_majority_listens_before_it_acts(tmp_path, caplog):
     """Host C of {A, B, C}, cut off (A and B dead to it, no majority), is reached again,
     and what it hears first is a heartbeat A sent early in the cut (TCP delivers it

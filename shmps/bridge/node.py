@@ -597,6 +597,10 @@ class Bridge:
         self._peer_view: dict[str, tuple[int, int]] = {}   # peer -> (epoch, ring digest)
         #: peers whose last heartbeat said they act (HB_ACTING) by its (epoch, ring)
         self._peer_acting: set[str] = set()
+        #: peer -> the (epoch, ring digest) of this host's ring when it last took that
+        #: peer's ROWS as the shard's owner, stamped with that epoch: the owner applied
+        #: batches by that ring, and counted this host's copy for their acknowledgement
+        self._fed_on: dict[str, tuple[int, int]] = {}
         self._kept_ring_logged: tuple[int, int, int] | None = None
         self._ring_since = float("-inf")   # when self.ring last changed (monotonic)
                                                            # of its last heartbeat
@@ -904,20 +908,23 @@ class Bridge:
         mine = (self.members.epoch, self.ring.digest)
         return sum(1 for p in self.members.reachable()
                    if p != self.addr and self._peer_view.get(p) == mine
-                   and (not acting or p in self._peer_acting))
+                   and (not acting or p in self._peer_acting or self._fed_on.get(p) == mine))
 
     def _keeps_its_ring(self) -> bool:
-        """Joining, this host does not follow another ring of its epoch number (E3c): a
-        peer owns shards by its ring, so a majority agreed to it, this host among them;
-        or it took the ring less than three heartbeat intervals ago and a peer holds it
-        (that peer acts by it with this host's agreement a round trip later, and says
-        so in its next heartbeat).  Followed, the same joiner agreed to two rings of one
-        number a few ms apart, each owner acted by its ring with it and acknowledged
-        batches once the joiner's copy held them, and then the joiner copied the other
-        owner's shards over those batches (the flapping network test, traces T4 and Y2:
-        two hosts had each minted one number on a ring of itself; the joiner followed
-        one, then the other, five times in 0.7 s).  The other ring's owner takes this
-        ring over (E3b) once it hears that a peer acts by it."""
+        """Joining, this host does not follow another ring of its epoch number (E3c): a peer
+        owns shards by its ring, so a majority agreed to it, this host among them (its
+        heartbeat says so, or this host took its ROWS stamped with this epoch as the owner
+        by this ring: that owner counted this copy when it acknowledged the batches, and
+        its heartbeat saying it acts may come much later, after the backlog it applies
+        first; trace B2-12); or it took the ring less than three heartbeat intervals ago
+        and a peer holds it (that peer acts by it with this host's agreement a round trip
+        later, and says so in its next heartbeat). Followed, the same joiner agreed to two
+        rings of one number a few ms apart, each owner acted by its ring with it and
+        acknowledged batches once the joiner's copy held them, and then the joiner copied
+        the other owner's shards over those batches (the flapping network test, traces T4
+        and Y2: two hosts had each minted one number on a ring of itself; the joiner
+        followed one, then the other, five times in 0.7 s). The other ring's owner takes
+        this ring over (E3b) once it hears that a peer acts by it."""
         return bool(self._peers_on_this_ring(acting=True)
                     or (time.monotonic() - self._ring_since < 3 * self.cfg.heartbeat
                         and self._peers_on_this_ring()))
@@ -1369,8 +1376,14 @@ class Bridge:
         if s_peer is State.LEAVING and state in (State.ALIVE, State.SUSPECT):
             self._on_changes(self.members.mark_leaving(peer))
         elif (s_peer is State.JOINING and state in (State.ALIVE, State.SUSPECT)
-              and hb.epoch >= self.members.epoch):
-            # it says it must copy its shards again (it restarted or was cut off)
+              and hb.epoch == self.members.epoch):
+            # it says it must copy its shards again (it restarted or was cut off).  Only
+            # at this host's epoch: one of a newer epoch says this host is behind, and
+            # counted here it moved this host's ring at its old epoch, so it minted the
+            # next number, which the cluster had already minted for another ring (the
+            # flapping network test, trace C2-9: epoch 5 on a ring of its own, after a
+            # ready flag of epoch 4 had minted 4 the same way).  This host takes the
+            # newer view from a majority member (E3), in which the peer is joining.
             for st in self.shards.values():
                 st.synced.discard(peer)
                 st.snapshotting.pop(peer, None)
@@ -1379,13 +1392,17 @@ class Bridge:
         if (hb.hb_flags & frames.HB_HANDED_OVER) and self.members.state(peer) is State.LEAVING:
             self._on_changes(self.members.remove(peer))
         if ((hb.hb_flags & frames.HB_READY) and self.members.state(peer) is State.JOINING
-                and (hb.epoch > self.members.epoch
-                     or (hb.epoch == self.members.epoch and hb.digest == self.ring.digest))):
+                and hb.epoch == self.members.epoch and hb.digest == self.ring.digest):
             # (not one of an older epoch, or of this epoch's number on another ring: a
             # host cut off again after it joined sent it before that cut, TCP delivered
             # it after, and the host was counted ready, alive on the ring with copies it
             # had not taken again since: the flapping network test, 2026-11-26.  A
-            # joiner takes the majority's epoch and ring first)
+            # joiner takes the majority's epoch and ring first.  Nor one of a newer
+            # epoch: this host is behind, and counted, the flag minted the next epoch
+            # number on this host's ring, which the majority had minted for its own, a
+            # ring without this host (trace C2-9: a host whose inbound frames ran 0.9 s
+            # late owned a shard by that epoch and copied its stale copy over the
+            # others).  This host takes the newer epoch from a majority member first.)
             self._on_changes(self.members.mark_ready(peer))
 
     def _on_hosts_file(self, data: bytes) -> None:
@@ -2328,6 +2345,7 @@ class Bridge:
             # 2026-11-26: the one misstep in a run that ended every copy 113 pushes
             # short).  A hand-over snapshot is checked by its marks instead (_behind)
             return self._refuse(f, reply, Status.NOT_OWNER, "stale_owner")
+        fed_on: Optional[tuple[int, int]] = None
         if not handover:
             # (_role_change: whose copies are complete) The shard's owners in this host's
             # ring are the owner's only for a frame stamped with this host's epoch while
@@ -2344,6 +2362,8 @@ class Bridge:
             if (f.epoch == self.members.epoch
                     and self._peer_view.get(peer) == (self.members.epoch, self.ring.digest)):
                 st.fed_owners = owners
+                if f.type == FrameType.ROWS:
+                    fed_on = (self.members.epoch, self.ring.digest)
             else:
                 st.fed_owners = [peer] + list(dict.fromkeys(
                     b for b in st.fed_owners[1:] + owners[1:] if b not in (peer, self.addr)))
@@ -2423,6 +2443,8 @@ class Bridge:
                     log.info("shard %s handed over by %s", st.key, peer)
                 else:   # it came before this host saw the new ring
                     st.handover_done = (peer, time.monotonic(), f.epoch)
+        if fed_on is not None:
+            self._fed_on[peer] = fed_on
         self.metrics.received(f.type.name.lower())
         reply(self._ack(f, Status.OK))
 
