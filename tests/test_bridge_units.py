@@ -1434,6 +1434,46 @@ def test_the_backups_are_those_of_the_ring_the_owners_last_rows_came_by(tmp_path
         assert st.handover_from == prev and st.handover_next == [bk]
 
 
+def test_an_owners_snapshot_that_lacks_batches_this_copy_applied_is_named(tmp_path, caplog):
+    """The owner's plain snapshot replaces a copy whatever its marks (the copy's extra
+    batches may be a previous owner's unacknowledged last ROWS, which their senders send
+    again); when its marks lack a batch this copy applied, a warning names the shard and
+    the stream, and shmps_bridge_snapshots_behind_copy_total counts it: if that batch
+    was acknowledged, this is where it was lost (the flapping network test's traces
+    B2-12 and C2-9 each began with such a snapshot, which nothing logged)."""
+    from shmps.bridge import node as bridge_node
+    from shmps.bridge.frames import Mark
+
+    me, a, b = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
+    with _owner_on_a_store(tmp_path, [me, a, b], "behind") as (node, _, _st):
+        key, st = _fed_by(node, a, [a, me])
+        x = members.member_id(b)
+        got: list = []
+
+        def frame(encode, seq: int, mark: int, **kw) -> Status:
+            node.on_rows(a, frames.decode(encode(
+                epoch=node.members.epoch, sender=members.member_id(a), incarnation=7,
+                tensor=key[0], shard=0, seq=seq, values=np.full((8, 4), 1, np.float32),
+                start=0, marks=[Mark(x, 7, mark)], **kw)),
+                lambda d: got.extend(frames.iter_frames(bytes(d))))
+            return got[-1].status
+
+        assert frame(frames.encode_rows, 2, 5) is Status.OK       # applied B's batch 5
+        assert st.dedup.floor((x, 7, key[0], 0)) == 5
+        with caplog.at_level("WARNING", logger="shmps.bridge"):
+            assert frame(frames.encode_snapshot, bridge_node.ROWS_SEQ_BASE + 1, 5,
+                         last=True) is Status.OK
+        assert "lacks batches" not in caplog.text
+        assert node.metrics.snapshots_behind._value.get() == 0
+        with caplog.at_level("WARNING", logger="shmps.bridge"):
+            assert frame(frames.encode_snapshot, bridge_node.ROWS_SEQ_BASE + 2, 3,
+                         last=True) is Status.OK
+        assert "lacks batches this copy applied" in caplog.text
+        assert "up to 5 here, 3 there" in caplog.text
+        assert node.metrics.snapshots_behind._value.get() == 1
+        assert st.dedup.floor((x, 7, key[0], 0)) == 3               # taken, as the owner's
+
+
 def test_a_backup_copy_is_complete_only_by_rows_of_the_owners_last_tenure(tmp_path):
     """A host took its last ROWS of a shard as A's backup (epoch 0).  B then owned the
     shard (epoch 1) and A again (epoch 2), and A is gone before it copied this host:

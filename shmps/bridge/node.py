@@ -429,6 +429,9 @@ class Metrics:
                                   registry=r)
         self.failovers = Counter("shmps_bridge_failovers", "shards taken over from a dead "
                                  "owner", registry=r)
+        self.snapshots_behind = Counter(
+            "shmps_bridge_snapshots_behind_copy", "owner snapshots taken that lacked batches "
+            "this host's copy had applied (lost if they were acknowledged)", registry=r)
         self.failover_s = Histogram("shmps_bridge_failover_seconds", "owner's last heartbeat"
                                     " to the first batch applied by its successor", registry=r,
                                     buckets=(0.1, 0.2, 0.3, 0.5, 0.75, 1, 2, 5))
@@ -2367,6 +2370,21 @@ class Bridge:
             else:
                 st.fed_owners = [peer] + list(dict.fromkeys(
                     b for b in st.fed_owners[1:] + owners[1:] if b not in (peer, self.addr)))
+            behind = (self._behind(st, f) if f.type == FrameType.SNAPSHOT and f.marks
+                      else None)
+            if behind is not None:
+                # The owner's copy lacks a batch this one applied.  It replaces this copy
+                # as every owner's snapshot does: the batch may be one no owner
+                # acknowledged (a previous owner's last ROWS, which reached this host and
+                # not the new owner), which its sender sends again.  If it was
+                # acknowledged, it is lost here, and this line is where a trace starts
+                # (the flapping network test's traces B2-12 and C2-9 would have shown it)
+                stream, mine, theirs = behind
+                log.warning("shard %s: the owner %s's snapshot lacks batches this copy "
+                            "applied (sender %08x: up to %d here, %d there); taken, as the "
+                            "owner's copy; lost if they were acknowledged", st.key, peer,
+                            stream[0], mine, theirs)
+                self.metrics.snapshots_behind.inc()
         elif f.type == FrameType.SNAPSHOT and f.marks:
             behind = self._behind(st, f)
             if behind is not None:
