@@ -659,7 +659,8 @@ def test_a_joiner_does_not_follow_another_ring_of_the_epoch_a_peer_owns_by(tmp_p
     assert node.members.state(c) is State.JOINING
 
 
-def test_a_joiner_keeps_the_ring_of_an_owner_whose_rows_it_took(tmp_path):
+@pytest.mark.parametrize("nrows", [8, 0])
+def test_a_joiner_keeps_the_ring_of_an_owner_whose_rows_it_took(tmp_path, nrows):
     """Host C of {A, B, C}, joining, took A's view (epoch 1, the ring {A}) and then A's
     ROWS stamped with epoch 1: A applied batches by that ring and counted C's copy when
     it acknowledged them, whether or not its heartbeat saying it acts has come yet.  B's
@@ -668,7 +669,8 @@ def test_a_joiner_keeps_the_ring_of_an_owner_whose_rows_it_took(tmp_path):
     came late, behind the backlog it applied first; the joiner followed B's ring 0.4 s
     after it took A's, B copied its shard over the joiner's, and the batches A had
     acknowledged were on no copy: flushes stuck on GAP.)  Once A's heartbeat holds
-    another ring, C follows B's."""
+    another ring, C follows B's.  An empty ROWS (``nrows`` 0: an owner's mark of a new epoch
+    of its tenure, _send_epoch_rows) counts the same."""
     store = f"fedring{os.getpid()}"
     c, a, b = "127.0.0.4:7001", "127.0.0.2:7001", "127.0.0.3:7001"
     with _owner_on_a_store(tmp_path, [c, a, b], store) as (node, info, _):
@@ -679,7 +681,8 @@ def test_a_joiner_keeps_the_ring_of_an_owner_whose_rows_it_took(tmp_path):
         node.on_heartbeat(a, _heartbeat(a, 1, ring_a, frames.HB_QUORUM, seq=2))
         assert node.members.epoch == 1 and node.members.state(c) is State.JOINING
         assert node.ring.digest == ring.Ring([a]).digest
-        assert _take_rows(node, a, info.tid, 1) is Status.OK
+        assert _take_rows(node, a, info.tid, 1, nrows=nrows) is Status.OK
+        assert node._fed_on[a] == (1, ring.Ring([a]).digest)
         time.sleep(3 * node.cfg.heartbeat + 0.05)     # past E3c's hold after taking it
         node.on_heartbeat(b, _heartbeat(b, 1, ring_b, frames.HB_QUORUM, seq=2))
         assert node.members.epoch == 1 and node.ring.digest == ring.Ring([a]).digest
@@ -688,6 +691,29 @@ def test_a_joiner_keeps_the_ring_of_an_owner_whose_rows_it_took(tmp_path):
         node.on_heartbeat(b, _heartbeat(b, 1, ring_b, frames.HB_QUORUM, seq=3))
         assert node.members.epoch == 1 and node.ring.digest == ring.Ring([b]).digest
         assert node.members.state(c) is State.JOINING
+
+
+def test_a_joiners_ring_hold_counts_from_when_it_took_its_epoch(tmp_path):
+    """E3c's hold (three heartbeat intervals while a peer holds the joiner's ring) counts
+    from when the joiner took its (epoch, ring), not from when its ring's members last
+    changed: a newer epoch of the same ring starts it again.  (Trace E3-1 of the flapping
+    network test: a joiner took A's epoch 6 on the ring it had held since epoch 5, and
+    followed B's ring of number 6 0.2 s later, its hold already over.)"""
+    node, a, b, c = _host_c_of_three(tmp_path)
+    node.members.tick(now=time.monotonic() + 10 * node.cfg.dead_after)   # cut off
+    ring_a = {a: State.ALIVE, b: State.DEAD, c: State.JOINING}
+    ring_b = {a: State.DEAD, b: State.ALIVE, c: State.JOINING}
+    node.on_heartbeat(a, _heartbeat(a, 1, ring_a, frames.HB_QUORUM, seq=2))
+    assert node.members.epoch == 1 and node.ring.digest == ring.Ring([a]).digest
+    time.sleep(2 * node.cfg.heartbeat)
+    node.on_heartbeat(a, _heartbeat(a, 2, ring_a, frames.HB_QUORUM, seq=3))
+    assert node.members.epoch == 2 and node.ring.digest == ring.Ring([a]).digest
+    time.sleep(1.5 * node.cfg.heartbeat)     # 0.35 s since the ring, 0.15 s since epoch 2
+    node.on_heartbeat(b, _heartbeat(b, 2, ring_b, frames.HB_QUORUM, seq=2))
+    assert node.members.epoch == 2 and node.ring.digest == ring.Ring([a]).digest
+    time.sleep(1.6 * node.cfg.heartbeat)     # the hold over, A not acting: B's is followed
+    node.on_heartbeat(b, _heartbeat(b, 2, ring_b, frames.HB_QUORUM, seq=3))
+    assert node.members.epoch == 2 and node.ring.digest == ring.Ring([b]).digest
 
 
 def test_a_newer_epochs_joiner_moves_no_ring_here(tmp_path):
@@ -1042,6 +1068,59 @@ def test_a_new_owner_waits_while_the_hand_over_is_arriving(tmp_path):
         np.testing.assert_array_equal(node.store[name].pull(), np.full((8, 4), 3, np.float32))
 
 
+def test_an_owner_acknowledges_at_an_epoch_once_its_backups_took_a_frame_of_it(tmp_path):
+    """An owner whose tenure goes on into a new epoch acknowledges nothing at it, a
+    resent batch (a duplicate) included, until every member it waits for has taken a
+    ROWS of the shard stamped with that epoch: with no batch to apply, it sends an empty
+    one.  (It acknowledged duplicates by its backup's answers to ROWS of the epoch
+    before, while that backup, joining, followed another ring of the new number whose
+    owner then copied its shard over the batches: the flapping network test, trace
+    E3-1.)  Drives a Bridge, not started, on a real store, with a real websocket
+    connection to the backup."""
+    from shmps.bridge import node as bridge_node
+    from test_bridge_wsstream import collect
+
+    me, bk, c = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
+    with _owner_on_a_store(tmp_path, [me, bk, c], "epochrows", owners=2) as (node, info, st):
+        key = (info.tid, 0)
+        st.synced.add(bk)                                       # bk holds a copy
+        replies: list = []
+
+        def batch(epoch: int) -> None:
+            node.on_batch(c, frames.decode(frames.encode_batch(
+                epoch=epoch, sender=members.member_id(c), incarnation=7, tensor=info.tid,
+                shard=0, seq=1, values=np.ones((8, 4), np.float32), start=0)),
+                lambda d: replies.extend(frames.iter_frames(bytes(d))))
+
+        def answer(rseq: int) -> None:
+            node.on_ack(bk, frames.decode(frames.encode_ack(
+                epoch=node.members.epoch, sender=members.member_id(bk), incarnation=7,
+                tensor=info.tid, shard=0, seq=bridge_node.ROWS_SEQ_BASE + rseq,
+                status=Status.OK)))
+
+        async def main() -> list:
+            async with _data_connection(node, bk) as client:
+                got = asyncio.ensure_future(collect(client, 2))
+                batch(0)                                  # GAP: a stream unknown here
+                batch(0)                                  # applied, its ROWS (epoch 0) sent
+                assert replies[-1].status is Status.GAP and len(replies) == 1
+                answer(st.rseq)
+                assert replies[-1].status is Status.OK and len(replies) == 2
+                everyone = {me: State.ALIVE, bk: State.ALIVE, c: State.ALIVE}
+                node.on_heartbeat(bk, _heartbeat(bk, 1, everyone, seq=2))
+                node.on_heartbeat(c, _heartbeat(c, 1, everyone, seq=2))
+                assert node.members.epoch == 1 and node.acting()
+                batch(1)                                  # resent: a duplicate
+                assert len(replies) == 2                  # held: no frame of epoch 1 taken
+                return [frames.decode(f) for f in await asyncio.wait_for(got, 10)]
+
+        sent = asyncio.run(asyncio.wait_for(main(), 30))
+        assert [(f.type, f.epoch, f.n) for f in sent] == [(FrameType.ROWS, 0, 8),
+                                                          (FrameType.ROWS, 1, 0)]
+        answer(st.rseq)                                   # bk took the empty ROWS
+        assert len(replies) == 3 and replies[-1].status is Status.OK
+
+
 def test_a_coming_answer_to_a_sync_extends_the_hand_over_wait(tmp_path):
     """A new owner asks the host it waits for (a previous owner, a tensor's origin) for
     its hand-over with SYNC every 0.5 s; that host answers BUSY ("coming") while the
@@ -1355,6 +1434,7 @@ def test_an_owner_waits_for_a_joiner_from_the_moment_its_copy_is_queued(tmp_path
         assert node._required(st) == [x, j]                    # queued: waited for
         released: list = []
         st.rows_rseq = st.rseq = snap + 1                      # a batch's ROWS after it
+        st.epoch_rows = (node.members.epoch, snap + 1)         # (the first of this epoch)
         node._wait_backups(key, st, lambda d: released.append(d), b"ack1")
         answer(x, snap + 1)
         assert released == []                                  # j's copy is not here yet
@@ -1390,14 +1470,17 @@ def test_a_joiner_copies_a_shard_again_when_its_owner_changes(tmp_path):
         assert st.snap_epoch_seen >= 0
 
 
-def _take_rows(node, owner: str, tid: int, seq: int, epoch: int | None = None) -> Status:
-    """``node`` takes a ROWS of shard 0 of tensor ``tid`` from ``owner`` (the whole (8, 4)
-    shard at ``seq``, stamped ``epoch``, by default the node's): the answer's status."""
+def _take_rows(node, owner: str, tid: int, seq: int, epoch: int | None = None,
+               nrows: int = 8) -> Status:
+    """``node`` takes a ROWS of shard 0 of tensor ``tid`` from ``owner`` (the first
+    ``nrows`` rows of the (8, 4) shard at ``seq``, by default all; 0: the empty ROWS an
+    owner sends to mark a new epoch), stamped ``epoch``, by default the node's: the
+    answer's status."""
     got: list = []
     node.on_rows(owner, frames.decode(frames.encode_rows(
         epoch=node.members.epoch if epoch is None else epoch,
         sender=members.member_id(owner), incarnation=7, tensor=tid, shard=0, seq=seq,
-        values=np.full((8, 4), seq, np.float32), start=0)),
+        values=np.full((nrows, 4), seq, np.float32), start=0)),
         lambda d: got.extend(frames.iter_frames(bytes(d))))
     return got[-1].status
 
@@ -1992,6 +2075,7 @@ def test_a_duplicate_batch_waits_for_the_last_rows_not_another_members_snapshot(
         st.dedup.advance((members.member_id(other), 7, info.tid, 0), 1)
         st.synced = {backup, other}
         st.rseq, st.rows_rseq = 5, 4
+        st.epoch_rows = (node.members.epoch, 4)                 # (sent at this epoch)
         st.acked = {backup: 4, other: 5}
         got: list = []
 

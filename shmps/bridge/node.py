@@ -191,6 +191,8 @@ class ShardState:
     # owner side
     rseq: int = 0                                        # ROWS/SNAPSHOT counter
     rows_rseq: int = 0                                   # rseq of the last ROWS (to all copies)
+    epoch_rows: tuple = (-1, 0)                          # (epoch, rseq) of the first ROWS sent
+                                                         # at that epoch (_release waits for it)
     acked: dict = field(default_factory=dict)            # member -> highest rseq acked
     synced: set = field(default_factory=set)             # members holding a full copy
     joiners_copied: set = field(default_factory=set)     # joining members sent one in this
@@ -605,7 +607,8 @@ class Bridge:
         #: batches by that ring, and counted this host's copy for their acknowledgement
         self._fed_on: dict[str, tuple[int, int]] = {}
         self._kept_ring_logged: tuple[int, int, int] | None = None
-        self._ring_since = float("-inf")   # when self.ring last changed (monotonic)
+        self._ring_since = float("-inf")   # when (epoch, ring) last changed (monotonic)
+        self._ring_key: tuple[int, int] = (-1, 0)    # that (epoch, ring digest)
                                                            # of its last heartbeat
         self._hb_epoch: tuple[int, int] = (-1, 0)   # (epoch, digest) last sent
         self._hb_wake: Optional[asyncio.Event] = None   # set: send a heartbeat now
@@ -973,7 +976,6 @@ class Bridge:
             old = self.ring
             self.prev_ring = old
             self.ring = old.with_members(live) if len(live) else Ring([])
-            self._ring_since = time.monotonic()
             self._owner_cache.clear()
             prev_owners = {}
             for key, st in self.shards.items():
@@ -1012,7 +1014,15 @@ class Bridge:
     def _heartbeat_if_new(self) -> None:
         """Wake the heartbeat loop if this host's (epoch, ring) is not the one its last
         heartbeat carried: peers take the view over, or agree with it, a round trip after
-        the change rather than an interval (acting waits for a majority's agreement)."""
+        the change rather than an interval (acting waits for a majority's agreement).
+        Also notes when that pair changed (_ring_since: E3c's hold counts from when this
+        host took its epoch, not from when the ring's members last changed: a joiner that
+        took a newer epoch of its ring followed another ring of that number 0.2 s later,
+        its hold long over; the flapping network test, trace E3-1)."""
+        now_key = (self.members.epoch, self.ring.digest)
+        if now_key != self._ring_key:
+            self._ring_key = now_key
+            self._ring_since = time.monotonic()
         if self._hb_wake is not None and self._hb_epoch != (self.members.epoch,
                                                             self.ring.digest):
             self._hb_wake.set()
@@ -2231,6 +2241,8 @@ class Bridge:
         """Send a ROWS frame (numbered ``st.rseq``) to every other host that keeps a copy
         of the shard."""
         st.rows_rseq = st.rseq
+        if st.epoch_rows[0] != self.members.epoch:   # (built at this epoch, just now)
+            st.epoch_rows = (self.members.epoch, st.rseq)
         for m in self._targets():
             if m not in st.synced and m not in st.snapshotting:
                 continue  # the snapshot it will get is taken later: it covers these rows
@@ -2303,13 +2315,36 @@ class Bridge:
             st.pending.clear()
             return
         req = self._required(st)
+        if req and st.epoch_rows[0] != self.members.epoch:
+            self._send_epoch_rows(key, st)
         while st.pending:
             p = st.pending[0]
-            if any(b not in st.synced or st.acked.get(b, 0) < p.rseq for b in req):
+            need = max(p.rseq, st.epoch_rows[1]) if req else p.rseq
+            if any(b not in st.synced or st.acked.get(b, 0) < need for b in req):
                 break
             st.pending.popleft()
             p.reply(p.ack)
             st.acked_as_owner = True
+
+    def _send_epoch_rows(self, key: tuple, st: ShardState) -> None:
+        """Send every copy of shard ``key`` a ROWS of no rows stamped with this host's
+        epoch: an owner acknowledges nothing at an epoch until every member it waits for
+        has taken a frame of the shard stamped with it (_release).  A ROWS taken at the
+        receiver's epoch from the owner by its ring also keeps a joining receiver on that
+        ring (E3c, _keeps_its_ring).  Without it, an owner whose tenure went on into a
+        new epoch acknowledged resent batches (duplicates) by its backups' answers to
+        ROWS of the epoch before, while the joiner that held them followed another ring
+        of the new number, whose owner copied its shard over them (the flapping network
+        test, trace E3-1)."""
+        tid, shard = key
+        info = self.tensors[tid]
+        where: dict[str, Any] = ({"keys": np.empty(0, np.uint64)} if info.kind == "table"
+                                 else {"start": info.shard_range(shard)[0]})
+        st.rseq += 1
+        self._send_to_copies(st, frames.encode_rows(
+            epoch=self.members.epoch, sender=self.mid, incarnation=self.incarnation,
+            tensor=tid, shard=shard, seq=ROWS_SEQ_BASE + st.rseq,
+            values=np.empty((0, info.cols), info.dtype), **where))
 
     # ------------------------------------------------------------ replica side
     def on_rows(self, peer: str, f: frames.Data, reply: Callable[[bytes], None]) -> None:
@@ -2362,11 +2397,13 @@ class Bridge:
             # its copy without them: the flapping network test, 2026-11-26, trace V33.)
             owners = self.owners(st.key)
             st.fed_epoch = f.epoch
+            if f.type == FrameType.ROWS and f.epoch == self.members.epoch:
+                # (_keeps_its_ring counts it while the owner's heartbeat holds this ring:
+                # the ROWS may come before that heartbeat, on the other connection)
+                fed_on = (self.members.epoch, self.ring.digest)
             if (f.epoch == self.members.epoch
                     and self._peer_view.get(peer) == (self.members.epoch, self.ring.digest)):
                 st.fed_owners = owners
-                if f.type == FrameType.ROWS:
-                    fed_on = (self.members.epoch, self.ring.digest)
             else:
                 st.fed_owners = [peer] + list(dict.fromkeys(
                     b for b in st.fed_owners[1:] + owners[1:] if b not in (peer, self.addr)))
