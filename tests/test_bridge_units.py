@@ -716,6 +716,25 @@ def test_a_joiners_ring_hold_counts_from_when_it_took_its_epoch(tmp_path):
     assert node.members.epoch == 2 and node.ring.digest == ring.Ring([b]).digest
 
 
+def test_a_newer_epoch_that_counts_this_host_out_holds_its_mints(tmp_path):
+    """Host C of {A, B, C} at epoch 0 hears A at epoch 3 (joining, so no quorum flag:
+    not taken over) with C dead in A's view: the cluster moved on without C, so C mints
+    nothing for dead_after, though B's death would give it an epoch on the ring {A, C}
+    (with a number the majority may have minted for its own ring: the flapping network
+    test's traces C2-9, E3-1 and E3-4).  A mint still due after that is made by a tick.
+    A newer heartbeat that counts C alive holds nothing."""
+    node, a, b, c = _host_c_of_three(tmp_path)
+    node.on_heartbeat(a, _heartbeat(a, 3, {a: State.JOINING, b: State.ALIVE, c: State.DEAD},
+                                    0, seq=2))
+    node._on_changes(node.members.mark_dead(b))
+    assert node.members.epoch == 0 and b not in node.members.live()
+    time.sleep(node.cfg.dead_after + 0.05)
+    node.on_heartbeat(a, _heartbeat(a, 3, {a: State.JOINING, b: State.DEAD, c: State.ALIVE},
+                                    0, seq=3))             # (C alive in it: no hold)
+    node._on_changes(node.members.tick())
+    assert node.members.epoch == 1 and node.ring.digest == ring.Ring([a, c]).digest
+
+
 def test_a_newer_epochs_joiner_moves_no_ring_here(tmp_path):
     """Host C of {A, B, C} at epoch 0 hears A at epoch 1, joining in A's view and ready,
     without the quorum flag (a joiner sends none): C is behind, and neither A's ready

@@ -461,6 +461,14 @@ class Membership:
                 self._set(changes, m, State.SUSPECT)
         return self._apply(changes)
 
+    def hold_mints(self, now: float | None = None) -> None:
+        """Mint no epoch for ``dead_after`` from ``now``: a peer's heartbeat of a newer
+        epoch counts this host dead or joining, so the cluster moved on without it, and
+        an epoch minted here would be on this host's stale view, with a number the
+        others may have minted for their own ring.  A mint still due after that is made
+        by a later call (tick). O(1)."""
+        self.mint_held_until = max(self.mint_held_until, self._time(now) + self.dead_after)
+
     def mark_dead(self, member: str) -> list[Change]:
         """``member`` is gone before ``dead_after`` (its connections were closed by its
         kernel: the process died): dead now, as :meth:`tick` would make it later. O(n)."""

@@ -1344,6 +1344,17 @@ class Bridge:
                      "does not by its own", peer, hb.epoch)
             self._on_changes(self.members.adopt(view, hb.epoch, same_epoch=True))
             adopted = True
+        if (not adopted and hb.epoch > self.members.epoch
+                and view.get(self.addr) in (State.DEAD, State.JOINING)):
+            # A newer epoch counts this host out (a joiner's heartbeat: no quorum flag, so
+            # not taken over), and this host is behind: it mints nothing for dead_after,
+            # meanwhile a majority member's heartbeat brings the newer view (E3).  (In
+            # the flapping network test's traces C2-9, E3-1 and E3-4 a host minted the
+            # epoch number another host had minted for its own ring, in C2-9 on such a
+            # heartbeat, in the two others most likely; each time its copy, which
+            # lacked batches the other ring's owner had acknowledged, replaced the
+            # copies that held them.)
+            self.members.hold_mints()
         self._on_changes(self.members.heartbeat(peer))
         if (self.members.epoch == 0 and not self._ever_acted and peer in self._initial
                 and self.members.state(peer) is State.JOINING):
