@@ -609,7 +609,6 @@ class Bridge:
         self._kept_ring_logged: tuple[int, int, int] | None = None
         self._ring_since = float("-inf")   # when (epoch, ring) last changed (monotonic)
         self._ring_key: tuple[int, int] = (-1, 0)    # that (epoch, ring digest)
-                                                           # of its last heartbeat
         self._hb_epoch: tuple[int, int] = (-1, 0)   # (epoch, digest) last sent
         self._hb_wake: Optional[asyncio.Event] = None   # set: send a heartbeat now
 
@@ -2419,7 +2418,7 @@ class Bridge:
                 st.fed_owners = [peer] + list(dict.fromkeys(
                     b for b in st.fed_owners[1:] + owners[1:] if b not in (peer, self.addr)))
             behind = (self._behind(st, f) if f.type == FrameType.SNAPSHOT and f.marks
-                      else None)
+                      and f.flags & frames.Flag.LAST else None)   # (its marks: the last chunk)
             if behind is not None:
                 # The owner's copy lacks a batch this one applied.  It replaces this copy
                 # as every owner's snapshot does: the batch may be one no owner
