@@ -2347,7 +2347,9 @@ class Bridge:
         of the new number, whose owner copied its shard over them (the flapping network
         test, trace E3-1)."""
         tid, shard = key
-        info = self.tensors[tid]
+        info = self.tensors.get(tid)
+        if info is None:
+            return   # (the tensor is gone: nothing to acknowledge for it)
         where: dict[str, Any] = ({"keys": np.empty(0, np.uint64)} if info.kind == "table"
                                  else {"start": info.shard_range(shard)[0]})
         st.rseq += 1
