@@ -563,11 +563,11 @@ def test_pushes_a_drain_recorded_lost_are_logged_and_counted(tmp_path, caplog):
     assert [r.args[:3] for r in caplog.records] == [("w", 0, 3), ("e", 2, 1)]
 
 
-def _host_c_of_three(tmp_path):
+def _host_c_of_three(tmp_path, **cfg):
     """A Bridge (not started) for host C of {A, B, C}, acting at epoch 0 on the ring of
-    the three (it heard A and B): (node, a, b, c)."""
+    the three (it heard A and B): (node, a, b, c).  ``cfg``: Config fields."""
     a, b, c = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
-    node = _bridge(tmp_path, [c, a, b])
+    node = _bridge(tmp_path, [c, a, b], **cfg)
     everyone = {a: State.ALIVE, b: State.ALIVE, c: State.ALIVE}
     for p in (a, b):
         node.on_heartbeat(p, _heartbeat(p, 0, everyone))
@@ -668,8 +668,8 @@ def test_a_joiner_keeps_the_ring_of_an_owner_whose_rows_it_took(tmp_path, nrows)
     (It was: in the flapping network test's trace B2-12 A's heartbeats saying it acted
     came late, behind the backlog it applied first; the joiner followed B's ring 0.4 s
     after it took A's, B copied its shard over the joiner's, and the batches A had
-    acknowledged were on no copy: flushes stuck on GAP.)  Once A's heartbeat holds
-    another ring, C follows B's.  An empty ROWS (``nrows`` 0: an owner's mark of a new epoch
+    acknowledged were on no copy: flushes stuck on GAP.)  Not for longer than dead_after
+    after that ROWS without a heartbeat of A's saying it acts: then C follows B's.  An empty ROWS (``nrows`` 0: an owner's mark of a new epoch
     of its tenure, _send_epoch_rows) counts the same."""
     store = f"fedring{os.getpid()}"
     c, a, b = "127.0.0.4:7001", "127.0.0.2:7001", "127.0.0.3:7001"
@@ -682,12 +682,14 @@ def test_a_joiner_keeps_the_ring_of_an_owner_whose_rows_it_took(tmp_path, nrows)
         assert node.members.epoch == 1 and node.members.state(c) is State.JOINING
         assert node.ring.digest == ring.Ring([a]).digest
         assert _take_rows(node, a, info.tid, 1, nrows=nrows) is Status.OK
-        assert node._fed_on[a] == (1, ring.Ring([a]).digest)
+        assert node._fed_on[a][0] == (1, ring.Ring([a]).digest)
         time.sleep(3 * node.cfg.heartbeat + 0.05)     # past E3c's hold after taking it
         node.on_heartbeat(b, _heartbeat(b, 1, ring_b, frames.HB_QUORUM, seq=2))
         assert node.members.epoch == 1 and node.ring.digest == ring.Ring([a]).digest
-        # A itself gave way to B's ring (E3b): C follows it too
-        node.on_heartbeat(a, _heartbeat(a, 1, ring_b, frames.HB_QUORUM, seq=3))
+        # that ROWS dead_after ago, and no heartbeat of A's saying it acts since (A cut
+        # off one way, say): it keeps C no longer, and C follows B's ring
+        view, _ = node._fed_on[a]
+        node._fed_on[a] = (view, time.monotonic() - node.cfg.dead_after - 0.01)
         node.on_heartbeat(b, _heartbeat(b, 1, ring_b, frames.HB_QUORUM, seq=3))
         assert node.members.epoch == 1 and node.ring.digest == ring.Ring([b]).digest
         assert node.members.state(c) is State.JOINING
@@ -698,8 +700,9 @@ def test_a_joiners_ring_hold_counts_from_when_it_took_its_epoch(tmp_path):
     from when the joiner took its (epoch, ring), not from when its ring's members last
     changed: a newer epoch of the same ring starts it again.  (Trace E3-1 of the flapping
     network test: a joiner took A's epoch 6 on the ring it had held since epoch 5, and
-    followed B's ring of number 6 0.2 s later, its hold already over.)"""
-    node, a, b, c = _host_c_of_three(tmp_path)
+    followed B's ring of number 6 0.2 s later, its hold already over.)  Heartbeats every
+    0.4 s here (a hold of 1.2 s), so that a stall of this process does not decide it."""
+    node, a, b, c = _host_c_of_three(tmp_path, heartbeat=0.4, dead_after=2.0)
     node.members.tick(now=time.monotonic() + 10 * node.cfg.dead_after)   # cut off
     ring_a = {a: State.ALIVE, b: State.DEAD, c: State.JOINING}
     ring_b = {a: State.DEAD, b: State.ALIVE, c: State.JOINING}
@@ -708,7 +711,7 @@ def test_a_joiners_ring_hold_counts_from_when_it_took_its_epoch(tmp_path):
     time.sleep(2 * node.cfg.heartbeat)
     node.on_heartbeat(a, _heartbeat(a, 2, ring_a, frames.HB_QUORUM, seq=3))
     assert node.members.epoch == 2 and node.ring.digest == ring.Ring([a]).digest
-    time.sleep(1.5 * node.cfg.heartbeat)     # 0.35 s since the ring, 0.15 s since epoch 2
+    time.sleep(1.5 * node.cfg.heartbeat)     # 3.5 intervals since the ring, 1.5 since epoch 2
     node.on_heartbeat(b, _heartbeat(b, 2, ring_b, frames.HB_QUORUM, seq=2))
     assert node.members.epoch == 2 and node.ring.digest == ring.Ring([a]).digest
     time.sleep(1.6 * node.cfg.heartbeat)     # the hold over, A not acting: B's is followed
@@ -721,16 +724,22 @@ def test_a_newer_epoch_that_counts_this_host_out_holds_its_mints(tmp_path):
     not taken over) with C dead in A's view: the cluster moved on without C, so C mints
     nothing for dead_after, though B's death would give it an epoch on the ring {A, C}
     (with a number the majority may have minted for its own ring: the flapping network
-    test's traces C2-9, E3-1 and E3-4).  A mint still due after that is made by a tick.
-    A newer heartbeat that counts C alive holds nothing."""
+    test's traces C2-9, E3-1 and E3-4).  Held once for that epoch number: A's next
+    heartbeats of it do not hold C's mints again (held by each, C never minted while A
+    kept sending, and with the owner of A's ring dead two live hosts never acted
+    again), so the mint still due is made once dead_after is over."""
     node, a, b, c = _host_c_of_three(tmp_path)
     node.on_heartbeat(a, _heartbeat(a, 3, {a: State.JOINING, b: State.ALIVE, c: State.DEAD},
                                     0, seq=2))
     node._on_changes(node.members.mark_dead(b))
     assert node.members.epoch == 0 and b not in node.members.live()
+    node.on_heartbeat(a, _heartbeat(a, 3, {a: State.JOINING, b: State.ALIVE, c: State.DEAD},
+                                    0, seq=3))
+    node._on_changes(node.members.tick())
+    assert node.members.epoch == 0
     time.sleep(node.cfg.dead_after + 0.05)
-    node.on_heartbeat(a, _heartbeat(a, 3, {a: State.JOINING, b: State.DEAD, c: State.ALIVE},
-                                    0, seq=3))             # (C alive in it: no hold)
+    node.on_heartbeat(a, _heartbeat(a, 3, {a: State.JOINING, b: State.ALIVE, c: State.DEAD},
+                                    0, seq=4))             # (the same epoch: no new hold)
     node._on_changes(node.members.tick())
     assert node.members.epoch == 1 and node.ring.digest == ring.Ring([a, c]).digest
 
@@ -1119,7 +1128,7 @@ def test_an_owner_acknowledges_at_an_epoch_once_its_backups_took_a_frame_of_it(t
 
         async def main() -> list:
             async with _data_connection(node, bk) as client:
-                got = asyncio.ensure_future(collect(client, 2))
+                got = asyncio.ensure_future(collect(client, 3))
                 batch(0)                                  # GAP: a stream unknown here
                 batch(0)                                  # applied, its ROWS (epoch 0) sent
                 assert replies[-1].status is Status.GAP and len(replies) == 1
@@ -1131,13 +1140,27 @@ def test_an_owner_acknowledges_at_an_epoch_once_its_backups_took_a_frame_of_it(t
                 assert node.members.epoch == 1 and node.acting()
                 batch(1)                                  # resent: a duplicate
                 assert len(replies) == 2                  # held: no frame of epoch 1 taken
+                await asyncio.sleep(0.05)
+                answer(st.rseq)                           # bk took the empty ROWS
+                assert len(replies) == 3 and replies[-1].status is Status.OK
+                # epoch 2 while a snapshot of the shard is read: no mark until it is over
+                node.on_heartbeat(bk, _heartbeat(bk, 2, everyone, seq=3))
+                node.on_heartbeat(c, _heartbeat(c, 2, everyone, seq=3))
+                assert node.members.epoch == 2 and node.acting()
+                st.reading = c
+                node._wait_backups(key, st, lambda d: replies.append("held"), b"")
+                assert st.epoch_rows[0][0] == 1 and replies[-1] != "held"
+                st.reading = None
+                node._release(key)                        # the next pass sends it
+                assert st.epoch_rows[0][0] == 2 and replies[-1] != "held"
                 return [frames.decode(f) for f in await asyncio.wait_for(got, 10)]
 
         sent = asyncio.run(asyncio.wait_for(main(), 30))
         assert [(f.type, f.epoch, f.n) for f in sent] == [(FrameType.ROWS, 0, 8),
-                                                          (FrameType.ROWS, 1, 0)]
-        answer(st.rseq)                                   # bk took the empty ROWS
-        assert len(replies) == 3 and replies[-1].status is Status.OK
+                                                          (FrameType.ROWS, 1, 0),
+                                                          (FrameType.ROWS, 2, 0)]
+        answer(st.rseq)
+        assert replies[-1] == "held"
 
 
 def test_a_coming_answer_to_a_sync_extends_the_hand_over_wait(tmp_path):
@@ -1453,7 +1476,8 @@ def test_an_owner_waits_for_a_joiner_from_the_moment_its_copy_is_queued(tmp_path
         assert node._required(st) == [x, j]                    # queued: waited for
         released: list = []
         st.rows_rseq = st.rseq = snap + 1                      # a batch's ROWS after it
-        st.epoch_rows = (node.members.epoch, snap + 1)         # (the first of this epoch)
+        st.epoch_rows = ((node.members.epoch, node.ring.digest), snap + 1)   # (the first
+                                                       # of this view)
         node._wait_backups(key, st, lambda d: released.append(d), b"ack1")
         answer(x, snap + 1)
         assert released == []                                  # j's copy is not here yet
@@ -2094,7 +2118,7 @@ def test_a_duplicate_batch_waits_for_the_last_rows_not_another_members_snapshot(
         st.dedup.advance((members.member_id(other), 7, info.tid, 0), 1)
         st.synced = {backup, other}
         st.rseq, st.rows_rseq = 5, 4
-        st.epoch_rows = (node.members.epoch, 4)                 # (sent at this epoch)
+        st.epoch_rows = ((node.members.epoch, node.ring.digest), 4)   # (of this view)
         st.acked = {backup: 4, other: 5}
         got: list = []
 

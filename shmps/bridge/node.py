@@ -191,8 +191,9 @@ class ShardState:
     # owner side
     rseq: int = 0                                        # ROWS/SNAPSHOT counter
     rows_rseq: int = 0                                   # rseq of the last ROWS (to all copies)
-    epoch_rows: tuple = (-1, 0)                          # (epoch, rseq) of the first ROWS sent
-                                                         # at that epoch (_release waits for it)
+    epoch_rows: tuple = ((-1, 0), 0)                     # ((epoch, ring digest), rseq) of the
+                                                         # first ROWS sent by that view (_release
+                                                         # waits for it)
     acked: dict = field(default_factory=dict)            # member -> highest rseq acked
     synced: set = field(default_factory=set)             # members holding a full copy
     joiners_copied: set = field(default_factory=set)     # joining members sent one in this
@@ -602,11 +603,12 @@ class Bridge:
         self._peer_view: dict[str, tuple[int, int]] = {}   # peer -> (epoch, ring digest)
         #: peers whose last heartbeat said they act (HB_ACTING) by its (epoch, ring)
         self._peer_acting: set[str] = set()
-        #: peer -> the (epoch, ring digest) of this host's ring when it last took that
+        #: peer -> ((epoch, ring digest) of this host's ring, when) it last took that
         #: peer's ROWS as the shard's owner, stamped with that epoch: the owner applied
         #: batches by that ring, and counted this host's copy for their acknowledgement
-        self._fed_on: dict[str, tuple[int, int]] = {}
+        self._fed_on: dict[str, tuple[tuple[int, int], float]] = {}
         self._kept_ring_logged: tuple[int, int, int] | None = None
+        self._mints_held_for = -1   # the newest epoch whose heartbeat held this host's mints
         self._ring_since = float("-inf")   # when (epoch, ring) last changed (monotonic)
         self._ring_key: tuple[int, int] = (-1, 0)    # that (epoch, ring digest)
         self._hb_epoch: tuple[int, int] = (-1, 0)   # (epoch, digest) last sent
@@ -913,7 +915,16 @@ class Bridge:
         mine = (self.members.epoch, self.ring.digest)
         return sum(1 for p in self.members.reachable()
                    if p != self.addr and self._peer_view.get(p) == mine
-                   and (not acting or p in self._peer_acting or self._fed_on.get(p) == mine))
+                   and (not acting or p in self._peer_acting or self._fed_by_on(p, mine)))
+
+    def _fed_by_on(self, peer: str, view: tuple[int, int]) -> bool:
+        """This host took ``peer``'s ROWS as the owner, stamped with this host's epoch,
+        by ``view`` (epoch, ring digest), within dead_after: the owner acts by it (its
+        heartbeat saying so may come later).  Not for longer: an owner that stopped acting
+        on the same view (cut off one way, say) would keep a joiner on it for good."""
+        fed = self._fed_on.get(peer)
+        return (fed is not None and fed[0] == view
+                and time.monotonic() - fed[1] < self.cfg.dead_after)
 
     def _keeps_its_ring(self) -> bool:
         """Joining, this host does not follow another ring of its epoch number (E3c): a peer
@@ -1343,7 +1354,7 @@ class Bridge:
                      "does not by its own", peer, hb.epoch)
             self._on_changes(self.members.adopt(view, hb.epoch, same_epoch=True))
             adopted = True
-        if (not adopted and hb.epoch > self.members.epoch
+        if (not adopted and hb.epoch > max(self.members.epoch, self._mints_held_for)
                 and view.get(self.addr) in (State.DEAD, State.JOINING)):
             # A newer epoch counts this host out (a joiner's heartbeat: no quorum flag, so
             # not taken over), and this host is behind: it mints nothing for dead_after,
@@ -1352,7 +1363,10 @@ class Bridge:
             # epoch number another host had minted for its own ring, in C2-9 on such a
             # heartbeat, in the two others most likely; each time its copy, which
             # lacked batches the other ring's owner had acknowledged, replaced the
-            # copies that held them.)
+            # copies that held them.)  Once for each newer epoch number: held again by
+            # every such heartbeat, a host behind a joiner whose ring's owner then died
+            # never minted, and two live hosts of three never acted again.
+            self._mints_held_for = hb.epoch
             self.members.hold_mints()
         self._on_changes(self.members.heartbeat(peer))
         if (self.members.epoch == 0 and not self._ever_acted and peer in self._initial
@@ -1402,11 +1416,14 @@ class Bridge:
               and hb.epoch == self.members.epoch):
             # it says it must copy its shards again (it restarted or was cut off).  Only
             # at this host's epoch: one of a newer epoch says this host is behind, and
-            # counted here it moved this host's ring at its old epoch, so it minted the
-            # next number, which the cluster had already minted for another ring (the
-            # flapping network test, trace C2-9: epoch 5 on a ring of its own, after a
-            # ready flag of epoch 4 had minted 4 the same way).  This host takes the
-            # newer view from a majority member (E3), in which the peer is joining.
+            # counted here it would move this host's ring at its old epoch, so that it
+            # minted the next number, which the cluster may have minted for another
+            # ring; this host takes the newer view from a majority member (E3), in which
+            # the peer is joining.  (In trace C2-9 of the flapping network test a host
+            # minted 5 by this clause at its own epoch 4, a number it had minted from a
+            # joiner's ready flag of a newer epoch, which no longer counts.  Its ring then
+            # differs from the joiner's, as it always does here: the joiner's ring leaves
+            # it out.)
             for st in self.shards.values():
                 st.synced.discard(peer)
                 st.snapshotting.pop(peer, None)
@@ -2251,8 +2268,9 @@ class Bridge:
         """Send a ROWS frame (numbered ``st.rseq``) to every other host that keeps a copy
         of the shard."""
         st.rows_rseq = st.rseq
-        if st.epoch_rows[0] != self.members.epoch:   # (built at this epoch, just now)
-            st.epoch_rows = (self.members.epoch, st.rseq)
+        view = (self.members.epoch, self.ring.digest)   # (the frame was built just now)
+        if st.epoch_rows[0] != view:
+            st.epoch_rows = (view, st.rseq)
         for m in self._targets():
             if m not in st.synced and m not in st.snapshotting:
                 continue  # the snapshot it will get is taken later: it covers these rows
@@ -2325,10 +2343,15 @@ class Bridge:
             st.pending.clear()
             return
         req = self._required(st)
-        if req and st.epoch_rows[0] != self.members.epoch:
+        view = (self.members.epoch, self.ring.digest)
+        if req and st.epoch_rows[0] != view and st.reading is None:
+            # (not while a snapshot of the shard is read: its chunks are numbered from
+            # the ROW seq it had then; the next pass sends the mark)
             self._send_epoch_rows(key, st)
         while st.pending:
             p = st.pending[0]
+            if req and st.epoch_rows[0] != view:
+                break
             need = max(p.rseq, st.epoch_rows[1]) if req else p.rseq
             if any(b not in st.synced or st.acked.get(b, 0) < need for b in req):
                 break
@@ -2338,8 +2361,9 @@ class Bridge:
 
     def _send_epoch_rows(self, key: tuple, st: ShardState) -> None:
         """Send every copy of shard ``key`` a ROWS of no rows stamped with this host's
-        epoch: an owner acknowledges nothing at an epoch until every member it waits for
-        has taken a frame of the shard stamped with it (_release).  A ROWS taken at the
+        epoch: an owner acknowledges nothing at an epoch (and ring: one can change at the
+        same number) until every member it waits for has taken a frame of the shard sent
+        by it (_release).  A ROWS taken at the
         receiver's epoch from the owner by its ring also keeps a joining receiver on that
         ring (E3c, _keeps_its_ring).  Without it, an owner whose tenure went on into a
         new epoch acknowledged resent batches (duplicates) by its backups' answers to
@@ -2511,7 +2535,7 @@ class Bridge:
                 else:   # it came before this host saw the new ring
                     st.handover_done = (peer, time.monotonic(), f.epoch)
         if fed_on is not None:
-            self._fed_on[peer] = fed_on
+            self._fed_on[peer] = (fed_on, time.monotonic())
         self.metrics.received(f.type.name.lower())
         reply(self._ack(f, Status.OK))
 
