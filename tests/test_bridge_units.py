@@ -1100,7 +1100,8 @@ def test_an_owner_acknowledges_at_an_epoch_once_its_backups_took_a_frame_of_it(t
     """An owner whose tenure goes on into a new epoch acknowledges nothing at it, a
     resent batch (a duplicate) included, until every member it waits for has taken a
     ROWS of the shard stamped with that epoch: with no batch to apply, it sends an empty
-    one.  (It acknowledged duplicates by its backup's answers to ROWS of the epoch
+    one, and an answer from a member still at an older epoch does not count for it (the
+    mark goes again).  (It acknowledged duplicates by its backup's answers to ROWS of the epoch
     before, while that backup, joining, followed another ring of the new number whose
     owner then copied its shard over the batches: the flapping network test, trace
     E3-1.)  Drives a Bridge, not started, on a real store, with a real websocket
@@ -1120,15 +1121,15 @@ def test_an_owner_acknowledges_at_an_epoch_once_its_backups_took_a_frame_of_it(t
                 shard=0, seq=1, values=np.ones((8, 4), np.float32), start=0)),
                 lambda d: replies.extend(frames.iter_frames(bytes(d))))
 
-        def answer(rseq: int) -> None:
+        def answer(rseq: int, epoch: int | None = None) -> None:
             node.on_ack(bk, frames.decode(frames.encode_ack(
-                epoch=node.members.epoch, sender=members.member_id(bk), incarnation=7,
-                tensor=info.tid, shard=0, seq=bridge_node.ROWS_SEQ_BASE + rseq,
-                status=Status.OK)))
+                epoch=node.members.epoch if epoch is None else epoch,
+                sender=members.member_id(bk), incarnation=7, tensor=info.tid, shard=0,
+                seq=bridge_node.ROWS_SEQ_BASE + rseq, status=Status.OK)))
 
         async def main() -> list:
             async with _data_connection(node, bk) as client:
-                got = asyncio.ensure_future(collect(client, 3))
+                got = asyncio.ensure_future(collect(client, 4))
                 batch(0)                                  # GAP: a stream unknown here
                 batch(0)                                  # applied, its ROWS (epoch 0) sent
                 assert replies[-1].status is Status.GAP and len(replies) == 1
@@ -1140,8 +1141,11 @@ def test_an_owner_acknowledges_at_an_epoch_once_its_backups_took_a_frame_of_it(t
                 assert node.members.epoch == 1 and node.acting()
                 batch(1)                                  # resent: a duplicate
                 assert len(replies) == 2                  # held: no frame of epoch 1 taken
-                await asyncio.sleep(0.05)
-                answer(st.rseq)                           # bk took the empty ROWS
+                answer(st.rseq, epoch=0)                  # taken by bk still at epoch 0
+                assert len(replies) == 2                  # no member of epoch 1's ring yet
+                await asyncio.sleep(bridge_node.RETRY + 0.01)
+                node._release(key)                        # the mark again
+                answer(st.rseq)                           # bk took it at epoch 1
                 assert len(replies) == 3 and replies[-1].status is Status.OK
                 # epoch 2 while a snapshot of the shard is read: no mark until it is over
                 node.on_heartbeat(bk, _heartbeat(bk, 2, everyone, seq=3))
@@ -1151,12 +1155,14 @@ def test_an_owner_acknowledges_at_an_epoch_once_its_backups_took_a_frame_of_it(t
                 node._wait_backups(key, st, lambda d: replies.append("held"), b"")
                 assert st.epoch_rows[0][0] == 1 and replies[-1] != "held"
                 st.reading = None
-                node._release(key)                        # the next pass sends it
+                await asyncio.sleep(bridge_node.RETRY + 0.01)
+                node._release(key)                        # a later pass sends it
                 assert st.epoch_rows[0][0] == 2 and replies[-1] != "held"
                 return [frames.decode(f) for f in await asyncio.wait_for(got, 10)]
 
         sent = asyncio.run(asyncio.wait_for(main(), 30))
         assert [(f.type, f.epoch, f.n) for f in sent] == [(FrameType.ROWS, 0, 8),
+                                                          (FrameType.ROWS, 1, 0),
                                                           (FrameType.ROWS, 1, 0),
                                                           (FrameType.ROWS, 2, 0)]
         answer(st.rseq)
@@ -1458,10 +1464,11 @@ def test_an_owner_waits_for_a_joiner_from_the_moment_its_copy_is_queued(tmp_path
         assert node.acting() and node._required(st) == [x]    # nothing sent to j yet
         st.synced.add(x)                                       # x holds a copy
 
-        def answer(peer: str, rseq: int) -> None:
+        def answer(peer: str, rseq: int) -> None:   # (a member at this host's epoch)
             node.on_ack(peer, frames.decode(frames.encode_ack(
-                epoch=0, sender=members.member_id(peer), incarnation=7, tensor=info.tid,
-                shard=0, seq=bridge_node.ROWS_SEQ_BASE + rseq, status=Status.OK)))
+                epoch=node.members.epoch, sender=members.member_id(peer), incarnation=7,
+                tensor=info.tid, shard=0, seq=bridge_node.ROWS_SEQ_BASE + rseq,
+                status=Status.OK)))
 
         async def main() -> list:
             async with _data_connection(node, j) as client:

@@ -194,6 +194,7 @@ class ShardState:
     epoch_rows: tuple = ((-1, 0), 0)                     # ((epoch, ring digest), rseq) of the
                                                          # first ROWS sent by that view (_release
                                                          # waits for it)
+    epoch_mark_at: float = float("-inf")                 # when _send_epoch_rows last sent one
     acked: dict = field(default_factory=dict)            # member -> highest rseq acked
     synced: set = field(default_factory=set)             # members holding a full copy
     joiners_copied: set = field(default_factory=set)     # joining members sent one in this
@@ -1542,6 +1543,14 @@ class Bridge:
             if ack.status == Status.OK:
                 if r > st.acked.get(peer, 0):
                     st.acked[peer] = r
+                if (ack.epoch < self.members.epoch and r >= st.epoch_rows[1]
+                        and st.epoch_rows[0][0] == self.members.epoch):
+                    # taken by a member still at an older epoch: it holds the rows, but
+                    # it has not taken this epoch's view, so it is no member of this
+                    # owner's ring at it yet (it may take another ring of the number).
+                    # The epoch's mark goes again (at most every RETRY) until one is
+                    # answered at this epoch (_release)
+                    st.epoch_rows = ((-1, 0), 0)
                 snap = st.snapshotting.get(peer)
                 if snap is not None and r >= snap:
                     del st.snapshotting[peer]
@@ -2344,7 +2353,8 @@ class Bridge:
             return
         req = self._required(st)
         view = (self.members.epoch, self.ring.digest)
-        if req and st.epoch_rows[0] != view and st.reading is None:
+        if (req and st.epoch_rows[0] != view and st.reading is None
+                and time.monotonic() - st.epoch_mark_at >= RETRY):
             # (not while a snapshot of the shard is read: its chunks are numbered from
             # the ROW seq it had then; the next pass sends the mark)
             self._send_epoch_rows(key, st)
@@ -2377,6 +2387,7 @@ class Bridge:
         where: dict[str, Any] = ({"keys": np.empty(0, np.uint64)} if info.kind == "table"
                                  else {"start": info.shard_range(shard)[0]})
         st.rseq += 1
+        st.epoch_mark_at = time.monotonic()
         self._send_to_copies(st, frames.encode_rows(
             epoch=self.members.epoch, sender=self.mid, incarnation=self.incarnation,
             tensor=tid, shard=shard, seq=ROWS_SEQ_BASE + st.rseq,
