@@ -610,8 +610,8 @@ class Bridge:
         self._fed_on: dict[str, tuple[tuple[int, int], float]] = {}
         self._kept_ring_logged: tuple[int, int, int] | None = None
         self._mints_held_for = -1   # the newest epoch whose heartbeat held this host's mints
-        self._ring_since = float("-inf")   # when (epoch, ring) last changed (monotonic)
-        self._ring_key: tuple[int, int] = (-1, 0)    # that (epoch, ring digest)
+        #: this host's (epoch, ring digest), and when it took it (monotonic): E3c's hold
+        self._epoch_ring_since: tuple[tuple[int, int], float] = ((-1, 0), float("-inf"))
         self._hb_epoch: tuple[int, int] = (-1, 0)   # (epoch, digest) last sent
         self._hb_wake: Optional[asyncio.Event] = None   # set: send a heartbeat now
 
@@ -904,6 +904,11 @@ class Bridge:
         self._ever_acted = self._ever_acted or ok
         return ok
 
+    @property
+    def _epoch_ring(self) -> tuple[int, int]:
+        """This host's (epoch, ring digest): what heartbeats carry and peers agree to."""
+        return (self.members.epoch, self.ring.digest)
+
     def _ring_agreed(self) -> bool:
         if self.members.allow_minority:
             return True   # a lone host may act by its own ring (DESIGN: two-host trade-off)
@@ -913,7 +918,7 @@ class Bridge:
         """How many reachable peers last said (heartbeat) that they are at this host's
         epoch and ring; with ``acting``, and that they act (own shards) by it, which a
         majority agreed to."""
-        mine = (self.members.epoch, self.ring.digest)
+        mine = self._epoch_ring
         return sum(1 for p in self.members.reachable()
                    if p != self.addr and self._peer_view.get(p) == mine
                    and (not acting or p in self._peer_acting or self._fed_by_on(p, mine)))
@@ -942,8 +947,9 @@ class Bridge:
         and Y2: two hosts had each minted one number on a ring of itself; the joiner
         followed one, then the other, five times in 0.7 s). The other ring's owner takes
         this ring over (E3b) once it hears that a peer acts by it."""
+        taken_at = self._epoch_ring_since[1]
         return bool(self._peers_on_this_ring(acting=True)
-                    or (time.monotonic() - self._ring_since < 3 * self.cfg.heartbeat
+                    or (time.monotonic() - taken_at < 3 * self.cfg.heartbeat
                         and self._peers_on_this_ring()))
 
     def _copy_to_give(self, key: tuple) -> bool:
@@ -1026,16 +1032,14 @@ class Bridge:
         """Wake the heartbeat loop if this host's (epoch, ring) is not the one its last
         heartbeat carried: peers take the view over, or agree with it, a round trip after
         the change rather than an interval (acting waits for a majority's agreement).
-        Also notes when that pair changed (_ring_since: E3c's hold counts from when this
-        host took its epoch, not from when the ring's members last changed: a joiner that
-        took a newer epoch of its ring followed another ring of that number 0.2 s later,
-        its hold long over; the flapping network test, trace E3-1)."""
-        now_key = (self.members.epoch, self.ring.digest)
-        if now_key != self._ring_key:
-            self._ring_key = now_key
-            self._ring_since = time.monotonic()
-        if self._hb_wake is not None and self._hb_epoch != (self.members.epoch,
-                                                            self.ring.digest):
+        Also notes when that pair changed (_epoch_ring_since: E3c's hold counts from when
+        this host took its epoch, not from when the ring's members last changed: a joiner
+        that took a newer epoch of its ring followed another ring of that number 0.2 s
+        later, its hold long over; the flapping network test, trace E3-1)."""
+        now = self._epoch_ring
+        if now != self._epoch_ring_since[0]:
+            self._epoch_ring_since = (now, time.monotonic())
+        if self._hb_wake is not None and self._hb_epoch != now:
             self._hb_wake.set()
 
     def _role_change(self, key: tuple, old: Optional[list], new: list) -> None:
@@ -1239,7 +1243,7 @@ class Bridge:
             for link in self.links.values():
                 if link.send(hb):
                     self.metrics.sent("heartbeat", len(hb))
-            self._hb_epoch = (self.members.epoch, self.ring.digest)
+            self._hb_epoch = self._epoch_ring
             # the next one after the interval, or at once when the epoch or ring changes
             # (_on_changes): peers adopt or agree, and so this host acts, a round trip
             # after the change rather than a heartbeat interval
@@ -2277,7 +2281,7 @@ class Bridge:
         """Send a ROWS frame (numbered ``st.rseq``) to every other host that keeps a copy
         of the shard."""
         st.rows_rseq = st.rseq
-        view = (self.members.epoch, self.ring.digest)   # (the frame was built just now)
+        view = self._epoch_ring   # (the frame was built just now)
         if st.epoch_rows[0] != view:
             st.epoch_rows = (view, st.rseq)
         for m in self._targets():
@@ -2352,7 +2356,7 @@ class Bridge:
             st.pending.clear()
             return
         req = self._required(st)
-        view = (self.members.epoch, self.ring.digest)
+        view = self._epoch_ring
         if (req and st.epoch_rows[0] != view and st.reading is None
                 and time.monotonic() - st.epoch_mark_at >= RETRY):
             # (not while a snapshot of the shard is read: its chunks are numbered from
@@ -2444,12 +2448,12 @@ class Bridge:
             # its copy without them: the flapping network test, 2026-11-26, trace V33.)
             owners = self.owners(st.key)
             st.fed_epoch = f.epoch
-            if f.type == FrameType.ROWS and f.epoch == self.members.epoch:
+            at_epoch = f.epoch == self.members.epoch
+            if at_epoch and f.type == FrameType.ROWS:
                 # (_keeps_its_ring counts it while the owner's heartbeat holds this ring:
                 # the ROWS may come before that heartbeat, on the other connection)
-                fed_on = (self.members.epoch, self.ring.digest)
-            if (f.epoch == self.members.epoch
-                    and self._peer_view.get(peer) == (self.members.epoch, self.ring.digest)):
+                fed_on = self._epoch_ring
+            if at_epoch and self._peer_view.get(peer) == self._epoch_ring:
                 st.fed_owners = owners
             else:
                 st.fed_owners = [peer] + list(dict.fromkeys(
