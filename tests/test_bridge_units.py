@@ -421,6 +421,27 @@ def test_a_host_back_in_a_majority_mints_no_epoch_for_dead_after():
     assert m.epoch == 2 and m.live() == ("c:3",)
 
 
+def test_a_newer_epoch_holds_mints_once_per_number():
+    """hold_mints(epoch): a heartbeat of a newer epoch that counts this host out holds
+    its mints for dead_after, once for that epoch number (more heartbeats of it do not
+    extend the hold: held by each, the host never minted), again for a newer number,
+    and not at all for this host's own epoch or an older one."""
+    m = Membership(THREE, "c:3", now=0.0)             # dead_after 0.5
+    m.hold_mints(0, 0.0)                              # its own epoch: nothing
+    assert m.mint_held_until == float("-inf")
+    m.hold_mints(3, 0.1)
+    m.heartbeat("b:2", 0.4)
+    m.hold_mints(3, 0.4)                              # the same number: not extended
+    assert m.mint_held_until == 0.6
+    m.tick(0.5)                                       # a dead, the mint held
+    assert m.epoch == 0 and m.live() == ("b:2", "c:3")
+    m.heartbeat("b:2", 0.6)
+    m.tick(0.65)                                      # the hold over: minted
+    assert m.epoch == 1
+    m.hold_mints(4, 0.7)                              # a newer number holds again
+    assert m.mint_held_until == 1.2
+
+
 def test_a_joining_host_that_counts_a_peer_dead_mints_no_epoch():
     """A joining host (copying its shards, on no ring) that counts a slow peer dead
     changes its view but mints no epoch, and the peer heard again is alive, on the ring

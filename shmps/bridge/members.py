@@ -40,7 +40,9 @@ by one whenever the live set differs from the one the current epoch stands for
 on the ring itself (a host cut off from the majority, or a joining one, changes its view
 but mints no epoch, so it cannot come back with an epoch that overrides the majority's;
 nor does one for ``dead_after`` after it got a majority back, while the heartbeats TCP
-delivers first may be stale: :attr:`Membership.mint_held_until`), and never goes down.
+delivers first may be stale: :attr:`Membership.mint_held_until`; nor for ``dead_after``
+after a heartbeat of a newer epoch that counts it out: :meth:`Membership.hold_mints`), and
+never goes down.
 A host that hears a majority member with a higher epoch takes over that member's view
 with :meth:`Membership.adopt`.
 """
@@ -279,6 +281,8 @@ class Membership:
         #: no epoch is minted before this time (clock units): this host got its majority
         #: back then, and the first heartbeats heard may be stale (_apply)
         self.mint_held_until = float("-inf")
+        #: the newest epoch whose heartbeat held this host's mints (hold_mints)
+        self._mints_held_for = -1
         #: the live set the current epoch stands for: the ring a majority agreed on, as
         #: this host knows it.  A member counted dead without a majority is still in it.
         self.epoch_live: frozenset[str] = frozenset(self.live())
@@ -461,12 +465,17 @@ class Membership:
                 self._set(changes, m, State.SUSPECT)
         return self._apply(changes)
 
-    def hold_mints(self, now: float | None = None) -> None:
-        """Mint no epoch for ``dead_after`` from ``now``: a peer's heartbeat of a newer
-        epoch counts this host dead or joining, so the cluster moved on without it, and
-        an epoch minted here would be on this host's stale view, with a number the
-        others may have minted for their own ring.  A mint still due after that is made
-        by a later call (tick). O(1)."""
+    def hold_mints(self, epoch: int, now: float | None = None) -> None:
+        """Mint no epoch for ``dead_after`` from ``now``: a peer's heartbeat of the newer
+        ``epoch`` counts this host dead or joining, so the cluster moved on without it,
+        and an epoch minted here would be on this host's stale view, with a number the
+        others may have minted for their own ring.  Once for each such epoch number: held
+        again by every heartbeat, a host behind a joiner whose ring's owner then died
+        never minted, and two live hosts of three never acted again.  A mint still due
+        after that is made by a later call (tick). O(1)."""
+        if epoch <= max(self.epoch, self._mints_held_for):
+            return
+        self._mints_held_for = epoch
         self.mint_held_until = max(self.mint_held_until, self._time(now) + self.dead_after)
 
     def mark_dead(self, member: str) -> list[Change]:

@@ -609,7 +609,6 @@ class Bridge:
         #: batches by that ring, and counted this host's copy for their acknowledgement
         self._fed_on: dict[str, tuple[tuple[int, int], float]] = {}
         self._kept_ring_logged: tuple[int, int, int] | None = None
-        self._mints_held_for = -1   # the newest epoch whose heartbeat held this host's mints
         #: this host's (epoch, ring digest), and when it took it (monotonic): E3c's hold
         self._epoch_ring_since: tuple[tuple[int, int], float] = ((-1, 0), float("-inf"))
         self._hb_epoch: tuple[int, int] = (-1, 0)   # (epoch, digest) last sent
@@ -1359,20 +1358,16 @@ class Bridge:
                      "does not by its own", peer, hb.epoch)
             self._on_changes(self.members.adopt(view, hb.epoch, same_epoch=True))
             adopted = True
-        if (not adopted and hb.epoch > max(self.members.epoch, self._mints_held_for)
-                and view.get(self.addr) in (State.DEAD, State.JOINING)):
-            # A newer epoch counts this host out (a joiner's heartbeat: no quorum flag, so
-            # not taken over), and this host is behind: it mints nothing for dead_after,
+        if not adopted and view.get(self.addr) in (State.DEAD, State.JOINING):
+            # A heartbeat counts this host out (a joiner's: no quorum flag, so not taken
+            # over); of a newer epoch, this host is behind: it mints nothing for dead_after,
             # meanwhile a majority member's heartbeat brings the newer view (E3).  (In
             # the flapping network test's traces C2-9, E3-1 and E3-4 a host minted the
             # epoch number another host had minted for its own ring, in C2-9 on such a
             # heartbeat, in the two others most likely; each time its copy, which
             # lacked batches the other ring's owner had acknowledged, replaced the
-            # copies that held them.)  Once for each newer epoch number: held again by
-            # every such heartbeat, a host behind a joiner whose ring's owner then died
-            # never minted, and two live hosts of three never acted again.
-            self._mints_held_for = hb.epoch
-            self.members.hold_mints()
+            # copies that held them.)  Once for each newer epoch number (hold_mints).
+            self.members.hold_mints(hb.epoch)
         self._on_changes(self.members.heartbeat(peer))
         if (self.members.epoch == 0 and not self._ever_acted and peer in self._initial
                 and self.members.state(peer) is State.JOINING):
