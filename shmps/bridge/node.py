@@ -2351,17 +2351,19 @@ class Bridge:
             st.pending.clear()
             return
         req = self._required(st)
-        view = self._epoch_ring
-        if (req and st.epoch_rows[0] != view and st.reading is None
-                and time.monotonic() - st.epoch_mark_at >= RETRY):
-            # (not while a snapshot of the shard is read: its chunks are numbered from
-            # the ROW seq it had then; the next pass sends the mark)
-            self._send_epoch_rows(key, st)
+        floor = 0   # (the ROW seq every member waited for must have answered: the mark)
+        if req:
+            if (st.epoch_rows[0] != self._epoch_ring and st.reading is None
+                    and time.monotonic() - st.epoch_mark_at >= RETRY):
+                # (not while a snapshot of the shard is read: its chunks are numbered
+                # from the ROW seq it had then; a later pass sends the mark)
+                self._send_epoch_rows(key, st)
+            if st.epoch_rows[0] != self._epoch_ring:
+                return
+            floor = st.epoch_rows[1]
         while st.pending:
             p = st.pending[0]
-            if req and st.epoch_rows[0] != view:
-                break
-            need = max(p.rseq, st.epoch_rows[1]) if req else p.rseq
+            need = max(p.rseq, floor)
             if any(b not in st.synced or st.acked.get(b, 0) < need for b in req):
                 break
             st.pending.popleft()
