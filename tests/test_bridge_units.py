@@ -1122,7 +1122,7 @@ def test_an_owner_acknowledges_at_an_epoch_once_its_backups_took_a_frame_of_it(t
     resent batch (a duplicate) included, until every member it waits for has taken a
     ROWS of the shard stamped with that epoch: with no batch to apply, it sends an empty
     one, and an answer from a member still at an older epoch does not count for it (the
-    mark goes again).  (It acknowledged duplicates by its backup's answers to ROWS of the epoch
+    mark goes again).  A new ring at the same epoch number takes a new mark.  (It acknowledged duplicates by its backup's answers to ROWS of the epoch
     before, while that backup, joining, followed another ring of the new number whose
     owner then copied its shard over the batches: the flapping network test, trace
     E3-1.)  Drives a Bridge, not started, on a real store, with a real websocket
@@ -1150,7 +1150,7 @@ def test_an_owner_acknowledges_at_an_epoch_once_its_backups_took_a_frame_of_it(t
 
         async def main() -> list:
             async with _data_connection(node, bk) as client:
-                got = asyncio.ensure_future(collect(client, 4))
+                got = asyncio.ensure_future(collect(client, 5))
                 batch(0)                                  # GAP: a stream unknown here
                 batch(0)                                  # applied, its ROWS (epoch 0) sent
                 assert replies[-1].status is Status.GAP and len(replies) == 1
@@ -1179,15 +1179,27 @@ def test_an_owner_acknowledges_at_an_epoch_once_its_backups_took_a_frame_of_it(t
                 await asyncio.sleep(bridge_node.RETRY + 0.01)
                 node._release(key)                        # a later pass sends it
                 assert st.epoch_rows[0][0] == 2 and replies[-1] != "held"
+                answer(st.rseq)
+                assert replies[-1] == "held"
+                # another ring at the same number (c counted out, E3b-like): a new mark
+                two = {me: State.ALIVE, bk: State.ALIVE, c: State.DEAD}
+                node._on_changes(node.members.adopt(two, 2, same_epoch=True))
+                node.on_heartbeat(bk, _heartbeat(bk, 2, two, seq=4))
+                assert node.members.epoch == 2 and node.acting()
+                assert node.owners(st.key) == [me, bk]
+                await asyncio.sleep(bridge_node.RETRY + 0.01)
+                node._wait_backups(key, st, lambda d: replies.append("ring"), b"")
+                assert replies[-1] == "held"              # bk took no frame of this ring
+                answer(st.rseq)
+                assert replies[-1] == "ring"
                 return [frames.decode(f) for f in await asyncio.wait_for(got, 10)]
 
         sent = asyncio.run(asyncio.wait_for(main(), 30))
         assert [(f.type, f.epoch, f.n) for f in sent] == [(FrameType.ROWS, 0, 8),
                                                           (FrameType.ROWS, 1, 0),
                                                           (FrameType.ROWS, 1, 0),
+                                                          (FrameType.ROWS, 2, 0),
                                                           (FrameType.ROWS, 2, 0)]
-        answer(st.rseq)
-        assert replies[-1] == "held"
 
 
 def test_a_coming_answer_to_a_sync_extends_the_hand_over_wait(tmp_path):
