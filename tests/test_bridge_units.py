@@ -3072,6 +3072,21 @@ def test_check_schema_against_the_target_tensor():
     assert frames.tensor_id("fc.w") == int.from_bytes(hashlib.blake2b(b"fc.w").digest()[:4], "big")
 
 
+@pytest.mark.parametrize("where, nrows", [({"start": 8}, 16), ({"keys": np.empty(0, np.uint64)},
+                                                             None)])
+def test_an_epoch_mark_rows_of_no_rows_passes_the_checks(where, nrows):
+    """An owner's epoch mark (section 6 item 7) is a ROWS of no rows, built as every ROWS
+    is (RowsBuilder), with the optimizer state arrays of the tensor: a range for dense and
+    csr tensors, keys for a table.  It decodes with n 0 and passes check_schema for the
+    tensor it names, so a copy takes it (on_rows writes nothing)."""
+    b = frames.RowsBuilder(epoch=3, sender=1, incarnation=1, tensor=1, shard=0, seq=9, n=0,
+                           cols=4, dtype="float32", marks=[], nstate=2,
+                           state_dtype="float32", row_steps="keys" in where, **where)
+    f = frames.decode(b.finish(0))
+    assert (f.type, f.epoch, f.n, f.marks) == (FrameType.ROWS, 3, 0, ())
+    frames.check_schema(f, dtype="float32", cols=4, nrows=nrows)
+
+
 # =========================================================================== outq
 
 def test_out_queue_sequences_acks_and_budget():

@@ -2374,25 +2374,21 @@ class Bridge:
         """Send every copy of shard ``key`` a ROWS of no rows stamped with this host's
         epoch: an owner acknowledges nothing at an epoch (and ring: one can change at the
         same number) until every member it waits for has taken a frame of the shard sent
-        by it (_release).  A ROWS taken at the
-        receiver's epoch from the owner by its ring also keeps a joining receiver on that
-        ring (E3c, _keeps_its_ring).  Without it, an owner whose tenure went on into a
-        new epoch acknowledged resent batches (duplicates) by its backups' answers to
-        ROWS of the epoch before, while the joiner that held them followed another ring
-        of the new number, whose owner copied its shard over them (the flapping network
-        test, trace E3-1)."""
-        tid, shard = key
-        info = self.tensors.get(tid)
+        by it (_release).  A ROWS taken at the receiver's epoch from the owner by its ring
+        also keeps a joining receiver on that ring (E3c, _keeps_its_ring).  Without it, an
+        owner whose tenure went on into a new epoch acknowledged resent batches
+        (duplicates) by its backups' answers to ROWS of the epoch before, while the joiner
+        that held them followed another ring of the new number, whose owner copied its
+        shard over them (the flapping network test, trace E3-1)."""
+        info = self.tensors.get(key[0])
         if info is None:
             return   # (the tensor is gone: nothing to acknowledge for it)
         where: dict[str, Any] = ({"keys": np.empty(0, np.uint64)} if info.kind == "table"
-                                 else {"start": info.shard_range(shard)[0]})
+                                 else {"start": info.shard_range(key[1])[0]})
         st.rseq += 1
         st.epoch_mark_at = time.monotonic()
-        self._send_to_copies(st, frames.encode_rows(
-            epoch=self.members.epoch, sender=self.mid, incarnation=self.incarnation,
-            tensor=tid, shard=shard, seq=ROWS_SEQ_BASE + st.rseq,
-            values=np.empty((0, info.cols), info.dtype), **where))
+        self._send_to_copies(st, self._rows_builder(info, key[1], st.rseq, 0, [],
+                                                    **where).finish(0))
 
     # ------------------------------------------------------------ replica side
     def on_rows(self, peer: str, f: frames.Data, reply: Callable[[bytes], None]) -> None:
