@@ -45,6 +45,7 @@ _import_bridge()
 from shmps.bridge import auth, frames, members, ring  # noqa: E402
 from shmps.bridge.auth import AuthError  # noqa: E402
 from shmps.bridge.frames import BadFrame, Flag, FrameType, Layout, Mark, Status  # noqa: E402
+from shmps.bridge.node import ROWS_SEQ_BASE  # noqa: E402
 from shmps.bridge.members import Membership, State  # noqa: E402
 from shmps.bridge.outq import Backpressure, ByteBudget, Dedup, OutQueue, Verdict  # noqa: E402
 from shmps.errors import CapacityError, InvalidArgument, Timeout  # noqa: E402
@@ -1202,6 +1203,42 @@ def test_an_owner_acknowledges_at_an_epoch_once_its_backups_took_a_frame_of_it(t
                                                           (FrameType.ROWS, 2, 0)]
 
 
+def test_an_owner_sends_its_copies_the_mark_of_a_batch_it_refused_as_invalid(tmp_path):
+    """A batch an owner refuses as invalid (here rows outside its shard) counts as done
+    in its duplicate filter, and its copies get its mark in a ROWS of no rows: a copy
+    refuses a mark past the next seq it expects (the ROWS in between lost: on_rows,
+    _unsynced), so without it the next batch's ROWS would be refused and the copy sent
+    again.  Drives a Bridge, not started, on a real store, with a real websocket
+    connection to the backup."""
+    from test_bridge_wsstream import collect
+
+    me, bk, c = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
+    with _owner_on_a_store(tmp_path, [me, bk, c], "rejmark", owners=2) as (node, info, st):
+        st.synced.add(bk)                                       # bk holds a copy
+        sender = members.member_id(c)
+
+        def batch(seq: int, start: int) -> None:
+            node.on_batch(c, frames.decode(frames.encode_batch(
+                epoch=0, sender=sender, incarnation=7, tensor=info.tid, shard=0, seq=seq,
+                values=np.ones((8, 4), np.float32), start=start)), lambda d: None)
+
+        async def main() -> list:
+            async with _data_connection(node, bk) as client:
+                got = asyncio.ensure_future(collect(client, 3))
+                batch(1, 0)                               # GAP: a stream unknown here
+                batch(1, 0)                               # applied
+                batch(2, 4)                               # rows 4..11: not all in the shard
+                batch(3, 0)                               # applied
+                return [frames.decode(f) for f in await asyncio.wait_for(got, 10)]
+
+        sent = asyncio.run(asyncio.wait_for(main(), 30))
+        assert [(f.type, f.n, [(m.sender, m.incarnation, m.seq) for m in f.marks])
+                for f in sent] == [(FrameType.ROWS, 8, [(sender, 7, 1)]),
+                                   (FrameType.ROWS, 0, [(sender, 7, 2)]),
+                                   (FrameType.ROWS, 8, [(sender, 7, 3)])]
+        assert node.metrics.rejected_c.labels("schema")._value.get() == 1
+
+
 def test_a_coming_answer_to_a_sync_extends_the_hand_over_wait(tmp_path):
     """A new owner asks the host it waits for (a previous owner, a tensor's origin) for
     its hand-over with SYNC every 0.5 s; that host answers BUSY ("coming") while the
@@ -1553,17 +1590,40 @@ def test_a_joiner_copies_a_shard_again_when_its_owner_changes(tmp_path):
         assert st.snap_epoch_seen >= 0
 
 
+def _take_snapshot(node, owner: str, tid: int, seq: int, epoch: int | None = None,
+                   marks: tuple = (), value: float = 0.0) -> Status:
+    """``node`` takes a one-chunk SNAPSHOT of shard 0 of tensor ``tid`` (an (8, 4)
+    float32 shard, every row ``value``) from ``owner`` (incarnation 7), ROW seq ``seq``,
+    with the floor ``marks`` ((sender, incarnation, seq) each), stamped ``epoch``, by
+    default the node's: the answer's status."""
+    got: list = []
+    node.on_rows(owner, frames.decode(frames.encode_snapshot(
+        epoch=node.members.epoch if epoch is None else epoch,
+        sender=members.member_id(owner), incarnation=7, tensor=tid, shard=0,
+        seq=ROWS_SEQ_BASE + seq, values=np.full((8, 4), value, np.float32),
+        start=0, marks=[Mark(*m) for m in marks], last=True)),
+        lambda d: got.extend(frames.iter_frames(bytes(d))))
+    return got[-1].status
+
+
 def _take_rows(node, owner: str, tid: int, seq: int, epoch: int | None = None,
-               nrows: int = 8) -> Status:
+               nrows: int = 8, marks: tuple = (), synced: bool = True) -> Status:
     """``node`` takes a ROWS of shard 0 of tensor ``tid`` from ``owner`` (the first
     ``nrows`` rows of the (8, 4) shard at ``seq``, by default all; 0: the empty ROWS an
-    owner sends to mark a new epoch), stamped ``epoch``, by default the node's: the
-    answer's status."""
+    owner sends to mark a new epoch), with ``marks`` ((sender, incarnation, seq) each),
+    stamped ``epoch``, by default the node's: the answer's status.  ``synced``: if the
+    copy is not ``owner``'s snapshot plus its ROWS since (ShardState.fed_base), it takes
+    one first, as an owner sends it before any ROWS (stamped the same)."""
+    base = node.shards[(tid, 0)].fed_base
+    if synced and (nrows or marks) and (base is None
+                                        or base[:2] != (members.member_id(owner), 7)):
+        _take_snapshot(node, owner, tid, seq - 1, epoch)   # (refused: so is the ROWS)
     got: list = []
     node.on_rows(owner, frames.decode(frames.encode_rows(
         epoch=node.members.epoch if epoch is None else epoch,
-        sender=members.member_id(owner), incarnation=7, tensor=tid, shard=0, seq=seq,
-        values=np.full((nrows, 4), seq, np.float32), start=0)),
+        sender=members.member_id(owner), incarnation=7, tensor=tid, shard=0,
+        seq=ROWS_SEQ_BASE + seq, values=np.full((nrows, 4), seq, np.float32),
+        start=0, marks=[Mark(*m) for m in marks])),
         lambda d: got.extend(frames.iter_frames(bytes(d))))
     return got[-1].status
 
@@ -1571,7 +1631,7 @@ def _take_rows(node, owner: str, tid: int, seq: int, epoch: int | None = None,
 def _fed_by(node, owner: str, owners: list, name_prefix: str = "v"):
     """On a node of ``_owner_on_a_store``: a dense (8, 4) float32 "sum" tensor whose shard
     0 has ``owners`` in the node's ring, of which this host took one ROWS from ``owner``
-    (accepted): (shard 0's key, its ShardState)."""
+    (accepted, on top of its snapshot): (shard 0's key, its ShardState)."""
     from shmps.bridge.ring import shard_key
 
     name = next(f"{name_prefix}{i}" for i in range(1000)
@@ -1624,15 +1684,16 @@ def test_an_owners_snapshot_that_lacks_batches_this_copy_applied_is_named(tmp_pa
                 lambda d: got.extend(frames.iter_frames(bytes(d))))
             return got[-1].status
 
-        assert frame(frames.encode_rows, 2, 5) is Status.OK       # applied B's batch 5
+        assert frame(frames.encode_rows, bridge_node.ROWS_SEQ_BASE + 2, 5) is Status.OK
+        # (applied B's batch 5)
         assert st.dedup.floor((x, 7, key[0], 0)) == 5
         with caplog.at_level("WARNING", logger="shmps.bridge"):
-            assert frame(frames.encode_snapshot, bridge_node.ROWS_SEQ_BASE + 1, 5,
+            assert frame(frames.encode_snapshot, bridge_node.ROWS_SEQ_BASE + 3, 5,
                          last=True) is Status.OK
         assert "lacks batches" not in caplog.text
         assert node.metrics.snapshots_behind._value.get() == 0
         with caplog.at_level("WARNING", logger="shmps.bridge"):
-            assert frame(frames.encode_snapshot, bridge_node.ROWS_SEQ_BASE + 2, 3,
+            assert frame(frames.encode_snapshot, bridge_node.ROWS_SEQ_BASE + 4, 3,
                          last=True) is Status.OK
         assert "lacks batches this copy applied" in caplog.text
         assert "up to 5 here, 3 there" in caplog.text
@@ -1974,10 +2035,14 @@ def test_rows_written_into_a_copy_while_it_is_read_void_the_read(tmp_path, monke
 
         def rows_from_owner(seq: int, value: float) -> None:
             f = frames.encode_rows(epoch=0, sender=members.member_id(new_owner),
-                                   incarnation=7, tensor=info.tid, shard=0, seq=seq,
+                                   incarnation=7, tensor=info.tid, shard=0,
+                                   seq=ROWS_SEQ_BASE + seq,
                                    values=np.full((8, 4), value, np.float32), start=0)
             node.on_rows(new_owner, frames.decode(f),
                          lambda d: acks.extend(frames.iter_frames(bytes(d))))
+
+        # (the new owner's copy of this host, which its ROWS follow)
+        assert _take_snapshot(node, new_owner, info.tid, 0, epoch=0) is Status.OK
 
         async def main() -> tuple:
             async with _data_connection(node, new_owner) as client:
@@ -2003,7 +2068,8 @@ def test_rows_written_into_a_copy_while_it_is_read_void_the_read(tmp_path, monke
 
         with caplog.at_level("INFO", logger="shmps.bridge"):
             voided, chunks = asyncio.run(asyncio.wait_for(main(), 30))
-        assert [(a.status, a.seq) for a in acks] == [(Status.OK, 1), (Status.OK, 2)]
+        assert [(a.status, a.seq - ROWS_SEQ_BASE) for a in acks] == [(Status.OK, 1),
+                                                                     (Status.OK, 2)]
         assert voided == []
         assert (f"snapshot of {st.key} for {new_owner} dropped after its read: the shard "
                 "changed meanwhile") in caplog.text
@@ -2038,14 +2104,15 @@ def test_rows_from_an_owners_earlier_tenure_are_refused(tmp_path):
         def rows(epoch: int, seq: int, value: float) -> Status:
             return deliver(frames.encode_rows(
                 epoch=epoch, sender=members.member_id(other), incarnation=7,
-                tensor=info.tid, shard=0, seq=seq, values=np.full((8, 4), value, np.float32),
-                start=0))
+                tensor=info.tid, shard=0, seq=ROWS_SEQ_BASE + seq,
+                values=np.full((8, 4), value, np.float32), start=0))
 
         def hand_over(epoch: int, value: float) -> Status:
             return deliver(frames.encode_snapshot(
                 epoch=epoch, sender=members.member_id(other), incarnation=7,
-                tensor=info.tid, shard=0, seq=1, values=np.full((8, 4), value, np.float32),
-                start=0, marks=[Mark(stream[0], 7, 15)], last=True, handover=True))
+                tensor=info.tid, shard=0, seq=ROWS_SEQ_BASE + 1,
+                values=np.full((8, 4), value, np.float32), start=0,
+                marks=[Mark(stream[0], 7, 15)], last=True, handover=True))
 
         async def away_and_back() -> None:
             node._on_changes(node.members.mark_dead(other))          # epoch 1 without it
@@ -2054,7 +2121,11 @@ def test_rows_from_an_owners_earlier_tenure_are_refused(tmp_path):
             node._on_changes(node.members.mark_ready(other))         # epoch 2: owner again
             await asyncio.sleep(0)
 
-        assert rows(0, 1, 1.0) is Status.OK                           # its first tenure
+        def snapshot(epoch: int, rseq: int) -> Status:   # (the owner copies this host first)
+            return _take_snapshot(node, other, info.tid, rseq, epoch,
+                                  marks=[(stream[0], 7, 200)])
+
+        assert snapshot(0, 0) is Status.OK and rows(0, 1, 1.0) is Status.OK   # its first tenure
         asyncio.run(away_and_back())
         assert node.members.epoch == 2 and node.owner(st.key) == other
         assert st.owner_since == 2
@@ -2062,7 +2133,8 @@ def test_rows_from_an_owners_earlier_tenure_are_refused(tmp_path):
         assert hand_over(1, 7.0) is Status.NOT_OWNER
         np.testing.assert_array_equal(node.store[name].pull(), np.full((8, 4), 1, np.float32))
         assert st.dedup.floor(stream) == 200
-        assert rows(2, 3, 9.0) is Status.OK
+        assert rows(2, 3, 9.0) is Status.NOT_OWNER                    # not copied in this tenure
+        assert snapshot(2, 4) is Status.OK and rows(2, 5, 9.0) is Status.OK
         np.testing.assert_array_equal(node.store[name].pull(), np.full((8, 4), 9, np.float32))
         assert hand_over(3, 3.0) is Status.OK                         # from a sender ahead
         np.testing.assert_array_equal(node.store[name].pull(), np.full((8, 4), 3, np.float32))
@@ -2095,14 +2167,17 @@ def test_a_previous_owners_rows_from_before_its_tenure_are_no_hand_over(tmp_path
         def rows(epoch: int, seq: int, value: float) -> Status:
             node.on_rows(other, frames.decode(frames.encode_rows(
                 epoch=epoch, sender=members.member_id(other), incarnation=7,
-                tensor=info.tid, shard=0, seq=seq, values=np.full((8, 4), value, np.float32),
-                start=0)), lambda d: got.extend(frames.iter_frames(bytes(d))))
+                tensor=info.tid, shard=0, seq=ROWS_SEQ_BASE + seq,
+                values=np.full((8, 4), value, np.float32), start=0)),
+                lambda d: got.extend(frames.iter_frames(bytes(d))))
             return got[-1].status
 
         async def lose_and_regain() -> None:
             node.members.observe_epoch(2)
             node._on_changes(node.members.rejoin())          # a ring without this host
             assert node.owner(st.key) == other and st.owner_since == 2
+            # the owner's copy at epoch 2, which its ROWS follow
+            assert _take_snapshot(node, other, info.tid, 2, 2, value=5.0) is Status.OK
             node._on_changes(node.members.mark_ready(me))    # back on it: epoch 3
             await asyncio.sleep(0)
 
@@ -2111,9 +2186,167 @@ def test_a_previous_owners_rows_from_before_its_tenure_are_no_hand_over(tmp_path
         assert st.handover_from == other
         assert rows(1, 1, 7.0) is Status.NOT_OWNER                 # its tenure of epoch 1
         np.testing.assert_array_equal(node.store[name].pull(), np.full((8, 4), 5, np.float32))
-        assert rows(2, 2, 9.0) is Status.OK                        # its last ROWS
+        assert rows(2, 3, 9.0) is Status.OK                        # its last ROWS
         np.testing.assert_array_equal(node.store[name].pull(), np.full((8, 4), 9, np.float32))
         assert st.handover_since == 2
+
+
+def test_a_copy_takes_no_rows_behind_a_snapshot_it_refused(tmp_path):
+    """A copy writes an owner's ROWS only on top of that owner's snapshot of its tenure
+    in this host's view (ShardState.fed_base): a ROWS carries the rows its batch changed
+    as the owner's copy holds them after it, every earlier batch included.  Here the
+    owner's snapshot comes while this host's view counts the owner dead (refused), the
+    view comes back, and the ROWS queued behind the snapshot arrive: refused, the copy
+    and its duplicate filter unchanged.  A new snapshot, then ROWS, are taken.  (The
+    joiner of trace K3-5 wrote them: its rows held 96 of the owner's batches its filter
+    did not, and the host that owned the shard next applied them again: an over-count,
+    the flapping network test, 2026-11-26.)  Drives a Bridge, not started, on a real
+    store."""
+    from shmps.bridge.ring import Ring, shard_key
+
+    me, a, b = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
+    with _owner_on_a_store(tmp_path, [me, a, b], "k35") as (node, _, _st):
+        name = next(f"v{i}" for i in range(1000)
+                    if node.owner(shard_key(f"v{i}", 0)) == a
+                    and Ring([me, b]).owners(shard_key(f"v{i}", 0), 1) == [b])
+        node.store.dense(name, (8, 4), "float32", init=0.0, optimizer="sum")
+        while node.refresh_tensors(budget=None):
+            pass
+        info = node.by_name[name]
+        st = node.shards[(info.tid, 0)]
+        node.store[name].push(np.full((8, 4), 5, np.float32))   # this host's own copy
+        b_stream = (members.member_id(b), 7, info.tid, 0)
+        st.dedup.advance(b_stream, 141)
+
+        async def flip() -> None:
+            node._on_changes(node.members.mark_dead(a))           # epoch 1: b owns it
+            assert node.owner(st.key) == b
+            # a's copy of this host, queued before a learned of that view: refused
+            assert _take_snapshot(node, a, info.tid, 1, 0, marks=[(b_stream[0], 7, 230)],
+                                  value=8.0) is Status.NOT_OWNER
+            node._on_changes(node.members.heartbeat(a))           # back: joining
+            node._on_changes(node.members.mark_ready(a))          # epoch 2: a owns it
+            await asyncio.sleep(0)
+
+        asyncio.run(flip())
+        assert node.members.epoch == 2 and node.owner(st.key) == a and st.owner_since == 2
+        # the ROWS queued behind the refused snapshot (stamped with a's epoch, 2 by now)
+        assert _take_rows(node, a, info.tid, 2, marks=[(b_stream[0], 7, 231)],
+                          synced=False) is Status.NOT_OWNER
+        np.testing.assert_array_equal(node.store[name].pull(), np.full((8, 4), 5, np.float32))
+        assert st.dedup.floor(b_stream) == 141 and st.dedup.above(b_stream) == ()
+        assert node.metrics.rejected_c.labels("unsynced")._value.get() == 1
+        # a copies this host again (the refusal's answer), then its ROWS are taken
+        assert _take_snapshot(node, a, info.tid, 3, 2, marks=[(b_stream[0], 7, 231)],
+                              value=8.0) is Status.OK
+        assert _take_rows(node, a, info.tid, 4, marks=[(b_stream[0], 7, 232)]) is Status.OK
+        np.testing.assert_array_equal(node.store[name].pull(), np.full((8, 4), 4, np.float32))
+        assert st.dedup.floor(b_stream) == 232
+
+
+def test_a_copy_takes_rows_in_order_on_the_senders_snapshot(tmp_path):
+    """Once a copy is an owner's snapshot plus its ROWS since (ShardState.fed_base), it
+    stays that only while nothing else touches it: a frame of that owner it refused (its
+    frames after it may be lost), a snapshot of another host (here in the few ms a ring
+    of the same epoch number gave the shard to it), or a batch this host applied as an
+    owner void it, and the owner's next ROWS is refused until the owner copies it again.
+    A refused frame numbered before the snapshot does not void it (the snapshot holds
+    its rows), and a ROWS numbered before it is refused (late, on a replaced connection:
+    it would put older rows back).  A mark past the next seq the copy expects of a stream
+    it knows (the ROWS in between lost) is refused.  If nothing came from another host
+    meanwhile, the owner's ROWS are taken after such a flip.  Drives a Bridge, not
+    started, on a real store."""
+    from shmps.bridge.ring import Ring, shard_key
+
+    me, a, b = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
+    with _owner_on_a_store(tmp_path, [me, a, b], "fedbase") as (node, _, _st):
+        name = next(f"v{i}" for i in range(1000)
+                    if node.owner(shard_key(f"v{i}", 0)) == a
+                    and Ring([me, b]).owners(shard_key(f"v{i}", 0), 1) == [b])
+        node.store.dense(name, (8, 4), "float32", init=0.0, optimizer="sum")
+        while node.refresh_tensors(budget=None):
+            pass
+        tid = node.by_name[name].tid
+        st = node.shards[(tid, 0)]
+        s = members.member_id(b)
+        stream = (s, 7, tid, 0)
+
+        def synced(owner: str, rseq: int, floor: int) -> None:
+            assert _take_snapshot(node, owner, tid, rseq, marks=[(s, 7, floor)]) is Status.OK
+            assert st.fed_base == (members.member_id(owner), 7, node.members.epoch, rseq)
+
+        def refused(why: str) -> int:
+            return node.metrics.rejected_c.labels(why)._value.get()
+
+        def rows(rseq: int, mark: int, owner: str = a) -> Status:
+            return _take_rows(node, owner, tid, rseq, marks=[(s, 7, mark)], synced=False)
+
+        synced(a, 1, 10)
+        assert rows(2, 11) is Status.OK
+        # a mark past the next seq expected: the ROWS of seq 12 were lost
+        assert rows(3, 13) is Status.NOT_OWNER
+        assert refused("rows_skipped") == 1 and st.fed_base is None
+        assert st.dedup.floor(stream) == 11 and st.dedup.above(stream) == ()
+        np.testing.assert_array_equal(node.store[name].pull(), np.full((8, 4), 2, np.float32))
+        # a refused frame of the owner: its later ROWS wait for a new snapshot
+        synced(a, 5, 12)
+        bad = frames.encode_rows(epoch=0, sender=members.member_id(a), incarnation=7,
+                                 tensor=tid, shard=0, seq=ROWS_SEQ_BASE + 6,
+                                 values=np.ones((8, 3), np.float32), start=0)   # 3 columns
+        node.on_rows(a, frames.decode(bad), lambda d: None)
+        assert st.fed_base is None and refused("schema") == 1
+        assert rows(7, 13) is Status.NOT_OWNER
+        assert refused("unsynced") == 1 and st.dedup.floor(stream) == 12
+        # one numbered before the snapshot: refused, and the copy stays the owner's
+        synced(a, 9, 12)
+        assert rows(8, 13) is Status.NOT_OWNER and refused("before_snapshot") == 1
+        assert st.fed_base is not None and rows(10, 13) is Status.OK
+        np.testing.assert_array_equal(node.store[name].pull(), np.full((8, 4), 10, np.float32))
+        # the owner gone and back in rings of one epoch number: nothing came meanwhile ...
+        without_a = {me: State.ALIVE, a: State.DEAD, b: State.ALIVE}
+        everyone = {me: State.ALIVE, a: State.ALIVE, b: State.ALIVE}
+
+        async def flip(view: dict) -> None:
+            node._on_changes(node.members.adopt(view, 1, same_epoch=True))
+            await asyncio.sleep(0)
+
+        asyncio.run(flip(everyone))
+        assert node.members.epoch == 1 and node.owner(st.key) == a
+        asyncio.run(flip(without_a))
+        assert node.owner(st.key) == b and node.members.epoch == 1
+        asyncio.run(flip(everyone))
+        assert node.owner(st.key) == a and st.owner_since == 1
+        assert rows(11, 14) is Status.NOT_OWNER          # (a snapshot of epoch 0: before
+                                                         # its tenure of this view)
+        synced(a, 12, 13)
+        asyncio.run(flip(without_a))
+        asyncio.run(flip(everyone))
+        assert rows(13, 14) is Status.OK                 # ... so its ROWS are taken
+        # ... but a snapshot of b's taken meanwhile voids the copy
+        asyncio.run(flip(without_a))
+        synced(b, 1, 14)
+        asyncio.run(flip(everyone))
+        assert rows(14, 15) is Status.NOT_OWNER and st.dedup.floor(stream) == 14
+        # so does a batch this host took as the owner (of a shard it owns without a)
+        name = next(f"u{i}" for i in range(1000)
+                    if node.owner(shard_key(f"u{i}", 0)) == a
+                    and Ring([me, b]).owners(shard_key(f"u{i}", 0), 1) == [me])
+        node.store.dense(name, (8, 4), "float32", init=0.0, optimizer="sum")
+        while node.refresh_tensors(budget=None):
+            pass
+        tid = node.by_name[name].tid
+        st = node.shards[(tid, 0)]
+        synced(a, 1, 14)
+        asyncio.run(flip(without_a))
+        node.on_heartbeat(b, _heartbeat(b, 1, without_a, seq=2))   # b acts by it too
+        assert node.owner(st.key) == me and node.acting()
+        st.handover_from = None                          # (its wait for a's copy over)
+        node.on_batch(b, frames.decode(frames.encode_batch(
+            epoch=1, sender=s, incarnation=7, tensor=tid, shard=0, seq=15,
+            values=np.ones((8, 4), np.float32), start=0)), lambda d: None)
+        assert st.dedup.floor(stream[:2] + (tid, 0)) == 15 and st.fed_base is None   # applied
+        asyncio.run(flip(everyone))
+        assert node.owner(st.key) == a and rows(2, 15) is Status.NOT_OWNER
 
 
 def test_a_host_listening_after_a_cut_hands_nothing_over(tmp_path):

@@ -230,6 +230,10 @@ class ShardState:
     fed_epoch: int = -1                                  # the epoch of that ROWS or SNAPSHOT
     snap_partial: bool = False                           # chunks of a SNAPSHOT written, its
                                                          # LAST (and marks) not yet
+    fed_base: Optional[tuple] = None                     # (sender, incarnation, frame epoch,
+                                                         # ROW seq of its LAST) of the SNAPSHOT
+                                                         # this copy is, plus that sender's
+                                                         # ROWS since (on_rows: _unsynced)
     acked_as_owner: bool = False                         # this host acknowledged batches of
                                                          # the shard as its owner (a SYNC of
                                                          # a later owner gets its copy)
@@ -2054,6 +2058,16 @@ class Bridge:
             st = self.shards.get((f.tensor, f.shard))
             if st is not None:
                 st.first_seen.pop((f.sender, f.incarnation, f.tensor, f.shard), None)
+        elif f.type in (FrameType.ROWS, FrameType.SNAPSHOT):
+            # (on_rows: _unsynced) the sender's frames after this one may be lost: its
+            # ROWS are taken again only on top of a new snapshot of it.  Not for a frame
+            # numbered before the snapshot this copy is (an owner numbers its ROWS and
+            # snapshot chunks in the order it builds them): that snapshot holds its rows
+            st = self.shards.get((f.tensor, f.shard))
+            base = st.fed_base if st is not None else None
+            if base is not None and base[:2] == (f.sender, f.incarnation) \
+                    and f.seq - ROWS_SEQ_BASE > base[3]:
+                st.fed_base = None
         self.metrics.rejected(reason)
         if self.debug and f.type != FrameType.BATCH:
             info = self.tensors.get(f.tensor)
@@ -2100,6 +2114,9 @@ class Bridge:
             # later (BUSY); the other shards go on
             return self._refuse(f, reply, Status.BUSY, "snapshot")
         stream = (f.sender, f.incarnation, f.tensor, f.shard)
+        # this copy is this owner's own from here on, no owner's snapshot plus its ROWS:
+        # ROWS of a later owner need its snapshot first (on_rows: _unsynced)
+        st.fed_base = None
         try:
             frames.check_schema(f, dtype=info.gdtype, cols=info.cols, nrows=info.nrows)
             self._check_in_shard(info, f)
@@ -2109,6 +2126,7 @@ class Bridge:
                 st.dedup.advance(stream, f.seq - 1)
             if st.dedup.check(stream, f.seq) is Verdict.NEW and f.seq == st.dedup.expected(stream):
                 st.dedup.record(stream, f.seq)
+                self._send_marks(key, st, [Mark(f.sender, f.incarnation, f.seq)])
             return self._refuse(f, reply, Status.REJECTED, "schema")
         if stream not in st.dedup:
             # A stream this host's filter does not know: nothing of it was applied to the
@@ -2167,6 +2185,7 @@ class Bridge:
         except Error as e:
             log.warning("batch %d from %s for %s refused: %s", f.seq, peer, st.key, e)
             st.dedup.record(stream, f.seq)
+            self._send_marks(key, st, mark)
             return self._refuse(f, reply, Status.REJECTED, "invalid")
         st.dedup.record(stream, f.seq)
         self.metrics.applied.inc()
@@ -2380,14 +2399,21 @@ class Bridge:
         (duplicates) by its backups' answers to ROWS of the epoch before, while the joiner
         that held them followed another ring of the new number, whose owner copied its
         shard over them (the flapping network test, trace E3-1)."""
+        st.epoch_mark_at = time.monotonic()
+        self._send_marks(key, st, [])
+
+    def _send_marks(self, key: tuple, st: ShardState, marks: list) -> None:
+        """Send every copy of shard ``key`` a ROWS of no rows with ``marks``: none, an
+        epoch's mark (_send_epoch_rows); or a batch refused as invalid, which the owner's
+        filter records as done, so that the copies' filters expect the seq after it
+        (on_rows: _unsynced)."""
         info = self.tensors.get(key[0])
         if info is None:
             return   # (the tensor is gone: nothing to acknowledge for it)
         where: dict[str, Any] = ({"keys": np.empty(0, np.uint64)} if info.kind == "table"
                                  else {"start": info.shard_range(key[1])[0]})
         st.rseq += 1
-        st.epoch_mark_at = time.monotonic()
-        self._send_to_copies(st, self._rows_builder(info, key[1], st.rseq, 0, [],
+        self._send_to_copies(st, self._rows_builder(info, key[1], st.rseq, 0, marks,
                                                     **where).finish(0))
 
     # ------------------------------------------------------------ replica side
@@ -2427,6 +2453,10 @@ class Bridge:
             # 2026-11-26: the one misstep in a run that ended every copy 113 pushes
             # short).  A hand-over snapshot is checked by its marks instead (_behind)
             return self._refuse(f, reply, Status.NOT_OWNER, "stale_owner")
+        if f.type == FrameType.ROWS and (f.n or f.marks):
+            unsynced = self._unsynced(st, f, since)
+            if unsynced is not None:
+                return self._refuse(f, reply, Status.NOT_OWNER, unsynced)
         fed_on: Optional[tuple[int, int]] = None
         if not handover:
             # (_role_change: whose copies are complete) The shard's owners in this host's
@@ -2483,6 +2513,8 @@ class Bridge:
                 st.handover_until = 0.0
                 self._handover_given_up(st, time.monotonic())
                 return self._refuse(f, reply, Status.NOT_OWNER, "stale_handover")
+        if f.type == FrameType.SNAPSHOT:
+            st.fed_base = None   # (set again by its LAST, below)
         try:
             frames.check_schema(f, dtype=info.dtype, cols=info.cols, nrows=info.nrows)
             if f.n:
@@ -2516,6 +2548,7 @@ class Bridge:
             # (say, while it applied batches cut off from the majority) are not the shard's
             st.dedup = Dedup()
             st.first_seen.clear()
+            st.fed_base = (f.sender, f.incarnation, f.epoch, f.seq - ROWS_SEQ_BASE)
         if f.type == FrameType.SNAPSHOT and not f.flags & frames.Flag.LAST:
             marks = ()   # (the first chunk's: to check, above; they count with the last)
         else:
@@ -2546,6 +2579,50 @@ class Bridge:
             self._fed_on[peer] = (fed_on, time.monotonic())
         self.metrics.received(f.type.name.lower())
         reply(self._ack(f, Status.OK))
+
+    def _unsynced(self, st: ShardState, f: frames.Data, since: int) -> Optional[str]:
+        """Why ROWS ``f`` (with rows or marks) must not be written into this copy of ``st``,
+        or None.  A ROWS carries the rows its batch changed as the owner's copy holds them
+        after it (absolute values), so it is right only on top of the owner's copy as it
+        was just before: the owner's SNAPSHOT and every ROWS of that owner since, none
+        missed.  An owner sends ROWS only to members it copied the shard to in its tenure
+        (_send_to_copies), and copies a member again when it refuses one (on_ack); this
+        is the copy's half of that rule:
+
+        - "unsynced": this copy is not the sender's snapshot (``st.fed_base``) of its
+          tenure in this host's view (``since``) plus its ROWS since: it took no
+          snapshot of this sender, or a frame of another (a snapshot, this host's own
+          applies as owner) changed it since, or it refused a frame of this sender since
+          (_refuse), and the ROWS behind that one may be lost.  (A joiner refused an
+          owner's snapshot during 60 ms in which its view counted the owner dead, then
+          wrote the ROWS queued behind it: its rows held 96 of the owner's batches its
+          duplicate filter did not, and the host that owned the shard next applied
+          them again: the flapping network test, trace K3-5.)
+        - "before_snapshot": the sender numbered it before that snapshot (it came late,
+          on a connection since replaced): the snapshot holds its rows, and written, it
+          would put older values back.
+        - "rows_skipped": a mark (S, q) of a stream this copy knows, past the next seq
+          it expects: the ROWS of the batches between were lost (an owner applies each
+          stream in order, and sends a ROWS, or a mark of none for a batch it refused as
+          invalid, for each).
+
+        Refused, the owner copies this host again."""
+        base = st.fed_base
+        if base is None or base[:2] != (f.sender, f.incarnation) or base[2] < since:
+            return "unsynced"
+        if f.seq - ROWS_SEQ_BASE <= base[3]:
+            return "before_snapshot"
+        if not f.flags & frames.Flag.FLOOR_MARKS:
+            for m in f.marks:
+                stream = (m.sender, m.incarnation, f.tensor, f.shard)
+                if (m.sender, m.incarnation) not in self._gone and stream in st.dedup \
+                        and m.seq > st.dedup.expected(stream):
+                    log.warning("ROWS of shard %s from %08x skip batches of sender %08x "
+                                "(seq %d, expected %d): refused, the owner copies this "
+                                "host again", st.key, f.sender, m.sender, m.seq,
+                                st.dedup.expected(stream))
+                    return "rows_skipped"
+        return None
 
     def _behind(self, st: ShardState, f: frames.Data) -> Optional[tuple]:
         """Whether hand-over chunk ``f``'s marks (floors) lack a batch this host's copy
