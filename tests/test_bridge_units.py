@@ -1204,39 +1204,101 @@ def test_an_owner_acknowledges_at_an_epoch_once_its_backups_took_a_frame_of_it(t
 
 
 def test_an_owner_sends_its_copies_the_mark_of_a_batch_it_refused_as_invalid(tmp_path):
-    """A batch an owner refuses as invalid (here rows outside its shard) counts as done
-    in its duplicate filter, and its copies get its mark in a ROWS of no rows: a copy
-    refuses a mark past the next seq it expects (the ROWS in between lost: on_rows,
-    _unsynced), so without it the next batch's ROWS would be refused and the copy sent
-    again.  Drives a Bridge, not started, on a real store, with a real websocket
+    """A batch an owner refuses for good (REJECTED: malformed, here rows outside its
+    shard; or invalid, here a NaN gradient) counts as done in its duplicate filter, and
+    its copies get its mark in a ROWS of no rows, so that their filters expect the seq
+    after it (a copy refuses a mark that skips one: on_rows, _unsynced); the answer waits
+    for the backup as an acknowledgement does (a new owner whose filter lacked the seq
+    would answer the sender's next batch GAP for good).  The first frame of a stream the
+    owner does not know yet is refused without being counted (the stream starts by a GAP,
+    as any does).  Drives a Bridge, not started, on a real store, with a real websocket
     connection to the backup."""
+    from shmps.bridge import node as bridge_node
     from test_bridge_wsstream import collect
 
     me, bk, c = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
     with _owner_on_a_store(tmp_path, [me, bk, c], "rejmark", owners=2) as (node, info, st):
         st.synced.add(bk)                                       # bk holds a copy
         sender = members.member_id(c)
+        stream = (sender, 7, info.tid, 0)
+        replies: list = []
 
-        def batch(seq: int, start: int) -> None:
+        def batch(seq: int, start: int, value: float = 1.0) -> None:
             node.on_batch(c, frames.decode(frames.encode_batch(
                 epoch=0, sender=sender, incarnation=7, tensor=info.tid, shard=0, seq=seq,
-                values=np.ones((8, 4), np.float32), start=start)), lambda d: None)
+                values=np.full((8, 4), value, np.float32), start=start)),
+                lambda d: replies.extend(frames.iter_frames(bytes(d))))
+
+        def answer() -> None:   # bk took every ROWS sent so far
+            node.on_ack(bk, frames.decode(frames.encode_ack(
+                epoch=0, sender=members.member_id(bk), incarnation=7, tensor=info.tid,
+                shard=0, seq=bridge_node.ROWS_SEQ_BASE + st.rseq, status=Status.OK)))
 
         async def main() -> list:
             async with _data_connection(node, bk) as client:
-                got = asyncio.ensure_future(collect(client, 3))
-                batch(1, 0)                               # GAP: a stream unknown here
-                batch(1, 0)                               # applied
-                batch(2, 4)                               # rows 4..11: not all in the shard
-                batch(3, 0)                               # applied
+                got = asyncio.ensure_future(collect(client, 4))
+                batch(1, 4)                                   # malformed, stream unknown
+                assert replies[-1].status is Status.REJECTED and stream not in st.dedup
+                batch(2, 0)                                   # GAP: the stream starts here
+                batch(2, 0)                                   # applied
+                answer()
+                assert [r.status for r in replies[1:]] == [Status.GAP, Status.OK]
+                batch(3, 4)                                   # rows 4..11: not in the shard
+                batch(4, 0, float("nan"))                     # a NaN gradient
+                assert len(replies) == 3                      # held for the backup
+                answer()
+                assert [r.status for r in replies[3:]] == [Status.REJECTED] * 2
+                batch(5, 0)                                   # applied
                 return [frames.decode(f) for f in await asyncio.wait_for(got, 10)]
 
         sent = asyncio.run(asyncio.wait_for(main(), 30))
         assert [(f.type, f.n, [(m.sender, m.incarnation, m.seq) for m in f.marks])
-                for f in sent] == [(FrameType.ROWS, 8, [(sender, 7, 1)]),
-                                   (FrameType.ROWS, 0, [(sender, 7, 2)]),
-                                   (FrameType.ROWS, 8, [(sender, 7, 3)])]
-        assert node.metrics.rejected_c.labels("schema")._value.get() == 1
+                for f in sent] == [(FrameType.ROWS, 8, [(sender, 7, 2)]),
+                                   (FrameType.ROWS, 0, [(sender, 7, 3)]),
+                                   (FrameType.ROWS, 0, [(sender, 7, 4)]),
+                                   (FrameType.ROWS, 8, [(sender, 7, 5)])]
+        assert st.dedup.floor(stream) == 5
+        assert node.metrics.rejected_c.labels("schema")._value.get() == 2
+        assert node.metrics.rejected_c.labels("invalid")._value.get() == 1
+        np.testing.assert_array_equal(node.store[info.name].pull()[:8],
+                                      np.full((8, 4), 2, np.float32))
+
+
+def test_an_owner_ignores_refusals_of_frames_sent_before_the_copy_it_queued(tmp_path):
+    """A member refuses an owner's ROWS once it refused one before it (on_rows:
+    _unsynced), so refusals come in runs, and on a slow link the run's tail arrives after
+    the owner queued the member a new copy.  Refusals of frames numbered before that copy
+    change nothing: the copy replaces what they missed, and its LAST's answer makes the
+    member synced.  A refusal of a frame after it does drop the member again.  (Before,
+    each late refusal dropped the copy under way, and a third copy followed.)  Drives a
+    Bridge, not started, on a real store, with a real websocket connection to the
+    member."""
+    from shmps.bridge import node as bridge_node
+
+    me, bk, c = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
+    with _owner_on_a_store(tmp_path, [me, bk, c], "latenack", owners=2) as (node, info, st):
+        key = (info.tid, 0)
+        st.rseq = 10                                            # ROWS 1..10 sent before
+
+        def ack(rseq: int, status: Status) -> None:
+            node.on_ack(bk, frames.decode(frames.encode_ack(
+                epoch=0, sender=members.member_id(bk), incarnation=7, tensor=info.tid,
+                shard=0, seq=bridge_node.ROWS_SEQ_BASE + rseq, status=status)))
+
+        async def main() -> None:
+            async with _data_connection(node, bk):
+                await asyncio.wait_for(node._send_snapshot(key, bk), 10)
+
+        asyncio.run(main())
+        assert st.copy_first[bk] == 11 and st.snapshotting[bk] == 11   # one chunk
+        ack(7, Status.NOT_OWNER)                                # late: before the copy
+        assert st.snapshotting.get(bk) == 11
+        ack(11, Status.OK)
+        assert bk in st.synced and bk not in st.snapshotting
+        ack(10, Status.NOT_OWNER)
+        assert bk in st.synced
+        ack(12, Status.NOT_OWNER)                               # after it: copied again
+        assert bk not in st.synced and bk in st.snap_retry
 
 
 def test_a_coming_answer_to_a_sync_extends_the_hand_over_wait(tmp_path):
@@ -1613,10 +1675,10 @@ def _take_rows(node, owner: str, tid: int, seq: int, epoch: int | None = None,
     owner sends to mark a new epoch), with ``marks`` ((sender, incarnation, seq) each),
     stamped ``epoch``, by default the node's: the answer's status.  ``synced``: if the
     copy is not ``owner``'s snapshot plus its ROWS since (ShardState.fed_base), it takes
-    one first, as an owner sends it before any ROWS (stamped the same)."""
+    one first, as an owner sends it before any ROWS, an empty one included (stamped the
+    same)."""
     base = node.shards[(tid, 0)].fed_base
-    if synced and (nrows or marks) and (base is None
-                                        or base[:2] != (members.member_id(owner), 7)):
+    if synced and (base is None or base[:2] != (members.member_id(owner), 7)):
         _take_snapshot(node, owner, tid, seq - 1, epoch)   # (refused: so is the ROWS)
     got: list = []
     node.on_rows(owner, frames.decode(frames.encode_rows(
@@ -2230,18 +2292,97 @@ def test_a_copy_takes_no_rows_behind_a_snapshot_it_refused(tmp_path):
 
         asyncio.run(flip())
         assert node.members.epoch == 2 and node.owner(st.key) == a and st.owner_since == 2
-        # the ROWS queued behind the refused snapshot (stamped with a's epoch, 2 by now)
+        # the ROWS queued behind the refused snapshot (stamped with a's epoch, 2 by now),
+        # and an epoch's mark (its answer would count as this copy holding a's rows)
         assert _take_rows(node, a, info.tid, 2, marks=[(b_stream[0], 7, 231)],
                           synced=False) is Status.NOT_OWNER
+        assert _take_rows(node, a, info.tid, 3, nrows=0, synced=False) is Status.NOT_OWNER
         np.testing.assert_array_equal(node.store[name].pull(), np.full((8, 4), 5, np.float32))
         assert st.dedup.floor(b_stream) == 141 and st.dedup.above(b_stream) == ()
-        assert node.metrics.rejected_c.labels("unsynced")._value.get() == 1
+        assert node.metrics.rejected_c.labels("unsynced")._value.get() == 2
         # a copies this host again (the refusal's answer), then its ROWS are taken
-        assert _take_snapshot(node, a, info.tid, 3, 2, marks=[(b_stream[0], 7, 231)],
+        assert _take_snapshot(node, a, info.tid, 4, 2, marks=[(b_stream[0], 7, 231)],
                               value=8.0) is Status.OK
-        assert _take_rows(node, a, info.tid, 4, marks=[(b_stream[0], 7, 232)]) is Status.OK
-        np.testing.assert_array_equal(node.store[name].pull(), np.full((8, 4), 4, np.float32))
+        assert _take_rows(node, a, info.tid, 9, marks=[(b_stream[0], 7, 232)]) is Status.OK
+        np.testing.assert_array_equal(node.store[name].pull(), np.full((8, 4), 9, np.float32))
         assert st.dedup.floor(b_stream) == 232
+        # The same at one epoch number (as K3-5's joiner saw it), on a copy that was the
+        # owner's: the refused snapshot voids it, and the ROWS behind it are refused
+        everyone = {me: State.ALIVE, a: State.ALIVE, b: State.ALIVE}
+        without_a = {me: State.ALIVE, a: State.DEAD, b: State.ALIVE}
+
+        async def view(v: dict) -> None:
+            node._on_changes(node.members.adopt(v, 3, same_epoch=True))
+            await asyncio.sleep(0)
+
+        asyncio.run(view(everyone))
+        assert node.members.epoch == 3 and node.owner(st.key) == a
+        assert _take_snapshot(node, a, info.tid, 10, 3, marks=[(b_stream[0], 7, 232)],
+                              value=6.0) is Status.OK
+        asyncio.run(view(without_a))
+        assert node.owner(st.key) == b
+        assert _take_snapshot(node, a, info.tid, 11, 3, marks=[(b_stream[0], 7, 240)],
+                              value=8.0) is Status.NOT_OWNER
+        asyncio.run(view(everyone))
+        assert node.members.epoch == 3 and node.owner(st.key) == a and st.fed_base is None
+        assert _take_rows(node, a, info.tid, 12, marks=[(b_stream[0], 7, 241)],
+                          synced=False) is Status.NOT_OWNER
+        np.testing.assert_array_equal(node.store[name].pull(), np.full((8, 4), 6, np.float32))
+        assert st.dedup.floor(b_stream) == 232
+
+
+def test_a_snapshot_with_a_refused_chunk_is_refused_through_its_last(tmp_path):
+    """A chunk of an owner's snapshot refused (this host's view gave the shard to another
+    host for a few ms), the owner's chunks after it are refused too, through the LAST:
+    taken, the LAST made the copy the owner's snapshot, marks and all, with the refused
+    chunk's rows missing, and the owner's ROWS went on on top of it.  The owner's next
+    snapshot is taken whole.  (Found by review, 2026-11-26.)  Drives a Bridge, not
+    started, on a real store."""
+    from shmps.bridge.ring import Ring, shard_key
+
+    me, a, b = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
+    with _owner_on_a_store(tmp_path, [me, a, b], "chunks") as (node, _, _st):
+        name = next(f"v{i}" for i in range(1000)
+                    if node.owner(shard_key(f"v{i}", 0)) == a
+                    and Ring([me, b]).owners(shard_key(f"v{i}", 0), 1) == [b])
+        node.store.dense(name, (8, 4), "float32", init=0.0, optimizer="sum")
+        while node.refresh_tensors(budget=None):
+            pass
+        tid = node.by_name[name].tid
+        st = node.shards[(tid, 0)]
+        x = members.member_id(b)
+        got: list = []
+
+        def chunk(rseq: int, start: int, n: int, value: float, last: bool) -> Status:
+            node.on_rows(a, frames.decode(frames.encode_snapshot(
+                epoch=1, sender=members.member_id(a), incarnation=7, tensor=tid, shard=0,
+                seq=ROWS_SEQ_BASE + rseq, values=np.full((n, 4), value, np.float32),
+                start=start, marks=[Mark(x, 7, 50)] if last else (), last=last)),
+                lambda d: got.extend(frames.iter_frames(bytes(d))))
+            return got[-1].status
+
+        async def view(v: dict) -> None:
+            node._on_changes(node.members.adopt(v, 1, same_epoch=True))
+            await asyncio.sleep(0)
+
+        everyone = {me: State.ALIVE, a: State.ALIVE, b: State.ALIVE}
+        asyncio.run(view(everyone))
+        assert chunk(1, 0, 3, 9.0, False) is Status.OK                  # rows 0-2
+        asyncio.run(view({me: State.ALIVE, a: State.DEAD, b: State.ALIVE}))
+        assert chunk(2, 3, 3, 9.0, False) is Status.NOT_OWNER           # rows 3-5: b's now
+        asyncio.run(view(everyone))
+        assert node.owner(st.key) == a
+        assert chunk(3, 6, 2, 9.0, True) is Status.NOT_OWNER            # the LAST
+        assert node.metrics.rejected_c.labels("snapshot_incomplete")._value.get() == 1
+        assert st.fed_base is None and st.snap_partial and st.snap_epoch_seen == -1
+        assert (x, 7, tid, 0) not in st.dedup
+        assert _take_rows(node, a, tid, 4, marks=[(x, 7, 51)], synced=False) is Status.NOT_OWNER
+        # the owner copies this host again: taken
+        assert chunk(5, 0, 4, 7.0, False) is Status.OK
+        assert chunk(6, 4, 4, 7.0, True) is Status.OK
+        assert st.fed_base == (members.member_id(a), 7, 1, 6) and not st.snap_partial
+        assert _take_rows(node, a, tid, 7, marks=[(x, 7, 51)], synced=False) is Status.OK
+        assert st.dedup.floor((x, 7, tid, 0)) == 51
 
 
 def test_a_copy_takes_rows_in_order_on_the_senders_snapshot(tmp_path):

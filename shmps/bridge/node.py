@@ -200,6 +200,9 @@ class ShardState:
     joiners_copied: set = field(default_factory=set)     # joining members sent one in this
                                                          # tenure (_required)
     snapshotting: dict = field(default_factory=dict)     # member -> last rseq of its snapshot
+    copy_first: dict = field(default_factory=dict)       # member -> first rseq of the last copy
+                                                         # queued to it (on_ack: refusals of
+                                                         # frames before it change nothing)
     reading: Optional[str] = None                        # the member whose snapshot is being read
     copied_in: int = 0                                   # ROWS/SNAPSHOT frames written into this copy
     pending: deque = field(default_factory=deque)
@@ -234,6 +237,9 @@ class ShardState:
                                                          # ROW seq of its LAST) of the SNAPSHOT
                                                          # this copy is, plus that sender's
                                                          # ROWS since (on_rows: _unsynced)
+    snap_refused: Optional[tuple] = None                 # (sender, incarnation): a chunk of its
+                                                         # snapshot was refused, so are the rest
+                                                         # through the next LAST (_refuse)
     acked_as_owner: bool = False                         # this host acknowledged batches of
                                                          # the shard as its owner (a SYNC of
                                                          # a later owner gets its copy)
@@ -1085,6 +1091,7 @@ class Bridge:
             st.synced = set()
             st.joiners_copied = set()
             st.snapshotting = {}
+            st.copy_first = {}
             st.acked = {}
             prev = old[0] if old else None
             st.handover_since = prev_since   # (on_rows: the previous owner's ROWS)
@@ -1562,6 +1569,12 @@ class Bridge:
                         st.joiners_copied.add(peer)   # (_required; one sent it as a backup)
                 self._release(key)
             else:
+                if r < st.copy_first.get(peer, 0):
+                    # a frame sent before the copy queued to it since (on_rows refuses a
+                    # ROWS once it refused one before it): that copy replaces what it
+                    # missed.  (Dropped from the copy under way by such late refusals, a
+                    # member on a slow link was sent a third copy.)
+                    return
                 # the replica refused (views differ, or it lacks the tensor): copy it again,
                 # once the views had time to converge
                 st.synced.discard(peer)
@@ -2068,6 +2081,13 @@ class Bridge:
             if base is not None and base[:2] == (f.sender, f.incarnation) \
                     and f.seq - ROWS_SEQ_BASE > base[3]:
                 st.fed_base = None
+            if st is not None and f.type == FrameType.SNAPSHOT:
+                # A chunk refused: the sender's chunks after it, through its LAST, are
+                # refused too (queued back to back).  Taken, the LAST made a copy with
+                # the refused chunk's rows missing (or another history's) the owner's
+                # snapshot, its marks and all (found by review, 2026-11-26)
+                st.snap_refused = (None if f.flags & frames.Flag.LAST
+                                   else (f.sender, f.incarnation))
         self.metrics.rejected(reason)
         if self.debug and f.type != FrameType.BATCH:
             info = self.tensors.get(f.tensor)
@@ -2114,19 +2134,16 @@ class Bridge:
             # later (BUSY); the other shards go on
             return self._refuse(f, reply, Status.BUSY, "snapshot")
         stream = (f.sender, f.incarnation, f.tensor, f.shard)
-        # this copy is this owner's own from here on, no owner's snapshot plus its ROWS:
-        # ROWS of a later owner need its snapshot first (on_rows: _unsynced)
-        st.fed_base = None
         try:
             frames.check_schema(f, dtype=info.gdtype, cols=info.cols, nrows=info.nrows)
             self._check_in_shard(info, f)
         except frames.BadFrame as e:
             log.warning("batch %d from %s refused: %s", f.seq, peer, e)
-            if stream not in st.dedup:
-                st.dedup.advance(stream, f.seq - 1)
-            if st.dedup.check(stream, f.seq) is Verdict.NEW and f.seq == st.dedup.expected(stream):
-                st.dedup.record(stream, f.seq)
-                self._send_marks(key, st, [Mark(f.sender, f.incarnation, f.seq)])
+            if stream in st.dedup and f.seq == st.dedup.expected(stream):
+                return self._reject_recorded(key, st, f, reply, "schema")
+            # (a stream this host does not know yet starts by a GAP at a later frame, as
+            # any does: starting it here counted the frames before this one, still on
+            # their way, as duplicates, never applied)
             return self._refuse(f, reply, Status.REJECTED, "schema")
         if stream not in st.dedup:
             # A stream this host's filter does not know: nothing of it was applied to the
@@ -2166,6 +2183,9 @@ class Bridge:
             index = f.index
         mark = [Mark(f.sender, f.incarnation, f.seq)]
         rows_out = None   # a table's ROWS frame, filled by the push itself
+        # this copy is this owner's own from here on, no owner's snapshot plus its ROWS:
+        # ROWS of a later owner need its snapshot first (on_rows: _unsynced)
+        st.fed_base = None
         try:
             if info.kind == "dense":   # rows in the shard and increasing (checked above)
                 info.t._apply_shard(f.shard, index, f.values, pushes=f.step,
@@ -2184,9 +2204,7 @@ class Bridge:
             return self._refuse(f, reply, Status.BUSY, "capacity")
         except Error as e:
             log.warning("batch %d from %s for %s refused: %s", f.seq, peer, st.key, e)
-            st.dedup.record(stream, f.seq)
-            self._send_marks(key, st, mark)
-            return self._refuse(f, reply, Status.REJECTED, "invalid")
+            return self._reject_recorded(key, st, f, reply, "invalid")
         st.dedup.record(stream, f.seq)
         self.metrics.applied.inc()
         self.metrics.applied_bytes.inc(f.values.nbytes)
@@ -2209,6 +2227,20 @@ class Bridge:
             rd = info.t._read_rows(f.shard, index)
             rseq = self._send_csr_rows(key, info, f.shard, rd, mark)
         self._wait_backups(key, st, reply, self._ack(f, Status.OK), rseq)
+
+    def _reject_recorded(self, key: tuple, st: ShardState, f: frames.Data,
+                         reply: Callable[[bytes], None], reason: str) -> None:
+        """Refuse BATCH ``f``, the next of its stream, for good (REJECTED: the sender drops
+        it), counted done in the shard's duplicate filter so that the stream goes on past
+        it.  Its mark goes to every copy in a ROWS of no rows (a copy refuses a mark that
+        skips a seq: on_rows, _unsynced), and the answer waits for the copies as an
+        acknowledgement does: a new owner whose filter lacked the seq would answer the
+        sender's next batch GAP for good."""
+        st.fed_base = None   # (its filter is this owner's own from here on)
+        st.dedup.record((f.sender, f.incarnation, f.tensor, f.shard), f.seq)
+        self._send_marks(key, st, [Mark(f.sender, f.incarnation, f.seq)])
+        self.metrics.rejected(reason)
+        self._wait_backups(key, st, reply, self._ack(f, Status.REJECTED))
 
     @staticmethod
     def _check_in_shard(info: TInfo, f: frames.Data) -> None:
@@ -2423,6 +2455,8 @@ class Bridge:
             return self._refuse(f, reply, Status.BUSY, "unknown_tensor")
         key = (f.tensor, f.shard)
         st = self.shards[key]
+        if f.type == FrameType.SNAPSHOT and st.snap_refused == (f.sender, f.incarnation):
+            return self._refuse(f, reply, Status.NOT_OWNER, "snapshot_incomplete")
         owner = self.owner(st.key)
         # rows come from the shard's owner in this host's ring, or, while this host waits
         # to take the shard over, from its previous owner (its last ROWS, then its
@@ -2453,7 +2487,7 @@ class Bridge:
             # 2026-11-26: the one misstep in a run that ended every copy 113 pushes
             # short).  A hand-over snapshot is checked by its marks instead (_behind)
             return self._refuse(f, reply, Status.NOT_OWNER, "stale_owner")
-        if f.type == FrameType.ROWS and (f.n or f.marks):
+        if f.type == FrameType.ROWS:
             unsynced = self._unsynced(st, f, since)
             if unsynced is not None:
                 return self._refuse(f, reply, Status.NOT_OWNER, unsynced)
@@ -2581,8 +2615,8 @@ class Bridge:
         reply(self._ack(f, Status.OK))
 
     def _unsynced(self, st: ShardState, f: frames.Data, since: int) -> Optional[str]:
-        """Why ROWS ``f`` (with rows or marks) must not be written into this copy of ``st``,
-        or None.  A ROWS carries the rows its batch changed as the owner's copy holds them
+        """Why ROWS ``f`` must not be written into this copy of ``st``, or None.  A ROWS
+        carries the rows its batch changed as the owner's copy holds them
         after it (absolute values), so it is right only on top of the owner's copy as it
         was just before: the owner's SNAPSHOT and every ROWS of that owner since, none
         missed.  An owner sends ROWS only to members it copied the shard to in its tenure
@@ -2606,7 +2640,9 @@ class Bridge:
           stream in order, and sends a ROWS, or a mark of none for a batch it refused as
           invalid, for each).
 
-        Refused, the owner copies this host again."""
+        An empty ROWS (an epoch's mark) is checked too: the owner counts an answer to it
+        as this copy holding its rows at the epoch (_release), which a copy that is not
+        its snapshot plus its ROWS does not.  Refused, the owner copies this host again."""
         base = st.fed_base
         if base is None or base[:2] != (f.sender, f.incarnation) or base[2] < since:
             return "unsynced"
@@ -2791,6 +2827,7 @@ class Bridge:
             chunks = [frames.restamp_epoch(c, self.members.epoch) for c in chunks]
         if not handover:
             st.snapshotting[member] = st.rseq
+            st.copy_first[member] = rseq + 1
             if self.members.states().get(member) is State.JOINING:
                 # waited for from now on (_required): the ROWS of the batches acknowledged
                 # from now on are queued to it behind this copy
