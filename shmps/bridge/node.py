@@ -2134,17 +2134,6 @@ class Bridge:
             # later (BUSY); the other shards go on
             return self._refuse(f, reply, Status.BUSY, "snapshot")
         stream = (f.sender, f.incarnation, f.tensor, f.shard)
-        try:
-            frames.check_schema(f, dtype=info.gdtype, cols=info.cols, nrows=info.nrows)
-            self._check_in_shard(info, f)
-        except frames.BadFrame as e:
-            log.warning("batch %d from %s refused: %s", f.seq, peer, e)
-            if stream in st.dedup and f.seq == st.dedup.expected(stream):
-                return self._reject_recorded(key, st, f, reply, "schema")
-            # (a stream this host does not know yet starts by a GAP at a later frame, as
-            # any does: starting it here counted the frames before this one, still on
-            # their way, as duplicates, never applied)
-            return self._refuse(f, reply, Status.REJECTED, "schema")
         if stream not in st.dedup:
             # A stream this host's filter does not know: nothing of it was applied to the
             # shard (its copies all carry the marks of what was), but this frame may be
@@ -2171,6 +2160,16 @@ class Bridge:
                 log.warning("GAP %s from %s seq %d expected %d (epoch %d)", st.key, peer, f.seq,
                             st.dedup.expected(stream), self.members.epoch)
             return self._refuse(f, reply, Status.GAP, "gap")
+        try:
+            frames.check_schema(f, dtype=info.gdtype, cols=info.cols, nrows=info.nrows)
+            self._check_in_shard(info, f)
+        except frames.BadFrame as e:
+            # checked here, the stream's next frame (as every batch is: the sender
+            # releases its frames by the highest seq answered): a malformed frame that
+            # started an unknown stream, or one past a gap, counted the frames before
+            # it, still on their way, as done, never applied
+            log.warning("batch %d from %s refused: %s", f.seq, peer, e)
+            return self._reject_recorded(key, st, f, reply, "schema")
         if self._copy_backed_up(ROWS_AHEAD, st):
             # the copies do not take the changed rows as fast as batches come: the sender
             # retries shortly, its pushes summing in its outbox meanwhile
