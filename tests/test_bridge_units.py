@@ -1078,6 +1078,30 @@ async def _data_connection(node, member: str):
             client.close()
 
 
+@contextlib.asynccontextmanager
+async def _link_connection(node, member: str):
+    """A real websocket connection as ``node``'s own link to ``member`` (the connection
+    its SYNC frames, and ``member``'s ROWS to it, take), its far end an echo server's:
+    yields the server end, on which what the node sends arrives.  The link's task (its
+    connect loop) is not started."""
+    from shmps.bridge import node as bridge_node, wsstream
+    from test_bridge_wsstream import Server
+
+    async with Server() as srv:
+        client = await wsstream.connect("127.0.0.1", srv.port, "/ws", max_msg=1 << 24,
+                                        timeout=5)
+        while not srv.streams:
+            await asyncio.sleep(0.01)
+        link = bridge_node.Link.__new__(bridge_node.Link)
+        link.node, link.addr, link.conn = node, member, bridge_node.Conn(client, member)
+        node.links[member] = link
+        try:
+            yield srv.streams[-1]
+        finally:
+            del node.links[member]
+            client.close()
+
+
 def test_a_new_owner_waits_while_the_hand_over_is_arriving(tmp_path):
     """A new owner waits for the previous owner's hand-over snapshot at most
     HANDOVER_TIMEOUT, counted from the last frame it had from it: a snapshot whose chunks
@@ -2335,6 +2359,50 @@ def test_a_copy_takes_no_rows_behind_a_snapshot_it_refused(tmp_path):
         assert st.dedup.floor(b_stream) == 232
 
 
+def test_a_copy_replaced_by_another_hosts_snapshot_tells_its_owner(tmp_path):
+    """A copy that was owner A's snapshot plus its ROWS takes B's snapshot (B owned the
+    shard in this host's view for a few ms at one epoch number): it sends A a SYNC, on
+    which A counts it unsynced and copies it again.  A counted it synced, and would
+    have acknowledged resent batches (duplicates) by its earlier answers while this
+    copy no longer held them, until its next ROWS was refused.  A copy from A itself
+    sends nothing.  (Found by review, 2026-11-26.)  Drives a Bridge, not started, on a
+    real store, with a real websocket connection as its link to A."""
+    from shmps.bridge.ring import Ring, shard_key
+    from test_bridge_wsstream import collect
+
+    me, a, b = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
+    with _owner_on_a_store(tmp_path, [me, a, b], "tellsync") as (node, _, _st):
+        name = next(f"v{i}" for i in range(1000)
+                    if node.owner(shard_key(f"v{i}", 0)) == a
+                    and Ring([me, b]).owners(shard_key(f"v{i}", 0), 1) == [b])
+        node.store.dense(name, (8, 4), "float32", init=0.0, optimizer="sum")
+        while node.refresh_tensors(budget=None):
+            pass
+        tid = node.by_name[name].tid
+        st = node.shards[(tid, 0)]
+
+        async def view(v: dict) -> None:
+            node._on_changes(node.members.adopt(v, 1, same_epoch=True))
+            await asyncio.sleep(0)
+
+        async def main() -> list:
+            async with _link_connection(node, a) as far:
+                got = asyncio.ensure_future(collect(far, 1))
+                await view({me: State.ALIVE, a: State.ALIVE, b: State.ALIVE})
+                assert _take_snapshot(node, a, tid, 1, 1) is Status.OK
+                assert _take_snapshot(node, a, tid, 2, 1) is Status.OK    # a's again: no SYNC
+                await asyncio.sleep(0.2)
+                assert not got.done()
+                await view({me: State.ALIVE, a: State.DEAD, b: State.ALIVE})
+                assert node.owner(st.key) == b
+                assert _take_snapshot(node, b, tid, 1, 1) is Status.OK
+                return [frames.decode(f) for f in await asyncio.wait_for(got, 10)]
+
+        sent = asyncio.run(asyncio.wait_for(main(), 30))
+        assert [(type(f), f.tensor, f.shard) for f in sent] == [(frames.Sync, tid, 0)]
+        assert st.fed_base[4] == b
+
+
 def test_a_snapshot_with_a_refused_chunk_is_refused_through_its_last(tmp_path):
     """A chunk of an owner's snapshot refused (this host's view gave the shard to another
     host for a few ms), the owner's chunks after it are refused too, through the LAST:
@@ -2384,7 +2452,7 @@ def test_a_snapshot_with_a_refused_chunk_is_refused_through_its_last(tmp_path):
         # the owner copies this host again: taken
         assert chunk(5, 0, 4, 7.0, False) is Status.OK
         assert chunk(6, 4, 4, 7.0, True) is Status.OK
-        assert st.fed_base == (members.member_id(a), 7, 1, 6) and not st.snap_partial
+        assert st.fed_base == (members.member_id(a), 7, 1, 6, a) and not st.snap_partial
         assert _take_rows(node, a, tid, 7, marks=[(x, 7, 51)], synced=False) is Status.OK
         assert st.dedup.floor((x, 7, tid, 0)) == 51
 
@@ -2418,7 +2486,8 @@ def test_a_copy_takes_rows_in_order_on_the_senders_snapshot(tmp_path):
 
         def synced(owner: str, rseq: int, floor: int) -> None:
             assert _take_snapshot(node, owner, tid, rseq, marks=[(s, 7, floor)]) is Status.OK
-            assert st.fed_base == (members.member_id(owner), 7, node.members.epoch, rseq)
+            assert st.fed_base == (members.member_id(owner), 7, node.members.epoch, rseq,
+                                   owner)
 
         def refused(why: str) -> int:
             return node.metrics.rejected_c.labels(why)._value.get()

@@ -37,7 +37,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import numpy as np
 
@@ -181,6 +181,16 @@ class Pending:
     ack: bytes
 
 
+class FedBase(NamedTuple):
+    """The owner's SNAPSHOT a copy is, plus that owner's ROWS since (on_rows, _unsynced)."""
+
+    sender: int          # the owner's member id and process
+    incarnation: int
+    epoch: int           # the snapshot's frame epoch
+    rseq: int            # the ROW seq of its LAST chunk
+    peer: str            # the owner's address
+
+
 @dataclass
 class ShardState:
     """What this host knows about one shard, in every role."""
@@ -233,10 +243,8 @@ class ShardState:
     fed_epoch: int = -1                                  # the epoch of that ROWS or SNAPSHOT
     snap_partial: bool = False                           # chunks of a SNAPSHOT written, its
                                                          # LAST (and marks) not yet
-    fed_base: Optional[tuple] = None                     # (sender, incarnation, frame epoch,
-                                                         # ROW seq of its LAST) of the SNAPSHOT
-                                                         # this copy is, plus that sender's
-                                                         # ROWS since (on_rows: _unsynced)
+    fed_base: Optional[FedBase] = None                   # the owner's SNAPSHOT this copy is,
+                                                         # plus its ROWS since (_unsynced)
     snap_refused: Optional[tuple] = None                 # (sender, incarnation): a chunk of its
                                                          # snapshot was refused, so are the rest
                                                          # through the next LAST (_refuse)
@@ -2078,8 +2086,8 @@ class Bridge:
             # snapshot chunks in the order it builds them): that snapshot holds its rows
             st = self.shards.get((f.tensor, f.shard))
             base = st.fed_base if st is not None else None
-            if base is not None and base[:2] == (f.sender, f.incarnation) \
-                    and f.seq - ROWS_SEQ_BASE > base[3]:
+            if base is not None and (base.sender, base.incarnation) == (f.sender, f.incarnation) \
+                    and f.seq - ROWS_SEQ_BASE > base.rseq:
                 st.fed_base = None
             if st is not None and f.type == FrameType.SNAPSHOT:
                 # A chunk refused: the sender's chunks after it, through its LAST, are
@@ -2547,7 +2555,7 @@ class Bridge:
                 self._handover_given_up(st, time.monotonic())
                 return self._refuse(f, reply, Status.NOT_OWNER, "stale_handover")
         if f.type == FrameType.SNAPSHOT:
-            st.fed_base = None   # (set again by its LAST, below)
+            self._void_fed_base(key, st, f)   # (set again by its LAST, below)
         try:
             frames.check_schema(f, dtype=info.dtype, cols=info.cols, nrows=info.nrows)
             if f.n:
@@ -2581,7 +2589,7 @@ class Bridge:
             # (say, while it applied batches cut off from the majority) are not the shard's
             st.dedup = Dedup()
             st.first_seen.clear()
-            st.fed_base = (f.sender, f.incarnation, f.epoch, f.seq - ROWS_SEQ_BASE)
+            st.fed_base = FedBase(f.sender, f.incarnation, f.epoch, f.seq - ROWS_SEQ_BASE, peer)
         if f.type == FrameType.SNAPSHOT and not f.flags & frames.Flag.LAST:
             marks = ()   # (the first chunk's: to check, above; they count with the last)
         else:
@@ -2643,9 +2651,10 @@ class Bridge:
         as this copy holding its rows at the epoch (_release), which a copy that is not
         its snapshot plus its ROWS does not.  Refused, the owner copies this host again."""
         base = st.fed_base
-        if base is None or base[:2] != (f.sender, f.incarnation) or base[2] < since:
+        if base is None or (base.sender, base.incarnation) != (f.sender, f.incarnation) \
+                or base.epoch < since:
             return "unsynced"
-        if f.seq - ROWS_SEQ_BASE <= base[3]:
+        if f.seq - ROWS_SEQ_BASE <= base.rseq:
             return "before_snapshot"
         if not f.flags & frames.Flag.FLOOR_MARKS:
             for m in f.marks:
@@ -2658,6 +2667,26 @@ class Bridge:
                                 st.dedup.expected(stream))
                     return "rows_skipped"
         return None
+
+    def _void_fed_base(self, key: tuple, st: ShardState, f: frames.Data) -> None:
+        """SNAPSHOT chunk ``f`` is about to be written into this copy of ``key``: it is no
+        longer the snapshot it was plus its owner's ROWS (``st.fed_base``).  If another
+        host's plain snapshot replaces it, that owner is told with a SYNC (which makes it
+        count this host unsynced and copy it again, on_frame): it counted this host
+        synced, and would acknowledge resent batches (duplicates) by this host's earlier
+        answers while this copy may no longer hold them, until its next ROWS was refused
+        (found by review, 2026-11-26).  Not for a hand-over: it goes to an owner, which
+        the previous owner no longer is."""
+        base = st.fed_base
+        st.fed_base = None
+        if (base is None or (base.sender, base.incarnation) == (f.sender, f.incarnation)
+                or f.flags & frames.Flag.HANDOVER):
+            return
+        link = self.links.get(base.peer)
+        if link is not None and link.send(frames.encode_sync(
+                epoch=self.members.epoch, sender=self.mid, incarnation=self.incarnation,
+                tensor=key[0], shard=key[1], seq=SYNC_SEQ)):
+            self.metrics.sent("sync", frames.HEADER.size)
 
     def _behind(self, st: ShardState, f: frames.Data) -> Optional[tuple]:
         """Whether hand-over chunk ``f``'s marks (floors) lack a batch this host's copy
