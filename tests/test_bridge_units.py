@@ -1043,18 +1043,24 @@ def _owner_on_a_store(tmp_path, members_: list, store: str, owners: int = 1, **c
         node.store.destroy()
 
 
-def _tensor_owned_by(node, member: str):
+def _tensor_owned_by(node, member: str, ring_: list | None = None, there: str | None = None,
+                     prefix: str = "v", pushed: bool = True):
     """On a node of ``_owner_on_a_store``: a dense (8, 4) float32 "sum" tensor whose shard 0
-    ``member`` owns in the node's ring, this host's copy pushed to 5: (name, TInfo, shard
-    0's ShardState)."""
+    ``member`` owns in the node's ring (and ``there`` in a ring of the members ``ring_``),
+    this host's copy pushed to 5 unless not ``pushed``: (name, TInfo, shard 0's
+    ShardState)."""
     from shmps.bridge.ring import shard_key
 
-    name = next(f"v{i}" for i in range(1000) if node.owner(shard_key(f"v{i}", 0)) == member)
+    name = next(f"{prefix}{i}" for i in range(1000)
+                if node.owner(shard_key(f"{prefix}{i}", 0)) == member
+                and (ring_ is None
+                     or ring.Ring(ring_).owners(shard_key(f"{prefix}{i}", 0), 1) == [there]))
     node.store.dense(name, (8, 4), "float32", init=0.0, optimizer="sum")
     while node.refresh_tensors(budget=None):
         pass
     info = node.by_name[name]
-    node.store[name].push(np.full((8, 4), 5, np.float32))
+    if pushed:
+        node.store[name].push(np.full((8, 4), 5, np.float32))
     return name, info, node.shards[(info.tid, 0)]
 
 
@@ -2239,19 +2245,9 @@ def test_a_previous_owners_rows_from_before_its_tenure_are_no_hand_over(tmp_path
     host took the peer's ROWS of three epochs before as its last ones: the one misstep
     in the logs of a flapping network run that ended with every copy 113 pushes short,
     2026-11-26.)  Drives a Bridge, not started, on a real store."""
-    from shmps.bridge.ring import Ring, shard_key
-
     me, other, third = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
     with _owner_on_a_store(tmp_path, [me, other, third], "handsince") as (node, _, _st):
-        name = next(f"v{i}" for i in range(1000)
-                    if node.owner(shard_key(f"v{i}", 0)) == me
-                    and Ring([other, third]).owners(shard_key(f"v{i}", 0), 1) == [other])
-        node.store.dense(name, (8, 4), "float32", init=0.0, optimizer="sum")
-        while node.refresh_tensors(budget=None):
-            pass
-        info = node.by_name[name]
-        st = node.shards[(info.tid, 0)]
-        node.store[name].push(np.full((8, 4), 5, np.float32))
+        name, info, st = _tensor_owned_by(node, me, [other, third], other)
         got: list = []
 
         def rows(epoch: int, seq: int, value: float) -> Status:
@@ -2292,19 +2288,9 @@ def test_a_copy_takes_no_rows_behind_a_snapshot_it_refused(tmp_path):
     did not, and the host that owned the shard next applied them again: an over-count,
     the flapping network test, 2026-11-26.)  Drives a Bridge, not started, on a real
     store."""
-    from shmps.bridge.ring import Ring, shard_key
-
     me, a, b = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
     with _owner_on_a_store(tmp_path, [me, a, b], "k35") as (node, _, _st):
-        name = next(f"v{i}" for i in range(1000)
-                    if node.owner(shard_key(f"v{i}", 0)) == a
-                    and Ring([me, b]).owners(shard_key(f"v{i}", 0), 1) == [b])
-        node.store.dense(name, (8, 4), "float32", init=0.0, optimizer="sum")
-        while node.refresh_tensors(budget=None):
-            pass
-        info = node.by_name[name]
-        st = node.shards[(info.tid, 0)]
-        node.store[name].push(np.full((8, 4), 5, np.float32))   # this host's own copy
+        name, info, st = _tensor_owned_by(node, a, [me, b], b)   # (its copy: its own, 5)
         b_stream = (members.member_id(b), 7, info.tid, 0)
         st.dedup.advance(b_stream, 141)
 
@@ -2367,19 +2353,13 @@ def test_a_copy_replaced_by_another_hosts_snapshot_tells_its_owner(tmp_path):
     copy no longer held them, until its next ROWS was refused.  A copy from A itself
     sends nothing.  (Found by review, 2026-11-26.)  Drives a Bridge, not started, on a
     real store, with a real websocket connection as its link to A."""
-    from shmps.bridge.ring import Ring, shard_key
     from test_bridge_wsstream import collect
 
     me, a, b = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
     with _owner_on_a_store(tmp_path, [me, a, b], "tellsync") as (node, _, _st):
-        name = next(f"v{i}" for i in range(1000)
-                    if node.owner(shard_key(f"v{i}", 0)) == a
-                    and Ring([me, b]).owners(shard_key(f"v{i}", 0), 1) == [b])
-        node.store.dense(name, (8, 4), "float32", init=0.0, optimizer="sum")
-        while node.refresh_tensors(budget=None):
-            pass
-        tid = node.by_name[name].tid
-        st = node.shards[(tid, 0)]
+        name, info, st = _tensor_owned_by(node, a, [me, b], b,
+                                          pushed=False)
+        tid = info.tid
 
         async def view(v: dict) -> None:
             node._on_changes(node.members.adopt(v, 1, same_epoch=True))
@@ -2410,18 +2390,11 @@ def test_a_snapshot_with_a_refused_chunk_is_refused_through_its_last(tmp_path):
     chunk's rows missing, and the owner's ROWS went on on top of it.  The owner's next
     snapshot is taken whole.  (Found by review, 2026-11-26.)  Drives a Bridge, not
     started, on a real store."""
-    from shmps.bridge.ring import Ring, shard_key
-
     me, a, b = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
     with _owner_on_a_store(tmp_path, [me, a, b], "chunks") as (node, _, _st):
-        name = next(f"v{i}" for i in range(1000)
-                    if node.owner(shard_key(f"v{i}", 0)) == a
-                    and Ring([me, b]).owners(shard_key(f"v{i}", 0), 1) == [b])
-        node.store.dense(name, (8, 4), "float32", init=0.0, optimizer="sum")
-        while node.refresh_tensors(budget=None):
-            pass
-        tid = node.by_name[name].tid
-        st = node.shards[(tid, 0)]
+        name, info, st = _tensor_owned_by(node, a, [me, b], b,
+                                          pushed=False)
+        tid = info.tid
         x = members.member_id(b)
         got: list = []
 
@@ -2469,18 +2442,11 @@ def test_a_copy_takes_rows_in_order_on_the_senders_snapshot(tmp_path):
     it knows (the ROWS in between lost) is refused.  If nothing came from another host
     meanwhile, the owner's ROWS are taken after such a flip.  Drives a Bridge, not
     started, on a real store."""
-    from shmps.bridge.ring import Ring, shard_key
-
     me, a, b = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
     with _owner_on_a_store(tmp_path, [me, a, b], "fedbase") as (node, _, _st):
-        name = next(f"v{i}" for i in range(1000)
-                    if node.owner(shard_key(f"v{i}", 0)) == a
-                    and Ring([me, b]).owners(shard_key(f"v{i}", 0), 1) == [b])
-        node.store.dense(name, (8, 4), "float32", init=0.0, optimizer="sum")
-        while node.refresh_tensors(budget=None):
-            pass
-        tid = node.by_name[name].tid
-        st = node.shards[(tid, 0)]
+        name, info, st = _tensor_owned_by(node, a, [me, b], b,
+                                          pushed=False)
+        tid = info.tid
         s = members.member_id(b)
         stream = (s, 7, tid, 0)
 
@@ -2542,14 +2508,9 @@ def test_a_copy_takes_rows_in_order_on_the_senders_snapshot(tmp_path):
         asyncio.run(flip(everyone))
         assert rows(14, 15) is Status.NOT_OWNER and st.dedup.floor(stream) == 14
         # so does a batch this host took as the owner (of a shard it owns without a)
-        name = next(f"u{i}" for i in range(1000)
-                    if node.owner(shard_key(f"u{i}", 0)) == a
-                    and Ring([me, b]).owners(shard_key(f"u{i}", 0), 1) == [me])
-        node.store.dense(name, (8, 4), "float32", init=0.0, optimizer="sum")
-        while node.refresh_tensors(budget=None):
-            pass
-        tid = node.by_name[name].tid
-        st = node.shards[(tid, 0)]
+        name, info, st = _tensor_owned_by(node, a, [me, b], me,
+                                          pushed=False, prefix="u")
+        tid = info.tid
         synced(a, 1, 14)
         asyncio.run(flip(without_a))
         node.on_heartbeat(b, _heartbeat(b, 1, without_a, seq=2))   # b acts by it too
