@@ -1098,8 +1098,9 @@ async def _link_connection(node, member: str):
                                         timeout=5)
         while not srv.streams:
             await asyncio.sleep(0.01)
-        link = bridge_node.Link.__new__(bridge_node.Link)
-        link.node, link.addr, link.conn = node, member, bridge_node.Conn(client, member)
+        link = bridge_node.Link(node, member)
+        link.task.cancel()                                      # (no connect loop)
+        link.conn = bridge_node.Conn(client, member)
         node.links[member] = link
         try:
             yield srv.streams[-1]
@@ -1241,7 +1242,8 @@ def test_an_owner_sends_its_copies_the_mark_of_a_batch_it_refused_as_invalid(tmp
     for the backup as an acknowledgement does (a new owner whose filter lacked the seq
     would answer the sender's next batch GAP for good).  It is checked as the stream's
     next frame, as any batch is: a malformed first frame of a stream the owner does not
-    know yet is answered GAP first (the frames before it may be on their way).  Drives a Bridge, not started, on a real store, with a real websocket
+    know yet is answered GAP first (the frames before it may be on their way).  Drives a
+    Bridge, not started, on a real store, with a real websocket
     connection to the backup."""
     from shmps.bridge import node as bridge_node
     from test_bridge_wsstream import collect
@@ -1333,6 +1335,15 @@ def test_an_owner_ignores_refusals_of_frames_sent_before_the_copy_it_queued(tmp_
         assert bk in st.synced
         ack(12, Status.NOT_OWNER)                               # after it: copied again
         assert bk not in st.synced and bk in st.snap_retry
+        # the member's copy replaced by another host's snapshot: it answers the LAST of
+        # the copy it was NOT_OWNER (_before_chunk), before or after its OK came
+        for first, then in ((Status.NOT_OWNER, Status.OK), (Status.OK, Status.NOT_OWNER)):
+            st.snap_retry.clear()
+            asyncio.run(main())
+            last = st.snapshotting[bk]
+            ack(last, first)
+            ack(last, then)
+            assert bk not in st.synced and bk not in st.snapshotting and bk in st.snap_retry
 
 
 def test_a_coming_answer_to_a_sync_extends_the_hand_over_wait(tmp_path):
@@ -1712,7 +1723,8 @@ def _take_rows(node, owner: str, tid: int, seq: int, epoch: int | None = None,
     one first, as an owner sends it before any ROWS, an empty one included (stamped the
     same)."""
     base = node.shards[(tid, 0)].fed_base
-    if synced and (base is None or base[:2] != (members.member_id(owner), 7)):
+    if synced and (base is None
+                   or (base.sender, base.incarnation) != (members.member_id(owner), 7)):
         _take_snapshot(node, owner, tid, seq - 1, epoch)   # (refused: so is the ROWS)
     got: list = []
     node.on_rows(owner, frames.decode(frames.encode_rows(
@@ -2347,12 +2359,14 @@ def test_a_copy_takes_no_rows_behind_a_snapshot_it_refused(tmp_path):
 
 def test_a_copy_replaced_by_another_hosts_snapshot_tells_its_owner(tmp_path):
     """A copy that was owner A's snapshot plus its ROWS takes B's snapshot (B owned the
-    shard in this host's view for a few ms at one epoch number): it sends A a SYNC, on
-    which A counts it unsynced and copies it again.  A counted it synced, and would
-    have acknowledged resent batches (duplicates) by its earlier answers while this
-    copy no longer held them, until its next ROWS was refused.  A copy from A itself
-    sends nothing.  (Found by review, 2026-11-26.)  Drives a Bridge, not started, on a
-    real store, with a real websocket connection as its link to A."""
+    shard in this host's view for a few ms at one epoch number): it sends A a NOT_OWNER
+    answer to that snapshot's LAST, on which A counts it unsynced and copies it again
+    (test_an_owner_ignores_refusals_of_frames_sent_before_the_copy_it_queued has A's
+    side).  A counted it synced, and would have acknowledged resent batches
+    (duplicates) by its earlier answers while this copy no longer held them, until its
+    next ROWS was refused.  A copy from A itself sends nothing.  (Found by review,
+    2026-11-26.)  Drives a Bridge, not started, on a real store, with a real websocket
+    connection as its link to A."""
     from test_bridge_wsstream import collect
 
     me, a, b = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
@@ -2370,7 +2384,7 @@ def test_a_copy_replaced_by_another_hosts_snapshot_tells_its_owner(tmp_path):
                 got = asyncio.ensure_future(collect(far, 1))
                 await view({me: State.ALIVE, a: State.ALIVE, b: State.ALIVE})
                 assert _take_snapshot(node, a, tid, 1, 1) is Status.OK
-                assert _take_snapshot(node, a, tid, 2, 1) is Status.OK    # a's again: no SYNC
+                assert _take_snapshot(node, a, tid, 2, 1) is Status.OK    # a's again: nothing
                 await asyncio.sleep(0.2)
                 assert not got.done()
                 await view({me: State.ALIVE, a: State.DEAD, b: State.ALIVE})
@@ -2379,8 +2393,9 @@ def test_a_copy_replaced_by_another_hosts_snapshot_tells_its_owner(tmp_path):
                 return [frames.decode(f) for f in await asyncio.wait_for(got, 10)]
 
         sent = asyncio.run(asyncio.wait_for(main(), 30))
-        assert [(type(f), f.tensor, f.shard) for f in sent] == [(frames.Sync, tid, 0)]
-        assert st.fed_base[4] == b
+        assert [(type(f), f.tensor, f.shard, f.seq - ROWS_SEQ_BASE, f.status) for f in sent] \
+            == [(frames.Ack, tid, 0, 2, Status.NOT_OWNER)]
+        assert st.fed_base.peer == b
 
 
 def test_a_snapshot_with_a_refused_chunk_is_refused_through_its_last(tmp_path):
@@ -2388,8 +2403,10 @@ def test_a_snapshot_with_a_refused_chunk_is_refused_through_its_last(tmp_path):
     host for a few ms), the owner's chunks after it are refused too, through the LAST:
     taken, the LAST made the copy the owner's snapshot, marks and all, with the refused
     chunk's rows missing, and the owner's ROWS went on on top of it.  The owner's next
-    snapshot is taken whole.  (Found by review, 2026-11-26.)  Drives a Bridge, not
-    started, on a real store."""
+    snapshot is taken whole.  So for each sender: another host's chunk refused meanwhile
+    changes nothing.  And a snapshot of another host taken between two chunks breaks the
+    one under way the same way (the copy a mix of both under the LAST's marks).  (Found
+    by two reviews, 2026-11-26.)  Drives a Bridge, not started, on a real store."""
     me, a, b = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
     with _owner_on_a_store(tmp_path, [me, a, b], "chunks") as (node, _, _st):
         name, info, st = _tensor_owned_by(node, a, [me, b], b,
@@ -2398,9 +2415,10 @@ def test_a_snapshot_with_a_refused_chunk_is_refused_through_its_last(tmp_path):
         x = members.member_id(b)
         got: list = []
 
-        def chunk(rseq: int, start: int, n: int, value: float, last: bool) -> Status:
-            node.on_rows(a, frames.decode(frames.encode_snapshot(
-                epoch=1, sender=members.member_id(a), incarnation=7, tensor=tid, shard=0,
+        def chunk(rseq: int, start: int, n: int, value: float, last: bool,
+                  peer: str = a) -> Status:
+            node.on_rows(peer, frames.decode(frames.encode_snapshot(
+                epoch=1, sender=members.member_id(peer), incarnation=7, tensor=tid, shard=0,
                 seq=ROWS_SEQ_BASE + rseq, values=np.full((n, 4), value, np.float32),
                 start=start, marks=[Mark(x, 7, 50)] if last else (), last=last)),
                 lambda d: got.extend(frames.iter_frames(bytes(d))))
@@ -2425,9 +2443,29 @@ def test_a_snapshot_with_a_refused_chunk_is_refused_through_its_last(tmp_path):
         # the owner copies this host again: taken
         assert chunk(5, 0, 4, 7.0, False) is Status.OK
         assert chunk(6, 4, 4, 7.0, True) is Status.OK
-        assert st.fed_base == (members.member_id(a), 7, 1, 6, a) and not st.snap_partial
+        assert st.fed_base.rseq == 6 and st.fed_base.peer == a and not st.snap_partial
         assert _take_rows(node, a, tid, 7, marks=[(x, 7, 51)], synced=False) is Status.OK
         assert st.dedup.floor((x, 7, tid, 0)) == 51
+        without_a = {me: State.ALIVE, a: State.DEAD, b: State.ALIVE}
+        # another sender's chunk refused meanwhile (b's, a owning it again)
+        assert chunk(10, 0, 3, 6.0, False) is Status.OK
+        asyncio.run(view(without_a))
+        assert chunk(11, 3, 3, 6.0, False) is Status.NOT_OWNER
+        asyncio.run(view(everyone))
+        assert chunk(1, 0, 4, 4.0, False, peer=b) is Status.NOT_OWNER
+        assert chunk(12, 6, 2, 6.0, True) is Status.NOT_OWNER
+        assert st.fed_base is None and st.snap_partial
+        # another host's whole snapshot between two chunks
+        assert chunk(20, 0, 4, 3.0, False) is Status.OK
+        asyncio.run(view(without_a))
+        assert chunk(5, 0, 8, 2.0, True, peer=b) is Status.OK            # (after its 1..4)
+        asyncio.run(view(everyone))
+        assert chunk(21, 4, 4, 3.0, True) is Status.NOT_OWNER
+        assert node.metrics.rejected_c.labels("snapshot_incomplete")._value.get() == 3
+        np.testing.assert_array_equal(node.store[name].pull(), np.full((8, 4), 2, np.float32))
+        assert st.fed_base.peer == b and not st.snap_partial
+        assert chunk(30, 0, 8, 1.0, True) is Status.OK                   # a's next copy
+        assert st.fed_base.peer == a
 
 
 def test_a_copy_takes_rows_in_order_on_the_senders_snapshot(tmp_path):

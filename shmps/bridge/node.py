@@ -184,8 +184,8 @@ class Pending:
 class FedBase(NamedTuple):
     """The owner's SNAPSHOT a copy is, plus that owner's ROWS since (on_rows, _unsynced)."""
 
-    sender: int          # the owner's member id and process
-    incarnation: int
+    sender: int          # the owner's member id
+    incarnation: int     # its process
     epoch: int           # the snapshot's frame epoch
     rseq: int            # the ROW seq of its LAST chunk
     peer: str            # the owner's address
@@ -245,9 +245,13 @@ class ShardState:
                                                          # LAST (and marks) not yet
     fed_base: Optional[FedBase] = None                   # the owner's SNAPSHOT this copy is,
                                                          # plus its ROWS since (_unsynced)
-    snap_refused: Optional[tuple] = None                 # (sender, incarnation): a chunk of its
-                                                         # snapshot was refused, so are the rest
-                                                         # through the next LAST (_refuse)
+    snap_open: Optional[tuple] = None                    # (sender, incarnation, ROW seq) of the
+                                                         # last chunk taken of a snapshot whose
+                                                         # LAST has not come
+    snap_broken: dict = field(default_factory=dict)      # (sender, incarnation) -> ROW seq of
+                                                         # a chunk of its snapshot refused, or
+                                                         # the last taken before another's was
+                                                         # written: the next chunk is refused
     acked_as_owner: bool = False                         # this host acknowledged batches of
                                                          # the shard as its owner (a SYNC of
                                                          # a later owner gets its copy)
@@ -1080,6 +1084,7 @@ class Bridge:
             st.pending.clear()
             st.synced.clear()
             st.snapshotting.clear()
+            st.copy_first.clear()
             st.handover_from = None   # only an owner waits for a hand-over
             st.handover_next = []
             # (a host that never acted owned nothing: a joiner's first ring counted it
@@ -2074,7 +2079,11 @@ class Bridge:
         hand-over wait that ends there: the frames before it are refused, and the first
         after it is not the oldest), so any other refusal asks for the GAP again.  (A
         read that ended mid-resend started a stream at seq 86; its 85 earlier batches
-        were then acknowledged as duplicates and never applied.)"""
+        were then acknowledged as duplicates and never applied.)
+
+        A refused ROWS or SNAPSHOT chunk makes this copy incomplete for its sender: its
+        later ROWS are refused until it copies this host again (on_rows: _unsynced), and
+        so are the rest of that snapshot's chunks (snapshot_incomplete)."""
         if status is not Status.GAP and f.type == FrameType.BATCH:
             st = self.shards.get((f.tensor, f.shard))
             if st is not None:
@@ -2090,12 +2099,17 @@ class Bridge:
                     and f.seq - ROWS_SEQ_BASE > base.rseq:
                 st.fed_base = None
             if st is not None and f.type == FrameType.SNAPSHOT:
-                # A chunk refused: the sender's chunks after it, through its LAST, are
-                # refused too (queued back to back).  Taken, the LAST made a copy with
-                # the refused chunk's rows missing (or another history's) the owner's
-                # snapshot, its marks and all (found by review, 2026-11-26)
-                st.snap_refused = (None if f.flags & frames.Flag.LAST
-                                   else (f.sender, f.incarnation))
+                # A chunk refused, the chunk numbered next (a snapshot's chunks are
+                # numbered in a row) is refused too, and so on through the LAST: taken,
+                # the LAST would make this copy the sender's snapshot, its marks and all,
+                # with the refused chunk's rows missing (found by review, 2026-11-26)
+                who = (f.sender, f.incarnation)
+                if f.flags & frames.Flag.LAST:
+                    st.snap_broken.pop(who, None)
+                else:
+                    st.snap_broken[who] = f.seq - ROWS_SEQ_BASE
+                if st.snap_open is not None and st.snap_open[:2] == who:
+                    st.snap_open = None
         self.metrics.rejected(reason)
         if self.debug and f.type != FrameType.BATCH:
             info = self.tensors.get(f.tensor)
@@ -2190,9 +2204,6 @@ class Bridge:
             index = f.index
         mark = [Mark(f.sender, f.incarnation, f.seq)]
         rows_out = None   # a table's ROWS frame, filled by the push itself
-        # this copy is this owner's own from here on, no owner's snapshot plus its ROWS:
-        # ROWS of a later owner need its snapshot first (on_rows: _unsynced)
-        st.fed_base = None
         try:
             if info.kind == "dense":   # rows in the shard and increasing (checked above)
                 info.t._apply_shard(f.shard, index, f.values, pushes=f.step,
@@ -2212,6 +2223,9 @@ class Bridge:
         except Error as e:
             log.warning("batch %d from %s for %s refused: %s", f.seq, peer, st.key, e)
             return self._reject_recorded(key, st, f, reply, "invalid")
+        # this copy is this owner's own from here on, no owner's snapshot plus its ROWS:
+        # ROWS of a later owner need its snapshot first (on_rows: _unsynced)
+        st.fed_base = None
         st.dedup.record(stream, f.seq)
         self.metrics.applied.inc()
         self.metrics.applied_bytes.inc(f.values.nbytes)
@@ -2443,9 +2457,9 @@ class Bridge:
 
     def _send_marks(self, key: tuple, st: ShardState, marks: list) -> None:
         """Send every copy of shard ``key`` a ROWS of no rows with ``marks``: none, an
-        epoch's mark (_send_epoch_rows); or a batch refused as invalid, which the owner's
-        filter records as done, so that the copies' filters expect the seq after it
-        (on_rows: _unsynced)."""
+        epoch's mark (_send_epoch_rows); or a batch refused for good (_reject_recorded),
+        which the owner's filter records as done, so that the copies' filters expect the
+        seq after it (on_rows: _unsynced)."""
         info = self.tensors.get(key[0])
         if info is None:
             return   # (the tensor is gone: nothing to acknowledge for it)
@@ -2462,7 +2476,8 @@ class Bridge:
             return self._refuse(f, reply, Status.BUSY, "unknown_tensor")
         key = (f.tensor, f.shard)
         st = self.shards[key]
-        if f.type == FrameType.SNAPSHOT and st.snap_refused == (f.sender, f.incarnation):
+        if (f.type == FrameType.SNAPSHOT and st.snap_broken.get((f.sender, f.incarnation))
+                == f.seq - ROWS_SEQ_BASE - 1):
             return self._refuse(f, reply, Status.NOT_OWNER, "snapshot_incomplete")
         owner = self.owner(st.key)
         # rows come from the shard's owner in this host's ring, or, while this host waits
@@ -2555,7 +2570,7 @@ class Bridge:
                 self._handover_given_up(st, time.monotonic())
                 return self._refuse(f, reply, Status.NOT_OWNER, "stale_handover")
         if f.type == FrameType.SNAPSHOT:
-            self._void_fed_base(key, st, f)   # (set again by its LAST, below)
+            self._before_chunk(key, st, f)
         try:
             frames.check_schema(f, dtype=info.dtype, cols=info.cols, nrows=info.nrows)
             if f.n:
@@ -2668,25 +2683,38 @@ class Bridge:
                     return "rows_skipped"
         return None
 
-    def _void_fed_base(self, key: tuple, st: ShardState, f: frames.Data) -> None:
-        """SNAPSHOT chunk ``f`` is about to be written into this copy of ``key``: it is no
-        longer the snapshot it was plus its owner's ROWS (``st.fed_base``).  If another
-        host's plain snapshot replaces it, that owner is told with a SYNC (which makes it
-        count this host unsynced and copy it again, on_frame): it counted this host
-        synced, and would acknowledge resent batches (duplicates) by this host's earlier
-        answers while this copy may no longer hold them, until its next ROWS was refused
-        (found by review, 2026-11-26).  Not for a hand-over: it goes to an owner, which
-        the previous owner no longer is."""
+    def _before_chunk(self, key: tuple, st: ShardState, f: frames.Data) -> None:
+        """SNAPSHOT chunk ``f`` is about to be written into this copy of ``key``:
+
+        - The copy is no longer the snapshot it was plus its owner's ROWS
+          (``st.fed_base``; the LAST sets it again).  If another sender's chunk replaces
+          it, that owner is told: a NOT_OWNER answer to that snapshot's LAST, as if this
+          host had refused it, on this host's link to it.  It counted this copy synced,
+          and would acknowledge resent batches (duplicates) by this host's earlier
+          answers while the copy no longer held them, until its next ROWS was refused
+          (found by review, 2026-11-26).  It drops this host from its synced copies and
+          copies it again (on_ack), unless it queued it a copy since (copy_first),
+          whichever of this answer and the LAST's own comes first.
+        - A snapshot of another sender open here (chunks taken, not its LAST) is broken:
+          its next chunk, and so through its LAST, is refused (a chunk of a snapshot of
+          another host written between two of its chunks left this copy a mix of both
+          under the LAST's marks)."""
+        who = (f.sender, f.incarnation)
         base = st.fed_base
         st.fed_base = None
-        if (base is None or (base.sender, base.incarnation) == (f.sender, f.incarnation)
-                or f.flags & frames.Flag.HANDOVER):
-            return
-        link = self.links.get(base.peer)
-        if link is not None and link.send(frames.encode_sync(
-                epoch=self.members.epoch, sender=self.mid, incarnation=self.incarnation,
-                tensor=key[0], shard=key[1], seq=SYNC_SEQ)):
-            self.metrics.sent("sync", frames.HEADER.size)
+        if (base is not None and (base.sender, base.incarnation) != who
+                and (base.sender, base.incarnation) not in self._gone):
+            link = self.links.get(base.peer)
+            frame = frames.encode_ack(epoch=self.members.epoch, sender=self.mid,
+                                      incarnation=self.incarnation, tensor=key[0],
+                                      shard=key[1], seq=ROWS_SEQ_BASE + base.rseq,
+                                      status=Status.NOT_OWNER)
+            if link is not None and link.send(frame):
+                self.metrics.sent("ack", len(frame))
+        if st.snap_open is not None and st.snap_open[:2] != who:
+            st.snap_broken[st.snap_open[:2]] = st.snap_open[2]
+        st.snap_open = (None if f.flags & frames.Flag.LAST
+                        else (f.sender, f.incarnation, f.seq - ROWS_SEQ_BASE))
 
     def _behind(self, st: ShardState, f: frames.Data) -> Optional[tuple]:
         """Whether hand-over chunk ``f``'s marks (floors) lack a batch this host's copy
