@@ -44,8 +44,8 @@ _import_bridge()
 
 from shmps.bridge import auth, frames, members, ring  # noqa: E402
 from shmps.bridge.auth import AuthError  # noqa: E402
-from shmps.bridge.frames import BadFrame, Flag, FrameType, Layout, Mark, Status  # noqa: E402
-from shmps.bridge.node import ROWS_SEQ_BASE  # noqa: E402
+from shmps.bridge.frames import (ROWS_SEQ_BASE, BadFrame, Flag, FrameType, Layout,  # noqa: E402
+                                  Mark, Status)
 from shmps.bridge.members import Membership, State  # noqa: E402
 from shmps.bridge.outq import Backpressure, ByteBudget, Dedup, OutQueue, Verdict  # noqa: E402
 from shmps.errors import CapacityError, InvalidArgument, Timeout  # noqa: E402
@@ -1082,6 +1082,14 @@ async def _data_connection(node, member: str):
             yield client
         finally:
             client.close()
+
+
+async def _in_view(node, view: dict, epoch: int) -> None:
+    """``node`` takes ``view`` (member -> State) at ``epoch``, its own included (a ring of
+    one epoch number changes in a few ms under a flapping network), and lets the tasks
+    the change starts run once."""
+    node._on_changes(node.members.adopt(view, epoch, same_epoch=True))
+    await asyncio.sleep(0)
 
 
 @contextlib.asynccontextmanager
@@ -2337,19 +2345,15 @@ def test_a_copy_takes_no_rows_behind_a_snapshot_it_refused(tmp_path):
         everyone = {me: State.ALIVE, a: State.ALIVE, b: State.ALIVE}
         without_a = {me: State.ALIVE, a: State.DEAD, b: State.ALIVE}
 
-        async def view(v: dict) -> None:
-            node._on_changes(node.members.adopt(v, 3, same_epoch=True))
-            await asyncio.sleep(0)
-
-        asyncio.run(view(everyone))
+        asyncio.run(_in_view(node, everyone, 3))
         assert node.members.epoch == 3 and node.owner(st.key) == a
         assert _take_snapshot(node, a, info.tid, 10, 3, marks=[(b_stream[0], 7, 232)],
                               value=6.0) is Status.OK
-        asyncio.run(view(without_a))
+        asyncio.run(_in_view(node, without_a, 3))
         assert node.owner(st.key) == b
         assert _take_snapshot(node, a, info.tid, 11, 3, marks=[(b_stream[0], 7, 240)],
                               value=8.0) is Status.NOT_OWNER
-        asyncio.run(view(everyone))
+        asyncio.run(_in_view(node, everyone, 3))
         assert node.members.epoch == 3 and node.owner(st.key) == a and st.fed_base is None
         assert _take_rows(node, a, info.tid, 12, marks=[(b_stream[0], 7, 241)],
                           synced=False) is Status.NOT_OWNER
@@ -2371,23 +2375,18 @@ def test_a_copy_replaced_by_another_hosts_snapshot_tells_its_owner(tmp_path):
 
     me, a, b = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
     with _owner_on_a_store(tmp_path, [me, a, b], "tellsync") as (node, _, _st):
-        name, info, st = _tensor_owned_by(node, a, [me, b], b,
-                                          pushed=False)
+        name, info, st = _tensor_owned_by(node, a, [me, b], b, pushed=False)
         tid = info.tid
-
-        async def view(v: dict) -> None:
-            node._on_changes(node.members.adopt(v, 1, same_epoch=True))
-            await asyncio.sleep(0)
 
         async def main() -> list:
             async with _link_connection(node, a) as far:
                 got = asyncio.ensure_future(collect(far, 1))
-                await view({me: State.ALIVE, a: State.ALIVE, b: State.ALIVE})
+                await _in_view(node, {me: State.ALIVE, a: State.ALIVE, b: State.ALIVE}, 1)
                 assert _take_snapshot(node, a, tid, 1, 1) is Status.OK
                 assert _take_snapshot(node, a, tid, 2, 1) is Status.OK    # a's again: nothing
                 await asyncio.sleep(0.2)
                 assert not got.done()
-                await view({me: State.ALIVE, a: State.DEAD, b: State.ALIVE})
+                await _in_view(node, {me: State.ALIVE, a: State.DEAD, b: State.ALIVE}, 1)
                 assert node.owner(st.key) == b
                 assert _take_snapshot(node, b, tid, 1, 1) is Status.OK
                 return [frames.decode(f) for f in await asyncio.wait_for(got, 10)]
@@ -2409,8 +2408,7 @@ def test_a_snapshot_with_a_refused_chunk_is_refused_through_its_last(tmp_path):
     by two reviews, 2026-11-26.)  Drives a Bridge, not started, on a real store."""
     me, a, b = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
     with _owner_on_a_store(tmp_path, [me, a, b], "chunks") as (node, _, _st):
-        name, info, st = _tensor_owned_by(node, a, [me, b], b,
-                                          pushed=False)
+        name, info, st = _tensor_owned_by(node, a, [me, b], b, pushed=False)
         tid = info.tid
         x = members.member_id(b)
         got: list = []
@@ -2424,16 +2422,12 @@ def test_a_snapshot_with_a_refused_chunk_is_refused_through_its_last(tmp_path):
                 lambda d: got.extend(frames.iter_frames(bytes(d))))
             return got[-1].status
 
-        async def view(v: dict) -> None:
-            node._on_changes(node.members.adopt(v, 1, same_epoch=True))
-            await asyncio.sleep(0)
-
         everyone = {me: State.ALIVE, a: State.ALIVE, b: State.ALIVE}
-        asyncio.run(view(everyone))
+        asyncio.run(_in_view(node, everyone, 1))
         assert chunk(1, 0, 3, 9.0, False) is Status.OK                  # rows 0-2
-        asyncio.run(view({me: State.ALIVE, a: State.DEAD, b: State.ALIVE}))
+        asyncio.run(_in_view(node, {me: State.ALIVE, a: State.DEAD, b: State.ALIVE}, 1))
         assert chunk(2, 3, 3, 9.0, False) is Status.NOT_OWNER           # rows 3-5: b's now
-        asyncio.run(view(everyone))
+        asyncio.run(_in_view(node, everyone, 1))
         assert node.owner(st.key) == a
         assert chunk(3, 6, 2, 9.0, True) is Status.NOT_OWNER            # the LAST
         assert node.metrics.rejected_c.labels("snapshot_incomplete")._value.get() == 1
@@ -2449,17 +2443,17 @@ def test_a_snapshot_with_a_refused_chunk_is_refused_through_its_last(tmp_path):
         without_a = {me: State.ALIVE, a: State.DEAD, b: State.ALIVE}
         # another sender's chunk refused meanwhile (b's, a owning it again)
         assert chunk(10, 0, 3, 6.0, False) is Status.OK
-        asyncio.run(view(without_a))
+        asyncio.run(_in_view(node, without_a, 1))
         assert chunk(11, 3, 3, 6.0, False) is Status.NOT_OWNER
-        asyncio.run(view(everyone))
+        asyncio.run(_in_view(node, everyone, 1))
         assert chunk(1, 0, 4, 4.0, False, peer=b) is Status.NOT_OWNER
         assert chunk(12, 6, 2, 6.0, True) is Status.NOT_OWNER
         assert st.fed_base is None and st.snap_partial
         # another host's whole snapshot between two chunks
         assert chunk(20, 0, 4, 3.0, False) is Status.OK
-        asyncio.run(view(without_a))
+        asyncio.run(_in_view(node, without_a, 1))
         assert chunk(5, 0, 8, 2.0, True, peer=b) is Status.OK            # (after its 1..4)
-        asyncio.run(view(everyone))
+        asyncio.run(_in_view(node, everyone, 1))
         assert chunk(21, 4, 4, 3.0, True) is Status.NOT_OWNER
         assert node.metrics.rejected_c.labels("snapshot_incomplete")._value.get() == 3
         np.testing.assert_array_equal(node.store[name].pull(), np.full((8, 4), 2, np.float32))
@@ -2482,8 +2476,7 @@ def test_a_copy_takes_rows_in_order_on_the_senders_snapshot(tmp_path):
     started, on a real store."""
     me, a, b = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
     with _owner_on_a_store(tmp_path, [me, a, b], "fedbase") as (node, _, _st):
-        name, info, st = _tensor_owned_by(node, a, [me, b], b,
-                                          pushed=False)
+        name, info, st = _tensor_owned_by(node, a, [me, b], b, pushed=False)
         tid = info.tid
         s = members.member_id(b)
         stream = (s, 7, tid, 0)
@@ -2524,33 +2517,28 @@ def test_a_copy_takes_rows_in_order_on_the_senders_snapshot(tmp_path):
         without_a = {me: State.ALIVE, a: State.DEAD, b: State.ALIVE}
         everyone = {me: State.ALIVE, a: State.ALIVE, b: State.ALIVE}
 
-        async def flip(view: dict) -> None:
-            node._on_changes(node.members.adopt(view, 1, same_epoch=True))
-            await asyncio.sleep(0)
-
-        asyncio.run(flip(everyone))
+        asyncio.run(_in_view(node, everyone, 1))
         assert node.members.epoch == 1 and node.owner(st.key) == a
-        asyncio.run(flip(without_a))
+        asyncio.run(_in_view(node, without_a, 1))
         assert node.owner(st.key) == b and node.members.epoch == 1
-        asyncio.run(flip(everyone))
+        asyncio.run(_in_view(node, everyone, 1))
         assert node.owner(st.key) == a and st.owner_since == 1
         assert rows(11, 14) is Status.NOT_OWNER          # (a snapshot of epoch 0: before
                                                          # its tenure of this view)
         synced(a, 12, 13)
-        asyncio.run(flip(without_a))
-        asyncio.run(flip(everyone))
+        asyncio.run(_in_view(node, without_a, 1))
+        asyncio.run(_in_view(node, everyone, 1))
         assert rows(13, 14) is Status.OK                 # ... so its ROWS are taken
         # ... but a snapshot of b's taken meanwhile voids the copy
-        asyncio.run(flip(without_a))
+        asyncio.run(_in_view(node, without_a, 1))
         synced(b, 1, 14)
-        asyncio.run(flip(everyone))
+        asyncio.run(_in_view(node, everyone, 1))
         assert rows(14, 15) is Status.NOT_OWNER and st.dedup.floor(stream) == 14
         # so does a batch this host took as the owner (of a shard it owns without a)
-        name, info, st = _tensor_owned_by(node, a, [me, b], me,
-                                          pushed=False, prefix="u")
+        name, info, st = _tensor_owned_by(node, a, [me, b], me, pushed=False, prefix="u")
         tid = info.tid
         synced(a, 1, 14)
-        asyncio.run(flip(without_a))
+        asyncio.run(_in_view(node, without_a, 1))
         node.on_heartbeat(b, _heartbeat(b, 1, without_a, seq=2))   # b acts by it too
         assert node.owner(st.key) == me and node.acting()
         st.handover_from = None                          # (its wait for a's copy over)
@@ -2558,7 +2546,7 @@ def test_a_copy_takes_rows_in_order_on_the_senders_snapshot(tmp_path):
             epoch=1, sender=s, incarnation=7, tensor=tid, shard=0, seq=15,
             values=np.ones((8, 4), np.float32), start=0)), lambda d: None)
         assert st.dedup.floor(stream[:2] + (tid, 0)) == 15 and st.fed_base is None   # applied
-        asyncio.run(flip(everyone))
+        asyncio.run(_in_view(node, everyone, 1))
         assert node.owner(st.key) == a and rows(2, 15) is Status.NOT_OWNER
 
 

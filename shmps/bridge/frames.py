@@ -45,6 +45,9 @@ MAX_STATE = 4
 U32 = (1 << 32) - 1
 U63 = (1 << 63) - 1
 U64 = (1 << 64) - 1
+#: A ROWS or SNAPSHOT frame's seq is its sender's ROW seq for the shard plus this; a
+#: BATCH's is its stream's seq, below it: an ACK's seq tells which of the two it answers
+ROWS_SEQ_BASE = 1 << 63
 
 HEADER = struct.Struct("<4sHHQIIIIQHHI")
 DATA_HEAD = struct.Struct("<HHHHIIQQII")

@@ -46,7 +46,7 @@ from .. import _native, doorbell
 from .._native import lib
 from ..outbox import DrainBuffers
 from . import auth, frames, urgent, wsstream
-from .frames import FrameType, Layout, Mark, Status
+from .frames import ROWS_SEQ_BASE, FrameType, Layout, Mark, Status
 from .members import (DEAD_AFTER, HEARTBEAT_INTERVAL, ON_RING, Membership, State,
                       member_id, normalize_address, parse_address, parse_hosts, read_hosts,
                       watch_file)
@@ -55,7 +55,6 @@ from .ring import Ring, shard_key
 
 log = logging.getLogger("shmps.bridge")
 
-ROWS_SEQ_BASE = 1 << 63          #: ROWS/SNAPSHOT seqs live above this (BATCH seqs below)
 #: the seq of every SYNC, and so of its answer (an ACK): not a BATCH stream's, not a ROWS's
 SYNC_SEQ = ROWS_SEQ_BASE - 1
 TICK = 0.02                      #: maintenance interval (s)
