@@ -2046,11 +2046,11 @@ def test_no_hand_over_of_a_copy_a_snapshot_is_half_written_into(tmp_path):
         async def main() -> tuple:
             async with _data_connection(node, new) as client:
                 got = asyncio.ensure_future(collect(client, 1))
-                st.snap_partial = True       # (as on_rows leaves it after a first chunk)
+                st.snap_open = (members.member_id(third), 7, 1)   # (on_rows: a first chunk)
                 await asyncio.wait_for(node._send_snapshot(key, new, handover=True), 10)
                 await asyncio.sleep(0.3)
                 sent_half = got.done()
-                st.snap_partial = False
+                st.snap_open = None
                 await asyncio.wait_for(node._send_snapshot(key, new, handover=True), 10)
                 return sent_half, [frames.decode(c) for c in await asyncio.wait_for(got, 10)]
 
@@ -2460,6 +2460,15 @@ def test_a_snapshot_with_a_refused_chunk_is_refused_through_its_last(tmp_path):
         assert st.fed_base.peer == b and not st.snap_partial
         assert chunk(30, 0, 8, 1.0, True) is Status.OK                   # a's next copy
         assert st.fed_base.peer == a
+        # both: a chunk of a's refused, then b's whole snapshot taken, then a's LAST
+        assert chunk(40, 0, 4, 3.0, False) is Status.OK
+        asyncio.run(_in_view(node, without_a, 1))
+        assert chunk(41, 4, 2, 3.0, False) is Status.NOT_OWNER
+        assert chunk(6, 0, 8, 2.0, True, peer=b) is Status.OK
+        asyncio.run(_in_view(node, everyone, 1))
+        assert chunk(42, 6, 2, 3.0, True) is Status.NOT_OWNER
+        np.testing.assert_array_equal(node.store[name].pull(), np.full((8, 4), 2, np.float32))
+        assert st.fed_base.peer == b and not st.snap_partial
 
 
 def test_a_copy_takes_rows_in_order_on_the_senders_snapshot(tmp_path):

@@ -240,13 +240,11 @@ class ShardState:
     fed_owners: list = field(default_factory=list)       # the shard's owners in this host's ring
                                                          # when it last took ROWS from the owner
     fed_epoch: int = -1                                  # the epoch of that ROWS or SNAPSHOT
-    snap_partial: bool = False                           # chunks of a SNAPSHOT written, its
-                                                         # LAST (and marks) not yet
     fed_base: Optional[FedBase] = None                   # the owner's SNAPSHOT this copy is,
                                                          # plus its ROWS since (_unsynced)
     snap_open: Optional[tuple] = None                    # (sender, incarnation, ROW seq) of the
-                                                         # last chunk taken of a snapshot whose
-                                                         # LAST has not come
+                                                         # last SNAPSHOT chunk written, while its
+                                                         # LAST (and marks) is not
     snap_broken: dict = field(default_factory=dict)      # (sender, incarnation) -> ROW seq of
                                                          # a chunk of its snapshot refused, or
                                                          # the last taken before another's was
@@ -254,6 +252,12 @@ class ShardState:
     acked_as_owner: bool = False                         # this host acknowledged batches of
                                                          # the shard as its owner (a SYNC of
                                                          # a later owner gets its copy)
+
+    @property
+    def snap_partial(self) -> bool:
+        """Chunks of a SNAPSHOT are written into this copy, its LAST (and marks) not yet:
+        its rows are ahead of its marks (no hand-over of it then)."""
+        return self.snap_open is not None
 
 
 @dataclass
@@ -2107,8 +2111,6 @@ class Bridge:
                     st.snap_broken.pop(who, None)
                 else:
                     st.snap_broken[who] = f.seq - ROWS_SEQ_BASE
-                if st.snap_open is not None and st.snap_open[:2] == who:
-                    st.snap_open = None
         self.metrics.rejected(reason)
         if self.debug and f.type != FrameType.BATCH:
             info = self.tensors.get(f.tensor)
@@ -2222,10 +2224,7 @@ class Bridge:
         except Error as e:
             log.warning("batch %d from %s for %s refused: %s", f.seq, peer, st.key, e)
             return self._reject_recorded(key, st, f, reply, "invalid")
-        # this copy is this owner's own from here on, no owner's snapshot plus its ROWS:
-        # ROWS of a later owner need its snapshot first (on_rows: _unsynced)
-        st.fed_base = None
-        st.dedup.record(stream, f.seq)
+        self._record_as_owner(st, f)
         self.metrics.applied.inc()
         self.metrics.applied_bytes.inc(f.values.nbytes)
         if st.failover_from is not None:
@@ -2248,6 +2247,15 @@ class Bridge:
             rseq = self._send_csr_rows(key, info, f.shard, rd, mark)
         self._wait_backups(key, st, reply, self._ack(f, Status.OK), rseq)
 
+    @staticmethod
+    def _record_as_owner(st: ShardState, f: frames.Data) -> None:
+        """Record BATCH ``f`` as done in this owner's filter of ``st`` (applied or refused
+        for good).  The copy is this owner's own from here on, no longer an owner's
+        snapshot plus its ROWS: the ROWS of a later owner need its snapshot first
+        (on_rows: _unsynced)."""
+        st.fed_base = None
+        st.dedup.record((f.sender, f.incarnation, f.tensor, f.shard), f.seq)
+
     def _reject_recorded(self, key: tuple, st: ShardState, f: frames.Data,
                          reply: Callable[[bytes], None], reason: str) -> None:
         """Refuse BATCH ``f``, the next of its stream, for good (REJECTED: the sender drops
@@ -2256,8 +2264,7 @@ class Bridge:
         skips a seq: on_rows, _unsynced), and the answer waits for the copies as an
         acknowledgement does: a new owner whose filter lacked the seq would answer the
         sender's next batch GAP for good."""
-        st.fed_base = None   # (its filter is this owner's own from here on)
-        st.dedup.record((f.sender, f.incarnation, f.tensor, f.shard), f.seq)
+        self._record_as_owner(st, f)
         self._send_marks(key, st, [Mark(f.sender, f.incarnation, f.seq)])
         self.metrics.rejected(reason)
         self._wait_backups(key, st, reply, self._ack(f, Status.REJECTED))
@@ -2588,7 +2595,8 @@ class Bridge:
         if f.type == FrameType.SNAPSHOT:
             # between a snapshot's first chunk and its LAST the copy holds rows of the
             # sender's copy under this host's older marks: no hand-over of it then
-            st.snap_partial = not f.flags & frames.Flag.LAST
+            st.snap_open = (None if f.flags & frames.Flag.LAST
+                            else (f.sender, f.incarnation, f.seq - ROWS_SEQ_BASE))
         if handover:
             # the previous owner is sending (its last ROWS, its snapshot's chunks): wait
             # on.  Giving up mid-snapshot served a copy of which only the chunks before
@@ -2658,8 +2666,8 @@ class Bridge:
           would put older values back.
         - "rows_skipped": a mark (S, q) of a stream this copy knows, past the next seq
           it expects: the ROWS of the batches between were lost (an owner applies each
-          stream in order, and sends a ROWS, or a mark of none for a batch it refused as
-          invalid, for each).
+          stream in order, and sends a ROWS for each, of no rows but the mark for one it
+          refused for good: _reject_recorded).
 
         An empty ROWS (an epoch's mark) is checked too: the owner counts an answer to it
         as this copy holding its rows at the epoch (_release), which a copy that is not
@@ -2694,10 +2702,11 @@ class Bridge:
           (found by review, 2026-11-26).  It drops this host from its synced copies and
           copies it again (on_ack), unless it queued it a copy since (copy_first),
           whichever of this answer and the LAST's own comes first.
-        - A snapshot of another sender open here (chunks taken, not its LAST) is broken:
-          its next chunk, and so through its LAST, is refused (a chunk of a snapshot of
-          another host written between two of its chunks left this copy a mix of both
-          under the LAST's marks)."""
+        - A snapshot of another sender open here (chunks written, not its LAST) is
+          broken: its next chunk, and so through its LAST, is refused (a chunk of a
+          snapshot of another host written between two of its chunks left this copy a mix
+          of both under the LAST's marks).  Unless a chunk after the one written was
+          refused already, which _refuse recorded."""
         who = (f.sender, f.incarnation)
         base = st.fed_base
         st.fed_base = None
@@ -2711,9 +2720,8 @@ class Bridge:
             if link is not None and link.send(frame):
                 self.metrics.sent("ack", len(frame))
         if st.snap_open is not None and st.snap_open[:2] != who:
-            st.snap_broken[st.snap_open[:2]] = st.snap_open[2]
-        st.snap_open = (None if f.flags & frames.Flag.LAST
-                        else (f.sender, f.incarnation, f.seq - ROWS_SEQ_BASE))
+            other, written = st.snap_open[:2], st.snap_open[2]
+            st.snap_broken[other] = max(st.snap_broken.get(other, written), written)
 
     def _behind(self, st: ShardState, f: frames.Data) -> Optional[tuple]:
         """Whether hand-over chunk ``f``'s marks (floors) lack a batch this host's copy
