@@ -2576,7 +2576,7 @@ class Bridge:
                 self._handover_given_up(st, time.monotonic())
                 return self._refuse(f, reply, Status.NOT_OWNER, "stale_handover")
         if f.type == FrameType.SNAPSHOT:
-            self._before_chunk(key, st, f)
+            self._before_chunk(st, f)
         try:
             frames.check_schema(f, dtype=info.dtype, cols=info.cols, nrows=info.nrows)
             if f.n:
@@ -2690,8 +2690,8 @@ class Bridge:
                     return "rows_skipped"
         return None
 
-    def _before_chunk(self, key: tuple, st: ShardState, f: frames.Data) -> None:
-        """SNAPSHOT chunk ``f`` is about to be written into this copy of ``key``:
+    def _before_chunk(self, st: ShardState, f: frames.Data) -> None:
+        """SNAPSHOT chunk ``f`` is about to be written into this copy of ``st``:
 
         - The copy is no longer the snapshot it was plus its owner's ROWS
           (``st.fed_base``; the LAST sets it again).  If another sender's chunk replaces
@@ -2713,10 +2713,7 @@ class Bridge:
         if (base is not None and (base.sender, base.incarnation) != who
                 and (base.sender, base.incarnation) not in self._gone):
             link = self.links.get(base.peer)
-            frame = frames.encode_ack(epoch=self.members.epoch, sender=self.mid,
-                                      incarnation=self.incarnation, tensor=key[0],
-                                      shard=key[1], seq=ROWS_SEQ_BASE + base.rseq,
-                                      status=Status.NOT_OWNER)
+            frame = self._ack(f, Status.NOT_OWNER, ROWS_SEQ_BASE + base.rseq)
             if link is not None and link.send(frame):
                 self.metrics.sent("ack", len(frame))
         if st.snap_open is not None and st.snap_open[:2] != who:
