@@ -862,7 +862,7 @@ def test_a_heartbeat_older_than_one_heard_from_the_same_process_is_dropped(tmp_p
     assert node.members.state(a) is State.JOINING
     node.on_heartbeat(a, _heartbeat(a, 1, joining, frames.HB_READY, seq=9))   # stale
     assert node.members.state(a) is State.JOINING and node.members.epoch == 1
-    assert node.metrics.rejected_c.labels("stale_heartbeat")._value.get() == 1
+    assert _refused(node, "stale_heartbeat") == 1
     node.on_heartbeat(a, _heartbeat(a, 1, joining, frames.HB_READY, seq=11))
     assert node.members.state(a) is State.ALIVE and node.members.epoch == 2
     node.on_heartbeat(a, _heartbeat(a, 2, {a: State.ALIVE, b: State.ALIVE, c: State.ALIVE},
@@ -1302,8 +1302,8 @@ def test_an_owner_sends_its_copies_the_mark_of_a_batch_it_refused_as_invalid(tmp
                                    (FrameType.ROWS, 0, [(sender, 7, 4)]),
                                    (FrameType.ROWS, 8, [(sender, 7, 5)])]
         assert st.dedup.floor(stream) == 5
-        assert node.metrics.rejected_c.labels("schema")._value.get() == 2
-        assert node.metrics.rejected_c.labels("invalid")._value.get() == 1
+        assert _refused(node, "schema") == 2
+        assert _refused(node, "invalid") == 1
         np.testing.assert_array_equal(node.store[info.name].pull()[:8],
                                       np.full((8, 4), 2, np.float32))
 
@@ -1703,6 +1703,11 @@ def test_a_joiner_copies_a_shard_again_when_its_owner_changes(tmp_path):
         node.ready_flag = True                             # said ready: the owners sync it
         node._role_change(key, [b, a], [a, b])
         assert st.snap_epoch_seen >= 0
+
+
+def _refused(node, reason: str) -> float:
+    """How many frames ``node`` refused for ``reason`` (shmps_bridge_rejected_frames_total)."""
+    return node.metrics.rejected_c.labels(reason)._value.get()
 
 
 def _take_snapshot(node, owner: str, tid: int, seq: int, epoch: int | None = None,
@@ -2333,7 +2338,7 @@ def test_a_copy_takes_no_rows_behind_a_snapshot_it_refused(tmp_path):
         assert _take_rows(node, a, info.tid, 3, nrows=0, synced=False) is Status.NOT_OWNER
         np.testing.assert_array_equal(node.store[name].pull(), np.full((8, 4), 5, np.float32))
         assert st.dedup.floor(b_stream) == 141 and st.dedup.above(b_stream) == ()
-        assert node.metrics.rejected_c.labels("unsynced")._value.get() == 2
+        assert _refused(node, "unsynced") == 2
         # a copies this host again (the refusal's answer), then its ROWS are taken
         assert _take_snapshot(node, a, info.tid, 4, 2, marks=[(b_stream[0], 7, 231)],
                               value=8.0) is Status.OK
@@ -2430,7 +2435,7 @@ def test_a_snapshot_with_a_refused_chunk_is_refused_through_its_last(tmp_path):
         asyncio.run(_in_view(node, everyone, 1))
         assert node.owner(st.key) == a
         assert chunk(3, 6, 2, 9.0, True) is Status.NOT_OWNER            # the LAST
-        assert node.metrics.rejected_c.labels("snapshot_incomplete")._value.get() == 1
+        assert _refused(node, "snapshot_incomplete") == 1
         assert st.fed_base is None and st.snap_partial and st.snap_epoch_seen == -1
         assert (x, 7, tid, 0) not in st.dedup
         assert _take_rows(node, a, tid, 4, marks=[(x, 7, 51)], synced=False) is Status.NOT_OWNER
@@ -2455,7 +2460,7 @@ def test_a_snapshot_with_a_refused_chunk_is_refused_through_its_last(tmp_path):
         assert chunk(5, 0, 8, 2.0, True, peer=b) is Status.OK            # (after its 1..4)
         asyncio.run(_in_view(node, everyone, 1))
         assert chunk(21, 4, 4, 3.0, True) is Status.NOT_OWNER
-        assert node.metrics.rejected_c.labels("snapshot_incomplete")._value.get() == 3
+        assert _refused(node, "snapshot_incomplete") == 3
         np.testing.assert_array_equal(node.store[name].pull(), np.full((8, 4), 2, np.float32))
         assert st.fed_base.peer == b and not st.snap_partial
         assert chunk(30, 0, 8, 1.0, True) is Status.OK                   # a's next copy
@@ -2495,9 +2500,6 @@ def test_a_copy_takes_rows_in_order_on_the_senders_snapshot(tmp_path):
             assert st.fed_base == (members.member_id(owner), 7, node.members.epoch, rseq,
                                    owner)
 
-        def refused(why: str) -> int:
-            return node.metrics.rejected_c.labels(why)._value.get()
-
         def rows(rseq: int, mark: int, owner: str = a) -> Status:
             return _take_rows(node, owner, tid, rseq, marks=[(s, 7, mark)], synced=False)
 
@@ -2505,7 +2507,7 @@ def test_a_copy_takes_rows_in_order_on_the_senders_snapshot(tmp_path):
         assert rows(2, 11) is Status.OK
         # a mark past the next seq expected: the ROWS of seq 12 were lost
         assert rows(3, 13) is Status.NOT_OWNER
-        assert refused("rows_skipped") == 1 and st.fed_base is None
+        assert _refused(node, "rows_skipped") == 1 and st.fed_base is None
         assert st.dedup.floor(stream) == 11 and st.dedup.above(stream) == ()
         np.testing.assert_array_equal(node.store[name].pull(), np.full((8, 4), 2, np.float32))
         # a refused frame of the owner: its later ROWS wait for a new snapshot
@@ -2514,12 +2516,12 @@ def test_a_copy_takes_rows_in_order_on_the_senders_snapshot(tmp_path):
                                  tensor=tid, shard=0, seq=ROWS_SEQ_BASE + 6,
                                  values=np.ones((8, 3), np.float32), start=0)   # 3 columns
         node.on_rows(a, frames.decode(bad), lambda d: None)
-        assert st.fed_base is None and refused("schema") == 1
+        assert st.fed_base is None and _refused(node, "schema") == 1
         assert rows(7, 13) is Status.NOT_OWNER
-        assert refused("unsynced") == 1 and st.dedup.floor(stream) == 12
+        assert _refused(node, "unsynced") == 1 and st.dedup.floor(stream) == 12
         # one numbered before the snapshot: refused, and the copy stays the owner's
         synced(a, 9, 12)
-        assert rows(8, 13) is Status.NOT_OWNER and refused("before_snapshot") == 1
+        assert rows(8, 13) is Status.NOT_OWNER and _refused(node, "before_snapshot") == 1
         assert st.fed_base is not None and rows(10, 13) is Status.OK
         np.testing.assert_array_equal(node.store[name].pull(), np.full((8, 4), 10, np.float32))
         # the owner gone and back in rings of one epoch number: nothing came meanwhile ...
