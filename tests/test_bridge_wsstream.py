@@ -265,6 +265,42 @@ def test_the_receive_buffer_grows_to_one_message_and_a_read_at_most():
     assert all(MAX <= b <= MAX + 14 + wsstream.READ_CHUNK for b in bufs), bufs
 
 
+def test_one_read_takes_many_small_messages(monkeypatch):
+    """Small messages waiting in the socket are taken several dozen to a read (READ_CHUNK
+    between messages), not one or two: an event-loop pass reads each connection once,
+    and a bridge owning a few dozen small shards got ROWS faster than 16 KiB reads took
+    them, its backups' acknowledgements 2 s late (pushes unacknowledged by the thousand,
+    and a failover's successor found its copy behind).  64 messages of 8 KiB sent back
+    to back reach the server's handler in at most 16 reads (at 16 KiB a read: 33)."""
+    reads: dict[int, int] = {}
+    original = wsstream.WsStream.buffer_updated
+
+    def counted(self, nbytes: int) -> None:
+        reads[id(self)] = reads.get(id(self), 0) + 1
+        original(self, nbytes)
+
+    monkeypatch.setattr(wsstream.WsStream, "buffer_updated", counted)
+    n, size = 64, 8 << 10
+
+    async def main():
+        async with Server() as srv:
+            c = await wsstream.connect("127.0.0.1", srv.port, "/ws", max_msg=MAX, timeout=5)
+            await asyncio.sleep(0.05)   # (the server's stream is up: it counts from here)
+            server = srv.streams[0]
+            before = reads.get(id(server), 0)
+            sent = [payload(size, i) for i in range(n)]
+            for p in sent:
+                c.send(p)
+            got = await collect(c, n)
+            taken = reads[id(server)] - before
+            c.close()
+            return sent, got, taken, len(srv.seen)
+
+    sent, got, taken, seen = run(main())
+    assert got == sent and seen == n
+    assert taken <= 16, f"{n} messages of {size} bytes took {taken} reads"
+
+
 def test_a_corked_connection_sends_small_frames_of_one_unit_as_one_message(monkeypatch):
     """node.Conn under node.Cork: the small frames sent while the cork is held wait and
     go as one message (back to back, in order) when it is released; a large frame, or

@@ -49,7 +49,9 @@ OP_CONT, OP_TEXT, OP_BINARY, OP_CLOSE, OP_PING, OP_PONG = 0x0, 0x1, 0x2, 0x8, 0x
 CLOSE_NORMAL, CLOSE_PROTOCOL, CLOSE_UNSUPPORTED, CLOSE_TOO_BIG = (
     int(WSCloseCode.OK), int(WSCloseCode.PROTOCOL_ERROR), int(WSCloseCode.UNSUPPORTED_DATA),
     int(WSCloseCode.MESSAGE_TOO_BIG))
-READ_CHUNK = 16 << 10         #: read size between messages (several small ones per read)
+READ_CHUNK = 256 << 10        #: read size between messages (dozens of small ones per read:
+                              #: at 16 KiB, ROWS of small shards came faster than a
+                              #: bridge read them, one read per connection a loop pass)
 ONE_WRITE = 16 << 10          #: a message below this goes out with its header in one write
 MAX_HTTP_HEAD = 16 << 10      #: the client's limit on the server's 101 response head
 # the buffer, at least max_msg + READ_CHUNK (_make_room), holds a whole 101 response head
@@ -118,7 +120,7 @@ class WsStream(asyncio.BufferedProtocol):
         self.peer = peer
         self.transport: Optional[asyncio.Transport] = None
         self.orig: Optional[asyncio.BaseProtocol] = None  # aiohttp's, told when we close
-        self._buf = bytearray(READ_CHUNK * 4)
+        self._buf = bytearray(READ_CHUNK * 2)
         self._mv = memoryview(self._buf)
         self._pos = 0            # first byte not yet parsed
         self._end = 0            # end of the bytes received
