@@ -248,11 +248,18 @@ class OutQueue:
         """Frames queued but not handed out yet, oldest first; they count as handed out.
         With a :attr:`window`, only those that fit it (ByteBudget.admit): the rest wait
         for acknowledgements to free it, and the next call hands them out."""
-        out = []
+        out: list[tuple[int, bytes]] = []
+        entries = self._entries
+        if not entries:
+            return out
+        # The seqs queued are consecutive from entries[0]: the first not handed out is
+        # found by its index, without a walk over those in flight (at a few hundred
+        # unacknowledged frames per stream, that walk on every flush pass and every ACK
+        # took a tenth of a busy bridge's CPU).  A deque's items near its right end,
+        # where the unsent ones are, are reached from that end.
         w = self.window
-        for e in self._entries:
-            if e.seq <= self._sent:
-                continue
+        for i in range(max(0, self._sent - entries[0].seq + 1), len(entries)):
+            e = entries[i]
             if w is not None:
                 if not w.admit(len(e.frame)):
                     break
