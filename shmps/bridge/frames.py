@@ -29,6 +29,7 @@ malformed input; arrays in the result are zero-copy numpy views of the buffer.
 from __future__ import annotations
 
 import hashlib
+import math
 import struct
 from dataclasses import dataclass
 from enum import IntEnum, IntFlag
@@ -240,7 +241,16 @@ Frame = Union[Data, Ack, Heartbeat, Sync]
 
 # --------------------------------------------------------------------------- sizes
 
+_CODE_OF_DTYPE: dict[np.dtype, int] = {}   # (_dtype_code) np.dtype -> its frame code
+
+
 def _dtype_code(dtype: object, what: str) -> int:
+    # every frame built asks this: np.dtype(x).name took 5.6 us a call here, a dict
+    # lookup by the dtype 0.09 us
+    if isinstance(dtype, np.dtype):
+        code = _CODE_OF_DTYPE.get(dtype)
+        if code is not None:
+            return code
     try:
         name = np.dtype(dtype).name  # type: ignore[call-overload]
     except TypeError:
@@ -248,6 +258,8 @@ def _dtype_code(dtype: object, what: str) -> int:
     code = DTYPE_CODES.get(name)
     if code is None:
         raise InvalidArgument(f"{what}: dtype {name} is not one of {', '.join(DTYPE_CODES)}")
+    if isinstance(dtype, np.dtype):
+        _CODE_OF_DTYPE[dtype] = code
     return code
 
 
@@ -427,7 +439,7 @@ def _encode_data(ftype: FrameType, *, epoch: int, sender: int, incarnation: int,
     if v.ndim == 0:
         raise InvalidArgument("values must have a row axis (shape (n, ...))")
     n = int(v.shape[0])
-    cols = int(np.prod(v.shape[1:], dtype=np.int64)) if v.ndim > 1 else 1
+    cols = math.prod(v.shape[1:])   # (np.prod: 9 us a call here; math.prod 0.4)
     v = v.reshape(n, cols)
     code = _dtype_code(v.dtype, "values")
     if cols < 1:
