@@ -2136,6 +2136,50 @@ def test_one_snapshot_read_of_a_shard_at_a_time_and_close_waits_for_it(tmp_path,
         node.store = shmps.attach("oneread", namespace=ns)  # closed: again, to destroy
 
 
+@pytest.mark.parametrize("inline_bytes", [None, 64])
+def test_a_small_shards_copy_is_read_at_once_and_refuses_no_batch(tmp_path, monkeypatch,
+                                                                   inline_bytes):
+    """A dense shard of at most INLINE_SNAPSHOT_BYTES of values (here 128 bytes) is read
+    for a copy on the event loop: the copy is queued to the member in the first step of
+    the send, and a batch that comes right after is not refused BUSY (a failover's new
+    owner copies its backups first, and each small shard's hop to the snapshot thread,
+    with the sender's BUSY back-off, put its first apply 0.1-0.2 s after the first
+    shard's).  With the bound below the shard's size (64 bytes) the read goes to the
+    thread as before, and the batch is refused.  Drives a Bridge, not started, on a real
+    store, with a real websocket connection to the member."""
+    from shmps.bridge import node as bridge_node
+    if inline_bytes is not None:
+        monkeypatch.setattr(bridge_node, "INLINE_SNAPSHOT_BYTES", inline_bytes)
+    me, m1 = "127.0.0.2:7001", "127.0.0.3:7001"
+    with _owner_on_a_store(tmp_path, [me, m1], f"inline{inline_bytes}") as (node, info, st):
+        key = (info.tid, 0)
+
+        async def main() -> tuple:
+            async with _data_connection(node, m1) as client:
+                got: list = []
+                client.start(lambda d: got.append(bytes(d)) or True)
+                send = asyncio.ensure_future(node._send_snapshot(key, m1))
+                await asyncio.sleep(0)          # the send's first step
+                reading, queued = st.reading, dict(st.snapshotting)
+                answers: list = []
+                batch = frames.encode_batch(epoch=0, sender=members.member_id(m1),
+                                            incarnation=7, tensor=info.tid, shard=0, seq=1,
+                                            values=np.ones((8, 4), np.float32), start=0)
+                node.on_batch(m1, frames.decode(batch),
+                              lambda d: answers.extend(frames.iter_frames(bytes(d))))
+                await asyncio.wait_for(send, 10)
+                return reading, queued, [a.status for a in answers]
+
+        reading, queued, answers = asyncio.run(asyncio.wait_for(main(), 30))
+        if inline_bytes is None:
+            assert reading is None and m1 in queued
+            assert Status.BUSY not in answers and _refused(node, "snapshot") == 0
+        else:
+            assert reading == m1 and not queued
+            assert answers == [Status.BUSY] and _refused(node, "snapshot") == 1
+        assert m1 in st.snapshotting   # sent either way, awaiting its ack
+
+
 def test_rows_written_into_a_copy_while_it_is_read_void_the_read(tmp_path, monkeypatch,
                                                                  caplog):
     """A hand-over read (the previous owner's copy, read in the snapshot thread for the

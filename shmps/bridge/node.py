@@ -81,6 +81,12 @@ SPARE_DRAIN_BUFFERS = 2          #: a tensor's drain buffers kept for reuse (TIn
 #: 4 frames fit the send window
 DATA_FRAME_BYTES = 2 << 20
 SNAPSHOT_START_BACKLOG = 32 << 20  #: a snapshot starts only while its connection holds less unsent
+#: a dense or csr shard of at most this many value bytes is read for a snapshot on the
+#: event loop (0.1-0.3 ms), not in the snapshot thread: the hop there and back took
+#: milliseconds, and the shard refused batches (BUSY, resent 20-80 ms later) meanwhile, so
+#: a failover's new owner, which copies its backups first, took its last small shards
+#: 0.1-0.2 s after its first (the failover bench, 2026-11-26)
+INLINE_SNAPSHOT_BYTES = 256 << 10
 SLOW_SNAPSHOT_S = 2.0            #: failpoint slow_snapshot[=s]: each snapshot's read takes this much longer (s)
 ROWS_AHEAD = 16 << 20            #: an owner refuses batches (BUSY) while a copy's connection holds this much
 LAG_WINDOW = 10.0                #: /health loop_lag_ms is the largest lag over this many s
@@ -2858,9 +2864,12 @@ class Bridge:
         epoch, rseq, copied_in = self.members.epoch, st.rseq, st.copied_in
         st.reading = member
         try:
-            chunks = await asyncio.wrap_future(self._snap_reader.submit(
-                urgent.HANDOVER if handover else urgent.COPY, self._snapshot_chunks, info,
-                key[1], marks, epoch, rseq, handover))
+            if self._small_snapshot(info, key[1]):
+                chunks = self._snapshot_chunks(info, key[1], marks, epoch, rseq, handover)
+            else:
+                chunks = await asyncio.wrap_future(self._snap_reader.submit(
+                    urgent.HANDOVER if handover else urgent.COPY, self._snapshot_chunks,
+                    info, key[1], marks, epoch, rseq, handover))
         finally:
             st.reading = None
         link = self._out(member)
@@ -2905,10 +2914,19 @@ class Bridge:
             self.metrics.sent("snapshot", len(c))
         await asyncio.sleep(0)
 
+    def _small_snapshot(self, info: TInfo, shard: int) -> bool:
+        """Whether a snapshot of ``shard`` is read on the event loop: a dense or csr shard
+        of at most INLINE_SNAPSHOT_BYTES of values (a table's size is its live keys,
+        unknown before the read)."""
+        if info.kind == "table" or "slow_snapshot" in self._failpoints:
+            return False
+        lo, hi = info.shard_range(shard)
+        return (hi - lo) * info.cols * info.dtype.itemsize <= INLINE_SNAPSHOT_BYTES
+
     def _snapshot_chunks(self, info: TInfo, shard: int, marks: list, epoch: int, rseq: int,
                          handover: bool) -> list[bytes]:
-        """The snapshot thread: one consistent copy of ``shard`` (read under its shared
-        freeze) as SNAPSHOT chunks of about SNAPSHOT_FRAME_BYTES, ROW seqs from ``rseq +
+        """The snapshot thread (the event loop for a small shard: _small_snapshot): one
+        consistent copy of ``shard`` (read under its shared freeze) as SNAPSHOT chunks of about SNAPSHOT_FRAME_BYTES, ROW seqs from ``rseq +
         1`` on, the last one with ``marks``.  Touches no state of the event loop."""
         if "slow_snapshot" in self._failpoints:
             # test failpoint: a slow machine's copy of a large shard
