@@ -3159,7 +3159,7 @@ class Bridge:
                      "state": self.members.state(self.addr).value,
                      "acting": self.acting(), "owned": owned, "pending": pending,
                      "staleness_ms": round(self._staleness() * 1000, 3),
-                     "tensors": sorted(self.by_name), "failovers": self.failover_log[-20:],
+                     "tensors": sorted(self.by_name), "failovers": self.failover_log[-64:],
                      "ring_digest": self.ring.digest, "ready": self.ready_flag,
                      "owner_waits": {st.key: {"pending": len(st.pending),
                                               "backups": self._required(st),
