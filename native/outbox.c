@@ -91,6 +91,14 @@
  * then failed (a corrupt row) cannot deliver them: it records the pushes past ob_drained
  * that its P counts as a lost range and claims P as an empty drain, so store.flush()
  * raises PushesLost for them rather than see a later drain's ack cover them.
+ *
+ * Refused by the owner (shmps_outbox_reject).  An owner that cannot apply a batch (it
+ * fails the tensor's schema there, or its updater raises) refuses it for good
+ * (REJECTED); nobody resends it.  The bridge records the pushes of the drain it came
+ * from, (prev, P] of that drain, as a lost range and then acknowledges the drain as
+ * usual, so that a later drain's ack does not cover them silently.  (A push still
+ * landing at that drain, its values taken and its count after P, is not in the range:
+ * the drain's ack leaves it to the next drain, whose ack covers it.)
  */
 #include "internal.h"
 
@@ -493,6 +501,31 @@ int shmps_outbox_lost(const void *base, uint64_t *lo, uint64_t *hi, uint64_t *co
     *lo = LOAD(&h->ob_lost_lo, RELAXED);
     *hi = LOAD(&h->ob_lost_hi, RELAXED);
     *count = LOAD(&h->ob_lost, RELAXED);
+    return SHMPS_OK;
+}
+
+int shmps_outbox_reject(void *base, uint64_t prev, uint64_t pushed, uint64_t *lost) {
+    shmps_shard_hdr_t *h = outbox_hdr(base);
+    if (!h || !lost || prev > pushed) return SHMPS_E_ARG;
+    *lost = 0;
+    /* never past what a drain took (a confused caller); seq_cst as every load of it */
+    uint64_t d = LOAD(&h->ob_drained, SEQ_CST);
+    if (pushed > d) pushed = d;
+    /* relaxed: the bridge's words (one drainer and acker per shard, this thread), as in
+     * shmps_outbox_drain_lost; pushes up to ob_lost_hi are in a range already (a second
+     * refused frame of the same drain adds nothing) */
+    uint64_t hi = LOAD(&h->ob_lost_hi, RELAXED);
+    uint64_t lo = prev > hi ? prev : hi;
+    if (pushed <= lo) return SHMPS_OK;
+    if (!LOAD(&h->ob_lost_open, RELAXED)) STORE(&h->ob_lost_lo, lo, RELAXED);
+    STORE(&h->ob_lost_hi, pushed, RELAXED);
+    FETCH_ADD(&h->ob_lost, pushed - lo, RELAXED);
+    /* Published by the ack of this drain that the caller makes next: ob_acked stays
+     * below pushed until then (this drain's ticket is not acknowledged, so no empty
+     * drain or ack of an earlier one raises it to pushed), and the ack's seq_cst raise
+     * of ob_acked comes after these stores; a flusher whose target is past prev reads
+     * them after its acquire load of that raised ob_acked (_raise_lost). */
+    *lost = pushed - lo;
     return SHMPS_OK;
 }
 

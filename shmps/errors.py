@@ -92,8 +92,9 @@ class Closed(Error, ValueError):
 class PushesLost(Error, RuntimeError):
     """``store.flush()``: pushes it waited for were taken by a bridge process that ended
     before their owner acknowledged them (SIGKILL, a crash), or by a drain that failed
-    part way (a corrupt outbox shard): they may or may not have been applied, and nobody
-    can resend them."""
+    part way (a corrupt outbox shard), or refused for good by their owner (a batch it
+    cannot apply: the bridge logs why): they may or may not have been applied, and
+    nobody can resend them."""
 
     hint = ("the parameters may lack these pushes: restore a checkpoint, or accept the "
             "loss and go on (later flushes are not affected)")

@@ -97,13 +97,16 @@ class Drained:
     the sum of every push of those rows since the last drain.
     ``pushes``: pushes folded in (``pushed`` minus the previous drain's, at least 1).
     ``ticket``: this drain's number among the drains of the shard that took rows (the
-    ack passes it: two such drains can read the same ``pushed``, native/outbox.c)."""
+    ack passes it: two such drains can read the same ``pushed``, native/outbox.c).
+    ``prev``: the previous drain's ``pushed``: this drain holds the pushes counted in
+    ``(prev, pushed]`` (and maybe values of one still landing: native/outbox.c)."""
 
     pushed: int
     index: np.ndarray
     grads: np.ndarray
     pushes: int
     ticket: int = 0
+    prev: int = 0
 
 
 @dataclass
@@ -379,7 +382,7 @@ def _drained(pushed: int, prev: int, index: np.ndarray, grads: np.ndarray, n: in
     else:
         index, grads = index[:n], grads[:n]
     return Drained(pushed=pushed, index=index, grads=grads, pushes=max(1, pushed - prev),
-                   ticket=ticket)
+                   ticket=ticket, prev=prev)
 
 
 def busy(t: Any) -> list[int]:
@@ -519,6 +522,27 @@ def ack(t: Any, shard: int, pushed: int, ticket: int) -> None:
                   f"ack of {ob.name!r}")
 
 
+def reject(t: Any, shard: int, prev: int, pushed: int) -> int:
+    """The owner refused a drain of ``shard`` for good (REJECTED): record its pushes,
+    ``(prev, pushed]`` of its ``Drained``, as lost (past any recorded already), before the
+    drain is acknowledged as usual (:func:`ack`): ``store.flush()`` then raises
+    PushesLost for them instead of returning as if they had been applied.  The handle
+    that records them (the bridge's) knows of them.  Returns how many pushes."""
+    ob = t._outbox()
+    sh = ob._shard_checked(shard)
+    for what, v in (("prev", prev), ("pushed", pushed)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+            raise InvalidArgument(f"{what}={v!r} must be a non-negative integer "
+                                  f"(a Drained.{what})")
+    if prev > pushed:
+        raise InvalidArgument(f"prev={prev} is past pushed={pushed}")
+    n = ffi.new("uint64_t *")
+    _native.check(lib.shmps_outbox_reject(sh.ptr, int(prev), int(pushed), n),
+                  f"reject of {ob.name!r}")
+    t._store._lost_seen[ob.name][int(shard)] = lost(ob, shard)[2]
+    return int(n[0])
+
+
 def recover(t: Any, shard: int) -> int:
     """A bridge starting on this store, before it drains ``shard``: record what an earlier
     bridge process drained and did not see acknowledged as lost, and acknowledge it
@@ -647,7 +671,8 @@ def _raise_lost(store: Any) -> None:
         raise PushesLost(
             f"flush of store {store.name!r}{ns}: pushes (of every process on this host) were "
             "taken by a bridge process that ended before their owner acknowledged them (or "
-            "by a drain that failed part way, on a corrupt outbox shard), so they may or may "
-            "not have been applied; this process's pushes made before may be "
+            "by a drain that failed part way, on a corrupt outbox shard, or refused for good "
+            "by their owner: the bridge's log says why), so they may or may not have been "
+            "applied; this process's pushes made before may be "
             f"among them. Pushes per tensor shard: {', '.join(found[:8])}"
             + (f" and {len(found) - 8} shards more" if len(found) > 8 else ""))

@@ -216,6 +216,12 @@ class Tensor:
         from . import outbox
         outbox.ack(self, shard, pushed, ticket)
 
+    def _outbox_reject(self, shard: int, prev: int, pushed: int) -> int:
+        """The owner refused a drain of ``shard`` for good: record its pushes, ``(prev,
+        pushed]``, as lost before its ack (``outbox.reject``); returns how many."""
+        from . import outbox
+        return outbox.reject(self, shard, prev, pushed)
+
     def _outbox_recover(self, shard: int) -> int:
         """A bridge starting on this store: record the pushes an
         earlier bridge process drained from the outbox's ``shard`` and never saw

@@ -892,6 +892,56 @@ def _sending_stream(tmp_path):
     return node, stream, a, b, answer
 
 
+def test_a_batch_its_owner_refused_for_good_makes_its_pushers_flush_raise(tmp_path):
+    """An owner that cannot apply a batch refuses it for good (REJECTED): the sender
+    drops it and answers the stream as done up to it (no resend), and records the
+    pushes of its drain lost in the outbox before it acknowledges the drain.  A worker's
+    flush() raises PushesLost for them once (the next drain's ack covered them, and
+    flush() returned as if they had been applied), the bridge's own handle does not,
+    and the drains before and after are acknowledged as usual.  Drives a Bridge, not
+    started, on a real store, with a worker's handle of it."""
+    import shmps
+
+    me, other = "127.0.0.2:7001", "127.0.0.3:7001"
+    with _owner_on_a_store(tmp_path, [me, other], "refused") as (node, _, _st):
+        name, info, _ = _tensor_owned_by(node, other, pushed=False)
+        node.store._set_forwarding(True)
+        stream = node.streams[(info.tid, 0)]
+        worker = shmps.attach("refused", namespace=node.store.namespace, create=False)
+        try:
+            w = worker[name]
+
+            def drain() -> None:
+                bufs = info.buffers()
+                node._queue_drain(info, 0, stream, info.t._outbox_drain(0, into=bufs), bufs)
+
+            def answer(seq: int, status: Status) -> None:
+                node.on_ack(other, frames.decode(frames.encode_ack(
+                    epoch=0, sender=members.member_id(other), incarnation=7,
+                    tensor=info.tid, shard=0, seq=seq, status=status)))
+
+            w.push(np.ones((8, 4), np.float32))                  # push 1: frame 1
+            drain()
+            w.push(np.ones((8, 4), np.float32))                  # pushes 2, 3: frame 2
+            w.push(np.ones((8, 4), np.float32))
+            drain()
+            w.push(np.ones((8, 4), np.float32))                  # push 4: frame 3
+            drain()
+            assert [q for q, _ in stream.q.to_send()] == [1, 2, 3]
+            answer(1, Status.OK)
+            answer(2, Status.REJECTED)
+            assert stream.q.acked == 2 and len(stream.drains) == 1
+            assert node.metrics.lost._value.get() == 2
+            answer(3, Status.OK)
+            assert stream.q.acked == 3 and not stream.drains
+            with pytest.raises(shmps.PushesLost, match=f"{name!r} shard 0: 2"):
+                worker.flush(timeout=5)
+            worker.flush(timeout=1)                              # raised once
+            node.store.flush(timeout=1)                          # the bridge's handle knows
+        finally:
+            worker.close()
+
+
 def test_a_gap_for_the_oldest_frame_resends_the_stream_at_once(tmp_path):
     """An owner that does not know a stream (its first batch, after a restart or a move)
     answers GAP to every frame in flight.  The GAP of the oldest unacknowledged frame

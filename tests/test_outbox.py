@@ -1900,6 +1900,54 @@ def test_a_table_drain_that_fails_after_taking_rows_makes_flush_raise(store, out
     ob.check()
 
 
+@pytest.mark.parametrize("kind", ["dense", "table"])
+def test_a_drain_its_owner_refused_makes_flush_raise(store, new_handle, kind):
+    """An owner that refuses a batch for good (REJECTED) drops it.  Its drain's pushes
+    are recorded lost (outbox.reject) before the bridge acknowledges the drain, so
+    flush() raises PushesLost once instead of returning as if they had been applied
+    (a later drain's ack covered them before: flush() returned).  The pushes of the
+    drains before and after it are acknowledged as usual; a second refusal of the same
+    drain (another of its frames) records nothing more; the bridge's own handle knows."""
+    from shmps.outbox import lost
+    if kind == "dense":
+        t = store.dense("w", shape=(8, 2), shard_rows=8)
+
+        def push(k):
+            t.push(np.full((8, 2), k, np.float32))
+    else:
+        t = store.table("e", dim=2, capacity=64, shards=1)
+
+        def push(k):
+            t.push([k, k + 100], np.ones((2, 2)))
+    store._set_forwarding(True)
+    ob = t._outbox()
+    bridge = new_handle()
+    tb = bridge[t.name]
+    push(1)
+    d1 = tb._outbox_drain(0)                                   # pushes (0, 1]: applied
+    push(2)
+    push(3)
+    d2 = tb._outbox_drain(0)                                   # (1, 3]: refused
+    push(4)
+    d3 = tb._outbox_drain(0)                                   # (3, 4]: applied
+    assert (d1.prev, d1.pushed, d2.prev, d2.pushed, d3.prev, d3.pushed) == (0, 1, 1, 3, 3, 4)
+    tb._outbox_ack(0, d1.pushed, d1.ticket)
+    assert tb._outbox_reject(0, d2.prev, d2.pushed) == 2
+    assert tb._outbox_reject(0, d2.prev, d2.pushed) == 0       # again: nothing more
+    assert lost(ob, 0) == (1, 3, 2)
+    tb._outbox_ack(0, d3.pushed, d3.ticket)                    # covers d2's ack too
+    with pytest.raises(shmps.PushesLost, match=f"{t.name!r} shard 0: 2"):
+        store.flush(timeout=5)
+    store.flush(timeout=1)                                     # raised once
+    bridge.flush(timeout=1)                                    # the refusing handle knows
+    with pytest.raises(shmps.InvalidArgument):
+        tb._outbox_reject(0, 3, 2)
+    push(5)                                                    # and on as usual
+    d = tb._outbox_drain(0)
+    tb._outbox_ack(0, d.pushed, d.ticket)
+    store.flush(timeout=1)
+
+
 def test_a_table_drain_that_fails_before_taking_a_row_changes_nothing(store, outbox_table):
     """A drain whose first row is corrupt removed nothing: rows, counters and the lost
     range stay as they were, and once the row is repaired the next drain takes it all

@@ -266,13 +266,22 @@ class ShardState:
         return self.snap_open is not None
 
 
+class QueuedDrain(NamedTuple):
+    """One drain of an outbox shard, queued as BATCH frames up to seq ``last_seq``."""
+
+    last_seq: int
+    pushed: int                        #: its Drained.pushed, .ticket, .prev
+    ticket: int
+    bufs: Optional[DrainBuffers]       #: the buffers its frames are views of (dense), or None
+    prev: int
+
+
 @dataclass
 class SendStream:
     """This host's stream of BATCH frames for one shard."""
 
     q: OutQueue
-    #: (last seq, Drained.pushed, .ticket, the DrainBuffers its frames are views of or None)
-    drains: deque = field(default_factory=deque)
+    drains: deque = field(default_factory=deque)   #: QueuedDrain, oldest first
     target: Optional[str] = None
     retry_at: float = 0.0
     progress_at: float = 0.0          # last acknowledgement (or first send after idle)
@@ -1612,32 +1621,27 @@ class Bridge:
                         self.tensors[ack.tensor].name if ack.tensor in self.tensors else
                         ack.tensor, ack.shard, ack.seq, ack.status.name, peer, ack.epoch,
                         self.members.epoch, stream.q.acked)
-        if ack.status == Status.OK:
+        if ack.status in (Status.OK, Status.REJECTED):
             if ack.seq > stream.q.last_seq:
                 return
+            if ack.status == Status.REJECTED:
+                self._rejected(peer, stream, ack)
             stream.q.ack(ack.seq)
             stream.progress_at = time.monotonic()
             stream.busy = 0
             t = self.tensors.get(ack.tensor)
             last = None
-            while stream.drains and stream.drains[0][0] <= ack.seq:
+            while stream.drains and stream.drains[0].last_seq <= ack.seq:
                 last = stream.drains.popleft()
-                if last[3] is not None and t is not None:
-                    t.give_back(last[3])   # its frames are acknowledged: reusable
+                if last.bufs is not None and t is not None:
+                    t.give_back(last.bufs)   # its frames are acknowledged: reusable
             if last is not None and t is not None:
                 # with the drain's ticket: two drains can read the same pushed value, and
                 # only the ticket says which of them this ack covers (native/outbox.c)
-                t.t._outbox_ack(ack.shard, last[1], last[2])
+                t.t._outbox_ack(ack.shard, last.pushed, last.ticket)
                 self._acks_new = True
             self._send_waiting(stream.target)
         else:
-            if ack.status == Status.REJECTED:
-                log.error("owner %s rejected batch %d of %s/%d: dropped", peer, ack.seq,
-                          self.tensors[ack.tensor].name if ack.tensor in self.tensors else
-                          ack.tensor, ack.shard)
-                if ack.seq <= stream.q.last_seq:
-                    stream.q.ack(ack.seq)
-                return
             now = time.monotonic()
             if ack.status == Status.GAP and peer != self.addr:
                 if ack.seq == stream.q.acked + 1 and now - stream.gap_resent_at > RETRY:
@@ -1671,6 +1675,23 @@ class Bridge:
             if stream.retry_at < self._pause_until:
                 # the flush loop sleeps past the retry (a long --flush-ms): wake it then
                 asyncio.get_running_loop().call_later(delay, self._wake_flush)
+
+    def _rejected(self, peer: str, stream: SendStream, ack: frames.Ack) -> None:
+        """The owner refused batch ``ack.seq`` for good (REJECTED: it cannot apply it,
+        and says why in its log); it is dropped, and answered as done (on_ack goes on as
+        for OK).  The pushes of the drain it came from are recorded lost in the outbox
+        first (outbox.reject): the drain's ack, or a later one, would otherwise make
+        store.flush() return as if they had been applied; it raises PushesLost.  (Before,
+        a later drain's ack covered them, and flush() returned.)"""
+        info = self.tensors.get(ack.tensor)
+        drain = next((d for d in stream.drains if d.last_seq >= ack.seq), None)
+        lost = 0
+        if info is not None and drain is not None:
+            lost = info.t._outbox_reject(ack.shard, drain.prev, drain.pushed)
+            self.metrics.lost.inc(lost)
+        log.error("owner %s rejected batch %d of %s/%d: dropped; %d pushes of its drain "
+                  "recorded lost (store.flush() raises PushesLost for them)", peer, ack.seq,
+                  info.name if info is not None else ack.tensor, ack.shard, lost)
 
     # ------------------------------------------------------------ sender side
     def _flush_waiter(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -1987,7 +2008,8 @@ class Bridge:
                 # stops taking more until acknowledgements free the budget
                 self.budget.used += len(frame)
                 stream.q._append(seq, frame, len(frame), None)
-        stream.drains.append((stream.q.last_seq, d.pushed, d.ticket, bufs if views else None))
+        stream.drains.append(QueuedDrain(stream.q.last_seq, d.pushed, d.ticket,
+                                         bufs if views else None, d.prev))
         if not views:
             info.give_back(bufs)   # the frames are copies
 
