@@ -322,7 +322,6 @@ class DenseTensor(Tensor):
 
     def _rows_of(self, shard: int, index: Any) -> tuple[Any, np.ndarray, np.ndarray]:
         """(shard, global rows, local rows) with every row inside ``shard``."""
-        from .errors import OutOfRange
         sh = self._shard_checked(shard)
         r = check_rows(index, self.nrows)
         local = r - int(shard) * self.shard_rows

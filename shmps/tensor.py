@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import numpy as np
 
 from . import _native, names
-from .errors import Closed, CorruptSegment, SchemaError
+from .errors import Closed, CorruptSegment, OutOfRange, SchemaError
 from .segment import Segment
 from .updaters import Updater, from_dict
 
@@ -83,7 +83,6 @@ def rows_for_c(rows: Any, nrows: int) -> np.ndarray:
 
 def check_rows(rows: Any, nrows: int) -> np.ndarray:
     """Row indices as C-contiguous int64, all in [0, nrows)."""
-    from .errors import OutOfRange
     r = np.asarray(rows)
     if r.ndim != 1 or r.dtype.kind not in "iu":
         if r.ndim == 1 and r.size == 0:
@@ -183,7 +182,6 @@ class Tensor:
 
     def _shard_checked(self, shard: Any) -> Shard:
         """Shard ``shard`` (an int in range, else OutOfRange)."""
-        from .errors import OutOfRange
         if isinstance(shard, bool) or not isinstance(shard, (int, np.integer)) \
                 or not 0 <= int(shard) < self.nshards:
             raise OutOfRange(f"shard {shard!r} of {self.name!r}: it has {self.nshards} shards")

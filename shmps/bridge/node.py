@@ -44,7 +44,7 @@ import numpy as np
 from ..errors import CapacityError, Error, InvalidArgument
 from .. import _native, doorbell
 from .._native import lib
-from ..outbox import DrainBuffers
+from ..outbox import BusyScan, DrainBuffers, RowData, take_lost
 from . import auth, frames, urgent, wsstream
 from .frames import ROWS_SEQ_BASE, FrameType, Layout, Mark, Status
 from .members import (DEAD_AFTER, HEARTBEAT_INTERVAL, ON_RING, Membership, State,
@@ -1810,7 +1810,6 @@ class Bridge:
         Logged and counted as recover's."""
         if not self.store._lost_settled:
             return
-        from ..outbox import take_lost
         for name, s, lost in take_lost(self.store):
             self.metrics.lost.inc(lost)
             log.error("tensor %r shard %d: %d more pushes may have been lost, taken by an "
@@ -1907,7 +1906,6 @@ class Bridge:
         and (tid, info, shard) of every shard, for the sweep (cached; tensors are only
         ever added)."""
         if self._index[0] != len(self.tensors):
-            from ..outbox import BusyScan
             infos = list(self.tensors.values())
             every = [(i.tid, i, s) for i in infos for s in range(i.nshards)]
             self._index = (len(infos), infos, BusyScan([i.t for i in infos]), every)
@@ -2610,7 +2608,6 @@ class Bridge:
             if f.n:
                 index = (np.arange(f.start, f.start + f.n, dtype=np.int64)
                          if f.layout == Layout.RANGE else f.index)
-                from ..outbox import RowData
                 shape = (f.n,) + info.row_shape
                 rd = RowData(index=index, values=f.values.reshape(shape),
                              states=[a.reshape(shape) for a in f.state],
