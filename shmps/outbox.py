@@ -509,15 +509,20 @@ def drain_table(t: Any, shard: int, timeout: Optional[float] = None,
                     int(ticket[0]))
 
 
+def _check_drained_fields(**fields: Any) -> None:
+    """InvalidArgument unless each value is a non-negative integer (a Drained field)."""
+    for what, v in fields.items():
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+            raise InvalidArgument(f"{what}={v!r} must be a non-negative integer "
+                                  f"(a Drained.{what})")
+
+
 def ack(t: Any, shard: int, pushed: int, ticket: int) -> None:
     """The owner applied every drain of ``shard`` up to the one that returned ``pushed``
     and ``ticket`` (a ``Drained``'s; acks in drain order)."""
     ob = t._outbox()
     sh = ob._shard_checked(shard)
-    for what, v in (("pushed", pushed), ("ticket", ticket)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
-            raise InvalidArgument(f"{what}={v!r} must be a non-negative integer "
-                                  f"(a Drained.{what})")
+    _check_drained_fields(pushed=pushed, ticket=ticket)
     _native.check(lib.shmps_outbox_ack(sh.ptr, int(pushed), int(ticket)),
                   f"ack of {ob.name!r}")
 
@@ -530,10 +535,7 @@ def reject(t: Any, shard: int, prev: int, pushed: int) -> int:
     that records them (the bridge's) knows of them.  Returns how many pushes."""
     ob = t._outbox()
     sh = ob._shard_checked(shard)
-    for what, v in (("prev", prev), ("pushed", pushed)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
-            raise InvalidArgument(f"{what}={v!r} must be a non-negative integer "
-                                  f"(a Drained.{what})")
+    _check_drained_fields(prev=prev, pushed=pushed)
     if prev > pushed:
         raise InvalidArgument(f"prev={prev} is past pushed={pushed}")
     n = ffi.new("uint64_t *")
