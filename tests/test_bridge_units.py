@@ -898,7 +898,8 @@ def test_a_batch_its_owner_refused_for_good_makes_its_pushers_flush_raise(tmp_pa
     pushes of its drain lost in the outbox before it acknowledges the drain.  A worker's
     flush() raises PushesLost for them once (the next drain's ack covered them, and
     flush() returned as if they had been applied), the bridge's own handle does not,
-    and the drains before and after are acknowledged as usual.  Drives a Bridge, not
+    and the drains before and after are acknowledged as usual.  A late REJECTED, of a
+    frame acknowledged since, records nothing (it named the next drain).  Drives a Bridge, not
     started, on a real store, with a worker's handle of it."""
     import shmps
 
@@ -932,6 +933,8 @@ def test_a_batch_its_owner_refused_for_good_makes_its_pushers_flush_raise(tmp_pa
             answer(2, Status.REJECTED)
             assert stream.q.acked == 2 and len(stream.drains) == 1
             assert node.metrics.lost._value.get() == 2
+            answer(2, Status.REJECTED)                          # late, again: nothing
+            assert stream.q.acked == 2 and node.metrics.lost._value.get() == 2
             answer(3, Status.OK)
             assert stream.q.acked == 3 and not stream.drains
             with pytest.raises(shmps.PushesLost, match=f"{name!r} shard 0: 2"):

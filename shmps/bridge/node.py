@@ -1624,7 +1624,8 @@ class Bridge:
         if ack.status in (Status.OK, Status.REJECTED):
             if ack.seq > stream.q.last_seq:
                 return
-            if ack.status == Status.REJECTED:
+            if ack.status == Status.REJECTED and ack.seq > stream.q.acked:
+                # (a late one, of a frame acknowledged since, would name a later drain)
                 self._rejected(peer, stream, ack)
             stream.q.ack(ack.seq)
             stream.progress_at = time.monotonic()
