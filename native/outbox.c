@@ -96,9 +96,12 @@
  * fails the tensor's schema there, or its updater raises) refuses it for good
  * (REJECTED); nobody resends it.  The bridge records the pushes of the drain it came
  * from, (prev, P] of that drain, as a lost range and then acknowledges the drain as
- * usual, so that a later drain's ack does not cover them silently.  (A push still
- * landing at that drain, its values taken and its count after P, is not in the range:
- * the drain's ack leaves it to the next drain, whose ack covers it.)
+ * usual, so that a later drain's ack does not cover them silently.  A drain whose P
+ * counts none of its own (a partial drain, or one of a landing push's values only)
+ * records up to ob_pushed at the refusal; while a range recover left open waits, the
+ * settle that ends it counts them.  (A push still landing at the refusal, its values
+ * taken and its count to come, is not in the range: best effort, as a REJECTED lost
+ * with its connection, which the resend's duplicate answer OK makes unseen.)
  */
 #include "internal.h"
 
@@ -508,22 +511,33 @@ int shmps_outbox_reject(void *base, uint64_t prev, uint64_t pushed, uint64_t *lo
     shmps_shard_hdr_t *h = outbox_hdr(base);
     if (!h || !lost || prev > pushed) return SHMPS_E_ARG;
     *lost = 0;
-    /* never past what a drain took (a confused caller); seq_cst as every load of it */
-    uint64_t d = LOAD(&h->ob_drained, SEQ_CST);
-    if (pushed > d) pushed = d;
     /* relaxed: the bridge's words (one drainer and acker per shard, this thread), as in
-     * shmps_outbox_drain_lost; pushes up to ob_lost_hi are in a range already (a second
-     * refused frame of the same drain adds nothing) */
+     * shmps_outbox_drain_lost.  A range recover left open ends at an ob_pushed a later
+     * drain reads (shmps_outbox_settle), past this drain's P: it counts these pushes
+     * then (recorded here too, the pushes between its upper end and prev were left out
+     * of the count). */
+    if (LOAD(&h->ob_lost_open, RELAXED)) return SHMPS_OK;
+    if (pushed == prev) {
+        /* A drain whose P counts no push of its own took values of pushes counted after
+         * it: a partial drain (a pusher held a stripe: P is the drain before's), or one
+         * that took only a landing push's values.  The range goes on to ob_pushed now
+         * (acquire, as a drain's load), which counts them unless they are still landing;
+         * it may count pushes that are not lost (conservative, as recover's range). */
+        pushed = LOAD(&h->ob_pushed, ACQUIRE);
+    }
+    /* pushes up to ob_lost_hi are in a range already (a second refused frame of the
+     * same drain adds nothing) */
     uint64_t hi = LOAD(&h->ob_lost_hi, RELAXED);
     uint64_t lo = prev > hi ? prev : hi;
     if (pushed <= lo) return SHMPS_OK;
-    if (!LOAD(&h->ob_lost_open, RELAXED)) STORE(&h->ob_lost_lo, lo, RELAXED);
+    STORE(&h->ob_lost_lo, lo, RELAXED);
     STORE(&h->ob_lost_hi, pushed, RELAXED);
     FETCH_ADD(&h->ob_lost, pushed - lo, RELAXED);
-    /* Published by the ack of this drain that the caller makes next: ob_acked stays
-     * below pushed until then (this drain's ticket is not acknowledged, so no empty
-     * drain or ack of an earlier one raises it to pushed), and the ack's seq_cst raise
-     * of ob_acked comes after these stores; a flusher whose target is past prev reads
+    /* Published by the ack of this drain that the caller makes next, or a later one:
+     * ob_acked stays at most prev until this drain is acknowledged (its ticket is not,
+     * so no empty drain or ack of an earlier drain raises it past prev; no range is
+     * open, so no settle does), and every raise of ob_acked past prev comes after these
+     * stores in this thread, by a seq_cst CAS; a flusher whose target is past prev reads
      * them after its acquire load of that raised ob_acked (_raise_lost). */
     *lost = pushed - lo;
     return SHMPS_OK;

@@ -306,8 +306,9 @@ int shmps_outbox_recover(void *base, uint64_t *lost);
 int shmps_outbox_lost(const void *base, uint64_t *lo, uint64_t *hi, uint64_t *count);
 int shmps_outbox_lost_open(const void *base, uint32_t *open);
 /* The owner refused a drain's frames for good (REJECTED): record its pushes, counted
- * in (prev, pushed] (its Drained's), as lost, past any recorded already; *lost: how
- * many.  The caller then acknowledges the drain as usual (shmps_outbox_ack), and
+ * in (prev, pushed] (its Drained's; up to ob_pushed now if that is empty), as lost,
+ * past any recorded already, unless a range recover left open will count them; *lost:
+ * how many.  The caller then acknowledges the drain as usual (shmps_outbox_ack), and
  * store.flush() raises PushesLost for them instead of returning as if applied. */
 int shmps_outbox_reject(void *base, uint64_t prev, uint64_t pushed, uint64_t *lost);
 /* *lost (both drains): pushes recorded lost by this drain, which ended a lost range

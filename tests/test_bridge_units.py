@@ -899,7 +899,8 @@ def test_a_batch_its_owner_refused_for_good_makes_its_pushers_flush_raise(tmp_pa
     flush() raises PushesLost for them once (the next drain's ack covered them, and
     flush() returned as if they had been applied), the bridge's own handle does not,
     and the drains before and after are acknowledged as usual.  A late REJECTED, of a
-    frame acknowledged since, records nothing (it named the next drain).  Drives a Bridge, not
+    frame acknowledged since, records nothing (it named the next drain); a failure to
+    record (a corrupt outbox shard) is logged, and the stream goes on.  Drives a Bridge, not
     started, on a real store, with a worker's handle of it."""
     import shmps
 
@@ -941,6 +942,15 @@ def test_a_batch_its_owner_refused_for_good_makes_its_pushers_flush_raise(tmp_pa
                 worker.flush(timeout=5)
             worker.flush(timeout=1)                              # raised once
             node.store.flush(timeout=1)                          # the bridge's handle knows
+
+            def corrupt(*args):
+                raise shmps.CorruptSegment("the outbox shard is corrupt")
+
+            info.t._outbox_reject = corrupt     # recording fails: the stream goes on
+            w.push(np.ones((8, 4), np.float32))                  # push 5: frame 4
+            drain()
+            answer(4, Status.REJECTED)
+            assert stream.q.acked == 4 and not stream.drains
         finally:
             worker.close()
 

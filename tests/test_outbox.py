@@ -1948,6 +1948,74 @@ def test_a_drain_its_owner_refused_makes_flush_raise(store, new_handle, kind):
     store.flush(timeout=1)
 
 
+def test_a_refused_drain_that_counts_no_push_of_its_own_records_up_to_the_pushes_now(
+        store, new_handle):
+    """A drain whose P counts none of its own pushes (a partial drain, which a pusher
+    holding a stripe cut short: P is the drain before's; or one that took only values of
+    a push still landing) holds values of pushes counted after it.  Refused, its empty
+    (prev, pushed] would record nothing, and the next drain's ack would cover them: the
+    range goes on to ob_pushed at the refusal instead, and flush() raises."""
+    from shmps.outbox import lost
+
+    w = store.dense("w", shape=(8, 2), shard_rows=8)
+    store._set_forwarding(True)
+    ob = w._outbox()
+    bridge = new_handle()
+    wb = bridge["w"]
+    w.push(np.ones((8, 2), np.float32))                       # pushed 1
+    d1 = wb._outbox_drain(0)
+    wb._outbox_ack(0, d1.pushed, d1.ticket)
+    store.flush(timeout=1)
+    w.push(np.ones((8, 2), np.float32))                       # pushes 2, 3: counted, their
+    w.push(np.ones((8, 2), np.float32))                       # values (say) in a drain
+    assert wb._outbox_reject(0, 1, 1) == 2                    # of P 1, refused: (1, 3]
+    assert lost(ob, 0) == (1, 3, 2)
+    d = wb._outbox_drain(0)                                   # the next one: accepted
+    wb._outbox_ack(0, d.pushed, d.ticket)
+    with pytest.raises(shmps.PushesLost, match="'w' shard 0: 2"):
+        store.flush(timeout=5)
+    store.flush(timeout=1)
+
+
+def test_a_refusal_while_a_lost_range_is_open_is_counted_by_the_range(store, new_handle):
+    """A range recover left open (a push landing at recover) ends at the ob_pushed of the
+    drain that settles it, past every drain refused meanwhile: a refusal then records
+    nothing, and the range counts those pushes with the rest.  (Recorded at the refusal,
+    the pushes between the range's upper end and the refused drain's prev were left out
+    of the count: 3 instead of 4 here.)"""
+    from shmps.dense import DenseTensor
+    from shmps.outbox import lost, lost_open
+
+    w = store.dense("w", shape=(4, 2))
+    store._set_forwarding(True)
+    ob = w._outbox()
+    bridge = new_handle()
+    wb = bridge["w"]
+    g = np.ones((4, 2), np.float32)
+    w.push(g)                                                  # pushed 1
+    touched = ob._every_shard()
+    slots = ob._land(touched)                                  # a push landing
+    assert wb._outbox_drain(0).pushed == 1                     # not acknowledged
+    assert wb._outbox_recover(0) == 1 and lost_open(ob, 0)     # (0, 1], open
+    w.push(g)                                                  # pushed 2: applied
+    d = wb._outbox_drain(0)
+    wb._outbox_ack(0, d.pushed, d.ticket)
+    w.push(g)                                                  # pushed 3: refused
+    d = wb._outbox_drain(0)
+    assert (d.prev, d.pushed) == (2, 3)
+    assert wb._outbox_reject(0, d.prev, d.pushed) == 0         # the range counts it
+    wb._outbox_ack(0, d.pushed, d.ticket)
+    assert lost(ob, 0) == (0, 1, 1)
+    DenseTensor._apply(ob, g, None)                            # the landing push counts
+    ob._landed(touched, slots, True)                           # (pushed 4)
+    d = wb._outbox_drain(0)                                    # and the range ends at 4
+    assert d.pushed == 4 and not lost_open(ob, 0)
+    assert lost(ob, 0) == (0, 4, 4)
+    wb._outbox_ack(0, d.pushed, d.ticket)
+    with pytest.raises(shmps.PushesLost, match="'w' shard 0: 4"):
+        store.flush(timeout=1)
+
+
 def test_a_table_drain_that_fails_before_taking_a_row_changes_nothing(store, outbox_table):
     """A drain whose first row is corrupt removed nothing: rows, counters and the lost
     range stay as they were, and once the row is repaired the next drain takes it all

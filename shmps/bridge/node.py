@@ -82,7 +82,8 @@ SPARE_DRAIN_BUFFERS = 2          #: a tensor's drain buffers kept for reuse (TIn
 DATA_FRAME_BYTES = 2 << 20
 SNAPSHOT_START_BACKLOG = 32 << 20  #: a snapshot starts only while its connection holds less unsent
 #: a dense or csr shard of at most this many value bytes is read for a snapshot on the
-#: event loop (0.1-0.3 ms), not in the snapshot thread: the hop there and back took
+#: event loop (0.1-0.3 ms; with Adam's two state arrays about 3 times the bytes), not in
+#: the snapshot thread: the hop there and back took
 #: milliseconds, and the shard refused batches (BUSY, resent 20-80 ms later) meanwhile, so
 #: a failover's new owner, which copies its backups first, took its last small shards
 #: 0.1-0.2 s after its first (the failover bench, 2026-11-26)
@@ -486,8 +487,9 @@ class Metrics:
                                "unacknowledged batch", registry=r)
         self.owned = Gauge("shmps_bridge_shards_owned", "shards this host owns", registry=r)
         self.lost = Counter("shmps_bridge_lost_pushes", "pushes an earlier bridge process "
-                            "on this store drained and never saw acknowledged, or a "
-                            "drain that failed part way took", registry=r)
+                            "on this store drained and never saw acknowledged, a drain "
+                            "that failed part way took, or an owner refused for good",
+                            registry=r)
         self.drain_failures = Counter("shmps_bridge_drain_failures", "outbox drains that "
                                       "raised (a corrupt outbox shard); logged",
                                       registry=r)
@@ -1683,16 +1685,28 @@ class Bridge:
         for OK).  The pushes of the drain it came from are recorded lost in the outbox
         first (outbox.reject): the drain's ack, or a later one, would otherwise make
         store.flush() return as if they had been applied; it raises PushesLost.  (Before,
-        a later drain's ack covered them, and flush() returned.)"""
+        a later drain's ack covered them, and flush() returned.)  Best effort: a REJECTED
+        lost with its connection or its owner is not seen (the resend finds the seq
+        recorded done, and is answered OK)."""
         info = self.tensors.get(ack.tensor)
+        name = info.name if info is not None else ack.tensor
         drain = next((d for d in stream.drains if d.last_seq >= ack.seq), None)
         lost = 0
         if info is not None and drain is not None:
-            lost = info.t._outbox_reject(ack.shard, drain.prev, drain.pushed)
+            try:
+                lost = info.t._outbox_reject(ack.shard, drain.prev, drain.pushed)
+            except Error as e:   # (a corrupt outbox shard): the stream goes on regardless
+                log.error("owner %s rejected batch %d of %s/%d, and its pushes could not be "
+                          "recorded lost: %s", peer, ack.seq, name, ack.shard, e)
+                return
             self.metrics.lost.inc(lost)
-        log.error("owner %s rejected batch %d of %s/%d: dropped; %d pushes of its drain "
-                  "recorded lost (store.flush() raises PushesLost for them)", peer, ack.seq,
-                  info.name if info is not None else ack.tensor, ack.shard, lost)
+        if lost:
+            log.error("owner %s rejected batch %d of %s/%d: dropped; %d pushes recorded lost "
+                      "(store.flush() raises PushesLost for them)", peer, ack.seq, name,
+                      ack.shard, lost)
+        else:   # another frame of a drain recorded already, or a range left open counts them
+            log.error("owner %s rejected batch %d of %s/%d: dropped; its pushes are in a lost "
+                      "range already", peer, ack.seq, name, ack.shard)
 
     # ------------------------------------------------------------ sender side
     def _flush_waiter(self, loop: asyncio.AbstractEventLoop) -> None:
