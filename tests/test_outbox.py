@@ -1760,14 +1760,13 @@ def test_a_dead_landing_pusher_does_not_hold_a_lost_range_open(store, new_handle
     assert native_counters(ob, 0)[0] == 2
 
 
-def test_a_lost_range_waits_for_a_live_landing_push(store, new_handle):
-    """A push landing at recover (here: its slot claimed, its values and count to come,
-    as a worker stopped in the middle of a push) may be one whose values the ended
-    bridge took: the range stays open, acks and empty drains raise ob_acked no further,
-    flush() times out (saying why) instead of returning, and the first drain after the
-    push counted ends the range; flush() then raises PushesLost, once."""
-    from shmps.dense import DenseTensor
-    from shmps.outbox import busy, lost, lost_open, take_lost
+def _open_lost_range(store, new_handle):
+    """A one-shard (4, 2) dense "w" pushed once (pushed 1), a push landing (its slot
+    claimed, its values and count to come, as a worker stopped in the middle of a push),
+    and a drain of push 1 that a new bridge's recover records lost: the range (0, 1]
+    stays open.  Returns (w, its outbox, the bridge's handle, w in it, a gradient, the
+    landing push's touched shards and slots)."""
+    from shmps.outbox import lost, lost_open
 
     w = store.dense("w", shape=(4, 2))
     store._set_forwarding(True)
@@ -1781,6 +1780,19 @@ def test_a_lost_range_waits_for_a_live_landing_push(store, new_handle):
     assert wb._outbox_drain(0).pushed == 1                 # not acknowledged
     assert wb._outbox_recover(0) == 1                      # (0, 1] now, and open
     assert lost_open(ob, 0) and lost(ob, 0) == (0, 1, 1)
+    return w, ob, bridge, wb, g, touched, slots
+
+
+def test_a_lost_range_waits_for_a_live_landing_push(store, new_handle):
+    """A push landing at recover (here: its slot claimed, its values and count to come,
+    as a worker stopped in the middle of a push) may be one whose values the ended
+    bridge took: the range stays open, acks and empty drains raise ob_acked no further,
+    flush() times out (saying why) instead of returning, and the first drain after the
+    push counted ends the range; flush() then raises PushesLost, once."""
+    from shmps.dense import DenseTensor
+    from shmps.outbox import busy, lost, lost_open, take_lost
+
+    w, ob, bridge, wb, g, touched, slots = _open_lost_range(store, new_handle)
     assert busy(wb) == [0]                                 # the bridge drains it
     w.push(g)                                              # pushed 2: a later push
     d = wb._outbox_drain(0)
@@ -1986,17 +1998,7 @@ def test_a_refusal_while_a_lost_range_is_open_is_counted_by_the_range(store, new
     from shmps.dense import DenseTensor
     from shmps.outbox import lost, lost_open
 
-    w = store.dense("w", shape=(4, 2))
-    store._set_forwarding(True)
-    ob = w._outbox()
-    bridge = new_handle()
-    wb = bridge["w"]
-    g = np.ones((4, 2), np.float32)
-    w.push(g)                                                  # pushed 1
-    touched = ob._every_shard()
-    slots = ob._land(touched)                                  # a push landing
-    assert wb._outbox_drain(0).pushed == 1                     # not acknowledged
-    assert wb._outbox_recover(0) == 1 and lost_open(ob, 0)     # (0, 1], open
+    w, ob, bridge, wb, g, touched, slots = _open_lost_range(store, new_handle)
     w.push(g)                                                  # pushed 2: applied
     d = wb._outbox_drain(0)
     wb._outbox_ack(0, d.pushed, d.ticket)
