@@ -443,14 +443,19 @@ def _timeout(timeout: Optional[float]) -> float:
     return limit
 
 
+def _known_lost(t: Any, ob: Any, shard: int) -> None:
+    """``t``'s handle (the bridge's) recorded the pushes lost in ``shard`` so far: its own
+    flush() does not raise for them (_raise_lost)."""
+    t._store._lost_seen[ob.name][int(shard)] = lost(ob, shard)[2]
+
+
 def _settled(t: Any, ob: Any, shard: int, n: int) -> None:
     """A drain of ``shard`` ended a lost range that recover had left open, or (a table
     drain) failed after it took rows, recording ``n`` more pushes lost: the draining
     handle (the bridge's) knows of them, as of those recover recorded; the bridge reads
     them with :func:`take_lost`."""
-    store = t._store
-    store._lost_seen[ob.name][int(shard)] = lost(ob, shard)[2]
-    store._lost_settled.append((t.name, int(shard), int(n)))
+    _known_lost(t, ob, shard)
+    t._store._lost_settled.append((t.name, int(shard), int(n)))
 
 
 def take_lost(store: Any) -> list[tuple[str, int, int]]:
@@ -541,7 +546,7 @@ def reject(t: Any, shard: int, prev: int, pushed: int) -> int:
     n = ffi.new("uint64_t *")
     _native.check(lib.shmps_outbox_reject(sh.ptr, int(prev), int(pushed), n),
                   f"reject of {ob.name!r}")
-    t._store._lost_seen[ob.name][int(shard)] = lost(ob, shard)[2]
+    _known_lost(t, ob, shard)
     return int(n[0])
 
 
@@ -558,8 +563,7 @@ def recover(t: Any, shard: int) -> int:
     sh = ob._shard_checked(shard)
     n = ffi.new("uint64_t *")
     _native.check(lib.shmps_outbox_recover(sh.ptr, n), f"recover of {ob.name!r}")
-    # the recovering handle (the bridge) knows of this loss: its own flush does not raise
-    t._store._lost_seen[ob.name][int(shard)] = lost(ob, shard)[2]
+    _known_lost(t, ob, shard)   # the recovering handle (the bridge) knows of this loss
     return int(n[0])
 
 
