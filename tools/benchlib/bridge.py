@@ -983,12 +983,27 @@ class Kill:
     """One kill -9: whom, and what the survivors' /health said about its shards."""
 
     victim: int
-    owned: int                       # failover shards the victim owned
-    took: Optional[float] = None     # kill -> first batch applied by a successor (s)
-    since_hb: Optional[float] = None  # that apply - the victim's last heartbeat (s)
-    taken: int = 0                   # of the victim's shards, those a successor applied to
-    took_all: Optional[float] = None  # kill -> the last of them applied (None: not all)
-    by_shard: dict = field(default_factory=dict)   # shard -> (successor host, kill -> apply)
+    owned: int                        # failover shards the victim owned
+    #: each of them a successor applied a batch to: shard -> (successor host, kill ->
+    #: that first apply, s)
+    by_shard: dict = field(default_factory=dict)
+    since_hb: Optional[float] = None  # the first apply - the victim's last heartbeat (s)
+
+    @property
+    def taken(self) -> int:
+        return len(self.by_shard)
+
+    @property
+    def took(self) -> Optional[float]:
+        """Kill -> the first shard's first apply by a successor (s)."""
+        return min((t for _, t in self.by_shard.values()), default=None)
+
+    @property
+    def took_all(self) -> Optional[float]:
+        """Kill -> the last shard's (None unless every shard it owned had one)."""
+        if not self.by_shard or self.taken < self.owned:
+            return None
+        return max(t for _, t in self.by_shard.values())
 
 
 def kill_once(c: Any) -> Kill:
@@ -1021,15 +1036,11 @@ def kill_once(c: Any) -> Kill:
     while len(entries) < len(shards) and time.time() < t_kill + FO_TIMEOUT:
         time.sleep(0.02)
         entries = seen()
+    k.by_shard = {sh: (f["by"], f["first_apply_wall"] - t_kill)
+                  for sh, f in sorted(entries.items())}
     if entries:
         first = min(entries.values(), key=lambda f: f["first_apply_wall"])
-        k.took = first["first_apply_wall"] - t_kill
         k.since_hb = float(first["since_last_heartbeat_s"])
-        k.taken = len(entries)
-        if len(entries) == len(shards):
-            k.took_all = max(f["first_apply_wall"] for f in entries.values()) - t_kill
-        k.by_shard = {sh: (f["by"], round(f["first_apply_wall"] - t_kill, 3))
-                      for sh, f in sorted(entries.items())}
     return k
 
 
@@ -1092,7 +1103,8 @@ def failover(ctx: RunContext, sec: Section, workdir: Path, plan: Plan) -> None:
     data = dict(kills=len(kills), not_all_failed_over=missing,
                 victims=[k.victim for k in kills], shards_owned=[k.owned for k in kills],
                 shards_taken=[k.taken for k in kills],
-                by_shard=[k.by_shard for k in kills],   # shard -> (successor, kill -> apply s)
+                by_shard=[{sh: (by, round(t, 3)) for sh, (by, t) in k.by_shard.items()}
+                          for k in kills],   # shard -> (successor, kill -> apply s)
                 other_load=round(load.other_load, 3), steal=round(load.steal, 3))
     noisy = f"[NOISY: other load {load.other_load:.0%}, steal {load.steal:.0%}]"
     shards = f"shards per kill {min(k.owned for k in kills)}-{max(k.owned for k in kills)} (of 32)"
