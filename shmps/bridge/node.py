@@ -2886,9 +2886,10 @@ class Bridge:
                 st.snap_retry[member] = time.monotonic() + RETRY
                 self._unsettle()
             return
-        # Read and encode the copy in the snapshot thread, so that the event loop goes on
-        # meanwhile (heartbeats above all: a 192 MiB copy took 0.5-0.7 s, longer than
-        # --dead-after).  While it reads, this shard refuses batches (on_batch: BUSY) and
+        # Read and encode the copy in the snapshot thread (unless it is small:
+        # _small_snapshot), so that the event loop goes on meanwhile (heartbeats above
+        # all: a 192 MiB copy took 0.5-0.7 s, longer than --dead-after).  While it
+        # reads, this shard refuses batches (on_batch: BUSY) and
         # no other read of it starts (above), so the bridge applies nothing to it and its
         # ROW seqs stay where they are.  A ROWS or SNAPSHOT from another host written into
         # this copy meanwhile (st.copied_in), or a change of roles that leaves the copy
@@ -2960,8 +2961,9 @@ class Bridge:
     def _snapshot_chunks(self, info: TInfo, shard: int, marks: list, epoch: int, rseq: int,
                          handover: bool) -> list[bytes]:
         """The snapshot thread (the event loop for a small shard: _small_snapshot): one
-        consistent copy of ``shard`` (read under its shared freeze) as SNAPSHOT chunks of about SNAPSHOT_FRAME_BYTES, ROW seqs from ``rseq +
-        1`` on, the last one with ``marks``.  Touches no state of the event loop."""
+        consistent copy of ``shard`` (read under its shared freeze) as SNAPSHOT chunks of
+        about SNAPSHOT_FRAME_BYTES, ROW seqs from ``rseq + 1`` on, the last one with
+        ``marks``.  Touches no state of the event loop."""
         if "slow_snapshot" in self._failpoints:
             # test failpoint: a slow machine's copy of a large shard
             delay = float(self._failpoints["slow_snapshot"] or SLOW_SNAPSHOT_S)
