@@ -2243,6 +2243,27 @@ def test_a_small_shards_copy_is_read_at_once_and_refuses_no_batch(tmp_path, monk
         assert m1 in st.snapshotting   # sent either way, awaiting its ack
 
 
+def test_only_small_dense_shards_are_read_on_the_event_loop(tmp_path):
+    """_small_snapshot: a dense shard of at most INLINE_SNAPSHOT_BYTES of values is read
+    on the event loop; a larger one, and any table shard (its size is its live keys,
+    unknown before the read: a 64 MiB shard would stall the loop past --dead-after), go
+    to the snapshot thread."""
+    from shmps.bridge.node import INLINE_SNAPSHOT_BYTES
+
+    me, m1 = "127.0.0.2:7001", "127.0.0.3:7001"
+    with _owner_on_a_store(tmp_path, [me, m1], "inlinesz") as (node, info, _st):
+        rows = INLINE_SNAPSHOT_BYTES // (4 * 4)                 # float32 x 4: at the bound
+        node.store.dense("big", (2 * rows, 4), "float32", shard_rows=rows + 1)
+        node.store.table("tab", dim=4, capacity=64, shards=1)
+        while node.refresh_tensors(budget=None):
+            pass
+        big, tab = node.by_name["big"], node.by_name["tab"]
+        assert node._small_snapshot(info, 0)                     # 128 bytes
+        assert not node._small_snapshot(big, 0)                 # rows + 1: past the bound
+        assert node._small_snapshot(big, 1)                     # rows - 1
+        assert not node._small_snapshot(tab, 0)                 # a table: never
+
+
 def test_rows_written_into_a_copy_while_it_is_read_void_the_read(tmp_path, monkeypatch,
                                                                  caplog):
     """A hand-over read (the previous owner's copy, read in the snapshot thread for the
