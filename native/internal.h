@@ -194,6 +194,9 @@ typedef struct {
     uint32_t ack_seq;        /* futex word: bumped by the bridge after acks (outbox.c) */
     uint32_t ack_waiters;    /* store.flush() calls sleeping on ack_seq */
     pthread_mutex_t lock __attribute__((aligned(SHMPS_CACHELINE)));
+    /* forwarded pushes, store-wide (outbox.c, shmps_forward_pushed): its own cache line,
+     * written by every pusher while the bridge runs, read by the bridge's flush loop */
+    uint64_t fwd_pushes __attribute__((aligned(SHMPS_CACHELINE)));
 } shmps_manifest_t;
 
 typedef struct {
@@ -205,7 +208,8 @@ _Static_assert(sizeof(shmps_manifest_t) <= PROCS_OFF, "manifest header too big")
 _Static_assert(__builtin_offsetof(shmps_manifest_t, flush_req) == 280 &&
                __builtin_offsetof(shmps_manifest_t, ack_seq) == 284 &&
                __builtin_offsetof(shmps_manifest_t, ack_waiters) == 288 &&
-               __builtin_offsetof(shmps_manifest_t, lock) == 320, "documented offsets");
+               __builtin_offsetof(shmps_manifest_t, lock) == 320 &&
+               __builtin_offsetof(shmps_manifest_t, fwd_pushes) == 384, "documented offsets");
 _Static_assert(WORKERS_OFF + 64ull * SHMPS_MAX_WORKERS <= CATALOG_OFF, "worker area");
 _Static_assert(CATALOG_OFF + SHMPS_CATALOG_BYTES <= SHMPS_MANIFEST_SIZE, "catalog area");
 

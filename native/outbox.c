@@ -131,6 +131,34 @@ uint32_t shmps_forward_get(const void *man) {
  * through the catalog, which has its own release/acquire). */
 uint32_t *shmps_forward_word(void *man) { return &((shmps_manifest_t *)man)->forward; }
 
+/* The store-wide count of forwarded pushes, for the bridge's flush loop: while it has
+ * not moved since a scan of every outbox shard (shmps_outbox_busy) found none busy, no
+ * push has been counted since, and the scan, one cache miss per shard (thousands of
+ * them every few ms: most of an idle bridge's C time), is skipped.
+ *
+ *   pusher:  the push's release adds of ob_pushed (every shard it touched), then
+ *            fwd_pushes += 1 (release).
+ *   bridge:  F = fwd_pushes (acquire), then the scan's loads of ob_pushed.
+ *
+ * A push whose add the bridge's load reads (or a later add: an RMW continues the release
+ * sequence) made its ob_pushed adds before, in program order; the acquire orders them
+ * before the scan's loads, which read them or later values: the scan sees the shard
+ * busy, or already drained.  A push whose add comes later moves fwd_pushes past F, and
+ * the next pass scans.  So a scan skipped on an unmoved F misses no push counted before
+ * it.  What is not counted here (a pusher killed between its shard counts and this add,
+ * or a process of an older build that never adds) is found by the bridge's periodic full
+ * scan and its sweep: a hint, as shmps_outbox_busy is. */
+int shmps_forward_pushed(void *man) {
+    /* release: see above */
+    FETCH_ADD(&((shmps_manifest_t *)man)->fwd_pushes, 1, RELEASE);
+    return SHMPS_OK;
+}
+
+uint64_t shmps_forward_pushes(const void *man) {
+    /* acquire: pairs with shmps_forward_pushed's release add (above) */
+    return LOAD(&((const shmps_manifest_t *)man)->fwd_pushes, ACQUIRE);
+}
+
 /* store.flush(): ask the bridge to drain now rather than at its next flush interval:
  * bump flush_req and wake its waiter (a futex on a MAP_SHARED word: the shared ops).
  * Relaxed: a wake-up hint only.  The pushes the flusher waits for are published by

@@ -284,6 +284,11 @@ enum { SHMPS_DRAIN_PARTIAL = 2,
 int shmps_forward_set(void *man, uint32_t on);
 uint32_t shmps_forward_get(const void *man);
 uint32_t *shmps_forward_word(void *man);
+/* the store-wide count of forwarded pushes: a pusher adds 1 after each push into an
+ * outbox (after the push counted itself in its shards); the bridge skips its scan of the
+ * outboxes while it has not moved (outbox.c) */
+int shmps_forward_pushed(void *man);
+uint64_t shmps_forward_pushes(const void *man);
 int shmps_flush_request(void *man);
 uint32_t shmps_flush_wait(void *man, uint32_t seen, uint64_t max_ns);
 void shmps_ack_notify(void *man);

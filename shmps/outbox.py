@@ -246,24 +246,28 @@ class DenseOutbox(DenseTensor):
         landing slot of each of those shards (native/outbox.c "Landing": a bridge that
         ends holding values of a landing push is then caught by the next bridge's
         recover): a push of rows in C (shmps_dense_push_sorted_rows, shard by shard),
-        a push of the whole tensor, split over threads, here around it."""
-        if r is not None:
-            if r.size:
-                DenseTensor._apply(self, g, r)
-            return
-        touched = self._every_shard()
-        # every entry SHMPS_LANDING_NONE before the claim: an interrupt anywhere after
-        # this line still frees exactly the slots claimed
-        slots = ffi.new("uint8_t[]", self._no_slots())
-        counted = False
+        a push of the whole tensor, split over threads, here around it.  Last, the
+        store-wide count of forwarded pushes moves (_count_forwarded)."""
         try:
-            self._land(touched, slots)
-            DenseTensor._apply(self, g, r)
-            counted = True
+            if r is not None:
+                if r.size:
+                    DenseTensor._apply(self, g, r)
+                return
+            touched = self._every_shard()
+            # every entry SHMPS_LANDING_NONE before the claim: an interrupt anywhere after
+            # this line still frees exactly the slots claimed
+            slots = ffi.new("uint8_t[]", self._no_slots())
+            counted = False
+            try:
+                self._land(touched, slots)
+                DenseTensor._apply(self, g, r)
+                counted = True
+            finally:
+                # a push that failed part way is not counted (as before): what it wrote
+                # goes out with the next drain, and no flush waits for it
+                self._landed(touched, slots, counted)
         finally:
-            # a push that failed part way is not counted (as before): what it wrote goes
-            # out with the next drain, and no flush waits for it
-            self._landed(touched, slots, counted)
+            _count_forwarded(self)
 
     def _no_slots(self) -> list:
         none = getattr(self, "_none", None)
@@ -330,11 +334,15 @@ class TableOutbox(Table):
     def _push_counted(self, k: np.ndarray, g: np.ndarray, check: bool) -> None:
         """Sum validated rows into the outbox; C counts the push in every shard it
         touched (shmps_table_push on an outbox shard).  ``check``: the table's NaN/Inf
-        rule, applied here before anything changes."""
+        rule, applied here before anything changes.  Then the store-wide count of
+        forwarded pushes moves (_count_forwarded)."""
         scratch, nbytes, info = self._scratch(k.size)
-        code = lib.shmps_table_push(self._ptrs(), self.nshards, _native.token(),
-                                    _native.addr(k), k.size, ffi.from_buffer(g), self._gcode,
-                                    int(check), scratch, nbytes, info)
+        try:
+            code = lib.shmps_table_push(self._ptrs(), self.nshards, _native.token(),
+                                        _native.addr(k), k.size, ffi.from_buffer(g),
+                                        self._gcode, int(check), scratch, nbytes, info)
+        finally:
+            _count_forwarded(self)
         if code == lib.SHMPS_E_NONFINITE:
             _native.check(code, f"push to {self.record['outbox_of']!r}")
         if code:
@@ -345,6 +353,13 @@ class TableOutbox(Table):
                     exc.hint = ("the outbox holds the pushes not yet sent by shmps-bridge: is "
                                 "the bridge running (and draining) for this store?")
                 raise
+
+
+def _count_forwarded(ob: Any) -> None:
+    """Add 1 to the store's count of forwarded pushes (shmps_forward_pushed), after a push
+    into ``ob`` counted itself in its shards, or failed part way (what it wrote goes out
+    with a drain): the bridge scans the outboxes only when the count moved (BusyScan)."""
+    lib.shmps_forward_pushed(ob._store._mptr)
 
 
 # ---- drains -----------------------------------------------------------------------------
@@ -403,7 +418,13 @@ class BusyScan:
     them (the bridge's flush loop runs every few milliseconds; with hundreds of tensors,
     a call per tensor cost an idle bridge most of a core).  Build a new one when the
     tensors change (all of one store); :meth:`scan` raises Closed once the store is
-    closed."""
+    closed.
+
+    The call is skipped while the store's count of forwarded pushes
+    (shmps_forward_pushes) has not moved since a call that found no shard busy: then no
+    push was counted since (native/outbox.c, shmps_forward_pushed).  Even so, one load
+    per shard every pass was most of an idle bridge's C time with thousands of
+    shards."""
 
     def __init__(self, tensors: Sequence[Any]) -> None:
         self._outboxes = [t._outbox() for t in tensors]
@@ -418,20 +439,34 @@ class BusyScan:
         self._flags = np.zeros(len(ptrs), np.uint8)
         self._flags_ptr = ffi.from_buffer(self._flags)
         self._n = ffi.new("uint32_t *")
+        #: the count of forwarded pushes read before the last call, if it found no shard
+        #: busy (else None: the next scan calls)
+        self._idle_at: Optional[int] = None
+        #: calls made (the scans not skipped)
+        self.calls = 0
 
-    def scan(self) -> list[tuple[int, int]]:
+    def scan(self, full: bool = False) -> list[tuple[int, int]]:
         """(tensor position, shard) of every outbox shard holding pushes no drain has
-        counted yet; a hint, as ``busy``."""
+        counted yet; a hint, as ``busy``.  ``full``: call even if no push was counted
+        since a call that found none busy (a push whose process died before it moved the
+        store's count, or made by a build that does not move it, is found so)."""
         if self._bases is None:
             return []
         # Closed once the store is: the bases would point at unmapped memory (the
         # bridge closes tensors only by closing its store; one check, not one a tensor)
-        self._stores[0]._mptr
+        man = self._stores[0]._mptr
+        # read before the call (acquire): a push counted in it is seen by the call
+        pushes = int(lib.shmps_forward_pushes(man))
+        if not full and pushes == self._idle_at:
+            return []
+        self.calls += 1
         _native.check(lib.shmps_outbox_busy(self._bases, len(self._flags), self._flags_ptr,
                                             self._n),
                       "state of the outboxes")
         if not self._n[0]:
+            self._idle_at = pushes
             return []
+        self._idle_at = None
         idx = np.flatnonzero(self._flags)
         return list(zip(self._tensor[idx].tolist(), self._shard[idx].tolist()))
 

@@ -955,6 +955,59 @@ def test_a_batch_its_owner_refused_for_good_makes_its_pushers_flush_raise(tmp_pa
             worker.close()
 
 
+def test_the_flush_loop_scans_the_outboxes_only_when_a_push_may_wait(tmp_path, monkeypatch):
+    """A pass of the flush loop (_drain_all) calls the scan of every outbox shard only
+    when the store's count of forwarded pushes moved, after a scan that found some, when
+    a store.flush() asked (_wake_flush), or FULL_SCAN_EVERY after the last full scan: an
+    idle bridge with thousands of shards spent most of its C time there.  A push counted
+    in its outbox shard but not in the store's count (its process died in between) goes
+    out with the next full scan.  Drives a Bridge, not started, on a real store, with a
+    worker's handle of it."""
+    import shmps
+    from shmps._native import lib
+    from shmps.bridge import node as node_mod
+
+    # every step below but the last takes far less than this (a full scan comes at most
+    # every FULL_SCAN_EVERY: the last waits for one); no sweep drains shard 0 meanwhile
+    monkeypatch.setattr(node_mod, "FULL_SCAN_EVERY", 2.0)
+    monkeypatch.setattr(node_mod, "SWEEP_EVERY", 600.0)
+    me, other = "127.0.0.2:7001", "127.0.0.3:7001"
+    with _owner_on_a_store(tmp_path, [me, other], "scans") as (node, _, _st):
+        name, info, _ = _tensor_owned_by(node, other, pushed=False)
+        node.store._set_forwarding(True)
+        stream = node.streams[(info.tid, 0)]
+        worker = shmps.attach("scans", namespace=node.store.namespace, create=False)
+        try:
+            node._drain_all()
+            scan = node._shard_index()[1]
+            calls = scan.calls
+            assert calls >= 1
+            for _ in range(3):
+                node._drain_all()
+            assert scan.calls == calls                      # nothing pushed: no scan
+            worker[name].push(np.ones((8, 4), np.float32))
+            node._drain_all()
+            assert scan.calls == calls + 1 and len(stream.drains) == 1
+            node._drain_all()                               # after one that found some
+            node._drain_all()
+            assert scan.calls == calls + 2 and len(stream.drains) == 1
+            # counted in the outbox shard, not in the store's count: seen by a full scan,
+            # asked for by a store.flush() or due FULL_SCAN_EVERY after the last one
+            for ask in (node._wake_flush, lambda: time.sleep(node_mod.FULL_SCAN_EVERY)):
+                lib.shmps_outbox_pushed(info.t._outbox()._shard(0).ptr)
+                node._drain_all()
+                assert info.t._outbox_busy() == [0] and scan.calls == calls + 2
+                ask()
+                node._drain_all()                           # an empty drain of shard 0
+                assert info.t._outbox_busy() == [] and scan.calls == calls + 3
+                node._drain_all()                           # after one that found some
+                node._drain_all()
+                assert scan.calls == calls + 4
+                calls += 2
+        finally:
+            worker.close()
+
+
 def test_a_gap_for_the_oldest_frame_resends_the_stream_at_once(tmp_path):
     """An owner that does not know a stream (its first batch, after a restart or a move)
     answers GAP to every frame in flight.  The GAP of the oldest unacknowledged frame

@@ -204,7 +204,7 @@ def test_one_busy_scan_over_many_tensors_equals_each_tensors_busy(store, store_n
         elif i == 5:
             t.push(rng.integers(1, 1000, 3).astype(np.uint64), np.ones((3, 2)))
         else:
-            t.push(np.ones(4, np.float32))
+            t.push(shmps.CSR(rc, np.array([0, 1, 0, 1], np.int64), np.ones(4, np.float32)))
         want = [(k, s) for k, x in enumerate(ts) for s in x._outbox_busy()]
         assert scan.scan() == want and want
         k, s = want[0]
@@ -220,6 +220,66 @@ def test_one_busy_scan_over_many_tensors_equals_each_tensors_busy(store, store_n
         other.close()
     with pytest.raises(shmps.Closed):
         scan2.scan()
+
+
+def push_each_kind(store: str, names: tuple) -> int:
+    """One forwarded push each: a dense tensor's whole, some of its rows, a table's key
+    and a csr tensor's entries; returns how many."""
+    s = shmps.attach(store)
+    try:
+        d, e, x = (s[n] for n in names)
+        d.push(np.ones(d.shape, np.float32))
+        d.push(np.ones((1, 2), np.float32), rows=[3])
+        e.push(np.array([5], np.uint64), np.ones((1, 2)))
+        x.push(shmps.CSR(np.array([0, 1, 2, 3, 4], np.int64), np.array([0, 1, 0, 1], np.int64),
+                         np.ones(4, np.float32)))
+        return 4
+    finally:
+        s.close()
+
+
+def test_the_busy_scan_is_skipped_until_a_forwarded_push_counts(store, store_name):
+    """Every forwarded push (dense whole and rows=, table, csr), here from another
+    process, adds 1 to the store's count of forwarded pushes (shmps_forward_pushes)
+    after it counted itself in its shards.  BusyScan skips its C call while that count
+    stays where it was at a call that found nothing busy, and calls once it moved, after
+    a call that found something, or when asked for a full scan.  A push counted in its
+    shard but not in the store's count (its process died in between) is seen by a full
+    scan only: the bridge makes one every FULL_SCAN_EVERY s."""
+    from shmps.outbox import BusyScan
+    d = store.dense("d", shape=(8, 2), dtype="float32", shard_rows=2)
+    e = store.table("e", dim=2, capacity=64, shards=3)
+    x = store.csr("x", np.array([0, 1, 2, 3, 4], np.int64), np.array([0, 1, 0, 1], np.int64),
+                  "float32", shape=(4, 2), shard_rows=2)
+    ts = (d, e, x)
+    store._set_forwarding(True)
+    scan = BusyScan(ts)
+
+    def count() -> int:
+        return int(lib.shmps_forward_pushes(store._mptr))
+
+    c0 = count()
+    assert scan.scan() == [] and scan.calls == 1
+    assert scan.scan() == [] and scan.calls == 1                # nothing pushed: skipped
+    assert scan.scan(full=True) == [] and scan.calls == 2
+    with Workers() as ws:
+        assert ws.start(push_each_kind, store_name, ("d", "e", "x")).result(60) == 4
+    assert count() == c0 + 4
+    busy = scan.scan()
+    assert busy and busy == [(k, s) for k, t in enumerate(ts) for s in t._outbox_busy()]
+    assert scan.calls == 3
+    ts[busy[0][0]]._outbox_drain(busy[0][1])
+    assert scan.scan() == busy[1:] and scan.calls == 4          # it found some: calls
+    for k, s in busy[1:]:
+        ts[k]._outbox_drain(s)
+    assert scan.scan() == [] and scan.calls == 5
+    assert scan.scan() == [] and scan.calls == 5
+    # counted in shard 1 of d's outbox only, as by a pusher killed before the store's count
+    lib.shmps_outbox_pushed(d._outbox()._shard(1).ptr)
+    assert count() == c0 + 4 and d._outbox_busy() == [1]
+    assert scan.scan() == [] and scan.calls == 5                # unseen...
+    assert scan.scan(full=True) == [(0, 1)] and scan.calls == 6  # ...but by a full scan
+    assert d._outbox_drain(1) is None and scan.scan() == [] and scan.calls == 7
 
 
 def test_forwarded_push_validation_changes_nothing(store):

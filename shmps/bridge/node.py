@@ -64,6 +64,7 @@ BUSY_RETRY = 0.02                #: resend delay after a BUSY (s), doubled for e
 BUSY_RETRY_MAX = 0.08            #: ...up to this: each resend is the stream's whole window again
 SWEEP_EVERY = 1.0                #: how often the sweep drains SWEEP_SHARDS shards, busy or not (s)
 SWEEP_SHARDS = 64                #: shards per sweep, in turn: a 16-shard store is swept whole every second
+FULL_SCAN_EVERY = 0.1            #: the outboxes are scanned at least this often, pushes counted or not (s)
 DRAIN_FAILURE_LOG_S = 60.0       #: a failing outbox shard is logged at most this often (s)
 DRAIN_RETRY_S = 1.0              #: a shard whose drain failed is tried again after this (s)
 RESEND_AFTER = 2.0                #: resend a stream's unacknowledged frames after this silence
@@ -578,6 +579,8 @@ class Bridge:
         self.streams: dict[tuple[int, int], SendStream] = {}
         self._sweep_at = 0.0               # next sweep (_drain_all)
         self._drain_round = 0              # rotates where a drain pass starts
+        self._full_scan_at = 0.0           # next scan of every outbox, pushed or not
+        self._scan_asked = False           # a worker asked for a drain: scan every outbox
         self._drain_failed_at: dict[tuple, float] = {}   # (tid, shard) -> last logged
         self._drain_retry_at: dict[tuple, float] = {}    # (tid, shard) -> next try
         self._sweep_pos = 0                # the next shard a sweep starts with
@@ -1773,6 +1776,7 @@ class Bridge:
 
     def _wake_flush(self) -> None:
         self._flush_asked = True
+        self._scan_asked = True
         if self._flush_wake is not None and not self._flush_wake.done():
             self._flush_wake.set_result(None)
 
@@ -1838,11 +1842,17 @@ class Bridge:
         now = time.monotonic()
         quorum = now >= self.grace_until
         # one C call over every tensor's outbox shards tells which hold uncounted pushes
-        # (outbox.BusyScan): an idle store costs that call, not a drain of each shard; the
-        # busy ones start at a rotating place, so a pass cut short (below) does not
-        # always leave the same ones
+        # (outbox.BusyScan): an idle store costs that call, not a drain of each shard, and
+        # not even that while the store's count of forwarded pushes stays where it was
+        # (except every FULL_SCAN_EVERY, and when a store.flush() asks); the busy ones
+        # start at a rotating place, so a pass cut short (below) does not always leave
+        # the same ones
         infos, scan, every = self._shard_index()
-        work = [(infos[i].tid, infos[i], s) for i, s in scan.scan()]
+        full = self._scan_asked or now >= self._full_scan_at
+        if full:
+            self._scan_asked = False
+            self._full_scan_at = now + FULL_SCAN_EVERY
+        work = [(infos[i].tid, infos[i], s) for i, s in scan.scan(full)]
         if work:
             r = self._drain_round % len(work)
             work = work[r:] + work[:r]
