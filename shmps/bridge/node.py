@@ -622,6 +622,7 @@ class Bridge:
         self._verifier = auth.RequestVerifier(cfg.secret)
         self._stop_event: Optional[asyncio.Event] = None
         self._owner_cache: dict[str, list[str]] = {}
+        self._owned: tuple = (None, 0, [])   # (ring, shard count, owned keys): _owned_keys
         self._peer_rings: dict[str, set] = {}   # the ring each peer's last heartbeat shows
         self._incarnations: dict[str, int] = {}
         self._hb_seq: dict[str, int] = {}   # peer -> the newest heartbeat counter heard of
@@ -3048,14 +3049,14 @@ class Bridge:
     def _maintain_shards(self, acting: bool, now: float) -> bool:
         """One pass over the shards this host owns: ask again for hand-overs, send
         snapshots to members that lack a copy, release replies.  True while something
-        is under way (the next pass comes a TICK later)."""
+        is under way (the next pass comes a TICK later).  A settled shard (every target
+        holds a copy, no reply waits) costs a set comparison: with thousands of shards,
+        the whole pass had cost an idle bridge more than its flush loop."""
         targets = self._targets()
-        owned = 0
+        owned = self._owned_keys() if acting else []
         busy = False
-        for key, st in self.shards.items():
-            if not acting or self.owner(st.key) != self.addr:
-                continue
-            owned += 1
+        for key in owned:
+            st = self.shards[key]
             if st.handover_from is not None and not self._handover_given_up(st, now):
                 busy = True
                 if st.sync_sent_at < now - 0.5:
@@ -3067,21 +3068,33 @@ class Bridge:
                             seq=SYNC_SEQ)):
                         st.sync_sent_at = now
                 continue
-            for m in targets:
-                if m in st.synced:
-                    continue
-                busy = True
-                if (m in st.snapshotting or st.reading is not None
-                        or st.snap_retry.get(m, 0) > now):
-                    continue
-                if self._out(m) is None:
-                    continue
-                asyncio.get_running_loop().create_task(self._send_snapshot(key, m))
-            # replies waiting for backups: released by their acknowledgements (on_ack),
-            # and here after a change of the member states (a backup gone)
-            self._release(key)
-        self.metrics.owned.set(owned)
+            if not st.synced.issuperset(targets):
+                for m in targets:
+                    if m in st.synced:
+                        continue
+                    busy = True
+                    if (m in st.snapshotting or st.reading is not None
+                            or st.snap_retry.get(m, 0) > now):
+                        continue
+                    if self._out(m) is None:
+                        continue
+                    asyncio.get_running_loop().create_task(self._send_snapshot(key, m))
+            if st.pending:
+                # replies waiting for backups: released by their acknowledgements
+                # (on_ack), and here after a change of the member states (a backup gone)
+                self._release(key)
+        self.metrics.owned.set(len(owned))
         return busy
+
+    def _owned_keys(self) -> list:
+        """The keys of the shards this host owns on the current ring (cached until the
+        ring or the shards change: the ring is replaced, never changed in place, and
+        shards are only ever added)."""
+        ring, n, keys = self._owned
+        if ring is not self.ring or n != len(self.shards):
+            keys = [key for key, st in self.shards.items() if self.owner(st.key) == self.addr]
+            self._owned = (self.ring, len(self.shards), keys)
+        return keys
 
     def _request_copies(self, now: float) -> None:
         """Joining: ask each shard's owner for a snapshot (SYNC) until one arrived; say how
