@@ -956,13 +956,14 @@ def test_a_batch_its_owner_refused_for_good_makes_its_pushers_flush_raise(tmp_pa
 
 
 def test_the_flush_loop_scans_the_outboxes_only_when_a_push_may_wait(tmp_path, monkeypatch):
-    """A pass of the flush loop (_drain_all) calls the scan of every outbox shard only
+    """A pass of the flush loop (_flush_pass) calls the scan of every outbox shard only
     when the store's count of forwarded pushes moved, after a scan that found some, when
     a store.flush() asked (_wake_flush), or FULL_SCAN_EVERY after the last full scan: an
     idle bridge with thousands of shards spent most of its C time there.  A push counted
     in its outbox shard but not in the store's count (its process died in between) goes
-    out with the next full scan.  Drives a Bridge, not started, on a real store, with a
-    worker's handle of it."""
+    out with the next full scan.  A pass with nothing to drain or send does not look at
+    the members either (half of an idle pass's cost).  Drives a Bridge, not started, on
+    a real store, with a worker's handle of it."""
     import shmps
     from shmps._native import lib
     from shmps.bridge import node as node_mod
@@ -978,30 +979,32 @@ def test_the_flush_loop_scans_the_outboxes_only_when_a_push_may_wait(tmp_path, m
         stream = node.streams[(info.tid, 0)]
         worker = shmps.attach("scans", namespace=node.store.namespace, create=False)
         try:
-            node._drain_all()
+            node._flush_pass()
             scan = node._shard_index()[1]
             calls = scan.calls
             assert calls >= 1
+            looked = node._last_run                 # when it last looked at the members
             for _ in range(3):
-                node._drain_all()
-            assert scan.calls == calls                      # nothing pushed: no scan
+                node._flush_pass()
+            assert scan.calls == calls                      # nothing pushed: no scan,
+            assert node._last_run == looked                 # nor a look at the members
             worker[name].push(np.ones((8, 4), np.float32))
-            node._drain_all()
+            node._flush_pass()
             assert scan.calls == calls + 1 and len(stream.drains) == 1
-            node._drain_all()                               # after one that found some
-            node._drain_all()
+            node._flush_pass()                               # after one that found some
+            node._flush_pass()
             assert scan.calls == calls + 2 and len(stream.drains) == 1
             # counted in the outbox shard, not in the store's count: seen by a full scan,
             # asked for by a store.flush() or due FULL_SCAN_EVERY after the last one
             for ask in (node._wake_flush, lambda: time.sleep(node_mod.FULL_SCAN_EVERY)):
                 lib.shmps_outbox_pushed(info.t._outbox()._shard(0).ptr)
-                node._drain_all()
+                node._flush_pass()
                 assert info.t._outbox_busy() == [0] and scan.calls == calls + 2
                 ask()
-                node._drain_all()                           # an empty drain of shard 0
+                node._flush_pass()                           # an empty drain of shard 0
                 assert info.t._outbox_busy() == [] and scan.calls == calls + 3
-                node._drain_all()                           # after one that found some
-                node._drain_all()
+                node._flush_pass()                           # after one that found some
+                node._flush_pass()
                 assert scan.calls == calls + 4
                 calls += 2
         finally:

@@ -1805,22 +1805,53 @@ class Bridge:
         while True:
             t0 = time.monotonic()
             try:
-                # first notice who went silent (this process may have been stopped):
-                # never drain or apply on a view older than one flush interval
-                self._notice_silence()
-                with self._unit():
-                    try:
-                        self._drain_all()
-                    finally:
-                        # a drain that failed part way (a corrupt outbox) recorded what
-                        # it took as lost: counted even when it raises every pass
-                        self._note_lost()
-                    self._send_all()
+                self._flush_pass()
             except asyncio.CancelledError:
                 raise
             except Exception:
                 log.exception("flush failed")
             await self._flush_pause(max(0.0, interval - (time.monotonic() - t0)))
+
+    def _flush_pass(self) -> None:
+        """One pass of the flush loop: drain the outbox shards that hold pushes (and the
+        sweep's), send what the streams have not sent.  A pass with none of that to do
+        ends after the scan (or without it: outbox.BusyScan), without looking at the
+        members: an idle bridge makes 200 passes a second, and that look was half of
+        their cost."""
+        now = time.monotonic()
+        work = self._busy_shards(now)
+        if not (work or self._sweep_due or now >= self._sweep_at or self._sending):
+            return
+        # first notice who went silent (this process may have been stopped): never drain
+        # or apply on a view older than one flush interval
+        self._notice_silence()
+        with self._unit():
+            try:
+                self._drain_all(work)
+            finally:
+                # a drain that failed part way (a corrupt outbox) recorded what it took
+                # as lost: counted even when it raises every pass
+                self._note_lost()
+            self._send_all()
+
+    def _busy_shards(self, now: float) -> list:
+        """(tid, TInfo, shard) of every outbox shard holding pushes no drain counted yet,
+        by one C call over every tensor's outbox shards (outbox.BusyScan), and not even
+        that while the store's count of forwarded pushes stays where it was at a call
+        that found none (except every FULL_SCAN_EVERY, and when a store.flush() asks);
+        starting at a rotating place, so that a pass cut short (_drain_all) does not
+        always leave the same ones."""
+        infos, scan, _ = self._shard_index()
+        full = self._scan_asked or now >= self._full_scan_at
+        if full:
+            self._scan_asked = False
+            self._full_scan_at = now + FULL_SCAN_EVERY
+        work = [(infos[i].tid, infos[i], s) for i, s in scan.scan(full)]
+        if work:
+            r = self._drain_round % len(work)
+            work = work[r:] + work[:r]
+            self._drain_round += 1
+        return work
 
     def _note_lost(self) -> None:
         """Pushes recorded lost by this bridge's drains: a range that recover (at start)
@@ -1837,27 +1868,15 @@ class Bridge:
                       "outbox or by a drain that failed part way; store.flush() raises "
                       "PushesLost for them", name, s, lost)
 
-    def _drain_all(self) -> None:
+    def _drain_all(self, busy: list) -> None:
+        """Drain the outbox shards ``busy`` (_busy_shards) and the sweep's, and send each
+        drain on its way at once."""
         if not self.members.has_quorum():
             return  # a minority holds its outboxes
         now = time.monotonic()
         quorum = now >= self.grace_until
-        # one C call over every tensor's outbox shards tells which hold uncounted pushes
-        # (outbox.BusyScan): an idle store costs that call, not a drain of each shard, and
-        # not even that while the store's count of forwarded pushes stays where it was
-        # (except every FULL_SCAN_EVERY, and when a store.flush() asks); the busy ones
-        # start at a rotating place, so a pass cut short (below) does not always leave
-        # the same ones
-        infos, scan, every = self._shard_index()
-        full = self._scan_asked or now >= self._full_scan_at
-        if full:
-            self._scan_asked = False
-            self._full_scan_at = now + FULL_SCAN_EVERY
-        work = [(infos[i].tid, infos[i], s) for i, s in scan.scan(full)]
-        if work:
-            r = self._drain_round % len(work)
-            work = work[r:] + work[:r]
-            self._drain_round += 1
+        every = self._shard_index()[2]
+        work = list(busy)
         nbusy = len(work)
         if now >= self._sweep_at and not self._sweep_due:
             # now and then some shards, busy or not, in turn (SWEEP_SHARDS a second): what
