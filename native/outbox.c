@@ -101,7 +101,7 @@
  * records up to ob_pushed at the refusal; while a range recover left open waits, the
  * settle that ends it counts them.  (A push still landing at the refusal, its values
  * taken and its count to come, is not in the range: best effort, as a REJECTED lost
- * with its connection, which the resend's duplicate answer OK makes unseen.)
+ * with its owner, which the next owner's duplicate answer OK makes unseen.)
  */
 #include "internal.h"
 

@@ -1369,9 +1369,9 @@ def test_an_owner_sends_its_copies_the_mark_of_a_batch_it_refused_as_invalid(tmp
     for the backup as an acknowledgement does (a new owner whose filter lacked the seq
     would answer the sender's next batch GAP for good).  It is checked as the stream's
     next frame, as any batch is: a malformed first frame of a stream the owner does not
-    know yet is answered GAP first (the frames before it may be on their way).  Drives a
-    Bridge, not started, on a real store, with a real websocket
-    connection to the backup."""
+    know yet is answered GAP first (the frames before it may be on their way).  Resent,
+    a refused batch is refused again, not acknowledged as a duplicate.  Drives a Bridge,
+    not started, on a real store, with a real websocket connection to the backup."""
     from shmps.bridge import node as bridge_node
     from test_bridge_wsstream import collect
 
@@ -1423,6 +1423,19 @@ def test_an_owner_sends_its_copies_the_mark_of_a_batch_it_refused_as_invalid(tmp
         assert st.dedup.floor(stream) == 5
         assert _refused(node, "schema") == 2
         assert _refused(node, "invalid") == 1
+        # resent (their answers lost with a connection): a refused batch is refused again,
+        # not answered OK as a duplicate (its sender would count its pushes applied); an
+        # applied one is acknowledged; nothing is applied twice
+        answer()
+        before = node.store[info.name].pull().copy()
+        del replies[:]
+        for seq, start, value in ((1, 4, 1.0), (2, 0, 1.0), (3, 4, 1.0), (4, 0, float("nan")),
+                                  (5, 0, 1.0)):
+            batch(seq, start, value)
+        assert [(r.status, r.seq) for r in replies] == [
+            (Status.REJECTED, 1), (Status.OK, 2), (Status.REJECTED, 3), (Status.REJECTED, 4),
+            (Status.OK, 5)]
+        np.testing.assert_array_equal(node.store[info.name].pull(), before)
         np.testing.assert_array_equal(node.store[info.name].pull()[:8],
                                       np.full((8, 4), 2, np.float32))
 

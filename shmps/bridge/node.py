@@ -64,6 +64,7 @@ BUSY_RETRY = 0.02                #: resend delay after a BUSY (s), doubled for e
 BUSY_RETRY_MAX = 0.08            #: ...up to this: each resend is the stream's whole window again
 SWEEP_EVERY = 1.0                #: how often the sweep drains SWEEP_SHARDS shards, busy or not (s)
 SWEEP_SHARDS = 64                #: shards per sweep, in turn: a 16-shard store is swept whole every second
+REFUSED_KEEP = 256               #: batches an owner remembers it refused for good, a shard
 FULL_SCAN_EVERY = 0.1            #: the outboxes are scanned at least this often, pushes counted or not (s)
 DRAIN_FAILURE_LOG_S = 60.0       #: a failing outbox shard is logged at most this often (s)
 DRAIN_RETRY_S = 1.0              #: a shard whose drain failed is tried again after this (s)
@@ -206,6 +207,9 @@ class ShardState:
     dedup: Dedup = field(default_factory=Dedup)
     first_seen: dict = field(default_factory=dict)       # unknown stream -> first seq seen
     # owner side
+    refused: dict = field(default_factory=dict)          # (stream, seq) of the last REFUSED_KEEP
+                                                         # batches this owner refused for good
+                                                         # (a resent one is refused again)
     rseq: int = 0                                        # ROWS/SNAPSHOT counter
     rows_rseq: int = 0                                   # rseq of the last ROWS (to all copies)
     epoch_rows: tuple = ((-1, 0), 0)                     # ((epoch, ring digest), rseq) of the
@@ -1689,9 +1693,10 @@ class Bridge:
         for OK).  The pushes of the drain it came from are recorded lost in the outbox
         first (outbox.reject): the drain's ack, or a later one, would otherwise make
         store.flush() return as if they had been applied; it raises PushesLost.  (Before,
-        a later drain's ack covered them, and flush() returned.)  Best effort: a REJECTED
-        lost with its connection or its owner is not seen (the resend finds the seq
-        recorded done, and is answered OK)."""
+        a later drain's ack covered them, and flush() returned.)  A REJECTED lost with its
+        connection comes again with the resend (the owner remembers what it refused:
+        ShardState.refused).  Best effort: one lost with its owner is not seen (the next
+        owner finds the seq recorded done, and answers the resend OK)."""
         info = self.tensors.get(ack.tensor)
         name = info.name if info is not None else ack.tensor
         drain = next((d for d in stream.drains if d.last_seq >= ack.seq), None)
@@ -2245,6 +2250,12 @@ class Bridge:
         v = st.dedup.check(stream, f.seq)
         if v is Verdict.DUPLICATE:
             self.metrics.duplicates.inc()
+            if (stream, f.seq) in st.refused:
+                # refused for good by this host: a sender that resends it did not get
+                # that answer (lost with its connection), and answered OK it would count
+                # the batch's pushes applied (store.flush() returned without PushesLost)
+                self._wait_backups(key, st, reply, self._ack(f, Status.REJECTED))
+                return
             self._wait_backups(key, st, reply, self._ack(f, Status.OK,
                                                          min(f.seq, st.dedup.floor(stream))
                                                          or f.seq))
@@ -2336,6 +2347,9 @@ class Bridge:
         acknowledgement does: a new owner whose filter lacked the seq would answer the
         sender's next batch GAP for good."""
         self._record_as_owner(st, f)
+        st.refused[((f.sender, f.incarnation, f.tensor, f.shard), f.seq)] = None
+        if len(st.refused) > REFUSED_KEEP:
+            del st.refused[next(iter(st.refused))]         # the oldest
         self._send_marks(key, st, [Mark(f.sender, f.incarnation, f.seq)])
         self.metrics.rejected(reason)
         self._wait_backups(key, st, reply, self._ack(f, Status.REJECTED))
