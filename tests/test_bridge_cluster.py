@@ -878,9 +878,21 @@ def test_owner_killed_mid_stream(make_cluster):
     c = make_cluster(3)
     c.start_all()
     create_everywhere(c, [0, 1, 2])
-    owned = {i: len(c.health(i)["owned"]) for i in range(3)}
-    victim = max(owned, key=owned.get)
+    owned = {i: c.health(i)["owned"] for i in range(3)}
+    victim = max(owned, key=lambda i: len(owned[i]))
     survivors = [i for i in range(3) if i != victim]
+    # the victim's shards that every round pushes to: every dense and csr shard, and the
+    # table shards of KEYS
+    s = c.attach(survivors[0])
+    try:
+        emb = s["emb"]
+        table = {shard_key("emb", k) for k in range(emb.nshards)}
+        keyed = {shard_key("emb", k)
+                 for k in emb._key_shard(np.array(KEYS, np.uint64)).tolist()}
+    finally:
+        s.close()
+    pushed = {k for k in owned[victim] if k not in table or k in keyed}
+    assert pushed, owned
     rounds = 150
     procs = [c.worker(i, push_spec(rounds, sleep=0.01)) for i in survivors for _ in range(2)]
     time.sleep(0.6)   # mid-stream
@@ -890,14 +902,19 @@ def test_owner_killed_mid_stream(make_cluster):
         assert p.returncode == 0, err.decode() + c.describe()
     wait_totals(c, survivors, 2 * 2 * rounds)
     # the victim's shards were taken over: the time from the kill to the first batch
-    # applied by a successor
-    firsts = [f["first_apply_wall"] for i in survivors for f in c.health(i)["failovers"]
-              if f["dead"] == c.addrs[victim]]
-    assert firsts, c.describe()
-    took = min(firsts) - t_kill
-    print(f"failover: kill -> first batch applied by the new owner {took * 1000:.0f} ms "
-          f"({len(firsts)} shards)")
+    # applied by a successor, of the first shard (the measure) and of every one
+    firsts = {f["shard"]: f["first_apply_wall"] for i in survivors
+              for f in c.health(i)["failovers"] if f["dead"] == c.addrs[victim]}
+    assert pushed <= set(firsts), (sorted(pushed - set(firsts)), c.describe())
+    took = min(firsts[k] for k in pushed) - t_kill
+    took_all = max(firsts[k] for k in pushed) - t_kill
+    print(f"failover: kill -> first batch applied by the new owner {took * 1000:.0f} ms, "
+          f"of every shard pushed to {took_all * 1000:.0f} ms ({len(pushed)} shards)")
     assert 0 < took < 1.0
+    # the bench's measure (tools/bench.py bridge) is < 1 s at the max; 2 s here, with
+    # four workers and three bridges on the test machine's cores (a shard held for the
+    # 3 s hand-over timeout still fails it)
+    assert took_all < 2.0
 
 
 def test_paused_host_rejoins_without_split_brain(make_cluster):
