@@ -730,7 +730,8 @@ int shmps_outbox_pending(const void *base, uint64_t *out, uint64_t cap) {
  * *nbusy: how many are busy.  Relaxed loads suffice: this
  * is a hint, and the drain it leads to makes its own acquire load of ob_pushed, which
  * orders the pushes it takes.  A push whose release add this reads too early (not yet
- * visible) is seen by the next call, one flush interval later; a shard left with
+ * visible) is seen by the next call, one flush interval later (or a full scan's, at most
+ * 0.1 s later, if the bridge skipped the call: shmps_forward_pushed); a shard left with
  * ob_drained short of ob_pushed (a partial or timed-out drain) stays busy. */
 int shmps_outbox_busy(void *const *bases, uint32_t n, uint8_t *busy, uint32_t *nbusy) {
     uint32_t k = 0;

@@ -358,8 +358,12 @@ class TableOutbox(Table):
 def _count_forwarded(ob: Any) -> None:
     """Add 1 to the store's count of forwarded pushes (shmps_forward_pushed), after a push
     into ``ob`` counted itself in its shards, or failed part way (what it wrote goes out
-    with a drain): the bridge scans the outboxes only when the count moved (BusyScan)."""
-    lib.shmps_forward_pushed(ob._store._mptr)
+    with a drain): the bridge scans the outboxes only when the count moved (BusyScan).
+    A store closed meanwhile is left alone (the push's own outcome is what its caller
+    sees; the bridge's full scans find what it wrote)."""
+    man = ob._store._manifest
+    if man is not None and man.ptr is not None:
+        lib.shmps_forward_pushed(man.ptr)
 
 
 # ---- drains -----------------------------------------------------------------------------

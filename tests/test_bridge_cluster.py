@@ -911,10 +911,10 @@ def test_owner_killed_mid_stream(make_cluster):
     print(f"failover: kill -> first batch applied by the new owner {took * 1000:.0f} ms, "
           f"of every shard pushed to {took_all * 1000:.0f} ms ({len(pushed)} shards)")
     assert 0 < took < 1.0
-    # the bench's measure (tools/bench.py bridge) is < 1 s at the max; 2 s here, with
+    # the bench's measure (tools/bench.py bridge) is < 1 s at the max; 2.5 s here, with
     # four workers and three bridges on the test machine's cores (a shard held for the
     # 3 s hand-over timeout still fails it)
-    assert took_all < 2.0
+    assert took_all < 2.5
 
 
 def test_paused_host_rejoins_without_split_brain(make_cluster):

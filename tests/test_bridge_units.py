@@ -968,10 +968,14 @@ def test_the_flush_loop_scans_the_outboxes_only_when_a_push_may_wait(tmp_path, m
     from shmps._native import lib
     from shmps.bridge import node as node_mod
 
-    # every step below but the last takes far less than this (a full scan comes at most
-    # every FULL_SCAN_EVERY: the last waits for one); no sweep drains shard 0 meanwhile
-    monkeypatch.setattr(node_mod, "FULL_SCAN_EVERY", 2.0)
+    # no full scan comes by time unless the test makes it due (below), and no sweep
+    # drains shard 0: the test does not depend on how fast this machine is
+    monkeypatch.setattr(node_mod, "FULL_SCAN_EVERY", 600.0)
     monkeypatch.setattr(node_mod, "SWEEP_EVERY", 600.0)
+
+    def full_scan_due() -> None:   # as FULL_SCAN_EVERY after the last full scan
+        node._full_scan_at = time.monotonic()
+
     me, other = "127.0.0.2:7001", "127.0.0.3:7001"
     with _owner_on_a_store(tmp_path, [me, other], "scans") as (node, _, _st):
         name, info, _ = _tensor_owned_by(node, other, pushed=False)
@@ -996,7 +1000,7 @@ def test_the_flush_loop_scans_the_outboxes_only_when_a_push_may_wait(tmp_path, m
             assert scan.calls == calls + 2 and len(stream.drains) == 1
             # counted in the outbox shard, not in the store's count: seen by a full scan,
             # asked for by a store.flush() or due FULL_SCAN_EVERY after the last one
-            for ask in (node._wake_flush, lambda: time.sleep(node_mod.FULL_SCAN_EVERY)):
+            for ask in (node._wake_flush, full_scan_due):
                 lib.shmps_outbox_pushed(info.t._outbox()._shard(0).ptr)
                 node._flush_pass()
                 assert info.t._outbox_busy() == [0] and scan.calls == calls + 2
@@ -1009,6 +1013,39 @@ def test_the_flush_loop_scans_the_outboxes_only_when_a_push_may_wait(tmp_path, m
                 calls += 2
         finally:
             worker.close()
+
+
+def test_a_peer_whose_connections_closed_is_looked_at_once_half_dead_after_silent(tmp_path):
+    """A connection of a peer closed (Link._run, _serve_stream): the bridge looks at the
+    members again when the peer will have been silent for half of dead_after, by a timer
+    (_look_when_silent), and counts it dead then if both its connections are closed
+    (_closed_and_silent): a flush pass with nothing to do no longer looks, and the
+    TICK loop's look came up to 20 ms later.  Drives a Bridge, not started (no TICK
+    loop, no flush loop), whose link to the peer broke."""
+    from shmps.bridge import node as bridge_node
+
+    a, b, c = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
+    node = _bridge(tmp_path, [a, b, c], dead_after=0.4)
+    everyone = {a: State.ALIVE, b: State.ALIVE, c: State.ALIVE}
+
+    async def main() -> tuple:
+        for p in (b, c):
+            node.on_heartbeat(p, _heartbeat(p, 0, everyone))
+        heard = time.monotonic()
+        link = bridge_node.Link(node, b)
+        link.task.cancel()                                      # (no connect loop)
+        node.links[b] = link
+        link.down_since = time.monotonic()                      # its connection broke
+        node._look_when_silent(b)
+        await asyncio.sleep(0.1)
+        early = node.members.state(b)
+        while node.members.state(b) is not State.DEAD and time.monotonic() < heard + 2:
+            await asyncio.sleep(0.005)
+        return early, time.monotonic() - heard
+
+    early, took = asyncio.run(asyncio.wait_for(main(), 10))
+    assert early is not State.DEAD                  # silent for less than 0.2 s yet
+    assert node.members.state(b) is State.DEAD and 0.2 <= took < 0.35, took
 
 
 def test_a_gap_for_the_oldest_frame_resends_the_stream_at_once(tmp_path):

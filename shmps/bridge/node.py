@@ -450,6 +450,7 @@ class Link:
             if self.conn is not None:
                 self.conn = None
                 self.down_since = time.monotonic()
+                self.node._look_when_silent(self.addr)
             await asyncio.sleep(0.05)
 
 
@@ -1235,6 +1236,19 @@ class Bridge:
             self._on_changes(self.members.tick())
             self._closed_and_silent()
 
+    def _look_when_silent(self, member: str) -> None:
+        """A connection of ``member`` closed: run _closed_and_silent once it has been
+        silent for half of ``dead_after``, not at the next TICK only (a flush pass with
+        nothing to do does not look: _flush_pass)."""
+        if member not in self.members.states():
+            return
+        delay = self.members.last_seen(member) + self.cfg.dead_after / 2 - time.monotonic()
+        asyncio.get_running_loop().call_later(max(0.0, delay) + 0.001, self._look_if_acting)
+
+    def _look_if_acting(self) -> None:
+        if time.monotonic() >= self.grace_until:
+            self._closed_and_silent()
+
     def _closed_and_silent(self) -> None:
         """A peer whose connections both closed (its kernel closes them when the process
         dies) and that has been silent for half of ``dead_after`` is dead now: a killed
@@ -1826,6 +1840,7 @@ class Bridge:
         now = time.monotonic()
         work = self._busy_shards(now)
         if not (work or self._sweep_due or now >= self._sweep_at or self._sending):
+            self._tell_acks()   # (a recover may have acknowledged: PushesLost at once)
             return
         # first notice who went silent (this process may have been stopped): never drain
         # or apply on a view older than one flush interval
@@ -2250,10 +2265,11 @@ class Bridge:
         v = st.dedup.check(stream, f.seq)
         if v is Verdict.DUPLICATE:
             self.metrics.duplicates.inc()
-            if (stream, f.seq) in st.refused:
+            if (stream, f.seq) in st.refused and st.dedup.floor(stream) >= f.seq:
                 # refused for good by this host: a sender that resends it did not get
                 # that answer (lost with its connection), and answered OK it would count
-                # the batch's pushes applied (store.flush() returned without PushesLost)
+                # the batch's pushes applied (store.flush() returned without PushesLost).
+                # (An answer covers the seqs below it: only with every one of them done.)
                 self._wait_backups(key, st, reply, self._ack(f, Status.REJECTED))
                 return
             self._wait_backups(key, st, reply, self._ack(f, Status.OK,
@@ -2695,6 +2711,7 @@ class Bridge:
             # (say, while it applied batches cut off from the majority) are not the shard's
             st.dedup = Dedup()
             st.first_seen.clear()
+            st.refused.clear()   # (what this host refused is said of the filter it replaces)
             st.fed_base = FedBase(f.sender, f.incarnation, f.epoch, f.seq - ROWS_SEQ_BASE, peer)
         if f.type == FrameType.SNAPSHOT and not f.flags & frames.Flag.LAST:
             marks = ()   # (the first chunk's: to check, above; they count with the last)
@@ -3443,6 +3460,7 @@ class Bridge:
             stream.close()
             if self.incoming.get(who) is conn:
                 del self.incoming[who]
+                self._look_when_silent(peer.client_id)
             self._rebind_data(peer.client_id)
 
     def on_frame(self, peer: str, f: Any, reply: Callable[[bytes], None]) -> None:
