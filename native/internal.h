@@ -197,6 +197,9 @@ typedef struct {
     /* forwarded pushes, store-wide (outbox.c, shmps_forward_pushed): its own cache line,
      * written by every pusher while the bridge runs, read by the bridge's flush loop */
     uint64_t fwd_pushes __attribute__((aligned(SHMPS_CACHELINE)));
+    /* 1 while the bridge sleeps until a push: the first push after it wakes the bridge
+     * (outbox.c, shmps_forward_idle) */
+    uint32_t fwd_idle;
 } shmps_manifest_t;
 
 typedef struct {
@@ -209,7 +212,8 @@ _Static_assert(__builtin_offsetof(shmps_manifest_t, flush_req) == 280 &&
                __builtin_offsetof(shmps_manifest_t, ack_seq) == 284 &&
                __builtin_offsetof(shmps_manifest_t, ack_waiters) == 288 &&
                __builtin_offsetof(shmps_manifest_t, lock) == 320 &&
-               __builtin_offsetof(shmps_manifest_t, fwd_pushes) == 384, "documented offsets");
+               __builtin_offsetof(shmps_manifest_t, fwd_pushes) == 384 &&
+               __builtin_offsetof(shmps_manifest_t, fwd_idle) == 392, "documented offsets");
 _Static_assert(WORKERS_OFF + 64ull * SHMPS_MAX_WORKERS <= CATALOG_OFF, "worker area");
 _Static_assert(CATALOG_OFF + SHMPS_CATALOG_BYTES <= SHMPS_MANIFEST_SIZE, "catalog area");
 

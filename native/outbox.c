@@ -147,11 +147,50 @@ uint32_t *shmps_forward_word(void *man) { return &((shmps_manifest_t *)man)->for
  * the next pass scans.  So a scan skipped on an unmoved F misses no push counted before
  * it.  What is not counted here (a pusher killed between its shard counts and this add,
  * or a process of an older build that never adds) is found by the bridge's periodic full
- * scan and its sweep: a hint, as shmps_outbox_busy is. */
+ * scan and its sweep: a hint, as shmps_outbox_busy is.
+ *
+ * Sleeping until a push.  A bridge with nothing to do sets fwd_idle and sleeps (on the
+ * flush_req futex, up to its next full scan) instead of passing every flush interval;
+ * the first push after that wakes it:
+ *
+ *   pusher:  fwd_pushes += 1; then if fwd_idle is 1, CAS it 1 -> 0 and, if that won,
+ *            shmps_flush_request (a flush_req bump and a futex wake).
+ *   bridge:  fwd_idle = 1; then F' = fwd_pushes; sleep only if F' is the F of the
+ *            scan that found nothing (shmps_forward_idle), else clear fwd_idle.
+ *
+ * All four accesses are seq_cst, so they fall in one total order: either the pusher's
+ * add comes before the bridge's load of fwd_pushes (the bridge sees F' != F and does not
+ * sleep), or the bridge's store of 1 comes before the pusher's load of fwd_idle (the
+ * pusher wakes it); both may happen (one extra pass).  Of several pushers that see the
+ * 1, the CAS lets one make the syscall.  A wake-up orders nothing: the pass it starts
+ * reads fwd_pushes (acquire) and the shards as above.  A pusher killed between its add
+ * and the wake leaves the bridge asleep until its timeout (the next full scan). */
 int shmps_forward_pushed(void *man) {
-    /* release: see above */
-    FETCH_ADD(&((shmps_manifest_t *)man)->fwd_pushes, 1, RELEASE);
+    shmps_manifest_t *m = man;
+    /* seq_cst: release for the scan skip (above), and ordered before the load of
+     * fwd_idle below against the bridge's store-then-load (shmps_forward_idle) */
+    FETCH_ADD(&m->fwd_pushes, 1, SEQ_CST);
+    uint32_t idle = 1;
+    if (LOAD(&m->fwd_idle, SEQ_CST) && CAS(&m->fwd_idle, &idle, 0u, SEQ_CST, RELAXED))
+        shmps_flush_request(man);
     return SHMPS_OK;
+}
+
+int shmps_forward_idle(void *man, uint64_t seen) {
+    shmps_manifest_t *m = man;
+    /* seq_cst store, then seq_cst load: the bridge's half of the argument above */
+    STORE(&m->fwd_idle, 1u, SEQ_CST);
+    if (LOAD(&m->fwd_pushes, SEQ_CST) != seen) {
+        STORE(&m->fwd_idle, 0u, RELAXED); /* a push came meanwhile: pass again, no sleep */
+        return 0;
+    }
+    return 1;
+}
+
+void shmps_forward_awake(void *man) {
+    /* relaxed: the flag only decides whether a pusher makes the syscall; a pusher that
+     * still reads 1 makes one more wake-up, harmless */
+    STORE(&((shmps_manifest_t *)man)->fwd_idle, 0u, RELAXED);
 }
 
 uint64_t shmps_forward_pushes(const void *man) {

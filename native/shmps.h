@@ -289,6 +289,10 @@ uint32_t *shmps_forward_word(void *man);
  * outboxes while it has not moved (outbox.c) */
 int shmps_forward_pushed(void *man);
 uint64_t shmps_forward_pushes(const void *man);
+/* the bridge, with nothing to do: 1 if it may sleep until a push (no push counted since
+ * `seen`; the next one wakes it through flush_req), else 0; awake: it is awake again */
+int shmps_forward_idle(void *man, uint64_t seen);
+void shmps_forward_awake(void *man);
 int shmps_flush_request(void *man);
 uint32_t shmps_flush_wait(void *man, uint32_t seen, uint64_t max_ns);
 void shmps_ack_notify(void *man);

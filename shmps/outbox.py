@@ -445,7 +445,7 @@ class BusyScan:
         self._n = ffi.new("uint32_t *")
         #: the count of forwarded pushes read before the last call, if it found no shard
         #: busy (else None: the next scan calls)
-        self._idle_at: Optional[int] = None
+        self.idle_at: Optional[int] = None
         #: calls made (the scans not skipped)
         self.calls = 0
 
@@ -461,16 +461,16 @@ class BusyScan:
         man = self._stores[0]._mptr
         # read before the call (acquire): a push counted in it is seen by the call
         pushes = int(lib.shmps_forward_pushes(man))
-        if not full and pushes == self._idle_at:
+        if not full and pushes == self.idle_at:
             return []
         self.calls += 1
         _native.check(lib.shmps_outbox_busy(self._bases, len(self._flags), self._flags_ptr,
                                             self._n),
                       "state of the outboxes")
         if not self._n[0]:
-            self._idle_at = pushes
+            self.idle_at = pushes
             return []
-        self._idle_at = None
+        self.idle_at = None
         idx = np.flatnonzero(self._flags)
         return list(zip(self._tensor[idx].tolist(), self._shard[idx].tolist()))
 

@@ -1015,6 +1015,68 @@ def test_the_flush_loop_scans_the_outboxes_only_when_a_push_may_wait(tmp_path, m
             worker.close()
 
 
+def test_an_idle_bridge_sleeps_until_the_first_push_wakes_it(tmp_path, monkeypatch):
+    """The flush loop, after a pass with nothing to do and no push counted since its
+    scan, sleeps until its next full scan or sweep (here pushed far out) instead of
+    passing every flush interval; a worker's push wakes it at once (through the
+    manifest's flush_req futex and the bridge's waiting thread) and the drain follows
+    within a few ms.  Drives a Bridge's real flush loop and waiting thread (not the rest
+    of the bridge) on a real store, with a worker's handle of it."""
+    import threading
+
+    import shmps
+    from shmps.bridge import node as node_mod
+
+    monkeypatch.setattr(node_mod, "FULL_SCAN_EVERY", 600.0)
+    monkeypatch.setattr(node_mod, "SWEEP_EVERY", 600.0)
+    me, other = "127.0.0.2:7001", "127.0.0.3:7001"
+    with _owner_on_a_store(tmp_path, [me, other], "sleeps") as (node, _, _st):
+        name, info, _ = _tensor_owned_by(node, other, pushed=False)
+        node.store._set_forwarding(True)
+        stream = node.streams[(info.tid, 0)]
+        worker = shmps.attach("sleeps", namespace=node.store.namespace, create=False)
+        passes = []
+        flush_pass = node._flush_pass
+
+        def counted() -> bool:
+            passes.append(time.monotonic())
+            return flush_pass()
+
+        node._flush_pass = counted
+
+        async def main() -> tuple:
+            loop = asyncio.get_running_loop()
+            waiter = threading.Thread(target=node._flush_waiter, args=(loop,), daemon=True)
+            waiter.start()
+            task = loop.create_task(node._flush_loop())
+            try:
+                deadline = time.monotonic() + 5
+                while not node._asleep and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)
+                assert node._asleep, "the flush loop never went to sleep"
+                n = len(passes)
+                await asyncio.sleep(0.3)            # 60 passes at 5 ms, awake
+                idle_passes = len(passes) - n
+                t_push = time.monotonic()
+                await loop.run_in_executor(None, lambda: worker[name].push(
+                    np.ones((8, 4), np.float32)))
+                while not stream.drains and time.monotonic() < t_push + 5:
+                    await asyncio.sleep(0.001)
+                return idle_passes, time.monotonic() - t_push
+            finally:
+                task.cancel()
+                node._waiter_stop = True
+                await asyncio.gather(task, return_exceptions=True)
+                await loop.run_in_executor(None, waiter.join, 5)
+
+        try:
+            idle_passes, took = asyncio.run(asyncio.wait_for(main(), 30))
+        finally:
+            worker.close()
+        assert idle_passes == 0
+        assert len(stream.drains) == 1 and took < 0.5, took
+
+
 def test_a_peer_whose_connections_closed_is_looked_at_once_half_dead_after_silent(tmp_path):
     """A connection of a peer closed (Link._run, _serve_stream): the bridge looks at the
     members again when the peer will have been silent for half of dead_after, by a timer

@@ -505,7 +505,8 @@ class Metrics:
         wakes = Counter("shmps_bridge_flush_wakes", "store.flush() calls that woke this "
                         "bridge, by the way they came: the doorbell socket, or the "
                         "manifest's futex word (workers that cannot reach the doorbell: "
-                        "another network namespace, an older build)", ["via"], registry=r)
+                        "another network namespace, an older build; and the first push "
+                        "to a bridge asleep with nothing to do)", ["via"], registry=r)
         self.wakes_doorbell = wakes.labels(via="doorbell")
         self.wakes_futex = wakes.labels(via="futex")
 
@@ -586,6 +587,7 @@ class Bridge:
         self._drain_round = 0              # rotates where a drain pass starts
         self._full_scan_at = 0.0           # next scan of every outbox, pushed or not
         self._scan_asked = False           # a worker asked for a drain: scan every outbox
+        self._asleep = False               # the flush loop sleeps until a push (_until_a_push)
         self._drain_failed_at: dict[tuple, float] = {}   # (tid, shard) -> last logged
         self._drain_retry_at: dict[tuple, float] = {}    # (tid, shard) -> next try
         self._sweep_pos = 0                # the next shard a sweep starts with
@@ -1823,25 +1825,44 @@ class Bridge:
         interval = self.cfg.flush_ms / 1000.0
         while True:
             t0 = time.monotonic()
+            delay = interval
             try:
-                self._flush_pass()
+                if self._flush_pass():
+                    delay = self._until_a_push(interval)
             except asyncio.CancelledError:
                 raise
             except Exception:
                 log.exception("flush failed")
-            await self._flush_pause(max(0.0, interval - (time.monotonic() - t0)))
+            await self._flush_pause(max(0.0, delay - (time.monotonic() - t0)))
+            if self._asleep:
+                self._asleep = False
+                lib.shmps_forward_awake(self.store._mptr)
 
-    def _flush_pass(self) -> None:
+    def _until_a_push(self, interval: float) -> float:
+        """After a pass with nothing to do: how long the flush loop may pause.  If no
+        push was counted since the scan that found no shard busy, the bridge sleeps until
+        the first push wakes it (through the manifest's flush_req futex, as a
+        store.flush() that cannot ring the doorbell: native/outbox.c "Sleeping until a
+        push"), a store.flush() rings, or the next full scan or sweep is due; else one
+        flush interval.  An idle bridge made 200 passes a second, most of its CPU."""
+        idle_at = self._shard_index()[1].idle_at
+        if idle_at is None or self._flush_asked:
+            return interval
+        if not lib.shmps_forward_idle(self.store._mptr, idle_at):
+            return interval   # a push came meanwhile
+        self._asleep = True
+        return max(interval, min(self._full_scan_at, self._sweep_at) - time.monotonic())
+
+    def _flush_pass(self) -> bool:
         """One pass of the flush loop: drain the outbox shards that hold pushes (and the
         sweep's), send what the streams have not sent.  A pass with none of that to do
         ends after the scan (or without it: outbox.BusyScan), without looking at the
-        members: an idle bridge makes 200 passes a second, and that look was half of
-        their cost."""
+        members (that look was half of an idle pass's cost), and returns True."""
         now = time.monotonic()
         work = self._busy_shards(now)
         if not (work or self._sweep_due or now >= self._sweep_at or self._sending):
             self._tell_acks()   # (a recover may have acknowledged: PushesLost at once)
-            return
+            return True
         # first notice who went silent (this process may have been stopped): never drain
         # or apply on a view older than one flush interval
         self._notice_silence()
@@ -1853,6 +1874,7 @@ class Bridge:
                 # as lost: counted even when it raises every pass
                 self._note_lost()
             self._send_all()
+        return False
 
     def _busy_shards(self, now: float) -> list:
         """(tid, TInfo, shard) of every outbox shard holding pushes no drain counted yet,
