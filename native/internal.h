@@ -200,6 +200,9 @@ typedef struct {
     /* 1 while the bridge sleeps until a push: the first push after it wakes the bridge
      * (outbox.c, shmps_forward_idle) */
     uint32_t fwd_idle;
+    /* wake-ups of a sleeping bridge by a push that could not ring its doorbell: bumped,
+     * then flush_req's futex woken (not bumped: flush_req counts store.flush() calls) */
+    uint32_t fwd_wakes;
 } shmps_manifest_t;
 
 typedef struct {
@@ -213,7 +216,8 @@ _Static_assert(__builtin_offsetof(shmps_manifest_t, flush_req) == 280 &&
                __builtin_offsetof(shmps_manifest_t, ack_waiters) == 288 &&
                __builtin_offsetof(shmps_manifest_t, lock) == 320 &&
                __builtin_offsetof(shmps_manifest_t, fwd_pushes) == 384 &&
-               __builtin_offsetof(shmps_manifest_t, fwd_idle) == 392, "documented offsets");
+               __builtin_offsetof(shmps_manifest_t, fwd_idle) == 392 &&
+               __builtin_offsetof(shmps_manifest_t, fwd_wakes) == 396, "documented offsets");
 _Static_assert(WORKERS_OFF + 64ull * SHMPS_MAX_WORKERS <= CATALOG_OFF, "worker area");
 _Static_assert(CATALOG_OFF + SHMPS_CATALOG_BYTES <= SHMPS_MANIFEST_SIZE, "catalog area");
 

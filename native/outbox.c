@@ -149,12 +149,12 @@ uint32_t *shmps_forward_word(void *man) { return &((shmps_manifest_t *)man)->for
  * or a process of an older build that never adds) is found by the bridge's periodic full
  * scan and its sweep: a hint, as shmps_outbox_busy is.
  *
- * Sleeping until a push.  A bridge with nothing to do sets fwd_idle and sleeps (on the
- * flush_req futex, up to its next full scan) instead of passing every flush interval;
- * the first push after that wakes it:
+ * Sleeping until a push.  A bridge with nothing to do sets fwd_idle and sleeps (up to
+ * its next full scan or sweep) instead of passing every flush interval; the first push
+ * after that wakes it:
  *
- *   pusher:  fwd_pushes += 1; then if fwd_idle is 1, CAS it 1 -> 0 and, if that won,
- *            shmps_flush_request (a flush_req bump and a futex wake).
+ *   pusher:  fwd_pushes += 1; then if fwd_idle is 1, CAS it 1 -> 0; if that won, the
+ *            pusher wakes the bridge (its doorbell socket, else shmps_forward_wake).
  *   bridge:  fwd_idle = 1; then F' = fwd_pushes; sleep only if F' is the F of the
  *            scan that found nothing (shmps_forward_idle), else clear fwd_idle.
  *
@@ -162,18 +162,33 @@ uint32_t *shmps_forward_word(void *man) { return &((shmps_manifest_t *)man)->for
  * add comes before the bridge's load of fwd_pushes (the bridge sees F' != F and does not
  * sleep), or the bridge's store of 1 comes before the pusher's load of fwd_idle (the
  * pusher wakes it); both may happen (one extra pass).  Of several pushers that see the
- * 1, the CAS lets one make the syscall.  A wake-up orders nothing: the pass it starts
- * reads fwd_pushes (acquire) and the shards as above.  A pusher killed between its add
- * and the wake leaves the bridge asleep until its timeout (the next full scan). */
+ * 1, the CAS lets one wake it.  A wake-up orders nothing: the pass it starts reads
+ * fwd_pushes (acquire) and the shards as above.  A pusher killed between its add and
+ * the wake leaves the bridge asleep until its timeout (the next full scan). */
 int shmps_forward_pushed(void *man) {
     shmps_manifest_t *m = man;
     /* seq_cst: release for the scan skip (above), and ordered before the load of
      * fwd_idle below against the bridge's store-then-load (shmps_forward_idle) */
     FETCH_ADD(&m->fwd_pushes, 1, SEQ_CST);
     uint32_t idle = 1;
-    if (LOAD(&m->fwd_idle, SEQ_CST) && CAS(&m->fwd_idle, &idle, 0u, SEQ_CST, RELAXED))
-        shmps_flush_request(man);
+    return LOAD(&m->fwd_idle, SEQ_CST) && CAS(&m->fwd_idle, &idle, 0u, SEQ_CST, RELAXED);
+}
+
+/* A push's wake-up of a sleeping bridge whose doorbell it cannot ring: fwd_wakes += 1,
+ * and a wake of the futex on flush_req that the bridge's waiting thread sleeps on (the
+ * word itself unchanged: it counts store.flush() calls).  The thread reads fwd_wakes
+ * whenever it wakes; one that was not yet back in its wait misses the futex wake and
+ * reads fwd_wakes at its next (1 s) wake-up, when the bridge has passed on its own
+ * timeout (the next full scan) anyway. */
+int shmps_forward_wake(void *man) {
+    shmps_manifest_t *m = man;
+    FETCH_ADD(&m->fwd_wakes, 1, RELAXED); /* a hint: the pass orders what it reads */
+    syscall(SYS_futex, &m->flush_req, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
     return SHMPS_OK;
+}
+
+uint32_t shmps_forward_wakes(const void *man) {
+    return LOAD(&((const shmps_manifest_t *)man)->fwd_wakes, RELAXED);
 }
 
 int shmps_forward_idle(void *man, uint64_t seen) {

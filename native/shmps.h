@@ -286,9 +286,12 @@ uint32_t shmps_forward_get(const void *man);
 uint32_t *shmps_forward_word(void *man);
 /* the store-wide count of forwarded pushes: a pusher adds 1 after each push into an
  * outbox (after the push counted itself in its shards); the bridge skips its scan of the
- * outboxes while it has not moved (outbox.c) */
+ * outboxes while it has not moved (outbox.c).  forward_pushed returns 1 if the bridge
+ * sleeps and this push is to wake it (its doorbell, else forward_wake) */
 int shmps_forward_pushed(void *man);
 uint64_t shmps_forward_pushes(const void *man);
+int shmps_forward_wake(void *man);
+uint32_t shmps_forward_wakes(const void *man);
 /* the bridge, with nothing to do: 1 if it may sleep until a push (no push counted since
  * `seen`; the next one wakes it through flush_req), else 0; awake: it is awake again */
 int shmps_forward_idle(void *man, uint64_t seen);

@@ -14,7 +14,10 @@ with the doorbell (docs/benchmarks.md).
 
 The worker rings the doorbell; if no bridge listens on it (none runs, an older build,
 or the bridge is in another network namespace: abstract sockets are per network
-namespace) it bumps the futex word instead.  A full socket buffer means the bridge has
+namespace) it bumps the futex word instead.  A push rings it too, with a different
+datagram, when it is the first after the bridge went to sleep with nothing to do
+(native/outbox.c "Sleeping until a push"); where nobody listens, that push bumps the
+manifest's ``fwd_wakes`` and wakes the same futex without bumping ``flush_req``.  A full socket buffer means the bridge has
 unread rings, so the wake is on its way.
 
 Anyone in the host's network namespace can ring (abstract sockets have no file
@@ -34,6 +37,8 @@ from . import names
 MAX_ADDRESS = 107
 #: datagrams read per wake-up of the bridge at most (the rest wake it again)
 READ_BATCH = 64
+#: the datagrams: a store.flush(), or the first push to a bridge asleep with nothing to do
+FLUSH, PUSH = b"f", b"p"
 
 
 def address(store: str, namespace: Optional[str]) -> bytes:
@@ -61,14 +66,16 @@ class Bell:
         self._sock: Optional[socket.socket] = None
         self._pid = 0
 
-    def ring(self) -> bool:
+    def ring(self, push: bool = False) -> bool:
         """True if the bridge will wake (a datagram sent, or its queue full of them);
-        False if nobody listens: the caller falls back to the futex word."""
+        False if nobody listens: the caller falls back to the futex word.  ``push``: the
+        ring of a push waking a bridge that sleeps with nothing to do (native/outbox.c
+        "Sleeping until a push"), not of a store.flush()."""
         if self._sock is None or self._pid != os.getpid():
             self._sock = _socket()
             self._pid = os.getpid()
         try:
-            self._sock.sendto(b"f", self.address)
+            self._sock.sendto(PUSH if push else FLUSH, self.address)
         except BlockingIOError:
             return True    # the bridge's queue is full: it has rings to read
         except OSError:
@@ -99,11 +106,20 @@ def listen(store: str, namespace: Optional[str]) -> Optional[socket.socket]:
 
 def take_rings(sock: socket.socket) -> int:
     """Read the waiting rings (at most READ_BATCH); how many there were."""
-    n = 0
-    while n < READ_BATCH:
+    return sum(take(sock))
+
+
+def take(sock: socket.socket) -> tuple[int, int]:
+    """Read the waiting rings (at most READ_BATCH): how many were store.flush() calls'
+    and how many pushes' (Bell.ring)."""
+    flushes = pushes = 0
+    while flushes + pushes < READ_BATCH:
         try:
-            sock.recv(16)
+            data = sock.recv(16)
         except BlockingIOError:
             break
-        n += 1
-    return n
+        if data == PUSH:
+            pushes += 1
+        else:
+            flushes += 1
+    return flushes, pushes

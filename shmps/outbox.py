@@ -358,12 +358,17 @@ class TableOutbox(Table):
 def _count_forwarded(ob: Any) -> None:
     """Add 1 to the store's count of forwarded pushes (shmps_forward_pushed), after a push
     into ``ob`` counted itself in its shards, or failed part way (what it wrote goes out
-    with a drain): the bridge scans the outboxes only when the count moved (BusyScan).
+    with a drain): the bridge scans the outboxes only when the count moved (BusyScan),
+    and the first push after it went to sleep with nothing to do wakes it.
     A store closed meanwhile is left alone (the push's own outcome is what its caller
     sees; the bridge's full scans find what it wrote)."""
-    man = ob._store._manifest
-    if man is not None and man.ptr is not None:
-        lib.shmps_forward_pushed(man.ptr)
+    store = ob._store
+    man = store._manifest
+    if man is not None and man.ptr is not None and lib.shmps_forward_pushed(man.ptr):
+        # the bridge sleeps with nothing to do, and this push is the one to wake it
+        # (native/outbox.c "Sleeping until a push"): its doorbell, else the futex
+        if not store._bell.ring(push=True):
+            lib.shmps_forward_wake(man.ptr)
 
 
 # ---- drains -----------------------------------------------------------------------------
@@ -430,9 +435,12 @@ class BusyScan:
     per shard every pass was most of an idle bridge's C time with thousands of
     shards."""
 
-    def __init__(self, tensors: Sequence[Any]) -> None:
+    def __init__(self, tensors: Sequence[Any], store: Any = None) -> None:
+        """``store``: the tensors' (needed when there are none: the count of forwarded
+        pushes is read all the same)."""
         self._outboxes = [t._outbox() for t in tensors]
-        self._stores = [ob._store for ob in self._outboxes[:1]]
+        self._stores = ([store] if store is not None
+                        else [ob._store for ob in self._outboxes[:1]])
         ptrs = [ob._shard(i).ptr for ob in self._outboxes for i in range(ob.nshards)]
         counts = [ob.nshards for ob in self._outboxes]
         self._bases = ffi.new("void *[]", ptrs) if ptrs else None
@@ -454,13 +462,16 @@ class BusyScan:
         counted yet; a hint, as ``busy``.  ``full``: call even if no push was counted
         since a call that found none busy (a push whose process died before it moved the
         store's count, or made by a build that does not move it, is found so)."""
-        if self._bases is None:
+        if not self._stores:
             return []
         # Closed once the store is: the bases would point at unmapped memory (the
         # bridge closes tensors only by closing its store; one check, not one a tensor)
         man = self._stores[0]._mptr
         # read before the call (acquire): a push counted in it is seen by the call
         pushes = int(lib.shmps_forward_pushes(man))
+        if self._bases is None:
+            self.idle_at = pushes       # no outbox: nothing busy
+            return []
         if not full and pushes == self.idle_at:
             return []
         self.calls += 1

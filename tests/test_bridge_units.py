@@ -1015,26 +1015,35 @@ def test_the_flush_loop_scans_the_outboxes_only_when_a_push_may_wait(tmp_path, m
             worker.close()
 
 
-def test_an_idle_bridge_sleeps_until_the_first_push_wakes_it(tmp_path, monkeypatch):
+@pytest.mark.parametrize("via", ["doorbell", "futex"])
+def test_an_idle_bridge_sleeps_until_the_first_push_wakes_it(tmp_path, monkeypatch, via):
     """The flush loop, after a pass with nothing to do and no push counted since its
     scan, sleeps until its next full scan or sweep (here pushed far out) instead of
-    passing every flush interval; a worker's push wakes it at once (through the
-    manifest's flush_req futex and the bridge's waiting thread) and the drain follows
-    within a few ms.  Drives a Bridge's real flush loop and waiting thread (not the rest
-    of the bridge) on a real store, with a worker's handle of it."""
+    passing every flush interval.  The first push wakes it (a PUSH datagram on its
+    doorbell; with the doorbell out of reach, the manifest's futex through its waiting
+    thread), and it passes when it would have, had it kept polling (the next multiple
+    of --flush-ms from the pass after which it slept): two pushes made together in the
+    middle of an interval go out as one drain, at its end.  Drives a Bridge's real flush
+    loop, doorbell reader and waiting thread (not the rest of the bridge) on a real
+    store, with a worker's handle of it."""
     import threading
 
     import shmps
+    from shmps._native import lib
     from shmps.bridge import node as node_mod
 
     monkeypatch.setattr(node_mod, "FULL_SCAN_EVERY", 600.0)
     monkeypatch.setattr(node_mod, "SWEEP_EVERY", 600.0)
     me, other = "127.0.0.2:7001", "127.0.0.3:7001"
-    with _owner_on_a_store(tmp_path, [me, other], "sleeps") as (node, _, _st):
+    interval = 0.5
+    with _owner_on_a_store(tmp_path, [me, other], "sleeps", flush_ms=interval * 1000) as (
+            node, _, _st):
         name, info, _ = _tensor_owned_by(node, other, pushed=False)
         node.store._set_forwarding(True)
         stream = node.streams[(info.tid, 0)]
         worker = shmps.attach("sleeps", namespace=node.store.namespace, create=False)
+        if via == "futex":   # as from another network namespace: nobody listens there
+            worker._bell.address = b"\0shmps-test-nobody-listens-" + str(os.getpid()).encode()
         passes = []
         flush_pass = node._flush_pass
 
@@ -1044,8 +1053,13 @@ def test_an_idle_bridge_sleeps_until_the_first_push_wakes_it(tmp_path, monkeypat
 
         node._flush_pass = counted
 
+        def push_twice() -> None:
+            worker[name].push(np.ones((8, 4), np.float32))
+            worker[name].push(np.ones((8, 4), np.float32))
+
         async def main() -> tuple:
             loop = asyncio.get_running_loop()
+            assert node._listen_doorbell()
             waiter = threading.Thread(target=node._flush_waiter, args=(loop,), daemon=True)
             waiter.start()
             task = loop.create_task(node._flush_loop())
@@ -1055,26 +1069,36 @@ def test_an_idle_bridge_sleeps_until_the_first_push_wakes_it(tmp_path, monkeypat
                     await asyncio.sleep(0.01)
                 assert node._asleep, "the flush loop never went to sleep"
                 n = len(passes)
-                await asyncio.sleep(0.3)            # 60 passes at 5 ms, awake
+                await asyncio.sleep(1.2)            # 2 intervals, asleep: no pass
                 idle_passes = len(passes) - n
+                # the two pushes 0.1 s into an interval: drained 0.4 s later, together
+                phase = (time.monotonic() - node._asleep_since) % interval
+                await asyncio.sleep((0.1 - phase) % interval)
                 t_push = time.monotonic()
-                await loop.run_in_executor(None, lambda: worker[name].push(
-                    np.ones((8, 4), np.float32)))
+                await loop.run_in_executor(None, push_twice)
                 while not stream.drains and time.monotonic() < t_push + 5:
                     await asyncio.sleep(0.001)
-                return idle_passes, time.monotonic() - t_push
+                took = time.monotonic() - t_push
+                await asyncio.sleep(0.1)            # (a second drain would come now)
+                return idle_passes, took
             finally:
                 task.cancel()
                 node._waiter_stop = True
+                lib.shmps_flush_request(node.store._mptr)   # (the waiter's wake-up)
                 await asyncio.gather(task, return_exceptions=True)
                 await loop.run_in_executor(None, waiter.join, 5)
+                loop.remove_reader(node._doorbell.fileno())
+                node._doorbell.close()
 
         try:
             idle_passes, took = asyncio.run(asyncio.wait_for(main(), 30))
         finally:
             worker.close()
         assert idle_passes == 0
-        assert len(stream.drains) == 1 and took < 0.5, took
+        assert [d.pushed for d in stream.drains] == [2], list(stream.drains)
+        assert 0.25 <= took < 0.5 + 0.3, took
+        assert node.metrics.push_wakes._value.get() == 1
+        assert node.metrics.wakes_futex._value.get() == 0     # no store.flush() counted
 
 
 def test_a_peer_whose_connections_closed_is_looked_at_once_half_dead_after_silent(tmp_path):

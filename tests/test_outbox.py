@@ -282,12 +282,15 @@ def test_the_busy_scan_is_skipped_until_a_forwarded_push_counts(store, store_nam
     assert d._outbox_drain(1) is None and scan.scan() == [] and scan.calls == 7
 
 
-def test_the_first_push_after_the_bridge_went_idle_wakes_it_once(store):
+def test_the_first_push_after_the_bridge_went_idle_wakes_it_once(store, store_name):
     """shmps_forward_idle lets the bridge sleep only if no push was counted since the
     count it names (else it clears the flag: pass again); the first push after it went
-    idle bumps the manifest's flush_req (the futex word the bridge's waiting thread
-    sleeps on, as for a store.flush() that cannot ring the doorbell) and clears the
-    flag, so the pushes after it make no syscall; shmps_forward_awake clears it too."""
+    idle clears the flag and wakes the bridge: a PUSH datagram on its doorbell, or, with
+    nobody listening there, fwd_wakes bumped and the futex the bridge's waiting thread
+    sleeps on woken (flush_req, which counts store.flush() calls, unchanged).  The
+    pushes after it make no wake; shmps_forward_awake clears the flag too."""
+    from shmps import doorbell
+
     w = store.dense("w", shape=(4, 2), dtype="float32", shard_rows=2)
     store._set_forwarding(True)
     man = store._mptr
@@ -295,24 +298,35 @@ def test_the_first_push_after_the_bridge_went_idle_wakes_it_once(store):
     def count() -> int:
         return int(lib.shmps_forward_pushes(man))
 
-    def flush_req() -> int:
-        return int(lib.shmps_flush_wait(man, 0, 0))   # (max_ns 0: reads the word)
+    def wakes() -> tuple:
+        # (futex wakes, flush_req: read with max_ns 0)
+        return int(lib.shmps_forward_wakes(man)), int(lib.shmps_flush_wait(man, 0, 0))
 
-    seen, req = count(), flush_req()
+    seen, w0 = count(), wakes()
     w.push(np.ones((4, 2), np.float32))
     assert lib.shmps_forward_idle(man, seen) == 0                # a push came since
     w.push(np.ones((4, 2), np.float32))
-    assert flush_req() == req                                    # (not idle: no wake)
+    assert wakes() == w0                                         # (not idle: no wake)
     seen = count()
     assert lib.shmps_forward_idle(man, seen) == 1                # may sleep
     w.push(np.ones((1, 2), np.float32), rows=[3])
-    assert flush_req() == req + 1                                # woken, once
+    assert wakes() == (w0[0] + 1, w0[1])                         # woken once, by futex
     w.push(np.ones((4, 2), np.float32))
-    assert flush_req() == req + 1 and count() == seen + 2
+    assert wakes() == (w0[0] + 1, w0[1]) and count() == seen + 2
     assert lib.shmps_forward_idle(man, count()) == 1
     lib.shmps_forward_awake(man)                                 # awake by itself
     w.push(np.ones((4, 2), np.float32))
-    assert flush_req() == req + 1
+    assert wakes() == (w0[0] + 1, w0[1])
+    # with a bridge on the doorbell: one PUSH datagram, no futex wake
+    sock = doorbell.listen(store_name, store.namespace)
+    assert sock is not None
+    try:
+        assert lib.shmps_forward_idle(man, count()) == 1
+        w.push(np.ones((4, 2), np.float32))
+        w.push(np.ones((4, 2), np.float32))
+        assert doorbell.take(sock) == (0, 1) and wakes() == (w0[0] + 1, w0[1])
+    finally:
+        sock.close()
 
 
 def test_forwarded_push_validation_changes_nothing(store):

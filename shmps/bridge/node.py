@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import random
 import signal
@@ -505,10 +506,12 @@ class Metrics:
         wakes = Counter("shmps_bridge_flush_wakes", "store.flush() calls that woke this "
                         "bridge, by the way they came: the doorbell socket, or the "
                         "manifest's futex word (workers that cannot reach the doorbell: "
-                        "another network namespace, an older build; and the first push "
-                        "to a bridge asleep with nothing to do)", ["via"], registry=r)
+                        "another network namespace, an older build)", ["via"], registry=r)
         self.wakes_doorbell = wakes.labels(via="doorbell")
         self.wakes_futex = wakes.labels(via="futex")
+        self.push_wakes = Counter("shmps_bridge_push_wakes", "times the first push after "
+                                  "this bridge went to sleep with nothing to do woke it "
+                                  "(its doorbell, or the manifest's futex)", registry=r)
 
         # the children of each label value, looked up once: labels() costs several us,
         # and these count every frame
@@ -588,6 +591,7 @@ class Bridge:
         self._full_scan_at = 0.0           # next scan of every outbox, pushed or not
         self._scan_asked = False           # a worker asked for a drain: scan every outbox
         self._asleep = False               # the flush loop sleeps until a push (_until_a_push)
+        self._asleep_since = 0.0           # the start of the pass after which it fell asleep
         self._drain_failed_at: dict[tuple, float] = {}   # (tid, shard) -> last logged
         self._drain_retry_at: dict[tuple, float] = {}    # (tid, shard) -> next try
         self._sweep_pos = 0                # the next shard a sweep starts with
@@ -1740,18 +1744,26 @@ class Bridge:
         flush() does not wait for the next flush interval.  The fallback of the doorbell
         (_on_doorbell), for a store.flush() that cannot reach it: the hop from this
         thread to the event loop (the GIL) took 0.1-0.16 ms at the median and about 1 ms
-        at the 90th percentile (shmps/doorbell.py).  Costs nothing while nobody flushes
-        (it wakes once a second to look at the stop flag)."""
+        at the 90th percentile (shmps/doorbell.py).  The same for a push that wakes this
+        bridge asleep with nothing to do (the manifest's fwd_wakes: _woken_by_push).
+        Costs nothing otherwise (it wakes once a second to look at the stop flag)."""
         man = self.store._mptr
         seen = lib.shmps_flush_wait(man, 0, 0)
+        woke = lib.shmps_forward_wakes(man)
         while not self._waiter_stop:
             now = lib.shmps_flush_wait(man, seen, 1_000_000_000)
-            if now != seen and not self._waiter_stop:
-                asked, seen = (now - seen) & 0xFFFFFFFF, now   # flush() calls since
-                try:
+            wakes = lib.shmps_forward_wakes(man)
+            if self._waiter_stop:
+                return
+            try:
+                if now != seen:
+                    asked, seen = (now - seen) & 0xFFFFFFFF, now   # flush() calls since
                     loop.call_soon_threadsafe(self._on_flush_word, asked)
-                except RuntimeError:   # the loop closed
-                    return
+                if wakes != woke:   # a push that could not ring the doorbell woke us
+                    woke = wakes
+                    loop.call_soon_threadsafe(self._woken_by_push)
+            except RuntimeError:   # the loop closed
+                return
 
     def _on_flush_word(self, asked: int) -> None:
         """``asked`` store.flush() calls bumped the manifest's flush_req word (the
@@ -1790,11 +1802,16 @@ class Bridge:
         return True
 
     def _on_doorbell(self) -> None:
-        """A store.flush() rang (shmps/doorbell.py): drain now."""
-        n = doorbell.take_rings(self._doorbell) if self._doorbell is not None else 0
-        if n:
-            self.metrics.wakes_doorbell.inc(n)
+        """A store.flush() rang (shmps/doorbell.py): drain now; or the first push to this
+        bridge asleep with nothing to do (_woken_by_push)."""
+        if self._doorbell is None:
+            return
+        flushes, pushes = doorbell.take(self._doorbell)
+        if flushes:
+            self.metrics.wakes_doorbell.inc(flushes)
             self._wake_flush()
+        if pushes:
+            self._woken_by_push()
 
     def _wake_flush(self) -> None:
         self._flush_asked = True
@@ -1823,35 +1840,58 @@ class Bridge:
 
     async def _flush_loop(self) -> None:
         interval = self.cfg.flush_ms / 1000.0
-        while True:
-            t0 = time.monotonic()
-            delay = interval
-            try:
-                if self._flush_pass():
-                    delay = self._until_a_push(interval)
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("flush failed")
-            await self._flush_pause(max(0.0, delay - (time.monotonic() - t0)))
-            if self._asleep:
-                self._asleep = False
-                lib.shmps_forward_awake(self.store._mptr)
+        try:
+            while True:
+                t0 = time.monotonic()
+                due = t0 + interval
+                try:
+                    if self._flush_pass():
+                        due = self._until_a_push(t0, interval)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    log.exception("flush failed")
+                await self._flush_pause(max(0.0, due - time.monotonic()))
+                self._awake()
+        finally:
+            with contextlib.suppress(Error):
+                self._awake()
 
-    def _until_a_push(self, interval: float) -> float:
-        """After a pass with nothing to do: how long the flush loop may pause.  If no
-        push was counted since the scan that found no shard busy, the bridge sleeps until
-        the first push wakes it (through the manifest's flush_req futex, as a
-        store.flush() that cannot ring the doorbell: native/outbox.c "Sleeping until a
-        push"), a store.flush() rings, or the next full scan or sweep is due; else one
-        flush interval.  An idle bridge made 200 passes a second, most of its CPU."""
+    def _until_a_push(self, t0: float, interval: float) -> float:
+        """After a pass (begun at ``t0``) with nothing to do: until when the flush loop
+        may pause.  If no push was counted since the scan that found no shard busy, the
+        bridge sleeps until the next full scan or sweep is due, a store.flush() rings,
+        or the first push wakes it (native/outbox.c "Sleeping until a push"; then it
+        passes when it would have had it polled: _woken_by_push); else one flush
+        interval.  An idle bridge made 200 passes a second, most of its CPU."""
         idle_at = self._shard_index()[1].idle_at
         if idle_at is None or self._flush_asked:
-            return interval
+            return t0 + interval
         if not lib.shmps_forward_idle(self.store._mptr, idle_at):
-            return interval   # a push came meanwhile
-        self._asleep = True
-        return max(interval, min(self._full_scan_at, self._sweep_at) - time.monotonic())
+            return t0 + interval   # a push came meanwhile
+        self._asleep, self._asleep_since = True, t0
+        return max(t0 + interval, min(self._full_scan_at, self._sweep_at))
+
+    def _awake(self) -> None:
+        """The flush loop is awake again: pushes need not wake it."""
+        if self._asleep:
+            self._asleep = False
+            lib.shmps_forward_awake(self.store._mptr)
+
+    def _woken_by_push(self) -> None:
+        """The first push to this bridge asleep with nothing to do rang (its doorbell, or
+        the futex through the waiting thread): the next pass comes when the flush loop
+        would have made it had it kept passing every flush interval, so that the pushes
+        of a burst are drained together, as --flush-ms asks, and none waits longer."""
+        self.metrics.push_wakes.inc()
+        fut = self._flush_wake
+        if not self._asleep or fut is None or fut.done():
+            return
+        interval = self.cfg.flush_ms / 1000.0
+        now = time.monotonic()
+        tick = self._asleep_since + math.ceil((now - self._asleep_since) / interval) * interval
+        asyncio.get_running_loop().call_later(
+            max(0.0, tick - now), lambda: fut.done() or fut.set_result(None))
 
     def _flush_pass(self) -> bool:
         """One pass of the flush loop: drain the outbox shards that hold pushes (and the
@@ -1995,7 +2035,8 @@ class Bridge:
         if self._index[0] != len(self.tensors):
             infos = list(self.tensors.values())
             every = [(i.tid, i, s) for i in infos for s in range(i.nshards)]
-            self._index = (len(infos), infos, BusyScan([i.t for i in infos]), every)
+            self._index = (len(infos), infos, BusyScan([i.t for i in infos], self.store),
+                           every)
         return self._index[1], self._index[2], self._index[3]
 
     def _backed_up(self, info: TInfo, s: int) -> bool:
