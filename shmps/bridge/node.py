@@ -865,7 +865,8 @@ class Bridge:
                 # what an earlier bridge process on this store drained and took with it
                 lost = t._outbox_recover(s)
                 if lost:
-                    self._acks_new = True   # recover acknowledged the lost range
+                    self._acks_new = True   # recover acknowledged the lost range: the
+                    self._tell_acks()       # flushes waiting past it raise PushesLost now
                     self.metrics.lost.inc(lost)
                     log.error("tensor %r shard %d: %d pushes were taken by an earlier bridge "
                               "process that ended before their owner acknowledged them; "
