@@ -904,55 +904,48 @@ def test_a_batch_its_owner_refused_for_good_makes_its_pushers_flush_raise(tmp_pa
     started, on a real store, with a worker's handle of it."""
     import shmps
 
-    me, other = "127.0.0.2:7001", "127.0.0.3:7001"
-    with _owner_on_a_store(tmp_path, [me, other], "refused") as (node, _, _st):
-        name, info, _ = _tensor_owned_by(node, other, pushed=False)
-        node.store._set_forwarding(True)
-        stream = node.streams[(info.tid, 0)]
-        worker = shmps.attach("refused", namespace=node.store.namespace, create=False)
-        try:
-            w = worker[name]
+    with _forwarding_to_other(tmp_path, "refused") as (
+            node, other, name, info, stream, worker):
+        w = worker[name]
 
-            def drain() -> None:
-                bufs = info.buffers()
-                node._queue_drain(info, 0, stream, info.t._outbox_drain(0, into=bufs), bufs)
+        def drain() -> None:
+            bufs = info.buffers()
+            node._queue_drain(info, 0, stream, info.t._outbox_drain(0, into=bufs), bufs)
 
-            def answer(seq: int, status: Status) -> None:
-                node.on_ack(other, frames.decode(frames.encode_ack(
-                    epoch=0, sender=members.member_id(other), incarnation=7,
-                    tensor=info.tid, shard=0, seq=seq, status=status)))
+        def answer(seq: int, status: Status) -> None:
+            node.on_ack(other, frames.decode(frames.encode_ack(
+                epoch=0, sender=members.member_id(other), incarnation=7,
+                tensor=info.tid, shard=0, seq=seq, status=status)))
 
-            w.push(np.ones((8, 4), np.float32))                  # push 1: frame 1
-            drain()
-            w.push(np.ones((8, 4), np.float32))                  # pushes 2, 3: frame 2
-            w.push(np.ones((8, 4), np.float32))
-            drain()
-            w.push(np.ones((8, 4), np.float32))                  # push 4: frame 3
-            drain()
-            assert [q for q, _ in stream.q.to_send()] == [1, 2, 3]
-            answer(1, Status.OK)
-            answer(2, Status.REJECTED)
-            assert stream.q.acked == 2 and len(stream.drains) == 1
-            assert node.metrics.lost._value.get() == 2
-            answer(2, Status.REJECTED)                          # late, again: nothing
-            assert stream.q.acked == 2 and node.metrics.lost._value.get() == 2
-            answer(3, Status.OK)
-            assert stream.q.acked == 3 and not stream.drains
-            with pytest.raises(shmps.PushesLost, match=f"{name!r} shard 0: 2"):
-                worker.flush(timeout=5)
-            worker.flush(timeout=1)                              # raised once
-            node.store.flush(timeout=1)                          # the bridge's handle knows
+        w.push(np.ones((8, 4), np.float32))                  # push 1: frame 1
+        drain()
+        w.push(np.ones((8, 4), np.float32))                  # pushes 2, 3: frame 2
+        w.push(np.ones((8, 4), np.float32))
+        drain()
+        w.push(np.ones((8, 4), np.float32))                  # push 4: frame 3
+        drain()
+        assert [q for q, _ in stream.q.to_send()] == [1, 2, 3]
+        answer(1, Status.OK)
+        answer(2, Status.REJECTED)
+        assert stream.q.acked == 2 and len(stream.drains) == 1
+        assert node.metrics.lost._value.get() == 2
+        answer(2, Status.REJECTED)                          # late, again: nothing
+        assert stream.q.acked == 2 and node.metrics.lost._value.get() == 2
+        answer(3, Status.OK)
+        assert stream.q.acked == 3 and not stream.drains
+        with pytest.raises(shmps.PushesLost, match=f"{name!r} shard 0: 2"):
+            worker.flush(timeout=5)
+        worker.flush(timeout=1)                              # raised once
+        node.store.flush(timeout=1)                          # the bridge's handle knows
 
-            def corrupt(*args):
-                raise shmps.CorruptSegment("the outbox shard is corrupt")
+        def corrupt(*args):
+            raise shmps.CorruptSegment("the outbox shard is corrupt")
 
-            info.t._outbox_reject = corrupt     # recording fails: the stream goes on
-            w.push(np.ones((8, 4), np.float32))                  # push 5: frame 4
-            drain()
-            answer(4, Status.REJECTED)
-            assert stream.q.acked == 4 and not stream.drains
-        finally:
-            worker.close()
+        info.t._outbox_reject = corrupt     # recording fails: the stream goes on
+        w.push(np.ones((8, 4), np.float32))                  # push 5: frame 4
+        drain()
+        answer(4, Status.REJECTED)
+        assert stream.q.acked == 4 and not stream.drains
 
 
 def test_the_flush_loop_scans_the_outboxes_only_when_a_push_may_wait(tmp_path, monkeypatch):
@@ -964,7 +957,6 @@ def test_the_flush_loop_scans_the_outboxes_only_when_a_push_may_wait(tmp_path, m
     out with the next full scan.  A pass with nothing to drain or send does not look at
     the members either (half of an idle pass's cost).  Drives a Bridge, not started, on
     a real store, with a worker's handle of it."""
-    import shmps
     from shmps._native import lib
     from shmps.bridge import node as node_mod
 
@@ -976,43 +968,36 @@ def test_the_flush_loop_scans_the_outboxes_only_when_a_push_may_wait(tmp_path, m
     def full_scan_due() -> None:   # as FULL_SCAN_EVERY after the last full scan
         node._full_scan_at = time.monotonic()
 
-    me, other = "127.0.0.2:7001", "127.0.0.3:7001"
-    with _owner_on_a_store(tmp_path, [me, other], "scans") as (node, _, _st):
-        name, info, _ = _tensor_owned_by(node, other, pushed=False)
-        node.store._set_forwarding(True)
-        stream = node.streams[(info.tid, 0)]
-        worker = shmps.attach("scans", namespace=node.store.namespace, create=False)
-        try:
+    with _forwarding_to_other(tmp_path, "scans") as (
+            node, other, name, info, stream, worker):
+        node._flush_pass()
+        scan = node._shard_index()[1]
+        calls = scan.calls
+        assert calls >= 1
+        looked = node._last_run                 # when it last looked at the members
+        for _ in range(3):
             node._flush_pass()
-            scan = node._shard_index()[1]
-            calls = scan.calls
-            assert calls >= 1
-            looked = node._last_run                 # when it last looked at the members
-            for _ in range(3):
-                node._flush_pass()
-            assert scan.calls == calls                      # nothing pushed: no scan,
-            assert node._last_run == looked                 # nor a look at the members
-            worker[name].push(np.ones((8, 4), np.float32))
+        assert scan.calls == calls                      # nothing pushed: no scan,
+        assert node._last_run == looked                 # nor a look at the members
+        worker[name].push(np.ones((8, 4), np.float32))
+        node._flush_pass()
+        assert scan.calls == calls + 1 and len(stream.drains) == 1
+        node._flush_pass()                               # after one that found some
+        node._flush_pass()
+        assert scan.calls == calls + 2 and len(stream.drains) == 1
+        # counted in the outbox shard, not in the store's count: seen by a full scan,
+        # asked for by a store.flush() or due FULL_SCAN_EVERY after the last one
+        for ask in (node._wake_flush, full_scan_due):
+            lib.shmps_outbox_pushed(info.t._outbox()._shard(0).ptr)
             node._flush_pass()
-            assert scan.calls == calls + 1 and len(stream.drains) == 1
-            node._flush_pass()                               # after one that found some
+            assert info.t._outbox_busy() == [0] and scan.calls == calls + 2
+            ask()
+            node._flush_pass()                           # an empty drain of shard 0
+            assert info.t._outbox_busy() == [] and scan.calls == calls + 3
+            node._flush_pass()                           # after one that found some
             node._flush_pass()
-            assert scan.calls == calls + 2 and len(stream.drains) == 1
-            # counted in the outbox shard, not in the store's count: seen by a full scan,
-            # asked for by a store.flush() or due FULL_SCAN_EVERY after the last one
-            for ask in (node._wake_flush, full_scan_due):
-                lib.shmps_outbox_pushed(info.t._outbox()._shard(0).ptr)
-                node._flush_pass()
-                assert info.t._outbox_busy() == [0] and scan.calls == calls + 2
-                ask()
-                node._flush_pass()                           # an empty drain of shard 0
-                assert info.t._outbox_busy() == [] and scan.calls == calls + 3
-                node._flush_pass()                           # after one that found some
-                node._flush_pass()
-                assert scan.calls == calls + 4
-                calls += 2
-        finally:
-            worker.close()
+            assert scan.calls == calls + 4
+            calls += 2
 
 
 @pytest.mark.parametrize("via", ["doorbell", "futex"])
@@ -1028,20 +1013,14 @@ def test_an_idle_bridge_sleeps_until_the_first_push_wakes_it(tmp_path, monkeypat
     store, with a worker's handle of it."""
     import threading
 
-    import shmps
     from shmps._native import lib
     from shmps.bridge import node as node_mod
 
     monkeypatch.setattr(node_mod, "FULL_SCAN_EVERY", 600.0)
     monkeypatch.setattr(node_mod, "SWEEP_EVERY", 600.0)
-    me, other = "127.0.0.2:7001", "127.0.0.3:7001"
     interval = 0.5
-    with _owner_on_a_store(tmp_path, [me, other], "sleeps", flush_ms=interval * 1000) as (
-            node, _, _st):
-        name, info, _ = _tensor_owned_by(node, other, pushed=False)
-        node.store._set_forwarding(True)
-        stream = node.streams[(info.tid, 0)]
-        worker = shmps.attach("sleeps", namespace=node.store.namespace, create=False)
+    with _forwarding_to_other(tmp_path, "sleeps", flush_ms=interval * 1000) as (
+            node, other, name, info, stream, worker):
         if via == "futex":   # as from another network namespace: nobody listens there
             worker._bell.address = b"\0shmps-test-nobody-listens-" + str(os.getpid()).encode()
         passes = []
@@ -1090,10 +1069,7 @@ def test_an_idle_bridge_sleeps_until_the_first_push_wakes_it(tmp_path, monkeypat
                 loop.remove_reader(node._doorbell.fileno())
                 node._doorbell.close()
 
-        try:
-            idle_passes, took = asyncio.run(asyncio.wait_for(main(), 30))
-        finally:
-            worker.close()
+        idle_passes, took = asyncio.run(asyncio.wait_for(main(), 30))
         assert idle_passes == 0
         assert [d.pushed for d in stream.drains] == [2], list(stream.drains)
         assert 0.25 <= took < 0.5 + 0.3, took
@@ -1304,6 +1280,25 @@ def _tensor_owned_by(node, member: str, ring_: list | None = None, there: str | 
     if pushed:
         node.store[name].push(np.full((8, 4), 5, np.float32))
     return name, info, node.shards[(info.tid, 0)]
+
+
+@contextlib.contextmanager
+def _forwarding_to_other(tmp_path, store: str, **cfg):
+    """On ``_owner_on_a_store`` (two members): a dense (8, 4) float32 "sum" tensor whose
+    shard 0 the other member owns, the store forwarding, and a worker's handle of the
+    store: yields (node, the other member, the tensor's name, its TInfo, shard 0's
+    SendStream, the worker's store), and closes the worker's handle after."""
+    import shmps
+
+    me, other = "127.0.0.2:7001", "127.0.0.3:7001"
+    with _owner_on_a_store(tmp_path, [me, other], store, **cfg) as (node, _, _st):
+        name, info, _ = _tensor_owned_by(node, other, pushed=False)
+        node.store._set_forwarding(True)
+        worker = shmps.attach(store, namespace=node.store.namespace, create=False)
+        try:
+            yield node, other, name, info, node.streams[(info.tid, 0)], worker
+        finally:
+            worker.close()
 
 
 @contextlib.asynccontextmanager
