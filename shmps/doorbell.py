@@ -104,11 +104,6 @@ def listen(store: str, namespace: Optional[str]) -> Optional[socket.socket]:
     return sock
 
 
-def take_rings(sock: socket.socket) -> int:
-    """Read the waiting rings (at most READ_BATCH); how many there were."""
-    return sum(take(sock))
-
-
 def take(sock: socket.socket) -> tuple[int, int]:
     """Read the waiting rings (at most READ_BATCH): how many were store.flush() calls'
     and how many pushes' (Bell.ring)."""

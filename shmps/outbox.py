@@ -439,8 +439,9 @@ class BusyScan:
         """``store``: the tensors' (needed when there are none: the count of forwarded
         pushes is read all the same)."""
         self._outboxes = [t._outbox() for t in tensors]
-        self._stores = ([store] if store is not None
-                        else [ob._store for ob in self._outboxes[:1]])
+        if store is None and self._outboxes:
+            store = self._outboxes[0]._store
+        self._store = store
         ptrs = [ob._shard(i).ptr for ob in self._outboxes for i in range(ob.nshards)]
         counts = [ob.nshards for ob in self._outboxes]
         self._bases = ffi.new("void *[]", ptrs) if ptrs else None
@@ -462,11 +463,11 @@ class BusyScan:
         counted yet; a hint, as ``busy``.  ``full``: call even if no push was counted
         since a call that found none busy (a push whose process died before it moved the
         store's count, or made by a build that does not move it, is found so)."""
-        if not self._stores:
+        if self._store is None:
             return []
         # Closed once the store is: the bases would point at unmapped memory (the
         # bridge closes tensors only by closing its store; one check, not one a tensor)
-        man = self._stores[0]._mptr
+        man = self._store._mptr
         # read before the call (acquire): a push counted in it is seen by the call
         pushes = int(lib.shmps_forward_pushes(man))
         if self._bases is None:

@@ -45,10 +45,10 @@ def test_a_ring_reaches_the_listener_and_wakes_its_poll(rung):
     p = select.poll()
     p.register(sock.fileno(), select.POLLIN)
     assert p.poll(0) == []
-    assert bell.ring() and bell.ring()
+    assert bell.ring() and bell.ring() and bell.ring(push=True)
     assert p.poll(1000)                      # readable: an event loop wakes
-    assert doorbell.take_rings(sock) == 2    # every waiting ring, in one go
-    assert doorbell.take_rings(sock) == 0
+    assert doorbell.take(sock) == (2, 1)     # every waiting ring, in one go, by kind
+    assert doorbell.take(sock) == (0, 0)
     assert p.poll(0) == []
 
 
@@ -79,10 +79,10 @@ def test_a_full_queue_still_counts_as_rung(rung):
     # nobody reads: the queue fills (net.unix.max_dgram_qlen, 10 by default: a flood of
     # rings holds no memory), and ringing goes on saying the bridge will wake
     assert all(bell.ring() for _ in range(5000))
-    n = doorbell.take_rings(sock)
+    n = sum(doorbell.take(sock))
     assert 1 <= n <= doorbell.READ_BATCH
     if n < doorbell.READ_BATCH:
-        assert doorbell.take_rings(sock) == 0        # all of them were read
+        assert doorbell.take(sock) == (0, 0)         # all of them were read
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
@@ -96,4 +96,4 @@ def test_a_forked_child_rings_with_a_socket_of_its_own(rung):
         os._exit(0 if ok else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
-    assert doorbell.take_rings(sock) == 2
+    assert doorbell.take(sock) == (2, 0)

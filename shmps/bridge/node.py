@@ -1244,15 +1244,17 @@ class Bridge:
             self._closed_and_silent()
 
     def _look_when_silent(self, member: str) -> None:
-        """A connection of ``member`` closed: run _closed_and_silent once it has been
-        silent for half of ``dead_after``, not at the next TICK only (a flush pass with
-        nothing to do does not look: _flush_pass)."""
+        """A connection of ``member`` closed: run _closed_and_silent (after the start-up
+        grace, as _notice_silence does) once it has been silent for half of
+        ``dead_after``, not at the next TICK only (a flush pass with nothing to do does
+        not look: _flush_pass).  Not the whole _notice_silence: its stall check counts
+        from the last look, and this timer is no measure of the event loop's pace."""
         if member not in self.members.states():
             return
         delay = self.members.last_seen(member) + self.cfg.dead_after / 2 - time.monotonic()
-        asyncio.get_running_loop().call_later(max(0.0, delay) + 0.001, self._look_if_acting)
+        asyncio.get_running_loop().call_later(max(0.0, delay) + 0.001, self._look_at_closed)
 
-    def _look_if_acting(self) -> None:
+    def _look_at_closed(self) -> None:
         if time.monotonic() >= self.grace_until:
             self._closed_and_silent()
 
