@@ -1976,6 +1976,22 @@ def _take_snapshot(node, owner: str, tid: int, seq: int, epoch: int | None = Non
     return got[-1].status
 
 
+def test_a_snapshot_that_replaces_a_copys_filter_clears_its_refusals(tmp_path):
+    """What an owner refused for good it answers REJECTED again when resent
+    (ShardState.refused), but only while the duplicate filter it refused by is its own:
+    a copy whose filter an owner's snapshot replaces (the batch may have been applied
+    there since) forgets them, and would answer a resend as the new filter says.
+    Drives a Bridge, not started, on a real store."""
+    me, other = "127.0.0.2:7001", "127.0.0.3:7001"
+    with _owner_on_a_store(tmp_path, [me, other], "forget") as (node, _, _st):
+        _, info, st = _tensor_owned_by(node, other, pushed=False)
+        stream = (members.member_id("127.0.0.4:7001"), 7, info.tid, 0)
+        st.refused[(stream, 1)] = None          # refused here, in an earlier tenure
+        assert _take_snapshot(node, other, info.tid, 1, marks=((stream[0], 7, 1),)) \
+            is Status.OK
+        assert st.refused == {} and st.dedup.floor(stream) == 1
+
+
 def _take_rows(node, owner: str, tid: int, seq: int, epoch: int | None = None,
                nrows: int = 8, marks: tuple = (), synced: bool = True) -> Status:
     """``node`` takes a ROWS of shard 0 of tensor ``tid`` from ``owner`` (the first
