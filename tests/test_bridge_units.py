@@ -1976,6 +1976,29 @@ def _take_snapshot(node, owner: str, tid: int, seq: int, epoch: int | None = Non
     return got[-1].status
 
 
+def test_the_shards_a_host_owns_follow_its_ring(tmp_path):
+    """The maintenance pass visits the shards this host owns from a list kept per ring
+    (_owned_keys): a new ring (a member dead) gives the new list, the dead member's
+    shards that moved here included, and so does a new tensor.  Drives a Bridge, not
+    started, on a real store."""
+    me, b, c = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
+    with _owner_on_a_store(tmp_path, [me, b, c], "owned") as (node, _, _st):
+        for prefix in "xy":
+            _tensor_owned_by(node, b, prefix=prefix, pushed=False)
+
+        def want() -> list:
+            return [k for k, st in node.shards.items() if node.owner(st.key) == me]
+
+        before = node._owned_keys()
+        assert before == want() and len(before) < len(node.shards)
+        asyncio.run(_in_view(node, {me: State.ALIVE, b: State.DEAD, c: State.ALIVE}, 1))
+        assert node.owner(node.shards[next(k for k in node.shards if k not in before)].key) \
+            in (me, c)
+        assert node._owned_keys() == want() and len(want()) > len(before)
+        _tensor_owned_by(node, me, prefix="z", pushed=False)
+        assert node._owned_keys() == want()
+
+
 def test_a_snapshot_that_replaces_a_copys_filter_clears_its_refusals(tmp_path):
     """What an owner refused for good it answers REJECTED again when resent
     (ShardState.refused), but only while the duplicate filter it refused by is its own:
