@@ -1532,12 +1532,15 @@ def test_an_owner_sends_its_copies_the_mark_of_a_batch_it_refused_as_invalid(tmp
                 return [frames.decode(f) for f in await asyncio.wait_for(got, 10)]
 
         sent = asyncio.run(asyncio.wait_for(main(), 30))
-        assert [(f.type, f.n, [(m.sender, m.incarnation, m.seq) for m in f.marks])
-                for f in sent] == [(FrameType.ROWS, 0, [(sender, 7, 1)]),
-                                   (FrameType.ROWS, 8, [(sender, 7, 2)]),
-                                   (FrameType.ROWS, 0, [(sender, 7, 3)]),
-                                   (FrameType.ROWS, 0, [(sender, 7, 4)]),
-                                   (FrameType.ROWS, 8, [(sender, 7, 5)])]
+        # the refusals' marks say so (flag REFUSED): a copy made owner refuses them again
+        refused = frames.Flag.REFUSED
+        assert [(f.type, f.n, [(m.sender, m.incarnation, m.seq) for m in f.marks],
+                 f.flags & refused) for f in sent] == [
+            (FrameType.ROWS, 0, [(sender, 7, 1)], refused),
+            (FrameType.ROWS, 8, [(sender, 7, 2)], 0),
+            (FrameType.ROWS, 0, [(sender, 7, 3)], refused),
+            (FrameType.ROWS, 0, [(sender, 7, 4)], refused),
+            (FrameType.ROWS, 8, [(sender, 7, 5)], 0)]
         assert st.dedup.floor(stream) == 5
         assert _refused(node, "schema") == 2
         assert _refused(node, "invalid") == 1
@@ -3596,7 +3599,7 @@ def test_random_bytes_raise_only_bad_frame(data):
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.integers(0, 6), st.integers(0, 3), st.integers(0, 7), st.binary(max_size=300))
+@given(st.integers(0, 6), st.integers(0, 3), st.integers(0, 63), st.binary(max_size=300))
 def test_random_payloads_behind_a_valid_header_raise_only_bad_frame(ftype, layout, flags, body):
     """Fuzzing below the header (types, layouts, flags, payloads) gives BadFrame or a frame
     whose arrays lie inside the buffer."""
@@ -3756,6 +3759,46 @@ def test_a_batch_may_continue_the_previous_one():
     struct.pack_into("<H", rows, 40, int(frames.Flag.CONTINUES))
     with pytest.raises(frames.BadFrame, match="not allowed"):
         frames.decode(bytes(rows))
+
+
+def test_a_rows_of_refused_batches_carries_their_marks_and_nothing_else():
+    """Flag.REFUSED is a ROWS flag: no rows, marks (not floors) of batches the owner
+    refused for good.  Encoded otherwise it raises InvalidArgument; decoded otherwise,
+    or on another frame type, it is a BadFrame."""
+    ok = dict(epoch=1, sender=1, incarnation=1, tensor=1, shard=0, seq=2)
+    none = np.empty((0, 2), np.float32)
+    f = frames.decode(frames.encode_rows(**ok, values=none, start=0,
+                                         marks=[Mark(9, 7, 3)], refused=True))
+    assert f.flags == frames.Flag.REFUSED and f.n == 0 and [m.seq for m in f.marks] == [3]
+    b = frames.RowsBuilder(**ok, n=0, cols=2, dtype="float32", start=0,
+                           marks=[Mark(9, 7, 3)], refused=True)
+    assert bytes(b.finish(0)) == frames.encode_rows(**ok, values=none, start=0,
+                                                    marks=[Mark(9, 7, 3)], refused=True)
+    for bad in (dict(values=np.ones((1, 2), np.float32), marks=[Mark(9, 7, 3)]),
+                dict(values=none, marks=[]),
+                dict(values=none, marks=[Mark(9, 7, 3)], floor_marks=True)):
+        with pytest.raises(InvalidArgument, match="refused ROWS"):
+            frames.encode_rows(**ok, start=0, refused=True, **bad)
+    with pytest.raises(InvalidArgument, match="refused ROWS"):
+        frames.RowsBuilder(**ok, n=1, cols=2, dtype="float32", start=0,
+                           marks=[Mark(9, 7, 3)], refused=True)
+    # the flag set by hand on frames that may not carry it
+    for frame in (frames.encode_rows(**ok, values=np.ones((1, 2), np.float32), start=0,
+                                     marks=[Mark(9, 7, 3)]),
+                  frames.encode_rows(**ok, values=none, start=0),
+                  frames.encode_rows(**ok, values=none, start=0, marks=[Mark(9, 7, 3)],
+                                     floor_marks=True)):
+        buf = bytearray(frame)
+        flags = struct.unpack_from("<H", buf, 40)[0]
+        struct.pack_into("<H", buf, 40, flags | int(frames.Flag.REFUSED))
+        with pytest.raises(frames.BadFrame, match="REFUSED ROWS"):
+            frames.decode(bytes(buf))
+    for frame in (frames.encode_batch(**ok, values=np.ones((1, 2), np.float32), start=0),
+                  frames.encode_snapshot(**ok, values=none, start=0, marks=[Mark(9, 7, 3)])):
+        buf = bytearray(frame)
+        struct.pack_into("<H", buf, 40, int(frames.Flag.REFUSED))
+        with pytest.raises(frames.BadFrame, match="not allowed"):
+            frames.decode(bytes(buf))
 
 
 def test_iter_frames_splits_concatenated_frames():
@@ -4247,3 +4290,47 @@ def test_the_snapshot_worker_runs_hand_overs_before_queued_copies():
     with pytest.raises(RuntimeError):
         w.submit(urgent.COPY, call, "late")
     assert not any(t.name == "test-urgent" for t in threading.enumerate())
+
+
+def test_a_copy_made_owner_refuses_again_what_the_dead_owner_refused(tmp_path):
+    """An owner's refusal for good (REJECTED) reaches its copies as a ROWS of its mark
+    with flag REFUSED; a copy records it.  Made owner when that owner dies, it answers a
+    resent refused batch REJECTED again, as the dead owner would have: the sender, whose
+    answer died with the owner, would otherwise be answered OK by the duplicate filter
+    and count the batch's pushes applied (store.flush() without PushesLost).  A batch
+    marked applied is acknowledged OK as before.  Drives a Bridge, not started, on a real
+    store."""
+    me, other, third = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
+    with _owner_on_a_store(tmp_path, [me, other, third], "refagain") as (node, _, _st):
+        name, info, st = _tensor_owned_by(node, other, ring_=[me, third], there=me,
+                                          pushed=False)
+        sender = members.member_id("127.0.0.9:7001")
+        stream = (sender, 7, info.tid, 0)
+        assert _take_rows(node, other, info.tid, 1, marks=((sender, 7, 1),)) is Status.OK
+        got: list = []
+        node.on_rows(other, frames.decode(frames.encode_rows(
+            epoch=0, sender=members.member_id(other), incarnation=7, tensor=info.tid,
+            shard=0, seq=ROWS_SEQ_BASE + 2, values=np.empty((0, 4), np.float32), start=0,
+            marks=[Mark(sender, 7, 2)], refused=True)),
+            lambda d: got.extend(frames.iter_frames(bytes(d))))
+        assert got[-1].status is Status.OK
+        assert (stream, 2) in st.refused and (stream, 1) not in st.refused
+        assert st.dedup.floor(stream) == 2
+        # the owner dies: the majority's next epoch has this host own the shard
+        node.on_heartbeat(third, _heartbeat(third, 1, {me: State.ALIVE, other: State.DEAD,
+                                                       third: State.ALIVE}))
+        assert node.members.epoch == 1 and node.owner(st.key) == me, node.members.states()
+        before = node.store[name].pull().copy()
+        replies: list = []
+        for seq in (1, 2):
+            node.on_batch("127.0.0.9:7001", frames.decode(frames.encode_batch(
+                epoch=1, sender=sender, incarnation=7, tensor=info.tid, shard=0, seq=seq,
+                values=np.ones((8, 4), np.float32), start=0)),
+                lambda d: replies.extend(frames.iter_frames(bytes(d))))
+        assert replies == []                       # held for the backup
+        st.synced.add(third)                       # (it holds a copy)
+        node.on_ack(third, frames.decode(frames.encode_ack(
+            epoch=1, sender=members.member_id(third), incarnation=7, tensor=info.tid,
+            shard=0, seq=ROWS_SEQ_BASE + st.rseq, status=Status.OK)))
+        assert [(r.status, r.seq) for r in replies] == [(Status.OK, 1), (Status.REJECTED, 2)]
+        np.testing.assert_array_equal(node.store[name].pull(), before)   # nothing applied

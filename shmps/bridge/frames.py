@@ -89,6 +89,8 @@ class Flag(IntFlag):
     HANDOVER = 8        #: SNAPSHOT: from the previous owner, which no longer applies batches
     CONTINUES = 16      #: BATCH: a later frame of the drain the previous seq began: the
     #:                     owner applies it at the tensor's current step, not a new one
+    REFUSED = 32        #: ROWS of no rows: its marks are batches the owner refused for
+    #:                     good (REJECTED), which a copy made owner refuses again if resent
 
 
 class Status(IntEnum):
@@ -116,7 +118,7 @@ _DATA_TYPES = (FrameType.BATCH, FrameType.ROWS, FrameType.SNAPSHOT)
 _ALLOWED_FLAGS = {
     FrameType.BATCH: Flag.CONTINUES,
     FrameType.ACK: Flag(0),
-    FrameType.ROWS: Flag.ROW_STEPS | Flag.FLOOR_MARKS,
+    FrameType.ROWS: Flag.ROW_STEPS | Flag.FLOOR_MARKS | Flag.REFUSED,
     FrameType.SNAPSHOT: Flag.LAST | Flag.ROW_STEPS | Flag.FLOOR_MARKS | Flag.HANDOVER,
     FrameType.HEARTBEAT: Flag(0),
     FrameType.SYNC: Flag(0),
@@ -134,7 +136,8 @@ _FRAME_TYPES = {int(t): t for t in FrameType}
 _LAYOUTS = {int(x): x for x in Layout}
 _STATUSES = {int(x): x for x in Status}
 _FLAGS = {v: Flag(v) for v in range(int(Flag.LAST | Flag.ROW_STEPS | Flag.FLOOR_MARKS
-                                          | Flag.HANDOVER | Flag.CONTINUES) + 1)}
+                                          | Flag.HANDOVER | Flag.CONTINUES | Flag.REFUSED)
+                                      + 1)}
 _ALLOWED_BITS = {t: int(f) for t, f in _ALLOWED_FLAGS.items()}
 
 
@@ -516,14 +519,19 @@ def encode_rows(*, epoch: int, sender: int, incarnation: int, tensor: int, shard
                 rows: np.ndarray | None = None, keys: np.ndarray | None = None, step: int = 0,
                 marks: Sequence[Mark] = (), floor_marks: bool = False,
                 state: Sequence[np.ndarray] = (), row_steps: np.ndarray | None = None,
+                refused: bool = False,
                 limits: Limits | None = DEFAULT_LIMITS) -> bytes:
     """A ROWS frame: new values (and optimizer ``state``) of changed rows, with the
-    batches applied since the previous ROWS as ``marks``. O(frame bytes)."""
+    batches applied since the previous ROWS as ``marks`` (``refused``: no rows, and the
+    marks are batches refused for good). O(frame bytes)."""
+    if refused and (len(values) or not marks or floor_marks):
+        raise InvalidArgument("a refused ROWS carries marks (not floors) and no rows")
     return _encode_data(FrameType.ROWS, epoch=epoch, sender=sender, incarnation=incarnation,
                         tensor=tensor, shard=shard, seq=seq, values=values, start=start,
                         rows=rows, keys=keys, step=step, marks=marks, state=state,
                         row_steps=row_steps,
-                        flags=Flag.FLOOR_MARKS if floor_marks else Flag(0), limits=limits)
+                        flags=((Flag.FLOOR_MARKS if floor_marks else Flag(0))
+                               | (Flag.REFUSED if refused else Flag(0))), limits=limits)
 
 
 def encode_snapshot(*, epoch: int, sender: int, incarnation: int, tensor: int, shard: int,
@@ -565,7 +573,7 @@ class RowsBuilder:
                  start: int | None = None, rows: np.ndarray | None = None,
                  keys: np.ndarray | None = None, row_steps: bool = False,
                  marks: Sequence[Mark] = (), nstate: int = 0, state_dtype: object = None,
-                 limits: Limits | None = DEFAULT_LIMITS) -> None:
+                 refused: bool = False, limits: Limits | None = DEFAULT_LIMITS) -> None:
         dt = np.dtype(dtype).newbyteorder("<")  # type: ignore[call-overload]
         self._code = _dtype_code(dt, "values")
         n, cols = _u("n", n, U32), _u("cols", cols, U32)
@@ -573,6 +581,8 @@ class RowsBuilder:
             raise InvalidArgument("rows must hold at least one value")
         if sum(x is not None for x in (start, rows, keys)) != 1:
             raise InvalidArgument("pass exactly one of start= (a row range), rows= or keys=")
+        if refused and (n or not marks):
+            raise InvalidArgument("a refused ROWS carries marks and no rows")
         layout, self._first, index = _layout(n, start, rows, keys)
         sdt = np.dtype(state_dtype if nstate else dt).newbyteorder("<")  # type: ignore
         self._scode = _state_code(sdt, nstate)
@@ -585,7 +595,9 @@ class RowsBuilder:
         self.buf = bytearray(total)
         self.buf[:HEADER.size] = _header(FrameType.ROWS, epoch=epoch, sender=sender,
                                          incarnation=incarnation, tensor=tensor, shard=shard,
-                                         seq=seq, flags=Flag.ROW_STEPS if row_steps else 0,
+                                         seq=seq,
+                                         flags=((Flag.ROW_STEPS if row_steps else Flag(0))
+                                                | (Flag.REFUSED if refused else Flag(0))),
                                          layout=layout, payload_len=payload)
         off = HEADER.size + DATA_HEAD.size
         self.buf[off:off + len(marks_bytes)] = marks_bytes
@@ -824,6 +836,8 @@ def _decode_data(hdr: dict[str, Any], body: memoryview, limits: Limits) -> Data:
         raise _bad(ft, "row range exceeds 2**63 - 1")
     if ft is FrameType.BATCH and (n == 0 or step == 0 or nmarks or nstate):
         raise _bad(ft, "a BATCH needs >= 1 row, step >= 1, and no marks or state")
+    if hdr["flags"] & Flag.REFUSED and (n or not nmarks or hdr["flags"] & Flag.FLOOR_MARKS):
+        raise _bad(ft, "a REFUSED ROWS carries marks (not floors) and no rows")
     dt = CODE_DTYPES[code]
     sdt = CODE_DTYPES[scode] if nstate else None
     has_steps = bool(hdr["flags"] & Flag.ROW_STEPS)

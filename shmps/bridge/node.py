@@ -2429,12 +2429,18 @@ class Bridge:
         acknowledgement does: a new owner whose filter lacked the seq would answer the
         sender's next batch GAP for good."""
         self._record_as_owner(st, f)
-        st.refused[((f.sender, f.incarnation, f.tensor, f.shard), f.seq)] = None
-        if len(st.refused) > REFUSED_KEEP:
-            del st.refused[next(iter(st.refused))]         # the oldest
-        self._send_marks(key, st, [Mark(f.sender, f.incarnation, f.seq)])
+        self._remember_refusal(st, (f.sender, f.incarnation, f.tensor, f.shard), f.seq)
+        self._send_marks(key, st, [Mark(f.sender, f.incarnation, f.seq)], refused=True)
         self.metrics.rejected(reason)
         self._wait_backups(key, st, reply, self._ack(f, Status.REJECTED))
+
+    @staticmethod
+    def _remember_refusal(st: ShardState, stream: tuple, seq: int) -> None:
+        """Record batch ``seq`` of ``stream`` as refused for good in ``st`` (its last
+        REFUSED_KEEP refusals), so that a resend of it is refused again (on_batch)."""
+        st.refused[(stream, seq)] = None
+        if len(st.refused) > REFUSED_KEEP:
+            del st.refused[next(iter(st.refused))]         # the oldest
 
     @staticmethod
     def _check_in_shard(info: TInfo, f: frames.Data) -> None:
@@ -2472,7 +2478,8 @@ class Bridge:
     def _rows_builder(self, info: TInfo, shard: int, seq: int, n: int, marks: list,
                       **where: Any) -> frames.RowsBuilder:
         """A ROWS frame of ``n`` rows of ``shard`` to read into (frames.RowsBuilder), with
-        the tensor's optimizer state; ``where``: start=, rows= or keys= (and row_steps=)."""
+        the tensor's optimizer state; ``where``: start=, rows= or keys= (and row_steps=,
+        refused=)."""
         spec = info.t._shard(shard).spec
         nstate = int(spec["nstate"])
         return frames.RowsBuilder(
@@ -2628,11 +2635,14 @@ class Bridge:
         st.epoch_mark_at = time.monotonic()
         self._send_marks(key, st, [])
 
-    def _send_marks(self, key: tuple, st: ShardState, marks: list) -> None:
+    def _send_marks(self, key: tuple, st: ShardState, marks: list,
+                    refused: bool = False) -> None:
         """Send every copy of shard ``key`` a ROWS of no rows with ``marks``: none, an
-        epoch's mark (_send_epoch_rows); or a batch refused for good (_reject_recorded),
-        which the owner's filter records as done, so that the copies' filters expect the
-        seq after it (on_rows: _unsynced)."""
+        epoch's mark (_send_epoch_rows); or (``refused``, flag REFUSED) a batch refused
+        for good (_reject_recorded), which the owner's filter records as done, so that the
+        copies' filters expect the seq after it (on_rows: _unsynced), and which a copy
+        made owner refuses again if its sender resends it (its answer lost with this
+        owner)."""
         info = self.tensors.get(key[0])
         if info is None:
             return   # (the tensor is gone: nothing to acknowledge for it)
@@ -2640,7 +2650,7 @@ class Bridge:
                                  else {"start": info.shard_range(key[1])[0]})
         st.rseq += 1
         self._send_to_copies(st, self._rows_builder(info, key[1], st.rseq, 0, marks,
-                                                    **where).finish(0))
+                                                    refused=refused, **where).finish(0))
 
     # ------------------------------------------------------------ replica side
     def on_rows(self, peer: str, f: frames.Data, reply: Callable[[bytes], None]) -> None:
@@ -2796,6 +2806,10 @@ class Bridge:
                     st.dedup.record(stream, m.seq)
             except CapacityError:
                 st.dedup.advance(stream, m.seq)
+            if f.flags & frames.Flag.REFUSED:
+                # the owner refused it for good: made owner, this host refuses a resend
+                # of it again (its sender may not have had the answer)
+                self._remember_refusal(st, stream, m.seq)
         if f.type == FrameType.SNAPSHOT and f.flags & frames.Flag.LAST:
             st.snap_epoch_seen = self.members.epoch
             st.snapshots_received += 1
