@@ -2002,6 +2002,55 @@ def test_the_shards_a_host_owns_follow_its_ring(tmp_path):
         assert node._owned_keys() == want()
 
 
+def test_a_refused_batch_is_refused_again_only_once_every_earlier_one_is_done(tmp_path):
+    """An answer covers the seqs below it (Status.OK: "seq and all before it"), so an
+    owner answers a resent refused batch REJECTED only once every lower seq of its stream
+    is done: while one is missing (a copy recorded the refusal's mark, a batch before it
+    is still on its way), the resend gets the floor's OK and the refusal waits.  Drives a
+    Bridge, not started, on a real store."""
+    me, other = "127.0.0.2:7001", "127.0.0.3:7001"
+    with _owner_on_a_store(tmp_path, [me, other], "refloor") as (node, info, st):
+        sender = members.member_id("127.0.0.9:7001")
+        stream = (sender, 7, info.tid, 0)
+        st.dedup.advance(stream, 1)              # seq 1 done
+        st.dedup.record(stream, 3)               # 3 refused for good, 2 not seen here yet
+        node._remember_refusal(st, stream, 3)
+        replies: list = []
+
+        def batch(seq: int) -> None:
+            node.on_batch("127.0.0.9:7001", frames.decode(frames.encode_batch(
+                epoch=0, sender=sender, incarnation=7, tensor=info.tid, shard=0, seq=seq,
+                values=np.ones((8, 4), np.float32), start=0)),
+                lambda d: replies.extend(frames.iter_frames(bytes(d))))
+            st.synced.add(other)     # (it holds a copy; with no connection, it is dropped)
+            node.on_ack(other, frames.decode(frames.encode_ack(
+                epoch=0, sender=members.member_id(other), incarnation=7, tensor=info.tid,
+                shard=0, seq=ROWS_SEQ_BASE + st.rseq, status=Status.OK)))
+
+        batch(3)
+        assert [(r.status, r.seq) for r in replies] == [(Status.OK, 1)]
+        batch(2)                                 # applied: the floor passes 3
+        batch(3)
+        assert [(r.status, r.seq) for r in replies[1:]] == [(Status.OK, 2),
+                                                            (Status.REJECTED, 3)]
+        np.testing.assert_array_equal(node.store[info.name].pull()[:8],
+                                      np.ones((8, 4), np.float32))   # 2 alone applied
+
+
+def test_an_owner_remembers_its_last_refusals_of_a_shard_only():
+    """ShardState.refused keeps the last REFUSED_KEEP refusals of a shard, the oldest
+    forgotten first: its memory is bounded whatever a sender sends."""
+    from shmps.bridge import node as bridge_node
+
+    st = bridge_node.ShardState("t/0")
+    stream = (1, 7, 1, 0)
+    for seq in range(1, bridge_node.REFUSED_KEEP + 3):
+        bridge_node.Bridge._remember_refusal(st, stream, seq)
+    assert len(st.refused) == bridge_node.REFUSED_KEEP
+    assert list(st.refused) == [(stream, seq)
+                                for seq in range(3, bridge_node.REFUSED_KEEP + 3)]
+
+
 def test_a_snapshot_that_replaces_a_copys_filter_clears_its_refusals(tmp_path):
     """What an owner refused for good it answers REJECTED again when resent
     (ShardState.refused), but only while the duplicate filter it refused by is its own:
