@@ -4383,3 +4383,64 @@ def test_a_copy_made_owner_refuses_again_what_the_dead_owner_refused(tmp_path):
             shard=0, seq=ROWS_SEQ_BASE + st.rseq, status=Status.OK)))
         assert [(r.status, r.seq) for r in replies] == [(Status.OK, 1), (Status.REJECTED, 2)]
         np.testing.assert_array_equal(node.store[name].pull(), before)   # nothing applied
+
+
+def test_a_settled_bridge_ticks_slower_and_what_moves_makes_it_tick_at_once(tmp_path):
+    """The tick loop (silence, the shard pass) runs every TICK while anything is in
+    motion, and up to TICK_SETTLED apart once everything settled, but never past the
+    moment the first member could turn suspect, nor the next shard pass due.  Anything
+    that moves (a member change, a peer's new view, new shards, a lost copy) wakes a
+    paused tick at once and keeps it fast for SETTLE_AFTER.  Drives a Bridge, not
+    started."""
+    from shmps.bridge import node as bridge_node
+    from shmps.bridge.node import SETTLE_AFTER, TICK, TICK_SETTLED
+
+    node, a, b, c = _host_c_of_three(tmp_path)
+    m = node.members
+    now = time.monotonic()
+    assert node._tick_delay(now) == TICK                    # just heard: moved
+    node._maintain()                                        # the first shard pass
+    node._moved_at = now - SETTLE_AFTER
+    node._maint_due = now + 10.0
+    settled = node._tick_delay(now)
+    assert TICK < settled <= min(TICK_SETTLED, m.suspect_after / 2), settled
+    # never past a member's turning suspect, nor the next shard pass
+    soon = min(m.last_seen(a), m.last_seen(b)) + m.suspect_after - 0.05
+    assert node._tick_delay(soon) == pytest.approx(0.051, abs=0.002)
+    node._maint_due = now + 0.03
+    assert node._tick_delay(now) == pytest.approx(0.03, abs=0.002)
+    node._maint_due = now + 10.0
+    # in motion: each of these makes it TICK
+    for what, undo in (
+            (lambda: setattr(node, "grace_until", now + 1), lambda: setattr(node, "grace_until", 0)),
+            (lambda: setattr(node, "_maint_busy", True), lambda: setattr(node, "_maint_busy", False)),
+            (lambda: setattr(m, "mint_held_until", now + 1),
+             lambda: setattr(m, "mint_held_until", float("-inf")))):
+        what()
+        assert node._tick_delay(now) == TICK
+        undo()
+        assert node._tick_delay(now) == settled
+    assert node._tick_delay(m.last_seen(a) + m.suspect_after + 0.01) <= TICK + 1e-9
+    # a heartbeat that says nothing new leaves it settled; a new view pokes it
+    everyone = {a: State.ALIVE, b: State.ALIVE, c: State.ALIVE}
+    node.on_heartbeat(a, _heartbeat(a, 0, everyone, seq=2))
+    assert node._moved_at == now - SETTLE_AFTER
+    node.on_heartbeat(a, _heartbeat(a, 0, everyone, seq=3,
+                                    flags=frames.HB_QUORUM | frames.HB_ACTING))   # acting
+    assert time.monotonic() - node._moved_at < 1.0
+    assert node._tick_delay(time.monotonic()) == TICK
+    # a paused tick is woken at once
+    node._moved_at = now - SETTLE_AFTER
+
+    async def main() -> float:
+        t0 = time.monotonic()
+        pause = asyncio.ensure_future(node._tick_pause(30.0))
+        await asyncio.sleep(0.01)
+        assert not pause.done()
+        node._unsettle()                                    # a copy was lost
+        await asyncio.wait_for(pause, 5)
+        return time.monotonic() - t0
+
+    assert asyncio.run(main()) < 1.0
+    assert node._tick_delay(time.monotonic()) == TICK
+    assert bridge_node.TICK < bridge_node.TICK_SETTLED

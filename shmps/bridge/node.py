@@ -58,7 +58,9 @@ log = logging.getLogger("shmps.bridge")
 
 #: the seq of every SYNC, and so of its answer (an ACK): not a BATCH stream's, not a ROWS's
 SYNC_SEQ = ROWS_SEQ_BASE - 1
-TICK = 0.02                      #: maintenance interval (s)
+TICK = 0.02                      #: maintenance interval while anything is in motion (s)
+TICK_SETTLED = 0.1               #: ... and at most while everything is settled (_tick_delay)
+SETTLE_AFTER = 1.0               #: s after anything moved (_poke_tick) before the tick slows
 DOORBELL_RETRY = 1.0             #: s between tries to bind a flush doorbell another holds
 RETRY = 0.05                     #: resend delay after a refusal (s)
 BUSY_RETRY = 0.02                #: resend delay after a BUSY (s), doubled for each BUSY in a row...
@@ -600,6 +602,9 @@ class Bridge:
         self._maint_sig: tuple = ()        # what the last _maintain shard pass saw
         self._catalog_tags: dict[str, str] = {}   # peer -> ETag of its catalog taken whole
         self._maint_due = 0.0              # when the next one is due at the latest
+        self._tick_wake: Optional[asyncio.Future] = None   # the tick loop's pause (_poke_tick)
+        self._moved_at = 0.0               # the latest _poke_tick
+        self._maint_busy = True            # the last shard pass found work under way
         self._sending: set = set()         # streams with frames not yet acknowledged
         self._unacked_to: dict = {}        # owner -> unacknowledged batch bytes (_drain_all)
         self._windows: dict[str, ByteBudget] = {}   # owner -> its send window (SEND_WINDOW)
@@ -874,6 +879,7 @@ class Bridge:
             self.tensors[tid] = info
             self.by_name[info.name] = info
             origin = self.adopted.get(info.name)
+            self._poke_tick()   # (a shard pass for the new shards)
             for s in range(info.nshards):
                 self.shards[(tid, s)] = ShardState(shard_key(info.name, s))
                 self.streams[(tid, s)] = SendStream(OutQueue(self.budget))
@@ -1026,6 +1032,8 @@ class Bridge:
         # the epoch can move with no member changing state (adopt: a newer epoch of the
         # same ring): it is published and goes out in a heartbeat at once all the same
         self.metrics.epoch.set(self.members.epoch)
+        if changes or (self._maint_sig and self.members.epoch != self._maint_sig[0]):
+            self._poke_tick()   # (the next shard pass: _maintain)
         if not changes:
             self._heartbeat_if_new()
             return
@@ -1334,7 +1342,7 @@ class Bridge:
             self._lags.append((now, max(0.0, now - due)))
             while self._lags and self._lags[0][0] < now - LAG_WINDOW:
                 self._lags.popleft()
-            due = now + TICK
+            delay = TICK
             try:
                 self._notice_silence()
                 self._maintain()
@@ -1343,11 +1351,59 @@ class Bridge:
                         and self._listen_doorbell()):
                     log.info("the flush doorbell of store %r is free: listening on it",
                              self.store.name)
+                delay = self._tick_delay(time.monotonic())
             except asyncio.CancelledError:
                 raise
             except Exception:
                 log.exception("maintenance failed")
-            await asyncio.sleep(TICK)
+            due = now + delay
+            await self._tick_pause(delay)
+
+    def _tick_delay(self, now: float) -> float:
+        """Seconds until the next tick: TICK while anything is in motion (a member
+        suspect, joining or leaving, this host not alive, the start-up or a stall's
+        grace, a mint held, a shard pass under way, acting since the last pass or not,
+        anything moved in the last SETTLE_AFTER); else until the first member could
+        turn suspect, at most TICK_SETTLED and half of suspect_after (so a tick comes
+        well within the stall check's dead_after / 2).  Whatever moves a settled bridge
+        wakes the tick at once (_poke_tick).  An idle bridge ticked 50 times a second: a
+        third of its CPU."""
+        m = self.members
+        if (now < self.grace_until or now < m.mint_held_until
+                or now - self._moved_at < SETTLE_AFTER
+                or self._maint_busy
+                or not self._maint_sig or self._maint_sig[2] != self.acting()):
+            return TICK
+        first = math.inf
+        for a, state in m.states().items():
+            if a == self.addr:
+                if state is not State.ALIVE:
+                    return TICK
+            elif state is State.ALIVE:
+                first = min(first, m.last_seen(a) + m.suspect_after)
+            elif state is not State.DEAD:
+                return TICK
+        return max(TICK, min(TICK_SETTLED, m.suspect_after / 2, first - now + 0.001,
+                             self._maint_due - now))
+
+    async def _tick_pause(self, delay: float) -> None:
+        """Sleep ``delay`` s, or less if _poke_tick is called meanwhile."""
+        loop = asyncio.get_running_loop()
+        fut = self._tick_wake = loop.create_future()
+        timer = loop.call_later(delay, lambda: fut.done() or fut.set_result(None))
+        try:
+            await fut
+        finally:
+            timer.cancel()
+            self._tick_wake = None
+
+    def _poke_tick(self) -> None:
+        """Something a tick acts on moved (the members, the tensors, a copy lost): tick
+        now, not after a settled bridge's longer pause (_tick_delay)."""
+        self._moved_at = time.monotonic()
+        fut = self._tick_wake
+        if fut is not None and not fut.done():
+            fut.set_result(None)
 
     def on_heartbeat(self, peer: str, hb: frames.Heartbeat) -> None:
         if peer not in self.members.states():
@@ -1366,11 +1422,14 @@ class Bridge:
             self.metrics.rejected("stale_heartbeat")
             return
         self._hb_seq[peer] = hb.seq
+        before = (self._peer_view.get(peer), peer in self._peer_acting)
         self._peer_view[peer] = (hb.epoch, hb.digest)
         if hb.hb_flags & frames.HB_ACTING:
             self._peer_acting.add(peer)
         else:
             self._peer_acting.discard(peer)
+        if before != ((hb.epoch, hb.digest), peer in self._peer_acting):
+            self._poke_tick()   # (whether this host acts may follow: _maintain)
         self._incarnations[peer] = hb.incarnation
         if known is not None and known != hb.incarnation:
             log.info("member %s restarted (incarnation %08x -> %08x): it copies its shards "
@@ -3158,8 +3217,8 @@ class Bridge:
                len(self.shards))
         if sig != self._maint_sig or now >= self._maint_due:
             self._maint_sig = sig
-            self._maint_due = now + (TICK if self._maintain_shards(acting, now)
-                                     else MAINTAIN_SETTLED)
+            self._maint_busy = self._maintain_shards(acting, now)
+            self._maint_due = now + (TICK if self._maint_busy else MAINTAIN_SETTLED)
         self.metrics.pending.set(self.budget.used)
         self.metrics.staleness.set(self._staleness())
         if (self.members.state(self.addr) is State.JOINING and not self.ready_flag
@@ -3175,6 +3234,7 @@ class Bridge:
     def _unsettle(self) -> None:
         """Something a _maintain pass acts on changed (a copy was lost): pass at once."""
         self._maint_due = 0.0
+        self._poke_tick()
 
     def _maintain_shards(self, acting: bool, now: float) -> bool:
         """One pass over the shards this host owns: ask again for hand-overs, send
