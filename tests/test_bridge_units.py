@@ -2014,7 +2014,7 @@ def test_a_refused_batch_is_refused_again_only_once_every_earlier_one_is_done(tm
         stream = (sender, 7, info.tid, 0)
         st.dedup.advance(stream, 1)              # seq 1 done
         st.dedup.record(stream, 3)               # 3 refused for good, 2 not seen here yet
-        node._remember_refusal(st, stream, 3)
+        node._remember_refusal(st, stream, 3, (node.mid, node.incarnation))
         replies: list = []
 
         def batch(seq: int) -> None:
@@ -2045,7 +2045,7 @@ def test_an_owner_remembers_its_last_refusals_of_a_shard_only():
     st = bridge_node.ShardState("t/0")
     stream = (1, 7, 1, 0)
     for seq in range(1, bridge_node.REFUSED_KEEP + 3):
-        bridge_node.Bridge._remember_refusal(st, stream, seq)
+        bridge_node.Bridge._remember_refusal(st, stream, seq, (9, 7))
     assert len(st.refused) == bridge_node.REFUSED_KEEP
     assert list(st.refused) == [(stream, seq)
                                 for seq in range(3, bridge_node.REFUSED_KEEP + 3)]
@@ -2055,16 +2055,19 @@ def test_a_snapshot_that_replaces_a_copys_filter_clears_its_refusals(tmp_path):
     """What an owner refused for good it answers REJECTED again when resent
     (ShardState.refused), but only while the duplicate filter it refused by is its own:
     a copy whose filter an owner's snapshot replaces (the batch may have been applied
-    there since) forgets them, and would answer a resend as the new filter says.
-    Drives a Bridge, not started, on a real store."""
+    there since) forgets them, and would answer a resend as the new filter says; but
+    not the refusals it took from that same owner's REFUSED ROWS, which its filter
+    holds.  Drives a Bridge, not started, on a real store."""
     me, other = "127.0.0.2:7001", "127.0.0.3:7001"
     with _owner_on_a_store(tmp_path, [me, other], "forget") as (node, _, _st):
         _, info, st = _tensor_owned_by(node, other, pushed=False)
         stream = (members.member_id("127.0.0.4:7001"), 7, info.tid, 0)
-        st.refused[(stream, 1)] = None          # refused here, in an earlier tenure
-        assert _take_snapshot(node, other, info.tid, 1, marks=((stream[0], 7, 1),)) \
+        st.refused[(stream, 1)] = (node.mid, node.incarnation)   # here, an earlier tenure
+        st.refused[(stream, 2)] = (members.member_id(other), 7)  # the owner's REFUSED ROWS
+        st.refused[(stream, 3)] = (members.member_id(other), 6)  # its earlier process's
+        assert _take_snapshot(node, other, info.tid, 1, marks=((stream[0], 7, 2),)) \
             is Status.OK
-        assert st.refused == {} and st.dedup.floor(stream) == 1
+        assert list(st.refused) == [(stream, 2)] and st.dedup.floor(stream) == 2
 
 
 def _take_rows(node, owner: str, tid: int, seq: int, epoch: int | None = None,
@@ -3825,7 +3828,9 @@ def test_a_rows_of_refused_batches_carries_their_marks_and_nothing_else():
                                                     marks=[Mark(9, 7, 3)], refused=True)
     for bad in (dict(values=np.ones((1, 2), np.float32), marks=[Mark(9, 7, 3)]),
                 dict(values=none, marks=[]),
-                dict(values=none, marks=[Mark(9, 7, 3)], floor_marks=True)):
+                dict(values=none, marks=[Mark(9, 7, 3)], floor_marks=True),
+                dict(values=none, marks=[Mark(9, 7, 3)], row_steps=np.empty(0, np.uint64)),
+                dict(values=np.float32(1), marks=[Mark(9, 7, 3)])):
         with pytest.raises(InvalidArgument, match="refused ROWS"):
             frames.encode_rows(**ok, start=0, refused=True, **bad)
     with pytest.raises(InvalidArgument, match="refused ROWS"):
@@ -3836,7 +3841,9 @@ def test_a_rows_of_refused_batches_carries_their_marks_and_nothing_else():
                                      marks=[Mark(9, 7, 3)]),
                   frames.encode_rows(**ok, values=none, start=0),
                   frames.encode_rows(**ok, values=none, start=0, marks=[Mark(9, 7, 3)],
-                                     floor_marks=True)):
+                                     floor_marks=True),
+                  frames.encode_rows(**ok, values=none, start=0, marks=[Mark(9, 7, 3)],
+                                     row_steps=np.empty(0, np.uint64))):
         buf = bytearray(frame)
         flags = struct.unpack_from("<H", buf, 40)[0]
         struct.pack_into("<H", buf, 40, flags | int(frames.Flag.REFUSED))
@@ -4403,7 +4410,7 @@ def test_a_settled_bridge_ticks_slower_and_what_moves_makes_it_tick_at_once(tmp_
     node._moved_at = now - SETTLE_AFTER
     node._maint_due = now + 10.0
     settled = node._tick_delay(now)
-    assert TICK < settled <= min(TICK_SETTLED, m.suspect_after / 2), settled
+    assert TICK < settled <= min(TICK_SETTLED, node.cfg.dead_after / 8), settled
     # never past a member's turning suspect, nor the next shard pass
     soon = min(m.last_seen(a), m.last_seen(b)) + m.suspect_after - 0.05
     assert node._tick_delay(soon) == pytest.approx(0.051, abs=0.002)

@@ -524,8 +524,10 @@ def encode_rows(*, epoch: int, sender: int, incarnation: int, tensor: int, shard
     """A ROWS frame: new values (and optimizer ``state``) of changed rows, with the
     batches applied since the previous ROWS as ``marks`` (``refused``: no rows, and the
     marks are batches refused for good). O(frame bytes)."""
-    if refused and (len(values) or not marks or floor_marks):
-        raise InvalidArgument("a refused ROWS carries marks (not floors) and no rows")
+    if refused and (np.shape(values)[:1] != (0,) or not marks or floor_marks
+                    or row_steps is not None):
+        raise InvalidArgument("a refused ROWS carries marks (not floors) and no rows or "
+                              "row steps")
     return _encode_data(FrameType.ROWS, epoch=epoch, sender=sender, incarnation=incarnation,
                         tensor=tensor, shard=shard, seq=seq, values=values, start=start,
                         rows=rows, keys=keys, step=step, marks=marks, state=state,
@@ -581,8 +583,8 @@ class RowsBuilder:
             raise InvalidArgument("rows must hold at least one value")
         if sum(x is not None for x in (start, rows, keys)) != 1:
             raise InvalidArgument("pass exactly one of start= (a row range), rows= or keys=")
-        if refused and (n or not marks):
-            raise InvalidArgument("a refused ROWS carries marks and no rows")
+        if refused and (n or not marks or row_steps):
+            raise InvalidArgument("a refused ROWS carries marks and no rows or row steps")
         layout, self._first, index = _layout(n, start, rows, keys)
         sdt = np.dtype(state_dtype if nstate else dt).newbyteorder("<")  # type: ignore
         self._scode = _state_code(sdt, nstate)
@@ -836,8 +838,9 @@ def _decode_data(hdr: dict[str, Any], body: memoryview, limits: Limits) -> Data:
         raise _bad(ft, "row range exceeds 2**63 - 1")
     if ft is FrameType.BATCH and (n == 0 or step == 0 or nmarks or nstate):
         raise _bad(ft, "a BATCH needs >= 1 row, step >= 1, and no marks or state")
-    if hdr["flags"] & Flag.REFUSED and (n or not nmarks or hdr["flags"] & Flag.FLOOR_MARKS):
-        raise _bad(ft, "a REFUSED ROWS carries marks (not floors) and no rows")
+    if hdr["flags"] & Flag.REFUSED and (n or not nmarks
+                                        or hdr["flags"] & (Flag.FLOOR_MARKS | Flag.ROW_STEPS)):
+        raise _bad(ft, "a REFUSED ROWS carries marks (not floors) and no rows or row steps")
     dt = CODE_DTYPES[code]
     sdt = CODE_DTYPES[scode] if nstate else None
     has_steps = bool(hdr["flags"] & Flag.ROW_STEPS)

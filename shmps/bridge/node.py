@@ -210,9 +210,11 @@ class ShardState:
     dedup: Dedup = field(default_factory=Dedup)
     first_seen: dict = field(default_factory=dict)       # unknown stream -> first seq seen
     # owner side
-    refused: dict = field(default_factory=dict)          # (stream, seq) of the last REFUSED_KEEP
-                                                         # batches this owner refused for good
-                                                         # (a resent one is refused again)
+    refused: dict = field(default_factory=dict)          # (stream, seq) -> (sender, incarnation)
+                                                         # of the owner that refused it for
+                                                         # good, the last REFUSED_KEEP (this
+                                                         # host's or an owner's it copies):
+                                                         # a resent one is refused again
     rseq: int = 0                                        # ROWS/SNAPSHOT counter
     rows_rseq: int = 0                                   # rseq of the last ROWS (to all copies)
     epoch_rows: tuple = ((-1, 0), 0)                     # ((epoch, ring digest), rseq) of the
@@ -740,6 +742,7 @@ class Bridge:
         host's workers pushed, then hand over."""
         self.leaving = True
         self.members.mark_leaving(self.addr)
+        self._poke_tick()
         deadline = time.monotonic() + timeout
         # this host's own pushes reach their owners first (store.flush waits for every
         # outbox to be acknowledged; this loop keeps draining and sending meanwhile)
@@ -1339,6 +1342,8 @@ class Bridge:
             now = time.monotonic()
             # how late this tick woke: the longest the event loop was kept from its
             # timers and sockets (heartbeats!) by synchronous work, or starved of CPU
+            # (a block shorter than the pause it began in shows less: the tick pauses
+            # TICK while anything moves, up to dead_after / 8 when settled)
             self._lags.append((now, max(0.0, now - due)))
             while self._lags and self._lags[0][0] < now - LAG_WINDOW:
                 self._lags.popleft()
@@ -1364,8 +1369,10 @@ class Bridge:
         suspect, joining or leaving, this host not alive, the start-up or a stall's
         grace, a mint held, a shard pass under way, acting since the last pass or not,
         anything moved in the last SETTLE_AFTER); else until the first member could
-        turn suspect, at most TICK_SETTLED and half of suspect_after (so a tick comes
-        well within the stall check's dead_after / 2).  Whatever moves a settled bridge
+        turn suspect, at most TICK_SETTLED and dead_after / 8.  (The stall check counts
+        the time since it last ran, a pause included: a synchronous block of more than
+        dead_after / 2 less the pause counts as a stall, 3/8 of dead_after at the least,
+        where it was dead_after / 2 less TICK.)  Whatever moves a settled bridge
         wakes the tick at once (_poke_tick).  An idle bridge ticked 50 times a second: a
         third of its CPU."""
         m = self.members
@@ -1383,7 +1390,7 @@ class Bridge:
                 first = min(first, m.last_seen(a) + m.suspect_after)
             elif state is not State.DEAD:
                 return TICK
-        return max(TICK, min(TICK_SETTLED, m.suspect_after / 2, first - now + 0.001,
+        return max(TICK, min(TICK_SETTLED, self.cfg.dead_after / 8, first - now + 0.001,
                              self._maint_due - now))
 
     async def _tick_pause(self, delay: float) -> None:
@@ -1587,6 +1594,7 @@ class Bridge:
         if self.addr not in members and not self.leaving:
             log.info("this host was removed from the member list: leaving")
             self.members.set_members(list(members) + [self.addr])
+            self._poke_tick()
             self.request_stop()
             return
         self.ids.update({member_id(m): m for m in members})
@@ -1776,9 +1784,11 @@ class Bridge:
         first (outbox.reject): the drain's ack, or a later one, would otherwise make
         store.flush() return as if they had been applied; it raises PushesLost.  (Before,
         a later drain's ack covered them, and flush() returned.)  A REJECTED lost with its
-        connection comes again with the resend (the owner remembers what it refused:
-        ShardState.refused).  Best effort: one lost with its owner is not seen (the next
-        owner finds the seq recorded done, and answers the resend OK)."""
+        connection or with its owner comes again with the resend (the owner, and its
+        copies, remember what it refused: ShardState.refused).  Best effort: not once a
+        snapshot from another host replaced the filter of the host that answers, nor
+        past the last REFUSED_KEEP refusals of the shard (then the resend is answered OK
+        as a duplicate)."""
         info = self.tensors.get(ack.tensor)
         name = info.name if info is not None else ack.tensor
         drain = next((d for d in stream.drains if d.last_seq >= ack.seq), None)
@@ -2488,16 +2498,18 @@ class Bridge:
         acknowledgement does: a new owner whose filter lacked the seq would answer the
         sender's next batch GAP for good."""
         self._record_as_owner(st, f)
-        self._remember_refusal(st, (f.sender, f.incarnation, f.tensor, f.shard), f.seq)
+        self._remember_refusal(st, (f.sender, f.incarnation, f.tensor, f.shard), f.seq,
+                               (self.mid, self.incarnation))
         self._send_marks(key, st, [Mark(f.sender, f.incarnation, f.seq)], refused=True)
         self.metrics.rejected(reason)
         self._wait_backups(key, st, reply, self._ack(f, Status.REJECTED))
 
     @staticmethod
-    def _remember_refusal(st: ShardState, stream: tuple, seq: int) -> None:
-        """Record batch ``seq`` of ``stream`` as refused for good in ``st`` (its last
-        REFUSED_KEEP refusals), so that a resend of it is refused again (on_batch)."""
-        st.refused[(stream, seq)] = None
+    def _remember_refusal(st: ShardState, stream: tuple, seq: int, by: tuple) -> None:
+        """Record batch ``seq`` of ``stream`` as refused for good in ``st`` by the owner
+        ``by`` (sender id, incarnation), among the shard's last REFUSED_KEEP refusals, so
+        that a resend of it is refused again (on_batch)."""
+        st.refused[(stream, seq)] = by
         if len(st.refused) > REFUSED_KEEP:
             del st.refused[next(iter(st.refused))]         # the oldest
 
@@ -2846,7 +2858,10 @@ class Bridge:
             # (say, while it applied batches cut off from the majority) are not the shard's
             st.dedup = Dedup()
             st.first_seen.clear()
-            st.refused.clear()   # (what this host refused is said of the filter it replaces)
+            # what was refused under the filter it replaces goes too; what the snapshot's
+            # sender refused (its REFUSED ROWS, taken before) is in its filter: it stays
+            by = (f.sender, f.incarnation)
+            st.refused = {k: v for k, v in st.refused.items() if v == by}
             st.fed_base = FedBase(f.sender, f.incarnation, f.epoch, f.seq - ROWS_SEQ_BASE, peer)
         if f.type == FrameType.SNAPSHOT and not f.flags & frames.Flag.LAST:
             marks = ()   # (the first chunk's: to check, above; they count with the last)
@@ -2868,7 +2883,7 @@ class Bridge:
             if f.flags & frames.Flag.REFUSED:
                 # the owner refused it for good: made owner, this host refuses a resend
                 # of it again (its sender may not have had the answer)
-                self._remember_refusal(st, stream, m.seq)
+                self._remember_refusal(st, stream, m.seq, (f.sender, f.incarnation))
         if f.type == FrameType.SNAPSHOT and f.flags & frames.Flag.LAST:
             st.snap_epoch_seen = self.members.epoch
             st.snapshots_received += 1
