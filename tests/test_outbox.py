@@ -329,6 +329,72 @@ def test_the_first_push_after_the_bridge_went_idle_wakes_it_once(store, store_na
         sock.close()
 
 
+def push_rows_now_and_then(store: str, tensor: str, seed: int, flags, idx: int) -> int:
+    """Push one row at random moments (0-2 ms apart) until STOP; returns how many."""
+    s = shmps.attach(store)
+    t = s[tensor]
+    rng = np.random.default_rng(seed)
+    g = np.ones((1, t.shape[1]), t.dtype)
+    n = 0
+    flags[2 + idx] = 1
+    while not flags[GO]:
+        time.sleep(0.001)
+    while not flags[STOP]:
+        t.push(g, rows=[int(rng.integers(t.nrows))])
+        n += 1
+        time.sleep(float(rng.uniform(0, 0.002)))
+    s.close()
+    return n
+
+
+def test_a_bridge_asleep_is_woken_by_the_first_of_concurrent_pushes(store, store_name):
+    """The sleep/wake protocol under concurrent pushers (native/outbox.c "Sleeping until a
+    push"): a bridge loop here goes idle with the count it saw, as often as it can,
+    while three processes push at random moments.  Every idle period in which a push
+    was counted ends with a PUSH datagram on the doorbell (no lost wake-up: one pusher
+    wins the flag and rings), and a period with no push sees none.  (A winner that does
+    not ring, one push in 7, fails it within a second.)"""
+    from select import select
+
+    from shmps import doorbell
+
+    w = store.dense("w", shape=(64, 4), dtype="float32", shard_rows=16)
+    store._set_forwarding(True)
+    w._outbox()
+    man = store._mptr
+    sock = doorbell.listen(store_name, store.namespace)
+    assert sock is not None
+    nproc = 3
+    flags = new_flags(nproc)
+    periods = woken = 0
+    try:
+        with Workers() as ws:
+            procs = [ws.start(push_rows_now_and_then, store_name, "w", 40 + i, flags, i)
+                     for i in range(nproc)]
+            wait_until(lambda: all(flags[2 + i] for i in range(nproc)), 120, "pushers ready")
+            flags[GO] = 1
+            end = time.monotonic() + 3.0
+            while time.monotonic() < end:
+                doorbell.take(sock)                       # (a late ring of a period before)
+                seen = int(lib.shmps_forward_pushes(man))
+                if not lib.shmps_forward_idle(man, seen):
+                    continue                              # a push came since: not asleep
+                periods += 1
+                ready, _, _ = select([sock], [], [], 1.0)
+                if ready:
+                    assert doorbell.take(sock)[1] >= 1
+                    woken += 1
+                else:
+                    moved = int(lib.shmps_forward_pushes(man)) - seen
+                    assert moved == 0, f"{moved} pushes while asleep, and no wake-up"
+                lib.shmps_forward_awake(man)
+            flags[STOP] = 1
+            pushed = sum(p.result(60) for p in procs)
+    finally:
+        sock.close()
+    assert pushed > 500 and woken > 100, (pushed, periods, woken)
+
+
 def test_forwarded_push_validation_changes_nothing(store):
     w = store.dense("w", shape=(6, 2), dtype="float32", shard_rows=3)
     t = store.table("e", dim=2, capacity=8)
