@@ -65,6 +65,12 @@ typedef struct {
      * write ob_pushed, the bridge writes the line after it: apart, so pushers do not
      * share a line with the bridge's writes. */
     uint64_t ob_pushed __attribute__((aligned(SHMPS_CACHELINE))); /* pushes landed */
+    /* table outboxes (table.c "Outbox drains"): the rows pushed to since the last drain,
+     * a list through their rowstep words (row + 1 each; 0 ends it), and 1 when a pusher
+     * died inside the shard (its rows may be pushed to and not listed) or a drain failed:
+     * the next drain looks at every row.  Pushers write both: the line of ob_pushed. */
+    uint64_t ob_dirty;
+    uint64_t ob_rescan;
     uint64_t ob_acked __attribute__((aligned(SHMPS_CACHELINE)));  /* owner has them */
     uint64_t ob_drained;      /* ob_pushed covered by the latest drain (empty or not) */
     uint64_t ob_sent;         /* drains that took rows so far (each one's ticket) */
@@ -90,6 +96,8 @@ typedef struct {
 
 _Static_assert(sizeof(shmps_shard_hdr_t) <= SHMPS_HEADER_SIZE, "shard header too big");
 _Static_assert(__builtin_offsetof(shmps_shard_hdr_t, ob_pushed) == 1152 &&
+               __builtin_offsetof(shmps_shard_hdr_t, ob_dirty) == 1160 &&
+               __builtin_offsetof(shmps_shard_hdr_t, ob_rescan) == 1168 &&
                __builtin_offsetof(shmps_shard_hdr_t, ob_acked) == 1216 &&
                __builtin_offsetof(shmps_shard_hdr_t, ob_lost) == 1256 &&
                __builtin_offsetof(shmps_shard_hdr_t, ob_sent_acked) == 1264 &&

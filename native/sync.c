@@ -114,6 +114,17 @@ static uint64_t *frozen_by(shmps_shard_hdr_t *h, uint64_t *holder) {
     return NULL;
 }
 
+/* Frees the active slot of pusher `v`, seen dead.  A table outbox push it left half
+ * done may have pushed to rows it did not list for the drain yet (table.c "Outbox
+ * drains"): first ob_rescan = 1, so the next drain looks at every row.  Seq_cst, before
+ * the slot's clearing CAS: a drain's freeze reads every slot free (seq_cst loads) after
+ * that CAS, and then reads ob_rescan (seq_cst), so it sees the 1.  Harmless in other
+ * shards, which never read it. */
+static void clear_dead_pusher(shmps_shard_hdr_t *h, uint64_t *slot, uint64_t v) {
+    STORE(&h->ob_rescan, 1, SEQ_CST);
+    CAS(slot, &v, 0, SEQ_CST, RELAXED);
+}
+
 /* Waits until no pusher holds an active slot (dead pushers' slots are cleared). */
 static int drain_pushers(shmps_shard_hdr_t *h, double timeout_s) {
     for (uint32_t i = 0; i < SHMPS_ACTIVE_SLOTS; i++) {
@@ -124,7 +135,7 @@ static int drain_pushers(shmps_shard_hdr_t *h, double timeout_s) {
             uint64_t v = LOAD(&h->active[i], SEQ_CST);
             if (v == 0) break;
             int r = shmps_wait_step(&ws, v);
-            if (r == WAIT_HOLDER_DEAD) CAS(&h->active[i], &v, 0, SEQ_CST, RELAXED);
+            if (r == WAIT_HOLDER_DEAD) clear_dead_pusher(h, &h->active[i], v);
             else if (r < 0) return r;
         }
     }
@@ -249,7 +260,7 @@ int shmps_enter(void *base, uint64_t token, double timeout_s, uint32_t *slot) {
         if (got < 0) { /* all slots busy: wait on one of them */
             uint64_t v = LOAD(&h->active[first], RELAXED);
             int r = shmps_wait_step(&w, v);
-            if (r == WAIT_HOLDER_DEAD) CAS(&h->active[first], &v, 0, SEQ_CST, RELAXED);
+            if (r == WAIT_HOLDER_DEAD) clear_dead_pusher(h, &h->active[first], v);
             else if (r < 0) return r;
             continue;
         }

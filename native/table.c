@@ -6,7 +6,8 @@
  *
  * Per shard (segment layout: layout.c, docs/tables.md):
  *   keys[nrows]       the key of each row (colidx_off)
- *   values, state     nrows x dim each; rowstep[nrows] per-row push count (Adam's t)
+ *   values, state     nrows x dim each; rowstep[nrows] per-row push count (Adam's t);
+ *                     in an outbox, the list of rows pushed to ("Outbox drains")
  *   stripes[nrows]    per row {owner: lock word, last_step: the table step of its last
  *                     push}; tables keep the seqlock counter in the index slot instead
  *   index[nslots]     {key, state} slots, nslots a power of two >= 2 * nrows
@@ -861,7 +862,8 @@ typedef struct {
  * then unlocks. */
 static inline int update_row(tshard_t *t, uint64_t row, uint64_t slot, uint64_t dim,
                              const void *g0, uint64_t step, int stepped, uint64_t occ,
-                             const rows_out_t *out, const batch_t *b, int32_t i) {
+                             const rows_out_t *out, const batch_t *b, int32_t i,
+                             int *was_clean) {
     tslot_t *sl = &t->slots[slot];
     row_write_begin(sl);
     /* relaxed: rowstep and aux are written only under the row lock; evict reads them
@@ -873,7 +875,11 @@ static inline int update_row(tshard_t *t, uint64_t row, uint64_t slot, uint64_t 
     }
     int r = shmps_apply(t->base, row * dim, dim, g0, rs);
     uint64_t *aux = aux_of(t, row);
-    STORE(aux, aux_make(aux_pushes(LOAD(aux, RELAXED)) + occ, step), RELAXED);
+    uint64_t pushes = aux_pushes(LOAD(aux, RELAXED));
+    /* an outbox row no push touched since the last drain: this pusher lists it (under
+     * the row lock, so one pusher a drain sees it clean) */
+    if (was_clean) *was_clean = pushes == 0;
+    STORE(aux, aux_make(pushes + occ, step), RELAXED);
     if (out && r == SHMPS_OK)
         /* under the row lock: values, state and step are those of one moment, as a
          * read under the shard's freeze would give them */
@@ -922,6 +928,11 @@ static int table_push(void **bases, uint32_t nshards, uint64_t token, const uint
     uint64_t step;
     shmps_next_step(bases[0], &step); /* the table's push count */
     size_t gsz = shmps_dtype_size(grad_dtype);
+    /* an outbox: per shard, the chain (row + 1 each, 0 ends it) of rows this push found
+     * clean, first and last (table.c "Outbox drains") */
+    int outbox = (s0->flags & SHMPS_F_OUTBOX) != 0;
+    uint64_t dfirst[SHMPS_TABLE_MAX_SHARDS], dlast[SHMPS_TABLE_MAX_SHARDS];
+    if (outbox) memset(dfirst, 0, nshards * sizeof dfirst[0]);
     const char *g = (const char *)grad;
     uint64_t contended = 0;
     for (uint64_t k = 0; k < b.ngroups && r == SHMPS_OK; k++) {
@@ -948,13 +959,38 @@ static int table_push(void **bases, uint32_t nshards, uint64_t token, const uint
             int lr = shmps_stripe_lock(lk, token, SHMPS_LOCK_TIMEOUT_S, &t->h->stats.takeovers);
             if (lr < 0) { r = lr; break; }
         }
-        r = update_row(t, row, b.slot[i], dim, gi, step, stepped, occ, out, &b, (int32_t)i);
+        int clean = 0;
+        r = update_row(t, row, b.slot[i], dim, gi, step, stepped, occ, out, &b, (int32_t)i,
+                       outbox ? &clean : NULL);
+        if (clean) {
+            /* Outbox drains: chain the row in this push's list of the shard (its link
+             * is written by this pusher alone: the only one that found it clean, and no
+             * drain runs while we are inside), spliced onto ob_dirty below */
+            uint32_t s = shard_of(b.hash[i], nshards);
+            STORE(&t->rowstep[row], dfirst[s], RELAXED);
+            if (!dfirst[s]) dlast[s] = row + 1;
+            dfirst[s] = row + 1;
+        }
     }
     /* relaxed: a statistic */
     if (contended) FETCH_ADD(&ts[0].h->stats.contended, contended, RELAXED);
-    /* an outbox (outbox.c): count this push in every shard it touched, after its rows
-     * landed (the add is a release: see shmps_outbox_pushed) */
-    if (r == SHMPS_OK && (s0->flags & SHMPS_F_OUTBOX))
+    /* an outbox (outbox.c): list the rows this push found clean for the drain (a failed
+     * push too: what it wrote goes out with a drain), then count the push in every shard
+     * it touched, after its rows landed (the add is a release: see shmps_outbox_pushed).
+     * The splice is a Treiber push of a whole chain; relaxed, since a drain reads the
+     * list only frozen, after every pusher inside left (shmps_leave's release, the
+     * freeze's seq_cst loads), or after an acquire load of ob_pushed that reads this
+     * push's add, which the splice precedes. */
+    if (outbox)
+        for (uint32_t s = 0; s < nshards; s++) {
+            if (!dfirst[s]) continue;
+            tshard_t *t = &ts[s];
+            uint64_t head = LOAD(&t->h->ob_dirty, RELAXED);
+            do {
+                STORE(&t->rowstep[dlast[s] - 1], head, RELAXED);
+            } while (!CAS(&t->h->ob_dirty, &head, dfirst[s], RELAXED, RELAXED));
+        }
+    if (r == SHMPS_OK && outbox)
         for (uint32_t s = 0; s < nshards; s++)
             if (touched(&b, s)) shmps_outbox_pushed(bases[s]);
     leave_all(&b, ts, nshards);
@@ -1222,6 +1258,76 @@ int shmps_table_evict(void **bases, uint32_t nshards, uint32_t shard, uint64_t t
 
 /* ---- outbox drain, row reads and writes (the bridge; outbox.c, docs/concurrency.md) --- */
 
+/* Outbox drains.  A table outbox keeps its keys from drain to drain (creating a key
+ * costs a push three times what finding it does), and lists the rows pushed to since
+ * the last drain so that a drain need not look at the others:
+ *
+ *   pusher:  under a row's lock, a push that finds the row's push count 0 (clean)
+ *            chains the row into its own list of the shard (its rowstep word, unused in
+ *            an outbox, holds the next row + 1); before it counts itself (ob_pushed),
+ *            it splices each chain onto the shard's ob_dirty (a CAS loop).
+ *   drainer: frozen (no pusher inside), it follows ob_dirty, takes each listed row with
+ *            a push count > 0 (its values, zeroed, and the count, 0), keeps the key,
+ *            and empties the list.
+ *
+ * Only one pusher finds a row clean between two drains (the row lock), so a row is
+ * listed once; the freeze orders every pusher's list writes before the drain's reads.
+ * A pusher killed between its push to a row and its splice leaves a row pushed to and
+ * not listed: whoever frees its active slot first sets ob_rescan (sync.c), and a drain
+ * that finds it set, or a list it cannot follow (a row out of range or not live, or
+ * longer than the rows in use: a row listed twice after a drain killed half way, which
+ * makes a cycle), looks at every row and removes them all instead, as before 2026-11-27
+ * (the scan below); so does a drain of an outbox whose keys fill over a quarter of it,
+ * which keeps room for new keys.  A drain killed while taking listed rows leaves them
+ * zeroed with a count of 0 (values first), and the list in place: the next drain skips
+ * them.  Returns DRAIN_SCAN for the scan (also for a row whose key the index does not
+ * find there: the scan meets it and fails as it always did), else SHMPS_OK with *n rows
+ * taken.  Frozen by the caller; *P is re-read here. */
+#define DRAIN_SCAN 1
+static int drain_listed(tshard_t *t, uint64_t *keys, void *vals, uint64_t *n_out,
+                        uint64_t *P) {
+    /* relaxed throughout but ob_pushed: frozen, no pusher inside (see above) */
+    uint64_t hwm = LOAD(&t->ctl->hwm, RELAXED);
+    if (hwm > t->nrows) return SHMPS_E_CORRUPT;
+    if (LOAD(&t->h->ob_rescan, SEQ_CST) || 4 * LOAD(&t->h->table_used, RELAXED) > t->nrows)
+        return DRAIN_SCAN;
+    /* P again, now that no pusher is inside the shard (as in the scan below) */
+    *P = LOAD(&t->h->ob_pushed, ACQUIRE);
+    /* the listed rows, into keys[] first (cap >= nrows >= hwm): the list is followed
+     * and checked before anything is taken */
+    uint64_t m = 0;
+    for (uint64_t cur = LOAD(&t->h->ob_dirty, RELAXED); cur; m++) {
+        uint64_t row = cur - 1;
+        if (m >= hwm || row >= hwm || LOAD(&t->link[row], RELAXED) != LINK_LIVE)
+            return DRAIN_SCAN;
+        keys[m] = row;
+        cur = LOAD(&t->rowstep[row], RELAXED);
+    }
+    for (uint64_t j = 0; j < m; j++) {  /* each row's key is indexed at that row */
+        if (j + LPF < m)
+            PREFETCH_HOME(t, shmps_key_hash(LOAD(&t->keys[keys[j + LPF]], RELAXED)), 0);
+        uint64_t key = LOAD(&t->keys[keys[j]], RELAXED);
+        if (find(t, shmps_key_hash(key), key, NULL, NULL) != (int64_t)keys[j])
+            return DRAIN_SCAN; /* a corrupt row: the scan finds it, as before */
+    }
+    shmps_outbox_drain_begin(t->h);
+    uint64_t n = 0;
+    for (uint64_t j = 0; j < m; j++) {
+        uint64_t row = keys[j], *aux = aux_of(t, row), a = LOAD(aux, RELAXED);
+        if (aux_pushes(a) == 0) continue; /* taken by a drain killed half way */
+        char *v = t->base + t->s->value_off + row * t->rowbytes;
+        keys[n] = LOAD(&t->keys[row], RELAXED); /* (n <= j: row j was read already) */
+        memcpy((char *)vals + n * t->rowbytes, v, t->rowbytes);
+        memset(v, 0, t->rowbytes); /* an outbox's init: zeros (outbox.py) */
+        STORE(aux, aux_make(0, aux_last(a)), RELAXED);
+        n++;
+    }
+    STORE(&t->h->ob_dirty, 0, RELAXED);
+    shmps_outbox_drain_end(t->h);
+    *n_out = n;
+    return SHMPS_OK;
+}
+
 int shmps_table_drain(void **bases, uint32_t nshards, uint32_t shard, uint64_t token,
                       double timeout_s, uint64_t *keys, void *vals, uint64_t cap,
                       uint64_t *n_out, uint64_t *pushed, uint64_t *prev, uint64_t *ticket,
@@ -1243,21 +1349,38 @@ int shmps_table_drain(void **bases, uint32_t nshards, uint32_t shard, uint64_t t
     uint64_t P = LOAD(&t->h->ob_pushed, ACQUIRE);
     /* relaxed: a push counted in P that created a row counted it (table_used) before
      * its release add, so we read at least that, or a drain's decrement after it took
-     * the row.  No live row: nothing to take, and no freeze for the pushers to wait on. */
+     * the row.  No live row: nothing to take, and no freeze for the pushers to wait on.
+     * (Not so for an empty list: a push counted in P may have pushed to a row that
+     * another pusher, still inside, found clean and has not listed yet.) */
     if (LOAD(&t->h->table_used, RELAXED) == 0) {
         *prev = shmps_outbox_drained(t->h, P, 0, 0, ticket);
         *pushed = P;
         return SHMPS_OK;
     }
-    /* Take every row and remove it, as delete does: the exclusive freeze waits for the
-     * batches inside the shard and keeps new ones out (a pusher of a key we remove
-     * waits, then creates it afresh, zero), the creation lock orders us with creators
-     * of other shards' rows and the free list. */
+    /* The exclusive freeze waits for the batches inside the shard and keeps new ones
+     * out.  Then the rows pushed to since the last drain are taken from the list and
+     * kept (a later push of the same key finds it), or, if the list cannot be trusted
+     * or the outbox is over a quarter full of keys, every row is taken and removed. */
     if ((r = shmps_freeze(t->base, token, timeout_s)) < 0) return r;
+    uint64_t n = 0;
+    if ((r = drain_listed(t, keys, vals, &n, &P)) != DRAIN_SCAN) {
+        shmps_thaw(t->base, token);
+        if (r) return r;   /* (nothing taken: the list is as it was) */
+        *n_out = n;
+        *prev = shmps_outbox_drained(t->h, P, n > 0, 0, ticket);
+        *pushed = P;
+        return SHMPS_OK;
+    }
+    /* Take every row and remove it, as delete does (a pusher of a key we remove waits,
+     * then creates it afresh, zero); the creation lock orders us with creators of other
+     * shards' rows and the free list. */
     if ((r = create_lock_within(ts, nshards, token, timeout_s)) < 0) {
         shmps_thaw(t->base, token);
         return r;
     }
+    /* the list goes with the rows; a scan that fails leaves the next drain scanning */
+    STORE(&t->h->ob_rescan, 1, RELAXED);
+    STORE(&t->h->ob_dirty, 0, RELAXED);
     shmps_outbox_drain_begin(t->h);
     /* P again, now that no pusher is inside the shard: a push that was inside when we
      * read it above wrote its rows and counted itself (before it left: shmps_table_push)
@@ -1268,7 +1391,7 @@ int shmps_table_drain(void **bases, uint32_t nshards, uint32_t shard, uint64_t t
     P = LOAD(&t->h->ob_pushed, ACQUIRE);
     tctl_t *c0 = ts[0].ctl;
     /* relaxed throughout: frozen and locked (see remove_rows) */
-    uint64_t hwm = LOAD(&t->ctl->hwm, RELAXED), n = 0;
+    uint64_t hwm = LOAD(&t->ctl->hwm, RELAXED);
     if (hwm > t->nrows) r = SHMPS_E_CORRUPT;
     for (uint64_t row = 0; row < hwm && r == SHMPS_OK; row++) {
         if (row + LPF < hwm) /* the slot find() and remove_slot() touch, ahead */
@@ -1305,6 +1428,7 @@ int shmps_table_drain(void **bases, uint32_t nshards, uint32_t shard, uint64_t t
     /* no landing push: P was read with no pusher inside */
     *prev = shmps_outbox_drained(t->h, P, n > 0, 0, ticket);
     *pushed = P;
+    STORE(&t->h->ob_rescan, 0, RELAXED); /* every row was looked at; still frozen */
     shmps_outbox_drain_end(t->h);
     return SHMPS_OK;
 }

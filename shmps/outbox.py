@@ -17,8 +17,11 @@ An outbox is a hidden tensor named ``<name>#outbox`` (as synchronous aggregation
   float16 tensors), updater Sum, exact, with a per-row pending count (flag
   SHMPS_F_OUTBOX: a uint64 per row at ``rowstep_off``);
 - table: the table's dim, capacity and shard count (so key k is in the same shard of
-  both), the gradient dtype, Sum, zeros; each row's push count is its pending count,
-  and a drain removes the rows it takes (the outbox never fills up with old keys);
+  both), the gradient dtype, Sum, zeros; each row's push count is its pending count.
+  A drain takes the rows pushed to since the last one (a list through their
+  ``rowstep`` words) and keeps their keys, zeroed, so pushing them again creates
+  nothing; once keys fill over a quarter of the outbox (or a pusher died inside it) a
+  drain looks at every row and removes them all (native/table.c "Outbox drains");
 - csr: one value per entry, a dense outbox of ``nshards * cap`` values with
   ``shard_rows = cap`` (the entry count of the fullest shard): local entry k of shard s
   is outbox row ``s * cap + k``.
@@ -326,6 +329,12 @@ class TableOutbox(Table):
 
     def push(self, keys: Any, grads: Any, *, wait: bool = True) -> None:
         raise _refuse(self)
+
+    def _pending(self) -> np.ndarray:
+        """The keys holding pushes no drain took (tests, statistics).  A drain keeps the
+        keys it takes (native/table.c "Outbox drains"), so ``len()`` counts those too."""
+        keys = self.keys()
+        return keys[self.row_stats(keys)["pushes"] > 0]
 
     def _busy_bases(self) -> Any:
         """Every shard's base (``void *[]``) for shmps_outbox_busy."""

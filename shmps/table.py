@@ -547,9 +547,11 @@ class Table(Tensor):
 
     def _outbox_drain(self, shard: int, timeout: Optional[float] = None,
                       into: Any = None) -> Any:
-        """Take (and remove) every row the outbox's ``shard`` holds: an
-        ``outbox.Drained`` (keys, summed gradients), or None when none is pending.
-        The outbox shard is frozen meanwhile (its pushers wait, O(rows taken)).  Waits
+        """Take every row of the outbox's ``shard`` pushed to since the last drain (their
+        keys stay, zeroed; all are removed once keys fill over a quarter of the outbox:
+        native/table.c "Outbox drains"): an ``outbox.Drained`` (keys, summed
+        gradients), or None when none is pending.  The outbox shard is frozen meanwhile
+        (its pushers wait, O(rows taken)).  Waits
         at most ``timeout`` (default outbox.DRAIN_TIMEOUT_S, 0.1 s) for the pushers
         inside to leave: then takes nothing and returns None.
         ``into``: an ``outbox.DrainBuffers`` to drain into (the result holds views of

@@ -571,8 +571,13 @@ def table_pusher(store: str, tensor: str, seed: int, npush: int, flags, idx: int
         s.close()
 
 
-def test_table_concurrent_drain_is_exact(store, store_name):
-    t = store.table("e", dim=4, dtype="float64", capacity=40, shards=2,
+@pytest.mark.parametrize("capacity", [40, 4096])
+def test_table_concurrent_drain_is_exact(store, store_name, capacity):
+    """Four processes push random keys of 40 while drains run: what the drains take sums
+    to what was pushed, exactly.  Capacity 40: the keys fill the outbox, every drain
+    scans and removes them; 4096: the drains follow the list of rows pushed to and keep
+    the keys (native/table.c "Outbox drains")."""
+    t = store.table("e", dim=4, dtype="float64", capacity=capacity, shards=2,
                     optimizer=shmps.Adagrad(lr=0.1))
     store._set_forwarding(True)
     t._outbox()
@@ -605,7 +610,7 @@ def test_table_concurrent_drain_is_exact(store, store_name):
     for k in want:
         np.testing.assert_array_equal(got[k], want[k], err_msg=f"key {k}")
     ob = t._outbox()
-    assert len(ob) == 0
+    assert ob._pending().size == 0  # (drains keep keys under a quarter full: a few stay)
     ob.check()                      # index, free lists and counters consistent
     assert len(t) == 0              # the table itself was never touched
 
@@ -632,6 +637,139 @@ def test_table_drain_removes_rows_and_keeps_counts(store):
     with pytest.raises(shmps.CapacityError, match="bridge"):
         t.push(np.arange(100, 107, dtype=np.uint64), np.ones((7, 2)))
     assert len(ob) == 0 and native_counters(ob, 0)[0] == 10
+
+
+OB_DIRTY_OFF = 1160  # table outbox shards: head of the list of rows pushed to (row + 1)
+OB_RESCAN_OFF = 1168  # ... and 1: the next drain looks at every row
+
+
+def test_a_table_outbox_keeps_its_keys_and_a_drain_takes_the_rows_pushed_since(store):
+    """A drain takes the rows pushed to since the last one, from the shard's list, and
+    keeps their keys (zeroed, no push): pushing those keys again creates nothing, and
+    the next drain takes only what was pushed since, summed.  Once the keys fill over a
+    quarter of the outbox, a drain takes what is pushed and removes every key."""
+    t = store.table("e", dim=2, capacity=64, shards=1, optimizer=shmps.SGD(lr=1.0))
+    store._set_forwarding(True)
+    ob = t._outbox()
+    path = segment_path(store, ob)
+    t.push([1, 2, 3], np.ones((3, 2)))
+    assert peek(path, OB_DIRTY_OFF, "<Q")[0] != 0
+    d = t._outbox_drain(0)
+    assert sorted(d.index.tolist()) == [1, 2, 3] and d.pushes == 1
+    assert len(ob) == 3 and ob._pending().size == 0             # kept, clean
+    assert peek(path, OB_DIRTY_OFF, "<2Q") == (0, 0)            # the list is empty
+    assert ob.row_stats([1, 2, 3])["pushes"].tolist() == [0, 0, 0]
+    t.push([2, 4], np.full((2, 2), 2.0))
+    t.push([2], np.full((1, 2), 3.0))
+    assert len(ob) == 4 and sorted(ob._pending().tolist()) == [2, 4]
+    d = t._outbox_drain(0)
+    order = np.argsort(d.index)
+    assert d.index[order].tolist() == [2, 4] and d.pushes == 2
+    np.testing.assert_array_equal(d.grads[order], [[5, 5], [2, 2]])
+    assert t._outbox_drain(0) is None                           # nothing pushed since
+    # over a quarter full (17 keys of 64): the drain takes what was pushed, removes all
+    t.push(np.arange(100, 113, dtype=np.uint64), np.ones((13, 2)))
+    assert len(ob) == 17
+    d = t._outbox_drain(0)
+    assert sorted(d.index.tolist()) == list(range(100, 113)) and len(ob) == 0
+    ob.check()
+    assert len(t) == 0                                          # the table never touched
+
+
+def _push_and_unlist(store, t, keys):
+    """Push ``keys`` into ``t``'s outbox, then empty the shard's list by hand: the rows
+    pushed to and not listed that a pusher killed before its splice leaves."""
+    t.push(keys, np.ones((len(keys), t.dim)))
+    poke(segment_path(store, t._outbox()), OB_DIRTY_OFF, "<Q", 0)
+
+
+def test_rows_a_dead_pusher_did_not_list_are_found_by_a_scan(store):
+    """A pusher killed between its push to a row and the splice of its list leaves the
+    row pushed to and not listed.  Whoever frees the dead pusher's active slot (here the
+    drain's freeze) asks for a scan (ob_rescan), and the drain looks at every row:
+    nothing is left behind.  Without a dead pusher, the same unlisted rows stay (the
+    drain follows the list): that is what the scan is for."""
+    t = store.table("e", dim=2, capacity=64, shards=1)
+    store._set_forwarding(True)
+    ob = t._outbox()
+    path = segment_path(store, ob)
+    t.push([9], np.ones((1, 2)))
+    t._outbox_drain(0)                                          # key 9 kept, clean
+    _push_and_unlist(store, t, [1, 2])
+    t.push([3], np.ones((1, 2)))                                # listed
+    assert t._outbox_drain(0).index.tolist() == [3]             # the list only
+    assert sorted(ob._pending().tolist()) == [1, 2]
+    poke(path, ACTIVE_OFF + 8 * 5, "<Q", dead_token())          # a dead pusher inside
+    d = t._outbox_drain(0)
+    assert sorted(d.index.tolist()) == [1, 2] and ob._pending().size == 0
+    assert len(ob) == 0 and peek(path, OB_DIRTY_OFF, "<2Q") == (0, 0)   # scanned, removed
+    t.push([4], np.ones((1, 2)))                                # and the list again
+    assert t._outbox_drain(0).index.tolist() == [4] and len(ob) == 1
+    ob.check()
+
+
+@pytest.mark.parametrize("damage", ["cycle", "out of range", "not live"])
+def test_a_list_the_drain_cannot_follow_makes_it_scan(store, damage):
+    """A list with a cycle (a row listed twice after a drain killed half way), a row out
+    of range or a row not in use is not followed: the drain looks at every row instead,
+    takes exactly what was pushed, and the outbox is consistent after."""
+    t = store.table("e", dim=2, capacity=64, shards=1)
+    store._set_forwarding(True)
+    ob = t._outbox()
+    path = segment_path(store, ob)
+    t.push([1, 2, 3], np.full((3, 2), 2.0))
+    sp = ob._shards[0].spec
+    head = peek(path, OB_DIRTY_OFF, "<Q")[0]
+    if damage == "cycle":
+        poke(path, sp["rowstep_off"] + 8 * (head - 1), "<Q", head)
+    elif damage == "out of range":
+        poke(path, OB_DIRTY_OFF, "<Q", sp["nrows"] + 5)
+    else:
+        poke(path, OB_DIRTY_OFF, "<Q", 10)                       # row 9: never used
+    d = t._outbox_drain(0)
+    order = np.argsort(d.index)
+    assert d.index[order].tolist() == [1, 2, 3]
+    np.testing.assert_array_equal(d.grads[order], np.full((3, 2), 2.0))
+    assert len(ob) == 0 and peek(path, OB_DIRTY_OFF, "<2Q") == (0, 0)
+    ob.check()
+
+
+def push_keys_forever(store: str, tensor: str, first: int, flags, idx: int) -> int:
+    """Push 2048 keys never pushed before (from ``first`` on) into a forwarding table,
+    again and again, until killed."""
+    s = shmps.attach(store)
+    t = s[tensor]
+    g = np.ones((2048, t.dim), t.dtype)
+    keys = np.arange(first, first + 2048, dtype=np.uint64)
+    n = 0
+    while True:
+        t.push(keys + np.uint64(2048 * n), g)
+        n += 1
+        flags[2 + idx] = n
+
+
+def test_a_pusher_killed_mid_push_leaves_no_row_behind(store, store_name):
+    """SIGKILL a table pusher at random moments while it pushes keys never pushed before
+    (a push lists the rows it found clean at its end: a kill inside it leaves rows
+    pushed to and not listed); after each kill two drains leave no row holding pushes:
+    the dead pusher's unlisted rows are found by the scan its death asks for.  (The
+    outbox stays under a quarter full of keys: the drains follow the list.)"""
+    t = store.table("e", dim=4, capacity=1 << 18, shards=2)
+    store._set_forwarding(True)
+    ob = t._outbox()
+    rng = np.random.default_rng(5)
+    for attempt in range(12):
+        flags = new_flags(1)
+        with Workers() as ws:
+            p = ws.start(push_keys_forever, store_name, "e", (attempt + 1) << 40, flags, 0)
+            wait_until(lambda: flags[2] > 2, 120, "pusher pushing")
+            time.sleep(float(rng.uniform(0, 0.003)))
+            p.kill()
+        for _ in range(2):
+            for sh in range(t._nshards):
+                t._outbox_drain(sh)
+        assert ob._pending().size == 0, (attempt, ob._pending()[:8])
+    ob.check()
 
 
 # ---- acknowledgements and flush -------------------------------------------------------------
@@ -1899,7 +2037,7 @@ def test_recover_records_no_more_than_before_when_nothing_was_landing(store, new
     with pytest.raises(shmps.PushesLost):
         store.flush(timeout=1)
     store.flush(timeout=1)
-    assert ob._pending(0).sum() == 0 and len(tob) == 0
+    assert ob._pending(0).sum() == 0 and tob._pending().size == 0
 
 
 def test_a_dead_landing_pusher_does_not_hold_a_lost_range_open(store, new_handle):
