@@ -792,7 +792,8 @@ int shmps_outbox_busy(void *const *bases, uint32_t n, uint8_t *busy, uint32_t *n
     for (uint32_t i = 0; i < n; i++) {
         shmps_shard_hdr_t *h = bases[i] ? outbox_hdr(bases[i]) : NULL;
         busy[i] = h && (LOAD(&h->ob_pushed, RELAXED) != LOAD(&h->ob_drained, RELAXED) ||
-                        LOAD(&h->ob_lost_open, RELAXED)); /* a drain may end the range */
+                        LOAD(&h->ob_lost_open, RELAXED) || /* a drain may end the range */
+                        LOAD(&h->ob_rescan, RELAXED)); /* (table) its scan frees kept keys */
         k += busy[i];
     }
     *nbusy = k;

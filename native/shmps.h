@@ -35,7 +35,7 @@ enum {
 };
 
 enum {
-    SHMPS_LAYOUT_VERSION = 1,
+    SHMPS_LAYOUT_VERSION = 2, /* 2 (2026-11-27): table outboxes keep keys (ob_dirty) */
     SHMPS_HEADER_SIZE = 4096,        /* shard header bytes; arrays follow */
     SHMPS_STRIPE_BYTES = 16384,      /* dense stripe: values per lock word */
     SHMPS_ACTIVE_SLOTS = 64,         /* concurrent pushers per shard */

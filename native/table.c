@@ -922,6 +922,11 @@ static int table_push(void **bases, uint32_t nshards, uint64_t token, const uint
         r = create_missing(&b, ts, now, info);
     }
     if (r) { /* nothing changed: not even the step count */
+        if (r == SHMPS_E_FULL && (s0->flags & SHMPS_F_OUTBOX))
+            /* an outbox full of keys kept from earlier drains, maybe: each shard's next
+             * drain removes them ("Outbox drains"); relaxed, a hint (the bridge finds the
+             * shards busy: shmps_outbox_busy) */
+            for (uint32_t s = 0; s < nshards; s++) STORE(&ts[s].h->ob_rescan, 1, RELAXED);
         leave_all(&b, ts, nshards);
         return r;
     }
@@ -1200,6 +1205,9 @@ static int remove_rows(tshard_t *ts, uint32_t nshards, uint32_t shard, uint64_t 
     }
     tctl_t *c0 = ts[0].ctl;
     uint64_t done = 0;
+    /* an outbox: a removed row may be listed, and re-created without a push its link
+     * would cut the list ("Outbox drains"): the next drain scans (frozen: relaxed) */
+    if (t->s->flags & SHMPS_F_OUTBOX) STORE(&t->h->ob_rescan, 1, RELAXED);
     if (q->keys) {
         for (uint64_t k = 0; k < q->n; k++) {
             uint64_t h = shmps_key_hash(q->keys[k]), i;
@@ -1275,21 +1283,25 @@ int shmps_table_evict(void **bases, uint32_t nshards, uint32_t shard, uint64_t t
  * A pusher killed between its push to a row and its splice leaves a row pushed to and
  * not listed: whoever frees its active slot first sets ob_rescan (sync.c), and a drain
  * that finds it set, or a list it cannot follow (a row out of range or not live, or
- * longer than the rows in use: a row listed twice after a drain killed half way, which
- * makes a cycle), looks at every row and removes them all instead, as before 2026-11-27
- * (the scan below); so does a drain of an outbox whose keys fill over a quarter of it,
- * which keeps room for new keys.  A drain killed while taking listed rows leaves them
+ * longer than the rows ever handed out (hwm): a row listed twice after a drain killed
+ * half way, which makes a cycle), looks at every row and removes them all instead, as
+ * before 2026-11-27 (the scan below); so does a drain of a shard, or of an outbox, whose
+ * keys fill over a quarter of it, which keeps room for new keys.  A push that finds the
+ * outbox full, and a delete or evict of its rows, ask every shard, or the shard, for a
+ * scan too (a row removed and created again without a push would cut the list).  A drain killed while taking listed rows leaves them
  * zeroed with a count of 0 (values first), and the list in place: the next drain skips
  * them.  Returns DRAIN_SCAN for the scan (also for a row whose key the index does not
  * find there: the scan meets it and fails as it always did), else SHMPS_OK with *n rows
  * taken.  Frozen by the caller; *P is re-read here. */
 #define DRAIN_SCAN 1
-static int drain_listed(tshard_t *t, uint64_t *keys, void *vals, uint64_t *n_out,
-                        uint64_t *P) {
-    /* relaxed throughout but ob_pushed: frozen, no pusher inside (see above) */
+static int drain_listed(tshard_t *t, const tctl_t *c0, uint64_t *keys, void *vals,
+                        uint64_t *n_out, uint64_t *P) {
+    /* relaxed throughout but ob_pushed: frozen, no pusher inside (see above); the
+     * table-wide key count may move (creators of other shards): a heuristic */
     uint64_t hwm = LOAD(&t->ctl->hwm, RELAXED);
     if (hwm > t->nrows) return SHMPS_E_CORRUPT;
-    if (LOAD(&t->h->ob_rescan, SEQ_CST) || 4 * LOAD(&t->h->table_used, RELAXED) > t->nrows)
+    if (LOAD(&t->h->ob_rescan, SEQ_CST) || 4 * LOAD(&t->h->table_used, RELAXED) > t->nrows ||
+        4 * LOAD(&c0->table_live, RELAXED) > c0->capacity)
         return DRAIN_SCAN;
     /* P again, now that no pusher is inside the shard (as in the scan below) */
     *P = LOAD(&t->h->ob_pushed, ACQUIRE);
@@ -1323,9 +1335,16 @@ static int drain_listed(tshard_t *t, uint64_t *keys, void *vals, uint64_t *n_out
         n++;
     }
     STORE(&t->h->ob_dirty, 0, RELAXED);
-    shmps_outbox_drain_end(t->h);
     *n_out = n;
-    return SHMPS_OK;
+    return SHMPS_OK; /* (the caller ends the drain once it is recorded) */
+}
+
+/* No pusher holds an active slot of the shard (seq_cst loads: each reads a pusher's
+ * claim, or its release after its splice and count, or a later value). */
+static int no_pusher_inside(const shmps_shard_hdr_t *h) {
+    for (uint32_t i = 0; i < SHMPS_ACTIVE_SLOTS; i++)
+        if (LOAD(&h->active[i], SEQ_CST)) return 0;
+    return 1;
 }
 
 int shmps_table_drain(void **bases, uint32_t nshards, uint32_t shard, uint64_t token,
@@ -1357,18 +1376,33 @@ int shmps_table_drain(void **bases, uint32_t nshards, uint32_t shard, uint64_t t
         *pushed = P;
         return SHMPS_OK;
     }
+    /* Nor when no pusher is inside and none listed a row or asked for a scan: a push
+     * counted in P spliced its rows before its count, and one that pushed to a row
+     * another pusher found clean counted after that pusher's push to it (the row lock),
+     * so the slot loads below read that pusher's claim or its release, which its splice
+     * precedes; the loads of ob_dirty and ob_rescan come after them.  (A drain of a shard
+     * whose keys are kept need not freeze it: the sweep drains idle shards.) */
+    if (no_pusher_inside(t->h) && LOAD(&t->h->ob_dirty, RELAXED) == 0 &&
+        LOAD(&t->h->ob_rescan, SEQ_CST) == 0) {
+        *prev = shmps_outbox_drained(t->h, P, 0, 0, ticket);
+        *pushed = P;
+        return SHMPS_OK;
+    }
     /* The exclusive freeze waits for the batches inside the shard and keeps new ones
      * out.  Then the rows pushed to since the last drain are taken from the list and
      * kept (a later push of the same key finds it), or, if the list cannot be trusted
      * or the outbox is over a quarter full of keys, every row is taken and removed. */
     if ((r = shmps_freeze(t->base, token, timeout_s)) < 0) return r;
     uint64_t n = 0;
-    if ((r = drain_listed(t, keys, vals, &n, &P)) != DRAIN_SCAN) {
+    if ((r = drain_listed(t, ts[0].ctl, keys, vals, &n, &P)) != DRAIN_SCAN) {
         shmps_thaw(t->base, token);
-        if (r) return r;   /* (nothing taken: the list is as it was) */
+        if (r) return r;   /* (before drain_begin: nothing taken, the list as it was) */
         *n_out = n;
+        /* recorded, then ended: a bridge killed before the end left ob_draining > 0, and
+         * recover counts what this drain took lost (outbox.c), as for the scan */
         *prev = shmps_outbox_drained(t->h, P, n > 0, 0, ticket);
         *pushed = P;
+        shmps_outbox_drain_end(t->h);
         return SHMPS_OK;
     }
     /* Take every row and remove it, as delete does (a pusher of a key we remove waits,
@@ -1501,6 +1535,9 @@ int shmps_table_write_rows(void **bases, uint32_t nshards, uint32_t shard, uint6
         if (shard_of(shmps_key_hash(keys[i]), nshards) != shard) return SHMPS_E_ARG;
     if (n == 0) return SHMPS_OK;
     if ((r = shmps_freeze(t->base, token, SHMPS_LOCK_TIMEOUT_S)) < 0) return r;
+    /* an outbox (not the bridge's use): written row steps would overwrite the links of
+     * listed rows ("Outbox drains"): the next drain scans (frozen: relaxed) */
+    if ((t->s->flags & SHMPS_F_OUTBOX) && rowsteps) STORE(&t->h->ob_rescan, 1, RELAXED);
     /* Count the missing keys.  No creation lock for it: frozen, no push, pull or delete
      * is inside this shard, so no key of it is created or removed meanwhile (a repair
      * by a creation lock's taker only puts back keys that a dead delete had half

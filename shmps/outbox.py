@@ -77,6 +77,7 @@ DRAIN_TIMEOUT_S = 0.1
 #: round (7 ms on a slow day) every flush then woke 5-7 times for nothing, and the
 #: round took 9-20 % longer than with 20 ms (3 alternated pairs, docs/benchmarks.md)
 ACK_POLL_NS = 20_000_000
+FULL_RETRY_S = 0.25  #: how long a table push into a full outbox waits for drains to free it
 
 
 def outbox_name(name: str) -> str:
@@ -346,12 +347,26 @@ class TableOutbox(Table):
         rule, applied here before anything changes.  Then the store-wide count of
         forwarded pushes moves (_count_forwarded)."""
         scratch, nbytes, info = self._scratch(k.size)
-        try:
-            code = lib.shmps_table_push(self._ptrs(), self.nshards, _native.token(),
-                                        _native.addr(k), k.size, ffi.from_buffer(g),
-                                        self._gcode, int(check), scratch, nbytes, info)
-        finally:
-            _count_forwarded(self)
+        deadline = None
+        while True:
+            try:
+                code = lib.shmps_table_push(self._ptrs(), self.nshards, _native.token(),
+                                            _native.addr(k), k.size, ffi.from_buffer(g),
+                                            self._gcode, int(check), scratch, nbytes, info)
+            finally:
+                _count_forwarded(self)
+            # Full, with room for the new keys were the keys that drains keep gone: the
+            # push (which changed nothing) asked every shard's next drain to remove them
+            # (native/table.c "Outbox drains"), and the bridge, woken by the count, drains
+            # within a flush interval: try again, for FULL_RETRY_S at most
+            if code != lib.SHMPS_E_FULL or int(info[0]) > int(info[2]):
+                break
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + FULL_RETRY_S
+            elif now >= deadline:
+                break
+            time.sleep(0.002)
         if code == lib.SHMPS_E_NONFINITE:
             _native.check(code, f"push to {self.record['outbox_of']!r}")
         if code:

@@ -708,7 +708,7 @@ def test_rows_a_dead_pusher_did_not_list_are_found_by_a_scan(store):
     ob.check()
 
 
-@pytest.mark.parametrize("damage", ["cycle", "out of range", "not live"])
+@pytest.mark.parametrize("damage", ["cycle", "out of range", "not live", "key moved"])
 def test_a_list_the_drain_cannot_follow_makes_it_scan(store, damage):
     """A list with a cycle (a row listed twice after a drain killed half way), a row out
     of range or a row not in use is not followed: the drain looks at every row instead,
@@ -717,21 +717,125 @@ def test_a_list_the_drain_cannot_follow_makes_it_scan(store, damage):
     store._set_forwarding(True)
     ob = t._outbox()
     path = segment_path(store, ob)
+    t.push([7, 8], np.ones((2, 2)))
+    t._outbox_drain(0)                                          # keys 7, 8 kept (rows 0, 1)
+    ob.delete([7])                                              # row 0 free, below hwm
+    t._outbox_drain(0)                                          # (the scan the delete asked)
     t.push([1, 2, 3], np.full((3, 2), 2.0))
     sp = ob._shards[0].spec
     head = peek(path, OB_DIRTY_OFF, "<Q")[0]
+    stored = peek(path, sp["colidx_off"], "<8Q")
     if damage == "cycle":
         poke(path, sp["rowstep_off"] + 8 * (head - 1), "<Q", head)
     elif damage == "out of range":
         poke(path, OB_DIRTY_OFF, "<Q", sp["nrows"] + 5)
-    else:
-        poke(path, OB_DIRTY_OFF, "<Q", 10)                       # row 9: never used
-    d = t._outbox_drain(0)
+    elif damage == "not live":
+        free = next(r for r in range(8) if stored[r] not in (1, 2, 3))   # below hwm
+        assert free < 4
+        poke(path, OB_DIRTY_OFF, "<Q", free + 1)
+    else:                                       # a listed row's key: not indexed there
+        row = head - 1
+        poke(path, sp["colidx_off"] + 8 * row, "<Q", 999_999)
+    d = t._outbox_drain(0) if damage != "key moved" else None
+    if damage == "key moved":
+        with pytest.raises(shmps.CorruptSegment):              # the scan meets it
+            t._outbox_drain(0)
+        poke(path, sp["colidx_off"] + 8 * row, "<Q", stored[row])   # repaired
+        d = t._outbox_drain(0)
     order = np.argsort(d.index)
-    assert d.index[order].tolist() == [1, 2, 3]
-    np.testing.assert_array_equal(d.grads[order], np.full((3, 2), 2.0))
+    assert d.index[order].tolist() == [1, 2, 3][3 - len(d.index):]
+    np.testing.assert_array_equal(d.grads[order], np.full((len(d.index), 2), 2.0))
     assert len(ob) == 0 and peek(path, OB_DIRTY_OFF, "<2Q") == (0, 0)
     ob.check()
+
+
+def test_a_dead_pusher_freed_by_a_pusher_asks_for_a_scan_too(store):
+    """A dead pusher's active slot is freed by whoever needs it first: a drain's freeze,
+    or a pusher that finds every slot held.  Either asks for a scan (ob_rescan), so the
+    rows the dead one pushed to and did not list are taken."""
+    t = store.table("e", dim=2, capacity=64, shards=1)
+    store._set_forwarding(True)
+    ob = t._outbox()
+    path = segment_path(store, ob)
+    _push_and_unlist(store, t, [1, 2])
+    dead = dead_token()
+    for i in range(lib.SHMPS_ACTIVE_SLOTS):
+        poke(path, ACTIVE_OFF + 8 * i, "<Q", dead)              # every slot held, dead
+    t.push([3], np.ones((1, 2)))                                # frees one to get in
+    assert peek(path, OB_RESCAN_OFF, "<Q")[0] == 1
+    for i in range(lib.SHMPS_ACTIVE_SLOTS):
+        poke(path, ACTIVE_OFF + 8 * i, "<Q", 0)
+    d = t._outbox_drain(0)
+    assert sorted(d.index.tolist()) == [1, 2, 3] and ob._pending().size == 0
+
+
+def test_keys_a_drain_keeps_never_keep_new_keys_out(store):
+    """Kept keys give way: a drain removes them all once keys fill over a quarter of a
+    shard or of the outbox, and a push that finds the outbox full (keys kept from
+    earlier drains in it) asks every shard's next drain to, then tries again for
+    FULL_RETRY_S while the bridge drains (here a thread): a batch that fits the capacity
+    goes in, as it did when drains removed every key.  A batch larger than the capacity
+    fails at once."""
+    from shmps.table import key_shards
+
+    t = store.table("e", dim=2, capacity=64, shards=8)
+    u = store.table("u", dim=2, capacity=64, shards=1)
+    store._set_forwarding(True)
+
+    def drain_all_shards(x):
+        for sh in range(x._nshards):
+            d = x._outbox_drain(sh)
+            if d is not None:
+                x._outbox_ack(sh, d.pushed, d.ticket)
+
+    cand = np.arange(10000, dtype=np.uint64)
+    sid = key_shards(cand, 8)
+    keys = np.concatenate([cand[sid == i][:8] for i in range(8)])   # 8 a shard, 64 in all
+    for i in range(0, 64, 16):
+        t.push(keys[i:i + 16], np.ones((16, 2)))
+        drain_all_shards(t)
+    assert len(t._outbox()) <= 16                  # over a quarter of the outbox: removed
+    t.push([10**7], np.ones((1, 2)))               # a new key goes in
+    drain_all_shards(t)
+    # one shard: 16 keys kept, then 49 new ones (room only without the kept keys)
+    u.push(np.arange(16, dtype=np.uint64), np.ones((16, 2)))
+    drain_all_shards(u)
+    assert len(u._outbox()) == 16
+    stop = threading.Event()
+
+    def bridge():
+        while not stop.is_set():
+            drain_all_shards(u)
+            time.sleep(0.002)
+
+    th = threading.Thread(target=bridge)
+    th.start()
+    try:
+        u.push(np.arange(100, 149, dtype=np.uint64), np.ones((49, 2)))
+    finally:
+        stop.set()
+        th.join(10)
+    drain_all_shards(u)
+    t0 = time.monotonic()
+    with pytest.raises(shmps.CapacityError, match="bridge"):
+        u.push(np.arange(200, 265, dtype=np.uint64), np.ones((65, 2)))   # over capacity
+    assert time.monotonic() - t0 < 0.1
+    store.flush(timeout=1)
+
+
+def test_a_delete_in_an_outbox_makes_the_next_drain_scan(store):
+    """A key deleted from the outbox by hand frees its row; created again without a
+    push (pull(create=True)), the row's link would end the list early and the rows
+    after it would stay behind while the drain's ack says they were sent.  The delete
+    asks for a scan: every row holding pushes is taken."""
+    t = store.table("e", dim=2, capacity=64, shards=1)
+    store._set_forwarding(True)
+    ob = t._outbox()
+    t.push(np.arange(1, 6, dtype=np.uint64), np.ones((5, 2)))   # listed 5, 4, 3, 2, 1
+    assert ob.delete([3]) == 1
+    ob.pull([100], create=True)                                 # row of 3, unlisted
+    d = t._outbox_drain(0)
+    assert sorted(d.index.tolist()) == [1, 2, 4, 5] and ob._pending().size == 0
 
 
 def push_keys_forever(store: str, tensor: str, first: int, flags, idx: int) -> int:
