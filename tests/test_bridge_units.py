@@ -4439,15 +4439,19 @@ def test_a_settled_bridge_ticks_slower_and_what_moves_makes_it_tick_at_once(tmp_
     # a paused tick is woken at once
     node._moved_at = now - SETTLE_AFTER
 
-    async def main() -> float:
-        t0 = time.monotonic()
+    async def main(last_tick: float) -> float:
         pause = asyncio.ensure_future(node._tick_pause(30.0))
         await asyncio.sleep(0.01)
         assert not pause.done()
+        node._tick_at = time.monotonic() - last_tick
+        t0 = time.monotonic()
         node._unsettle()                                    # a copy was lost
         await asyncio.wait_for(pause, 5)
         return time.monotonic() - t0
 
-    assert asyncio.run(main()) < 1.0
+    assert asyncio.run(main(1.0)) < 0.01                    # at once after a long pause
+    # but no sooner than TICK after the last tick: new tensors taken up a slice at a
+    # time poke it after each slice, and a pass each time slowed the take-up
+    assert TICK - 0.005 <= asyncio.run(main(0.0)) < 1.0
     assert node._tick_delay(time.monotonic()) == TICK
     assert bridge_node.TICK < bridge_node.TICK_SETTLED
