@@ -838,6 +838,54 @@ def test_a_delete_in_an_outbox_makes_the_next_drain_scan(store):
     assert sorted(d.index.tolist()) == [1, 2, 4, 5] and ob._pending().size == 0
 
 
+@pytest.mark.parametrize("path", ["list", "scan"])
+def test_a_bridge_killed_after_taking_rows_before_recording_its_drain(store, store_name,
+                                                                       path):
+    """The bridge process is killed (gdb stops it where the drain records its ticket and
+    ob_drained, shmps_outbox_drained, then kills it): rows taken, nothing recorded.  The
+    drain was counted in progress (ob_draining) until it would have been recorded, so
+    the next bridge's recover records its pushes lost and flush() raises PushesLost,
+    whether the drain followed the list or scanned.  (A list drain that ended before it
+    recorded let the next empty drain acknowledge them: flush() returned.)"""
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("gdb") is None:
+        pytest.skip("gdb is not installed: it stops the drain at the moment to kill it")
+    t = store.table("e", dim=2, capacity=64, shards=1, optimizer=shmps.SGD(lr=1.0))
+    store._set_forwarding(True)
+    ob = t._outbox()
+    t.push([1, 2, 3], np.ones((3, 2)))
+    d = t._outbox_drain(0)
+    t._outbox_ack(0, d.pushed, d.ticket)                       # keys kept, acknowledged
+    store.flush(timeout=1)
+    t.push([1, 2], np.full((2, 2), 7.0))                        # pushed 2, acked 1
+    if path == "scan":
+        poke(segment_path(store, ob), OB_RESCAN_OFF, "<Q", 1)
+    child = ("import shmps, sys; s = shmps.attach(sys.argv[1], create=False); "
+             "print('DRAIN RETURNED', s['e']._outbox_drain(0))")
+    out = subprocess.run(
+        ["gdb", "-q", "-batch", "-ex", "set breakpoint pending on",
+         "-ex", "break shmps_outbox_drained", "-ex", "run", "-ex", "kill",
+         "--args", sys.executable, "-c", child, store_name],
+        capture_output=True, text=True, timeout=120)
+    if "Breakpoint 1, " not in out.stdout:
+        pytest.skip(f"gdb could not stop the drain here: {out.stdout[-300:]} {out.stderr[-300:]}")
+    assert "DRAIN RETURNED" not in out.stdout                   # killed inside the drain
+    assert ob._pending().size == 0                              # its rows were taken
+    bridge = shmps.attach(store_name, create=False)             # the next bridge
+    try:
+        assert bridge["e"]._outbox_recover(0) == 1
+        d = bridge["e"]._outbox_drain(0)
+        if d is not None:
+            bridge["e"]._outbox_ack(0, d.pushed, d.ticket)
+        with pytest.raises(shmps.PushesLost, match="'e' shard 0: 1"):
+            store.flush(timeout=2)
+    finally:
+        bridge.close()
+
+
 def push_keys_forever(store: str, tensor: str, first: int, flags, idx: int) -> int:
     """Push 2048 keys never pushed before (from ``first`` on) into a forwarding table,
     again and again, until killed."""
