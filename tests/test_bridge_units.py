@@ -3831,9 +3831,9 @@ def test_a_rows_of_refused_batches_carries_their_marks_and_nothing_else():
                 dict(values=none, marks=[Mark(9, 7, 3)], floor_marks=True),
                 dict(values=none, marks=[Mark(9, 7, 3)], row_steps=np.empty(0, np.uint64)),
                 dict(values=np.float32(1), marks=[Mark(9, 7, 3)])):
-        with pytest.raises(InvalidArgument, match="refused ROWS"):
+        with pytest.raises(InvalidArgument, match="REFUSED ROWS"):
             frames.encode_rows(**ok, start=0, refused=True, **bad)
-    with pytest.raises(InvalidArgument, match="refused ROWS"):
+    with pytest.raises(InvalidArgument, match="REFUSED ROWS"):
         frames.RowsBuilder(**ok, n=1, cols=2, dtype="float32", start=0,
                            marks=[Mark(9, 7, 3)], refused=True)
     # the flag set by hand on frames that may not carry it
@@ -4440,7 +4440,7 @@ def test_a_settled_bridge_ticks_slower_and_what_moves_makes_it_tick_at_once(tmp_
     node._moved_at = now - SETTLE_AFTER
 
     async def main(last_tick: float) -> float:
-        pause = asyncio.ensure_future(node._tick_pause(30.0))
+        pause = asyncio.ensure_future(node._tick_sleep.sleep(30.0))
         await asyncio.sleep(0.01)
         assert not pause.done()
         node._tick_at = time.monotonic() - last_tick
@@ -4455,3 +4455,31 @@ def test_a_settled_bridge_ticks_slower_and_what_moves_makes_it_tick_at_once(tmp_
     assert TICK - 0.005 <= asyncio.run(main(0.0)) < 1.0
     assert node._tick_delay(time.monotonic()) == TICK
     assert bridge_node.TICK < bridge_node.TICK_SETTLED
+
+
+def test_a_pause_ends_at_its_delay_or_sooner_when_asked_never_later():
+    """bridge.pause.Pause, the flush and tick loops' sleep: end_by brings the end
+    forward (at once if past), never back, and only one timer waits at a time however
+    often it is asked (hundreds of new tensors each poke the tick)."""
+    from shmps.bridge.pause import Pause
+
+    async def main() -> list:
+        p = Pause()
+        p.end_by(0.0)                                       # nobody sleeps: nothing
+        took = []
+        for ask in (None, 0.05, 0.0, 5.0):
+            t0 = time.monotonic()
+            task = asyncio.ensure_future(p.sleep(0.2))
+            await asyncio.sleep(0)
+            assert p.asleep and p.until == pytest.approx(t0 + 0.2, abs=0.01)
+            if ask is not None:
+                for _ in range(500):                        # asked again and again
+                    p.end_by(t0 + ask)
+                assert len(asyncio.get_running_loop()._scheduled) <= 2
+            await asyncio.wait_for(task, 5)
+            took.append(time.monotonic() - t0)
+            assert not p.asleep and p.until == float("inf")
+        return took
+
+    full, sooner, now, later = asyncio.run(main())
+    assert full >= 0.19 and 0.045 <= sooner < 0.15 and now < 0.03 and later >= 0.19

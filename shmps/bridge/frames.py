@@ -141,6 +141,15 @@ _FLAGS = {v: Flag(v) for v in range(int(Flag.LAST | Flag.ROW_STEPS | Flag.FLOOR_
 _ALLOWED_BITS = {t: int(f) for t, f in _ALLOWED_FLAGS.items()}
 
 
+REFUSED_RULE = "a REFUSED ROWS carries marks (not floors) and no rows or row steps"
+
+
+def _refused_malformed(flags: int, n: int, nmarks: int) -> bool:
+    """A ROWS with ``flags`` breaks REFUSED_RULE (encoders and the decoder alike)."""
+    return bool(flags & Flag.REFUSED) and bool(
+        n or not nmarks or flags & (Flag.FLOOR_MARKS | Flag.ROW_STEPS))
+
+
 class BadFrame(InvalidArgument):
     """A received frame is malformed or exceeds the limits; it was dropped unapplied."""
 
@@ -524,16 +533,15 @@ def encode_rows(*, epoch: int, sender: int, incarnation: int, tensor: int, shard
     """A ROWS frame: new values (and optimizer ``state``) of changed rows, with the
     batches applied since the previous ROWS as ``marks`` (``refused``: no rows, and the
     marks are batches refused for good). O(frame bytes)."""
-    if refused and (np.shape(values)[:1] != (0,) or not marks or floor_marks
-                    or row_steps is not None):
-        raise InvalidArgument("a refused ROWS carries marks (not floors) and no rows or "
-                              "row steps")
+    flags = ((Flag.FLOOR_MARKS if floor_marks else Flag(0))
+             | (Flag.ROW_STEPS if row_steps is not None else Flag(0))
+             | (Flag.REFUSED if refused else Flag(0)))
+    if _refused_malformed(flags, (np.shape(values) or (1,))[0], len(marks)):
+        raise InvalidArgument(REFUSED_RULE)
     return _encode_data(FrameType.ROWS, epoch=epoch, sender=sender, incarnation=incarnation,
                         tensor=tensor, shard=shard, seq=seq, values=values, start=start,
                         rows=rows, keys=keys, step=step, marks=marks, state=state,
-                        row_steps=row_steps,
-                        flags=((Flag.FLOOR_MARKS if floor_marks else Flag(0))
-                               | (Flag.REFUSED if refused else Flag(0))), limits=limits)
+                        row_steps=row_steps, flags=flags & ~Flag.ROW_STEPS, limits=limits)
 
 
 def encode_snapshot(*, epoch: int, sender: int, incarnation: int, tensor: int, shard: int,
@@ -583,8 +591,10 @@ class RowsBuilder:
             raise InvalidArgument("rows must hold at least one value")
         if sum(x is not None for x in (start, rows, keys)) != 1:
             raise InvalidArgument("pass exactly one of start= (a row range), rows= or keys=")
-        if refused and (n or not marks or row_steps):
-            raise InvalidArgument("a refused ROWS carries marks and no rows or row steps")
+        flags = ((Flag.ROW_STEPS if row_steps else Flag(0))
+                 | (Flag.REFUSED if refused else Flag(0)))
+        if _refused_malformed(flags, n, len(marks)):
+            raise InvalidArgument(REFUSED_RULE)
         layout, self._first, index = _layout(n, start, rows, keys)
         sdt = np.dtype(state_dtype if nstate else dt).newbyteorder("<")  # type: ignore
         self._scode = _state_code(sdt, nstate)
@@ -597,9 +607,7 @@ class RowsBuilder:
         self.buf = bytearray(total)
         self.buf[:HEADER.size] = _header(FrameType.ROWS, epoch=epoch, sender=sender,
                                          incarnation=incarnation, tensor=tensor, shard=shard,
-                                         seq=seq,
-                                         flags=((Flag.ROW_STEPS if row_steps else Flag(0))
-                                                | (Flag.REFUSED if refused else Flag(0))),
+                                         seq=seq, flags=flags,
                                          layout=layout, payload_len=payload)
         off = HEADER.size + DATA_HEAD.size
         self.buf[off:off + len(marks_bytes)] = marks_bytes
@@ -838,9 +846,8 @@ def _decode_data(hdr: dict[str, Any], body: memoryview, limits: Limits) -> Data:
         raise _bad(ft, "row range exceeds 2**63 - 1")
     if ft is FrameType.BATCH and (n == 0 or step == 0 or nmarks or nstate):
         raise _bad(ft, "a BATCH needs >= 1 row, step >= 1, and no marks or state")
-    if hdr["flags"] & Flag.REFUSED and (n or not nmarks
-                                        or hdr["flags"] & (Flag.FLOOR_MARKS | Flag.ROW_STEPS)):
-        raise _bad(ft, "a REFUSED ROWS carries marks (not floors) and no rows or row steps")
+    if _refused_malformed(hdr["flags"], n, nmarks):
+        raise _bad(ft, REFUSED_RULE)
     dt = CODE_DTYPES[code]
     sdt = CODE_DTYPES[scode] if nstate else None
     has_steps = bool(hdr["flags"] & Flag.ROW_STEPS)

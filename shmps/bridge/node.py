@@ -52,6 +52,7 @@ from .members import (DEAD_AFTER, HEARTBEAT_INTERVAL, ON_RING, Membership, State
                       member_id, normalize_address, parse_address, parse_hosts, read_hosts,
                       watch_file)
 from .outq import Backpressure, ByteBudget, Dedup, OutQueue, Verdict
+from .pause import Pause
 from .ring import Ring, shard_key
 
 log = logging.getLogger("shmps.bridge")
@@ -604,7 +605,7 @@ class Bridge:
         self._maint_sig: tuple = ()        # what the last _maintain shard pass saw
         self._catalog_tags: dict[str, str] = {}   # peer -> ETag of its catalog taken whole
         self._maint_due = 0.0              # when the next one is due at the latest
-        self._tick_wake: Optional[asyncio.Future] = None   # the tick loop's pause (_poke_tick)
+        self._tick_sleep = Pause()         # the tick loop's (_poke_tick ends it sooner)
         self._moved_at = 0.0               # the latest _poke_tick
         self._tick_at = 0.0                # when the latest tick began
         self._maint_busy = True            # the last shard pass found work under way
@@ -613,9 +614,8 @@ class Bridge:
         self._windows: dict[str, ByteBudget] = {}   # owner -> its send window (SEND_WINDOW)
         self._window_waits: dict[str, set] = {}     # owner -> streams (tid, s) waiting for it
         self._lags: deque = deque()        # (when, how late) of each tick (_tick_loop)
-        self._flush_wake: Optional[asyncio.Future] = None   # the flush loop's pause
+        self._flush_sleep = Pause()        # the flush loop's (_wake_flush, _woken_by_push)
         self._flush_asked = False          # a worker asked for a drain (_wake_flush)
-        self._pause_until = 0.0            # when the flush loop's current pause ends
         self._waiter_stop = False
         self._waiter: Optional[threading.Thread] = None
         self._doorbell: Optional[socket.socket] = None
@@ -1363,7 +1363,7 @@ class Bridge:
             except Exception:
                 log.exception("maintenance failed")
             due = now + delay
-            await self._tick_pause(delay)
+            await self._tick_sleep.sleep(delay)
 
     def _tick_delay(self, now: float) -> float:
         """Seconds until the next tick: TICK while anything is in motion (a member
@@ -1374,8 +1374,8 @@ class Bridge:
         the time since it last ran, a pause included: a synchronous block of more than
         dead_after / 2 less the pause counts as a stall, 3/8 of dead_after at the least,
         where it was dead_after / 2 less TICK.)  Whatever moves a settled bridge
-        wakes the tick at once (_poke_tick).  An idle bridge ticked 50 times a second: a
-        third of its CPU."""
+        brings the tick forward to TICK after the last one (_poke_tick).  An idle bridge
+        ticked 50 times a second: a third of its CPU."""
         m = self.members
         if (now < self.grace_until or now < m.mint_held_until
                 or now - self._moved_at < SETTLE_AFTER
@@ -1394,28 +1394,14 @@ class Bridge:
         return max(TICK, min(TICK_SETTLED, self.cfg.dead_after / 8, first - now + 0.001,
                              self._maint_due - now))
 
-    async def _tick_pause(self, delay: float) -> None:
-        """Sleep ``delay`` s, or less if _poke_tick is called meanwhile."""
-        loop = asyncio.get_running_loop()
-        fut = self._tick_wake = loop.create_future()
-        timer = loop.call_later(delay, lambda: fut.done() or fut.set_result(None))
-        try:
-            await fut
-        finally:
-            timer.cancel()
-            self._tick_wake = None
-
     def _poke_tick(self) -> None:
         """Something a tick acts on moved (the members, the tensors, a copy lost): tick
         TICK after the last one, as a bridge in motion does, not after a settled
         bridge's longer pause (_tick_delay).  (Not at once: hundreds of new tensors,
         taken up a slice at a time, each poke a shard pass over all of them, made the
         take-up of 500 tensors 1.5 s slower.)"""
-        now = self._moved_at = time.monotonic()
-        fut = self._tick_wake
-        if fut is not None and not fut.done():
-            fut.get_loop().call_later(max(0.0, self._tick_at + TICK - now),
-                                      lambda: fut.done() or fut.set_result(None))
+        self._moved_at = time.monotonic()
+        self._tick_sleep.end_by(self._tick_at + TICK)
 
     def on_heartbeat(self, peer: str, hb: frames.Heartbeat) -> None:
         if peer not in self.members.states():
@@ -1778,9 +1764,9 @@ class Bridge:
             else:
                 delay = RETRY
             stream.retry_at = now + delay
-            if stream.retry_at < self._pause_until:
-                # the flush loop sleeps past the retry (a long --flush-ms): wake it then
-                asyncio.get_running_loop().call_later(delay, self._wake_flush)
+            # the flush loop sleeps past the retry (a long --flush-ms, or asleep with
+            # nothing else to do): it passes then
+            self._flush_sleep.end_by(stream.retry_at)
 
     def _rejected(self, peer: str, stream: SendStream, ack: frames.Ack) -> None:
         """The owner refused batch ``ack.seq`` for good (REJECTED: it cannot apply it,
@@ -1893,8 +1879,7 @@ class Bridge:
     def _wake_flush(self) -> None:
         self._flush_asked = True
         self._scan_asked = True
-        if self._flush_wake is not None and not self._flush_wake.done():
-            self._flush_wake.set_result(None)
+        self._flush_sleep.end_by(0.0)
 
     async def _flush_pause(self, delay: float) -> None:
         """Sleep ``delay`` s, or less if a worker asks for a flush meanwhile (or did while
@@ -1903,17 +1888,10 @@ class Bridge:
             self._flush_asked = False
             await asyncio.sleep(0)   # the event loop's turn (I/O, timers) all the same
             return
-        loop = asyncio.get_running_loop()
-        fut = self._flush_wake = loop.create_future()
-        timer = loop.call_later(delay, lambda: fut.done() or fut.set_result(None))
-        self._pause_until = time.monotonic() + delay
         try:
-            await fut
+            await self._flush_sleep.sleep(delay)
         finally:
-            timer.cancel()
-            self._flush_wake = None
             self._flush_asked = False
-            self._pause_until = 0.0
 
     async def _flush_loop(self) -> None:
         interval = self.cfg.flush_ms / 1000.0
@@ -1961,14 +1939,12 @@ class Bridge:
         would have made it had it kept passing every flush interval, so that the pushes
         of a burst are drained together, as --flush-ms asks, and none waits longer."""
         self.metrics.push_wakes.inc()
-        fut = self._flush_wake
-        if not self._asleep or fut is None or fut.done():
+        if not self._asleep:
             return
         interval = self.cfg.flush_ms / 1000.0
         now = time.monotonic()
-        tick = self._asleep_since + math.ceil((now - self._asleep_since) / interval) * interval
-        asyncio.get_running_loop().call_later(
-            max(0.0, tick - now), lambda: fut.done() or fut.set_result(None))
+        self._flush_sleep.end_by(
+            self._asleep_since + math.ceil((now - self._asleep_since) / interval) * interval)
 
     def _flush_pass(self) -> bool:
         """One pass of the flush loop: drain the outbox shards that hold pushes (and the
