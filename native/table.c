@@ -912,6 +912,7 @@ static int table_push(void **bases, uint32_t nshards, uint64_t token, const uint
     hash_keys(&b);
     group_keys(&b, 0); /* duplicates are combined first: one update per key */
     int stepped = uses_step(s0);
+    int outbox = (s0->flags & SHMPS_F_OUTBOX) != 0;
     if ((r = enter_all(&b, ts))) return r;
     int64_t missing = lookup_keys(&b, ts, b.groups, b.ngroups);
     if (missing < 0) {
@@ -922,7 +923,7 @@ static int table_push(void **bases, uint32_t nshards, uint64_t token, const uint
         r = create_missing(&b, ts, now, info);
     }
     if (r) { /* nothing changed: not even the step count */
-        if (r == SHMPS_E_FULL && (s0->flags & SHMPS_F_OUTBOX))
+        if (r == SHMPS_E_FULL && outbox)
             /* an outbox full of keys kept from earlier drains, maybe: each shard's next
              * drain removes them ("Outbox drains"); relaxed, a hint (the bridge finds the
              * shards busy: shmps_outbox_busy) */
@@ -935,7 +936,6 @@ static int table_push(void **bases, uint32_t nshards, uint64_t token, const uint
     size_t gsz = shmps_dtype_size(grad_dtype);
     /* an outbox: per shard, the chain (row + 1 each, 0 ends it) of rows this push found
      * clean, first and last (table.c "Outbox drains") */
-    int outbox = (s0->flags & SHMPS_F_OUTBOX) != 0;
     uint64_t dfirst[SHMPS_TABLE_MAX_SHARDS], dlast[SHMPS_TABLE_MAX_SHARDS];
     if (outbox) memset(dfirst, 0, nshards * sizeof dfirst[0]);
     const char *g = (const char *)grad;
@@ -971,7 +971,7 @@ static int table_push(void **bases, uint32_t nshards, uint64_t token, const uint
             /* Outbox drains: chain the row in this push's list of the shard (its link
              * is written by this pusher alone: the only one that found it clean, and no
              * drain runs while we are inside), spliced onto ob_dirty below */
-            uint32_t s = shard_of(b.hash[i], nshards);
+            size_t s = (size_t)(t - ts);
             STORE(&t->rowstep[row], dfirst[s], RELAXED);
             if (!dfirst[s]) dlast[s] = row + 1;
             dfirst[s] = row + 1;
@@ -1287,10 +1287,10 @@ int shmps_table_evict(void **bases, uint32_t nshards, uint32_t shard, uint64_t t
  * half way, which makes a cycle), looks at every row and removes them all instead, as
  * before 2026-11-27 (the scan below); so does a drain of a shard, or of an outbox, whose
  * keys fill over a quarter of it, which keeps room for new keys.  A push that finds the
- * outbox full, and a delete or evict of its rows, ask every shard, or the shard, for a
- * scan too (a row removed and created again without a push would cut the list).  A drain killed while taking listed rows leaves them
- * zeroed with a count of 0 (values first), and the list in place: the next drain skips
- * them.  Returns DRAIN_SCAN for the scan (also for a row whose key the index does not
+ * outbox full, and a delete, an evict or a write of row steps in it, ask every shard, or
+ * the shard, for a scan too (a row removed and created again without a push would cut
+ * the list).  A drain killed while taking listed rows leaves them zeroed with a count of
+ * 0 (values first), and the list in place: the next drain skips them.  Returns DRAIN_SCAN for the scan (also for a row whose key the index does not
  * find there: the scan meets it and fails as it always did), else SHMPS_OK with *n rows
  * taken.  Frozen by the caller; *P is re-read here. */
 #define DRAIN_SCAN 1

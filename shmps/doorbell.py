@@ -17,8 +17,8 @@ or the bridge is in another network namespace: abstract sockets are per network
 namespace) it bumps the futex word instead.  A push rings it too, with a different
 datagram, when it is the first after the bridge went to sleep with nothing to do
 (native/outbox.c "Sleeping until a push"); where nobody listens, that push bumps the
-manifest's ``fwd_wakes`` and wakes the same futex without bumping ``flush_req``.  A full socket buffer means the bridge has
-unread rings, so the wake is on its way.
+manifest's ``fwd_wakes`` and wakes the same futex without bumping ``flush_req``.  A
+full socket buffer means the bridge has unread rings, so the wake is on its way.
 
 Anyone in the host's network namespace can ring (abstract sockets have no file
 permissions): a ring only makes the bridge look at its outboxes now (one C call when

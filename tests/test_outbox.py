@@ -886,6 +886,77 @@ def test_a_bridge_killed_after_taking_rows_before_recording_its_drain(store, sto
         bridge.close()
 
 
+def test_an_empty_list_is_not_an_empty_drain_while_a_pusher_is_inside(store):
+    """A drain of a shard with kept keys, an empty list and no scan asked is empty
+    without a freeze only when no pusher is inside: a push counted in its P may have
+    pushed to a row another pusher, still inside, found clean and has not listed yet.
+    Here that row is pushed to and unlisted by hand, a live token holds an active slot:
+    the drain waits for the freeze (and gives up after its timeout) instead of claiming
+    the count as an empty drain, which the ack would turn into a flush() that returns
+    with the row's values unsent.  With the slot free the same drain claims nothing
+    wrongly either (the unlisted row is the dead-pusher case, which asks for a scan)."""
+    t = store.table("e", dim=2, capacity=64, shards=1)
+    store._set_forwarding(True)
+    ob = t._outbox()
+    path = segment_path(store, ob)
+    t.push([1], np.ones((1, 2)))
+    d = t._outbox_drain(0)
+    t._outbox_ack(0, d.pushed, d.ticket)                        # key 1 kept, clean
+    _push_and_unlist(store, t, [1])                             # pushed 2, not listed
+    poke(path, ACTIVE_OFF + 8 * 7, "<Q", native.token())        # "its lister is inside"
+    t0 = time.monotonic()
+    assert t._outbox_drain(0, timeout=0.05) is None
+    assert time.monotonic() - t0 >= 0.04                        # it froze (waited)
+    assert peek(path, OB_DRAINED_OFF, "<Q")[0] == 1             # P = 2 not claimed
+    poke(path, OB_RESCAN_OFF, "<Q", 1)                          # (the lister died)
+    poke(path, ACTIVE_OFF + 8 * 7, "<Q", 0)
+    d = t._outbox_drain(0)
+    assert d.index.tolist() == [1] and d.pushed == 2
+    t._outbox_ack(0, d.pushed, d.ticket)
+    store.flush(timeout=1)
+
+
+def test_an_idle_shard_with_kept_keys_drains_without_a_freeze(store):
+    """No pusher inside, nothing listed, no scan asked: the drain (the bridge's sweep
+    visits idle shards every second) claims its count without freezing the shard, so
+    pushers never wait on it.  A freeze held by another live process shows it: the
+    drain does not wait for it."""
+    t = store.table("e", dim=2, capacity=64, shards=1)
+    store._set_forwarding(True)
+    ob = t._outbox()
+    path = segment_path(store, ob)
+    t.push([1, 2], np.ones((2, 2)))
+    d = t._outbox_drain(0)
+    t._outbox_ack(0, d.pushed, d.ticket)
+    assert len(ob) == 2                                         # kept
+    poke(path, FREEZE_OFF, "<Q", native.token())                # a freeze held (live)
+    try:
+        t0 = time.monotonic()
+        assert t._outbox_drain(0, timeout=0.2) is None
+        assert time.monotonic() - t0 < 0.1
+    finally:
+        poke(path, FREEZE_OFF, "<Q", 0)
+
+
+def test_a_dead_pusher_in_a_dense_outbox_asks_for_no_scan(store):
+    """ob_rescan is a table outbox's word: freeing a dead pusher's slot in a dense
+    outbox leaves it 0 (a dense drain never clears it, and a shard asking for a scan
+    counts as busy: the bridge would drain it every pass for ever)."""
+    w = store.dense("w", shape=(8, 4), dtype="float32")
+    store._set_forwarding(True)
+    ob = w._outbox()
+    path = segment_path(store, ob)
+    w.push(np.ones((8, 4), np.float32))
+    d = w._outbox_drain(0)
+    w._outbox_ack(0, d.pushed, d.ticket)
+    poke(path, ACTIVE_OFF + 8 * 5, "<Q", dead_token())
+    ob.pull()                                                   # its freeze frees the slot
+    assert peek(path, ACTIVE_OFF + 8 * 5, "<Q")[0] == 0
+    assert peek(path, OB_RESCAN_OFF, "<Q")[0] == 0
+    from shmps.outbox import BusyScan
+    assert BusyScan([w]).scan(full=True) == []
+
+
 def push_keys_forever(store: str, tensor: str, first: int, flags, idx: int) -> int:
     """Push 2048 keys never pushed before (from ``first`` on) into a forwarding table,
     again and again, until killed."""
