@@ -163,6 +163,10 @@ uint64_t shmps_outbox_settle(shmps_shard_hdr_t *h);
  * deliver lost and claims P as an empty drain (outbox.c); returns how many it recorded */
 uint64_t shmps_outbox_drain_lost(shmps_shard_hdr_t *h, uint64_t P);
 void shmps_outbox_drain_begin(shmps_shard_hdr_t *h);
+/* No pusher holds an active slot of the shard now (sync.c; unlike
+ * shmps_active_pushers, a count for heuristics, its loads order what follows: a table
+ * outbox drain's test before it skips the freeze) */
+int shmps_no_pusher_inside(const shmps_shard_hdr_t *h);
 void shmps_outbox_drain_end(shmps_shard_hdr_t *h);
 /* a dense push's landing slot of one outbox shard (outbox.c "Landing"): claimed before
  * its first write there; released after its writes, counting the push (count != 0) */

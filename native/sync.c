@@ -300,6 +300,14 @@ int shmps_note_pusher(void *base, uint64_t token, uint64_t window_ns, uint32_t *
     return SHMPS_OK;
 }
 
+int shmps_no_pusher_inside(const shmps_shard_hdr_t *h) {
+    for (uint32_t i = 0; i < SHMPS_ACTIVE_SLOTS; i++)
+        /* seq_cst, as the freeze's loads (drain_pushers): each reads a pusher's claim,
+         * or its release in shmps_leave (and what it did before), or a later value */
+        if (LOAD(&h->active[i], SEQ_CST)) return 0;
+    return 1;
+}
+
 int shmps_active_pushers(const void *base, uint32_t *n) {
     const shmps_shard_hdr_t *h = (const shmps_shard_hdr_t *)base;
     uint32_t c = 0;

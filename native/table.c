@@ -1339,14 +1339,6 @@ static int drain_listed(tshard_t *t, const tctl_t *c0, uint64_t *keys, void *val
     return SHMPS_OK; /* (the caller ends the drain once it is recorded) */
 }
 
-/* No pusher holds an active slot of the shard (seq_cst loads: each reads a pusher's
- * claim, or its release after its splice and count, or a later value). */
-static int no_pusher_inside(const shmps_shard_hdr_t *h) {
-    for (uint32_t i = 0; i < SHMPS_ACTIVE_SLOTS; i++)
-        if (LOAD(&h->active[i], SEQ_CST)) return 0;
-    return 1;
-}
-
 int shmps_table_drain(void **bases, uint32_t nshards, uint32_t shard, uint64_t token,
                       double timeout_s, uint64_t *keys, void *vals, uint64_t cap,
                       uint64_t *n_out, uint64_t *pushed, uint64_t *prev, uint64_t *ticket,
@@ -1382,7 +1374,7 @@ int shmps_table_drain(void **bases, uint32_t nshards, uint32_t shard, uint64_t t
      * so the slot loads below read that pusher's claim or its release, which its splice
      * precedes; the loads of ob_dirty and ob_rescan come after them.  (A drain of a shard
      * whose keys are kept need not freeze it: the sweep drains idle shards.) */
-    if (no_pusher_inside(t->h) && LOAD(&t->h->ob_dirty, RELAXED) == 0 &&
+    if (shmps_no_pusher_inside(t->h) && LOAD(&t->h->ob_dirty, RELAXED) == 0 &&
         LOAD(&t->h->ob_rescan, SEQ_CST) == 0) {
         *prev = shmps_outbox_drained(t->h, P, 0, 0, ticket);
         *pushed = P;
