@@ -638,3 +638,14 @@ class Model:
             rtol = {"float16": 2e-3, "float32": 1e-5, "float64": 1e-12}[self.dtype.name]
             np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64),
                                        rtol=rtol, atol=rtol, err_msg=what)
+
+
+def poison_frame_buffers(monkeypatch: Any) -> None:
+    """Frames written in place (bridge.frames.RowsBuilder) get buffers full of 0xA5
+    instead of whatever np.empty returns, so a byte their writers leave unwritten shows
+    as a difference from the frame encode_rows makes (the buffers are not zeroed)."""
+    from shmps.bridge import frames
+
+    def poisoned(total: int) -> memoryview:
+        return memoryview(np.full(total, 0xA5, np.uint8))
+    monkeypatch.setattr(frames, "_frame_buffer", poisoned)

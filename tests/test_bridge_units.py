@@ -42,6 +42,7 @@ def _import_bridge() -> None:
 
 _import_bridge()
 
+import helpers  # noqa: E402
 from shmps.bridge import auth, frames, members, ring  # noqa: E402
 from shmps.bridge.auth import AuthError  # noqa: E402
 from shmps.bridge.frames import (ROWS_SEQ_BASE, BadFrame, Flag, FrameType, Layout,  # noqa: E402
@@ -3824,8 +3825,8 @@ def test_a_rows_of_refused_batches_carries_their_marks_and_nothing_else():
     assert f.flags == frames.Flag.REFUSED and f.n == 0 and [m.seq for m in f.marks] == [3]
     b = frames.RowsBuilder(**ok, n=0, cols=2, dtype="float32", start=0,
                            marks=[Mark(9, 7, 3)], refused=True)
-    assert bytes(b.finish(0)) == frames.encode_rows(**ok, values=none, start=0,
-                                                    marks=[Mark(9, 7, 3)], refused=True)
+    assert frames.as_bytes(b.finish(0)) == frames.encode_rows(
+        **ok, values=none, start=0, marks=[Mark(9, 7, 3)], refused=True)
     for bad in (dict(values=np.ones((1, 2), np.float32), marks=[Mark(9, 7, 3)]),
                 dict(values=none, marks=[]),
                 dict(values=none, marks=[Mark(9, 7, 3)], floor_marks=True),
@@ -3906,13 +3907,18 @@ def test_restamp_epoch_changes_only_the_epoch():
         frames.restamp_epoch(b"SHPB", 1)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(n=st.integers(0, 9), cols=st.integers(1, 5), nstate=st.integers(0, 2),
-       dtype=st.sampled_from(["float32", "float64", "int32"]), ranged=st.booleans(),
+       dtype=st.sampled_from(["float32", "float64", "int32"]),
+       where_kind=st.sampled_from(["start", "rows", "keys"]),
        nmarks=st.integers(0, 3), step=st.integers(0, 2**64 - 1), data=st.data())
-def test_rows_builder_makes_the_bytes_encode_rows_makes(n, cols, nstate, dtype, ranged, nmarks,
-                                                        step, data):
-    """A ROWS frame filled in place is byte for byte the one encode_rows makes."""
+def test_rows_builder_makes_the_bytes_encode_rows_makes(monkeypatch, n, cols, nstate, dtype,
+                                                        where_kind, nmarks, step, data):
+    """A ROWS frame filled in place is byte for byte the one encode_rows makes, though
+    its buffer is not zeroed first (poisoned here: every byte must be written), and it
+    is a Pieces, which a websocket sends without copying."""
+    helpers.poison_frame_buffers(monkeypatch)
     if dtype == "int32":
         nstate = 0
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
@@ -3920,16 +3926,25 @@ def test_rows_builder_makes_the_bytes_encode_rows_makes(n, cols, nstate, dtype, 
     values = (rng.random((n, cols)) * 100).astype(dtype)
     state = [rng.random((n, cols)).astype("float32") for _ in range(nstate)]
     marks = [frames.Mark(i + 1, 2, 2**50 + i) for i in range(nmarks)]
-    where = ({"start": 17} if ranged else
-             {"rows": np.sort(rng.choice(1000, n, replace=False)).astype(np.int64)})
-    want = frames.encode_rows(**ids, values=values, state=state, marks=marks, step=step, **where)
+    steps = rng.integers(0, 2**63, n, dtype=np.uint64) if where_kind == "keys" else None
+    where = ({"start": 17} if where_kind == "start" else
+             {"rows": np.sort(rng.choice(1000, n, replace=False)).astype(np.int64)}
+             if where_kind == "rows" else
+             {"keys": rng.integers(0, 2**64, n, dtype=np.uint64, endpoint=False)})
+    want = frames.encode_rows(**ids, values=values, state=state, marks=marks, step=step,
+                              row_steps=steps, **where)
     b = frames.RowsBuilder(**ids, n=n, cols=cols, dtype=dtype, marks=marks, nstate=nstate,
-                           state_dtype="float32" if nstate else None, **where)
-    assert (b.index is None) == ranged
+                           state_dtype="float32" if nstate else None,
+                           row_steps=steps is not None, **where)
+    assert (b.index is None) == (where_kind == "start")
     b.values[:] = values
     for a, v in zip(b.state, state):
         a[:] = v
-    assert bytes(b.finish(step)) == want
+    if steps is not None:
+        b.row_steps[:] = steps
+    frame = b.finish(step)
+    assert isinstance(frame, frames.Pieces) and len(frame) == len(want)
+    assert frames.as_bytes(frame) == want
     f = frames.decode(b.buf)
     assert f.type == FrameType.ROWS and f.step == step and np.array_equal(f.values, values)
 
@@ -3980,7 +3995,7 @@ def test_an_epoch_mark_rows_of_no_rows_passes_the_checks(where, nrows):
     b = frames.RowsBuilder(epoch=3, sender=1, incarnation=1, tensor=1, shard=0, seq=9, n=0,
                            cols=4, dtype="float32", marks=[], nstate=2,
                            state_dtype="float32", row_steps="keys" in where, **where)
-    f = frames.decode(b.finish(0))
+    f = frames.decode(frames.as_bytes(b.finish(0)))
     assert (f.type, f.epoch, f.n, f.marks) == (FrameType.ROWS, 3, 0, ())
     frames.check_schema(f, dtype="float32", cols=4, nrows=nrows)
 

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 import shmps
 import shmps._native as native
-from helpers import (GO, SHM, STOP, Workers, dead_token, new_flags, peek, poke,
-                     publish_token, table_push_loop, wait_until)
+from helpers import (GO, SHM, STOP, Workers, dead_token, new_flags, peek,
+                     poison_frame_buffers, poke, publish_token, table_push_loop, wait_until)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -1358,10 +1358,12 @@ def test_dense_rows_round_trip(store, second_store):
 
 
 @pytest.mark.parametrize("rows", [[5, 6, 7], [4, 6, 7]])        # a run; gathered
-def test_dense_rows_read_into_a_frame_match_read_rows(store, rows):
+def test_dense_rows_read_into_a_frame_match_read_rows(store, monkeypatch, rows):
     """The owner's ROWS built in place (frames.RowsBuilder + _read_rows_into) are the
-    bytes encode_rows makes of _read_rows: values, both Adam states and the step."""
+    bytes encode_rows makes of _read_rows: values, both Adam states and the step; the
+    frame's buffer is not zeroed (poisoned here), so the read writes every byte."""
     from shmps.bridge import frames
+    poison_frame_buffers(monkeypatch)
     a = store.dense("w", shape=(10, 2, 3), optimizer=shmps.Adam(lr=0.01), shard_rows=4)
     rng = np.random.default_rng(8)
     for _ in range(3):
@@ -1376,18 +1378,20 @@ def test_dense_rows_read_into_a_frame_match_read_rows(store, rows):
                            state_dtype="float32", **start)
     step = a._read_rows_into(1, r - 4, [b.values] + b.state)
     assert step == rd.step == 3
-    assert bytes(b.finish(step)) == want
+    assert frames.as_bytes(b.finish(step)) == want
     with pytest.raises(IndexError):                     # rows beyond the shard
         a._read_rows_into(1, np.array([2, 5]), [b.values[:2]] + [x[:2] for x in b.state])
 
 
-def test_table_push_read_fills_a_frame_as_read_rows_would(store):
+def test_table_push_read_fills_a_frame_as_read_rows_would(store, monkeypatch):
     """A table owner's ROWS built by the push itself (RowsBuilder with keys and row
     steps + Table._apply_direct(out=...)) are the bytes encode_rows makes of
     _read_rows after the same push: keys in the batch's order, values, both Adam states
-    and each row's step; a repeated key gets its one updated row at every position;
-    a refused push changes nothing; buffers of the wrong shape are refused first."""
+    and each row's step (into a frame not zeroed first: poisoned here); a repeated key
+    gets its one updated row at every position; a refused push changes nothing; buffers
+    of the wrong shape are refused first."""
     from shmps.bridge import frames
+    poison_frame_buffers(monkeypatch)
     a = store.table("e", dim=3, capacity=100, shards=2, optimizer=shmps.Adam(lr=0.01))
     b = store.table("f", dim=3, capacity=100, shards=2, optimizer=shmps.Adam(lr=0.01))
     keys = np.arange(40, dtype=np.uint64)
@@ -1408,7 +1412,7 @@ def test_table_push_read_fills_a_frame_as_read_rows_would(store):
     assert rd.index.tolist() == batch.tolist()
     want = frames.encode_rows(**ids, values=rd.values, step=0, keys=rd.index,
                               state=list(rd.states), row_steps=rd.row_steps)
-    assert bytes(f.finish(0)) == want
+    assert frames.as_bytes(f.finish(0)) == want
     np.testing.assert_array_equal(a.pull(keys), b.pull(keys))   # and it pushed as push does
     assert sorted(set(f.row_steps.tolist())) == [2, 3, 4]     # pushed 1-3 times before
     np.testing.assert_array_equal(f.values[-2:], f.values[:2])  # a repeated key's one row

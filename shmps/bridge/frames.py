@@ -332,9 +332,10 @@ def _header(ftype: FrameType, *, epoch: int, sender: int, incarnation: int, tens
 
 
 class Pieces:
-    """A BATCH frame kept as two pieces, sent one after the other: :attr:`head` (the
-    header and the row index or keys, bytes) and :attr:`body` (the values: a view of the
-    sender's drain buffers, not copied).  ``len()`` is the frame's size, :meth:`tobytes`
+    """A frame kept as two pieces, sent one after the other: :attr:`head` (of a BATCH,
+    the header and the row index or keys, bytes) and :attr:`body` (the values: a view of
+    the sender's drain buffers, not copied; of a ROWS, :meth:`RowsBuilder.finish`, no
+    head and the whole frame).  ``len()`` is the frame's size, :meth:`tobytes`
     the frame itself.  A websocket sends :attr:`pieces` without joining them
     (``wsstream.WsStream.send``); the caller keeps the buffers unchanged while the frame
     may still be sent.  :func:`encode_batch` with ``copy=False``."""
@@ -562,6 +563,13 @@ def encode_snapshot(*, epoch: int, sender: int, incarnation: int, tensor: int, s
                         limits=limits)
 
 
+def _frame_buffer(total: int) -> memoryview:
+    """A writable buffer of ``total`` bytes for a frame written in place, not zeroed:
+    the writer fills every byte (RowsBuilder; the tests poison this buffer to check).
+    A zero fill first was a memset of each 2 MiB frame, 4-6 % of an owner's CPU."""
+    return memoryview(np.empty(total, np.uint8))
+
+
 class RowsBuilder:
     """A ROWS frame written in place: fill :attr:`values` (and :attr:`state`, and
     :attr:`row_steps` with ``row_steps=True``), numpy views into the frame, then
@@ -575,7 +583,7 @@ class RowsBuilder:
         b = RowsBuilder(epoch=e, sender=m, incarnation=i, tensor=t, shard=s, seq=q,
                         n=len(rows), cols=8, dtype="float32", rows=rows, marks=marks)
         step = read_rows_into(b.values, b.state)
-        frame = b.finish(step)
+        frame = b.finish(step)     # every byte of the frame written: it is not zeroed
     """
 
     def __init__(self, *, epoch: int, sender: int, incarnation: int, tensor: int,
@@ -604,7 +612,7 @@ class RowsBuilder:
                                      row_steps=row_steps)
         _check_size(payload, limits)
         total = HEADER.size + payload
-        self.buf = bytearray(total)
+        self.buf = _frame_buffer(total)
         self.buf[:HEADER.size] = _header(FrameType.ROWS, epoch=epoch, sender=sender,
                                          incarnation=incarnation, tensor=tensor, shard=shard,
                                          seq=seq, flags=flags,
@@ -632,13 +640,15 @@ class RowsBuilder:
             off += n * cols * sdt.itemsize
         assert off == total
 
-    def finish(self, step: int) -> bytearray:
-        """The frame, with the shard's ``step`` written in; the views stay valid, and must
-        not be written any more."""
+    def finish(self, step: int) -> "Pieces":
+        """The frame, with the shard's ``step`` written in: a :class:`Pieces` of no head
+        and the frame's buffer as its body, which a websocket sends without a copy (a
+        plain memoryview it would copy: ``wsstream.WsStream._encode``).  The views stay
+        valid, and must not be written any more."""
         DATA_HEAD.pack_into(self.buf, HEADER.size, self._code, self._nstate, self._scode, 0,
                             self._cols, self._n, self._first, _u("step", step, U64),
                             self._nmarks, 0)
-        return self.buf
+        return Pieces(b"", self.buf)
 
 
 def encode_ack(*, epoch: int, sender: int, incarnation: int, tensor: int, shard: int,
