@@ -949,6 +949,47 @@ def test_a_batch_its_owner_refused_for_good_makes_its_pushers_flush_raise(tmp_pa
         assert stream.q.acked == 4 and not stream.drains
 
 
+def test_a_table_drains_frames_are_views_of_its_buffers_kept_until_acknowledged(tmp_path):
+    """A table's BATCH frames, like a dense tensor's, are views of the buffers the drain
+    filled (frames.Pieces: the header and keys copied, the summed gradients not), so the
+    sender does not copy a frame's values; each drain takes its own buffers, which go back
+    to the tensor (TInfo.spare) only once every frame of the drain is acknowledged, so a
+    later drain does not overwrite a frame that may still be sent.  Drives a Bridge, not
+    started, on a real store, with a worker's handle of it."""
+    from shmps.bridge.ring import shard_key
+
+    with _forwarding_to_other(tmp_path, "tviews") as (node, other, _, _, _, worker):
+        name = next(f"t{i}" for i in range(1000)
+                    if node.owner(shard_key(f"t{i}", 0)) == other)
+        node.store.table(name, dim=4, capacity=256, shards=1, optimizer="sum")
+        while node.refresh_tensors(budget=None):
+            pass
+        info = node.by_name[name]
+        stream = node.streams[(info.tid, 0)]
+        w = worker[name]
+        keys = np.arange(10, dtype=np.uint64)
+        sent = []
+        for value in (1.0, 2.0):
+            w.push(keys, np.full((10, 4), value, np.float32))
+            bufs = info.buffers()
+            node._queue_drain(info, 0, stream, info.t._outbox_drain(0, into=bufs), bufs)
+            (seq, frame), = [x for x in stream.q.to_send() if x[0] not in
+                             [q for q, _ in sent]]
+            assert isinstance(frame, frames.Pieces)
+            assert np.shares_memory(np.frombuffer(frame.body, np.uint8),
+                                    bufs.get("values", (1,), np.float32))
+            sent.append((seq, frame))
+        assert not info.spare                     # both buffer sets held by their frames
+        for (seq, frame), value in zip(sent, (1.0, 2.0)):
+            f = frames.decode(frames.as_bytes(frame))
+            assert sorted(f.index.tolist()) == keys.tolist()
+            assert np.all(f.values == value)      # the second drain left the first alone
+        node.on_ack(other, frames.decode(frames.encode_ack(
+            epoch=0, sender=members.member_id(other), incarnation=7, tensor=info.tid,
+            shard=0, seq=sent[0][0], status=Status.OK)))
+        assert len(info.spare) == 1               # the first drain's buffers came back
+
+
 def test_the_flush_loop_scans_the_outboxes_only_when_a_push_may_wait(tmp_path, monkeypatch):
     """A pass of the flush loop (_flush_pass) calls the scan of every outbox shard only
     when the store's count of forwarded pushes moved, after a scan that found some, when

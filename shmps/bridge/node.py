@@ -284,7 +284,7 @@ class QueuedDrain(NamedTuple):
     last_seq: int
     pushed: int                        #: its Drained.pushed, .ticket, .prev
     ticket: int
-    bufs: Optional[DrainBuffers]       #: the buffers its frames are views of (dense), or None
+    bufs: Optional[DrainBuffers]       #: the buffers its frames are views of (dense, table), or None
     prev: int
 
 
@@ -2141,11 +2141,12 @@ class Bridge:
     def _queue_drain(self, info: TInfo, s: int, stream: SendStream, d: Any,
                      bufs: DrainBuffers) -> None:
         """Encode drain ``d`` (views of ``bufs``) of shard ``s`` into BATCH frames queued
-        on ``stream``: a dense tensor's frames are views of ``bufs`` (frames.Pieces:
-        the sender's copy of each frame's values, 1.85 ms per 16 MiB shard, was a tenth
-        of a forwarding bridge), given back to the tensor once all are acknowledged;
-        other frames are copies, and ``bufs`` goes back at once (TInfo.spare)."""
-        views = info.kind == "dense"
+        on ``stream``: a dense tensor's and a table's frames are views of ``bufs``
+        (frames.Pieces: the sender's copy of each frame's values, 1.85 ms per 16 MiB
+        shard, was a tenth of a forwarding bridge; a table's 0.5 MiB frame 0.07 ms, on
+        the path of every flush), given back to the tensor once all are acknowledged; a
+        csr tensor's frames are copies, and ``bufs`` goes back at once (TInfo.spare)."""
+        views = info.kind in ("dense", "table")
         if (info.tid, s) not in self._sending:
             # a stream coming back from idle: its silence counts from now (RESEND_AFTER)
             self._sending.add((info.tid, s))
