@@ -294,8 +294,8 @@ def test_csr_tensors_are_forwarded(make_cluster):
 
     def structure(name: object, sign: bool) -> tuple[int, bytes]:
         body = json.dumps({"name": name}).encode()
-        headers = (auth.sign_request(secret, "POST", "/v1/structure", body, c.addrs[1])
-                   if sign else {})
+        headers = (auth.sign_request(secret, "POST", "/v1/structure", body, c.addrs[1],
+                                     target=c.addrs[2]) if sign else {})
         req = urllib.request.Request(c.url(2, "/v1/structure"), data=body, method="POST",
                                      headers=headers)
         try:
@@ -572,7 +572,7 @@ def test_a_model_of_many_tensors_is_taken_up_without_a_stall(make_cluster):
     # the catalog is not sent again while it has not changed: 304 for its ETag
     def catalog(tag: str | None) -> tuple[int, str, list]:
         headers = auth.sign_request(c.secret_file.read_bytes().strip(), "GET",
-                                    "/v1/catalog", b"", c.addrs[1])
+                                    "/v1/catalog", b"", c.addrs[1], target=c.addrs[0])
         if tag is not None:
             headers["If-None-Match"] = tag
         req = urllib.request.Request(c.url(0, "/v1/catalog"), headers=headers)
@@ -1298,6 +1298,142 @@ def test_hostile_peers_are_refused(make_cluster):
         s.close()
 
 
+def test_unauthenticated_clients_get_bounded_resources_and_change_nothing(make_cluster):
+    """What a client without the secret can do to a bridge with --secret-file, each
+    found by a review and each refused now (bridge-protocol.md section 11):
+    a websocket that declares an 8 MiB message before its handshake is closed from the
+    header (1009; the bridge made room for each such message: 8 MiB a connection);
+    connections in their handshake are capped (MAX_HANDSHAKES, then 503);
+    a signed membership change replayed to another host than the one it was signed for
+    is refused (it was applied there and sent to every host);
+    a non-ASCII authentication header is a counted 401 (a 500 and a traceback before);
+    and a process without the secret listening on a member's address, whose bridge is
+    down, cannot make the bridge create tensors through its catalog answer."""
+    import threading
+
+    import aiohttp
+    from aiohttp import web
+    from shmps.bridge import node as bridge_node, wsstream
+
+    c = make_cluster(3)
+    secret = c.secret_file.read_bytes().strip()
+    asked = []
+    record = {"name": "evil", "kind": "dense", "dtype": "float32", "shape": [64, 4],
+              "shard_rows": 64, "nshards": 1, "optimizer": {"type": "Sum"}, "mode": "exact",
+              "allow_nonfinite": False, "id": 0, "bytes": 0}
+
+    async def fake_catalog(request):
+        asked.append(request.path)
+        return web.json_response([record], headers={"ETag": '"fake"'})
+
+    # host 2's address answered by an impostor (no secret) while its bridge is down
+    loop = asyncio.new_event_loop()
+    started = threading.Event()
+    holder: dict = {}
+
+    def serve() -> None:
+        asyncio.set_event_loop(loop)
+        app = web.Application()
+        app.router.add_get("/v1/catalog", fake_catalog)
+        runner = web.AppRunner(app, handle_signals=False)
+        loop.run_until_complete(runner.setup())
+        host, port = c.addrs[2].rsplit(":", 1)
+        loop.run_until_complete(web.TCPSite(runner, host, int(port)).start())
+        holder["runner"] = runner
+        started.set()
+        loop.run_forever()
+        loop.run_until_complete(runner.cleanup())
+
+    impostor = threading.Thread(target=serve, daemon=True)
+    impostor.start()
+    assert started.wait(10)
+    try:
+        c.start(0)
+        c.start(1)
+        c.wait(lambda: c.health(0) is not None and c.health(1) is not None, 20, "bridges up")
+        c.wait(lambda: len(asked) >= 2, 20, "the impostor asked for its catalog")
+
+        async def attack() -> dict:
+            out: dict = {}
+            host, port = c.addrs[0].rsplit(":", 1)
+            # 1. a large message declared before the handshake
+            r, w = await asyncio.open_connection(host, int(port))
+            w.write(b"GET /v1/stream HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
+                    b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+                    b"Sec-WebSocket-Version: 13\r\n\r\n")
+            await r.readuntil(b"\r\n\r\n")
+            hello = await asyncio.wait_for(r.readexactly(2 + 40), 5)   # the server's HELLO
+            out["hello"] = hello[:2]
+            mask = b"\0\0\0\0"
+            w.write(bytes((0x82, 0x80 | 127)) + (8 << 20).to_bytes(8, "big") + mask + b"x")
+            out["declared_8MiB"] = await asyncio.wait_for(r.read(4), 5)
+            w.close()
+            # 2. handshakes held open: MAX_HANDSHAKES, then 503
+            held = []
+            for _ in range(bridge_node.MAX_HANDSHAKES):
+                hr, hw = await asyncio.open_connection(host, int(port))
+                hw.write(b"GET /v1/stream HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
+                         b"Connection: Upgrade\r\nSec-WebSocket-Key: "
+                         b"dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+                out.setdefault("held", []).append((await hr.readuntil(b"\r\n"))[:12])
+                held.append(hw)
+            async with aiohttp.ClientSession() as session:
+                with contextlib.suppress(aiohttp.WSServerHandshakeError):
+                    await session.ws_connect(c.url(0, "/v1/stream"))
+                async with session.get(c.url(0, "/v1/stream"), headers={
+                        "Upgrade": "websocket", "Connection": "Upgrade",
+                        "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ==",
+                        "Sec-WebSocket-Version": "13"}) as resp:
+                    out["over_cap"] = resp.status
+            for hw in held:
+                hw.close()
+            await asyncio.sleep(0.3)
+            async with aiohttp.ClientSession() as session:
+                ws = await session.ws_connect(c.url(0, "/v1/stream"))   # a slot again
+                out["after"] = (await ws.receive(timeout=5)).type
+                await ws.close()
+            # 3. a signed membership change for host 0, replayed to host 1
+            body = json.dumps({"remove": [c.addrs[1]]}).encode()
+            h = auth.sign_request(secret, "POST", "/v1/members", body, "operator",
+                                  target=c.addrs[0])
+            async with aiohttp.ClientSession() as session:
+                async with session.post(c.url(1, "/v1/members"), data=body,
+                                        headers=h) as resp:
+                    out["replayed"] = resp.status
+                # 4. a non-ASCII header
+                bad = dict(auth.sign_request(secret, "GET", "/v1/catalog", b"", "operator",
+                                             target=c.addrs[0]))
+            rr, ww = await asyncio.open_connection(host, int(port))
+            ww.write(b"GET /v1/catalog HTTP/1.1\r\nHost: x\r\nX-Shmps-Id: \xff\r\n"
+                     + "".join(f"{k}: {v}\r\n" for k, v in bad.items()
+                               if k != auth.HEADER_ID).encode() + b"\r\n")
+            out["non_ascii"] = (await asyncio.wait_for(rr.readuntil(b"\r\n"), 5))[:12]
+            ww.close()
+            return out
+
+        auth_before = rejected(c, 0, "auth")
+        out = asyncio.run(attack())
+        assert out["hello"] == bytes((0x82, 40))
+        assert out["declared_8MiB"] == bytes((0x88, 2)) + wsstream.CLOSE_TOO_BIG.to_bytes(2, "big")
+        assert out["held"] == [b"HTTP/1.1 101"] * bridge_node.MAX_HANDSHAKES
+        assert out["over_cap"] == 503
+        assert out["after"] == aiohttp.WSMsgType.BINARY       # the HELLO of a fresh slot
+        assert out["replayed"] == 401
+        assert any(m["address"] == c.addrs[1] for m in c.health(1)["members"])
+        assert out["non_ascii"] == b"HTTP/1.1 401"
+        assert rejected(c, 0, "auth") >= auth_before + 2
+        assert rejected(c, 0, "oversized") >= 1
+        assert "evil" not in c.health(0)["tensors"] and "evil" not in c.health(1)["tensors"]
+        s = c.attach(0)
+        try:
+            assert "evil" not in s
+        finally:
+            s.close()
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        impostor.join(10)
+
+
 def test_a_stream_seen_first_in_the_middle_loses_nothing(make_cluster):
     """An owner that first sees batch 2 of a sender's stream (batch 1 refused or still on
     its way, as when it waited for a hand-over) asks for the stream again (GAP) instead
@@ -1528,7 +1664,8 @@ def test_leave_by_members_api_and_sigterm(make_cluster):
     body = json.dumps({"remove": [c.addrs[3]]}).encode()
     req = urllib.request.Request(c.url(1, "/v1/members"), data=body, method="POST",
                                  headers=auth.sign_request(secret, "POST", "/v1/members",
-                                                           body, c.addrs[1]))
+                                                           body, c.addrs[1],
+                                                           target=c.addrs[1]))
     with urllib.request.urlopen(req, timeout=5) as r:
         assert c.addrs[3] not in json.loads(r.read())["members"]
     assert c.wait_exit(3, 30) == 0, c.describe()

@@ -3413,15 +3413,19 @@ def test_handshake_arguments_are_checked():
 NOW = 1_700_000_000.0
 
 
+HOST = "10.0.0.9:7070"     # the bridge the requests are for
+
+
 def signed(secret=SECRET, method="POST", path="/v1/members?x=1", body=b'{"add": "d:4"}',
-           now=NOW, nonce=None):
-    return auth.sign_request(secret, method, path, body, "10.0.0.2:7070", now=now, nonce=nonce)
+           now=NOW, nonce=None, target=HOST):
+    return auth.sign_request(secret, method, path, body, "10.0.0.2:7070", target=target,
+                             now=now, nonce=nonce)
 
 
 def test_request_mac_good_request_passes_once():
     """A signed request verifies and yields the client id; the same request again is a
     replay."""
-    v = auth.RequestVerifier(SECRET)
+    v = auth.RequestVerifier(SECRET, HOST)
     h = signed()
     assert v.verify("POST", "/v1/members?x=1", h, b'{"add": "d:4"}', now=NOW + 1) == "10.0.0.2:7070"
     with pytest.raises(AuthError, match="replayed"):
@@ -3431,12 +3435,14 @@ def test_request_mac_good_request_passes_once():
 
 
 @pytest.mark.parametrize("change", ["secret", "method", "path", "body", "id", "time", "nonce",
-                                    "mac"])
+                                    "mac", "target"])
 def test_request_mac_wrong_secret_or_tampered_field_fails(change):
-    """Another secret, or any altered part of the request, fails the MAC check."""
-    v = auth.RequestVerifier(SECRET)
+    """Another secret, or any altered part of the request, fails the MAC check; so does
+    a request signed for another host (replayed to this one)."""
+    v = auth.RequestVerifier(SECRET, HOST)
     method, path, body = "POST", "/v1/members?x=1", b'{"add": "d:4"}'
-    h = signed(secret=b"z" * 32) if change == "secret" else signed()
+    h = (signed(secret=b"z" * 32) if change == "secret" else
+         signed(target="10.0.0.8:7070") if change == "target" else signed())
     if change == "method":
         method = "PUT"
     elif change == "path":
@@ -3459,7 +3465,7 @@ def test_request_mac_wrong_secret_or_tampered_field_fails(change):
 @pytest.mark.parametrize("skew", [-31.0, 31.0, -3600.0])
 def test_request_mac_expired_is_refused(skew):
     """A correctly signed request outside the time window is refused as expired."""
-    v = auth.RequestVerifier(SECRET, window=30)
+    v = auth.RequestVerifier(SECRET, HOST, window=30)
     with pytest.raises(AuthError, match="expired"):
         v.verify("POST", "/v1/members?x=1", signed(now=NOW + skew), b'{"add": "d:4"}', now=NOW)
 
@@ -3469,7 +3475,9 @@ def test_request_mac_expired_is_refused(skew):
     (auth.HEADER_TIME, "12a", "malformed X-Shmps-Time"),
     (auth.HEADER_TIME, "9" * 20, "out of range"),
     (auth.HEADER_NONCE, "zz" * 16, "hex digits"), (auth.HEADER_MAC, "ab", "hex digits"),
-    (auth.HEADER_ID, "x" * 2000, "malformed X-Shmps-Id")])
+    (auth.HEADER_ID, "x" * 2000, "malformed X-Shmps-Id"),
+    (auth.HEADER_ID, "\udcff", "malformed X-Shmps-Id"),    # a non-UTF-8 byte, as aiohttp
+    (auth.HEADER_ID, "h\u00e9:1", "malformed X-Shmps-Id")])  # passes it; non-ASCII
 def test_request_mac_missing_or_malformed_headers(header, value, match):
     """Missing or malformed authentication headers are refused before any MAC work."""
     h = signed()
@@ -3478,14 +3486,45 @@ def test_request_mac_missing_or_malformed_headers(header, value, match):
     else:
         h[header] = value
     with pytest.raises(AuthError, match=match):
-        auth.RequestVerifier(SECRET).verify("POST", "/v1/members?x=1", h, b'{"add": "d:4"}',
+        auth.RequestVerifier(SECRET, HOST).verify("POST", "/v1/members?x=1", h, b'{"add": "d:4"}',
                                             now=NOW)
+
+
+@pytest.mark.parametrize("change", [None, "secret", "server", "status", "etag", "body",
+                                    "request", "missing"])
+def test_response_mac_binds_the_answer_to_its_request_and_server(change):
+    """A bridge's answer to a signed request (catalog, structure) carries a MAC of the
+    request's nonce, the answering host, the status, the ETag and the body: the asking
+    host checks it before it reads anything (any process on a member's address could
+    answer), and any other secret, server, status, tag, body or request fails it."""
+    req = signed(method="GET", path="/v1/catalog", body=b"")
+    body, tag = b'[{"name": "w"}]', '"1-2-3"'
+    resp = {"ETag": tag, **auth.sign_response(b"z" * 32 if change == "secret" else SECRET,
+                                              req, HOST, 200, body, tag)}
+    server, status = HOST, 200
+    if change == "server":
+        server = "10.0.0.8:7070"
+    elif change == "status":
+        status = 304
+    elif change == "etag":
+        resp["ETag"] = '"1-2-4"'
+    elif change == "body":
+        body = b'[{"name": "evil"}]'
+    elif change == "request":
+        req = signed(method="GET", path="/v1/catalog", body=b"")   # another nonce
+    elif change == "missing":
+        del resp[auth.HEADER_RESPONSE_MAC]
+    if change is None:
+        auth.check_response(SECRET, req, server, status, resp, body)
+    else:
+        with pytest.raises(AuthError):
+            auth.check_response(SECRET, req, server, status, resp, body)
 
 
 def test_request_nonce_cache_is_bounded_and_forgets_old_nonces():
     """The nonce cache refuses (fails closed) when full of in-window nonces, and forgets
     nonces once their window has passed."""
-    v = auth.RequestVerifier(SECRET, window=30, max_nonces=3)
+    v = auth.RequestVerifier(SECRET, HOST, window=30, max_nonces=3)
     for i in range(3):
         v.verify("GET", "/v1/x", signed(method="GET", path="/v1/x", body=b"", now=NOW + i), b"",
                  now=NOW + i)
@@ -3495,7 +3534,7 @@ def test_request_nonce_cache_is_bounded_and_forgets_old_nonces():
     h = signed(method="GET", path="/v1/x", body=b"", now=NOW + 40)
     assert v.verify("GET", "/v1/x", h, b"", now=NOW + 40) and len(v) == 1
     with pytest.raises(InvalidArgument):
-        auth.RequestVerifier(SECRET, window=0)
+        auth.RequestVerifier(SECRET, HOST, window=0)
     with pytest.raises(InvalidArgument):
         signed(nonce=b"short")
 

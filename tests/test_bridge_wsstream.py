@@ -660,3 +660,109 @@ def test_a_corked_send_is_refused_while_the_queue_is_full(monkeypatch):
     assert sent == [True, False, True]
     assert len(accepted) >= 5
     assert got == accepted + [b"a" * 300 + b"b" * 300 + b"END"]
+
+
+@contextlib.asynccontextmanager
+async def unstarted_server(max_msg: int, max_inbox: int):
+    """A server at /pre whose handler takes the connection over and sets ``limit(max_msg,
+    max_inbox)``, as the bridge does until the handshake, and never starts a handler
+    (messages wait in the inbox): yields (port, streams, refused)."""
+    streams: list[wsstream.WsStream] = []
+    refused: list[str] = []
+
+    async def pre(request):
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        stream = wsstream.take_over(request, max_msg=max_msg, peer="pre-auth client")
+        stream.limit(max_msg, max_inbox)
+        stream.on_refused = refused.append
+        streams.append(stream)
+        await stream.wait_closed()
+        return ws
+
+    runner, port = await serve_one("/pre", pre)
+    try:
+        yield port, streams, refused
+    finally:
+        for s in streams:
+            s.close()
+        await runner.cleanup()
+
+
+async def raw_upgrade(port: int, path: str):
+    r, w = await asyncio.open_connection("127.0.0.1", port)
+    w.write(f"GET {path} HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n".encode()
+            + b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+              b"Sec-WebSocket-Version: 13\r\n\r\n")
+    await r.readuntil(b"\r\n\r\n")
+    return r, w
+
+
+def test_before_the_handshake_a_large_message_is_refused_with_no_room_made_for_it():
+    """A stream limited to handshake-sized messages (the bridge's until a peer
+    authenticates) refuses a message declared 8 MiB from its header (1009) and never
+    grows its buffer for it: an unauthenticated client cannot make the bridge allocate
+    the data-frame limit per connection (it did: 8 MiB each, the bridge's memory without
+    bound).  Its reads are small too."""
+    async def main():
+        async with unstarted_server(400, 400) as (port, streams, refused):
+            r, w = await raw_upgrade(port, "/pre")
+            w.write(masked_frame(0x82, b"", length=8 << 20) + b"x")
+            close = await asyncio.wait_for(r.read(4), 5)
+            w.close()
+            return close, max(len(s._buf) for s in streams), refused
+    close, buf, refused = run(main())
+    assert close == bytes((0x88, 2)) + struct.pack("!H", wsstream.CLOSE_TOO_BIG)
+    assert buf <= 4096 and refused == ["oversized"]
+
+
+def test_before_the_handshake_the_inbox_is_bounded():
+    """Messages that arrive before start() wait in the inbox, copied; past ``max_inbox``
+    bytes the connection is closed (1008): an unauthenticated client cannot queue
+    messages without bound.  What fits is kept for receive()."""
+    async def main():
+        async with unstarted_server(400, 400) as (port, streams, refused):
+            r, w = await raw_upgrade(port, "/pre")
+            w.write(masked_frame(0x82, b"a" * 300))
+            await asyncio.sleep(0.2)
+            kept = [bytes(m) for m in streams[0]._inbox]
+            w.write(masked_frame(0x82, b"b" * 300))
+            close = await asyncio.wait_for(r.read(4), 5)
+            w.close()
+            return kept, close, refused
+    kept, close, refused = run(main())
+    assert kept == [b"a" * 300]
+    assert close == bytes((0x88, 2)) + struct.pack("!H", wsstream.CLOSE_POLICY)
+    assert refused == ["malformed"]
+
+
+def test_a_peer_that_pings_and_does_not_read_gets_one_pong_queued():
+    """While the transport is paused (its buffer over the high-water mark: here by
+    pause_writing, as asyncio calls it, on the server's stream), pongs wait in the queue;
+    a peer that pings and never reads gets one queued pong, to its latest ping (RFC 6455
+    5.5.3), not one per ping (an unauthenticated client queued 185 MiB of them in 8 s).
+    Other messages queue as before, and the pong goes out in its place at resume."""
+    async def main():
+        async with unstarted_server(400, 400) as (port, streams, _):
+            r, w = await raw_upgrade(port, "/pre")
+            await asyncio.sleep(0.1)
+            s = streams[0]
+            s.pause_writing()
+            s.send(b"first")
+            for i in range(1000):
+                w.write(masked_frame(0x89, b"ping %d" % i))
+            await w.drain()
+            await asyncio.sleep(0.3)
+            queued = [(op, bytes(h) + bytes(d)) for h, d, op in s._backlog]
+            nbytes = s._backlog_bytes
+            s.send(b"second")
+            s.resume_writing()
+            got = await asyncio.wait_for(r.readexactly(2 + 5 + 2 + 8 + 2 + 6), 5)
+            w.close()
+            return queued, nbytes, got
+    queued, nbytes, got = run(main())
+    assert queued == [(False, bytes((0x82, 5)) + b"first"),
+                      (True, bytes((0x8A, 8)) + b"ping 999")]
+    assert nbytes < 100
+    assert got == (bytes((0x82, 5)) + b"first" + bytes((0x8A, 8)) + b"ping 999"
+                   + bytes((0x82, 6)) + b"second")

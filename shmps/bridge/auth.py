@@ -65,16 +65,21 @@ HEADER_ID = "X-Shmps-Id"
 HEADER_TIME = "X-Shmps-Time"
 HEADER_NONCE = "X-Shmps-Nonce"
 HEADER_MAC = "X-Shmps-Mac"
+HEADER_RESPONSE_MAC = "X-Shmps-Response-Mac"
 
 _TAG_CLIENT = b"shmps-bridge/1 client\0"
 _TAG_SERVER = b"shmps-bridge/1 server\0"
-_TAG_REQUEST = b"shmps-bridge/1 request\0"
+_TAG_REQUEST = b"shmps-bridge/2 request\0"    # /2: the target host is signed too
+_TAG_RESPONSE = b"shmps-bridge/2 response\0"
 
 _HELLO = struct.Struct("<4sHH32s")          # magic, version, reserved, server nonce
 _AUTH = struct.Struct("<4sHBBII32s32s")     # magic, version, id len, purpose len, sender,
 #                                             incarnation, client nonce, MAC_c; then id, purpose
 _OK = struct.Struct("<4sHHII32s")           # magic, version, reserved, sender, incarnation, MAC_s
 MAGIC_HELLO, MAGIC_AUTH, MAGIC_OK = b"SHPH", b"SHPA", b"SHPK"
+#: the largest handshake message (an AUTH with the longest id and purpose): the bound on
+#: what a connection may send before it has authenticated (wsstream.WsStream.limit)
+MAX_HANDSHAKE_MSG = _AUTH.size + MAX_ID_BYTES + MAX_PURPOSE_BYTES
 
 
 class AuthError(Error, PermissionError):
@@ -330,27 +335,65 @@ class ClientHandshake:
 
 # --------------------------------------------------------------------------- requests
 
-def _request_mac(key: bytes, method: str, path: str, client_id: str, ts_ms: int,
-                 nonce: bytes, body: bytes) -> bytes:
+def _request_mac(key: bytes, method: str, path: str, client_id: str, target: str,
+                 ts_ms: int, nonce: bytes, body: bytes) -> bytes:
     msg = (_TAG_REQUEST + _lp(method.upper().encode("utf-8")) + _lp(path.encode("utf-8"))
-           + _lp(client_id.encode("utf-8")) + struct.pack("<Q", ts_ms) + nonce
-           + hashlib.sha256(body).digest())
+           + _lp(client_id.encode("utf-8")) + _lp(target.encode("utf-8"))
+           + struct.pack("<Q", ts_ms) + nonce + hashlib.sha256(body).digest())
     return hmac.new(key, msg, hashlib.sha256).digest()
 
 
 def sign_request(secret: bytes | None, method: str, path: str, body: bytes, client_id: str,
-                 *, now: float | None = None, nonce: bytes | None = None) -> dict[str, str]:
-    """The four authentication headers for an HTTP request. ``path`` includes the query
-    string; ``now`` is wall-clock seconds (default ``time.time()``). O(len(body))."""
+                 *, target: str, now: float | None = None,
+                 nonce: bytes | None = None) -> dict[str, str]:
+    """The four authentication headers for an HTTP request to the bridge at ``target``
+    (its member address as in hosts.txt, ``host:port``: the MAC names it, so the request
+    is refused by every other host). ``path`` includes the query string; ``now`` is
+    wall-clock seconds (default ``time.time()``). O(len(body))."""
     _text("client_id", client_id, MAX_ID_BYTES)
+    _text("target", target, MAX_ID_BYTES)
     ts_ms = int(round((time.time() if now is None else now) * 1000))
     if nonce is None:
         nonce = new_nonce(REQUEST_NONCE_BYTES)
     if len(nonce) != REQUEST_NONCE_BYTES:
         raise InvalidArgument(f"nonce must be {REQUEST_NONCE_BYTES} bytes")
-    mac = _request_mac(_key(secret), method, path, client_id, ts_ms, nonce, body)
+    mac = _request_mac(_key(secret), method, path, client_id, target, ts_ms, nonce, body)
     return {HEADER_ID: client_id, HEADER_TIME: str(ts_ms), HEADER_NONCE: nonce.hex(),
             HEADER_MAC: mac.hex()}
+
+
+def _response_mac(key: bytes, nonce: bytes, server_id: str, status: int, etag: str,
+                  body: bytes) -> bytes:
+    msg = (_TAG_RESPONSE + nonce + _lp(server_id.encode("utf-8")) + struct.pack("<H", status)
+           + _lp(etag.encode("utf-8")) + hashlib.sha256(body).digest())
+    return hmac.new(key, msg, hashlib.sha256).digest()
+
+
+def sign_response(secret: bytes | None, request_headers: Mapping[str, str], server_id: str,
+                  status: int, body: bytes, etag: str = "") -> dict[str, str]:
+    """The header that authenticates the answer to a verified request: a MAC of the
+    request's nonce (so it answers that request and no other), the answering host, the
+    status, the ``ETag`` (or "") and the body. O(len(body))."""
+    nonce = _hex(_header(request_headers, HEADER_NONCE, 64), REQUEST_NONCE_BYTES,
+                 HEADER_NONCE)
+    mac = _response_mac(_key(secret), nonce, server_id, status, etag, body)
+    return {HEADER_RESPONSE_MAC: mac.hex()}
+
+
+def check_response(secret: bytes | None, request_headers: Mapping[str, str], server_id: str,
+                   status: int, response_headers: Mapping[str, str], body: bytes) -> None:
+    """Raise :class:`AuthError` unless the response to the request signed with
+    ``request_headers`` (sign_request) carries the MAC that ``server_id``, holding the
+    secret, gives it (sign_response). Check it before using anything of the response:
+    any process listening on a member's address can answer. O(len(body))."""
+    nonce = bytes.fromhex(request_headers[HEADER_NONCE])
+    etag = response_headers.get("ETag", "")
+    mac = _hex(_header(response_headers, HEADER_RESPONSE_MAC, 128), MAC_BYTES,
+               HEADER_RESPONSE_MAC)
+    expected = _response_mac(_key(secret), nonce, server_id, status, etag, body)
+    if not hmac.compare_digest(mac, expected):
+        raise AuthError(f"the answer of {server_id} failed authentication (it does not hold "
+                        "this host's secret, or the answer was altered)")
 
 
 def _header(headers: Mapping[str, str], name: str, limit: int) -> str:
@@ -363,7 +406,7 @@ def _header(headers: Mapping[str, str], name: str, limit: int) -> str:
                 break
     if value is None:
         raise AuthError(f"request has no {name} header (unauthenticated)")
-    if not isinstance(value, str) or len(value) > limit:
+    if not isinstance(value, str) or len(value) > limit or not value.isascii():
         raise AuthError(f"malformed {name} header")
     return value
 
@@ -383,13 +426,14 @@ class RequestVerifier:
     ``verify`` is O(len(body) + log(max_nonces)) amortized.
     """
 
-    def __init__(self, secret: bytes | None, *, window: float = REQUEST_WINDOW,
+    def __init__(self, secret: bytes | None, address: str, *, window: float = REQUEST_WINDOW,
                  max_nonces: int = 65536, clock: Callable[[], float] = time.time) -> None:
         if not window > 0:
             raise InvalidArgument(f"window must be > 0, got {window!r}")
         if max_nonces < 1:
             raise InvalidArgument(f"max_nonces must be >= 1, got {max_nonces!r}")
         self._key = _key(secret)
+        self.address = address    #: this host's member address: the target requests sign
         self.window = float(window)
         self.max_nonces = int(max_nonces)
         self._clock = clock
@@ -419,10 +463,12 @@ class RequestVerifier:
             raise AuthError(f"malformed {HEADER_TIME} header: out of range")
         nonce = _hex(_header(headers, HEADER_NONCE, 64), REQUEST_NONCE_BYTES, HEADER_NONCE)
         mac = _hex(_header(headers, HEADER_MAC, 128), MAC_BYTES, HEADER_MAC)
-        expected = _request_mac(self._key, method, path, client_id, ts_ms, nonce, body)
+        expected = _request_mac(self._key, method, path, client_id, self.address, ts_ms,
+                                nonce, body)
         if not hmac.compare_digest(mac, expected):
             raise AuthError(f"request {method} {path} from {client_id!r} failed authentication "
-                            "(wrong secret, or the request was altered)")
+                            "(wrong secret, signed for another host than "
+                            f"{self.address}, or the request was altered)")
         ts = ts_ms / 1000.0
         if abs(t - ts) > self.window:
             raise AuthError(f"request {method} {path} from {client_id!r} expired: its "
@@ -442,5 +488,5 @@ class RequestVerifier:
 
 __all__ = ["AuthError", "ClientHandshake", "HEADER_ID", "HEADER_MAC", "HEADER_NONCE",
            "HEADER_TIME", "NONCE_BYTES", "Peer", "RequestVerifier", "SECRET_MIN_BYTES",
-           "ServerHandshake", "check_bind", "is_loopback", "load_secret", "new_nonce",
-           "sign_request"]
+           "ServerHandshake", "check_bind", "check_response", "is_loopback", "load_secret",
+           "new_nonce", "sign_request", "sign_response"]

@@ -77,6 +77,8 @@ HANDOVER_TIMEOUT = 3.0           #: a new owner waits this long for the old owne
 CATALOG_INTERVAL = 0.5           #: how often tensor catalogs are compared with peers (s)
 MAX_MSG = frames.MAX_FRAME_BYTES + 4096
 MAX_BAD_FRAMES = 3               #: malformed frames in a row before a connection is closed
+MAX_HANDSHAKES = 64              #: incoming connections in their handshake at once (503 over it)
+MAX_CATALOG_BYTES = 64 << 20     #: the largest catalog answer a peer's bridge may give
 SNAPSHOT_FRAME_BYTES = 1 << 20   #: values per snapshot chunk
 MAX_MARKS = frames.DEFAULT_LIMITS.max_marks  #: duplicate-filter marks a snapshot carries at most
 SPARE_DRAIN_BUFFERS = 2          #: a tensor's drain buffers kept for reuse (TInfo.spare)
@@ -332,6 +334,21 @@ class Cork:
                 c.flush()
 
 
+async def _read_at_most(response: Any, limit: int, what: str) -> bytes:
+    """The body of aiohttp ``response``, refused (InvalidArgument) once it passes ``limit``
+    bytes, before more is read: a peer's answer is bounded before it is checked."""
+    n = response.content_length
+    if n is not None and n > limit:
+        raise InvalidArgument(f"{what}: {n} bytes, over the {limit}-byte limit")
+    parts, got = [], 0
+    async for chunk in response.content.iter_chunked(1 << 16):
+        got += len(chunk)
+        if got > limit:
+            raise InvalidArgument(f"{what}: over the {limit}-byte limit")
+        parts.append(chunk)
+    return b"".join(parts)
+
+
 class Conn:
     """One established websocket (:class:`.wsstream.WsStream`) to or from a peer."""
 
@@ -416,8 +433,10 @@ class Link:
         while True:
             stream: Optional[wsstream.WsStream] = None
             try:
-                stream = await wsstream.connect(host, port, "/v1/stream", max_msg=MAX_MSG,
-                                                timeout=2.0)
+                # until the server has authenticated: its two handshake messages, no more
+                stream = await wsstream.connect(host, port, "/v1/stream",
+                                                max_msg=auth.MAX_HANDSHAKE_MSG, timeout=2.0)
+                stream.limit(auth.MAX_HANDSHAKE_MSG, 2 * auth.MAX_HANDSHAKE_MSG)
                 stream.on_refused = self.node.metrics.rejected
                 hello = await stream.receive(2.0)
                 hs = auth.ClientHandshake(self.node.cfg.secret, self.node.addr, "data",
@@ -429,6 +448,7 @@ class Link:
                 if server.sender != member_id(self.addr):
                     raise auth.AuthError(f"member id {server.sender:08x} does not match "
                                          f"the address {self.addr}")
+                stream.limit(MAX_MSG)
                 self.conn = conn = Conn(stream, self.addr, cork=self.node.cork)
                 self.up_since = time.monotonic()
                 bad = 0
@@ -638,7 +658,8 @@ class Bridge:
         self.runner: Any = None
         self._site: Any = None
         self._tasks: list[asyncio.Task] = []
-        self._verifier = auth.RequestVerifier(cfg.secret)
+        self._verifier = auth.RequestVerifier(cfg.secret, self.addr)
+        self._handshaking = 0       # incoming connections not yet authenticated (h_stream)
         self._stop_event: Optional[asyncio.Event] = None
         self._owner_cache: dict[str, list[str]] = {}
         self._owned: tuple = (None, 0, [])   # (ring, shard count, owned keys): _owned_keys
@@ -3325,7 +3346,7 @@ class Bridge:
     async def _pull_catalog(self, peer: str) -> None:
         host, port = parse_address(peer)
         path = "/v1/catalog"
-        headers = auth.sign_request(self.cfg.secret, "GET", path, b"", self.addr)
+        headers = auth.sign_request(self.cfg.secret, "GET", path, b"", self.addr, target=peer)
         known = self._catalog_tags.get(peer)
         if known is not None:
             headers["If-None-Match"] = known
@@ -3333,12 +3354,21 @@ class Bridge:
         import aiohttp
         async with self.session.get(url, headers=headers,
                                     timeout=aiohttp.ClientTimeout(total=1.0)) as r:
+            if r.status not in (200, 304):
+                return
+            body = await _read_at_most(r, MAX_CATALOG_BYTES, f"the catalog of {peer}")
+            # any process listening on a member's address can answer: nothing of it is
+            # used before its MAC is checked
+            try:
+                auth.check_response(self.cfg.secret, headers, peer, r.status, r.headers, body)
+            except auth.AuthError as e:
+                self.metrics.rejected("auth")
+                log.warning("refused the catalog answer of %s: %s", peer, e)
+                return
             if r.status == 304:   # nothing new there since every record was taken
                 self.catalog_seen_from.add(peer)
                 return
-            if r.status != 200:
-                return
-            recs = json.loads(await r.read())
+            recs = json.loads(body)
             tag = r.headers.get("ETag")
         t0 = time.monotonic()
         complete = True
@@ -3371,14 +3401,21 @@ class Bridge:
         host, port = parse_address(peer)
         path = "/v1/structure"
         body = json.dumps({"name": rec["name"]}).encode()
-        headers = auth.sign_request(self.cfg.secret, "POST", path, body, self.addr)
+        headers = auth.sign_request(self.cfg.secret, "POST", path, body, self.addr,
+                                    target=peer)
         url = f"http://{host if ':' not in host else '[' + host + ']'}:{port}{path}"
+        rows, nnz = int(rec["shape"][0]), int(rec["nnz"])
         async with self.session.post(url, data=body, headers=headers,
                                      timeout=aiohttp.ClientTimeout(total=60.0)) as r:
             if r.status != 200:
                 raise InvalidArgument(f"structure of {rec['name']!r} from {peer}: HTTP {r.status}")
-            data = await r.read()
-        rows, nnz = int(rec["shape"][0]), int(rec["nnz"])
+            data = await _read_at_most(r, 8 * (rows + 1 + nnz),
+                                       f"the structure of {rec['name']!r} from {peer}")
+            try:
+                auth.check_response(self.cfg.secret, headers, peer, r.status, r.headers, data)
+            except auth.AuthError as e:
+                self.metrics.rejected("auth")
+                raise InvalidArgument(f"structure of {rec['name']!r}: {e}") from None
         if len(data) != 8 * (rows + 1 + nnz):
             raise InvalidArgument(f"structure of {rec['name']!r} from {peer}: {len(data)} "
                                   f"bytes, expected {8 * (rows + 1 + nnz)}")
@@ -3463,11 +3500,16 @@ class Bridge:
         # sends it back (If-None-Match) and gets 304, not hundreds of records again.
         tag = f'"{self.incarnation}-{len(self.store._record_list)}-{len(self.adopted)}"'
         if request.headers.get("If-None-Match") == tag:
-            return web.Response(status=304, headers={"ETag": tag})
+            return web.Response(status=304, headers={
+                "ETag": tag, **auth.sign_response(self.cfg.secret, request.headers, self.addr,
+                                                  304, b"", tag)})
         # each record says where its tensor was created: the copy with its initial values
         recs = [dict(r, origin=self.adopted.get(r["name"], self.addr))
                 for r in self.store._record_list if _user_record(r)]
-        return web.json_response(recs, headers={"ETag": tag})
+        body = json.dumps(recs).encode()
+        return web.Response(body=body, content_type="application/json", headers={
+            "ETag": tag, **auth.sign_response(self.cfg.secret, request.headers, self.addr, 200,
+                                              body, tag)})
 
     async def h_structure(self, request: Any) -> Any:
         """``POST /v1/structure`` ``{"name": N}``: csr tensor N's rowcnt then colidx
@@ -3486,8 +3528,10 @@ class Bridge:
         if info is None or info.kind != "csr":
             return web.json_response({"error": "no such csr tensor"}, status=404)
         rc, ci = info.t.structure()
-        return web.Response(body=rc.astype("<i8").tobytes() + ci.astype("<i8").tobytes(),
-                            content_type="application/octet-stream")
+        data = rc.astype("<i8").tobytes() + ci.astype("<i8").tobytes()
+        return web.Response(body=data, content_type="application/octet-stream",
+                            headers=auth.sign_response(self.cfg.secret, request.headers,
+                                                       self.addr, 200, data))
 
     async def h_members(self, request: Any) -> Any:
         from aiohttp import web
@@ -3523,7 +3567,8 @@ class Bridge:
         body = json.dumps(req).encode()
         host, port = parse_address(peer)
         path = "/v1/members"
-        headers = auth.sign_request(self.cfg.secret, "POST", path, body, self.addr)
+        headers = auth.sign_request(self.cfg.secret, "POST", path, body, self.addr,
+                                    target=peer)
         url = f"http://{host if ':' not in host else '[' + host + ']'}:{port}{path}"
         try:
             async with self.session.post(url, data=body, headers=headers,
@@ -3538,26 +3583,50 @@ class Bridge:
         from aiohttp import web
         if self._closing:
             return web.Response(status=503, text="this bridge is stopping\n")
-        ws = web.WebSocketResponse(max_msg_size=MAX_MSG)
-        await ws.prepare(request)
+        if self._handshaking >= MAX_HANDSHAKES:
+            # (each may wait HANDSHAKE_TIMEOUT: unauthenticated clients get no more)
+            self.metrics.rejected("auth")
+            log.warning("refused a connection from %s: %d connections are in their "
+                        "handshake already", request.remote, self._handshaking)
+            return web.Response(status=503, text="too many connections in their "
+                                                 "handshake; try again\n")
+        self._handshaking += 1
+        handshaking = True
+
+        def authenticated() -> None:
+            """The client authenticated, or its attempt ended: its handshake slot is free."""
+            nonlocal handshaking
+            if handshaking:
+                handshaking = False
+                self._handshaking -= 1
         try:
-            stream = wsstream.take_over(request, max_msg=MAX_MSG, peer=str(request.remote))
-        except wsstream.WsClosed:
-            return ws
-        stream.on_refused = self.metrics.rejected
-        self._streams.add(stream)
-        try:
-            if not self._closing:   # close() may have run while the upgrade was sent
-                await self._serve_stream(stream, request)
+            ws = web.WebSocketResponse(max_msg_size=auth.MAX_HANDSHAKE_MSG)
+            await ws.prepare(request)
+            try:
+                stream = wsstream.take_over(request, max_msg=auth.MAX_HANDSHAKE_MSG,
+                                            peer=str(request.remote))
+            except wsstream.WsClosed:
+                return ws
+            # until the client has authenticated: one handshake message, no more
+            stream.limit(auth.MAX_HANDSHAKE_MSG, auth.MAX_HANDSHAKE_MSG)
+            stream.on_refused = self.metrics.rejected
+            self._streams.add(stream)
+            try:
+                if not self._closing:   # close() may have run while the upgrade was sent
+                    await self._serve_stream(stream, request, authenticated)
+            finally:
+                self._streams.discard(stream)
+                stream.close()
+                # aiohttp's side of it: the transport is closing, so this only marks it
+                # closed
+                with contextlib.suppress(Exception):
+                    await ws.close()
         finally:
-            self._streams.discard(stream)
-            stream.close()
-            # aiohttp's side of it: the transport is closing, so this only marks it closed
-            with contextlib.suppress(Exception):
-                await ws.close()
+            authenticated()
         return ws
 
-    async def _serve_stream(self, stream: wsstream.WsStream, request: Any) -> None:
+    async def _serve_stream(self, stream: wsstream.WsStream, request: Any,
+                            authenticated: Callable[[], None]) -> None:
         hs = auth.ServerHandshake(self.cfg.secret, sender=self.mid,
                                   incarnation=self.incarnation)
         stream.send(hs.hello())
@@ -3568,6 +3637,8 @@ class Bridge:
             if member_id(peer.client_id) != peer.sender:
                 raise auth.AuthError(f"{peer.client_id}: member id {peer.sender:08x} does not "
                                      "match its address")
+            stream.limit(MAX_MSG)   # a member: data frames from now on
+            authenticated()
             stream.send(ok)
         except (auth.AuthError, asyncio.TimeoutError, wsstream.WsClosed) as e:
             self.metrics.rejected("auth")

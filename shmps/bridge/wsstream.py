@@ -46,9 +46,9 @@ from aiohttp.http import WS_KEY
 log = logging.getLogger("shmps.bridge")
 
 OP_CONT, OP_TEXT, OP_BINARY, OP_CLOSE, OP_PING, OP_PONG = 0x0, 0x1, 0x2, 0x8, 0x9, 0xA
-CLOSE_NORMAL, CLOSE_PROTOCOL, CLOSE_UNSUPPORTED, CLOSE_TOO_BIG = (
+CLOSE_NORMAL, CLOSE_PROTOCOL, CLOSE_UNSUPPORTED, CLOSE_POLICY, CLOSE_TOO_BIG = (
     int(WSCloseCode.OK), int(WSCloseCode.PROTOCOL_ERROR), int(WSCloseCode.UNSUPPORTED_DATA),
-    int(WSCloseCode.MESSAGE_TOO_BIG))
+    int(WSCloseCode.POLICY_VIOLATION), int(WSCloseCode.MESSAGE_TOO_BIG))
 READ_CHUNK = 256 << 10        #: read size between messages (dozens of small ones per read:
                               #: at 16 KiB, ROWS of small shards came faster than a
                               #: bridge read them, one read per connection a loop pass)
@@ -57,6 +57,7 @@ MAX_HTTP_HEAD = 16 << 10      #: the client's limit on the server's 101 response
 # the buffer, at least max_msg + READ_CHUNK (_make_room), holds a whole 101 response head
 assert READ_CHUNK >= MAX_HTTP_HEAD
 MAX_BACKLOG = 64 << 20        #: bytes queued for a slow peer before send() refuses
+MAX_INBOX = 1 << 30           #: default bytes of messages held before start() (see limit())
 CLOSE_LINGER = 2.0            #: seconds a closing connection may take to send its last bytes
 SMALL_MASK = 512              #: (un)mask messages up to this size with Python ints
 LEN16 = struct.Struct("!H")
@@ -114,19 +115,23 @@ class WsStream(asyncio.BufferedProtocol):
     handler as a view of the receive buffer, in order, on the event loop."""
 
     def __init__(self, *, client: bool, max_msg: int, peer: str = "",
-                 request: Optional[tuple[str, str]] = None) -> None:
+                 request: Optional[tuple[str, str]] = None,
+                 max_inbox: int = MAX_INBOX) -> None:
         self.client = client
         self.max_msg = max_msg
+        #: bytes of messages the inbox holds before start(); over it, closed (1008)
+        self.max_inbox = max_inbox
         self.peer = peer
         self.transport: Optional[asyncio.Transport] = None
         self.orig: Optional[asyncio.BaseProtocol] = None  # aiohttp's, told when we close
-        self._buf = bytearray(READ_CHUNK * 2)
+        self._buf = bytearray(2 * self._chunk())
         self._mv = memoryview(self._buf)
         self._pos = 0            # first byte not yet parsed
         self._end = 0            # end of the bytes received
         self._need = 0           # bytes of the message at _pos, once its header is read
         self._handler: Optional[Handler] = None
         self._inbox: deque = deque()
+        self._inbox_bytes = 0
         self._waiter: Optional[asyncio.Future] = None
         self._close_sent = False
         #: told why, when this end closes the connection for a protocol violation:
@@ -135,6 +140,7 @@ class WsStream(asyncio.BufferedProtocol):
         self._paused = False     # the transport's buffer is over its high-water mark
         self._backlog: deque = deque()   # messages waiting for resume_writing
         self._backlog_bytes = 0
+        self._pong_queued = False        # a PONG waits in the backlog (at most one does)
         loop = asyncio.get_running_loop()
         self.closed: asyncio.Future = loop.create_future()
         self.opened: asyncio.Future = loop.create_future()
@@ -154,6 +160,19 @@ class WsStream(asyncio.BufferedProtocol):
                 f"Connection: Upgrade\r\nSec-WebSocket-Key: {self._key.decode()}\r\n"
                 "Sec-WebSocket-Version: 13\r\n\r\n".encode())
 
+    def limit(self, max_msg: int, max_inbox: int = MAX_INBOX) -> None:
+        """Set the largest message taken (over it: closed with 1009, from its header,
+        before its payload is read or room made for it) and the bytes of messages held
+        before :meth:`start` (over them: closed with 1008).  A server keeps both small
+        until the peer has authenticated (the bridge: a handshake message), so that an
+        unauthenticated client gets no large buffer and no queue."""
+        self.max_msg, self.max_inbox = max_msg, max_inbox
+
+    def _chunk(self) -> int:
+        """Bytes asked of the kernel per read between messages: READ_CHUNK, or a
+        message's largest frame while messages are small (before authentication)."""
+        return min(READ_CHUNK, self.max_msg + 14)
+
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._pos == self._end:
             self._pos = self._end = 0
@@ -161,7 +180,8 @@ class WsStream(asyncio.BufferedProtocol):
         left = self._need - have          # bytes still missing of the message at _pos
         # a large message is read to its end exactly, so the next one starts a read (and
         # usually the buffer); else read a chunk, which may hold several small messages
-        size = left if left >= READ_CHUNK else READ_CHUNK
+        chunk = self._chunk()
+        size = left if left >= chunk else chunk
         if self._end + size > len(self._buf):
             self._make_room(have + size)
         return self._mv[self._end:self._end + size]
@@ -195,8 +215,10 @@ class WsStream(asyncio.BufferedProtocol):
     def resume_writing(self) -> None:
         self._paused = False
         while self._backlog and not self._paused and not self.is_closed:
-            head, data = self._backlog.popleft()
+            head, data, pong = self._backlog.popleft()
             self._backlog_bytes -= len(head) + memoryview(data).nbytes
+            if pong:
+                self._pong_queued = False
             self._write(head, data)
 
     def connection_lost(self, exc: Optional[BaseException]) -> None:
@@ -208,6 +230,7 @@ class WsStream(asyncio.BufferedProtocol):
                                                f"upgrade{': ' + str(exc) if exc else ''}"))
         self._wake()
         self._backlog.clear()
+        self._pong_queued = False
         self._backlog_bytes = 0
         if self.orig is not None:
             orig, self.orig = self.orig, None
@@ -304,6 +327,11 @@ class WsStream(asyncio.BufferedProtocol):
 
     def _message(self, payload: memoryview) -> None:
         if self._handler is None:
+            self._inbox_bytes += len(payload)
+            if self._inbox_bytes > self.max_inbox:
+                return self._protocol_error(CLOSE_POLICY, f"{self._inbox_bytes} bytes of "
+                                            "messages before the handshake ended, over "
+                                            f"the {self.max_inbox}-byte limit")
             self._inbox.append(bytes(payload))
             self._wake()
         elif not self._handler(payload):
@@ -330,7 +358,9 @@ class WsStream(asyncio.BufferedProtocol):
                     raise WsClosed(f"the websocket with {self.peer} closed")
                 self._waiter = asyncio.get_running_loop().create_future()
                 await self._waiter
-            return self._inbox.popleft()
+            data = self._inbox.popleft()
+            self._inbox_bytes -= len(data)
+            return data
         return await asyncio.wait_for(wait(), timeout)
 
     def start(self, handler: Handler) -> None:
@@ -338,6 +368,7 @@ class WsStream(asyncio.BufferedProtocol):
         self._handler = handler
         while self._inbox and not self._close_sent:
             data = self._inbox.popleft()
+            self._inbox_bytes -= len(data)
             if not handler(memoryview(data)):
                 self.close(CLOSE_PROTOCOL)
 
@@ -375,7 +406,17 @@ class WsStream(asyncio.BufferedProtocol):
         if self._paused or self._backlog:
             if opcode == OP_BINARY and not bulk and self.refuses(n):
                 return False
-            self._backlog.append((head, data))
+            if opcode == OP_PONG and self._pong_queued:
+                # a peer that pings and does not read gets one answer, to its latest ping
+                # (RFC 6455 5.5.3), not a queue without bound
+                for i in range(len(self._backlog) - 1, -1, -1):
+                    if self._backlog[i][2]:
+                        old_head, old_data, _ = self._backlog[i]
+                        self._backlog_bytes -= len(old_head) + memoryview(old_data).nbytes
+                        del self._backlog[i]
+                        break
+            self._backlog.append((head, data, opcode == OP_PONG))
+            self._pong_queued = self._pong_queued or opcode == OP_PONG
             self._backlog_bytes += len(head) + memoryview(data).nbytes
             return True
         self._write(head, data)
@@ -436,6 +477,7 @@ class WsStream(asyncio.BufferedProtocol):
             return
         if not self._close_sent:
             self._backlog.clear()
+            self._pong_queued = False
             self._backlog_bytes = 0
             if not self._http:   # straight to the transport: never behind the queue
                 self._write(*self._encode(OP_CLOSE, LEN16.pack(code)))
