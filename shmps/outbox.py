@@ -731,7 +731,7 @@ def _flush_timeout(store: Any, ob: Any, shard: int, target: int, acked: int,
                        "is counted; a process stopped in the middle of a push holds that up",
                        "resume or kill the stopped worker, or raise the timeout")
     return Timeout(head + "; is shmps-bridge running for this store and namespace?",
-                   "start shmps-bridge for it (or turn forwarding off), or raise the timeout")
+                   "start shmps-bridge for it, or raise the timeout")
 
 
 def _raise_lost(store: Any) -> None:

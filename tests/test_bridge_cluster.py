@@ -11,6 +11,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -1682,6 +1683,89 @@ def test_leave_by_members_api_and_sigterm(make_cluster):
     # the removed host's last frames (ACKs) were handled, not failed on
     for i in (0, 1):
         assert "is not a member" not in c.logs[i].read_text(errors="replace"), c.describe()
+
+
+def test_sigterm_while_this_hosts_workers_push_loses_nothing(make_cluster):
+    """SIGTERM to a bridge whose own host's worker keeps pushing: the bridge forwards
+    what was pushed until then, stops draining, waits for its batches' acknowledgements
+    and exits within a few seconds (a leave took its whole 10 s timeout in a cluster of
+    three: it read the peers' rings from views it had edited).  The pushes made after it
+    stopped draining stay in the outboxes; the bridge started again forwards them.  No
+    push is lost or counted twice, and no flush raises PushesLost (before: it kept
+    draining the newer pushes and exited with some unacknowledged, which the next bridge
+    recorded lost: 114-178 of 1600 in the review's runs, found 2026-11-27)."""
+    c = make_cluster(3)
+    c.start_all()
+    create_everywhere(c, [0, 1, 2])
+    rounds = 400
+    spec = dict(push_spec(rounds, sleep=0.005), flush_every=50)
+    procs = [c.worker(0, spec), c.worker(1, spec)]
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    c.signal(1, signal.SIGTERM)
+    assert c.wait_exit(1, 30) == 0, c.describe()
+    took = time.monotonic() - t0
+    assert procs[1].poll() is None, "the worker of host 1 ended before its bridge: too short"
+    c.start(1)
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err.decode() + c.describe()     # no PushesLost raised
+        assert json.loads(out.decode().splitlines()[-1])["lost_flushes"] == 0
+    wait_totals(c, [0, 1, 2], 2 * rounds, timeout=30)
+    lost = [line for i in (0, 1, 2) for line in c.metrics(i).splitlines()
+            if line.startswith("shmps_bridge_lost_pushes_total ")]
+    assert all(float(line.split()[-1]) == 0 for line in lost), lost
+    assert took < 5.0, f"the leave took {took:.1f} s"
+
+
+def test_a_bridge_that_cannot_listen_touches_no_outbox(make_cluster):
+    """A bridge that cannot listen on its address exits (status 2, one line saying what
+    to do) before it touches the store: the same command run again while the bridge
+    runs does not record the live bridge's batches in flight as lost (a worker's flush
+    raised PushesLost for pushes that were applied), and one started on a store with no
+    bridge leaves it local (it switched forwarding on first, and every later push was
+    held in an outbox that no bridge drained; found by a review, 2026-11-27)."""
+    import socket
+
+    c = make_cluster(2)
+    c.start_all()
+    create_everywhere(c, [0, 1])
+    rounds = 300
+    procs = [c.worker(1, dict(push_spec(rounds, sleep=0.005), flush_every=25))]
+    time.sleep(0.5)
+    again = [subprocess.run(c.bridge_cmd(1), capture_output=True, timeout=30) for _ in range(3)]
+    for r in again:
+        assert r.returncode == 2, r.stderr.decode()
+        assert b"another shmps-bridge" in r.stderr and b"Traceback" not in r.stderr, r.stderr
+        assert b"Unclosed" not in r.stderr, r.stderr
+    out, err = procs[0].communicate(timeout=120)
+    assert procs[0].returncode == 0, err.decode() + c.describe()   # no PushesLost
+    wait_totals(c, [0, 1], rounds)
+    assert "pushes were taken by an earlier bridge" not in c.logs[1].read_text(errors="replace")
+
+    # a store with no bridge: a bridge that cannot listen leaves it local
+    ns = c.namespaces[1] + "solo"
+    st = shmps.attach("solo", namespace=ns)
+    try:
+        w = st.dense("w", (4, 2), "float32", init=0.0, optimizer="sum")
+        w.push(np.ones((4, 2), np.float32))
+        blocker = socket.socket()
+        blocker.bind(("127.0.0.2", 0))
+        blocker.listen(1)
+        addr = f"127.0.0.2:{blocker.getsockname()[1]}"
+        hosts = c.dir / "solo_hosts.txt"
+        hosts.write_text(addr + "\n")
+        r = subprocess.run([sys.executable, "-m", "shmps.bridge.cli", "--peers", str(hosts),
+                            "--store", "solo", "--namespace", ns, "--listen", addr],
+                           capture_output=True, timeout=30)
+        blocker.close()
+        assert r.returncode == 2 and b"cannot listen on" in r.stderr, r.stderr
+        assert not st._forwarding
+        w.push(np.ones((4, 2), np.float32))
+        assert np.array_equal(w.pull(), np.full((4, 2), 2, np.float32))
+        st.flush(timeout=1)
+    finally:
+        st.destroy()
 
 
 def test_a_bridge_stops_promptly_with_a_peer_connection_still_open(make_cluster):

@@ -46,6 +46,7 @@ from ..errors import CapacityError, Error, InvalidArgument
 from .. import _native, doorbell
 from .._native import lib
 from ..outbox import BusyScan, DrainBuffers, RowData, take_lost
+from ..outbox import counters as outbox_counters
 from . import auth, frames, urgent, wsstream
 from .frames import ROWS_SEQ_BASE, FrameType, Layout, Mark, Status
 from .members import (DEAD_AFTER, HEARTBEAT_INTERVAL, ON_RING, Membership, State,
@@ -602,6 +603,9 @@ class Bridge:
         self.ready_flag = False        # joining and every shard copied
         self.leaving = False
         self.handed_over = False
+        self._drains_stopped = False   # leaving: what the outboxes hold now stays there
+        self._hurry = False            # a second SIGTERM/SIGINT: leave without waiting
+        self._set_forwarding_here = False   # start() switched the store's forwarding on
         self.tensors: dict[int, TInfo] = {}
         self.by_name: dict[str, TInfo] = {}
         self._records_seen = 0             # store catalog records refresh_tensors looked at
@@ -708,10 +712,17 @@ class Bridge:
         import shmps
 
         self._stop_event = asyncio.Event()
-        self.store = shmps.attach(self.cfg.store, namespace=self.cfg.namespace)
-        self.store._set_forwarding(True)
-        self.refresh_tensors(budget=None)   # before serving anything: no peer waits yet
-        self.session = aiohttp.ClientSession()
+        try:
+            await self._start(aiohttp, web, shmps)
+        except BaseException:
+            # a bridge that could not start leaves nothing behind: the listener, the
+            # session, and the store's forwarding switch (off again unless it was set)
+            if self.store is not None and self._set_forwarding_here:
+                self.store._set_forwarding(False)
+            await self.close()
+            raise
+
+    async def _start(self, aiohttp: Any, web: Any, shmps: Any) -> None:
         app = web.Application(client_max_size=64 << 10)
         app.router.add_get("/health", self.h_health)
         app.router.add_get("/metrics", self.h_metrics)
@@ -727,7 +738,23 @@ class Bridge:
         host, port = parse_address(self.addr)
         self._site = web.TCPSite(self.runner, host, port, reuse_address=True,
                                  shutdown_timeout=SHUTDOWN_TIMEOUT)
-        await self._site.start()
+        # the address first: a bridge that cannot listen (the same command run twice, a
+        # port taken, an address this machine does not have) touches no outbox.  (It
+        # switched forwarding on and recovered the outboxes first: a second bridge of a
+        # store recorded the live one's batches in flight as lost, and a failed start
+        # left the store forwarding with no bridge, every later push held.)
+        try:
+            await self._site.start()
+        except OSError as e:
+            raise OSError(e.errno, f"cannot listen on {self.addr}: {e.strerror or e} (is "
+                          "another shmps-bridge running on this address? stop it, or give "
+                          "this host another host:port in hosts.txt and --listen)") from None
+        # no await from here to the tasks: no request is served before the store is open
+        self.store = shmps.attach(self.cfg.store, namespace=self.cfg.namespace)
+        self._set_forwarding_here = not self.store._forwarding
+        self.store._set_forwarding(True)
+        self.refresh_tensors(budget=None)   # before serving anything: no peer waits yet
+        self.session = aiohttp.ClientSession()
         for m in self.members.configured:
             if m != self.addr:
                 self.links[m] = Link(self, m)
@@ -752,7 +779,14 @@ class Bridge:
                  self.incarnation, len(self.members.configured), self.cfg.replicas)
 
     def request_stop(self) -> None:
+        """SIGTERM, SIGINT: leave (serve calls leave()); asked again while leaving, leave
+        at once (its waits end; what was drained and not yet acknowledged is recorded
+        lost by the next bridge on the store)."""
         if self._stop_event is not None:
+            if self._stop_event.is_set() and not self._hurry:
+                self._hurry = True
+                log.warning("asked to stop again: leaving without waiting for "
+                            "acknowledgements or the hand-over")
             self._stop_event.set()
 
     async def run_until_stopped(self) -> None:
@@ -766,26 +800,46 @@ class Bridge:
         self.members.mark_leaving(self.addr)
         self._poke_tick()
         deadline = time.monotonic() + timeout
-        # this host's own pushes reach their owners first (store.flush waits for every
-        # outbox to be acknowledged; this loop keeps draining and sending meanwhile)
-        try:
-            await asyncio.get_running_loop().run_in_executor(
-                None, self.store.flush, max(0.1, deadline - time.monotonic() - 2.0))
-        except Error as e:
-            log.warning("leaving with pushes not yet acknowledged: %s", e)
+
+        async def wait_while(cond: Callable[[], bool], until: float) -> None:
+            while cond() and time.monotonic() < until and not self._hurry:
+                await asyncio.sleep(0.02)
+
+        # this host's own pushes reach their owners first: every push counted in an
+        # outbox now, acknowledged (as store.flush waits, but on this loop, which keeps
+        # draining and sending meanwhile, so that a second signal ends the wait)
+        targets = [(info.t._outbox(), s, outbox_counters(info.t._outbox(), s)[0])
+                   for info in list(self.tensors.values()) for s in range(info.nshards)]
+        self._wake_flush()
+
+        def unacked() -> bool:
+            return any(outbox_counters(ob, s)[1] < target for ob, s, target in targets)
+        await wait_while(unacked, deadline - 2.0)
+        if unacked():
+            log.warning("leaving with pushes not yet acknowledged by their owners")
+        # then no more drains: pushes made from now on stay in the outboxes, counted, for
+        # the next bridge on this store, and what was drained is acknowledged before this
+        # process ends (it kept draining the workers' newer pushes, and ended with some
+        # of them unacknowledged: the next bridge recorded them lost, PushesLost)
+        self._drains_stopped = True
+        await wait_while(lambda: any(len(st.q) for st in self.streams.values()),
+                         deadline - 1.0)
+        unacked = sum(len(st.q) for st in self.streams.values())
+        if unacked:
+            log.warning("leaving with %d batches not yet acknowledged by their owners: the "
+                        "next bridge on this store records their pushes lost", unacked)
         self.handed_over = True
         log.info("leaving: this host's pushes are acknowledged; handed over")
         # wait until the others dropped this host from the ring, and hand its shards over
-        while time.monotonic() < deadline and self._others_still_see_me():
-            await asyncio.sleep(0.02)
+        await wait_while(self._others_still_see_me, deadline)
         if self._others_still_see_me():
             log.warning("leaving: %s still count this host in after %g s", ", ".join(
                 p for p, r in self._peer_rings.items() if self.addr in r), timeout)
         # the hand-over snapshots are read in the snapshot thread: queued before closing
-        while (any(st.reading is not None for st in self.shards.values())
-               and time.monotonic() < deadline):
-            await asyncio.sleep(0.02)
-        await asyncio.sleep(0.1)
+        await wait_while(lambda: any(st.reading is not None for st in self.shards.values()),
+                         deadline)
+        if not self._hurry:
+            await asyncio.sleep(0.1)
 
     async def close(self) -> None:
         # stop accepting first: a peer whose stream is closed below connects again at
@@ -1473,6 +1527,7 @@ class Bridge:
             a = self.ids.get(mid)
             if a is not None:
                 view[a] = State.from_code(code)
+        heard = dict(view)   # the peer's view as it sent it (view is edited below)
         adopted = False
         if (hb.hb_flags & frames.HB_QUORUM) and hb.epoch > self.members.epoch:
             # The majority's newer view first, before this heartbeat counts the peer
@@ -1528,7 +1583,10 @@ class Bridge:
             # was applied anywhere), so a peer of the original list that started late is
             # simply alive
             self._on_changes(self.members.mark_ready(peer))
-        self._peer_rings[peer] = {m for m, s in view.items()
+        # what the peer counts in, as it sent it: a leaving host adopts views with itself
+        # set to LEAVING, and read from that copy a peer that had dropped it still
+        # seemed to count it in (every leave waited its whole timeout, 10 s)
+        self._peer_rings[peer] = {m for m, s in heard.items()
                                   if s in (State.ALIVE, State.SUSPECT, State.LEAVING)}
         # a majority's member at this host's epoch (not one just taken over)
         same_epoch = (not adopted and bool(hb.hb_flags & frames.HB_QUORUM)
@@ -1982,7 +2040,8 @@ class Bridge:
         self._notice_silence()
         with self._unit():
             try:
-                self._drain_all(work)
+                if not self._drains_stopped:
+                    self._drain_all(work)
             finally:
                 # a drain that failed part way (a corrupt outbox) recorded what it took
                 # as lost: counted even when it raises every pass
