@@ -1768,6 +1768,71 @@ def test_a_bridge_that_cannot_listen_touches_no_outbox(make_cluster):
         st.destroy()
 
 
+def test_a_member_change_must_say_what_it_changes(make_cluster):
+    """POST /v1/members takes {"add": [...], "remove": [...]} and nothing else: a body of
+    another shape, an unknown key (a typo), a non-member to remove or a change that
+    leaves no members is a 400 that says what was expected, and changes nothing (each
+    was a 200 that did nothing, or a Python error message, before 2026-11-27); an
+    unsigned request is a 401 that says how to sign.  /health reports --replicas, and
+    a bridge warns when it exceeds the members."""
+    c = make_cluster(2, replicas=3)
+    c.start_all()
+    secret = c.secret_file.read_bytes().strip()
+
+    def post(body: bytes, sign: bool = True) -> tuple[int, dict]:
+        headers = (auth.sign_request(secret, "POST", "/v1/members", body, "operator",
+                                     target=c.addrs[0]) if sign else {})
+        req = urllib.request.Request(c.url(0, "/v1/members"), data=body, method="POST",
+                                     headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=5) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    bad = [b"[]", b'{"ad": ["127.0.0.9:1"]}', b'{"add": "127.0.0.9:1"}', b'{"add": [7]}',
+           b'{"add": ["nonsense"]}', b'{"remove": ["127.0.0.99:5"]}',
+           json.dumps({"remove": c.addrs}).encode(), b"{not json"]
+    for body in bad:
+        status, answer = post(body)
+        assert status == 400, (body, status, answer)
+        assert answer["error"].startswith("bad request: "), answer
+    assert "expected a JSON object" in post(b'{"ad": []}')[1]["error"]
+    assert "not members" in post(b'{"remove": ["127.0.0.99:5"]}')[1]["error"]
+    status, answer = post(b'{"add": []}', sign=False)
+    assert status == 401 and "auth.sign_request" in answer["error"], answer
+    for i in (0, 1):
+        h = c.health(i)
+        assert [m["address"] for m in h["members"]] == sorted(c.addrs) and h["replicas"] == 3
+        assert "--replicas 3 with 2 members" in c.logs[i].read_text(errors="replace")
+    assert post(b"{}") == (200, {"members": c.addrs, "epoch": c.health(0)["epoch"]})
+
+
+def test_a_peer_missing_from_this_hosts_list_is_refused_with_a_useful_line(make_cluster):
+    """A host with the secret that this host's hosts.txt does not list is refused at its
+    handshake with a line that says to add it to hosts.txt (it said to check the secret
+    and the clocks), and a peer that retries every few ms is one line per
+    REFUSAL_LOG_EVERY (5 s) with a count, not a line per attempt."""
+    c = make_cluster(2)
+    c.start_all()
+    secret = c.secret_file.read_bytes().strip()
+    stranger = "127.0.0.99:4242"
+
+    async def knock() -> None:
+        for _ in range(20):
+            session, ws, hs = await _ws_session(c, 0, secret, stranger, 5)
+            await ws.receive(timeout=5)                 # closed
+            await session.close()
+
+    before = rejected(c, 0, "auth")
+    asyncio.run(knock())
+    c.wait(lambda: rejected(c, 0, "auth") >= before + 20, 10, "20 refusals counted")
+    lines = [line for line in c.logs[0].read_text(errors="replace").splitlines()
+             if "is not a member here" in line]
+    assert len(lines) == 1, lines
+    assert "add it to this host's hosts.txt" in lines[0], lines
+
+
 def test_a_bridge_stops_promptly_with_a_peer_connection_still_open(make_cluster):
     """SIGTERM ends a bridge in a few seconds even while connections it did not close
     itself are open: one still in its handshake, and one a member opened after the

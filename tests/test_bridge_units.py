@@ -3219,6 +3219,56 @@ def test_watch_file_sees_edits_survives_errors_and_missing_files(tmp_path):
     assert seen == [b"b:2\n", b"c:3\n", b"boom\n", b"d:4\n"]
 
 
+def test_watch_file_reports_an_edit_once_it_has_settled(tmp_path):
+    """With ``settle``, a change is reported once the content stayed the same that long:
+    a file truncated and written again a moment later (a non-atomic rewrite) is
+    reported with its final content only, never empty (an empty hosts.txt made every
+    bridge leave); a change back to the reported content reports nothing."""
+    path = tmp_path / "hosts.txt"
+    path.write_text("a:1\nb:2\n")
+    seen: list[tuple[float, bytes]] = []
+
+    async def main() -> None:
+        task = members.watch_file(path, lambda d: seen.append((time.monotonic(), d)),
+                                  interval=0.01, settle=0.2)
+        await asyncio.sleep(0.05)
+        path.write_text("")                      # truncated ...
+        await asyncio.sleep(0.1)
+        t = time.monotonic()
+        path.write_text("a:1\nb:2\nc:3\n")      # ... and written again
+        await asyncio.sleep(0.5)
+        path.write_text("a:1\n")                 # a real edit, reverted before it settles
+        await asyncio.sleep(0.05)
+        path.write_text("a:1\nb:2\nc:3\n")
+        await asyncio.sleep(0.5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert [d for _, d in seen] == [b"a:1\nb:2\nc:3\n"]
+        assert seen[0][0] - t >= 0.2
+
+    asyncio.run(main())
+
+
+def test_a_hosts_file_that_lists_nobody_is_ignored(tmp_path):
+    """An edit of hosts.txt that leaves no members (emptied, or comments only) is logged
+    and ignored: each bridge took it for its own removal and left, the whole cluster
+    stopped (a review found it, 2026-11-27)."""
+    a, b = "127.0.0.2:7001", "127.0.0.3:7001"
+    node = _bridge(tmp_path, [a, b])
+
+    async def main() -> None:
+        node._stop_event = asyncio.Event()
+        node._on_hosts_file(b"# nobody\n")
+        node._on_hosts_file(b"")
+        assert not node._stop_event.is_set() and not node.leaving
+        assert list(node.members.configured) == [a, b]
+        node._on_hosts_file(f"{b}\n".encode())     # this host removed: it leaves
+        assert node._stop_event.is_set()
+
+    asyncio.run(main())
+
+
 def test_watch_file_awaits_async_callbacks(tmp_path):
     """An async callback is awaited; interval must be positive."""
     path = tmp_path / "h"
@@ -3271,6 +3321,15 @@ def test_load_secret_checks_mode_and_size(tmp_path):
     d.mkdir(mode=0o700)
     with pytest.raises(InvalidArgument, match="not a regular file"):
         auth.load_secret(d)
+    # a symbolic link (as Kubernetes mounts secrets) is refused, naming its target
+    target = tmp_path / "real_secret"
+    target.write_bytes(b"s" * 32)
+    os.chmod(target, 0o600)
+    link = tmp_path / "linked_secret"
+    link.symlink_to(target)
+    with pytest.raises(InvalidArgument, match="symbolic link") as e:
+        auth.load_secret(link)
+    assert str(target) in str(e.value)
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "127.1.2.3", "localhost", "LOCALHOST.", "::1",

@@ -32,6 +32,7 @@ The byte layouts are in ``docs/bridge-protocol.md``.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import heapq
 import hmac
@@ -101,6 +102,12 @@ def load_secret(path: str | os.PathLike[str]) -> bytes:
     try:
         fd = os.open(name, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
     except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise InvalidArgument(
+                f"secret file {name} is a symbolic link, which is refused (one could be "
+                "pointed at another file between the check and the read)",
+                hint=f"pass the file it points to, {os.path.realpath(name)}, with mode "
+                     "600") from None
         raise InvalidArgument(f"cannot open secret file {name}: {e.strerror}",
                               hint="pass --secret-file with a readable regular file") from None
     try:

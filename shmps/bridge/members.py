@@ -60,7 +60,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Awaitable, Callable, Iterable, Mapping, Union
 
-from ..errors import InvalidArgument
+from ..errors import Error, InvalidArgument
 from .ring import stable_hash64
 
 log = logging.getLogger("shmps.bridge")
@@ -626,10 +626,12 @@ def _signature(path: str) -> tuple[int, int, int, int] | None:
     return (st.st_mtime_ns, st.st_size, st.st_ino, st.st_dev)
 
 
-async def _watch(path: str, callback: FileCallback, interval: float, racy: float) -> None:
+async def _watch(path: str, callback: FileCallback, interval: float, racy: float,
+                 settle: float) -> None:
     sig = _signature(path)
     digest: bytes | None = None
     read_at = 0.0
+    pending: tuple[bytes, float] | None = None   # (digest, first seen) of unsettled content
     if sig is not None:
         try:
             with open(path, "rb") as f:
@@ -645,7 +647,7 @@ async def _watch(path: str, callback: FileCallback, interval: float, racy: float
             continue
         # Racy-clean rule (as git's index): a file modified within `racy` seconds of our
         # last read may have changed again within the mtime granularity, so re-read it.
-        if new_sig == sig and new_sig[0] / 1e9 < read_at - racy:
+        if pending is None and new_sig == sig and new_sig[0] / 1e9 < read_at - racy:
             continue
         try:
             with open(path, "rb") as f:
@@ -656,7 +658,18 @@ async def _watch(path: str, callback: FileCallback, interval: float, racy: float
         sig = new_sig
         new_digest = hashlib.blake2b(data).digest()
         if new_digest == digest:
+            pending = None   # back to what was applied
             continue
+        # a change counts once it has stayed the same for `settle` s: an editor or a
+        # script that truncates the file and then writes it is not seen half way
+        now = time.monotonic()
+        if pending is None or pending[0] != new_digest:
+            pending = (new_digest, now)
+            if settle > 0:
+                continue
+        elif now - pending[1] < settle:
+            continue
+        pending = None
         digest = new_digest
         try:
             result = callback(data)
@@ -664,13 +677,17 @@ async def _watch(path: str, callback: FileCallback, interval: float, racy: float
                 await result
         except asyncio.CancelledError:
             raise
-        except Exception:  # a bad edit must not stop the watch: log, keep the old config
+        except Error as e:  # a bad edit must not stop the watch: say why, keep the old config
+            log.error("%s: %s; keeping the previous configuration", path, e)
+        except Exception:
             log.exception("callback for %s failed; keeping the previous configuration", path)
 
 
 def watch_file(path: str | os.PathLike[str], callback: FileCallback, interval: float = 1.0,
-               *, racy: float = 2.0) -> asyncio.Task[None]:
-    """Poll ``path`` every ``interval`` seconds; call ``callback(content)`` when it changes.
+               *, racy: float = 2.0, settle: float = 0.0) -> asyncio.Task[None]:
+    """Poll ``path`` every ``interval`` seconds; call ``callback(content)`` when it changes
+    and the new content has stayed the same for ``settle`` seconds (read again each
+    poll meanwhile: a file truncated and then rewritten is not reported half way).
 
     Returns the asyncio task (cancel it to stop); must be called with a running loop.
     A change is detected by (mtime, size, inode) and confirmed by a BLAKE2b content hash,
@@ -683,8 +700,9 @@ def watch_file(path: str | os.PathLike[str], callback: FileCallback, interval: f
     if not interval > 0:
         raise InvalidArgument(f"interval must be > 0, got {interval!r}")
     name = os.fspath(path)
-    return asyncio.get_running_loop().create_task(_watch(name, callback, float(interval),
-                                                         float(racy)), name=f"watch {name}")
+    return asyncio.get_running_loop().create_task(
+        _watch(name, callback, float(interval), float(racy), float(settle)),
+        name=f"watch {name}")
 
 
 __all__ = ["Change", "DEAD_AFTER", "HEARTBEAT_INTERVAL", "MAX_HOSTS_BYTES", "Membership",

@@ -78,6 +78,8 @@ HANDOVER_TIMEOUT = 3.0           #: a new owner waits this long for the old owne
 CATALOG_INTERVAL = 0.5           #: how often tensor catalogs are compared with peers (s)
 MAX_MSG = frames.MAX_FRAME_BYTES + 4096
 MAX_BAD_FRAMES = 3               #: malformed frames in a row before a connection is closed
+REFUSAL_LOG_EVERY = 5.0          #: s between log lines of one refused connection's reason
+HOSTS_SETTLE = 0.5               #: s an edit of hosts.txt must stay the same before it counts
 MAX_HANDSHAKES = 64              #: incoming connections in their handshake at once (503 over it)
 MAX_CATALOG_BYTES = 64 << 20     #: the largest catalog answer a peer's bridge may give
 SNAPSHOT_FRAME_BYTES = 1 << 20   #: values per snapshot chunk
@@ -664,6 +666,7 @@ class Bridge:
         self._tasks: list[asyncio.Task] = []
         self._verifier = auth.RequestVerifier(cfg.secret, self.addr)
         self._handshaking = 0       # incoming connections not yet authenticated (h_stream)
+        self._refusals_logged: dict[tuple, tuple] = {}   # (remote, why) -> (logged at, since)
         self._stop_event: Optional[asyncio.Event] = None
         self._owner_cache: dict[str, list[str]] = {}
         self._owned: tuple = (None, 0, [])   # (ring, shard count, owned keys): _owned_keys
@@ -773,10 +776,15 @@ class Bridge:
                         loop.create_task(self._tick_loop(), name="tick"),
                         loop.create_task(self._flush_loop(), name="flush"),
                         loop.create_task(self._catalog_loop(), name="catalog"),
-                        watch_file(self.cfg.peers_file, self._on_hosts_file, 0.25)]
+                        watch_file(self.cfg.peers_file, self._on_hosts_file, 0.25,
+                                   settle=HOSTS_SETTLE)]
         log.info("bridge %s up (store %r, namespace %r, incarnation %08x, %d members, "
                  "replicas %d)", self.addr, self.cfg.store, self.cfg.namespace,
                  self.incarnation, len(self.members.configured), self.cfg.replicas)
+        if self.cfg.replicas > len(self.members.configured):
+            log.warning("--replicas %d with %d members: each shard has a copy on every "
+                        "host, %d in all, until more hosts join", self.cfg.replicas,
+                        len(self.members.configured), len(self.members.configured))
 
     def request_stop(self) -> None:
         """SIGTERM, SIGINT: leave (serve calls leave()); asked again while leaving, leave
@@ -1658,6 +1666,13 @@ class Bridge:
 
     def _on_hosts_file(self, data: bytes) -> None:
         members = parse_hosts(data.decode("utf-8", "replace"), self.cfg.peers_file)
+        if not members:
+            # (every host would take it for its own removal and leave: the whole cluster
+            # stopped on a file emptied for a moment)
+            log.error("%s lists no members: ignored, the member list stays %s (to stop "
+                      "this host, remove it from the list, or send it SIGTERM)",
+                      self.cfg.peers_file, ", ".join(self.members.configured))
+            return
         self._set_members(members)
 
     def _set_members(self, members: list[str]) -> None:
@@ -3498,6 +3513,7 @@ class Bridge:
         owned = sorted(st.key for st in self.shards.values()
                        if self.owner(st.key) == self.addr and self.acting())
         snap.update({"address": self.addr, "incarnation": self.incarnation,
+                     "replicas": self.cfg.replicas,
                      "state": self.members.state(self.addr).value,
                      "acting": self.acting(), "owned": owned, "pending": pending,
                      "staleness_ms": round(self._staleness() * 1000, 3),
@@ -3597,16 +3613,39 @@ class Bridge:
         body = await request.read()
         who = self._verify(request, body)
         if who is None:
-            return web.json_response({"error": "authentication failed"}, status=401)
+            return web.json_response({"error": "authentication failed: sign the request with "
+                                               "the cluster's secret for this host "
+                                               f"(auth.sign_request(..., target={self.addr!r}));"
+                                               " this bridge's log says what failed"},
+                                     status=401)
+        shape = ('expected a JSON object {"add": ["host:port", ...], "remove": '
+                 '["host:port", ...]} (either may be left out)')
         try:
             req = json.loads(body or b"{}")
+            if not isinstance(req, dict):
+                raise InvalidArgument(f"not an object; {shape}")
+            unknown = set(req) - {"add", "remove", "forwarded"}
+            if unknown:
+                raise InvalidArgument(f"unknown keys {sorted(unknown)}; {shape}")
+            for k in ("add", "remove"):
+                v = req.get(k, [])
+                if not isinstance(v, list) or not all(isinstance(a, str) for a in v):
+                    raise InvalidArgument(f"{k!r} is not a list of strings; {shape}")
             add = [normalize_address(a) for a in req.get("add", [])]
             remove = [normalize_address(a) for a in req.get("remove", [])]
-        except (ValueError, AttributeError, TypeError, Error) as e:
+            strangers = [a for a in remove if a not in self.members.configured]
+            if strangers and not req.get("forwarded"):
+                raise InvalidArgument(f"not members, nothing to remove: {strangers} (the "
+                                      f"members: {list(self.members.configured)})")
+        except (ValueError, Error) as e:
             return web.json_response({"error": f"bad request: {e}"}, status=400)
         before = list(self.members.configured)
         members = [m for m in before if m not in remove]
         members += [a for a in add if a not in members]
+        if not members:
+            return web.json_response({"error": "bad request: that leaves no members (stop "
+                                               "the bridges with SIGTERM instead)"},
+                                     status=400)
         self._set_members(members)
         if not req.get("forwarded"):
             # every other member applies the same change, the removed ones included (they
@@ -3692,7 +3731,9 @@ class Bridge:
         try:
             peer, ok = hs.verify(await stream.receive(auth.HANDSHAKE_TIMEOUT))
             if peer.client_id not in self.members.states():
-                raise auth.AuthError(f"{peer.client_id} is not a member")
+                raise auth.AuthError(f"{peer.client_id} is not a member here",
+                                     hint="if it should be, add it to this host's hosts.txt "
+                                          "(every host's list must name the same members)")
             if member_id(peer.client_id) != peer.sender:
                 raise auth.AuthError(f"{peer.client_id}: member id {peer.sender:08x} does not "
                                      "match its address")
@@ -3701,7 +3742,20 @@ class Bridge:
             stream.send(ok)
         except (auth.AuthError, asyncio.TimeoutError, wsstream.WsClosed) as e:
             self.metrics.rejected("auth")
-            log.warning("refused a connection from %s: %s", request.remote, e)
+            # once per REFUSAL_LOG_EVERY s per remote host and reason: a peer that retries
+            # its connection every 0.1 s is one line, with a count
+            why = str(e) or type(e).__name__
+            key = (str(request.remote), why)
+            now = time.monotonic()
+            last, skipped = self._refusals_logged.get(key, (-math.inf, 0))
+            if now - last >= REFUSAL_LOG_EVERY:
+                log.warning("refused a connection from %s: %s%s", request.remote, why,
+                            f" ({skipped} more like it since)" if skipped else "")
+                self._refusals_logged[key] = (now, 0)
+                if len(self._refusals_logged) > 1024:
+                    self._refusals_logged.clear()
+            else:
+                self._refusals_logged[key] = (last, skipped + 1)
             return
         stream.peer = peer.client_id
         conn = Conn(stream, peer.client_id, peer.incarnation, cork=self.cork)
