@@ -81,6 +81,7 @@ MAX_BAD_FRAMES = 3               #: malformed frames in a row before a connectio
 REFUSAL_LOG_EVERY = 5.0          #: s between log lines of one refused connection's reason
 HOSTS_SETTLE = 0.5               #: s an edit of hosts.txt must stay the same before it counts
 MAX_HANDSHAKES = 64              #: incoming connections in their handshake at once (503 over it)
+MAX_PRESTART = 2 * MAX_MSG        #: bytes a link holds from its peer before it starts reading them
 MAX_CATALOG_BYTES = 64 << 20     #: the largest catalog answer a peer's bridge may give
 SNAPSHOT_FRAME_BYTES = 1 << 20   #: values per snapshot chunk
 MAX_MARKS = frames.DEFAULT_LIMITS.max_marks  #: duplicate-filter marks a snapshot carries at most
@@ -436,10 +437,14 @@ class Link:
         while True:
             stream: Optional[wsstream.WsStream] = None
             try:
-                # until the server has authenticated: its two handshake messages, no more
-                stream = await wsstream.connect(host, port, "/v1/stream",
-                                                max_msg=auth.MAX_HANDSHAKE_MSG, timeout=2.0)
-                stream.limit(auth.MAX_HANDSHAKE_MSG, 2 * auth.MAX_HANDSHAKE_MSG)
+                # The data-frame limit from the start: the server's data frames may follow
+                # its OK in the same read, before this task has checked the OK.  (This
+                # end dials configured members only, one connection each at a time, so
+                # what a stranger on a member's address can make it hold is bounded:
+                # until start(), at most a message being read and MAX_PRESTART queued.)
+                stream = await wsstream.connect(host, port, "/v1/stream", max_msg=MAX_MSG,
+                                                timeout=2.0)
+                stream.limit(MAX_MSG, MAX_PRESTART)
                 stream.on_refused = self.node.metrics.rejected
                 hello = await stream.receive(2.0)
                 hs = auth.ClientHandshake(self.node.cfg.secret, self.node.addr, "data",
@@ -451,7 +456,6 @@ class Link:
                 if server.sender != member_id(self.addr):
                     raise auth.AuthError(f"member id {server.sender:08x} does not match "
                                          f"the address {self.addr}")
-                stream.limit(MAX_MSG)
                 self.conn = conn = Conn(stream, self.addr, cork=self.node.cork)
                 self.up_since = time.monotonic()
                 bad = 0
