@@ -1152,6 +1152,66 @@ def test_a_peer_whose_connections_closed_is_looked_at_once_half_dead_after_silen
     assert node.members.state(b) is State.DEAD and 0.2 <= took < 0.35, took
 
 
+def test_a_link_takes_data_frames_that_come_with_the_servers_ok(tmp_path):
+    """A peer's bridge (the websocket server) sends its data frames on this host's link
+    as soon as the handshake succeeds, so the first may arrive in the same read as its
+    OK, before the link's task has checked the OK: the link takes it (a link limited to
+    handshake-sized messages until then closed such a connection, 1009, and dialled
+    again).  A fake peer sends OK and a 1 MiB frame in one write; the link is up and
+    the connection stays open.  Drives a Bridge, not started, with one real Link."""
+    from aiohttp import web
+    from shmps.bridge import auth, node as bridge_node, wsstream
+
+    got: dict = {}
+
+    async def main() -> None:
+        async def fake_peer(request):
+            ws = web.WebSocketResponse()
+            await ws.prepare(request)
+            stream = wsstream.take_over(request, max_msg=1 << 20, peer="the link")
+            hs = auth.ServerHandshake(None, sender=members.member_id(got["b"]),
+                                      incarnation=1)
+            stream.send(hs.hello())
+            _, ok = hs.verify(await stream.receive(5))
+            stream.limit(bridge_node.MAX_MSG)
+            data = bytes(1 << 20)
+            stream.transport.write(wsstream.frame_header(wsstream.OP_BINARY, len(ok)) + ok
+                                   + wsstream.frame_header(wsstream.OP_BINARY, len(data))
+                                   + data)
+            got["server"] = stream
+            await stream.wait_closed()
+            return ws
+
+        app = web.Application()
+        app.router.add_get("/v1/stream", fake_peer)
+        runner = web.AppRunner(app, handle_signals=False)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.3", 0)
+        await site.start()
+        got["b"] = b = f"127.0.0.3:{site._server.sockets[0].getsockname()[1]}"  # noqa: SLF001
+        node = _bridge(tmp_path, ["127.0.0.2:7001", b])
+        node.on_message = lambda *args: 0          # (the frame is no bridge frame: ignored)
+        link = bridge_node.Link(node, b)
+        try:
+            for _ in range(200):
+                if "server" in got and link.up:
+                    break
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.3)
+            got["up"] = link.up
+            got["closed"] = got["server"].closed.done() if "server" in got else None
+        finally:
+            link.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await link.task
+            if "server" in got:
+                got["server"].close()
+            await runner.cleanup()
+
+    asyncio.run(asyncio.wait_for(main(), 20))
+    assert got["up"] and got["closed"] is False, got
+
+
 def test_a_gap_for_the_oldest_frame_resends_the_stream_at_once(tmp_path):
     """An owner that does not know a stream (its first batch, after a restart or a move)
     answers GAP to every frame in flight.  The GAP of the oldest unacknowledged frame
