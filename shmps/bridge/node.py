@@ -836,10 +836,10 @@ class Bridge:
         self._drains_stopped = True
         await wait_while(lambda: any(len(st.q) for st in self.streams.values()),
                          deadline - 1.0)
-        unacked = sum(len(st.q) for st in self.streams.values())
-        if unacked:
+        in_flight = sum(len(st.q) for st in self.streams.values())
+        if in_flight:
             log.warning("leaving with %d batches not yet acknowledged by their owners: the "
-                        "next bridge on this store records their pushes lost", unacked)
+                        "next bridge on this store records their pushes lost", in_flight)
         self.handed_over = True
         log.info("leaving: this host's pushes are acknowledged; handed over")
         # wait until the others dropped this host from the ring, and hand its shards over
