@@ -407,6 +407,51 @@ def test_a_taken_flush_doorbell_is_bound_once_it_is_free(make_cluster):
     assert _flush_wakes(c, pusher)["doorbell"] >= 3
 
 
+def test_one_bridge_process_per_store(make_cluster):
+    """A bridge takes its store's bridge lock (an flock of the manifest file) before it
+    listens or touches an outbox: while another process holds it (a bridge of the store
+    still ending), it waits, listening on nothing, and starts once it is free.  A second
+    bridge of a running store, on another address, gives up after BRIDGE_LOCK_WAIT (here
+    1.5 s) with exit status 2 and records nothing lost (it recovered the live bridge's
+    outboxes: the worker's flushes raised PushesLost; found by a review, 2026-11-27)."""
+    import fcntl
+
+    c = make_cluster(2, spare=1)                   # the spare address: the intruder's
+    st = shmps.attach(c.store, namespace=c.namespaces[0])      # (creates host 0's store)
+    fd = os.open("/dev/shm" + st._manifest.name, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)            # as a bridge of the store still ending
+        c.start(0)
+        c.start(1)
+        c.wait(lambda: "holds its bridge lock" in c.logs[0].read_text(), 10,
+               "host 0's bridge to wait for the lock")
+        time.sleep(0.5)
+        assert c.health(0) is None                 # not listening while it waits
+    finally:
+        os.close(fd)                               # the lock goes with it
+        st.close()
+    c.wait_converged(20)
+    assert "has ended: starting" in c.logs[0].read_text()
+    create_everywhere(c, [0, 1])
+    # a second bridge of host 1's store, on the spare address (its own hosts file lists
+    # it), while a worker pushes there
+    worker = c.worker(1, dict(push_spec(200, sleep=0.005), flush_every=20))
+    time.sleep(0.3)
+    hosts = c.dir / "intruder_hosts.txt"
+    hosts.write_text("".join(a + "\n" for a in c.addrs))
+    cmd = c.bridge_cmd(2)
+    cmd[cmd.index("--namespace") + 1] = c.namespaces[1]
+    cmd[cmd.index("--peers") + 1] = str(hosts)
+    r = subprocess.run(cmd, capture_output=True, timeout=60,
+                       env=dict(os.environ, SHMPS_BRIDGE_LOCK_WAIT="1.5"))
+    assert r.returncode == 2, r.stderr.decode()
+    assert b"another shmps-bridge process is running for store" in r.stderr, r.stderr
+    out, err = worker.communicate(timeout=120)
+    assert worker.returncode == 0, err.decode() + c.describe()      # no PushesLost
+    assert "taken by an earlier bridge" not in c.logs[1].read_text(errors="replace")
+    wait_totals(c, [0, 1], 200)
+
+
 def test_pushing_faster_than_the_owner_applies(make_cluster):
     """A worker pushes 16 MiB in a loop without flush(), far more than the other host
     can apply: the bridge drains only as fast as the owner takes the batches (the rest
@@ -1719,12 +1764,13 @@ def test_sigterm_while_this_hosts_workers_push_loses_nothing(make_cluster):
 
 
 def test_a_bridge_that_cannot_listen_touches_no_outbox(make_cluster):
-    """A bridge that cannot listen on its address exits (status 2, one line saying what
-    to do) before it touches the store: the same command run again while the bridge
-    runs does not record the live bridge's batches in flight as lost (a worker's flush
-    raised PushesLost for pushes that were applied), and one started on a store with no
-    bridge leaves it local (it switched forwarding on first, and every later push was
-    held in an outbox that no bridge drained; found by a review, 2026-11-27)."""
+    """A bridge that cannot have its store's bridge lock or its address exits (status 2,
+    one line saying what to do) before it touches an outbox: the same command run again
+    while the bridge runs does not record the live bridge's batches in flight as lost
+    (a worker's flush raised PushesLost for pushes that were applied), and one started
+    on a store with no bridge, on a port taken, leaves it local (it switched forwarding
+    on first, and every later push was held in an outbox that no bridge drained; found
+    by a review, 2026-11-27)."""
     import socket
 
     c = make_cluster(2)
@@ -1733,11 +1779,13 @@ def test_a_bridge_that_cannot_listen_touches_no_outbox(make_cluster):
     rounds = 300
     procs = [c.worker(1, dict(push_spec(rounds, sleep=0.005), flush_every=25))]
     time.sleep(0.5)
-    again = [subprocess.run(c.bridge_cmd(1), capture_output=True, timeout=30) for _ in range(3)]
+    again = [subprocess.run(c.bridge_cmd(1), capture_output=True, timeout=30,
+                            env=dict(os.environ, SHMPS_BRIDGE_LOCK_WAIT="0.5"))
+             for _ in range(3)]
     for r in again:
         assert r.returncode == 2, r.stderr.decode()
-        assert b"another shmps-bridge" in r.stderr and b"Traceback" not in r.stderr, r.stderr
-        assert b"Unclosed" not in r.stderr, r.stderr
+        assert b"another shmps-bridge process is running" in r.stderr, r.stderr
+        assert b"Traceback" not in r.stderr and b"Unclosed" not in r.stderr, r.stderr
     out, err = procs[0].communicate(timeout=120)
     assert procs[0].returncode == 0, err.decode() + c.describe()   # no PushesLost
     wait_totals(c, [0, 1], rounds)

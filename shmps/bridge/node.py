@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import fcntl
 import math
 import os
 import random
@@ -43,7 +44,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional
 import numpy as np
 
 from ..errors import CapacityError, Error, InvalidArgument
-from .. import _native, doorbell
+from .. import _native, doorbell, names
 from .._native import lib
 from ..outbox import BusyScan, DrainBuffers, RowData, take_lost
 from ..outbox import counters as outbox_counters
@@ -64,6 +65,10 @@ TICK = 0.02                      #: maintenance interval while anything is in mo
 TICK_SETTLED = 0.1               #: ... and at most while everything is settled (_tick_delay)
 SETTLE_AFTER = 1.0               #: s after anything moved (_poke_tick) before the tick slows
 DOORBELL_RETRY = 1.0             #: s between tries to bind a flush doorbell another holds
+#: s a starting bridge waits for its store's bridge lock, held by another bridge process
+#: of the store (running, or ending: a leave takes up to about 14 s); the environment's
+#: SHMPS_BRIDGE_LOCK_WAIT overrides it (tests)
+BRIDGE_LOCK_WAIT = float(os.environ.get("SHMPS_BRIDGE_LOCK_WAIT", "20"))
 RETRY = 0.05                     #: resend delay after a refusal (s)
 BUSY_RETRY = 0.02                #: resend delay after a BUSY (s), doubled for each BUSY in a row...
 BUSY_RETRY_MAX = 0.08            #: ...up to this: each resend is the stream's whole window again
@@ -612,6 +617,7 @@ class Bridge:
         self._drains_stopped = False   # leaving: what the outboxes hold now stays there
         self._hurry = False            # a second SIGTERM/SIGINT: leave without waiting
         self._set_forwarding_here = False   # start() switched the store's forwarding on
+        self._lock_fd: Optional[int] = None    # the store's bridge lock (_lock_store)
         self.tensors: dict[int, TInfo] = {}
         self.by_name: dict[str, TInfo] = {}
         self._records_seen = 0             # store catalog records refresh_tensors looked at
@@ -742,22 +748,24 @@ class Bridge:
         self.runner = web.AppRunner(app, access_log=None, handle_signals=False,
                                     shutdown_timeout=SHUTDOWN_TIMEOUT)
         await self.runner.setup()
+        # One bridge process per store, and its address, before anything touches an
+        # outbox: a bridge that cannot have them (the same command run twice, a second
+        # bridge of the store on another address, a port taken) leaves the store as it
+        # was.  (It switched forwarding on and recovered the outboxes first: a second
+        # bridge of a store recorded the live one's batches in flight as lost, and a
+        # failed start left the store forwarding with no bridge, every later push held.)
+        self.store = shmps.attach(self.cfg.store, namespace=self.cfg.namespace)
+        await self._lock_store()
         host, port = parse_address(self.addr)
         self._site = web.TCPSite(self.runner, host, port, reuse_address=True,
                                  shutdown_timeout=SHUTDOWN_TIMEOUT)
-        # the address first: a bridge that cannot listen (the same command run twice, a
-        # port taken, an address this machine does not have) touches no outbox.  (It
-        # switched forwarding on and recovered the outboxes first: a second bridge of a
-        # store recorded the live one's batches in flight as lost, and a failed start
-        # left the store forwarding with no bridge, every later push held.)
         try:
             await self._site.start()
         except OSError as e:
             raise OSError(e.errno, f"cannot listen on {self.addr}: {e.strerror or e} (is "
                           "another shmps-bridge running on this address? stop it, or give "
                           "this host another host:port in hosts.txt and --listen)") from None
-        # no await from here to the tasks: no request is served before the store is open
-        self.store = shmps.attach(self.cfg.store, namespace=self.cfg.namespace)
+        # no await from here to the tasks: no request is served before the store is ready
         self._set_forwarding_here = not self.store._forwarding
         self.store._set_forwarding(True)
         self.refresh_tensors(budget=None)   # before serving anything: no peer waits yet
@@ -789,6 +797,44 @@ class Bridge:
             log.warning("--replicas %d with %d members: each shard has a copy on every "
                         "host, %d in all, until more hosts join", self.cfg.replicas,
                         len(self.members.configured), len(self.members.configured))
+
+    async def _lock_store(self) -> None:
+        """Take the store's bridge lock: an exclusive flock of its manifest file, which
+        the kernel drops when this process ends (only bridges take it; workers never
+        do).  Another bridge process of the store holding it (running, or still
+        ending), wait up to BRIDGE_LOCK_WAIT s, then a typed error saying so."""
+        path = "/dev/shm" + names.manifest_name(self.cfg.store, self.cfg.namespace)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        deadline = time.monotonic() + BRIDGE_LOCK_WAIT
+        said = False
+        ns = f" namespace {self.cfg.namespace!r}" if self.cfg.namespace else ""
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    pass
+                if time.monotonic() >= deadline:
+                    raise InvalidArgument(
+                        f"another shmps-bridge process is running for store "
+                        f"{self.cfg.store!r}{ns} (it holds the store's bridge lock, still "
+                        f"after {BRIDGE_LOCK_WAIT:g} s)",
+                        hint="stop it first (SIGTERM), or wait until it has ended: one "
+                             "bridge process per store and namespace")
+                if not said:
+                    said = True
+                    log.warning("another bridge process of store %r%s holds its bridge lock "
+                                "(still ending?): waiting up to %g s for it before touching "
+                                "the store", self.cfg.store, ns, BRIDGE_LOCK_WAIT)
+                await asyncio.sleep(0.1)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._lock_fd = fd
+        if said:
+            log.info("the other bridge process of store %r has ended: starting",
+                     self.cfg.store)
 
     def request_stop(self) -> None:
         """SIGTERM, SIGINT: leave (serve calls leave()); asked again while leaving, leave
@@ -887,6 +933,9 @@ class Bridge:
         self._snap_reader.shutdown()
         if self.store is not None:
             self.store.close()
+        if self._lock_fd is not None:   # the next bridge of the store may start
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     @staticmethod
     async def _bounded(step: Any, what: str) -> None:
