@@ -1349,7 +1349,9 @@ def test_unauthenticated_clients_get_bounded_resources_and_change_nothing(make_c
     found by a review and each refused now (bridge-protocol.md section 11):
     a websocket that declares an 8 MiB message before its handshake is closed from the
     header (1009; the bridge made room for each such message: 8 MiB a connection);
-    connections in their handshake are capped (MAX_HANDSHAKES, then 503);
+    connections in their handshake are capped per IP address and in all for hosts that
+    are not members' (then 503, logged once per host and 5 s), so that strangers cannot
+    keep a member out (one global cap let 64 idle connections do that);
     a signed membership change replayed to another host than the one it was signed for
     is refused (it was applied there and sent to every host);
     a non-ASCII authentication header is a counted 401 (a 500 and a traceback before);
@@ -1414,24 +1416,29 @@ def test_unauthenticated_clients_get_bounded_resources_and_change_nothing(make_c
             w.write(bytes((0x82, 0x80 | 127)) + (8 << 20).to_bytes(8, "big") + mask + b"x")
             out["declared_8MiB"] = await asyncio.wait_for(r.read(4), 5)
             w.close()
-            # 2. handshakes held open: MAX_HANDSHAKES, then 503
-            held = []
-            for _ in range(bridge_node.MAX_HANDSHAKES):
-                hr, hw = await asyncio.open_connection(host, int(port))
+            # 2. handshakes held open: MAX_HANDSHAKES_PER_HOST from one address, then
+            # 503; MAX_HANDSHAKES in all from hosts that are not members', then 503 for
+            # them, while a member's host still gets through
+            async def upgrade(src: str) -> tuple:
+                hr, hw = await asyncio.open_connection(host, int(port), local_addr=(src, 0))
                 hw.write(b"GET /v1/stream HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
                          b"Connection: Upgrade\r\nSec-WebSocket-Key: "
                          b"dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
-                out.setdefault("held", []).append((await hr.readuntil(b"\r\n"))[:12])
-                held.append(hw)
-            async with aiohttp.ClientSession() as session:
-                with contextlib.suppress(aiohttp.WSServerHandshakeError):
-                    await session.ws_connect(c.url(0, "/v1/stream"))
-                async with session.get(c.url(0, "/v1/stream"), headers={
-                        "Upgrade": "websocket", "Connection": "Upgrade",
-                        "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ==",
-                        "Sec-WebSocket-Version": "13"}) as resp:
-                    out["over_cap"] = resp.status
-            for hw in held:
+                return (await hr.readuntil(b"\r\n"))[:12], hw
+
+            per, cap = bridge_node.MAX_HANDSHAKES_PER_HOST, bridge_node.MAX_HANDSHAKES
+            held = [await upgrade("127.0.0.1") for _ in range(per + 1)]
+            out["one_host"] = [h for h, _ in held]
+            for _, hw in held:
+                hw.close()
+            await asyncio.sleep(0.3)
+            strangers = [f"127.0.1.{k}" for k in range(1, cap // per + 2)]
+            held = [await upgrade(src) for src in strangers[:-1] for _ in range(per)]
+            out["strangers"] = {h for h, _ in held}
+            out["one_more_stranger"] = (await upgrade(strangers[-1]))[0]
+            member_ip = c.addrs[1].rsplit(":", 1)[0]
+            out["member_host"] = (await upgrade(member_ip))[0]
+            for _, hw in held:
                 hw.close()
             await asyncio.sleep(0.3)
             async with aiohttp.ClientSession() as session:
@@ -1461,8 +1468,14 @@ def test_unauthenticated_clients_get_bounded_resources_and_change_nothing(make_c
         out = asyncio.run(attack())
         assert out["hello"] == bytes((0x82, 40))
         assert out["declared_8MiB"] == bytes((0x88, 2)) + wsstream.CLOSE_TOO_BIG.to_bytes(2, "big")
-        assert out["held"] == [b"HTTP/1.1 101"] * bridge_node.MAX_HANDSHAKES
-        assert out["over_cap"] == 503
+        per = bridge_node.MAX_HANDSHAKES_PER_HOST
+        assert out["one_host"] == [b"HTTP/1.1 101"] * per + [b"HTTP/1.1 503"]
+        assert out["strangers"] == {b"HTTP/1.1 101"}
+        assert out["one_more_stranger"] == b"HTTP/1.1 503"
+        assert out["member_host"] == b"HTTP/1.1 101"
+        refusals = [line for line in c.logs[0].read_text(errors="replace").splitlines()
+                    if "too many connections in their handshake" in line]
+        assert 1 <= len(refusals) <= 3, refusals     # one line per host and 5 s
         assert out["after"] == aiohttp.WSMsgType.BINARY       # the HELLO of a fresh slot
         assert out["replayed"] == 401
         assert any(m["address"] == c.addrs[1] for m in c.health(1)["members"])

@@ -3329,6 +3329,28 @@ def test_a_hosts_file_that_lists_nobody_is_ignored(tmp_path):
     asyncio.run(main())
 
 
+def test_only_a_second_signal_hurries_a_leave(tmp_path):
+    """A leave ends its waits early only on a second SIGTERM/SIGINT: a host removed from
+    the members (which starts its leave) and then sent one SIGTERM leaves as usual (the
+    removal counted as the first signal, and the SIGTERM cut the leave short: pushes
+    drained and not yet acknowledged were left for the next bridge to record lost;
+    found by a review, 2026-11-27)."""
+    a, b = "127.0.0.2:7001", "127.0.0.3:7001"
+
+    async def main() -> list:
+        node = _bridge(tmp_path, [a, b])
+        node._stop_event = asyncio.Event()
+        node._on_hosts_file(f"{b}\n".encode())          # removed: it leaves
+        seen = [node._stop_event.is_set(), node._hurry]
+        node._on_signal()                                # the operator's SIGTERM
+        seen.append(node._hurry)
+        node._on_signal()                                # and another
+        seen.append(node._hurry)
+        return seen
+
+    assert asyncio.run(main()) == [True, False, False, True]
+
+
 def test_watch_file_awaits_async_callbacks(tmp_path):
     """An async callback is awaited; interval must be positive."""
     path = tmp_path / "h"

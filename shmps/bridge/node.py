@@ -51,8 +51,8 @@ from ..outbox import counters as outbox_counters
 from . import auth, frames, urgent, wsstream
 from .frames import ROWS_SEQ_BASE, FrameType, Layout, Mark, Status
 from .members import (DEAD_AFTER, HEARTBEAT_INTERVAL, ON_RING, Membership, State,
-                      member_id, normalize_address, parse_address, parse_hosts, read_hosts,
-                      watch_file)
+                      address_host, member_id, normalize_address, parse_address, parse_hosts,
+                      read_hosts, watch_file)
 from .outq import Backpressure, ByteBudget, Dedup, OutQueue, Verdict
 from .pause import Pause
 from .ring import Ring, shard_key
@@ -85,7 +85,10 @@ MAX_MSG = frames.MAX_FRAME_BYTES + 4096
 MAX_BAD_FRAMES = 3               #: malformed frames in a row before a connection is closed
 REFUSAL_LOG_EVERY = 5.0          #: s between log lines of one refused connection's reason
 HOSTS_SETTLE = 0.5               #: s an edit of hosts.txt must stay the same before it counts
-MAX_HANDSHAKES = 64              #: incoming connections in their handshake at once (503 over it)
+MAX_HANDSHAKES = 64              #: connections in their handshake at once from hosts that are
+                                 #: not members' (503 over it); members' hosts have their own
+MAX_HANDSHAKES_PER_HOST = 8      #: connections in their handshake at once from one IP address
+AUTH_WAIT = 3.0                  #: s a server waits for the client's AUTH after its HELLO
 MAX_PRESTART = 2 * MAX_MSG        #: bytes a link holds from its peer before it starts reading them
 MAX_CATALOG_BYTES = 64 << 20     #: the largest catalog answer a peer's bridge may give
 SNAPSHOT_FRAME_BYTES = 1 << 20   #: values per snapshot chunk
@@ -616,6 +619,7 @@ class Bridge:
         self.handed_over = False
         self._drains_stopped = False   # leaving: what the outboxes hold now stays there
         self._hurry = False            # a second SIGTERM/SIGINT: leave without waiting
+        self._signals = 0              # SIGTERM/SIGINT received (request_stop)
         self._set_forwarding_here = False   # start() switched the store's forwarding on
         self._lock_fd: Optional[int] = None    # the store's bridge lock (_lock_store)
         self.tensors: dict[int, TInfo] = {}
@@ -675,7 +679,8 @@ class Bridge:
         self._site: Any = None
         self._tasks: list[asyncio.Task] = []
         self._verifier = auth.RequestVerifier(cfg.secret, self.addr)
-        self._handshaking = 0       # incoming connections not yet authenticated (h_stream)
+        self._handshaking = 0       # incoming connections not yet authenticated (h_stream),
+        self._handshaking_from: dict[str, int] = {}   # of hosts not members', and per IP
         self._refusals_logged: dict[tuple, tuple] = {}   # (remote, why) -> (logged at, since)
         self._stop_event: Optional[asyncio.Event] = None
         self._owner_cache: dict[str, list[str]] = {}
@@ -836,16 +841,23 @@ class Bridge:
             log.info("the other bridge process of store %r has ended: starting",
                      self.cfg.store)
 
-    def request_stop(self) -> None:
-        """SIGTERM, SIGINT: leave (serve calls leave()); asked again while leaving, leave
+    def request_stop(self, signalled: bool = False) -> None:
+        """Leave (serve calls leave()): on SIGTERM or SIGINT (``signalled``), or when this
+        host was removed from the members.  A second signal while leaving makes it leave
         at once (its waits end; what was drained and not yet acknowledged is recorded
-        lost by the next bridge on the store)."""
+        lost by the next bridge on the store); a removal is no signal, so the first
+        SIGTERM after one does not hurry the leave it started."""
         if self._stop_event is not None:
-            if self._stop_event.is_set() and not self._hurry:
-                self._hurry = True
-                log.warning("asked to stop again: leaving without waiting for "
-                            "acknowledgements or the hand-over")
+            if signalled:
+                self._signals += 1
+                if self._signals == 2:
+                    self._hurry = True
+                    log.warning("asked to stop again: leaving without waiting for "
+                                "acknowledgements or the hand-over")
             self._stop_event.set()
+
+    def _on_signal(self) -> None:
+        self.request_stop(signalled=True)
 
     async def run_until_stopped(self) -> None:
         assert self._stop_event is not None
@@ -890,7 +902,7 @@ class Bridge:
         log.info("leaving: this host's pushes are acknowledged; handed over")
         # wait until the others dropped this host from the ring, and hand its shards over
         await wait_while(self._others_still_see_me, deadline)
-        if self._others_still_see_me():
+        if self._others_still_see_me() and not self._hurry:
             log.warning("leaving: %s still count this host in after %g s", ", ".join(
                 p for p, r in self._peer_rings.items() if self.addr in r), timeout)
         # the hand-over snapshots are read in the snapshot thread: queued before closing
@@ -3734,14 +3746,22 @@ class Bridge:
         from aiohttp import web
         if self._closing:
             return web.Response(status=503, text="this bridge is stopping\n")
-        if self._handshaking >= MAX_HANDSHAKES:
-            # (each may wait HANDSHAKE_TIMEOUT: unauthenticated clients get no more)
+        # Unauthenticated connections are bounded (each may wait AUTH_WAIT for its
+        # AUTH): per IP address, and in all for hosts that are not members', so that a
+        # stranger holding its slots cannot keep a member's link out (one global cap
+        # did: a member restarted did not rejoin while 64 idle connections held it).
+        remote = str(request.remote)
+        member_host = remote in {address_host(m) for m in self.members.configured}
+        mine = self._handshaking_from.get(remote, 0)
+        if mine >= MAX_HANDSHAKES_PER_HOST or (
+                not member_host and self._handshaking >= MAX_HANDSHAKES):
             self.metrics.rejected("auth")
-            log.warning("refused a connection from %s: %d connections are in their "
-                        "handshake already", request.remote, self._handshaking)
+            self._log_refusal(remote, "too many connections in their handshake")
             return web.Response(status=503, text="too many connections in their "
                                                  "handshake; try again\n")
-        self._handshaking += 1
+        self._handshaking_from[remote] = mine + 1
+        if not member_host:
+            self._handshaking += 1
         handshaking = True
 
         def authenticated() -> None:
@@ -3749,7 +3769,11 @@ class Bridge:
             nonlocal handshaking
             if handshaking:
                 handshaking = False
-                self._handshaking -= 1
+                if not member_host:
+                    self._handshaking -= 1
+                left = self._handshaking_from.pop(remote) - 1
+                if left:
+                    self._handshaking_from[remote] = left
         try:
             ws = web.WebSocketResponse(max_msg_size=auth.MAX_HANDSHAKE_MSG)
             await ws.prepare(request)
@@ -3776,13 +3800,29 @@ class Bridge:
             authenticated()
         return ws
 
+    def _log_refusal(self, remote: str, why: str) -> None:
+        """Log a refused connection once per REFUSAL_LOG_EVERY s per remote host and
+        reason: a peer that retries every 0.1 s, or a stranger's flood, is one line with
+        a count (the metric counts each)."""
+        key = (remote, why)
+        now = time.monotonic()
+        last, skipped = self._refusals_logged.get(key, (-math.inf, 0))
+        if now - last >= REFUSAL_LOG_EVERY:
+            log.warning("refused a connection from %s: %s%s", remote, why,
+                        f" ({skipped} more like it since)" if skipped else "")
+            if len(self._refusals_logged) > 1024:
+                self._refusals_logged.clear()
+            self._refusals_logged[key] = (now, 0)
+        else:
+            self._refusals_logged[key] = (last, skipped + 1)
+
     async def _serve_stream(self, stream: wsstream.WsStream, request: Any,
                             authenticated: Callable[[], None]) -> None:
         hs = auth.ServerHandshake(self.cfg.secret, sender=self.mid,
                                   incarnation=self.incarnation)
         stream.send(hs.hello())
         try:
-            peer, ok = hs.verify(await stream.receive(auth.HANDSHAKE_TIMEOUT))
+            peer, ok = hs.verify(await stream.receive(min(AUTH_WAIT, auth.HANDSHAKE_TIMEOUT)))
             if peer.client_id not in self.members.states():
                 raise auth.AuthError(f"{peer.client_id} is not a member here",
                                      hint="if it should be, add it to this host's hosts.txt "
@@ -3795,20 +3835,7 @@ class Bridge:
             stream.send(ok)
         except (auth.AuthError, asyncio.TimeoutError, wsstream.WsClosed) as e:
             self.metrics.rejected("auth")
-            # once per REFUSAL_LOG_EVERY s per remote host and reason: a peer that retries
-            # its connection every 0.1 s is one line, with a count
-            why = str(e) or type(e).__name__
-            key = (str(request.remote), why)
-            now = time.monotonic()
-            last, skipped = self._refusals_logged.get(key, (-math.inf, 0))
-            if now - last >= REFUSAL_LOG_EVERY:
-                log.warning("refused a connection from %s: %s%s", request.remote, why,
-                            f" ({skipped} more like it since)" if skipped else "")
-                self._refusals_logged[key] = (now, 0)
-                if len(self._refusals_logged) > 1024:
-                    self._refusals_logged.clear()
-            else:
-                self._refusals_logged[key] = (last, skipped + 1)
+            self._log_refusal(str(request.remote), str(e) or type(e).__name__)
             return
         stream.peer = peer.client_id
         conn = Conn(stream, peer.client_id, peer.incarnation, cork=self.cork)
@@ -3913,7 +3940,7 @@ async def serve(cfg: Config, ready: Optional[Callable[[Bridge], None]] = None) -
         # asyncio installs signal handlers only there; elsewhere (a bridge run in a
         # thread, as some tests do) the caller stops it with request_stop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, node.request_stop)
+            loop.add_signal_handler(sig, node._on_signal)
     else:
         log.debug("no SIGTERM/SIGINT handler here: stop with request_stop()")
     if ready is not None:
