@@ -3482,33 +3482,49 @@ class Bridge:
                 log.debug("catalog sync: %s", e)
             await asyncio.sleep(CATALOG_INTERVAL)
 
-    async def _pull_catalog(self, peer: str) -> None:
-        host, port = parse_address(peer)
-        path = "/v1/catalog"
-        headers = auth.sign_request(self.cfg.secret, "GET", path, b"", self.addr, target=peer)
-        known = self._catalog_tags.get(peer)
-        if known is not None:
-            headers["If-None-Match"] = known
-        url = f"http://{host if ':' not in host else '[' + host + ']'}:{port}{path}"
+    async def _ask_peer(self, peer: str, method: str, path: str, body: bytes = b"", *,
+                        timeout: float, limit: int = 0, ok: tuple = (200,),
+                        headers: Optional[dict] = None) -> tuple[int, Any, bytes]:
+        """A request to ``peer``'s bridge, signed for it (auth.sign_request names the
+        target); returns (status, response headers, body).  An answer whose status is in
+        ``ok`` is read up to ``limit`` bytes and its MAC checked (auth.check_response)
+        before anything of it is returned: any process listening on a member's address
+        can answer.  A MAC that fails is counted and raised (AuthError); an answer of
+        another status comes back with no body."""
         import aiohttp
-        async with self.session.get(url, headers=headers,
-                                    timeout=aiohttp.ClientTimeout(total=1.0)) as r:
-            if r.status not in (200, 304):
-                return
-            body = await _read_at_most(r, MAX_CATALOG_BYTES, f"the catalog of {peer}")
-            # any process listening on a member's address can answer: nothing of it is
-            # used before its MAC is checked
+        signed = auth.sign_request(self.cfg.secret, method, path, body, self.addr,
+                                   target=peer)
+        host, port = parse_address(peer)
+        url = f"http://{host if ':' not in host else '[' + host + ']'}:{port}{path}"
+        async with self.session.request(method, url, data=body or None,
+                                        headers={**signed, **(headers or {})},
+                                        timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+            if r.status not in ok:
+                return r.status, r.headers, b""
+            data = await _read_at_most(r, limit, f"the answer of {peer} to {method} {path}")
             try:
-                auth.check_response(self.cfg.secret, headers, peer, r.status, r.headers, body)
-            except auth.AuthError as e:
+                auth.check_response(self.cfg.secret, signed, peer, r.status, r.headers, data)
+            except auth.AuthError:
                 self.metrics.rejected("auth")
-                log.warning("refused the catalog answer of %s: %s", peer, e)
-                return
-            if r.status == 304:   # nothing new there since every record was taken
-                self.catalog_seen_from.add(peer)
-                return
-            recs = json.loads(body)
-            tag = r.headers.get("ETag")
+                raise
+            return r.status, r.headers, data
+
+    async def _pull_catalog(self, peer: str) -> None:
+        known = self._catalog_tags.get(peer)
+        try:
+            status, answer, body = await self._ask_peer(
+                peer, "GET", "/v1/catalog", timeout=1.0, limit=MAX_CATALOG_BYTES,
+                ok=(200, 304), headers={"If-None-Match": known} if known else None)
+        except auth.AuthError as e:
+            log.warning("refused the catalog answer of %s: %s", peer, e)
+            return
+        if status == 304:   # nothing new there since every record was taken
+            self.catalog_seen_from.add(peer)
+            return
+        if status != 200:
+            return
+        recs = json.loads(body)
+        tag = answer.get("ETag")
         t0 = time.monotonic()
         complete = True
         for rec in recs:
@@ -3536,25 +3552,15 @@ class Bridge:
         """The structure (rowcnt, colidx) of csr tensor ``rec`` from ``peer``
         (``POST /v1/structure``, request MAC), checked against the record's digest."""
         from ..csr import check_colidx, check_rowcnt, check_sorted, structure_hash
-        import aiohttp
-        host, port = parse_address(peer)
-        path = "/v1/structure"
-        body = json.dumps({"name": rec["name"]}).encode()
-        headers = auth.sign_request(self.cfg.secret, "POST", path, body, self.addr,
-                                    target=peer)
-        url = f"http://{host if ':' not in host else '[' + host + ']'}:{port}{path}"
         rows, nnz = int(rec["shape"][0]), int(rec["nnz"])
-        async with self.session.post(url, data=body, headers=headers,
-                                     timeout=aiohttp.ClientTimeout(total=60.0)) as r:
-            if r.status != 200:
-                raise InvalidArgument(f"structure of {rec['name']!r} from {peer}: HTTP {r.status}")
-            data = await _read_at_most(r, 8 * (rows + 1 + nnz),
-                                       f"the structure of {rec['name']!r} from {peer}")
-            try:
-                auth.check_response(self.cfg.secret, headers, peer, r.status, r.headers, data)
-            except auth.AuthError as e:
-                self.metrics.rejected("auth")
-                raise InvalidArgument(f"structure of {rec['name']!r}: {e}") from None
+        try:
+            status, _, data = await self._ask_peer(
+                peer, "POST", "/v1/structure", json.dumps({"name": rec["name"]}).encode(),
+                timeout=60.0, limit=8 * (rows + 1 + nnz))
+        except auth.AuthError as e:
+            raise InvalidArgument(f"structure of {rec['name']!r}: {e}") from None
+        if status != 200:
+            raise InvalidArgument(f"structure of {rec['name']!r} from {peer}: HTTP {status}")
         if len(data) != 8 * (rows + 1 + nnz):
             raise InvalidArgument(f"structure of {rec['name']!r} from {peer}: {len(data)} "
                                   f"bytes, expected {8 * (rows + 1 + nnz)}")
@@ -3726,17 +3732,9 @@ class Bridge:
                                   "epoch": self.members.epoch})
 
     async def _post_members(self, peer: str, req: dict) -> None:
-        import aiohttp
-        body = json.dumps(req).encode()
-        host, port = parse_address(peer)
-        path = "/v1/members"
-        headers = auth.sign_request(self.cfg.secret, "POST", path, body, self.addr,
-                                    target=peer)
-        url = f"http://{host if ':' not in host else '[' + host + ']'}:{port}{path}"
-        try:
-            async with self.session.post(url, data=body, headers=headers,
-                                         timeout=aiohttp.ClientTimeout(total=2.0)) as r:
-                await r.read()
+        try:   # (its answer is not used: not read, not signed)
+            await self._ask_peer(peer, "POST", "/v1/members", json.dumps(req).encode(),
+                                 timeout=2.0, ok=())
         except Exception as e:
             log.warning("could not forward the member change to %s: %s", peer, e)
 
