@@ -3311,16 +3311,19 @@ def test_watch_file_reports_an_edit_once_it_has_settled(tmp_path):
 
 
 def test_a_hosts_file_that_lists_nobody_is_ignored(tmp_path):
-    """An edit of hosts.txt that leaves no members (emptied, or comments only) is logged
-    and ignored: each bridge took it for its own removal and left, the whole cluster
-    stopped (a review found it, 2026-11-27)."""
+    """A member list of nobody (hosts.txt emptied, or comments only; POST /v1/members
+    removing everyone) is refused where members are set (_set_members: InvalidArgument,
+    which the file watcher logs and the endpoint answers 400) and changes nothing: each
+    bridge took it for its own removal and left, the whole cluster stopped (a review
+    found it, 2026-11-27)."""
     a, b = "127.0.0.2:7001", "127.0.0.3:7001"
     node = _bridge(tmp_path, [a, b])
 
     async def main() -> None:
         node._stop_event = asyncio.Event()
-        node._on_hosts_file(b"# nobody\n")
-        node._on_hosts_file(b"")
+        for data in (b"# nobody\n", b""):
+            with pytest.raises(InvalidArgument, match="nobody"):
+                node._on_hosts_file(data)
         assert not node._stop_event.is_set() and not node.leaving
         assert list(node.members.configured) == [a, b]
         node._on_hosts_file(f"{b}\n".encode())     # this host removed: it leaves

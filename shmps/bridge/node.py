@@ -1731,16 +1731,17 @@ class Bridge:
 
     def _on_hosts_file(self, data: bytes) -> None:
         members = parse_hosts(data.decode("utf-8", "replace"), self.cfg.peers_file)
-        if not members:
-            # (every host would take it for its own removal and leave: the whole cluster
-            # stopped on a file emptied for a moment)
-            log.error("%s lists no members: ignored, the member list stays %s (to stop "
-                      "this host, remove it from the list, or send it SIGTERM)",
-                      self.cfg.peers_file, ", ".join(self.members.configured))
-            return
-        self._set_members(members)
+        self._set_members(members)   # (an InvalidArgument is logged by the watcher)
 
     def _set_members(self, members: list[str]) -> None:
+        """Take ``members`` (hosts.txt edited, or POST /v1/members) as the member list;
+        InvalidArgument, and nothing changed, for a list of nobody: every host would take
+        it for its own removal and leave (the whole cluster stopped on a hosts.txt
+        emptied for a moment)."""
+        if not members:
+            raise InvalidArgument(
+                f"a member list of nobody; the members stay {list(self.members.configured)}",
+                hint="to stop a host, remove it from the list or send it SIGTERM")
         if self.addr not in members and not self.leaving:
             log.info("this host was removed from the member list: leaving")
             self.members.set_members(list(members) + [self.addr])
@@ -3708,16 +3709,12 @@ class Bridge:
             if strangers and not req.get("forwarded"):
                 raise InvalidArgument(f"not members, nothing to remove: {strangers} (the "
                                       f"members: {list(self.members.configured)})")
+            before = list(self.members.configured)
+            members = [m for m in before if m not in remove]
+            members += [a for a in add if a not in members]
+            self._set_members(members)
         except (ValueError, Error) as e:
             return web.json_response({"error": f"bad request: {e}"}, status=400)
-        before = list(self.members.configured)
-        members = [m for m in before if m not in remove]
-        members += [a for a in add if a not in members]
-        if not members:
-            return web.json_response({"error": "bad request: that leaves no members (stop "
-                                               "the bridges with SIGTERM instead)"},
-                                     status=400)
-        self._set_members(members)
         if not req.get("forwarded"):
             # every other member applies the same change, the removed ones included (they
             # hand over and exit); added ones read it from their own member list
