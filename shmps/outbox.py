@@ -670,12 +670,10 @@ def counters(ob: Any, shard: int) -> tuple[int, int]:
 
 # ---- flush -------------------------------------------------------------------------------
 
-def flush(store: Any, timeout: Optional[float]) -> None:
-    """store.flush(): wait until every push counted in an outbox now is acknowledged."""
-    limit = FLUSH_TIMEOUT_S if timeout is None else float(timeout)
-    if not limit >= 0:
-        raise InvalidArgument(f"timeout={timeout!r} must be >= 0 (or None)")
-    deadline = time.monotonic() + limit
+def unacknowledged(store: Any) -> list[tuple[Any, int, int]]:
+    """``(outbox, shard, pushed)`` of every outbox shard of ``store`` holding pushes not
+    acknowledged yet: what a flush now waits for (until ``counters(ob, shard)[1]``, the
+    acknowledged count, reaches ``pushed``)."""
     store._refresh()
     waits = []
     for rec in list(store._record_list):
@@ -686,6 +684,16 @@ def flush(store: Any, timeout: Optional[float]) -> None:
             pushed, acked = counters(ob, i)
             if acked < pushed:
                 waits.append((ob, i, pushed))
+    return waits
+
+
+def flush(store: Any, timeout: Optional[float]) -> None:
+    """store.flush(): wait until every push counted in an outbox now is acknowledged."""
+    limit = FLUSH_TIMEOUT_S if timeout is None else float(timeout)
+    if not limit >= 0:
+        raise InvalidArgument(f"timeout={timeout!r} must be >= 0 (or None)")
+    deadline = time.monotonic() + limit
+    waits = unacknowledged(store)
     if waits:
         # wake the bridge: it drains now, not at its next flush interval (its doorbell
         # socket, else the futex word its waiting thread sleeps on: shmps/doorbell.py)

@@ -47,7 +47,7 @@ from ..errors import CapacityError, Error, InvalidArgument
 from .. import _native, doorbell, names
 from .._native import lib
 from ..outbox import BusyScan, DrainBuffers, RowData, take_lost
-from ..outbox import counters as outbox_counters
+from ..outbox import counters as outbox_counters, unacknowledged
 from . import auth, frames, urgent, wsstream
 from .frames import ROWS_SEQ_BASE, FrameType, Layout, Mark, Status
 from .members import (DEAD_AFTER, HEARTBEAT_INTERVAL, ON_RING, Membership, State,
@@ -875,15 +875,14 @@ class Bridge:
             while cond() and time.monotonic() < until and not self._hurry:
                 await asyncio.sleep(0.02)
 
-        # this host's own pushes reach their owners first: every push counted in an
-        # outbox now, acknowledged (as store.flush waits, but on this loop, which keeps
-        # draining and sending meanwhile, so that a second signal ends the wait)
-        targets = [(info.t._outbox(), s, outbox_counters(info.t._outbox(), s)[0])
-                   for info in list(self.tensors.values()) for s in range(info.nshards)]
+        # this host's own pushes reach their owners first: what store.flush would wait
+        # for now, waited for on this loop (which keeps draining and sending meanwhile,
+        # and a second signal ends the wait)
+        waits = unacknowledged(self.store)
         self._wake_flush()
 
         def unacked() -> bool:
-            return any(outbox_counters(ob, s)[1] < target for ob, s, target in targets)
+            return any(outbox_counters(ob, s)[1] < pushed for ob, s, pushed in waits)
         await wait_while(unacked, deadline - 2.0)
         if unacked():
             log.warning("leaving with pushes not yet acknowledged by their owners")
