@@ -37,7 +37,7 @@ import signal
 import socket
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, NamedTuple, Optional
 
@@ -679,8 +679,8 @@ class Bridge:
         self._site: Any = None
         self._tasks: list[asyncio.Task] = []
         self._verifier = auth.RequestVerifier(cfg.secret, self.addr)
-        self._handshaking = 0       # incoming connections not yet authenticated (h_stream),
-        self._handshaking_from: dict[str, int] = {}   # of hosts not members', and per IP
+        #: incoming connections not yet authenticated, per remote IP address (h_stream)
+        self._handshaking: Counter = Counter()
         self._refusals_logged: dict[tuple, tuple] = {}   # (remote, why) -> (logged at, since)
         self._stop_event: Optional[asyncio.Event] = None
         self._owner_cache: dict[str, list[str]] = {}
@@ -3745,17 +3745,15 @@ class Bridge:
         # stranger holding its slots cannot keep a member's link out (one global cap
         # did: a member restarted did not rejoin while 64 idle connections held it).
         remote = str(request.remote)
-        member_host = remote in {address_host(m) for m in self.members.configured}
-        mine = self._handshaking_from.get(remote, 0)
-        if mine >= MAX_HANDSHAKES_PER_HOST or (
-                not member_host and self._handshaking >= MAX_HANDSHAKES):
+        member_hosts = {address_host(m) for m in self.members.configured}
+        strangers = sum(n for ip, n in self._handshaking.items() if ip not in member_hosts)
+        if self._handshaking[remote] >= MAX_HANDSHAKES_PER_HOST or (
+                remote not in member_hosts and strangers >= MAX_HANDSHAKES):
             self.metrics.rejected("auth")
             self._log_refusal(remote, "too many connections in their handshake")
             return web.Response(status=503, text="too many connections in their "
                                                  "handshake; try again\n")
-        self._handshaking_from[remote] = mine + 1
-        if not member_host:
-            self._handshaking += 1
+        self._handshaking[remote] += 1
         handshaking = True
 
         def authenticated() -> None:
@@ -3763,11 +3761,9 @@ class Bridge:
             nonlocal handshaking
             if handshaking:
                 handshaking = False
-                if not member_host:
-                    self._handshaking -= 1
-                left = self._handshaking_from.pop(remote) - 1
-                if left:
-                    self._handshaking_from[remote] = left
+                self._handshaking[remote] -= 1
+                if not self._handshaking[remote]:
+                    del self._handshaking[remote]
         try:
             ws = web.WebSocketResponse(max_msg_size=auth.MAX_HANDSHAKE_MSG)
             await ws.prepare(request)
