@@ -115,12 +115,11 @@ class WsStream(asyncio.BufferedProtocol):
     handler as a view of the receive buffer, in order, on the event loop."""
 
     def __init__(self, *, client: bool, max_msg: int, peer: str = "",
-                 request: Optional[tuple[str, str]] = None,
-                 max_inbox: int = MAX_INBOX) -> None:
+                 request: Optional[tuple[str, str]] = None) -> None:
         self.client = client
         self.max_msg = max_msg
         #: bytes of messages the inbox holds before start(); over it, closed (1008)
-        self.max_inbox = max_inbox
+        self.max_inbox = MAX_INBOX
         self.peer = peer
         self.transport: Optional[asyncio.Transport] = None
         self.orig: Optional[asyncio.BaseProtocol] = None  # aiohttp's, told when we close
@@ -330,7 +329,7 @@ class WsStream(asyncio.BufferedProtocol):
             self._inbox_bytes += len(payload)
             if self._inbox_bytes > self.max_inbox:
                 return self._protocol_error(CLOSE_POLICY, f"{self._inbox_bytes} bytes of "
-                                            "messages before the handshake ended, over "
+                                            "messages not yet read (before start()), over "
                                             f"the {self.max_inbox}-byte limit")
             self._inbox.append(bytes(payload))
             self._wake()
