@@ -1290,9 +1290,10 @@ int shmps_table_evict(void **bases, uint32_t nshards, uint32_t shard, uint64_t t
  * outbox full, and a delete, an evict or a write of row steps in it, ask every shard, or
  * the shard, for a scan too (a row removed and created again without a push would cut
  * the list).  A drain killed while taking listed rows leaves them zeroed with a count of
- * 0 (values first), and the list in place: the next drain skips them.  Returns DRAIN_SCAN for the scan (also for a row whose key the index does not
- * find there: the scan meets it and fails as it always did), else SHMPS_OK with *n rows
- * taken.  Frozen by the caller; *P is re-read here. */
+ * 0 (values first), and the list in place: the next drain skips them.  Returns
+ * DRAIN_SCAN for the scan (also for a row whose key the index does not find there: the
+ * scan meets it and fails as it always did), else SHMPS_OK with *n rows taken.  Frozen
+ * by the caller; *P is re-read here. */
 #define DRAIN_SCAN 1
 static int drain_listed(tshard_t *t, const tctl_t *c0, uint64_t *keys, void *vals,
                         uint64_t *n_out, uint64_t *P) {
