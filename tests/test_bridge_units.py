@@ -3354,6 +3354,49 @@ def test_only_a_second_signal_hurries_a_leave(tmp_path):
     assert asyncio.run(main()) == [True, False, False, True]
 
 
+def test_a_start_that_fails_after_switching_forwarding_on_switches_it_off(tmp_path):
+    """A bridge whose start fails after it switched its store's forwarding on (here its
+    first take-up of the tensors raises) switches it off again, releases the store's
+    bridge lock and closes what it opened: the store's pushes apply locally as before,
+    and the next bridge of the store starts at once.  A store that was forwarding
+    already (a bridge ended before) stays so: its outboxes hold pushes for the next."""
+    import uuid
+
+    import shmps
+    from bridge_harness import free_port
+    from shmps.bridge.node import Bridge, Config
+
+    ns = f"u{uuid.uuid4().hex[:10]}"
+    store = shmps.attach("failstart", namespace=ns)
+    try:
+        w = store.dense("w", (4, 2), "float32", init=0.0, optimizer="sum")
+        addr = f"127.0.0.2:{free_port('127.0.0.2')}"
+        hosts = tmp_path / "hosts.txt"
+        hosts.write_text(addr + "\n")
+
+        def start_failing() -> Bridge:
+            node = Bridge(Config(peers_file=str(hosts), store="failstart", listen=addr,
+                                 namespace=ns, startup_grace=0.0))
+
+            def boom(**kw):
+                raise shmps.CorruptSegment("a catalog record that cannot be opened")
+            node.refresh_tensors = boom
+            with pytest.raises(shmps.CorruptSegment):
+                asyncio.run(node.start())
+            return node
+
+        node = start_failing()
+        assert not store._forwarding and node._lock_fd is None
+        w.push(np.ones((4, 2), np.float32))
+        assert np.array_equal(w.pull(), np.ones((4, 2), np.float32))   # applied locally
+        store._set_forwarding(True)           # as a bridge that ended leaves it
+        start_failing()
+        assert store._forwarding
+        store._set_forwarding(False)
+    finally:
+        store.destroy()
+
+
 def test_watch_file_awaits_async_callbacks(tmp_path):
     """An async callback is awaited; interval must be positive."""
     path = tmp_path / "h"

@@ -762,8 +762,7 @@ class Bridge:
         self.store = shmps.attach(self.cfg.store, namespace=self.cfg.namespace)
         await self._lock_store()
         host, port = parse_address(self.addr)
-        self._site = web.TCPSite(self.runner, host, port, reuse_address=True,
-                                 shutdown_timeout=SHUTDOWN_TIMEOUT)
+        self._site = web.TCPSite(self.runner, host, port, reuse_address=True)
         try:
             await self._site.start()
         except OSError as e:
