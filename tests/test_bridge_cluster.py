@@ -1348,7 +1348,8 @@ def test_unauthenticated_clients_get_bounded_resources_and_change_nothing(make_c
     """What a client without the secret can do to a bridge with --secret-file, each
     found by a review and each refused now (bridge-protocol.md section 11):
     a websocket that declares an 8 MiB message before its handshake is closed from the
-    header (1009; the bridge made room for each such message: 8 MiB a connection);
+    header (1009; the bridge made room for each such message: 8 MiB a connection); one
+    that sends no AUTH is cut off after AUTH_WAIT (it was waited for 10 s);
     connections in their handshake are capped per IP address and in all for hosts that
     are not members' (then 503, logged once per host and 5 s), so that strangers cannot
     keep a member out (one global cap let 64 idle connections do that);
@@ -1416,6 +1417,16 @@ def test_unauthenticated_clients_get_bounded_resources_and_change_nothing(make_c
             w.write(bytes((0x82, 0x80 | 127)) + (8 << 20).to_bytes(8, "big") + mask + b"x")
             out["declared_8MiB"] = await asyncio.wait_for(r.read(4), 5)
             w.close()
+            # 1b. a client that never sends its AUTH is cut off after AUTH_WAIT
+            r, w = await asyncio.open_connection(host, int(port))
+            w.write(b"GET /v1/stream HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
+                    b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+                    b"Sec-WebSocket-Version: 13\r\n\r\n")
+            await r.readuntil(b"\r\n\r\n")
+            t0 = time.monotonic()
+            await asyncio.wait_for(r.read(), 10)          # the HELLO, then EOF
+            out["silent_cut_after"] = time.monotonic() - t0
+            w.close()
             # 2. handshakes held open: MAX_HANDSHAKES_PER_HOST from one address, then
             # 503; MAX_HANDSHAKES in all from hosts that are not members', then 503 for
             # them, while a member's host still gets through
@@ -1468,6 +1479,8 @@ def test_unauthenticated_clients_get_bounded_resources_and_change_nothing(make_c
         out = asyncio.run(attack())
         assert out["hello"] == bytes((0x82, 40))
         assert out["declared_8MiB"] == bytes((0x88, 2)) + wsstream.CLOSE_TOO_BIG.to_bytes(2, "big")
+        assert (bridge_node.AUTH_WAIT - 0.2 <= out["silent_cut_after"]
+                < bridge_node.AUTH_WAIT + 1.5), out["silent_cut_after"]
         per = bridge_node.MAX_HANDSHAKES_PER_HOST
         assert out["one_host"] == [b"HTTP/1.1 101"] * per + [b"HTTP/1.1 503"]
         assert out["strangers"] == {b"HTTP/1.1 101"}
