@@ -1405,12 +1405,21 @@ def test_unauthenticated_clients_get_bounded_resources_and_change_nothing(make_c
         async def attack() -> dict:
             out: dict = {}
             host, port = c.addrs[0].rsplit(":", 1)
+
+            async def upgrade(src: str = "127.0.0.1") -> tuple:
+                """A websocket upgrade of /v1/stream from ``src``: (status line, reader,
+                writer), the head read through when it is a 101."""
+                hr, hw = await asyncio.open_connection(host, int(port), local_addr=(src, 0))
+                hw.write(b"GET /v1/stream HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
+                         b"Connection: Upgrade\r\nSec-WebSocket-Key: "
+                         b"dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+                status = (await hr.readuntil(b"\r\n"))[:12]
+                if status == b"HTTP/1.1 101":
+                    await hr.readuntil(b"\r\n\r\n")
+                return status, hr, hw
+
             # 1. a large message declared before the handshake
-            r, w = await asyncio.open_connection(host, int(port))
-            w.write(b"GET /v1/stream HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
-                    b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
-                    b"Sec-WebSocket-Version: 13\r\n\r\n")
-            await r.readuntil(b"\r\n\r\n")
+            _, r, w = await upgrade()
             hello = await asyncio.wait_for(r.readexactly(2 + 40), 5)   # the server's HELLO
             out["hello"] = hello[:2]
             mask = b"\0\0\0\0"
@@ -1418,11 +1427,7 @@ def test_unauthenticated_clients_get_bounded_resources_and_change_nothing(make_c
             out["declared_8MiB"] = await asyncio.wait_for(r.read(4), 5)
             w.close()
             # 1b. a client that never sends its AUTH is cut off after AUTH_WAIT
-            r, w = await asyncio.open_connection(host, int(port))
-            w.write(b"GET /v1/stream HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
-                    b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
-                    b"Sec-WebSocket-Version: 13\r\n\r\n")
-            await r.readuntil(b"\r\n\r\n")
+            _, r, w = await upgrade()
             t0 = time.monotonic()
             await asyncio.wait_for(r.read(), 10)          # the HELLO, then EOF
             out["silent_cut_after"] = time.monotonic() - t0
@@ -1430,26 +1435,19 @@ def test_unauthenticated_clients_get_bounded_resources_and_change_nothing(make_c
             # 2. handshakes held open: MAX_HANDSHAKES_PER_HOST from one address, then
             # 503; MAX_HANDSHAKES in all from hosts that are not members', then 503 for
             # them, while a member's host still gets through
-            async def upgrade(src: str) -> tuple:
-                hr, hw = await asyncio.open_connection(host, int(port), local_addr=(src, 0))
-                hw.write(b"GET /v1/stream HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
-                         b"Connection: Upgrade\r\nSec-WebSocket-Key: "
-                         b"dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
-                return (await hr.readuntil(b"\r\n"))[:12], hw
-
             per, cap = bridge_node.MAX_HANDSHAKES_PER_HOST, bridge_node.MAX_HANDSHAKES
             held = [await upgrade("127.0.0.1") for _ in range(per + 1)]
-            out["one_host"] = [h for h, _ in held]
-            for _, hw in held:
+            out["one_host"] = [h for h, _, _ in held]
+            for _, _, hw in held:
                 hw.close()
             await asyncio.sleep(0.3)
             strangers = [f"127.0.1.{k}" for k in range(1, cap // per + 2)]
             held = [await upgrade(src) for src in strangers[:-1] for _ in range(per)]
-            out["strangers"] = {h for h, _ in held}
+            out["strangers"] = {h for h, _, _ in held}
             out["one_more_stranger"] = (await upgrade(strangers[-1]))[0]
             member_ip = c.addrs[1].rsplit(":", 1)[0]
             out["member_host"] = (await upgrade(member_ip))[0]
-            for _, hw in held:
+            for _, _, hw in held:
                 hw.close()
             await asyncio.sleep(0.3)
             async with aiohttp.ClientSession() as session:
