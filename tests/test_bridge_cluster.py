@@ -941,7 +941,12 @@ def test_owner_killed_mid_stream(make_cluster):
     assert pushed, owned
     rounds = 150
     procs = [c.worker(i, push_spec(rounds, sleep=0.01)) for i in survivors for _ in range(2)]
-    time.sleep(0.6)   # mid-stream
+    # mid-stream: the victim applies the workers' batches (a fixed sleep was not enough
+    # on a loaded machine, where the workers took over a second to start: the "failover"
+    # then measured their start, 1.2-2.6 s)
+    c.wait(lambda: _sample(c.metrics(victim), "shmps_bridge_batches_applied_total") >= 20,
+           30, "the victim to apply the workers' batches")
+    assert all(p.poll() is None for p in procs), "the workers ended before the kill"
     t_kill = c.kill(victim)
     for p in procs:
         out, err = p.communicate(timeout=120)
