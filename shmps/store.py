@@ -8,6 +8,7 @@ catalog without the lock; tensors are mapped lazily on first use.
 from __future__ import annotations
 
 import json
+import operator
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -18,7 +19,7 @@ import numpy as np
 from . import _native, doorbell, names
 from .dense import DenseTensor, default_shard_rows
 from .errors import Closed, CorruptFile, CorruptSegment, InvalidArgument, NotFound, SchemaError
-from .segment import Segment, list_names, unlink
+from .segment import Segment, check_room, list_names, unlink
 from .tensor import PushHandle, Tensor, open_shards
 from .updaters import Updater, UpdaterLike, as_updater, from_dict
 
@@ -226,7 +227,7 @@ class Store:
         names.check_name(name, "tensor name") if not _loose_name(name) else None
         req: dict[str, Any] = {"kind": "dense"}
         if shape is not None:
-            shp = tuple(int(x) for x in (shape if isinstance(shape, (tuple, list)) else (shape,)))
+            shp = _shape(shape)
             if any(x < 0 for x in shp) or (shp and shp[0] == 0 and len(shp) > 8):
                 raise SchemaError(f"invalid shape {shape!r}")
             if len(shp) > 8:
@@ -288,6 +289,8 @@ class Store:
         def create() -> dict:
             _check_not_reserved(name)
             rec = tmod.create_record(name, req, init, nshards)
+            check_room(f"table {name!r} of capacity {rec['capacity']:,} x {rec['dim']}",
+                       rec["capacity"] * rec["dim"] * np.dtype(rec["dtype"]).itemsize)
             upd = from_dict(rec["optimizer"])
             specs = tmod.shard_specs(rec, upd)
 
@@ -415,9 +418,8 @@ class Store:
                 lay = _native.layout(spec)
                 name = names.shard_name(self.name, self.namespace, tid, s)
                 unlink(name)  # debris of a creator that died before registering
-                seg = Segment.create(name, lay["total_size"])
+                seg = Segment.create(name, lay["total_size"], huge=True)
                 made.append(seg)
-                seg.ask_huge_pages()
                 _native.shard_init(seg.ptr, seg.size, spec)
                 fill(s, seg, lay)
                 total += seg.size
@@ -457,6 +459,7 @@ class Store:
         shard_rows = max(1, min(shard_rows, max(nrows, 1)))
         nshards = max(1, -(-nrows // shard_rows))
         init_arr = _init_array(init, shape, dt)
+        check_room(f"tensor {name!r} {shape} of {dt}", nrows * row_len * dt.itemsize)
         rec = {"name": name, "kind": "dense", "dtype": dt.name, "shape": list(shape),
                "shard_rows": shard_rows, "nshards": nshards, "optimizer": upd.to_dict(),
                "mode": mode, "allow_nonfinite": bool(req.get("allow_nonfinite", False))}
@@ -832,6 +835,23 @@ def _loose_name(name: object) -> bool:
     return True
 
 
+def _shape(shape: Any) -> tuple:
+    """A tensor shape as a tuple of ints: every dimension an integer (a float, a bool
+    or a string is refused, where int() would round 2.5 to 2 and take True for 1)."""
+    dims = shape if isinstance(shape, (tuple, list)) else (shape,)
+    out = []
+    for x in dims:
+        if isinstance(x, (bool, np.bool_)):
+            raise SchemaError(f"invalid shape {shape!r}: {x!r} is not a size",
+                              "give each dimension as an integer")
+        try:
+            out.append(operator.index(x))
+        except TypeError:
+            raise SchemaError(f"invalid shape {shape!r}: {x!r} is not an integer",
+                              "give each dimension as an integer") from None
+    return tuple(out)
+
+
 def _init_array(init: Any, shape: tuple, dt: np.dtype) -> Any:
     a = np.asarray(init)
     if a.ndim == 0:
@@ -844,7 +864,13 @@ def _init_array(init: Any, shape: tuple, dt: np.dtype) -> Any:
                                   f"pass an integer init within the range of {dt}")
         if dt.kind == "f" and not np.isfinite(a):
             raise InvalidArgument(f"init {init!r} is not finite")
-        return a.astype(dt)[()]
+        with np.errstate(over="ignore"):
+            v = a.astype(dt)[()]
+        if dt.kind == "f" and not np.isfinite(v):   # finite, but past the dtype's range
+            raise InvalidArgument(f"init {init!r} cannot be stored in {dt} (largest "
+                                  f"{float(np.finfo(dt).max):g})",
+                                  f"pass an init within the range of {dt}")
+        return v
     if a.shape != tuple(shape):
         raise SchemaError(f"init array shape {a.shape} != tensor shape {tuple(shape)}")
     if not np.can_cast(a.dtype, dt, "same_kind"):
@@ -883,7 +909,12 @@ def _match(rec: dict, req: dict) -> None:
     """Raise SchemaError naming each field of ``req`` that differs from ``rec``."""
     diffs = []
     for k in _SCHEMA_KEYS:
-        if k in req and json.loads(json.dumps(req[k])) != rec.get(k):  # as stored (JSON)
+        want = req.get(k)
+        if k == "shard_rows" and want is not None and rec.get("kind") == "dense":
+            # a dense tensor's shards hold at most its rows: creation clamps the
+            # request to them, and so does the comparison
+            want = max(1, min(int(want), max((rec.get("shape") or [1])[0], 1)))
+        if k in req and json.loads(json.dumps(want)) != rec.get(k):  # as stored (JSON)
             diffs.append(f"{k}: existing {rec.get(k)!r}, requested {req[k]!r}")
     if diffs:
         raise SchemaError(f"tensor {rec['name']!r} exists with another schema: "

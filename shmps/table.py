@@ -94,6 +94,11 @@ def init_spec(init: InitLike, dtype: np.dtype) -> list:
                 raise SchemaError(f"init {c!r} cannot be stored in {dtype}",
                                   f"pass an integer within the range of {dtype}")
             vals = [float(int(c))]
+    else:
+        top = float(np.finfo(dtype).max)
+        if any(abs(v) > top for v in vals):   # finite, but past the dtype's range
+            raise InvalidArgument(f"init parameters {params!r} cannot be stored in {dtype} "
+                                  f"(largest {top:g})", f"pass values within the range of {dtype}")
     if kind == "constant" and vals[0] == 0.0:
         return ["zeros"]  # the same rows: one spelling, so get-or-create matches
     return [kind, *vals]
@@ -759,4 +764,4 @@ def check_args(dim: Any, capacity: Any, seed: Any, shards: Any) -> None:
             continue
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not lo <= v <= hi:
             raise InvalidArgument(f"{name}={v!r} must be an integer in [{lo}, {hi}]",
-                                  "a table needs dim >= 1 and capacity >= 1")
+                                  f"pass {name} as an integer from {lo} to {hi}")

@@ -279,15 +279,109 @@ def test_attach_missing_store_without_create(store_name):
     (dict(shape=(3,), dtype="int8", init=300), shmps.SchemaError),
     (dict(shape=(3,), dtype="int32", init=0.5), shmps.SchemaError),
     (dict(shape=(3,), init=np.ones(4)), shmps.SchemaError),
+    (dict(shape=(2.5,)), shmps.SchemaError),
+    (dict(shape=(True, 3)), shmps.SchemaError),
+    (dict(shape=("3",)), shmps.SchemaError),
+    (dict(shape=(2,), dtype="float16", init=1e10), shmps.InvalidArgument),
+    (dict(shape=(2 ** 40, 1024)), shmps.CapacityError),
+    (dict(shape=(2 ** 62, 2 ** 62)), shmps.CapacityError),
 ], ids=["uint8", "int64", "sgd-int", "momentum-int8", "unknown-opt", "mode", "shard_rows",
-        "negative-dim", "9-d", "init-range", "init-fraction", "init-shape"])
+        "negative-dim", "9-d", "init-range", "init-fraction", "init-shape", "float-dim",
+        "bool-dim", "str-dim", "init-past-float16", "4PiB", "2^124-values"])
 def test_bad_creation_arguments(store, kwargs, exc):
-    """Bad dtype/optimizer/mode/shape/init arguments raise and create nothing."""
+    """Bad dtype/optimizer/mode/shape/init arguments raise and create nothing; a tensor
+    larger than /dev/shm's free space is refused at once (a shape of 2**40 rows ran for
+    minutes, laying out one shard record per 16 MiB under the store's manifest lock)."""
     with pytest.raises(exc) as info:
         store.dense("w", **kwargs)
     assert info.value.hint
     assert store.tensors() == []
     assert len(store_segments(store.name)) == 1  # the manifest only
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(dim=4, capacity=10, dtype="float16", init=("uniform", 1e9, 1e10)),
+     shmps.InvalidArgument, "float16"),
+    (dict(dim=4, capacity=10, dtype="float16", init=7e4), shmps.InvalidArgument, "float16"),
+    (dict(dim=1024, capacity=2 ** 40), shmps.CapacityError, "/dev/shm"),
+    (dict(dim=4, capacity=10, seed=-1), shmps.InvalidArgument, "seed"),
+], ids=["uniform-past-float16", "constant-past-float16", "past-dev-shm", "seed"])
+def test_bad_table_creation_arguments(store, kwargs, exc, match):
+    """The same for tables; the hint names the argument that is wrong."""
+    with pytest.raises(exc) as info:
+        store.table("emb", **kwargs)
+    assert match in str(info.value)
+    assert store.tensors() == []
+    assert len(store_segments(store.name)) == 1
+
+
+def test_shard_rows_above_the_rows_are_the_rows(store):
+    """shard_rows= larger than the tensor's rows makes one shard of them all; the same
+    call again gets the tensor (it raised SchemaError 'exists with another schema', and
+    had created it)."""
+    w = store.dense("w", shape=(10, 4), shard_rows=16)
+    assert (w.nshards, w.record["shard_rows"]) == (1, 10)
+    again = store.dense("w", shape=(10, 4), shard_rows=16)
+    assert again is w
+    with pytest.raises(shmps.SchemaError, match="shard_rows"):
+        store.dense("w", shard_rows=5)
+
+
+def _can_mount_tmpfs() -> bool:
+    import subprocess
+    try:
+        r = subprocess.run(["unshare", "-rm", "sh", "-c",
+                            "mount -t tmpfs -o size=1m tmpfs /dev/shm"],
+                           capture_output=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return r.returncode == 0
+
+
+FULL_SHM_SCRIPT = """
+import json, os, numpy as np, shmps
+out = {}
+s = shmps.attach("full")
+for what, make in [("dense", lambda: s.dense("w", shape=(1 << 25,))),
+                   ("dense_init", lambda: s.dense("w", shape=(1 << 25,), init=1.0)),
+                   ("table", lambda: s.table("emb", dim=16, capacity=10_000_000)),
+                   ("adam", lambda: s.dense("a", shape=(3 << 22,), optimizer=shmps.Adam(lr=0.1)))]:
+    try:
+        make()
+        out[what] = "created"
+    except shmps.CapacityError as e:
+        out[what] = str(e)
+    out[what + "_left"] = sorted(os.listdir("/dev/shm"))
+small = s.dense("small", shape=(1024,))
+small.push(np.ones(1024, np.float32))
+out["small"] = float(small.pull().sum())
+s.destroy()
+out["end"] = sorted(os.listdir("/dev/shm"))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not _can_mount_tmpfs(), reason="needs a private tmpfs on /dev/shm "
+                    "(unshare -rm: user and mount namespaces), which this machine refuses")
+def test_a_tensor_larger_than_dev_shm_is_refused_not_a_crash():
+    """On a 64 MiB /dev/shm (a private tmpfs), a 128 MiB tensor or a 1.3 GiB table is
+    refused with CapacityError and leaves no segment, and so is a 48 MiB Adam tensor,
+    whose values fit but not with its state (refused by the reservation of its
+    segments, not the first test of its size); a small one still works.  Before,
+    each was created, and the first write (the init fill, a push) killed the process
+    with SIGBUS: tmpfs sizes a segment without reserving its pages."""
+    import subprocess
+    import sys
+    r = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=64m tmpfs "
+                        f"/dev/shm && exec {sys.executable} -c '{FULL_SHM_SCRIPT}'"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr + r.stdout
+    out = json.loads(r.stdout.splitlines()[-1])
+    for what in ("dense", "dense_init", "table", "adam"):
+        assert "no room" in out[what] or "needs at least" in out[what], out
+        assert out[what + "_left"] == ["shmps.full.manifest"], out
+    assert out["small"] == 1024.0
+    assert out["end"] == []
 
 
 @pytest.mark.parametrize("make", [lambda: shmps.SGD(lr=-1), lambda: shmps.SGD(lr=float("nan")),
