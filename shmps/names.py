@@ -26,12 +26,16 @@ def check_name(name: object, what: str = "store name") -> str:
 
 
 def resolve_namespace(namespace: Optional[str]) -> Optional[str]:
-    """The explicit namespace, else ``$SHMPS_NAMESPACE``, else None."""
+    """The explicit namespace, else ``$SHMPS_NAMESPACE``, else None; ``""`` is none,
+    whatever the environment says."""
+    if namespace == "":
+        return None
     if namespace is None:
         namespace = os.environ.get("SHMPS_NAMESPACE") or None
-    if namespace is not None:
-        check_name(namespace, "namespace")
-    return namespace
+        if namespace is not None:
+            check_name(namespace, "namespace (from $SHMPS_NAMESPACE)")
+        return namespace
+    return check_name(namespace, "namespace")
 
 
 def store_prefix(store: str, namespace: Optional[str]) -> str:

@@ -751,6 +751,13 @@ class Store:
             if _is_own_segment(seg, prefix):
                 unlink(seg)
 
+    def __reduce__(self) -> tuple:
+        """Pickled (an argument of a spawned process, say), a store is its name: the
+        other process attaches the same store (``create=False``: NotFound if it is gone
+        by then) and must close it as its own."""
+        self._mptr  # Closed after close()
+        return (_attach_pickled, (self.name, self.namespace or ""))
+
     def __enter__(self) -> "Store":
         return self
 
@@ -850,6 +857,16 @@ def _shape(shape: Any) -> tuple:
             raise SchemaError(f"invalid shape {shape!r}: {x!r} is not an integer",
                               "give each dimension as an integer") from None
     return tuple(out)
+
+
+def _attach_pickled(name: str, namespace: str) -> "Store":
+    """Store.__reduce__'s other half (``""``: no namespace, whatever the environment)."""
+    return attach(name, create=False, namespace=namespace)
+
+
+def _tensor_pickled(store: str, namespace: str, tensor: str) -> Tensor:
+    """Tensor.__reduce__'s other half: the tensor of the store attached again."""
+    return _attach_pickled(store, namespace)[tensor]
 
 
 def _init_array(init: Any, shape: tuple, dt: np.dtype) -> Any:

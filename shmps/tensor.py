@@ -309,6 +309,14 @@ class Tensor:
                 sh.seg.close()
             self._shards = None  # type: ignore[assignment]
 
+    def __reduce__(self) -> tuple:
+        """Pickled, a tensor is its store's name and its own: the other process attaches
+        the store again (see Store.__reduce__) and gets the tensor from it."""
+        from .store import _tensor_pickled
+        st = self._store
+        st._mptr  # Closed after the store's close()
+        return (_tensor_pickled, (st.name, st.namespace or "", self.name))
+
     def __repr__(self) -> str:
         return (f"<shmps.{type(self).__name__} {self.name!r} {self.dtype.name} "
                 f"{tuple(self.record.get('shape', ()))} {type(self.optimizer).__name__}>")

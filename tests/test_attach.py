@@ -329,3 +329,46 @@ def test_large_segments_ask_for_huge_pages(store):
         here = "hg" in _mapping_of(f"/dev/shm/{seg}").get("VmFlags", "").split()
         assert here == (tensor == "big") and other[seg] == str(tensor == "big"), (seg, here,
                                                                                  other)
+
+
+def _push_pickled(store, tensor, n: int) -> list:
+    """In a spawned process: the store and tensor it was given arrive attached."""
+    try:
+        for _ in range(n):
+            tensor.push(np.ones(4, np.int32))
+        return [store.name, store.namespace, [t["name"] for t in store.tensors()],
+                int(tensor.pull().sum())]
+    finally:
+        store.close()
+
+
+def test_store_and_tensor_pickle_as_their_names(store_name, monkeypatch):
+    """A store or tensor passed to a spawned process (pickled) arrives attached to the
+    same store, namespace included, even where the child's environment names another
+    one (it raised "cannot pickle 'mmap.mmap' object"); one unpickled after the store
+    is destroyed raises NotFound rather than create an empty store."""
+    import multiprocessing as mp
+    import pickle
+
+    s = shmps.attach(store_name, namespace="hostP")
+    try:
+        w = s.dense("w", shape=(4,), dtype="int32")
+        monkeypatch.setenv("SHMPS_NAMESPACE", "elsewhere")
+        with mp.get_context("spawn").Pool(1) as pool:
+            got = pool.apply(_push_pickled, (s, w, 5))
+        assert got == [store_name, "hostP", ["w"], 20]
+        np.testing.assert_array_equal(w.pull(), 5)
+        monkeypatch.delenv("SHMPS_NAMESPACE")
+        blob = pickle.dumps(w)
+        again = pickle.loads(blob)
+        assert again.name == "w" and again._store is not s
+        np.testing.assert_array_equal(again.pull(), 5)
+        again._store.close()
+    finally:
+        s.destroy()
+    with pytest.raises(shmps.NotFound):
+        pickle.loads(blob)
+    assert store_segments(store_name) == []
+    s.close()
+    with pytest.raises(shmps.Closed):
+        pickle.dumps(s)
