@@ -27,9 +27,10 @@ def _fmt_bytes(n: float) -> str:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     """List stores on this host: tensors, dtypes, shapes, sizes, live processes."""
-    stores, orphans = shm_inspect.scan(args.namespace)
-    if args.namespace is not None:
-        orphans = [o for o in orphans if o.startswith(f"/shmps.{args.namespace}.")]
+    namespace = names.resolve_namespace(args.namespace)
+    stores, orphans = shm_inspect.scan(namespace)
+    if namespace is not None:
+        orphans = [o for o in orphans if o.startswith(f"/shmps.{namespace}.")]
     if args.json:
         out = [{"store": s.name, "namespace": s.namespace, "bytes": s.bytes, "pids": s.pids,
                 "segments": len(s.segments), "error": s.error,
@@ -42,7 +43,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return 0
     if not stores and not orphans:
         print("no shmps stores on this host"
-              + (f" in namespace {args.namespace}" if args.namespace else ""))
+              + (f" in namespace {namespace}" if namespace else ""))
         return 0
     for s in stores:
         ns = f" (namespace {s.namespace})" if s.namespace else ""
@@ -91,10 +92,10 @@ def gc_min_age() -> float:
 def cmd_gc(args: argparse.Namespace) -> int:
     """Remove segments of stores no live process has attached, and orphan segments."""
     min_age = gc_min_age()
-    stores, orphans = shm_inspect.scan(args.namespace, with_fill=False)
-    if args.namespace is not None:
-        names.check_name(args.namespace, "namespace")
-        mine = f"/shmps.{args.namespace}."
+    namespace = names.resolve_namespace(args.namespace)
+    stores, orphans = shm_inspect.scan(namespace, with_fill=False)
+    if namespace is not None:
+        mine = f"/shmps.{namespace}."
         orphans = [o for o in orphans if o.startswith(mine)]
     doomed: list[tuple[str, list[str]]] = []
     for s in stores:
@@ -240,7 +241,9 @@ def register(sub: Any) -> None:
     p = sub.add_parser("ls", help="list stores, tensors and attached processes",
                        description="List the shmps stores on this host.",
                        epilog="example: shmps-tool ls --namespace hostA")
-    p.add_argument("--namespace", help="only stores of this namespace")
+    p.add_argument("--namespace", metavar="NS",
+                   help="only stores of this namespace (default: $SHMPS_NAMESPACE; "
+                        "unset or empty: every namespace)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_ls)
 
@@ -252,7 +255,8 @@ def register(sub: Any) -> None:
                        epilog="example: shmps-tool gc --dry-run")
     p.add_argument("--dry-run", action="store_true", help="only say what would be removed")
     p.add_argument("--namespace", metavar="NS",
-                   help="only stores (and orphan segments) of this namespace")
+                   help="only stores (and orphan segments) of this namespace (default: "
+                        "$SHMPS_NAMESPACE; unset or empty: every namespace)")
     p.add_argument("--corrupt", action="store_true",
                    help="also remove stores whose manifest is unreadable")
     p.set_defaults(func=cmd_gc)

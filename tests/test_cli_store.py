@@ -161,6 +161,40 @@ def test_gc_removes_only_stores_without_live_processes(ns, procs):
                    "SHMPS_GC_MIN_AGE='soon'")
 
 
+def test_ls_and_gc_follow_shmps_namespace(ns, procs):
+    """`ls` and `gc` default --namespace to $SHMPS_NAMESPACE like the other store verbs:
+    with it set, stores of other namespaces are neither listed nor removed; `--namespace`
+    still wins, and an empty variable means every namespace, as without it."""
+    other = f"{ns}o"
+    try:
+        spawn_holder(procs, "mine", ns, "exit").wait(timeout=30)
+        spawn_holder(procs, "theirs", other, "exit").wait(timeout=30)
+        env = {"SHMPS_NAMESPACE": ns, "SHMPS_GC_MIN_AGE": "0"}
+        text = ok(tool("ls", env=env))
+        assert f"mine (namespace {ns})" in text and "theirs" not in text
+        doc = json.loads(ok(tool("ls", "--json", env=env)))
+        assert [(x["store"], x["namespace"]) for x in doc["stores"]] == [("mine", ns)]
+        assert "theirs" in ok(tool("ls", "--namespace", other, env=env))
+        both = ok(tool("ls", env={"SHMPS_NAMESPACE": ""}))
+        assert "mine" in both and "theirs" in both
+        dry = ok(tool("gc", "--dry-run", env=env))
+        assert dry.splitlines() == [f"would remove store mine (namespace {ns}): 2 segments"]
+        out = ok(tool("gc", env=env))
+        assert out.splitlines() == [f"removed store mine (namespace {ns}): 2 segments"]
+        assert segments("mine", ns) == [] and len(segments("theirs", other)) == 2
+        one_line_error(tool("ls", env={"SHMPS_NAMESPACE": "bad/ns"}),
+                       "invalid namespace (from $SHMPS_NAMESPACE) 'bad/ns'")
+        one_line_error(tool("gc", "--dry-run", env={"SHMPS_NAMESPACE": "bad/ns"}),
+                       "invalid namespace")
+    finally:
+        for n in os.listdir(SHM):
+            if n.startswith(f"shmps.{other}."):
+                try:
+                    os.unlink(os.path.join(SHM, n))
+                except FileNotFoundError:
+                    pass
+
+
 # ---- stats -----------------------------------------------------------------------------------
 
 def test_stats_once_prints_counters_as_json(ns):
@@ -297,6 +331,7 @@ def test_store_verb_errors_are_one_line_exit_2(ns, tmp_path):
             (("dump", tmp_path / "ck", "--tensor", "nope"), ["no tensor 'nope' in checkpoint"]),
             (("dump", tmp_path / "ck"), ["is a checkpoint directory", "--tensor"]),
             (("gc", "--namespace", "../up"), ["invalid namespace"]),
+            (("ls", "--namespace", "bad/ns"), ["invalid namespace"]),
             (("restore",), ["the following arguments are required"]),
         ]
         for args, needles in cases:
