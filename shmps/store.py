@@ -11,6 +11,7 @@ import json
 import operator
 import os
 import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator, Optional, Sequence
 
@@ -113,6 +114,7 @@ class Store:
         self._proc_slot = int(slot[0])
         self._proc_token = _native.token()
         self._worker: Optional[int] = None
+        _OPEN_STORES.add(self)
         # the forwarding switch, read by every push (Tensor._fwd; shmps/outbox.py)
         self._fwd_word = lib.shmps_forward_word(manifest.ptr)
         # what flush() rings to wake the bridge (shmps/doorbell.py)
@@ -719,6 +721,23 @@ class Store:
         return sorted({_native.token_pid(int(toks[i])) for i in range(n[0])
                        if _native.token_alive(int(toks[i]))})
 
+    def _forked(self) -> None:
+        """In a child forked while this store was open: the child maps the same memory
+        and may push, so it counts as attached too (its own slot in the attached-process
+        table, which its close() frees), or `shmps-tool ls` saw nobody once the parent
+        ended and `shmps-tool gc` removed the store under the training child.  It is not
+        the parent's clock worker (it joins as its own).  Runs in the fork handler: no
+        lock (another thread of the parent may have held it at the fork)."""
+        m = self._manifest
+        self._worker = None
+        if m is None or m.ptr is None:
+            return
+        slot = ffi.new("uint32_t *")
+        if lib.shmps_proc_register(m.ptr, _native.token(), slot) == 0:
+            self._proc_slot = int(slot[0])
+            self._proc_token = _native.token()
+        # (a full table leaves the child unlisted, as before: a fork handler cannot raise)
+
     def close(self) -> None:
         """Detach this process (local, idempotent); tensors and views become unusable
         except arrays already returned by view(), which stay mapped until collected."""
@@ -857,6 +876,17 @@ def _shape(shape: Any) -> tuple:
             raise SchemaError(f"invalid shape {shape!r}: {x!r} is not an integer",
                               "give each dimension as an integer") from None
     return tuple(out)
+
+
+_OPEN_STORES: "weakref.WeakSet[Store]" = weakref.WeakSet()   # for the fork handler
+
+
+def _after_fork_in_child() -> None:
+    for st in list(_OPEN_STORES):
+        st._forked()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _attach_pickled(name: str, namespace: str) -> "Store":

@@ -372,3 +372,54 @@ def test_store_and_tensor_pickle_as_their_names(store_name, monkeypatch):
     s.close()
     with pytest.raises(shmps.Closed):
         pickle.dumps(s)
+
+
+def test_a_forked_child_counts_as_attached(store_name):
+    """A child forked after attach maps the store and may push: it is listed among the
+    attached processes while it lives, keeps the store from `shmps-tool gc` after the
+    parent closed it (gc removed it under the child, whose later pushes were lost), and
+    its close frees only its own entry; it is not the parent's clock worker."""
+    import subprocess
+    import sys
+
+    ns = "fork" + store_name[-8:]
+    s = shmps.attach(store_name, namespace=ns)
+    w = s.dense("w", shape=(4,), dtype="int32")
+    s.join()
+    r, wr = os.pipe()
+    go_r, go_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:   # the child: report, wait for the parent's close, push, close
+        try:
+            os.close(r)
+            os.close(go_w)
+            listed = os.getpid() in s.processes()
+            os.read(go_r, 1)
+            w.push(np.ones(4, np.int32))
+            worker = s._worker
+            s.close()
+            os.write(wr, f"{int(listed)} {worker}".encode())
+        finally:
+            os._exit(0)
+    os.close(wr)
+    os.close(go_r)
+    try:
+        time.sleep(0.3)
+        assert sorted(s.processes()) == sorted([os.getpid(), pid])
+        s.close()
+        env = dict(os.environ, SHMPS_GC_MIN_AGE="0")
+        gc = subprocess.run([sys.executable, "-m", "shmps.cli", "gc", "--namespace", ns],
+                            env=env,
+                            capture_output=True, text=True, timeout=60)
+        assert store_name not in gc.stdout, gc.stdout   # the child still uses it
+        os.write(go_w, b"1")
+        listed, worker = os.read(r, 64).decode().split()
+        os.waitpid(pid, 0)
+        assert (listed, worker) == ("1", "None")
+        with shmps.attach(store_name, create=False, namespace=ns) as again:
+            np.testing.assert_array_equal(again["w"].pull(), 1)
+            assert again.processes() == [os.getpid()]
+    finally:
+        os.close(r)
+        os.close(go_w)
+        remove_store(store_name, ns)
