@@ -7,19 +7,53 @@ et al. 2013.  Stateful updaters keep their state arrays in the shard segment.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar, Union
+
+import numpy as np
 
 from ._native import lib
 from .errors import InvalidArgument
 
 
-def _finite(name: str, value: float, *, positive: bool = False, nonneg: bool = False) -> float:
-    v = float(value)
+def _is_real(value: object) -> bool:
+    """A real number (int, float, numpy scalar, ...), not a bool: ``lr=True`` is a slip."""
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
+def _finite(name: str, value: object, *, positive: bool = False,
+            nonneg: bool = False) -> float:
+    """``value`` as a float, checked: a real number (a str, list, bool or None is refused,
+    not converted), finite, and > 0 or >= 0 as asked."""
+    need = "> 0" if positive else ">= 0" if nonneg else "finite"
+    if not _is_real(value):
+        raise InvalidArgument(f"{name}={value!r} is not a number ({type(value).__name__})",
+                              f"pass a float {need}, e.g. {name}=0.1")
+    try:
+        v = float(value)  # type: ignore[arg-type]
+    except OverflowError:  # an int beyond the float range
+        v = math.inf
     if not math.isfinite(v) or (positive and v <= 0) or (nonneg and v < 0):
-        need = "> 0" if positive else ">= 0" if nonneg else "finite"
         raise InvalidArgument(f"{name}={value!r} must be {need}", "fix the optimizer argument")
     return v
+
+
+def _flag(name: str, value: object) -> bool:
+    """``value`` as a bool: True or False (numpy's too); anything else is refused."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise InvalidArgument(f"{name}={value!r} is not a bool ({type(value).__name__})",
+                              f"pass {name}=True or {name}=False")
+    return bool(value)
+
+
+def _set_floats(obj: Any, **checks: dict) -> None:
+    """Check each named float field of a frozen dataclass and store it as a float."""
+    for name, how in checks.items():
+        object.__setattr__(obj, name, _finite(name, getattr(obj, name), **how))
+
+
+_NONNEG: dict = {"nonneg": True}
 
 
 @dataclass(frozen=True)
@@ -83,8 +117,7 @@ class SGD(Updater):
     code: ClassVar[int] = lib.SHMPS_SGD
 
     def __post_init__(self) -> None:
-        _finite("lr", self.lr, nonneg=True)
-        _finite("weight_decay", self.weight_decay, nonneg=True)
+        _set_floats(self, lr=_NONNEG, weight_decay=_NONNEG)
 
     @property
     def sequential_duplicates(self) -> bool:  # type: ignore[override]
@@ -106,10 +139,9 @@ class Momentum(Updater):
     code: ClassVar[int] = lib.SHMPS_MOMENTUM
 
     def __post_init__(self) -> None:
-        _finite("lr", self.lr, nonneg=True)
-        _finite("momentum", self.momentum, nonneg=True)
-        _finite("dampening", self.dampening)
-        _finite("weight_decay", self.weight_decay, nonneg=True)
+        _set_floats(self, lr=_NONNEG, momentum=_NONNEG, dampening={},
+                    weight_decay=_NONNEG)
+        object.__setattr__(self, "nesterov", _flag("nesterov", self.nesterov))
         if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
             raise InvalidArgument("nesterov momentum requires momentum > 0 and dampening 0",
                                   "as in torch.optim.SGD")
@@ -130,11 +162,8 @@ class Adagrad(Updater):
     code: ClassVar[int] = lib.SHMPS_ADAGRAD
 
     def __post_init__(self) -> None:
-        _finite("lr", self.lr, nonneg=True)
-        _finite("lr_decay", self.lr_decay, nonneg=True)
-        _finite("weight_decay", self.weight_decay, nonneg=True)
-        _finite("initial_accumulator_value", self.initial_accumulator_value, nonneg=True)
-        _finite("eps", self.eps, nonneg=True)
+        _set_floats(self, lr=_NONNEG, lr_decay=_NONNEG, weight_decay=_NONNEG,
+                    initial_accumulator_value=_NONNEG, eps=_NONNEG)
 
     def params(self) -> list[float]:
         return [self.lr, self.lr_decay, self.weight_decay, self.initial_accumulator_value,
@@ -153,13 +182,15 @@ class Adam(Updater):
     code: ClassVar[int] = lib.SHMPS_ADAM
 
     def __post_init__(self) -> None:
-        _finite("lr", self.lr, nonneg=True)
-        if len(tuple(self.betas)) != 2 or not all(0 <= float(b) < 1 for b in self.betas):
-            raise InvalidArgument(f"betas={self.betas!r} must be two numbers in [0, 1)",
-                                  "as in torch.optim.Adam")
-        object.__setattr__(self, "betas", (float(self.betas[0]), float(self.betas[1])))
-        _finite("eps", self.eps, nonneg=True)
-        _finite("weight_decay", self.weight_decay, nonneg=True)
+        _set_floats(self, lr=_NONNEG)
+        b = self.betas
+        if (isinstance(b, (str, bytes)) or not hasattr(b, "__len__") or len(b) != 2
+                or not all(_is_real(x) and 0 <= float(x) < 1 for x in b)):
+            raise InvalidArgument(f"betas={b!r} must be two numbers in [0, 1)",
+                                  "as in torch.optim.Adam, e.g. betas=(0.9, 0.999)")
+        object.__setattr__(self, "betas", (float(b[0]), float(b[1])))
+        _set_floats(self, eps=_NONNEG, weight_decay=_NONNEG)
+        object.__setattr__(self, "amsgrad", _flag("amsgrad", self.amsgrad))
 
     def params(self) -> list[float]:
         return [self.lr, self.betas[0], self.betas[1], self.eps, self.weight_decay,
@@ -177,10 +208,7 @@ class FTRL(Updater):
     code: ClassVar[int] = lib.SHMPS_FTRL
 
     def __post_init__(self) -> None:
-        _finite("alpha", self.alpha, positive=True)
-        _finite("beta", self.beta, nonneg=True)
-        _finite("l1", self.l1, nonneg=True)
-        _finite("l2", self.l2, nonneg=True)
+        _set_floats(self, alpha={"positive": True}, beta=_NONNEG, l1=_NONNEG, l2=_NONNEG)
 
     def params(self) -> list[float]:
         return [self.alpha, self.beta, self.l1, self.l2]

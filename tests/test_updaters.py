@@ -162,6 +162,52 @@ def test_ftrl_l1_gives_exact_zeros(store):
     assert w[0] == 0 and w[1] == 0 and w[2] < 0 and w[3] > 0
 
 
+# ---- constructor arguments -------------------------------------------------------------------
+
+FLOAT_ARGS = {
+    shmps.SGD: ("lr", "weight_decay"),
+    shmps.Momentum: ("lr", "momentum", "dampening", "weight_decay"),
+    shmps.Adagrad: ("lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps"),
+    shmps.Adam: ("lr", "eps", "weight_decay"),
+    shmps.FTRL: ("alpha", "beta", "l1", "l2"),
+}
+BOOL_ARGS = {shmps.Momentum: ("nesterov",), shmps.Adam: ("amsgrad",)}
+NEEDS = {shmps.Momentum: dict(momentum=0.9)}
+
+
+@pytest.mark.parametrize("cls", list(FLOAT_ARGS), ids=lambda c: c.__name__)
+def test_updater_arguments_are_checked_and_converted(cls, store):
+    """A hyper-parameter of the wrong type is an InvalidArgument naming it, raised by the
+    constructor (it was accepted and failed later, at store.dense, with a raw cffi
+    TypeError); a number of another type (int, numpy) is stored as a float."""
+    for name in FLOAT_ARGS[cls]:
+        for bad in ("0.1", [0.1], None, True, 1j, np.array([0.1]), 10**400):
+            with pytest.raises(shmps.InvalidArgument, match=f"^{name}="):
+                cls(**{name: bad})
+        u = cls(**{name: np.float32(0.5) if name != "lr" else 1})
+        assert type(getattr(u, name)) is float
+    for name in BOOL_ARGS.get(cls, ()):
+        for bad in ("yes", 1, 0.0, None):
+            with pytest.raises(shmps.InvalidArgument, match=f"^{name}="):
+                cls(**{name: bad}, **NEEDS.get(cls, {}))
+        u = cls(**{name: np.bool_(True)}, **NEEDS.get(cls, {}))
+        assert getattr(u, name) is True
+    # what the constructor accepts, store.dense accepts (a record round trip included)
+    kw = {name: 1 for name in FLOAT_ARGS[cls] if name not in ("dampening",)}
+    u = cls(**kw)
+    t = store.dense("w", shape=(2,), dtype="float32", optimizer=u)
+    assert t.optimizer == u == shmps.updaters.from_dict(u.to_dict())
+
+
+@pytest.mark.parametrize("betas", ["ab", 0.9, (0.9,), (0.9, "0.9"), (0.9, None), (0.9, 1.0),
+                                   (True, 0.9), (0.9, float("nan"))])
+def test_adam_betas_are_checked(betas):
+    """betas: two real numbers in [0, 1), else InvalidArgument (not a raw TypeError or
+    ValueError from len()/float())."""
+    with pytest.raises(shmps.InvalidArgument, match="^betas="):
+        shmps.Adam(betas=betas)
+
+
 # ---- the init generator and the key hash -------------------------------------------------
 
 @pytest.mark.parametrize("init", [("uniform", -0.5, 2.0), ("normal", 0.25, 0.1),
