@@ -15,6 +15,7 @@ from . import inspect as shm_inspect
 from . import names
 from .errors import InvalidArgument
 from .segment import unlink
+from .store import remove_idle
 
 
 def _fmt_bytes(n: float) -> str:
@@ -25,9 +26,21 @@ def _fmt_bytes(n: float) -> str:
     return f"{n} B"
 
 
+def _namespace(given: Optional[str]) -> Optional[str]:
+    """The namespace ``ls``/``gc`` cover: ``--namespace``, else ``$SHMPS_NAMESPACE``,
+    else None (every namespace). An empty ``--namespace`` is refused: for attach it means
+    "no namespace", which these verbs cannot select, and covering every namespace
+    instead would surprise a ``gc --namespace "$NS"`` with NS unset."""
+    if given == "":
+        raise InvalidArgument("--namespace '' is empty",
+                              hint="name a namespace, or leave --namespace out (with "
+                                   "$SHMPS_NAMESPACE unset) to cover every namespace")
+    return names.resolve_namespace(given)
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     """List stores on this host: tensors, dtypes, shapes, sizes, live processes."""
-    namespace = names.resolve_namespace(args.namespace)
+    namespace = _namespace(args.namespace)
     stores, orphans = shm_inspect.scan(namespace)
     if namespace is not None:
         orphans = [o for o in orphans if o.startswith(f"/shmps.{namespace}.")]
@@ -92,12 +105,12 @@ def gc_min_age() -> float:
 def cmd_gc(args: argparse.Namespace) -> int:
     """Remove segments of stores no live process has attached, and orphan segments."""
     min_age = gc_min_age()
-    namespace = names.resolve_namespace(args.namespace)
+    namespace = _namespace(args.namespace)
     stores, orphans = shm_inspect.scan(namespace, with_fill=False)
     if namespace is not None:
         mine = f"/shmps.{namespace}."
         orphans = [o for o in orphans if o.startswith(mine)]
-    doomed: list[tuple[str, list[str]]] = []
+    doomed: list[tuple[str, list[str], Optional[tuple[str, Optional[str]]]]] = []
     for s in stores:
         if s.pids:
             continue
@@ -107,16 +120,28 @@ def cmd_gc(args: argparse.Namespace) -> int:
         if s.age_s < min_age:  # may be mid-attach by a process not yet registered
             continue
         doomed.append((f"store {s.name}" + (f" (namespace {s.namespace})" if s.namespace else ""),
-                       s.segments))
+                       s.segments, None if s.error is not None else (s.name, s.namespace)))
     if orphans:
         doomed.append(("orphan segments", [o for o in orphans
-                                           if shm_inspect._age(o) >= min_age]))
+                                           if shm_inspect._age(o) >= min_age], None))
     removed = 0
-    for what, segs in doomed:
+    for what, segs, store in doomed:
         if not segs:
             continue
         verb = "would remove" if args.dry_run else "removed"
-        n = len(segs) if args.dry_run else sum(unlink(x) for x in segs)
+        if args.dry_run:
+            n = len(segs)
+        elif store is not None:
+            # the store found idle: retired, then removed, unless a process attached
+            # since the scan (store.remove_idle), where unlinking the scan's list would
+            # have pulled its segments from under it
+            gone = remove_idle(*store)
+            if gone is None:
+                print(f"kept {what}: a process attached to it meanwhile")
+                continue
+            n = len(gone)
+        else:
+            n = sum(unlink(x) for x in segs)
         removed += n
         print(f"{verb} {what}: {n} segments")
     if not removed:
