@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -75,6 +76,15 @@ def health(addr: str) -> dict:
         return {}
 
 
+def bridge_logs(logs: list[Path]) -> str:
+    """The last lines each bridge wrote to stderr (to show why one failed)."""
+    out = []
+    for i, log in enumerate(logs):
+        lines = log.read_text(errors="replace").splitlines()[-20:]
+        out += [f"--- bridge {i} ({log}):"] + (lines or ["(no output)"])
+    return "\n".join(out)
+
+
 def main() -> int:
     base = os.environ.get("SHMPS_NAMESPACE") or f"mh{os.getpid()}"
     namespaces = [f"{base}h{i}" for i in range(HOSTS)]
@@ -83,16 +93,31 @@ def main() -> int:
     (tmp / "hosts.txt").write_text("".join(a + "\n" for a in addrs))
     (tmp / "secret").write_text(secrets.token_hex(32))
     os.chmod(tmp / "secret", 0o600)
-    bridges = [subprocess.Popen(
-        [sys.executable, "-m", "shmps.bridge.cli", "--peers", str(tmp / "hosts.txt"),
-         "--store", STORE, "--listen", a, "--namespace", ns, "--secret-file",
-         str(tmp / "secret"), "--log-level", "WARNING"], start_new_session=True)
-        for a, ns in zip(addrs, namespaces)]
+    logs = [tmp / f"bridge{i}.log" for i in range(HOSTS)]
+    # The bridges run in tmp: `python -m` puts the current directory first on sys.path,
+    # and run from a checkout's root that would import the source tree's shmps/ (no
+    # compiled module in a plain install) instead of the installed package.
+    bridges = []
+    for a, ns, log in zip(addrs, namespaces, logs):
+        with open(log, "wb") as err:
+            bridges.append(subprocess.Popen(
+                [sys.executable, "-m", "shmps.bridge.cli", "--peers", str(tmp / "hosts.txt"),
+                 "--store", STORE, "--listen", a, "--namespace", ns, "--secret-file",
+                 str(tmp / "secret"), "--log-level", "WARNING"],
+                cwd=tmp, stderr=err, start_new_session=True))
+    failed = True
     try:
         deadline = time.monotonic() + 30
         while not all(health(a).get("acting") for a in addrs):
+            ended = [(i, b.returncode) for i, b in enumerate(bridges) if b.poll() is not None]
+            if ended:
+                print("FAILED: " + "; ".join(f"bridge {i} exited (status {rc})"
+                                             for i, rc in ended)
+                      + "\n" + bridge_logs(logs), file=sys.stderr)
+                return 1
             if time.monotonic() > deadline:
-                print("FAILED: the bridges did not start", file=sys.stderr)
+                print("FAILED: the bridges did not start in 30 s\n" + bridge_logs(logs),
+                      file=sys.stderr)
                 return 1
             time.sleep(0.1)
         print(f"{HOSTS} bridges up: {', '.join(addrs)}")
@@ -100,7 +125,7 @@ def main() -> int:
         workers = [subprocess.Popen([sys.executable, __file__, "--worker", str(i), ns])
                    for i, ns in enumerate(namespaces)]
         if any(p.wait(120) for p in workers):
-            print("FAILED: a worker failed", file=sys.stderr)
+            print("FAILED: a worker failed\n" + bridge_logs(logs), file=sys.stderr)
             return 1
         print(f"{HOSTS} workers x {STEPS} steps in {time.monotonic() - t0:.1f} s")
         # every host's copy converges to the same weights (remote shards within ms)
@@ -123,11 +148,16 @@ def main() -> int:
             print("FAILED: copies differ or the model did not learn", file=sys.stderr)
             return 1
         print(f"OK: {HOSTS} hosts trained one model through shmps-bridge, accuracy {acc:.3f}")
+        failed = False
         return 0
     finally:
         for b in bridges:
             b.send_signal(signal.SIGKILL)
             b.wait(10)
+        if failed:
+            print(f"(bridge logs kept in {tmp})", file=sys.stderr)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
         for ns in namespaces:
             try:
                 shmps.attach(STORE, namespace=ns, create=False).destroy()

@@ -3,14 +3,17 @@
 
 Each runs in a subprocess (its own session, killed with its workers on timeout)
 under a namespace of its own, whose segments are removed afterwards whatever
-happened."""
+happened. They run from the repository root, as the README runs them
+(``python examples/X.py``)."""
 from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -18,7 +21,8 @@ import pytest
 
 import shmps
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples"
 TIMEOUT = 120.0  # each example takes < 60 s on 2 idle cores; headroom for a busy machine
 
 
@@ -26,14 +30,17 @@ def has(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def run_example(script: str, *args: str, env_extra: dict | None = None) -> str:
-    """Run examples/<script>; returns stdout; fails on a non-zero exit or timeout.
-    The example's segments (namespace unique to this run) are removed afterwards."""
+def run_example(script: str, *args: str, env_extra: dict | None = None,
+                root: Path = REPO, status: int = 0) -> str:
+    """Run ``python examples/<script>`` from ``root`` (the repository root, as the README
+    does); returns stdout (with stderr after it when ``status`` is not 0); fails on
+    another exit status or a timeout. The example's segments (namespace unique to this
+    run, unless env_extra sets one) are removed afterwards."""
     ns = f"ex{uuid.uuid4().hex[:10]}"
-    env = dict(os.environ, SHMPS_NAMESPACE=ns, OMP_NUM_THREADS="1", **(env_extra or {}))
-    proc = subprocess.Popen([sys.executable, str(EXAMPLES / script), *args], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    env = {**os.environ, "SHMPS_NAMESPACE": ns, "OMP_NUM_THREADS": "1", **(env_extra or {})}
+    proc = subprocess.Popen([sys.executable, os.path.join("examples", script), *args],
+                            env=env, cwd=root, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=TIMEOUT)
     except subprocess.TimeoutExpired:
@@ -47,8 +54,9 @@ def run_example(script: str, *args: str, env_extra: dict | None = None) -> str:
         for seg in os.listdir("/dev/shm"):
             if seg.startswith(f"shmps.{ns}"):   # multihost_logreg.py uses <ns>h0, <ns>h1...
                 os.unlink(os.path.join("/dev/shm", seg))
-    assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{out}\n{err[-3000:]}"
-    return out
+    assert proc.returncode == status, (
+        f"{script} exited {proc.returncode}:\n{out}\n{err[-3000:]}")
+    return out if status == 0 else out + err
 
 
 def ok_line(out: str) -> str:
@@ -107,6 +115,35 @@ def test_multihost_logreg():
     out = run_example("multihost_logreg.py")
     ok_line(out)
     assert "largest difference between hosts' copies 0;" in out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not has("aiohttp") or not has("prometheus_client"),
+                    reason="needs the bridge extras: pip install '.[bridge]'")
+def test_multihost_logreg_from_a_source_tree_without_the_compiled_module(tmp_path):
+    """Run from the root of a plain (non-editable) install's checkout, whose ``shmps/``
+    holds no compiled module (simulated: a ``shmps/`` that cannot be imported beside a
+    copy of examples/), the example's bridges still use the installed package: `-m`
+    would put the cwd, the source tree, first on their sys.path."""
+    (tmp_path / "examples").mkdir()
+    shutil.copy(EXAMPLES / "multihost_logreg.py", tmp_path / "examples")
+    (tmp_path / "shmps").mkdir()
+    (tmp_path / "shmps" / "__init__.py").write_text(
+        "raise ImportError('the source tree, not the installed shmps')\n")
+    out = run_example("multihost_logreg.py", root=tmp_path)
+    ok_line(out)
+
+
+@pytest.mark.skipif(not has("aiohttp") or not has("prometheus_client"),
+                    reason="needs the bridge extras: pip install '.[bridge]'")
+def test_multihost_logreg_reports_bridges_that_exit(tmp_path):
+    """Bridges that cannot start (here: an invalid namespace) are reported at once with
+    their error output and exit status 1, instead of after the 30 s start timeout."""
+    t0 = time.monotonic()
+    out = run_example("multihost_logreg.py", status=1,   # TMPDIR: its bridge logs, kept
+                      env_extra={"SHMPS_NAMESPACE": "bad/ns", "TMPDIR": str(tmp_path)})
+    assert time.monotonic() - t0 < 20, out
+    assert "FAILED: bridge" in out and "invalid namespace 'bad/nsh" in out, out
 
 
 def test_missing_optional_package_exits_0(tmp_path):
