@@ -183,8 +183,9 @@ size_t shmps_grad_size(uint32_t dtype);
 /* ---- manifest (manifest.c, clock.c) ---- */
 #define PROCS_OFF 4096ull
 #define WORKERS_OFF (PROCS_OFF + 16ull * SHMPS_MAX_PROCS)
-#define CATALOG_OFF (1ull << 20)
+#define CATALOG_OFF ((uint64_t)SHMPS_CATALOG_OFF)
 #define STATE_READY 1u
+#define STATE_REMOVED 2u   /* `shmps-tool gc` is removing the store (shmps_manifest_retire) */
 
 typedef struct {
     uint64_t magic;          /* SHMPS_MANIFEST_MAGIC, written last */
@@ -192,7 +193,7 @@ typedef struct {
     uint32_t header_size;    /* 4096 */
     uint64_t total_size;     /* SHMPS_MANIFEST_SIZE */
     uint64_t init_owner;     /* token of the initialiser (CAS-claimed) */
-    uint32_t state;          /* 0 while initialising, STATE_READY after */
+    uint32_t state;          /* 0 while initialising, STATE_READY after, STATE_REMOVED */
     uint32_t pad0;
     uint64_t catalog_len;    /* committed catalog bytes */
     uint64_t generation;     /* bumped on every catalog append */
@@ -215,6 +216,8 @@ typedef struct {
     /* wake-ups of a sleeping bridge by a push that could not ring its doorbell: bumped,
      * then flush_req's futex woken (not bumped: flush_req counts store.flush() calls) */
     uint32_t fwd_wakes;
+    /* token of the process removing the store (shmps_manifest_retire), 0 if none */
+    uint64_t retired_by;
 } shmps_manifest_t;
 
 typedef struct {
@@ -229,7 +232,8 @@ _Static_assert(__builtin_offsetof(shmps_manifest_t, flush_req) == 280 &&
                __builtin_offsetof(shmps_manifest_t, lock) == 320 &&
                __builtin_offsetof(shmps_manifest_t, fwd_pushes) == 384 &&
                __builtin_offsetof(shmps_manifest_t, fwd_idle) == 392 &&
-               __builtin_offsetof(shmps_manifest_t, fwd_wakes) == 396, "documented offsets");
+               __builtin_offsetof(shmps_manifest_t, fwd_wakes) == 396 &&
+               __builtin_offsetof(shmps_manifest_t, retired_by) == 400, "documented offsets");
 _Static_assert(WORKERS_OFF + 64ull * SHMPS_MAX_WORKERS <= CATALOG_OFF, "worker area");
 _Static_assert(CATALOG_OFF + SHMPS_CATALOG_BYTES <= SHMPS_MANIFEST_SIZE, "catalog area");
 

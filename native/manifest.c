@@ -55,7 +55,9 @@ int shmps_manifest_validate(const void *base, uint64_t size) {
     const shmps_manifest_t *m = (const shmps_manifest_t *)base;
     if (size != SHMPS_MANIFEST_SIZE) return SHMPS_E_CORRUPT;
     /* acquire: pairs with the release store of READY in initialise() */
-    if (LOAD(&m->state, ACQUIRE) != STATE_READY) return SHMPS_E_CORRUPT;
+    uint32_t st = LOAD(&m->state, ACQUIRE);
+    if (st == STATE_REMOVED) return SHMPS_E_REMOVED;
+    if (st != STATE_READY) return SHMPS_E_CORRUPT;
     if (m->magic != SHMPS_MANIFEST_MAGIC) return SHMPS_E_CORRUPT;
     if (m->version != SHMPS_LAYOUT_VERSION) return SHMPS_E_VERSION;
     if (m->header_size != PROCS_OFF || m->total_size != size) return SHMPS_E_CORRUPT;
@@ -82,7 +84,7 @@ int shmps_manifest_init(void *base, uint64_t size, uint64_t token, double timeou
     shmps_wait_init(&w, timeout_s);
     for (;;) {
         uint32_t st = LOAD(&m->state, ACQUIRE); /* pairs with initialise()'s release */
-        if (st == STATE_READY) return shmps_manifest_validate(base, size);
+        if (st == STATE_READY || st == STATE_REMOVED) return shmps_manifest_validate(base, size);
         if (st != 0) return SHMPS_E_CORRUPT;
         uint64_t magic = LOAD(&m->magic, RELAXED);
         if (magic != 0 && magic != SHMPS_MANIFEST_MAGIC) return SHMPS_E_CORRUPT;
@@ -164,6 +166,12 @@ int shmps_catalog_read(const void *base, char *out, uint64_t cap, uint64_t *len,
     return SHMPS_OK;
 }
 
+uint64_t shmps_catalog_len(const void *base) {
+    /* acquire: pairs with shmps_catalog_append's release (a hint for the caller, which
+     * appends under the lock: only it moves the length then) */
+    return LOAD(&((const shmps_manifest_t *)base)->catalog_len, ACQUIRE);
+}
+
 uint64_t shmps_catalog_generation(const void *base) {
     return LOAD(&((const shmps_manifest_t *)base)->generation, ACQUIRE);
 }
@@ -174,8 +182,10 @@ int shmps_proc_register(void *base, uint64_t token, uint32_t *slot) {
         for (uint32_t i = 0; i < SHMPS_MAX_PROCS; i++) {
             uint64_t cur = LOAD(&p[i].token, RELAXED);
             if (cur != 0 && (pass == 0 || shmps_token_alive(cur))) continue;
-            /* acq_rel: claim the slot; the attach time below is advisory */
-            if (CAS(&p[i].token, &cur, token, ACQ_REL, RELAXED)) {
+            /* seq_cst: claim the slot, before the attacher's load of `state`
+             * (shmps_manifest_attached): the Dekker pair with shmps_manifest_retire.
+             * The attach time below is advisory. */
+            if (CAS(&p[i].token, &cur, token, SEQ_CST, RELAXED)) {
                 STORE(&p[i].attach_ns, shmps_now_ns(), RELAXED);
                 *slot = i;
                 return SHMPS_OK;
@@ -202,4 +212,63 @@ int shmps_proc_list(void *base, uint64_t *tokens, uint32_t cap, uint32_t *n) {
     }
     *n = c;
     return SHMPS_OK;
+}
+
+/* ---- removing an idle store (shmps-tool gc) ------------------------------------------
+ *
+ * gc found no live process attached and unlinks the store's segments; an attacher that
+ * opened the manifest meanwhile must not go on with a store whose segments disappear
+ * under it (NotFound for its tensors, or pushes into memory nobody else sees while
+ * later attachers create a new store).  So gc first retires the manifest:
+ *
+ *   gc:        claim retired_by (CAS 0 -> token); state READY -> REMOVED (seq_cst);
+ *              then load every process slot (seq_cst): a live token undoes it all
+ *              (state READY, retired_by 0) and gc leaves the store (SHMPS_E_BUSY);
+ *              else it unlinks the shards, then the manifest.
+ *   attacher:  register in a slot (seq_cst CAS, shmps_proc_register); then load state
+ *              (seq_cst, shmps_manifest_attached): REMOVED -> unregister, attach anew.
+ *
+ * In the single order of seq_cst operations either the attacher's CAS comes before
+ * gc's load of that slot (gc sees it, and the token is alive: gc backs off), or gc's
+ * load comes first, so gc's store of REMOVED, before it in program order, comes before
+ * the CAS and the attacher's load after it reads REMOVED.  An attacher that finds the
+ * manifest REMOVED (shmps_manifest_init/validate: SHMPS_E_REMOVED) waits while the
+ * remover lives (it unlinks the manifest last, after the shards: a new store made
+ * under the same name never has a shard unlinked by the old removal), and finishes
+ * the removal itself if it died (shmps_manifest_retirer_alive). */
+int shmps_manifest_retire(void *base, uint64_t token) {
+    shmps_manifest_t *m = man(base);
+    uint64_t cur = 0;
+    /* acq_rel: one remover at a time; one that died before it retired the store is
+     * replaced (nothing it did needs undoing: state is still READY) */
+    if (!CAS(&m->retired_by, &cur, token, ACQ_REL, ACQUIRE)) {
+        if (shmps_token_alive(cur) || !CAS(&m->retired_by, &cur, token, ACQ_REL, ACQUIRE))
+            return SHMPS_E_BUSY;
+    }
+    uint32_t ready = STATE_READY;
+    if (!CAS(&m->state, &ready, STATE_REMOVED, SEQ_CST, SEQ_CST)) {
+        STORE(&m->retired_by, 0, RELEASE);
+        return ready == STATE_REMOVED ? SHMPS_E_BUSY : SHMPS_E_CORRUPT;
+    }
+    proc_slot_t *p = procs(base);
+    for (uint32_t i = 0; i < SHMPS_MAX_PROCS; i++) {
+        uint64_t t = LOAD(&p[i].token, SEQ_CST); /* after the REMOVED store: see above */
+        if (t != 0 && shmps_token_alive(t)) {
+            /* seq_cst: an attacher that read REMOVED retries, and reads READY now */
+            STORE(&m->state, STATE_READY, SEQ_CST);
+            STORE(&m->retired_by, 0, RELEASE);
+            return SHMPS_E_BUSY;
+        }
+    }
+    return SHMPS_OK;
+}
+
+int shmps_manifest_attached(const void *base) {
+    /* seq_cst: after the registration's CAS (the attacher's half of the pair above) */
+    return LOAD(&((const shmps_manifest_t *)base)->state, SEQ_CST) == STATE_READY;
+}
+
+int shmps_manifest_retirer_alive(const void *base) {
+    /* acquire: pairs with retire's claim; a hint for a waiting attacher */
+    return shmps_token_alive(LOAD(&((const shmps_manifest_t *)base)->retired_by, ACQUIRE));
 }

@@ -31,7 +31,9 @@ enum {
     SHMPS_E_NONFINITE = -30005,   /* NaN/Inf in a gradient, nothing changed */
     SHMPS_E_ARG = -30006,         /* bad argument (unsupported dtype/updater combo) */
     SHMPS_E_NOTFOUND = -30007,    /* key or entry not present */
-    SHMPS_E_VERSION = -30008      /* layout version we do not read */
+    SHMPS_E_VERSION = -30008,     /* layout version we do not read */
+    SHMPS_E_REMOVED = -30009,     /* the store is being removed (shmps-tool gc) */
+    SHMPS_E_BUSY = -30010         /* a live process holds it: nothing done */
 };
 
 enum {
@@ -43,10 +45,11 @@ enum {
     SHMPS_MAX_STATE = 4,             /* optimizer state arrays per value */
     SHMPS_NPARAMS = 8,               /* updater hyper-parameters */
     SHMPS_MAX_STRIPES = 1048576,     /* stripes per shard (bitmap bound) */
-    SHMPS_MANIFEST_SIZE = 8388608,   /* manifest segment bytes (sparse on tmpfs) */
+    SHMPS_MANIFEST_SIZE = 8388608,   /* manifest segment bytes (the catalog backed as used) */
     SHMPS_MAX_PROCS = 1024,          /* attached-process slots in a manifest */
     SHMPS_MAX_WORKERS = 1024,        /* worker-clock slots in a manifest */
-    SHMPS_CATALOG_BYTES = 4194304    /* append-only tensor catalog */
+    SHMPS_CATALOG_BYTES = 4194304,   /* append-only tensor catalog */
+    SHMPS_CATALOG_OFF = 1048576      /* where the catalog starts in the manifest */
 };
 
 /* kinds */
@@ -152,9 +155,14 @@ int shmps_catalog_append(void *base, const char *rec, uint32_t len);
 int shmps_catalog_read(const void *base, char *out, uint64_t cap, uint64_t *len,
                        uint64_t *generation);
 uint64_t shmps_catalog_generation(const void *base);
+uint64_t shmps_catalog_len(const void *base);
 int shmps_proc_register(void *base, uint64_t token, uint32_t *slot);
 int shmps_proc_unregister(void *base, uint64_t token, uint32_t slot);
 int shmps_proc_list(void *base, uint64_t *tokens, uint32_t cap, uint32_t *n);
+/* removing an idle store without racing attachers (manifest.c) */
+int shmps_manifest_retire(void *base, uint64_t token);
+int shmps_manifest_attached(const void *base);
+int shmps_manifest_retirer_alive(const void *base);
 /* worker clocks (bounded delay): clock.c */
 int shmps_worker_join(void *base, uint64_t token, int32_t want, uint32_t *slot,
                       uint64_t *clock);

@@ -40,6 +40,8 @@ _CODES: dict[int, tuple[type[errors.Error], str]] = {
     lib.SHMPS_E_NONFINITE: (errors.NonFinite, "gradient holds NaN or Inf"),
     lib.SHMPS_E_ARG: (errors.InvalidArgument, "invalid argument"),
     lib.SHMPS_E_NOTFOUND: (errors.NotFound, "not found"),
+    lib.SHMPS_E_REMOVED: (errors.NotFound, "the store is being removed (shmps-tool gc)"),
+    lib.SHMPS_E_BUSY: (errors.Error, "another process holds it"),
 }
 
 

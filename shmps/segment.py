@@ -62,7 +62,16 @@ class Segment:
         shm.close_fd()
         return seg
 
-    def _reserve(self, fd: int) -> None:
+    def reserve(self, start: int, length: int) -> None:
+        """Back the pages of ``[start, start + length)`` now (see :meth:`_reserve`):
+        CapacityError if /dev/shm has no room for them."""
+        fd = self.fd()
+        try:
+            self._reserve(fd, start, length)
+        finally:
+            os.close(fd)
+
+    def _reserve(self, fd: int, start: int = 0, length: Optional[int] = None) -> None:
         """Back every page of the segment now, so that no later write can find /dev/shm
         full: tmpfs sizes a segment without reserving its pages, and a write to a page
         it then has no room for kills the writer with SIGBUS (a tensor larger than the
@@ -72,19 +81,23 @@ class Segment:
         page here against 15), or, on a kernel before 5.14, the file is allocated
         (posix_fallocate).  CapacityError if there is no room."""
         assert self.mm is not None
+        whole = start == 0 and length is None
+        lo = start - start % mmap.PAGESIZE
+        hi = self.size if length is None else min(self.size, start + length)
         try:
             try:
-                self.mm.madvise(MADV_POPULATE_WRITE)
+                self.mm.madvise(MADV_POPULATE_WRITE, lo, hi - lo)
             except OSError as exc:
                 if exc.errno != errno.EINVAL:     # EINVAL: a kernel without the advice
                     raise
-                os.posix_fallocate(fd, 0, self.size)
+                os.posix_fallocate(fd, lo, hi - lo)
         except OSError as exc:
             if exc.errno not in (errno.EFAULT, errno.ENOMEM, errno.ENOSPC):
                 raise
-            os.ftruncate(fd, 0)    # give back the pages it got, then say what is free
+            if whole:
+                os.ftruncate(fd, 0)    # give back the pages it got, then say what is free
             raise CapacityError(f"/dev/shm has no room for segment {self.name} "
-                                f"({self.size:,} bytes; {shm_free():,} bytes free)",
+                                f"({hi - lo:,} bytes; {shm_free():,} bytes free)",
                                 NO_ROOM_HINT) from None
 
     @classmethod
@@ -105,8 +118,10 @@ class Segment:
         return cls(name, mm, size)
 
     @classmethod
-    def open_or_create(cls, name: str, size: int) -> tuple["Segment", bool]:
-        """Open the segment, creating it (size ``size``) if absent; returns (seg, created).
+    def open_or_create(cls, name: str, size: int, *, reserve: Optional[int] = None
+                       ) -> tuple["Segment", bool]:
+        """Open the segment, creating it (size ``size``, its first ``reserve`` bytes, or
+        all of them, backed now: see :meth:`_reserve`) if absent; returns (seg, created).
 
         Safe to race: a creator sizes the segment; openers that find it still at
         size 0 size it too (ftruncate to the same size is idempotent)."""
@@ -127,7 +142,7 @@ class Segment:
             seg = cls(name, mmap.mmap(shm.fd, size), size)
             if created:
                 try:
-                    seg._reserve(shm.fd)      # the creator backs it (see create)
+                    seg._reserve(shm.fd, 0, reserve)   # the creator backs it (see create)
                 except BaseException:
                     seg.close()
                     unlink(name)

@@ -11,6 +11,7 @@ import json
 import operator
 import os
 import threading
+import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator, Optional, Sequence
@@ -19,7 +20,8 @@ import numpy as np
 
 from . import _native, doorbell, names
 from .dense import DenseTensor, default_shard_rows
-from .errors import Closed, CorruptFile, CorruptSegment, InvalidArgument, NotFound, SchemaError
+from .errors import (Closed, CorruptFile, CorruptSegment, InvalidArgument, NotFound, SchemaError,
+                     Timeout)
 from .segment import Segment, check_room, list_names, unlink
 from .tensor import PushHandle, Tensor, open_shards
 from .updaters import Updater, UpdaterLike, as_updater, from_dict
@@ -28,6 +30,9 @@ lib = _native.lib
 ffi = _native.ffi
 
 MANIFEST_SIZE = lib.SHMPS_MANIFEST_SIZE
+#: bytes of a new manifest backed at once: the header, attached processes and worker
+#: clocks; the catalog after them is backed as records reach it (Store._append)
+MANIFEST_RESERVED = lib.SHMPS_CATALOG_OFF
 LOCK_TIMEOUT_S = 60.0
 DTYPES = tuple(_native.DTYPE_CODES)
 MODES = ("exact", "hogwild")
@@ -64,27 +69,52 @@ def attach(name: str, *, create: bool = True, namespace: Optional[str] = None,
     names.check_name(name)
     ns = names.resolve_namespace(namespace)
     mname = names.manifest_name(name, ns)
-    if create:
-        seg, _ = Segment.open_or_create(mname, MANIFEST_SIZE)
-    else:
+    deadline = time.monotonic() + max(float(timeout), 0.0)
+    while True:
+        if create:
+            seg, _ = Segment.open_or_create(mname, MANIFEST_SIZE, reserve=MANIFEST_RESERVED)
+        else:
+            try:
+                seg = Segment.open(mname, expect_size=MANIFEST_SIZE)
+            except NotFound:
+                raise NotFound(f"no store {name!r}" + (f" in namespace {ns!r}" if ns else ""),
+                               "create it with shmps.attach(name) or check `shmps-tool ls`"
+                               ) from None
         try:
-            seg = Segment.open(mname, expect_size=MANIFEST_SIZE)
-        except NotFound:
-            raise NotFound(f"no store {name!r}" + (f" in namespace {ns!r}" if ns else ""),
-                           "create it with shmps.attach(name) or check `shmps-tool ls`") from None
-    try:
-        ident = f"{ns or ''}\0{name}".encode()
-        code = lib.shmps_manifest_init(seg.ptr, seg.size, _native.token(), float(timeout),
-                                       ident, len(ident))
-        if code:
-            _native.check(code, f"store {name!r} manifest {mname}")
-        store = Store(name, ns, seg)
-        if staleness is not None:
-            store.set_consistency(staleness)
-        return store
-    except BaseException:
-        seg.close()
-        raise
+            ident = f"{ns or ''}\0{name}".encode()
+            code = lib.shmps_manifest_init(seg.ptr, seg.size, _native.token(), float(timeout),
+                                           ident, len(ident))
+            if code == lib.SHMPS_E_REMOVED:
+                raise _Removed()
+            if code:
+                _native.check(code, f"store {name!r} manifest {mname}")
+            store = Store(name, ns, seg)
+            if staleness is not None:
+                store.set_consistency(staleness)
+            return store
+        except _Removed:
+            # `shmps-tool gc` is removing this (idle) store: attach the one made after
+            # it, once its manifest is gone; finish the removal if the remover died
+            dead = not lib.shmps_manifest_retirer_alive(seg.ptr)
+            seg.close()
+            if not create:
+                raise NotFound(f"no store {name!r}" + (f" in namespace {ns!r}" if ns else "")
+                               + ": `shmps-tool gc` is removing it (no process was attached)",
+                               "create it with shmps.attach(name)") from None
+            if dead:
+                unlink(mname)
+            elif time.monotonic() >= deadline:
+                raise Timeout(f"store {name!r}: `shmps-tool gc` has been removing it for "
+                              f"{timeout:g} s", "retry the attach") from None
+            else:
+                time.sleep(0.001)
+        except BaseException:
+            seg.close()
+            raise
+
+
+class _Removed(Exception):
+    """The manifest attach found is being removed by `shmps-tool gc` (internal)."""
 
 
 class Store:
@@ -111,6 +141,11 @@ class Store:
         slot = ffi.new("uint32_t *")
         _native.check(lib.shmps_proc_register(manifest.ptr, _native.token(), slot),
                       f"store {name!r}: attached-process table")
+        if not lib.shmps_manifest_attached(manifest.ptr):
+            # `shmps-tool gc` retired the store before it could see us (remove_idle):
+            # attach() goes on to the store made after it
+            lib.shmps_proc_unregister(manifest.ptr, _native.token(), slot[0])
+            raise _Removed()
         self._proc_slot = int(slot[0])
         self._proc_token = _native.token()
         self._worker: Optional[int] = None
@@ -438,6 +473,10 @@ class Store:
 
     def _append(self, rec: dict) -> dict:
         data = json.dumps(rec, separators=(",", ":")).encode()
+        # the catalog's pages are backed as records reach them (see Segment.create)
+        end = int(lib.shmps_catalog_len(self._mptr))
+        if end + 4 + len(data) <= lib.SHMPS_CATALOG_BYTES:
+            self._manifest.reserve(lib.SHMPS_CATALOG_OFF + end, 4 + len(data))  # type: ignore
         _native.check(lib.shmps_catalog_append(self._mptr, data, len(data)),
                       f"store {self.name!r}: catalog (too many tensors)")
         self._refresh()
@@ -829,6 +868,33 @@ def _dense_specs(rec: dict) -> list[dict]:
                       "nnz": rows * row_len, "row_begin": r0, "ncols": 0, "seed": 0,
                       "params": upd.params(), "init": []})
     return specs
+
+
+def remove_idle(name: str, namespace: Optional[str]) -> Optional[list[str]]:
+    """Remove store ``name`` if no live process is attached (``shmps-tool gc``): the
+    names of the segments removed, or None if a process is attached (or attaches while
+    this looks: native/manifest.c, shmps_manifest_retire) or another remover is at it.
+    The shards go first and the manifest last, so an attach that waits for the removal
+    (attach()) makes a new store whose shards no part of this removal can touch."""
+    mname = names.manifest_name(name, namespace)
+    try:
+        seg = Segment.open(mname, expect_size=MANIFEST_SIZE)
+    except NotFound:
+        return []
+    try:
+        code = lib.shmps_manifest_retire(seg.ptr, _native.token())
+        if code == lib.SHMPS_E_BUSY:
+            return None
+        _native.check(code, f"store {name!r} manifest {mname}")
+        prefix = names.store_prefix(name, namespace)
+        shards = [n for n in list_names(prefix[1:]) if _is_own_segment(n, prefix)
+                  and n != mname]
+        removed = [n for n in shards if unlink(n)]
+        if unlink(mname):
+            removed.append(mname)
+        return removed
+    finally:
+        seg.close()
 
 
 def _is_own_segment(seg: str, prefix: str) -> bool:
