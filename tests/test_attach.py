@@ -423,3 +423,34 @@ def test_a_forked_child_counts_as_attached(store_name):
         os.close(r)
         os.close(go_w)
         remove_store(store_name, ns)
+
+
+def test_attach_finishes_the_removal_of_a_dead_gc(store_name):
+    """A `shmps-tool gc` killed after it retired an idle store (state "being removed")
+    and before it unlinked the manifest: the next attach sees the remover dead, finishes
+    the removal and makes a new, empty store; attach(create=False) says it is being
+    removed (NotFound) rather than attach a store that is going away."""
+    from shmps._native import lib
+
+    with shmps.attach(store_name) as s:
+        s.dense("w", shape=(4,), init=3.0)
+    pid = os.fork()
+    if pid == 0:   # the "gc": retire the idle store and die
+        code = 1
+        try:
+            from shmps.segment import Segment
+            from shmps import names
+            seg = Segment.open(names.manifest_name(store_name, None))
+            code = 0 if lib.shmps_manifest_retire(seg.ptr, shmps._native.token()) == 0 else 3
+        finally:
+            os._exit(code)
+    try:
+        assert os.waitpid(pid, 0)[1] == 0
+        with pytest.raises(shmps.NotFound, match="is removing it"):
+            shmps.attach(store_name, create=False)
+        t0 = time.monotonic()
+        with shmps.attach(store_name) as s:
+            assert s.tensors() == []
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        remove_store(store_name)
