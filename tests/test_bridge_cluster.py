@@ -423,8 +423,9 @@ def test_one_bridge_process_per_store(make_cluster):
         fcntl.flock(fd, fcntl.LOCK_EX)            # as a bridge of the store still ending
         c.start(0)
         c.start(1)
-        c.wait(lambda: "holds its bridge lock" in c.logs[0].read_text(), 10,
-               "host 0's bridge to wait for the lock")
+        c.wait(lambda: f"another bridge process (pid {os.getpid()}) of store"
+               in c.logs[0].read_text(), 10, "host 0's bridge to wait for the lock, "
+               "naming the process that holds it")
         time.sleep(0.5)
         assert c.health(0) is None                 # not listening while it waits
     finally:
@@ -445,7 +446,8 @@ def test_one_bridge_process_per_store(make_cluster):
     r = subprocess.run(cmd, capture_output=True, timeout=60,
                        env=dict(os.environ, SHMPS_BRIDGE_LOCK_WAIT="1.5"))
     assert r.returncode == 2, r.stderr.decode()
-    assert b"another shmps-bridge process is running for store" in r.stderr, r.stderr
+    assert (f"another shmps-bridge process (pid {c.procs[1].pid}) is running for store"
+            .encode() in r.stderr), r.stderr
     out, err = worker.communicate(timeout=120)
     assert worker.returncode == 0, err.decode() + c.describe()      # no PushesLost
     assert "taken by an earlier bridge" not in c.logs[1].read_text(errors="replace")

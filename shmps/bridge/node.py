@@ -129,6 +129,23 @@ CLOSE_STEP_TIMEOUT = 5.0         #: each step of Bridge.close() at most this lon
 SHUTDOWN_TIMEOUT = 2.0          #: closing, the web server waits this long for a handler still running (s)
 
 
+def _flock_holder(fd: int) -> Optional[int]:
+    """The pid holding a flock of ``fd``'s file, from /proc/locks (None if not found:
+    the lock was just released, or /proc is not readable)."""
+    st = os.fstat(fd)
+    dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        with open("/proc/locks") as f:
+            for line in f:
+                parts = line.split()
+                # "1: FLOCK  ADVISORY  WRITE 1234 00:1a:5678 0 EOF" ("->" marks waiters)
+                if len(parts) >= 6 and parts[1] == "FLOCK" and parts[5] == dev:
+                    return int(parts[4])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
 @dataclass
 class Config:
     """What ``shmps-bridge`` was started with (see :func:`shmps.bridge.cli.main`)."""
@@ -819,18 +836,21 @@ class Bridge:
                     break
                 except BlockingIOError:
                     pass
+                holder = _flock_holder(fd)
+                who = f" (pid {holder})" if holder else ""
                 if time.monotonic() >= deadline:
                     raise InvalidArgument(
-                        f"another shmps-bridge process is running for store "
+                        f"another shmps-bridge process{who} is running for store "
                         f"{self.cfg.store!r}{ns} (it holds the store's bridge lock, still "
                         f"after {BRIDGE_LOCK_WAIT:g} s)",
                         hint="stop it first (SIGTERM), or wait until it has ended: one "
                              "bridge process per store and namespace")
                 if not said:
                     said = True
-                    log.warning("another bridge process of store %r%s holds its bridge lock "
-                                "(still ending?): waiting up to %g s for it before touching "
-                                "the store", self.cfg.store, ns, BRIDGE_LOCK_WAIT)
+                    log.warning("another bridge process%s of store %r%s holds its bridge lock: "
+                                "waiting up to %g s for it to end (one still leaving after a "
+                                "SIGTERM does) before touching the store", who,
+                                self.cfg.store, ns, BRIDGE_LOCK_WAIT)
                 await asyncio.sleep(0.1)
         except BaseException:
             os.close(fd)
