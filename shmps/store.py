@@ -8,6 +8,7 @@ catalog without the lock; tensors are mapped lazily on first use.
 from __future__ import annotations
 
 import json
+import math
 import operator
 import os
 import threading
@@ -69,7 +70,15 @@ def attach(name: str, *, create: bool = True, namespace: Optional[str] = None,
     names.check_name(name)
     ns = names.resolve_namespace(namespace)
     mname = names.manifest_name(name, ns)
-    deadline = time.monotonic() + max(float(timeout), 0.0)
+    try:
+        timeout = float(timeout)
+    except (TypeError, ValueError):
+        timeout = float("nan")
+    if not timeout >= 0:
+        raise InvalidArgument(f"timeout={timeout!r} must be a number of seconds >= 0",
+                              "pass e.g. timeout=2.0, or math.inf to wait as long as it takes")
+    c_timeout = -1.0 if math.isinf(timeout) else timeout      # (the C core: < 0 = no limit)
+    deadline = time.monotonic() + timeout
     while True:
         if create:
             seg, _ = Segment.open_or_create(mname, MANIFEST_SIZE, reserve=MANIFEST_RESERVED)
@@ -82,7 +91,7 @@ def attach(name: str, *, create: bool = True, namespace: Optional[str] = None,
                                ) from None
         try:
             ident = f"{ns or ''}\0{name}".encode()
-            code = lib.shmps_manifest_init(seg.ptr, seg.size, _native.token(), float(timeout),
+            code = lib.shmps_manifest_init(seg.ptr, seg.size, _native.token(), c_timeout,
                                            ident, len(ident))
             if code == lib.SHMPS_E_REMOVED:
                 raise _Removed()

@@ -257,6 +257,15 @@ def test_invalid_tensor_names(store, name):
         store.dense(name, shape=(1,))
 
 
+@pytest.mark.parametrize("timeout", [-1, float("nan"), "soon", None])
+def test_attach_refuses_a_bad_timeout(store_name, timeout):
+    """attach(timeout=) takes seconds >= 0 (math.inf: no limit); -1 was taken as no
+    limit by the C core, a string failed inside it."""
+    with pytest.raises(shmps.InvalidArgument, match="timeout"):
+        shmps.attach(store_name, timeout=timeout)
+    assert store_segments(store_name) == []
+
+
 def test_attach_missing_store_without_create(store_name):
     """attach(name, create=False) of a missing store is NotFound and creates nothing."""
     with pytest.raises(shmps.NotFound, match=store_name):
