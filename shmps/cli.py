@@ -8,12 +8,15 @@ a verb takes the parsed namespace and returns an exit status.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Sequence
 
 from .errors import Error
 
 PROG = "shmps-tool"
+#: set (to anything but empty) to see the traceback of an internal error
+TRACEBACK_ENV = "SHMPS_TOOL_TRACEBACK"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -67,6 +70,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     except OSError as exc:
         return fail(f"{exc.filename + ': ' if exc.filename else ''}{exc.strerror or exc}")
+    except MemoryError:
+        return fail("out of memory (the input may declare sizes larger than it holds: check "
+                    "it with `shmps-tool check`; or limit the output with --rows/--head)")
+    except Exception as exc:
+        # Not a shmps error: input that should have been refused with one, or a bug.
+        # One line all the same (exit 1 tells it from a refused input); the traceback
+        # is one environment variable away.
+        if os.environ.get(TRACEBACK_ENV):
+            raise
+        print(f"{PROG}: error: internal error: {type(exc).__name__}: "
+              f"{' '.join(str(exc).split())} (this is a bug in {PROG}: please report it "
+              f"with the command line; {TRACEBACK_ENV}=1 shows the traceback)",
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

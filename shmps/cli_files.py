@@ -8,9 +8,11 @@ entries, so dumping a file of any size needs bounded memory.  Every error is a
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import secrets
+import shutil
 import sys
 import zipfile
 from collections import Counter
@@ -19,7 +21,7 @@ from typing import IO, Any, Iterator
 
 import numpy as np
 
-from .errors import CorruptFile, InvalidArgument, NotFound
+from .errors import CapacityError, CorruptFile, InvalidArgument, NotFound
 from .files import (ARRAYS, CHUNK, CSR, INDEX_DTYPES, VALUE_DTYPES, MatrixSet, SetWriter,
                     _check_structure, _scipy_sparse, build_meta, read_checkpoint_manifest,
                     read_csr, validate_all)
@@ -723,6 +725,12 @@ def _set_to_npz(args: argparse.Namespace) -> tuple[int, int, int, str]:
     if vdt == "float16":
         raise InvalidArgument(f"{args.src}: scipy.sparse cannot hold float16 values",
                               hint="pass --dtype float32")
+    if max(ms.rows, ms.cols) > np.iinfo(np.int64).max:
+        raise CapacityError(f"convert {args.src} -> {args.dst}: a {ms.rows} x {ms.cols} "
+                            "matrix is larger than scipy.sparse can index (2**63 - 1 rows "
+                            "and columns)",
+                            hint='if the column count is wrong, fix "cols" in the .meta or '
+                                 "pass --cols")
     c = ms.csr
     dtypes = {"rowcnt": ms.dtypes["rowcnt"], "colidx": ms.dtypes["colidx"], "value": vdt}
     nbytes = sum(len(x) * np.dtype(dtypes[k]).itemsize for k, x in zip(ARRAYS, c))
@@ -741,11 +749,55 @@ def _set_to_npz(args: argparse.Namespace) -> tuple[int, int, int, str]:
     return ms.rows, ms.cols, ms.nnz, vdt
 
 
+def _npy_bytes(shape: tuple[int, int], dtype: str) -> int:
+    """The size of the ``.npy`` file ``numpy.save`` writes for that shape (header too)."""
+    head = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False,
+            "shape": shape}
+    buf = io.BytesIO()
+    try:
+        np.lib.format.write_array_header_1_0(buf, head)
+    except ValueError:  # a header beyond 64 KiB needs format 2.0
+        buf = io.BytesIO()
+        np.lib.format.write_array_header_2_0(buf, head)
+    return buf.tell() + shape[0] * shape[1] * np.dtype(dtype).itemsize
+
+
+def _fmt_bytes(n: int) -> str:
+    """``n bytes``, with the size in KiB ... PiB beside it from 1 KiB on."""
+    x, unit = float(n), ""
+    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+        x /= 1024
+        if x < 1024:
+            break
+    return f"{n} bytes" + (f" ({x:.1f} {unit})" if n >= 1024 else "")
+
+
+def _check_npy_size(src: str, dst: str, rows: int, cols: int, nnz: int, vdt: str) -> None:
+    """Refuse a dense ``.npy`` numpy cannot address, or larger than the free space of
+    DST's directory, before anything is written (the ``.meta`` may declare any cols)."""
+    need = _npy_bytes((rows, cols), vdt)
+    what = (f"convert {src} -> {dst}: a dense {rows} x {cols} {vdt} array (the set holds "
+            f"{nnz} entries)")
+    hint = ("convert to a .npz instead, which keeps the matrix sparse; or, if the column "
+            'count is wrong, fix "cols" in the .meta or pass --cols')
+    if need - 4096 > np.iinfo(np.intp).max:
+        raise CapacityError(f"{what} is {need} bytes, more than numpy can address",
+                            hint=hint)
+    directory = os.path.dirname(dst) or "."
+    free = shutil.disk_usage(directory).free if os.path.isdir(directory) else need
+    if need > free:
+        raise CapacityError(f"{what} needs {_fmt_bytes(need)} but {directory} has "
+                            f"{_fmt_bytes(free)} free",
+                            hint="free space there, or write DST to a disk with room; or "
+                                 + hint)
+
+
 def _set_to_npy(args: argparse.Namespace) -> tuple[int, int, int, str]:
     ms = read_csr(args.src, **_read_args(args), check=True)
     vdt = _out_value_dtype(np.dtype(ms.dtypes["value"]), args.dtype, ms.prefix or args.src)
     rowcnt, colidx, value = ms.csr
     rows, cols = ms.rows, ms.cols
+    _check_npy_size(args.src, args.dst, rows, cols, ms.nnz, vdt)
     itemsize = np.dtype(vdt).itemsize
     step = max(1, BLOCK_BYTES // max(1, cols * itemsize))
     with _atomic_output(args.dst) as tmp:

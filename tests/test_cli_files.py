@@ -323,6 +323,67 @@ def test_convert_edge_cases_in_process(tmp_path):
     assert not any(n.startswith(".") for n in os.listdir(tmp_path))  # no temporaries left
 
 
+def huge_cols_set(prefix: Path, cols: int) -> Path:
+    """A valid 1-row set with one entry whose .meta declares ``cols`` columns."""
+    np.array([0, 1], np.int64).tofile(f"{prefix}.rowcnt")
+    np.array([0], np.int32).tofile(f"{prefix}.colidx")
+    np.array([1], np.float32).tofile(f"{prefix}.value")
+    Path(f"{prefix}.meta").write_text(json.dumps(
+        {"version": 1, "rows": 1, "cols": cols,
+         "dtypes": {"rowcnt": "int64", "colidx": "int32", "value": "float32"}}))
+    return prefix
+
+
+def test_convert_to_npy_checks_the_output_size(tmp_path, monkeypatch):
+    """A dense .npy too big for numpy, or for the free space of its directory, is refused
+    before anything is written (one line, exit 2, saying how much it needs), not a raw
+    numpy "array is too big" traceback or a file of terabytes."""
+    huge_cols_set(tmp_path / "h", 2**62)
+    r = tool("convert", tmp_path / "h", tmp_path / "h.npy")
+    assert_one_line_error(r, "1 x 4611686018427387904 float32", "more than numpy can address",
+                          "--cols")
+    assert_one_line_error(tool("convert", tmp_path / "h", tmp_path / "h.npz", "--cols",
+                               2**64), "larger than scipy.sparse can index")
+    huge_cols_set(tmp_path / "g", 2**50)   # 4 PiB: more than any disk here has free
+    assert_one_line_error(tool("convert", tmp_path / "g", tmp_path / "g.npy"),
+                          "needs 4503599627370624 bytes", "free")
+    write_csr(tmp_path / "x", CSR.from_dense(EXAMPLE))
+    import shutil
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 0, 100))
+    status, out, err = main_out("convert", tmp_path / "x", tmp_path / "x.npy")
+    assert status == 2 and out == "" and err.count("\n") == 1
+    assert "a dense 3 x 3 float32 array" in err   # no .meta: cols inferred
+    assert "needs 164 bytes but" in err and "has 100 bytes free" in err
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        f"{p}.{e}" for p in "hgx" for e in ("rowcnt", "colidx", "value", "meta"))
+
+
+def test_unexpected_exceptions_are_one_line(tmp_path, monkeypatch):
+    """An exception that is not a shmps error nor an OSError still gives one line, no
+    traceback: MemoryError is an error (exit 2); anything else is an internal error,
+    reported as such with exit 1 (SHMPS_TOOL_TRACEBACK=1 shows the traceback)."""
+    import shmps.cli_files as cf
+    write_csr(tmp_path / "x", CSR.from_dense(EXAMPLE))
+
+    def boom(exc):
+        def verb(args):
+            raise exc
+        return verb
+
+    monkeypatch.setattr(cf, "check", boom(MemoryError()))
+    status, out, err = main_out("check", tmp_path / "x")
+    assert status == 2 and err.startswith("shmps-tool: error: out of memory") \
+        and err.count("\n") == 1
+    monkeypatch.setattr(cf, "check", boom(ValueError("array is too big")))
+    status, out, err = main_out("check", tmp_path / "x")
+    assert status == 1 and err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("shmps-tool: error: internal error: ValueError: array is too big")
+    assert "please report" in err
+    monkeypatch.setenv("SHMPS_TOOL_TRACEBACK", "1")
+    with pytest.raises(ValueError, match="array is too big"):
+        main_out("check", tmp_path / "x")
+
+
 def test_dump_into_a_closed_pipe_is_quiet(tmp_path):
     """`dump | head -1` exits 0 without a BrokenPipe message on stderr."""
     n = 200_000
