@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import time
 from typing import Any, Optional
@@ -239,8 +240,15 @@ def tensor_as_matrix(store_name: str, tensor: str, namespace: Optional[str],
                 return t.as_matrix(array=array)
             return t.as_matrix()
         if t.kind != "dense":
-            raise InvalidArgument(f"dump --store: tensor {tensor!r} is a {t.kind} tensor, "
-                                  "which this version cannot print yet")
+            ns = f" --namespace {shlex.quote(namespace)}" if namespace else ""
+            raise InvalidArgument(
+                f"dump --store: tensor {tensor!r} is a {t.kind} tensor, which dump --store "
+                "cannot print (only dense tensors)",
+                hint=f"print a checkpoint of it: `shmps-tool checkpoint "
+                     f"{shlex.quote(store_name)}{ns} DIR` then `shmps-tool dump DIR --tensor "
+                     f"{shlex.quote(tensor)}`"
+                     + (" (the table's rows by slot; their keys: docs/checkpoints.md)"
+                        if t.kind == "table" else ""))
         nstate = t._shard(0).spec["nstate"]
         arrays = ("value",) + tuple(f"state{k}" for k in range(nstate))
         meta = {"name": t.name, "optimizer": t.optimizer.to_dict(),

@@ -299,6 +299,30 @@ def test_dump_store_tensor_values_and_state(ns, tmp_path):
 
 # ---- errors ----------------------------------------------------------------------------------
 
+def test_dump_store_of_a_table_or_csr_tensor_says_how_to_print_it(ns, tmp_path):
+    """`dump --store` cannot print a table or csr tensor; its error says how to (through a
+    checkpoint), and following it literally works."""
+    s = shmps.attach("tc", namespace=ns)
+    try:
+        emb = s.table("emb", dim=2, capacity=8)
+        emb.push(np.array([3, 5], np.uint64), np.ones((2, 2)))
+        s.csr("X", np.array([0, 2, 3]), np.array([0, 1, 1]), init=2.0)
+        for name, kind, want in (("emb", "table", "row 0: (0, 1.0) (1, 1.0)"),
+                                 ("X", "csr", "row 1: (1, 2.0)")):
+            line = one_line_error(tool("dump", "--store", "tc", "--tensor", name,
+                                       "--namespace", ns),
+                                  f"tensor '{name}' is a {kind} tensor")
+            cmds = [c.split() for c in line.split("`")[1::2]]
+            assert cmds == [["shmps-tool", "checkpoint", "tc", "--namespace", ns, "DIR"],
+                            ["shmps-tool", "dump", "DIR", "--tensor", name]], line
+            ck = str(tmp_path / kind)
+            for cmd in cmds:
+                ok(tool(*[ck if a == "DIR" else a for a in cmd[1:]]))
+            assert want in ok(tool("dump", ck, "--tensor", name))
+    finally:
+        s.destroy()
+
+
 def test_store_verb_errors_are_one_line_exit_2(ns, tmp_path):
     """Every store-verb error is one `shmps-tool: error:` line, exit 2, no traceback."""
     s = shmps.attach("e", namespace=ns)
