@@ -26,6 +26,7 @@ import ctypes
 import errno
 import json
 import os
+import re
 import secrets
 import shutil
 import sys
@@ -195,11 +196,17 @@ def save(store: Any, path: str | os.PathLike) -> str:
                               f"which this version cannot checkpoint yet (only "
                               f"{', '.join(sorted(_SAVERS))})", "nothing was written")
     parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    _clean_debris(path)
     tmp = os.path.join(parent, f"{os.path.basename(os.path.abspath(path))}.tmp-{os.getpid()}-"
                                f"{secrets.token_hex(3)}")
-    os.mkdir(tmp, 0o700)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        _clean_debris(path)
+        os.mkdir(tmp, 0o700)
+    except OSError as exc:  # named by the user's path, not the internal PATH.tmp-*
+        raise OSError(exc.errno, f"{exc.strerror or exc} (cannot create the checkpoint's "
+                                 f"temporary directory in {parent}, where it is written "
+                                 "before being renamed to this path; choose a path in a "
+                                 "writable directory)", path) from None
     try:
         total = sum(sum(sh.seg.size for sh in t._shards) for t in tensors)
         entries = []
@@ -214,6 +221,13 @@ def save(store: Any, path: str | os.PathLike) -> str:
             os.fsync(f.fileno())
         _fsync_dir(tmp)
         _install(tmp, path)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not str(exc.filename or "").startswith(tmp):
+            raise
+        raise OSError(exc.errno, f"{exc.strerror or exc} (while writing the checkpoint "
+                                 f"into {parent}; nothing was written: free space there or "
+                                 "choose a path elsewhere)", path) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -326,12 +340,48 @@ def restore(path: str | os.PathLike, name: str, *, namespace: Optional[str] = No
         store = attach(name, namespace=namespace)
     try:
         with _progress(sum(p.nbytes for p in plans), f"restore {name}") as bar:
-            for p in plans:
-                p.run(store, bar)
+            for e, p in zip(doc["tensors"], plans):
+                try:
+                    p.run(store, bar)
+                except CorruptFile as exc:
+                    raise _table_check_error(exc, path, e) from None
     except BaseException:
         store.destroy()
         raise
     return store
+
+
+#: What each problem code of the C table check (``shmps_table_check``, native/table.c)
+#: means for a restored table.
+_TABLE_PROBLEMS = {
+    1: "an index entry names a row past the rows in use",
+    2: "an index entry's key differs from the key of its row",
+    3: "a row the index uses is not marked in use",
+    4: "the rows marked in use do not match the index entries",
+    5: "a key is stored in a shard its hash does not lead to",
+    6: "a key cannot be found from its hash",
+    7: "the list of free rows is broken",
+    8: "the counts of rows in use and free rows disagree with the index",
+    9: "the table's count of rows in use disagrees with its shards'",
+    10: "an index entry was left half created",
+    11: "the count of deleted index entries disagrees with the index",
+}
+_TABLE_CHECK = re.compile(r"invariant (\d+) broken in shard (\d+) at (\d+)")
+
+
+def _table_check_error(exc: CorruptFile, path: str, entry: dict) -> CorruptFile:
+    """The table check's "invariant N broken in shard S at I" (raised while the restored
+    table is created) in the terms of the checkpoint's files, with the checkpoint hint;
+    any other error as it is."""
+    m = _TABLE_CHECK.search(exc.message)
+    if m is None or entry["record"].get("kind") != "table":
+        return exc
+    code, shard, at = (int(x) for x in m.groups())
+    stem = os.path.join(path, f"{entry['prefix']}.s{shard}")
+    what = _TABLE_PROBLEMS.get(code, f"problem {code}")
+    return CorruptFile(f"checkpoint {path}: table {entry['record']['name']!r}, shard {shard}: "
+                       f"its saved index is inconsistent: {what} (at entry {at}; files "
+                       f"{stem}.index, .keys, .links, .ctl)", hint=files._CKPT_HINT)
 
 
 class _Plan:

@@ -432,6 +432,29 @@ def test_restore_of_corrupt_checkpoint_raises_and_leaves_no_store(store, tmp_pat
     assert same_bits(store["b"].pull(), before) and "a" in store
 
 
+def test_checkpoint_to_an_unwritable_place_names_the_path(store, tmp_path):
+    """A path whose directory cannot hold the checkpoint's temporary copy (a /proc entry,
+    a read-only directory) gives an OSError naming the path the user gave, not the
+    internal PATH.tmp-* name, and saying what to do; nothing is left behind."""
+    store.dense("w", shape=(2,))
+    with pytest.raises(OSError) as info:
+        store.checkpoint("/proc/shmps-no-such-dir")
+    msg = str(info.value)
+    assert info.value.filename == "/proc/shmps-no-such-dir" and ".tmp-" not in msg, msg
+    assert "choose a path" in msg
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    os.chmod(ro, 0o500)
+    try:
+        if not os.access(ro, os.W_OK):   # root may write anyway
+            with pytest.raises(OSError) as info:
+                store.checkpoint(ro / "ck")
+            assert info.value.filename == str(ro / "ck") and ".tmp-" not in str(info.value)
+        assert sorted(os.listdir(ro)) in ([], ["ck"])
+    finally:
+        os.chmod(ro, 0o700)
+
+
 def test_restore_missing_directory_is_not_found(tmp_path, names):
     """restore() of a missing path raises NotFound and creates nothing."""
     target = new_name(names)

@@ -220,6 +220,34 @@ def test_corrupt_region_file_raises_and_creates_nothing(store, tmp_path, names, 
     assert not [n for n in os.listdir(SHM) if n.startswith(f"shmps.{name}.")]
 
 
+@pytest.mark.parametrize("victim,scramble,what", [
+    ("t0.s0.keys", "reverse", "an index entry's key differs from the key of its row"),
+    ("t0.s0.index", "reverse", "the rows marked in use do not match the index entries"),
+    ("t0.s1.links", "zero", "a row the index uses is not marked in use"),
+])
+def test_damaged_table_index_is_reported_in_user_terms(store, tmp_path, names, victim,
+                                                       scramble, what):
+    """Region files of the right size but inconsistent contents: the restore's table check
+    refuses them with a message naming the table, shard and files and saying what is
+    wrong (not "invariant N broken"), with the checkpoint hint (use another checkpoint),
+    not the file-set one; no store is left."""
+    t = store.table("e", dim=3, capacity=100, shards=3)
+    t.push(np.arange(50, dtype=np.uint64), np.ones((50, 3), np.float32))
+    path = tmp_path / "ck"
+    store.checkpoint(path)
+    f = path / victim
+    a = np.fromfile(f, np.uint64)
+    (a[::-1] if scramble == "reverse" else np.zeros_like(a)).tofile(f)
+    name = new_name(names)
+    with pytest.raises(CorruptFile) as info:
+        shmps.restore(path, name)
+    msg, shard = str(info.value), victim.split(".")[1][1:]
+    assert "invariant" not in msg and what in msg, msg
+    assert f"table 'e', shard {shard}" in msg and str(path / f"t0.s{shard}") in msg, msg
+    assert info.value.hint == files._CKPT_HINT and "use another checkpoint" in msg
+    assert not [n for n in os.listdir(SHM) if n.startswith(f"shmps.{name}.")]
+
+
 @pytest.fixture
 def procs() -> Iterator[list[subprocess.Popen]]:
     """Child processes of a test; killed and reaped afterwards, whatever happened."""

@@ -355,6 +355,8 @@ def test_store_verb_errors_are_one_line_exit_2(ns, tmp_path):
             (("dump", tmp_path / "ck", "--tensor", "nope"), ["no tensor 'nope' in checkpoint"]),
             (("dump", tmp_path / "ck"), ["is a checkpoint directory", "--tensor"]),
             (("gc", "--namespace", "../up"), ["invalid namespace"]),
+            (("checkpoint", "e", "/proc/shmps-nope", "--namespace", ns),
+             ["error: /proc/shmps-nope: ", "choose a path"]),
             (("ls", "--namespace", "bad/ns"), ["invalid namespace"]),
             (("gc", "--namespace", ""), ["--namespace '' is empty"]),
             (("restore",), ["the following arguments are required"]),
