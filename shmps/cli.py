@@ -23,6 +23,11 @@ class _Parser(argparse.ArgumentParser):
     """argparse that reports usage errors as ``shmps-tool: error: ...`` with exit 2."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
+        # argparse (before Python 3.13) takes a value such as '-1:' for an option, so
+        # `--rows -1:` ends here instead of at --rows's own "no negative indexing" check
+        if message == "argument --rows: expected one argument":
+            message += (" (--rows takes A:B, A:, :B or A, with rows >= 0: no negative "
+                        "indexing; a value that starts with '-' must be attached: --rows=V)")
         raise _UsageError(message)
 
 

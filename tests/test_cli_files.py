@@ -236,6 +236,9 @@ def test_check_ok_line(tmp_path):
     (["dump"], "dump needs PREFIX (a file set) or --store NAME --tensor T"),
     (["dump", "x", "--rows", "3:1"], "argument --rows: empty range '3:1'"),
     (["dump", "x", "--rows=-1:"], "row bounds must be non-negative"),
+    # argparse (before Python 3.13) takes '-1:' for an option, not --rows's value
+    (["dump", "x", "--rows", "-1:"], "no negative indexing"),
+    (["dump", "x", "--rows", "-3:-1"], "no negative indexing"),
     (["dump", "x", "--format", "xml"], "argument --format: invalid choice: 'xml'"),
     (["dump", "x", "--store", "s", "--tensor", "t"], "give either PREFIX or --store"),
     (["dump", "nothere"], "missing file nothere.rowcnt, nothere.colidx, nothere.value"),
