@@ -102,14 +102,12 @@ def attach(name: str, *, create: bool = True, namespace: Optional[str] = None,
                 store.set_consistency(staleness)
             return store
         except _Removed:
-            # `shmps-tool gc` is removing this (idle) store: attach the one made after
-            # it, once its manifest is gone; finish the removal if the remover died
+            # `shmps-tool gc` is removing this (idle) store, or looking whether it may (it
+            # backs off if it finds a process attached): look again until the store is
+            # back, or its manifest is gone (create: then make a new one; else NotFound);
+            # finish the removal if the remover died
             dead = not lib.shmps_manifest_retirer_alive(seg.ptr)
             seg.close()
-            if not create:
-                raise NotFound(f"no store {name!r}" + (f" in namespace {ns!r}" if ns else "")
-                               + ": `shmps-tool gc` is removing it (no process was attached)",
-                               "create it with shmps.attach(name)") from None
             if dead:
                 unlink(mname)
             elif time.monotonic() >= deadline:

@@ -428,8 +428,8 @@ def test_a_forked_child_counts_as_attached(store_name):
 def test_attach_finishes_the_removal_of_a_dead_gc(store_name):
     """A `shmps-tool gc` killed after it retired an idle store (state "being removed")
     and before it unlinked the manifest: the next attach sees the remover dead, finishes
-    the removal and makes a new, empty store; attach(create=False) says it is being
-    removed (NotFound) rather than attach a store that is going away."""
+    the removal (attach(create=False) then finds no store: NotFound) and attach makes a
+    new, empty store."""
     from shmps._native import lib
 
     with shmps.attach(store_name) as s:
@@ -446,7 +446,7 @@ def test_attach_finishes_the_removal_of_a_dead_gc(store_name):
             os._exit(code)
     try:
         assert os.waitpid(pid, 0)[1] == 0
-        with pytest.raises(shmps.NotFound, match="is removing it"):
+        with pytest.raises(shmps.NotFound, match="no store"):
             shmps.attach(store_name, create=False)
         t0 = time.monotonic()
         with shmps.attach(store_name) as s:
