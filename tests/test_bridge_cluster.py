@@ -1961,3 +1961,31 @@ def test_a_bridge_stops_promptly_with_a_peer_connection_still_open(make_cluster)
     took = asyncio.run(hold_open())
     assert c.procs[0].poll() == 0, c.describe()
     assert took < 6.0, f"the bridge took {took:.1f} s to stop\n" + c.describe()
+
+
+def test_sigterm_while_a_bridge_starts_ends_it_cleanly(make_cluster):
+    """The bridge's SIGTERM handler is in place before it starts: a SIGTERM while it
+    waits for its store's bridge lock ends it at once, status 0, the store untouched
+    (forwarding off).  Before, the handlers came after the start, and a SIGTERM during
+    it killed the process with the default action (status -15, no leave: found by the
+    chaos review, 2026-11-27)."""
+    import fcntl
+    from shmps._native import lib
+
+    c = make_cluster(1)
+    st = shmps.attach(c.store, namespace=c.namespaces[0])
+    fd = os.open("/dev/shm" + st._manifest.name, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)             # a bridge of the store still ending
+        p = c.start(0)
+        c.wait(lambda: "holds its bridge lock" in c.logs[0].read_text(), 10,
+               "the bridge to wait for the lock")
+        t0 = time.monotonic()
+        os.killpg(p.pid, signal.SIGTERM)
+        assert p.wait(10) == 0, c.describe()
+        assert time.monotonic() - t0 < 2.0
+        assert "stopped before it started" in c.logs[0].read_text(), c.describe()
+        assert lib.shmps_forward_get(st._mptr) == 0
+    finally:
+        os.close(fd)
+        st.close()

@@ -4765,3 +4765,46 @@ def test_a_pause_ends_at_its_delay_or_sooner_when_asked_never_later():
 
     full, sooner, now, later = asyncio.run(main())
     assert full >= 0.19 and 0.045 <= sooner < 0.15 and now < 0.03 and later >= 0.19
+
+
+def test_a_stream_resent_from_past_the_copy_is_counted_lost_not_refused_for_ever(
+        tmp_path, caplog, monkeypatch):
+    """A sender answered GAP resends from its oldest unacknowledged batch.  When that is,
+    again and again, past what the owner's copy expects, an earlier owner acknowledged
+    batches this copy lacks (replicas 1: an owner that left or stopped without handing
+    over): the owner logs and counts them lost and takes the stream from there.  Before,
+    it answered GAP for good and every flush of the sender's host timed out, on a
+    cluster up and converged (chaos review, 2026-11-27).  A frame that is only ahead of
+    a resend still gets GAP until the resend comes."""
+    from shmps.bridge import node as node_mod
+
+    monkeypatch.setattr(node_mod, "GAP_LOSS_AFTER", 0.0)
+    me, peer = "127.0.0.2:7001", "127.0.0.3:7001"
+    with _owner_on_a_store(tmp_path, [me, peer], "gaploss", replicas=1) as (node, info, st):
+        got: list = []
+
+        def send(seq: int, incarnation: int = 7) -> Status:
+            batch = frames.encode_batch(epoch=0, sender=members.member_id(peer),
+                                        incarnation=incarnation, tensor=info.tid, shard=0,
+                                        seq=seq, values=np.full((8, 4), 10.0 ** (seq - 1),
+                                                                np.float32), start=0)
+            node.on_batch(peer, frames.decode(batch), lambda d: got.extend(
+                frames.iter_frames(bytes(d))))
+            return got[-1].status
+
+        assert send(3) is Status.GAP and send(1) is Status.OK      # the stream starts at 1
+        assert send(2) is Status.OK
+        # overtaken: 4 comes first, then the resend 3, 4 (no loss)
+        assert send(4) is Status.GAP and send(4) is Status.GAP
+        with caplog.at_level("ERROR", logger="shmps.bridge"):
+            assert [send(3), send(4)] == [Status.OK, Status.OK]
+        assert not caplog.records and node.metrics.acked_missing._value.get() == 0
+        # batch 5 was acknowledged elsewhere: the resends start at 6, three times
+        with caplog.at_level("ERROR", logger="shmps.bridge"):
+            assert [send(6), send(7), send(6)] == [Status.GAP] * 3
+            assert send(6) is Status.OK                               # the third: lost
+        assert node.metrics.acked_missing._value.get() == 1
+        assert "batches 5..5" in caplog.text and "lost" in caplog.text
+        assert send(7) is Status.OK
+        np.testing.assert_array_equal(node.store[info.name].pull(),
+                                      np.full((8, 4), 1101111.0))   # all but 5

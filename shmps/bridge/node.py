@@ -70,6 +70,9 @@ DOORBELL_RETRY = 1.0             #: s between tries to bind a flush doorbell ano
 #: SHMPS_BRIDGE_LOCK_WAIT overrides it (tests)
 BRIDGE_LOCK_WAIT = float(os.environ.get("SHMPS_BRIDGE_LOCK_WAIT", "20"))
 RETRY = 0.05                     #: resend delay after a refusal (s)
+GAP_LOSS_REFUSALS = 3            #: an owner answers GAP to the same oldest batch this often...
+GAP_LOSS_AFTER = 0.5             #: ...over this long (s) before it counts the batches before
+                                 #: it acknowledged elsewhere and lost (_missing_acknowledged)
 BUSY_RETRY = 0.02                #: resend delay after a BUSY (s), doubled for each BUSY in a row...
 BUSY_RETRY_MAX = 0.08            #: ...up to this: each resend is the stream's whole window again
 SWEEP_EVERY = 1.0                #: how often the sweep drains SWEEP_SHARDS shards, busy or not (s)
@@ -241,6 +244,8 @@ class ShardState:
     key: str
     dedup: Dedup = field(default_factory=Dedup)
     first_seen: dict = field(default_factory=dict)       # unknown stream -> first seq seen
+    gapped: dict = field(default_factory=dict)           # stream -> [lowest seq answered GAP
+                                                         # above the filter, times, since]
     # owner side
     refused: dict = field(default_factory=dict)          # (stream, seq) -> (sender, incarnation)
                                                          # of the owner that refused it for
@@ -532,6 +537,10 @@ class Metrics:
                                registry=r)
         self.applied_bytes = Counter("shmps_bridge_gradient_bytes_applied",
                                      "gradient bytes applied as owner", registry=r)
+        self.acked_missing = Counter(
+            "shmps_bridge_acknowledged_batches_missing", "batches an earlier owner "
+            "acknowledged that this owner's copy lacks: lost (Bridge._missing_acknowledged)",
+            registry=r)
         self.duplicates = Counter("shmps_bridge_duplicate_batches",
                                   "batches received again and not applied", registry=r)
         self.rejected_c = Counter("shmps_bridge_rejected_frames", "frames refused", ["reason"],
@@ -746,7 +755,8 @@ class Bridge:
 
         import shmps
 
-        self._stop_event = asyncio.Event()
+        if self._stop_event is None:   # (serve() makes it first, for its signal handlers)
+            self._stop_event = asyncio.Event()
         try:
             await self._start(aiohttp, web, shmps)
         except BaseException:
@@ -838,6 +848,8 @@ class Bridge:
                     pass
                 holder = _flock_holder(fd)
                 who = f" (pid {holder})" if holder else ""
+                if self._stop_event is not None and self._stop_event.is_set():
+                    raise StoppedBeforeStart("SIGTERM while waiting for the bridge lock")
                 if time.monotonic() >= deadline:
                     raise InvalidArgument(
                         f"another shmps-bridge process{who} is running for store "
@@ -1280,6 +1292,7 @@ class Bridge:
     def _role_change(self, key: tuple, old: Optional[list], new: list) -> None:
         st = self.shards[key]
         st.first_seen.clear()   # (on_batch) a probe of an earlier role could stall a stream
+        st.gapped.clear()
         prev_since = st.owner_since
         if (old[0] if old else None) != (new[0] if new else None):
             st.owner_since = self.members.epoch   # (on_rows) a new owner's tenure
@@ -1733,6 +1746,7 @@ class Bridge:
             self._on_changes(self.members.mark_joining(peer))
         if (hb.hb_flags & frames.HB_HANDED_OVER) and self.members.state(peer) is State.LEAVING:
             self._on_changes(self.members.remove(peer))
+            return   # (no longer a member: a rejoined host's heartbeat also says READY)
         if ((hb.hb_flags & frames.HB_READY) and self.members.state(peer) is State.JOINING
                 and hb.epoch == self.members.epoch and hb.digest == self.ring.digest):
             # (not one of an older epoch, or of this epoch's number on another ring: a
@@ -2572,11 +2586,13 @@ class Bridge:
                                                          min(f.seq, st.dedup.floor(stream))
                                                          or f.seq))
             return
-        if v is Verdict.TOO_FAR or f.seq != st.dedup.expected(stream):
+        if (v is Verdict.TOO_FAR or f.seq != st.dedup.expected(stream)) \
+                and not self._missing_acknowledged(st, stream, f, peer):
             if self.debug:
                 log.warning("GAP %s from %s seq %d expected %d (epoch %d)", st.key, peer, f.seq,
                             st.dedup.expected(stream), self.members.epoch)
             return self._refuse(f, reply, Status.GAP, "gap")
+        st.gapped.pop(stream, None)
         try:
             frames.check_schema(f, dtype=info.gdtype, cols=info.cols, nrows=info.nrows)
             self._check_in_shard(info, f)
@@ -2640,6 +2656,44 @@ class Bridge:
             rd = info.t._read_rows(f.shard, index)
             rseq = self._send_csr_rows(key, info, f.shard, rd, mark)
         self._wait_backups(key, st, reply, self._ack(f, Status.OK), rseq)
+
+    def _missing_acknowledged(self, st: ShardState, stream: tuple, f: frames.Data,
+                              peer: str) -> bool:
+        """True if the batches of ``stream`` before ``f`` that this owner's copy lacks
+        were acknowledged by an earlier owner, so that the sender will never send them
+        again: the stream then goes on from ``f`` (its filter moved past them), the loss
+        logged and counted.  A sender answered GAP resends from its oldest unacknowledged
+        batch; one whose resends start, again and again, above what this copy expects has
+        nothing older left.  That happens only when an owner acknowledged batches whose
+        effect did not reach the copy that now owns the shard: with --replicas 1, when
+        its previous owner left, was stopped or was cut off without handing it over
+        (bridge.md, "Replicas 1").  Without this the stream was refused for good: every
+        store.flush() of its host timed out, on a cluster up and converged.  To rule out
+        a frame merely overtaken by a resend, the same lowest seq must be refused
+        GAP_LOSS_REFUSALS times over GAP_LOSS_AFTER s."""
+        exp = st.dedup.expected(stream)
+        if f.seq <= exp:
+            return False
+        now = time.monotonic()
+        g = st.gapped.get(stream)
+        if g is None or f.seq < g[0]:
+            st.gapped[stream] = [f.seq, 1, now]
+            return False
+        if f.seq > g[0]:
+            return False           # a later frame of the same flight
+        g[1] += 1
+        if g[1] < GAP_LOSS_REFUSALS or now - g[2] < GAP_LOSS_AFTER:
+            return False
+        del st.gapped[stream]
+        missing = f.seq - exp
+        log.error("shard %s: batches %d..%d of %s (sender %08x) were acknowledged by an "
+                  "earlier owner of the shard but are not in this host's copy: their pushes "
+                  "are lost (with --replicas 1 an owner that leaves, stops or is cut off "
+                  "takes what it alone applied); the stream goes on from batch %d", st.key,
+                  exp, f.seq - 1, peer, f.sender, f.seq)
+        self.metrics.acked_missing.inc(missing)
+        st.dedup.advance(stream, f.seq - 1)
+        return True
 
     @staticmethod
     def _record_as_owner(st: ShardState, f: frames.Data) -> None:
@@ -3019,6 +3073,7 @@ class Bridge:
             # (say, while it applied batches cut off from the majority) are not the shard's
             st.dedup = Dedup()
             st.first_seen.clear()
+            st.gapped.clear()
             # what was refused under the filter it replaces goes too; what the snapshot's
             # sender refused (its REFUSED ROWS, taken before) is in its filter: it stays
             by = (f.sender, f.incarnation)
@@ -3940,10 +3995,19 @@ class Bridge:
 
 # --------------------------------------------------------------------------- running
 
+class StoppedBeforeStart(Exception):
+    """A SIGTERM/SIGINT came while the bridge waited to start (for its store's bridge
+    lock): it ends without having touched the store (serve returns)."""
+
+
 async def serve(cfg: Config, ready: Optional[Callable[[Bridge], None]] = None) -> None:
-    """Run a bridge until SIGTERM/SIGINT (then leave: hand over and exit)."""
+    """Run a bridge until SIGTERM/SIGINT (then leave: hand over and exit).  The signal
+    handlers come first: a SIGTERM while the bridge starts (taking the store's lock,
+    switching forwarding on, recovering outboxes) makes it leave once started, or end
+    at once while it still waits for the lock; before, it killed the process mid-start
+    (no leave: what it had drained was recorded lost by the next bridge)."""
     node = Bridge(cfg)
-    await node.start()
+    node._stop_event = asyncio.Event()
     loop = asyncio.get_running_loop()
     if os.name == "posix" and threading.current_thread() is threading.main_thread():
         # asyncio installs signal handlers only there; elsewhere (a bridge run in a
@@ -3952,6 +4016,11 @@ async def serve(cfg: Config, ready: Optional[Callable[[Bridge], None]] = None) -
             loop.add_signal_handler(sig, node._on_signal)
     else:
         log.debug("no SIGTERM/SIGINT handler here: stop with request_stop()")
+    try:
+        await node.start()
+    except StoppedBeforeStart as e:
+        log.info("bridge %s stopped before it started (%s): nothing touched", node.addr, e)
+        return
     if ready is not None:
         ready(node)
     try:
