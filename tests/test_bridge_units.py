@@ -4808,3 +4808,18 @@ def test_a_stream_resent_from_past_the_copy_is_counted_lost_not_refused_for_ever
         assert send(7) is Status.OK
         np.testing.assert_array_equal(node.store[info.name].pull(),
                                       np.full((8, 4), 1101111.0))   # all but 5
+
+
+def test_a_handed_over_heartbeat_that_also_says_ready_removes_the_host_quietly(tmp_path):
+    """A host that re-joined once sends READY in every heartbeat; when it then leaves, the
+    heartbeat saying HANDED_OVER (and READY) removes it from the members and is done:
+    the READY clause asked for the state of the host just removed, and every peer
+    logged an ERROR traceback ('not a member'; chaos review, 2026-11-27)."""
+    node, a, b, c = _host_c_of_three(tmp_path)
+    node._on_changes(node.members.set_members([c, b]))   # a is removed from hosts.txt
+    leaving = {a: State.LEAVING, b: State.ALIVE, c: State.ALIVE}
+    node.on_heartbeat(a, _heartbeat(a, 0, leaving, frames.HB_QUORUM | frames.HB_READY, seq=2))
+    assert node.members.state(a) is State.LEAVING
+    node.on_heartbeat(a, _heartbeat(a, 0, leaving, frames.HB_QUORUM | frames.HB_READY
+                                    | frames.HB_HANDED_OVER, seq=3))
+    assert a not in node.members.states()
