@@ -1815,7 +1815,8 @@ def test_a_bridge_that_cannot_listen_touches_no_outbox(make_cluster):
              for _ in range(3)]
     for r in again:
         assert r.returncode == 2, r.stderr.decode()
-        assert b"another shmps-bridge process is running" in r.stderr, r.stderr
+        assert (f"another shmps-bridge process (pid {c.procs[1].pid}) is running".encode()
+                in r.stderr), r.stderr
         assert b"Traceback" not in r.stderr and b"Unclosed" not in r.stderr, r.stderr
     out, err = procs[0].communicate(timeout=120)
     assert procs[0].returncode == 0, err.decode() + c.describe()   # no PushesLost
