@@ -1990,3 +1990,42 @@ def test_sigterm_while_a_bridge_starts_ends_it_cleanly(make_cluster):
     finally:
         os.close(fd)
         st.close()
+
+
+def test_with_replicas_1_a_leaving_owner_hands_over_what_it_acknowledged(make_cluster):
+    """--replicas 1: an owner has no backup, so the host that owns a shard after it
+    leaves must take its last changes first (bridge-protocol.md section 7): a leaving
+    bridge waits for it like a backup and hands over only once it acknowledged the last
+    ROWS.  Before, it announced 'handed over' at once and the next owner served a copy
+    without the last batches acknowledged here: pushes lost without PushesLost, and the
+    sender's stream refused GAP for good (the chaos review: 2 of 4 SIGTERMs, 2 of 9
+    removals).  Here host 0 leaves twice while workers on hosts 1 and 2 push (SIGTERM,
+    then removed from hosts.txt), comes back each time; totals are exact and no owner
+    finds acknowledged batches missing."""
+    c = make_cluster(3, replicas=1)
+    c.start_all()
+    create_everywhere(c, [0, 1, 2])
+    assert c.health(0)["owned"], c.describe()
+    rounds = 400
+    spec = dict(push_spec(rounds, sleep=0.005), flush_every=10)
+    procs = [c.worker(1, spec), c.worker(2, spec)]
+    time.sleep(1.0)
+    c.signal(0, signal.SIGTERM)
+    assert c.wait_exit(0, 30) == 0, c.describe()
+    c.start(0)
+    c.wait_converged(30)
+    time.sleep(0.5)
+    c.members.remove(c.addrs[0])
+    c.write_hosts()
+    assert c.wait_exit(0, 30) == 0, c.describe()
+    c.members.insert(0, c.addrs[0])
+    c.write_hosts()
+    c.start(0)
+    for p in procs:
+        out, err = p.communicate(timeout=150)
+        assert p.returncode == 0, err.decode() + c.describe()
+    c.wait_converged(30)
+    wait_totals(c, [0, 1, 2], 2 * rounds, timeout=30)
+    logs = "".join(c.logs[i].read_text(errors="replace") for i in range(3))
+    assert "acknowledged by an earlier owner" not in logs, c.describe()
+    assert "waiting for the next owners of" in c.logs[0].read_text(errors="replace")

@@ -246,6 +246,8 @@ class ShardState:
     first_seen: dict = field(default_factory=dict)       # unknown stream -> first seq seen
     gapped: dict = field(default_factory=dict)           # stream -> [lowest seq answered GAP
                                                          # above the filter, times, since]
+    leave_to: Optional[str] = None                       # leaving: the shard's next owner,
+                                                         # no backup now, waited for (leave)
     # owner side
     refused: dict = field(default_factory=dict)          # (stream, seq) -> (sender, incarnation)
                                                          # of the owner that refused it for
@@ -917,6 +919,15 @@ class Bridge:
         await wait_while(unacked, deadline - 2.0)
         if unacked():
             log.warning("leaving with pushes not yet acknowledged by their owners")
+        # the shards this host owns with no backup (--replicas 1): their next owner must
+        # hold every batch acknowledged here before the others drop this host and it
+        # takes over, or its copy lacks them (section 7 of bridge-protocol.md)
+        nexts = self._leave_targets()
+        await wait_while(lambda: not self._left_copies(nexts), deadline - 1.5)
+        if not self._left_copies(nexts):
+            log.warning("leaving before the next owners of %d shards took this host's last "
+                        "changes: acknowledged pushes to them may be lost",
+                        sum(1 for k in nexts if not self._left_copies({k: nexts[k]})))
         # then no more drains: pushes made from now on stay in the outboxes, counted, for
         # the next bridge on this store, and what was drained is acknowledged before this
         # process ends (it kept draining the workers' newer pushes, and ended with some
@@ -940,6 +951,43 @@ class Bridge:
                          deadline)
         if not self._hurry:
             await asyncio.sleep(0.1)
+
+    def _leave_targets(self) -> dict:
+        """Leaving: for each shard this host owns whose owner on the ring without it is
+        not one of its backups now (no backup: --replicas 1), that next owner, recorded
+        in ``ShardState.leave_to``: an owner waits for it like a backup from now on
+        (_required), so every batch acknowledged here is in its copy.  (With backups the
+        next owner is the first of them, which holds every acknowledged batch already.)"""
+        rest = [m for m, s in self.members.states().items()
+                if s in ON_RING and m != self.addr]
+        if not rest:
+            return {}
+        future = Ring(rest)
+        out = {}
+        for key, st in self.shards.items():
+            if self.owner(st.key) != self.addr:
+                continue
+            nxt = future.owner(st.key)
+            if nxt in self._required(st):
+                continue
+            st.leave_to = nxt
+            out[key] = nxt
+        if out:
+            log.info("leaving: waiting for the next owners of %d shards with no backup to "
+                     "take this host's last changes", len(out))
+        self._unsettle()      # (the maintenance pass copies a next owner without a copy)
+        return out
+
+    def _left_copies(self, nexts: dict) -> bool:
+        """Every next owner in ``nexts`` (_leave_targets) holds a copy of its shard and
+        acknowledged the last ROWS this host sent of it."""
+        for key, nxt in nexts.items():
+            st = self.shards.get(key)
+            if st is None or self.owner(st.key) != self.addr:
+                continue      # (no longer this host's to hand over)
+            if nxt not in st.synced or st.acked.get(nxt, 0) < st.rows_rseq:
+                return False
+        return True
 
     async def close(self) -> None:
         # stop accepting first: a peer whose stream is closed below connects again at
@@ -2860,6 +2908,8 @@ class Bridge:
         the joiner, made owner on the next ring, served its copy without them."""
         reach = self.members.reachable()
         req = [b for b in self.owners(st.key)[1:] if b in reach and b != self.addr]
+        if st.leave_to is not None and st.leave_to in reach and st.leave_to not in req:
+            req.append(st.leave_to)     # (leave: the next owner, which is no backup)
         if self.cfg.replicas > 1 and (st.joiners_copied or not req):
             alone = not req
             req += sorted(m for m, s in self.members.states().items()
