@@ -1054,6 +1054,12 @@ def failover(ctx: RunContext, sec: Section, workdir: Path, plan: Plan) -> None:
         wait_tensor(c, [0, 1, 2], FO_NAME)
         ps = Pushers(stack, c, 0, 1, "dense", FO_NAME, sleep=FO_SLEEP)
         time.sleep(1.0)
+        # the first kill comes mid-stream too: the worker may take longer than that to
+        # start on a loaded machine, and a kill before its first push measures its start
+        deadline = time.monotonic() + FO_TIMEOUT
+        while ps.pushes() < 10 and time.monotonic() < deadline:
+            ps.check()
+            time.sleep(0.05)
         load = LoadMeter(lambda: [c.procs[i].pid for i in c.running()] + ps.pids)
         for n in range(1, total + 1):
             ps.check()
