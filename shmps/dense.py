@@ -141,7 +141,8 @@ class DenseTensor(Tensor):
         r = rows_for_c(rows, self.nrows) if c_checks_rows else check_rows(rows, self.nrows)
         if g.shape != (r.size,) + self.row_shape:
             raise SchemaError(f"gradient shape {g.shape} != {(r.size,) + self.row_shape} "
-                              f"(len(rows),) + row shape of {self.name!r}")
+                              f"(len(rows),) + row shape of {self.name!r}",
+                              "give one gradient row per entry of rows=")
         return g, r
 
     def _forward(self, g: np.ndarray, r: Optional[np.ndarray]) -> None:
