@@ -152,6 +152,8 @@ def test_missing_optional_package_exits_0(tmp_path):
     fake = tmp_path / "torch"
     fake.mkdir()
     (fake / "__init__.py").write_text("raise ImportError('no torch here')\n")
-    path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    # (no empty entry: PYTHONPATH's "" is the working directory, the repository root
+    # here, whose shmps/ holds no compiled module in a plain install)
+    path = os.pathsep.join(p for p in [str(tmp_path), os.environ.get("PYTHONPATH", "")] if p)
     out = run_example("torch_mlp.py", env_extra={"PYTHONPATH": path})
     assert "this example needs torch: pip install torch" in out
