@@ -61,6 +61,11 @@ def ns() -> Iterator[str]:
     """A namespace of this test's own; every segment in it is removed afterwards."""
     space = f"n{uuid.uuid4().hex[:10]}"
     yield space
+    remove_namespace(space)
+
+
+def remove_namespace(space: str) -> None:
+    """Unlink every segment of namespace ``space``."""
     for n in os.listdir(SHM):
         if n.startswith(f"shmps.{space}."):
             try:
@@ -187,12 +192,7 @@ def test_ls_and_gc_follow_shmps_namespace(ns, procs):
         one_line_error(tool("gc", "--dry-run", env={"SHMPS_NAMESPACE": "bad/ns"}),
                        "invalid namespace")
     finally:
-        for n in os.listdir(SHM):
-            if n.startswith(f"shmps.{other}."):
-                try:
-                    os.unlink(os.path.join(SHM, n))
-                except FileNotFoundError:
-                    pass
+        remove_namespace(other)
 
 
 # ---- stats -----------------------------------------------------------------------------------
