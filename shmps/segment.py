@@ -64,14 +64,12 @@ class Segment:
 
     def reserve(self, start: int, length: int) -> None:
         """Back the pages of ``[start, start + length)`` now (see :meth:`_reserve`):
-        CapacityError if /dev/shm has no room for them."""
-        fd = self.fd()
-        try:
-            self._reserve(fd, start, length)
-        finally:
-            os.close(fd)
+        CapacityError if /dev/shm has no room for them.  (The segment may be unlinked
+        already, a destroyed store's: its mapping is still backed by madvise.)"""
+        self._reserve(None, start, length)
 
-    def _reserve(self, fd: int, start: int = 0, length: Optional[int] = None) -> None:
+    def _reserve(self, fd: Optional[int], start: int = 0, length: Optional[int] = None
+                 ) -> None:
         """Back every page of the segment now, so that no later write can find /dev/shm
         full: tmpfs sizes a segment without reserving its pages, and a write to a page
         it then has no room for kills the writer with SIGBUS (a tensor larger than the
@@ -90,11 +88,21 @@ class Segment:
             except OSError as exc:
                 if exc.errno != errno.EINVAL:     # EINVAL: a kernel without the advice
                     raise
-                os.posix_fallocate(fd, lo, hi - lo)
+                if fd is not None:
+                    os.posix_fallocate(fd, lo, hi - lo)
+                else:
+                    try:
+                        own = self.fd()
+                    except posix_ipc.ExistentialError:
+                        return                     # unlinked: nothing to allocate by name
+                    try:
+                        os.posix_fallocate(own, lo, hi - lo)
+                    finally:
+                        os.close(own)
         except OSError as exc:
             if exc.errno not in (errno.EFAULT, errno.ENOMEM, errno.ENOSPC):
                 raise
-            if whole:
+            if whole and fd is not None:
                 os.ftruncate(fd, 0)    # give back the pages it got, then say what is free
             raise CapacityError(f"/dev/shm has no room for segment {self.name} "
                                 f"({hi - lo:,} bytes; {shm_free():,} bytes free)",
