@@ -35,10 +35,11 @@ class Segment:
         self.ptr: Any = _native.pointer(mm)
 
     @classmethod
-    def create(cls, name: str, size: int, *, huge: bool = False) -> "Segment":
+    def create(cls, name: str, size: int, *, huge: bool = False,
+               reserve: bool = True) -> "Segment":
         """Create a new segment (exclusive, mode 0600) of ``size`` zero bytes, every page
-        of it backed now (:meth:`_reserve`); ``huge``: ask for transparent huge pages
-        first (:meth:`ask_huge_pages`).
+        of it backed now (:meth:`_reserve`; not with ``reserve=False``); ``huge``: ask for
+        transparent huge pages first (:meth:`ask_huge_pages`).
 
         Raises FileExistsError if the name is taken, CapacityError (and creates
         nothing) if /dev/shm has no room for it."""
@@ -51,7 +52,8 @@ class Segment:
             try:
                 if huge:
                     seg.ask_huge_pages()
-                seg._reserve(shm.fd)
+                if reserve:
+                    seg._reserve(shm.fd)
             except BaseException:
                 seg.close()
                 raise

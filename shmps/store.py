@@ -128,6 +128,12 @@ class Store:
     """An attached store.  Get tensors with ``dense()``, ``table()``, ``csr()`` or
     ``store[name]``; ``close()`` detaches this process, ``destroy()`` removes the store."""
 
+    #: back every page of a tensor this handle creates at once (Segment.create): a
+    #: tensor /dev/shm has no room for is a CapacityError, not a SIGBUS at a later write.
+    #: shmps-bridge turns it off for its handle (Bridge.start): backing a 256 MiB copy of
+    #: a peer's tensor held its event loop, where heartbeats run, for 250-300 ms
+    reserve_memory: bool = True
+
     def __init__(self, name: str, namespace: Optional[str], manifest: Segment) -> None:
         self.name = name
         self.namespace = namespace
@@ -462,7 +468,8 @@ class Store:
                 lay = _native.layout(spec)
                 name = names.shard_name(self.name, self.namespace, tid, s)
                 unlink(name)  # debris of a creator that died before registering
-                seg = Segment.create(name, lay["total_size"], huge=True)
+                seg = Segment.create(name, lay["total_size"], huge=True,
+                                     reserve=self.reserve_memory)
                 made.append(seg)
                 _native.shard_init(seg.ptr, seg.size, spec)
                 fill(s, seg, lay)

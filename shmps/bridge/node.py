@@ -789,6 +789,12 @@ class Bridge:
         # bridge of a store recorded the live one's batches in flight as lost, and a
         # failed start left the store forwarding with no bridge, every later push held.)
         self.store = shmps.attach(self.cfg.store, namespace=self.cfg.namespace)
+        # the copies of peers' tensors and the outboxes this bridge creates are not backed
+        # page by page at creation (Store.reserve_memory): that is a pass over all their
+        # memory on the event loop (a 192 MiB Adam shard and its outbox: 250-300 ms late
+        # heartbeats, a bridge counts itself stalled from half of --dead-after); their
+        # pages come as rows are written, as before 2026-11-27
+        self.store.reserve_memory = False
         await self._lock_store()
         host, port = parse_address(self.addr)
         self._site = web.TCPSite(self.runner, host, port, reuse_address=True)
