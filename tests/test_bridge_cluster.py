@@ -1700,7 +1700,7 @@ def test_a_host_cut_off_mid_training_holds_its_outboxes_and_rejoins(make_cluster
 @pytest.mark.skipif(not os.environ.get("SHMPS_TEST_FLAPPING"),
                     reason="opt-in: it failed about 1 run in 30 until the epoch rules of "
                            "2026-11-26 evening, then once in 199 runs (an over-count, trace "
-                           "K3-5, fixed since), then in none of 562 runs; bridge-protocol.md "
+                           "K3-5, fixed since), then in none of 577 runs; bridge-protocol.md "
                            "section 9 keeps the record; set SHMPS_TEST_FLAPPING=1 to run it")
 def test_a_flapping_network_loses_no_push(make_cluster):
     """Three namespace hosts train while the network flaps: a host is cut off for less
