@@ -166,12 +166,6 @@ int shmps_catalog_read(const void *base, char *out, uint64_t cap, uint64_t *len,
     return SHMPS_OK;
 }
 
-uint64_t shmps_catalog_len(const void *base) {
-    /* acquire: pairs with shmps_catalog_append's release (a hint for the caller, which
-     * appends under the lock: only it moves the length then) */
-    return LOAD(&((const shmps_manifest_t *)base)->catalog_len, ACQUIRE);
-}
-
 uint64_t shmps_catalog_generation(const void *base) {
     return LOAD(&((const shmps_manifest_t *)base)->generation, ACQUIRE);
 }

@@ -155,7 +155,6 @@ int shmps_catalog_append(void *base, const char *rec, uint32_t len);
 int shmps_catalog_read(const void *base, char *out, uint64_t cap, uint64_t *len,
                        uint64_t *generation);
 uint64_t shmps_catalog_generation(const void *base);
-uint64_t shmps_catalog_len(const void *base);
 int shmps_proc_register(void *base, uint64_t token, uint32_t *slot);
 int shmps_proc_unregister(void *base, uint64_t token, uint32_t slot);
 int shmps_proc_list(void *base, uint64_t *tokens, uint32_t cap, uint32_t *n);

@@ -487,8 +487,10 @@ class Store:
 
     def _append(self, rec: dict) -> dict:
         data = json.dumps(rec, separators=(",", ":")).encode()
-        # the catalog's pages are backed as records reach them (see Segment.create)
-        end = int(lib.shmps_catalog_len(self._mptr))
+        # the catalog's pages are backed as records reach them (see Segment.create); under
+        # the manifest lock only this process appends, so its last read length is current
+        self._refresh()
+        end = self._catalog_len
         if end + 4 + len(data) <= lib.SHMPS_CATALOG_BYTES:
             self._manifest.reserve(lib.SHMPS_CATALOG_OFF + end, 4 + len(data))  # type: ignore
         _native.check(lib.shmps_catalog_append(self._mptr, data, len(data)),
@@ -815,13 +817,8 @@ class Store:
     def destroy(self) -> None:
         """Remove every segment of the store (global).  Processes still attached
         keep their mappings until they close; a later attach makes a new store."""
-        prefix = names.store_prefix(self.name, self.namespace)
         self.close()
-        for seg in list_names(prefix[1:]):
-            # the prefix ends with '.', so store "a" never matches store "a.b"'s
-            # segments unless the suffix parses as one of ours
-            if _is_own_segment(seg, prefix):
-                unlink(seg)
+        _unlink_store(self.name, self.namespace)
 
     def __reduce__(self) -> tuple:
         """Pickled (an argument of a spawned process, say), a store is its name: the
@@ -900,15 +897,21 @@ def remove_idle(name: str, namespace: Optional[str]) -> Optional[list[str]]:
         if code == lib.SHMPS_E_BUSY:
             return None
         _native.check(code, f"store {name!r} manifest {mname}")
-        prefix = names.store_prefix(name, namespace)
-        shards = [n for n in list_names(prefix[1:]) if _is_own_segment(n, prefix)
-                  and n != mname]
-        removed = [n for n in shards if unlink(n)]
-        if unlink(mname):
-            removed.append(mname)
-        return removed
+        return _unlink_store(name, namespace)
     finally:
         seg.close()
+
+
+def _unlink_store(name: str, namespace: Optional[str]) -> list[str]:
+    """Unlink every segment of a store, the shards first and the manifest last (an attach
+    meanwhile finds the old store or none, and a new store made under the name never
+    loses a shard to this removal); returns the names unlinked.  The prefix ends with
+    '.', so store "a" never matches store "a.b"'s segments unless the suffix parses as
+    one of ours (_is_own_segment)."""
+    prefix = names.store_prefix(name, namespace)
+    mname = names.manifest_name(name, namespace)
+    shards = [n for n in list_names(prefix[1:]) if _is_own_segment(n, prefix) and n != mname]
+    return [n for n in shards + [mname] if unlink(n)]
 
 
 def _is_own_segment(seg: str, prefix: str) -> bool:
