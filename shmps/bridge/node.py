@@ -854,10 +854,11 @@ class Bridge:
                     break
                 except BlockingIOError:
                     pass
-                holder = _flock_holder(fd)
-                who = f" (pid {holder})" if holder else ""
                 if self._stop_event is not None and self._stop_event.is_set():
                     raise StoppedBeforeStart("SIGTERM while waiting for the bridge lock")
+                if time.monotonic() >= deadline or not said:   # (for the messages only)
+                    holder = _flock_holder(fd)
+                    who = f" (pid {holder})" if holder else ""
                 if time.monotonic() >= deadline:
                     raise InvalidArgument(
                         f"another shmps-bridge process{who} is running for store "
@@ -929,11 +930,11 @@ class Bridge:
         # hold every batch acknowledged here before the others drop this host and it
         # takes over, or its copy lacks them (section 7 of bridge-protocol.md)
         nexts = self._leave_targets()
-        await wait_while(lambda: not self._left_copies(nexts), deadline - 1.5)
-        if not self._left_copies(nexts):
+        await wait_while(lambda: bool(self._not_left(nexts)), deadline - 1.5)
+        behind = self._not_left(nexts)
+        if behind:
             log.warning("leaving before the next owners of %d shards took this host's last "
-                        "changes: acknowledged pushes to them may be lost",
-                        sum(1 for k in nexts if not self._left_copies({k: nexts[k]})))
+                        "changes: acknowledged pushes to them may be lost", len(behind))
         # then no more drains: pushes made from now on stay in the outboxes, counted, for
         # the next bridge on this store, and what was drained is acknowledged before this
         # process ends (it kept draining the workers' newer pushes, and ended with some
@@ -984,16 +985,17 @@ class Bridge:
         self._unsettle()      # (the maintenance pass copies a next owner without a copy)
         return out
 
-    def _left_copies(self, nexts: dict) -> bool:
-        """Every next owner in ``nexts`` (_leave_targets) holds a copy of its shard and
-        acknowledged the last ROWS this host sent of it."""
+    def _not_left(self, nexts: dict) -> list:
+        """The shards of ``nexts`` (_leave_targets) still this host's whose next owner
+        holds no copy yet or has not acknowledged the last ROWS this host sent of it."""
+        behind = []
         for key, nxt in nexts.items():
             st = self.shards.get(key)
             if st is None or self.owner(st.key) != self.addr:
                 continue      # (no longer this host's to hand over)
             if nxt not in st.synced or st.acked.get(nxt, 0) < st.rows_rseq:
-                return False
-        return True
+                behind.append(key)
+        return behind
 
     async def close(self) -> None:
         # stop accepting first: a peer whose stream is closed below connects again at
@@ -2646,7 +2648,8 @@ class Bridge:
                 log.warning("GAP %s from %s seq %d expected %d (epoch %d)", st.key, peer, f.seq,
                             st.dedup.expected(stream), self.members.epoch)
             return self._refuse(f, reply, Status.GAP, "gap")
-        st.gapped.pop(stream, None)
+        if st.gapped:                 # (a stream answered GAP: it goes on now)
+            st.gapped.pop(stream, None)
         try:
             frames.check_schema(f, dtype=info.gdtype, cols=info.cols, nrows=info.nrows)
             self._check_in_shard(info, f)
