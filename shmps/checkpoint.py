@@ -26,7 +26,6 @@ import ctypes
 import errno
 import json
 import os
-import re
 import secrets
 import shutil
 import sys
@@ -366,17 +365,16 @@ _TABLE_PROBLEMS = {
     10: "an index entry was left half created",
     11: "the count of deleted index entries disagrees with the index",
 }
-_TABLE_CHECK = re.compile(r"invariant (\d+) broken in shard (\d+) at (\d+)")
 
 
 def _table_check_error(exc: CorruptFile, path: str, entry: dict) -> CorruptFile:
-    """The table check's "invariant N broken in shard S at I" (raised while the restored
-    table is created) in the terms of the checkpoint's files, with the checkpoint hint;
-    any other error as it is."""
-    m = _TABLE_CHECK.search(exc.message)
-    if m is None or entry["record"].get("kind") != "table":
+    """The table check's failure (``table_problem``, set by Store._restore_raw while the
+    restored table is created) in the terms of the checkpoint's files, with the
+    checkpoint hint; any other error as it is."""
+    problem = getattr(exc, "table_problem", None)
+    if problem is None or entry["record"].get("kind") != "table":
         return exc
-    code, shard, at = (int(x) for x in m.groups())
+    code, shard, at = problem
     stem = os.path.join(path, f"{entry['prefix']}.s{shard}")
     what = _TABLE_PROBLEMS.get(code, f"problem {code}")
     return CorruptFile(f"checkpoint {path}: table {entry['record']['name']!r}, shard {shard}: "

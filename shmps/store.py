@@ -621,9 +621,12 @@ class Store:
             bases = ffi.new("void *[]", [seg.ptr for seg in made])
             code = lib.shmps_table_check(bases, len(made), _native.token(), info)
             if code == lib.SHMPS_E_CORRUPT:
-                raise CorruptFile(f"checkpoint of table {rec['name']!r}: invariant "
+                err = CorruptFile(f"checkpoint of table {rec['name']!r}: invariant "
                                   f"{int(info[0])} broken in shard {int(info[1])} "
                                   f"at {int(info[2])}")
+                # (problem code, shard, entry): checkpoint.restore words it for the files
+                err.table_problem = (int(info[0]), int(info[1]), int(info[2]))
+                raise err
             _native.check(code, f"restore of table {rec['name']!r}")
 
         with self._lock:
