@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import json
+import mmap
 import os
 import secrets
 import shutil
@@ -300,7 +301,7 @@ def restore(path: str | os.PathLike, name: str, *, namespace: Optional[str] = No
     """Recreate store ``name`` from the checkpoint at ``path``; returns it attached.
 
     The whole checkpoint is checked first (every file's size and ``.meta`` against
-    checkpoint.json): a corrupt one raises :class:`CorruptFile` (a missing directory
+    checkpoint.json, and each table's saved index): a corrupt one raises :class:`CorruptFile` (a missing directory
     :class:`NotFound`) and creates, replaces or changes nothing.  Refuses
     (InvalidArgument) to overwrite an existing store that has tensors or other live
     processes, unless ``force=True`` (then the old store is destroyed first).  If
@@ -486,6 +487,68 @@ def _raw_regions(lay: dict) -> list[tuple[str, int, int]]:
     return regs
 
 
+def _write_regions(array: Callable[[Any, int, int], np.ndarray], ptr: Any, lay: dict,
+                   d: dict, table_used: int, table_live: int, first: bool) -> None:
+    """Write a table/csr shard's raw regions from its checkpoint files (``d``: region ->
+    uint64 words); for a table also its count of rows in use and, in shard ``first``
+    (0), the count of keys in the whole table.  ``array(dtype, offset, count)`` views
+    the shard's memory at ``ptr``."""
+    for region, off, words in _raw_regions(lay):
+        array(np.uint64, off, words)[...] = d[region]
+    if lay["kind"] == lib.SHMPS_TABLE:
+        _native.check(lib.shmps_set_table_used(ptr, int(table_used)), "restore of a table")
+        if first:
+            ctl = array(np.uint64, lay["index_off"] + 16 * lay["nslots"], _CTL_TABLE_LIVE + 1)
+            ctl[_CTL_TABLE_LIVE] = table_live
+
+
+def _table_check(name: str, bases: list) -> None:
+    """The C table check over a restored table's shards (mapped at ``bases``); a broken
+    invariant raises CorruptFile with ``table_problem`` (problem code, shard, entry)."""
+    info = ffi.new("uint64_t[4]")
+    code = lib.shmps_table_check(ffi.new("void *[]", bases), len(bases), _native.token(), info)
+    if code == lib.SHMPS_E_CORRUPT:
+        err = CorruptFile(f"checkpoint of table {name!r}: invariant {int(info[0])} "
+                          f"broken in shard {int(info[1])} at {int(info[2])}")
+        # (problem code, shard, entry): restore words it for the files (_table_check_error)
+        err.table_problem = (int(info[0]), int(info[1]), int(info[2]))
+        raise err
+    _native.check(code, f"check of table {name!r}")
+
+
+def _check_saved_index(name: str, specs: list, raw: list, shards: list) -> None:
+    """Run the C table check (``shmps_table_check``) on the saved index of table ``name``
+    before anything is created or destroyed, so that ``restore --force`` refuses a bad
+    index while the old store still exists.  The shards are laid out in private
+    anonymous memory and only their index regions are written: the values' and state's
+    pages are never touched, so this costs the index's size, not the table's.  Raises
+    CorruptFile with ``table_problem`` (problem code, shard, entry) set."""
+    live = sum(x["table_used"] for x in shards)
+    images: list[tuple[mmap.mmap, Any]] = []
+    try:
+        for s, spec in enumerate(specs):
+            lay = _native.layout(spec)
+            mm = mmap.mmap(-1, lay["total_size"])
+            ptr = ffi.from_buffer("char[]", mm)
+            images.append((mm, ptr))
+            # Adagrad's initial accumulator (params[3]) would be written over the whole
+            # state region; it does not shape the layout and the check does not read it
+            params = list(spec["params"])
+            if spec["updater"] == lib.SHMPS_ADAGRAD:
+                params[3] = 0.0
+            _native.shard_init(ptr, lay["total_size"], dict(spec, params=params))
+
+            def array(dt: Any, off: int, n: int, mm: mmap.mmap = mm) -> np.ndarray:
+                return np.frombuffer(mm, dtype=dt, count=n, offset=off)
+
+            _write_regions(array, ptr, lay, raw[s], shards[s]["table_used"], live, s == 0)
+        _table_check(name, [ptr for _, ptr in images])
+    finally:
+        for mm, ptr in images:
+            ffi.release(ptr)
+            mm.close()
+
+
 def _sparse_fields(sh: Shard) -> dict:
     d = _dense_fields(sh)
     sp = sh.spec
@@ -642,6 +705,11 @@ def _plan_sparse(path: str, entry: dict) -> _Plan:
             d["_rowcnt"] = rc[r0:r0 + n + 1] - e0
             d["_colidx"] = ci[e0:int(rc[r0 + n])]
         raw.append(d)
+    if kind == "table":
+        try:
+            _check_saved_index(rec["name"], specs, raw, shards)
+        except CorruptFile as exc:
+            raise _table_check_error(exc, path, entry) from None
     values = ms.csr.value
     states = [x.csr.value for x in sets[1:]]
     nbytes = sum(ly["total_size"] for ly in lays)

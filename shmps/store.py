@@ -575,7 +575,7 @@ class Store:
         """Create a table or csr tensor from checkpointed shard regions (checkpoint.py:
         ``_save_sparse``): every segment is filled and checked before the record is
         appended, so no process sees a half-restored tensor."""
-        from .checkpoint import _AUX_STEP_MASK, _CTL_TABLE_LIVE, _raw_regions
+        from .checkpoint import _AUX_STEP_MASK, _table_check, _write_regions
 
         if _is_outbox(rec):
             return  # pushes pending in an outbox are not part of the model (outbox.py)
@@ -598,36 +598,18 @@ class Store:
             if not table:
                 seg.array(np.int64, lay["rowcnt_off"], lay["nrows"] + 1)[...] = d["_rowcnt"]
                 seg.array(np.int64, lay["colidx_off"], n)[...] = d["_colidx"]
-            for region, off, words in _raw_regions(lay):
-                seg.array(np.uint64, off, words)[...] = d[region]
+            _write_regions(seg.array, seg.ptr, lay, d, shards[s]["table_used"], live, s == 0)
             step = shards[s]["step"]
-            if table:
-                _native.check(lib.shmps_set_table_used(seg.ptr, int(shards[s]["table_used"])),
-                              f"restore of {rec['name']!r}")
-                if s == 0:
-                    ctl = seg.array(np.uint64, lay["index_off"] + 16 * lay["nslots"],
-                                    _CTL_TABLE_LIVE + 1)
-                    ctl[_CTL_TABLE_LIVE] = live
-                    step = max(step, last)
+            if table and s == 0:
+                step = max(step, last)
             lib.shmps_set_step(seg.ptr, step)
             if not table:  # as attach will: the structure
                 _native.shard_validate(seg.ptr, seg.size, seg.name)
             bar.update(seg.size)
 
         def check(made: list) -> None:
-            if not table:
-                return
-            info = ffi.new("uint64_t[4]")
-            bases = ffi.new("void *[]", [seg.ptr for seg in made])
-            code = lib.shmps_table_check(bases, len(made), _native.token(), info)
-            if code == lib.SHMPS_E_CORRUPT:
-                err = CorruptFile(f"checkpoint of table {rec['name']!r}: invariant "
-                                  f"{int(info[0])} broken in shard {int(info[1])} "
-                                  f"at {int(info[2])}")
-                # (problem code, shard, entry): checkpoint.restore words it for the files
-                err.table_problem = (int(info[0]), int(info[1]), int(info[2]))
-                raise err
-            _native.check(code, f"restore of table {rec['name']!r}")
+            if table:
+                _table_check(rec["name"], [seg.ptr for seg in made])
 
         with self._lock:
             self._lock_manifest()

@@ -230,7 +230,8 @@ def test_damaged_table_index_is_reported_in_user_terms(store, tmp_path, names, v
     """Region files of the right size but inconsistent contents: the restore's table check
     refuses them with a message naming the table, shard and files and saying what is
     wrong (not "invariant N broken"), with the checkpoint hint (use another checkpoint),
-    not the file-set one; no store is left."""
+    not the file-set one; no store is left, and a store that --force would replace is
+    left as it was (the index is checked before the old store is destroyed)."""
     t = store.table("e", dim=3, capacity=100, shards=3)
     t.push(np.arange(50, dtype=np.uint64), np.ones((50, 3), np.float32))
     path = tmp_path / "ck"
@@ -246,6 +247,14 @@ def test_damaged_table_index_is_reported_in_user_terms(store, tmp_path, names, v
     assert f"table 'e', shard {shard}" in msg and str(path / f"t0.s{shard}") in msg, msg
     assert info.value.hint == files._CKPT_HINT and "use another checkpoint" in msg
     assert not [n for n in os.listdir(SHM) if n.startswith(f"shmps.{name}.")]
+    before = t.pull(np.arange(50, dtype=np.uint64))
+    with pytest.raises(CorruptFile, match=what):
+        shmps.restore(path, store.name, force=True)
+    again = shmps.attach(store.name)  # a new handle: the old one keeps unlinked mappings
+    try:
+        assert again["e"].pull(np.arange(50, dtype=np.uint64)).tolist() == before.tolist()
+    finally:
+        again.close()
 
 
 @pytest.fixture
