@@ -93,14 +93,7 @@ class Segment:
                 if fd is not None:
                     os.posix_fallocate(fd, lo, hi - lo)
                 else:
-                    try:
-                        own = self.fd()
-                    except posix_ipc.ExistentialError:
-                        return                     # unlinked: nothing to allocate by name
-                    try:
-                        os.posix_fallocate(own, lo, hi - lo)
-                    finally:
-                        os.close(own)
+                    _fallocate(self.name, lo, hi - lo)   # (unlinked: nothing to allocate)
         except OSError as exc:
             if exc.errno not in (errno.EFAULT, errno.ENOMEM, errno.ENOSPC):
                 raise
@@ -226,6 +219,35 @@ def shm_free() -> int:
     except OSError:
         return -1
     return st.f_bavail * st.f_frsize
+
+
+def _fallocate(name: str, start: int, length: int) -> bool:
+    """posix_fallocate the range of segment ``name`` through a new descriptor; False if
+    the segment no longer exists.  OSError (ENOSPC) if /dev/shm has no room."""
+    try:
+        fd = posix_ipc.SharedMemory(name).fd
+    except posix_ipc.ExistentialError:
+        return False
+    try:
+        os.posix_fallocate(fd, start, length)
+    finally:
+        os.close(fd)
+    return True
+
+
+def allocate(name: str, size: int) -> bool:
+    """Back every page of segment ``name`` (``size`` bytes) now, as a creation with
+    reservation does (Segment._reserve), for one created without (``reserve=False``:
+    shmps-bridge's).  Through the file (posix_fallocate), which runs without the GIL: a
+    thread can do it while the event loop goes on.  False if the segment is gone;
+    CapacityError if /dev/shm has no room for it."""
+    try:
+        return _fallocate(name, 0, size)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.ENOMEM):
+            raise
+        raise CapacityError(f"/dev/shm has no room for segment {name} ({size:,} bytes; "
+                            f"{shm_free():,} bytes free)", NO_ROOM_HINT) from None
 
 
 def check_room(what: str, nbytes: int) -> None:

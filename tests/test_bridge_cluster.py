@@ -183,6 +183,38 @@ def test_initial_values_come_from_the_creating_host(make_cluster):
     c.wait(lambda: copies(3), 10, "every host to hold the initial values + 3")
 
 
+def test_the_segments_a_bridge_creates_are_backed_in_the_background(make_cluster):
+    """The copy of a peer's tensor and the outboxes a bridge creates are made without
+    backing their pages (that would hold the event loop, ~1 ms a MiB), and then backed
+    by a thread (posix_fallocate): every page of them is allocated in /dev/shm soon
+    after, though no row of the outboxes was written, so no later write can find
+    /dev/shm full and die of SIGBUS.  (Before, their pages came only as rows were
+    written: an idle outbox of 8 MiB had none.)"""
+    c = make_cluster(2, replicas=2)
+    c.start_all()
+    s0 = c.attach(0)
+    try:
+        s0.dense("big", (2048, 1024), "float32", shard_rows=512)   # 8 MiB in 4 shards
+    finally:
+        s0.close()
+    wait_forwarding(c, {"big"}, [0, 1])
+
+    def unbacked(i: int) -> list:
+        prefix = f"shmps.{c.namespaces[i]}.{c.store}."
+        out = []
+        for n in os.listdir("/dev/shm"):
+            if n.startswith(prefix) and not n.endswith(".manifest"):
+                st = os.stat(os.path.join("/dev/shm", n))
+                if st.st_blocks * 512 < st.st_size:
+                    out.append((n, st.st_blocks * 512, st.st_size))
+        return out
+
+    segs = [n for n in os.listdir("/dev/shm") if n.startswith(f"shmps.{c.namespaces[1]}.")]
+    assert len(segs) == 1 + 4 + 4, segs   # the manifest, the copy's and the outbox's shards
+    c.wait(lambda: not unbacked(0) and not unbacked(1), 10,
+           "every segment the bridges created to be backed")
+
+
 def test_initial_values_wait_for_an_origin_that_reads_them_one_at_a_time(make_cluster):
     """The creating host reads the initial values of every shard its peers own in its
     snapshot thread, one at a time: here each read takes 0.6 s longer (failpoint

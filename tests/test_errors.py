@@ -361,6 +361,15 @@ for what, make in [("dense", lambda: s.dense("w", shape=(1 << 25,))),
     except shmps.CapacityError as e:
         out[what] = str(e)
     out[what + "_left"] = sorted(os.listdir("/dev/shm"))
+from shmps import segment
+seg = segment.Segment.create("/shmps.full.sparse", 96 << 20, reserve=False)
+try:
+    segment.allocate(seg.name, seg.size)
+    out["allocate"] = "backed"
+except shmps.CapacityError as e:
+    out["allocate"] = str(e)
+seg.close()
+segment.unlink(seg.name)
 small = s.dense("small", shape=(1024,))
 small.push(np.ones(1024, np.float32))
 out["small"] = float(small.pull().sum())
@@ -389,6 +398,8 @@ def test_a_tensor_larger_than_dev_shm_is_refused_not_a_crash():
     for what in ("dense", "dense_init", "table", "adam"):
         assert "no room" in out[what] or "needs at least" in out[what], out
         assert out[what + "_left"] == ["shmps.full.manifest"], out
+    # a segment made without backing (shmps-bridge's) and backed later: the same refusal
+    assert "no room for segment /shmps.full.sparse" in out["allocate"], out
     assert out["small"] == 1024.0
     assert out["end"] == []
 

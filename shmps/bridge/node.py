@@ -26,6 +26,7 @@ docs/bridge-protocol.md describes the protocol; this module is its implementatio
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -44,7 +45,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional
 import numpy as np
 
 from ..errors import CapacityError, Error, InvalidArgument
-from .. import _native, doorbell, names
+from .. import _native, doorbell, names, segment
 from .._native import lib
 from ..outbox import BusyScan, DrainBuffers, RowData, take_lost
 from ..outbox import counters as outbox_counters, unacknowledged
@@ -84,6 +85,7 @@ DRAIN_RETRY_S = 1.0              #: a shard whose drain failed is tried again af
 RESEND_AFTER = 2.0                #: resend a stream's unacknowledged frames after this silence
 HANDOVER_TIMEOUT = 3.0           #: a new owner waits this long for the old owner's snapshot
 CATALOG_INTERVAL = 0.5           #: how often tensor catalogs are compared with peers (s)
+BACKING_RETRY = 10.0             #: a tensor whose pages found /dev/shm full is tried again after (s)
 MAX_MSG = frames.MAX_FRAME_BYTES + 4096
 MAX_BAD_FRAMES = 3               #: malformed frames in a row before a connection is closed
 REFUSAL_LOG_EVERY = 5.0          #: s between log lines of one refused connection's reason
@@ -734,6 +736,11 @@ class Bridge:
         #: reads and encodes snapshots off the event loop, one at a time, the hand-overs
         #: that new owners wait for first (_send_snapshot_now)
         self._snap_reader = urgent.UrgentWorker("shmps-snapshot")
+        #: backs the pages of the tensors this bridge creates, off the event loop
+        #: (_back_pages); their names, and when each whose backing failed is tried again
+        self._backer = urgent.UrgentWorker("shmps-backing")
+        self._created_here: set[str] = set()
+        self._unbacked: dict[str, float] = {}
         self._gone: set[tuple[int, int]] = set()  # (member id, incarnation) of processes
                                                   # that restarted since: filters forgotten
         self._says_joining: dict[str, int] = {}  # peer -> epoch at which it has us joining
@@ -792,8 +799,9 @@ class Bridge:
         # the copies of peers' tensors and the outboxes this bridge creates are not backed
         # page by page at creation (Store.reserve_memory): that is a pass over all their
         # memory on the event loop (a 192 MiB Adam shard and its outbox: 250-300 ms late
-        # heartbeats, a bridge counts itself stalled from half of --dead-after); their
-        # pages come as rows are written, as before 2026-11-27
+        # heartbeats, a bridge counts itself stalled from half of --dead-after); a thread
+        # backs them right after (_back_pages), and creation refuses a tensor larger than
+        # the free space (segment.check_room)
         self.store.reserve_memory = False
         await self._lock_store()
         host, port = parse_address(self.addr)
@@ -1029,6 +1037,7 @@ class Bridge:
         # a snapshot read under way ends before the store it reads is unmapped (the
         # ones queued behind it are dropped)
         self._snap_reader.shutdown()
+        self._backer.shutdown()
         if self.store is not None:
             self.store.close()
         if self._lock_fd is not None:   # the next bridge of the store may start
@@ -1116,6 +1125,7 @@ class Bridge:
                               "store.flush() raises PushesLost for them", rec["name"], s, lost)
             self.tensors[tid] = info
             self.by_name[info.name] = info
+            self._back_pages(info.name)
             origin = self.adopted.get(info.name)
             self._poke_tick()   # (a shard pass for the new shards)
             for s in range(info.nshards):
@@ -1137,6 +1147,67 @@ class Bridge:
             log.info("forwarding tensor %r (%s, %d shards)", info.name, info.kind, info.nshards)
         return False
 
+    def _back_pages(self, name: str) -> None:
+        """Back every page of the segments this bridge created for tensor ``name`` (its
+        copy of a peer's tensor, if created here; its outbox, which only this bridge
+        drains) in the ``shmps-backing`` thread: posix_fallocate runs without the GIL,
+        so the event loop goes on meanwhile (at creation it was a pass of ~1 ms a MiB
+        on the loop).  Segments a worker created, and backed, cost a walk over pages
+        already there.  Until it is done, a write to a page that /dev/shm then has no
+        room for would kill the writer with SIGBUS; a failure is logged as an error and
+        tried again every BACKING_RETRY s."""
+        info = self.by_name.get(name)
+        if info is None or self._closing:
+            return
+        t = info.t
+        shards = list(t._shards or ()) if name in self._created_here else []
+        if t._ob is not None:
+            shards += list(t._ob._shards or ())
+        segs = [(sh.seg.name, sh.seg.size) for sh in shards]
+        if not segs:
+            return
+        def back() -> None:
+            for n, size in segs:
+                segment.allocate(n, size)
+
+        self._unbacked[name] = math.inf   # under way
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:              # not started (tests drive a Node by hand)
+            fut: Any = concurrent.futures.Future()
+            try:
+                back()
+                fut.set_result(None)
+            except Error as exc:
+                fut.set_exception(exc)
+            self._backed(name, fut)
+            return
+        try:
+            fut = self._backer.submit(0, back)
+        except RuntimeError:   # shut down: closing
+            return
+        fut.add_done_callback(lambda f: loop.call_soon_threadsafe(self._backed, name, f))
+
+    def _backed(self, name: str, fut: Any) -> None:
+        if fut.cancelled():
+            return
+        exc = fut.exception()
+        if exc is None:
+            self._unbacked.pop(name, None)
+            return
+        self._unbacked[name] = time.monotonic() + BACKING_RETRY
+        log.error("tensor %r: could not back this host's copy or outbox in /dev/shm (%s); "
+                  "until it is, a write to a page /dev/shm has no room for kills the writer "
+                  "with SIGBUS; %s. Tried again every %g s", name, exc,
+                  getattr(exc, "hint", "free space in /dev/shm"), BACKING_RETRY)
+
+    def _back_again(self) -> None:
+        """Retry the backings that failed (see _back_pages), when their time has come."""
+        now = time.monotonic()
+        for name, when in list(self._unbacked.items()):
+            if when <= now:
+                self._back_pages(name)
+
     async def refresh_all_tensors(self) -> None:
         """refresh_tensors until none is left, letting the loop run between slices."""
         while self.refresh_tensors():
@@ -1153,6 +1224,7 @@ class Bridge:
         origin = rec.get("origin") if isinstance(rec.get("origin"), str) else peer
         if origin is not None and origin != self.addr:
             self.adopted[name] = origin
+        self._created_here.add(name)
         if rec["kind"] == "dense":
             self.store.dense(name, tuple(rec["shape"]), rec["dtype"],
                              optimizer=from_dict(rec["optimizer"]), mode=rec.get("mode"),
@@ -3605,6 +3677,7 @@ class Bridge:
         while True:
             try:
                 await self.refresh_all_tensors()
+                self._back_again()
                 for m in list(self.members.reachable()):
                     if m == self.addr:
                         continue
