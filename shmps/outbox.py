@@ -192,9 +192,7 @@ def _create_dense(store: Any, of: str, name: str, gdt: str, shape: list, shard_r
     rec = {"name": name, "kind": "dense", "dtype": gdt, "shape": shape,
            "shard_rows": shard_rows, "nshards": nshards, "optimizer": Sum().to_dict(),
            "mode": "exact", "allow_nonfinite": True, "outbox_of": of}
-    rec["id"] = tid = store._next_id()
-    rec["bytes"] = store._create_segments(tid, _dense_specs(rec), lambda s, seg, lay: None)
-    return store._append(rec)
+    return store._create_tensor(rec, _dense_specs(rec), lambda s, seg, lay: None)
 
 
 def _create_table(store: Any, t: Any, name: str, gdt: str) -> dict:
@@ -211,9 +209,7 @@ def _create_table(store: Any, t: Any, name: str, gdt: str) -> dict:
         _native.check(lib.shmps_table_setup(seg.ptr, rec["capacity"], rec["nshards"], s),
                       f"outbox {name!r} shard {s}")
 
-    rec["id"] = tid = store._next_id()
-    rec["bytes"] = store._create_segments(tid, tmod.shard_specs(rec, upd), fill)
-    return store._append(rec)
+    return store._create_tensor(rec, tmod.shard_specs(rec, upd), fill)
 
 
 # ---- the outbox tensors ---------------------------------------------------------------

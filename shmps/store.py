@@ -21,9 +21,9 @@ import numpy as np
 
 from . import _native, doorbell, names
 from .dense import DenseTensor, default_shard_rows
-from .errors import (Closed, CorruptFile, CorruptSegment, InvalidArgument, NotFound, SchemaError,
-                     Timeout)
-from .segment import Segment, check_room, list_names, unlink
+from .errors import (CapacityError, Closed, CorruptFile, CorruptSegment, InvalidArgument,
+                     NotFound, SchemaError, Timeout)
+from .segment import Segment, check_room, list_names, shm_free, unlink
 from .tensor import PushHandle, Tensor, open_shards
 from .updaters import Updater, UpdaterLike, as_updater, from_dict
 
@@ -348,9 +348,7 @@ class Store:
                 _native.check(lib.shmps_table_setup(seg.ptr, rec["capacity"], rec["nshards"], s),
                               f"table {name!r} shard {s}")
 
-            rec["id"] = tid = self._next_id()
-            rec["bytes"] = self._create_segments(tid, specs, fill)
-            return self._append(rec)
+            return self._create_tensor(rec, specs, fill)
 
         t = self._get_or_create(name, req, create)
         if nshards is not None and t.nshards != nshards:
@@ -423,9 +421,7 @@ class Store:
                 # the structure was written after shmps_shard_init: check it as attach will
                 _native.shard_validate(seg.ptr, seg.size, seg.name)
 
-            rec["id"] = tid = self._next_id()
-            rec["bytes"] = self._create_segments(tid, specs, fill)
-            return self._append(rec)
+            return self._create_tensor(rec, specs, fill)
 
         return self._get_or_create(name, req, create)
 
@@ -485,6 +481,21 @@ class Store:
             seg.close()
         return total
 
+    def _create_tensor(self, rec: dict, specs: list[dict], fill: Any,
+                       check: Any = None) -> dict:
+        """Give ``rec`` the next tensor id, create its segments (:meth:`_create_segments`)
+        and append it to the catalog (under the manifest lock); returns the record.  If
+        the append fails (the catalog's next page finds /dev/shm full, the catalog is
+        full) the segments are removed: nothing is left behind."""
+        rec["id"] = tid = self._next_id()
+        rec["bytes"] = self._create_segments(tid, specs, fill, check)
+        try:
+            return self._append(rec)
+        except BaseException:
+            for s in range(len(specs)):
+                unlink(names.shard_name(self.name, self.namespace, tid, s))
+            raise
+
     def _append(self, rec: dict) -> dict:
         data = json.dumps(rec, separators=(",", ":")).encode()
         # the catalog's pages are backed as records reach them (see Segment.create); under
@@ -492,7 +503,13 @@ class Store:
         self._refresh()
         end = self._catalog_len
         if end + 4 + len(data) <= lib.SHMPS_CATALOG_BYTES:
-            self._manifest.reserve(lib.SHMPS_CATALOG_OFF + end, 4 + len(data))  # type: ignore
+            try:
+                self._manifest.reserve(lib.SHMPS_CATALOG_OFF + end,  # type: ignore
+                                       4 + len(data))
+            except CapacityError as exc:
+                raise CapacityError(f"store {self.name!r}: /dev/shm has no room for the "
+                                    f"catalog page of tensor {rec['name']!r}'s record "
+                                    f"({shm_free():,} bytes free)", exc.hint) from None
         _native.check(lib.shmps_catalog_append(self._mptr, data, len(data)),
                       f"store {self.name!r}: catalog (too many tensors)")
         self._refresh()
@@ -532,9 +549,7 @@ class Store:
                 r0 = s * shard_rows
                 vals[...] = init_arr.reshape(nrows, row_len)[r0:r0 + specs[s]["nrows"]].ravel()
 
-        rec["id"] = tid = self._next_id()
-        rec["bytes"] = self._create_segments(tid, specs, fill)
-        return self._append(rec)
+        return self._create_tensor(rec, specs, fill)
 
     def _restore_dense(self, rec: dict, values: np.ndarray, states: list, step: int,
                        bar: Any) -> None:
@@ -564,9 +579,7 @@ class Store:
             try:
                 if self._record(rec["name"]) is not None:
                     raise SchemaError(f"tensor {rec['name']!r} already exists in {self.name!r}")
-                rec["id"] = tid = self._next_id()
-                rec["bytes"] = self._create_segments(tid, specs, fill)
-                self._append(rec)
+                self._create_tensor(rec, specs, fill)
             finally:
                 lib.shmps_manifest_unlock(self._mptr)
 
@@ -616,9 +629,7 @@ class Store:
             try:
                 if self._record(rec["name"]) is not None:
                     raise SchemaError(f"tensor {rec['name']!r} already exists in {self.name!r}")
-                rec["id"] = tid = self._next_id()
-                rec["bytes"] = self._create_segments(tid, specs, fill, check)
-                self._append(rec)
+                self._create_tensor(rec, specs, fill, check)
             finally:
                 lib.shmps_manifest_unlock(self._mptr)
 

@@ -404,6 +404,54 @@ def test_a_tensor_larger_than_dev_shm_is_refused_not_a_crash():
     assert out["end"] == []
 
 
+FULL_CATALOG_SCRIPT = """
+import json, os, numpy as np, shmps
+from shmps import segment
+out = {}
+s = shmps.attach("full")
+s.dense("probe", shape=(1024,))   # the pages its segments take
+need = sum(-(-os.stat("/dev/shm/" + n).st_size // 4096) * 4096
+           for n in os.listdir("/dev/shm") if ".t" in n)
+s.destroy()
+s = shmps.attach("full")          # a new store: the first page of its catalog not backed
+filler = segment.Segment.create("/filler", segment.shm_free() - need)
+try:
+    s.dense("w", shape=(1024,))
+    out["w"] = "created"
+except shmps.CapacityError as e:
+    out["w"] = str(e)
+out["left"] = sorted(os.listdir("/dev/shm"))
+filler.close()
+segment.unlink("/filler")
+w = s.dense("w", shape=(1024,))
+w.push(np.ones(1024, np.float32))
+out["after"] = float(w.pull().sum())
+s.destroy()
+out["end"] = sorted(os.listdir("/dev/shm"))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not _can_mount_tmpfs(), reason="needs a private tmpfs on /dev/shm "
+                    "(unshare -rm: user and mount namespaces), which this machine refuses")
+def test_a_tensor_whose_catalog_record_finds_dev_shm_full_leaves_nothing():
+    """On a private tmpfs filled so that a new tensor's segments fit but not the catalog
+    page its record goes to (a new store's catalog pages are backed as records reach
+    them), creating the tensor raises CapacityError and leaves no segment of it; with
+    room again, the same name is created and works.  (Its segments were left behind,
+    taking the space, until the next tensor reused the id.)"""
+    import subprocess
+    import sys
+    r = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=64m tmpfs "
+                        f"/dev/shm && exec {sys.executable} -c '{FULL_CATALOG_SCRIPT}'"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr + r.stdout
+    out = json.loads(r.stdout.splitlines()[-1])
+    assert "no room for the catalog page of tensor 'w'" in out["w"], out
+    assert out["left"] == ["filler", "shmps.full.manifest"], out
+    assert out["after"] == 1024.0 and out["end"] == [], out
+
+
 @pytest.mark.parametrize("make", [lambda: shmps.SGD(lr=-1), lambda: shmps.SGD(lr=float("nan")),
                                   lambda: shmps.Momentum(lr=0.1, momentum=-0.5),
                                   lambda: shmps.Momentum(lr=0.1, nesterov=True, dampening=0.5)],
