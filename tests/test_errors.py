@@ -347,6 +347,23 @@ def _can_mount_tmpfs() -> bool:
     return r.returncode == 0
 
 
+def _on_small_shm(script: str) -> dict:
+    """Run ``script`` (which prints a JSON object last) in a private mount namespace with
+    a 64 MiB tmpfs on /dev/shm; its object."""
+    import subprocess
+    import sys
+    r = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=64m tmpfs "
+                        f"/dev/shm && exec {sys.executable} -c '{script}'"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr + r.stdout
+    return json.loads(r.stdout.splitlines()[-1])
+
+
+needs_small_shm = pytest.mark.skipif(
+    not _can_mount_tmpfs(), reason="needs a private tmpfs on /dev/shm (unshare -rm: user "
+    "and mount namespaces), which this machine refuses")
+
+
 FULL_SHM_SCRIPT = """
 import json, os, numpy as np, shmps
 out = {}
@@ -379,8 +396,7 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.skipif(not _can_mount_tmpfs(), reason="needs a private tmpfs on /dev/shm "
-                    "(unshare -rm: user and mount namespaces), which this machine refuses")
+@needs_small_shm
 def test_a_tensor_larger_than_dev_shm_is_refused_not_a_crash():
     """On a 64 MiB /dev/shm (a private tmpfs), a 128 MiB tensor or a 1.3 GiB table is
     refused with CapacityError and leaves no segment, and so is a 48 MiB Adam tensor,
@@ -388,13 +404,7 @@ def test_a_tensor_larger_than_dev_shm_is_refused_not_a_crash():
     segments, not the first test of its size); a small one still works.  Before,
     each was created, and the first write (the init fill, a push) killed the process
     with SIGBUS: tmpfs sizes a segment without reserving its pages."""
-    import subprocess
-    import sys
-    r = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=64m tmpfs "
-                        f"/dev/shm && exec {sys.executable} -c '{FULL_SHM_SCRIPT}'"],
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr + r.stdout
-    out = json.loads(r.stdout.splitlines()[-1])
+    out = _on_small_shm(FULL_SHM_SCRIPT)
     for what in ("dense", "dense_init", "table", "adam"):
         assert "no room" in out[what] or "needs at least" in out[what], out
         assert out[what + "_left"] == ["shmps.full.manifest"], out
@@ -432,21 +442,14 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.skipif(not _can_mount_tmpfs(), reason="needs a private tmpfs on /dev/shm "
-                    "(unshare -rm: user and mount namespaces), which this machine refuses")
+@needs_small_shm
 def test_a_tensor_whose_catalog_record_finds_dev_shm_full_leaves_nothing():
     """On a private tmpfs filled so that a new tensor's segments fit but not the catalog
     page its record goes to (a new store's catalog pages are backed as records reach
     them), creating the tensor raises CapacityError and leaves no segment of it; with
     room again, the same name is created and works.  (Its segments were left behind,
     taking the space, until the next tensor reused the id.)"""
-    import subprocess
-    import sys
-    r = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=64m tmpfs "
-                        f"/dev/shm && exec {sys.executable} -c '{FULL_CATALOG_SCRIPT}'"],
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr + r.stdout
-    out = json.loads(r.stdout.splitlines()[-1])
+    out = _on_small_shm(FULL_CATALOG_SCRIPT)
     assert "no room for the catalog page of tensor 'w'" in out["w"], out
     assert out["left"] == ["filler", "shmps.full.manifest"], out
     assert out["after"] == 1024.0 and out["end"] == [], out
