@@ -34,8 +34,9 @@ static void sleep_on(void *base, uint32_t seen, uint64_t max_ns) {
     syscall(SYS_futex, &man(base)->clock_seq, FUTEX_WAIT, seen, &ts, NULL, 0);
 }
 
-/* Minimum clock over live slots (dead ones are dropped here).  *slowest gets the
- * slot index with that clock, or -1 if there are no workers. */
+/* Minimum clock over the slots that hold a token, live or not (live_min_clock drops
+ * the dead).  *slowest gets the slot index with that clock, or -1 if there are no
+ * workers. */
 static uint64_t min_clock(void *base, int32_t *slowest) {
     worker_slot_t *w = slots(base);
     uint64_t best = UINT64_MAX;
@@ -47,6 +48,23 @@ static uint64_t min_clock(void *base, int32_t *slowest) {
         if (c < best) { best = c; *slowest = (int32_t)i; }
     }
     return best;
+}
+
+/* Minimum clock over live workers: a dead slowest worker is dropped (CAS of its token
+ * to 0, so a slot that changed hands meanwhile is left alone) and the scan repeated.
+ * Checking liveness costs a /proc read, so only the slowest is checked. */
+static uint64_t live_min_clock(void *base, int32_t *slowest) {
+    for (;;) {
+        uint64_t m = min_clock(base, slowest);
+        if (*slowest < 0) return m;
+        /* acquire: pairs with join's release CAS, as in min_clock */
+        uint64_t tok = LOAD(&slots(base)[*slowest].token, ACQUIRE);
+        if (tok && shmps_token_alive(tok)) return m;
+        if (tok) {
+            CAS(&slots(base)[*slowest].token, &tok, 0, ACQ_REL, RELAXED);
+            wake_all(base);   /* the minimum may have moved for the waiters too */
+        }                     /* (0: it left after the scan) look again */
+    }
 }
 
 int shmps_set_staleness(void *base, int64_t staleness) {
@@ -64,7 +82,7 @@ int shmps_worker_join(void *base, uint64_t token, int32_t want, uint32_t *slot,
                       uint64_t *clock) {
     worker_slot_t *w = slots(base);
     int32_t slowest;
-    uint64_t start = min_clock(base, &slowest);
+    uint64_t start = live_min_clock(base, &slowest);
     if (slowest < 0) start = 0;
     uint32_t lo = 0, hi = SHMPS_MAX_WORKERS;
     if (want >= 0) {
@@ -113,13 +131,9 @@ int shmps_worker_wait(void *base, uint64_t target, int64_t staleness, double tim
         int32_t slowest;
         uint64_t m = min_clock(base, &slowest);
         if (slowest < 0 || m >= need) return SHMPS_OK;
-        uint64_t tok = LOAD(&slots(base)[slowest].token, ACQUIRE);
-        if (tok && !shmps_token_alive(tok)) {
-            /* a dead worker never blocks: drop it and look again */
-            CAS(&slots(base)[slowest].token, &tok, 0, ACQ_REL, RELAXED);
-            wake_all(base);
-            continue;
-        }
+        /* a dead worker never blocks: dropped here (only when it is behind) */
+        m = live_min_clock(base, &slowest);
+        if (slowest < 0 || m >= need) return SHMPS_OK;
         uint64_t now = shmps_now_ns();
         if (now >= deadline) { *behind = slowest; return SHMPS_E_TIMEOUT; }
         uint64_t nap = deadline - now < 2000000ull ? deadline - now : 2000000ull;

@@ -80,6 +80,16 @@ def idle_worker(store: str, barrier, flags, leave_on_flag: bool, worker=None) ->
         s.close()
 
 
+def join_and_report(store: str) -> int:
+    """Join and return the clock this worker starts at."""
+    s = shmps.attach(store)
+    try:
+        wid = s.join()
+        return next(w["clock"] for w in s.workers() if w["worker"] == wid)
+    finally:
+        s.close()
+
+
 # ---- helpers ------------------------------------------------------------------------
 
 def destroy(name: str) -> None:
@@ -190,6 +200,25 @@ def test_timeout_names_the_slow_worker(clocked_store):
             assert f"worker {flags[1]} (pid {slow.pid})" in msg, msg
             flags[0] = 1
             ws.results(30)
+    finally:
+        s.close()
+
+
+def test_a_new_worker_starts_at_the_slowest_live_clock_not_a_dead_one(clocked_store):
+    """A worker that joins starts at the slowest *live* worker's clock: a worker killed
+    at clock 0 and not yet dropped (nobody waited on it: staleness 10) does not pull
+    the new one back to 0.  (join took the minimum over every slot holding a token.)"""
+    flags = CTX.RawArray("q", 3)
+    s = shmps.attach(clocked_store, staleness=10)
+    try:
+        with Workers(hard_timeout=60) as ws:
+            victim = ws.start(idle_worker, clocked_store, None, flags, False)
+            wait_until(lambda: len(s.workers()) == 1, 30, "the victim joined")
+            s.join()
+            for _ in range(5):
+                s.clock(timeout=10)   # 5 ahead of the victim: within k, no wait, no drop
+            victim.kill()
+            assert ws.start(join_and_report, clocked_store).result(30) == 5
     finally:
         s.close()
 
