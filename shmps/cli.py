@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Sequence
 
-from .errors import Error
+from .errors import Error, InvalidArgument
 
 PROG = "shmps-tool"
 #: set (to anything but empty) to see the traceback of an internal error
@@ -28,6 +28,8 @@ class _Parser(argparse.ArgumentParser):
         if message == "argument --rows: expected one argument":
             message += (" (--rows takes A:B, A:, :B or A, with rows >= 0: no negative "
                         "indexing; a value that starts with '-' must be attached: --rows=V)")
+        elif not message.endswith(")"):
+            message += f" (see {self.prog} --help)"
         raise _UsageError(message)
 
 
@@ -61,6 +63,7 @@ def fail(message: str) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``shmps-tool``; returns the exit status."""
+    args = None
     try:
         parser = build_parser()
         args = parser.parse_args(argv)
@@ -68,6 +71,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _UsageError as exc:
         return fail(str(exc))
     except Error as exc:
+        if exc.hint == InvalidArgument.hint:   # the API's hint names a docstring
+            exc.hint = f"see {PROG} {getattr(args, 'verb', None) or ''} --help".replace("  ", " ")
         return fail(str(exc))
     except KeyboardInterrupt:
         return fail("interrupted")

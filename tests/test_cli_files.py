@@ -248,9 +248,13 @@ def test_check_ok_line(tmp_path):
     (["convert", "x", "x.npz", "--keep-zeros"], "--keep-zeros applies to a dense .npy SRC"),
 ])
 def test_usage_errors_are_one_line(tmp_path, argv, needle):
-    """Bad invocations exit 2 with a single 'shmps-tool: error:' line, no traceback."""
+    """Bad invocations exit 2 with a single 'shmps-tool: error: <what> (<hint>)' line, no
+    traceback; the hint is one for a CLI user (the verb's --help where nothing more
+    precise is said), never the API's "check the argument against the docstring"."""
     write_csr(tmp_path / "x", CSR.from_dense(EXAMPLE))
-    assert_one_line_error(tool(*argv, cwd=tmp_path), needle)
+    r = tool(*argv, cwd=tmp_path)
+    assert_one_line_error(r, needle)
+    assert r.stderr.rstrip().endswith(")") and "docstring" not in r.stderr, r.stderr
 
 
 def test_rows_beyond_the_matrix_is_an_error(tmp_path):
