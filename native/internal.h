@@ -188,7 +188,7 @@ size_t shmps_grad_size(uint32_t dtype);
 #define STATE_REMOVED 2u   /* `shmps-tool gc` is removing the store (shmps_manifest_retire) */
 
 typedef struct {
-    uint64_t magic;          /* SHMPS_MANIFEST_MAGIC, written last */
+    uint64_t magic;          /* SHMPS_MANIFEST_MAGIC, written before state (READY, release) */
     uint32_t version;        /* SHMPS_LAYOUT_VERSION */
     uint32_t header_size;    /* 4096 */
     uint64_t total_size;     /* SHMPS_MANIFEST_SIZE */

@@ -80,7 +80,7 @@ typedef struct {
     double init[4];        /* table init: kind, a, b, unused */
     /* derived by shmps_layout() */
     uint64_t total_size;   /* segment bytes */
-    uint64_t rowcnt_off;   /* int64[nrows+1] (csr, table); 0 when implicit */
+    uint64_t rowcnt_off;   /* int64[nrows+1] (csr); 0 when implicit (dense, table) */
     uint64_t colidx_off;   /* int64[nnz] (csr), uint64 keys (table); 0 if implicit */
     uint64_t value_off;    /* dtype[nnz] */
     uint64_t state_off[4]; /* state arrays, state_dtype[nnz] each; 0 = absent */

@@ -647,7 +647,7 @@ class Store:
     # -- the multi-host bridge (shmps/outbox.py) -----------------------------------
     def _set_forwarding(self, on: bool) -> None:
         """Turn forwarding on or off for every process of the store (shmps-bridge):
-        while on, pushes to dense tensors and tables go to their outboxes."""
+        while on, pushes to every tensor (dense, table, csr) go to their outboxes."""
         _native.check(lib.shmps_forward_set(self._mptr, int(bool(on))), "set forwarding")
 
     @property
