@@ -777,8 +777,11 @@ class Store:
         and may push, so it counts as attached too (its own slot in the attached-process
         table, which its close() frees), or `shmps-tool ls` saw nobody once the parent
         ended and `shmps-tool gc` removed the store under the training child.  It is not
-        the parent's clock worker (it joins as its own).  Runs in the fork handler: no
-        lock (another thread of the parent may have held it at the fork)."""
+        the parent's clock worker (it joins as its own).  Runs in the fork handler,
+        without the lock: another thread of the parent may have held it at the fork,
+        and that thread does not exist here, so the child gets a new lock (with the old
+        one it hung at its first store call)."""
+        self._lock = threading.RLock()
         m = self._manifest
         self._worker = None
         if m is None or m.ptr is None:

@@ -118,6 +118,15 @@ _pools: dict[int, ThreadPoolExecutor] = {}
 _pools_lock = threading.Lock()
 
 
+def _new_pools_lock() -> None:
+    """In a forked child: a new lock (a parent thread may have held the old one)."""
+    global _pools_lock
+    _pools_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_pools_lock)
+
+
 def split_pool() -> ThreadPoolExecutor:
     """Per-process pool that splits large pushes (recreated after fork)."""
     pid = os.getpid()

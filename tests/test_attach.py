@@ -425,6 +425,49 @@ def test_a_forked_child_counts_as_attached(store_name):
         remove_store(store_name, ns)
 
 
+def test_a_child_forked_while_another_thread_uses_the_store_does_not_hang(store):
+    """Another thread of the parent inside a store call (holding the store's lock, or
+    the split-push pool's) at the fork: the child, where that thread does not exist,
+    still pushes (each child has 3 s, then SIGALRM).  With the inherited locks 15 of 20
+    children hung on their first store call."""
+    import signal
+    import threading
+
+    w = store.dense("w", shape=(64, 64), dtype="int32")
+    stop = threading.Event()
+
+    def reader() -> None:   # a data-loader or logging thread reading tensors
+        while not stop.is_set():
+            store["w"]
+            w.describe()
+
+    th = threading.Thread(target=reader, daemon=True)
+    th.start()
+    statuses = []
+    try:
+        for _ in range(20):
+            time.sleep(0.005)
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    signal.alarm(3)
+                    store["w"].push(np.ones((64, 64), np.int32))
+                    store.close()
+                    code = 0
+                finally:
+                    os._exit(code)
+            statuses.append(os.waitpid(pid, 0)[1])
+    finally:
+        stop.set()
+        th.join(5)
+    # (a hung child ends by its alarm: killed, or, under pytest-timeout's inherited
+    # SIGALRM handler, an exception and status 1)
+    failed = sum(st != 0 for st in statuses)
+    assert failed == 0, f"{failed} of 20 forked children did not push (hung until their alarm)"
+    assert (w.pull() == 20).all()
+
+
 def test_attach_finishes_the_removal_of_a_dead_gc(store_name):
     """A `shmps-tool gc` killed after it retired an idle store (state "being removed")
     and before it unlinked the manifest: the next attach sees the remover dead, finishes
