@@ -27,8 +27,10 @@ import errno
 import json
 import mmap
 import os
+import re
 import secrets
 import shutil
+import stat
 import sys
 import time
 from typing import Any, BinaryIO, Callable, Optional
@@ -130,7 +132,7 @@ def _install(tmp: str, path: str) -> None:
             return
         # fallback without renameat2: a short window with no PATH, the old one kept
         # aside as PATH.old-PID-HEX (put back by the next checkpoint if we die here)
-        old = f"{path}.old-{os.getpid()}-{secrets.token_hex(3)}"
+        old = _aside_name(path, "old")
         os.rename(path, old)
         try:
             os.rename(tmp, path)
@@ -145,24 +147,41 @@ def _install(tmp: str, path: str) -> None:
     _fsync_dir(parent)
 
 
+def _aside_name(path: str, what: str) -> str:
+    """``PATH.tmp-PID-HEX`` / ``PATH.old-PID-HEX`` (``what`` "tmp" or "old"): where this
+    process writes a checkpoint, or sets the old one aside; only names of this exact
+    form are ever taken for debris (:func:`_clean_debris`)."""
+    return f"{path}.{what}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
 def _clean_debris(path: str) -> None:
-    """Remove what interrupted checkpoints to ``path`` left beside it (``PATH.tmp-PID-*``
-    of dead processes).  An old checkpoint set aside by the no-renameat2 fallback
-    (``PATH.old-PID-*``) is put back when PATH is missing, else removed."""
+    """Remove what interrupted checkpoints to ``path`` left beside it: directories named
+    exactly ``PATH.tmp-PID-HEX`` (:func:`_aside_name`) of dead processes.  An old
+    checkpoint set aside by the no-renameat2 fallback (``PATH.old-PID-HEX``) is put back
+    when PATH is missing, else removed.  Anything else beside PATH (``PATH.old-2023``, a
+    file, a symlink, another user's directory) is left alone."""
     parent = os.path.dirname(os.path.abspath(path)) or "."
     base = os.path.basename(os.path.abspath(path))
+    ours = re.compile(re.escape(base) + r"\.(tmp|old)-([1-9][0-9]*)-[0-9a-f]{6}")
     try:
         entries = sorted(os.listdir(parent))
     except FileNotFoundError:
         return
     for n in entries:
-        if not (n.startswith(base + ".tmp-") or n.startswith(base + ".old-")):
+        m = ours.fullmatch(n)
+        if m is None:
             continue
-        pid = n[len(base) + 5:].split("-", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid() and _pid_alive(int(pid)):
+        pid = int(m.group(2))
+        if pid != os.getpid() and _pid_alive(pid):
             continue  # another process's checkpoint in progress
         full = os.path.join(parent, n)
-        if (n.startswith(base + ".old-") and not os.path.lexists(path)
+        try:
+            st = os.lstat(full)
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            continue
+        if (m.group(1) == "old" and not os.path.lexists(path)
                 and os.path.exists(os.path.join(full, files.CHECKPOINT_JSON))):
             os.rename(full, path)
             continue
@@ -196,8 +215,7 @@ def save(store: Any, path: str | os.PathLike) -> str:
                               f"which this version cannot checkpoint yet (only "
                               f"{', '.join(sorted(_SAVERS))})", "nothing was written")
     parent = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(parent, f"{os.path.basename(os.path.abspath(path))}.tmp-{os.getpid()}-"
-                               f"{secrets.token_hex(3)}")
+    tmp = _aside_name(os.path.join(parent, os.path.basename(os.path.abspath(path))), "tmp")
     try:
         os.makedirs(parent, exist_ok=True)
         _clean_debris(path)

@@ -320,6 +320,32 @@ def test_next_checkpoint_cleans_debris_of_dead_writers_only(store, tmp_path, pro
     assert (path / "checkpoint.json").exists()
 
 
+def test_checkpoint_leaves_the_users_own_dirs_beside_path(store, tmp_path, names):
+    """Only the names a checkpoint makes (PATH.tmp-PID-6HEX, PATH.old-PID-6HEX) are
+    debris: a user's PATH.old-2023 (a checkpoint kept by hand), PATH.tmp-notes, ... are
+    neither removed nor, with PATH missing, put back as PATH."""
+    store.dense("w", shape=(4,), dtype="float32", init=1.0)
+    path = tmp_path / "ck"
+    store.checkpoint(path)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    mine = ["ck.old-2023", "ck.tmp-notes", "ck.old-backup", f"ck.tmp-{dead.pid}-abcdef0",
+            f"ck.old-{dead.pid}-ABCDEF", f"ck.old-{dead.pid}-abcdef.keep", "ck.tmp--abcdef"]
+    for n in mine:  # each one a whole checkpoint
+        shutil.copytree(path, tmp_path / n)
+    shutil.rmtree(path)
+    (tmp_path / f"ck.tmp-{dead.pid}-fedcba").write_text("a file, not a checkpoint's")
+    store["w"].push(np.ones(4, np.float32))
+    store.checkpoint(path)
+    assert sorted(os.listdir(tmp_path)) == sorted(["ck", f"ck.tmp-{dead.pid}-fedcba", *mine])
+    assert all((tmp_path / n / "checkpoint.json").exists() for n in mine)
+    r = shmps.restore(path, new_name(names))
+    try:
+        assert (r["w"].pull() == 2.0).all()
+    finally:
+        r.destroy()
+
+
 # ---- restore rules ----------------------------------------------------------------------
 
 def test_restore_refuses_existing_store_unless_force(store, tmp_path, procs, names):
