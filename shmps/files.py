@@ -18,7 +18,8 @@ elements, so it needs O(CHUNK) memory whatever the file size.
 
 Every defect raises :class:`shmps.errors.CorruptFile` (a missing file raises
 :class:`shmps.errors.NotFound`) with a one-line message naming the file, the position
-and what is wrong.  This module does not import the native core.
+and what is wrong.  This module uses the native core for one constant only
+(``SHMPS_MAX_STATE``, the most optimizer state arrays a ``.meta`` may declare).
 """
 from __future__ import annotations
 
@@ -31,9 +32,13 @@ from typing import Any, Iterator, Mapping, NamedTuple, Sequence, cast
 
 import numpy as np
 
+from ._native import lib as _lib
 from .errors import CorruptFile, InvalidArgument, NotFound
 
 FORMAT_VERSION = 1
+#: The most optimizer state arrays a set may have (``"state": {"count": N}``): as many as
+#: a shard keeps (``SHMPS_MAX_STATE``, native/shmps.h).
+MAX_STATE = int(_lib.SHMPS_MAX_STATE)
 ARRAYS: tuple[str, str, str] = ("rowcnt", "colidx", "value")
 INDEX_DTYPES: tuple[str, ...] = ("int32", "int64")
 VALUE_DTYPES: tuple[str, ...] = ("int8", "int32", "float16", "float32", "float64")
@@ -371,7 +376,8 @@ def _check_array_name(array: str) -> None:
 
 def declared_arrays(meta: Mapping[str, Any]) -> tuple[str, ...]:
     """The value-like arrays a ``.meta`` declares: ``("value", "state0", ...)`` for
-    ``"state": {"count": N, "dtype": D}``.  O(N)."""
+    ``"state": {"count": N, "dtype": D}``; ``meta`` as :func:`read_meta` returns it
+    (N at most :data:`MAX_STATE`).  O(N)."""
     st = meta.get("state") if meta else None
     n = st.get("count", 0) if isinstance(st, dict) else 0
     return ("value",) + tuple(f"state{k}" for k in range(n if _is_int(n) else 0))
@@ -440,6 +446,9 @@ def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
         # (any other "state" value is an unknown key, kept as is)
         if not _is_int(st["count"]) or st["count"] < 0:
             raise bad("state.count", "is not a non-negative integer")
+        if st["count"] > MAX_STATE:
+            raise bad("state.count", f"is more than {MAX_STATE}, the most optimizer state "
+                                     "arrays a set has")
         if st.get("count", 0) and st.get("dtype") not in VALUE_DTYPES:
             raise bad("state.dtype", f"is not one of {', '.join(VALUE_DTYPES)}")
     dtypes = meta.get("dtypes", {})

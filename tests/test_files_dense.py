@@ -261,6 +261,9 @@ def _damage_cases():
          'float16 entries, but 12 are expected (int32 or float32 would fit)'),
         ("bad shape", meta_edit(shape=[3, -4]), CorruptFile,
          'X.meta: field "shape" = [3, -4] is not a list of non-negative integers'),
+        ("state count too large", meta_edit(state={"count": 5, "dtype": "float32"}),
+         CorruptFile, 'X.meta: field "state.count" = 5 is more than 4, the most optimizer '
+         'state arrays a set has'),
         ("bad state dtype", meta_edit(state={"count": 1, "dtype": "complex64"}), CorruptFile,
          'X.meta: field "state.dtype" = "complex64" is not one of int8, int32, float16, '
          'float32, float64'),
@@ -361,3 +364,27 @@ def test_huge_dense_set_is_never_materialised(tmp_path):
         "rowcnt": "int64", "colidx": "int32", "value": "float32"}, "rowcnt": [0, 1, 2, 3],
         "colidx": [0, 0, 0], "value": [0.0, 1.5, -2.0]}
     assert int(rss) < 400, f"peak RSS {rss} MiB: something was materialised"
+
+
+LIMITED_CHECK = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+from shmps import cli
+sys.exit(cli.main(["check", sys.argv[1]]))
+"""
+
+
+def test_huge_state_count_is_refused_at_once(tmp_path):
+    """A .meta declaring 2**40 state arrays (one flipped bit) is refused naming
+    "state.count", at once and in 1 GiB of address space (it made 2**40 array names)."""
+    p = tmp_path / "D"
+    write_dense(str(p), np.zeros((4, 6), np.float32), states=[np.zeros((4, 6), np.float32)])
+    m = json.loads((tmp_path / "D.meta").read_text())
+    m["state"]["count"] = 2**40
+    (tmp_path / "D.meta").write_text(json.dumps(m))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    r = subprocess.run(["timeout", "60", sys.executable, "-c", LIMITED_CHECK, str(p)],
+                       capture_output=True, text=True, env=env, timeout=90)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert 'field "state.count" = 1099511627776 is more than 4' in r.stderr, r.stderr
