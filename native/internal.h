@@ -185,7 +185,7 @@ size_t shmps_grad_size(uint32_t dtype);
 #define WORKERS_OFF (PROCS_OFF + 16ull * SHMPS_MAX_PROCS)
 #define CATALOG_OFF ((uint64_t)SHMPS_CATALOG_OFF)
 #define STATE_READY 1u
-#define STATE_REMOVED 2u   /* `shmps-tool gc` is removing the store (shmps_manifest_retire) */
+#define STATE_REMOVED 2u   /* being removed: gc (shmps_manifest_retire), destroy() (take_removal) */
 
 typedef struct {
     uint64_t magic;          /* SHMPS_MANIFEST_MAGIC, written before state (READY, release) */

@@ -257,6 +257,26 @@ int shmps_manifest_retire(void *base, uint64_t token) {
     return SHMPS_OK;
 }
 
+/* Take the removal of a store over, whoever is attached: store.destroy() (global by
+ * contract), or an attacher that found the remover dead (attach() then finishes it).
+ * Claims retired_by from none, a dead remover or this caller, then marks the manifest
+ * REMOVED (seq_cst, as in shmps_manifest_retire: attachers from now on wait, and
+ * finish the removal if this caller dies).  SHMPS_E_BUSY while a live remover holds it
+ * (gc deciding whether the store is idle, or removing it): the caller waits for it to
+ * let go or for the manifest to be gone, and never removes shards it did not list
+ * under its own claim (a removal racing a second one could unlink the shards of a new
+ * store made under the name after the first unlinked the manifest). */
+int shmps_manifest_take_removal(void *base, uint64_t token) {
+    shmps_manifest_t *m = man(base);
+    /* acquire: pairs with a remover's claim (acq_rel CAS) */
+    uint64_t cur = LOAD(&m->retired_by, ACQUIRE);
+    if (cur != 0 && cur != token && shmps_token_alive(cur)) return SHMPS_E_BUSY;
+    /* acq_rel: one claimant wins; a loser sees the winner's token next time */
+    if (cur != token && !CAS(&m->retired_by, &cur, token, ACQ_REL, ACQUIRE)) return SHMPS_E_BUSY;
+    STORE(&m->state, STATE_REMOVED, SEQ_CST);
+    return SHMPS_OK;
+}
+
 int shmps_manifest_attached(const void *base) {
     /* seq_cst: after the registration's CAS (the attacher's half of the pair above) */
     return LOAD(&((const shmps_manifest_t *)base)->state, SEQ_CST) == STATE_READY;

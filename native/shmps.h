@@ -160,6 +160,7 @@ int shmps_proc_unregister(void *base, uint64_t token, uint32_t slot);
 int shmps_proc_list(void *base, uint64_t *tokens, uint32_t cap, uint32_t *n);
 /* removing an idle store without racing attachers (manifest.c) */
 int shmps_manifest_retire(void *base, uint64_t token);
+int shmps_manifest_take_removal(void *base, uint64_t token);
 int shmps_manifest_attached(const void *base);
 int shmps_manifest_retirer_alive(const void *base);
 /* worker clocks (bounded delay): clock.c */

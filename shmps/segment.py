@@ -28,9 +28,10 @@ MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 class Segment:
     """A mapped segment: ``mm`` (mmap) and ``ptr`` (cffi ``char *`` for the C core)."""
 
-    def __init__(self, name: str, mm: mmap.mmap, size: int) -> None:
+    def __init__(self, name: str, mm: mmap.mmap, size: int, ino: int = 0) -> None:
         self.name = name
         self.size = size
+        self.ino = ino     #: the file's inode: is ``name`` still this segment? (is_named)
         self.mm: Optional[mmap.mmap] = mm
         self.ptr: Any = _native.pointer(mm)
 
@@ -48,7 +49,7 @@ class Segment:
         except posix_ipc.ExistentialError as exc:
             raise FileExistsError(errno.EEXIST, str(exc), name) from None
         try:
-            seg = cls(name, mmap.mmap(shm.fd, size), size)
+            seg = cls(name, mmap.mmap(shm.fd, size), size, os.fstat(shm.fd).st_ino)
             try:
                 if huge:
                     seg.ask_huge_pages()
@@ -116,9 +117,10 @@ class Segment:
                 raise CorruptSegment(f"segment {name} has size {size}"
                                      + (f", expected {expect_size}" if expect_size else ""))
             mm = mmap.mmap(shm.fd, size)
+            ino = os.fstat(shm.fd).st_ino
         finally:
             shm.close_fd()
-        return cls(name, mm, size)
+        return cls(name, mm, size, ino)
 
     @classmethod
     def open_or_create(cls, name: str, size: int, *, reserve: Optional[int] = None
@@ -142,7 +144,7 @@ class Segment:
         try:
             if shm.size != size:
                 raise CorruptSegment(f"segment {name} has size {shm.size}, expected {size}")
-            seg = cls(name, mmap.mmap(shm.fd, size), size)
+            seg = cls(name, mmap.mmap(shm.fd, size), size, os.fstat(shm.fd).st_ino)
             if created:
                 try:
                     seg._reserve(shm.fd, 0, reserve)   # the creator backs it (see create)
@@ -180,6 +182,14 @@ class Segment:
         if offset + count * dt.itemsize > self.size:
             raise CorruptSegment(f"array at {offset} + {count} x {dt} exceeds segment {self.name}")
         return np.frombuffer(memoryview(self.mm), dtype=dt, count=count, offset=offset)
+
+    def is_named(self) -> bool:
+        """True while ``name`` still names this segment (not unlinked, nor replaced by a
+        new segment of that name)."""
+        try:
+            return os.stat("/dev/shm" + self.name).st_ino == self.ino
+        except FileNotFoundError:
+            return False
 
     def fd(self) -> int:
         """A new descriptor on the segment (caller closes it)."""

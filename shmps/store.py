@@ -34,6 +34,7 @@ MANIFEST_SIZE = lib.SHMPS_MANIFEST_SIZE
 #: bytes of a new manifest backed at once: the header, attached processes and worker
 #: clocks; the catalog after them is backed as records reach it (Store._append)
 MANIFEST_RESERVED = lib.SHMPS_CATALOG_OFF
+DESTROY_WAIT = 10.0   #: destroy() waits at most this long for a gc at the same store (s)
 LOCK_TIMEOUT_S = 60.0
 DTYPES = tuple(_native.DTYPE_CODES)
 MODES = ("exact", "hogwild")
@@ -106,22 +107,26 @@ def attach(name: str, *, create: bool = True, namespace: Optional[str] = None,
             # backs off if it finds a process attached): look again until the store is
             # back, or its manifest is gone (create: then make a new one; else NotFound);
             # finish the removal if the remover died
-            dead = not lib.shmps_manifest_retirer_alive(seg.ptr)
-            seg.close()
-            if dead:
-                unlink(mname)
-            elif time.monotonic() >= deadline:
-                raise Timeout(f"store {name!r}: `shmps-tool gc` has been removing it for "
-                              f"{timeout:g} s", "retry the attach") from None
-            else:
-                time.sleep(0.001)
+            try:
+                # the remover died (a gc, a destroy() killed midway): finish its removal,
+                # if this process is the one that takes it over (others wait for it)
+                if (not lib.shmps_manifest_retirer_alive(seg.ptr)
+                        and lib.shmps_manifest_take_removal(seg.ptr, _native.token()) == 0):
+                    _unlink_store(name, ns)
+                    continue
+            finally:
+                seg.close()
+            if time.monotonic() >= deadline:
+                raise Timeout(f"store {name!r}: it has been being removed (`shmps-tool gc`, "
+                              f"destroy()) for {timeout:g} s", "retry the attach") from None
+            time.sleep(0.001)
         except BaseException:
             seg.close()
             raise
 
 
 class _Removed(Exception):
-    """The manifest attach found is being removed by `shmps-tool gc` (internal)."""
+    """The manifest attach found is being removed (`shmps-tool gc`, destroy()) (internal)."""
 
 
 class Store:
@@ -815,7 +820,24 @@ class Store:
 
     def destroy(self) -> None:
         """Remove every segment of the store (global).  Processes still attached
-        keep their mappings until they close; a later attach makes a new store."""
+        keep their mappings until they close; a later attach makes a new store.
+
+        The manifest is marked "being removed" first (native/manifest.c,
+        shmps_manifest_take_removal): an attach meanwhile waits for the removal, and if
+        this process is killed midway the next attach finishes it, instead of finding a
+        store whose catalog names tensors some of whose shards are gone."""
+        m = self._manifest
+        if m is not None and m.ptr is not None:
+            deadline = time.monotonic() + DESTROY_WAIT
+            while lib.shmps_manifest_take_removal(m.ptr, _native.token()) != 0:
+                # `shmps-tool gc` is deciding about this store, or removing it
+                if not m.is_named():
+                    self.close()   # removed by the other remover: nothing of it is left
+                    return
+                if time.monotonic() >= deadline:
+                    raise Timeout(f"store {self.name!r}: another process has been removing "
+                                  f"it for {DESTROY_WAIT:g} s", "retry destroy()")
+                time.sleep(0.001)
         self.close()
         _unlink_store(self.name, self.namespace)
 

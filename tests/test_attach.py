@@ -468,6 +468,47 @@ def test_a_child_forked_while_another_thread_uses_the_store_does_not_hang(store)
     assert (w.pull() == 20).all()
 
 
+def test_a_destroy_killed_midway_is_finished_by_the_next_attach(store_name):
+    """destroy() killed after it unlinked some shards (the crash point: os._exit in its
+    unlink): the next attach finishes the removal and makes a new, empty store, where
+    tensors of the old names can be created.  (The half-removed store stayed: attach
+    gave it, its catalog listed all 40 tensors, and creating or opening one raised
+    NotFound for its missing shard, for every process, until someone destroyed it.)"""
+    from shmps import names
+
+    with shmps.attach(store_name) as s:
+        for i in range(40):
+            s.dense(f"w{i}", shape=(4,), dtype="int32", init=i)
+    pid = os.fork()
+    if pid == 0:   # the destroyer: dies after its 10th unlink
+        code = 1
+        try:
+            import shmps.store as st
+            real, count = st.unlink, [0]
+
+            def dying_unlink(name: str) -> bool:
+                count[0] += 1
+                if count[0] > 10:
+                    os._exit(0)
+                return real(name)
+
+            st.unlink = dying_unlink
+            shmps.attach(store_name).destroy()
+        finally:
+            os._exit(code)
+    try:
+        assert os.waitpid(pid, 0)[1] == 0
+        left = store_segments(store_name)
+        assert names.manifest_name(store_name, None)[1:] in left and len(left) == 31, left
+        with shmps.attach(store_name, timeout=5) as s:
+            assert s.tensors() == []
+            w = s.dense("w7", shape=(4,), dtype="int32")
+            assert (w.pull() == 0).all()
+        assert len(store_segments(store_name)) == 2   # the new manifest and w7's shard
+    finally:
+        remove_store(store_name)
+
+
 def test_attach_finishes_the_removal_of_a_dead_gc(store_name):
     """A `shmps-tool gc` killed after it retired an idle store (state "being removed")
     and before it unlinked the manifest: the next attach sees the remover dead, finishes
