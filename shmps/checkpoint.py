@@ -411,6 +411,18 @@ class _Plan:
 
 _RECORD_KEYS = ("name", "kind", "dtype", "shape", "shard_rows", "nshards", "optimizer",
                 "mode", "allow_nonfinite", "aggregate", "workers")
+#: Rows, columns and values of a tensor: what numpy (and a file) can address.
+_MAX_EXTENT = (1 << 63) - 1
+
+
+def _check_sharding(rows: int, shard_rows: Any, nshards: Any) -> None:
+    """``shard_rows`` rows per shard over ``nshards`` shards split ``rows`` rows as the
+    store splits them (1 <= shard_rows <= rows, nshards = ceil(rows / shard_rows)), else
+    ValueError.  Checked before any per-shard spec is built: O(1)."""
+    if not (files._is_int(shard_rows) and 1 <= shard_rows <= max(rows, 1)
+            and files._is_int(nshards) and nshards == max(1, -(-rows // shard_rows))):
+        raise ValueError(f"shard_rows {shard_rows!r} and nshards {nshards!r} do not "
+                         f"split {rows} rows")
 
 
 def _plan_dense(path: str, entry: dict) -> _Plan:
@@ -423,11 +435,10 @@ def _plan_dense(path: str, entry: dict) -> _Plan:
     cj = os.path.join(path, files.CHECKPOINT_JSON)
     try:
         rows, cols = files.dense_dims(rec["shape"])
-        shard_rows, nshards = rec["shard_rows"], rec["nshards"]
-        if not (isinstance(shard_rows, int) and shard_rows >= 1 and isinstance(nshards, int)
-                and nshards == max(1, -(-rows // shard_rows))):
-            raise ValueError(f"shard_rows {shard_rows!r} and nshards {nshards!r} do not "
-                             f"split {rows} rows")
+        if max(rows, cols, rows * cols) > _MAX_EXTENT:
+            raise ValueError(f"shape {rec['shape']} is too large (more than 2**63 - 1 rows, "
+                             "columns or values)")
+        _check_sharding(rows, rec["shard_rows"], rec["nshards"])
         if rec.get("mode", "exact") not in ("exact", "hogwild"):
             raise ValueError(f"mode {rec.get('mode')!r}")
         upd = from_dict(rec["optimizer"])
@@ -435,7 +446,7 @@ def _plan_dense(path: str, entry: dict) -> _Plan:
             raise ValueError(f"optimizer {type(upd).__name__} needs a float dtype")
         clean = {k: rec[k] for k in _RECORD_KEYS if k in rec}
         lay = _native.layout(_dense_specs(clean)[0])
-    except (KeyError, TypeError, ValueError, Error) as exc:
+    except (KeyError, TypeError, ValueError, ArithmeticError, Error) as exc:
         raise CorruptFile(f"{cj}: tensor {rec['name']!r}: invalid record: {exc}",
                           files._CKPT_HINT) from None
     try:
@@ -667,16 +678,19 @@ def _plan_sparse(path: str, entry: dict) -> _Plan:
             rows, cols = rec["shape"]
             if ms.kind != "csr" or ms.rows != rows:
                 raise ValueError(f"{mp} is not a csr set of {rows} rows")
+            if not (files._is_int(cols) and 0 <= cols <= _MAX_EXTENT):
+                raise ValueError(f"shape {rec['shape']} is too large (more than 2**63 - 1 "
+                                 "columns)")
             rc = np.asarray(ms.csr.rowcnt, dtype=np.int64)
             ci = np.asarray(ms.csr.colidx, dtype=np.int64)
             if cmod.structure_hash(rc, ci) != rec["structure"]:
                 raise ValueError("the structure differs from the record's")
-            per = rec["shard_rows"]
-            if rec["nshards"] != max(1, -(-rows // per)) or rec["nnz"] != ms.nnz:
-                raise ValueError(f"shard_rows {per!r}, nshards {rec['nshards']!r}")
+            _check_sharding(rows, rec["shard_rows"], rec["nshards"])
+            if rec["nnz"] != ms.nnz:
+                raise ValueError(f"nnz {rec['nnz']!r}, but {mp} holds {ms.nnz}")
             specs = cmod.shard_specs(clean, upd, rc)
         lays = [_native.layout(s) for s in specs]
-    except (KeyError, TypeError, ValueError, IndexError, Error) as exc:
+    except (KeyError, TypeError, ValueError, IndexError, ArithmeticError, Error) as exc:
         raise corrupt(f"{cj}: tensor {rec['name']!r}: invalid record or structure: "
                       f"{exc}") from None
     want_kind = "dense" if kind == "table" else "csr"
@@ -691,11 +705,15 @@ def _plan_sparse(path: str, entry: dict) -> _Plan:
         raise corrupt(f"{mp}: {len(sets) - 1} state arrays, but optimizer "
                       f"{type(upd).__name__} keeps {lay['nstate']} {want_state} arrays")
     shards = entry.get("shards")
-    if not (isinstance(shards, list) and len(shards) == len(specs) and all(
-            isinstance(x, dict) and all(isinstance(x.get(k), int) and x[k] >= 0
-                                        for k in ("step", "table_used")) for x in shards)):
+    if not (isinstance(shards, list) and len(shards) == len(specs)
+            and all(isinstance(x, dict) for x in shards)):
         raise corrupt(f"{cj}: tensor {rec['name']!r}: field \"shards\" is not a list of "
                       f"{len(specs)} {{step, table_used}} objects")
+    for s, x in enumerate(shards):  # header words restore hands to C
+        for k in ("step", "table_used"):
+            if not files.is_u64(x.get(k)):
+                raise corrupt(f"{cj}: tensor {rec['name']!r}: field \"shards[{s}].{k}\" = "
+                              f"{json.dumps(x.get(k))[:80]} {files.NOT_U64}")
     raw: list[dict] = []
     for s, ly in enumerate(lays):
         d = {}

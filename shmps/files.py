@@ -469,6 +469,16 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+#: What :func:`is_u64` refuses, in a message naming the field.
+NOT_U64 = "is not an integer in 0 .. 2**64-1"
+
+
+def is_u64(x: Any) -> bool:
+    """``x`` is an integer the C core holds in a uint64 (a checkpoint's steps and
+    counts): ``0 <= x < 2**64``, not a bool.  O(1)."""
+    return _is_int(x) and 0 <= x < 1 << 64
+
+
 def _open_array(path: str, dtype: str, size: int, mmap: bool) -> np.ndarray:
     """``size // itemsize`` elements of ``path``: a read-only memmap, or a private copy
     with ``mmap=False``; an empty array for a 0-byte file (np.memmap cannot map 0 bytes)."""
@@ -1269,8 +1279,8 @@ def read_checkpoint_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
         if not isinstance(rec.get("optimizer"), dict):
             raise bad(f"{at}.record.optimizer", rec.get("optimizer"), "is not an object")
         step = e.get("step", 0)
-        if not _is_int(step) or step < 0:
-            raise bad(f"{at}.step", step, "is not a non-negative integer")
+        if not is_u64(step):
+            raise bad(f"{at}.step", step, NOT_U64)
     return doc
 
 
@@ -1296,5 +1306,5 @@ __all__ = [
     "dense_dims", "split_member", "declared_arrays", "KINDS", "read_checkpoint_manifest",
     "CHECKPOINT_FORMAT", "CHECKPOINT_VERSION", "CHECKPOINT_JSON",
     "build_meta", "paths", "normalize_prefix", "iter_chunks", "FORMAT_VERSION", "ARRAYS",
-    "INDEX_DTYPES", "VALUE_DTYPES", "DEFAULT_DTYPES", "CHUNK",
+    "INDEX_DTYPES", "VALUE_DTYPES", "DEFAULT_DTYPES", "CHUNK", "MAX_STATE", "is_u64",
 ]

@@ -433,6 +433,15 @@ def _corrupt_cases() -> list[tuple[str, Any, str]]:
             count=m["state"]["count"] - 1)),
          "state arrays"),
         ("meta not dense", edit_meta(lambda m: m.update(kind="csr")), "missing file"),
+        # integers that go to C: in range, or refused before anything is replaced (a step
+        # of 2**64 was an internal OverflowError after --force had destroyed the store)
+        ("step beyond uint64", edit_json(lambda d: d["tensors"][1].update(step=2**64)),
+         'field "tensors[1].step" = 18446744073709551616 is not an integer in 0 .. 2**64-1'),
+        ("record shape beyond uint64", edit_json(
+            lambda d: d["tensors"][1]["record"].update(shape=[6, 2**64])), "shape [6, 18446"),
+        ("record shard_rows beyond its rows", edit_json(
+            lambda d: d["tensors"][1]["record"].update(shard_rows=7, nshards=1)),
+         "shard_rows 7 and nshards 1 do not split 6 rows"),
     ]
 
 

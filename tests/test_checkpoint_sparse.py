@@ -3,7 +3,9 @@ per-row steps, push counts, index, free lists), checkpoints during pushes, and c
 region files.  Every test destroys the stores it made and kills its processes."""
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -160,7 +162,9 @@ import sys, numpy as np, shmps
 s = shmps.attach(sys.argv[1]); t = s.table("e")
 rng = np.random.default_rng(int(sys.argv[3]))
 print("ready", flush=True)
+import json
 import os
+import re
 while not os.path.exists(sys.argv[2]):
     k = rng.integers(0, 5000, 64).astype(np.uint64)
     t.push(k, np.ones((64, t.dim), np.float32))
@@ -218,6 +222,40 @@ def test_corrupt_region_file_raises_and_creates_nothing(store, tmp_path, names, 
     with pytest.raises(CorruptFile):
         shmps.restore(path, name)
     assert not [n for n in os.listdir(SHM) if n.startswith(f"shmps.{name}.")]
+
+
+@pytest.mark.parametrize("tensor,edit,needle", [
+    ("e", lambda e: e["shards"][1].update(step=2**64), 'field "shards[1].step" = 18446744073'),
+    ("e", lambda e: e["shards"][0].update(table_used=2**64), 'field "shards[0].table_used"'),
+    ("m", lambda e: e["shards"][0].update(step=-1), 'field "shards[0].step" = -1 is not'),
+    ("m", lambda e: e["record"].update(shape=[2, 2**64]), "shape [2, 18446744073709551616]"),
+    ("m", lambda e: e["record"].update(shard_rows=0), "shard_rows 0 and nshards 1"),
+], ids=["table step", "table_used", "csr step", "csr cols", "csr shard_rows 0"])
+def test_out_of_range_words_are_refused_before_force(store, tmp_path, names, tensor, edit,
+                                                     needle):
+    """An integer of checkpoint.json that goes to C out of range (a shard's step or
+    table_used, a csr's shape or shard_rows) is a CorruptFile naming the field, raised
+    before restore --force destroys the old store (a step of 2**64 was an internal
+    OverflowError after the old store was gone)."""
+    t = store.table("e", dim=3, capacity=100, shards=3)
+    t.push(np.arange(50, dtype=np.uint64), np.ones((50, 3), np.float32))
+    store.csr("m", [0, 2, 3], [0, 1, 1])
+    path = tmp_path / "ck"
+    store.checkpoint(path)
+    doc = json.loads((path / "checkpoint.json").read_text())
+    edit(next(e for e in doc["tensors"] if e["record"]["name"] == tensor))
+    (path / "checkpoint.json").write_text(json.dumps(doc))
+    name = new_name(names)
+    with pytest.raises(CorruptFile, match=re.escape(needle)):
+        shmps.restore(path, name)
+    assert not [n for n in os.listdir(SHM) if n.startswith(f"shmps.{name}.")]
+    with pytest.raises(CorruptFile, match=re.escape(needle)):
+        shmps.restore(path, store.name, force=True)
+    again = shmps.attach(store.name)  # a new handle: the old one keeps unlinked mappings
+    try:
+        assert sorted(d["name"] for d in again.tensors()) == ["e", "m"]
+    finally:
+        again.close()
 
 
 @pytest.mark.parametrize("victim,scramble,what", [
