@@ -445,7 +445,9 @@ def _plan_dense(path: str, entry: dict) -> _Plan:
         if upd.float_only and np.dtype(rec["dtype"]).kind != "f":
             raise ValueError(f"optimizer {type(upd).__name__} needs a float dtype")
         clean = {k: rec[k] for k in _RECORD_KEYS if k in rec}
-        lay = _native.layout(_dense_specs(clean)[0])
+        # shard 0's spec only (the shards differ in nrows alone): the record's shard
+        # count is checked against the files below, before restore builds one per shard
+        lay = _native.layout(_dense_specs({**clean, "nshards": 1})[0])
     except (KeyError, TypeError, ValueError, ArithmeticError, Error) as exc:
         raise CorruptFile(f"{cj}: tensor {rec['name']!r}: invalid record: {exc}",
                           files._CKPT_HINT) from None

@@ -467,6 +467,32 @@ def test_restore_of_corrupt_checkpoint_raises_and_leaves_no_store(store, tmp_pat
     assert same_bits(store["b"].pull(), before) and "a" in store
 
 
+LIMITED_RESTORE = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+from shmps import cli
+sys.exit(cli.main(["restore", sys.argv[1], "--as", sys.argv[2]]))
+"""
+
+
+def test_restore_of_a_huge_shard_count_is_refused_at_once(store, tmp_path, names):
+    """A record of 10**9 one-row shards whose files hold 6 rows is refused from the file
+    sizes, at once and in 1 GiB of address space (a spec per shard was built first:
+    14 s, then out of memory)."""
+    store.dense("b", shape=(6, 3), dtype="float32", optimizer=shmps.Adam(), shard_rows=4)
+    path = tmp_path / "ck"
+    store.checkpoint(path)
+    doc = json.loads((path / "checkpoint.json").read_text())
+    doc["tensors"][0]["record"].update(shape=[10**9, 3], shard_rows=1, nshards=10**9)
+    (path / "checkpoint.json").write_text(json.dumps(doc))
+    target = new_name(names)
+    r = subprocess.run(["timeout", "60", sys.executable, "-c", LIMITED_RESTORE, str(path),
+                        target], capture_output=True, text=True, env=child_env(), timeout=90)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "t0.meta: a 6 x 3 float32 set, but" in r.stderr and "(1000000000, 3)" in r.stderr
+    assert segments(target) == []
+
+
 def test_checkpoint_to_an_unwritable_place_names_the_path(store, tmp_path):
     """A path whose directory cannot hold the checkpoint's temporary copy (a /proc entry,
     a read-only directory) gives an OSError naming the path the user gave, not the
