@@ -220,11 +220,12 @@ def save(store: Any, path: str | os.PathLike) -> str:
         os.makedirs(parent, exist_ok=True)
         _clean_debris(path)
         os.mkdir(tmp, 0o700)
-    except OSError as exc:  # named by the user's path, not the internal PATH.tmp-*
-        raise OSError(exc.errno, f"{exc.strerror or exc} (cannot create the checkpoint's "
-                                 f"temporary directory in {parent}, where it is written "
-                                 "before being renamed to this path; choose a path in a "
-                                 "writable directory)", path) from None
+    except OSError as exc:
+        raise _named_by_path(exc, path, f"cannot create the checkpoint's temporary "
+                                        f"directory in {parent}, where it is written before "
+                                        "being renamed to this path; choose a path in a "
+                                        "writable directory") from None
+    installing = False
     try:
         total = sum(sum(sh.seg.size for sh in t._shards) for t in tensors)
         entries = []
@@ -238,18 +239,26 @@ def save(store: Any, path: str | os.PathLike) -> str:
             f.flush()
             os.fsync(f.fileno())
         _fsync_dir(tmp)
+        installing = True
         _install(tmp, path)
-    except OSError as exc:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        if not str(exc.filename or "").startswith(tmp):
-            raise
-        raise OSError(exc.errno, f"{exc.strerror or exc} (while writing the checkpoint "
-                                 f"into {parent}; nothing was written: free space there or "
-                                 "choose a path elsewhere)", path) from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        # every OSError of writing the temporary directory (write() and fsync() errors
+        # such as ENOSPC carry no filename), not a shmps error (Timeout is an OSError)
+        if isinstance(exc, OSError) and not isinstance(exc, Error) and (
+                not installing or str(exc.filename or "").startswith(tmp)):
+            raise _named_by_path(exc, path, f"while writing the checkpoint into a temporary "
+                                            f"directory in {parent}; the checkpoint at this "
+                                            "path, if any, is unchanged: free space there, "
+                                            "or choose a path on another disk") from None
         raise
     return path
+
+
+def _named_by_path(exc: OSError, path: str, what: str) -> OSError:
+    """``exc`` named by the user's ``path`` (not the internal ``PATH.tmp-*``), its message
+    followed by ``what`` (where it happened and what to do)."""
+    return OSError(exc.errno, f"{exc.strerror or exc} ({what})", path)
 
 
 class _Writer:

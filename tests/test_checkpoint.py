@@ -7,6 +7,7 @@ it fails (``finally`` blocks and the ``procs`` fixture).
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -25,6 +26,8 @@ import pytest
 import shmps
 from shmps import checkpoint as ckpt_mod
 from shmps import files
+
+from test_errors import needs_small_shm
 
 SHM = "/dev/shm"
 ROOT = str(Path(shmps.__file__).resolve().parents[1])
@@ -514,6 +517,56 @@ def test_checkpoint_to_an_unwritable_place_names_the_path(store, tmp_path):
         assert sorted(os.listdir(ro)) in ([], ["ck"])
     finally:
         os.chmod(ro, 0o700)
+
+
+FULL_DISK_SCRIPT = """
+import json, os, subprocess, sys, numpy as np, shmps
+from shmps import files
+mnt, name = sys.argv[1], sys.argv[2]
+ck, out = os.path.join(mnt, "ck"), {}
+s = shmps.attach(name)
+try:
+    s.dense("w", shape=(256, 1024), dtype="float32", init=1.0)   # 1 MiB
+    s.checkpoint(ck)
+    s.dense("big", shape=(2048, 1024), dtype="float32")           # 8 MiB more: no room
+    try:
+        s.checkpoint(ck)
+    except OSError as e:
+        out["api"] = [e.errno, e.filename, str(e)]
+    r = subprocess.run([sys.executable, "-m", "shmps.cli", "checkpoint", name, ck],
+                       capture_output=True, text=True)
+    out["cli"] = [r.returncode, r.stderr]
+    out["left"] = sorted(os.listdir(mnt))
+    out["old"] = [e["record"]["name"] for e in files.read_checkpoint_manifest(ck)["tensors"]]
+finally:
+    s.destroy()
+print(json.dumps(out))
+"""
+
+
+@needs_small_shm
+def test_checkpoint_onto_a_full_disk_names_the_path_and_says_what_to_do(tmp_path, names):
+    """On a full filesystem (a private 6 MiB tmpfs) a checkpoint's write error names the
+    user's PATH and says to free space or use another disk, from the API and as one
+    shmps-tool line; the old checkpoint stays and no PATH.tmp-* is left (the error was
+    a bare "No space left on device": write/fsync errors carry no filename)."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    r = subprocess.run(["unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o size=6m tmpfs "$1" '
+                        '&& exec "$2" -c "$3" "$1" "$4"', "sh", str(mnt), sys.executable,
+                        FULL_DISK_SCRIPT, new_name(names)],
+                       capture_output=True, text=True, env=child_env(), timeout=120)
+    assert r.returncode == 0, r.stderr + r.stdout
+    out = json.loads(r.stdout.splitlines()[-1])
+    ck = str(mnt / "ck")
+    assert "api" in out, out
+    code, filename, msg = out["api"]
+    assert code == errno.ENOSPC and filename == ck and ".tmp-" not in msg, out
+    assert "free space" in msg and "another disk" in msg, msg
+    status, err = out["cli"]
+    assert status == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"shmps-tool: error: {ck}: No space left on device ("), err
+    assert out["left"] == ["ck"] and out["old"] == ["w"], out
 
 
 def test_restore_missing_directory_is_not_found(tmp_path, names):
