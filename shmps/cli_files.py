@@ -838,14 +838,12 @@ def convert(args: argparse.Namespace) -> int:
     if sk != "set" and any(v is not None for v in _read_args(args).values()):
         raise InvalidArgument("--rowcnt-dtype/--colidx-dtype/--value-dtype/--cols/--array "
                               "describe a file-set SRC; use --dtype to cast the values")
-    if sk == "npz":
-        rows, cols, nnz, vdt = _npz_to_set(args)
-    elif sk == "npy":
-        rows, cols, nnz, vdt = _npy_to_set(args)
-    elif dk == "npz":
-        rows, cols, nnz, vdt = _set_to_npz(args)
-    else:
-        rows, cols, nnz, vdt = _set_to_npy(args)
+    conv = {"npz": _npz_to_set, "npy": _npy_to_set}.get(sk) or \
+        (_set_to_npz if dk == "npz" else _set_to_npy)
+    # a value beyond --dtype, or repeated entries whose sum overflows, become inf (NaN
+    # for inf + -inf) as numpy computes them, without numpy's RuntimeWarning on stderr
+    with np.errstate(over="ignore", invalid="ignore"):
+        rows, cols, nnz, vdt = conv(args)
     print(f"converted {args.src} -> {args.dst}: {rows} x {cols}, nnz {nnz}, value {vdt}")
     return 0
 

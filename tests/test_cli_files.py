@@ -330,6 +330,26 @@ def test_convert_edge_cases_in_process(tmp_path):
     assert not any(n.startswith(".") for n in os.listdir(tmp_path))  # no temporaries left
 
 
+def test_convert_of_values_that_overflow_keeps_stderr_clean(tmp_path):
+    """Repeated entries whose sum overflows (inf, or NaN from inf + -inf) and values
+    beyond the --dtype convert as numpy computes them (inf, NaN), exit 0, and print
+    nothing on stderr (numpy's RuntimeWarning with a source line was printed)."""
+    write_csr(tmp_path / "X", CSR(np.array([0, 4]), np.array([0, 0, 1, 1]),
+                                  np.array([np.inf, -np.inf, 3e38, 3e38], np.float32)), cols=2)
+    shmps.files.write_dense(str(tmp_path / "D"), np.array([[1e300, -1e300]]))
+    write_csr(tmp_path / "Y", CSR(np.array([0, 2]), np.array([0, 1]), np.array([1e300, 2.0])),
+              cols=2)
+    for args, dst, want in [(("X", "X.npy"), "X.npy", [[np.nan, np.inf]]),
+                            (("D", "D.npy", "--dtype", "float32"), "D.npy", [[np.inf, -np.inf]]),
+                            (("Y", "Y.npy", "--dtype", "float32"), "Y.npy", [[np.inf, 2.0]]),
+                            (("Y", "Y.npz", "--dtype", "float32"), "Y.npz", [[np.inf, 2.0]])]:
+        r = tool("convert", *args, cwd=tmp_path)
+        assert r.returncode == 0 and r.stderr == "", (args, r.stderr)
+        got = (sp.load_npz(tmp_path / dst).toarray() if dst.endswith(".npz")
+               else np.load(tmp_path / dst))
+        assert np.array_equal(got, np.array(want, np.float32), equal_nan=True), (args, got)
+
+
 def huge_cols_set(prefix: Path, cols: int) -> Path:
     """A valid 1-row set with one entry whose .meta declares ``cols`` columns."""
     np.array([0, 1], np.int64).tofile(f"{prefix}.rowcnt")
