@@ -186,6 +186,7 @@ size_t shmps_grad_size(uint32_t dtype);
 #define CATALOG_OFF ((uint64_t)SHMPS_CATALOG_OFF)
 #define STATE_READY 1u
 #define STATE_REMOVED 2u   /* being removed: gc (shmps_manifest_retire), destroy() (take_removal) */
+#define STATE_RESTORING 3u /* a checkpoint is being restored into it (restore_begin/end) */
 
 typedef struct {
     uint64_t magic;          /* SHMPS_MANIFEST_MAGIC, written before state (READY, release) */
@@ -193,7 +194,7 @@ typedef struct {
     uint32_t header_size;    /* 4096 */
     uint64_t total_size;     /* SHMPS_MANIFEST_SIZE */
     uint64_t init_owner;     /* token of the initialiser (CAS-claimed) */
-    uint32_t state;          /* 0 while initialising, STATE_READY after, STATE_REMOVED */
+    uint32_t state;          /* 0 while initialising, STATE_READY after, STATE_REMOVED, STATE_RESTORING */
     uint32_t pad0;
     uint64_t catalog_len;    /* committed catalog bytes */
     uint64_t generation;     /* bumped on every catalog append */

@@ -56,7 +56,7 @@ int shmps_manifest_validate(const void *base, uint64_t size) {
     if (size != SHMPS_MANIFEST_SIZE) return SHMPS_E_CORRUPT;
     /* acquire: pairs with the release store of READY in initialise() */
     uint32_t st = LOAD(&m->state, ACQUIRE);
-    if (st == STATE_REMOVED) return SHMPS_E_REMOVED;
+    if (st == STATE_REMOVED || st == STATE_RESTORING) return SHMPS_E_REMOVED;
     if (st != STATE_READY) return SHMPS_E_CORRUPT;
     if (m->magic != SHMPS_MANIFEST_MAGIC) return SHMPS_E_CORRUPT;
     if (m->version != SHMPS_LAYOUT_VERSION) return SHMPS_E_VERSION;
@@ -84,7 +84,8 @@ int shmps_manifest_init(void *base, uint64_t size, uint64_t token, double timeou
     shmps_wait_init(&w, timeout_s);
     for (;;) {
         uint32_t st = LOAD(&m->state, ACQUIRE); /* pairs with initialise()'s release */
-        if (st == STATE_READY || st == STATE_REMOVED) return shmps_manifest_validate(base, size);
+        if (st == STATE_READY || st == STATE_REMOVED || st == STATE_RESTORING)
+            return shmps_manifest_validate(base, size);
         if (st != 0) return SHMPS_E_CORRUPT;
         uint64_t magic = LOAD(&m->magic, RELAXED);
         if (magic != 0 && magic != SHMPS_MANIFEST_MAGIC) return SHMPS_E_CORRUPT;
@@ -101,7 +102,7 @@ int shmps_manifest_init(void *base, uint64_t size, uint64_t token, double timeou
                 /* The initialiser may have finished (READY) and then exited between
                  * our look at `state` and its death: never wipe a ready store.
                  * acquire: pairs with initialise()'s release of READY. */
-                if (LOAD(&m->state, ACQUIRE) == STATE_READY)
+                if (LOAD(&m->state, ACQUIRE) != 0)
                     return shmps_manifest_validate(base, size);
                 return initialise(base, size, ident, ident_len);
             }
@@ -201,7 +202,10 @@ int shmps_proc_list(void *base, uint64_t *tokens, uint32_t cap, uint32_t *n) {
     proc_slot_t *p = procs(base);
     uint32_t c = 0;
     for (uint32_t i = 0; i < SHMPS_MAX_PROCS && c < cap; i++) {
-        uint64_t t = LOAD(&p[i].token, ACQUIRE);
+        /* seq_cst: a restore lists the attached processes after its READY -> RESTORING
+         * CAS, the other half of the Dekker pair with a registration's CAS and state
+         * load (shmps_manifest_restore_begin); a plain listing needs only acquire */
+        uint64_t t = LOAD(&p[i].token, SEQ_CST);
         if (t) tokens[c++] = t;
     }
     *n = c;
@@ -239,8 +243,13 @@ int shmps_manifest_retire(void *base, uint64_t token) {
         if (shmps_token_alive(cur) || !CAS(&m->retired_by, &cur, token, ACQ_REL, ACQUIRE))
             return SHMPS_E_BUSY;
     }
-    uint32_t ready = STATE_READY;
-    if (!CAS(&m->state, &ready, STATE_REMOVED, SEQ_CST, SEQ_CST)) {
+    /* READY, or RESTORING by a restorer that died (its claim is ours now): a store
+     * whose restore was cut off is removed like an idle one.  REMOVED: its remover (a
+     * gc, a destroy()) died after retiring it; the removal is ours to finish */
+    uint32_t ready = LOAD(&m->state, SEQ_CST);
+    if (ready == STATE_REMOVED) return SHMPS_OK;
+    if ((ready != STATE_READY && ready != STATE_RESTORING)
+            || !CAS(&m->state, &ready, STATE_REMOVED, SEQ_CST, SEQ_CST)) {
         STORE(&m->retired_by, 0, RELEASE);
         return ready == STATE_REMOVED ? SHMPS_E_BUSY : SHMPS_E_CORRUPT;
     }
@@ -277,9 +286,47 @@ int shmps_manifest_take_removal(void *base, uint64_t token) {
     return SHMPS_OK;
 }
 
+/* Restoring a checkpoint into a store (checkpoint.py, restore()): until restore_end,
+ * attachers wait as for a removal (the state is not READY: shmps_manifest_validate
+ * answers SHMPS_E_REMOVED, and a registration that reads it backs off: the Dekker pair
+ * of shmps_manifest_retire, with RESTORING for REMOVED), so no process sees a
+ * half-restored store; if the restorer dies, the next attach (or gc) removes the
+ * partial store (retired_by dead: shmps_manifest_take_removal / retire).
+ * restore_begin claims retired_by as take_removal does (SHMPS_E_BUSY while a live
+ * remover or restorer holds it), then CASes READY -> RESTORING (seq_cst). */
+int shmps_manifest_restore_begin(void *base, uint64_t token) {
+    shmps_manifest_t *m = man(base);
+    uint64_t cur = LOAD(&m->retired_by, ACQUIRE);   /* pairs with a claim's acq_rel CAS */
+    if (cur != 0 && cur != token && shmps_token_alive(cur)) return SHMPS_E_BUSY;
+    if (cur != token && !CAS(&m->retired_by, &cur, token, ACQ_REL, ACQUIRE)) return SHMPS_E_BUSY;
+    uint32_t ready = STATE_READY;
+    if (!CAS(&m->state, &ready, STATE_RESTORING, SEQ_CST, SEQ_CST)) {
+        STORE(&m->retired_by, 0, RELEASE);
+        return SHMPS_E_BUSY;
+    }
+    return SHMPS_OK;
+}
+
+/* The restore is complete: READY again (seq_cst, as the state's other stores; it also
+ * orders the restored catalog before any attacher's acquire of READY), then the claim
+ * is let go.  SHMPS_E_ARG if this caller is not the restorer. */
+int shmps_manifest_restore_end(void *base, uint64_t token) {
+    shmps_manifest_t *m = man(base);
+    if (LOAD(&m->retired_by, ACQUIRE) != token) return SHMPS_E_ARG;
+    uint32_t restoring = STATE_RESTORING;
+    if (!CAS(&m->state, &restoring, STATE_READY, SEQ_CST, SEQ_CST)) return SHMPS_E_ARG;
+    STORE(&m->retired_by, 0, RELEASE);
+    return SHMPS_OK;
+}
+
 int shmps_manifest_attached(const void *base) {
     /* seq_cst: after the registration's CAS (the attacher's half of the pair above) */
     return LOAD(&((const shmps_manifest_t *)base)->state, SEQ_CST) == STATE_READY;
+}
+
+uint64_t shmps_manifest_retired_by(const void *base) {
+    /* acquire: pairs with a claim; for messages (who removes or restores) */
+    return LOAD(&((const shmps_manifest_t *)base)->retired_by, ACQUIRE);
 }
 
 int shmps_manifest_retirer_alive(const void *base) {

@@ -161,6 +161,9 @@ int shmps_proc_list(void *base, uint64_t *tokens, uint32_t cap, uint32_t *n);
 /* removing an idle store without racing attachers (manifest.c) */
 int shmps_manifest_retire(void *base, uint64_t token);
 int shmps_manifest_take_removal(void *base, uint64_t token);
+int shmps_manifest_restore_begin(void *base, uint64_t token);
+int shmps_manifest_restore_end(void *base, uint64_t token);
+uint64_t shmps_manifest_retired_by(const void *base);
 int shmps_manifest_attached(const void *base);
 int shmps_manifest_retirer_alive(const void *base);
 /* worker clocks (bounded delay): clock.c */

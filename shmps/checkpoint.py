@@ -38,7 +38,7 @@ from typing import Any, BinaryIO, Callable, Optional
 import numpy as np
 
 from . import _native, files, names
-from .errors import CorruptFile, Error, InvalidArgument, NotFound
+from .errors import CorruptFile, Error, InvalidArgument, NotFound, Timeout
 from .tensor import Shard, Tensor
 
 FORMAT = files.CHECKPOINT_FORMAT
@@ -332,8 +332,12 @@ def restore(path: str | os.PathLike, name: str, *, namespace: Optional[str] = No
     :class:`NotFound`) and creates, replaces or changes nothing.  Refuses
     (InvalidArgument) to overwrite an existing store that has tensors or other live
     processes, unless ``force=True`` (then the old store is destroyed first).  If
-    restoring fails midway the new store is destroyed."""
-    from .store import attach
+    restoring fails midway the new store is destroyed.
+
+    Until it is complete the store is marked as being restored (native/manifest.c,
+    shmps_manifest_restore_begin): other processes' attach waits (a Timeout naming this
+    process after its ``timeout``), and if this process is killed midway the next attach
+    (or gc) removes the partial store, so no process ever uses a half-restored one."""
 
     path = os.fspath(path)
     names.check_name(name)
@@ -348,15 +352,19 @@ def restore(path: str | os.PathLike, name: str, *, namespace: Optional[str] = No
                               f"version cannot restore (only {', '.join(sorted(_PLANNERS))})",
                               "restore it with the shmps version that wrote it")
         plans.append(planner(path, e))
-    store = attach(name, namespace=namespace)
+    store = _begin_restore(name, namespace)
     try:
+        # (after the mark: a process that attaches from now on waits; one attached
+        # before is listed here: the Dekker pair of shmps_manifest_restore_begin)
         others = [p for p in store.processes() if p != os.getpid()]
         ntensors = len(store.tensors())
     except BaseException:
+        _end_restore(store)
         store.close()
         raise
     if ntensors or others:
         if not force:
+            _end_restore(store)
             store.close()
             raise InvalidArgument(
                 f"store {name!r} exists ({ntensors} tensors, live processes "
@@ -364,7 +372,7 @@ def restore(path: str | os.PathLike, name: str, *, namespace: Optional[str] = No
                 "replace it with --force (force=True), or restore under another name "
                 "with --as NEWNAME")
         store.destroy()
-        store = attach(name, namespace=namespace)
+        store = _begin_restore(name, namespace)
     try:
         with _progress(sum(p.nbytes for p in plans), f"restore {name}") as bar:
             for e, p in zip(doc["tensors"], plans):
@@ -372,10 +380,42 @@ def restore(path: str | os.PathLike, name: str, *, namespace: Optional[str] = No
                     p.run(store, bar)
                 except CorruptFile as exc:
                     raise _table_check_error(exc, path, e) from None
+        _native.check(lib.shmps_manifest_restore_end(store._mptr, _native.token()),
+                      f"restore of store {name!r}")
     except BaseException:
         store.destroy()
         raise
     return store
+
+
+RESTORE_WAIT = 10.0   #: restore waits at most this long for a gc deciding about the store (s)
+
+
+def _begin_restore(name: str, namespace: Optional[str]) -> Any:
+    """Attach store ``name`` (creating it if absent) and mark it as being restored by
+    this process (shmps_manifest_restore_begin).  Another process holding the store's
+    removal (a gc deciding whether it is idle) is waited for, at most RESTORE_WAIT s;
+    one restoring or removing it makes attach() itself wait and time out."""
+    from .store import attach
+
+    deadline = time.monotonic() + RESTORE_WAIT
+    while True:
+        store = attach(name, namespace=namespace)
+        code = lib.shmps_manifest_restore_begin(store._mptr, _native.token())
+        if code == 0:
+            return store
+        store.close()
+        if code != lib.SHMPS_E_BUSY:
+            _native.check(code, f"restore of store {name!r}")
+        if time.monotonic() >= deadline:
+            raise Timeout(f"store {name!r}: another process has been removing it for "
+                          f"{RESTORE_WAIT:g} s", "retry the restore")
+        time.sleep(0.01)
+
+
+def _end_restore(store: Any) -> None:
+    """Give a store marked for restoring back unchanged (a refused restore)."""
+    lib.shmps_manifest_restore_end(store._mptr, _native.token())
 
 
 #: What each problem code of the C table check (``shmps_table_check``, native/table.c)

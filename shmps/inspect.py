@@ -42,7 +42,9 @@ class StoreInfo:
 
 def _read_manifest(seg: Segment) -> tuple[str, Optional[str], list[dict], list[int]]:
     code = lib.shmps_manifest_validate(seg.ptr, seg.size)
-    if code:
+    # (REMOVED: being removed or restored into; its fields are read bounds-checked below,
+    # so gc can finish the removal of a store whose remover or restorer died)
+    if code and code != lib.SHMPS_E_REMOVED:
         _native.check(code, f"manifest {seg.name}")
     buf = ffi.new("char[]", 256)
     n = ffi.new("uint32_t *")

@@ -108,8 +108,10 @@ def attach(name: str, *, create: bool = True, namespace: Optional[str] = None,
             # back, or its manifest is gone (create: then make a new one; else NotFound);
             # finish the removal if the remover died
             try:
-                # the remover died (a gc, a destroy() killed midway): finish its removal,
-                # if this process is the one that takes it over (others wait for it)
+                # the remover or restorer died (a gc, a destroy() or a restore killed
+                # midway): finish the removal (of a partial restore too), if this
+                # process is the one that takes it over (others wait for it)
+                holder = _native.token_pid(int(lib.shmps_manifest_retired_by(seg.ptr)))
                 if (not lib.shmps_manifest_retirer_alive(seg.ptr)
                         and lib.shmps_manifest_take_removal(seg.ptr, _native.token()) == 0):
                     _unlink_store(name, ns)
@@ -117,8 +119,10 @@ def attach(name: str, *, create: bool = True, namespace: Optional[str] = None,
             finally:
                 seg.close()
             if time.monotonic() >= deadline:
-                raise Timeout(f"store {name!r}: it has been being removed (`shmps-tool gc`, "
-                              f"destroy()) for {timeout:g} s", "retry the attach") from None
+                raise Timeout(f"store {name!r}: process {holder} has been removing it "
+                              f"(`shmps-tool gc`, destroy()) or restoring a checkpoint into "
+                              f"it for {timeout:g} s", "retry the attach once it is done, "
+                              "or give attach() a longer timeout") from None
             time.sleep(0.001)
         except BaseException:
             seg.close()
@@ -126,7 +130,8 @@ def attach(name: str, *, create: bool = True, namespace: Optional[str] = None,
 
 
 class _Removed(Exception):
-    """The manifest attach found is being removed (`shmps-tool gc`, destroy()) (internal)."""
+    """The manifest attach found is being removed (`shmps-tool gc`, destroy()) or
+    restored into (internal)."""
 
 
 class Store:

@@ -1,0 +1,132 @@
+"""A restore is invisible until complete: other processes' attach waits for it, and a
+restore killed midway leaves no half-restored store (the next attach, or gc, removes
+it).  Real processes: the restorer is a forked child, killed at a chosen tensor by an
+``os._exit`` in its catalog append (the crash point)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import shmps
+from helpers import remove_store, store_segments
+
+pytestmark = pytest.mark.timeout(120)
+
+NTENSORS = 6
+
+
+@pytest.fixture
+def checkpoint(tmp_path, store_name):
+    """A checkpoint of 6 tensors (t<i> all i+1), taken from a store destroyed after."""
+    src = store_name + "src"
+    with shmps.attach(src) as s:
+        for i in range(NTENSORS):
+            s.dense(f"t{i}", shape=(256, 64), init=float(i + 1))
+        s.checkpoint(tmp_path / "ck")
+        s.destroy()
+    yield tmp_path / "ck"
+    remove_store(src)
+
+
+def restore_in_child(path, name: str, *, die_after: int = -1, pause_after: int = -1,
+                     pause: float = 0.0) -> int:
+    """Fork a child that restores ``path`` as ``name``; it dies (os._exit) once
+    ``die_after`` tensors are in the catalog, or sleeps ``pause`` s after
+    ``pause_after`` of them.  Returns its pid."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            import shmps.store as st
+            real, n = st.Store._append, [0]
+
+            def append(self, rec: dict) -> dict:
+                out = real(self, rec)
+                n[0] += 1
+                if n[0] == die_after:
+                    os._exit(0)
+                if n[0] == pause_after:
+                    time.sleep(pause)
+                return out
+
+            st.Store._append = append
+            shmps.restore(path, name).close()
+            code = 0
+        finally:
+            os._exit(code)
+    return pid
+
+
+def test_a_restore_killed_midway_leaves_no_half_restored_store(checkpoint, store_name):
+    """The restorer dies with 3 of 6 tensors restored: the next attach finds no partial
+    store (it removes it and makes a new, empty one), so a worker's get-or-create never
+    trains a mix of restored and freshly initialised tensors; restoring again works.
+    (Before: the store had t0-t2 at their checkpointed values, and get-or-create made
+    t3-t5 at their init values without a word.)"""
+    try:
+        pid = restore_in_child(checkpoint, store_name, die_after=3)
+        assert os.waitpid(pid, 0)[1] == 0
+        assert len(store_segments(store_name)) == 1 + 3   # the manifest, 3 tensors
+        with shmps.attach(store_name, timeout=5) as s:
+            assert s.tensors() == []
+            s.destroy()
+        r = shmps.restore(checkpoint, store_name)
+        try:
+            assert [float(r[f"t{i}"].pull()[0, 0]) for i in range(NTENSORS)] == \
+                [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+        finally:
+            r.close()
+    finally:
+        remove_store(store_name)
+
+
+def test_gc_removes_a_restore_killed_midway(checkpoint, store_name):
+    """Nobody attaches after the kill: `shmps-tool gc` removes the partial store."""
+    try:
+        pid = restore_in_child(checkpoint, store_name, die_after=2)
+        assert os.waitpid(pid, 0)[1] == 0
+        env = dict(os.environ, SHMPS_GC_MIN_AGE="0")
+        env.pop("SHMPS_NAMESPACE", None)
+        gc = subprocess.run([sys.executable, "-m", "shmps.cli", "gc"], env=env,
+                            capture_output=True, text=True, timeout=60)
+        assert gc.returncode == 0, gc.stderr
+        assert store_segments(store_name) == [], gc.stdout
+    finally:
+        remove_store(store_name)
+
+
+def test_an_attach_during_a_restore_waits_for_all_of_it(checkpoint, store_name):
+    """A process attaching while a restore runs (paused 1.5 s after 2 of 6 tensors)
+    waits and then sees every tensor at its checkpointed value; one with a short
+    timeout gets Timeout naming the restorer's pid, and changes nothing."""
+    try:
+        pid = restore_in_child(checkpoint, store_name, pause_after=2, pause=1.5)
+        deadline = time.monotonic() + 10
+        while len(store_segments(store_name)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.005)   # the restore is under way
+        with pytest.raises(shmps.Timeout, match=f"process {pid} .*restoring"):
+            shmps.attach(store_name, timeout=0.2)
+        with shmps.attach(store_name, timeout=10) as s:
+            got = [float(s[f"t{i}"].pull()[0, 0]) for i in range(NTENSORS)]
+        assert got == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+        assert os.waitpid(pid, 0)[1] == 0
+    finally:
+        remove_store(store_name)
+
+
+def test_a_refused_restore_leaves_the_store_usable(checkpoint, store_name):
+    """A restore refused because the store has tensors (no force) gives the store back
+    as it was: attachable at once, its tensor unchanged."""
+    with shmps.attach(store_name) as s:
+        s.dense("w", shape=(4,), init=7.0)
+        with pytest.raises(shmps.InvalidArgument, match="refusing to replace"):
+            shmps.restore(checkpoint, store_name)
+        with shmps.attach(store_name, timeout=0.5) as again:
+            assert again.tensors()[0]["name"] == "w"
+            assert (again["w"].pull() == 7.0).all()
+        s.destroy()
