@@ -216,17 +216,12 @@ def save(store: Any, path: str | os.PathLike) -> str:
                               f"{', '.join(sorted(_SAVERS))})", "nothing was written")
     parent = os.path.dirname(os.path.abspath(path))
     tmp = _aside_name(os.path.join(parent, os.path.basename(os.path.abspath(path))), "tmp")
+    phase = "create"  # then "write", then "install"
     try:
         os.makedirs(parent, exist_ok=True)
         _clean_debris(path)
-        os.mkdir(tmp, 0o700)
-    except OSError as exc:
-        raise _named_by_path(exc, path, f"cannot create the checkpoint's temporary "
-                                        f"directory in {parent}, where it is written before "
-                                        "being renamed to this path; choose a path in a "
-                                        "writable directory") from None
-    installing = False
-    try:
+        os.mkdir(tmp, 0o700)  # in the try: a Ctrl-C as it returns removes it too
+        phase = "write"
         total = sum(sum(sh.seg.size for sh in t._shards) for t in tensors)
         entries = []
         with _progress(total, f"checkpoint {store.name}") as bar:
@@ -239,18 +234,22 @@ def save(store: Any, path: str | os.PathLike) -> str:
             f.flush()
             os.fsync(f.fileno())
         _fsync_dir(tmp)
-        installing = True
+        phase = "install"
         _install(tmp, path)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        # every OSError of writing the temporary directory (write() and fsync() errors
-        # such as ENOSPC carry no filename), not a shmps error (Timeout is an OSError)
+        # every OSError of making or writing the temporary directory (write() and
+        # fsync() errors such as ENOSPC carry no filename), not a shmps error (Timeout
+        # is an OSError)
         if isinstance(exc, OSError) and not isinstance(exc, Error) and (
-                not installing or str(exc.filename or "").startswith(tmp)):
-            raise _named_by_path(exc, path, f"while writing the checkpoint into a temporary "
-                                            f"directory in {parent}; the checkpoint at this "
-                                            "path, if any, is unchanged: free space there, "
-                                            "or choose a path on another disk") from None
+                phase != "install" or str(exc.filename or "").startswith(tmp)):
+            raise _named_by_path(exc, path, (
+                f"cannot create the checkpoint's temporary directory in {parent}, where it "
+                "is written before being renamed to this path; choose a path in a writable "
+                "directory") if phase == "create" else (
+                f"while writing the checkpoint into a temporary directory in {parent}; the "
+                "checkpoint at this path, if any, is unchanged: free space there, or choose "
+                "a path on another disk")) from None
         raise
     return path
 

@@ -625,6 +625,26 @@ def test_interrupted_in_process_checkpoint_thaws_and_cleans(store, tmp_path, mon
     assert (np.array(files.read_csr(path / "t0").to_numpy()) == 0).all()  # previous one
 
 
+def test_ctrl_c_as_the_tmp_directory_is_made_leaves_none(store, tmp_path, monkeypatch):
+    """Ctrl-C arriving just as the temporary directory's mkdir returns (where SIGINT to
+    shmps-tool lands when sent as soon as PATH.tmp-* shows) removes it: it was made
+    outside the try that cleans up, and stayed."""
+    store.dense("w", shape=(4,), dtype="float32")
+    path = tmp_path / "ck"
+    real_mkdir = os.mkdir
+
+    def mkdir_then_interrupt(p: Any, mode: int = 0o777) -> None:
+        real_mkdir(p, mode)
+        if ".tmp-" in os.fspath(p):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "mkdir", mkdir_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        store.checkpoint(path)
+    monkeypatch.undo()
+    assert debris(path) == [] and not path.exists()
+
+
 CHECKPOINTER = "import sys; from shmps.cli import main; sys.exit(main(sys.argv[1:]))"
 
 
