@@ -39,7 +39,7 @@ import numpy as np
 
 from . import _native, files, names
 from .errors import CorruptFile, Error, InvalidArgument, NotFound, Timeout
-from .tensor import Shard, Tensor
+from .tensor import MAX_ROW_SHARDS, Shard, Tensor
 
 FORMAT = files.CHECKPOINT_FORMAT
 VERSION = files.CHECKPOINT_VERSION
@@ -327,8 +327,10 @@ def restore(path: str | os.PathLike, name: str, *, namespace: Optional[str] = No
     """Recreate store ``name`` from the checkpoint at ``path``; returns it attached.
 
     The whole checkpoint is checked first (every file's size and ``.meta`` against
-    checkpoint.json, and each table's saved index): a corrupt one raises :class:`CorruptFile` (a missing directory
-    :class:`NotFound`) and creates, replaces or changes nothing.  Refuses
+    checkpoint.json, and each table's saved index): a corrupt one raises
+    :class:`CorruptFile` (a missing directory :class:`NotFound`) and creates, replaces or
+    changes nothing.  Every file is read from the directory ``path`` named when restore
+    began (opened once): a checkpoint written to ``path`` meanwhile is not mixed in.  Refuses
     (InvalidArgument) to overwrite an existing store that has tensors or other live
     processes, unless ``force=True`` (then the old store is destroyed first).  If
     restoring fails midway the new store is destroyed.
@@ -337,9 +339,28 @@ def restore(path: str | os.PathLike, name: str, *, namespace: Optional[str] = No
     shmps_manifest_restore_begin): other processes' attach waits (a Timeout naming this
     process after its ``timeout``), and if this process is killed midway the next attach
     (or gc) removes the partial store, so no process ever uses a half-restored one."""
-
-    path = os.fspath(path)
+    shown = os.fspath(path)
     names.check_name(name)
+    try:
+        dfd = os.open(shown, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return _restore_from(shown, name, namespace, force)   # it says what is wrong
+    # every file through the directory opened now, whatever `shown` names later (a
+    # checkpoint to the same path swaps a new directory in: restore read some tensors
+    # from each, 60 of 116 restores racing a checkpoint loop)
+    at = f"/proc/self/fd/{dfd}"
+    try:
+        return _restore_from(at, name, namespace, force)
+    except Error as exc:
+        exc.message = exc.message.replace(at, shown)   # the user's path in messages
+        exc.args = (exc.message,)
+        raise
+    finally:
+        os.close(dfd)
+
+
+def _restore_from(path: str, name: str, namespace: Optional[str], force: bool) -> Any:
+    """restore(), reading the checkpoint at ``path``."""
     doc = _load_doc(path)
     plans = []
     for e in doc["tensors"]:
@@ -513,6 +534,9 @@ def _plan_dense(path: str, entry: dict) -> _Plan:
         raise CorruptFile(f"{mp}: a {ms.rows} x {ms.cols} {ms.dtypes['value']} set, but {cj} "
                           f"records tensor {rec['name']!r} as {rec['dtype']} of shape "
                           f"{tuple(rec['shape'])} ({rows} x {cols})", files._CKPT_HINT)
+    if rec["nshards"] > MAX_ROW_SHARDS:   # (a shape the files hold, in too many shards)
+        raise CorruptFile(f"{cj}: tensor {rec['name']!r}: {rec['nshards']:,} shards, more "
+                          f"than a tensor has ({MAX_ROW_SHARDS:,})", files._CKPT_HINT)
     want_state = _native.DTYPE_NAMES[lay["state_dtype"]]
     if len(sets) - 1 != lay["nstate"] or any(x.dtypes["value"] != want_state
                                              for x in sets[1:]):

@@ -22,7 +22,8 @@ import numpy as np
 from . import _native
 from .errors import CorruptSegment, InvalidArgument, OutOfRange, SchemaError
 from .files import CSR
-from .tensor import PushHandle, Tensor, cast_grad, check_rows, grad_dtype
+from .tensor import (PushHandle, Tensor, cast_grad, check_rows, check_shard_count,
+                     grad_dtype)
 from .updaters import Updater
 
 lib = _native.lib
@@ -541,8 +542,9 @@ def create_record(name: str, req: dict, rc: Optional[np.ndarray], ci: Optional[n
     shape = req.get("shape") or [nrows, int(ci.max()) + 1 if ci.size else 0]
     per = shard_rows or default_shard_rows(nrows, ci.size, dt.itemsize)
     per = max(1, min(per, max(nrows, 1)))
+    nshards = check_shard_count(f"csr tensor {name!r}", nrows, per)
     return {"name": name, "kind": "csr", "dtype": dt.name, "shape": list(shape),
-            "nnz": int(ci.size), "shard_rows": per, "nshards": max(1, -(-nrows // per)),
+            "nnz": int(ci.size), "shard_rows": per, "nshards": nshards,
             "optimizer": upd.to_dict(), "mode": "exact",
             "allow_nonfinite": bool(req.get("allow_nonfinite", False)),
             "structure": req["structure"]}

@@ -24,7 +24,7 @@ from .dense import DenseTensor, default_shard_rows
 from .errors import (CapacityError, Closed, CorruptFile, CorruptSegment, InvalidArgument,
                      NotFound, SchemaError, Timeout)
 from .segment import Segment, check_room, list_names, shm_free, unlink
-from .tensor import PushHandle, Tensor, open_shards
+from .tensor import PushHandle, Tensor, check_shard_count, open_shards
 from .updaters import Updater, UpdaterLike, as_updater, from_dict
 
 lib = _native.lib
@@ -541,9 +541,9 @@ class Store:
         row_len = int(np.prod(shape[1:], dtype=np.int64)) if shape else 1
         shard_rows = req.get("shard_rows") or default_shard_rows(shape, dt.itemsize)
         shard_rows = max(1, min(shard_rows, max(nrows, 1)))
-        nshards = max(1, -(-nrows // shard_rows))
         init_arr = _init_array(init, shape, dt)
         check_room(f"tensor {name!r} {shape} of {dt}", nrows * row_len * dt.itemsize)
+        nshards = check_shard_count(f"tensor {name!r}", nrows, shard_rows)
         rec = {"name": name, "kind": "dense", "dtype": dt.name, "shape": list(shape),
                "shard_rows": shard_rows, "nshards": nshards, "optimizer": upd.to_dict(),
                "mode": mode, "allow_nonfinite": bool(req.get("allow_nonfinite", False))}
@@ -870,7 +870,12 @@ def _copy_in(dst: np.ndarray, src: np.ndarray, e0: int, e1: int) -> None:
     about 3x faster for large restores)."""
     if isinstance(src, np.memmap) and getattr(src, "filename", None) and src.base is not None \
             and dst.dtype == src.dtype and dst.size == e1 - e0:
-        with open(src.filename, "rb", buffering=0) as f:
+        try:
+            f = open(src.filename, "rb", buffering=0)
+        except FileNotFoundError:   # removed since it was mapped: the mapping still reads it
+            dst[...] = src[e0:e1]
+            return
+        with f:
             f.seek(src.offset + e0 * src.itemsize)
             view = memoryview(dst).cast("B")
             got = 0

@@ -114,6 +114,23 @@ class PushHandle:
         self._future.result(timeout)
 
 
+#: shards of a dense or csr tensor at most: each is a mapping in every process that uses
+#: it, and Linux allows a process 65530 (vm.max_map_count).  An explicit shard_rows that
+#: would make more is refused (the default makes about 16 MiB shards).
+MAX_ROW_SHARDS = 1 << 15
+
+
+def check_shard_count(what: str, nrows: int, shard_rows: int) -> int:
+    """The shard count of ``nrows`` rows in ``shard_rows``-row shards; SchemaError
+    above MAX_ROW_SHARDS."""
+    nshards = max(1, -(-nrows // shard_rows))
+    if nshards > MAX_ROW_SHARDS:
+        raise SchemaError(f"{what}: shard_rows={shard_rows} makes {nshards:,} shards of "
+                          f"its {nrows:,} rows; at most {MAX_ROW_SHARDS:,}",
+                          "pass a larger shard_rows, or none (about 16 MiB a shard)")
+    return nshards
+
+
 _pools: dict[int, ThreadPoolExecutor] = {}
 _pools_lock = threading.Lock()
 

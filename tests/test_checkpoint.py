@@ -496,6 +496,22 @@ def test_restore_of_a_huge_shard_count_is_refused_at_once(store, tmp_path, names
     assert segments(target) == []
 
 
+def test_restore_of_more_shards_than_a_tensor_has_is_refused(store, tmp_path, names):
+    """A record that splits a tensor its files do hold into more shards than a tensor
+    may have (tensor.MAX_ROW_SHARDS: each is a mapping in every process) is a
+    CorruptFile before anything is created (it went on to create 100,000 segments)."""
+    store.dense("b", shape=(100_000, 1), dtype="int8")
+    path = tmp_path / "ck"
+    store.checkpoint(path)
+    doc = json.loads((path / "checkpoint.json").read_text())
+    doc["tensors"][0]["record"].update(shard_rows=1, nshards=100_000)
+    (path / "checkpoint.json").write_text(json.dumps(doc))
+    target = new_name(names)
+    with pytest.raises(shmps.CorruptFile, match="100,000 shards, more than a tensor has"):
+        shmps.restore(path, target)
+    assert segments(target) == []
+
+
 def test_checkpoint_to_an_unwritable_place_names_the_path(store, tmp_path):
     """A path whose directory cannot hold the checkpoint's temporary copy (a /proc entry,
     a read-only directory) gives an OSError naming the path the user gave, not the

@@ -324,6 +324,19 @@ def test_bad_table_creation_arguments(store, kwargs, exc, match):
     assert len(store_segments(store.name)) == 1
 
 
+def test_a_shard_rows_making_too_many_shards_is_refused(store):
+    """An explicit shard_rows that would split a dense or csr tensor into more than
+    MAX_ROW_SHARDS shards (each a mapping in every process; Linux allows 65530) is a
+    SchemaError before anything is created."""
+    from shmps.tensor import MAX_ROW_SHARDS
+    n = MAX_ROW_SHARDS + 1
+    with pytest.raises(shmps.SchemaError, match=f"makes {n:,} shards"):
+        store.dense("w", shape=(n, 2), shard_rows=1)
+    with pytest.raises(shmps.SchemaError, match=f"makes {n:,} shards"):
+        store.csr("c", np.arange(n + 1, dtype=np.int64), np.zeros(n, np.int64), shard_rows=1)
+    assert store.tensors() == []
+
+
 def test_shard_rows_above_the_rows_are_the_rows(store):
     """shard_rows= larger than the tensor's rows makes one shard of them all; the same
     call again gets the tensor (it raised SchemaError 'exists with another schema', and

@@ -130,3 +130,58 @@ def test_a_refused_restore_leaves_the_store_usable(checkpoint, store_name):
             assert again.tensors()[0]["name"] == "w"
             assert (again["w"].pull() == 7.0).all()
         s.destroy()
+
+
+WRITER = """
+import sys, time, shmps
+a = shmps.attach(sys.argv[1], create=False)
+b = shmps.attach(sys.argv[2], create=False)
+end = time.monotonic() + float(sys.argv[4])
+while time.monotonic() < end:
+    a.checkpoint(sys.argv[3])
+    b.checkpoint(sys.argv[3])
+a.close()
+b.close()
+"""
+
+
+def test_a_restore_racing_a_checkpoint_to_the_same_path_is_never_mixed(tmp_path, store_name):
+    """One process checkpoints store A (every value 1) and store B (every value 2) to
+    the same PATH in turn for 4 s; restores from PATH meanwhile each give A or B whole,
+    never some tensors (or a tensor's first and last rows) of each.  (Restore looked PATH
+    up by name file by file: 60 of 116 restores were a mix.)  A restore may be refused
+    (a file of its checkpoint deleted before it was opened), as a shmps error."""
+    ck = tmp_path / "latest"
+    src = [store_name + "a", store_name + "b"]
+    for name, v in zip(src, (1.0, 2.0)):
+        with shmps.attach(name) as s:
+            for i in range(4):
+                s.dense(f"w{i}", shape=(1024, 1024), init=v)   # 4 MiB each
+    with shmps.attach(src[0]) as s:
+        s.checkpoint(ck)
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, *src, str(ck), "4"])
+    restored, refused, mixed = 0, 0, []
+    try:
+        end = time.monotonic() + 3.5
+        while time.monotonic() < end:
+            try:
+                r = shmps.restore(ck, store_name, force=True)
+            except shmps.Error:
+                refused += 1
+                continue
+            try:
+                seen = {float(r[f"w{i}"].view()[k, k]) for i in range(4) for k in (0, -1)}
+            finally:
+                r.destroy()
+            restored += 1
+            if len(seen) != 1:
+                mixed.append(sorted(seen))
+        assert writer.wait(30) == 0
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+            writer.wait()
+        for name in src + [store_name]:
+            remove_store(name)
+    assert not mixed, f"{len(mixed)} of {restored} restores mixed two checkpoints: {mixed[:3]}"
+    assert restored >= 5, (restored, refused)
