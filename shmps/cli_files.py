@@ -11,7 +11,6 @@ import argparse
 import io
 import json
 import os
-import secrets
 import shutil
 import sys
 import zipfile
@@ -24,7 +23,7 @@ import numpy as np
 from .errors import CapacityError, CorruptFile, InvalidArgument, NotFound
 from .files import (ARRAYS, CHUNK, CSR, INDEX_DTYPES, VALUE_DTYPES, MatrixSet, SetWriter,
                     _check_structure, _scipy_sparse, build_meta, read_checkpoint_manifest,
-                    read_csr, validate_all)
+                    read_csr, remove_dead_temporaries, temporary_path, validate_all)
 
 #: Entries formatted per write when printing (bounded memory, bounded string size).
 ENTRY_CHUNK = 1 << 16
@@ -627,13 +626,15 @@ def _progress(total: int, desc: str) -> Any:
 
 @contextmanager
 def _atomic_output(dst: str) -> Iterator[str]:
-    """A temporary path beside ``dst``; on success fsync it and rename it to ``dst``,
-    on any exception (Ctrl-C included) delete it."""
+    """A temporary path beside ``dst`` (:func:`temporary_path`); on success fsync
+    it and rename it to ``dst``, on any exception (Ctrl-C included) delete it.  First
+    removes the temporaries of ``dst`` that killed writers left
+    (:func:`remove_dead_temporaries`)."""
     directory = os.path.dirname(dst) or "."
     if not os.path.isdir(directory):
         raise NotFound(f"{directory}: no such directory", hint="create the directory first")
-    tmp = os.path.join(directory,
-                       f".{os.path.basename(dst)}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    remove_dead_temporaries(directory, os.path.basename(dst).__eq__)
+    tmp = temporary_path(dst)
     try:
         yield tmp
         fd = os.open(tmp, os.O_RDONLY)

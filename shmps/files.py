@@ -27,8 +27,9 @@ import json
 import os
 import re
 import secrets
+import stat
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, NamedTuple, Sequence, cast
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence, cast
 
 import numpy as np
 
@@ -958,15 +959,83 @@ def validate_all(prefix: str | os.PathLike[str], **flags: Any) -> list[MatrixSet
 
 # ----------------------------------------------------------------------------- writing
 
+#: What :func:`_tmp_name` writes, read back: NAME, the writer's PID, 8 hex digits.
+_TMP_NAME = re.compile(r"\.(.+)\.tmp-([1-9][0-9]*)-([0-9a-f]{8})")
+
+
+def _tmp_name(name: str, pid: int, token: str) -> str:
+    """``.NAME.tmp-PID-TOKEN``: the one form of every hidden temporary file a writer
+    makes beside ``NAME`` before renaming it there (:func:`temporary_path`), and the
+    only form :func:`remove_dead_temporaries` ever removes."""
+    return f".{name}.tmp-{pid}-{token}"
+
+
+def temporary_path(final: str) -> str:
+    """Where this process writes ``final`` before renaming it there: the hidden
+    ``.NAME.tmp-PID-HEX`` beside it (NAME = ``final``'s file name, HEX = 8 random hex
+    digits).  O(1)."""
+    directory, name = os.path.split(final)
+    return os.path.join(directory, _tmp_name(name, os.getpid(), secrets.token_hex(4)))
+
+
+def remove_dead_temporaries(directory: str, owns: Callable[[str], bool]) -> None:
+    """Remove the temporary files that writers killed before they could clean up (SIGKILL,
+    power loss) left in ``directory``: names exactly of :func:`temporary_path`'s form
+    whose NAME ``owns(NAME)`` accepts, whose PID is no live process (nor this one:
+    another thread may be writing), and that are regular files owned by this user.
+    Anything else (a look-alike name, a live writer's file, a directory, a symlink,
+    another user's file) is left alone, and so is any error (best effort: the caller's
+    own write is what matters).  O(entries in ``directory``)."""
+    try:
+        entries = os.listdir(directory)
+    except OSError:
+        return
+    for n in entries:
+        m = _TMP_NAME.fullmatch(n)
+        # only what _tmp_name writes, for a NAME the caller writes
+        if m is None or _tmp_name(m[1], int(m[2]), m[3]) != n or not owns(m[1]):
+            continue
+        pid = int(m[2])
+        if pid == os.getpid():
+            continue
+        try:
+            os.kill(pid, 0)
+            continue  # a live writer's
+        except ProcessLookupError:
+            pass  # dead
+        except OSError:
+            continue  # EPERM: alive, another user's
+        full = os.path.join(directory, n)
+        try:
+            st = os.lstat(full)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+                os.unlink(full)
+        except OSError:
+            pass
+
+
+def _set_member(base: str) -> Callable[[str], bool]:
+    """Whether a file name is ``base.A`` for an array or ``.meta`` of a file set."""
+    def owns(name: str) -> bool:
+        head, dot, array = name.rpartition(".")
+        return head == base and bool(dot) and (array in ("rowcnt", "colidx", "meta")
+                                               or _ARRAY_NAME.fullmatch(array) is not None)
+    return owns
+
 
 class SetWriter:
     """Streams the three arrays of a file set to hidden temporary files beside
-    ``prefix``, then :meth:`commit` fsyncs and renames each over its final name and
-    writes the ``.meta`` last.  Every file is replaced atomically (old or new, never
-    half); the set as a whole is not (checkpoints get that from a directory rename).
-    On an exception inside ``with`` (Ctrl-C included) the temporaries are removed.
+    ``prefix`` (``.X.value.tmp-PID-HEX``, :func:`temporary_path`), then :meth:`commit`
+    fsyncs and renames each over its final name and writes the ``.meta`` last.  Every
+    file is replaced atomically (old or new, never half); the set as a whole is not
+    (checkpoints get that from a directory rename): a writer killed between two renames
+    leaves new files beside old ones.  On an exception inside ``with`` (Ctrl-C
+    included) the temporaries are removed; those of a writer of ``prefix`` killed
+    outright (SIGKILL) are removed by the next SetWriter of ``prefix``
+    (:func:`remove_dead_temporaries`).
 
-    Cost: the bytes written plus four fsyncs; O(CHUNK) memory per :meth:`append`.
+    Cost: the bytes written plus four fsyncs, and one listing of the directory;
+    O(CHUNK) memory per :meth:`append`.
     """
 
     def __init__(self, prefix: str | os.PathLike[str], dtypes: Mapping[str, str]) -> None:
@@ -979,9 +1048,8 @@ class SetWriter:
         if not os.path.isdir(directory):
             raise NotFound(f"{directory}: no such directory",
                            hint="create the directory first")
-        base = os.path.basename(self.prefix)
-        token = f"{os.getpid()}-{secrets.token_hex(4)}"
-        self._tmp = {k: os.path.join(directory, f".{base}.{k}.tmp-{token}")
+        remove_dead_temporaries(directory, _set_member(os.path.basename(self.prefix)))
+        self._tmp = {k: temporary_path(f"{self.prefix}.{k}")
                      for k in (*self.dtypes, "meta")}
         self._dir = directory
         self._files: dict[str, Any] = {}
@@ -1307,4 +1375,5 @@ __all__ = [
     "CHECKPOINT_FORMAT", "CHECKPOINT_VERSION", "CHECKPOINT_JSON",
     "build_meta", "paths", "normalize_prefix", "iter_chunks", "FORMAT_VERSION", "ARRAYS",
     "INDEX_DTYPES", "VALUE_DTYPES", "DEFAULT_DTYPES", "CHUNK", "MAX_STATE", "is_u64",
+    "temporary_path", "remove_dead_temporaries",
 ]

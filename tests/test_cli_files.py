@@ -5,8 +5,10 @@ import contextlib
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -27,12 +29,17 @@ from test_files import CORRUPT, EXAMPLE, csr_cases, raw_set
 _ROOT = str(Path(shmps.files.__file__).resolve().parents[1])
 
 
-def tool(*args: str, cwd: str | os.PathLike[str] | None = None) -> subprocess.CompletedProcess:
-    """Run ``python -m shmps.cli ARGS`` in a fresh interpreter; capture text output."""
+def tool_env() -> dict[str, str]:
+    """The environment that makes ``python -m shmps.cli`` run the shmps under test."""
     env = dict(os.environ)
     env["PYTHONPATH"] = _ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def tool(*args: str, cwd: str | os.PathLike[str] | None = None) -> subprocess.CompletedProcess:
+    """Run ``python -m shmps.cli ARGS`` in a fresh interpreter; capture text output."""
     return subprocess.run([sys.executable, "-m", "shmps.cli", *map(str, args)], cwd=cwd,
-                          env=env, capture_output=True, text=True, timeout=120)
+                          env=tool_env(), capture_output=True, text=True, timeout=120)
 
 
 def main_out(*args: str) -> tuple[int, str, str]:
@@ -348,6 +355,70 @@ def test_convert_of_values_that_overflow_keeps_stderr_clean(tmp_path):
         got = (sp.load_npz(tmp_path / dst).toarray() if dst.endswith(".npz")
                else np.load(tmp_path / dst))
         assert np.array_equal(got, np.array(want, np.float32), equal_nan=True), (args, got)
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited and been reaped."""
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
+def hidden(directory: Path) -> set[str]:
+    return {n for n in os.listdir(directory) if n.startswith(".")}
+
+
+def test_sigkilled_convert_leaves_temporaries_that_the_next_write_removes(tmp_path):
+    """A convert SIGKILLed mid-write leaves .X.*.tmp-PID-HEX files; the next convert to X
+    removes exactly those of dead writers and this user, and keeps look-alikes, a live
+    writer's and another user's (as does a convert to X.npy for .X.npy.tmp-*)."""
+    big = tmp_path / "big.npy"  # 8 GiB of zeros, sparse on disk: seconds to scan
+    del_me = np.lib.format.open_memmap(big, mode="w+", dtype=np.float32,
+                                       shape=(1 << 16, 1 << 15))
+    del del_me
+    try:
+        victim = subprocess.Popen([sys.executable, "-m", "shmps.cli", "convert", str(big),
+                                   str(tmp_path / "X")], env=tool_env(),
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while len(hidden(tmp_path)) < 3 and victim.poll() is None \
+                and time.monotonic() < deadline:  # until all three are open
+            time.sleep(0.002)
+        assert victim.poll() is None, "convert ended before it could be killed"
+        victim.send_signal(signal.SIGKILL)
+        assert victim.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        big.unlink()
+    killed = hidden(tmp_path)
+    assert {n.split(".tmp-")[0] for n in killed} == {".X.rowcnt", ".X.colidx", ".X.value"}
+    assert not any(n.startswith("X.") for n in os.listdir(tmp_path))
+    dead, live = dead_pid(), os.getpid()
+    removed = {f".X.state3.tmp-{dead}-fedcba98", f".X.meta.tmp-{dead}-01234567"}
+    kept = {f".X.value.tmp-{dead}-0123456", f".X.value.tmp-{dead}-0123456g",
+            f".X.value.tmp-{dead}-01234567.bak", f".X.values.tmp-{dead}-01234567",
+            f".X.state03.tmp-{dead}-01234567", f".X.value.tmp-0{dead}-01234567",
+            f".Y.value.tmp-{dead}-01234567", f".X.npy.tmp-{dead}-01234567",
+            f".X.value.tmp-{live}-01234567", f".X.npy.tmp-{live}-01234567"}
+    for n in removed | kept:
+        (tmp_path / n).write_bytes(b"x")
+    (tmp_path / f"X.value.tmp-{dead}-01234567").write_bytes(b"x")  # not hidden: kept
+    (tmp_path / f".X.colidx.tmp-{dead}-89abcdef").mkdir()  # not a file: kept
+    (tmp_path / f".X.rowcnt.tmp-{dead}-89abcdef").symlink_to(big)  # not a file: kept
+    kept |= {f".X.colidx.tmp-{dead}-89abcdef", f".X.rowcnt.tmp-{dead}-89abcdef"}
+    if os.geteuid() == 0:  # another user's file with this user's name pattern: kept
+        (tmp_path / f".X.value.tmp-{dead}-76543210").write_bytes(b"x")
+        os.chown(tmp_path / f".X.value.tmp-{dead}-76543210", 65534, 65534)
+        kept.add(f".X.value.tmp-{dead}-76543210")
+    a = np.array([[0, 1.5, 0], [2, 0, 0]], dtype=np.float32)
+    np.save(tmp_path / "d.npy", a)
+    r = tool("convert", tmp_path / "d.npy", tmp_path / "X")
+    assert r.returncode == 0, r.stderr
+    assert np.array_equal(read_csr(tmp_path / "X").to_numpy(), a)
+    assert hidden(tmp_path) == kept  # .X.npy.tmp-* is not a file set's
+    r = tool("convert", tmp_path / "X", tmp_path / "X.npy")
+    assert r.returncode == 0, r.stderr
+    assert np.array_equal(np.load(tmp_path / "X.npy"), a)
+    assert hidden(tmp_path) == kept - {f".X.npy.tmp-{dead}-01234567"}
 
 
 def huge_cols_set(prefix: Path, cols: int) -> Path:
