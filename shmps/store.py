@@ -843,6 +843,12 @@ class Store:
                     raise Timeout(f"store {self.name!r}: another process has been removing "
                                   f"it for {DESTROY_WAIT:g} s", "retry destroy()")
                 time.sleep(0.001)
+            if not m.is_named():
+                # this handle's store was destroyed by another process already, and the
+                # name may be a new store's now: nothing of this store is left to remove.
+                # (Holding the claim, no one else can remove or replace it meanwhile.)
+                self.close()
+                return
         self.close()
         _unlink_store(self.name, self.namespace)
 

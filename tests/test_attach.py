@@ -509,6 +509,30 @@ def test_a_destroy_killed_midway_is_finished_by_the_next_attach(store_name):
         remove_store(store_name)
 
 
+def test_destroy_through_a_stale_handle_leaves_the_new_store_alone(store_name):
+    """A process still attached to a store that another process destroyed, and that was
+    made anew under the name since, calls destroy(): the new store and its tensor stay.
+    (destroy() removed whatever the name held: the new, live store.)"""
+    import subprocess
+    import sys
+
+    old = shmps.attach(store_name)
+    try:
+        r = subprocess.run([sys.executable, "-c", "import shmps, sys; "
+                            "shmps.attach(sys.argv[1]).destroy()", store_name],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        with shmps.attach(store_name) as new:
+            new.dense("w", shape=(4,), init=1.0)
+            old.destroy()
+            assert len(store_segments(store_name)) == 2
+            with shmps.attach(store_name, create=False) as again:
+                assert (again["w"].pull() == 1.0).all()
+    finally:
+        old.close()
+        remove_store(store_name)
+
+
 def test_attach_finishes_the_removal_of_a_dead_gc(store_name):
     """A `shmps-tool gc` killed after it retired an idle store (state "being removed")
     and before it unlinked the manifest: the next attach sees the remover dead, finishes
