@@ -187,6 +187,7 @@ size_t shmps_grad_size(uint32_t dtype);
 #define STATE_READY 1u
 #define STATE_REMOVED 2u   /* being removed: gc (shmps_manifest_retire), destroy() (take_removal) */
 #define STATE_RESTORING 3u /* a checkpoint is being restored into it (restore_begin/end) */
+#define STATE_RETIRING 4u  /* gc deciding whether it is idle (shmps_manifest_retire) */
 
 typedef struct {
     uint64_t magic;          /* SHMPS_MANIFEST_MAGIC, written before state (READY, release) */

@@ -21,7 +21,10 @@
 static shmps_manifest_t *man(void *base) { return (shmps_manifest_t *)base; }
 static proc_slot_t *procs(void *base) { return (proc_slot_t *)at(base, PROCS_OFF); }
 
-static int initialise(void *base, uint64_t size, const char *ident, uint32_t ident_len) {
+/* restorer: 0, or the token of a restore that creates this store (checkpoint.py): the
+ * store is born RESTORING and claimed by it, so no attacher ever sees it empty */
+static int initialise(void *base, uint64_t size, const char *ident, uint32_t ident_len,
+                      uint64_t restorer) {
     shmps_manifest_t *m = man(base);
     /* We own init_owner; anything else in the header may be a dead initialiser's
      * half-work, so rewrite all of it (state stays 0 until the end) -- but never
@@ -46,8 +49,9 @@ static int initialise(void *base, uint64_t size, const char *ident, uint32_t ide
     memcpy(m->ident, ident, ident_len);
     m->ident_len = ident_len;
     m->magic = SHMPS_MANIFEST_MAGIC;
-    /* release: everything above happens-before any attacher's acquire of READY */
-    STORE(&m->state, STATE_READY, RELEASE);
+    m->retired_by = restorer;
+    /* release: everything above happens-before any attacher's acquire of the state */
+    STORE(&m->state, restorer ? STATE_RESTORING : STATE_READY, RELEASE);
     return SHMPS_OK;
 }
 
@@ -56,7 +60,8 @@ int shmps_manifest_validate(const void *base, uint64_t size) {
     if (size != SHMPS_MANIFEST_SIZE) return SHMPS_E_CORRUPT;
     /* acquire: pairs with the release store of READY in initialise() */
     uint32_t st = LOAD(&m->state, ACQUIRE);
-    if (st == STATE_REMOVED || st == STATE_RESTORING) return SHMPS_E_REMOVED;
+    if (st == STATE_REMOVED || st == STATE_RESTORING || st == STATE_RETIRING)
+        return SHMPS_E_REMOVED;
     if (st != STATE_READY) return SHMPS_E_CORRUPT;
     if (m->magic != SHMPS_MANIFEST_MAGIC) return SHMPS_E_CORRUPT;
     if (m->version != SHMPS_LAYOUT_VERSION) return SHMPS_E_VERSION;
@@ -76,7 +81,8 @@ int shmps_manifest_ident(const void *base, char *out, uint32_t cap, uint32_t *le
 }
 
 int shmps_manifest_init(void *base, uint64_t size, uint64_t token, double timeout_s,
-                        const char *ident, uint32_t ident_len) {
+                        const char *ident, uint32_t ident_len, int restoring) {
+    uint64_t restorer = restoring ? token : 0;
     if (size != SHMPS_MANIFEST_SIZE) return SHMPS_E_CORRUPT;
     if (ident_len > sizeof(((shmps_manifest_t *)0)->ident)) return SHMPS_E_ARG;
     shmps_manifest_t *m = man(base);
@@ -84,16 +90,15 @@ int shmps_manifest_init(void *base, uint64_t size, uint64_t token, double timeou
     shmps_wait_init(&w, timeout_s);
     for (;;) {
         uint32_t st = LOAD(&m->state, ACQUIRE); /* pairs with initialise()'s release */
-        if (st == STATE_READY || st == STATE_REMOVED || st == STATE_RESTORING)
-            return shmps_manifest_validate(base, size);
-        if (st != 0) return SHMPS_E_CORRUPT;
+        if (st != 0) return shmps_manifest_validate(base, size);
         uint64_t magic = LOAD(&m->magic, RELAXED);
         if (magic != 0 && magic != SHMPS_MANIFEST_MAGIC) return SHMPS_E_CORRUPT;
         uint64_t cur = LOAD(&m->init_owner, ACQUIRE);
         if (cur == 0) {
             /* acq_rel: we become the initialiser; ordering against a dead
              * predecessor is not needed since we rewrite everything */
-            if (CAS(&m->init_owner, &cur, token, ACQ_REL, ACQUIRE)) return initialise(base, size, ident, ident_len);
+            if (CAS(&m->init_owner, &cur, token, ACQ_REL, ACQUIRE))
+                return initialise(base, size, ident, ident_len, restorer);
             continue;
         }
         int r = shmps_wait_step(&w, cur);
@@ -104,7 +109,7 @@ int shmps_manifest_init(void *base, uint64_t size, uint64_t token, double timeou
                  * acquire: pairs with initialise()'s release of READY. */
                 if (LOAD(&m->state, ACQUIRE) != 0)
                     return shmps_manifest_validate(base, size);
-                return initialise(base, size, ident, ident_len);
+                return initialise(base, size, ident, ident_len, restorer);
             }
         } else if (r < 0) {
             return r;
@@ -243,26 +248,30 @@ int shmps_manifest_retire(void *base, uint64_t token) {
         if (shmps_token_alive(cur) || !CAS(&m->retired_by, &cur, token, ACQ_REL, ACQUIRE))
             return SHMPS_E_BUSY;
     }
-    /* READY, or RESTORING by a restorer that died (its claim is ours now): a store
-     * whose restore was cut off is removed like an idle one.  REMOVED: its remover (a
-     * gc, a destroy()) died after retiring it; the removal is ours to finish */
-    uint32_t ready = LOAD(&m->state, SEQ_CST);
-    if (ready == STATE_REMOVED) return SHMPS_OK;
-    if ((ready != STATE_READY && ready != STATE_RESTORING)
-            || !CAS(&m->state, &ready, STATE_REMOVED, SEQ_CST, SEQ_CST)) {
+    /* REMOVED: decided (a destroy(), or a gc after its scan) by a remover that died:
+     * the removal is ours to finish.  READY; RESTORING by a restorer that died (its
+     * claim is ours now: a store whose restore was cut off goes like an idle one); or
+     * RETIRING, a gc that died while deciding: decide again.  0 (being initialised):
+     * not ours to judge yet. */
+    uint32_t st = LOAD(&m->state, SEQ_CST);
+    if (st == STATE_REMOVED) return SHMPS_OK;
+    if ((st != STATE_READY && st != STATE_RESTORING && st != STATE_RETIRING)
+            || !CAS(&m->state, &st, STATE_RETIRING, SEQ_CST, SEQ_CST)) {
         STORE(&m->retired_by, 0, RELEASE);
-        return ready == STATE_REMOVED ? SHMPS_E_BUSY : SHMPS_E_CORRUPT;
+        return st == 0 || st == STATE_REMOVED ? SHMPS_E_BUSY : SHMPS_E_CORRUPT;
     }
     proc_slot_t *p = procs(base);
     for (uint32_t i = 0; i < SHMPS_MAX_PROCS; i++) {
-        uint64_t t = LOAD(&p[i].token, SEQ_CST); /* after the REMOVED store: see above */
+        uint64_t t = LOAD(&p[i].token, SEQ_CST); /* after the RETIRING store: see above */
         if (t != 0 && shmps_token_alive(t)) {
-            /* seq_cst: an attacher that read REMOVED retries, and reads READY now */
+            /* seq_cst: an attacher that read RETIRING retries, and reads READY now */
             STORE(&m->state, STATE_READY, SEQ_CST);
             STORE(&m->retired_by, 0, RELEASE);
             return SHMPS_E_BUSY;
         }
     }
+    /* decided: a takeover from here on finishes the removal without a second look */
+    STORE(&m->state, STATE_REMOVED, SEQ_CST);
     return SHMPS_OK;
 }
 
@@ -297,6 +306,8 @@ int shmps_manifest_take_removal(void *base, uint64_t token) {
 int shmps_manifest_restore_begin(void *base, uint64_t token) {
     shmps_manifest_t *m = man(base);
     uint64_t cur = LOAD(&m->retired_by, ACQUIRE);   /* pairs with a claim's acq_rel CAS */
+    /* born RESTORING for this restorer (shmps_manifest_init with restoring) */
+    if (cur == token && LOAD(&m->state, SEQ_CST) == STATE_RESTORING) return SHMPS_OK;
     if (cur != 0 && cur != token && shmps_token_alive(cur)) return SHMPS_E_BUSY;
     if (cur != token && !CAS(&m->retired_by, &cur, token, ACQ_REL, ACQUIRE)) return SHMPS_E_BUSY;
     uint32_t ready = STATE_READY;
@@ -319,9 +330,25 @@ int shmps_manifest_restore_end(void *base, uint64_t token) {
     return SHMPS_OK;
 }
 
-int shmps_manifest_attached(const void *base) {
+int shmps_manifest_attached(const void *base, uint64_t token) {
+    const shmps_manifest_t *m = (const shmps_manifest_t *)base;
     /* seq_cst: after the registration's CAS (the attacher's half of the pair above) */
-    return LOAD(&((const shmps_manifest_t *)base)->state, SEQ_CST) == STATE_READY;
+    uint32_t st = LOAD(&m->state, SEQ_CST);
+    /* a store born RESTORING (or being restored) is attached to by its restorer only */
+    return st == STATE_READY
+        || (st == STATE_RESTORING && LOAD(&m->retired_by, ACQUIRE) == token);
+}
+
+/* May a process attached to this store create tensors in it?  READY; RETIRING (a gc
+ * deciding: it sees the attached caller and puts READY back); RESTORING by the caller.
+ * Not REMOVED (destroyed: what it made would be orphans) nor another's restore. */
+int shmps_manifest_usable(const void *base, uint64_t token) {
+    const shmps_manifest_t *m = (const shmps_manifest_t *)base;
+    /* seq_cst: as the state's other loads; destroy() sets REMOVED before it takes the
+     * manifest lock, which a creator holds across this check and its creation */
+    uint32_t st = LOAD(&m->state, SEQ_CST);
+    return st == STATE_READY || st == STATE_RETIRING
+        || (st == STATE_RESTORING && LOAD(&m->retired_by, ACQUIRE) == token);
 }
 
 uint64_t shmps_manifest_retired_by(const void *base) {

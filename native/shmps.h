@@ -146,7 +146,7 @@ int shmps_view_unmap(void *addr, uint64_t total);
 
 /* manifest */
 int shmps_manifest_init(void *base, uint64_t size, uint64_t token, double timeout_s,
-                        const char *ident, uint32_t ident_len);
+                        const char *ident, uint32_t ident_len, int restoring);
 int shmps_manifest_ident(const void *base, char *out, uint32_t cap, uint32_t *len);
 int shmps_manifest_validate(const void *base, uint64_t size);
 int shmps_manifest_lock(void *base, double timeout_s);
@@ -164,7 +164,8 @@ int shmps_manifest_take_removal(void *base, uint64_t token);
 int shmps_manifest_restore_begin(void *base, uint64_t token);
 int shmps_manifest_restore_end(void *base, uint64_t token);
 uint64_t shmps_manifest_retired_by(const void *base);
-int shmps_manifest_attached(const void *base);
+int shmps_manifest_usable(const void *base, uint64_t token);
+int shmps_manifest_attached(const void *base, uint64_t token);
 int shmps_manifest_retirer_alive(const void *base);
 /* worker clocks (bounded delay): clock.c */
 int shmps_worker_join(void *base, uint64_t token, int32_t want, uint32_t *slot,

@@ -391,8 +391,7 @@ def _restore_from(path: str, name: str, namespace: Optional[str], force: bool) -
                 f"{', '.join(map(str, others)) or 'none'}); refusing to replace it",
                 "replace it with --force (force=True), or restore under another name "
                 "with --as NEWNAME")
-        store.destroy()
-        store = _begin_restore(name, namespace)
+        store = store._renew_for_restore()
     try:
         with _progress(sum(p.nbytes for p in plans), f"restore {name}") as bar:
             for e, p in zip(doc["tensors"], plans):
@@ -420,7 +419,7 @@ def _begin_restore(name: str, namespace: Optional[str]) -> Any:
 
     deadline = time.monotonic() + RESTORE_WAIT
     while True:
-        store = attach(name, namespace=namespace)
+        store = attach(name, namespace=namespace, _restoring=True)
         code = lib.shmps_manifest_restore_begin(store._mptr, _native.token())
         if code == 0:
             return store

@@ -14,7 +14,7 @@ import numpy as np
 
 from . import inspect as shm_inspect
 from . import names
-from .errors import InvalidArgument
+from .errors import Error, InvalidArgument
 from .segment import unlink
 from .store import remove_idle
 
@@ -136,7 +136,11 @@ def cmd_gc(args: argparse.Namespace) -> int:
             # the store found idle: retired, then removed, unless a process attached
             # since the scan (store.remove_idle), where unlinking the scan's list would
             # have pulled its segments from under it
-            gone = remove_idle(*store)
+            try:
+                gone = remove_idle(*store)
+            except Error as exc:   # one store's trouble does not stop the others' removal
+                print(f"skipped {what}: {exc}", file=sys.stderr)
+                continue
             if gone is None:
                 print(f"kept {what}: a process attached to it meanwhile")
                 continue

@@ -51,7 +51,8 @@ def _dtype(dtype: Any) -> np.dtype:
 
 
 def attach(name: str, *, create: bool = True, namespace: Optional[str] = None,
-           timeout: float = 2.0, staleness: Optional[int] = None) -> "Store":
+           timeout: float = 2.0, staleness: Optional[int] = None,
+           _restoring: bool = False) -> "Store":
     """Attach to store ``name``, creating it if needed (``create=True``).
 
     Safe to race from any number of processes: exactly one initialises the store,
@@ -67,6 +68,9 @@ def attach(name: str, *, create: bool = True, namespace: Optional[str] = None,
 
         store = shmps.attach("model")
         w = store.dense("w", shape=(1000, 10), optimizer=shmps.SGD(lr=0.1))
+
+    (``_restoring``, internal: shmps.restore's attach; a store this call creates is born
+    being restored by this process, so no other process ever finds it empty.)
     """
     names.check_name(name)
     ns = names.resolve_namespace(namespace)
@@ -93,7 +97,7 @@ def attach(name: str, *, create: bool = True, namespace: Optional[str] = None,
         try:
             ident = f"{ns or ''}\0{name}".encode()
             code = lib.shmps_manifest_init(seg.ptr, seg.size, _native.token(), c_timeout,
-                                           ident, len(ident))
+                                           ident, len(ident), int(_restoring))
             if code == lib.SHMPS_E_REMOVED:
                 raise _Removed()
             if code:
@@ -112,8 +116,10 @@ def attach(name: str, *, create: bool = True, namespace: Optional[str] = None,
                 # midway): finish the removal (of a partial restore too), if this
                 # process is the one that takes it over (others wait for it)
                 holder = _native.token_pid(int(lib.shmps_manifest_retired_by(seg.ptr)))
+                # (retire, as gc: a gc that died deciding is decided again, and a live
+                # attached process keeps the store)
                 if (not lib.shmps_manifest_retirer_alive(seg.ptr)
-                        and lib.shmps_manifest_take_removal(seg.ptr, _native.token()) == 0):
+                        and lib.shmps_manifest_retire(seg.ptr, _native.token()) == 0):
                     _unlink_store(name, ns)
                     continue
             finally:
@@ -164,7 +170,7 @@ class Store:
         slot = ffi.new("uint32_t *")
         _native.check(lib.shmps_proc_register(manifest.ptr, _native.token(), slot),
                       f"store {name!r}: attached-process table")
-        if not lib.shmps_manifest_attached(manifest.ptr):
+        if not lib.shmps_manifest_attached(manifest.ptr, _native.token()):
             # `shmps-tool gc` retired the store before it could see us (remove_idle):
             # attach() goes on to the store made after it
             lib.shmps_proc_unregister(manifest.ptr, _native.token(), slot[0])
@@ -497,6 +503,15 @@ class Store:
         and append it to the catalog (under the manifest lock); returns the record.  If
         the append fails (the catalog's next page finds /dev/shm full, the catalog is
         full) the segments are removed: nothing is left behind."""
+        # (under the manifest lock) a handle whose store another process destroyed, or
+        # replaced with a restored one, must not create: its "debris" unlink of the
+        # shard names would take the new store's shards, and what it made would be
+        # orphans (destroy() takes this lock before it lists the shards)
+        if not (lib.shmps_manifest_usable(self._mptr, _native.token())
+                and self._manifest.is_named()):  # type: ignore[union-attr]
+            raise Closed(f"store {self.name!r} was destroyed or replaced by another "
+                         f"process; tensor {rec['name']!r} was not created",
+                         "attach the store again")
         rec["id"] = tid = self._next_id()
         rec["bytes"] = self._create_segments(tid, specs, fill, check)
         try:
@@ -849,8 +864,43 @@ class Store:
                 # (Holding the claim, no one else can remove or replace it meanwhile.)
                 self.close()
                 return
+            # a creation under way (it checked the state before REMOVED) ends before the
+            # shards are listed; later ones see REMOVED and refuse (_create_tensor)
+            self._lock_manifest()
+            lib.shmps_manifest_unlock(self._mptr)
         self.close()
         _unlink_store(self.name, self.namespace)
+
+    def _renew_for_restore(self) -> "Store":
+        """``restore --force``: replace this store, which this process is restoring into
+        (RESTORING, claimed by it), by a new empty one born RESTORING and claimed,
+        without the name ever being free: a free name let a waiting attacher make an
+        empty store of its own first and watch the restored tensors appear one by one.
+        The old shards are unlinked while the old manifest stays (attachers keep
+        waiting), then a manifest made under a temporary name is renamed over it (one
+        atomic rename).  Returns the new handle; this one is closed."""
+        name, ns = self.name, self.namespace
+        mname = names.manifest_name(name, ns)
+        prefix = names.store_prefix(name, ns)
+        for n in list_names(prefix[1:]):
+            if _is_own_segment(n, prefix) and n != mname:
+                unlink(n)
+        tmp = f"{mname}.restore-{os.getpid()}"
+        unlink(tmp)
+        seg, _ = Segment.open_or_create(tmp, MANIFEST_SIZE, reserve=MANIFEST_RESERVED)
+        try:
+            ident = f"{ns or ''}\0{name}".encode()
+            _native.check(lib.shmps_manifest_init(seg.ptr, seg.size, _native.token(), 2.0,
+                                                  ident, len(ident), 1),
+                          f"store {name!r} manifest {mname}")
+            os.rename("/dev/shm" + tmp, "/dev/shm" + mname)
+        except BaseException:
+            seg.close()
+            unlink(tmp)
+            raise
+        seg.name = mname
+        self.close()
+        return Store(name, ns, seg)
 
     def __reduce__(self) -> tuple:
         """Pickled (an argument of a spawned process, say), a store is its name: the

@@ -524,12 +524,40 @@ def test_destroy_through_a_stale_handle_leaves_the_new_store_alone(store_name):
         assert r.returncode == 0, r.stderr
         with shmps.attach(store_name) as new:
             new.dense("w", shape=(4,), init=1.0)
+            # nor does creating a tensor through it (its "debris" unlink of the name
+            # t0.s0 took the new store's shard, and made an orphan of its own)
+            with pytest.raises(shmps.Closed, match="destroyed or replaced"):
+                old.dense("v", shape=(4,), init=5.0)
             old.destroy()
             assert len(store_segments(store_name)) == 2
             with shmps.attach(store_name, create=False) as again:
                 assert (again["w"].pull() == 1.0).all()
     finally:
         old.close()
+        remove_store(store_name)
+
+
+def test_a_gc_killed_while_deciding_does_not_get_a_live_store_removed(store_name):
+    """A gc that died after it marked a store "retiring" and before its look at the
+    attached processes (the crash state written into the manifest, as that gc left it):
+    the next attach decides again, finds this live process attached and keeps the store,
+    its tensor intact.  (The takeover finished the removal unconditionally: the live
+    process's store was unlinked under it.)"""
+    from shmps._native import lib
+    from helpers import dead_token
+
+    s = shmps.attach(store_name)
+    try:
+        s.dense("w", shape=(4,), init=3.0)
+        m = s._manifest.array(np.uint64, 0, 51)   # the header's words
+        st = s._manifest.array(np.uint32, 32, 1)
+        m[400 // 8] = dead_token()                # retired_by: a dead gc
+        st[0] = 4                                 # STATE_RETIRING
+        with shmps.attach(store_name, timeout=5) as again:
+            assert (again["w"].pull() == 3.0).all()
+        assert lib.shmps_manifest_usable(s._mptr, 0) and st[0] == 1   # READY again
+    finally:
+        s.close()
         remove_store(store_name)
 
 

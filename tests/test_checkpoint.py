@@ -375,7 +375,8 @@ def test_restore_refuses_existing_store_unless_force(store, tmp_path, procs, nam
         assert [d["name"] for d in r.tensors()] == ["w"]
         assert (r["w"].pull() == 1).all()
     finally:
-        r.close()  # the fixture destroys it
+        # (the fixture's handle is of the replaced store: its destroy() leaves this one)
+        r.destroy()
 
 
 def _corrupt_cases() -> list[tuple[str, Any, str]]:

@@ -119,6 +119,38 @@ def test_an_attach_during_a_restore_waits_for_all_of_it(checkpoint, store_name):
         remove_store(store_name)
 
 
+def test_a_forced_restore_never_frees_the_name(checkpoint, store_name):
+    """restore --force over a store with tensors: from the start of the restore to its
+    end the store's manifest name always exists (the new store is renamed over the
+    old one, born "being restored"), so a waiting attacher never makes an empty store
+    of its own in between and watches the restored tensors appear (the old store was
+    destroyed and the new one attached as ready: 79 partial views in 120 s of stress);
+    an attach waits and sees all 6 restored tensors, none of the old store's."""
+    from shmps import names
+
+    mpath = "/dev/shm" + names.manifest_name(store_name, None)
+    with shmps.attach(store_name) as s:
+        s.dense("old", shape=(4,), init=9.0)
+    try:
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                shmps.restore(checkpoint, store_name, force=True).close()
+                code = 0
+            finally:
+                os._exit(code)
+        gone = 0
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            gone += not os.path.exists(mpath)
+        with shmps.attach(store_name, timeout=10) as s:
+            names_ = sorted(t["name"] for t in s.tensors())
+        assert gone == 0, f"the store's name was free at {gone} looks during the restore"
+        assert names_ == [f"t{i}" for i in range(NTENSORS)]
+    finally:
+        remove_store(store_name)
+
+
 def test_a_refused_restore_leaves_the_store_usable(checkpoint, store_name):
     """A restore refused because the store has tensors (no force) gives the store back
     as it was: attachable at once, its tensor unchanged."""
