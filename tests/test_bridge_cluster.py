@@ -184,35 +184,39 @@ def test_initial_values_come_from_the_creating_host(make_cluster):
 
 
 def test_the_segments_a_bridge_creates_are_backed_in_the_background(make_cluster):
-    """The copy of a peer's tensor and the outboxes a bridge creates are made without
-    backing their pages (that would hold the event loop, ~1 ms a MiB), and then backed
-    by a thread (posix_fallocate): every page of them is allocated in /dev/shm soon
-    after, though no row of the outboxes was written, so no later write can find
-    /dev/shm full and die of SIGBUS.  (Before, their pages came only as rows were
-    written: an idle outbox of 8 MiB had none.)"""
-    c = make_cluster(2, replicas=2)
+    """The copy of a peer's tensor a bridge creates is made without backing its pages
+    (that would hold the event loop, ~1 ms a MiB), and then backed by a thread
+    (posix_fallocate): every page of it is allocated in /dev/shm soon after, so no later
+    write can find /dev/shm full and die of SIGBUS.  The outboxes are not: an idle one
+    keeps no pages (backing it doubled the model's resident memory on every host).
+    An empty table: its copies get no rows (a dense copy is written whole by its
+    snapshot), so without the thread they kept almost no pages until keys came."""
+    c = make_cluster(3, replicas=1)
     c.start_all()
     s0 = c.attach(0)
     try:
-        s0.dense("big", (2048, 1024), "float32", shard_rows=512)   # 8 MiB in 4 shards
+        s0.table("big", dim=64, capacity=100_000, shards=4)   # 4 shards of ~7 MiB
     finally:
         s0.close()
-    wait_forwarding(c, {"big"}, [0, 1])
+    wait_forwarding(c, {"big"}, [0, 1, 2])
 
-    def unbacked(i: int) -> list:
-        prefix = f"shmps.{c.namespaces[i]}.{c.store}."
-        out = []
-        for n in os.listdir("/dev/shm"):
-            if n.startswith(prefix) and not n.endswith(".manifest"):
-                st = os.stat(os.path.join("/dev/shm", n))
-                if st.st_blocks * 512 < st.st_size:
-                    out.append((n, st.st_blocks * 512, st.st_size))
-        return out
+    def allocated(i: int, tensor: str) -> list:
+        """(bytes allocated, size) of each shard of ``tensor`` on host i."""
+        s = c.attach(i)
+        try:
+            tid = s._record(tensor)["id"]
+        finally:
+            s.close()
+        prefix = f"shmps.{c.namespaces[i]}.{c.store}.t{tid}.s"
+        return [(st.st_blocks * 512, st.st_size) for st in
+                (os.stat(os.path.join("/dev/shm", n)) for n in sorted(os.listdir("/dev/shm"))
+                 if n.startswith(prefix))]
 
-    segs = [n for n in os.listdir("/dev/shm") if n.startswith(f"shmps.{c.namespaces[1]}.")]
-    assert len(segs) == 1 + 4 + 4, segs   # the manifest, the copy's and the outbox's shards
-    c.wait(lambda: not unbacked(0) and not unbacked(1), 10,
-           "every segment the bridges created to be backed")
+    c.wait(lambda: all(a >= n for i in (1, 2) for a, n in allocated(i, "big")), 10,
+           "hosts 1 and 2's copies of the tensor to be backed")
+    assert len(allocated(1, "big")) == 4
+    outbox = allocated(1, "big#outbox")
+    assert len(outbox) == 4 and sum(a for a, _ in outbox) < sum(n for _, n in outbox) // 4
 
 
 def test_initial_values_wait_for_an_origin_that_reads_them_one_at_a_time(make_cluster):

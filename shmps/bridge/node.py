@@ -1148,22 +1148,20 @@ class Bridge:
         return False
 
     def _back_pages(self, name: str) -> None:
-        """Back every page of the segments this bridge created for tensor ``name`` (its
-        copy of a peer's tensor, if created here; its outbox, which only this bridge
-        drains) in the ``shmps-backing`` thread: posix_fallocate runs without the GIL,
-        so the event loop goes on meanwhile (at creation it was a pass of ~1 ms a MiB
-        on the loop).  Segments a worker created, and backed, cost a walk over pages
-        already there.  Until it is done, a write to a page that /dev/shm then has no
-        room for would kill the writer with SIGBUS; a failure is logged as an error and
-        tried again every BACKING_RETRY s."""
+        """Back every page of this host's copy of tensor ``name`` if this bridge created
+        it (a peer's tensor) in the ``shmps-backing`` thread: posix_fallocate runs
+        without the GIL, so the event loop goes on meanwhile (at creation it was a pass
+        of ~1 ms a MiB on the loop).  A copy is written whole by its snapshot anyway,
+        so this costs no memory it would not take.  Outboxes are not backed: one is as
+        large as its tensor (a table's: its capacity) and holds only what is pushed,
+        and backing every outbox on every host doubled the model's resident memory (an
+        idle table's outbox included).  Until it is done, a write to a page that
+        /dev/shm then has no room for would kill the writer with SIGBUS; a failure is
+        logged as an error and tried again every BACKING_RETRY s."""
         info = self.by_name.get(name)
-        if info is None or self._closing:
+        if info is None or self._closing or name not in self._created_here:
             return
-        t = info.t
-        shards = list(t._shards or ()) if name in self._created_here else []
-        if t._ob is not None:
-            shards += list(t._ob._shards or ())
-        segs = [(sh.seg.name, sh.seg.size) for sh in shards]
+        segs = [(sh.seg.name, sh.seg.size) for sh in (info.t._shards or ())]
         if not segs:
             return
         def back() -> None:
@@ -1196,7 +1194,7 @@ class Bridge:
             self._unbacked.pop(name, None)
             return
         self._unbacked[name] = time.monotonic() + BACKING_RETRY
-        log.error("tensor %r: could not back this host's copy or outbox in /dev/shm (%s); "
+        log.error("tensor %r: could not back this host's copy in /dev/shm (%s); "
                   "until it is, a write to a page /dev/shm has no room for kills the writer "
                   "with SIGBUS; %s. Tried again every %g s", name, exc,
                   getattr(exc, "hint", "free space in /dev/shm"), BACKING_RETRY)
