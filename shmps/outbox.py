@@ -36,7 +36,9 @@ acknowledged, and a ``flush()`` that waited for those pushes raises
 A dense push holds a *landing slot* of each outbox shard it writes from before its
 first write to after its count, so that the values of a push still landing, taken by
 a drain of a bridge that then ended, are caught too (native/outbox.c, "Landing").
-Names ending in ``#outbox`` are reserved.
+Names ending in ``#outbox`` are reserved.  An outbox's pages are not backed at its
+creation, whoever creates it (docs/architecture.md): it is as large as its tensor (a
+table's: its capacity) and holds only what is pushed.
 
 What is not forwarded: the hidden tensors of synchronous aggregation (its rounds run
 per host; the round's single update of the aggregated tensor is a push, so it is
@@ -192,7 +194,8 @@ def _create_dense(store: Any, of: str, name: str, gdt: str, shape: list, shard_r
     rec = {"name": name, "kind": "dense", "dtype": gdt, "shape": shape,
            "shard_rows": shard_rows, "nshards": nshards, "optimizer": Sum().to_dict(),
            "mode": "exact", "allow_nonfinite": True, "outbox_of": of}
-    return store._create_tensor(rec, _dense_specs(rec), lambda s, seg, lay: None)
+    return store._create_tensor(rec, _dense_specs(rec), lambda s, seg, lay: None,
+                                reserve=False)
 
 
 def _create_table(store: Any, t: Any, name: str, gdt: str) -> dict:
@@ -209,7 +212,7 @@ def _create_table(store: Any, t: Any, name: str, gdt: str) -> dict:
         _native.check(lib.shmps_table_setup(seg.ptr, rec["capacity"], rec["nshards"], s),
                       f"outbox {name!r} shard {s}")
 
-    return store._create_tensor(rec, tmod.shard_specs(rec, upd), fill)
+    return store._create_tensor(rec, tmod.shard_specs(rec, upd), fill, reserve=False)
 
 
 # ---- the outbox tensors ---------------------------------------------------------------

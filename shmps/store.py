@@ -469,7 +469,7 @@ class Store:
         return len(self._record_list)
 
     def _create_segments(self, tid: int, specs: list[dict], fill: Any,
-                         check: Any = None) -> int:
+                         check: Any = None, reserve: bool = True) -> int:
         """Create, lay out and fill one segment per spec, then run ``check(segments)``
         (if given) while they are all mapped; returns total bytes.  Removes what it
         made if anything fails."""
@@ -481,7 +481,7 @@ class Store:
                 name = names.shard_name(self.name, self.namespace, tid, s)
                 unlink(name)  # debris of a creator that died before registering
                 seg = Segment.create(name, lay["total_size"], huge=True,
-                                     reserve=self.reserve_memory)
+                                     reserve=reserve and self.reserve_memory)
                 made.append(seg)
                 _native.shard_init(seg.ptr, seg.size, spec)
                 fill(s, seg, lay)
@@ -498,7 +498,7 @@ class Store:
         return total
 
     def _create_tensor(self, rec: dict, specs: list[dict], fill: Any,
-                       check: Any = None) -> dict:
+                       check: Any = None, reserve: bool = True) -> dict:
         """Give ``rec`` the next tensor id, create its segments (:meth:`_create_segments`)
         and append it to the catalog (under the manifest lock); returns the record.  If
         the append fails (the catalog's next page finds /dev/shm full, the catalog is
@@ -513,7 +513,7 @@ class Store:
                          f"process; tensor {rec['name']!r} was not created",
                          "attach the store again")
         rec["id"] = tid = self._next_id()
-        rec["bytes"] = self._create_segments(tid, specs, fill, check)
+        rec["bytes"] = self._create_segments(tid, specs, fill, check, reserve)
         try:
             return self._append(rec)
         except BaseException:

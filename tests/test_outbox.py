@@ -95,6 +95,21 @@ def test_outbox_names_are_reserved(store):
 
 # ---- dense: pushes go to the outbox, drains take them exactly ----------------------------
 
+def test_an_outbox_keeps_pages_only_for_what_is_pushed(store):
+    """A worker's forwarded push creates the outbox; its pages are not backed at
+    creation (unlike a tensor's): a table outbox is the table's capacity, and a few
+    keys pushed take a few pages of it, not all.  (Backed, an outbox on every host
+    doubled the model's resident memory.)"""
+    t = store.table("emb", dim=64, capacity=100_000, shards=2)   # ~28 MiB of values
+    store._set_forwarding(True)
+    t.push(np.arange(10, dtype=np.uint64), np.ones((10, 64), np.float32))
+    ob = t._outbox()
+    used = sum(os.stat("/dev/shm" + sh.seg.name).st_blocks * 512 for sh in ob._shards)
+    size = sum(sh.seg.size for sh in ob._shards)
+    assert used < size // 4, (used, size)
+    store._set_forwarding(False)
+
+
 def test_dense_forwarded_pushes_and_drain(store):
     w = store.dense("w", shape=(10, 3), init=5.0, optimizer=shmps.SGD(lr=0.5), shard_rows=4)
     store._set_forwarding(True)
