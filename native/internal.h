@@ -195,7 +195,7 @@ typedef struct {
     uint32_t header_size;    /* 4096 */
     uint64_t total_size;     /* SHMPS_MANIFEST_SIZE */
     uint64_t init_owner;     /* token of the initialiser (CAS-claimed) */
-    uint32_t state;          /* 0 while initialising, STATE_READY after, STATE_REMOVED, STATE_RESTORING */
+    uint32_t state;          /* 0 while initialising, then STATE_READY/REMOVED/RESTORING/RETIRING */
     uint32_t pad0;
     uint64_t catalog_len;    /* committed catalog bytes */
     uint64_t generation;     /* bumped on every catalog append */

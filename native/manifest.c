@@ -224,30 +224,35 @@ int shmps_proc_list(void *base, uint64_t *tokens, uint32_t cap, uint32_t *n) {
  * under it (NotFound for its tensors, or pushes into memory nobody else sees while
  * later attachers create a new store).  So gc first retires the manifest:
  *
- *   gc:        claim retired_by (CAS 0 -> token); state READY -> REMOVED (seq_cst);
- *              then load every process slot (seq_cst): a live token undoes it all
- *              (state READY, retired_by 0) and gc leaves the store (SHMPS_E_BUSY);
- *              else it unlinks the shards, then the manifest.
+ *   gc:        claim retired_by (claim()); state READY -> RETIRING (seq_cst); then
+ *              load every process slot (seq_cst): a live token undoes it all (state
+ *              READY, retired_by 0) and gc leaves the store (SHMPS_E_BUSY); else it
+ *              stores REMOVED (decided) and unlinks the shards, then the manifest.
  *   attacher:  register in a slot (seq_cst CAS, shmps_proc_register); then load state
- *              (seq_cst, shmps_manifest_attached): REMOVED -> unregister, attach anew.
+ *              (seq_cst, shmps_manifest_attached): not READY -> unregister, attach anew.
  *
  * In the single order of seq_cst operations either the attacher's CAS comes before
  * gc's load of that slot (gc sees it, and the token is alive: gc backs off), or gc's
- * load comes first, so gc's store of REMOVED, before it in program order, comes before
- * the CAS and the attacher's load after it reads REMOVED.  An attacher that finds the
- * manifest REMOVED (shmps_manifest_init/validate: SHMPS_E_REMOVED) waits while the
- * remover lives (it unlinks the manifest last, after the shards: a new store made
- * under the same name never has a shard unlinked by the old removal), and finishes
- * the removal itself if it died (shmps_manifest_retirer_alive). */
+ * load comes first, so gc's store of RETIRING, before it in program order, comes before
+ * the CAS and the attacher's load after it reads RETIRING (or later states).  An
+ * attacher that finds the manifest not READY (shmps_manifest_init/validate:
+ * SHMPS_E_REMOVED) waits while the holder of retired_by lives (a remover unlinks the
+ * manifest last, after the shards: a new store made under the same name never has a
+ * shard unlinked by the old removal), and runs this function itself if it died. */
+
+/* Claim retired_by for token: from none, from a holder that died (nothing it did needs
+ * undoing here: the caller looks at the state next), or already its own.  acq_rel: one
+ * claimant wins; a loser (SHMPS_E_BUSY) sees the winner's token next time. */
+static int claim(shmps_manifest_t *m, uint64_t token) {
+    uint64_t cur = LOAD(&m->retired_by, ACQUIRE);
+    if (cur == token) return SHMPS_OK;
+    if (cur != 0 && shmps_token_alive(cur)) return SHMPS_E_BUSY;
+    return CAS(&m->retired_by, &cur, token, ACQ_REL, ACQUIRE) ? SHMPS_OK : SHMPS_E_BUSY;
+}
+
 int shmps_manifest_retire(void *base, uint64_t token) {
     shmps_manifest_t *m = man(base);
-    uint64_t cur = 0;
-    /* acq_rel: one remover at a time; one that died before it retired the store is
-     * replaced (nothing it did needs undoing: state is still READY) */
-    if (!CAS(&m->retired_by, &cur, token, ACQ_REL, ACQUIRE)) {
-        if (shmps_token_alive(cur) || !CAS(&m->retired_by, &cur, token, ACQ_REL, ACQUIRE))
-            return SHMPS_E_BUSY;
-    }
+    if (claim(m, token)) return SHMPS_E_BUSY;
     /* REMOVED: decided (a destroy(), or a gc after its scan) by a remover that died:
      * the removal is ours to finish.  READY; RESTORING by a restorer that died (its
      * claim is ours now: a store whose restore was cut off goes like an idle one); or
@@ -286,11 +291,7 @@ int shmps_manifest_retire(void *base, uint64_t token) {
  * store made under the name after the first unlinked the manifest). */
 int shmps_manifest_take_removal(void *base, uint64_t token) {
     shmps_manifest_t *m = man(base);
-    /* acquire: pairs with a remover's claim (acq_rel CAS) */
-    uint64_t cur = LOAD(&m->retired_by, ACQUIRE);
-    if (cur != 0 && cur != token && shmps_token_alive(cur)) return SHMPS_E_BUSY;
-    /* acq_rel: one claimant wins; a loser sees the winner's token next time */
-    if (cur != token && !CAS(&m->retired_by, &cur, token, ACQ_REL, ACQUIRE)) return SHMPS_E_BUSY;
+    if (claim(m, token)) return SHMPS_E_BUSY;
     STORE(&m->state, STATE_REMOVED, SEQ_CST);
     return SHMPS_OK;
 }
@@ -298,20 +299,20 @@ int shmps_manifest_take_removal(void *base, uint64_t token) {
 /* Restoring a checkpoint into a store (checkpoint.py, restore()): until restore_end,
  * attachers wait as for a removal (the state is not READY: shmps_manifest_validate
  * answers SHMPS_E_REMOVED, and a registration that reads it backs off: the Dekker pair
- * of shmps_manifest_retire, with RESTORING for REMOVED), so no process sees a
+ * of shmps_manifest_retire, with RESTORING for RETIRING), so no process sees a
  * half-restored store; if the restorer dies, the next attach (or gc) removes the
- * partial store (retired_by dead: shmps_manifest_take_removal / retire).
- * restore_begin claims retired_by as take_removal does (SHMPS_E_BUSY while a live
- * remover or restorer holds it), then CASes READY -> RESTORING (seq_cst). */
+ * partial store (retired_by dead: shmps_manifest_retire).  restore_begin claims
+ * retired_by (claim(): SHMPS_E_BUSY while a live remover or restorer holds it), then
+ * CASes READY -> RESTORING (seq_cst). */
 int shmps_manifest_restore_begin(void *base, uint64_t token) {
     shmps_manifest_t *m = man(base);
-    uint64_t cur = LOAD(&m->retired_by, ACQUIRE);   /* pairs with a claim's acq_rel CAS */
-    /* born RESTORING for this restorer (shmps_manifest_init with restoring) */
-    if (cur == token && LOAD(&m->state, SEQ_CST) == STATE_RESTORING) return SHMPS_OK;
-    if (cur != 0 && cur != token && shmps_token_alive(cur)) return SHMPS_E_BUSY;
-    if (cur != token && !CAS(&m->retired_by, &cur, token, ACQ_REL, ACQUIRE)) return SHMPS_E_BUSY;
+    /* acquire: pairs with a claim; a store born RESTORING for this restorer
+     * (shmps_manifest_init with restoring) has its claim already */
+    uint64_t was = LOAD(&m->retired_by, ACQUIRE);
+    if (claim(m, token)) return SHMPS_E_BUSY;
     uint32_t ready = STATE_READY;
     if (!CAS(&m->state, &ready, STATE_RESTORING, SEQ_CST, SEQ_CST)) {
+        if (ready == STATE_RESTORING && was == token) return SHMPS_OK;
         STORE(&m->retired_by, 0, RELEASE);
         return SHMPS_E_BUSY;
     }
@@ -343,20 +344,13 @@ int shmps_manifest_attached(const void *base, uint64_t token) {
  * deciding: it sees the attached caller and puts READY back); RESTORING by the caller.
  * Not REMOVED (destroyed: what it made would be orphans) nor another's restore. */
 int shmps_manifest_usable(const void *base, uint64_t token) {
-    const shmps_manifest_t *m = (const shmps_manifest_t *)base;
     /* seq_cst: as the state's other loads; destroy() sets REMOVED before it takes the
      * manifest lock, which a creator holds across this check and its creation */
-    uint32_t st = LOAD(&m->state, SEQ_CST);
-    return st == STATE_READY || st == STATE_RETIRING
-        || (st == STATE_RESTORING && LOAD(&m->retired_by, ACQUIRE) == token);
+    return LOAD(&((const shmps_manifest_t *)base)->state, SEQ_CST) == STATE_RETIRING
+        || shmps_manifest_attached(base, token);
 }
 
 uint64_t shmps_manifest_retired_by(const void *base) {
     /* acquire: pairs with a claim; for messages (who removes or restores) */
     return LOAD(&((const shmps_manifest_t *)base)->retired_by, ACQUIRE);
-}
-
-int shmps_manifest_retirer_alive(const void *base) {
-    /* acquire: pairs with retire's claim; a hint for a waiting attacher */
-    return shmps_token_alive(LOAD(&((const shmps_manifest_t *)base)->retired_by, ACQUIRE));
 }

@@ -166,7 +166,6 @@ int shmps_manifest_restore_end(void *base, uint64_t token);
 uint64_t shmps_manifest_retired_by(const void *base);
 int shmps_manifest_usable(const void *base, uint64_t token);
 int shmps_manifest_attached(const void *base, uint64_t token);
-int shmps_manifest_retirer_alive(const void *base);
 /* worker clocks (bounded delay): clock.c */
 int shmps_worker_join(void *base, uint64_t token, int32_t want, uint32_t *slot,
                       uint64_t *clock);

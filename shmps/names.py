@@ -43,6 +43,11 @@ def store_prefix(store: str, namespace: Optional[str]) -> str:
     return f"/{PREFIX}.{namespace}.{store}." if namespace else f"/{PREFIX}.{store}."
 
 
+def manifest_ident(store: str, namespace: Optional[str]) -> bytes:
+    """What a manifest records of its store: ``namespace\0store`` (inspect.py reads it)."""
+    return f"{namespace or ''}\0{store}".encode()
+
+
 def manifest_name(store: str, namespace: Optional[str]) -> str:
     return store_prefix(store, namespace) + "manifest"
 

@@ -95,7 +95,7 @@ def attach(name: str, *, create: bool = True, namespace: Optional[str] = None,
                                "create it with shmps.attach(name) or check `shmps-tool ls`"
                                ) from None
         try:
-            ident = f"{ns or ''}\0{name}".encode()
+            ident = names.manifest_ident(name, ns)
             code = lib.shmps_manifest_init(seg.ptr, seg.size, _native.token(), c_timeout,
                                            ident, len(ident), int(_restoring))
             if code == lib.SHMPS_E_REMOVED:
@@ -115,17 +115,18 @@ def attach(name: str, *, create: bool = True, namespace: Optional[str] = None,
                 # the remover or restorer died (a gc, a destroy() or a restore killed
                 # midway): finish the removal (of a partial restore too), if this
                 # process is the one that takes it over (others wait for it)
-                holder = _native.token_pid(int(lib.shmps_manifest_retired_by(seg.ptr)))
+                holder = int(lib.shmps_manifest_retired_by(seg.ptr))
                 # (retire, as gc: a gc that died deciding is decided again, and a live
                 # attached process keeps the store)
-                if (not lib.shmps_manifest_retirer_alive(seg.ptr)
+                if (not _native.token_alive(holder)
                         and lib.shmps_manifest_retire(seg.ptr, _native.token()) == 0):
                     _unlink_store(name, ns)
                     continue
             finally:
                 seg.close()
             if time.monotonic() >= deadline:
-                raise Timeout(f"store {name!r}: process {holder} has been removing it "
+                raise Timeout(f"store {name!r}: process {_native.token_pid(holder)} has been "
+                              f"removing it "
                               f"(`shmps-tool gc`, destroy()) or restoring a checkpoint into "
                               f"it for {timeout:g} s", "retry the attach once it is done, "
                               "or give attach() a longer timeout") from None
@@ -636,7 +637,7 @@ class Store:
             if not table:
                 seg.array(np.int64, lay["rowcnt_off"], lay["nrows"] + 1)[...] = d["_rowcnt"]
                 seg.array(np.int64, lay["colidx_off"], n)[...] = d["_colidx"]
-            _write_regions(seg.array, seg.ptr, lay, d, shards[s]["table_used"], live, s == 0)
+            _write_regions(seg, lay, d, shards[s]["table_used"], live, s == 0)
             step = shards[s]["step"]
             if table and s == 0:
                 step = max(step, last)
@@ -849,19 +850,17 @@ class Store:
         m = self._manifest
         if m is not None and m.ptr is not None:
             deadline = time.monotonic() + DESTROY_WAIT
-            while lib.shmps_manifest_take_removal(m.ptr, _native.token()) != 0:
+            # until it holds the removal, or the name no longer names this store (another
+            # process removed it, or replaced it: nothing of this store is left to remove;
+            # holding the claim, no one else can remove or replace it meanwhile)
+            while (lib.shmps_manifest_take_removal(m.ptr, _native.token()) != 0
+                   and m.is_named()):
                 # `shmps-tool gc` is deciding about this store, or removing it
-                if not m.is_named():
-                    self.close()   # removed by the other remover: nothing of it is left
-                    return
                 if time.monotonic() >= deadline:
                     raise Timeout(f"store {self.name!r}: another process has been removing "
                                   f"it for {DESTROY_WAIT:g} s", "retry destroy()")
                 time.sleep(0.001)
             if not m.is_named():
-                # this handle's store was destroyed by another process already, and the
-                # name may be a new store's now: nothing of this store is left to remove.
-                # (Holding the claim, no one else can remove or replace it meanwhile.)
                 self.close()
                 return
             # a creation under way (it checked the state before REMOVED) ends before the
@@ -889,7 +888,7 @@ class Store:
         unlink(tmp)
         seg, _ = Segment.open_or_create(tmp, MANIFEST_SIZE, reserve=MANIFEST_RESERVED)
         try:
-            ident = f"{ns or ''}\0{name}".encode()
+            ident = names.manifest_ident(name, ns)
             _native.check(lib.shmps_manifest_init(seg.ptr, seg.size, _native.token(), 2.0,
                                                   ident, len(ident), 1),
                           f"store {name!r} manifest {mname}")
