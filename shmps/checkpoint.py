@@ -39,6 +39,7 @@ import numpy as np
 
 from . import _native, files, names
 from .errors import CorruptFile, Error, InvalidArgument, NotFound, Timeout
+from .segment import Segment
 from .tensor import MAX_ROW_SHARDS, Shard, Tensor
 
 FORMAT = files.CHECKPOINT_FORMAT
@@ -355,6 +356,13 @@ def restore(path: str | os.PathLike, name: str, *, namespace: Optional[str] = No
         exc.message = exc.message.replace(at, shown)   # the user's path in messages
         exc.args = (exc.message,)
         raise
+    except FileNotFoundError as exc:
+        # a file of the opened directory went between a check and its opening: a
+        # checkpoint written to the same path swapped it out and deleted it
+        what = str(exc.filename or "a file").replace(at, shown)
+        raise NotFound(f"checkpoint {shown}: {what} disappeared while it was restored (a "
+                       "checkpoint written to the same path replaced it)",
+                       "restore again") from None
     finally:
         os.close(dfd)
 
@@ -589,18 +597,18 @@ def _raw_regions(lay: dict) -> list[tuple[str, int, int]]:
     return regs
 
 
-def _write_regions(array: Callable[[Any, int, int], np.ndarray], ptr: Any, lay: dict,
-                   d: dict, table_used: int, table_live: int, first: bool) -> None:
-    """Write a table/csr shard's raw regions from its checkpoint files (``d``: region ->
-    uint64 words); for a table also its count of rows in use and, in shard ``first``
-    (0), the count of keys in the whole table.  ``array(dtype, offset, count)`` views
-    the shard's memory at ``ptr``."""
+def _write_regions(seg: Segment, lay: dict, d: dict, table_used: int, table_live: int,
+                   first: bool) -> None:
+    """Write a table/csr shard's raw regions into ``seg`` from its checkpoint files
+    (``d``: region -> uint64 words); for a table also its count of rows in use and, in
+    shard ``first`` (0), the count of keys in the whole table."""
     for region, off, words in _raw_regions(lay):
-        array(np.uint64, off, words)[...] = d[region]
+        seg.array(np.uint64, off, words)[...] = d[region]
     if lay["kind"] == lib.SHMPS_TABLE:
-        _native.check(lib.shmps_set_table_used(ptr, int(table_used)), "restore of a table")
+        _native.check(lib.shmps_set_table_used(seg.ptr, int(table_used)), "restore of a table")
         if first:
-            ctl = array(np.uint64, lay["index_off"] + 16 * lay["nslots"], _CTL_TABLE_LIVE + 1)
+            ctl = seg.array(np.uint64, lay["index_off"] + 16 * lay["nslots"],
+                            _CTL_TABLE_LIVE + 1)
             ctl[_CTL_TABLE_LIVE] = table_live
 
 
@@ -626,29 +634,24 @@ def _check_saved_index(name: str, specs: list, raw: list, shards: list) -> None:
     pages are never touched, so this costs the index's size, not the table's.  Raises
     CorruptFile with ``table_problem`` (problem code, shard, entry) set."""
     live = sum(x["table_used"] for x in shards)
-    images: list[tuple[mmap.mmap, Any]] = []
+    images: list[Segment] = []
     try:
         for s, spec in enumerate(specs):
             lay = _native.layout(spec)
-            mm = mmap.mmap(-1, lay["total_size"])
-            ptr = ffi.from_buffer("char[]", mm)
-            images.append((mm, ptr))
+            img = Segment(f"(private copy of shard {s} of {name!r})",
+                          mmap.mmap(-1, lay["total_size"]), lay["total_size"])
+            images.append(img)
             # Adagrad's initial accumulator (params[3]) would be written over the whole
             # state region; it does not shape the layout and the check does not read it
             params = list(spec["params"])
             if spec["updater"] == lib.SHMPS_ADAGRAD:
                 params[3] = 0.0
-            _native.shard_init(ptr, lay["total_size"], dict(spec, params=params))
-
-            def array(dt: Any, off: int, n: int, mm: mmap.mmap = mm) -> np.ndarray:
-                return np.frombuffer(mm, dtype=dt, count=n, offset=off)
-
-            _write_regions(array, ptr, lay, raw[s], shards[s]["table_used"], live, s == 0)
-        _table_check(name, [ptr for _, ptr in images])
+            _native.shard_init(img.ptr, img.size, dict(spec, params=params))
+            _write_regions(img, lay, raw[s], shards[s]["table_used"], live, s == 0)
+        _table_check(name, [img.ptr for img in images])
     finally:
-        for mm, ptr in images:
-            ffi.release(ptr)
-            mm.close()
+        for img in images:
+            img.close()
 
 
 def _sparse_fields(sh: Shard) -> dict:
