@@ -26,7 +26,6 @@ docs/bridge-protocol.md describes the protocol; this module is its implementatio
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import json
 import logging
@@ -1164,6 +1163,7 @@ class Bridge:
         segs = [(sh.seg.name, sh.seg.size) for sh in (info.t._shards or ())]
         if not segs:
             return
+
         def back() -> None:
             for n, size in segs:
                 segment.allocate(n, size)
@@ -1172,24 +1172,19 @@ class Bridge:
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:              # not started (tests drive a Node by hand)
-            fut: Any = concurrent.futures.Future()
             try:
                 back()
-                fut.set_result(None)
             except Error as exc:
-                fut.set_exception(exc)
-            self._backed(name, fut)
-            return
+                return self._backed(name, exc)
+            return self._backed(name, None)
         try:
             fut = self._backer.submit(0, back)
         except RuntimeError:   # shut down: closing
             return
-        fut.add_done_callback(lambda f: loop.call_soon_threadsafe(self._backed, name, f))
+        fut.add_done_callback(lambda f: f.cancelled() or loop.call_soon_threadsafe(
+            self._backed, name, f.exception()))
 
-    def _backed(self, name: str, fut: Any) -> None:
-        if fut.cancelled():
-            return
-        exc = fut.exception()
+    def _backed(self, name: str, exc: Optional[BaseException]) -> None:
         if exc is None:
             self._unbacked.pop(name, None)
             return
