@@ -203,6 +203,20 @@ int shmps_proc_unregister(void *base, uint64_t token, uint32_t slot) {
     return SHMPS_OK;
 }
 
+/* A fork's slot (store.py, the fork handlers): the parent registers a second slot under
+ * its own token before fork(), and the child moves it to its token, so the store has a
+ * live attached process at every instant between the parent's fork and its close(): a
+ * child registering only after the fork left a gap in which the parent's close() and a
+ * gc's retire removed the store under the child.  seq_cst, as a registration's CAS (the
+ * Dekker pair with shmps_manifest_retire: a gc's slot load sees the parent's token or
+ * the child's, both alive).  SHMPS_E_BUSY if the slot no longer holds `from`. */
+int shmps_proc_handover(void *base, uint32_t slot, uint64_t from, uint64_t to) {
+    if (slot >= SHMPS_MAX_PROCS || from == 0) return SHMPS_E_BOUNDS;
+    uint64_t cur = from;
+    return CAS(&procs(base)[slot].token, &cur, to, SEQ_CST, RELAXED) ? SHMPS_OK
+                                                                    : SHMPS_E_BUSY;
+}
+
 int shmps_proc_list(void *base, uint64_t *tokens, uint32_t cap, uint32_t *n) {
     proc_slot_t *p = procs(base);
     uint32_t c = 0;
@@ -294,6 +308,21 @@ int shmps_manifest_take_removal(void *base, uint64_t token) {
     if (claim(m, token)) return SHMPS_E_BUSY;
     STORE(&m->state, STATE_REMOVED, SEQ_CST);
     return SHMPS_OK;
+}
+
+/* A destroy() interrupted in a live process (an exception between its take_removal and
+ * its last unlink) lets go of its claim: the state stays REMOVED, which nothing turns
+ * back, and the next attach or gc finishes the removal as it does a dead remover's
+ * (claim() takes a retired_by of 0) instead of waiting for this process to exit.  Only
+ * for REMOVED: a RESTORING store let go while its restorer is still registered would be
+ * put back READY, half restored, by a gc's retire.  Release: the removal's stores come
+ * before a takeover's acquire of the claim.  SHMPS_E_ARG if the caller holds no claim
+ * or the store is not REMOVED. */
+int shmps_manifest_let_go(void *base, uint64_t token) {
+    shmps_manifest_t *m = man(base);
+    if (LOAD(&m->state, SEQ_CST) != STATE_REMOVED) return SHMPS_E_ARG;
+    uint64_t cur = token;
+    return CAS(&m->retired_by, &cur, 0, RELEASE, RELAXED) ? SHMPS_OK : SHMPS_E_ARG;
 }
 
 /* Restoring a checkpoint into a store (checkpoint.py, restore()): until restore_end,

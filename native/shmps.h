@@ -158,9 +158,11 @@ uint64_t shmps_catalog_generation(const void *base);
 int shmps_proc_register(void *base, uint64_t token, uint32_t *slot);
 int shmps_proc_unregister(void *base, uint64_t token, uint32_t slot);
 int shmps_proc_list(void *base, uint64_t *tokens, uint32_t cap, uint32_t *n);
+int shmps_proc_handover(void *base, uint32_t slot, uint64_t from, uint64_t to);
 /* removing an idle store without racing attachers (manifest.c) */
 int shmps_manifest_retire(void *base, uint64_t token);
 int shmps_manifest_take_removal(void *base, uint64_t token);
+int shmps_manifest_let_go(void *base, uint64_t token);
 int shmps_manifest_restore_begin(void *base, uint64_t token);
 int shmps_manifest_restore_end(void *base, uint64_t token);
 uint64_t shmps_manifest_retired_by(const void *base);

@@ -155,6 +155,7 @@ class Store:
         self.name = name
         self.namespace = namespace
         self._manifest: Optional[Segment] = manifest
+        self._manifest_ino = manifest.ino   #: which store this handle had, once closed
         self._records: dict[str, dict] = {}
         self._record_list: list[dict] = []
         self._catalog_len = 0
@@ -798,25 +799,58 @@ class Store:
         return sorted({_native.token_pid(int(toks[i])) for i in range(n[0])
                        if _native.token_alive(int(toks[i]))})
 
-    def _forked(self) -> None:
+    def _lease_for_fork(self) -> Optional[int]:
+        """Before a fork: a second slot in the attached-process table under this
+        process's token, which the child takes over (_forked).  The store thus has a
+        live attached process at every instant from the fork to the child's close():
+        the child registering only once forked left a gap in which the parent's close()
+        and a gc removed the store under the child (review 12, F6: 428 of 429 forks
+        beside a gc loop).  The parent never frees it: freed before the child took it,
+        the gap was back; a child killed before its fork handler ran leaves it under the
+        parent's token, counted as the parent's until the parent exits.  None if the
+        table is full (the child registers anew)."""
+        # under the lock: another thread's close() must not unmap the manifest meanwhile
+        # (reentrant: the forking thread may hold it; bounded: a fork never hangs on it)
+        if not self._lock.acquire(timeout=5.0):
+            return None
+        try:
+            m = self._manifest
+            if m is None or m.ptr is None or self._proc_token != _native.token():
+                return None
+            slot = ffi.new("uint32_t *")
+            if lib.shmps_proc_register(m.ptr, self._proc_token, slot) != 0:
+                return None
+            return int(slot[0])
+        finally:
+            self._lock.release()
+
+    def _forked(self, lease: Optional[int]) -> None:
         """In a child forked while this store was open: the child maps the same memory
         and may push, so it counts as attached too (its own slot in the attached-process
         table, which its close() frees), or `shmps-tool ls` saw nobody once the parent
-        ended and `shmps-tool gc` removed the store under the training child.  It is not
-        the parent's clock worker (it joins as its own).  Runs in the fork handler,
-        without the lock: another thread of the parent may have held it at the fork,
-        and that thread does not exist here, so the child gets a new lock (with the old
-        one it hung at its first store call)."""
+        ended and `shmps-tool gc` removed the store under the training child.  The slot
+        is the one the parent took for it before the fork (``lease``, moved from the
+        parent's token to the child's), so the store is never without a live attached
+        process meanwhile.  It is not the parent's clock worker (it joins as its own).
+        Runs in the fork handler, without the lock: another thread of the parent may
+        have held it at the fork, and that thread does not exist here, so the child gets
+        a new lock (with the old one it hung at its first store call)."""
         self._lock = threading.RLock()
         m = self._manifest
         self._worker = None
         if m is None or m.ptr is None:
             return
+        parent, child = self._proc_token, _native.token()
+        self._proc_token = child
+        if lease is not None and lib.shmps_proc_handover(m.ptr, lease, parent, child) == 0:
+            self._proc_slot = lease
+            return
         slot = ffi.new("uint32_t *")
-        if lib.shmps_proc_register(m.ptr, _native.token(), slot) == 0:
+        if lib.shmps_proc_register(m.ptr, child, slot) == 0:
             self._proc_slot = int(slot[0])
-            self._proc_token = _native.token()
-        # (a full table leaves the child unlisted, as before: a fork handler cannot raise)
+        else:
+            # a full table leaves the child unlisted (a fork handler cannot raise)
+            self._proc_token = 0
 
     def close(self) -> None:
         """Detach this process (local, idempotent); tensors and views become unusable
@@ -848,27 +882,52 @@ class Store:
         this process is killed midway the next attach finishes it, instead of finding a
         store whose catalog names tensors some of whose shards are gone."""
         m = self._manifest
-        if m is not None and m.ptr is not None:
-            deadline = time.monotonic() + DESTROY_WAIT
-            # until it holds the removal, or the name no longer names this store (another
-            # process removed it, or replaced it: nothing of this store is left to remove;
-            # holding the claim, no one else can remove or replace it meanwhile)
-            while (lib.shmps_manifest_take_removal(m.ptr, _native.token()) != 0
-                   and m.is_named()):
-                # `shmps-tool gc` is deciding about this store, or removing it
-                if time.monotonic() >= deadline:
-                    raise Timeout(f"store {self.name!r}: another process has been removing "
-                                  f"it for {DESTROY_WAIT:g} s", "retry destroy()")
-                time.sleep(0.001)
-            if not m.is_named():
-                self.close()
-                return
+        if m is None or m.ptr is None:
+            self._destroy_closed()
+            return
+        deadline = time.monotonic() + DESTROY_WAIT
+        # until it holds the removal, or the name no longer names this store (another
+        # process removed it, or replaced it: nothing of this store is left to remove;
+        # holding the claim, no one else can remove or replace it meanwhile)
+        while (lib.shmps_manifest_take_removal(m.ptr, _native.token()) != 0
+               and m.is_named()):
+            # `shmps-tool gc` is deciding about this store, or removing it
+            if time.monotonic() >= deadline:
+                raise Timeout(f"store {self.name!r}: another process has been removing "
+                              f"it for {DESTROY_WAIT:g} s", "retry destroy()")
+            time.sleep(0.001)
+        if not m.is_named():
+            self.close()
+            return
+        try:
             # a creation under way (it checked the state before REMOVED) ends before the
             # shards are listed; later ones see REMOVED and refuse (_create_tensor)
             self._lock_manifest()
             lib.shmps_manifest_unlock(self._mptr)
+            # unlinked while this process is still attached: mapped, its claim stays
+            # readable, and a takeover never finds the removal unclaimed by the living
+            _unlink_store(self.name, self.namespace)
+        except BaseException:
+            # (Ctrl-C, a failed unlink) the removal is decided (REMOVED stays) but not
+            # finished: the next attach or gc finishes it, as a dead remover's, instead
+            # of waiting for this process to exit (review 12, F8)
+            lib.shmps_manifest_let_go(m.ptr, _native.token())
+            self.close()
+            raise
         self.close()
-        _unlink_store(self.name, self.namespace)
+
+    def _destroy_closed(self) -> None:
+        """destroy() through a closed handle: the store under the name, if it is still
+        the one this handle had (the same manifest inode), removed as destroy() does;
+        a store made under the name since is not this handle's to remove."""
+        try:
+            again = attach(self.name, create=False, namespace=self.namespace or "")
+        except NotFound:
+            return
+        if again._manifest is not None and again._manifest.ino == self._manifest_ino:
+            again.destroy()
+        else:
+            again.close()
 
     def _renew_for_restore(self) -> "Store":
         """``restore --force``: replace this store, which this process is restoring into
@@ -1050,12 +1109,29 @@ def _shape(shape: Any) -> tuple:
 _OPEN_STORES: "weakref.WeakSet[Store]" = weakref.WeakSet()   # for the fork handler
 
 
+#: the forking thread's leases (thread id -> [(store, slot)]): two threads forking at
+#: once each hand their own child its slots
+_FORK_LEASES: dict[int, list[tuple["Store", Optional[int]]]] = {}
+
+
+def _before_fork() -> None:
+    _FORK_LEASES[threading.get_ident()] = [(st, st._lease_for_fork())
+                                           for st in list(_OPEN_STORES)]
+
+
+def _after_fork_in_parent() -> None:
+    _FORK_LEASES.pop(threading.get_ident(), None)   # the children's now (see _lease_for_fork)
+
+
 def _after_fork_in_child() -> None:
-    for st in list(_OPEN_STORES):
-        st._forked()
+    leases = _FORK_LEASES.pop(threading.get_ident(), [])
+    _FORK_LEASES.clear()   # other threads' leases are their parents' to give back
+    for st, slot in leases:
+        st._forked(slot)
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                    after_in_child=_after_fork_in_child)
 
 
 def _attach_pickled(name: str, namespace: str) -> "Store":

@@ -28,6 +28,7 @@ from shmps import checkpoint as ckpt_mod
 from shmps import files
 
 from test_errors import needs_small_shm
+from helpers import remove_store
 
 SHM = "/dev/shm"
 ROOT = str(Path(shmps.__file__).resolve().parents[1])
@@ -377,6 +378,38 @@ def test_restore_refuses_existing_store_unless_force(store, tmp_path, procs, nam
     finally:
         # (the fixture's handle is of the replaced store: its destroy() leaves this one)
         r.destroy()
+
+
+def test_a_forced_restore_interrupted_while_replacing_leaves_no_claimed_store(
+        store, tmp_path, monkeypatch):
+    """Ctrl-C reaches restore --force after the old store's shards went and before its
+    new manifest is in place, and the process lives on: the store is removed, so
+    another process's attach makes a new one at once.  (The old manifest stayed,
+    RESTORING and claimed by the live restorer: every attach waited and raised Timeout
+    until that process exited.)"""
+    import shmps.store as st
+
+    store.dense("w", shape=(3,), init=1.0)
+    store.checkpoint(tmp_path / "ck")
+    real = st.Segment.open_or_create
+
+    def interrupted(name: str, *a: Any, **k: Any) -> Any:
+        if ".restore-" in name:
+            raise KeyboardInterrupt
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(st.Segment, "open_or_create", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        shmps.restore(tmp_path / "ck", store.name, force=True)
+    monkeypatch.setattr(st.Segment, "open_or_create", real)
+    r = subprocess.run([sys.executable, "-c", "import shmps, sys\n"
+                        "with shmps.attach(sys.argv[1], timeout=3) as s:\n"
+                        "    print(len(s.tensors()))", store.name],
+                       capture_output=True, text=True, timeout=60, env=child_env())
+    try:
+        assert (r.returncode, r.stdout.strip()) == (0, "0"), r.stderr[-400:]
+    finally:
+        remove_store(store.name)   # the new one (the fixture's handle is of the old)
 
 
 def _corrupt_cases() -> list[tuple[str, Any, str]]:
