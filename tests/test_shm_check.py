@@ -46,10 +46,27 @@ def test_a_session_alone_fails_on_a_leak_and_cleans_it_up(tmp_path, store_name):
     alone = tmp_path / "tmp"     # its own TMPDIR: no other session registered there
     alone.mkdir()
     try:
-        r = child_session(tmp_path, store_name, {**os.environ, "TMPDIR": str(alone)})
+        env = {k: v for k, v in os.environ.items() if k != "SHMPS_TESTS_BESIDE"}
+        r = child_session(tmp_path, store_name, {**env, "TMPDIR": str(alone)})
         out = r.stdout + r.stderr
         assert r.returncode != 0 and "tests leaked shared-memory segments" in out, out
         assert segments_of(store_name) == []
+    finally:
+        if segments_of(store_name):
+            shmps.attach(store_name, create=False).destroy()
+
+
+def test_a_session_told_other_programs_run_beside_it_deletes_nothing(tmp_path, store_name):
+    """SHMPS_TESTS_BESIDE=1 (scripts, not test sessions, use /dev/shm meanwhile): a
+    session alone reports new segments nobody holds and deletes none."""
+    alone = tmp_path / "tmp"
+    alone.mkdir()
+    try:
+        r = child_session(tmp_path, store_name, {**os.environ, "TMPDIR": str(alone),
+                                                 "SHMPS_TESTS_BESIDE": "1"})
+        out = r.stdout + r.stderr
+        assert r.returncode == 0 and "left alone" in out, out
+        assert segments_of(store_name), "the check deleted them"
     finally:
         if segments_of(store_name):
             shmps.attach(store_name, create=False).destroy()
