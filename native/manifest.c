@@ -266,6 +266,12 @@ static int claim(shmps_manifest_t *m, uint64_t token) {
 
 int shmps_manifest_retire(void *base, uint64_t token) {
     shmps_manifest_t *m = man(base);
+    /* A manifest being initialised (state 0) is not judged, nor claimed: initialise()
+     * writes retired_by plainly, and a claim racing it could be lost, leaving a gc
+     * removing under a claim it no longer holds.  Acquire: initialise()'s writes, then
+     * its release store of the state, come before; it never runs again once the state
+     * is not 0. */
+    if (LOAD(&m->state, ACQUIRE) == 0) return SHMPS_E_BUSY;
     if (claim(m, token)) return SHMPS_E_BUSY;
     /* REMOVED: decided (a destroy(), or a gc after its scan) by a remover that died:
      * the removal is ours to finish.  READY; RESTORING by a restorer that died (its

@@ -399,12 +399,16 @@ def _restore_from(path: str, name: str, namespace: Optional[str], force: bool) -
                 f"{', '.join(map(str, others)) or 'none'}); refusing to replace it",
                 "replace it with --force (force=True), or restore under another name "
                 "with --as NEWNAME")
-    try:
-        if ntensors or others:
-            # (in the try: a failure after the old shards went removes the store;
-            # outside, it stayed RESTORING, claimed by this live process, and every
-            # attach waited for it until the process exited)
+        try:
             store = store._renew_for_restore()
+        except BaseException:
+            # failed before it changed anything (the new manifest could not be made):
+            # the old store is given back as it was; after, the renewal removed both
+            if store._manifest is not None:
+                _end_restore(store)
+                store.close()
+            raise
+    try:
         with _progress(sum(p.nbytes for p in plans), f"restore {name}") as bar:
             for e, p in zip(doc["tensors"], plans):
                 try:

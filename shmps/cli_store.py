@@ -103,6 +103,21 @@ def gc_min_age() -> float:
     return v
 
 
+def _restore_in_progress(segment: str) -> bool:
+    """A forced restore's new manifest, not yet renamed over the store's, of a restorer
+    still alive (it may wait up to a minute for creations in the old store to end)."""
+    pid = names.restore_manifest_pid(segment)
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
 def cmd_gc(args: argparse.Namespace) -> int:
     """Remove segments of stores no live process has attached, and orphan segments."""
     min_age = gc_min_age()
@@ -124,7 +139,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
                        s.segments, None if s.error is not None else (s.name, s.namespace)))
     if orphans:
         doomed.append(("orphan segments", [o for o in orphans
-                                           if shm_inspect._age(o) >= min_age], None))
+                                           if shm_inspect._age(o) >= min_age
+                                           and not _restore_in_progress(o)], None))
     removed = 0
     for what, segs, store in doomed:
         if not segs:

@@ -52,5 +52,17 @@ def manifest_name(store: str, namespace: Optional[str]) -> str:
     return store_prefix(store, namespace) + "manifest"
 
 
+def restore_manifest_name(store: str, namespace: Optional[str], pid: int) -> str:
+    """The manifest a forced restore by process ``pid`` makes before renaming it over the
+    store's (Store._renew_for_restore)."""
+    return f"{manifest_name(store, namespace)}.restore-{pid}"
+
+
+def restore_manifest_pid(segment: str) -> Optional[int]:
+    """The restorer's pid if ``segment`` is a restore_manifest_name, else None."""
+    head, sep, pid = segment.rpartition(".manifest.restore-")
+    return int(pid) if sep and head and pid.isdigit() else None
+
+
 def shard_name(store: str, namespace: Optional[str], tensor_id: int, shard: int) -> str:
     return store_prefix(store, namespace) + f"t{tensor_id}.s{shard}"

@@ -94,7 +94,7 @@ class Segment:
                 if fd is not None:
                     os.posix_fallocate(fd, lo, hi - lo)
                 else:
-                    _fallocate(self.name, lo, hi - lo)   # (unlinked: nothing to allocate)
+                    _fallocate(self.name, lo, hi - lo, self.ino)   # (unlinked or replaced: nothing)
         except OSError as exc:
             if exc.errno not in (errno.EFAULT, errno.ENOMEM, errno.ENOSPC):
                 raise
@@ -231,28 +231,33 @@ def shm_free() -> int:
     return st.f_bavail * st.f_frsize
 
 
-def _fallocate(name: str, start: int, length: int) -> bool:
+def _fallocate(name: str, start: int, length: int, ino: int = 0) -> bool:
     """posix_fallocate the range of segment ``name`` through a new descriptor; False if
-    the segment no longer exists.  OSError (ENOSPC) if /dev/shm has no room."""
+    the segment no longer exists, or (``ino``) is no longer the file of that inode: the
+    name may hold a new, smaller segment by then, which fallocate would grow.  OSError
+    (ENOSPC) if /dev/shm has no room."""
     try:
         fd = posix_ipc.SharedMemory(name).fd
     except posix_ipc.ExistentialError:
         return False
     try:
+        if ino and os.fstat(fd).st_ino != ino:
+            return False
         os.posix_fallocate(fd, start, length)
     finally:
         os.close(fd)
     return True
 
 
-def allocate(name: str, size: int) -> bool:
-    """Back every page of segment ``name`` (``size`` bytes) now, as a creation with
-    reservation does (Segment._reserve), for one created without (``reserve=False``:
-    shmps-bridge's).  Through the file (posix_fallocate), which runs without the GIL: a
-    thread can do it while the event loop goes on.  False if the segment is gone;
-    CapacityError if /dev/shm has no room for it."""
+def allocate(name: str, size: int, ino: int) -> bool:
+    """Back every page of segment ``name`` (``size`` bytes, inode ``ino``) now, as a
+    creation with reservation does (Segment._reserve), for one created without
+    (``reserve=False``: shmps-bridge's).  Through the file (posix_fallocate), which runs
+    without the GIL: a thread can do it while the event loop goes on.  False if the
+    segment is gone (or another is under its name); CapacityError if /dev/shm has no
+    room for it."""
     try:
-        return _fallocate(name, 0, size)
+        return _fallocate(name, 0, size, ino)
     except OSError as exc:
         if exc.errno not in (errno.ENOSPC, errno.ENOMEM):
             raise

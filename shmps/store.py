@@ -117,10 +117,16 @@ def attach(name: str, *, create: bool = True, namespace: Optional[str] = None,
                 # process is the one that takes it over (others wait for it)
                 holder = int(lib.shmps_manifest_retired_by(seg.ptr))
                 # (retire, as gc: a gc that died deciding is decided again, and a live
-                # attached process keeps the store)
+                # attached process keeps the store.  No holder and READY again: a gc
+                # saw this process registered and kept the store; just look again,
+                # or this process, unregistered, would remove what gc kept)
                 if (not _native.token_alive(holder)
+                        and not (holder == 0 and lib.shmps_manifest_usable(seg.ptr, 0))
                         and lib.shmps_manifest_retire(seg.ptr, _native.token()) == 0):
-                    _unlink_store(name, ns)
+                    # claimed: the name, if still this manifest, cannot change until
+                    # the removal ends; if not, the store is gone and another is there
+                    if seg.is_named():
+                        _unlink_store(name, ns)
                     continue
             finally:
                 seg.close()
@@ -465,6 +471,14 @@ class Store:
             _native.check(code, f"store {self.name!r}: manifest lock")
         # RECOVERED: a creator died holding the lock; its segments are not in the
         # catalog (records are appended last) and are replaced by _create_segments.
+
+    def _creations_done(self) -> None:
+        """For a removal, once the store is marked REMOVED: a tensor creation under way
+        in an attached process (it checked the state before the mark) ends before the
+        caller lists the shards; later ones see REMOVED and refuse (_create_tensor).
+        Creations hold the manifest lock throughout, so taking it is the wait."""
+        self._lock_manifest()
+        lib.shmps_manifest_unlock(self._mptr)
 
     def _next_id(self) -> int:
         self._refresh()
@@ -900,10 +914,7 @@ class Store:
             self.close()
             return
         try:
-            # a creation under way (it checked the state before REMOVED) ends before the
-            # shards are listed; later ones see REMOVED and refuse (_create_tensor)
-            self._lock_manifest()
-            lib.shmps_manifest_unlock(self._mptr)
+            self._creations_done()
             # unlinked while this process is still attached: mapped, its claim stays
             # readable, and a takeover never finds the removal unclaimed by the living
             _unlink_store(self.name, self.namespace)
@@ -934,16 +945,19 @@ class Store:
         (RESTORING, claimed by it), by a new empty one born RESTORING and claimed,
         without the name ever being free: a free name let a waiting attacher make an
         empty store of its own first and watch the restored tensors appear one by one.
-        The old shards are unlinked while the old manifest stays (attachers keep
-        waiting), then a manifest made under a temporary name is renamed over it (one
-        atomic rename).  Returns the new handle; this one is closed."""
+        Returns the new handle; this one is closed.
+
+        In order: the new manifest is made under a temporary name (a failure there
+        changes nothing: the caller gives the old store back); the old store is marked
+        REMOVED under this process's claim (killed from here on, the next attach or gc
+        finishes the removal; RESTORING, it put the half-unlinked store back READY when
+        another process was attached); creations under way in attached processes end
+        (they checked the state before; their shards would be the new store's names);
+        the old shards go while the old manifest stays (attachers keep waiting); the new
+        manifest is renamed over the old one.  A failure after the mark removes both."""
         name, ns = self.name, self.namespace
         mname = names.manifest_name(name, ns)
-        prefix = names.store_prefix(name, ns)
-        for n in list_names(prefix[1:]):
-            if _is_own_segment(n, prefix) and n != mname:
-                unlink(n)
-        tmp = f"{mname}.restore-{os.getpid()}"
+        tmp = names.restore_manifest_name(name, ns, os.getpid())
         unlink(tmp)
         seg, _ = Segment.open_or_create(tmp, MANIFEST_SIZE, reserve=MANIFEST_RESERVED)
         try:
@@ -951,10 +965,24 @@ class Store:
             _native.check(lib.shmps_manifest_init(seg.ptr, seg.size, _native.token(), 2.0,
                                                   ident, len(ident), 1),
                           f"store {name!r} manifest {mname}")
+        except BaseException:
+            seg.close()
+            unlink(tmp)
+            raise
+        try:
+            _native.check(lib.shmps_manifest_take_removal(self._mptr, _native.token()),
+                          f"store {name!r}: its removal")
+            self._creations_done()
+            prefix = names.store_prefix(name, ns)
+            for n in list_names(prefix[1:]):
+                if _is_own_segment(n, prefix) and n != mname:
+                    unlink(n)
             os.rename("/dev/shm" + tmp, "/dev/shm" + mname)
         except BaseException:
             seg.close()
             unlink(tmp)
+            self.close()
+            _unlink_store(name, ns)   # (the old one: still named, claimed by this process)
             raise
         seg.name = mname
         self.close()
@@ -1037,14 +1065,27 @@ def remove_idle(name: str, namespace: Optional[str]) -> Optional[list[str]]:
         seg = Segment.open(mname, expect_size=MANIFEST_SIZE)
     except NotFound:
         return []
+    except CorruptSegment:
+        if _size_of(mname) == 0:   # a new store's, being made since the scan: kept
+            return None
+        raise
     try:
         code = lib.shmps_manifest_retire(seg.ptr, _native.token())
         if code == lib.SHMPS_E_BUSY:
             return None
         _native.check(code, f"store {name!r} manifest {mname}")
-        return _unlink_store(name, namespace)
+        # (claimed: the name, if still this manifest, stays so until the removal ends;
+        # if not, this store was removed since the scan, and a new one may be there)
+        return _unlink_store(name, namespace) if seg.is_named() else []
     finally:
         seg.close()
+
+
+def _size_of(segment: str) -> int:
+    try:
+        return os.stat("/dev/shm" + segment).st_size
+    except FileNotFoundError:
+        return -1
 
 
 def _unlink_store(name: str, namespace: Optional[str]) -> list[str]:

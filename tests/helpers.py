@@ -181,6 +181,32 @@ class Workers:
             w.conn.close()
 
 
+def fork_dying_at_unlink(after: int, action: Callable[[], Any], match: str = "") -> int:
+    """Fork a child that runs ``action()`` and dies (os._exit(0), as a SIGKILL would
+    leave things) at its unlink number ``after`` + 1 of a segment whose name holds
+    ``match``: the crash point of a removal midway.  Returns the child's pid (exit
+    status 0: it died there; 1: ``action`` ended first)."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            import shmps.store as st
+            real, count = st.unlink, [0]
+
+            def dying_unlink(name: str) -> bool:
+                if match in name:
+                    count[0] += 1
+                    if count[0] > after:
+                        os._exit(0)
+                return real(name)
+
+            st.unlink = dying_unlink
+            action()
+        finally:
+            os._exit(code)
+    return pid
+
+
 def dead_token() -> int:
     """The token of a process that has exited (and been reaped)."""
     with Workers(hard_timeout=30) as ws:

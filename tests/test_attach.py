@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import shmps
-from helpers import (STOP, Workers, attach_and_hold, attach_timing, new_flags,
-                     pull_after_destroy, race_attach, remove_store, store_segments,
+from helpers import (STOP, Workers, attach_and_hold, attach_timing, fork_dying_at_unlink,
+                     new_flags, pull_after_destroy, race_attach, remove_store, store_segments,
                      wait_until)
 
 pytestmark = pytest.mark.timeout(120)
@@ -515,23 +515,8 @@ def test_a_destroy_killed_midway_is_finished_by_the_next_attach(store_name):
     with shmps.attach(store_name) as s:
         for i in range(40):
             s.dense(f"w{i}", shape=(4,), dtype="int32", init=i)
-    pid = os.fork()
-    if pid == 0:   # the destroyer: dies after its 10th unlink
-        code = 1
-        try:
-            import shmps.store as st
-            real, count = st.unlink, [0]
-
-            def dying_unlink(name: str) -> bool:
-                count[0] += 1
-                if count[0] > 10:
-                    os._exit(0)
-                return real(name)
-
-            st.unlink = dying_unlink
-            shmps.attach(store_name).destroy()
-        finally:
-            os._exit(code)
+    # the destroyer: dies after its 10th unlink
+    pid = fork_dying_at_unlink(10, lambda: shmps.attach(store_name).destroy())
     try:
         assert os.waitpid(pid, 0)[1] == 0
         left = store_segments(store_name)
@@ -639,6 +624,55 @@ def test_destroy_through_a_closed_handle_removes_only_its_own_store(store_name):
         s.destroy()                    # nothing under the name: nothing to do
     finally:
         remove_store(store_name)
+
+
+def test_a_gc_that_opened_a_store_before_it_was_remade_leaves_the_new_one_alone(
+        store_name, monkeypatch):
+    """gc (remove_idle) opens an idle store's manifest, then another process removes
+    that store and makes a new one under the name before gc goes on: gc's claim is of
+    the old manifest, and it removes nothing.  (It unlinked by name: the new, live
+    store.)"""
+    import subprocess
+    import sys
+    import shmps.store as st
+
+    with shmps.attach(store_name) as s:
+        s.dense("old", shape=(4,))
+    real = st.Segment.open
+    remake = ("import shmps, sys\nshmps.attach(sys.argv[1]).destroy()\n"
+              "shmps.attach(sys.argv[1]).dense('new', shape=(4,), init=2.0)")
+
+    def open_then_remade(name: str, *a, **k):
+        seg = real(name, *a, **k)
+        r = subprocess.run([sys.executable, "-c", remake, store_name],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        return seg
+
+    monkeypatch.setattr(st.Segment, "open", open_then_remade)
+    try:
+        assert st.remove_idle(store_name, None) == []
+        monkeypatch.undo()
+        with shmps.attach(store_name, create=False) as again:
+            assert (again["new"].pull() == 2.0).all()
+    finally:
+        monkeypatch.undo()
+        remove_store(store_name)
+
+
+def test_gc_keeps_a_store_whose_manifest_is_being_made(store_name):
+    """A manifest of size 0 (a new store's, made since gc's scan, not yet sized): gc's
+    remove_idle keeps it (None) rather than failing on it."""
+    from shmps.store import remove_idle
+    from shmps import names
+
+    path = "/dev/shm" + names.manifest_name(store_name, None)
+    open(path, "wb").close()
+    try:
+        assert remove_idle(store_name, None) is None
+        assert os.path.exists(path)
+    finally:
+        os.unlink(path)
 
 
 def test_a_gc_killed_while_deciding_does_not_get_a_live_store_removed(store_name):

@@ -380,36 +380,45 @@ def test_restore_refuses_existing_store_unless_force(store, tmp_path, procs, nam
         r.destroy()
 
 
+@pytest.mark.parametrize("where", ["new manifest", "rename"])
 def test_a_forced_restore_interrupted_while_replacing_leaves_no_claimed_store(
-        store, tmp_path, monkeypatch):
-    """Ctrl-C reaches restore --force after the old store's shards went and before its
-    new manifest is in place, and the process lives on: the store is removed, so
-    another process's attach makes a new one at once.  (The old manifest stayed,
-    RESTORING and claimed by the live restorer: every attach waited and raised Timeout
-    until that process exited.)"""
+        store, tmp_path, monkeypatch, where):
+    """Ctrl-C reaches restore --force while it replaces the store, and the process
+    lives on.  Before it changed anything (making the new manifest), the old store is
+    given back as it was; after (here at the rename, the old shards gone), neither is
+    left.  Either way another process's attach goes on at once.  (The old manifest
+    stayed RESTORING, claimed by the live restorer, its shards gone: every attach waited
+    and raised Timeout until that process exited.)"""
     import shmps.store as st
 
     store.dense("w", shape=(3,), init=1.0)
     store.checkpoint(tmp_path / "ck")
-    real = st.Segment.open_or_create
+    store["w"].push(np.full(3, 4.0, np.float32))
 
-    def interrupted(name: str, *a: Any, **k: Any) -> Any:
-        if ".restore-" in name:
-            raise KeyboardInterrupt
-        return real(name, *a, **k)
+    def interrupted(*a: Any, **k: Any) -> Any:
+        raise KeyboardInterrupt
 
-    monkeypatch.setattr(st.Segment, "open_or_create", interrupted)
+    if where == "rename":
+        monkeypatch.setattr(st.os, "rename", interrupted)
+    else:
+        real = st.Segment.open_or_create
+        monkeypatch.setattr(st.Segment, "open_or_create", lambda name, *a, **k: (
+            interrupted() if ".restore-" in name else real(name, *a, **k)))
     with pytest.raises(KeyboardInterrupt):
         shmps.restore(tmp_path / "ck", store.name, force=True)
-    monkeypatch.setattr(st.Segment, "open_or_create", real)
+    monkeypatch.undo()
     r = subprocess.run([sys.executable, "-c", "import shmps, sys\n"
                         "with shmps.attach(sys.argv[1], timeout=3) as s:\n"
-                        "    print(len(s.tensors()))", store.name],
-                       capture_output=True, text=True, timeout=60, env=child_env())
+                        "    print([float(s[t['name']].pull()[0]) for t in s.tensors()])",
+                        store.name], capture_output=True, text=True, timeout=60,
+                       env=child_env())
     try:
-        assert (r.returncode, r.stdout.strip()) == (0, "0"), r.stderr[-400:]
+        want = "[5.0]" if where == "new manifest" else "[]"
+        assert (r.returncode, r.stdout.strip()) == (0, want), r.stderr[-400:]
+        assert not [n for n in os.listdir(SHM) if ".restore-" in n]
     finally:
-        remove_store(store.name)   # the new one (the fixture's handle is of the old)
+        if where == "rename":
+            remove_store(store.name)   # the new one (the fixture's handle is of the old)
 
 
 def _corrupt_cases() -> list[tuple[str, Any, str]]:

@@ -166,6 +166,28 @@ def test_gc_removes_only_stores_without_live_processes(ns, procs):
                    "SHMPS_GC_MIN_AGE='soon'")
 
 
+def test_gc_leaves_a_live_restorers_new_manifest_alone(ns, procs):
+    """restore --force makes the new manifest under a temporary name and renames it over
+    the store's once the old store's creations have ended and its shards are gone (up
+    to a minute): gc must not take it for an orphan while the restorer lives, or the
+    rename failed.  A dead restorer's is an orphan like any other."""
+    from shmps import names, segment
+
+    live = names.restore_manifest_name("st", ns, os.getpid())
+    dead_pid = spawn_holder(procs, "x", ns, "exit").pid
+    procs[-1].wait(timeout=30)
+    dead = names.restore_manifest_name("st", ns, dead_pid)
+    for n in (live, dead):
+        segment.Segment.create(n, 4096, reserve=False).close()
+    try:
+        out = ok(tool("gc", "--namespace", ns, env={"SHMPS_GC_MIN_AGE": "0"}))
+        assert os.path.exists(SHM + live), out
+        assert not os.path.exists(SHM + dead), out
+    finally:
+        for n in (live, dead):
+            segment.unlink(n)
+
+
 def test_ls_and_gc_follow_shmps_namespace(ns, procs):
     """`ls` and `gc` default --namespace to $SHMPS_NAMESPACE like the other store verbs:
     with it set, stores of other namespaces are neither listed nor removed; `--namespace`

@@ -407,7 +407,7 @@ for what, make in [("dense", lambda: s.dense("w", shape=(1 << 25,))),
 from shmps import segment
 seg = segment.Segment.create("/shmps.full.sparse", 96 << 20, reserve=False)
 try:
-    segment.allocate(seg.name, seg.size)
+    segment.allocate(seg.name, seg.size, seg.ino)
     out["allocate"] = "backed"
 except shmps.CapacityError as e:
     out["allocate"] = str(e)
@@ -467,6 +467,27 @@ def test_a_tensor_whose_catalog_record_finds_dev_shm_full_leaves_nothing():
     assert "no room for the catalog page of tensor 'w'" in out["w"], out
     assert out["left"] == ["filler", "shmps.full.manifest"], out
     assert out["works"] == 1024.0 and out["end"] == [], out
+
+
+def test_backing_a_segment_later_leaves_a_new_one_under_its_name_alone(store_name):
+    """shmps-bridge backs its copies in a thread, after their creation: by then the name
+    may hold another, smaller segment (the store destroyed and made anew); backing it
+    by name grew that one to the old size, which then failed its size check on attach."""
+    from shmps import segment
+
+    name = f"/shmps.{store_name}.backing"
+    old = segment.Segment.create(name, 8 << 20, reserve=False)
+    ino, size = old.ino, old.size
+    old.close()
+    segment.unlink(name)
+    new = segment.Segment.create(name, 1 << 20, reserve=False)
+    try:
+        assert segment.allocate(name, size, ino) is False
+        assert os.stat("/dev/shm" + name).st_size == 1 << 20
+        assert segment.allocate(name, new.size, new.ino) is True
+    finally:
+        new.close()
+        segment.unlink(name)
 
 
 @pytest.mark.parametrize("make", [lambda: shmps.SGD(lr=-1), lambda: shmps.SGD(lr=float("nan")),

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import shmps
-from helpers import remove_store, store_segments
+from helpers import fork_dying_at_unlink, remove_store, store_segments
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -217,3 +217,78 @@ def test_a_restore_racing_a_checkpoint_to_the_same_path_is_never_mixed(tmp_path,
             remove_store(name)
     assert not mixed, f"{len(mixed)} of {restored} restores mixed two checkpoints: {mixed[:3]}"
     assert restored >= 5, (restored, refused)
+
+
+def test_a_forced_restore_killed_while_replacing_never_publishes_the_old_store_half_gone(
+        checkpoint, store_name):
+    """restore --force dies after it unlinked 10 of the old store's 40 shards, while
+    another process (this one) is still attached to the old store: the next attach
+    finishes the removal and makes a new, empty store.  (The old manifest was still
+    RESTORING under the dead restorer: the next attach decided as for an idle store,
+    found this process attached and put it back READY, its catalog naming tensors
+    whose shards were gone: NotFound for every process.)"""
+    old = shmps.attach(store_name)
+    try:
+        old.dense("w", shape=(40, 4), shard_rows=1, init=3.0)
+        # the restorer: dies at its 11th unlink of an old shard
+        pid = fork_dying_at_unlink(
+            10, lambda: shmps.restore(checkpoint, store_name, force=True).close(), ".t0.s")
+        assert os.waitpid(pid, 0)[1] == 0
+        assert 0 < len([n for n in store_segments(store_name) if ".t0.s" in n]) < 40
+        r = subprocess.run([sys.executable, "-c", "import shmps, sys\n"
+                            "with shmps.attach(sys.argv[1], timeout=5) as s:\n"
+                            "    print([t['name'] for t in s.tensors()])", store_name],
+                           capture_output=True, text=True, timeout=60)
+        assert (r.returncode, r.stdout.strip()) == (0, "[]"), r.stderr[-400:]
+    finally:
+        old.close()
+        remove_store(store_name)
+
+
+CREATOR = """
+import sys, shmps
+s = shmps.attach(sys.argv[1])
+print("go", flush=True)
+try:
+    s.dense("big", shape=(256 * 16, 16), shard_rows=16, init=7.0)
+except shmps.Error as e:
+    print(type(e).__name__, flush=True)
+s.close()
+"""
+
+
+def test_a_forced_restore_waits_for_a_creation_under_way_in_another_process(
+        checkpoint, store_name):
+    """A process attached to the store is creating a tensor of 256 shards when
+    restore --force replaces the store: the creation ends before the old shards are
+    listed, so none of its shards is left under the new store's names, and the restored
+    tensors are whole.  (The renewal listed the old shards without waiting: 21 of 21
+    rounds left the creator's later shards as orphans under the new store.)"""
+    import random
+
+    bad = []
+    try:
+        for _ in range(4):
+            with shmps.attach(store_name) as s:
+                for i in range(NTENSORS):   # the creator's tensor gets id 6
+                    s.dense(f"old{i}", shape=(4,))
+            c = subprocess.Popen([sys.executable, "-c", CREATOR, store_name],
+                                 stdout=subprocess.PIPE, text=True)
+            try:
+                assert c.stdout.readline().strip() == "go"
+                time.sleep(random.uniform(0.0, 0.01))
+                r = shmps.restore(checkpoint, store_name, force=True)
+                c.wait(timeout=60)
+            finally:
+                c.kill()
+                c.wait()
+            try:
+                extra = [n for n in store_segments(store_name) if ".t6." in n]
+                whole = [float(r[f"t{i}"].pull().min()) for i in range(NTENSORS)]
+                if extra or whole != [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]:
+                    bad.append((len(extra), whole))
+            finally:
+                r.destroy()
+    finally:
+        remove_store(store_name)
+    assert not bad, f"creator's shards left under the new store, restored minima: {bad}"

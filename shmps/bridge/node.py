@@ -1160,13 +1160,13 @@ class Bridge:
         info = self.by_name.get(name)
         if info is None or self._closing or name not in self._created_here:
             return
-        segs = [(sh.seg.name, sh.seg.size) for sh in (info.t._shards or ())]
+        segs = [(sh.seg.name, sh.seg.size, sh.seg.ino) for sh in (info.t._shards or ())]
         if not segs:
             return
 
         def back() -> None:
-            for n, size in segs:
-                segment.allocate(n, size)
+            for n, size, ino in segs:
+                segment.allocate(n, size, ino)
 
         self._unbacked[name] = math.inf   # under way
         try:
