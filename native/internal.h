@@ -220,6 +220,9 @@ typedef struct {
     uint32_t fwd_wakes;
     /* token of the process removing the store (shmps_manifest_retire), 0 if none */
     uint64_t retired_by;
+    /* the creator's PID namespace (shmps_self_pid_ns), 0 if unknown: a token names a
+     * process only within one, so attach refuses processes of another */
+    uint64_t pid_ns;
 } shmps_manifest_t;
 
 typedef struct {

@@ -50,6 +50,7 @@ static int initialise(void *base, uint64_t size, const char *ident, uint32_t ide
     m->ident_len = ident_len;
     m->magic = SHMPS_MANIFEST_MAGIC;
     m->retired_by = restorer;
+    m->pid_ns = shmps_self_pid_ns();
     /* release: everything above happens-before any attacher's acquire of the state */
     STORE(&m->state, restorer ? STATE_RESTORING : STATE_READY, RELEASE);
     return SHMPS_OK;
@@ -383,6 +384,11 @@ int shmps_manifest_usable(const void *base, uint64_t token) {
      * manifest lock, which a creator holds across this check and its creation */
     return LOAD(&((const shmps_manifest_t *)base)->state, SEQ_CST) == STATE_RETIRING
         || shmps_manifest_attached(base, token);
+}
+
+uint64_t shmps_manifest_pid_ns(const void *base) {
+    /* written before the release store of the state, which the attacher acquired */
+    return ((const shmps_manifest_t *)base)->pid_ns;
 }
 
 uint64_t shmps_manifest_retired_by(const void *base) {

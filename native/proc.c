@@ -6,6 +6,7 @@
 #include <signal.h>
 #include <stdlib.h>
 #include <stdio.h>
+#include <sys/stat.h>
 #include <sys/types.h>
 #include <time.h>
 #include <unistd.h>
@@ -57,6 +58,15 @@ uint64_t shmps_self_token(void) {
         cached_pid = pid;
     }
     return cached_token;
+}
+
+/* The inode of this process's PID namespace (/proc/self/ns/pid), 0 if unreadable.  A
+ * token's pid and start time are those of the checker's /proc: a process of another
+ * PID namespace sharing /dev/shm (a container of the same pod) would look dead, or be
+ * another process, and its locks be taken over while it holds them. */
+uint64_t shmps_self_pid_ns(void) {
+    struct stat st;
+    return stat("/proc/self/ns/pid", &st) == 0 ? (uint64_t)st.st_ino : 0;
 }
 
 int shmps_token_alive(uint64_t token) {

@@ -142,6 +142,22 @@ def attach(name: str, *, create: bool = True, namespace: Optional[str] = None,
             raise
 
 
+def _check_pid_namespace(name: str, manifest: Segment) -> None:
+    """Every process of a store must see the others' pids: liveness (who holds a lock,
+    a freeze, a removal) is a pid and start time read from /proc.  A process of another
+    PID namespace sharing /dev/shm (the containers of one pod, by default) looked dead
+    to them and they to it: live holders' locks were taken over (lost updates, torn
+    consistent pulls; review 13)."""
+    theirs, ours = int(lib.shmps_manifest_pid_ns(manifest.ptr)), int(lib.shmps_self_pid_ns())
+    if theirs and ours and theirs != ours:
+        raise InvalidArgument(
+            f"store {name!r} was made in another PID namespace (pid:[{theirs}]; this "
+            f"process is in pid:[{ours}]): its processes cannot tell whether this one is "
+            "alive, nor this one whether they are",
+            "attach from processes of one PID namespace (Kubernetes: "
+            "shareProcessNamespace: true), or use another store name or namespace")
+
+
 class _Removed(Exception):
     """The manifest attach found is being removed (`shmps-tool gc`, destroy()) or
     restored into (internal)."""
@@ -175,6 +191,7 @@ class Store:
         self._lock = threading.RLock()
         self._executor: Optional[ThreadPoolExecutor] = None
         self._executor_pid = 0
+        _check_pid_namespace(name, manifest)
         slot = ffi.new("uint32_t *")
         _native.check(lib.shmps_proc_register(manifest.ptr, _native.token(), slot),
                       f"store {name!r}: attached-process table")

@@ -675,6 +675,55 @@ def test_gc_keeps_a_store_whose_manifest_is_being_made(store_name):
         os.unlink(path)
 
 
+def _unshare_pid() -> list[str]:
+    """The command prefix that runs a process in a new PID namespace, /dev/shm shared
+    (as the containers of one pod); pytest.skip where the machine does not allow it."""
+    import shutil
+    import subprocess
+
+    exe = shutil.which("unshare")
+    if exe is None:
+        pytest.skip("no unshare(1) on this machine")
+    cmd = [exe, "--pid", "--fork", "--mount-proc"]
+    r = subprocess.run(cmd + ["true"], capture_output=True, text=True, timeout=30)
+    if r.returncode != 0:
+        pytest.skip(f"new PID namespaces not allowed here: {r.stderr.strip()[:200]}")
+    return cmd
+
+
+def test_a_process_of_another_pid_namespace_is_refused(store_name):
+    """A process sharing /dev/shm but not the PID namespace (a container of the same
+    pod) cannot attach, either way round: tokens are pids of one namespace, so each side
+    took the other's live locks and freezes for a dead process's and took them over
+    (lost updates, torn consistent pulls; review 13)."""
+    import subprocess
+    import sys
+
+    cmd = _unshare_pid()
+    code = ("import shmps, sys\n"
+            "try:\n"
+            "    shmps.attach(sys.argv[1], create=sys.argv[2] == 'make').close()\n"
+            "    print('attached')\n"
+            "except shmps.InvalidArgument as e:\n"
+            "    print('refused', e)\n")
+    try:
+        with shmps.attach(store_name) as s:
+            s.dense("w", shape=(4,))
+            r = subprocess.run(cmd + [sys.executable, "-c", code, store_name, "open"],
+                               capture_output=True, text=True, timeout=60)
+            assert r.stdout.startswith("refused") and "PID namespace" in r.stdout, \
+                (r.stdout, r.stderr[-300:])
+            assert s.processes() == [os.getpid()]
+        remove_store(store_name)
+        r = subprocess.run(cmd + [sys.executable, "-c", code, store_name, "make"],
+                           capture_output=True, text=True, timeout=60)
+        assert r.stdout.startswith("attached"), (r.stdout, r.stderr[-300:])
+        with pytest.raises(shmps.InvalidArgument, match="another PID namespace"):
+            shmps.attach(store_name, create=False)
+    finally:
+        remove_store(store_name)
+
+
 def test_a_gc_killed_while_deciding_does_not_get_a_live_store_removed(store_name):
     """A gc that died after it marked a store "retiring" and before its look at the
     attached processes (the crash state written into the manifest, as that gc left it):
