@@ -35,7 +35,8 @@ _CODES: dict[int, tuple[type[errors.Error], str]] = {
     lib.SHMPS_E_CORRUPT: (errors.CorruptSegment, "segment header is not a valid shmps layout"),
     lib.SHMPS_E_VERSION: (errors.CorruptSegment, "segment has another layout version"),
     lib.SHMPS_E_BOUNDS: (errors.OutOfRange, "index or size out of range"),
-    lib.SHMPS_E_TIMEOUT: (errors.Timeout, "timed out waiting for another process"),
+    lib.SHMPS_E_TIMEOUT: (errors.Timeout, "timed out waiting for a live process holding a "
+                          "lock; a push stopped here applied the stripes it had reached"),
     lib.SHMPS_E_FULL: (errors.CapacityError, "capacity reached"),
     lib.SHMPS_E_NONFINITE: (errors.NonFinite, "gradient holds NaN or Inf"),
     lib.SHMPS_E_ARG: (errors.InvalidArgument, "invalid argument"),
