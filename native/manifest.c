@@ -386,6 +386,11 @@ int shmps_manifest_usable(const void *base, uint64_t token) {
         || shmps_manifest_attached(base, token);
 }
 
+uint32_t shmps_manifest_state(const void *base) {
+    /* acquire: as an attacher's load; for shmps-tool ls, which reads without attaching */
+    return LOAD(&((const shmps_manifest_t *)base)->state, ACQUIRE);
+}
+
 uint64_t shmps_manifest_pid_ns(const void *base) {
     /* written before the release store of the state, which the attacher acquired */
     return ((const shmps_manifest_t *)base)->pid_ns;

@@ -47,7 +47,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         orphans = [o for o in orphans if o.startswith(f"/shmps.{namespace}.")]
     if args.json:
         out = [{"store": s.name, "namespace": s.namespace, "bytes": s.bytes, "pids": s.pids,
-                "segments": len(s.segments), "error": s.error,
+                "segments": len(s.segments), "error": s.error, "state": s.state,
+                "state_pid": s.state_pid or None,
                 "tensors": [{k: t.get(k) for k in ("name", "kind", "dtype", "shape", "nshards",
                                                    "bytes", "capacity", "dim", "rows_used")
                              if k in t} | {"optimizer": t["optimizer"]["type"]}
@@ -66,6 +67,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
               f"{len(s.segments)} segments, live processes: {live}")
         if s.error:
             print(f"  unreadable: {s.error}")
+        elif s.state != "ready":
+            print(f"  {_state_line(s)}")
         for t in s.tensors:
             shape = "x".join(map(str, t.get("shape") or [])) or "-"
             extra = ""
@@ -77,8 +80,30 @@ def cmd_ls(args: argparse.Namespace) -> int:
             print(f"  {t['name']:<24} {t['kind']:<6} {t['dtype']:<8} {shape:<16} "
                   f"{t['optimizer']['type']:<9} {_fmt_bytes(t.get('bytes', 0)):>10}{extra}")
     for o in orphans:
-        print(f"orphan segment (no store): {o}")
+        if _restore_in_progress(o):
+            print(f"restore in progress (pid {names.restore_manifest_pid(o)}), its new "
+                  f"manifest: {o}")
+        else:
+            print(f"orphan segment (no store): {o}")
     return 0
+
+
+def _state_line(s: shm_inspect.StoreInfo) -> str:
+    """What a process is doing to a store that is not ready, for ls."""
+    if s.state_pid and s.state_pid_alive:
+        by = f" by pid {s.state_pid}"
+        if s.state == "restoring":
+            return f"being restored{by}: its tensors are not all in yet; attaches wait"
+        if s.state == "removing":
+            return f"being removed{by}; attaches wait, then make a new store"
+        return s.state + by
+    dead = f" (pid {s.state_pid} died)" if s.state_pid else ""
+    if s.state in ("restoring", "removing"):
+        what = "a restore" if s.state == "restoring" else "a removal"
+        return f"{what} cut off{dead}: the next attach or gc removes the store"
+    if s.state == "gc deciding":
+        return f"a gc cut off while deciding{dead}: the next attach or gc decides again"
+    return s.state + dead
 
 
 #: gc leaves alone stores (and orphan segments) younger than this, in seconds: a

@@ -34,10 +34,28 @@ class StoreInfo:
     tensors: list[dict] = field(default_factory=list)
     error: Optional[str] = None
     age_s: float = 0.0
+    #: "ready", or what a process is doing to it: "removing" (gc or destroy(), or a
+    #: removal whose remover died, which the next attach or gc finishes), "restoring" (a
+    #: checkpoint; its tensors are not all in yet), "gc deciding" (a gc looking whether
+    #: it is idle); with the pid of that process (0 if none), alive or not
+    state: str = "ready"
+    state_pid: int = 0
+    state_pid_alive: bool = False
 
     @property
     def prefix(self) -> str:
         return names.store_prefix(self.name, self.namespace)
+
+
+#: shmps_manifest_state's values (native/internal.h STATE_*) as ls shows them
+STATES = {0: "being created", 1: "ready", 2: "removing", 3: "restoring", 4: "gc deciding"}
+
+
+def _read_state(info: StoreInfo, seg: Segment) -> None:
+    info.state = STATES.get(int(lib.shmps_manifest_state(seg.ptr)), "unknown")
+    holder = int(lib.shmps_manifest_retired_by(seg.ptr))
+    info.state_pid = _native.token_pid(holder) if holder else 0
+    info.state_pid_alive = bool(holder) and _native.token_alive(holder)
 
 
 def _read_manifest(seg: Segment) -> tuple[str, Optional[str], list[dict], list[int]]:
@@ -98,6 +116,7 @@ def scan(namespace: Optional[str] = None, *, with_fill: bool = True
         try:
             info.name, info.namespace, recs, info.pids = _read_manifest(seg)
             info.tensors = recs
+            _read_state(info, seg)
         except (Error, ValueError, UnicodeDecodeError) as exc:
             info.error = str(exc)
         finally:

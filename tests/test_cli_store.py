@@ -139,6 +139,37 @@ def test_ls_shows_stores_tensors_and_live_pids(ns):
     assert "model" not in ok(tool("ls", "--namespace", ns))
 
 
+def test_ls_says_what_is_being_done_to_a_store(ns):
+    """A store being restored, or whose removal was cut off, is not shown as if ready:
+    `ls` says what, by which pid, and whether that process lives (a restore's store
+    listed tensors that were not all in yet, with nothing to tell it from a ready one)."""
+    from helpers import dead_token, own_token, poke, remove_store
+
+    with shmps.attach("model", namespace=ns) as s:
+        s.dense("w", shape=(4,))
+    path = f"{SHM}/shmps.{ns}.model.manifest"
+    try:
+        assert "being" not in ok(tool("ls", "--namespace", ns))
+        doc = json.loads(ok(tool("ls", "--namespace", ns, "--json")))
+        assert (doc["stores"][0]["state"], doc["stores"][0]["state_pid"]) == ("ready", None)
+        poke(path, 400, "<Q", own_token())   # retired_by: this (live) process
+        poke(path, 32, "<I", 3)              # RESTORING
+        text = ok(tool("ls", "--namespace", ns))
+        assert f"being restored by pid {os.getpid()}: its tensors are not all in yet" \
+            in text, text
+        doc = json.loads(ok(tool("ls", "--namespace", ns, "--json")))
+        assert (doc["stores"][0]["state"], doc["stores"][0]["state_pid"]) == \
+            ("restoring", os.getpid())
+        dead = dead_token()
+        poke(path, 400, "<Q", dead)
+        poke(path, 32, "<I", 2)              # REMOVED, its remover dead
+        text = ok(tool("ls", "--namespace", ns))
+        assert (f"a removal cut off (pid {dead >> 32} died): the next attach or gc "
+                "removes the store") in text, text
+    finally:
+        remove_store("model", ns)
+
+
 # ---- gc -----------------------------------------------------------------------------------
 
 def test_gc_removes_only_stores_without_live_processes(ns, procs):
@@ -180,6 +211,10 @@ def test_gc_leaves_a_live_restorers_new_manifest_alone(ns, procs):
     for n in (live, dead):
         segment.Segment.create(n, 4096, reserve=False).close()
     try:
+        listed = ok(tool("ls", "--namespace", ns))
+        assert f"restore in progress (pid {os.getpid()}), its new manifest: {live}" \
+            in listed, listed
+        assert f"orphan segment (no store): {dead}" in listed, listed
         out = ok(tool("gc", "--namespace", ns, env={"SHMPS_GC_MIN_AGE": "0"}))
         assert os.path.exists(SHM + live), out
         assert not os.path.exists(SHM + dead), out
