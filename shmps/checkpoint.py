@@ -14,7 +14,8 @@ Each shard is copied while frozen (no push half in it; pushes to other shards go
 then written; files are fsynced into a temporary directory beside PATH, which then
 replaces PATH atomically (renameat2 RENAME_EXCHANGE): a checkpoint on disk is the old
 one or the new one, never half.  Interrupting (Ctrl-C, SIGKILL) leaves at most a
-``PATH.tmp-*`` directory, removed by the next checkpoint to the same PATH.
+``PATH.tmp-*`` directory, removed by the next checkpoint to the same PATH on the same
+host (boot and PID namespace: :func:`files.host_id`).
 
 Restore checks the whole checkpoint (checkpoint.json, every file's size, every
 ``.meta`` against its record) before it creates or replaces anything, so a corrupt
@@ -132,7 +133,7 @@ def _install(tmp: str, path: str) -> None:
             shutil.rmtree(tmp, ignore_errors=True)  # now the old checkpoint
             return
         # fallback without renameat2: a short window with no PATH, the old one kept
-        # aside as PATH.old-PID-HEX (put back by the next checkpoint if we die here)
+        # aside as PATH.old-HOST-PID-HEX (put back by the next checkpoint here if we die)
         old = _aside_name(path, "old")
         os.rename(path, old)
         try:
@@ -149,31 +150,36 @@ def _install(tmp: str, path: str) -> None:
 
 
 def _aside_name(path: str, what: str) -> str:
-    """``PATH.tmp-PID-HEX`` / ``PATH.old-PID-HEX`` (``what`` "tmp" or "old"): where this
-    process writes a checkpoint, or sets the old one aside; only names of this exact
-    form are ever taken for debris (:func:`_clean_debris`)."""
-    return f"{path}.{what}-{os.getpid()}-{secrets.token_hex(3)}"
+    """``PATH.tmp-HOST-PID-HEX`` / ``PATH.old-HOST-PID-HEX`` (``what`` "tmp" or "old";
+    HOST :func:`files.host_id`, HEX 6 random hex digits): where this process writes a
+    checkpoint, or sets the old one aside; only names of this exact form are ever taken
+    for debris (:func:`_clean_debris`)."""
+    return f"{path}.{what}-{files.host_id()}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
 def _clean_debris(path: str) -> None:
-    """Remove what interrupted checkpoints to ``path`` left beside it: directories named
-    exactly ``PATH.tmp-PID-HEX`` (:func:`_aside_name`) of dead processes.  An old
-    checkpoint set aside by the no-renameat2 fallback (``PATH.old-PID-HEX``) is put back
-    when PATH is missing, else removed.  Anything else beside PATH (``PATH.old-2023``, a
-    file, a symlink, another user's directory) is left alone."""
+    """Remove what interrupted checkpoints to ``path`` on this host left beside it:
+    directories named exactly ``PATH.tmp-HOST-PID-HEX`` (:func:`_aside_name`) whose HOST
+    is this one and whose PID is dead.  An old checkpoint set aside by the no-renameat2
+    fallback (``PATH.old-HOST-PID-HEX``) is put back when PATH is missing, else removed.
+    Anything else beside PATH (another host's, whatever its pid: PATH on a filesystem
+    several hosts share; the names without a host part earlier versions made;
+    ``PATH.old-2023``, a file, a symlink, another user's directory) is left alone."""
     parent = os.path.dirname(os.path.abspath(path)) or "."
     base = os.path.basename(os.path.abspath(path))
-    ours = re.compile(re.escape(base) + r"\.(tmp|old)-([1-9][0-9]*)-[0-9a-f]{6}")
+    ours = re.compile(re.escape(base)
+                      + r"\.(tmp|old)-([0-9a-f]{8})-([1-9][0-9]*)-[0-9a-f]{6}")
+    here = files.host_id()
     try:
         entries = sorted(os.listdir(parent))
     except FileNotFoundError:
         return
     for n in entries:
         m = ours.fullmatch(n)
-        if m is None:
-            continue
-        pid = int(m.group(2))
-        if pid != os.getpid() and _pid_alive(pid):
+        if m is None or m.group(2) != here:
+            continue  # not a checkpoint's name, or another host's (its pid means nothing)
+        pid = int(m.group(3))
+        if pid != os.getpid() and files.pid_alive(pid):
             continue  # another process's checkpoint in progress
         full = os.path.join(parent, n)
         try:
@@ -187,16 +193,6 @@ def _clean_debris(path: str) -> None:
             os.rename(full, path)
             continue
         shutil.rmtree(full, ignore_errors=True)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
 
 
 def save(store: Any, path: str | os.PathLike) -> str:

@@ -23,10 +23,12 @@ and what is wrong.  This module uses the native core for one constant only
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import secrets
+import socket
 import stat
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence, cast
@@ -959,52 +961,75 @@ def validate_all(prefix: str | os.PathLike[str], **flags: Any) -> list[MatrixSet
 
 # ----------------------------------------------------------------------------- writing
 
-#: What :func:`_tmp_name` writes, read back: NAME, the writer's PID, 8 hex digits.
-_TMP_NAME = re.compile(r"\.(.+)\.tmp-([1-9][0-9]*)-([0-9a-f]{8})")
+def host_id() -> str:
+    """8 hex digits naming where this process's pids mean something: this machine's boot
+    (``/proc/sys/kernel/random/boot_id``) and PID namespace (the inode of
+    ``/proc/self/ns/pid``), hashed; the host name stands in for either when it cannot
+    be read.  Writers put it in their temporary names, so that a directory shared by
+    several hosts or containers (NFS, a shared volume) tells whose temporary is whose:
+    only this host's are judged dead or alive, by their pid.  Another boot of this
+    machine is another host (its pids are gone, but nothing here says so).  O(1): one
+    small read and one stat."""
+    parts: list[str] = []
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            parts.append(f.read().strip())
+    except (OSError, ValueError):
+        parts.append("")
+    try:
+        parts.append(str(os.stat("/proc/self/ns/pid").st_ino))
+    except OSError:
+        parts.append("")
+    if not all(parts):
+        parts.append(socket.gethostname())
+    return hashlib.sha256("/".join(parts).encode()).hexdigest()[:8]
 
 
-def _tmp_name(name: str, pid: int, token: str) -> str:
-    """``.NAME.tmp-PID-TOKEN``: the one form of every hidden temporary file a writer
-    makes beside ``NAME`` before renaming it there (:func:`temporary_path`), and the
-    only form :func:`remove_dead_temporaries` ever removes."""
-    return f".{name}.tmp-{pid}-{token}"
+#: What :func:`_tmp_name` writes, read back: NAME, the writer's host, its PID, 8 hex
+#: digits.
+_TMP_NAME = re.compile(r"\.(.+)\.tmp-([0-9a-f]{8})-([1-9][0-9]*)-([0-9a-f]{8})")
+
+
+def _tmp_name(name: str, host: str, pid: int, token: str) -> str:
+    """``.NAME.tmp-HOST-PID-TOKEN``: the one form of every hidden temporary file a
+    writer makes beside ``NAME`` before renaming it there (:func:`temporary_path`), and
+    the only form :func:`remove_dead_temporaries` ever removes."""
+    return f".{name}.tmp-{host}-{pid}-{token}"
 
 
 def temporary_path(final: str) -> str:
     """Where this process writes ``final`` before renaming it there: the hidden
-    ``.NAME.tmp-PID-HEX`` beside it (NAME = ``final``'s file name, HEX = 8 random hex
-    digits).  O(1)."""
+    ``.NAME.tmp-HOST-PID-HEX`` beside it (NAME = ``final``'s file name, HOST =
+    :func:`host_id`, HEX = 8 random hex digits).  O(1)."""
     directory, name = os.path.split(final)
-    return os.path.join(directory, _tmp_name(name, os.getpid(), secrets.token_hex(4)))
+    return os.path.join(directory,
+                        _tmp_name(name, host_id(), os.getpid(), secrets.token_hex(4)))
 
 
 def remove_dead_temporaries(directory: str, owns: Callable[[str], bool]) -> None:
-    """Remove the temporary files that writers killed before they could clean up (SIGKILL,
-    power loss) left in ``directory``: names exactly of :func:`temporary_path`'s form
-    whose NAME ``owns(NAME)`` accepts, whose PID is no live process (nor this one:
-    another thread may be writing), and that are regular files owned by this user.
-    Anything else (a look-alike name, a live writer's file, a directory, a symlink,
-    another user's file) is left alone, and so is any error (best effort: the caller's
-    own write is what matters).  O(entries in ``directory``)."""
+    """Remove the temporary files that writers of this host killed before they could
+    clean up (SIGKILL) left in ``directory``: names exactly of :func:`temporary_path`'s
+    form whose NAME ``owns(NAME)`` accepts, whose HOST is this one (:func:`host_id`),
+    whose PID is no live process (nor this one: another thread may be writing), and
+    that are regular files owned by this user.  Anything else (a look-alike name, the
+    name without a host part that earlier versions wrote, another host's file whatever
+    its pid, a live writer's file, a directory, a symlink, another user's file) is left
+    alone, and so is any error (best effort: the caller's own write is what matters).
+    O(entries in ``directory``)."""
     try:
         entries = os.listdir(directory)
     except OSError:
         return
+    here = host_id()
     for n in entries:
         m = _TMP_NAME.fullmatch(n)
         # only what _tmp_name writes, for a NAME the caller writes
-        if m is None or _tmp_name(m[1], int(m[2]), m[3]) != n or not owns(m[1]):
+        if (m is None or _tmp_name(m[1], m[2], int(m[3]), m[4]) != n or not owns(m[1])
+                or m[2] != here):  # another host's: its pid means nothing here
             continue
-        pid = int(m[2])
-        if pid == os.getpid():
+        pid = int(m[3])
+        if pid == os.getpid() or pid_alive(pid):
             continue
-        try:
-            os.kill(pid, 0)
-            continue  # a live writer's
-        except ProcessLookupError:
-            pass  # dead
-        except OSError:
-            continue  # EPERM: alive, another user's
         full = os.path.join(directory, n)
         try:
             st = os.lstat(full)
@@ -1012,6 +1037,20 @@ def remove_dead_temporaries(directory: str, owns: Callable[[str], bool]) -> None
                 os.unlink(full)
         except OSError:
             pass
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this PID namespace may exist: ``kill(pid, 0)``, any
+    answer but ESRCH taken for alive (EPERM: another user's; a pid too large for a
+    pid_t: no writer's, left alone).  Meaningful only for a pid this host wrote
+    (:func:`host_id`).  O(1)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, OverflowError):
+        pass
+    return True
 
 
 def _set_member(base: str) -> Callable[[str], bool]:
@@ -1025,14 +1064,14 @@ def _set_member(base: str) -> Callable[[str], bool]:
 
 class SetWriter:
     """Streams the three arrays of a file set to hidden temporary files beside
-    ``prefix`` (``.X.value.tmp-PID-HEX``, :func:`temporary_path`), then :meth:`commit`
+    ``prefix`` (``.X.value.tmp-HOST-PID-HEX``, :func:`temporary_path`), then :meth:`commit`
     fsyncs and renames each over its final name and writes the ``.meta`` last.  Every
     file is replaced atomically (old or new, never half); the set as a whole is not
     (checkpoints get that from a directory rename): a writer killed between two renames
     leaves new files beside old ones.  On an exception inside ``with`` (Ctrl-C
     included) the temporaries are removed; those of a writer of ``prefix`` killed
-    outright (SIGKILL) are removed by the next SetWriter of ``prefix``
-    (:func:`remove_dead_temporaries`).
+    outright (SIGKILL) are removed by the next SetWriter of ``prefix`` on the same host
+    (:func:`remove_dead_temporaries`, :func:`host_id`).
 
     Cost: the bytes written plus four fsyncs, and one listing of the directory;
     O(CHUNK) memory per :meth:`append`.
@@ -1375,5 +1414,5 @@ __all__ = [
     "CHECKPOINT_FORMAT", "CHECKPOINT_VERSION", "CHECKPOINT_JSON",
     "build_meta", "paths", "normalize_prefix", "iter_chunks", "FORMAT_VERSION", "ARRAYS",
     "INDEX_DTYPES", "VALUE_DTYPES", "DEFAULT_DTYPES", "CHUNK", "MAX_STATE", "is_u64",
-    "temporary_path", "remove_dead_temporaries",
+    "temporary_path", "remove_dead_temporaries", "host_id",
 ]

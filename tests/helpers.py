@@ -675,3 +675,54 @@ def poison_frame_buffers(monkeypatch: Any) -> None:
     def poisoned(total: int) -> memoryview:
         return memoryview(np.full(total, 0xA5, np.uint8))
     monkeypatch.setattr(frames, "_frame_buffer", poisoned)
+
+
+# ---- another PID namespace ------------------------------------------------------------
+
+#: Run in a new PID namespace (as its pid 1): makes its next pid ``argv[1]`` and runs the
+#: code ``argv[2]`` in that child, whose exit code it passes on.
+_AT_PID = r"""
+import os, sys, traceback
+want, code = int(sys.argv[1]), sys.argv[2]
+with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+    f.write(str(want - 1))
+sys.stdout.flush()
+child = os.fork()
+if child == 0:
+    rc = 0
+    try:
+        assert os.getpid() == want, (os.getpid(), want)
+        exec(compile(code, "<other-pid-namespace>", "exec"), {"__name__": "__main__"})
+    except BaseException:
+        traceback.print_exc()
+        rc = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
+_, status = os.waitpid(child, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def start_in_other_pid_namespace(code: str, pid: int, env: Optional[dict] = None) -> Any:
+    """A ``subprocess.Popen`` (text pipes on stdin/stdout) running ``code`` as process
+    ``pid`` of a new PID namespace, the filesystem shared: a writer of another host (or
+    container) whose pid means nothing here.  ``pytest.skip`` where not allowed."""
+    import shutil
+    import subprocess
+    import sys
+
+    import pytest
+
+    exe = shutil.which("unshare")
+    if exe is None:
+        pytest.skip("no unshare(1) on this machine")
+    cmd = [exe, "--pid", "--fork", "--mount-proc"]
+    probe = subprocess.run(cmd + [sys.executable, "-c", _AT_PID, "5", "pass"],
+                           capture_output=True, text=True, timeout=30, env=env)
+    if probe.returncode != 0:
+        pytest.skip("a new PID namespace with a chosen pid is not allowed here: "
+                    f"{probe.stderr.strip()[-200:]}")
+    return subprocess.Popen(cmd + [sys.executable, "-c", _AT_PID, str(pid), code],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env=env)

@@ -305,43 +305,100 @@ def test_checkpoint_replaces_existing_atomically(store, tmp_path, names):
 
 
 def test_next_checkpoint_cleans_debris_of_dead_writers_only(store, tmp_path, procs):
-    """The next checkpoint removes dead writers' PATH.tmp-*, keeps a live writer's."""
+    """The next checkpoint removes this host's dead writers' PATH.tmp-HOST-PID-HEX, keeps
+    a live writer's and another host's whatever its pid; with PATH missing it puts back
+    this host's dead writer's PATH.old-*, not another host's."""
     store.dense("w", shape=(4,), dtype="float32")
     path = tmp_path / "ck"
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     procs.append(live)
-    for pid in (dead.pid, live.pid):
-        d = tmp_path / f"ck.tmp-{pid}-abcdef"
+    host = files.host_id()
+    other = f"{int(host, 16) ^ 0x80000001:08x}"  # another host's (or container's)
+    for h, pid in ((host, dead.pid), (host, live.pid), (other, dead.pid)):
+        d = tmp_path / f"ck.tmp-{h}-{pid}-abcdef"
         d.mkdir()
         (d / "t0.value").write_bytes(b"half")
     store.checkpoint(path)
-    assert debris(path) == [f"ck.tmp-{live.pid}-abcdef"]
-    # the fallback's set-aside old checkpoint is put back when PATH is missing
-    shutil.move(str(path), str(tmp_path / f"ck.old-{dead.pid}-123456"))
+    theirs = f"ck.tmp-{other}-{dead.pid}-abcdef"
+    assert debris(path) == sorted([f"ck.tmp-{host}-{live.pid}-abcdef", theirs])
+    # the fallback's set-aside old checkpoint is put back when PATH is missing, if it is
+    # this host's dead writer's
+    shutil.copytree(path, tmp_path / f"ck.old-{other}-{dead.pid}-123456")
+    shutil.move(str(path), str(tmp_path / f"ck.old-{host}-{dead.pid}-123456"))
     ckpt_mod._clean_debris(str(path))
     assert (path / "checkpoint.json").exists()
+    assert debris(path) == sorted([f"ck.old-{other}-{dead.pid}-123456",
+                                   f"ck.tmp-{host}-{live.pid}-abcdef", theirs])
+    shutil.rmtree(path)
+    ckpt_mod._clean_debris(str(path))
+    assert not path.exists()  # another host's is not put back
+
+
+def test_a_checkpoint_in_progress_in_another_pid_namespace_is_not_debris(store, tmp_path,
+                                                                         procs):
+    """A checkpoint to PATH in progress in another PID namespace (another host or
+    container on a shared directory), its pid dead here: the next checkpoint to PATH here
+    removes this host's dead writer's temporary directory, not the other's.  (Judged by
+    its pid alone, the other's was removed under it.)"""
+    from helpers import start_in_other_pid_namespace
+
+    store.dense("w", shape=(4,), dtype="float32")
+    path = tmp_path / "ck"
+    aside = ("import os, sys\n"
+             "from shmps import checkpoint\n"
+             "tmp = checkpoint._aside_name(sys.argv[1], 'tmp')\n"
+             "os.mkdir(tmp)\n"
+             "open(os.path.join(tmp, 't0.value'), 'wb').close()\n")
+    here = subprocess.run([sys.executable, "-c", aside, str(path)], env=child_env(),
+                          timeout=60)  # this host's checkpoint, killed in step 3
+    mine = debris(path)
+    assert here.returncode == 0 and len(mine) == 1
+    theirs = (f"import sys; sys.argv[1:] = [{str(path)!r}]\n{aside}"
+              "print('writing', flush=True)\n"
+              "input()\n"
+              "print('intact' if os.path.exists(os.path.join(tmp, 't0.value')) else 'gone')\n"
+              "import shutil; shutil.rmtree(tmp, ignore_errors=True)\n")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    other = start_in_other_pid_namespace(theirs, dead.pid, env=child_env())
+    procs.append(other)
+    assert other.stdout.readline() == "writing\n"
+    their_tmp = sorted(set(debris(path)) - set(mine))
+    assert len(their_tmp) == 1
+    store.checkpoint(path)
+    assert debris(path) == their_tmp
+    other.stdin.write("\n")
+    other.stdin.flush()
+    assert other.stdout.readline() == "intact\n"
+    assert other.wait(timeout=60) == 0
+    assert debris(path) == [] and (path / "checkpoint.json").exists()
 
 
 def test_checkpoint_leaves_the_users_own_dirs_beside_path(store, tmp_path, names):
-    """Only the names a checkpoint makes (PATH.tmp-PID-6HEX, PATH.old-PID-6HEX) are
-    debris: a user's PATH.old-2023 (a checkpoint kept by hand), PATH.tmp-notes, ... are
-    neither removed nor, with PATH missing, put back as PATH."""
+    """Only the names a checkpoint makes (PATH.tmp-HOST-PID-6HEX, PATH.old-HOST-PID-6HEX)
+    are debris: a user's PATH.old-2023 (a checkpoint kept by hand), PATH.tmp-notes, the
+    earlier form without HOST, ... are neither removed nor, with PATH missing, put back
+    as PATH."""
     store.dense("w", shape=(4,), dtype="float32", init=1.0)
     path = tmp_path / "ck"
     store.checkpoint(path)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    mine = ["ck.old-2023", "ck.tmp-notes", "ck.old-backup", f"ck.tmp-{dead.pid}-abcdef0",
-            f"ck.old-{dead.pid}-ABCDEF", f"ck.old-{dead.pid}-abcdef.keep", "ck.tmp--abcdef"]
+    h = f"{files.host_id()}-{dead.pid}"
+    mine = ["ck.old-2023", "ck.tmp-notes", "ck.old-backup", f"ck.tmp-{h}-abcdef0",
+            f"ck.old-{h}-ABCDEF", f"ck.old-{h}-abcdef.keep", "ck.tmp--abcdef",
+            f"ck.old-{dead.pid}-abcdef", f"ck.tmp-{dead.pid}-abcdef",  # the earlier form
+            f"ck.old-{files.host_id()[:7]}-{dead.pid}-abcdef", f"ck.tmp-{h[:8]}-abcdef",
+            f"ck.old-{files.host_id()}-{10**20}-abcdef"]
     for n in mine:  # each one a whole checkpoint
         shutil.copytree(path, tmp_path / n)
     shutil.rmtree(path)
-    (tmp_path / f"ck.tmp-{dead.pid}-fedcba").write_text("a file, not a checkpoint's")
+    (tmp_path / f"ck.tmp-{h}-fedcba").write_text("a file, not a checkpoint's")
     store["w"].push(np.ones(4, np.float32))
     store.checkpoint(path)
-    assert sorted(os.listdir(tmp_path)) == sorted(["ck", f"ck.tmp-{dead.pid}-fedcba", *mine])
+    assert sorted(os.listdir(tmp_path)) == sorted(["ck", f"ck.tmp-{h}-fedcba", *mine])
     assert all((tmp_path / n / "checkpoint.json").exists() for n in mine)
     r = shmps.restore(path, new_name(names))
     try:
@@ -754,12 +811,12 @@ def test_sigkill_mid_checkpoint_keeps_previous_checkpoint(store, tmp_path, procs
     t.push(np.ones(t.shape, np.float32))  # live values now all twos
 
     def start(target: Path) -> tuple[subprocess.Popen, float]:
-        """Start `shmps-tool checkpoint`; return it once its PATH.tmp-PID-* exists."""
+        """Start `shmps-tool checkpoint`; return it once its PATH.tmp-HOST-PID-* exists."""
         p = subprocess.Popen(tool_cmd() + ["checkpoint", store.name, str(target)],
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                              env=child_env())
         procs.append(p)
-        mine = f"{target.name}.tmp-{p.pid}-"
+        mine = f"{target.name}.tmp-{files.host_id()}-{p.pid}-"
         deadline = time.monotonic() + 60
         while not any(n.startswith(mine) for n in os.listdir(target.parent)):
             assert p.poll() is None, p.stderr.read() if p.stderr else ""

@@ -369,8 +369,9 @@ def hidden(directory: Path) -> set[str]:
 
 
 def test_sigkilled_convert_leaves_temporaries_that_the_next_write_removes(tmp_path):
-    """A convert SIGKILLed mid-write leaves .X.*.tmp-PID-HEX files; the next convert to X
-    removes exactly those of dead writers and this user, and keeps look-alikes, a live
+    """A convert SIGKILLed mid-write leaves .X.*.tmp-HOST-PID-HEX files; the next convert
+    to X removes exactly those of this host's dead writers and this user, and keeps
+    look-alikes, the earlier form without HOST, another host's whatever its pid, a live
     writer's and another user's (as does a convert to X.npy for .X.npy.tmp-*)."""
     big = tmp_path / "big.npy"  # 8 GiB of zeros, sparse on disk: seconds to scan
     del_me = np.lib.format.open_memmap(big, mode="w+", dtype=np.float32,
@@ -390,25 +391,34 @@ def test_sigkilled_convert_leaves_temporaries_that_the_next_write_removes(tmp_pa
     finally:
         big.unlink()
     killed = hidden(tmp_path)
+    host = shmps.files.host_id()
     assert {n.split(".tmp-")[0] for n in killed} == {".X.rowcnt", ".X.colidx", ".X.value"}
+    assert all(n.split(".tmp-")[1].startswith(f"{host}-{victim.pid}-") for n in killed)
     assert not any(n.startswith("X.") for n in os.listdir(tmp_path))
     dead, live = dead_pid(), os.getpid()
-    removed = {f".X.state3.tmp-{dead}-fedcba98", f".X.meta.tmp-{dead}-01234567"}
-    kept = {f".X.value.tmp-{dead}-0123456", f".X.value.tmp-{dead}-0123456g",
-            f".X.value.tmp-{dead}-01234567.bak", f".X.values.tmp-{dead}-01234567",
-            f".X.state03.tmp-{dead}-01234567", f".X.value.tmp-0{dead}-01234567",
-            f".Y.value.tmp-{dead}-01234567", f".X.npy.tmp-{dead}-01234567",
-            f".X.value.tmp-{live}-01234567", f".X.npy.tmp-{live}-01234567"}
+    other = f"{int(host, 16) ^ 0x80000001:08x}"  # another host's (or container's)
+    h = f"{host}-{dead}"
+    removed = {f".X.state3.tmp-{h}-fedcba98", f".X.meta.tmp-{h}-01234567"}
+    kept = {f".X.value.tmp-{h}-0123456", f".X.value.tmp-{h}-0123456g",
+            f".X.value.tmp-{h}-01234567.bak", f".X.values.tmp-{h}-01234567",
+            f".X.state03.tmp-{h}-01234567", f".X.value.tmp-{host}-0{dead}-01234567",
+            f".Y.value.tmp-{h}-01234567", f".X.npy.tmp-{h}-01234567",
+            f".X.value.tmp-{host}-{live}-01234567", f".X.npy.tmp-{host}-{live}-01234567",
+            f".X.value.tmp-{other}-{dead}-01234567", f".X.npy.tmp-{other}-{dead}-01234567",
+            f".X.value.tmp-{host[:7]}-{dead}-01234567", f".X.value.tmp-{host}0-{dead}-01234567",
+            f".X.value.tmp-{host.upper()}X-{dead}-01234567",
+            f".X.value.tmp-{host}-{10**20}-01234567",  # no pid_t: left alone, no crash
+            f".X.value.tmp-{dead}-01234567", f".X.npy.tmp-{dead}-01234567"}  # earlier form
     for n in removed | kept:
         (tmp_path / n).write_bytes(b"x")
-    (tmp_path / f"X.value.tmp-{dead}-01234567").write_bytes(b"x")  # not hidden: kept
-    (tmp_path / f".X.colidx.tmp-{dead}-89abcdef").mkdir()  # not a file: kept
-    (tmp_path / f".X.rowcnt.tmp-{dead}-89abcdef").symlink_to(big)  # not a file: kept
-    kept |= {f".X.colidx.tmp-{dead}-89abcdef", f".X.rowcnt.tmp-{dead}-89abcdef"}
+    (tmp_path / f"X.value.tmp-{h}-01234567").write_bytes(b"x")  # not hidden: kept
+    (tmp_path / f".X.colidx.tmp-{h}-89abcdef").mkdir()  # not a file: kept
+    (tmp_path / f".X.rowcnt.tmp-{h}-89abcdef").symlink_to(big)  # not a file: kept
+    kept |= {f".X.colidx.tmp-{h}-89abcdef", f".X.rowcnt.tmp-{h}-89abcdef"}
     if os.geteuid() == 0:  # another user's file with this user's name pattern: kept
-        (tmp_path / f".X.value.tmp-{dead}-76543210").write_bytes(b"x")
-        os.chown(tmp_path / f".X.value.tmp-{dead}-76543210", 65534, 65534)
-        kept.add(f".X.value.tmp-{dead}-76543210")
+        (tmp_path / f".X.value.tmp-{h}-76543210").write_bytes(b"x")
+        os.chown(tmp_path / f".X.value.tmp-{h}-76543210", 65534, 65534)
+        kept.add(f".X.value.tmp-{h}-76543210")
     a = np.array([[0, 1.5, 0], [2, 0, 0]], dtype=np.float32)
     np.save(tmp_path / "d.npy", a)
     r = tool("convert", tmp_path / "d.npy", tmp_path / "X")
@@ -418,7 +428,54 @@ def test_sigkilled_convert_leaves_temporaries_that_the_next_write_removes(tmp_pa
     r = tool("convert", tmp_path / "X", tmp_path / "X.npy")
     assert r.returncode == 0, r.stderr
     assert np.array_equal(np.load(tmp_path / "X.npy"), a)
-    assert hidden(tmp_path) == kept - {f".X.npy.tmp-{dead}-01234567"}
+    assert hidden(tmp_path) == kept - {f".X.npy.tmp-{h}-01234567"}
+
+
+def test_a_live_writer_of_another_pid_namespace_keeps_its_temporaries(tmp_path):
+    """A writer of prefix X in another PID namespace (another host or container on a
+    shared directory), alive, its pid dead here: the next writer of X here removes the
+    temporaries of this host's dead writer but not the other's, whose commit then
+    succeeds.  (Judged by its pid alone, the live writer's files were removed and its
+    rename failed.)"""
+    from helpers import start_in_other_pid_namespace
+
+    prefix = tmp_path / "X"
+    dtypes = {"rowcnt": "int64", "colidx": "int32", "value": "float32"}
+    here = subprocess.run(  # this host's writer, killed before it could clean up
+        [sys.executable, "-c", "import os, sys; from shmps.files import SetWriter; "
+         f"SetWriter(sys.argv[1], {dtypes!r}); os._exit(0)", str(prefix)],
+        env=tool_env(), timeout=60)
+    assert here.returncode == 0
+    dead_here = hidden(tmp_path)
+    assert len(dead_here) == 3
+    theirs = ("import sys\n"
+              "import numpy as np\n"
+              "from shmps.files import SetWriter, build_meta\n"
+              f"w = SetWriter({str(prefix)!r}, {dtypes!r})\n"
+              "w.append('rowcnt', np.array([0, 1], np.int64))\n"
+              "w.append('colidx', np.array([2], np.int32))\n"
+              "w.append('value', np.array([7], np.float32))\n"
+              "print('open', flush=True)\n"
+              "input()\n"
+              f"w.commit(build_meta(1, 3, 1, {dtypes!r}))\n"
+              "print('committed', flush=True)\n")
+    other = start_in_other_pid_namespace(theirs, dead_pid(), env=tool_env())
+    try:
+        assert other.stdout.readline() == "open\n"
+        their_tmp = hidden(tmp_path) - dead_here
+        assert len(their_tmp) == 3
+        write_csr(prefix, CSR(np.array([0, 1]), np.array([0]), np.array([1.0], np.float32)))
+        assert hidden(tmp_path) == their_tmp
+        other.stdin.write("\n")
+        other.stdin.flush()
+        assert other.stdout.readline() == "committed\n"
+        assert other.wait(timeout=60) == 0
+    finally:
+        if other.poll() is None:
+            other.kill()
+        other.wait()
+    assert hidden(tmp_path) == set()
+    assert np.array_equal(read_csr(prefix).to_numpy(), [[0, 0, 7]])
 
 
 def huge_cols_set(prefix: Path, cols: int) -> Path:
