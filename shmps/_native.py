@@ -73,6 +73,14 @@ def token() -> int:
     return _token_cache[0]
 
 
+def foreign_pid_namespace(manifest: Any) -> Optional[tuple[int, int]]:
+    """(the store's PID namespace, this process's) if the store at ``manifest`` was made
+    in another than this process's, else None (the same, or either unknown): tokens are
+    pids of one namespace (docs/concurrency.md, "Owners and tokens")."""
+    theirs, ours = int(lib.shmps_manifest_pid_ns(manifest)), int(lib.shmps_self_pid_ns())
+    return (theirs, ours) if theirs and ours and theirs != ours else None
+
+
 def token_alive(tok: int) -> bool:
     return bool(lib.shmps_token_alive(tok))
 

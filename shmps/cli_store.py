@@ -48,6 +48,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if args.json:
         out = [{"store": s.name, "namespace": s.namespace, "bytes": s.bytes, "pids": s.pids,
                 "segments": len(s.segments), "error": s.error, "state": s.state,
+                "other_pid_namespace": s.foreign,
                 "state_pid": s.state_pid or None,
                 "tensors": [{k: t.get(k) for k in ("name", "kind", "dtype", "shape", "nshards",
                                                    "bytes", "capacity", "dim", "rows_used")
@@ -62,7 +63,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return 0
     for s in stores:
         ns = f" (namespace {s.namespace})" if s.namespace else ""
-        live = ", ".join(map(str, s.pids)) if s.pids else "none"
+        live = (", ".join(map(str, s.pids)) if s.pids else
+                "unknown (made in another PID namespace)" if s.foreign else "none")
         print(f"{s.name}{ns}: {len(s.tensors)} tensors, {_fmt_bytes(s.bytes)} in "
               f"{len(s.segments)} segments, live processes: {live}")
         if s.error:
@@ -154,6 +156,10 @@ def cmd_gc(args: argparse.Namespace) -> int:
     doomed: list[tuple[str, list[str], Optional[tuple[str, Optional[str]]]]] = []
     for s in stores:
         if s.pids:
+            continue
+        if s.foreign:   # its processes' pids mean nothing here: all would look dead
+            print(f"skipped store {s.name}: made in another PID namespace, whose processes "
+                  "this one cannot see (run gc there)", file=sys.stderr)
             continue
         if s.error is not None and not args.corrupt:
             print(f"skipped {s.manifest}: {s.error} (pass --corrupt to remove)", file=sys.stderr)

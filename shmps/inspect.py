@@ -41,6 +41,9 @@ class StoreInfo:
     state: str = "ready"
     state_pid: int = 0
     state_pid_alive: bool = False
+    #: made in another PID namespace than this process's: its pids mean nothing here
+    #: (``pids`` is empty whoever is attached), so gc leaves it alone
+    foreign: bool = False
 
     @property
     def prefix(self) -> str:
@@ -52,6 +55,7 @@ STATES = {0: "being created", 1: "ready", 2: "removing", 3: "restoring", 4: "gc 
 
 
 def _read_state(info: StoreInfo, seg: Segment) -> None:
+    info.foreign = _native.foreign_pid_namespace(seg.ptr) is not None
     info.state = STATES.get(int(lib.shmps_manifest_state(seg.ptr)), "unknown")
     holder = int(lib.shmps_manifest_retired_by(seg.ptr))
     info.state_pid = _native.token_pid(holder) if holder else 0

@@ -148,8 +148,9 @@ def _check_pid_namespace(name: str, manifest: Segment) -> None:
     PID namespace sharing /dev/shm (the containers of one pod, by default) looked dead
     to them and they to it: live holders' locks were taken over (lost updates, torn
     consistent pulls; review 13)."""
-    theirs, ours = int(lib.shmps_manifest_pid_ns(manifest.ptr)), int(lib.shmps_self_pid_ns())
-    if theirs and ours and theirs != ours:
+    other = _native.foreign_pid_namespace(manifest.ptr)
+    if other is not None:
+        theirs, ours = other
         raise InvalidArgument(
             f"store {name!r} was made in another PID namespace (pid:[{theirs}]; this "
             f"process is in pid:[{ours}]): its processes cannot tell whether this one is "
@@ -1087,6 +1088,8 @@ def remove_idle(name: str, namespace: Optional[str]) -> Optional[list[str]]:
             return None
         raise
     try:
+        if _native.foreign_pid_namespace(seg.ptr):
+            return None   # another PID namespace's: its live processes look dead from here
         code = lib.shmps_manifest_retire(seg.ptr, _native.token())
         if code == lib.SHMPS_E_BUSY:
             return None

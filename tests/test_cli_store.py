@@ -223,6 +223,29 @@ def test_gc_leaves_a_live_restorers_new_manifest_alone(ns, procs):
             segment.unlink(n)
 
 
+def test_gc_leaves_a_store_of_another_pid_namespace_alone(ns, procs):
+    """A store made in another PID namespace sharing /dev/shm (a container of the same
+    pod), with a live process there: its tokens' pids are not in this /proc, so all of
+    them looked dead, and gc removed the store under that process.  gc skips it and
+    says why; ls says its processes are unknown here."""
+    from test_attach import _unshare_pid
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    p = subprocess.Popen(_unshare_pid() + [sys.executable, "-c", HOLDER, "there", ns, "hold"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    procs.append(p)
+    assert p.stdout.readline().strip() == "attached"
+    before = segments("there", ns)
+    out = tool("gc", "--namespace", ns, env={"SHMPS_GC_MIN_AGE": "0"})
+    assert segments("there", ns) == before and len(before) == 2, out.stdout
+    assert "made in another PID namespace" in out.stderr, out.stderr
+    assert "live processes: unknown (made in another PID namespace)" in \
+        ok(tool("ls", "--namespace", ns))
+    p.stdin.close()
+    assert p.wait(timeout=30) == 0
+
+
 def test_ls_and_gc_follow_shmps_namespace(ns, procs):
     """`ls` and `gc` default --namespace to $SHMPS_NAMESPACE like the other store verbs:
     with it set, stores of other namespaces are neither listed nor removed; `--namespace`
