@@ -61,30 +61,17 @@ static int apply_stripe(void *base, shmps_stripe_t *st, uint64_t j, const char *
     return r;
 }
 
-int shmps_dense_push(void *base, uint64_t token, const void *grad, uint32_t grad_dtype,
-                     uint64_t lo, uint64_t hi, uint64_t step, int check) {
+/* Stripes [lo, hi) of the push, by a caller that holds an active slot of the shard
+ * (shmps_enter) from before this call to after it. */
+static int push_stripes(void *base, uint64_t token, const char *g, uint64_t lo,
+                        uint64_t hi, uint64_t step) {
     shmps_shard_hdr_t *h = hdr_of(base);
     const shmps_spec_t *s = &h->spec;
-    int r = check_dense(s, grad_dtype);
-    if (r) return r;
-    if (lo > hi || hi > s->nstripes) return SHMPS_E_BOUNDS;
-    if (check) {
-        r = shmps_check_finite((const char *)grad + lo * s->stripe_elems * shmps_grad_size(s->dtype),
-                               grad_dtype,
-                               (hi * s->stripe_elems < s->nnz ? hi * s->stripe_elems : s->nnz) -
-                                   lo * s->stripe_elems);
-        if (r) return r;
-    }
-    uint32_t slot;
-    r = shmps_enter(base, token, SHMPS_LOCK_TIMEOUT_S, &slot);
-    if (r < 0) return r;
-    const char *g = (const char *)grad;
+    int r = SHMPS_OK;
     if (s->flags & SHMPS_F_HOGWILD) {
         uint64_t i0 = lo * s->stripe_elems;
         uint64_t i1 = hi * s->stripe_elems < s->nnz ? hi * s->stripe_elems : s->nnz;
-        r = shmps_apply(base, i0, i1 - i0, g + i0 * shmps_grad_size(s->dtype), step);
-        shmps_leave(base, token, slot);
-        return r;
+        return shmps_apply(base, i0, i1 - i0, g + i0 * shmps_grad_size(s->dtype), step);
     }
     shmps_stripe_t *stripes = (shmps_stripe_t *)at(base, s->stripes_off);
     uint64_t contended = 0;
@@ -123,8 +110,51 @@ int shmps_dense_push(void *base, uint64_t token, const void *grad, uint32_t grad
     }
     /* relaxed: a statistic */
     if (contended) FETCH_ADD(&h->stats.contended, contended, RELAXED);
+    return r;
+}
+
+/* The checks both push entry points make before anything changes: the gradient's
+ * dtype, the stripe range, and with `check` no NaN/Inf in the stripes' part. */
+static int check_push(const shmps_spec_t *s, const void *grad, uint32_t grad_dtype,
+                      uint64_t lo, uint64_t hi, int check) {
+    int r = check_dense(s, grad_dtype);
+    if (r) return r;
+    if (lo > hi || hi > s->nstripes) return SHMPS_E_BOUNDS;
+    if (!check) return SHMPS_OK;
+    return shmps_check_finite((const char *)grad + lo * s->stripe_elems * shmps_grad_size(s->dtype),
+                              grad_dtype,
+                              (hi * s->stripe_elems < s->nnz ? hi * s->stripe_elems : s->nnz) -
+                                  lo * s->stripe_elems);
+}
+
+int shmps_dense_push(void *base, uint64_t token, const void *grad, uint32_t grad_dtype,
+                     uint64_t lo, uint64_t hi, uint64_t step, int check) {
+    int r = check_push(&hdr_of(base)->spec, grad, grad_dtype, lo, hi, check);
+    if (r) return r;
+    uint32_t slot;
+    r = shmps_enter(base, token, SHMPS_LOCK_TIMEOUT_S, &slot);
+    if (r < 0) return r;
+    r = push_stripes(base, token, (const char *)grad, lo, hi, step);
     shmps_leave(base, token, slot);
     return r;
+}
+
+/* shmps_dense_push by a caller that already holds active slot `slot` of the shard
+ * (shmps_enter) and keeps it until after every part of the push has returned: a push
+ * split over threads (dense.py _push_all) is then one occupancy of the shard, and a
+ * freeze (consistent pull, checkpoint, the bridge's snapshot) sees all of its parts or
+ * none, never the gap between two.  SHMPS_E_ARG if the slot does not hold `token`.
+ * Relaxed: the caller's own claim, read by the thread that made it or by one the
+ * caller's thread pool handed the work to (the pool's hand-off orders it). */
+int shmps_dense_push_entered(void *base, uint64_t token, uint32_t slot, const void *grad,
+                             uint32_t grad_dtype, uint64_t lo, uint64_t hi, uint64_t step,
+                             int check) {
+    shmps_shard_hdr_t *h = hdr_of(base);
+    if (slot >= SHMPS_ACTIVE_SLOTS || LOAD(&h->active[slot], RELAXED) != token)
+        return SHMPS_E_ARG;
+    int r = check_push(&h->spec, grad, grad_dtype, lo, hi, check);
+    if (r) return r;
+    return push_stripes(base, token, (const char *)grad, lo, hi, step);
 }
 
 /* A whole push to a one-shard tensor in one call (the small-push fast path):

@@ -18,6 +18,8 @@ lib = _native.lib
 SPLIT_BYTES = 8 << 20  # a push this large is split across the process's cores
 NCPU = os.cpu_count() or 1
 STRIPE = lib.SHMPS_STRIPE_BYTES
+NO_SLOT = 0xFFFFFFFF  # no active slot claimed (DenseTensor._entered)
+ENTER_TIMEOUT_S = 60.0  # as the C core's own waits (SHMPS_LOCK_TIMEOUT_S)
 
 
 def default_shard_rows(shape: tuple, itemsize: int, shard_bytes: int = 16 << 20) -> int:
@@ -224,6 +226,11 @@ class DenseTensor(Tensor):
         return max(1, nthreads)
 
     def _push_all(self, g: np.ndarray, step: int, nthreads: int) -> None:
+        """Push ``g`` into every shard: one C call per shard, or, split over ``nthreads``
+        threads (parts that may cut a shard), under an active slot of every shard that
+        this thread takes first, in increasing shard order, and lets go of after the
+        last part has returned (:meth:`_entered`).  Each shard then holds the whole push
+        or none of it for a consistent pull, a checkpoint or the bridge's snapshot."""
         gbase = g.ctypes.data
         gsz = g.itemsize
         units = [(i, 0, sh.spec["nstripes"]) for i, sh in enumerate(self._shards)]
@@ -231,29 +238,62 @@ class DenseTensor(Tensor):
             self._run_units(units, gbase, gsz, step)
             return
         parts = self._split(units, nthreads)
-        futures = [split_pool().submit(self._run_units, part, gbase, gsz, step)
-                   for part in parts[1:]]
-        err = None
-        try:
-            self._run_units(parts[0], gbase, gsz, step)
-        except BaseException as exc:  # still wait for the others before raising
-            err = exc
-        for f in futures:
+        with self._entered() as slots:
+            futures = [split_pool().submit(self._run_units, part, gbase, gsz, step, slots)
+                       for part in parts[1:]]
+            err = None
             try:
-                f.result()
-            except BaseException as exc:
-                err = err or exc
-        if err is not None:
-            raise err
+                self._run_units(parts[0], gbase, gsz, step, slots)
+            except BaseException as exc:  # still wait for the others before raising
+                err = exc
+            for f in futures:
+                try:
+                    f.result()
+                except BaseException as exc:
+                    err = err or exc
+            if err is not None:
+                raise err
 
-    def _run_units(self, part: list, gbase: int, gsz: int, step: int) -> None:
+    @contextmanager
+    def _entered(self) -> Iterator[list[int]]:
+        """An active slot of every shard (``slots[i]`` of shard ``i``), claimed in
+        increasing shard order (as a table batch does: a freeze waits for one shard's
+        pushers at a time, so no cycle), held until the block ends; each is let go of
+        whatever happens, an interrupt included (a slot not yet claimed is NO_SLOT)."""
+        tok = _native.token()
+        out = _native.ffi.new("uint32_t *")
+        slots = [NO_SLOT] * self.nshards
+        try:
+            for i, sh in enumerate(self._shards):
+                out[0] = NO_SLOT
+                try:
+                    code = lib.shmps_enter(sh.ptr, tok, ENTER_TIMEOUT_S, out)
+                finally:
+                    slots[i] = int(out[0])  # claimed even if Ctrl-C comes as it returns
+                if code < 0:
+                    _native.check(code, f"push to {self.name!r} (shard {i})")
+            yield slots
+        finally:
+            for i, slot in enumerate(slots):
+                if slot != NO_SLOT:
+                    lib.shmps_leave(self._shards[i].ptr, tok, slot)
+
+    def _run_units(self, part: list, gbase: int, gsz: int, step: int,
+                   slots: Optional[list[int]] = None) -> None:
         for i, lo, hi in part:
-            self._call_push(i, gbase, gsz, lo, hi, step)
+            self._call_push(i, gbase, gsz, lo, hi, step, slots)
 
-    def _call_push(self, i: int, gbase: int, gsz: int, lo: int, hi: int, step: int) -> None:
+    def _call_push(self, i: int, gbase: int, gsz: int, lo: int, hi: int, step: int,
+                   slots: Optional[list[int]] = None) -> None:
+        """Stripes ``[lo, hi)`` of shard ``i``; ``slots``: the shards' active slots this
+        process holds for the push (:meth:`_entered`), else the call takes its own."""
         ptr = _native.ffi.cast("void *", gbase + self._elem0[i] * gsz)
-        code = lib.shmps_dense_push(self._shards[i].ptr, _native.token(), ptr, self._gcode,
-                                    lo, hi, step, 0)
+        if slots is None:
+            code = lib.shmps_dense_push(self._shards[i].ptr, _native.token(), ptr, self._gcode,
+                                        lo, hi, step, 0)
+        else:
+            code = lib.shmps_dense_push_entered(self._shards[i].ptr, _native.token(), slots[i],
+                                                ptr, self._gcode, lo, hi, step, 0)
         if code:
             _native.check(code, f"push to {self.name!r}")
 

@@ -452,6 +452,31 @@ def assign_writer(store: str, tensor: str, flags: Any, idx: int, how: str = "who
         s.close()
 
 
+def split_ones_pusher(store: str, tensor: str, flags: Any, idx: int,
+                      max_seconds: float = 30.0) -> int:
+    """Push ones into the whole tensor until ``stop``, each push split over two threads
+    as on a machine with two cores or more (dense.NCPU raised to 2; the tensor must be
+    at least 16 MiB); returns the pushes made."""
+    import shmps
+    from shmps import dense
+
+    dense.NCPU = max(2, dense.NCPU)
+    s = shmps.attach(store)
+    try:
+        t = s[tensor]
+        g = np.ones(t.shape, t.dtype)
+        n = 0
+        _await_go(flags, idx)
+        t_end = time.monotonic() + max_seconds
+        while not flags[STOP] and time.monotonic() < t_end:
+            t.push(g)
+            n += 1
+            flags[2 + idx] = n
+        return n
+    finally:
+        s.close()
+
+
 def _mixed_units(got: np.ndarray, units: np.ndarray) -> list:
     """(unit, lowest, highest) of each unit whose rows in ``got`` (row i of unit
     ``units[i]``) do not all hold one value."""

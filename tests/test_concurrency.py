@@ -3,12 +3,14 @@ unit), no torn read (per shard for consistent pulls, per 16 KiB stripe otherwise
 and hogwild mode runs without crashing.  Workers are 'spawn' processes (helpers.py)."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
 import shmps
 from helpers import (GO, STOP, Workers, assign_writer, expected_sum, new_flags, push_known,
-                     torn_reader, wait_until)
+                     split_ones_pusher, torn_reader, wait_until)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -118,6 +120,31 @@ def test_no_torn_reads(store, store_name, how, pull_rows):
     assert cons["distinct"] > 1 and racy["distinct"] > 1, "the writer ran during the reads"
     final = t.pull()
     assert np.all(final == final.flat[0]) and final.flat[0] == last_k
+
+
+@pytest.mark.parametrize("shape,shard_rows", [((4096, 1024), None), ((6144, 1024), 2048)],
+                         ids=["one-shard-16MiB", "3-shards-24MiB"])
+def test_split_push_is_whole_for_consistent_pulls(store, store_name, shape, shard_rows):
+    """A whole push of >= 16 MiB split over threads (parts cutting one shard) is one
+    push to a consistent pull: every shard it copies holds one count of pushes."""
+    t = store.dense("w", shape=shape, dtype="int32", optimizer="sum", shard_rows=shard_rows)
+    unit = t.shard_rows * t.row_len
+    flags = new_flags(2)
+    with Workers() as ws:
+        pusher = ws.start(split_ones_pusher, store_name, "w", flags, 0)
+        reader = ws.start(torn_reader, store_name, "w", True, unit, flags, 1, 30.0)
+        wait_until(lambda: all(flags[2 + i] for i in range(2)), 90, "workers ready")
+        flags[GO] = 1
+        wait_until(lambda: flags[2] > 2 and flags[3] > 2, 30, "pushes and pulls")
+        time.sleep(3.0)
+        flags[STOP] = 1
+        pushes, r = pusher.result(60), reader.result(60)
+    assert pushes > 2 and r["pulls"] > 2
+    assert r["mixed"] == 0, f"{r['mixed']} shard copies of {r['pulls']} pulls held part of " \
+                            f"a push: {r['examples']}"
+    assert r["backwards"] == 0
+    final = t.pull()
+    assert np.all(final == pushes)
 
 
 def test_no_torn_stripe_reads_with_shuffled_rows(store, store_name):

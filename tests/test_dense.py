@@ -581,3 +581,33 @@ def test_a_stateful_rows_push_hands_its_sort_on(store):
     t.push(g, rows=rows)
     ref.push(g[[1, 3, 0, 2]], rows=np.sort(rows))
     np.testing.assert_array_equal(t.pull(), ref.pull())
+
+
+def test_a_split_push_holds_each_shard_once_and_lets_go(store, monkeypatch):
+    """A whole push split over threads (forced: two 'cores') runs its parts under one
+    active slot per shard, claimed before and freed after them: the sums are exact,
+    no slot stays held, and the C part refuses a slot its caller does not hold."""
+    from shmps import dense
+
+    monkeypatch.setattr(dense, "NCPU", 2)
+    t = store.dense("w", shape=(6144, 1024), dtype="int32", optimizer="sum", shard_rows=2048)
+    g = np.ones(t.shape, np.int32)
+    assert t._threads_for(g.nbytes) == 2
+    for _ in range(3):
+        t.push(g)
+    assert np.all(t.pull() == 3) and t.stats()["pushes"] == 3
+    lib, native = shmps._native.lib, shmps._native
+    n = native.ffi.new("uint32_t *")
+    for sh in t._shards:
+        assert lib.shmps_active_pushers(sh.ptr, n) == 0 and n[0] == 0
+    assert lib.shmps_dense_push_entered(t._shards[1].ptr, native.token(), 0,
+                                        native.ffi.from_buffer(g), t._gcode, 0, 1, 9, 0) == \
+        lib.SHMPS_E_ARG
+    with t._entered() as slots:
+        assert lib.shmps_active_pushers(t._shards[2].ptr, n) == 0 and n[0] == 1
+        assert lib.shmps_dense_push_entered(t._shards[2].ptr, native.token(), slots[2],
+                                            native.ffi.from_buffer(g), t._gcode, 0, 1, 9,
+                                            0) == 0
+    assert lib.shmps_active_pushers(t._shards[2].ptr, n) == 0 and n[0] == 0
+    got = t.pull()
+    assert got[4096:4100].min() == 4 and got[4100:].max() == 3   # stripe 0 of shard 2
