@@ -57,6 +57,7 @@
  */
 #include "internal.h"
 #include <math.h>
+#include <stdlib.h>
 
 #define GAMMA 0x9e3779b97f4a7c15ull
 #define ST_EMPTY 0ull
@@ -591,24 +592,65 @@ static int reinsert(tshard_t *t, uint64_t r, uint64_t key, uint64_t token) {
     return SHMPS_E_CORRUPT;
 }
 
+/* Repair's marks of the rows READY slots reference: a private bitmap of a shard's rows
+ * (`bits`), or, only if that could not be allocated, LINK_SEEN in the shared link words
+ * (as before 2026-11-27: readers outside the creation lock -- keys(), read_rows(keys =
+ * NULL), a checkpoint's copy of the links -- then miss those rows until step 2). */
+static inline int seen_get(const tshard_t *t, const uint64_t *bits, uint64_t r) {
+    if (bits) return (int)((bits[r >> 6] >> (r & 63)) & 1);
+    return LOAD(&t->link[r], RELAXED) == LINK_SEEN; /* relaxed: under the creation lock */
+}
+static inline void seen_set(tshard_t *t, uint64_t *bits, uint64_t r) {
+    if (bits) bits[r >> 6] |= 1ull << (r & 63);
+    else STORE(&t->link[r], LINK_SEEN, RELAXED);
+}
+
+/* Whether shard t's bookkeeping already agrees with its index (`live` READY slots, their
+ * rows marked in `bits`; `tombs` TOMB slots): each of those rows and no other marked
+ * live, the free list holding every other row below hwm once, the counters right.  The
+ * repair then writes nothing more in the shard, so a shard the dead creator never got
+ * to is never rewritten under the readers that do not take the creation lock.  Relaxed
+ * loads: under the creation lock, whose holders alone write these words. */
+static int shard_sound(const tshard_t *t, const uint64_t *bits, uint64_t hwm, uint64_t live,
+                       uint64_t tombs) {
+    for (uint64_t r = 0; r < hwm; r++)
+        if (seen_get(t, bits, r) != (LOAD(&t->link[r], RELAXED) == LINK_LIVE)) return 0;
+    uint64_t nfree = 0; /* a cycle runs past hwm - live and is refused */
+    for (uint64_t f = LOAD(&t->ctl->free_head, RELAXED); f; f = LOAD(&t->link[f - 1], RELAXED))
+        if (f > hwm || seen_get(t, bits, f - 1) || ++nfree > hwm - live) return 0;
+    return nfree == hwm - live && LOAD(&t->h->table_used, RELAXED) == live &&
+           LOAD(&t->ctl->tombstones, RELAXED) == tombs;
+}
+
 /* Rebuilds every shard's bookkeeping from its index; creation lock held after taking
  * it over from a dead holder.  Concurrent lock-free lookups only ever see CLAIM slots
  * turn into TOMB and missing keys become READY, both of which they handle; pushers
- * only touch READY slots' seq bits, which repair leaves alone. */
+ * only touch READY slots' seq bits, which repair leaves alone.  Readers of the link
+ * words that do not take the creation lock (shmps_table_keys, read_rows(keys=NULL),
+ * a drain's list, a checkpoint's raw copy of the links) run meanwhile too: a live row's
+ * link is never changed (the rows READY slots reference are marked in private memory,
+ * seen_set), and a shard whose bookkeeping already agrees with its index is not
+ * written at all (shard_sound). */
 static int table_repair(tshard_t *ts, uint32_t nshards, uint64_t token) {
-    uint64_t total = 0;
+    uint64_t total = 0, maxrows = 0;
+    for (uint32_t s = 0; s < nshards; s++)
+        if (ts[s].nrows > maxrows) maxrows = ts[s].nrows;
+    /* not the push path: a repair runs once per creator that died holding the lock */
+    uint64_t *bits = calloc(maxrows / 64 + 1, sizeof *bits);
     for (uint32_t s = 0; s < nshards; s++) {
         tshard_t *t = &ts[s];
         tctl_t *c = t->ctl;
         /* relaxed throughout: the dead holder's writes are as visible as they will get
          * (its lock word was taken over by CAS); lookups only care about slot states */
         uint64_t hwm = LOAD(&c->hwm, RELAXED);
-        if (hwm > t->nrows) return SHMPS_E_CORRUPT;
-        uint64_t tombs = 0, live = 0;
-        /* 0. a repair that died half-way left SEEN marks: those rows were live */
+        if (hwm > t->nrows) { free(bits); return SHMPS_E_CORRUPT; }
+        uint64_t tombs = 0, live = 0, ready = 0;
+        if (bits) memset(bits, 0, (hwm / 64 + 1) * sizeof *bits);
+        /* 0. a repair that died half-way (in the fallback) left SEEN marks: those rows
+         * were live */
         for (uint64_t r = 0; r < hwm; r++)
             if (LOAD(&t->link[r], RELAXED) == LINK_SEEN) STORE(&t->link[r], LINK_LIVE, RELAXED);
-        /* 1. dead claims become tombstones; rows referenced by READY slots are SEEN */
+        /* 1. dead claims become tombstones; rows referenced by READY slots are marked */
         for (uint64_t i = 0; i <= t->mask; i++) {
             uint64_t st = LOAD(&t->slots[i].state, RELAXED);
             if ((st & ST_TAGS) == ST_CLAIM) {
@@ -622,10 +664,18 @@ static int table_repair(tshard_t *ts, uint32_t nshards, uint64_t token) {
                 uint64_t r = ST_ROW(st) - 1;
                 if (ST_ROW(st) == 0 || r >= hwm ||
                     LOAD(&t->keys[r], RELAXED) != LOAD(&t->slots[i].key, RELAXED) ||
-                    LOAD(&t->link[r], RELAXED) == LINK_SEEN)
+                    seen_get(t, bits, r)) {
+                    free(bits);
                     return SHMPS_E_CORRUPT;
-                STORE(&t->link[r], LINK_SEEN, RELAXED);
+                }
+                seen_set(t, bits, r);
+                ready++;
             }
+        }
+        FETCH_ADD(&c->repairs, 1, RELAXED);
+        if (bits && shard_sound(t, bits, hwm, ready, tombs)) {
+            total += ready;
+            continue;
         }
         STORE(&c->tombstones, tombs, RELAXED);
         /* 2. rows still marked live but unreferenced (a delete or compaction died
@@ -633,8 +683,10 @@ static int table_repair(tshard_t *ts, uint32_t nshards, uint64_t token) {
         uint64_t head = 0;
         for (uint64_t r = hwm; r-- > 0;) {
             uint64_t link = LOAD(&t->link[r], RELAXED);
-            if (link == LINK_SEEN) {
-                STORE(&t->link[r], LINK_LIVE, RELEASE);
+            if (seen_get(t, bits, r)) {
+                /* release: pairs with the acquire loads of link in shmps_table_keys
+                 * and read_rows (a READY row a dead creator had not marked yet) */
+                if (link != LINK_LIVE) STORE(&t->link[r], LINK_LIVE, RELEASE);
                 live++;
                 continue;
             }
@@ -642,7 +694,7 @@ static int table_repair(tshard_t *ts, uint32_t nshards, uint64_t token) {
                 uint64_t key = LOAD(&t->keys[r], RELAXED), h = shmps_key_hash(key);
                 if (shard_of(h, nshards) == s && find(t, h, key, NULL, NULL) == -1) {
                     int rr = reinsert(t, r, key, token);
-                    if (rr) return rr;
+                    if (rr) { free(bits); return rr; }
                     live++;
                     continue;
                 }
@@ -653,9 +705,10 @@ static int table_repair(tshard_t *ts, uint32_t nshards, uint64_t token) {
         STORE(&c->free_head, head, RELAXED);
         STORE(&t->h->table_used, live, RELAXED);
         total += live;
-        FETCH_ADD(&c->repairs, 1, RELAXED);
     }
-    STORE(&ts[0].ctl->table_live, total, RELAXED);
+    free(bits);
+    if (LOAD(&ts[0].ctl->table_live, RELAXED) != total)
+        STORE(&ts[0].ctl->table_live, total, RELAXED);
     return SHMPS_OK;
 }
 

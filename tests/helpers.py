@@ -347,6 +347,57 @@ def table_push_loop(store: str, tensor: str, nkeys: int, flags: Any, idx: int,
         s.close()
 
 
+def create_new_keys(store: str, tensor: str, first: int, batch: int, flags: Any,
+                    idx: int, max_seconds: float = 60.0) -> int:
+    """Push batches of ``batch`` new keys (``first``, ``first + 1``, ...) until ``stop``:
+    most of the time inside the table's creation lock (a creator to SIGKILL there)."""
+    import shmps
+
+    s = shmps.attach(store)
+    try:
+        t = s[tensor]
+        g = np.ones((batch, t.dim), t.dtype)
+        n = 0
+        _await_go(flags, idx)
+        t_end = time.monotonic() + max_seconds
+        while not flags[STOP] and time.monotonic() < t_end:
+            flags[2 + idx] = n + 1                        # creating batch n
+            t.push(np.arange(first + n * batch, first + (n + 1) * batch, dtype=np.uint64), g)
+            n += 1
+        return n
+    finally:
+        s.close()
+
+
+def keys_observer(store: str, tensor: str, nstable: int, flags: Any, idx: int,
+                  max_seconds: float = 60.0) -> dict:
+    """Call ``keys()`` until ``stop`` and count the calls that miss one of the stable
+    keys 0..nstable-1 (other keys must be >= nstable); also read_rows(keys=None) of
+    every shard, the bridge's snapshot, which lists the same rows."""
+    import shmps
+
+    s = shmps.attach(store)
+    try:
+        t = s[tensor]
+        calls = bad = worst = 0
+        _await_go(flags, idx)
+        t_end = time.monotonic() + max_seconds
+        while not flags[STOP] and time.monotonic() < t_end:
+            k = t.keys()
+            miss = nstable - int(np.count_nonzero(k < nstable))
+            if calls % 4 == 3:                            # the snapshot's listing too
+                got = sum(int(np.count_nonzero(t._snapshot(sh).index < nstable))
+                          for sh in range(t.nshards))
+                miss = max(miss, nstable - got)
+            calls += 1
+            bad += miss > 0
+            worst = max(worst, miss)
+            flags[2 + idx] = calls
+        return {"calls": calls, "bad": bad, "worst": worst}
+    finally:
+        s.close()
+
+
 def create_dense(store: str, tensor: str, shape: tuple, dtype: str, init: float,
                  flags: Any, idx: int) -> bool:
     """Attach, then create ``tensor`` (flags progress: 1 = attached, about to create;

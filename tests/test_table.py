@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 import shmps
-from helpers import GO, STOP, Workers, dead_token, new_flags, wait_until
+from helpers import (GO, STOP, Workers, create_new_keys, dead_token, keys_observer, new_flags,
+                     wait_until)
 from reference import RefTable, init_row
 
 pytestmark = pytest.mark.timeout(180)
@@ -596,6 +597,53 @@ def test_sigkill_pushers_mid_batch(store, store_name):
     assert set(hot.tolist()) <= set(t.keys().tolist())
 
 
+def _repairs(t: shmps.Table) -> int:
+    """Times the table's repair ran (shard 0's ctl.repairs, offset 112)."""
+    sp = t._shards[0].spec
+    return int(t._shards[0].seg.array(np.uint64, sp["index_off"] + 16 * sp["nslots"], 15)[14])
+
+
+def test_repair_after_a_killed_creator_hides_no_live_key(store, store_name):
+    """A creator SIGKILLed inside the creation lock is repaired by the next creator
+    while another process lists the keys (keys(), and the bridge's snapshot of each
+    shard): every listing holds every live key, and the table checks out after."""
+    nstable, batch = 100_000, 20_000
+    t = store.table("emb", dim=1, dtype="int32", capacity=1_000_000, optimizer="sum",
+                    shards=8)
+    t.push(np.arange(nstable, dtype=np.uint64), np.ones((nstable, 1), np.int32))
+    rng = random.Random(7)
+    repairs0 = _repairs(t)
+    flags = new_flags(1)
+    rounds = 0
+    with Workers() as ws:
+        obs = ws.start(keys_observer, store_name, "emb", nstable, flags, 0)
+        wait_until(lambda: flags[2], 60, "observer ready")
+        flags[GO] = 1
+        deadline = time.monotonic() + 25
+        while _repairs(t) - repairs0 < 6 and time.monotonic() < deadline:
+            vf = new_flags(1)
+            v = ws.start(create_new_keys, store_name, "emb", (1 << 40) + rounds * 10**7,
+                         batch, vf, 0)
+            wait_until(lambda: vf[2], 60, "creator ready")
+            vf[GO] = 1
+            wait_until(lambda: vf[2] >= 2, 30, "creator past its first batch")
+            time.sleep(rng.uniform(0.0, 0.02))
+            v.kill()
+            # a new key: takes the creation lock (over, if the creator died in it)
+            t.push(np.array([(1 << 50) + rounds], np.uint64), np.ones((1, 1), np.int32))
+            rounds += 1
+        time.sleep(0.2)
+        flags[STOP] = 1
+        seen = obs.result(60)
+    repairs = _repairs(t) - repairs0
+    assert repairs >= 1, f"no creator died inside the creation lock in {rounds} rounds"
+    assert seen["calls"] > 10
+    assert seen["bad"] == 0, (f"{seen['bad']} of {seen['calls']} listings missed live keys "
+                              f"(worst {seen['worst']} of {nstable}) over {repairs} repairs")
+    t.check()
+    assert np.count_nonzero(t.keys() < nstable) == nstable
+
+
 # ---- dead owners planted in each kind of claim ------------------------------------------
 
 def _arrays(t: shmps.Table, key: int):
@@ -665,6 +713,41 @@ def test_dead_creator_mid_insert_repaired(store, dead):
     t.pull([2, 3, 4])                     # needs 3 more rows: the leaked one is back
     assert time.monotonic() - t0 < 1.0
     assert len(t) == 4 and sorted(t.keys().tolist()) == [1, 2, 3, 4]
+    t.check()
+
+
+def test_repair_leaves_a_sound_shard_unwritten(store, dead):
+    """The repair after a creator died holding the creation lock writes nothing in a
+    shard whose bookkeeping agrees with its index (its links, free list in delete
+    order, and control block are the same words after), and repairs the other."""
+    t = store.table("emb", dim=2, capacity=64, optimizer="sum", shards=2)
+    keys = np.arange(40, dtype=np.uint64)
+    t.push(keys, np.ones((40, 2)))
+    t.delete(keys[::3])                   # free lists not in row order
+    regions = []
+    for sh in t._shards:
+        sp = sh.spec
+        ctl_off = sp["index_off"] + 16 * sp["nslots"]
+        regions.append((sh.seg.array(np.uint64, sp["index_off"], 2 * sp["nslots"]).reshape(-1, 2),
+                        sh.seg.array(np.uint64, ctl_off, 32),
+                        sh.seg.array(np.uint64, ctl_off + 256, sp["nrows"])))
+    slots1, ctl1, links1 = regions[1]
+    empty = int(np.flatnonzero(slots1[:, 1] == 0)[0])
+    slots1[empty] = [np.uint64(10**6), np.uint64((1 << 63) | (dead & ((1 << 62) - 1)))]
+    ctl1[11] = ctl1[11] + np.uint64(1)    # shard 1: a claim and a row taken, then death
+    regions[0][1][8] = np.uint64(dead)    # the creation lock's owner (shard 0, offset 64)
+    before = [(c.copy(), l.copy()) for _, c, l in regions]
+    new = next(k for k in range(10**6 + 1, 10**6 + 99)
+               if shmps.table.key_shards([k], 2)[0] == 1)
+    t.push([new], np.ones((1, 2)))        # a new key (shard 1): takes the lock over, repairs
+    ctl0, links0 = regions[0][1], regions[0][2]
+    np.testing.assert_array_equal(links0, before[0][1])
+    changed = np.flatnonzero(ctl0 != before[0][0]).tolist()
+    assert set(changed) <= {8, 9, 10, 14}, changed  # lock word, table_live, repairs only
+    assert int(ctl0[14]) == int(before[0][0][14]) + 1
+    assert not np.array_equal(regions[1][2], before[1][1])   # shard 1 rebuilt
+    assert sorted(t.keys().tolist()) == sorted(set(range(40)) - set(range(0, 40, 3))
+                                               | {new})
     t.check()
 
 
