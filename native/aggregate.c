@@ -45,6 +45,13 @@
  *   claim:  phase and count, then claim_round, then applier (the claim is valid
  *           only while applier != 0 and claim_round == next_round);
  *   finish: next_round = r + 1 is the commit point; clearing applier follows.
+ * "Then" is kept by the compiler too: the fields whose order matters are written
+ * with relaxed atomic stores and each step ends with CRASH_ORDER(), a compiler-only
+ * fence (a SIGKILL stops the process at an instruction boundary, so what the next
+ * lock holder finds is the stores the instructions before it made; with plain stores
+ * the compiler could have merged or reordered them).  Relaxed suffices between
+ * processes: the lock's release/acquire (or its takeover CAS, acquire, after the
+ * holder's death) orders all of them before the next holder's reads.
  * A dead applier's claim is taken over according to its phase: SUM (nothing
  * written to the tensor yet) restarts the round, PUSHING (the aggregate was being
  * pushed: partially applied, like any push cut by a kill) and ZEROING go on with
@@ -69,6 +76,11 @@
 #define AGG_VERSION 1u
 #define AGG_WORDS (SHMPS_MAX_WORKERS / 64)
 #define NAP_NS 2000000ull /* waiters re-check liveness and clocks every 2 ms */
+/* The compiler emits no store after it before any store ahead of it (C11's fence for
+ * a signal in the same thread, which is what a kill at any instant is to the crash
+ * order of the file comment); no instruction, the CPU's own order of stores across a
+ * kill is the instruction order. */
+#define CRASH_ORDER() __atomic_signal_fence(__ATOMIC_SEQ_CST)
 
 typedef struct {
     uint64_t round;                    /* round collected here; stale if < next_round */
@@ -216,8 +228,10 @@ static void step(agg_ctl_t *c, void *man, uint64_t token, uint32_t want, int cla
             *count = c->count;
             *phase = ph;
             if (claim && c->applier != token) {
-                c->phase = ph;
-                c->applier = token;
+                /* either order leaves a valid claim (a PUSHING phase is read as
+                 * ZEROING by whoever takes it over next): relaxed, as the claim below */
+                STORE(&c->phase, ph, RELAXED);
+                STORE(&c->applier, token, RELAXED);
                 c->takeovers++;
             }
             return;
@@ -245,10 +259,17 @@ static void step(agg_ctl_t *c, void *man, uint64_t token, uint32_t want, int cla
         *count = n;
         *phase = n ? SHMPS_AGG_PH_SUM : SHMPS_AGG_PH_ZEROING;
         if (claim) {
-            c->phase = *phase;
-            c->count = n;
-            c->claim_round = r;
-            c->applier = token; /* last: the claim is valid from here */
+            /* relaxed stores in this order (CRASH_ORDER).  Killed before the applier
+             * store, we leave no claim (applier 0), or, where a finish killed past its
+             * commit point left its dead token in applier, that token's claim of r
+             * with this phase and count: taken over as ours would be.  Hence phase
+             * and count before claim_round. */
+            STORE(&c->phase, *phase, RELAXED);
+            STORE(&c->count, n, RELAXED);
+            CRASH_ORDER();
+            STORE(&c->claim_round, r, RELAXED);
+            CRASH_ORDER();
+            STORE(&c->applier, token, RELAXED); /* last: the claim is valid from here */
         }
         return;
     }
@@ -292,10 +313,13 @@ int shmps_agg_begin(void *ctl, void *man, uint64_t token, uint32_t slot, uint32_
     } else {
         c->assembled = 1;
         if (b->round != r) {
-            /* the buffer held round r - 2 (applied) or nothing: reset, round last */
+            /* the buffer held round r - 2 (applied) or nothing: reset, round last
+             * (CRASH_ORDER: killed before it, the buffer still reads as the old
+             * round's, which is applied: stale, and reset again by the next begin) */
             memset(b->bits, 0, sizeof b->bits);
             memset(b->pend, 0, sizeof b->pend);
-            b->round = r;
+            CRASH_ORDER();
+            STORE(&b->round, r, RELAXED);
         }
         if (bit_get(b, slot) || b->pend[slot] == token) {
             e = SHMPS_AGG_E_TWICE;
@@ -345,8 +369,11 @@ int shmps_agg_commit(void *ctl, uint64_t token, uint32_t slot, uint64_t round, u
     if (b->round != round || b->pend[slot] != token) {
         e = SHMPS_E_ARG; /* no push of ours in flight for this round */
     } else {
-        b->bits[slot >> 6] |= 1ull << (slot & 63);
-        b->pend[slot] = 0;
+        /* the bit, then the in-flight token cleared (CRASH_ORDER): killed between,
+         * the slot counts as contributed, and its dead in-flight token holds nobody */
+        STORE(&b->bits[slot >> 6], b->bits[slot >> 6] | 1ull << (slot & 63), RELAXED);
+        CRASH_ORDER();
+        STORE(&b->pend[slot], 0, RELAXED);
         if (popcount(b) >= want) c->assembled = 1;
     }
     unlock(c);
@@ -407,8 +434,13 @@ int shmps_agg_finish(void *ctl, uint64_t token, uint64_t round) {
          * tensor and the zeroed buffer were written before (under their own
          * stripe locks / by us alone) and are published by this store too. */
         STORE(&c->next_round, round + 1, RELEASE);
-        c->applier = 0;
-        c->phase = 0;
+        /* after the commit point (CRASH_ORDER: a release store keeps the stores before
+         * it there, not the ones after): killed before these, the claim is of an
+         * applied round (claim_round != next_round), which step() ignores; cleared
+         * first, the round would be claimed and applied a second time */
+        CRASH_ORDER();
+        STORE(&c->applier, 0, RELAXED);
+        STORE(&c->phase, 0, RELAXED);
         c->applied++;
     }
     unlock(c);
@@ -471,6 +503,7 @@ int shmps_agg_reset(void *ctl, void *man, uint64_t token, int finish, uint32_t *
     } else {
         /* the accumulators are clear: start afresh (begin initialises lazily) */
         STORE(&c->magic, 0, RELEASE); /* first: the block is "never used" from here */
+        CRASH_ORDER(); /* (as in finish: the release keeps only earlier stores above) */
         c->next_round = c->applier = c->claim_round = 0;
         c->phase = c->count = c->assembled = 0;
         c->stamp = c->resetter = 0;
