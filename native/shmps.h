@@ -273,6 +273,8 @@ int shmps_table_keys(void **bases, uint32_t nshards, uint32_t shard, uint64_t to
                      uint64_t *out, uint64_t cap, uint64_t *n);
 int shmps_table_len(void **bases, uint32_t nshards, uint64_t *n);
 int shmps_table_check(void **bases, uint32_t nshards, uint64_t token, uint64_t *info);
+int shmps_table_attach_counts(void **bases, uint32_t nshards, uint64_t token,
+                              uint32_t *checked);
 
 /* csr (csr.c): fixed structure, per-row locks and steps.  Pushed entries are given
  * by `rowcnt` (nrows+1 offsets into colidx/grad, the shard's rows) and located in the

@@ -247,8 +247,12 @@ int shmps_table_attach_check(const void *base, uint64_t capacity, uint32_t nshar
     if (LOAD(&c->magic, ACQUIRE) != CTL_MAGIC || c->capacity != capacity ||
         c->nshards != nshards || c->shard != shard)
         return SHMPS_E_CORRUPT;
-    /* relaxed: a sanity check of counters changed under the creation lock */
-    if (LOAD(&c->hwm, RELAXED) > s->nrows || LOAD(&c->free_head, RELAXED) > s->nrows)
+    /* relaxed: a sanity check of counters changed under the creation lock; each bound
+     * holds at every instant, whatever else is read with it (the checks relating two
+     * counters are shmps_table_attach_counts, under the lock) */
+    if (LOAD(&c->hwm, RELAXED) > s->nrows || LOAD(&c->free_head, RELAXED) > s->nrows ||
+        LOAD(&((const shmps_shard_hdr_t *)base)->table_used, RELAXED) > s->nrows ||
+        (shard == 0 && LOAD(&c->table_live, RELAXED) > capacity))
         return SHMPS_E_CORRUPT;
     return SHMPS_OK;
 }
@@ -1199,6 +1203,43 @@ int shmps_table_keys(void **bases, uint32_t nshards, uint32_t shard, uint64_t to
     }
     shmps_leave(t->base, token, slot);
     *n = k;
+    return r;
+}
+
+/* On attach, after shmps_table_attach_check of every shard: the counters that must
+ * agree with each other, O(nshards) -- in each shard free_head <= hwm and table_used <=
+ * hwm (rows in use were handed out), and the table's table_live (shard 0) the sum of
+ * the shards' table_used.  Too-small values pass attach_check's bounds and would make
+ * creations hand out live rows again or lift the capacity (review 13, finding 6).
+ * Checked only under the creation lock, which every writer of these words holds
+ * (creation, delete, evict, drains, repair): taken with one CAS, never waited for.  A
+ * lock held (a creator inside, or a dead one whose successor repairs the counters from
+ * the index) skips the check: SHMPS_OK, *checked = 0.  The full check (every slot,
+ * link and the free list) is shmps_table_check. */
+int shmps_table_attach_counts(void **bases, uint32_t nshards, uint64_t token,
+                              uint32_t *checked) {
+    tshard_t ts[SHMPS_TABLE_MAX_SHARDS];
+    *checked = 0;
+    int r = shard_views(bases, nshards, ts);
+    if (r) return r;
+    uint64_t free_ = 0;
+    /* acquire: as shmps_stripe_trylock's, the last holder's counter writes (released by
+     * its unlock) happen-before our loads */
+    if (!CAS(&ts[0].ctl->create.owner, &free_, token, ACQUIRE, RELAXED)) return SHMPS_OK;
+    uint64_t sum = 0;
+    for (uint32_t s = 0; s < nshards && r == SHMPS_OK; s++) {
+        /* relaxed: we hold the lock (above) */
+        uint64_t hwm = LOAD(&ts[s].ctl->hwm, RELAXED);
+        uint64_t used = LOAD(&ts[s].h->table_used, RELAXED);
+        if (hwm > ts[s].nrows || LOAD(&ts[s].ctl->free_head, RELAXED) > hwm || used > hwm)
+            r = SHMPS_E_CORRUPT;
+        sum += used;
+    }
+    if (r == SHMPS_OK && (LOAD(&ts[0].ctl->table_live, RELAXED) != sum ||
+                          sum > ts[0].ctl->capacity))
+        r = SHMPS_E_CORRUPT;
+    create_unlock(ts);
+    *checked = 1;
     return r;
 }
 

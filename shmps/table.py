@@ -279,6 +279,17 @@ class Table(Tensor):
                 raise CorruptSegment(f"segment {sh.seg.name} holds {got}, the catalog record "
                                      f"of table {self.name!r} says {want} (or its control "
                                      "block is damaged)")
+        # the counters that must agree across shards (skipped while a creator is inside)
+        checked = ffi.new("uint32_t *")
+        code = lib.shmps_table_attach_counts(ffi.new("void *[]", [sh.ptr for sh in self._shards]),
+                                             self.nshards, _native.token(), checked)
+        if code == lib.SHMPS_E_CORRUPT:
+            raise CorruptSegment(f"table {self.name!r}: its row counts disagree (rows in use "
+                                 "above the rows handed out, or the table's key count not "
+                                 "the sum of its shards')",
+                                 "the table's control blocks are damaged: restore it from "
+                                 "a checkpoint")
+        _native.check(code, f"attach of table {self.name!r}")
 
     # -- plumbing --------------------------------------------------------------------
     def _ptrs(self) -> Any:

@@ -751,6 +751,63 @@ def test_repair_leaves_a_sound_shard_unwritten(store, dead):
     t.check()
 
 
+def _ctl(t: shmps.Table, shard: int) -> np.ndarray:
+    """Shard ``shard``'s control block words (docs/tables.md "ctl")."""
+    sp = t._shards[shard].spec
+    return t._shards[shard].seg.array(np.uint64, sp["index_off"] + 16 * sp["nslots"], 32)
+
+
+@pytest.mark.parametrize("where,word,value", [
+    ("ctl", 11, 0),          # hwm below the rows in use: creations would reuse live rows
+    ("ctl", 12, 10**6),      # free head past hwm (and past the rows)
+    ("ctl", 10, 0),          # table_live (shard 0) not the sum of the shards' counts
+    ("ctl", 10, 65),         # table_live above the capacity
+    ("used", 0, 0),          # a shard's table_used (header offset 1088) too small
+    ("used", 0, 10**6),      # ... and too large
+], ids=["hwm-0", "free-head", "table-live-0", "table-live-over", "used-0", "used-big"])
+def test_small_table_counters_are_refused_on_attach(store, store_name, where, word, value):
+    """A table whose row counters are damaged, too small included (hwm under the rows
+    in use, a key count not the sum of its shards'), is CorruptSegment on attach."""
+    t = store.table("emb", dim=2, capacity=64, optimizer="sum", shards=2)
+    t.push(np.arange(20, dtype=np.uint64), np.ones((20, 2)))
+    shard = 1 if where == "used" or word != 10 else 0
+    if where == "ctl":
+        _ctl(t, shard)[word] = np.uint64(value)
+    else:
+        t._shards[shard].seg.array(np.uint64, 1088, 1)[0] = np.uint64(value)
+    other = shmps.attach(store_name)
+    try:
+        with pytest.raises(shmps.CorruptSegment):
+            other["emb"]
+    finally:
+        other.close()
+
+
+def test_table_counters_are_not_checked_while_the_creation_lock_is_held(store, store_name,
+                                                                        dead):
+    """The attach check of the counters is skipped while the creation lock is held (a
+    creator inside moves them): a dead creator's table with a wrong key count attaches,
+    and the next creation repairs the count from the index."""
+    t = store.table("emb", dim=2, capacity=64, optimizer="sum", shards=2)
+    t.push(np.arange(20, dtype=np.uint64), np.ones((20, 2)))
+    ctl0 = _ctl(t, 0)
+    ctl0[10] = np.uint64(3)       # table_live: as a creator killed mid-count could leave it
+    ctl0[8] = np.uint64(dead)     # ... holding the creation lock
+    other = shmps.attach(store_name)
+    try:
+        o = other["emb"]
+        o.push([100], np.ones((1, 2)))      # takes the lock over: the repair recounts
+        assert len(o) == 21
+        o.check()
+    finally:
+        other.close()
+    other = shmps.attach(store_name)      # counts agree again: attaches with the check
+    try:
+        assert len(other["emb"]) == 21
+    finally:
+        other.close()
+
+
 def test_dead_freeze_holder_does_not_block_push(store, dead):
     """A deleter that died holding a shard's freeze does not block pushes (< 1 s)."""
     t = store.table("emb", dim=2, capacity=4, optimizer="sum")
