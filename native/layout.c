@@ -48,6 +48,29 @@ static uint32_t nstate_of(uint32_t updater, const double *params) {
     }
 }
 
+/* The updater's hyper-parameters in the ranges shmps/updaters.py accepts (params[] by
+ * updater: updaters.c): checked on creation and, through shmps_shard_validate, on
+ * every attach, so a header written with lr = -1 (ascent instead of descent) or betas
+ * >= 1 is refused as corrupt.  Python also compares the values with the catalog
+ * record (_check_shards): in range but changed, such as lr = 1e300, is refused there. */
+static int params_ok(uint32_t updater, const double *p) {
+#define NONNEG(i) (p[i] >= 0.0)
+#define FLAG(i) (p[i] == 0.0 || p[i] == 1.0)
+#define UNIT(i) (p[i] >= 0.0 && p[i] < 1.0)
+    switch (updater) {
+    case SHMPS_SGD: return NONNEG(0) && NONNEG(1);
+    case SHMPS_MOMENTUM: /* lr, momentum, dampening (any), nesterov, weight_decay */
+        return NONNEG(0) && NONNEG(1) && FLAG(3) && NONNEG(4);
+    case SHMPS_ADAGRAD: return NONNEG(0) && NONNEG(1) && NONNEG(2) && NONNEG(3) && NONNEG(4);
+    case SHMPS_ADAM: return NONNEG(0) && UNIT(1) && UNIT(2) && NONNEG(3) && NONNEG(4) && FLAG(5);
+    case SHMPS_FTRL: return p[0] > 0.0 && NONNEG(1) && NONNEG(2) && NONNEG(3);
+    default: return 1; /* sum, assign, max, min: none */
+    }
+#undef NONNEG
+#undef FLAG
+#undef UNIT
+}
+
 /* overflow-checked a*b and a+b; return 0 on overflow */
 static int mul_ok(uint64_t a, uint64_t b, uint64_t *out) {
     return !__builtin_mul_overflow(a, b, out);
@@ -72,6 +95,7 @@ int shmps_layout(shmps_spec_t *s) {
     if (s->row_len == 0 && s->nrows != 0 && s->kind != SHMPS_CSR) return SHMPS_E_ARG;
     for (int i = 0; i < SHMPS_NPARAMS; i++)
         if (!isfinite(s->params[i])) return SHMPS_E_ARG;
+    if (!params_ok(s->updater, s->params)) return SHMPS_E_ARG;
 
     uint64_t nnz = s->nnz;
     if (s->kind == SHMPS_DENSE) {

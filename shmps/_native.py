@@ -130,6 +130,13 @@ def _spec_to_dict(spec: Any) -> dict:
     return d
 
 
+def params_of(upd: Any) -> list[float]:
+    """An updater's ``params[]`` as a shard header holds them (zeros after its own), for
+    comparing a header with the catalog record's optimizer."""
+    p = [float(v) for v in upd.params()]
+    return p + [0.0] * (lib.SHMPS_NPARAMS - len(p))
+
+
 def layout(inputs: dict) -> dict:
     """Compute a shard's layout from its inputs (see shmps_spec_t)."""
     spec = ffi.new("shmps_spec_t *")

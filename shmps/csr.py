@@ -184,7 +184,8 @@ class CSRTensor(Tensor):
         for i, sh in enumerate(self._shards):
             rows = max(0, min(per, nrows - i * per))
             want = {"row_begin": i * per, "nrows": rows, "ncols": self.ncols,
-                    "updater": self.optimizer.code}
+                    "updater": self.optimizer.code,
+                    "params": _native.params_of(self.optimizer)}
             got = {k: sh.spec[k] for k in want}
             if got != want:
                 raise CorruptSegment(f"segment {sh.seg.name} holds {got}, the catalog record "

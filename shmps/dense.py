@@ -79,7 +79,8 @@ class DenseTensor(Tensor):
         for i, sh in enumerate(self._shards):
             rows = max(0, min(per, nrows - i * per))
             want = {"row_begin": i * per, "nrows": rows, "row_len": self.row_len,
-                    "nnz": rows * self.row_len, "updater": self.optimizer.code}
+                    "nnz": rows * self.row_len, "updater": self.optimizer.code,
+                    "params": _native.params_of(self.optimizer)}
             got = {k: sh.spec[k] for k in want}
             if got != want or bool(sh.spec["flags"] & lib.SHMPS_F_HOGWILD) != (
                     self.mode == "hogwild"):

@@ -272,7 +272,8 @@ class Table(Tensor):
         for i, sh in enumerate(self._shards):
             sp = sh.spec
             want = {"nrows": self.shard_rows, "row_len": self.dim, "updater": self.optimizer.code,
-                    "seed": self.seed}
+                    "seed": self.seed, "params": _native.params_of(self.optimizer),
+                    "init": _init_array(self.init_spec)}
             got = {k: sp[k] for k in want}
             code = lib.shmps_table_attach_check(sh.ptr, self.capacity, self.nshards, i)
             if got != want or code != 0:

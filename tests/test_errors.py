@@ -561,6 +561,41 @@ def test_corrupt_shard_header(corruptible, offset, fmt, value):
         open_x(name)
 
 
+_PARAM_CASES = [
+    (80, -1.0, "lr-negative"),    # lr < 0: out of range (native/layout.c): ascent
+    (80, 1e300, "lr-huge"),       # lr in range, not the catalog record's (_check_shards)
+    (88, 1.0, "beta1-1"),         # Adam beta1 = 1: out of [0, 1)
+    (120, 0.5, "amsgrad-half"),   # amsgrad neither 0 nor 1
+]
+
+
+@pytest.mark.parametrize("kind,offset,value", [
+    pytest.param(k, o, v, id=f"{k}-{i}") for k in ("dense", "table", "csr")
+    for o, v, i in _PARAM_CASES] + [pytest.param("table", 144, 3.0, id="table-init-kind")])
+def test_updater_parameters_in_a_header_are_checked_on_attach(store_name, kind, offset, value):
+    """A shard header whose optimizer parameters (params[], init[]) are out of range or
+    differ from the catalog record is CorruptSegment on open, not silently pushed with."""
+    s = shmps.attach(store_name)
+    try:
+        opt = shmps.Adam(lr=0.01)
+        if kind == "dense":
+            t = s.dense("x", shape=(4, 4), dtype="float32", init=1.0, optimizer=opt)
+        elif kind == "table":
+            t = s.table("x", dim=4, capacity=16, shards=1, optimizer=opt)
+        else:
+            t = s.csr("x", [0, 2, 3], [0, 1, 1], dtype="float32", optimizer=opt)
+        path = "/dev/shm" + t._shards[0].seg.name
+    finally:
+        s.close()
+    try:
+        poke(path, offset, "<d", value)
+        with shmps.attach(store_name) as s2:
+            with pytest.raises(shmps.CorruptSegment):
+                s2["x"]
+    finally:
+        remove_store(store_name)
+
+
 def test_garbage_shard_header(corruptible):
     """A shard whose whole header is random bytes is CorruptSegment."""
     name, shard, _ = corruptible
