@@ -517,6 +517,8 @@ class Store:
                 seg = Segment.create(name, lay["total_size"], huge=True,
                                      reserve=reserve and self.reserve_memory)
                 made.append(seg)
+                if not (reserve and self.reserve_memory):
+                    _reserve_written_at_creation(seg, spec, lay)
                 _native.shard_init(seg.ptr, seg.size, spec)
                 fill(s, seg, lay)
                 total += seg.size
@@ -1127,6 +1129,16 @@ def _is_own_segment(seg: str, prefix: str) -> bool:
         return False
     rest = seg[len(prefix):]
     return rest == "manifest" or re.fullmatch(r"t\d+\.s\d+", rest) is not None
+
+
+def _reserve_written_at_creation(seg: Segment, spec: dict, lay: dict) -> None:
+    """A segment created without its pages backed (an outbox, the bridge's copies): back
+    those its creation writes, the header and a table's control block (after its index,
+    native/table.c ctl_of), so that creating it on a nearly full /dev/shm raises
+    CapacityError instead of killing the creator with SIGBUS (review 13)."""
+    seg.reserve(0, lib.SHMPS_HEADER_SIZE)
+    if spec["kind"] == lib.SHMPS_TABLE:
+        seg.reserve(lay["index_off"] + 16 * lay["nslots"], lib.SHMPS_TABLE_CTL_BYTES)
 
 
 def _check_not_reserved(name: str) -> None:

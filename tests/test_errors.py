@@ -469,6 +469,39 @@ def test_a_tensor_whose_catalog_record_finds_dev_shm_full_leaves_nothing():
     assert out["works"] == 1024.0 and out["end"] == [], out
 
 
+FULL_OUTBOX_SCRIPT = """
+import json, os, numpy as np, shmps
+from shmps import segment
+out = {}
+s = shmps.attach("full")
+t = s.table("emb", dim=16, capacity=100_000)
+s._set_forwarding(True)
+filler = segment.Segment.create("/filler", segment.shm_free())   # /dev/shm full
+try:
+    t.push(np.arange(3, dtype=np.uint64), np.ones((3, 16), np.float32))
+    out["push"] = "pushed"
+except shmps.CapacityError as e:
+    out["push"] = str(e)
+filler.close()
+segment.unlink("/filler")
+t.push(np.arange(3, dtype=np.uint64), np.ones((3, 16), np.float32))
+out["pending"] = int(t._outbox()._shards[0].seg.size > 0)
+s._set_forwarding(False)
+""" + _still_works("w")
+
+
+@needs_small_shm
+def test_an_outbox_made_on_a_full_dev_shm_is_refused_not_a_crash():
+    """A worker's first forwarded push makes its tensor's outbox, whose pages are not
+    backed (it holds only what is pushed): on a full /dev/shm the push raises
+    CapacityError, and once there is room the same push makes the outbox.  (Making it
+    wrote its header and a table's control block into unbacked pages: SIGBUS killed the
+    worker.)"""
+    out = _on_small_shm(FULL_OUTBOX_SCRIPT)
+    assert "no room" in out["push"], out
+    assert out["pending"] == 1 and out["works"] == 1024.0 and out["end"] == [], out
+
+
 def test_backing_a_segment_later_leaves_a_new_one_under_its_name_alone(store_name):
     """shmps-bridge backs its copies in a thread, after their creation: by then the name
     may hold another, smaller segment (the store destroyed and made anew); backing it
