@@ -35,7 +35,8 @@ Rules (docs/consistency.md has the diagram):
 Storage: three hidden tensors per aggregated tensor, listed by ``store.tensors()``:
 ``<name>#agg0`` and ``<name>#agg1`` (the two accumulators: the tensor's shape and
 gradient dtype, updater Sum, so accumulation is the ordinary exact push) and
-``<name>#aggctl`` (int32, the round control block of native/aggregate.c).
+``<name>#aggctl`` (int32, the round control block of native/aggregate.c).  Their
+names are reserved (Store refuses to create them): only add_request makes them.
 """
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ from . import _native
 from .dense import DenseTensor
 from .errors import CorruptSegment, Error, InvalidArgument, SchemaError, Timeout
 from .tensor import PushHandle, grad_dtype
+from .updaters import Sum
 
 lib = _native.lib
 ffi = _native.ffi
@@ -57,9 +59,21 @@ CTL_WORDS = lib.SHMPS_AGG_CTL_BYTES // 4
 WAIT_TIMEOUT_S = 60.0
 
 
+#: The suffixes of the hidden tensors' names: reserved (store._check_not_reserved), so
+#: only add_request creates tensors of these names.
+HIDDEN_SUFFIXES = ("#agg0", "#agg1", "#aggctl")
+
+
 def hidden_names(name: str) -> tuple[str, str, str]:
     """The accumulator (two) and control tensor names of aggregated tensor ``name``."""
-    return f"{name}#agg0", f"{name}#agg1", f"{name}#aggctl"
+    acc0, acc1, ctl = (name + x for x in HIDDEN_SUFFIXES)
+    return acc0, acc1, ctl
+
+
+def _hidden(store: Any, name: str, req: dict) -> None:
+    """Get or create hidden tensor ``name`` (its name is reserved: store.dense refuses
+    to create it, so this goes to the store's get-or-create directly, as outboxes do)."""
+    store._get_or_create(name, req, lambda: store._create_dense(name, req, 0, hidden_ok=True))
 
 
 def add_request(store: Any, name: str, req: dict, aggregate: Optional[str],
@@ -88,10 +102,15 @@ def add_request(store: Any, name: str, req: dict, aggregate: Optional[str],
                           "use aggregate='sum' for integer tensors")
     acc_dt = grad_dtype(dt).name
     acc0, acc1, ctl = hidden_names(name)
+    upd = Sum().to_dict()
     for acc in (acc0, acc1):
-        store.dense(acc, shape=req["shape"], dtype=acc_dt, init=0, optimizer="sum",
-                    allow_nonfinite=True, shard_rows=req.get("shard_rows"))
-    store.dense(ctl, shape=(CTL_WORDS,), dtype="int32", init=0, optimizer="sum")
+        areq = {"kind": "dense", "shape": list(req["shape"]), "dtype": acc_dt,
+                "optimizer": upd, "allow_nonfinite": True}
+        if req.get("shard_rows") is not None:
+            areq["shard_rows"] = req["shard_rows"]
+        _hidden(store, acc, areq)
+    _hidden(store, ctl, {"kind": "dense", "shape": [CTL_WORDS], "dtype": "int32",
+                         "optimizer": upd})
 
 
 class AggregateDense(DenseTensor):

@@ -20,6 +20,7 @@ from typing import Any, Iterator, Optional, Sequence
 import numpy as np
 
 from . import _native, doorbell, names
+from .aggregate import HIDDEN_SUFFIXES
 from .dense import DenseTensor, default_shard_rows
 from .errors import (CapacityError, Closed, CorruptFile, CorruptSegment, InvalidArgument,
                      NotFound, SchemaError, Timeout)
@@ -576,8 +577,10 @@ class Store:
         self._refresh()
         return self._records[rec["name"]]
 
-    def _create_dense(self, name: str, req: dict, init: Any) -> dict:
-        _check_not_reserved(name)
+    def _create_dense(self, name: str, req: dict, init: Any, hidden_ok: bool = False) -> dict:
+        """Create dense tensor ``name`` of request ``req`` (under the manifest lock);
+        ``hidden_ok``: shmps/aggregate.py creating an aggregated tensor's hidden tensors."""
+        _check_not_reserved(name, hidden_ok)
         if "shape" not in req:
             raise NotFound(f"no tensor {name!r} in store {self.name!r}",
                            "pass shape= (and dtype=, optimizer=) to create it")
@@ -1141,11 +1144,19 @@ def _reserve_written_at_creation(seg: Segment, spec: dict, lay: dict) -> None:
         seg.reserve(lay["index_off"] + 16 * lay["nslots"], lib.SHMPS_TABLE_CTL_BYTES)
 
 
-def _check_not_reserved(name: str) -> None:
-    """Names ending in '#outbox' belong to the bridge's outboxes (shmps/outbox.py)."""
+def _check_not_reserved(name: str, hidden_ok: bool = False) -> None:
+    """Names ending in '#outbox' belong to the bridge's outboxes (shmps/outbox.py), those
+    ending in '#agg0', '#agg1' or '#aggctl' to synchronous aggregation (shmps/aggregate.py,
+    which alone creates them, passing ``hidden_ok``): a user tensor of such a name would
+    be taken for the aggregated tensor's accumulator."""
     if name.endswith("#outbox"):
         raise InvalidArgument(f"tensor name {name!r}: names ending in '#outbox' are "
                               "reserved for the outboxes of shmps-bridge", "pick another name")
+    if name.endswith(HIDDEN_SUFFIXES) and not hidden_ok:
+        raise InvalidArgument(f"tensor name {name!r}: names ending in "
+                              f"{', '.join(repr(x) for x in HIDDEN_SUFFIXES)} are reserved "
+                              "for the hidden tensors of synchronous aggregation",
+                              "pick another name")
 
 
 def _is_outbox(rec: dict) -> bool:

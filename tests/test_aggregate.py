@@ -377,6 +377,26 @@ def test_schema_and_arguments(job):
         job.dense("x", shape=(4,), dtype="int32", aggregate="mean", workers=2)
 
 
+def test_hidden_names_are_reserved(job):
+    """Names ending in #agg0/#agg1/#aggctl are refused for every kind (a user tensor of
+    that name would be taken as an accumulator); only aggregation creates them."""
+    for suffix in ("#agg0", "#agg1", "#aggctl"):
+        with pytest.raises(shmps.InvalidArgument, match="reserved"):
+            job.dense("W" + suffix, shape=(2,), dtype="float64", allow_nonfinite=True)
+        with pytest.raises(shmps.InvalidArgument, match="reserved"):
+            job.table("T" + suffix, dim=2, capacity=4)
+        with pytest.raises(shmps.InvalidArgument, match="reserved"):
+            job.csr("C" + suffix, np.array([0, 1]), np.array([0]))
+    assert job.tensors() == []
+    job.join()
+    W = job.dense("W", shape=(2,), dtype="float64", aggregate="sum", workers=1)
+    assert sorted(t["name"] for t in job.tensors()) == ["W", "W#agg0", "W#agg1", "W#aggctl"]
+    assert job.dense("W#agg0").dtype == np.float64   # an existing one: get, not create
+    W.push(np.ones(2))
+    job.clock()
+    assert W.pull().tolist() == [1.0, 1.0]
+
+
 def test_rows_and_nonblocking_push(job):
     """rows= pushes accumulate into the round; wait=False returns a handle and
     clock() waits for it; rounds nobody pushed to are skipped."""
