@@ -22,8 +22,8 @@ import numpy as np
 from . import _native
 from .errors import CorruptSegment, InvalidArgument, OutOfRange, SchemaError
 from .files import CSR
-from .tensor import (PushHandle, Tensor, cast_grad, check_rows, check_shard_count,
-                     grad_dtype)
+from .tensor import (PushHandle, Tensor, cast_grad, cast_init, check_rows,
+                     check_shard_count, grad_dtype)
 from .updaters import Updater
 
 lib = _native.lib
@@ -551,23 +551,13 @@ def create_record(name: str, req: dict, rc: Optional[np.ndarray], ci: Optional[n
             "structure": req["structure"]}
 
 
-def init_values(init: Any, nnz: int, dt: np.dtype) -> Any:
-    """A scalar, or an array of ``nnz`` values cast to ``dt`` (same_kind)."""
-    a = np.asarray(init)
+def init_values(init: Any, nnz: int, dt: np.dtype, allow_nonfinite: bool = False) -> Any:
+    """A scalar, or an array of ``nnz`` values, as ``dt``: checked value by value as a
+    dense init is (tensor.cast_init)."""
+    a = cast_init(init, dt, allow_nonfinite)
     if a.ndim == 0:
-        if a.dtype.kind not in "biuf" or a.dtype.kind == "b":
-            raise SchemaError(f"init {init!r} is not a number")
-        if dt.kind == "f" and not np.isfinite(a):
-            raise InvalidArgument(f"init {init!r} is not finite")
-        if dt.kind != "f":
-            v = float(a)
-            if v != int(v) or not np.iinfo(dt).min <= v <= np.iinfo(dt).max:
-                raise SchemaError(f"init {init!r} cannot be stored in {dt}",
-                                  f"pass an integer within the range of {dt}")
-        return a.astype(dt)[()]
+        return a[()]
     if a.shape != (nnz,):
         raise SchemaError(f"init values of shape {a.shape}, the structure has {nnz} entries",
                           "pass one value per entry, in colidx order, or a scalar")
-    if not np.can_cast(a.dtype, dt, "same_kind"):
-        raise SchemaError(f"init of dtype {a.dtype} cannot be cast to {dt}")
-    return np.ascontiguousarray(a, dtype=dt)
+    return a

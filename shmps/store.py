@@ -25,7 +25,7 @@ from .dense import DenseTensor, default_shard_rows
 from .errors import (CapacityError, Closed, CorruptFile, CorruptSegment, InvalidArgument,
                      NotFound, SchemaError, Timeout)
 from .segment import Segment, check_room, list_names, shm_free, unlink
-from .tensor import PushHandle, Tensor, check_shard_count, open_shards
+from .tensor import PushHandle, Tensor, cast_init, check_shard_count, open_shards
 from .updaters import Updater, UpdaterLike, as_updater, from_dict
 
 lib = _native.lib
@@ -445,7 +445,7 @@ class Store:
             rec = cmod.create_record(name, req, rc, ci, shard_rows)
             assert rc is not None and ci is not None
             dt_ = np.dtype(rec["dtype"])
-            values = cmod.init_values(init, ci.size, dt_)
+            values = cmod.init_values(init, ci.size, dt_, rec["allow_nonfinite"])
             upd = from_dict(rec["optimizer"])
             specs = cmod.shard_specs(rec, upd, rc)
 
@@ -595,7 +595,7 @@ class Store:
         row_len = int(np.prod(shape[1:], dtype=np.int64)) if shape else 1
         shard_rows = req.get("shard_rows") or default_shard_rows(shape, dt.itemsize)
         shard_rows = max(1, min(shard_rows, max(nrows, 1)))
-        init_arr = _init_array(init, shape, dt)
+        init_arr = _init_array(init, shape, dt, bool(req.get("allow_nonfinite", False)))
         check_room(f"tensor {name!r} {shape} of {dt}", nrows * row_len * dt.itemsize)
         nshards = check_shard_count(f"tensor {name!r}", nrows, shard_rows)
         rec = {"name": name, "kind": "dense", "dtype": dt.name, "shape": list(shape),
@@ -1228,30 +1228,15 @@ def _tensor_pickled(store: str, namespace: str, tensor: str) -> Tensor:
     return _attach_pickled(store, namespace)[tensor]
 
 
-def _init_array(init: Any, shape: tuple, dt: np.dtype) -> Any:
-    a = np.asarray(init)
+def _init_array(init: Any, shape: tuple, dt: np.dtype, allow_nonfinite: bool) -> Any:
+    """A dense tensor's init: a scalar (numpy scalar of ``dt``) or a C-contiguous array
+    of ``shape``, checked value by value (tensor.cast_init)."""
+    a = cast_init(init, dt, allow_nonfinite)
     if a.ndim == 0:
-        if a.dtype.kind not in "biuf":
-            raise SchemaError(f"init {init!r} is not a number")
-        if dt.kind != "f":  # an integer (or integral float) within range: never wrapped
-            integral = a.dtype.kind in "biu" or (bool(np.isfinite(a)) and float(a) == int(a))
-            if not (integral and np.iinfo(dt).min <= int(a) <= np.iinfo(dt).max):
-                raise SchemaError(f"init {init!r} cannot be stored in {dt}",
-                                  f"pass an integer init within the range of {dt}")
-        if dt.kind == "f" and not np.isfinite(a):
-            raise InvalidArgument(f"init {init!r} is not finite")
-        with np.errstate(over="ignore"):
-            v = a.astype(dt)[()]
-        if dt.kind == "f" and not np.isfinite(v):   # finite, but past the dtype's range
-            raise InvalidArgument(f"init {init!r} cannot be stored in {dt} (largest "
-                                  f"{float(np.finfo(dt).max):g})",
-                                  f"pass an init within the range of {dt}")
-        return v
+        return a[()]
     if a.shape != tuple(shape):
         raise SchemaError(f"init array shape {a.shape} != tensor shape {tuple(shape)}")
-    if not np.can_cast(a.dtype, dt, "same_kind"):
-        raise SchemaError(f"init of dtype {a.dtype} cannot be cast to {dt}")
-    return np.ascontiguousarray(a, dtype=dt)
+    return a
 
 
 def _check_record(rec: Any, where: str) -> None:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import numpy as np
 
 from . import _native, names
-from .errors import Closed, CorruptSegment, OutOfRange, SchemaError
+from .errors import Closed, CorruptSegment, InvalidArgument, OutOfRange, SchemaError
 from .segment import Segment
 from .updaters import Updater, from_dict
 
@@ -68,6 +68,62 @@ def cast_grad(arr: Any, dtype: np.dtype, what: str = "gradient") -> np.ndarray:
         a = a.astype(target)
     # (np.ascontiguousarray would turn a 0-d gradient of a shape-() tensor into 1-d)
     return a if a.flags.c_contiguous else np.array(a, order="C")
+
+
+def cast_init(init: Any, dtype: np.dtype, allow_nonfinite: bool = False) -> np.ndarray:
+    """``init`` (a number or an array) as ``dtype``, checked value by value: a number
+    (a bool is not one: SchemaError); for an integer dtype, integral and within its
+    range (SchemaError: never wrapped, as astype would: 300 -> 44 in int8); for a float
+    dtype, finite unless ``allow_nonfinite`` and finite after the cast when finite
+    before (InvalidArgument: 1e5 is inf in float16).  An array must also cast with
+    numpy's same_kind rule (a float array into an integer tensor is a SchemaError,
+    where an integral float scalar is taken).  Returns a 0-d array for a scalar, else
+    a C-contiguous array of ``init``'s shape (the caller checks the shape).  O(n)."""
+    a = np.asarray(init)
+    if a.dtype.kind not in "iuf":
+        raise SchemaError(f"{_init_at(init, a, None)} is not a number",
+                          f"pass numbers of a dtype that casts to {dtype}")
+    if a.ndim and not np.can_cast(a.dtype, dtype, "same_kind"):
+        raise SchemaError(f"init of dtype {a.dtype} cannot be cast to {dtype}",
+                          f"pass a {dtype} array (numpy 'same_kind' casting rule)")
+    if dtype.kind != "f":
+        info = np.iinfo(dtype)
+        if a.dtype.kind == "f":   # (a scalar: a float array was refused above)
+            bad = ~np.isfinite(a) | (np.trunc(np.nan_to_num(a)) != a)
+            if not bad.any():
+                bad = (a < info.min) | (a > info.max)
+        elif a.size:
+            bad = (a < info.min) | (a > info.max)   # numpy compares int64/uint64 exactly
+        else:
+            bad = np.zeros(a.shape, bool)
+        if bad.any():
+            raise SchemaError(f"{_init_at(init, a, bad)} cannot be stored in {dtype}",
+                              f"pass integers within the range of {dtype} "
+                              f"({info.min} to {info.max})")
+        return a.astype(dtype) if a.ndim == 0 else np.ascontiguousarray(a, dtype=dtype)
+    finite = np.isfinite(a) if a.dtype.kind == "f" else np.ones(a.shape, bool)
+    if not allow_nonfinite and not finite.all():
+        raise InvalidArgument(f"{_init_at(init, a, ~finite)} is not finite",
+                              "pass finite values, or create the tensor with "
+                              "allow_nonfinite=True")
+    with np.errstate(over="ignore", invalid="ignore"):
+        v = a.astype(dtype) if a.ndim == 0 else np.ascontiguousarray(a, dtype=dtype)
+    past = finite & ~np.isfinite(v)
+    if past.any():
+        raise InvalidArgument(f"{_init_at(init, a, past)} cannot be stored in {dtype} "
+                              f"(largest {float(np.finfo(dtype).max):g})",
+                              f"pass values within the range of {dtype}")
+    return v
+
+
+def _init_at(init: Any, a: np.ndarray, bad: Optional[np.ndarray]) -> str:
+    """The init named in a message: the scalar itself, or its first bad element."""
+    if a.ndim == 0:
+        return f"init {init!r}"
+    if bad is None or not bad.any():
+        return f"init of dtype {a.dtype}"
+    at = np.unravel_index(int(np.argmax(bad)), a.shape)
+    return f"init[{', '.join(str(int(i)) for i in at)}] = {a[at].item()!r}"
 
 
 def rows_for_c(rows: Any, nrows: int) -> np.ndarray:

@@ -167,6 +167,66 @@ def test_nonfinite_init_rejected(store):
     assert store.tensors() == []
 
 
+CSR2 = (np.array([0, 2]), np.array([0, 1]))   # one row, two entries
+
+
+@pytest.mark.parametrize("kind", ["dense", "csr"])
+@pytest.mark.parametrize("dtype,init,exc,match", [
+    ("float32", [np.nan, 1.0], shmps.InvalidArgument, r"init\[0\] = nan is not finite"),
+    ("float64", [1.0, -np.inf], shmps.InvalidArgument, r"init\[1\] = -inf is not finite"),
+    ("float16", [1e5, 1.0], shmps.InvalidArgument, r"init\[0\] = 100000.0 cannot be stored in float16"),
+    ("float32", [1.0, 1e300], shmps.InvalidArgument, "cannot be stored in float32"),
+    ("float16", np.array([1, 70000]), shmps.InvalidArgument, "cannot be stored in float16"),
+    ("int8", [300, 1], shmps.SchemaError, r"init\[0\] = 300 cannot be stored in int8"),
+    ("int8", np.array([1, -129], np.int16), shmps.SchemaError, "cannot be stored in int8"),
+    ("int32", np.array([0, 2 ** 63], np.uint64), shmps.SchemaError, "cannot be stored in int32"),
+    ("float32", [True, False], shmps.SchemaError, "not a number"),
+], ids=["nan", "-inf", "past-float16", "past-float32", "int-past-float16", "int8-300",
+        "int16-past-int8", "uint64-past-int32", "bool"])
+def test_bad_array_init_rejected(store, kind, dtype, init, exc, match):
+    """An array init is checked element by element as a scalar init is (finite, within
+    the float dtype's range, integers in range), with the same error classes, naming
+    the first bad element; nothing is created (review 14 F3: NaN went in, float16
+    overflowed to inf, int8 300 wrapped to 44)."""
+    with pytest.raises(exc, match=match) as info:
+        if kind == "dense":
+            store.dense("w", shape=(2,), dtype=dtype, init=init)
+        else:
+            store.csr("w", *CSR2, dtype=dtype, init=init)
+    assert type(info.value) is exc and info.value.hint
+    assert store.tensors() == []
+
+
+@pytest.mark.parametrize("dtype,init,exc", [
+    ("float16", 1e5, shmps.InvalidArgument), ("float32", np.nan, shmps.InvalidArgument),
+    ("int8", 300, shmps.SchemaError), ("int8", 0.5, shmps.SchemaError),
+    ("float32", True, shmps.SchemaError),
+])
+def test_bad_scalar_init_rejected_alike(store, dtype, init, exc):
+    """A scalar init gets the same checks in a dense and a csr tensor (a csr float16
+    init of 1e5 was stored as inf)."""
+    with pytest.raises(exc):
+        store.dense("w", shape=(2,), dtype=dtype, init=init)
+    with pytest.raises(exc):
+        store.csr("w", *CSR2, dtype=dtype, init=init)
+    assert store.tensors() == []
+
+
+def test_nonfinite_init_with_allow_nonfinite(store):
+    """allow_nonfinite=True takes NaN/Inf inits (a max tensor starting at -inf), scalar
+    or array; a finite value past the dtype's range is still refused."""
+    m = store.dense("m", shape=(2,), init=-np.inf, optimizer="max", allow_nonfinite=True)
+    m.push(np.array([1.0, -2.0]))
+    assert m.pull().tolist() == [1.0, -2.0]
+    a = store.dense("a", shape=(2,), dtype="float16", init=[np.nan, np.inf],
+                    allow_nonfinite=True)
+    assert np.isnan(a.pull()[0]) and a.pull()[1] == np.inf
+    c = store.csr("c", *CSR2, init=[np.inf, 1.0], allow_nonfinite=True)
+    assert c.pull().value.tolist() == [np.inf, 1.0]
+    with pytest.raises(shmps.InvalidArgument, match="float16"):
+        store.dense("b", shape=(2,), dtype="float16", init=[1e5, np.nan], allow_nonfinite=True)
+
+
 # ---- rows --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("rows", [[0, 6], [-1], [2, -3], [10**12],
