@@ -24,7 +24,7 @@ import numpy as np
 
 from . import _native
 from .errors import CapacityError, CorruptSegment, InvalidArgument, SchemaError
-from .tensor import PushHandle, Tensor, cast_grad, grad_dtype
+from .tensor import PushHandle, Tensor, bool_at, cast_grad, grad_dtype
 from .updaters import Updater
 
 lib = _native.lib
@@ -154,6 +154,11 @@ def as_keys(keys: Any) -> np.ndarray:
     if (type(keys) is np.ndarray and keys.dtype == _UINT64 and keys.ndim == 1
             and keys.flags.c_contiguous):
         return keys
+    at = bool_at(keys)
+    if at is not None:   # as a bool array is (numpy would make [5, True] keys 5 and 1)
+        raise SchemaError(f"keys hold a bool ({keys[at]!r}) at position {at}: table keys "
+                          "are integers",
+                          "pass a uint64 array (or signed integers without negatives)")
     if isinstance(keys, (list, tuple)) and all(
             isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
             for x in keys):

@@ -126,6 +126,19 @@ def _init_at(init: Any, a: np.ndarray, bad: Optional[np.ndarray]) -> str:
     return f"init[{', '.join(str(int(i)) for i in at)}] = {a[at].item()!r}"
 
 
+def bool_at(seq: Any) -> Optional[int]:
+    """For a list or tuple, the position of its first bool element (``bool``,
+    ``np.bool_`` or a bool array), else None.  numpy converts ``[5, True]`` to the
+    integers ``[5, 1]``, so indices and keys given as a list are checked for bools
+    before the conversion.  O(len) for a list or tuple, O(1) otherwise."""
+    if not isinstance(seq, (list, tuple)):
+        return None
+    for i, x in enumerate(seq):
+        if isinstance(x, (bool, np.bool_)) or (isinstance(x, np.ndarray) and x.dtype == bool):
+            return i
+    return None
+
+
 def rows_for_c(rows: Any, nrows: int) -> np.ndarray:
     """Row indices for a C call that checks each row's range itself before it changes
     or copies anything (shmps_dense_push_sorted_rows, shmps_dense_pull_rows): a
@@ -139,6 +152,11 @@ def rows_for_c(rows: Any, nrows: int) -> np.ndarray:
 
 def check_rows(rows: Any, nrows: int) -> np.ndarray:
     """Row indices as C-contiguous int64, all in [0, nrows)."""
+    at = bool_at(rows)
+    if at is not None:   # as a bool array is (numpy would make [0, True] rows 0 and 1)
+        raise OutOfRange(f"rows must be a 1-d integer array, got a bool ({rows[at]!r}) at "
+                         f"position {at} of a {type(rows).__name__}",
+                         "pass integer row indices")
     r = np.asarray(rows)
     if r.ndim != 1 or r.dtype.kind not in "iu":
         if r.ndim == 1 and r.size == 0:

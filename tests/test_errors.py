@@ -227,6 +227,36 @@ def test_nonfinite_init_with_allow_nonfinite(store):
         store.dense("b", shape=(2,), dtype="float16", init=[1e5, np.nan], allow_nonfinite=True)
 
 
+@pytest.mark.parametrize("bools", [[5, True], (0, np.bool_(True)), [True], [2, False, 1]],
+                         ids=["list", "tuple-np-bool", "only-bool", "false"])
+def test_bool_in_a_list_of_keys_or_rows(store, bools):
+    """A bool inside a list or tuple of table keys, dense rows= or csr rows is refused
+    with the error a bool array gets, and nothing changes (review 14 F5: [5, True] was
+    taken as key/row 1, creating key 1)."""
+    t = store.table("t", dim=1, capacity=8)
+    t.pull([5])
+    as_array = pytest.raises(shmps.SchemaError, match="bool")
+    with as_array:
+        t.pull(np.array([True]))
+    for call in (lambda: t.pull(bools), lambda: t.push(bools, np.ones((len(bools), 1))),
+                 lambda: t.delete(bools)):
+        with pytest.raises(shmps.SchemaError, match="bool") as info:
+            call()
+        assert info.value.hint
+    assert sorted(t.keys().tolist()) == [5] and t.stats()["step"] == 0
+    d = store.dense("d", shape=(3, 2), init=1.0)
+    g = np.ones((len(bools), 2))
+    for call in (lambda: d.push(g, rows=np.array(bools, dtype=bool)),   # the array's error
+                 lambda: d.push(g, rows=bools), lambda: d.push(g, rows=bools, wait=False),
+                 lambda: d.pull(rows=bools)):
+        rejected(d, shmps.OutOfRange, call, match="bool")
+    assert d.stats()["step"] == 0
+    c = store.csr("c", np.array([0, 1, 2, 3]), np.array([0, 0, 0]))
+    for call in (lambda: c.pull(rows=np.array(bools, dtype=bool)), lambda: c.pull(rows=bools)):
+        with pytest.raises(shmps.OutOfRange, match="bool"):
+            call()
+
+
 # ---- rows --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("rows", [[0, 6], [-1], [2, -3], [10**12],
