@@ -401,6 +401,20 @@ def test_init_array_and_scalar(store):
     np.testing.assert_array_equal(u.pull(), -7)
 
 
+def test_integer_gradients_wrap_in_the_cast(store):
+    """As api.md says: an integer gradient outside the tensor's range wraps in the cast,
+    for assign and max as for Sum (pins the documented behaviour, review 14 D1)."""
+    a = store.dense("a", shape=(2,), dtype="int8", optimizer="assign")
+    a.push([300, -200])
+    assert a.pull().tolist() == [44, 56]
+    m = store.dense("m", shape=(2,), dtype="int8", optimizer="max")
+    m.push([200, 1000])
+    assert m.pull().tolist() == [0, 0]
+    i = store.dense("i", shape=(1,), dtype="int32")
+    i.push(np.array([2 ** 40], np.uint64))
+    assert i.pull().tolist() == [0]
+
+
 # ---- get-or-create ------------------------------------------------------------------
 
 def test_get_or_create_returns_the_existing_tensor(store):
