@@ -441,6 +441,20 @@ def test_nonfinite_push_is_rejected_before_the_round(job):
     assert W.pull().tolist() == [1.0, 1.0]
 
 
+def test_a_round_whose_sum_overflows_is_dropped(job):
+    """As consistency.md says: the round's sum is checked as a gradient; finite pushes
+    that overflow together (here duplicate rows) raise NonFinite to the worker that
+    completes the round, the round is dropped, and the next one applies."""
+    job.join()
+    W = job.dense("W", shape=(2,), dtype="float32", init=1.0, aggregate="sum", workers=1)
+    with pytest.raises(shmps.NonFinite):
+        W.push(np.full(2, 3e38, np.float32), rows=[0, 0])
+    assert W.pull().tolist() == [1.0, 1.0]
+    job.clock()
+    W.push(np.ones(2, np.float32))
+    assert W.pull().tolist() == [2.0, 2.0]
+
+
 def test_restored_store_starts_rounds_afresh(job, store_name, tmp_path):
     """In a store restored from a checkpoint (new manifest, new clocks) pushes work
     again: the rounds restart, the applied values are kept."""

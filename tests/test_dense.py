@@ -415,6 +415,21 @@ def test_integer_gradients_wrap_in_the_cast(store):
     assert i.pull().tolist() == [0]
 
 
+def test_finite_gradients_can_still_make_inf(store):
+    """As api.md says: allow_nonfinite=False checks the gradients, not the values they
+    produce: float16 overflow and overflowing sums of duplicate rows or keys store inf
+    without an error (pins the documented behaviour, review 14 D2)."""
+    h = store.dense("h", shape=(2,), dtype="float16")
+    h.push(np.array([70000.0, 1.0], np.float32))
+    assert h.pull().tolist() == [np.inf, 1.0]
+    g = store.dense("g", shape=(1,), optimizer=shmps.SGD(lr=1e-3, weight_decay=0.1))
+    g.push(np.full(2, 3e38, np.float32), rows=[0, 0])
+    assert g.pull().tolist() == [-np.inf]
+    t = store.table("t", dim=1, capacity=2, optimizer=shmps.SGD(lr=1e-3))
+    t.push([1, 1], np.full((2, 1), 3e38, np.float32))
+    assert t.pull([1]).ravel().tolist() == [-np.inf]
+
+
 # ---- get-or-create ------------------------------------------------------------------
 
 def test_get_or_create_returns_the_existing_tensor(store):
