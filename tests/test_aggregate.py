@@ -416,6 +416,34 @@ def test_rows_and_nonblocking_push(job):
     assert info["applied"] == 2 and info["skipped"] == 1 and info["next_round"] == 3
 
 
+@pytest.mark.parametrize("opt,row1", [("sum", -5.0), (shmps.SGD(lr=0.1), -5.0),
+                                       ("assign", 0.0), ("max", 0.0), ("min", -5.0),
+                                       (shmps.SGD(lr=0.1, weight_decay=0.5), -4.75)],
+                         ids=["sum", "sgd", "assign", "max", "min", "sgd-wd"])
+def test_a_round_updates_rows_nobody_pushed(job, opt, row1):
+    """As consistency.md says: a round applies the updater to every row, with a zero
+    gradient for the rows no worker pushed (assign/max set row 1 from -5 to 0, weight
+    decay decays it; Sum, SGD and min keep it), review 14 F4."""
+    job.join()
+    W = job.dense("W", shape=(2,), dtype="float64", init=-5.0, optimizer=opt,
+                  aggregate="sum", workers=1)
+    W.push(np.array([3.0]), rows=[0])
+    job.clock()
+    assert W.pull()[1] == row1
+
+
+def test_assign_with_whole_pushes_sets_each_rounds_total(job):
+    """Why aggregate= is not refused with assign: whole pushes make the tensor each
+    round's total (a per-round statistic)."""
+    job.join()
+    W = job.dense("W", shape=(2,), dtype="int32", optimizer="assign", aggregate="sum",
+                  workers=1)
+    for total in ([3, 4], [1, 0]):
+        W.push(np.array(total, np.int32))
+        job.clock()
+        assert W.pull().tolist() == total
+
+
 def test_large_multishard_tensor(job):
     """A 12 MiB float32 tensor in 3 shards (pushes split over threads and shards):
     whole and rows= pushes aggregate into one SGD update per round."""
