@@ -109,8 +109,8 @@ _Static_assert(sizeof(agg_ctl_t) <= SHMPS_AGG_CTL_BYTES, "aggregation control bl
 /* The control block inside a hidden int32 dense shard, or NULL if the shard
  * cannot hold one (not ours, or too small). */
 static agg_ctl_t *ctl_of(void *base) {
-    const shmps_spec_t *s = &hdr_of(base)->spec;
-    if (s->kind != SHMPS_DENSE || s->dtype != SHMPS_INT32 ||
+    const shmps_spec_t *s = shmps_spec_of(base);
+    if (!s || s->kind != SHMPS_DENSE || s->dtype != SHMPS_INT32 ||
         s->nnz * 4 < (uint64_t)SHMPS_AGG_CTL_BYTES || (s->value_off & 63))
         return NULL;
     return (agg_ctl_t *)at(base, s->value_off);

@@ -36,8 +36,8 @@ static inline int span(const shmps_spec_t *s, const int64_t *rc, uint64_t r, uin
 }
 
 uint64_t shmps_csr_scratch_bytes(const void *base) {
-    const shmps_spec_t *s = &((const shmps_shard_hdr_t *)base)->spec;
-    if (s->kind != SHMPS_CSR) return 0;
+    const shmps_spec_t *s = shmps_spec_of(base);
+    if (!s || s->kind != SHMPS_CSR) return 0;
     const int64_t *rc = (const int64_t *)((const char *)base + s->rowcnt_off);
     uint64_t widest = 0, lo, hi;
     for (uint64_t r = 0; r < s->nrows; r++)
@@ -47,8 +47,8 @@ uint64_t shmps_csr_scratch_bytes(const void *base) {
 
 int shmps_csr_locate(const void *base, const int64_t *rowcnt, uint64_t nrows,
                      const int64_t *colidx, int64_t *pos, uint64_t *bad) {
-    const shmps_spec_t *s = &((const shmps_shard_hdr_t *)base)->spec;
-    if (s->kind != SHMPS_CSR || nrows != s->nrows) return SHMPS_E_ARG;
+    const shmps_spec_t *s = shmps_spec_of(base);
+    if (!s || s->kind != SHMPS_CSR || nrows != s->nrows) return SHMPS_E_ARG;
     const int64_t *rc = (const int64_t *)((const char *)base + s->rowcnt_off);
     const int64_t *sc = (const int64_t *)((const char *)base + s->colidx_off);
     for (uint64_t r = 0; r < nrows; r++) {
@@ -91,14 +91,14 @@ static int apply_row(void *base, const shmps_spec_t *s, uint64_t lo, uint64_t hi
         for (int64_t k0 = a; k0 < b && r == SHMPS_OK;) {
             int64_t k1 = k0 + 1;
             while (k1 < b && pos[k1] == pos[k1 - 1] + 1) k1++;
-            r = shmps_apply(base, (uint64_t)pos[k0], (uint64_t)(k1 - k0), grad + k0 * gsz, step);
+            r = shmps_apply(base, s, (uint64_t)pos[k0], (uint64_t)(k1 - k0), grad + k0 * gsz, step);
             k0 = k1;
         }
         return r;
     }
     if (seq_updater(s)) { /* in the order given: the same as summed, assign's last wins */
         for (int64_t k = a; k < b && r == SHMPS_OK; k++)
-            r = shmps_apply(base, (uint64_t)pos[k], 1, grad + k * gsz, step);
+            r = shmps_apply(base, s, (uint64_t)pos[k], 1, grad + k * gsz, step);
         return r;
     }
     /* stateful updater, repeated or unsorted columns: sum per position, then apply */
@@ -120,7 +120,7 @@ static int apply_row(void *base, const shmps_spec_t *s, uint64_t lo, uint64_t hi
         if (!mark[o]) { o++; continue; }
         uint64_t e = o + 1;
         while (e < len && mark[e]) e++;
-        r = shmps_apply(base, lo + o, e - o, acc + o * gsz, step);
+        r = shmps_apply(base, s, lo + o, e - o, acc + o * gsz, step);
         o = e;
     }
     return r;
@@ -130,7 +130,8 @@ int shmps_csr_push(void *base, uint64_t token, const int64_t *rowcnt, uint64_t n
                    const int64_t *pos, const void *grad, uint32_t grad_dtype, void *scratch,
                    uint64_t scratch_bytes) {
     shmps_shard_hdr_t *h = hdr_of(base);
-    const shmps_spec_t *s = &h->spec;
+    const shmps_spec_t *s = shmps_spec_of(base);
+    if (!s) return SHMPS_E_ARG;
     uint32_t want = s->dtype == SHMPS_FLOAT16 ? SHMPS_FLOAT32 : s->dtype;
     if (s->kind != SHMPS_CSR || nrows != s->nrows || grad_dtype != want) return SHMPS_E_ARG;
     const int64_t *rc = (const int64_t *)at(base, s->rowcnt_off);
@@ -185,9 +186,8 @@ int shmps_csr_push(void *base, uint64_t token, const int64_t *rowcnt, uint64_t n
 
 int shmps_csr_pull(void *base, uint64_t token, const int64_t *rows, uint64_t n, void *out,
                    int consistent) {
-    shmps_shard_hdr_t *h = hdr_of(base);
-    const shmps_spec_t *s = &h->spec;
-    if (s->kind != SHMPS_CSR) return SHMPS_E_ARG;
+    const shmps_spec_t *s = shmps_spec_of(base);
+    if (!s || s->kind != SHMPS_CSR) return SHMPS_E_ARG;
     const int64_t *rc = (const int64_t *)at(base, s->rowcnt_off);
     const char *v = at(base, s->value_off);
     shmps_stripe_t *stripes = (shmps_stripe_t *)at(base, s->stripes_off);
@@ -255,9 +255,8 @@ static int walk_to(const shmps_spec_t *s, const int64_t *rc, uint64_t *row, uint
 int shmps_csr_read_entries(void *base, uint64_t token, const int64_t *pos, uint64_t n,
                            void *vals, void *const *states, uint32_t nstates,
                            uint64_t *rowsteps) {
-    shmps_shard_hdr_t *h = hdr_of(base);
-    const shmps_spec_t *s = &h->spec;
-    if (s->kind != SHMPS_CSR || nstates != s->nstate) return SHMPS_E_ARG;
+    const shmps_spec_t *s = shmps_spec_of(base);
+    if (!s || s->kind != SHMPS_CSR || nstates != s->nstate) return SHMPS_E_ARG;
     const int64_t *rc = (const int64_t *)at(base, s->rowcnt_off);
     uint64_t row = 0, lo, hi;
     int r = check_entries(s, rc, pos, n, &row);
@@ -287,8 +286,8 @@ int shmps_csr_write_entries(void *base, uint64_t token, const int64_t *pos, uint
                             const void *vals, void *const *states, uint32_t nstates,
                             const uint64_t *rowsteps) {
     shmps_shard_hdr_t *h = hdr_of(base);
-    const shmps_spec_t *s = &h->spec;
-    if (s->kind != SHMPS_CSR || nstates != s->nstate) return SHMPS_E_ARG;
+    const shmps_spec_t *s = shmps_spec_of(base);
+    if (!s || s->kind != SHMPS_CSR || nstates != s->nstate) return SHMPS_E_ARG;
     const int64_t *rc = (const int64_t *)at(base, s->rowcnt_off);
     uint64_t row = 0, lo = 0, hi = 0;
     int r = check_entries(s, rc, pos, n, &row);

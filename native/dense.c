@@ -31,8 +31,7 @@ static uint64_t mix64(uint64_t x) { /* splitmix64 finaliser */
  * lock orders them); a row that straddles stripes is counted under several locks, so
  * with an atomic add.  Relaxed: the lock's acquire/release orders them against the
  * drain, and the push's release add to ob_pushed against a drain's unlocked scan. */
-static void note_pending(void *base, uint64_t e0, uint64_t e1) {
-    const shmps_spec_t *s = &hdr_of(base)->spec;
+static void note_pending(void *base, const shmps_spec_t *s, uint64_t e0, uint64_t e1) {
     uint64_t *pend = (uint64_t *)at(base, s->rowstep_off);
     uint64_t rl = s->row_len, se = s->stripe_elems;
     uint64_t r0 = e0 / rl, r1 = (e1 - 1) / rl; /* rows touched, inclusive */
@@ -44,18 +43,18 @@ static void note_pending(void *base, uint64_t e0, uint64_t e1) {
     }
 }
 
-/* Applies the push to stripe j, which the caller has locked. */
-static int apply_stripe(void *base, shmps_stripe_t *st, uint64_t j, const char *grad,
-                        uint64_t step) {
-    const shmps_spec_t *s = &hdr_of(base)->spec;
+/* Applies the push to stripe j, which the caller has locked.  s: the shard's private
+ * spec (shmps_spec_of), here and in every helper below that takes one. */
+static int apply_stripe(void *base, const shmps_spec_t *s, shmps_stripe_t *st, uint64_t j,
+                        const char *grad, uint64_t step) {
     uint64_t i0 = j * s->stripe_elems;
     uint64_t n = s->nnz - i0 < s->stripe_elems ? s->nnz - i0 : s->stripe_elems;
     shmps_stripe_write_begin(st);
     /* count before writing: a pusher killed mid-write leaves its rows counted, so a
      * drain (the bridge's sweep) takes what it wrote; counted after, rows could hold
      * values no drain would ever look at (note_pending) */
-    if (s->flags & SHMPS_F_OUTBOX) note_pending(base, i0, i0 + n);
-    int r = shmps_apply(base, i0, n, grad + i0 * shmps_grad_size(s->dtype), step);
+    if (s->flags & SHMPS_F_OUTBOX) note_pending(base, s, i0, i0 + n);
+    int r = shmps_apply(base, s, i0, n, grad + i0 * shmps_grad_size(s->dtype), step);
     shmps_stripe_write_end(st);
     shmps_stripe_unlock(st);
     return r;
@@ -63,15 +62,14 @@ static int apply_stripe(void *base, shmps_stripe_t *st, uint64_t j, const char *
 
 /* Stripes [lo, hi) of the push, by a caller that holds an active slot of the shard
  * (shmps_enter) from before this call to after it. */
-static int push_stripes(void *base, uint64_t token, const char *g, uint64_t lo,
-                        uint64_t hi, uint64_t step) {
+static int push_stripes(void *base, const shmps_spec_t *s, uint64_t token, const char *g,
+                        uint64_t lo, uint64_t hi, uint64_t step) {
     shmps_shard_hdr_t *h = hdr_of(base);
-    const shmps_spec_t *s = &h->spec;
     int r = SHMPS_OK;
     if (s->flags & SHMPS_F_HOGWILD) {
         uint64_t i0 = lo * s->stripe_elems;
         uint64_t i1 = hi * s->stripe_elems < s->nnz ? hi * s->stripe_elems : s->nnz;
-        return shmps_apply(base, i0, i1 - i0, g + i0 * shmps_grad_size(s->dtype), step);
+        return shmps_apply(base, s, i0, i1 - i0, g + i0 * shmps_grad_size(s->dtype), step);
     }
     shmps_stripe_t *stripes = (shmps_stripe_t *)at(base, s->stripes_off);
     uint64_t contended = 0;
@@ -87,7 +85,7 @@ static int push_stripes(void *base, uint64_t token, const char *g, uint64_t lo,
                 uint64_t j = start + k < n ? start + k : start + k - n;
                 if (done[j >> 6] & (1ull << (j & 63))) continue;
                 if (!shmps_stripe_trylock(&stripes[clo + j], token)) continue;
-                r = apply_stripe(base, &stripes[clo + j], clo + j, g, step);
+                r = apply_stripe(base, s, &stripes[clo + j], clo + j, g, step);
                 done[j >> 6] |= 1ull << (j & 63);
                 remaining--, progress++;
             }
@@ -100,7 +98,7 @@ static int push_stripes(void *base, uint64_t token, const char *g, uint64_t lo,
                     int lr = shmps_stripe_lock(&stripes[clo + j], token, SHMPS_LOCK_TIMEOUT_S,
                                                &h->stats.takeovers);
                     if (lr < 0) { r = lr; break; }
-                    r = apply_stripe(base, &stripes[clo + j], clo + j, g, step);
+                    r = apply_stripe(base, s, &stripes[clo + j], clo + j, g, step);
                     done[j >> 6] |= 1ull << (j & 63);
                     remaining--;
                     break;
@@ -127,16 +125,24 @@ static int check_push(const shmps_spec_t *s, const void *grad, uint32_t grad_dty
                                   lo * s->stripe_elems);
 }
 
-int shmps_dense_push(void *base, uint64_t token, const void *grad, uint32_t grad_dtype,
-                     uint64_t lo, uint64_t hi, uint64_t step, int check) {
-    int r = check_push(&hdr_of(base)->spec, grad, grad_dtype, lo, hi, check);
-    if (r) return r;
+/* Stripes [lo, hi) of a push (checked), inside an active slot of the shard. */
+static int push_range(void *base, const shmps_spec_t *s, uint64_t token, const void *grad,
+                      uint64_t lo, uint64_t hi, uint64_t step) {
     uint32_t slot;
-    r = shmps_enter(base, token, SHMPS_LOCK_TIMEOUT_S, &slot);
+    int r = shmps_enter(base, token, SHMPS_LOCK_TIMEOUT_S, &slot);
     if (r < 0) return r;
-    r = push_stripes(base, token, (const char *)grad, lo, hi, step);
+    r = push_stripes(base, s, token, (const char *)grad, lo, hi, step);
     shmps_leave(base, token, slot);
     return r;
+}
+
+int shmps_dense_push(void *base, uint64_t token, const void *grad, uint32_t grad_dtype,
+                     uint64_t lo, uint64_t hi, uint64_t step, int check) {
+    const shmps_spec_t *s = shmps_spec_of(base);
+    if (!s) return SHMPS_E_ARG;
+    int r = check_push(s, grad, grad_dtype, lo, hi, check);
+    if (r) return r;
+    return push_range(base, s, token, grad, lo, hi, step);
 }
 
 /* shmps_dense_push by a caller that already holds active slot `slot` of the shard
@@ -150,11 +156,12 @@ int shmps_dense_push_entered(void *base, uint64_t token, uint32_t slot, const vo
                              uint32_t grad_dtype, uint64_t lo, uint64_t hi, uint64_t step,
                              int check) {
     shmps_shard_hdr_t *h = hdr_of(base);
-    if (slot >= SHMPS_ACTIVE_SLOTS || LOAD(&h->active[slot], RELAXED) != token)
+    const shmps_spec_t *s = shmps_spec_of(base);
+    if (!s || slot >= SHMPS_ACTIVE_SLOTS || LOAD(&h->active[slot], RELAXED) != token)
         return SHMPS_E_ARG;
-    int r = check_push(&h->spec, grad, grad_dtype, lo, hi, check);
+    int r = check_push(s, grad, grad_dtype, lo, hi, check);
     if (r) return r;
-    return push_stripes(base, token, (const char *)grad, lo, hi, step);
+    return push_stripes(base, s, token, (const char *)grad, lo, hi, step);
 }
 
 /* A whole push to a one-shard tensor in one call (the small-push fast path):
@@ -166,21 +173,25 @@ int shmps_dense_push_entered(void *base, uint64_t token, uint32_t slot, const vo
 int shmps_dense_push_all(void *base, const uint32_t *forward, uint64_t token,
                          const void *grad, uint32_t grad_dtype, int check) {
     if (forward && LOAD(forward, RELAXED)) return SHMPS_FORWARDING;
-    shmps_shard_hdr_t *h = hdr_of(base);
-    const shmps_spec_t *s = &h->spec;
+    const shmps_spec_t *s = shmps_spec_of(base);
+    if (!s) return SHMPS_E_ARG;
     int r = check_dense(s, grad_dtype);
     if (r) return r;
     if (check && (r = shmps_check_finite(grad, grad_dtype, s->nnz))) return r;
     uint64_t step;
     shmps_next_step(base, &step);
-    r = shmps_dense_push(base, token, grad, grad_dtype, 0, s->nstripes, step, 0);
+    r = push_range(base, s, token, grad, 0, s->nstripes, step);
     if (r == SHMPS_OK) shmps_count(base, 0, s->nnz * shmps_grad_size(s->dtype), s->nrows);
     return r;
 }
 
+static int pull_range(void *base, const shmps_spec_t *s, uint64_t token, void *out,
+                      uint64_t elem_lo, uint64_t elem_hi, int consistent);
+
 int shmps_dense_pull_all(void *base, uint64_t token, void *out, int consistent) {
-    const shmps_spec_t *s = &hdr_of(base)->spec;
-    int r = shmps_dense_pull(base, token, out, 0, s->nnz, consistent);
+    const shmps_spec_t *s = shmps_spec_of(base);
+    if (!s) return SHMPS_E_ARG;
+    int r = pull_range(base, s, token, out, 0, s->nnz, consistent);
     if (r == SHMPS_OK) shmps_count(base, 1, s->nnz * s->itemsize, s->nrows);
     return r;
 }
@@ -194,24 +205,29 @@ static void release_held(shmps_stripe_t *stripes, uint64_t *held) {
 }
 
 /* Rows rows[i] - off of shard `base` (checked by the caller) get gradient row i. */
-static int push_rows_at(void *base, uint64_t token, const int64_t *rows, uint64_t n,
-                        int64_t off, const void *grad, uint64_t step);
+static int push_rows_at(void *base, const shmps_spec_t *s, uint64_t token,
+                        const int64_t *rows, uint64_t n, int64_t off, const void *grad,
+                        uint64_t step);
 
 /* The shard of tensor row `row` into *sh (bases: every shard, shard i holding rows
  * i*shard_rows on), checked before anything is read or written there: in range of its
  * shard (SHMPS_E_BOUNDS), and that shard a dense shard of shard 0's dtype and row
  * length (SHMPS_E_ARG: one tensor's shards share a spec but nrows), looked at when the
- * shard differs from `last` (the previous row's). */
+ * shard differs from `last` (the previous row's; *sp holds its private spec, and gets
+ * the new shard's). */
 static int row_shard(void **bases, uint32_t nshards, uint64_t shard_rows,
-                     const shmps_spec_t *s0, int64_t row, uint64_t last, uint64_t *sh) {
+                     const shmps_spec_t *s0, int64_t row, uint64_t last, uint64_t *sh,
+                     const shmps_spec_t **sp) {
     if (row < 0) return SHMPS_E_BOUNDS;
     uint64_t k = (uint64_t)row / shard_rows;
     if (k >= nshards) return SHMPS_E_BOUNDS;
-    const shmps_spec_t *s = &hdr_of(bases[k])->spec;
-    if (k != last && (s->kind != SHMPS_DENSE || s->dtype != s0->dtype ||
-                      s->row_len != s0->row_len))
-        return SHMPS_E_ARG;
-    if ((uint64_t)row - k * shard_rows >= s->nrows) return SHMPS_E_BOUNDS;
+    if (k != last) {
+        const shmps_spec_t *s = k == 0 ? s0 : shmps_spec_of(bases[k]);
+        if (!s || s->kind != SHMPS_DENSE || s->dtype != s0->dtype || s->row_len != s0->row_len)
+            return SHMPS_E_ARG;
+        *sp = s;
+    }
+    if ((uint64_t)row - k * shard_rows >= (*sp)->nrows) return SHMPS_E_BOUNDS;
     *sh = k;
     return SHMPS_OK;
 }
@@ -242,16 +258,18 @@ int shmps_dense_push_sorted_rows(void **bases, uint32_t nshards, uint64_t shard_
                                  const void *grad, uint32_t grad_dtype, int check,
                                  int new_step, uint64_t pushes) {
     if (nshards == 0 || shard_rows == 0) return SHMPS_E_ARG;
-    const shmps_spec_t *s0 = &hdr_of(bases[0])->spec;
+    const shmps_spec_t *s0 = shmps_spec_of(bases[0]), *sk = NULL;
+    if (!s0) return SHMPS_E_ARG;
     int r = check_dense(s0, grad_dtype);
     if (r) return r;
     int ascending = 1;
     for (uint64_t i = 0, last = UINT64_MAX, sh; i < n; i++) {
-        if ((r = row_shard(bases, nshards, shard_rows, s0, rows[i], last, &sh))) return r;
+        if ((r = row_shard(bases, nshards, shard_rows, s0, rows[i], last, &sh, &sk))) return r;
         if (i && rows[i] < rows[i - 1]) ascending = 0;
         last = sh;
     }
     if (!ascending) return SHMPS_UNSORTED;
+    uint64_t ksh = n ? (uint64_t)rows[n - 1] / shard_rows : 0; /* sk is its spec */
     size_t gsz = shmps_grad_size(s0->dtype);
     if (check && (r = shmps_check_finite(grad, grad_dtype, n * s0->row_len))) return r;
     uint64_t step;
@@ -268,9 +286,12 @@ int shmps_dense_push_sorted_rows(void **bases, uint32_t nshards, uint64_t shard_
         uint64_t sh = (uint64_t)rows[a] / shard_rows;
         b = shard_run_end(rows, a, n, shard_rows);
         shmps_shard_hdr_t *h = hdr_of(bases[sh]);
+        /* checked by row_shard above; kept until the segment is unmapped */
+        const shmps_spec_t *s = sh == 0 ? s0 : sh == ksh ? sk : shmps_spec_of(bases[sh]);
+        if (!s) { r = SHMPS_E_ARG; break; }
         uint8_t slot = 0;
         if (outbox && (r = shmps_landing_claim(h, token, &slot)) < 0) break;
-        r = push_rows_at(bases[sh], token, rows + a, b - a, (int64_t)(sh * shard_rows),
+        r = push_rows_at(bases[sh], s, token, rows + a, b - a, (int64_t)(sh * shard_rows),
                          g + a * s0->row_len * gsz, step);
         if (outbox) {
             int rr = shmps_landing_release(h, token, slot, r == SHMPS_OK);
@@ -281,10 +302,10 @@ int shmps_dense_push_sorted_rows(void **bases, uint32_t nshards, uint64_t shard_
     return r;
 }
 
-static int push_rows_at(void *base, uint64_t token, const int64_t *rows, uint64_t n,
-                        int64_t off, const void *grad, uint64_t step) {
+static int push_rows_at(void *base, const shmps_spec_t *s, uint64_t token,
+                        const int64_t *rows, uint64_t n, int64_t off, const void *grad,
+                        uint64_t step) {
     shmps_shard_hdr_t *h = hdr_of(base);
-    const shmps_spec_t *s = &h->spec;
     uint32_t slot;
     int r = shmps_enter(base, token, SHMPS_LOCK_TIMEOUT_S, &slot);
     if (r < 0) return r;
@@ -297,7 +318,7 @@ static int push_rows_at(void *base, uint64_t token, const int64_t *rows, uint64_
     for (uint64_t i = 0; i < n && r == SHMPS_OK; i++) {
         uint64_t e0 = (uint64_t)(rows[i] - off) * rl, e1 = e0 + rl;
         const char *gr = g + i * rl * gsz;
-        if (hog) { r = shmps_apply(base, e0, rl, gr, step); continue; }
+        if (hog) { r = shmps_apply(base, s, e0, rl, gr, step); continue; }
         for (uint64_t e = e0; e < e1 && r == SHMPS_OK;) {
             uint64_t j = e / se;
             uint64_t stop = (j + 1) * se < e1 ? (j + 1) * se : e1;
@@ -309,8 +330,8 @@ static int push_rows_at(void *base, uint64_t token, const int64_t *rows, uint64_
                 shmps_stripe_write_begin(&stripes[j]);
                 held = j;
             }
-            if (s->flags & SHMPS_F_OUTBOX) note_pending(base, e, stop); /* first: above */
-            r = shmps_apply(base, e, stop - e, gr + (e - e0) * gsz, step);
+            if (s->flags & SHMPS_F_OUTBOX) note_pending(base, s, e, stop); /* first: above */
+            r = shmps_apply(base, s, e, stop - e, gr + (e - e0) * gsz, step);
             e = stop;
         }
     }
@@ -321,8 +342,13 @@ static int push_rows_at(void *base, uint64_t token, const int64_t *rows, uint64_
 
 int shmps_dense_pull(void *base, uint64_t token, void *out, uint64_t elem_lo,
                      uint64_t elem_hi, int consistent) {
-    shmps_shard_hdr_t *h = hdr_of(base);
-    const shmps_spec_t *s = &h->spec;
+    const shmps_spec_t *s = shmps_spec_of(base);
+    if (!s) return SHMPS_E_ARG;
+    return pull_range(base, s, token, out, elem_lo, elem_hi, consistent);
+}
+
+static int pull_range(void *base, const shmps_spec_t *s, uint64_t token, void *out,
+                      uint64_t elem_lo, uint64_t elem_hi, int consistent) {
     if (s->kind != SHMPS_DENSE) return SHMPS_E_ARG;
     if (elem_lo > elem_hi || elem_hi > s->nnz) return SHMPS_E_BOUNDS;
     const char *v = at(base, s->value_off);
@@ -350,9 +376,9 @@ int shmps_dense_pull(void *base, uint64_t token, void *out, uint64_t elem_lo,
  * shard's first row is `off`) goes to row pos[k] of out (pos NULL: row first + k).
  * Consistent: under one shared freeze of the shard, so the rows reflect a whole number
  * of pushes; else each row's stripes are read by their seqlocks. */
-static int pull_group(void *base, uint64_t token, const int64_t *rows, const int64_t *pos,
-                      uint64_t m, int64_t off, char *out, uint64_t first, int consistent) {
-    const shmps_spec_t *s = &hdr_of(base)->spec;
+static int pull_group(void *base, const shmps_spec_t *s, uint64_t token, const int64_t *rows,
+                      const int64_t *pos, uint64_t m, int64_t off, char *out, uint64_t first,
+                      int consistent) {
     const char *v = at(base, s->value_off);
     size_t rb = s->row_len * s->itemsize;
     if (consistent) {
@@ -367,7 +393,7 @@ static int pull_group(void *base, uint64_t token, const int64_t *rows, const int
     for (uint64_t k = 0; k < m; k++) {
         uint64_t d = pos ? (uint64_t)pos[k] : first + k;
         uint64_t e0 = (uint64_t)(rows[k] - off) * s->row_len;
-        int r = shmps_dense_pull(base, token, out + d * rb, e0, e0 + s->row_len, 0);
+        int r = pull_range(base, s, token, out + d * rb, e0, e0 + s->row_len, 0);
         if (r < 0) return r;
     }
     return SHMPS_OK;
@@ -387,17 +413,18 @@ int shmps_dense_pull_rows(void **bases, uint32_t nshards, uint64_t shard_rows,
                           uint64_t token, const int64_t *rows, const int64_t *pos,
                           uint64_t n, void *out, int consistent) {
     if (nshards == 0 || shard_rows == 0) return SHMPS_E_ARG;
-    const shmps_spec_t *s0 = &hdr_of(bases[0])->spec;
-    if (s0->kind != SHMPS_DENSE) return SHMPS_E_ARG;
+    const shmps_spec_t *s0 = shmps_spec_of(bases[0]), *sk = NULL;
+    if (!s0 || s0->kind != SHMPS_DENSE) return SHMPS_E_ARG;
     size_t rb = s0->row_len * s0->itemsize;
     int runs = 1;   /* shard numbers never decrease */
     for (uint64_t i = 0, last = UINT64_MAX, sh; i < n; i++) {
-        int rc = row_shard(bases, nshards, shard_rows, s0, rows[i], last, &sh);
+        int rc = row_shard(bases, nshards, shard_rows, s0, rows[i], last, &sh, &sk);
         if (rc) return rc;
         if (pos && (pos[i] < 0 || (uint64_t)pos[i] >= n)) return SHMPS_E_BOUNDS;
         if (i && sh < last) runs = 0;
         last = sh;
     }
+    uint64_t ksh = n ? (uint64_t)rows[n - 1] / shard_rows : 0; /* sk is its spec */
     int64_t srows[64], spos[64];
     if (!runs) {
         if (pos) return SHMPS_E_ARG;
@@ -420,7 +447,10 @@ int shmps_dense_pull_rows(void **bases, uint32_t nshards, uint64_t shard_rows,
     for (uint64_t a = 0, b; a < n && r == SHMPS_OK; a = b) {
         uint64_t sh = (uint64_t)rows[a] / shard_rows;
         b = shard_run_end(rows, a, n, shard_rows);
-        r = pull_group(bases[sh], token, rows + a, pos ? pos + a : NULL, b - a,
+        /* checked by row_shard above; kept until the segment is unmapped */
+        const shmps_spec_t *s = sh == 0 ? s0 : sh == ksh ? sk : shmps_spec_of(bases[sh]);
+        if (!s) { r = SHMPS_E_ARG; break; }
+        r = pull_group(bases[sh], s, token, rows + a, pos ? pos + a : NULL, b - a,
                        (int64_t)(sh * shard_rows), o, a, consistent);
     }
     if (r == SHMPS_OK) shmps_count(bases[0], 1, n * rb, n);
@@ -475,7 +505,8 @@ int shmps_set_step(void *base, uint64_t step) {
 
 int shmps_set_table_used(void *base, uint64_t used) {
     shmps_shard_hdr_t *h = hdr_of(base);
-    if (h->spec.kind != SHMPS_TABLE || used > h->spec.nrows) return SHMPS_E_ARG;
+    const shmps_spec_t *s = shmps_spec_of(base);
+    if (!s || s->kind != SHMPS_TABLE || used > s->nrows) return SHMPS_E_ARG;
     STORE(&h->table_used, used, RELAXED); /* restore, before the tensor is visible */
     return SHMPS_OK;
 }

@@ -135,6 +135,14 @@ void shmps_wait_init(shmps_wait_t *w, double timeout_s);
 int shmps_wait_step(shmps_wait_t *w, uint64_t holder);
 
 static inline shmps_shard_hdr_t *hdr_of(void *base) { return (shmps_shard_hdr_t *)base; }
+
+/* Private specs (specs.c): the spec of the shard mapped at `base` as this process laid
+ * it out or validated it, or NULL if it did neither (or forgot it: shmps_shard_forget).
+ * Every entry point takes sizes and offsets from here, never from hdr_of(base)->spec,
+ * which any process of the user can write after attach.  keep: 0; SHMPS_E_CORRUPT if
+ * another spec is kept for base (kept as it is); or ENOMEM. */
+const shmps_spec_t *shmps_spec_of(const void *base);
+int shmps_spec_keep(const void *base, const shmps_spec_t *spec);
 static inline char *at(void *base, uint64_t off) { return (char *)base + off; }
 
 /* stripe locks (sync.c) */
@@ -173,8 +181,10 @@ void shmps_outbox_drain_end(shmps_shard_hdr_t *h);
 int shmps_landing_claim(shmps_shard_hdr_t *h, uint64_t token, uint8_t *slot);
 int shmps_landing_release(shmps_shard_hdr_t *h, uint64_t token, uint8_t slot, int count);
 
-/* updaters (updaters.c): apply grads g[0..n) to values starting at element i0 */
-int shmps_apply(void *base, uint64_t i0, uint64_t n, const void *g, uint64_t step);
+/* updaters (updaters.c): apply grads g[0..n) to values starting at element i0 of the
+ * shard at base, whose private spec is s */
+int shmps_apply(void *base, const shmps_spec_t *s, uint64_t i0, uint64_t n, const void *g,
+                uint64_t step);
 size_t shmps_dtype_size(uint32_t dtype);
 size_t shmps_grad_size(uint32_t dtype);
 

@@ -193,6 +193,7 @@ int shmps_shard_init(void *base, uint64_t size, const shmps_spec_t *spec) {
     int r = shmps_layout(&s);
     if (r) return r;
     if (size != s.total_size) return SHMPS_E_BOUNDS;
+    if ((r = shmps_spec_keep(base, &s))) return r; /* before anything is written */
     shmps_shard_hdr_t *h = hdr_of(base);
     memset(h, 0, SHMPS_HEADER_SIZE);
     h->spec = s;
@@ -218,7 +219,21 @@ static int same_layout(const shmps_spec_t *a, const shmps_spec_t *b) {
     return 1;
 }
 
+/* On success, the spec checked (recomputed from one copy of the inputs, so consistent
+ * whatever is written into the header meanwhile) is kept privately (specs.c): from
+ * then on, calls on the mapping use that copy.  A mapping validated before keeps the
+ * spec it had: SHMPS_E_CORRUPT if the header now says another. */
+static int validate(const void *base, uint64_t size, shmps_spec_t *out);
+
 int shmps_shard_validate(const void *base, uint64_t size, shmps_spec_t *out) {
+    shmps_spec_t s;
+    int r = validate(base, size, &s);
+    if (r == SHMPS_OK) r = shmps_spec_keep(base, &s);
+    if (r == SHMPS_OK && out) *out = s;
+    return r;
+}
+
+static int validate(const void *base, uint64_t size, shmps_spec_t *out) {
     if (size < SHMPS_HEADER_SIZE) return SHMPS_E_CORRUPT;
     const shmps_shard_hdr_t *h = (const shmps_shard_hdr_t *)base;
     /* acquire: pairs with the release store of magic in shmps_shard_init */
@@ -238,7 +253,7 @@ int shmps_shard_validate(const void *base, uint64_t size, shmps_spec_t *out) {
         for (uint64_t i = 0; i < s.nnz; i++)
             if (ci[i] < 0 || (uint64_t)ci[i] >= s.ncols) return SHMPS_E_CORRUPT;
     }
-    if (out) *out = s;
+    *out = s;
     return SHMPS_OK;
 }
 

@@ -275,9 +275,10 @@ uint32_t shmps_ack_wait(void *man, uint32_t seen, uint64_t max_ns) {
 
 /* ---- counters -------------------------------------------------------------------- */
 
+/* The header of an outbox shard, by its private spec (shmps_spec_of), else NULL. */
 static shmps_shard_hdr_t *outbox_hdr(void *base) {
-    shmps_shard_hdr_t *h = hdr_of(base);
-    return (h->spec.flags & SHMPS_F_OUTBOX) ? h : NULL;
+    const shmps_spec_t *s = shmps_spec_of(base);
+    return s && (s->flags & SHMPS_F_OUTBOX) ? hdr_of(base) : NULL;
 }
 
 int shmps_outbox_pushed(void *base) {
@@ -702,8 +703,8 @@ int shmps_outbox_drain(void *base, uint64_t token, double timeout_s, int64_t *ro
                        void *vals, uint64_t cap, uint64_t *n_out, uint64_t *pushed,
                        uint64_t *prev, uint64_t *ticket, uint64_t *lost) {
     shmps_shard_hdr_t *h = outbox_hdr(base);
-    if (!h || h->spec.kind != SHMPS_DENSE) return SHMPS_E_ARG;
-    const shmps_spec_t *s = &h->spec;
+    const shmps_spec_t *s = shmps_spec_of(base);
+    if (!h || !s || s->kind != SHMPS_DENSE) return SHMPS_E_ARG;
     if (cap < s->nrows) return SHMPS_E_BOUNDS;
     *n_out = 0;
     *ticket = 0;
@@ -768,12 +769,12 @@ int shmps_outbox_drain(void *base, uint64_t token, double timeout_s, int64_t *ro
 }
 
 int shmps_outbox_pending(const void *base, uint64_t *out, uint64_t cap) {
-    shmps_shard_hdr_t *h = outbox_hdr((void *)base);
-    if (!h || h->spec.kind != SHMPS_DENSE) return SHMPS_E_ARG;
-    if (cap < h->spec.nrows) return SHMPS_E_BOUNDS;
-    const uint64_t *pend = (const uint64_t *)((const char *)base + h->spec.rowstep_off);
+    const shmps_spec_t *s = shmps_spec_of(base);
+    if (!s || !(s->flags & SHMPS_F_OUTBOX) || s->kind != SHMPS_DENSE) return SHMPS_E_ARG;
+    if (cap < s->nrows) return SHMPS_E_BOUNDS;
+    const uint64_t *pend = (const uint64_t *)((const char *)base + s->rowstep_off);
     /* relaxed: a snapshot for tests and statistics */
-    for (uint64_t r = 0; r < h->spec.nrows; r++) out[r] = LOAD(&pend[r], RELAXED);
+    for (uint64_t r = 0; r < s->nrows; r++) out[r] = LOAD(&pend[r], RELAXED);
     return SHMPS_OK;
 }
 
@@ -809,8 +810,8 @@ int shmps_outbox_busy(void *const *bases, uint32_t n, uint8_t *busy, uint32_t *n
 int shmps_dense_write_rows(void *base, uint64_t token, const int64_t *rows, uint64_t n,
                            const void *vals, void *const *states, uint32_t nstates) {
     shmps_shard_hdr_t *h = hdr_of(base);
-    const shmps_spec_t *s = &h->spec;
-    if (s->kind != SHMPS_DENSE || nstates != s->nstate) return SHMPS_E_ARG;
+    const shmps_spec_t *s = shmps_spec_of(base);
+    if (!s || s->kind != SHMPS_DENSE || nstates != s->nstate) return SHMPS_E_ARG;
     for (uint64_t i = 0; i < n; i++) /* all rows checked before anything changes */
         if (rows[i] < 0 || (uint64_t)rows[i] >= s->nrows) return SHMPS_E_BOUNDS;
     int r = shmps_freeze(base, token, SHMPS_LOCK_TIMEOUT_S);

@@ -106,6 +106,11 @@ uint64_t shmps_now_ns(void);
 int shmps_layout(shmps_spec_t *spec);
 int shmps_shard_init(void *base, uint64_t size, const shmps_spec_t *spec);
 int shmps_shard_validate(const void *base, uint64_t size, shmps_spec_t *out);
+/* init and validate keep a private copy of the spec, which every later call on the
+ * mapping uses (specs.c; SHMPS_E_CORRUPT, and the copy unchanged, if the mapping has
+ * one with another spec); forget drops it, before the mapping goes (Segment.close).
+ * A call on a mapping without one returns SHMPS_E_ARG. */
+int shmps_shard_forget(const void *base);
 int shmps_stats(const void *base, shmps_stats_t *out);
 
 /* dense push/pull; token = shmps_self_token() of the caller */

@@ -118,10 +118,11 @@ static uint64_t *frozen_by(shmps_shard_hdr_t *h, uint64_t *holder) {
  * done may have pushed to rows it did not list for the drain yet (table.c "Outbox
  * drains"): first ob_rescan = 1, so the next drain looks at every row.  Seq_cst, before
  * the slot's clearing CAS: a drain's freeze reads every slot free (seq_cst loads) after
- * that CAS, and then reads ob_rescan (seq_cst), so it sees the 1.  (The spec is
- * immutable once the segment is published.) */
+ * that CAS, and then reads ob_rescan (seq_cst), so it sees the 1.  (The private spec:
+ * shmps_spec_of.) */
 static void clear_dead_pusher(shmps_shard_hdr_t *h, uint64_t *slot, uint64_t v) {
-    if (h->spec.kind == SHMPS_TABLE && (h->spec.flags & SHMPS_F_OUTBOX))
+    const shmps_spec_t *s = shmps_spec_of(h);
+    if (s && s->kind == SHMPS_TABLE && (s->flags & SHMPS_F_OUTBOX))
         STORE(&h->ob_rescan, 1, SEQ_CST);
     CAS(slot, &v, 0, SEQ_CST, RELAXED);
 }

@@ -102,7 +102,7 @@ _Static_assert(sizeof(tctl_t) <= SHMPS_TABLE_CTL_BYTES, "table control block too
 _Static_assert(SHMPS_TABLE_ROWMETA_BYTES == 8, "rowmeta is one link word");
 _Static_assert(sizeof(shmps_stripe_t) == 16, "stripe: owner + 8 bytes of last_step");
 
-/* One shard's arrays, derived from its (validated) spec. */
+/* One shard's arrays, derived from its private spec (shmps_spec_of). */
 typedef struct {
     char *base;
     shmps_shard_hdr_t *h;
@@ -217,17 +217,17 @@ int shmps_table_init_values(const double *init, uint64_t seed, uint64_t key, uin
 
 /* ---- shards ---------------------------------------------------------------------- */
 
-static tctl_t *ctl_of(void *base) {
-    const shmps_spec_t *s = &hdr_of(base)->spec;
+/* The control block of the shard at base, whose private spec (shmps_spec_of) is s. */
+static tctl_t *ctl_of(void *base, const shmps_spec_t *s) {
     return (tctl_t *)at(base, s->index_off + 16 * s->nslots);
 }
 
 int shmps_table_setup(void *base, uint64_t capacity, uint32_t nshards, uint32_t shard) {
-    const shmps_spec_t *s = &hdr_of(base)->spec;
-    if (s->kind != SHMPS_TABLE || nshards == 0 || nshards > SHMPS_TABLE_MAX_SHARDS ||
+    const shmps_spec_t *s = shmps_spec_of(base);
+    if (!s || s->kind != SHMPS_TABLE || nshards == 0 || nshards > SHMPS_TABLE_MAX_SHARDS ||
         shard >= nshards || capacity == 0)
         return SHMPS_E_ARG;
-    tctl_t *c = ctl_of(base);
+    tctl_t *c = ctl_of(base, s);
     memset(c, 0, sizeof *c);
     c->capacity = capacity;
     c->nshards = nshards;
@@ -240,9 +240,10 @@ int shmps_table_setup(void *base, uint64_t capacity, uint32_t nshards, uint32_t 
 
 int shmps_table_attach_check(const void *base, uint64_t capacity, uint32_t nshards,
                              uint32_t shard) {
-    const shmps_spec_t *s = &((const shmps_shard_hdr_t *)base)->spec;
+    const shmps_spec_t *s = shmps_spec_of(base);
+    if (!s) return SHMPS_E_ARG;
     if (s->kind != SHMPS_TABLE || s->nrows >= (1ull << ST_ROWBITS)) return SHMPS_E_CORRUPT;
-    const tctl_t *c = ctl_of((void *)base);
+    const tctl_t *c = ctl_of((void *)base, s);
     /* acquire: pairs with the release store of magic in shmps_table_setup */
     if (LOAD(&c->magic, ACQUIRE) != CTL_MAGIC || c->capacity != capacity ||
         c->nshards != nshards || c->shard != shard)
@@ -257,7 +258,8 @@ int shmps_table_attach_check(const void *base, uint64_t capacity, uint32_t nshar
     return SHMPS_OK;
 }
 
-/* Fills views of every shard and checks they form one table. */
+/* Fills views of every shard, from their private specs (shmps_spec_of), and checks they
+ * form one table. */
 static int shard_views(void **bases, uint32_t nshards, tshard_t *ts) {
     if (nshards == 0 || nshards > SHMPS_TABLE_MAX_SHARDS || !bases) return SHMPS_E_ARG;
     for (uint32_t i = 0; i < nshards; i++) {
@@ -265,7 +267,8 @@ static int shard_views(void **bases, uint32_t nshards, tshard_t *ts) {
         tshard_t *t = &ts[i];
         t->base = (char *)bases[i];
         t->h = hdr_of(bases[i]);
-        const shmps_spec_t *s = t->s = &t->h->spec;
+        const shmps_spec_t *s = t->s = shmps_spec_of(bases[i]);
+        if (!s) return SHMPS_E_ARG;
         if (s->kind != SHMPS_TABLE || s->nslots == 0 || (s->nslots & (s->nslots - 1)) ||
             s->nrows >= (1ull << ST_ROWBITS))
             return SHMPS_E_CORRUPT;
@@ -279,7 +282,7 @@ static int shard_views(void **bases, uint32_t nshards, tshard_t *ts) {
         t->keys = (uint64_t *)at(bases[i], s->colidx_off);
         t->rowstep = (uint64_t *)at(bases[i], s->rowstep_off);
         t->stripes = (shmps_stripe_t *)at(bases[i], s->stripes_off);
-        t->ctl = ctl_of(bases[i]);
+        t->ctl = ctl_of(bases[i], s);
         t->link = (uint64_t *)((char *)t->ctl + SHMPS_TABLE_CTL_BYTES);
         /* acquire: pairs with the release store of magic in shmps_table_setup */
         if (LOAD(&t->ctl->magic, ACQUIRE) != CTL_MAGIC || t->ctl->nshards != nshards ||
@@ -930,7 +933,7 @@ static inline int update_row(tshard_t *t, uint64_t row, uint64_t slot, uint64_t 
         rs = LOAD(&t->rowstep[row], RELAXED) + 1;
         STORE(&t->rowstep[row], rs, RELAXED);
     }
-    int r = shmps_apply(t->base, row * dim, dim, g0, rs);
+    int r = shmps_apply(t->base, t->s, row * dim, dim, g0, rs);
     uint64_t *aux = aux_of(t, row);
     uint64_t pushes = aux_pushes(LOAD(aux, RELAXED));
     /* an outbox row no push touched since the last drain: this pusher lists it (under

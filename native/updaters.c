@@ -148,9 +148,8 @@ INT_KERNELS(i32, int32_t, uint32_t)
         return SHMPS_OK;                                                              \
     }
 
-int shmps_apply(void *base, uint64_t i0, uint64_t n, const void *gv, uint64_t step) {
-    shmps_shard_hdr_t *h = hdr_of(base);
-    const shmps_spec_t *s = &h->spec;
+int shmps_apply(void *base, const shmps_spec_t *s, uint64_t i0, uint64_t n, const void *gv,
+                uint64_t step) {
     if (i0 > s->nnz || n > s->nnz - i0) return SHMPS_E_BOUNDS;
     if (step == 0) step = 1;
     const double *p = s->params;

@@ -95,7 +95,17 @@ def pointer(buf: Any) -> Any:
 
 
 def release(ptr: Any) -> None:
+    """Release a pointer() before its buffer goes: the C core first forgets the private
+    spec it keeps for a shard mapped there (forget), so no later mapping at that address
+    is read with it."""
+    forget(ptr)
     ffi.release(ptr)
+
+
+def forget(ptr: Any) -> None:
+    """Drop the private spec kept for the shard mapped at ``ptr`` (none: nothing), as the
+    mapping goes (docs/segment-layout.md, "The spec is private after attach")."""
+    lib.shmps_shard_forget(ptr)
 
 
 def addr(arr: np.ndarray) -> Any:

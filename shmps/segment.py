@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import weakref
 from typing import Any, Optional
 
 import numpy as np
@@ -34,6 +35,9 @@ class Segment:
         self.ino = ino     #: the file's inode: is ``name`` still this segment? (is_named)
         self.mm: Optional[mmap.mmap] = mm
         self.ptr: Any = _native.pointer(mm)
+        # dropped without close(): the C core forgets the mapping's private spec before
+        # the pointer (which pins the mapping) goes, so before the unmap (see close)
+        self._forget = weakref.finalize(self, _native.forget, self.ptr)
 
     @classmethod
     def create(cls, name: str, size: int, *, huge: bool = False,
@@ -197,8 +201,11 @@ class Segment:
         return shm.fd
 
     def close(self) -> None:
-        """Unmap (local, idempotent).  Arrays still over the mapping keep it alive."""
+        """Unmap (local, idempotent).  Arrays still over the mapping keep it alive.  The
+        C core forgets the shard's private spec first (_native.release): no C call may
+        use the segment after this."""
         if self.ptr is not None:
+            self._forget.detach()
             _native.release(self.ptr)
             self.ptr = None
         if self.mm is not None:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import stat
+import struct
+import time
 
 import numpy as np
 import pytest
@@ -845,3 +848,166 @@ def test_closed_store_raises_closed(store_name):
                 call()
     finally:
         remove_store(store_name)
+
+
+# ---- a header written after attach (review 13, finding 2) --------------------------------
+
+def _header_written_after_attach(name: str, tensor: str, offset: int, fmt: str,
+                                 value: int) -> str:
+    """In a forked child: attach, open ``tensor``, write ``value`` into its shard 0's
+    header (another writer of the segment), then push and pull.  Returns the child's
+    report ("ok", "typed <Error>" or "wrong ...") or "signal <name>" / "hang"."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        os.close(r)
+        msg = "?"
+        try:
+            s = shmps.attach(name)
+            t = s[tensor]
+            path = SHM + t._shards[0].seg.name
+            try:
+                if tensor == "d":
+                    before = t.pull()
+                    poke(path, offset, fmt, value)
+                    g = np.ones(t.shape, np.float32)
+                    t.push(g)                                         # whole, split by shard
+                    t.push(np.ones((2, 64), np.float32), rows=[1, 40])  # rows
+                    want = before + g
+                    want[[1, 40]] += 1
+                    got, got2 = t.pull(), t.pull(consistent=False)
+                    rows = t.pull(rows=[40, 1, 3])
+                    ok = (np.array_equal(got, want) and np.array_equal(got2, want)
+                          and np.array_equal(rows, want[[40, 1, 3]]))
+                else:
+                    keys = np.arange(5, dtype=np.uint64)     # 0..2 exist, 3, 4 are new
+                    before = t.pull(keys[:3])
+                    poke(path, offset, fmt, value)
+                    t.push(keys, np.ones((5, 8), np.float32))
+                    got = t.pull(keys)
+                    ok = (np.array_equal(got[:3], before + 1)
+                          and np.array_equal(got[3:], np.ones((2, 8), np.float32)))
+                msg = "ok" if ok else "wrong values"
+            except shmps.Error as e:
+                msg = f"typed {type(e).__name__}"
+            s.close()
+        except BaseException as e:  # noqa: BLE001 - reported, not raised in the child
+            msg = f"wrong {e!r}"[:200]
+        os.write(w, msg.encode())
+        os._exit(0)
+    os.close(w)
+    deadline = time.monotonic() + 15
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            os.close(r)
+            return "hang"
+        time.sleep(0.01)
+    out = os.read(r, 4096).decode()
+    os.close(r)
+    if os.WIFSIGNALED(status):
+        return f"signal {signal.Signals(os.WTERMSIG(status)).name}"
+    return out
+
+
+@pytest.fixture
+def written_after_attach(store_name):
+    """A store with a float32 dense tensor "d" (64 x 64, 2 shards, Sum), a float32 table
+    "t" (dim 8, 1 shard) holding keys 0..2, and an int32 tensor "other" to check for
+    damage.  Removed without attaching afterwards."""
+    s = shmps.attach(store_name)
+    s.dense("d", shape=(64, 64), dtype="float32", shard_rows=32,
+            init=np.arange(64 * 64, dtype=np.float32).reshape(64, 64))
+    s.table("t", dim=8, dtype="float32", capacity=64, shards=1).push(
+        np.arange(3, dtype=np.uint64), np.full((3, 8), 2, np.float32))
+    s.dense("other", shape=(16, 8), dtype="int32", init=7)
+    paths = {k: SHM + s[k]._shards[0].seg.name for k in ("d", "t")}
+    s.close()
+    yield store_name, paths
+    remove_store(store_name)
+
+
+@pytest.mark.parametrize("tensor,offset,fmt,value", [
+    ("d", 296, "<I", 9),           # itemsize 4 -> 9: pull copied 2.25x its output
+    ("d", 20, "<I", 5),            # dtype float32 -> float64 (derived fields left)
+    ("d", 40, "<Q", 1 << 20),      # row_len
+    ("d", 48, "<Q", 1 << 40),      # nnz
+    ("d", 200, "<Q", 1 << 40),     # value_off
+    ("d", 248, "<Q", 1 << 50),     # stripes_off
+    ("d", 272, "<Q", 0),           # nstripes
+    ("d", 280, "<Q", 0),           # stripe_elems: SIGFPE, or a push applying nothing
+    ("d", 28, "<I", 1),            # flags: hogwild
+    ("t", 40, "<Q", 1 << 30),      # row_len (rowbytes = row_len * itemsize)
+    ("t", 296, "<I", 9),           # itemsize
+    ("t", 192, "<Q", 1),           # colidx_off (the keys)
+    ("t", 256, "<Q", 1 << 40),     # index_off
+    ("t", 264, "<Q", 3),           # nslots
+    ("t", 32, "<Q", 1 << 40),      # nrows
+], ids=["d-itemsize", "d-dtype", "d-row_len", "d-nnz", "d-value_off", "d-stripes_off",
+        "d-nstripes", "d-stripe_elems", "d-flags", "t-row_len", "t-itemsize", "t-colidx_off",
+        "t-index_off", "t-nslots", "t-nrows"])
+def test_a_header_written_after_attach_is_not_read(written_after_attach, tensor, offset,
+                                                   fmt, value):
+    """A shard header changed after attach neither crashes nor misleads the process that
+    has it open (C keeps the spec validated at attach: docs/segment-layout.md), and
+    damages nothing else: the other tensor and the catalog read back in a new process."""
+    name, paths = written_after_attach
+    original = peek(paths[tensor], offset, fmt)
+    got = _header_written_after_attach(name, tensor, offset, fmt, value)
+    assert got == "ok" or got.startswith("typed "), got
+    poke(paths[tensor], offset, fmt, *original)  # what was written on purpose, put back
+    with shmps.attach(name) as s:
+        assert {d["name"] for d in s.tensors()} >= {"d", "t", "other"}
+        np.testing.assert_array_equal(s["other"].pull(), 7)
+        s[tensor]  # the shard header is whole again: attach validates it
+
+
+def test_private_specs_follow_init_validate_and_close():
+    """C keeps each shard's spec from init/validate until the mapping is closed: a
+    validation finding another header keeps it, calls on a mapping it forgot are
+    InvalidArgument; hundreds of mappings, forgotten in any order, keep the rest."""
+    import mmap
+    import random
+
+    from shmps import _native
+    from shmps._shmps_native import ffi, lib
+    from shmps.segment import Segment
+
+    lay = _native.layout({"kind": lib.SHMPS_DENSE, "dtype": lib.SHMPS_FLOAT32,
+                          "updater": lib.SHMPS_SUM, "flags": lib.SHMPS_F_IMPLICIT, "nrows": 4,
+                          "row_len": 4, "nnz": 16})
+    out = np.empty(16, np.float32)
+
+    def pull(seg):
+        return lib.shmps_dense_pull_all(seg.ptr, _native.token(), ffi.from_buffer(out), 0)
+
+    segs = [Segment(f"(spec {i})", mmap.mmap(-1, lay["total_size"]), lay["total_size"])
+            for i in range(300)]
+    try:
+        for seg in segs:
+            _native.shard_init(seg.ptr, seg.size, dict(lay, params=[0.0] * 8, init=[0.0] * 4))
+        assert all(pull(seg) == lib.SHMPS_OK for seg in segs)
+        gone = set(random.Random(1).sample(range(300), 150))
+        for i in gone:
+            _native.forget(segs[i].ptr)
+        assert [pull(seg) for seg in segs] == [
+            lib.SHMPS_E_ARG if i in gone else lib.SHMPS_OK for i in range(300)]
+        seg = segs[min(gone)]
+        _native.shard_validate(seg.ptr, seg.size, seg.name)  # validated: kept again
+        assert pull(seg) == lib.SHMPS_OK
+        seg.mm[0:8] = b"\0" * 8                              # a bad magic
+        with pytest.raises(shmps.CorruptSegment):
+            _native.shard_validate(seg.ptr, seg.size, seg.name)
+        assert pull(seg) == lib.SHMPS_OK                     # the attach-time spec stays
+        seg = segs[min(set(range(300)) - gone)]
+        seg.mm[56:64] = (5).to_bytes(8, "little")    # row_begin: valid, but not the same
+        with pytest.raises(shmps.CorruptSegment):
+            _native.shard_validate(seg.ptr, seg.size, seg.name)
+        assert pull(seg) == lib.SHMPS_OK
+    finally:
+        for seg in segs:
+            seg.close()
