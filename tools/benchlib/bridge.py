@@ -1044,6 +1044,16 @@ def kill_once(c: Any) -> Kill:
     return k
 
 
+def keep_logs(cluster: Any, kill: int) -> Path:
+    """Copy the cluster's directory (each bridge's log, hosts.txt) out of the run's
+    temporary directory, which goes with the run: a failover that misses shards is rare
+    and needs the bridges' own account."""
+    import tempfile
+    dest = Path(tempfile.gettempdir()) / f"shmps-bench-failover-{int(time.time())}-kill{kill}"
+    shutil.copytree(cluster.dir, dest, dirs_exist_ok=True)
+    return dest
+
+
 def failover(ctx: RunContext, sec: Section, workdir: Path, plan: Plan) -> None:
     """3 bridges, replicas 2, a worker pushing on host 0; kill, measure, restart, repeat."""
     total = 3 if ctx.quick else 10
@@ -1068,12 +1078,13 @@ def failover(ctx: RunContext, sec: Section, workdir: Path, plan: Plan) -> None:
             kills.append(k)
             if k.took is None:
                 progress(f"[bridge] kill {n}/{total}: host {k.victim} (owned {k.owned} shards): "
-                         f"no successor applied a batch of its shards within {FO_TIMEOUT:.0f} s"
-                         f"\n{describe(c)}")
+                         f"no successor applied a batch of its shards within {FO_TIMEOUT:.0f} s "
+                         f"(the bridges' logs kept in {keep_logs(c, n)})\n{describe(c)}")
             else:
                 every = (f"the last of them after {k.took_all * 1000:.0f} ms"
                          if k.took_all is not None else
-                         f"only {k.taken} of them taken over within {FO_TIMEOUT:.0f} s")
+                         f"only {k.taken} of them taken over within {FO_TIMEOUT:.0f} s; "
+                         f"the bridges' logs kept in {keep_logs(c, n)}")
                 progress(f"[bridge] kill {n}/{total}: host {k.victim} (owned {k.owned} shards) -> "
                          f"first batch applied by a successor after {k.took * 1000:.0f} ms "
                          f"({k.since_hb * 1000:.0f} ms after its last heartbeat), {every}")
