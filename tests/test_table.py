@@ -757,6 +757,16 @@ def _ctl(t: shmps.Table, shard: int) -> np.ndarray:
     return t._shards[shard].seg.array(np.uint64, sp["index_off"] + 16 * sp["nslots"], 32)
 
 
+def _refused_on_attach(store_name: str, table: str) -> None:
+    """Another attach of the store refuses the table (CorruptSegment), not a crash."""
+    other = shmps.attach(store_name)
+    try:
+        with pytest.raises(shmps.CorruptSegment):
+            other[table]
+    finally:
+        other.close()
+
+
 @pytest.mark.parametrize("where,word,value", [
     ("ctl", 11, 0),          # hwm below the rows in use: creations would reuse live rows
     ("ctl", 12, 10**6),      # free head past hwm (and past the rows)
@@ -775,12 +785,7 @@ def test_small_table_counters_are_refused_on_attach(store, store_name, where, wo
         _ctl(t, shard)[word] = np.uint64(value)
     else:
         t._shards[shard].seg.array(np.uint64, 1088, 1)[0] = np.uint64(value)
-    other = shmps.attach(store_name)
-    try:
-        with pytest.raises(shmps.CorruptSegment):
-            other["emb"]
-    finally:
-        other.close()
+    _refused_on_attach(store_name, "emb")
 
 
 def test_table_counters_are_not_checked_while_the_creation_lock_is_held(store, store_name,
@@ -824,9 +829,4 @@ def test_corrupt_control_block_is_refused(store, store_name):
     t = store.table("emb", dim=2, capacity=4)
     sp = t._shards[0].spec
     t._shards[0].seg.array(np.uint64, sp["index_off"] + 16 * sp["nslots"], 1)[0] = 0
-    other = shmps.attach(store_name)
-    try:
-        with pytest.raises(shmps.CorruptSegment):
-            other["emb"]
-    finally:
-        other.close()
+    _refused_on_attach(store_name, "emb")
