@@ -379,7 +379,10 @@ class Tensor:
                 return keys, g
             return sk, g[order]
         starts = np.flatnonzero(first)
-        return sk[starts], np.add.reduceat(g[order], starts, axis=0)
+        # (a sum past the dtype's range is inf, as the C apply makes it, without a
+        # numpy RuntimeWarning the C path would not give: docs/api.md, allow_nonfinite)
+        with np.errstate(over="ignore"):
+            return sk[starts], np.add.reduceat(g[order], starts, axis=0)
 
     def stats(self) -> dict:
         """Push/pull counters kept in shared memory (any process sees the same).
