@@ -153,13 +153,13 @@ int shmps_dense_push(void *base, uint64_t token, const void *grad, uint32_t grad
  * Relaxed: the caller's own claim, read by the thread that made it or by one the
  * caller's thread pool handed the work to (the pool's hand-off orders it). */
 int shmps_dense_push_entered(void *base, uint64_t token, uint32_t slot, const void *grad,
-                             uint32_t grad_dtype, uint64_t lo, uint64_t hi, uint64_t step,
-                             int check) {
+                             uint32_t grad_dtype, uint64_t lo, uint64_t hi, uint64_t step) {
     shmps_shard_hdr_t *h = hdr_of(base);
     const shmps_spec_t *s = shmps_spec_of(base);
     if (!s || slot >= SHMPS_ACTIVE_SLOTS || LOAD(&h->active[slot], RELAXED) != token)
         return SHMPS_E_ARG;
-    int r = check_push(s, grad, grad_dtype, lo, hi, check);
+    /* (no NaN/Inf check: the caller checked the whole gradient before it entered) */
+    int r = check_push(s, grad, grad_dtype, lo, hi, 0);
     if (r) return r;
     return push_stripes(base, s, token, (const char *)grad, lo, hi, step);
 }
@@ -175,9 +175,8 @@ int shmps_dense_push_all(void *base, const uint32_t *forward, uint64_t token,
     if (forward && LOAD(forward, RELAXED)) return SHMPS_FORWARDING;
     const shmps_spec_t *s = shmps_spec_of(base);
     if (!s) return SHMPS_E_ARG;
-    int r = check_dense(s, grad_dtype);
+    int r = check_push(s, grad, grad_dtype, 0, s->nstripes, check);
     if (r) return r;
-    if (check && (r = shmps_check_finite(grad, grad_dtype, s->nnz))) return r;
     uint64_t step;
     shmps_next_step(base, &step);
     r = push_range(base, s, token, grad, 0, s->nstripes, step);

@@ -702,9 +702,9 @@ static void unhold(shmps_stripe_t *st, uint64_t *lo, uint64_t upto) {
 int shmps_outbox_drain(void *base, uint64_t token, double timeout_s, int64_t *rows,
                        void *vals, uint64_t cap, uint64_t *n_out, uint64_t *pushed,
                        uint64_t *prev, uint64_t *ticket, uint64_t *lost) {
-    shmps_shard_hdr_t *h = outbox_hdr(base);
     const shmps_spec_t *s = shmps_spec_of(base);
-    if (!h || !s || s->kind != SHMPS_DENSE) return SHMPS_E_ARG;
+    if (!s || !(s->flags & SHMPS_F_OUTBOX) || s->kind != SHMPS_DENSE) return SHMPS_E_ARG;
+    shmps_shard_hdr_t *h = hdr_of(base);
     if (cap < s->nrows) return SHMPS_E_BOUNDS;
     *n_out = 0;
     *ticket = 0;

@@ -118,7 +118,7 @@ int shmps_dense_push(void *base, uint64_t token, const void *grad, uint32_t grad
                      uint64_t stripe_lo, uint64_t stripe_hi, uint64_t step, int check);
 int shmps_dense_push_entered(void *base, uint64_t token, uint32_t slot, const void *grad,
                              uint32_t grad_dtype, uint64_t stripe_lo, uint64_t stripe_hi,
-                             uint64_t step, int check);
+                             uint64_t step);
 int shmps_dense_push_sorted_rows(void **bases, uint32_t nshards, uint64_t shard_rows,
                                  uint64_t token, const int64_t *rows, uint64_t n,
                                  const void *grad, uint32_t grad_dtype, int check,

@@ -1225,16 +1225,15 @@ int shmps_table_attach_counts(void **bases, uint32_t nshards, uint64_t token,
     *checked = 0;
     int r = shard_views(bases, nshards, ts);
     if (r) return r;
-    uint64_t free_ = 0;
-    /* acquire: as shmps_stripe_trylock's, the last holder's counter writes (released by
-     * its unlock) happen-before our loads */
-    if (!CAS(&ts[0].ctl->create.owner, &free_, token, ACQUIRE, RELAXED)) return SHMPS_OK;
+    /* one try (acquire: the last holder's counter writes happen-before our loads) */
+    if (!shmps_stripe_trylock(&ts[0].ctl->create, token)) return SHMPS_OK;
     uint64_t sum = 0;
     for (uint32_t s = 0; s < nshards && r == SHMPS_OK; s++) {
         /* relaxed: we hold the lock (above) */
         uint64_t hwm = LOAD(&ts[s].ctl->hwm, RELAXED);
         uint64_t used = LOAD(&ts[s].h->table_used, RELAXED);
-        if (hwm > ts[s].nrows || LOAD(&ts[s].ctl->free_head, RELAXED) > hwm || used > hwm)
+        /* (hwm <= nrows: shmps_table_attach_check, which attach runs first) */
+        if (LOAD(&ts[s].ctl->free_head, RELAXED) > hwm || used > hwm)
             r = SHMPS_E_CORRUPT;
         sum += used;
     }

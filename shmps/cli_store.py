@@ -12,8 +12,8 @@ from typing import Any, Optional
 
 import numpy as np
 
+from . import files, names
 from . import inspect as shm_inspect
-from . import names
 from .errors import Error, InvalidArgument
 from .segment import unlink
 from .store import remove_idle
@@ -134,15 +134,7 @@ def _restore_in_progress(segment: str) -> bool:
     """A forced restore's new manifest, not yet renamed over the store's, of a restorer
     still alive (it may wait up to a minute for creations in the old store to end)."""
     pid = names.restore_manifest_pid(segment)
-    if pid is None:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
+    return pid is not None and files.pid_alive(pid)
 
 
 def cmd_gc(args: argparse.Namespace) -> int:

@@ -294,7 +294,7 @@ class DenseTensor(Tensor):
                                         lo, hi, step, 0)
         else:
             code = lib.shmps_dense_push_entered(self._shards[i].ptr, _native.token(), slots[i],
-                                                ptr, self._gcode, lo, hi, step, 0)
+                                                ptr, self._gcode, lo, hi, step)
         if code:
             _native.check(code, f"push to {self.name!r}")
 
