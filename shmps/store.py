@@ -113,6 +113,9 @@ def attach(name: str, *, create: bool = True, namespace: Optional[str] = None,
             # back, or its manifest is gone (create: then make a new one; else NotFound);
             # finish the removal if the remover died
             try:
+                # (a store of another PID namespace: its remover's pid means nothing
+                # here, and would look dead; refused as Store() refuses a ready one)
+                _check_pid_namespace(name, seg)
                 # the remover or restorer died (a gc, a destroy() or a restore killed
                 # midway): finish the removal (of a partial restore too), if this
                 # process is the one that takes it over (others wait for it)
@@ -1004,8 +1007,7 @@ class Store:
         except BaseException:
             seg.close()
             unlink(tmp)
-            self.close()
-            _unlink_store(name, ns)   # (the old one: still named, claimed by this process)
+            self.destroy()   # the old one: still named, REMOVED and claimed by this process
             raise
         seg.name = mname
         self.close()

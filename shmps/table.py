@@ -154,11 +154,6 @@ def as_keys(keys: Any) -> np.ndarray:
     if (type(keys) is np.ndarray and keys.dtype == _UINT64 and keys.ndim == 1
             and keys.flags.c_contiguous):
         return keys
-    at = bool_at(keys)
-    if at is not None:   # as a bool array is (numpy would make [5, True] keys 5 and 1)
-        raise SchemaError(f"keys hold a bool ({keys[at]!r}) at position {at}: table keys "
-                          "are integers",
-                          "pass a uint64 array (or signed integers without negatives)")
     if isinstance(keys, (list, tuple)) and all(
             isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
             for x in keys):
@@ -171,6 +166,11 @@ def as_keys(keys: Any) -> np.ndarray:
         except OverflowError:
             raise InvalidArgument("keys must be integers in [0, 2**64)",
                                   "pass a uint64 numpy array") from None
+    at = bool_at(keys)   # (a list of ints without bools returned above)
+    if at is not None:   # as a bool array is (numpy would make [5, True] keys 5 and 1)
+        raise SchemaError(f"keys hold a bool ({keys[at]!r}) at position {at}: table keys "
+                          "are integers",
+                          "pass a uint64 array (or signed integers without negatives)")
     a = np.asarray(keys)
     if a.dtype == object:
         try:
