@@ -780,13 +780,12 @@ sys.exit(os.waitstatus_to_exitcode(status))
 """
 
 
-def start_in_other_pid_namespace(code: str, pid: int, env: Optional[dict] = None) -> Any:
-    """A ``subprocess.Popen`` (text pipes on stdin/stdout) running ``code`` as process
-    ``pid`` of a new PID namespace, the filesystem shared: a writer of another host (or
-    container) whose pid means nothing here.  ``pytest.skip`` where not allowed."""
+def unshare_pid_command() -> list[str]:
+    """The command prefix that runs a process in a new PID namespace, /dev/shm and the
+    filesystem shared (as the containers of one pod); pytest.skip where the machine does
+    not allow it."""
     import shutil
     import subprocess
-    import sys
 
     import pytest
 
@@ -794,6 +793,22 @@ def start_in_other_pid_namespace(code: str, pid: int, env: Optional[dict] = None
     if exe is None:
         pytest.skip("no unshare(1) on this machine")
     cmd = [exe, "--pid", "--fork", "--mount-proc"]
+    r = subprocess.run(cmd + ["true"], capture_output=True, text=True, timeout=30)
+    if r.returncode != 0:
+        pytest.skip(f"new PID namespaces not allowed here: {r.stderr.strip()[:200]}")
+    return cmd
+
+
+def start_in_other_pid_namespace(code: str, pid: int, env: Optional[dict] = None) -> Any:
+    """A ``subprocess.Popen`` (text pipes on stdin/stdout) running ``code`` as process
+    ``pid`` of a new PID namespace, the filesystem shared: a writer of another host (or
+    container) whose pid means nothing here.  ``pytest.skip`` where not allowed."""
+    import subprocess
+    import sys
+
+    import pytest
+
+    cmd = unshare_pid_command()
     probe = subprocess.run(cmd + [sys.executable, "-c", _AT_PID, "5", "pass"],
                            capture_output=True, text=True, timeout=30, env=env)
     if probe.returncode != 0:

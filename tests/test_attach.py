@@ -11,7 +11,7 @@ import pytest
 import shmps
 from helpers import (STOP, Workers, attach_and_hold, attach_timing, fork_dying_at_unlink,
                      new_flags, pull_after_destroy, race_attach, remove_store, store_segments,
-                     wait_until)
+                     unshare_pid_command, wait_until)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -675,22 +675,6 @@ def test_gc_keeps_a_store_whose_manifest_is_being_made(store_name):
         os.unlink(path)
 
 
-def _unshare_pid() -> list[str]:
-    """The command prefix that runs a process in a new PID namespace, /dev/shm shared
-    (as the containers of one pod); pytest.skip where the machine does not allow it."""
-    import shutil
-    import subprocess
-
-    exe = shutil.which("unshare")
-    if exe is None:
-        pytest.skip("no unshare(1) on this machine")
-    cmd = [exe, "--pid", "--fork", "--mount-proc"]
-    r = subprocess.run(cmd + ["true"], capture_output=True, text=True, timeout=30)
-    if r.returncode != 0:
-        pytest.skip(f"new PID namespaces not allowed here: {r.stderr.strip()[:200]}")
-    return cmd
-
-
 def test_a_process_of_another_pid_namespace_is_refused(store_name):
     """A process sharing /dev/shm but not the PID namespace (a container of the same
     pod) cannot attach, either way round: tokens are pids of one namespace, so each side
@@ -699,7 +683,7 @@ def test_a_process_of_another_pid_namespace_is_refused(store_name):
     import subprocess
     import sys
 
-    cmd = _unshare_pid()
+    cmd = unshare_pid_command()
     code = ("import shmps, sys\n"
             "try:\n"
             "    shmps.attach(sys.argv[1], create=sys.argv[2] == 'make').close()\n"

@@ -228,11 +228,11 @@ def test_gc_leaves_a_store_of_another_pid_namespace_alone(ns, procs):
     pod), with a live process there: its tokens' pids are not in this /proc, so all of
     them looked dead, and gc removed the store under that process.  gc skips it and
     says why; ls says its processes are unknown here."""
-    from test_attach import _unshare_pid
+    from helpers import unshare_pid_command
 
     env = dict(os.environ)
     env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    p = subprocess.Popen(_unshare_pid() + [sys.executable, "-c", HOLDER, "there", ns, "hold"],
+    p = subprocess.Popen(unshare_pid_command() + [sys.executable, "-c", HOLDER, "there", ns, "hold"],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     procs.append(p)
     assert p.stdout.readline().strip() == "attached"
