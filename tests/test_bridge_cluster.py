@@ -632,8 +632,12 @@ def test_a_model_of_many_tensors_is_taken_up_without_a_stall(make_cluster):
     itself for stopped (stalls_total) or its peer for dead, and the ring never moves.
     (Taken up in one go, this stalled each bridge 0.8-1.5 s; the 3-host variant saw
     hosts declared dead.)  Then a push to each tensor from the other host and flush:
-    every host holds it exactly.  The catalog, unchanged, is answered 304 to its ETag."""
-    c = make_cluster(2)
+    every host holds it exactly.  The catalog, unchanged, is answered 304 to its ETag.
+    dead_after 1 s: a stall is 500 ms without running, below the 0.8 s of the bug; the
+    loop's longest lag here is 100-150 ms on an idle 2-core machine, and CI counted a
+    290 ms one (at 0.5 s, before refresh_tensors' calls shared one slice a turn:
+    test_bridge_units' test_calls_in_one_loop_turn_share_one_slice_of_taking_up_tensors)."""
+    c = make_cluster(2, dead_after=1.0)
     c.start_all()
     n = 400
     model = {f"p{k}": [[64, 16], "int32", "sum", 16] for k in range(n)}

@@ -1363,6 +1363,37 @@ def _owner_on_a_store(tmp_path, members_: list, store: str, owners: int = 1, **c
         node.store.destroy()
 
 
+def test_calls_in_one_loop_turn_share_one_slice_of_taking_up_tensors(tmp_path):
+    """One socket read can carry the frames of hundreds of tensors the bridge has not
+    taken up yet, each frame calling refresh_tensors (_tensor_for).  The calls of one
+    turn of the event loop share one ADOPT_SLICE: 2000 calls in one turn, with 300 new
+    tensors in the store, take a small part of them and return within a fraction of a
+    second (each call took its own slice before: all 300, several seconds, a stall CI
+    counted); the turns after take up the rest."""
+    from shmps.bridge.node import ADOPT_SLICE
+
+    with _owner_on_a_store(tmp_path, ["127.0.0.2:7001"], "adoptturn") as (node, _, _st):
+        known = len(node.by_name)
+        for k in range(300):
+            node.store.dense(f"m{k}", (4, 4), "int32", optimizer="sum")
+
+        async def main() -> tuple:
+            t0 = time.monotonic()
+            left = [node.refresh_tensors() for _ in range(2000)]
+            took = time.monotonic() - t0
+            first_turn = len(node.by_name) - known
+            turns = 1
+            while node.refresh_tensors():
+                await asyncio.sleep(0)
+                turns += 1
+            return all(left), took, first_turn, turns
+
+        left, took, first_turn, turns = asyncio.run(asyncio.wait_for(main(), 60))
+        assert left and first_turn < 300, (first_turn, took)
+        assert took < ADOPT_SLICE + 0.5, (first_turn, took)
+        assert turns > 1 and len(node.by_name) - known == 300
+
+
 def _tensor_owned_by(node, member: str, ring_: list | None = None, there: str | None = None,
                      prefix: str = "v", pushed: bool = True):
     """On a node of ``_owner_on_a_store``: a dense (8, 4) float32 "sum" tensor whose shard 0

@@ -654,6 +654,7 @@ class Bridge:
         self.tensors: dict[int, TInfo] = {}
         self.by_name: dict[str, TInfo] = {}
         self._records_seen = 0             # store catalog records refresh_tensors looked at
+        self._adopt_deadline: Optional[float] = None   # this loop turn's (refresh_tensors)
         # tensors this bridge created from a peer's catalog record: name -> the address of
         # the host where a worker created it (its "origin"), whose copy holds the initial
         # values (init= arrays or scalars are not in the record)
@@ -1060,12 +1061,26 @@ class Bridge:
         catalog sync): True if some are left for the next call, which happens once
         ``budget`` seconds were spent (None: no limit).  A model of hundreds of tensors
         is picked up a slice at a time, the event loop running between slices
-        (heartbeats), not in one stall that peers would take for a dead host."""
+        (heartbeats), not in one stall that peers would take for a dead host.
+
+        Every call in one turn of the event loop shares one ``budget``, counted from the
+        turn's first call: one socket read can carry the frames of hundreds of tensors
+        not taken up yet, each frame calling this (_tensor_for), and a slice each kept
+        the loop for seconds (a stall counted in CI, 2026-11-27: 290 ms between two
+        ticks).  A call that finds the turn's slice spent does nothing and returns True
+        (the frame is refused BUSY and resent; the catalog sync takes up the rest)."""
+        deadline: Optional[float] = None
+        if budget is not None:
+            if self._adopt_deadline is None:
+                self._adopt_deadline = time.monotonic() + budget
+                asyncio.get_running_loop().call_soon(self._end_adopt_turn)
+            deadline = self._adopt_deadline
+            if time.monotonic() > deadline:
+                return True
         self.store._refresh()
         records = self.store._record_list
-        t0 = time.monotonic()
         while self._records_seen < len(records):
-            if budget is not None and time.monotonic() - t0 > budget:
+            if deadline is not None and time.monotonic() > deadline:
                 return True
             rec = records[self._records_seen]
             self._records_seen += 1   # looked at once: a refused one is not logged again
@@ -1200,6 +1215,10 @@ class Bridge:
         for name, when in list(self._unbacked.items()):
             if when <= now:
                 self._back_pages(name)
+
+    def _end_adopt_turn(self) -> None:
+        """The event loop turned: the next refresh_tensors starts a new slice."""
+        self._adopt_deadline = None
 
     async def refresh_all_tensors(self) -> None:
         """refresh_tensors until none is left, letting the loop run between slices."""
