@@ -43,6 +43,45 @@ static void note_pending(void *base, const shmps_spec_t *s, uint64_t e0, uint64_
     }
 }
 
+/* Stripe steps.  A push takes its step (its ticket: the tensor's push count, shard 0's
+ * `step`) before it locks any stripe, and whole pushes visit stripes in a per-push
+ * order, so two pushes at once can reach a stripe in the other order than their
+ * tickets.  The updaters that read the step (Momentum's first step, Adagrad's lr_decay,
+ * Adam's bias correction) then followed no sequential order on that stripe (a
+ * Momentum buffer lost a gradient; Adam's stripes differed after identical pushes).
+ * So each stripe keeps the step it last applied a push at (the low 32 bits, in its
+ * lock word's `pad`, read and written only under its lock), and a push applies at:
+ *   - a whole push of a tensor that never took a rows= push (SHMPS_STEP_BY_STRIPE in
+ *     `step`): the stripe's last step + 1.  Every push reaches every stripe, so each
+ *     stripe applies its pushes at 1, 2, 3, ... in the order it took them: a
+ *     sequential order per stripe, as docs/concurrency.md promises, and the ticket
+ *     itself when nothing runs at once;
+ *   - otherwise (a rows= push, or any push once one was made: a rows= push advances
+ *     the step of the stripes it skips): max(ticket, last step + 1), the ticket in any
+ *     sequential history, and never a step a stripe already applied or an earlier one.
+ * The last step is rebuilt from its low 32 bits next to the ticket: it lies within
+ * STEP_NEAR of it whenever it says anything (pushes overtaking a stalled one, or pushes
+ * killed before they reached the stripe); further off (a restore leaves every stripe
+ * at the restored step, shmps_dense_set_stripe_steps; a stripe no push touched for
+ * over 2^31 steps) it is ignored and the ticket applies. */
+#define STEP_NEAR (1ll << 20)
+
+static uint64_t stripe_step(shmps_stripe_t *st, uint64_t step) {
+    uint64_t ticket = step & ~SHMPS_STEP_BY_STRIPE;
+    /* relaxed: under the stripe's lock, whose acquire/release orders it */
+    uint32_t last32 = LOAD(&st->pad, RELAXED);
+    int64_t d = (int32_t)(last32 - (uint32_t)ticket); /* last - ticket, if near */
+    uint64_t t = ticket;
+    if (step & SHMPS_STEP_BY_STRIPE) {
+        if (d > -STEP_NEAR && d < STEP_NEAR && (int64_t)ticket + d >= 0)
+            t = (uint64_t)((int64_t)ticket + d) + 1;
+    } else if (d >= 0 && d < STEP_NEAR) {
+        t = ticket + (uint64_t)d + 1;
+    }
+    STORE(&st->pad, (uint32_t)t, RELAXED);
+    return t;
+}
+
 /* Applies the push to stripe j, which the caller has locked.  s: the shard's private
  * spec (shmps_spec_of), here and in every helper below that takes one. */
 static int apply_stripe(void *base, const shmps_spec_t *s, shmps_stripe_t *st, uint64_t j,
@@ -54,7 +93,8 @@ static int apply_stripe(void *base, const shmps_spec_t *s, shmps_stripe_t *st, u
      * drain (the bridge's sweep) takes what it wrote; counted after, rows could hold
      * values no drain would ever look at (note_pending) */
     if (s->flags & SHMPS_F_OUTBOX) note_pending(base, s, i0, i0 + n);
-    int r = shmps_apply(base, s, i0, n, grad + i0 * shmps_grad_size(s->dtype), step);
+    int r = shmps_apply(base, s, i0, n, grad + i0 * shmps_grad_size(s->dtype),
+                        stripe_step(st, step));
     shmps_stripe_write_end(st);
     shmps_stripe_unlock(st);
     return r;
@@ -69,7 +109,9 @@ static int push_stripes(void *base, const shmps_spec_t *s, uint64_t token, const
     if (s->flags & SHMPS_F_HOGWILD) {
         uint64_t i0 = lo * s->stripe_elems;
         uint64_t i1 = hi * s->stripe_elems < s->nnz ? hi * s->stripe_elems : s->nnz;
-        return shmps_apply(base, s, i0, i1 - i0, g + i0 * shmps_grad_size(s->dtype), step);
+        /* hogwild: no lock, so no stripe steps; the ticket */
+        return shmps_apply(base, s, i0, i1 - i0, g + i0 * shmps_grad_size(s->dtype),
+                           step & ~SHMPS_STEP_BY_STRIPE);
     }
     shmps_stripe_t *stripes = (shmps_stripe_t *)at(base, s->stripes_off);
     uint64_t contended = 0;
@@ -178,7 +220,7 @@ int shmps_dense_push_all(void *base, const uint32_t *forward, uint64_t token,
     int r = check_push(s, grad, grad_dtype, 0, s->nstripes, check);
     if (r) return r;
     uint64_t step;
-    shmps_next_step(base, &step);
+    shmps_dense_next_step(base, &step);
     r = push_range(base, s, token, grad, 0, s->nstripes, step);
     if (r == SHMPS_OK) shmps_count(base, 0, s->nnz * shmps_grad_size(s->dtype), s->nrows);
     return r;
@@ -273,7 +315,13 @@ int shmps_dense_push_sorted_rows(void **bases, uint32_t nshards, uint64_t shard_
     if (check && (r = shmps_check_finite(grad, grad_dtype, n * s0->row_len))) return r;
     uint64_t step;
     if (new_step) {
-        shmps_next_step(bases[0], &step);
+        shmps_shard_hdr_t *h0 = hdr_of(bases[0]);
+        /* Stripe steps: whole pushes count per stripe only while no rows= push was made.
+         * Relaxed store, then a release add: a whole push whose ticket comes after this
+         * one (its acquire add reads this add or a later one in step's chain of adds)
+         * sees the flag */
+        if (!LOAD(&h0->rows_pushed, RELAXED)) STORE(&h0->rows_pushed, 1, RELAXED);
+        step = FETCH_ADD(&h0->step, 1, RELEASE) + 1;
     } else {
         /* relaxed: as shmps_stats reads it (a later frame of one drain) */
         step = LOAD(&hdr_of(bases[0])->step, RELAXED);
@@ -314,6 +362,7 @@ static int push_rows_at(void *base, const shmps_spec_t *s, uint64_t token,
     shmps_stripe_t *stripes = (shmps_stripe_t *)at(base, s->stripes_off);
     int hog = (s->flags & SHMPS_F_HOGWILD) != 0;
     uint64_t held = UINT64_MAX; /* stripe locked across consecutive rows */
+    uint64_t tstep = step;      /* the held stripe's step for this push */
     for (uint64_t i = 0; i < n && r == SHMPS_OK; i++) {
         uint64_t e0 = (uint64_t)(rows[i] - off) * rl, e1 = e0 + rl;
         const char *gr = g + i * rl * gsz;
@@ -328,9 +377,11 @@ static int push_rows_at(void *base, const shmps_spec_t *s, uint64_t token,
                 if (lr < 0) { r = lr; break; }
                 shmps_stripe_write_begin(&stripes[j]);
                 held = j;
+                /* rows ascending: the stripe is locked once in this push (Stripe steps) */
+                tstep = stripe_step(&stripes[j], step);
             }
             if (s->flags & SHMPS_F_OUTBOX) note_pending(base, s, e, stop); /* first: above */
-            r = shmps_apply(base, s, e, stop - e, gr + (e - e0) * gsz, step);
+            r = shmps_apply(base, s, e, stop - e, gr + (e - e0) * gsz, tstep);
             e = stop;
         }
     }
@@ -494,6 +545,26 @@ int shmps_check_finite(const void *data, uint32_t dtype, uint64_t n) {
 int shmps_next_step(void *base, uint64_t *step) {
     /* relaxed: only atomicity matters; each push gets a distinct step number */
     *step = FETCH_ADD(&hdr_of(base)->step, 1, RELAXED) + 1;
+    return SHMPS_OK;
+}
+
+/* The ticket of a dense whole push (shard 0): with SHMPS_STEP_BY_STRIPE while the
+ * tensor never took a rows= push ("Stripe steps").  Acquire: pairs with the release
+ * add of a rows= push with an earlier ticket, whose flag is then seen. */
+int shmps_dense_next_step(void *base, uint64_t *step) {
+    shmps_shard_hdr_t *h = hdr_of(base);
+    uint64_t t = FETCH_ADD(&h->step, 1, ACQUIRE) + 1;
+    *step = LOAD(&h->rows_pushed, RELAXED) ? t : t | SHMPS_STEP_BY_STRIPE;
+    return SHMPS_OK;
+}
+
+/* Restore: every stripe of the shard last applied a push at `step` (the restored
+ * tensor's), before the tensor is visible ("Stripe steps"). */
+int shmps_dense_set_stripe_steps(void *base, uint64_t step) {
+    const shmps_spec_t *s = shmps_spec_of(base);
+    if (!s || s->kind != SHMPS_DENSE) return SHMPS_E_ARG;
+    shmps_stripe_t *stripes = (shmps_stripe_t *)at(base, s->stripes_off);
+    for (uint64_t j = 0; j < s->nstripes; j++) STORE(&stripes[j].pad, (uint32_t)step, RELAXED);
     return SHMPS_OK;
 }
 

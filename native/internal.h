@@ -30,12 +30,18 @@
 
 /* One lock word per stripe (dense) or per row (csr, table).
  * owner: 0 free, else the holder's token.  seq: seqlock counter, odd while the
- * holder writes the values covered by the stripe. */
+ * holder writes the values covered by the stripe.  pad: dense, the low 32 bits of the
+ * step the stripe last applied a push at (dense.c "Stripe steps"); tables use seq and
+ * pad as one 64-bit word (table.c aux_of). */
 typedef struct {
     uint64_t owner;
     uint32_t seq;
     uint32_t pad;
 } shmps_stripe_t;
+
+/* Set in the step a dense whole push passes to its stripes when the tensor never took
+ * a rows= push: each stripe then counts its own pushes (dense.c "Stripe steps"). */
+#define SHMPS_STEP_BY_STRIPE (1ull << 63)
 
 /* A landing slot of an outbox shard (outbox.c "Landing"): token, 0 when free, of a
  * pusher between its first write of values into the shard and its count; seq, how many
@@ -53,6 +59,8 @@ typedef struct {
     shmps_spec_t spec;      /* inputs + derived layout, validated on attach */
     /* mutable words, each group on its own cache line */
     uint64_t step __attribute__((aligned(SHMPS_CACHELINE)));  /* dense push count */
+    /* dense, shard 0: 1 once the tensor took a rows= push (dense.c "Stripe steps") */
+    uint64_t rows_pushed;
     uint64_t freeze __attribute__((aligned(SHMPS_CACHELINE))); /* exclusive freezer */
     uint64_t readers[SHMPS_READERS];  /* shared freezers (same line as freeze) */
     uint64_t active[SHMPS_ACTIVE_SLOTS] __attribute__((aligned(SHMPS_CACHELINE)));

@@ -37,7 +37,7 @@ enum {
 };
 
 enum {
-    SHMPS_LAYOUT_VERSION = 2, /* 2 (2026-11-27): table outboxes keep keys (ob_dirty) */
+    SHMPS_LAYOUT_VERSION = 3, /* 3 (2026-11-27): dense stripe steps (pad, rows_pushed); 2: table outboxes keep keys (ob_dirty) */
     SHMPS_HEADER_SIZE = 4096,        /* shard header bytes; arrays follow */
     SHMPS_STRIPE_BYTES = 16384,      /* dense stripe: values per lock word */
     SHMPS_ACTIVE_SLOTS = 64,         /* concurrent pushers per shard */
@@ -129,6 +129,8 @@ int shmps_dense_pull_all(void *base, uint64_t token, void *out, int consistent);
 int shmps_check_finite(const void *data, uint32_t dtype, uint64_t n);
 int shmps_next_step(void *base, uint64_t *step);
 int shmps_set_step(void *base, uint64_t step);
+int shmps_dense_next_step(void *base, uint64_t *step);
+int shmps_dense_set_stripe_steps(void *base, uint64_t step);
 int shmps_set_table_used(void *base, uint64_t used);
 int shmps_count(void *base, int pull, uint64_t nbytes, uint64_t rows);
 int shmps_count_push(void *base, uint64_t pushes, uint64_t nbytes, uint64_t rows);

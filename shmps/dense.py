@@ -165,8 +165,10 @@ class DenseTensor(Tensor):
         nthreads = self._threads_for(g.nbytes)
         self._require_finite(g, nthreads)
         if new_step:
+            # (the ticket, flagged when each stripe counts its own steps: dense.c
+            # "Stripe steps"; passed to the C push as it is)
             step = _native.ffi.new("uint64_t *")
-            lib.shmps_next_step(self._shard(0).ptr, step)
+            lib.shmps_dense_next_step(self._shard(0).ptr, step)
             t = int(step[0])
         else:
             t = max(1, self._step())
@@ -453,9 +455,9 @@ class DenseTensor(Tensor):
                                           _native.addrs(states), len(states))
         if code:
             _native.check(code, f"write rows of {self.name!r} (shard {shard})")
-        step = int(data.step)
-        if step > 0:
-            lib.shmps_raise_step(self._shard(0).ptr, step)
+        # (also when 0: the copy's stripes no longer count their own steps, dense.c
+        # "Stripe steps")
+        lib.shmps_raise_step(self._shard(0).ptr, int(data.step))
 
     # -- pull --------------------------------------------------------------------
     def pull(self, rows: Any = None, *, out: Optional[np.ndarray] = None,

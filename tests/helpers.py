@@ -277,6 +277,23 @@ def push_known(store: str, tensor: str, seed: int, n_whole: int, n_rows: int,
         s.close()
 
 
+def push_ones(store: str, tensor: str, n: int, flags: Any, idx: int) -> int:
+    """Push a gradient of ones, whole, ``n`` times once ``go`` is set; returns ``n``."""
+    import shmps
+
+    s = shmps.attach(store)
+    try:
+        t = s[tensor]
+        g = np.ones(t.shape, np.float32 if t.dtype == np.float16 else t.dtype)
+        _await_go(flags, idx)
+        for k in range(n):
+            t.push(g)
+            flags[2 + idx] = k + 1
+        return n
+    finally:
+        s.close()
+
+
 def push_loop(store: str, tensor: str, value: int, flags: Any, idx: int,
               check_every: int = 0, low_bits: int = 20, max_seconds: float = 60.0) -> dict:
     """Push ``value`` everywhere, alternating whole pushes and ``rows=`` pushes of

@@ -10,7 +10,7 @@ import pytest
 
 import shmps
 from helpers import (GO, STOP, Workers, assign_writer, expected_sum, new_flags, push_known,
-                     split_ones_pusher, torn_reader, wait_until)
+                     push_ones, split_ones_pusher, torn_reader, wait_until)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -50,6 +50,88 @@ def test_concurrent_sums_are_exact(store, store_name, dtype, shape, shard_rows):
                              f"got {got.ravel()[wrong[:5]]}, want {want.ravel()[wrong[:5]]}")
     s = t.stats()
     assert s["pushes"] == s["step"] == NPROCS * (n_whole + n_rows)
+
+
+STEP_UPDATERS = [
+    shmps.Adam(lr=0.1),
+    shmps.Momentum(lr=0.1, momentum=0.9, dampening=0.5),
+    shmps.Adagrad(lr=0.1, lr_decay=0.05),
+]
+
+
+@pytest.mark.parametrize("opt", STEP_UPDATERS, ids=lambda o: type(o).__name__)
+def test_concurrent_pushes_of_step_reading_updaters_follow_one_order_per_stripe(
+        store, store_name, opt):
+    """4 processes push the same gradient 40 times each to a 64-stripe tensor whose
+    updater reads the step (Adam's bias correction, Momentum's first step with
+    dampening, Adagrad's lr_decay).  Every sequential order of identical pushes gives
+    the same values, so every element must equal one process's 160 pushes, bit for bit.
+    (A push took its step before it locked any stripe: a stripe reached by two pushes
+    in the other order applied them out of step, and stripes differed: review 14 F1,
+    in 5 of 5 Adam trials of 2 processes.)"""
+    shape = (64, 4096)   # 64 stripes of 16 KiB
+    t = store.dense("w", shape=shape, dtype="float32", optimizer=opt, init=0.0)
+    ref = store.dense("ref", shape=shape, dtype="float32", optimizer=opt, init=0.0)
+    nper = 40
+    flags = new_flags(NPROCS)
+    with Workers() as ws:
+        for i in range(NPROCS):
+            ws.start(push_ones, store_name, "w", nper, flags, i)
+        time.sleep(0.5)   # all attached (most): they start together
+        flags[GO] = 1
+        assert ws.results(120) == [nper] * NPROCS
+    for _ in range(NPROCS * nper):
+        ref.push(np.ones(shape, np.float32))
+    got, want = t.pull(), ref.pull()
+    stripes = np.unique(got.reshape(64, -1)[:, 0])
+    assert stripes.size == 1 and got.tobytes() == want.tobytes(), (stripes[:4], want[0, 0])
+    assert t.stats()["step"] == NPROCS * nper
+
+
+def test_a_push_overtaken_on_its_stripe_applies_after_the_one_that_overtook_it(store):
+    """Forced: pusher A takes step 1 and is held at the shard's door (the shard frozen
+    for a moment, A stopped), pusher B takes step 2 and applies, then A.  The stripe
+    must show B then A, as one process pushing B then A: Momentum with dampening gives
+    B's gradient the first step's branch (b <- d) and A's the other.  (Before, A ran
+    the first step's branch last and B's gradient left the buffer: no sequential
+    order gave the values.)"""
+    import os
+    import signal
+
+    opt = shmps.Momentum(lr=0.1, momentum=0.9, dampening=0.5)
+    w = store.dense("w", shape=(4,), dtype="float64", optimizer=opt, init=0.0)
+    ref = store.dense("ref", shape=(4,), dtype="float64", optimizer=opt, init=0.0)
+    ga, gb = np.full(4, 1.0), np.full(4, 10.0)
+    with w._frozen_shared(0):                    # pushers wait at the shard's door
+        pid = os.fork()
+        if pid == 0:                             # pusher A
+            code = 1
+            try:
+                s = shmps.attach(store.name, namespace=store.namespace)
+                s["w"].push(ga)                  # step 1, then waits for the thaw
+                s.close()
+                code = 0
+            finally:
+                os._exit(code)
+        try:
+            wait_until(lambda: w.stats()["step"] >= 1, 30, "A took its step")
+            os.kill(pid, signal.SIGSTOP)
+        except BaseException:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise
+    try:
+        w.push(gb)                               # step 2, applied first
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    ref.push(gb)
+    ref.push(ga)
+    w.push(np.zeros(4))
+    ref.push(np.zeros(4))                        # the buffers count too
+    assert w.pull().tolist() == ref.pull().tolist(), (w.pull(), ref.pull())
+    assert w.stats()["step"] == 3
 
 
 def test_hogwild_mode_runs(store, store_name):

@@ -639,3 +639,24 @@ def test_a_split_push_holds_each_shard_once_and_lets_go(store, monkeypatch):
     assert lib.shmps_active_pushers(t._shards[2].ptr, n) == 0 and n[0] == 0
     got = t.pull()
     assert got[4096:4100].min() == 4 and got[4100:].max() == 3   # stripe 0 of shard 2
+
+
+def test_a_copy_written_by_rows_goes_on_at_the_tensors_step(store):
+    """A replica's copy (the bridge writes the owner's rows into it, and raises its step)
+    holds values its stripes did not apply themselves: a whole push there afterwards
+    (the copy's host took the shard over, or the bridge stopped) applies at the
+    tensor's next step, as on the owner.  Adam shows the step: the copy and the owner,
+    given the same push, hold the same bits.  (Counted per stripe, the copy's stripes,
+    which never applied a push, took step 1: the bias correction of a first step.)"""
+    opt = shmps.Adam(lr=0.1)
+    owner = store.dense("owner", shape=(8, 4096), dtype="float32", optimizer=opt, init=0.0)
+    copy = store.dense("copy", shape=(8, 4096), dtype="float32", optimizer=opt, init=0.0)
+    rng = np.random.default_rng(3)
+    for _ in range(5):
+        owner.push(rng.uniform(-1, 1, (8, 4096)).astype(np.float32))
+    copy._write_rows(0, owner._snapshot(0))
+    assert copy.stats()["step"] == 5
+    g = rng.uniform(-1, 1, (8, 4096)).astype(np.float32)
+    owner.push(g)
+    copy.push(g)
+    assert copy.pull().tobytes() == owner.pull().tobytes()
