@@ -58,7 +58,9 @@ static void note_pending(void *base, const shmps_spec_t *s, uint64_t e0, uint64_
  *     itself when nothing runs at once;
  *   - otherwise (a rows= push, or any push once one was made: a rows= push advances
  *     the step of the stripes it skips): max(ticket, last step + 1), the ticket in any
- *     sequential history, and never a step a stripe already applied or an earlier one.
+ *     sequential history, and never a step a stripe already applied or an earlier one;
+ *   - more of a push under way (SHMPS_STEP_AGAIN: a later frame of one drain, which
+ *     the bridge applies as one push): its step, as its first part had.
  * The last step is rebuilt from its low 32 bits next to the ticket: it lies within
  * STEP_NEAR of it whenever it says anything (pushes overtaking a stalled one, or pushes
  * killed before they reached the stripe); further off (a restore leaves every stripe
@@ -67,11 +69,17 @@ static void note_pending(void *base, const shmps_spec_t *s, uint64_t e0, uint64_
 #define STEP_NEAR (1ll << 20)
 
 static uint64_t stripe_step(shmps_stripe_t *st, uint64_t step) {
-    uint64_t ticket = step & ~SHMPS_STEP_BY_STRIPE;
+    uint64_t ticket = step & ~(SHMPS_STEP_BY_STRIPE | SHMPS_STEP_AGAIN);
     /* relaxed: under the stripe's lock, whose acquire/release orders it */
     uint32_t last32 = LOAD(&st->pad, RELAXED);
     int64_t d = (int32_t)(last32 - (uint32_t)ticket); /* last - ticket, if near */
     uint64_t t = ticket;
+    if (step & SHMPS_STEP_AGAIN) {
+        /* more of a push under way (SHMPS_STEP_AGAIN): its step, which the stripe may
+         * have applied already (an earlier frame of the push) */
+        if (!(d > 0 && d < STEP_NEAR)) STORE(&st->pad, (uint32_t)t, RELAXED);
+        return t;
+    }
     if (step & SHMPS_STEP_BY_STRIPE) {
         if (d > -STEP_NEAR && d < STEP_NEAR && (int64_t)ticket + d >= 0)
             t = (uint64_t)((int64_t)ticket + d) + 1;
@@ -111,7 +119,7 @@ static int push_stripes(void *base, const shmps_spec_t *s, uint64_t token, const
         uint64_t i1 = hi * s->stripe_elems < s->nnz ? hi * s->stripe_elems : s->nnz;
         /* hogwild: no lock, so no stripe steps; the ticket */
         return shmps_apply(base, s, i0, i1 - i0, g + i0 * shmps_grad_size(s->dtype),
-                           step & ~SHMPS_STEP_BY_STRIPE);
+                           step & ~(SHMPS_STEP_BY_STRIPE | SHMPS_STEP_AGAIN));
     }
     shmps_stripe_t *stripes = (shmps_stripe_t *)at(base, s->stripes_off);
     uint64_t contended = 0;
@@ -323,9 +331,7 @@ int shmps_dense_push_sorted_rows(void **bases, uint32_t nshards, uint64_t shard_
         if (!LOAD(&h0->rows_pushed, RELAXED)) STORE(&h0->rows_pushed, 1, RELAXED);
         step = FETCH_ADD(&h0->step, 1, RELEASE) + 1;
     } else {
-        /* relaxed: as shmps_stats reads it (a later frame of one drain) */
-        step = LOAD(&hdr_of(bases[0])->step, RELAXED);
-        if (step == 0) step = 1;
+        shmps_dense_step_again(bases[0], &step);
     }
     const char *g = (const char *)grad;
     int outbox = (s0->flags & SHMPS_F_OUTBOX) != 0;
@@ -366,7 +372,7 @@ static int push_rows_at(void *base, const shmps_spec_t *s, uint64_t token,
     for (uint64_t i = 0; i < n && r == SHMPS_OK; i++) {
         uint64_t e0 = (uint64_t)(rows[i] - off) * rl, e1 = e0 + rl;
         const char *gr = g + i * rl * gsz;
-        if (hog) { r = shmps_apply(base, s, e0, rl, gr, step); continue; }
+        if (hog) { r = shmps_apply(base, s, e0, rl, gr, step & ~SHMPS_STEP_AGAIN); continue; }
         for (uint64_t e = e0; e < e1 && r == SHMPS_OK;) {
             uint64_t j = e / se;
             uint64_t stop = (j + 1) * se < e1 ? (j + 1) * se : e1;
@@ -555,6 +561,15 @@ int shmps_dense_next_step(void *base, uint64_t *step) {
     shmps_shard_hdr_t *h = hdr_of(base);
     uint64_t t = FETCH_ADD(&h->step, 1, ACQUIRE) + 1;
     *step = LOAD(&h->rows_pushed, RELAXED) ? t : t | SHMPS_STEP_BY_STRIPE;
+    return SHMPS_OK;
+}
+
+/* The step of a push under way, to apply more of it (a later frame of one drain):
+ * the tensor's current step, at least 1, marked SHMPS_STEP_AGAIN ("Stripe steps").
+ * Relaxed: as shmps_stats reads it; the caller applied the push's first part. */
+int shmps_dense_step_again(void *base, uint64_t *step) {
+    uint64_t t = LOAD(&hdr_of(base)->step, RELAXED);
+    *step = (t ? t : 1) | SHMPS_STEP_AGAIN;
     return SHMPS_OK;
 }
 

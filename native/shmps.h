@@ -130,6 +130,7 @@ int shmps_check_finite(const void *data, uint32_t dtype, uint64_t n);
 int shmps_next_step(void *base, uint64_t *step);
 int shmps_set_step(void *base, uint64_t step);
 int shmps_dense_next_step(void *base, uint64_t *step);
+int shmps_dense_step_again(void *base, uint64_t *step);
 int shmps_dense_set_stripe_steps(void *base, uint64_t step);
 int shmps_set_table_used(void *base, uint64_t used);
 int shmps_count(void *base, int pull, uint64_t nbytes, uint64_t rows);

@@ -164,15 +164,14 @@ class DenseTensor(Tensor):
             return
         nthreads = self._threads_for(g.nbytes)
         self._require_finite(g, nthreads)
+        # the ticket (flagged when each stripe counts its own steps), or the step of the
+        # push under way: dense.c "Stripe steps"; passed to the C push as it is
+        step = _native.ffi.new("uint64_t *")
         if new_step:
-            # (the ticket, flagged when each stripe counts its own steps: dense.c
-            # "Stripe steps"; passed to the C push as it is)
-            step = _native.ffi.new("uint64_t *")
             lib.shmps_dense_next_step(self._shard(0).ptr, step)
-            t = int(step[0])
         else:
-            t = max(1, self._step())
-        self._push_all(g, t, nthreads)
+            lib.shmps_dense_step_again(self._shard(0).ptr, step)
+        self._push_all(g, int(step[0]), nthreads)
         lib.shmps_count_push(self._shard(0).ptr, pushes, g.nbytes, self.nrows)
 
     def _apply_rows(self, g: np.ndarray, r: np.ndarray, pushes: int, new_step: bool) -> None:
