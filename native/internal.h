@@ -153,6 +153,8 @@ static inline shmps_shard_hdr_t *hdr_of(void *base) { return (shmps_shard_hdr_t 
  * which any process of the user can write after attach.  keep: 0; SHMPS_E_CORRUPT if
  * another spec is kept for base (kept as it is); or ENOMEM. */
 const shmps_spec_t *shmps_spec_of(const void *base);
+/* out[i] = shmps_spec_of(bases[i]) for i < n, under one lock; returns how many are NULL */
+uint64_t shmps_specs_of(void *const *bases, uint64_t n, const shmps_spec_t **out);
 int shmps_spec_keep(const void *base, const shmps_spec_t *spec);
 static inline char *at(void *base, uint64_t off) { return (char *)base + off; }
 

@@ -12,10 +12,11 @@
  * private after attach").
  *
  * The registry: an open-addressing hash table (linear probing, backward-shift deletion)
- * of pointers to heap entries, under a read-write lock.  Lookups (every entry point, once
- * per shard it touches) take the read lock, so concurrent pushers (a push split over
- * threads) do not wait for each other; keep/forget (attach, create, close) take the
- * write lock and are the only callers that allocate.  An entry's address is stable from
+ * of pointers to heap entries, under a read-write lock.  Lookups (every entry point,
+ * once per shard it touches; a call touching several shards looks them up together,
+ * shmps_specs_of) take the read lock, so concurrent pushers (a push split over threads)
+ * do not wait for each other; keep/forget (attach, create, close) take the write lock
+ * and are the only callers that allocate.  An entry's address is stable from
  * keep to forget, so a lookup returns a pointer into it: it stays valid as long as the
  * mapping does, and a caller using a mapping while another thread unmaps it was already
  * wrong (the segment's pages vanish at the same moment).
@@ -78,6 +79,22 @@ const shmps_spec_t *shmps_spec_of(const void *base) {
     }
     pthread_rwlock_unlock(&reg_lock);
     return s;
+}
+
+/* The specs of n mappings at once (out[i]: bases[i]'s, or NULL), under one read lock:
+ * a call touching several shards pays the lock (most of a lookup's ~30 ns: the lock
+ * word's cache line moves between the cores of concurrent callers) once, then a probe
+ * per shard.  Returns the number of bases not found. */
+uint64_t shmps_specs_of(void *const *bases, uint64_t n, const shmps_spec_t **out) {
+    uint64_t missing = 0;
+    pthread_rwlock_rdlock(&reg_lock);
+    for (uint64_t i = 0; i < n; i++) {
+        spec_ent_t *e = reg_cap ? reg_slots[probe(reg_slots, reg_cap, bases[i])] : NULL;
+        out[i] = e ? &e->spec : NULL;
+        missing += !e;
+    }
+    pthread_rwlock_unlock(&reg_lock);
+    return missing;
 }
 
 int shmps_spec_keep(const void *base, const shmps_spec_t *spec) {

@@ -258,17 +258,35 @@ int shmps_table_attach_check(const void *base, uint64_t capacity, uint32_t nshar
     return SHMPS_OK;
 }
 
-/* Fills views of every shard, from their private specs (shmps_spec_of), and checks they
- * form one table. */
-static int shard_views(void **bases, uint32_t nshards, tshard_t *ts) {
+/* Fills the views of shard 0 and of the shards whose bit is set in want[] (NULL: every
+ * shard), from their private specs, looked up together (shmps_specs_of: one lock), and
+ * checks they belong to one table.  The other entries of ts are left unset: a batch
+ * (push, pull, contains, row_stats) views the shards its keys hash to, a call on one
+ * shard that shard, and each reads no other view but shard 0's (the table's dtype and
+ * updater, its creation lock, step and key count); a taker of the creation lock views
+ * them all before it repairs (table_repair). */
+static int shard_views(void **bases, uint32_t nshards, const uint64_t *want, tshard_t *ts) {
     if (nshards == 0 || nshards > SHMPS_TABLE_MAX_SHARDS || !bases) return SHMPS_E_ARG;
-    for (uint32_t i = 0; i < nshards; i++) {
-        if (!bases[i]) return SHMPS_E_ARG;
+    void *vb[SHMPS_TABLE_MAX_SHARDS];
+    const shmps_spec_t *vs[SHMPS_TABLE_MAX_SHARDS];
+    uint32_t vi[SHMPS_TABLE_MAX_SHARDS], m = 0;
+    for (uint32_t w = 0; w < (nshards + 63) / 64; w++) {
+        uint64_t bits = want ? want[w] : ~0ull;
+        if (w == 0) bits |= 1; /* shard 0 */
+        for (; bits; bits &= bits - 1) {
+            uint32_t i = 64 * w + (uint32_t)__builtin_ctzll(bits);
+            if (i >= nshards) break;
+            if (!bases[i]) return SHMPS_E_ARG;
+            vb[m] = bases[i], vi[m++] = i;
+        }
+    }
+    if (shmps_specs_of(vb, m, vs)) return SHMPS_E_ARG;
+    for (uint32_t k = 0; k < m; k++) { /* vi[0] == 0: shard 0 is viewed first */
+        uint32_t i = vi[k];
         tshard_t *t = &ts[i];
         t->base = (char *)bases[i];
         t->h = hdr_of(bases[i]);
-        const shmps_spec_t *s = t->s = shmps_spec_of(bases[i]);
-        if (!s) return SHMPS_E_ARG;
+        const shmps_spec_t *s = t->s = vs[k];
         if (s->kind != SHMPS_TABLE || s->nslots == 0 || (s->nslots & (s->nslots - 1)) ||
             s->nrows >= (1ull << ST_ROWBITS))
             return SHMPS_E_CORRUPT;
@@ -290,6 +308,16 @@ static int shard_views(void **bases, uint32_t nshards, tshard_t *ts) {
             return SHMPS_E_CORRUPT;
     }
     return SHMPS_OK;
+}
+
+/* The views of shard 0 and of `shard` (SHMPS_E_BOUNDS if the table has no such
+ * shard): for the calls on one shard. */
+static int shard_view(void **bases, uint32_t nshards, uint32_t shard, tshard_t *ts) {
+    uint64_t want[SHMPS_TABLE_MAX_SHARDS / 64] = {0};
+    if (shard < SHMPS_TABLE_MAX_SHARDS) want[shard >> 6] = 1ull << (shard & 63);
+    int r = shard_views(bases, nshards, want, ts);
+    if (r) return r;
+    return shard < nshards ? SHMPS_OK : SHMPS_E_BOUNDS;
 }
 
 /* Row of `key` (hash h) in shard t: >= 0 found, -1 absent, -2 corrupt.  When found,
@@ -399,7 +427,7 @@ static int carve(batch_t *b, void *scratch, uint64_t bytes, uint64_t dim) {
     if (bytes < shmps_table_scratch_bytes(b->n, dim) || !scratch) return SHMPS_E_ARG;
     char *p = (char *)A64((uintptr_t)scratch);
     uint64_t n = b->n;
-    b->hash = (uint64_t *)p; p += A64(8 * n);
+    b->hash = (uint64_t *)p; p += A64(8 * n); /* (filled already: hash_keys) */
     b->slot = (uint64_t *)p; p += A64(8 * n);
     b->state = (uint64_t *)p; p += A64(8 * n);
     b->row = (int64_t *)p; p += A64(8 * n);
@@ -412,15 +440,23 @@ static int carve(batch_t *b, void *scratch, uint64_t bytes, uint64_t dim) {
     return SHMPS_OK;
 }
 
-/* Hashes every key and marks the shards touched.  O(n), sequential. */
-static void hash_keys(batch_t *b) {
+/* Hashes every key into the scratch and marks the shards touched.  First in a batch:
+ * the shards touched are the ones it views (shard_views), and the scratch is carved
+ * once shard 0's view gives the row length, so the hashes go where carve puts them
+ * (the scratch's first array), bounds checked here.  O(n), sequential. */
+static int hash_keys(batch_t *b, void *scratch, uint64_t bytes) {
+    if (b->nshards == 0 || b->nshards > SHMPS_TABLE_MAX_SHARDS) return SHMPS_E_ARG;
     memset(b->touched, 0, sizeof b->touched);
+    if (b->n == 0) return SHMPS_OK;
+    if (!scratch || bytes < A64(8 * b->n) + 64) return SHMPS_E_ARG;
+    b->hash = (uint64_t *)A64((uintptr_t)scratch);
     for (uint64_t i = 0; i < b->n; i++) {
         uint64_t h = shmps_key_hash(b->keys[i]);
         b->hash[i] = h;
         uint32_t s = shard_of(h, b->nshards);
         b->touched[s >> 6] |= 1ull << (s & 63);
     }
+    return SHMPS_OK;
 }
 
 /* Groups equal keys (all of them, or only those whose row is still -1): first[i] is
@@ -638,7 +674,10 @@ static int shard_sound(const tshard_t *t, const uint64_t *bits, uint64_t hwm, ui
  * link is never changed (the rows READY slots reference are marked in private memory,
  * seen_set), and a shard whose bookkeeping already agrees with its index is not
  * written at all (shard_sound). */
-static int table_repair(tshard_t *ts, uint32_t nshards, uint64_t token) {
+static int table_repair(void **bases, tshard_t *ts, uint32_t nshards, uint64_t token) {
+    /* the caller viewed the shards it touches: the repair needs them all */
+    int vr = shard_views(bases, nshards, NULL, ts);
+    if (vr) return vr;
     uint64_t total = 0, maxrows = 0;
     for (uint32_t s = 0; s < nshards; s++)
         if (ts[s].nrows > maxrows) maxrows = ts[s].nrows;
@@ -719,13 +758,15 @@ static int table_repair(tshard_t *ts, uint32_t nshards, uint64_t token) {
     return SHMPS_OK;
 }
 
-static int create_lock_within(tshard_t *ts, uint32_t nshards, uint64_t token,
+/* Takes the creation lock; taken over from a dead holder, repairs the table first.
+ * bases: every shard (ts may hold only some views: shard_views). */
+static int create_lock_within(void **bases, tshard_t *ts, uint32_t nshards, uint64_t token,
                               double timeout_s) {
     int r = shmps_stripe_lock(&ts[0].ctl->create, token, timeout_s,
                               &ts[0].h->stats.takeovers);
     if (r < 0) return r;
     if (r == SHMPS_RECOVERED) {
-        int rr = table_repair(ts, nshards, token);
+        int rr = table_repair(bases, ts, nshards, token);
         if (rr < 0) {
             shmps_stripe_unlock(&ts[0].ctl->create);
             return rr;
@@ -734,8 +775,8 @@ static int create_lock_within(tshard_t *ts, uint32_t nshards, uint64_t token,
     return SHMPS_OK;
 }
 
-static int create_lock(tshard_t *ts, uint32_t nshards, uint64_t token) {
-    return create_lock_within(ts, nshards, token, SHMPS_LOCK_TIMEOUT_S);
+static int create_lock(void **bases, tshard_t *ts, uint32_t nshards, uint64_t token) {
+    return create_lock_within(bases, ts, nshards, token, SHMPS_LOCK_TIMEOUT_S);
 }
 
 static void create_unlock(tshard_t *ts) { shmps_stripe_unlock(&ts[0].ctl->create); }
@@ -756,7 +797,7 @@ static void create_unlock(tshard_t *ts) { shmps_stripe_unlock(&ts[0].ctl->create
  * SHMPS_E_FULL): new keys needed, keys used, capacity, and the shard that is full
  * (UINT64_MAX: the table as a whole). */
 static int create_missing(batch_t *b, tshard_t *ts, uint64_t step, uint64_t *info) {
-    int r = create_lock(ts, b->nshards, b->token);
+    int r = create_lock(b->bases, ts, b->nshards, b->token);
     if (r < 0) return r;
     uint64_t newcnt[SHMPS_TABLE_MAX_SHARDS];
     memset(newcnt, 0, sizeof(uint64_t) * b->nshards);
@@ -782,9 +823,10 @@ static int create_missing(batch_t *b, tshard_t *ts, uint64_t step, uint64_t *inf
             return SHMPS_E_FULL;
         }
         for (uint32_t s = 0; s < b->nshards; s++) {
+            if (!newcnt[s]) continue; /* (not viewed, maybe) */
             /* relaxed: changed only under the creation lock, which we hold */
             uint64_t used = LOAD(&ts[s].h->table_used, RELAXED);
-            if (newcnt[s] && used + newcnt[s] > ts[s].nrows) {
+            if (used + newcnt[s] > ts[s].nrows) {
                 if (info) info[0] = newcnt[s], info[1] = used, info[2] = ts[s].nrows, info[3] = s;
                 create_unlock(ts);
                 return SHMPS_E_FULL;
@@ -955,21 +997,21 @@ static int table_push(void **bases, uint32_t nshards, uint64_t token, const uint
                       void *scratch, uint64_t scratch_bytes, uint64_t *info,
                       const rows_out_t *out, uint32_t nstates) {
     tshard_t ts[SHMPS_TABLE_MAX_SHARDS];
-    int r = shard_views(bases, nshards, ts);
-    if (r) return r;
+    if (n > SHMPS_TABLE_MAX_BATCH) return SHMPS_E_ARG;
+    batch_t b;
+    b.bases = bases, b.nshards = nshards, b.token = token, b.n = n, b.keys = keys;
+    int r = hash_keys(&b, scratch, scratch_bytes);
+    if (r || (r = shard_views(bases, nshards, b.touched, ts))) return r;
     const shmps_spec_t *s0 = ts[0].s;
     uint32_t want = s0->dtype == SHMPS_FLOAT16 ? SHMPS_FLOAT32 : s0->dtype;
-    if (grad_dtype != want || n > SHMPS_TABLE_MAX_BATCH) return SHMPS_E_ARG;
+    if (grad_dtype != want) return SHMPS_E_ARG;
     if (out && (nstates != s0->nstate || !out->vals || !out->rowsteps ||
                 (nstates && !out->states)))
         return SHMPS_E_ARG;
     uint64_t dim = s0->row_len;
     if (check && (r = shmps_check_finite(grad, grad_dtype, n * dim))) return r;
     if (n == 0) return SHMPS_OK;
-    batch_t b;
-    b.bases = bases, b.nshards = nshards, b.token = token, b.n = n, b.keys = keys;
     if ((r = carve(&b, scratch, scratch_bytes, dim))) return r;
-    hash_keys(&b);
     group_keys(&b, 0); /* duplicates are combined first: one update per key */
     int stepped = uses_step(s0);
     int outbox = (s0->flags & SHMPS_F_OUTBOX) != 0;
@@ -987,7 +1029,8 @@ static int table_push(void **bases, uint32_t nshards, uint64_t token, const uint
             /* an outbox full of keys kept from earlier drains, maybe: each shard's next
              * drain removes them ("Outbox drains"); relaxed, a hint (the bridge finds the
              * shards busy: shmps_outbox_busy) */
-            for (uint32_t s = 0; s < nshards; s++) STORE(&ts[s].h->ob_rescan, 1, RELAXED);
+            for (uint32_t s = 0; s < nshards; s++) /* (not all viewed: bases, checked) */
+                if (bases[s]) STORE(&hdr_of(bases[s])->ob_rescan, 1, RELAXED);
         leave_all(&b, ts, nshards);
         return r;
     }
@@ -1092,15 +1135,14 @@ int shmps_table_pull(void **bases, uint32_t nshards, uint64_t token, const uint6
                      uint64_t n, void *out, int create, uint8_t *found, void *scratch,
                      uint64_t scratch_bytes, uint64_t *info) {
     tshard_t ts[SHMPS_TABLE_MAX_SHARDS];
-    int r = shard_views(bases, nshards, ts);
-    if (r) return r;
     if (n > SHMPS_TABLE_MAX_BATCH) return SHMPS_E_ARG;
-    if (n == 0) return SHMPS_OK;
-    uint64_t dim = ts[0].s->row_len;
     batch_t b;
     b.bases = bases, b.nshards = nshards, b.token = token, b.n = n, b.keys = keys;
+    int r = hash_keys(&b, scratch, scratch_bytes);
+    if (r || (r = shard_views(bases, nshards, b.touched, ts))) return r;
+    if (n == 0) return SHMPS_OK;
+    uint64_t dim = ts[0].s->row_len;
     if ((r = carve(&b, scratch, scratch_bytes, dim))) return r;
-    hash_keys(&b);
     if ((r = enter_all(&b, ts))) return r;
     int64_t missing = lookup_keys(&b, ts, NULL, n);
     if (missing < 0) r = (int)missing;
@@ -1137,14 +1179,15 @@ int shmps_table_pull(void **bases, uint32_t nshards, uint64_t token, const uint6
 
 /* ---- lookups without a batch scratch --------------------------------------------- */
 
-/* Enters every shard some key hashes to (bitmap in b). */
-static int enter_for_keys(batch_t *b, tshard_t *ts, const uint64_t *keys, uint64_t n) {
+/* Marks every shard some key hashes to (bitmap in b), to view and enter them. */
+static int mark_keys(batch_t *b, const uint64_t *keys, uint64_t n) {
+    if (b->nshards == 0 || b->nshards > SHMPS_TABLE_MAX_SHARDS) return SHMPS_E_ARG;
     memset(b->touched, 0, sizeof b->touched);
     for (uint64_t i = 0; i < n; i++) {
         uint32_t s = shard_of(shmps_key_hash(keys[i]), b->nshards);
         b->touched[s >> 6] |= 1ull << (s & 63);
     }
-    return enter_all(b, ts);
+    return SHMPS_OK;
 }
 
 int shmps_table_contains(void **bases, uint32_t nshards, uint64_t token,
@@ -1156,12 +1199,12 @@ int shmps_table_row_stats(void **bases, uint32_t nshards, uint64_t token,
                           const uint64_t *keys, uint64_t n, uint64_t *pushes,
                           uint64_t *last_step, uint8_t *found) {
     tshard_t ts[SHMPS_TABLE_MAX_SHARDS];
-    int r = shard_views(bases, nshards, ts);
-    if (r) return r;
-    if (n == 0) return SHMPS_OK;
     batch_t b;
-    b.nshards = nshards, b.token = token;
-    if ((r = enter_for_keys(&b, ts, keys, n))) return r;
+    b.bases = bases, b.nshards = nshards, b.token = token;
+    int r = mark_keys(&b, keys, n);
+    if (r || (r = shard_views(bases, nshards, b.touched, ts))) return r;
+    if (n == 0) return SHMPS_OK;
+    if ((r = enter_all(&b, ts))) return r;
     for (uint64_t i = 0; i < n; i++) {
         uint64_t h = shmps_key_hash(keys[i]);
         tshard_t *t = &ts[shard_of(h, nshards)];
@@ -1179,7 +1222,8 @@ int shmps_table_row_stats(void **bases, uint32_t nshards, uint64_t token,
 
 int shmps_table_len(void **bases, uint32_t nshards, uint64_t *n) {
     tshard_t ts[SHMPS_TABLE_MAX_SHARDS];
-    int r = shard_views(bases, nshards, ts);
+    uint64_t only0[SHMPS_TABLE_MAX_SHARDS / 64] = {0};
+    int r = shard_views(bases, nshards, only0, ts);
     if (r) return r;
     *n = LOAD(&ts[0].ctl->table_live, RELAXED); /* relaxed: a count at some instant */
     return SHMPS_OK;
@@ -1188,9 +1232,8 @@ int shmps_table_len(void **bases, uint32_t nshards, uint64_t *n) {
 int shmps_table_keys(void **bases, uint32_t nshards, uint32_t shard, uint64_t token,
                      uint64_t *out, uint64_t cap, uint64_t *n) {
     tshard_t ts[SHMPS_TABLE_MAX_SHARDS];
-    int r = shard_views(bases, nshards, ts);
+    int r = shard_view(bases, nshards, shard, ts);
     if (r) return r;
-    if (shard >= nshards) return SHMPS_E_BOUNDS;
     tshard_t *t = &ts[shard];
     uint32_t slot;
     if ((r = shmps_enter(t->base, token, SHMPS_LOCK_TIMEOUT_S, &slot)) < 0) return r;
@@ -1223,7 +1266,7 @@ int shmps_table_attach_counts(void **bases, uint32_t nshards, uint64_t token,
                               uint32_t *checked) {
     tshard_t ts[SHMPS_TABLE_MAX_SHARDS];
     *checked = 0;
-    int r = shard_views(bases, nshards, ts);
+    int r = shard_views(bases, nshards, NULL, ts);
     if (r) return r;
     /* one try (acquire: the last holder's counter writes happen-before our loads) */
     if (!shmps_stripe_trylock(&ts[0].ctl->create, token)) return SHMPS_OK;
@@ -1290,12 +1333,12 @@ typedef struct {
     uint64_t min_pushes, idle_steps, now;
 } removal_t;
 
-static int remove_rows(tshard_t *ts, uint32_t nshards, uint32_t shard, uint64_t token,
-                       const removal_t *q, uint64_t *count) {
+static int remove_rows(void **bases, tshard_t *ts, uint32_t nshards, uint32_t shard,
+                       uint64_t token, const removal_t *q, uint64_t *count) {
     tshard_t *t = &ts[shard];
     int r = shmps_freeze(t->base, token, SHMPS_LOCK_TIMEOUT_S);
     if (r < 0) return r;
-    if ((r = create_lock(ts, nshards, token)) < 0) {
+    if ((r = create_lock(bases, ts, nshards, token)) < 0) {
         shmps_thaw(t->base, token);
         return r;
     }
@@ -1336,28 +1379,26 @@ static int remove_rows(tshard_t *ts, uint32_t nshards, uint32_t shard, uint64_t 
 int shmps_table_delete(void **bases, uint32_t nshards, uint32_t shard, uint64_t token,
                        const uint64_t *keys, uint64_t n, uint64_t *deleted) {
     tshard_t ts[SHMPS_TABLE_MAX_SHARDS];
-    int r = shard_views(bases, nshards, ts);
+    int r = shard_view(bases, nshards, shard, ts);
     if (r) return r;
-    if (shard >= nshards) return SHMPS_E_BOUNDS;
     *deleted = 0;
     if (n == 0) return SHMPS_OK;
     removal_t q = {keys, n, 0, 0, 0, 0};
-    return remove_rows(ts, nshards, shard, token, &q, deleted);
+    return remove_rows(bases, ts, nshards, shard, token, &q, deleted);
 }
 
 int shmps_table_evict(void **bases, uint32_t nshards, uint32_t shard, uint64_t token,
                       uint32_t which, uint64_t min_pushes, uint64_t idle_steps,
                       uint64_t *evicted) {
     tshard_t ts[SHMPS_TABLE_MAX_SHARDS];
-    int r = shard_views(bases, nshards, ts);
+    int r = shard_view(bases, nshards, shard, ts);
     if (r) return r;
-    if (shard >= nshards) return SHMPS_E_BOUNDS;
     if (which == 0 || (which & ~(uint32_t)(SHMPS_EVICT_MIN_PUSHES | SHMPS_EVICT_IDLE)))
         return SHMPS_E_ARG;
     /* relaxed: the table's push count at about this instant */
     removal_t q = {NULL, 0, which, min_pushes, idle_steps, LOAD(&ts[0].h->step, RELAXED)};
     *evicted = 0;
-    return remove_rows(ts, nshards, shard, token, &q, evicted);
+    return remove_rows(bases, ts, nshards, shard, token, &q, evicted);
 }
 
 /* ---- outbox drain, row reads and writes (the bridge; outbox.c, docs/concurrency.md) --- */
@@ -1441,9 +1482,8 @@ int shmps_table_drain(void **bases, uint32_t nshards, uint32_t shard, uint64_t t
                       uint64_t *n_out, uint64_t *pushed, uint64_t *prev, uint64_t *ticket,
                       uint64_t *lost) {
     tshard_t ts[SHMPS_TABLE_MAX_SHARDS];
-    int r = shard_views(bases, nshards, ts);
+    int r = shard_view(bases, nshards, shard, ts);
     if (r) return r;
-    if (shard >= nshards) return SHMPS_E_BOUNDS;
     tshard_t *t = &ts[shard];
     if (!(t->s->flags & SHMPS_F_OUTBOX)) return SHMPS_E_ARG;
     if (cap < t->nrows) return SHMPS_E_BOUNDS;
@@ -1497,7 +1537,7 @@ int shmps_table_drain(void **bases, uint32_t nshards, uint32_t shard, uint64_t t
     /* Take every row and remove it, as delete does (a pusher of a key we remove waits,
      * then creates it afresh, zero); the creation lock orders us with creators of other
      * shards' rows and the free list. */
-    if ((r = create_lock_within(ts, nshards, token, timeout_s)) < 0) {
+    if ((r = create_lock_within(bases, ts, nshards, token, timeout_s)) < 0) {
         shmps_thaw(t->base, token);
         return r;
     }
@@ -1565,9 +1605,8 @@ int shmps_table_read_rows(void **bases, uint32_t nshards, uint32_t shard, uint64
                           void *const *states, uint64_t *rowsteps, uint64_t cap,
                           uint64_t *nout) {
     tshard_t ts[SHMPS_TABLE_MAX_SHARDS];
-    int r = shard_views(bases, nshards, ts);
+    int r = shard_view(bases, nshards, shard, ts);
     if (r) return r;
-    if (shard >= nshards) return SHMPS_E_BOUNDS;
     tshard_t *t = &ts[shard];
     *nout = 0;
     if (keys) {
@@ -1614,9 +1653,8 @@ int shmps_table_write_rows(void **bases, uint32_t nshards, uint32_t shard, uint6
                            void *const *states, uint32_t nstates, const uint64_t *rowsteps,
                            uint64_t *info) {
     tshard_t ts[SHMPS_TABLE_MAX_SHARDS];
-    int r = shard_views(bases, nshards, ts);
+    int r = shard_view(bases, nshards, shard, ts);
     if (r) return r;
-    if (shard >= nshards) return SHMPS_E_BOUNDS;
     tshard_t *t = &ts[shard];
     const shmps_spec_t *s = t->s;
     if (nstates != s->nstate || n > SHMPS_TABLE_MAX_BATCH) return SHMPS_E_ARG;
@@ -1642,7 +1680,7 @@ int shmps_table_write_rows(void **bases, uint32_t nshards, uint32_t shard, uint6
     }
     if (r == SHMPS_OK && missing) {
         tctl_t *c0 = ts[0].ctl;
-        if ((r = create_lock(ts, nshards, token)) < 0) {
+        if ((r = create_lock(bases, ts, nshards, token)) < 0) {
             shmps_thaw(t->base, token);
             return r;
         }
@@ -1708,9 +1746,9 @@ enum { CHK_OK = 0, CHK_ROW = 1, CHK_KEY = 2, CHK_LINK = 3, CHK_DUP = 4, CHK_SHAR
 
 int shmps_table_check(void **bases, uint32_t nshards, uint64_t token, uint64_t *info) {
     tshard_t ts[SHMPS_TABLE_MAX_SHARDS];
-    int r = shard_views(bases, nshards, ts);
+    int r = shard_views(bases, nshards, NULL, ts);
     if (r) return r;
-    if ((r = create_lock(ts, nshards, token)) < 0) return r;
+    if ((r = create_lock(bases, ts, nshards, token)) < 0) return r;
     uint64_t code = CHK_OK, where_s = 0, where_i = 0, total = 0;
 #define FAIL(c, s_, i_) do { code = (c); where_s = (s_); where_i = (i_); goto done; } while (0)
     for (uint32_t s = 0; s < nshards; s++) {
