@@ -6,6 +6,8 @@
  * pass without progress does a pusher block (bounded, with dead-owner takeover).
  */
 #include "internal.h"
+#include <errno.h>
+#include <stdlib.h>
 
 #define CHUNK 4096 /* stripes per pass: bitmap of CHUNK bits on the stack */
 
@@ -258,41 +260,89 @@ static int push_rows_at(void *base, const shmps_spec_t *s, uint64_t token,
                         const int64_t *rows, uint64_t n, int64_t off, const void *grad,
                         uint64_t step);
 
-/* The shard of tensor row `row` into *sh (bases: every shard, shard i holding rows
- * i*shard_rows on), checked before anything is read or written there: in range of its
- * shard (SHMPS_E_BOUNDS), and that shard a dense shard of shard 0's dtype and row
- * length (SHMPS_E_ARG: one tensor's shards share a spec but nrows), looked at when the
- * shard differs from `last` (the previous row's; *sp holds its private spec, and gets
- * the new shard's). */
-static int row_shard(void **bases, uint32_t nshards, uint64_t shard_rows,
-                     const shmps_spec_t *s0, int64_t row, uint64_t last, uint64_t *sh,
-                     const shmps_spec_t **sp) {
-    if (row < 0) return SHMPS_E_BOUNDS;
-    uint64_t k = (uint64_t)row / shard_rows;
-    if (k >= nshards) return SHMPS_E_BOUNDS;
-    if (k != last) {
-        const shmps_spec_t *s = k == 0 ? s0 : shmps_spec_of(bases[k]);
-        if (!s || s->kind != SHMPS_DENSE || s->dtype != s0->dtype || s->row_len != s0->row_len)
-            return SHMPS_E_ARG;
-        *sp = s;
-    }
-    if ((uint64_t)row - k * shard_rows >= (*sp)->nrows) return SHMPS_E_BOUNDS;
-    *sh = k;
-    return SHMPS_OK;
+/* The rows of a tensor of nshards shards of shard_rows rows: [0, tensor_end), with
+ * tensor_end saturated (then no int64 row reaches it, as no row's shard is nshards). */
+static uint64_t tensor_end(uint32_t nshards, uint64_t shard_rows) {
+    return shard_rows > UINT64_MAX / nshards ? UINT64_MAX : nshards * shard_rows;
 }
 
-/* The end of the run of rows from rows[a] on that lie in rows[a]'s shard. */
-static uint64_t shard_run_end(const int64_t *rows, uint64_t a, uint64_t n,
-                              uint64_t shard_rows) {
-    uint64_t sh = (uint64_t)rows[a] / shard_rows, b = a + 1;
-    while (b < n && (uint64_t)rows[b] / shard_rows == sh) b++;
-    return b;
+/* The shards a rows= call touches, one per run of rows of one shard (the caller's rows
+ * are in runs of distinct shards), and their private specs: run j is rows[start[j] ..
+ * start[j + 1]) of shard shard[j], whose spec is sp[1 + j]; sp[0] is shard 0's.  Held
+ * on the stack for up to RUNS_ON_STACK runs (any call of that many rows), allocated
+ * for more. */
+#define RUNS_ON_STACK 64
+typedef struct {
+    uint64_t nruns;
+    uint64_t *start, *shard;
+    void **vb; /* the bases looked up, in sp's order */
+    const shmps_spec_t **sp;
+    uint64_t start_stack[1 + RUNS_ON_STACK], shard_stack[RUNS_ON_STACK];
+    void *vb_stack[1 + RUNS_ON_STACK];
+    const shmps_spec_t *sp_stack[1 + RUNS_ON_STACK];
+} runs_t;
+
+static void runs_free(runs_t *rs) {
+    if (rs->start != rs->start_stack) free(rs->start); /* (one block: see find_runs) */
+}
+
+/* Records the runs of rows[0..n) (each row >= 0) in rs, up to `cap` of them; returns
+ * how many there are.  One division a run: the other rows compare (a division costs
+ * tens of cycles, a lookup's worth over a run of rows). */
+static uint64_t record_runs(runs_t *rs, void **bases, uint64_t shard_rows, const int64_t *rows,
+                            uint64_t n, uint64_t cap) {
+    uint64_t j = 0;
+    for (uint64_t a = 0; a < n; j++) {
+        uint64_t sh = (uint64_t)rows[a] / shard_rows, first = sh * shard_rows;
+        if (j < cap) rs->start[j] = a, rs->shard[j] = sh, rs->vb[1 + j] = bases[sh];
+        do a++; while (a < n && (uint64_t)rows[a] - first < shard_rows); /* (wraps below) */
+    }
+    if (j <= cap) rs->start[j] = n;
+    return j;
+}
+
+/* Fills rs for rows[0..n) (bases: every shard, shard i holding rows i*shard_rows on;
+ * each row already checked in range of the tensor's shards: >= 0, shard < nshards),
+ * looking every shard up together (one lock: shmps_specs_of), and checks them before
+ * anything is read or written: each shard a dense shard of shard 0's dtype and row
+ * length (SHMPS_E_ARG: one tensor's shards share a spec but nrows; shard 0 a dense
+ * shard), each row in range of its shard (SHMPS_E_BOUNDS).  On success the caller
+ * frees rs (runs_free); on an error it is freed here. */
+static int find_runs(runs_t *rs, void **bases, uint64_t shard_rows, const int64_t *rows,
+                     uint64_t n) {
+    rs->start = rs->start_stack, rs->shard = rs->shard_stack;
+    rs->vb = rs->vb_stack, rs->sp = rs->sp_stack;
+    uint64_t m = record_runs(rs, bases, shard_rows, rows, n, RUNS_ON_STACK);
+    if (m > RUNS_ON_STACK) { /* one block of 1 + m starts, m shards, 1 + m bases and specs */
+        _Static_assert(sizeof(void *) == 8, "runs_t's block holds pointers as 8 bytes");
+        uint64_t *blk = malloc((4 * m + 3) * 8);
+        if (!blk) return ENOMEM;
+        rs->start = blk, rs->shard = blk + m + 1;
+        rs->vb = (void **)(blk + 2 * m + 1), rs->sp = (const shmps_spec_t **)(blk + 3 * m + 2);
+        record_runs(rs, bases, shard_rows, rows, n, m);
+    }
+    rs->nruns = m;
+    rs->vb[0] = bases[0];
+    int r = shmps_specs_of(rs->vb, 1 + m, rs->sp) ? SHMPS_E_ARG : SHMPS_OK;
+    const shmps_spec_t *s0 = rs->sp[0];
+    if (r == SHMPS_OK && s0->kind != SHMPS_DENSE) r = SHMPS_E_ARG;
+    for (uint64_t j = 0; j < m && r == SHMPS_OK; j++) {
+        const shmps_spec_t *s = rs->sp[1 + j];
+        uint64_t first = rs->shard[j] * shard_rows;
+        if (s->kind != SHMPS_DENSE || s->dtype != s0->dtype || s->row_len != s0->row_len)
+            r = SHMPS_E_ARG;
+        for (uint64_t i = rs->start[j]; i < rs->start[j + 1] && r == SHMPS_OK; i++)
+            if ((uint64_t)rows[i] - first >= s->nrows) r = SHMPS_E_BOUNDS;
+    }
+    if (r) runs_free(rs);
+    return r;
 }
 
 /* A push of rows given by their numbers in the tensor, in one call (a few rows cost a
  * dozen calls from Python otherwise): `rows` ascending (repeats allowed, applied in
- * turn), all checked (row_shard, the gradient's dtype, with `check` no NaN/Inf) before
- * anything changes; rows not ascending return SHMPS_UNSORTED having done nothing (the
+ * turn), all checked (each in the tensor's shards, then find_runs, the gradient's dtype,
+ * with `check` no NaN/Inf) before anything changes; rows not ascending return
+ * SHMPS_UNSORTED having done nothing, once each is in the tensor's shards (the
  * caller sorts them, stably, and calls again: each stripe is then locked once per push,
  * so a stripe always holds whole pushes).  Then the tensor's next step (shard 0; or,
  * new_step 0, its current one, at least 1), each shard's run of rows, and the push
@@ -307,20 +357,23 @@ int shmps_dense_push_sorted_rows(void **bases, uint32_t nshards, uint64_t shard_
                                  const void *grad, uint32_t grad_dtype, int check,
                                  int new_step, uint64_t pushes) {
     if (nshards == 0 || shard_rows == 0) return SHMPS_E_ARG;
-    const shmps_spec_t *s0 = shmps_spec_of(bases[0]), *sk = NULL;
-    if (!s0) return SHMPS_E_ARG;
-    int r = check_dense(s0, grad_dtype);
-    if (r) return r;
+    uint64_t end = tensor_end(nshards, shard_rows);
     int ascending = 1;
-    for (uint64_t i = 0, last = UINT64_MAX, sh; i < n; i++) {
-        if ((r = row_shard(bases, nshards, shard_rows, s0, rows[i], last, &sh, &sk))) return r;
+    for (uint64_t i = 0; i < n; i++) {
+        if (rows[i] < 0 || (uint64_t)rows[i] >= end) return SHMPS_E_BOUNDS;
         if (i && rows[i] < rows[i - 1]) ascending = 0;
-        last = sh;
     }
-    if (!ascending) return SHMPS_UNSORTED;
-    uint64_t ksh = n ? (uint64_t)rows[n - 1] / shard_rows : 0; /* sk is its spec */
+    if (!ascending) return SHMPS_UNSORTED; /* (the sorted call checks the rest) */
+    runs_t rs; /* ascending: each shard is one run */
+    int r = find_runs(&rs, bases, shard_rows, rows, n);
+    if (r) return r;
+    const shmps_spec_t *s0 = rs.sp[0];
     size_t gsz = shmps_grad_size(s0->dtype);
-    if (check && (r = shmps_check_finite(grad, grad_dtype, n * s0->row_len))) return r;
+    if ((r = check_dense(s0, grad_dtype)) ||
+        (check && (r = shmps_check_finite(grad, grad_dtype, n * s0->row_len)))) {
+        runs_free(&rs);
+        return r;
+    }
     uint64_t step;
     if (new_step) {
         shmps_shard_hdr_t *h0 = hdr_of(bases[0]);
@@ -335,13 +388,10 @@ int shmps_dense_push_sorted_rows(void **bases, uint32_t nshards, uint64_t shard_
     }
     const char *g = (const char *)grad;
     int outbox = (s0->flags & SHMPS_F_OUTBOX) != 0;
-    for (uint64_t a = 0, b; a < n && r == SHMPS_OK; a = b) {
-        uint64_t sh = (uint64_t)rows[a] / shard_rows;
-        b = shard_run_end(rows, a, n, shard_rows);
+    for (uint64_t j = 0; j < rs.nruns && r == SHMPS_OK; j++) {
+        uint64_t sh = rs.shard[j], a = rs.start[j], b = rs.start[j + 1];
         shmps_shard_hdr_t *h = hdr_of(bases[sh]);
-        /* checked by row_shard above; kept until the segment is unmapped */
-        const shmps_spec_t *s = sh == 0 ? s0 : sh == ksh ? sk : shmps_spec_of(bases[sh]);
-        if (!s) { r = SHMPS_E_ARG; break; }
+        const shmps_spec_t *s = rs.sp[1 + j]; /* checked (find_runs) */
         uint8_t slot = 0;
         if (outbox && (r = shmps_landing_claim(h, token, &slot)) < 0) break;
         r = push_rows_at(bases[sh], s, token, rows + a, b - a, (int64_t)(sh * shard_rows),
@@ -352,6 +402,7 @@ int shmps_dense_push_sorted_rows(void **bases, uint32_t nshards, uint64_t shard_
         }
     }
     if (r == SHMPS_OK) shmps_count_push(bases[0], pushes, n * s0->row_len * gsz, n);
+    runs_free(&rs);
     return r;
 }
 
@@ -469,18 +520,15 @@ int shmps_dense_pull_rows(void **bases, uint32_t nshards, uint64_t shard_rows,
                           uint64_t token, const int64_t *rows, const int64_t *pos,
                           uint64_t n, void *out, int consistent) {
     if (nshards == 0 || shard_rows == 0) return SHMPS_E_ARG;
-    const shmps_spec_t *s0 = shmps_spec_of(bases[0]), *sk = NULL;
-    if (!s0 || s0->kind != SHMPS_DENSE) return SHMPS_E_ARG;
-    size_t rb = s0->row_len * s0->itemsize;
+    uint64_t end = tensor_end(nshards, shard_rows);
     int runs = 1;   /* shard numbers never decrease */
-    for (uint64_t i = 0, last = UINT64_MAX, sh; i < n; i++) {
-        int rc = row_shard(bases, nshards, shard_rows, s0, rows[i], last, &sh, &sk);
-        if (rc) return rc;
+    for (uint64_t i = 0, first = 0; i < n; i++) { /* first: row i - 1's shard's first row */
+        if (rows[i] < 0 || (uint64_t)rows[i] >= end) return SHMPS_E_BOUNDS;
         if (pos && (pos[i] < 0 || (uint64_t)pos[i] >= n)) return SHMPS_E_BOUNDS;
-        if (i && sh < last) runs = 0;
-        last = sh;
+        if (i && (uint64_t)rows[i] - first < shard_rows) continue; /* the same shard */
+        if ((uint64_t)rows[i] < first) runs = 0;
+        first = (uint64_t)rows[i] / shard_rows * shard_rows;
     }
-    uint64_t ksh = n ? (uint64_t)rows[n - 1] / shard_rows : 0; /* sk is its spec */
     int64_t srows[64], spos[64];
     if (!runs) {
         if (pos) return SHMPS_E_ARG;
@@ -498,18 +546,19 @@ int shmps_dense_pull_rows(void **bases, uint32_t nshards, uint64_t shard_rows,
         rows = srows;
         pos = spos;
     }
+    runs_t rs; /* in shard order now: each shard is one run */
+    int r = find_runs(&rs, bases, shard_rows, rows, n);
+    if (r) return r;
+    size_t rb = rs.sp[0]->row_len * rs.sp[0]->itemsize;
     char *o = (char *)out;
-    int r = SHMPS_OK;
-    for (uint64_t a = 0, b; a < n && r == SHMPS_OK; a = b) {
-        uint64_t sh = (uint64_t)rows[a] / shard_rows;
-        b = shard_run_end(rows, a, n, shard_rows);
-        /* checked by row_shard above; kept until the segment is unmapped */
-        const shmps_spec_t *s = sh == 0 ? s0 : sh == ksh ? sk : shmps_spec_of(bases[sh]);
-        if (!s) { r = SHMPS_E_ARG; break; }
+    for (uint64_t j = 0; j < rs.nruns && r == SHMPS_OK; j++) {
+        uint64_t sh = rs.shard[j], a = rs.start[j], b = rs.start[j + 1];
+        const shmps_spec_t *s = rs.sp[1 + j]; /* checked (find_runs) */
         r = pull_group(bases[sh], s, token, rows + a, pos ? pos + a : NULL, b - a,
                        (int64_t)(sh * shard_rows), o, a, consistent);
     }
     if (r == SHMPS_OK) shmps_count(bases[0], 1, n * rb, n);
+    runs_free(&rs);
     return r;
 }
 

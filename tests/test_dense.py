@@ -270,6 +270,25 @@ def test_multi_shard_whole_and_rows_across_shards(store, dtype):
     np.testing.assert_array_equal(t.pull(rows=pick, out=out), m.w[pick])
 
 
+def test_rows_across_more_shards_than_one_call_holds_on_the_stack(store):
+    """A rows= push or pull whose rows lie in over 64 shards (C allocates their specs
+    then: dense.c run_specs) matches the model, unsorted and repeated rows included;
+    a row past the last shard is refused before anything changes."""
+    rng = np.random.default_rng(12)
+    t = store.dense("w", shape=(150, 2), dtype="int32", shard_rows=1)
+    assert t.nshards == 150
+    m = Model((150, 2), "int32", shmps.Sum())
+    rows = np.concatenate([rng.permutation(150)[:120], [149, 0, 149]])
+    g = ints(rng, (rows.size, 2), "int32")
+    t.push(g, rows=rows)
+    m.push(g, rows=rows)
+    np.testing.assert_array_equal(t.pull(rows=rows), m.w[rows])
+    np.testing.assert_array_equal(t.pull(rows=np.sort(rows)), m.w[np.sort(rows)])
+    with pytest.raises(shmps.OutOfRange):
+        t.push(np.ones((100, 2), np.int32), rows=np.arange(51, 151))
+    np.testing.assert_array_equal(t.pull(), m.w)
+
+
 def test_multi_shard_momentum_rows_across_shards(store):
     """Momentum state lives per shard; rows pushes across shards match the model."""
     rng = np.random.default_rng(7)
