@@ -261,24 +261,27 @@ class Table(Tensor):
         self._local = threading.local()
         self._bases: Any = None
         try:
-            self._check_shards()
-            self._bases = ffi.new("void *[]", [sh.ptr for sh in shards])
+            bases = ffi.new("void *[]", [sh.ptr for sh in shards])
+            self._check_shards(bases)
+            self._bases = bases
         except BaseException:
             self.close()
             raise
 
-    def _check_shards(self) -> None:
-        """Catalog record and shard segments must describe the same table."""
+    def _check_shards(self, bases: Any) -> None:
+        """Catalog record and shard segments (``bases``: their bases) must describe the
+        same table."""
         rec = self.record
         if not (isinstance(rec.get("dim"), int) and rec["dim"] >= 1
                 and isinstance(rec.get("capacity"), int) and rec["capacity"] >= 1
                 and 1 <= self.nshards <= MAX_SHARDS):
             raise CorruptSegment(f"table {self.name!r}: bad catalog record {rec!r}")
+        # what every shard's spec must hold, built once
+        want = {"nrows": self.shard_rows, "row_len": self.dim, "updater": self.optimizer.code,
+                "seed": self.seed, "params": _native.params_of(self.optimizer),
+                "init": _init_array(self.init_spec)}
         for i, sh in enumerate(self._shards):
             sp = sh.spec
-            want = {"nrows": self.shard_rows, "row_len": self.dim, "updater": self.optimizer.code,
-                    "seed": self.seed, "params": _native.params_of(self.optimizer),
-                    "init": _init_array(self.init_spec)}
             got = {k: sp[k] for k in want}
             code = lib.shmps_table_attach_check(sh.ptr, self.capacity, self.nshards, i)
             if got != want or code != 0:
@@ -287,8 +290,7 @@ class Table(Tensor):
                                      "block is damaged)")
         # the counters that must agree across shards (skipped while a creator is inside)
         checked = ffi.new("uint32_t *")
-        code = lib.shmps_table_attach_counts(ffi.new("void *[]", [sh.ptr for sh in self._shards]),
-                                             self.nshards, _native.token(), checked)
+        code = lib.shmps_table_attach_counts(bases, self.nshards, _native.token(), checked)
         if code == lib.SHMPS_E_CORRUPT:
             raise CorruptSegment(f"table {self.name!r}: its row counts disagree (rows in use "
                                  "above the rows handed out, or the table's key count not "
