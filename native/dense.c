@@ -381,7 +381,7 @@ int shmps_dense_push_sorted_rows(void **bases, uint32_t nshards, uint64_t shard_
          * Relaxed store, then a release add: a whole push whose ticket comes after this
          * one (its acquire add reads this add or a later one in step's chain of adds)
          * sees the flag */
-        if (!LOAD(&h0->rows_pushed, RELAXED)) STORE(&h0->rows_pushed, 1, RELAXED);
+        if (!LOAD(&h0->steps_by_ticket, RELAXED)) STORE(&h0->steps_by_ticket, 1, RELAXED);
         step = FETCH_ADD(&h0->step, 1, RELEASE) + 1;
     } else {
         shmps_dense_step_again(bases[0], &step);
@@ -609,7 +609,7 @@ int shmps_next_step(void *base, uint64_t *step) {
 int shmps_dense_next_step(void *base, uint64_t *step) {
     shmps_shard_hdr_t *h = hdr_of(base);
     uint64_t t = FETCH_ADD(&h->step, 1, ACQUIRE) + 1;
-    *step = LOAD(&h->rows_pushed, RELAXED) ? t : t | SHMPS_STEP_BY_STRIPE;
+    *step = LOAD(&h->steps_by_ticket, RELAXED) ? t : t | SHMPS_STEP_BY_STRIPE;
     return SHMPS_OK;
 }
 

@@ -62,8 +62,10 @@ typedef struct {
     shmps_spec_t spec;      /* inputs + derived layout, validated on attach */
     /* mutable words, each group on its own cache line */
     uint64_t step __attribute__((aligned(SHMPS_CACHELINE)));  /* dense push count */
-    /* dense, shard 0: 1 once the tensor took a rows= push (dense.c "Stripe steps") */
-    uint64_t rows_pushed;
+    /* dense, shard 0: 1 once the tensor took a rows= push or a copy was written row by
+     * row: whole pushes then apply at the ticket, not each stripe's count (dense.c
+     * "Stripe steps") */
+    uint64_t steps_by_ticket;
     uint64_t freeze __attribute__((aligned(SHMPS_CACHELINE))); /* exclusive freezer */
     uint64_t readers[SHMPS_READERS];  /* shared freezers (same line as freeze) */
     uint64_t active[SHMPS_ACTIVE_SLOTS] __attribute__((aligned(SHMPS_CACHELINE)));

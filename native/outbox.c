@@ -849,8 +849,8 @@ int shmps_raise_step(void *base, uint64_t step) {
      * holds values its stripes did not apply themselves: from now on whole pushes take
      * the ticket, not their stripe's count (dense.c "Stripe steps").  The flag, then a
      * release add of 0 to the step, as a rows= push publishes it (once). */
-    if (!LOAD(&h->rows_pushed, RELAXED)) {
-        STORE(&h->rows_pushed, 1, RELAXED);
+    if (!LOAD(&h->steps_by_ticket, RELAXED)) {
+        STORE(&h->steps_by_ticket, 1, RELAXED);
         FETCH_ADD(p, 0, RELEASE);
     }
     /* relaxed: only atomicity matters (as shmps_next_step); a monotone max */

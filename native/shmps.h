@@ -37,7 +37,7 @@ enum {
 };
 
 enum {
-    SHMPS_LAYOUT_VERSION = 3, /* 3 (2026-11-27): dense stripe steps (pad, rows_pushed); 2: table outboxes keep keys (ob_dirty) */
+    SHMPS_LAYOUT_VERSION = 3, /* 3 (2026-11-27): dense stripe steps (pad, steps_by_ticket); 2: table outboxes keep keys (ob_dirty) */
     SHMPS_HEADER_SIZE = 4096,        /* shard header bytes; arrays follow */
     SHMPS_STRIPE_BYTES = 16384,      /* dense stripe: values per lock word */
     SHMPS_ACTIVE_SLOTS = 64,         /* concurrent pushers per shard */
