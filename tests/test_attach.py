@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import shmps
+from conftest import REPO
 from helpers import (STOP, Workers, attach_and_hold, attach_timing, fork_dying_at_unlink,
                      new_flags, pull_after_destroy, race_attach, remove_store, store_segments,
                      unshare_pid_command, wait_until)
@@ -760,4 +761,52 @@ def test_attach_finishes_the_removal_of_a_dead_gc(store_name):
             assert s.tensors() == []
         assert time.monotonic() - t0 < 1.0
     finally:
+        remove_store(store_name)
+
+
+def test_attach_does_not_take_over_a_store_being_restored_in_another_pid_namespace(
+        store_name):
+    """A store of another PID namespace being restored there by a live process (state
+    RESTORING, claimed by that process's token): an attach here refuses it
+    (InvalidArgument) and leaves it whole, and the restore there ends as it would have.
+    The restorer's pid means nothing in this namespace and looks dead, so the takeover of
+    a dead remover's store (retire, then unlink) removed the live restore's store; Store()
+    refuses only a ready one, and the takeover ran before it."""
+    import subprocess
+    import sys
+
+    cmd = unshare_pid_command()
+    code = ("import shmps, sys\n"
+            "from shmps import _native\n"
+            "lib = _native.lib\n"
+            "s = shmps.attach(sys.argv[1])\n"
+            "s.dense('w', shape=(4,), dtype='int32', init=3)\n"
+            "assert lib.shmps_manifest_restore_begin(s._mptr, _native.token()) == 0\n"
+            "print('restoring', flush=True)\n"
+            "sys.stdin.readline()\n"
+            "s.dense('v', shape=(2,), dtype='int32', init=5)   # the restore goes on\n"
+            "assert lib.shmps_manifest_restore_end(s._mptr, _native.token()) == 0\n"
+            "print(s['w'].pull().tolist(), s['v'].pull().tolist(), flush=True)\n"
+            "s.close()\n")
+    env = dict(os.environ)   # this tree's shmps there too
+    env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    p = subprocess.Popen(cmd + [sys.executable, "-c", code, store_name], env=env,
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "restoring"
+        before = store_segments(store_name)
+        assert len(before) == 2, before
+        t0 = time.monotonic()
+        with pytest.raises(shmps.InvalidArgument, match="another PID namespace"):
+            shmps.attach(store_name, timeout=5)
+        assert time.monotonic() - t0 < 2.0   # refused at once, not after the timeout
+        assert store_segments(store_name) == before
+        p.stdin.write("go\n")
+        p.stdin.flush()
+        assert p.stdout.readline().split() == ["[3,", "3,", "3,", "3]", "[5,", "5]"]
+        assert p.wait(timeout=30) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.wait(timeout=30)
         remove_store(store_name)
