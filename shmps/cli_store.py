@@ -178,6 +178,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
             try:
                 gone = remove_idle(*store)
             except Error as exc:   # one store's trouble does not stop the others' removal
+                # (among them a store remade since the scan in another PID namespace)
                 print(f"skipped {what}: {exc}", file=sys.stderr)
                 continue
             if gone is None:

@@ -1085,7 +1085,9 @@ def remove_idle(name: str, namespace: Optional[str]) -> Optional[list[str]]:
     names of the segments removed, or None if a process is attached (or attaches while
     this looks: native/manifest.c, shmps_manifest_retire) or another remover is at it.
     The shards go first and the manifest last, so an attach that waits for the removal
-    (attach()) makes a new store whose shards no part of this removal can touch."""
+    (attach()) makes a new store whose shards no part of this removal can touch.
+    Raises InvalidArgument for a store of another PID namespace (made there since gc's
+    scan): its processes' pids mean nothing here, all would look dead."""
     mname = names.manifest_name(name, namespace)
     try:
         seg = Segment.open(mname, expect_size=MANIFEST_SIZE)
@@ -1096,8 +1098,12 @@ def remove_idle(name: str, namespace: Optional[str]) -> Optional[list[str]]:
             return None
         raise
     try:
-        if _native.foreign_pid_namespace(seg.ptr):
-            return None   # another PID namespace's: its live processes look dead from here
+        other = _native.foreign_pid_namespace(seg.ptr)
+        if other is not None:   # its live processes would look dead from here
+            raise InvalidArgument(
+                f"store {name!r} was made in another PID namespace (pid:[{other[0]}]; "
+                f"this process is in pid:[{other[1]}]), whose processes this one cannot "
+                "see", "run `shmps-tool gc` in that PID namespace")
         code = lib.shmps_manifest_retire(seg.ptr, _native.token())
         if code == lib.SHMPS_E_BUSY:
             return None

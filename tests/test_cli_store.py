@@ -246,6 +246,50 @@ def test_gc_leaves_a_store_of_another_pid_namespace_alone(ns, procs):
     assert p.wait(timeout=30) == 0
 
 
+def test_gc_leaves_a_store_remade_in_another_pid_namespace_since_its_scan_alone(
+        ns, procs, monkeypatch, capsys):
+    """gc scans and finds store "x" idle; before it removes it, "x" is destroyed and made
+    anew by a live process of another PID namespace: gc's remove_idle refuses that store
+    (all its processes would look dead from here) and gc says so, not "a process attached
+    to it meanwhile".  remove_idle itself raises InvalidArgument for it."""
+    from helpers import unshare_pid_command
+    from shmps import cli, cli_store
+    from shmps.store import remove_idle
+
+    cmd = unshare_pid_command()
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    spawn_holder(procs, "x", ns, "exit")      # ours, idle
+    assert procs[-1].wait(timeout=30) == 0
+    real_scan = cli_store.shm_inspect.scan
+
+    def scan_then_remade_there(*a, **k):
+        found = real_scan(*a, **k)
+        shmps.attach("x", namespace=ns, create=False).destroy()
+        p = subprocess.Popen(cmd + [sys.executable, "-c", HOLDER, "x", ns, "hold"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        procs.append(p)
+        assert p.stdout.readline().strip() == "attached"
+        return found
+
+    monkeypatch.setenv("SHMPS_GC_MIN_AGE", "0")
+    monkeypatch.delenv("SHMPS_NAMESPACE", raising=False)
+    monkeypatch.setattr(cli_store.shm_inspect, "scan", scan_then_remade_there)
+    assert cli.main(["gc", "--namespace", ns]) == 0
+    monkeypatch.undo()
+    out, err = capsys.readouterr()
+    assert len(segments("x", ns)) == 2, (out, err)
+    assert out.strip() == "nothing to remove", out
+    assert "meanwhile" not in out + err
+    assert f"skipped store x (namespace {ns}): store 'x' was made in another PID " \
+        "namespace" in err and "run `shmps-tool gc` in that PID namespace" in err, err
+    with pytest.raises(shmps.InvalidArgument, match="another PID namespace"):
+        remove_idle("x", ns)
+    assert len(segments("x", ns)) == 2
+    procs[-1].stdin.close()
+    assert procs[-1].wait(timeout=30) == 0
+
+
 def test_ls_and_gc_follow_shmps_namespace(ns, procs):
     """`ls` and `gc` default --namespace to $SHMPS_NAMESPACE like the other store verbs:
     with it set, stores of other namespaces are neither listed nor removed; `--namespace`
