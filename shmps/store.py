@@ -846,10 +846,14 @@ class Store:
         live attached process at every instant from the fork to the child's close():
         the child registering only once forked left a gap in which the parent's close()
         and a gc removed the store under the child (review 12, F6: 428 of 429 forks
-        beside a gc loop).  The parent never frees it: freed before the child took it,
-        the gap was back; a child killed before its fork handler ran leaves it under the
-        parent's token, counted as the parent's until the parent exits.  None if the
-        table is full (the child registers anew)."""
+        beside a gc loop).  The parent frees it only once it knows that no child took
+        it: freed before the child took it, the gap was back.  A fork that failed (RLIMIT_NPROC, EAGAIN) has no child to
+        take it: the parent gives it back once it knows (_Fork.settle), or each failed
+        fork left a slot counted as the parent's until it exited (gc kept the store the
+        parent had closed; a loop of failed forks filled the table).  A child killed
+        before its fork handler ran leaves it too, given back as for a failed fork if the
+        parent still has the store open then, else counted as the parent's until the
+        parent exits.  None if the table is full (the child registers anew)."""
         # under the lock: another thread's close() must not unmap the manifest meanwhile
         # (reentrant: the forking thread may hold it; bounded: a fork never hangs on it)
         if not self._lock.acquire(timeout=5.0):
@@ -865,7 +869,7 @@ class Store:
         finally:
             self._lock.release()
 
-    def _forked(self, lease: Optional[int]) -> None:
+    def _forked(self, lease: Optional[int]) -> bool:
         """In a child forked while this store was open: the child maps the same memory
         and may push, so it counts as attached too (its own slot in the attached-process
         table, which its close() frees), or `shmps-tool ls` saw nobody once the parent
@@ -875,23 +879,33 @@ class Store:
         process meanwhile.  It is not the parent's clock worker (it joins as its own).
         Runs in the fork handler, without the lock: another thread of the parent may
         have held it at the fork, and that thread does not exist here, so the child gets
-        a new lock (with the old one it hung at its first store call)."""
+        a new lock (with the old one it hung at its first store call).  True if the
+        child took ``lease``."""
         self._lock = threading.RLock()
         m = self._manifest
         self._worker = None
         if m is None or m.ptr is None:
-            return
+            return False
         parent, child = self._proc_token, _native.token()
         self._proc_token = child
         if lease is not None and lib.shmps_proc_handover(m.ptr, lease, parent, child) == 0:
             self._proc_slot = lease
-            return
+            return True
         slot = ffi.new("uint32_t *")
         if lib.shmps_proc_register(m.ptr, child, slot) == 0:
             self._proc_slot = int(slot[0])
         else:
             # a full table leaves the child unlisted (a fork handler cannot raise)
             self._proc_token = 0
+        return False
+
+    def _give_back(self, lease: int) -> None:
+        """A slot taken for a child (_lease_for_fork) that no child took: free it, if it
+        still holds this process's token (CAS).  Called under _FORKS_LOCK, under which
+        close() unmaps the manifest."""
+        m = self._manifest
+        if m is not None and m.ptr is not None and self._proc_token == _native.token():
+            lib.shmps_proc_unregister(m.ptr, self._proc_token, lease)
 
     def close(self) -> None:
         """Detach this process (local, idempotent); tensors and views become unusable
@@ -907,11 +921,15 @@ class Store:
                 t.close()
             self._tensors.clear()
             if self._manifest is not None:
-                if self._manifest.ptr is not None and self._proc_token == _native.token():
-                    lib.shmps_proc_unregister(self._manifest.ptr, self._proc_token,
-                                              self._proc_slot)
-                self._manifest.close()
-                self._manifest = None
+                # (under _FORKS_LOCK: a fork settled meanwhile gives a lease back into a
+                # mapped manifest, or finds it gone)
+                with _FORKS_LOCK:
+                    _settle_forks_locked(self)
+                    if self._manifest.ptr is not None and self._proc_token == _native.token():
+                        lib.shmps_proc_unregister(self._manifest.ptr, self._proc_token,
+                                                  self._proc_slot)
+                    self._manifest.close()
+                    self._manifest = None
             self._bell.close()
 
     def destroy(self) -> None:
@@ -1202,25 +1220,125 @@ def _shape(shape: Any) -> tuple:
 _OPEN_STORES: "weakref.WeakSet[Store]" = weakref.WeakSet()   # for the fork handler
 
 
-#: the forking thread's leases (thread id -> [(store, slot)]): two threads forking at
-#: once each hand their own child its slots
-_FORK_LEASES: dict[int, list[tuple["Store", Optional[int]]]] = {}
+class _Fork:
+    """One fork's leases (Store._lease_for_fork): ``(store, slot)`` for each open store
+    (slot None where none was taken), and a pipe (close-on-exec, non-blocking) by which
+    the child says which it took: one byte per lease, in order, as its handler moves
+    each (b"1" taken, b"0" not).  The parent reads it once its own write end is closed:
+    end of file means no process holds a write end any more, i.e. the child's handler
+    has finished (or died), or there was no child (fork() failed).  A lease the child
+    never reached still holds the parent's token, untouched since it was taken (no
+    other process frees a live token's slot): the parent gives it back.  Without a
+    pipe (no lease taken, or no fd left) nothing is given back (as before)."""
+
+    def __init__(self, leases: list[tuple["Store", Optional[int]]]) -> None:
+        self.leases = leases
+        self.told = b""
+        self.rfd = self.wfd = -1
+        if any(slot is not None for _, slot in leases):
+            try:
+                self.rfd, self.wfd = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+            except OSError:
+                pass
+
+    def tell(self, took: bool) -> None:
+        """In the child: one lease handled."""
+        if self.wfd >= 0:
+            try:
+                os.write(self.wfd, b"1" if took else b"0")
+            except OSError:
+                pass
+
+    def close_fds(self) -> None:
+        for fd in (self.rfd, self.wfd):
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self.rfd = self.wfd = -1
+
+    def settle(self) -> bool:
+        """In the parent, under _FORKS_LOCK, its write end closed: True once the child
+        has said all it will (end of file), the leases it never reached given back;
+        False while a child holds the write end without having finished its handler."""
+        if self.rfd < 0:
+            return True
+        try:
+            while True:
+                data = os.read(self.rfd, 256)
+                if not data:
+                    break
+                self.told += data
+        except BlockingIOError:
+            return False
+        except OSError:   # unreadable (not expected): keep the leases, as before pipes
+            self.close_fds()
+            return True
+        for i, (st, slot) in enumerate(self.leases):
+            if slot is not None and i >= len(self.told):
+                st._give_back(slot)
+        self.close_fds()
+        return True
+
+
+#: the forking thread's fork (thread id -> _Fork): two threads forking at once each
+#: hand their own child its slots
+_FORK_LEASES: dict[int, _Fork] = {}
+#: forks whose child had not finished its handler when the parent looked
+_PENDING_FORKS: list[_Fork] = []
+#: taken to settle forks (give leases back) and by close() before it unmaps a manifest;
+#: a new one in a child (another thread may have held it at the fork)
+_FORKS_LOCK = threading.Lock()
+
+
+def _settle_forks_locked(closing: Optional["Store"] = None) -> None:
+    """Under _FORKS_LOCK: settle the pending forks; ``closing``, a store being closed, is
+    then dropped from those still pending (their child takes its lease; a child that
+    dies before its handler leaves it counted as this process's until it exits)."""
+    _PENDING_FORKS[:] = [f for f in _PENDING_FORKS if not f.settle()]
+    if closing is not None:
+        for f in _PENDING_FORKS:
+            f.leases = [(st, slot) for st, slot in f.leases if st is not closing]
 
 
 def _before_fork() -> None:
-    _FORK_LEASES[threading.get_ident()] = [(st, st._lease_for_fork())
-                                           for st in list(_OPEN_STORES)]
+    if _PENDING_FORKS:
+        with _FORKS_LOCK:
+            _settle_forks_locked()
+    _FORK_LEASES[threading.get_ident()] = _Fork([(st, st._lease_for_fork())
+                                                 for st in list(_OPEN_STORES)])
 
 
 def _after_fork_in_parent() -> None:
-    _FORK_LEASES.pop(threading.get_ident(), None)   # the children's now (see _lease_for_fork)
+    # (CPython runs this after a failed fork() too, before os.fork raises)
+    fork = _FORK_LEASES.pop(threading.get_ident(), None)
+    if fork is None or fork.rfd < 0:
+        return
+    os.close(fork.wfd)
+    fork.wfd = -1
+    with _FORKS_LOCK:
+        if not fork.settle():
+            _PENDING_FORKS.append(fork)
 
 
 def _after_fork_in_child() -> None:
-    leases = _FORK_LEASES.pop(threading.get_ident(), [])
-    _FORK_LEASES.clear()   # other threads' leases are their parents' to give back
-    for st, slot in leases:
-        st._forked(slot)
+    global _FORKS_LOCK
+    _FORKS_LOCK = threading.Lock()
+    fork = _FORK_LEASES.pop(threading.get_ident(), None)
+    # other threads' forks and the parent's pending ones are theirs to settle: their
+    # fds closed here, or the parent took this child for one that has not finished
+    for other in list(_FORK_LEASES.values()) + _PENDING_FORKS:
+        other.close_fds()
+    _FORK_LEASES.clear()
+    _PENDING_FORKS.clear()
+    if fork is None:
+        return
+    # (its read end stays open until it has written: a write to a pipe without a
+    # reader, the parent gone, raises SIGPIPE, which may kill)
+    for st, slot in fork.leases:
+        fork.tell(st._forked(slot))
+    fork.close_fds()
 
 
 os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,

@@ -462,6 +462,89 @@ def test_a_store_is_never_unattached_between_a_fork_and_the_child_taking_its_slo
     assert lost == 0, f"{lost} of 20 stores were removed under the child forked from them"
 
 
+#: attaches, then forks 1100 times under RLIMIT_NPROC 0 (every fork fails); prints the
+#: failures and this process's slots in the table, closes, and stays alive until stdin
+_FAILING_FORKS = r"""
+import os, resource, sys
+import shmps
+from shmps import _native
+if os.geteuid() == 0:   # root's forks ignore RLIMIT_NPROC: become nobody (shmps imported)
+    os.setgroups([])
+    os.setgid(65534)
+    os.setuid(65534)
+resource.setrlimit(resource.RLIMIT_NPROC, (0, 0))
+s = shmps.attach(sys.argv[1])
+s.dense("w", shape=(4,), dtype="int32", init=1)
+lib, ffi = _native.lib, _native.ffi
+
+
+def own_slots():
+    n, toks = ffi.new("uint32_t *"), ffi.new("uint64_t[]", lib.SHMPS_MAX_PROCS)
+    lib.shmps_proc_list(s._mptr, toks, lib.SHMPS_MAX_PROCS, n)
+    return sum(int(toks[i]) == _native.token() for i in range(n[0]))
+
+
+failed = 0
+for i in range(1100):   # more than the table's 1024 slots
+    try:
+        pid = os.fork()
+    except OSError:
+        failed += 1
+        continue
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    if i == 0:
+        print("forks do not fail here", flush=True)
+        s.close()
+        sys.exit(0)
+print("failed", failed, own_slots(), flush=True)
+sys.stdin.readline()      # the test attaches meanwhile
+s.close()
+print("closed", flush=True)
+sys.stdin.readline()      # alive while the test removes the store
+"""
+
+
+def test_a_fork_that_fails_gives_back_the_slot_taken_for_its_child(store_name):
+    """os.fork() failing (RLIMIT_NPROC: EAGAIN) after the before-fork handler took a slot
+    for the child: the parent gives the slot back, so 1100 failed forks leave it one slot
+    (others still attach: the table holds 1024), and once it closes the store, it alive,
+    gc's remove_idle removes the store.  (The slots stayed the parent's until it exited:
+    1024 of them, the table full for everyone else, and gc kept the closed store.)"""
+    import subprocess
+    import sys
+
+    from shmps.store import remove_idle
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    p = subprocess.Popen([sys.executable, "-c", _FAILING_FORKS, store_name], env=env,
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        line = p.stdout.readline().split()
+        if line == ["forks", "do", "not", "fail", "here"]:
+            pytest.skip("fork() does not fail under RLIMIT_NPROC 0 here")
+        assert line == ["failed", "1100", "1"], line
+        with shmps.attach(store_name, create=False) as s:   # the table is not full
+            s["w"].push(np.ones(4, np.int32))
+            assert s.processes() == sorted([os.getpid(), p.pid])
+        p.stdin.write("\n")
+        p.stdin.flush()
+        assert p.stdout.readline().strip() == "closed"
+        assert len(store_segments(store_name)) == 2
+        assert len(remove_idle(store_name, None)) == 2   # idle: its process closed it
+        assert store_segments(store_name) == []
+        p.stdin.write("\n")
+        p.stdin.flush()
+        assert p.wait(timeout=30) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.wait(timeout=30)
+        remove_store(store_name)
+
+
 def test_a_child_forked_while_another_thread_uses_the_store_does_not_hang(store):
     """Another thread of the parent inside a store call (holding the store's lock, or
     the split-push pool's) at the fork: the child, where that thread does not exist,
