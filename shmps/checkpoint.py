@@ -225,7 +225,8 @@ def save(store: Any, path: str | os.PathLike) -> str:
             for t in tensors:
                 entries.append(_SAVERS[t.kind](t, tmp, f"t{t.record['id']}", bar))
         doc = {"format": FORMAT, "version": VERSION, "store": store.name,
-               "namespace": store.namespace, "created_unix": time.time(), "tensors": entries}
+               "namespace": store.namespace, "staleness": store.staleness,
+               "created_unix": time.time(), "tensors": entries}
         with open(os.path.join(tmp, "checkpoint.json"), "w") as f:
             json.dump(doc, f, indent=1)
             f.flush()
@@ -411,6 +412,10 @@ def _restore_from(path: str, name: str, namespace: Optional[str], force: bool) -
                     p.run(store, bar)
                 except CorruptFile as exc:
                     raise _table_check_error(exc, path, e) from None
+        # the store's consistency too: an aggregated job resumed without it (eventual)
+        # pulled parameters a round behind and trained to other values
+        if doc.get("staleness") is not None:
+            store.set_consistency(doc["staleness"])
         _native.check(lib.shmps_manifest_restore_end(store._mptr, _native.token()),
                       f"restore of store {name!r}")
     except BaseException:

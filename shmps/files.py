@@ -1306,7 +1306,8 @@ _CKPT_HINT = ("the checkpoint is damaged or was not written by shmps; use anothe
 def read_checkpoint_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read and check ``path/checkpoint.json``, a checkpoint directory's table of
     contents (docs/checkpoints.md): ``{"format": "shmps-checkpoint", "version": 1,
-    "store": NAME, "tensors": [{"prefix": "t0", "record": {...}, "step": N}, ...]}``.
+    "store": NAME, "staleness": k or null (optional), "tensors": [{"prefix": "t0",
+    "record": {...}, "step": N}, ...]}``.
 
     Checks the structure only (each tensor's files are checked when read): format and
     version, a valid store name, and per tensor a prefix ``tN`` (a plain file name,
@@ -1354,6 +1355,9 @@ def read_checkpoint_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
         check_name(doc.get("store"))
     except InvalidArgument:
         raise bad("store", doc.get("store"), "is not a store name") from None
+    k = doc.get("staleness")
+    if k is not None and (not _is_int(k) or k < 0):
+        raise bad("staleness", k, "is not a staleness (null or an integer >= 0)")
     tensors = doc.get("tensors")
     if not isinstance(tensors, list):
         raise bad("tensors", tensors, "is not a list")

@@ -131,6 +131,29 @@ def idle_worker(store: str, flags) -> int:
         s.close()
 
 
+def ck_worker(store: str, idx: int, rounds: range, partial: int | None, flags) -> None:
+    """Join, then per round r of ``rounds`` push known_int(idx, r) to "W" and the
+    regression gradient at the pulled parameters to "A", and clock(); then, with
+    ``partial``, push known_int(idx, partial) to "W" alone (a round left open); report
+    in ``flags[2 + idx]`` and stay attached (a live worker) until ``flags[0]``."""
+    s = shmps.attach(store)
+    try:
+        s.join()
+        W, A = s["W"], s["A"]
+        for r in rounds:
+            W.push(known_int(idx, r))
+            A.push(regression_grad(A.pull(), idx))
+            s.clock(timeout=30)
+        if partial is not None:
+            W.push(known_int(idx, partial))
+        flags[2 + idx] = 1
+        deadline = time.monotonic() + 60
+        while not flags[0] and time.monotonic() < deadline:
+            time.sleep(0.001)
+    finally:
+        s.close()
+
+
 def die_while_applying(store: str, phase: str) -> None:
     """The only worker: push once, claim the round's application, and SIGKILL
     itself in phase ``phase`` ("sum": before touching the tensor; "pushing":
@@ -504,6 +527,59 @@ def test_restored_store_starts_rounds_afresh(job, store_name, tmp_path):
         s2.clock()
         W2.push(np.ones(3, "int32"))
         assert W2.pull().tolist() == [9, 9, 9]
+    finally:
+        s2.destroy()
+
+
+def test_checkpoint_and_restore_of_aggregated_tensors_mid_training(job, tmp_path):
+    """Two workers train an int32 sum tensor and a float64 mean Adam tensor for 3
+    rounds; one then pushes a 4th round to "W" alone (open: the other lives and has
+    not pushed) and the store is checkpointed, destroyed and restored under its name.
+    The restored tensors pull what the old ones did (the open round not applied), and
+    two new workers carry on: after 2 more rounds "W" is exactly the sum of the 5 whole
+    rounds (the open round dropped) and "A" is 5 steps of full-batch Adam (its state
+    and step restored)."""
+    name, lr, n = job.name, 0.05, 3
+    job.set_consistency(0)
+    W = job.dense("W", shape=SHAPE, dtype="int32", aggregate="sum", workers=2)
+    A = job.dense("A", shape=SHAPE, dtype="float64", optimizer=shmps.Adam(lr=lr),
+                  aggregate="mean", workers=2)
+    whole = lambda rounds: sum(known_int(i, r) for r in rounds for i in (0, 1))  # noqa: E731
+    flags = CTX.RawArray("q", 4)
+    with Workers(hard_timeout=90) as ws:
+        procs = [ws.start(ck_worker, name, i, range(n), n if i == 0 else None, flags)
+                 for i in (0, 1)]
+        wait_until(lambda: flags[2] and flags[3], 60, "both workers through 3 rounds")
+        assert np.array_equal(W.pull(), whole(range(n)))
+        assert W.rounds()["buffers"][n % 2] == {"round": n, "contributed": 1,
+                                                 "in_flight": 0}
+        before = {"W": W.pull(), "A": A.pull()}
+        np.testing.assert_allclose(before["A"], adam_reference(n, [0, 1], lr)[-1],
+                                   rtol=1e-12, atol=1e-12)
+        job.checkpoint(tmp_path / "ck")
+        flags[0] = 1
+        for p in procs:
+            p.result(30)
+    job.destroy()
+    s2 = shmps.restore(tmp_path / "ck", name)
+    try:
+        assert sorted(t["name"] for t in s2.tensors()) == [
+            "A", "A#agg0", "A#agg1", "A#aggctl", "W", "W#agg0", "W#agg1", "W#aggctl"]
+        assert s2.staleness == 0   # (restored eventual, A trained to other values)
+        W2, A2 = s2["W"], s2["A"]
+        assert isinstance(W2, shmps.aggregate.AggregateDense) and W2.workers == 2
+        assert np.array_equal(W2.pull(), before["W"])
+        assert np.array_equal(A2.pull(), before["A"])
+        flags2 = CTX.RawArray("q", 4)
+        flags2[0] = 1
+        with Workers(hard_timeout=90) as ws:
+            for p in [ws.start(ck_worker, name, i, range(n, n + 2), None, flags2)
+                      for i in (0, 1)]:
+                p.result(60)
+        assert np.array_equal(W2.pull(), whole(range(n + 2)))
+        np.testing.assert_allclose(A2.pull(), adam_reference(n + 2, [0, 1], lr)[-1],
+                                   rtol=1e-12, atol=1e-12)
+        assert W2.stats()["step"] == A2.stats()["step"] == n + 2
     finally:
         s2.destroy()
 

@@ -522,6 +522,7 @@ def _corrupt_cases() -> list[tuple[str, Any, str]]:
         ("wrong format", edit_json(lambda d: d.update(format="zip")), 'field "format"'),
         ("newer version", edit_json(lambda d: d.update(version=99)), "newer than this"),
         ("tensors not a list", edit_json(lambda d: d.update(tensors={})), '"tensors"'),
+        ("negative staleness", edit_json(lambda d: d.update(staleness=-1)), '"staleness"'),
         ("prefix escapes", edit_json(set_prefix), "prefix"),
         ("record shape disagrees", edit_json(lambda d: d["tensors"][1]["record"].update(
             shape=[6, 2])), "records tensor"),
