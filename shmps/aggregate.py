@@ -37,6 +37,9 @@ Storage: three hidden tensors per aggregated tensor, listed by ``store.tensors()
 gradient dtype, updater Sum, so accumulation is the ordinary exact push) and
 ``<name>#aggctl`` (int32, the round control block of native/aggregate.c).  Their
 names are reserved (Store refuses to create them): only add_request makes them.
+``store[<name>#agg0]`` gives a :class:`HiddenDense`: read like any dense tensor (a
+checkpoint, ``shmps-tool dump``), it refuses pushes and writable views (an addition to
+an accumulator behind the round bookkeeping went into some round's sum).
 """
 from __future__ import annotations
 
@@ -68,6 +71,50 @@ def hidden_names(name: str) -> tuple[str, str, str]:
     """The accumulator (two) and control tensor names of aggregated tensor ``name``."""
     acc0, acc1, ctl = (name + x for x in HIDDEN_SUFFIXES)
     return acc0, acc1, ctl
+
+
+def hidden_of(store: Any, rec: dict) -> Optional[str]:
+    """The aggregated tensor whose hidden tensor ``rec`` is (its name), else None: a
+    dense record named ``<base>#agg0``, ``#agg1`` or ``#aggctl`` whose base is aggregated,
+    or not recorded yet (add_request makes the hidden tensors first).  A base that is a
+    plain tensor leaves the name to a user tensor made before the names were reserved."""
+    name = rec.get("name", "")
+    if rec.get("kind") != "dense" or not name.endswith(HIDDEN_SUFFIXES):
+        return None
+    base = name[:name.rindex("#")]
+    brec = store._record(base)
+    return base if brec is None or brec.get("aggregate") else None
+
+
+class HiddenDense(DenseTensor):
+    """A hidden tensor of aggregated tensor ``base`` (an accumulator, or the round control
+    block): pulls and read-only views as any dense tensor; pushes and writable views
+    raise InvalidArgument (AggregateDense pushes into its accumulators with
+    DenseTensor.push)."""
+
+    def __init__(self, store: Any, record: dict, shards: list, base: str) -> None:
+        super().__init__(store, record, shards)
+        self.base = base
+
+    def _refuse(self, what: str) -> InvalidArgument:
+        role = ("round control block" if self.name.endswith("#aggctl")
+                else "round accumulator")
+        return InvalidArgument(
+            f"{what} tensor {self.name!r}: it is the {role} of aggregated tensor "
+            f"{self.base!r} (synchronous aggregation), which alone writes it; a gradient "
+            f"added here would land in some round's sum, behind the round bookkeeping",
+            f"push to {self.base!r} instead (after store.join()): its push adds to the "
+            "round of this worker's clock")
+
+    def push(self, grad: Any, rows: Any = None, *, wait: bool = True) -> Optional[PushHandle]:
+        """Refused (InvalidArgument): push to the aggregated tensor."""
+        raise self._refuse("push to")
+
+    def view(self, writable: bool = False) -> np.ndarray:
+        """As DenseTensor.view, read-only only (``writable=True``: InvalidArgument)."""
+        if writable:
+            raise self._refuse("writable view of")
+        return super().view()
 
 
 def _hidden(store: Any, name: str, req: dict) -> None:
@@ -267,7 +314,7 @@ class AggregateDense(DenseTensor):
     def _contribute(self, slot: int, rnd: int, g: np.ndarray, r: Optional[np.ndarray]) -> None:
         tok = _native.token()
         try:
-            self._acc[rnd % 2].push(g, rows=r)
+            DenseTensor.push(self._acc[rnd % 2], g, rows=r)   # (HiddenDense refuses)
         except BaseException:
             lib.shmps_agg_abort(self._cptr(), tok, slot, rnd)
             raise

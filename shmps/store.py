@@ -284,6 +284,13 @@ class Store:
         if rec.get("aggregate") and rec["kind"] == "dense":
             from .aggregate import AggregateDense  # synchronous aggregation
             cls = AggregateDense
+        elif rec["name"].endswith(HIDDEN_SUFFIXES):
+            from .aggregate import HiddenDense, hidden_of  # its accumulators: no pushes
+            base = hidden_of(self, rec)
+            if base is not None:
+                t = HiddenDense(self, rec, open_shards(self, rec), base)
+                self._tensors[rec["name"]] = t
+                return t
         if rec.get("outbox_of") is not None:
             from .outbox import DenseOutbox, TableOutbox  # the bridge's outboxes
             cls = {"dense": DenseOutbox, "table": TableOutbox}.get(rec["kind"])

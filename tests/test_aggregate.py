@@ -167,7 +167,7 @@ def die_while_applying(store: str, phase: str) -> None:
     lib, ffi, tok = _native.lib, _native.ffi, _native.token()
     slot = W._slot()
     rnd = W._begin(slot, 10)
-    W._acc[rnd % 2].push(known_int(0, 0))
+    DenseTensor.push(W._acc[rnd % 2], known_int(0, 0))
     assert lib.shmps_agg_commit(W._cptr(), tok, slot, rnd, 1) == 0
     what, r, n = ffi.new("uint32_t *"), ffi.new("uint64_t *"), ffi.new("uint32_t *")
     ph, behind = ffi.new("uint32_t *"), ffi.new("int32_t *")
@@ -418,6 +418,28 @@ def test_hidden_names_are_reserved(job):
     W.push(np.ones(2))
     job.clock()
     assert W.pull().tolist() == [1.0, 1.0]
+
+
+def test_pushes_to_hidden_tensors_are_refused(job):
+    """store["W#agg0"] (and #agg1, #aggctl) reads like a dense tensor but refuses a push
+    or a writable view with InvalidArgument naming W; the rounds stay exact.  (A push
+    to W#agg0 was applied: it went into round 0's sum, W got 2 instead of 1.)"""
+    job.join()
+    W = job.dense("W", shape=(2,), dtype="int32", aggregate="sum", workers=1)
+    for name in ("W#agg0", "W#agg1", "W#aggctl"):
+        h = job[name]
+        g = np.ones(h.shape, h.dtype)
+        with pytest.raises(shmps.InvalidArgument, match=r"aggregated tensor 'W'.*push to 'W'"):
+            h.push(g)
+        with pytest.raises(shmps.InvalidArgument, match="push to 'W' instead"):
+            h.push(g[:1], rows=[0], wait=False)
+        with pytest.raises(shmps.InvalidArgument, match="writable view"):
+            h.view(writable=True)
+        assert job.dense(name) is h and h.view().shape == h.shape
+    assert not job["W#agg0"].pull().any() and not job["W#agg1"].pull().any()
+    W.push(np.ones(2, "int32"))
+    job.clock()
+    assert W.pull().tolist() == [1, 1]
 
 
 def test_rows_and_nonblocking_push(job):
