@@ -4,6 +4,7 @@ overlapping zipf keys, deterministic init across processes, and crashes (SIGKILL
 pushers at random instants; dead owners planted in every kind of claim)."""
 from __future__ import annotations
 
+import os
 import random
 import threading
 import time
@@ -770,6 +771,159 @@ def test_repair_leaves_a_sound_shard_unwritten(store, dead):
     assert not np.array_equal(regions[1][2], before[1][1])   # shard 1 rebuilt
     assert sorted(t.keys().tolist()) == sorted(set(range(40)) - set(range(0, 40, 3))
                                                | {new})
+    t.check()
+
+
+#: An LD_PRELOAD library whose calloc fails (ENOMEM, one line on stderr) for nmemb
+#: ``n`` of 8-byte elements once armed with shmps_test_fail_calloc(n) (-1: disarmed):
+#: the repair's private bitmap of a shard's rows, calloc(nrows / 64 + 1, 8), cannot be
+#: had.  shmps runs unchanged; only libc's answer is.
+_FAILING_CALLOC = r"""
+#define _GNU_SOURCE
+#include <errno.h>
+#include <stddef.h>
+#include <unistd.h>
+extern void *__libc_calloc(size_t, size_t);
+static long fail_n = -1, failures = 0;
+void shmps_test_fail_calloc(long n) { fail_n = n; }
+long shmps_test_calloc_failures(void) { return failures; }
+void *calloc(size_t n, size_t size) {
+    if (fail_n >= 0 && size == 8 && n == (size_t)fail_n) {
+        static const char msg[] = "calloc failed on purpose\n";
+        (void)!write(2, msg, sizeof msg - 1);
+        failures++;
+        errno = ENOMEM;
+        return NULL;
+    }
+    return __libc_calloc(n, size);
+}
+"""
+
+_PUSH_WITHOUT_BITMAP = r"""
+import ctypes, sys
+import numpy as np
+import shmps
+name, n, key = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+libc = ctypes.CDLL(None)
+libc.shmps_test_fail_calloc.argtypes = [ctypes.c_long]
+with shmps.attach(name, create=False) as s:
+    t = s["emb"]
+    keys, g = np.array([key], np.uint64), np.ones((1, 2))
+    libc.shmps_test_fail_calloc(n)
+    t.push(keys, g)        # takes the dead creator's lock over: the repair
+    libc.shmps_test_fail_calloc(-1)
+    print("failures", libc.shmps_test_calloc_failures(), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def failing_calloc(tmp_path_factory) -> str:
+    """The path of the _FAILING_CALLOC library, built with cc (skip without one)."""
+    import shutil
+    import subprocess
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build the failing-calloc library")
+    d = tmp_path_factory.mktemp("calloc")
+    (d / "fail.c").write_text(_FAILING_CALLOC)
+    r = subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(d / "fail.so"),
+                        str(d / "fail.c")], capture_output=True, text=True, timeout=120)
+    if r.returncode != 0:
+        pytest.skip(f"cannot build the failing-calloc library: {r.stderr[-300:]}")
+    return str(d / "fail.so")
+
+
+def _plant_dead_creator(t: shmps.Table, dead: int) -> list:
+    """The state of a creator that died inside the creation lock: a CLAIM slot and a row
+    taken in shard 1, the lock's owner dead (docs/tables.md's layout).  Returns per
+    shard (slots, ctl, links) arrays over the segment."""
+    regions = []
+    for sh in t._shards:
+        sp = sh.spec
+        ctl_off = sp["index_off"] + 16 * sp["nslots"]
+        regions.append((sh.seg.array(np.uint64, sp["index_off"], 2 * sp["nslots"]).reshape(-1, 2),
+                        sh.seg.array(np.uint64, ctl_off, 32),
+                        sh.seg.array(np.uint64, ctl_off + 256, sp["nrows"])))
+    slots1, ctl1, _ = regions[1]
+    empty = int(np.flatnonzero(slots1[:, 1] == 0)[0])
+    slots1[empty] = [np.uint64(10**6), np.uint64((1 << 63) | (dead & ((1 << 62) - 1)))]
+    ctl1[11] = ctl1[11] + np.uint64(1)    # hwm: the dead creator took a row
+    regions[0][1][8] = np.uint64(dead)    # the creation lock's owner (shard 0, offset 64)
+    return regions
+
+
+def _free_list(ctl: np.ndarray, links: np.ndarray) -> list[int]:
+    """A shard's free rows, in free-list order (ctl.free_head at offset 96)."""
+    out, f = [], int(ctl[12])
+    while f and len(out) <= len(links):
+        out.append(f - 1)
+        f = int(links[f - 1])
+    return out
+
+
+def test_repair_without_its_bitmap_marks_the_link_words_and_rebuilds_every_shard(
+        store, store_name, dead, failing_calloc):
+    """The repair's fallback: a process whose calloc of the repair's bitmap fails
+    (LD_PRELOAD) takes over a dead creator's lock and repairs with LINK_SEEN marks in
+    the shared link words: the claim is tombstoned, the row it took freed, every live
+    key kept, every shard's free list rebuilt in row order (no shard is left unwritten
+    without the bitmap), no LINK_SEEN left behind, and the table checks out."""
+    import subprocess
+    import sys
+    from conftest import REPO
+
+    t = store.table("emb", dim=2, capacity=100_000, optimizer="sum", shards=2)
+    keys = np.arange(40, dtype=np.uint64)
+    t.push(keys, np.ones((40, 2)))
+    t.delete(keys[::3])                   # free lists in delete order, not row order
+    regions = _plant_dead_creator(t, dead)
+    new = next(k for k in range(10**6 + 1, 10**6 + 99)
+               if shmps.table.key_shards([k], 2)[0] == 1)
+    n = max(sh.spec["nrows"] for sh in t._shards) // 64 + 1
+    env = dict(os.environ, LD_PRELOAD=failing_calloc)
+    env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    r = subprocess.run([sys.executable, "-c", _PUSH_WITHOUT_BITMAP, store_name, str(n),
+                        str(new)], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-600:]
+    assert r.stdout.split() == ["failures", "1"], (r.stdout, r.stderr[-300:])
+    want = sorted(set(range(40)) - set(range(0, 40, 3)) | {new})
+    assert sorted(t.keys().tolist()) == want and len(t) == len(want)
+    for s_, (_, ctl, links) in enumerate(regions):
+        hwm = int(ctl[11])
+        live = links[:hwm] == np.uint64(2**64 - 1)
+        assert not (links[:hwm] == np.uint64(2**64 - 2)).any(), f"shard {s_}: LINK_SEEN left"
+        free = _free_list(ctl, links)
+        assert free == sorted(np.flatnonzero(~live).tolist()), f"shard {s_}: {free}"
+    assert int(regions[1][1][11]) - len(_free_list(regions[1][1], regions[1][2])) \
+        == int(np.count_nonzero(shmps.table.key_shards(want, 2) == 1))   # the row is back
+    t.check()
+    t.push([new + 10**6], np.ones((1, 2)))   # creations go on
+    t.check()
+
+
+def test_repair_turns_the_marks_of_a_repair_killed_in_its_fallback_back_live(store, dead):
+    """A repair killed half-way in its fallback leaves LINK_SEEN in live rows' link words
+    (keys() misses those rows meanwhile); the next repair makes them live again first,
+    so a shard whose bookkeeping agrees with its index once they are is left exactly
+    as it was (its free list in delete order), and every key is listed again."""
+    t = store.table("emb", dim=2, capacity=64, optimizer="sum", shards=2)
+    keys = np.arange(40, dtype=np.uint64)
+    t.push(keys, np.ones((40, 2)))
+    t.delete(keys[::3])
+    links0 = [(sh.seg.array(np.uint64, sh.spec["index_off"] + 16 * sh.spec["nslots"] + 256,
+                            sh.spec["nrows"])) for sh in t._shards][0]
+    before = links0.copy()
+    regions = _plant_dead_creator(t, dead)
+    marked = np.flatnonzero(links0 == np.uint64(2**64 - 1))[:5]
+    assert len(marked) == 5
+    links0[marked] = np.uint64(2**64 - 2)         # LINK_SEEN, as the killed repair left it
+    assert len(t.keys()) == len(t) - 5            # (missed until the next repair)
+    new = next(k for k in range(10**6 + 1, 10**6 + 99)
+               if shmps.table.key_shards([k], 2)[0] == 1)
+    t.push([new], np.ones((1, 2)))                # takes the lock over: the repair
+    np.testing.assert_array_equal(regions[0][2], before)   # shard 0 as it was
+    assert sorted(t.keys().tolist()) == sorted(set(range(40)) - set(range(0, 40, 3)) | {new})
     t.check()
 
 
