@@ -246,7 +246,8 @@ typedef struct {
     /* token of the process removing the store (shmps_manifest_retire), 0 if none */
     uint64_t retired_by;
     /* the creator's PID namespace (shmps_self_pid_ns), 0 if unknown: a token names a
-     * process only within one, so attach refuses processes of another */
+     * process only within one, so attach refuses processes of another.  Claimed (CAS
+     * from 0) before init_owner, and never changed after (manifest.c, claim_pid_ns) */
     uint64_t pid_ns;
 } shmps_manifest_t;
 

@@ -7,11 +7,12 @@
  *   [1 MiB, +4 MiB)          catalog: records of u32 length + JSON bytes, append-only
  *
  * Creation race: every attacher opens-or-creates the segment and sizes it (all to
- * the same size, so concurrent ftruncates agree), then claims `init_owner` by CAS
- * 0 -> token.  The winner initialises and publishes state=READY; the others wait.
- * If the initialiser dies, a waiter sees its token dead and takes over by CAS,
- * restarting the initialisation: bounded by the liveness check (~1 ms) plus the
- * time to initialise.
+ * the same size, so concurrent ftruncates agree), claims the store's PID namespace
+ * (`pid_ns`, CAS 0 -> its own; another namespace's: refused, claim_pid_ns), then claims
+ * `init_owner` by CAS 0 -> token.  The winner initialises and publishes state=READY;
+ * the others wait.  If the initialiser dies, a waiter sees its token dead and takes
+ * over by CAS, restarting the initialisation: bounded by the liveness check (~1 ms)
+ * plus the time to initialise.
  */
 #include "internal.h"
 #include <errno.h>
@@ -32,7 +33,11 @@ static int initialise(void *base, uint64_t size, const char *ident, uint32_t ide
      * claim the initialisation too. */
     memset(base, 0, offsetof(shmps_manifest_t, init_owner));
     memset((char *)base + offsetof(shmps_manifest_t, state), 0,
-           PROCS_OFF - offsetof(shmps_manifest_t, state));
+           offsetof(shmps_manifest_t, pid_ns) - offsetof(shmps_manifest_t, state));
+    /* ... nor pid_ns, claimed before init_owner (claim_pid_ns): a 0 there would let a
+     * process of another namespace claim it, and judge our token by its /proc */
+    memset((char *)base + offsetof(shmps_manifest_t, pid_ns) + sizeof m->pid_ns, 0,
+           PROCS_OFF - offsetof(shmps_manifest_t, pid_ns) - sizeof m->pid_ns);
     memset(at(base, PROCS_OFF), 0, CATALOG_OFF - PROCS_OFF);
     pthread_mutexattr_t attr;
     if (pthread_mutexattr_init(&attr)) return SHMPS_E_ARG;
@@ -50,7 +55,6 @@ static int initialise(void *base, uint64_t size, const char *ident, uint32_t ide
     m->ident_len = ident_len;
     m->magic = SHMPS_MANIFEST_MAGIC;
     m->retired_by = restorer;
-    m->pid_ns = shmps_self_pid_ns();
     /* release: everything above happens-before any attacher's acquire of the state */
     STORE(&m->state, restorer ? STATE_RESTORING : STATE_READY, RELEASE);
     return SHMPS_OK;
@@ -81,6 +85,23 @@ int shmps_manifest_ident(const void *base, char *out, uint32_t cap, uint32_t *le
     return SHMPS_OK;
 }
 
+/* A manifest's PID namespace is claimed before its initialisation (CAS pid_ns 0 -> this
+ * process's), and never changes after: every token in init_owner is then one of the
+ * namespace pid_ns names, so a waiter judges it by its own /proc only when that is its
+ * namespace too.  (pid_ns was written by initialise(): a waiter of another namespace
+ * judged a live initialiser's token by its /proc, found it dead, or another process
+ * under a reused pid, and took the initialisation over.)  SHMPS_E_PIDNS if the claim is
+ * another namespace's; SHMPS_OK if it is this one's, or this process's is unknown (0:
+ * /proc unreadable, where liveness falls back to kill(0) anyway). */
+static int claim_pid_ns(shmps_manifest_t *m) {
+    uint64_t ours = shmps_self_pid_ns();
+    if (ours == 0) return SHMPS_OK;
+    /* acq_rel: one namespace wins; a loser reads the winner's */
+    uint64_t cur = 0;
+    if (CAS(&m->pid_ns, &cur, ours, ACQ_REL, ACQUIRE) || cur == ours) return SHMPS_OK;
+    return SHMPS_E_PIDNS;
+}
+
 int shmps_manifest_init(void *base, uint64_t size, uint64_t token, double timeout_s,
                         const char *ident, uint32_t ident_len, int restoring) {
     uint64_t restorer = restoring ? token : 0;
@@ -94,6 +115,9 @@ int shmps_manifest_init(void *base, uint64_t size, uint64_t token, double timeou
         if (st != 0) return shmps_manifest_validate(base, size);
         uint64_t magic = LOAD(&m->magic, RELAXED);
         if (magic != 0 && magic != SHMPS_MANIFEST_MAGIC) return SHMPS_E_CORRUPT;
+        /* before any look at init_owner: its token is judged only in its namespace */
+        int r = claim_pid_ns(m);
+        if (r) return r;
         uint64_t cur = LOAD(&m->init_owner, ACQUIRE);
         if (cur == 0) {
             /* acq_rel: we become the initialiser; ordering against a dead
@@ -102,7 +126,7 @@ int shmps_manifest_init(void *base, uint64_t size, uint64_t token, double timeou
                 return initialise(base, size, ident, ident_len, restorer);
             continue;
         }
-        int r = shmps_wait_step(&w, cur);
+        r = shmps_wait_step(&w, cur);
         if (r == WAIT_HOLDER_DEAD) {
             if (CAS(&m->init_owner, &cur, token, ACQ_REL, ACQUIRE)) {
                 /* The initialiser may have finished (READY) and then exited between

@@ -33,7 +33,8 @@ enum {
     SHMPS_E_NOTFOUND = -30007,    /* key or entry not present */
     SHMPS_E_VERSION = -30008,     /* layout version we do not read */
     SHMPS_E_REMOVED = -30009,     /* the store is being removed (shmps-tool gc) */
-    SHMPS_E_BUSY = -30010         /* a live process holds it: nothing done */
+    SHMPS_E_BUSY = -30010,        /* a live process holds it: nothing done */
+    SHMPS_E_PIDNS = -30011        /* the store is another PID namespace's: nothing done */
 };
 
 enum {

@@ -43,6 +43,8 @@ _CODES: dict[int, tuple[type[errors.Error], str]] = {
     lib.SHMPS_E_NOTFOUND: (errors.NotFound, "not found"),
     lib.SHMPS_E_REMOVED: (errors.NotFound, "the store is being removed (shmps-tool gc)"),
     lib.SHMPS_E_BUSY: (errors.Error, "another process holds it"),
+    lib.SHMPS_E_PIDNS: (errors.InvalidArgument, "the store belongs to processes of another "
+                        "PID namespace, whose pids mean nothing in this one"),
 }
 
 

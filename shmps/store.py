@@ -101,6 +101,8 @@ def attach(name: str, *, create: bool = True, namespace: Optional[str] = None,
                                            ident, len(ident), int(_restoring))
             if code == lib.SHMPS_E_REMOVED:
                 raise _Removed()
+            if code == lib.SHMPS_E_PIDNS:   # made, or being made, in another: refused
+                _check_pid_namespace(name, seg)
             if code:
                 _native.check(code, f"store {name!r} manifest {mname}")
             store = Store(name, ns, seg)
@@ -156,9 +158,9 @@ def _check_pid_namespace(name: str, manifest: Segment) -> None:
     if other is not None:
         theirs, ours = other
         raise InvalidArgument(
-            f"store {name!r} was made in another PID namespace (pid:[{theirs}]; this "
-            f"process is in pid:[{ours}]): its processes cannot tell whether this one is "
-            "alive, nor this one whether they are",
+            f"store {name!r} was made (or is being made) in another PID namespace "
+            f"(pid:[{theirs}]; this process is in pid:[{ours}]): its processes cannot tell "
+            "whether this one is alive, nor this one whether they are",
             "attach from processes of one PID namespace (Kubernetes: "
             "shareProcessNamespace: true), or use another store name or namespace")
 

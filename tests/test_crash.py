@@ -287,6 +287,54 @@ def test_dead_manifest_initialiser_taken_over(store_name, dead):
         remove_store(store_name)
 
 
+PID_NS_OFF = 408                       # manifest header: the store's PID namespace
+
+
+def test_an_initialiser_of_another_pid_namespace_is_not_judged(store_name, dead):
+    """A manifest being initialised by a process of another PID namespace (a container
+    sharing /dev/shm), whose token is no process here: attach refuses the store with
+    InvalidArgument at once, and leaves the initialiser's claim and the manifest as
+    they were.  (attach judged the token by this namespace's /proc, found it dead and
+    took the initialisation over, under a live initialiser.)"""
+    path = os.path.join(SHM, f"shmps.{store_name}.manifest")
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, shmps.store.MANIFEST_SIZE)
+        os.close(fd)
+        theirs = int(native.lib.shmps_self_pid_ns()) + 1   # no namespace of this process
+        poke(path, PID_NS_OFF, "<Q", theirs)
+        poke(path, INIT_OWNER_OFF, "<Q", dead)
+        for create in (True, False):
+            with pytest.raises(shmps.InvalidArgument, match="another PID namespace") as e:
+                timed(lambda: shmps.attach(store_name, create=create, timeout=2.0))
+            assert e.value.hint and "PID namespace" in e.value.hint
+        assert peek(path, INIT_OWNER_OFF, "<Q")[0] == dead
+        assert peek(path, STATE_OFF, "<I")[0] == 0
+        assert peek(path, PID_NS_OFF, "<Q")[0] == theirs
+    finally:
+        remove_store(store_name)
+
+
+def test_an_initialisation_claims_the_pid_namespace_first(store_name):
+    """The PID namespace is claimed before the initialisation (so a waiter never judges
+    an initialiser of another namespace): a manifest whose initialiser claimed only the
+    namespace (it died before its claim of init_owner) is initialised by an attach of
+    that namespace, and refused to one of another."""
+    path = os.path.join(SHM, f"shmps.{store_name}.manifest")
+    ours = int(native.lib.shmps_self_pid_ns())
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, shmps.store.MANIFEST_SIZE)
+        os.close(fd)
+        poke(path, PID_NS_OFF, "<Q", ours)
+        with shmps.attach(store_name) as s:
+            assert s.tensors() == []
+        assert peek(path, STATE_OFF, "<I")[0] == 1
+        assert peek(path, PID_NS_OFF, "<Q")[0] == ours
+    finally:
+        remove_store(store_name)
+
+
 def test_dead_manifest_lock_holder(store, store_name):
     """A process killed -9 holding the robust manifest mutex delays creation by < 2 s."""
     with Workers() as ws:
