@@ -420,6 +420,11 @@ uint64_t shmps_manifest_pid_ns(const void *base) {
     return ((const shmps_manifest_t *)base)->pid_ns;
 }
 
+uint64_t shmps_manifest_init_owner(const void *base) {
+    /* acquire: pairs with the claim; for gc's look at a restore's new manifest */
+    return LOAD(&((const shmps_manifest_t *)base)->init_owner, ACQUIRE);
+}
+
 uint64_t shmps_manifest_retired_by(const void *base) {
     /* acquire: pairs with a claim; for messages (who removes or restores) */
     return LOAD(&((const shmps_manifest_t *)base)->retired_by, ACQUIRE);

@@ -178,6 +178,7 @@ int shmps_manifest_let_go(void *base, uint64_t token);
 int shmps_manifest_restore_begin(void *base, uint64_t token);
 int shmps_manifest_restore_end(void *base, uint64_t token);
 uint64_t shmps_manifest_retired_by(const void *base);
+uint64_t shmps_manifest_init_owner(const void *base);
 uint64_t shmps_manifest_pid_ns(const void *base);
 uint32_t shmps_manifest_state(const void *base);
 uint64_t shmps_self_pid_ns(void);

@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from . import files, names
+from . import names
 from . import inspect as shm_inspect
 from .errors import Error, InvalidArgument
 from .segment import unlink
@@ -82,9 +82,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
             print(f"  {t['name']:<24} {t['kind']:<6} {t['dtype']:<8} {shape:<16} "
                   f"{t['optimizer']['type']:<9} {_fmt_bytes(t.get('bytes', 0)):>10}{extra}")
     for o in orphans:
-        if _restore_in_progress(o):
-            print(f"restore in progress (pid {names.restore_manifest_pid(o)}), its new "
-                  f"manifest: {o}")
+        r = shm_inspect.restorer(o)
+        if r is not None and r.foreign:
+            print(f"restore in progress in another PID namespace, its new manifest: {o}")
+        elif r is not None and r.alive:
+            print(f"restore in progress (pid {r.pid}), its new manifest: {o}")
         else:
             print(f"orphan segment (no store): {o}")
     return 0
@@ -132,9 +134,14 @@ def gc_min_age() -> float:
 
 def _restore_in_progress(segment: str) -> bool:
     """A forced restore's new manifest, not yet renamed over the store's, of a restorer
-    still alive (it may wait up to a minute for creations in the old store to end)."""
-    pid = names.restore_manifest_pid(segment)
-    return pid is not None and files.pid_alive(pid)
+    still alive (it may wait up to a minute for creations in the old store to end), or
+    of another PID namespace, whose processes gc cannot judge (it says so)."""
+    r = shm_inspect.restorer(segment)
+    if r is not None and r.foreign:
+        print(f"skipped {segment}: a forced restore's new manifest, made in another PID "
+              "namespace, whose processes this one cannot see (run gc there)",
+              file=sys.stderr)
+    return r is not None and (r.alive or r.foreign)
 
 
 def cmd_gc(args: argparse.Namespace) -> int:

@@ -15,6 +15,7 @@ from typing import Optional
 
 from . import _native, names
 from .errors import Error
+from .files import pid_alive
 from .segment import Segment, list_names
 
 ffi, lib = _native.ffi, _native.lib
@@ -60,6 +61,44 @@ def _read_state(info: StoreInfo, seg: Segment) -> None:
     holder = int(lib.shmps_manifest_retired_by(seg.ptr))
     info.state_pid = _native.token_pid(holder) if holder else 0
     info.state_pid_alive = bool(holder) and _native.token_alive(holder)
+
+
+@dataclass
+class Restorer:
+    """The process making a forced restore's new manifest (``…manifest.restore-PID``)."""
+
+    pid: int
+    alive: bool
+    #: of another PID namespace than this process's: ``pid`` and ``alive`` mean nothing
+    #: here (gc leaves the manifest alone)
+    foreign: bool = False
+
+
+def restorer(segment: str) -> Optional[Restorer]:
+    """Who makes ``segment`` if it is a forced restore's new manifest (else None), judged
+    by the token in it (``retired_by``: the restore's claim; ``init_owner`` while it is
+    being initialised) in the PID namespace it records, not by the pid in its name: a
+    pid reused by an unrelated process kept a dead restorer's manifest as long as that
+    process lived, and one of another namespace was judged by a meaningless pid.  Only a
+    manifest not sized yet, or not readable, is judged by the pid in its name."""
+    pid = names.restore_manifest_pid(segment)
+    if pid is None:
+        return None
+    try:
+        seg = Segment.open(segment, expect_size=lib.SHMPS_MANIFEST_SIZE)
+    except Error:   # gone, not sized yet (its maker is between shm_open and ftruncate)
+        return Restorer(pid, pid_alive(pid))
+    try:
+        other = _native.foreign_pid_namespace(seg.ptr)
+        tok = (int(lib.shmps_manifest_retired_by(seg.ptr))
+               or int(lib.shmps_manifest_init_owner(seg.ptr)))
+    finally:
+        seg.close()
+    if other is not None:
+        return Restorer(_native.token_pid(tok) if tok else pid, False, foreign=True)
+    if not tok:   # its maker has claimed nothing yet
+        return Restorer(pid, pid_alive(pid))
+    return Restorer(_native.token_pid(tok), _native.token_alive(tok))
 
 
 def _read_manifest(seg: Segment) -> tuple[str, Optional[str], list[dict], list[int]]:

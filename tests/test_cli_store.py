@@ -223,6 +223,84 @@ def test_gc_leaves_a_live_restorers_new_manifest_alone(ns, procs):
             segment.unlink(n)
 
 
+def test_gc_judges_a_restorers_new_manifest_by_the_token_in_it(ns, tmp_path):
+    """A restore --force killed after it made its new manifest (`…manifest.restore-PID`)
+    leaves it behind, RESTORING under the dead restorer's token.  Its PID reused by an
+    unrelated live process (here: renamed to this test's pid) does not make it a restore
+    in progress: gc judged by the pid in the name and kept it for as long as that
+    process lived.  By the token inside it goes, as the orphan it is."""
+    from helpers import fork_dying_at_unlink
+    from shmps import names
+
+    with shmps.attach("st", namespace=ns) as s:
+        s.dense("w", shape=(8, 4), shard_rows=1, init=1.0)
+        s.checkpoint(tmp_path / "ck")
+    holder = shmps.attach("st", namespace=ns)   # (restore --force of a store in use)
+    try:
+        pid = fork_dying_at_unlink(0, lambda: shmps.restore(tmp_path / "ck", "st", namespace=ns,
+                                                            force=True), ".t0.s")
+        assert os.waitpid(pid, 0)[1] == 0
+    finally:
+        holder.close()
+    left = names.restore_manifest_name("st", ns, pid)
+    assert os.path.exists(SHM + left)
+    reused = names.restore_manifest_name("st", ns, os.getpid())   # a live pid, not its maker
+    os.rename(SHM + left, SHM + reused)
+    listed = ok(tool("ls", "--namespace", ns))
+    assert f"orphan segment (no store): {reused}" in listed, listed
+    out = ok(tool("gc", "--namespace", ns, env={"SHMPS_GC_MIN_AGE": "0"}))
+    assert not os.path.exists(SHM + reused), out
+    assert segments("st", ns) == [], out
+
+
+def left_restore_manifest(ns: str, store: str) -> tuple[int, str]:
+    """The new manifest of a forced restore whose process died right after making it (as
+    Store._renew_for_restore makes it): (that process's pid, the manifest's name)."""
+    from shmps import _native, names
+    from shmps.segment import Segment
+    from shmps.store import MANIFEST_RESERVED, MANIFEST_SIZE
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            name = names.restore_manifest_name(store, ns, os.getpid())
+            seg, _ = Segment.open_or_create(name, MANIFEST_SIZE, reserve=MANIFEST_RESERVED)
+            ident = names.manifest_ident(store, ns)
+            code = _native.lib.shmps_manifest_init(seg.ptr, seg.size, _native.token(), 2.0,
+                                                   ident, len(ident), 1)
+        finally:
+            os._exit(3 if code else 0)
+    os.close(w)
+    os.close(r)
+    assert os.waitpid(pid, 0)[1] == 0
+    return pid, names.restore_manifest_name(store, ns, pid)
+
+
+def test_gc_leaves_a_restore_of_another_pid_namespace_alone(ns):
+    """A forced restore's new manifest made by a process of another PID namespace (its
+    pid_ns not this process's): the pid in its name, and its token, mean nothing here;
+    gc judged by the pid and removed it (the restore's rename then failed).  gc leaves
+    it with a message, and ls says whose it is."""
+    from helpers import poke
+
+    pid, left = left_restore_manifest(ns, "st")
+    theirs = int(shmps._native.lib.shmps_self_pid_ns()) + 1
+    poke(SHM + left, 408, "<Q", theirs)   # pid_ns: another namespace's
+    listed = ok(tool("ls", "--namespace", ns))
+    assert f"restore in progress in another PID namespace, its new manifest: {left}" \
+        in listed, listed
+    out = tool("gc", "--namespace", ns, env={"SHMPS_GC_MIN_AGE": "0"})
+    assert out.returncode == 0 and os.path.exists(SHM + left), (out.stdout, out.stderr)
+    assert f"skipped {left}: a forced restore's new manifest, made in another PID " \
+        "namespace" in out.stderr, out.stderr
+    poke(SHM + left, 408, "<Q", int(shmps._native.lib.shmps_self_pid_ns()))   # ours again
+    assert f"orphan segment (no store): {left}" in ok(tool("ls", "--namespace", ns))
+    ok(tool("gc", "--namespace", ns, env={"SHMPS_GC_MIN_AGE": "0"}))
+    assert not os.path.exists(SHM + left)
+
+
 def test_gc_leaves_a_store_of_another_pid_namespace_alone(ns, procs):
     """A store made in another PID namespace sharing /dev/shm (a container of the same
     pod), with a live process there: its tokens' pids are not in this /proc, so all of
