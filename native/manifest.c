@@ -325,6 +325,36 @@ int shmps_manifest_retire(void *base, uint64_t token) {
     return SHMPS_OK;
 }
 
+/* Remove a store whose creation never finished (shmps-tool gc, remove_idle): a manifest
+ * still being initialised (state 0; gc sized it first if it was still size 0, as every
+ * opener does), its initialiser dead or none yet.  gc claims the initialisation as an
+ * attacher taking it over would (this namespace's only: claim_pid_ns), but instead of
+ * initialising it marks it REMOVED under its own retired_by, so attachers from then on
+ * wait for the removal (or finish it if gc dies) and then make a new store, as they do
+ * for any removal; gc unlinks it and lets go (shmps_manifest_let_go).  SHMPS_E_BUSY if
+ * it is initialised (READY or later: a store now, judged as one by gc's next run), a
+ * live initialiser holds it, or it is another PID namespace's. */
+int shmps_manifest_remove_unborn(void *base, uint64_t token) {
+    shmps_manifest_t *m = man(base);
+    /* acquire: pairs with initialise()'s release of the state */
+    if (LOAD(&m->state, ACQUIRE) != 0) return SHMPS_E_BUSY;
+    uint64_t magic = LOAD(&m->magic, RELAXED);
+    if (magic != 0 && magic != SHMPS_MANIFEST_MAGIC) return SHMPS_E_CORRUPT;
+    if (claim_pid_ns(m)) return SHMPS_E_BUSY;
+    uint64_t cur = LOAD(&m->init_owner, ACQUIRE);
+    if (cur != 0 && shmps_token_alive(cur)) return SHMPS_E_BUSY;
+    /* acq_rel: as an attacher's claim; a dead or absent initialiser's is ours now, and
+     * no attacher initialises while we hold it (it waits for a live init_owner) */
+    if (!CAS(&m->init_owner, &cur, token, ACQ_REL, ACQUIRE)) return SHMPS_E_BUSY;
+    /* the initialiser may have finished (READY) and died between our look at the state
+     * and our claim: never remove a store that way (as shmps_manifest_init) */
+    if (LOAD(&m->state, ACQUIRE) != 0) return SHMPS_E_BUSY;
+    STORE(&m->retired_by, token, RELEASE);
+    /* seq_cst: as the state's other stores; an attacher's acquire of it sees retired_by */
+    STORE(&m->state, STATE_REMOVED, SEQ_CST);
+    return SHMPS_OK;
+}
+
 /* Take the removal of a store over, whoever is attached: store.destroy() (global by
  * contract), or an attacher that found the remover dead (attach() then finishes it).
  * Claims retired_by from none, a dead remover or this caller, then marks the manifest

@@ -174,6 +174,7 @@ int shmps_proc_handover(void *base, uint32_t slot, uint64_t from, uint64_t to);
 /* removing an idle store without racing attachers (manifest.c) */
 int shmps_manifest_retire(void *base, uint64_t token);
 int shmps_manifest_take_removal(void *base, uint64_t token);
+int shmps_manifest_remove_unborn(void *base, uint64_t token);
 int shmps_manifest_let_go(void *base, uint64_t token);
 int shmps_manifest_restore_begin(void *base, uint64_t token);
 int shmps_manifest_restore_end(void *base, uint64_t token);

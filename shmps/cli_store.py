@@ -94,6 +94,13 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def _state_line(s: shm_inspect.StoreInfo) -> str:
     """What a process is doing to a store that is not ready, for ls."""
+    if s.state == "being created" and not s.state_pid:
+        what = "sized" if s.unsized else "initialised"
+        return (f"being created: its manifest is not {what} yet; if it stays so, its "
+                "creator died (`shmps-tool gc` removes it)")
+    if s.state == "being created" and not s.state_pid_alive:
+        return (f"a creation cut off (pid {s.state_pid} died): the next attach takes it "
+                "over; gc removes it")
     if s.state_pid and s.state_pid_alive:
         by = f" by pid {s.state_pid}"
         if s.state == "restoring":
@@ -183,7 +190,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
             # since the scan (store.remove_idle), where unlinking the scan's list would
             # have pulled its segments from under it
             try:
-                gone = remove_idle(*store)
+                gone = remove_idle(*store, unborn_age=min_age)
             except Error as exc:   # one store's trouble does not stop the others' removal
                 # (among them a store remade since the scan in another PID namespace)
                 print(f"skipped {what}: {exc}", file=sys.stderr)

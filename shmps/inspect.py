@@ -45,6 +45,8 @@ class StoreInfo:
     #: made in another PID namespace than this process's: its pids mean nothing here
     #: (``pids`` is empty whoever is attached), so gc leaves it alone
     foreign: bool = False
+    #: its manifest is empty (size 0): its creator has not sized it yet, or died first
+    unsized: bool = False
 
     @property
     def prefix(self) -> str:
@@ -55,10 +57,13 @@ class StoreInfo:
 STATES = {0: "being created", 1: "ready", 2: "removing", 3: "restoring", 4: "gc deciding"}
 
 
-def _read_state(info: StoreInfo, seg: Segment) -> None:
+def _read_state(info: StoreInfo, seg: Segment, holder: Optional[int] = None) -> None:
+    """The state, and who is at it: the remover or restorer (``retired_by``), or
+    ``holder`` (the initialiser of a store being created)."""
     info.foreign = _native.foreign_pid_namespace(seg.ptr) is not None
     info.state = STATES.get(int(lib.shmps_manifest_state(seg.ptr)), "unknown")
-    holder = int(lib.shmps_manifest_retired_by(seg.ptr))
+    if holder is None:
+        holder = int(lib.shmps_manifest_retired_by(seg.ptr))
     info.state_pid = _native.token_pid(holder) if holder else 0
     info.state_pid_alive = bool(holder) and _native.token_alive(holder)
 
@@ -150,16 +155,29 @@ def scan(namespace: Optional[str] = None, *, with_fill: bool = True
     for mname in [n for n in all_names if n.endswith(".manifest")]:
         info = StoreInfo(name=mname[len("/shmps."):-len(".manifest")], namespace=None,
                          manifest=mname, age_s=_age(mname))
+        if namespace is not None and mname.startswith(f"/shmps.{namespace}."):
+            # (what names a store being created until its manifest says: a name
+            # /shmps.a.b.manifest is store b of namespace a, or store a.b of none)
+            info.namespace, info.name = namespace, mname[len(f"/shmps.{namespace}."):
+                                                         -len(".manifest")]
         try:
             seg = Segment.open(mname)
         except Error as exc:
-            info.error = str(exc)
+            if _size(mname) == 0 and os.path.exists("/dev/shm" + mname):
+                info.state, info.unsized = "being created", True   # as attach takes it
+            else:
+                info.error = str(exc)
             stores.append(info)
             continue
         try:
-            info.name, info.namespace, recs, info.pids = _read_manifest(seg)
-            info.tensors = recs
-            _read_state(info, seg)
+            if lib.shmps_manifest_state(seg.ptr) == 0:   # being initialised
+                _read_state(info, seg, int(lib.shmps_manifest_init_owner(seg.ptr)))
+            else:
+                store, ns, recs, info.pids = _read_manifest(seg)
+                if store:   # (empty: a creation gc removes, never initialised)
+                    info.name, info.namespace = store, ns
+                info.tensors = recs
+                _read_state(info, seg)
         except (Error, ValueError, UnicodeDecodeError) as exc:
             info.error = str(exc)
         finally:

@@ -109,14 +109,20 @@ class Segment:
                                 NO_ROOM_HINT) from None
 
     @classmethod
-    def open(cls, name: str, *, expect_size: Optional[int] = None) -> "Segment":
-        """Map an existing segment; NotFound if absent, CorruptSegment if empty."""
+    def open(cls, name: str, *, expect_size: Optional[int] = None,
+             size_if_empty: bool = False) -> "Segment":
+        """Map an existing segment; NotFound if absent, CorruptSegment if empty (with
+        ``size_if_empty``, an empty one is sized to ``expect_size`` first, as
+        :meth:`open_or_create` does: its creator has not sized it yet, or died first)."""
         try:
             shm = posix_ipc.SharedMemory(name)
         except posix_ipc.ExistentialError:
             raise NotFound(f"no shared-memory segment {name}") from None
         try:
             size = shm.size
+            if size == 0 and size_if_empty and expect_size:
+                os.ftruncate(shm.fd, expect_size)
+                size = os.fstat(shm.fd).st_size
             if size == 0 or (expect_size is not None and size != expect_size):
                 raise CorruptSegment(f"segment {name} has size {size}"
                                      + (f", expected {expect_size}" if expect_size else ""))

@@ -95,6 +95,22 @@ def attach(name: str, *, create: bool = True, namespace: Optional[str] = None,
                 raise NotFound(f"no store {name!r}" + (f" in namespace {ns!r}" if ns else ""),
                                "create it with shmps.attach(name) or check `shmps-tool ls`"
                                ) from None
+            except CorruptSegment:
+                # size 0: a store being created (its creator between shm_open and
+                # ftruncate), or whose creator died there; wait for it as for an
+                # initialiser.  (An attach that may create sizes it and goes on.)
+                if _size_of(mname) not in (0, -1):
+                    raise
+                if time.monotonic() >= deadline:
+                    raise NotFound(
+                        f"store {name!r}" + (f" in namespace {ns!r}" if ns else "")
+                        + f" is being created, or its creator died before it was made "
+                        f"(its manifest {mname} has been empty for {timeout:g} s)",
+                        "retry later or with a longer timeout; if it stays so, `shmps-tool "
+                        "gc` removes it, or shmps.attach(name) with create=True makes the "
+                        "store") from None
+                time.sleep(0.001)
+                continue
         try:
             ident = names.manifest_ident(name, ns)
             code = lib.shmps_manifest_init(seg.ptr, seg.size, _native.token(), c_timeout,
@@ -1107,17 +1123,26 @@ def _dense_specs(rec: dict) -> list[dict]:
     return specs
 
 
-def remove_idle(name: str, namespace: Optional[str]) -> Optional[list[str]]:
+def remove_idle(name: str, namespace: Optional[str], unborn_age: Optional[float] = None
+                ) -> Optional[list[str]]:
     """Remove store ``name`` if no live process is attached (``shmps-tool gc``): the
     names of the segments removed, or None if a process is attached (or attaches while
     this looks: native/manifest.c, shmps_manifest_retire) or another remover is at it.
     The shards go first and the manifest last, so an attach that waits for the removal
     (attach()) makes a new store whose shards no part of this removal can touch.
     Raises InvalidArgument for a store of another PID namespace (made there since gc's
-    scan): its processes' pids mean nothing here, all would look dead."""
+    scan): its processes' pids mean nothing here, all would look dead.
+
+    A store whose creation never finished (its manifest empty, its creator killed
+    between shm_open and ftruncate, or not initialised, its initialiser dead) goes too
+    if its manifest is at least ``unborn_age`` s old (gc's minimum age; None: kept):
+    sized as any opener does, then marked removed under this process's claim of the
+    initialisation (shmps_manifest_remove_unborn), so an attach meanwhile waits and
+    makes a new store."""
     mname = names.manifest_name(name, namespace)
+    old_enough = unborn_age is not None and _age_of(mname) >= unborn_age
     try:
-        seg = Segment.open(mname, expect_size=MANIFEST_SIZE)
+        seg = Segment.open(mname, expect_size=MANIFEST_SIZE, size_if_empty=old_enough)
     except NotFound:
         return []
     except CorruptSegment:
@@ -1131,7 +1156,12 @@ def remove_idle(name: str, namespace: Optional[str]) -> Optional[list[str]]:
                 f"store {name!r} was made in another PID namespace (pid:[{other[0]}]; "
                 f"this process is in pid:[{other[1]}]), whose processes this one cannot "
                 "see", "run `shmps-tool gc` in that PID namespace")
-        code = lib.shmps_manifest_retire(seg.ptr, _native.token())
+        if lib.shmps_manifest_state(seg.ptr) == 0:   # being created
+            if not old_enough:
+                return None
+            code = lib.shmps_manifest_remove_unborn(seg.ptr, _native.token())
+        else:
+            code = lib.shmps_manifest_retire(seg.ptr, _native.token())
         if code == lib.SHMPS_E_BUSY:
             return None
         _native.check(code, f"store {name!r} manifest {mname}")
@@ -1147,6 +1177,15 @@ def _size_of(segment: str) -> int:
         return os.stat("/dev/shm" + segment).st_size
     except FileNotFoundError:
         return -1
+
+
+def _age_of(segment: str) -> float:
+    """Seconds since ``segment`` was last written to (its mtime: created or sized), 0
+    if it is gone."""
+    try:
+        return time.time() - os.stat("/dev/shm" + segment).st_mtime
+    except FileNotFoundError:
+        return 0.0
 
 
 def _unlink_store(name: str, namespace: Optional[str]) -> list[str]:

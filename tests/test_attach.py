@@ -759,6 +759,82 @@ def test_gc_keeps_a_store_whose_manifest_is_being_made(store_name):
         os.unlink(path)
 
 
+def test_attach_without_create_waits_for_a_manifest_being_made(store_name):
+    """A manifest of size 0 is a store being created (its creator between shm_open and
+    ftruncate) or one whose creator died there.  attach(create=False) waits for it, at
+    most its timeout, and gets the store once made; if it stays unmade, NotFound saying
+    so and what to do.  (It raised CorruptSegment at once, "has size 0".)"""
+    import threading
+
+    from shmps import names
+
+    path = "/dev/shm" + names.manifest_name(store_name, None)
+    os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
+    made: list = []
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(shmps.NotFound, match="being created, or its creator died") as e:
+            shmps.attach(store_name, create=False, timeout=0.3)
+        assert 0.3 <= time.monotonic() - t0 < 2.0
+        assert "shmps-tool gc" in e.value.hint
+        assert os.path.getsize(path) == 0   # not made by an attach that may not create
+        maker = threading.Timer(0.2, lambda: made.append(shmps.attach(store_name)))
+        maker.start()
+        with shmps.attach(store_name, create=False, timeout=10) as s:
+            assert s.tensors() == []
+        maker.join()
+    finally:
+        for s in made:
+            s.close()
+        remove_store(store_name)
+
+
+def test_a_gc_killed_removing_a_store_being_created_is_finished_by_the_next_attach(
+        store_name):
+    """gc's removal of a store whose creator died before sizing its manifest: it sizes
+    the manifest and marks it removed under its claim of the initialisation
+    (shmps_manifest_remove_unborn), then unlinks it.  Killed in between, the next attach
+    finishes the removal as a dead remover's: NotFound without create, else a new
+    store."""
+    from shmps import names
+    from shmps._native import lib
+    from shmps.segment import Segment
+
+    mname = names.manifest_name(store_name, None)
+
+    def gc_killed_after_its_mark() -> None:
+        os.close(os.open("/dev/shm" + mname, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                seg = Segment.open(mname, expect_size=shmps.store.MANIFEST_SIZE,
+                                   size_if_empty=True)
+                code = 3 if lib.shmps_manifest_remove_unborn(seg.ptr,
+                                                             shmps._native.token()) else 0
+            finally:
+                os._exit(code)
+        assert os.waitpid(pid, 0)[1] == 0
+
+    try:
+        gc_killed_after_its_mark()
+        seg = Segment.open(mname)
+        try:   # removed: not a second time, nor initialised by a new claim
+            assert lib.shmps_manifest_remove_unborn(seg.ptr, shmps._native.token()) == \
+                lib.SHMPS_E_BUSY
+        finally:
+            seg.close()
+        with pytest.raises(shmps.NotFound, match="no store"):
+            shmps.attach(store_name, create=False)
+        assert not os.path.exists("/dev/shm" + mname)
+        gc_killed_after_its_mark()
+        with shmps.attach(store_name, timeout=5) as s:
+            s.dense("w", shape=(2,), init=1.0)
+            assert (s["w"].pull() == 1.0).all()
+    finally:
+        remove_store(store_name)
+
+
 def test_a_process_of_another_pid_namespace_is_refused(store_name):
     """A process sharing /dev/shm but not the PID namespace (a container of the same
     pod) cannot attach, either way round: tokens are pids of one namespace, so each side

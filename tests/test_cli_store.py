@@ -301,6 +301,45 @@ def test_gc_leaves_a_restore_of_another_pid_namespace_alone(ns):
     assert not os.path.exists(SHM + left)
 
 
+def test_ls_and_gc_agree_with_attach_on_a_store_being_created(ns):
+    """A manifest of size 0 (its creator killed between shm_open and ftruncate), and one
+    sized whose initialiser died: a store being created, or whose creation was cut off,
+    as attach takes them (it waits, or takes the initialisation over), not unreadable:
+    ls says so, gc leaves it while young and removes it after (it was skipped as
+    corrupt, or with --corrupt unlinked even under an attach sizing it meanwhile)."""
+    from helpers import dead_token, poke
+    from shmps import names
+
+    unsized = SHM + names.manifest_name("fresh", ns)
+    cut = SHM + names.manifest_name("cut", ns)
+    os.close(os.open(unsized, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
+    fd = os.open(cut, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    os.ftruncate(fd, shmps.store.MANIFEST_SIZE)
+    os.close(fd)
+    dead = dead_token()
+    poke(cut, 408, "<Q", int(shmps._native.lib.shmps_self_pid_ns()))   # pid_ns: ours
+    poke(cut, 24, "<Q", dead)                                          # init_owner: dead
+    text = ok(tool("ls", "--namespace", ns))
+    assert "unreadable" not in text, text
+    assert (f"fresh (namespace {ns}): 0 tensors, 0 B in 1 segments, live processes: none\n"
+            "  being created: its manifest is not sized yet; if it stays so, its creator "
+            "died (`shmps-tool gc` removes it)") in text, text
+    assert (f"  a creation cut off (pid {dead >> 32} died): the next attach takes it over; "
+            "gc removes it") in text, text
+    doc = json.loads(ok(tool("ls", "--namespace", ns, "--json")))
+    states = {x["store"]: (x["state"], x["state_pid"], x["error"]) for x in doc["stores"]}
+    assert states == {"fresh": ("being created", None, None),
+                      "cut": ("being created", dead >> 32, None)}, states
+    young = {"SHMPS_GC_MIN_AGE": "3600"}
+    assert ok(tool("gc", "--namespace", ns, env=young)).strip() == "nothing to remove"
+    out = ok(tool("gc", "--namespace", ns, env={"SHMPS_GC_MIN_AGE": "0"}))
+    assert sorted(out.splitlines()) == [f"removed store cut (namespace {ns}): 1 segments",
+                                        f"removed store fresh (namespace {ns}): 1 segments"], out
+    assert not os.path.exists(unsized) and not os.path.exists(cut)
+    with pytest.raises(shmps.NotFound, match="no store"):
+        shmps.attach("fresh", namespace=ns, create=False)
+
+
 def test_gc_leaves_a_store_of_another_pid_namespace_alone(ns, procs):
     """A store made in another PID namespace sharing /dev/shm (a container of the same
     pod), with a live process there: its tokens' pids are not in this /proc, so all of
