@@ -315,6 +315,48 @@ def test_an_initialiser_of_another_pid_namespace_is_not_judged(store_name, dead)
         remove_store(store_name)
 
 
+LIVE_INITIALISER = """
+import sys
+import numpy as np
+import shmps
+from shmps import _native, names
+from shmps.segment import Segment
+from shmps.store import MANIFEST_RESERVED, MANIFEST_SIZE
+seg, _ = Segment.open_or_create(names.manifest_name({store!r}, None), MANIFEST_SIZE,
+                                reserve=MANIFEST_RESERVED)
+words = seg.array(np.uint64, 0, 52)
+words[408 // 8] = int(_native.lib.shmps_self_pid_ns())   # the namespace claim, then
+words[24 // 8] = _native.token()                          # init_owner: initialising
+print("claimed", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_live_initialiser_of_another_pid_namespace_is_not_taken_over(store_name):
+    """The same with a real process of another PID namespace (a container sharing
+    /dev/shm), alive and initialising the store, its pid no process here: this
+    process's attach is refused at once and leaves its claim alone."""
+    from helpers import start_in_other_pid_namespace
+
+    path = os.path.join(SHM, f"shmps.{store_name}.manifest")
+    pid = next(p for p in range(31000, 60000) if not os.path.exists(f"/proc/{p}"))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(shmps.__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = start_in_other_pid_namespace(LIVE_INITIALISER.format(store=store_name), pid, env)
+    try:
+        assert p.stdout.readline().strip() == "claimed", p.poll()
+        owner = peek(path, INIT_OWNER_OFF, "<Q")[0]
+        assert owner >> 32 == pid and not native.token_alive(owner)   # dead, seen from here
+        with pytest.raises(shmps.InvalidArgument, match="another PID namespace"):
+            shmps.attach(store_name, timeout=2.0)
+        assert peek(path, INIT_OWNER_OFF, "<Q")[0] == owner
+        assert peek(path, STATE_OFF, "<I")[0] == 0
+    finally:
+        p.stdin.close()
+        assert p.wait(timeout=30) == 0
+        remove_store(store_name)
+
+
 def test_an_initialisation_claims_the_pid_namespace_first(store_name):
     """The PID namespace is claimed before the initialisation (so a waiter never judges
     an initialiser of another namespace): a manifest whose initialiser claimed only the
