@@ -721,7 +721,7 @@ def read_csr(prefix: str | os.PathLike[str], *, rowcnt_dtype: str | None = None,
         d = (matching or dividing)[0]
         n = size // _itemsize(d)
         why = (f"{d}: {size} bytes = {_n(n, 'entry', 'entries')} of {_itemsize(d)} bytes"
-               + (f" = rowcnt's last entry" if matching else
+               + (" = rowcnt's last entry" if matching else
                   f"; no candidate gives rowcnt's last entry {target}"))
         dtypes[k], sources[k], inferred[k] = d, "inferred", why
         notes[k] = f"{k} dtype {d} inferred; pass --{k}-dtype to override"

@@ -26,7 +26,7 @@ from .errors import (CapacityError, Closed, CorruptFile, CorruptSegment, Invalid
                      NotFound, SchemaError, Timeout)
 from .segment import Segment, check_room, list_names, shm_free, unlink
 from .tensor import PushHandle, Tensor, cast_init, check_shard_count, open_shards
-from .updaters import Updater, UpdaterLike, as_updater, from_dict
+from .updaters import UpdaterLike, as_updater, from_dict
 
 lib = _native.lib
 ffi = _native.ffi

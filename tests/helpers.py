@@ -17,6 +17,7 @@ import signal
 import struct
 import time
 import traceback
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -27,6 +28,19 @@ GO, STOP = 0, 1
 
 
 # ---- stores -------------------------------------------------------------------------
+
+def child_env(**extra: str) -> dict:
+    """The environment of a Python subprocess that must run the shmps under test (this
+    tree's with its built module, or the installed package: whichever the tests
+    imported), ``extra`` added.  Not the repository root: in a plain install its
+    ``shmps/`` holds no compiled module (CI failed so, 2026-11-27)."""
+    import shmps
+
+    root = str(Path(shmps.__file__).resolve().parents[1])
+    env = dict(os.environ, **extra)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
 
 def store_segments(name: str, namespace: Optional[str] = None) -> list[str]:
     """Names (in /dev/shm, no leading '/') of every segment of store ``name``."""

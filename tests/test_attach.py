@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 
 import shmps
-from conftest import REPO
-from helpers import (STOP, Workers, attach_and_hold, attach_timing, fork_dying_at_unlink,
+from helpers import (STOP, Workers, attach_and_hold, attach_timing, child_env, fork_dying_at_unlink,
                      new_flags, pull_after_destroy, race_attach, remove_store, store_segments,
                      unshare_pid_command, wait_until)
 
@@ -517,8 +516,7 @@ def test_a_fork_that_fails_gives_back_the_slot_taken_for_its_child(store_name):
 
     from shmps.store import remove_idle
 
-    env = dict(os.environ)
-    env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env = child_env()
     p = subprocess.Popen([sys.executable, "-c", _FAILING_FORKS, store_name], env=env,
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
@@ -947,8 +945,7 @@ def test_attach_does_not_take_over_a_store_being_restored_in_another_pid_namespa
             "assert lib.shmps_manifest_restore_end(s._mptr, _native.token()) == 0\n"
             "print(s['w'].pull().tolist(), s['v'].pull().tolist(), flush=True)\n"
             "s.close()\n")
-    env = dict(os.environ)   # this tree's shmps there too
-    env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env = child_env()
     p = subprocess.Popen(cmd + [sys.executable, "-c", code, store_name], env=env,
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:

@@ -28,10 +28,9 @@ from shmps import checkpoint as ckpt_mod
 from shmps import files
 
 from test_errors import needs_small_shm
-from helpers import remove_store
+from helpers import child_env, remove_store
 
 SHM = "/dev/shm"
-ROOT = str(Path(shmps.__file__).resolve().parents[1])
 
 FLOAT_UPDATERS = [
     shmps.SGD(lr=0.1, weight_decay=0.01),
@@ -52,10 +51,6 @@ def tool_cmd() -> list[str]:
     return [exe] if exe else [sys.executable, "-m", "shmps.cli"]
 
 
-def child_env() -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return env
 
 
 def segments(name: str) -> list[str]:

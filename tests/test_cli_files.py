@@ -23,17 +23,14 @@ from shmps import cli
 from shmps.cli_files import ENTRY_CHUNK, ROW_CHUNK, value_strings
 from shmps.files import CSR, read_csr, write_csr
 
+from helpers import child_env
 from test_files import CORRUPT, EXAMPLE, csr_cases, raw_set
 
-# Run the same shmps the tests import (source tree or installed package).
-_ROOT = str(Path(shmps.files.__file__).resolve().parents[1])
 
 
 def tool_env() -> dict[str, str]:
     """The environment that makes ``python -m shmps.cli`` run the shmps under test."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = _ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return env
+    return child_env()
 
 
 def tool(*args: str, cwd: str | os.PathLike[str] | None = None) -> subprocess.CompletedProcess:
@@ -544,7 +541,7 @@ def test_dump_into_a_closed_pipe_is_quiet(tmp_path):
     n = 200_000
     write_csr(tmp_path / "p", CSR(np.array([0, n]), np.arange(n, dtype=np.int32),
                                   np.ones(n, np.float32)))
-    env = dict(os.environ, PYTHONPATH=_ROOT)
+    env = child_env()
     r = subprocess.run(f'"{sys.executable}" -m shmps.cli dump "{tmp_path / "p"}" '
                        f"--format csv | head -n 1", shell=True, capture_output=True,
                        text=True, env=env, timeout=120)

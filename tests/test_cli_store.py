@@ -12,24 +12,22 @@ import shutil
 import subprocess
 import sys
 import uuid
-from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 import pytest
 
 import shmps
+from helpers import child_env
 
 SHM = "/dev/shm"
-ROOT = str(Path(shmps.__file__).resolve().parents[1])
 
 
 def tool(*args: object, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run ``shmps-tool ARGS`` (the console script, else ``python -m shmps.cli``)."""
     exe = shutil.which("shmps-tool")
     cmd = [exe] if exe else [sys.executable, "-m", "shmps.cli"]
-    e = dict(os.environ)
-    e["PYTHONPATH"] = ROOT + (os.pathsep + e["PYTHONPATH"] if e.get("PYTHONPATH") else "")
+    e = child_env()
     e.pop("SHMPS_NAMESPACE", None)
     e.update(env or {})
     return subprocess.run(cmd + [str(a) for a in args], capture_output=True, text=True,
@@ -102,8 +100,7 @@ else:
 
 
 def spawn_holder(procs: list, name: str, ns: str, mode: str) -> subprocess.Popen:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env = child_env()
     p = subprocess.Popen([sys.executable, "-c", HOLDER, name, ns, mode], stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, text=True, env=env)
     procs.append(p)
@@ -347,8 +344,7 @@ def test_gc_leaves_a_store_of_another_pid_namespace_alone(ns, procs):
     says why; ls says its processes are unknown here."""
     from helpers import unshare_pid_command
 
-    env = dict(os.environ)
-    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env = child_env()
     p = subprocess.Popen(unshare_pid_command() + [sys.executable, "-c", HOLDER, "there", ns, "hold"],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     procs.append(p)
@@ -374,8 +370,7 @@ def test_gc_leaves_a_store_remade_in_another_pid_namespace_since_its_scan_alone(
     from shmps.store import remove_idle
 
     cmd = unshare_pid_command()
-    env = dict(os.environ)
-    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env = child_env()
     spawn_holder(procs, "x", ns, "exit")      # ours, idle
     assert procs[-1].wait(timeout=30) == 0
     real_scan = cli_store.shm_inspect.scan
@@ -653,7 +648,7 @@ def test_gc_never_removes_a_store_under_an_attach(ns, procs):
     tensor, or held a manifest nobody else saw (5 failures in 40 s in the review).  Now
     gc retires the store first and backs off if a process registered meanwhile, and an
     attach that finds it retired waits for the removal and makes a new store."""
-    env = dict(os.environ, SHMPS_GC_MIN_AGE="0", PYTHONPATH=ROOT)
+    env = child_env(SHMPS_GC_MIN_AGE="0")
     env.pop("SHMPS_NAMESPACE", None)
     secs = "6"
     gc = subprocess.Popen([sys.executable, "-c", GC_LOOP, ns, secs], env=env,

@@ -6,7 +6,6 @@ import json
 import os
 import signal
 import stat
-import struct
 import time
 
 import numpy as np

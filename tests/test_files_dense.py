@@ -23,10 +23,11 @@ from shmps.errors import CorruptFile, InvalidArgument, NotFound
 from shmps.files import (CSR, VALUE_DTYPES, ImplicitIndex, MatrixSet, implicit_structure,
                          read_csr, read_dense, validate_all, write_csr, write_dense)
 
+from helpers import child_env
+
 FAST = settings(max_examples=40, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture,
                                        HealthCheck.too_slow])
-ROOT = str(Path(shmps.files.__file__).resolve().parents[1])
 
 
 def main_out(*args: object) -> tuple[int, str, str]:
@@ -349,8 +350,7 @@ def test_huge_dense_set_is_never_materialised(tmp_path):
         f.write(np.array([1.5, -2.0], dtype=np.float32).tobytes())
     (tmp_path / "H.meta").write_text(json.dumps({"version": 1, "kind": "dense", "rows": rows,
                                                  "cols": 1, "dtypes": {"value": "float32"}}))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env = child_env()
     r = subprocess.run([sys.executable, "-c", HUGE, str(tmp_path / "H"), f"{rows - 3}:"],
                        capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr
@@ -382,8 +382,7 @@ def test_huge_state_count_is_refused_at_once(tmp_path):
     m = json.loads((tmp_path / "D.meta").read_text())
     m["state"]["count"] = 2**40
     (tmp_path / "D.meta").write_text(json.dumps(m))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env = child_env()
     r = subprocess.run(["timeout", "60", sys.executable, "-c", LIMITED_CHECK, str(p)],
                        capture_output=True, text=True, env=env, timeout=90)
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr

@@ -4,7 +4,6 @@ overlapping zipf keys, deterministic init across processes, and crashes (SIGKILL
 pushers at random instants; dead owners planted in every kind of claim)."""
 from __future__ import annotations
 
-import os
 import random
 import threading
 import time
@@ -871,7 +870,8 @@ def test_repair_without_its_bitmap_marks_the_link_words_and_rebuilds_every_shard
     without the bitmap), no LINK_SEEN left behind, and the table checks out."""
     import subprocess
     import sys
-    from conftest import REPO
+
+    from helpers import child_env
 
     t = store.table("emb", dim=2, capacity=100_000, optimizer="sum", shards=2)
     keys = np.arange(40, dtype=np.uint64)
@@ -881,8 +881,7 @@ def test_repair_without_its_bitmap_marks_the_link_words_and_rebuilds_every_shard
     new = next(k for k in range(10**6 + 1, 10**6 + 99)
                if shmps.table.key_shards([k], 2)[0] == 1)
     n = max(sh.spec["nrows"] for sh in t._shards) // 64 + 1
-    env = dict(os.environ, LD_PRELOAD=failing_calloc)
-    env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env = child_env(LD_PRELOAD=failing_calloc)
     r = subprocess.run([sys.executable, "-c", _PUSH_WITHOUT_BITMAP, store_name, str(n),
                         str(new)], env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr[-600:]
