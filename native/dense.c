@@ -59,35 +59,31 @@ static void note_pending(void *base, const shmps_spec_t *s, uint64_t e0, uint64_
  *     sequential order per stripe, as docs/concurrency.md promises, and the ticket
  *     itself when nothing runs at once;
  *   - otherwise (a rows= push, or any push once one was made: a rows= push advances
- *     the step of the stripes it skips): max(ticket, last step + 1), the ticket in any
- *     sequential history, and never a step a stripe already applied or an earlier one;
- *   - more of a push under way (SHMPS_STEP_AGAIN: a later frame of one drain, which
- *     the bridge applies as one push): its step, as its first part had.
- * The last step is rebuilt from its low 32 bits next to the ticket: it lies within
- * STEP_NEAR of it whenever it says anything (pushes overtaking a stalled one, or pushes
- * killed before they reached the stripe); further off (a restore leaves every stripe
- * at the restored step, shmps_dense_set_stripe_steps; a stripe no push touched for
- * over 2^31 steps) it is ignored and the ticket applies. */
-#define STEP_NEAR (1ll << 20)
+ *     the step of the stripes it skips; a later frame of one drain): max(ticket, last
+ *     step), the ticket in any sequential history.  A push overtaken on a stripe
+ *     applies at the step of the one that overtook it (never at an earlier step than
+ *     the stripe's last, and never above the tensor's count, so later pushes go on at
+ *     their tickets).
+ * No stripe applies a step above the tensor's count (`now`, read under the stripe's
+ * lock: at least the ticket of every push that applied there, whose fetch-add
+ * happened before it unlocked), so the last step is the latest value up to `now`
+ * with its low 32 bits: exact unless no push touched the stripe for 2^32 steps, and
+ * even then a step between the ticket and `now`.  A restore leaves every stripe at the
+ * restored step (shmps_dense_set_stripe_steps). */
+typedef struct {
+    uint64_t step;          /* the push's ticket, SHMPS_STEP_BY_STRIPE set or not */
+    const uint64_t *now;    /* shard 0's step word: the tensor's push count */
+} push_step_t;
 
-static uint64_t stripe_step(shmps_stripe_t *st, uint64_t step) {
-    uint64_t ticket = step & ~(SHMPS_STEP_BY_STRIPE | SHMPS_STEP_AGAIN);
+static uint64_t stripe_step(shmps_stripe_t *st, const push_step_t *ps) {
+    uint64_t ticket = ps->step & ~SHMPS_STEP_BY_STRIPE;
+    /* relaxed: the stripe's lock (acquired) orders it after the fetch-add of every push
+     * that applied here before */
+    uint64_t now = LOAD(ps->now, RELAXED);
     /* relaxed: under the stripe's lock, whose acquire/release orders it */
-    uint32_t last32 = LOAD(&st->pad, RELAXED);
-    int64_t d = (int32_t)(last32 - (uint32_t)ticket); /* last - ticket, if near */
-    uint64_t t = ticket;
-    if (step & SHMPS_STEP_AGAIN) {
-        /* more of a push under way (SHMPS_STEP_AGAIN): its step, which the stripe may
-         * have applied already (an earlier frame of the push) */
-        if (!(d > 0 && d < STEP_NEAR)) STORE(&st->pad, (uint32_t)t, RELAXED);
-        return t;
-    }
-    if (step & SHMPS_STEP_BY_STRIPE) {
-        if (d > -STEP_NEAR && d < STEP_NEAR && (int64_t)ticket + d >= 0)
-            t = (uint64_t)((int64_t)ticket + d) + 1;
-    } else if (d >= 0 && d < STEP_NEAR) {
-        t = ticket + (uint64_t)d + 1;
-    }
+    uint32_t back = (uint32_t)now - LOAD(&st->pad, RELAXED);
+    uint64_t last = back <= now ? now - back : 0;
+    uint64_t t = (ps->step & SHMPS_STEP_BY_STRIPE) ? last + 1 : ticket > last ? ticket : last;
     STORE(&st->pad, (uint32_t)t, RELAXED);
     return t;
 }
@@ -95,7 +91,7 @@ static uint64_t stripe_step(shmps_stripe_t *st, uint64_t step) {
 /* Applies the push to stripe j, which the caller has locked.  s: the shard's private
  * spec (shmps_spec_of), here and in every helper below that takes one. */
 static int apply_stripe(void *base, const shmps_spec_t *s, shmps_stripe_t *st, uint64_t j,
-                        const char *grad, uint64_t step) {
+                        const char *grad, const push_step_t *ps) {
     uint64_t i0 = j * s->stripe_elems;
     uint64_t n = s->nnz - i0 < s->stripe_elems ? s->nnz - i0 : s->stripe_elems;
     shmps_stripe_write_begin(st);
@@ -104,7 +100,7 @@ static int apply_stripe(void *base, const shmps_spec_t *s, shmps_stripe_t *st, u
      * values no drain would ever look at (note_pending) */
     if (s->flags & SHMPS_F_OUTBOX) note_pending(base, s, i0, i0 + n);
     int r = shmps_apply(base, s, i0, n, grad + i0 * shmps_grad_size(s->dtype),
-                        stripe_step(st, step));
+                        stripe_step(st, ps));
     shmps_stripe_write_end(st);
     shmps_stripe_unlock(st);
     return r;
@@ -113,7 +109,7 @@ static int apply_stripe(void *base, const shmps_spec_t *s, shmps_stripe_t *st, u
 /* Stripes [lo, hi) of the push, by a caller that holds an active slot of the shard
  * (shmps_enter) from before this call to after it. */
 static int push_stripes(void *base, const shmps_spec_t *s, uint64_t token, const char *g,
-                        uint64_t lo, uint64_t hi, uint64_t step) {
+                        uint64_t lo, uint64_t hi, const push_step_t *ps) {
     shmps_shard_hdr_t *h = hdr_of(base);
     int r = SHMPS_OK;
     if (s->flags & SHMPS_F_HOGWILD) {
@@ -121,7 +117,7 @@ static int push_stripes(void *base, const shmps_spec_t *s, uint64_t token, const
         uint64_t i1 = hi * s->stripe_elems < s->nnz ? hi * s->stripe_elems : s->nnz;
         /* hogwild: no lock, so no stripe steps; the ticket */
         return shmps_apply(base, s, i0, i1 - i0, g + i0 * shmps_grad_size(s->dtype),
-                           step & ~(SHMPS_STEP_BY_STRIPE | SHMPS_STEP_AGAIN));
+                           ps->step & ~SHMPS_STEP_BY_STRIPE);
     }
     shmps_stripe_t *stripes = (shmps_stripe_t *)at(base, s->stripes_off);
     uint64_t contended = 0;
@@ -130,14 +126,14 @@ static int push_stripes(void *base, const shmps_spec_t *s, uint64_t token, const
         uint64_t done[CHUNK / 64];
         memset(done, 0, sizeof done);
         uint64_t remaining = n;
-        uint64_t start = mix64(token ^ (step * 0x9e3779b97f4a7c15ull) ^ clo) % n;
+        uint64_t start = mix64(token ^ (ps->step * 0x9e3779b97f4a7c15ull) ^ clo) % n;
         while (remaining && r == SHMPS_OK) {
             uint64_t progress = 0;
             for (uint64_t k = 0; k < n && r == SHMPS_OK; k++) {
                 uint64_t j = start + k < n ? start + k : start + k - n;
                 if (done[j >> 6] & (1ull << (j & 63))) continue;
                 if (!shmps_stripe_trylock(&stripes[clo + j], token)) continue;
-                r = apply_stripe(base, s, &stripes[clo + j], clo + j, g, step);
+                r = apply_stripe(base, s, &stripes[clo + j], clo + j, g, ps);
                 done[j >> 6] |= 1ull << (j & 63);
                 remaining--, progress++;
             }
@@ -150,7 +146,7 @@ static int push_stripes(void *base, const shmps_spec_t *s, uint64_t token, const
                     int lr = shmps_stripe_lock(&stripes[clo + j], token, SHMPS_LOCK_TIMEOUT_S,
                                                &h->stats.takeovers);
                     if (lr < 0) { r = lr; break; }
-                    r = apply_stripe(base, s, &stripes[clo + j], clo + j, g, step);
+                    r = apply_stripe(base, s, &stripes[clo + j], clo + j, g, ps);
                     done[j >> 6] |= 1ull << (j & 63);
                     remaining--;
                     break;
@@ -179,22 +175,35 @@ static int check_push(const shmps_spec_t *s, const void *grad, uint32_t grad_dty
 
 /* Stripes [lo, hi) of a push (checked), inside an active slot of the shard. */
 static int push_range(void *base, const shmps_spec_t *s, uint64_t token, const void *grad,
-                      uint64_t lo, uint64_t hi, uint64_t step) {
+                      uint64_t lo, uint64_t hi, const push_step_t *ps) {
     uint32_t slot;
     int r = shmps_enter(base, token, SHMPS_LOCK_TIMEOUT_S, &slot);
     if (r < 0) return r;
-    r = push_stripes(base, s, token, (const char *)grad, lo, hi, step);
+    r = push_stripes(base, s, token, (const char *)grad, lo, hi, ps);
     shmps_leave(base, token, slot);
     return r;
 }
 
-int shmps_dense_push(void *base, uint64_t token, const void *grad, uint32_t grad_dtype,
-                     uint64_t lo, uint64_t hi, uint64_t step, int check) {
+/* The step of a push to a shard of the tensor whose shard 0 is `base0` (Stripe steps):
+ * SHMPS_E_ARG unless base0 is a mapped dense shard. */
+static int step_of(void *base0, uint64_t step, push_step_t *ps) {
+    const shmps_spec_t *s0 = shmps_spec_of(base0);
+    if (!s0 || s0->kind != SHMPS_DENSE) return SHMPS_E_ARG;
+    ps->step = step;
+    ps->now = &hdr_of(base0)->step;
+    return SHMPS_OK;
+}
+
+/* Stripes [lo, hi) of a push with step `step` (shmps_dense_next_step) to shard `base`
+ * of the tensor whose shard 0 is `base0`. */
+int shmps_dense_push(void *base, void *base0, uint64_t token, const void *grad,
+                     uint32_t grad_dtype, uint64_t lo, uint64_t hi, uint64_t step, int check) {
     const shmps_spec_t *s = shmps_spec_of(base);
-    if (!s) return SHMPS_E_ARG;
+    push_step_t ps;
+    if (!s || step_of(base0, step, &ps)) return SHMPS_E_ARG;
     int r = check_push(s, grad, grad_dtype, lo, hi, check);
     if (r) return r;
-    return push_range(base, s, token, grad, lo, hi, step);
+    return push_range(base, s, token, grad, lo, hi, &ps);
 }
 
 /* shmps_dense_push by a caller that already holds active slot `slot` of the shard
@@ -204,16 +213,19 @@ int shmps_dense_push(void *base, uint64_t token, const void *grad, uint32_t grad
  * none, never the gap between two.  SHMPS_E_ARG if the slot does not hold `token`.
  * Relaxed: the caller's own claim, read by the thread that made it or by one the
  * caller's thread pool handed the work to (the pool's hand-off orders it). */
-int shmps_dense_push_entered(void *base, uint64_t token, uint32_t slot, const void *grad,
-                             uint32_t grad_dtype, uint64_t lo, uint64_t hi, uint64_t step) {
+int shmps_dense_push_entered(void *base, void *base0, uint64_t token, uint32_t slot,
+                             const void *grad, uint32_t grad_dtype, uint64_t lo, uint64_t hi,
+                             uint64_t step) {
     shmps_shard_hdr_t *h = hdr_of(base);
     const shmps_spec_t *s = shmps_spec_of(base);
-    if (!s || slot >= SHMPS_ACTIVE_SLOTS || LOAD(&h->active[slot], RELAXED) != token)
+    push_step_t ps;
+    if (!s || step_of(base0, step, &ps) || slot >= SHMPS_ACTIVE_SLOTS ||
+        LOAD(&h->active[slot], RELAXED) != token)
         return SHMPS_E_ARG;
     /* (no NaN/Inf check: the caller checked the whole gradient before it entered) */
     int r = check_push(s, grad, grad_dtype, lo, hi, 0);
     if (r) return r;
-    return push_stripes(base, s, token, (const char *)grad, lo, hi, step);
+    return push_stripes(base, s, token, (const char *)grad, lo, hi, &ps);
 }
 
 /* A whole push to a one-shard tensor in one call (the small-push fast path):
@@ -229,9 +241,9 @@ int shmps_dense_push_all(void *base, const uint32_t *forward, uint64_t token,
     if (!s) return SHMPS_E_ARG;
     int r = check_push(s, grad, grad_dtype, 0, s->nstripes, check);
     if (r) return r;
-    uint64_t step;
-    shmps_dense_next_step(base, &step);
-    r = push_range(base, s, token, grad, 0, s->nstripes, step);
+    push_step_t ps = {0, &hdr_of(base)->step};
+    shmps_dense_next_step(base, &ps.step);
+    r = push_range(base, s, token, grad, 0, s->nstripes, &ps);
     if (r == SHMPS_OK) shmps_count(base, 0, s->nnz * shmps_grad_size(s->dtype), s->nrows);
     return r;
 }
@@ -258,7 +270,7 @@ static void release_held(shmps_stripe_t *stripes, uint64_t *held) {
 /* Rows rows[i] - off of shard `base` (checked by the caller) get gradient row i. */
 static int push_rows_at(void *base, const shmps_spec_t *s, uint64_t token,
                         const int64_t *rows, uint64_t n, int64_t off, const void *grad,
-                        uint64_t step);
+                        const push_step_t *ps);
 
 /* The rows of a tensor of nshards shards of shard_rows rows: [0, tensor_end), with
  * tensor_end saturated (then no int64 row reaches it, as no row's shard is nshards). */
@@ -374,7 +386,7 @@ int shmps_dense_push_sorted_rows(void **bases, uint32_t nshards, uint64_t shard_
         runs_free(&rs);
         return r;
     }
-    uint64_t step;
+    push_step_t ps = {0, &hdr_of(bases[0])->step};
     if (new_step) {
         shmps_shard_hdr_t *h0 = hdr_of(bases[0]);
         /* Stripe steps: whole pushes count per stripe only while no rows= push was made.
@@ -382,9 +394,9 @@ int shmps_dense_push_sorted_rows(void **bases, uint32_t nshards, uint64_t shard_
          * one (its acquire add reads this add or a later one in step's chain of adds)
          * sees the flag */
         if (!LOAD(&h0->steps_by_ticket, RELAXED)) STORE(&h0->steps_by_ticket, 1, RELAXED);
-        step = FETCH_ADD(&h0->step, 1, RELEASE) + 1;
+        ps.step = FETCH_ADD(&h0->step, 1, RELEASE) + 1;
     } else {
-        shmps_dense_step_again(bases[0], &step);
+        shmps_dense_step_again(bases[0], &ps.step);
     }
     const char *g = (const char *)grad;
     int outbox = (s0->flags & SHMPS_F_OUTBOX) != 0;
@@ -395,7 +407,7 @@ int shmps_dense_push_sorted_rows(void **bases, uint32_t nshards, uint64_t shard_
         uint8_t slot = 0;
         if (outbox && (r = shmps_landing_claim(h, token, &slot)) < 0) break;
         r = push_rows_at(bases[sh], s, token, rows + a, b - a, (int64_t)(sh * shard_rows),
-                         g + a * s0->row_len * gsz, step);
+                         g + a * s0->row_len * gsz, &ps);
         if (outbox) {
             int rr = shmps_landing_release(h, token, slot, r == SHMPS_OK);
             if (r == SHMPS_OK) r = rr;
@@ -408,7 +420,7 @@ int shmps_dense_push_sorted_rows(void **bases, uint32_t nshards, uint64_t shard_
 
 static int push_rows_at(void *base, const shmps_spec_t *s, uint64_t token,
                         const int64_t *rows, uint64_t n, int64_t off, const void *grad,
-                        uint64_t step) {
+                        const push_step_t *ps) {
     shmps_shard_hdr_t *h = hdr_of(base);
     uint32_t slot;
     int r = shmps_enter(base, token, SHMPS_LOCK_TIMEOUT_S, &slot);
@@ -419,11 +431,11 @@ static int push_rows_at(void *base, const shmps_spec_t *s, uint64_t token,
     shmps_stripe_t *stripes = (shmps_stripe_t *)at(base, s->stripes_off);
     int hog = (s->flags & SHMPS_F_HOGWILD) != 0;
     uint64_t held = UINT64_MAX; /* stripe locked across consecutive rows */
-    uint64_t tstep = step;      /* the held stripe's step for this push */
+    uint64_t tstep = ps->step;  /* the held stripe's step for this push */
     for (uint64_t i = 0; i < n && r == SHMPS_OK; i++) {
         uint64_t e0 = (uint64_t)(rows[i] - off) * rl, e1 = e0 + rl;
         const char *gr = g + i * rl * gsz;
-        if (hog) { r = shmps_apply(base, s, e0, rl, gr, step & ~SHMPS_STEP_AGAIN); continue; }
+        if (hog) { r = shmps_apply(base, s, e0, rl, gr, ps->step); continue; }
         for (uint64_t e = e0; e < e1 && r == SHMPS_OK;) {
             uint64_t j = e / se;
             uint64_t stop = (j + 1) * se < e1 ? (j + 1) * se : e1;
@@ -435,7 +447,7 @@ static int push_rows_at(void *base, const shmps_spec_t *s, uint64_t token,
                 shmps_stripe_write_begin(&stripes[j]);
                 held = j;
                 /* rows ascending: the stripe is locked once in this push (Stripe steps) */
-                tstep = stripe_step(&stripes[j], step);
+                tstep = stripe_step(&stripes[j], ps);
             }
             if (s->flags & SHMPS_F_OUTBOX) note_pending(base, s, e, stop); /* first: above */
             r = shmps_apply(base, s, e, stop - e, gr + (e - e0) * gsz, tstep);
@@ -614,11 +626,12 @@ int shmps_dense_next_step(void *base, uint64_t *step) {
 }
 
 /* The step of a push under way, to apply more of it (a later frame of one drain):
- * the tensor's current step, at least 1, marked SHMPS_STEP_AGAIN ("Stripe steps").
+ * the tensor's current step, at least 1, applied as a rows= push's ("Stripe steps":
+ * max(ticket, last), so the step its first part applied at on a stripe both touch).
  * Relaxed: as shmps_stats reads it; the caller applied the push's first part. */
 int shmps_dense_step_again(void *base, uint64_t *step) {
     uint64_t t = LOAD(&hdr_of(base)->step, RELAXED);
-    *step = (t ? t : 1) | SHMPS_STEP_AGAIN;
+    *step = t ? t : 1;
     return SHMPS_OK;
 }
 

@@ -42,9 +42,6 @@ typedef struct {
 /* Set in the step a dense whole push passes to its stripes when the tensor never took
  * a rows= push: each stripe then counts its own pushes (dense.c "Stripe steps"). */
 #define SHMPS_STEP_BY_STRIPE (1ull << 63)
-/* Set when the step is that of a push already under way (a later frame of one drain,
- * the bridge's BATCH CONTINUES): applied as it is on every stripe. */
-#define SHMPS_STEP_AGAIN (1ull << 62)
 
 /* A landing slot of an outbox shard (outbox.c "Landing"): token, 0 when free, of a
  * pusher between its first write of values into the shard and its count; seq, how many

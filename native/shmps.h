@@ -115,11 +115,12 @@ int shmps_shard_forget(const void *base);
 int shmps_stats(const void *base, shmps_stats_t *out);
 
 /* dense push/pull; token = shmps_self_token() of the caller */
-int shmps_dense_push(void *base, uint64_t token, const void *grad, uint32_t grad_dtype,
-                     uint64_t stripe_lo, uint64_t stripe_hi, uint64_t step, int check);
-int shmps_dense_push_entered(void *base, uint64_t token, uint32_t slot, const void *grad,
-                             uint32_t grad_dtype, uint64_t stripe_lo, uint64_t stripe_hi,
-                             uint64_t step);
+int shmps_dense_push(void *base, void *base0, uint64_t token, const void *grad,
+                     uint32_t grad_dtype, uint64_t stripe_lo, uint64_t stripe_hi,
+                     uint64_t step, int check);
+int shmps_dense_push_entered(void *base, void *base0, uint64_t token, uint32_t slot,
+                             const void *grad, uint32_t grad_dtype, uint64_t stripe_lo,
+                             uint64_t stripe_hi, uint64_t step);
 int shmps_dense_push_sorted_rows(void **bases, uint32_t nshards, uint64_t shard_rows,
                                  uint64_t token, const int64_t *rows, uint64_t n,
                                  const void *grad, uint32_t grad_dtype, int check,

@@ -33,7 +33,11 @@ KINDS = {"dense": lib.SHMPS_DENSE, "csr": lib.SHMPS_CSR, "table": lib.SHMPS_TABL
 # specific codes first (argon2-cffi style): each maps to a class and a default text
 _CODES: dict[int, tuple[type[errors.Error], str]] = {
     lib.SHMPS_E_CORRUPT: (errors.CorruptSegment, "segment header is not a valid shmps layout"),
-    lib.SHMPS_E_VERSION: (errors.CorruptSegment, "segment has another layout version"),
+    lib.SHMPS_E_VERSION: (errors.CorruptSegment, "segment has another layout version (made "
+                          "by another shmps release: checkpoint the store with that release if "
+                          "you need its values, end its processes, remove the store with "
+                          "`shmps-tool gc --corrupt`, and restore the checkpoint with this "
+                          "one)"),
     lib.SHMPS_E_BOUNDS: (errors.OutOfRange, "index or size out of range"),
     lib.SHMPS_E_TIMEOUT: (errors.Timeout, "timed out waiting for a live process holding a "
                           "lock; a push stopped here applied the stripes it had reached"),

@@ -290,12 +290,13 @@ class DenseTensor(Tensor):
         """Stripes ``[lo, hi)`` of shard ``i``; ``slots``: the shards' active slots this
         process holds for the push (:meth:`_entered`), else the call takes its own."""
         ptr = _native.ffi.cast("void *", gbase + self._elem0[i] * gsz)
+        base0 = self._shards[0].ptr   # its step word: the tensor's count (Stripe steps)
         if slots is None:
-            code = lib.shmps_dense_push(self._shards[i].ptr, _native.token(), ptr, self._gcode,
-                                        lo, hi, step, 0)
+            code = lib.shmps_dense_push(self._shards[i].ptr, base0, _native.token(), ptr,
+                                        self._gcode, lo, hi, step, 0)
         else:
-            code = lib.shmps_dense_push_entered(self._shards[i].ptr, _native.token(), slots[i],
-                                                ptr, self._gcode, lo, hi, step)
+            code = lib.shmps_dense_push_entered(self._shards[i].ptr, base0, _native.token(),
+                                                slots[i], ptr, self._gcode, lo, hi, step)
         if code:
             _native.check(code, f"push to {self.name!r}")
 

@@ -664,7 +664,8 @@ class Store:
                 _copy_in(seg.array(sdt, lay["state_off"][k], lay["nnz"]), st, e0, e1)
             if s == 0:
                 lib.shmps_set_step(seg.ptr, step)
-            lib.shmps_dense_set_stripe_steps(seg.ptr, step)
+            _native.check(lib.shmps_dense_set_stripe_steps(seg.ptr, step),
+                          f"restore {rec['name']!r} (shard {s})")
             bar.update(seg.size)
 
         with self._lock:

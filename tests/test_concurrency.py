@@ -134,6 +134,65 @@ def test_a_push_overtaken_on_its_stripe_applies_after_the_one_that_overtook_it(s
     assert w.stats()["step"] == 3
 
 
+def test_a_push_stalled_while_a_million_others_pass_applies_after_them(store):
+    """A push that took its step and then did not run (SIGSTOP, a debugger, a starved
+    CPU) while 2^20 + 10 pushes went by applies after them on its stripe, at their
+    count + 1, as a push coming last would; the stripe's last step goes on from
+    there.  (With the stripe's last step read next to the push's own ticket, beyond
+    2^20 steps apart it was ignored: the push applied at its old step, the stripe's
+    step went back; review 15 F1.)  The stall is the C push called with a ticket taken
+    before the others."""
+    from shmps import _native
+
+    lib, ffi = _native.lib, _native.ffi
+    t = store.dense("w", shape=(1,), dtype="float64", optimizer=shmps.Momentum(
+        lr=0.1, momentum=0.9, dampening=0.5))
+    sh = t._shards[0]
+    ticket = ffi.new("uint64_t *")
+    lib.shmps_dense_next_step(sh.ptr, ticket)   # the stalled push's step
+    g = np.ones(1)
+    n = (1 << 20) + 10
+    for _ in range(n):
+        t.push(g)
+    buf = float(np.array(sh.state(0))[0])
+    assert lib.shmps_dense_push(sh.ptr, sh.ptr, _native.token(), ffi.from_buffer(g),
+                                t._gcode, 0, 1, ticket[0], 0) == 0
+    # applied at step n + 1: the buffer decays and takes (1 - dampening) of the gradient
+    # (at its own step 1 the first-step branch would have reset the buffer to 1)
+    assert float(np.array(sh.state(0))[0]) == 0.9 * buf + 0.5
+    last = int(sh.seg.array(np.uint32, sh.spec["stripes_off"], 4)[3])
+    assert last == n + 1 and t.stats()["step"] == n + 1
+
+
+def test_after_an_overtaken_push_a_tensor_given_rows_pushes_goes_on_at_its_tickets(store):
+    """A tensor that took a rows= push (its stripes then apply at max(ticket, last)):
+    a push overtaken on its stripe by a later one applies at that one's step, and the
+    pushes after go on at their own tickets, not one above for ever (review 15 F2:
+    with max(ticket, last + 1), one overlap left the stripe a step ahead of every
+    later push).  The overtaken push is the C push called with an earlier ticket."""
+    from shmps import _native
+
+    lib, ffi = _native.lib, _native.ffi
+    t = store.dense("w", shape=(2,), dtype="float64", optimizer=shmps.Adam(lr=0.1))
+    sh = t._shards[0]
+
+    def last() -> int:
+        return int(sh.seg.array(np.uint32, sh.spec["stripes_off"], 4)[3])
+
+    t.push(np.ones(1), rows=[0])                  # step 1: steps by ticket from here
+    ticket = ffi.new("uint64_t *")
+    lib.shmps_dense_next_step(sh.ptr, ticket)    # step 2, overtaken by ...
+    t.push(np.ones(2))                           # ... step 3
+    assert last() == 3
+    g = np.ones(2)
+    assert lib.shmps_dense_push(sh.ptr, sh.ptr, _native.token(), ffi.from_buffer(g),
+                                t._gcode, 0, 1, ticket[0], 0) == 0
+    assert last() == 3                           # at the step that overtook it
+    for step in (4, 5, 6):
+        t.push(np.ones(2))
+        assert last() == step == t.stats()["step"]
+
+
 def test_hogwild_mode_runs(store, store_name):
     """Hogwild pushes from 4 processes never crash and never invent values (losses allowed)."""
     shape = (64, 1024)

@@ -648,13 +648,15 @@ def test_a_split_push_holds_each_shard_once_and_lets_go(store, monkeypatch):
     n = native.ffi.new("uint32_t *")
     for sh in t._shards:
         assert lib.shmps_active_pushers(sh.ptr, n) == 0 and n[0] == 0
-    assert lib.shmps_dense_push_entered(t._shards[1].ptr, native.token(), 0,
+    base0 = t._shards[0].ptr
+    assert lib.shmps_dense_push_entered(t._shards[1].ptr, base0, native.token(), 0,
                                         native.ffi.from_buffer(g), t._gcode, 0, 1, 9) == \
         lib.SHMPS_E_ARG
     with t._entered() as slots:
         assert lib.shmps_active_pushers(t._shards[2].ptr, n) == 0 and n[0] == 1
-        assert lib.shmps_dense_push_entered(t._shards[2].ptr, native.token(), slots[2],
-                                            native.ffi.from_buffer(g), t._gcode, 0, 1, 9) == 0
+        assert lib.shmps_dense_push_entered(t._shards[2].ptr, base0, native.token(),
+                                            slots[2], native.ffi.from_buffer(g), t._gcode,
+                                            0, 1, 9) == 0
     assert lib.shmps_active_pushers(t._shards[2].ptr, n) == 0 and n[0] == 0
     got = t.pull()
     assert got[4096:4100].min() == 4 and got[4100:].max() == 3   # stripe 0 of shard 2
