@@ -196,7 +196,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
                 print(f"skipped {what}: {exc}", file=sys.stderr)
                 continue
             if gone is None:
-                print(f"kept {what}: a process attached to it meanwhile")
+                print(f"kept {what}: in use since the scan (a process attached to it, "
+                      "or is still creating it)")
                 continue
             n = len(gone)
         else:

@@ -1344,11 +1344,14 @@ _FORKS_LOCK = threading.Lock()
 def _settle_forks_locked(closing: Optional["Store"] = None) -> None:
     """Under _FORKS_LOCK: settle the pending forks; ``closing``, a store being closed, is
     then dropped from those still pending (their child takes its lease; a child that
-    dies before its handler leaves it counted as this process's until it exits)."""
+    dies before its handler leaves it counted as this process's until it exits).  Its
+    entries become "no lease", not removed: the child's bytes answer the leases by
+    position (removed, a later store's lease was judged by the closed one's byte, and
+    never given back: review 15 F5)."""
     _PENDING_FORKS[:] = [f for f in _PENDING_FORKS if not f.settle()]
     if closing is not None:
         for f in _PENDING_FORKS:
-            f.leases = [(st, slot) for st, slot in f.leases if st is not closing]
+            f.leases = [(st, None if st is closing else slot) for st, slot in f.leases]
 
 
 def _before_fork() -> None:

@@ -505,6 +505,58 @@ sys.stdin.readline()      # alive while the test removes the store
 """
 
 
+def test_closing_one_store_while_a_fork_is_pending_gives_back_another_stores_lease(
+        store_name):
+    """Two stores open; a child takes the first store's lease, stays in its fork
+    handler while the parent closes that store, and is killed before it reaches the
+    second store's.  The parent gives the second lease back (only its own slot stays):
+    the child's bytes answer the leases by position, and the closed store's entry
+    stays in place as "no lease".  (Removed from the list, the second lease was judged
+    by the first's byte and kept until the parent exited: review 15 F5.)  The child's
+    handler is slowed and killed through Store._forked, on the instances."""
+    import signal
+
+    import shmps.store as store_mod
+
+    other = f"{store_name}b"
+    a, b = shmps.attach(store_name), shmps.attach(other)
+    try:
+        first, second = list(store_mod._OPEN_STORES)[:2]
+
+        def mine(st) -> int:
+            tab = st._manifest.array(np.uint64, 4096, 2 * 1024)
+            return int((tab[0::2] == np.uint64(shmps._native.token())).sum())
+
+        orig = store_mod.Store._forked
+
+        def slow(lease):            # child: takes the first lease, then waits in there
+            took = orig(first, lease)
+            time.sleep(1.0)
+            return took
+
+        def die(lease):             # child: killed before it reaches the second lease
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        first._forked, second._forked = slow, die
+        try:
+            pid = os.fork()
+            if pid == 0:
+                os._exit(0)         # (not reached: the handler kills the child)
+        finally:
+            del first._forked, second._forked
+        first.close()               # the child still in its handler
+        os.waitpid(pid, 0)
+        for _ in range(2):          # later forks settle the pending one
+            p = os.fork()
+            if p == 0:
+                os._exit(0)
+            os.waitpid(p, 0)
+        assert mine(second) == 1
+    finally:
+        for st in (a, b):
+            (shmps.attach(st.name) if st._manifest is None else st).destroy()
+
+
 def test_a_fork_that_fails_gives_back_the_slot_taken_for_its_child(store_name):
     """os.fork() failing (RLIMIT_NPROC: EAGAIN) after the before-fork handler took a slot
     for the child: the parent gives the slot back, so 1100 failed forks leave it one slot

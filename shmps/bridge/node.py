@@ -1071,11 +1071,14 @@ class Bridge:
         (the frame is refused BUSY and resent; the catalog sync takes up the rest)."""
         deadline: Optional[float] = None
         if budget is not None:
-            if self._adopt_deadline is None:
-                self._adopt_deadline = time.monotonic() + budget
+            now = time.monotonic()
+            # (a slice ended over a second ago is a turn whose end never ran: the loop
+            # stopped before its call_soon; review 15 F11)
+            if self._adopt_deadline is None or now > self._adopt_deadline + 1.0:
+                self._adopt_deadline = now + budget
                 asyncio.get_running_loop().call_soon(self._end_adopt_turn)
             deadline = self._adopt_deadline
-            if time.monotonic() > deadline:
+            if now > deadline:
                 return True
         self.store._refresh()
         records = self.store._record_list
