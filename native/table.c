@@ -1029,7 +1029,9 @@ static int table_push(void **bases, uint32_t nshards, uint64_t token, const uint
             /* an outbox full of keys kept from earlier drains, maybe: each shard's next
              * drain removes them ("Outbox drains"); relaxed, a hint (the bridge finds the
              * shards busy: shmps_outbox_busy) */
-            for (uint32_t s = 0; s < nshards; s++) /* (not all viewed: bases, checked) */
+            /* (shards this call did not view too: the caller's mapped shards, whose
+             * header, always mapped, is all this writes) */
+            for (uint32_t s = 0; s < nshards; s++)
                 if (bases[s]) STORE(&hdr_of(bases[s])->ob_rescan, 1, RELAXED);
         leave_all(&b, ts, nshards);
         return r;

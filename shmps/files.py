@@ -1356,8 +1356,8 @@ def read_checkpoint_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
     except InvalidArgument:
         raise bad("store", doc.get("store"), "is not a store name") from None
     k = doc.get("staleness")
-    if k is not None and (not _is_int(k) or k < 0):
-        raise bad("staleness", k, "is not a staleness (null or an integer >= 0)")
+    if k is not None and (not _is_int(k) or not 0 <= k < 2**63):
+        raise bad("staleness", k, "is not a staleness (null or an integer from 0 to 2^63-1)")
     tensors = doc.get("tensors")
     if not isinstance(tensors, list):
         raise bad("tensors", tensors, "is not a list")

@@ -786,8 +786,8 @@ class Store:
         clock), ``k > 0`` bounded delay (no worker more than k clocks ahead of the
         slowest live one)."""
         k = -1 if staleness is None else int(staleness)
-        if k < -1 or (staleness is not None and k < 0):
-            raise InvalidArgument(f"staleness={staleness!r} must be None or >= 0")
+        if k < -1 or (staleness is not None and not 0 <= k < 2**63):
+            raise InvalidArgument(f"staleness={staleness!r} must be None or from 0 to 2^63-1")
         _native.check(lib.shmps_set_staleness(self._mptr, k), "set_consistency")
 
     @property

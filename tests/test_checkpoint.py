@@ -518,6 +518,7 @@ def _corrupt_cases() -> list[tuple[str, Any, str]]:
         ("newer version", edit_json(lambda d: d.update(version=99)), "newer than this"),
         ("tensors not a list", edit_json(lambda d: d.update(tensors={})), '"tensors"'),
         ("negative staleness", edit_json(lambda d: d.update(staleness=-1)), '"staleness"'),
+        ("staleness past int64", edit_json(lambda d: d.update(staleness=2**63)), '"staleness"'),
         ("prefix escapes", edit_json(set_prefix), "prefix"),
         ("record shape disagrees", edit_json(lambda d: d["tensors"][1]["record"].update(
             shape=[6, 2])), "records tensor"),
