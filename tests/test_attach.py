@@ -557,6 +557,15 @@ def test_closing_one_store_while_a_fork_is_pending_gives_back_another_stores_lea
             (shmps.attach(st.name) if st._manifest is None else st).destroy()
 
 
+def _end_child(p, store_name: str) -> None:
+    """After a test with a child process: kill it if it still runs, reap it, and remove
+    whatever is left of the store."""
+    if p.poll() is None:
+        p.kill()
+    p.wait(timeout=30)
+    remove_store(store_name)
+
+
 def test_a_fork_that_fails_gives_back_the_slot_taken_for_its_child(store_name):
     """os.fork() failing (RLIMIT_NPROC: EAGAIN) after the before-fork handler took a slot
     for the child: the parent gives the slot back, so 1100 failed forks leave it one slot
@@ -589,10 +598,7 @@ def test_a_fork_that_fails_gives_back_the_slot_taken_for_its_child(store_name):
         p.stdin.flush()
         assert p.wait(timeout=30) == 0
     finally:
-        if p.poll() is None:
-            p.kill()
-        p.wait(timeout=30)
-        remove_store(store_name)
+        _end_child(p, store_name)
 
 
 def test_a_child_forked_while_another_thread_uses_the_store_does_not_hang(store):
@@ -1014,7 +1020,4 @@ def test_attach_does_not_take_over_a_store_being_restored_in_another_pid_namespa
         assert p.stdout.readline().split() == ["[3,", "3,", "3,", "3]", "[5,", "5]"]
         assert p.wait(timeout=30) == 0
     finally:
-        if p.poll() is None:
-            p.kill()
-        p.wait(timeout=30)
-        remove_store(store_name)
+        _end_child(p, store_name)

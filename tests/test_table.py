@@ -746,18 +746,7 @@ def test_repair_leaves_a_sound_shard_unwritten(store, dead):
     keys = np.arange(40, dtype=np.uint64)
     t.push(keys, np.ones((40, 2)))
     t.delete(keys[::3])                   # free lists not in row order
-    regions = []
-    for sh in t._shards:
-        sp = sh.spec
-        ctl_off = sp["index_off"] + 16 * sp["nslots"]
-        regions.append((sh.seg.array(np.uint64, sp["index_off"], 2 * sp["nslots"]).reshape(-1, 2),
-                        sh.seg.array(np.uint64, ctl_off, 32),
-                        sh.seg.array(np.uint64, ctl_off + 256, sp["nrows"])))
-    slots1, ctl1, links1 = regions[1]
-    empty = int(np.flatnonzero(slots1[:, 1] == 0)[0])
-    slots1[empty] = [np.uint64(10**6), np.uint64((1 << 63) | (dead & ((1 << 62) - 1)))]
-    ctl1[11] = ctl1[11] + np.uint64(1)    # shard 1: a claim and a row taken, then death
-    regions[0][1][8] = np.uint64(dead)    # the creation lock's owner (shard 0, offset 64)
+    regions = _plant_dead_creator(t, dead)
     before = [(c.copy(), l.copy()) for _, c, l in regions]
     new = next(k for k in range(10**6 + 1, 10**6 + 99)
                if shmps.table.key_shards([k], 2)[0] == 1)
