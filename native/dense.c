@@ -388,13 +388,8 @@ int shmps_dense_push_sorted_rows(void **bases, uint32_t nshards, uint64_t shard_
     }
     push_step_t ps = {0, &hdr_of(bases[0])->step};
     if (new_step) {
-        shmps_shard_hdr_t *h0 = hdr_of(bases[0]);
-        /* Stripe steps: whole pushes count per stripe only while no rows= push was made.
-         * Relaxed store, then a release add: a whole push whose ticket comes after this
-         * one (its acquire add reads this add or a later one in step's chain of adds)
-         * sees the flag */
-        if (!LOAD(&h0->steps_by_ticket, RELAXED)) STORE(&h0->steps_by_ticket, 1, RELAXED);
-        ps.step = FETCH_ADD(&h0->step, 1, RELEASE) + 1;
+        shmps_steps_by_ticket(hdr_of(bases[0]));
+        shmps_next_step(bases[0], &ps.step);
     } else {
         shmps_dense_step_again(bases[0], &ps.step);
     }

@@ -104,6 +104,17 @@ typedef struct {
     shmps_landing_t ob_landing[SHMPS_LANDING_SLOTS] __attribute__((aligned(SHMPS_CACHELINE)));
 } shmps_shard_hdr_t;
 
+/* Dense, shard 0's header `h0`: from now on the tensor's whole pushes apply at the
+ * ticket rule, not each stripe's count (dense.c "Stripe steps"): a rows= push was made,
+ * or a copy was written row by row.  Once: the flag, then a release add of 0 to the
+ * step; a whole push's acquire ticket add reads it or a later add of step's chain of
+ * adds, so a push whose ticket comes after sees the flag. */
+static inline void shmps_steps_by_ticket(shmps_shard_hdr_t *h0) {
+    if (LOAD(&h0->steps_by_ticket, RELAXED)) return;
+    STORE(&h0->steps_by_ticket, 1, RELAXED);
+    FETCH_ADD(&h0->step, 0, RELEASE);
+}
+
 _Static_assert(sizeof(shmps_shard_hdr_t) <= SHMPS_HEADER_SIZE, "shard header too big");
 _Static_assert(__builtin_offsetof(shmps_shard_hdr_t, ob_pushed) == 1152 &&
                __builtin_offsetof(shmps_shard_hdr_t, ob_dirty) == 1160 &&

@@ -845,14 +845,9 @@ int shmps_dense_write_rows(void *base, uint64_t token, const int64_t *rows, uint
 int shmps_raise_step(void *base, uint64_t step) {
     shmps_shard_hdr_t *h = hdr_of(base);
     uint64_t *p = &h->step;
-    /* A copy written row by row (shmps_dense_write_rows: a replica's, a new owner's)
-     * holds values its stripes did not apply themselves: from now on whole pushes take
-     * the ticket, not their stripe's count (dense.c "Stripe steps").  The flag, then a
-     * release add of 0 to the step, as a rows= push publishes it (once). */
-    if (!LOAD(&h->steps_by_ticket, RELAXED)) {
-        STORE(&h->steps_by_ticket, 1, RELAXED);
-        FETCH_ADD(p, 0, RELEASE);
-    }
+    /* a copy written row by row (shmps_dense_write_rows: a replica's, a new owner's)
+     * holds values its stripes did not apply themselves */
+    shmps_steps_by_ticket(h);
     /* relaxed: only atomicity matters (as shmps_next_step); a monotone max */
     uint64_t cur = LOAD(p, RELAXED);
     while (cur < step && !CAS(p, &cur, step, RELAXED, RELAXED)) {

@@ -15,7 +15,7 @@ import numpy as np
 from . import names
 from . import inspect as shm_inspect
 from .errors import Error, InvalidArgument
-from .segment import unlink
+from .segment import age_of, unlink
 from .store import remove_idle
 
 
@@ -176,7 +176,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
                        s.segments, None if s.error is not None else (s.name, s.namespace)))
     if orphans:
         doomed.append(("orphan segments", [o for o in orphans
-                                           if shm_inspect._age(o) >= min_age
+                                           if age_of(o) >= min_age
                                            and not _restore_in_progress(o)], None))
     removed = 0
     for what, segs, store in doomed:

@@ -9,13 +9,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import time
 from dataclasses import dataclass, field
 from typing import Optional
 
 from . import _native, names
 from .errors import Error
 from .files import pid_alive
+from .segment import age_of, size_of
 from .segment import Segment, list_names
 
 ffi, lib = _native.ffi, _native.lib
@@ -132,20 +132,6 @@ def _read_manifest(seg: Segment) -> tuple[str, Optional[str], list[dict], list[i
     return store, (ns or None), recs, pids
 
 
-def _size(name: str) -> int:
-    try:
-        return os.stat("/dev/shm" + name).st_size
-    except OSError:
-        return 0
-
-
-def _age(name: str) -> float:
-    try:
-        return time.time() - os.stat("/dev/shm" + name).st_mtime
-    except OSError:
-        return 0.0
-
-
 def scan(namespace: Optional[str] = None, *, with_fill: bool = True
          ) -> tuple[list[StoreInfo], list[str]]:
     """All stores on the host (optionally of one namespace), and orphan segments
@@ -154,7 +140,7 @@ def scan(namespace: Optional[str] = None, *, with_fill: bool = True
     stores: list[StoreInfo] = []
     for mname in [n for n in all_names if n.endswith(".manifest")]:
         info = StoreInfo(name=mname[len("/shmps."):-len(".manifest")], namespace=None,
-                         manifest=mname, age_s=_age(mname))
+                         manifest=mname, age_s=age_of(mname))
         if namespace is not None and mname.startswith(f"/shmps.{namespace}."):
             # (what names a store being created until its manifest says: a name
             # /shmps.a.b.manifest is store b of namespace a, or store a.b of none)
@@ -163,7 +149,7 @@ def scan(namespace: Optional[str] = None, *, with_fill: bool = True
         try:
             seg = Segment.open(mname)
         except Error as exc:
-            if _size(mname) == 0 and os.path.exists("/dev/shm" + mname):
+            if size_of(mname) == 0 and os.path.exists("/dev/shm" + mname):
                 info.state, info.unsized = "being created", True   # as attach takes it
             else:
                 info.error = str(exc)
@@ -190,7 +176,7 @@ def scan(namespace: Optional[str] = None, *, with_fill: bool = True
             rest = n[len(prefix):] if n.startswith(prefix) else None
             if rest is not None and (rest == "manifest" or _SHARD.fullmatch(rest)):
                 info.segments.append(n)
-                info.bytes += _size(n)
+                info.bytes += size_of(n)
                 claimed.add(n)
         if with_fill and info.error is None:
             _add_fill(info)

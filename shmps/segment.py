@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import time
 import weakref
 from typing import Any, Optional
 
@@ -260,6 +261,23 @@ def _fallocate(name: str, start: int, length: int, ino: int = 0) -> bool:
     finally:
         os.close(fd)
     return True
+
+
+def size_of(name: str) -> int:
+    """Bytes of segment ``name`` (0 if it is gone)."""
+    try:
+        return os.stat("/dev/shm" + name).st_size
+    except OSError:
+        return 0
+
+
+def age_of(name: str) -> float:
+    """Seconds since segment ``name`` was last written to (its mtime: created or sized),
+    0 if it is gone."""
+    try:
+        return time.time() - os.stat("/dev/shm" + name).st_mtime
+    except OSError:
+        return 0.0
 
 
 def allocate(name: str, size: int, ino: int) -> bool:

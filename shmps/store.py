@@ -24,7 +24,7 @@ from .aggregate import HIDDEN_SUFFIXES
 from .dense import DenseTensor, default_shard_rows
 from .errors import (CapacityError, Closed, CorruptFile, CorruptSegment, InvalidArgument,
                      NotFound, SchemaError, Timeout)
-from .segment import Segment, check_room, list_names, shm_free, unlink
+from .segment import Segment, age_of, check_room, list_names, shm_free, size_of, unlink
 from .tensor import PushHandle, Tensor, cast_init, check_shard_count, open_shards
 from .updaters import UpdaterLike, as_updater, from_dict
 
@@ -99,7 +99,7 @@ def attach(name: str, *, create: bool = True, namespace: Optional[str] = None,
                 # size 0: a store being created (its creator between shm_open and
                 # ftruncate), or whose creator died there; wait for it as for an
                 # initialiser.  (An attach that may create sizes it and goes on.)
-                if _size_of(mname) not in (0, -1):
+                if size_of(mname) != 0:
                     raise
                 if time.monotonic() >= deadline:
                     raise NotFound(
@@ -1141,13 +1141,13 @@ def remove_idle(name: str, namespace: Optional[str], unborn_age: Optional[float]
     initialisation (shmps_manifest_remove_unborn), so an attach meanwhile waits and
     makes a new store."""
     mname = names.manifest_name(name, namespace)
-    old_enough = unborn_age is not None and _age_of(mname) >= unborn_age
+    old_enough = unborn_age is not None and age_of(mname) >= unborn_age
     try:
         seg = Segment.open(mname, expect_size=MANIFEST_SIZE, size_if_empty=old_enough)
     except NotFound:
         return []
     except CorruptSegment:
-        if _size_of(mname) == 0:   # a new store's, being made since the scan: kept
+        if size_of(mname) == 0:   # a new store's, being made since the scan: kept
             return None
         raise
     try:
@@ -1171,22 +1171,6 @@ def remove_idle(name: str, namespace: Optional[str], unborn_age: Optional[float]
         return _unlink_store(name, namespace) if seg.is_named() else []
     finally:
         seg.close()
-
-
-def _size_of(segment: str) -> int:
-    try:
-        return os.stat("/dev/shm" + segment).st_size
-    except FileNotFoundError:
-        return -1
-
-
-def _age_of(segment: str) -> float:
-    """Seconds since ``segment`` was last written to (its mtime: created or sized), 0
-    if it is gone."""
-    try:
-        return time.time() - os.stat("/dev/shm" + segment).st_mtime
-    except FileNotFoundError:
-        return 0.0
 
 
 def _unlink_store(name: str, namespace: Optional[str]) -> list[str]:
