@@ -184,11 +184,18 @@ static int push_range(void *base, const shmps_spec_t *s, uint64_t token, const v
     return r;
 }
 
-/* The step of a push to a shard of the tensor whose shard 0 is `base0` (Stripe steps):
- * SHMPS_E_ARG unless base0 is a mapped dense shard. */
-static int step_of(void *base0, uint64_t step, push_step_t *ps) {
-    const shmps_spec_t *s0 = shmps_spec_of(base0);
-    if (!s0 || s0->kind != SHMPS_DENSE) return SHMPS_E_ARG;
+/* The private specs of shard `base` (*s) and of the tensor's shard 0 `base0`, looked up
+ * together (one registry lock: a split push calls once per shard and thread), and the
+ * push's step for its stripes (Stripe steps).  SHMPS_E_ARG unless both are mapped and
+ * shard 0 is dense. */
+static int push_specs(void *base, void *base0, uint64_t step, const shmps_spec_t **s,
+                      push_step_t *ps) {
+    void *b[2] = {base, base0};
+    const shmps_spec_t *sp[2] = {NULL, NULL};
+    uint64_t n = base0 == base ? 1 : 2;
+    if (shmps_specs_of(b, n, sp)) return SHMPS_E_ARG;
+    if (sp[n - 1]->kind != SHMPS_DENSE) return SHMPS_E_ARG;
+    *s = sp[0];
     ps->step = step;
     ps->now = &hdr_of(base0)->step;
     return SHMPS_OK;
@@ -198,9 +205,9 @@ static int step_of(void *base0, uint64_t step, push_step_t *ps) {
  * of the tensor whose shard 0 is `base0`. */
 int shmps_dense_push(void *base, void *base0, uint64_t token, const void *grad,
                      uint32_t grad_dtype, uint64_t lo, uint64_t hi, uint64_t step, int check) {
-    const shmps_spec_t *s = shmps_spec_of(base);
+    const shmps_spec_t *s;
     push_step_t ps;
-    if (!s || step_of(base0, step, &ps)) return SHMPS_E_ARG;
+    if (push_specs(base, base0, step, &s, &ps)) return SHMPS_E_ARG;
     int r = check_push(s, grad, grad_dtype, lo, hi, check);
     if (r) return r;
     return push_range(base, s, token, grad, lo, hi, &ps);
@@ -217,9 +224,9 @@ int shmps_dense_push_entered(void *base, void *base0, uint64_t token, uint32_t s
                              const void *grad, uint32_t grad_dtype, uint64_t lo, uint64_t hi,
                              uint64_t step) {
     shmps_shard_hdr_t *h = hdr_of(base);
-    const shmps_spec_t *s = shmps_spec_of(base);
+    const shmps_spec_t *s;
     push_step_t ps;
-    if (!s || step_of(base0, step, &ps) || slot >= SHMPS_ACTIVE_SLOTS ||
+    if (push_specs(base, base0, step, &s, &ps) || slot >= SHMPS_ACTIVE_SLOTS ||
         LOAD(&h->active[slot], RELAXED) != token)
         return SHMPS_E_ARG;
     /* (no NaN/Inf check: the caller checked the whole gradient before it entered) */
