@@ -197,7 +197,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
                 continue
             if gone is None:
                 print(f"kept {what}: in use since the scan (a process attached to it, "
-                      "or is still creating it)")
+                      "or one is still creating it)")
                 continue
             n = len(gone)
         else:

@@ -15,8 +15,7 @@ from typing import Optional
 from . import _native, names
 from .errors import Error
 from .files import pid_alive
-from .segment import age_of, size_of
-from .segment import Segment, list_names
+from .segment import Segment, age_of, list_names, size_of
 
 ffi, lib = _native.ffi, _native.lib
 _SHARD = re.compile(r"t(\d+)\.s(\d+)")
