@@ -861,3 +861,32 @@ def test_sigkill_mid_checkpoint_keeps_previous_checkpoint(store, tmp_path, procs
     store.checkpoint(path)
     assert debris(path) == []
     assert _whole(path) == live
+
+
+def test_a_restored_tensor_goes_on_at_its_step_on_every_stripe(store, tmp_path, names):
+    """A dense tensor that only took whole pushes counts its steps per stripe (docs/
+    concurrency.md, "The step"); a restore sets every stripe, of every shard, to the
+    restored step, so the pushes after it apply at the steps the tensor would have
+    given them: Momentum with dampening (its first step differs) and Adagrad with
+    lr_decay, restored after 3 pushes and pushed twice more, equal the tensor pushed 5
+    times, bit for bit.  (A restored stripe left at 0 would apply at step 1 again.)"""
+    rng = np.random.default_rng(11)
+    opts = {"m": shmps.Momentum(lr=0.1, momentum=0.9, dampening=0.5),
+            "a": shmps.Adagrad(lr=0.1, lr_decay=0.5)}
+    grads = [rng.uniform(-1, 1, (64, 1024)).astype(np.float32) for _ in range(5)]
+    for k, opt in opts.items():
+        t = store.dense(k, shape=(64, 1024), dtype="float32", optimizer=opt, shard_rows=32)
+        for g in grads[:3]:
+            t.push(g)
+    path = tmp_path / "ck"
+    store.checkpoint(path)
+    other = shmps.restore(path, new_name(names))
+    try:
+        for k in opts:
+            t, r = store[k], other[k]
+            for g in grads[3:]:
+                t.push(g)
+                r.push(g)
+            assert same_bits(t.pull(), r.pull()), k
+    finally:
+        other.destroy()
