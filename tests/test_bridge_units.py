@@ -1394,6 +1394,23 @@ def test_calls_in_one_loop_turn_share_one_slice_of_taking_up_tensors(tmp_path):
         assert turns > 1 and len(node.by_name) - known == 300
 
 
+def test_a_slice_left_by_a_loop_that_stopped_is_not_kept(tmp_path):
+    """The turn's slice is reset by a call_soon; a loop that stopped before running it
+    left the slice spent.  A slice that ended over a second ago is taken for such a
+    leftover: the next look takes tensors up (it took none, for good: review 15 F11)."""
+    with _owner_on_a_store(tmp_path, ["127.0.0.2:7001"], "adoptstale") as (node, _, _st):
+        known = len(node.by_name)
+        node.store.dense("late", (4, 4), "int32", optimizer="sum")
+        node._adopt_deadline = time.monotonic() - 2.0    # a stopped loop's leftover
+
+        async def main() -> None:
+            while node.refresh_tensors():
+                await asyncio.sleep(0)
+
+        asyncio.run(asyncio.wait_for(main(), 30))
+        assert len(node.by_name) == known + 1 and "late" in node.by_name
+
+
 def _tensor_owned_by(node, member: str, ring_: list | None = None, there: str | None = None,
                      prefix: str = "v", pushed: bool = True):
     """On a node of ``_owner_on_a_store``: a dense (8, 4) float32 "sum" tensor whose shard 0
