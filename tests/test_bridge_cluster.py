@@ -29,6 +29,7 @@ from shmps.bridge.ring import Ring, shard_key
 
 from bridge_harness import Cluster
 from bridge_worker import csr_structure
+from helpers import child_env
 
 pytest.importorskip("aiohttp")
 pytest.importorskip("prometheus_client")
@@ -1606,6 +1607,21 @@ def test_bridge_cli_refuses_bad_setups(tmp_path):
                         "m", "--listen", "10.1.2.3:7070", "--secret-file", str(sec)],
                        capture_output=True, text=True, timeout=30)
     assert r.returncode == 2 and "chmod 600" in r.stderr, r.stderr
+    # numbers out of range are refused by the parser, each naming its option, and every
+    # message points a command-line user at --help (not at a docstring)
+    for args, said in ((["--replicas", "0"], "argument --replicas: 0 must be >= 1"),
+                       (["--replicas", "two"], "argument --replicas: 'two' is not an integer"),
+                       (["--flush-ms", "-1"], "argument --flush-ms: -1 must be a finite"),
+                       (["--flush-ms", "nan"], "argument --flush-ms: nan must be a finite"),
+                       (["--dead-after", "0"], "argument --dead-after: 0 must be a finite"),
+                       (["--listen", "nonsense"], "'nonsense' is not host:port")):
+        argv = ["--peers", str(hosts), "--store", "m", "--listen", "127.0.0.1:7071", *args]
+        r = subprocess.run(["python", "-m", "shmps.bridge.cli", *argv], capture_output=True,
+                           text=True, timeout=30, env=child_env(), cwd=tmp_path)
+        assert r.returncode == 2, (args, r.stderr)
+        assert r.stderr.startswith(f"shmps-bridge: {said}"), (args, r.stderr)
+        assert r.stderr.rstrip().endswith("(see shmps-bridge --help)"), (args, r.stderr)
+        assert "docstring" not in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 # --------------------------------------------------------------------------- network namespaces
