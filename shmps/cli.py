@@ -1,7 +1,8 @@
 """``shmps-tool``: one verb per function, errors as one line on stderr, exit 2.
 
 Verbs live beside the code they inspect: file verbs in :mod:`shmps.cli_files`,
-store verbs in :mod:`shmps.cli_store`.  Each of those modules has
+store verbs in :mod:`shmps.cli_store`, the bridge's member list in
+:mod:`shmps.cli_bridge`.  Each of those modules has
 ``register(subparsers)`` adding its parsers with ``set_defaults(func=verb)``;
 a verb takes the parsed namespace and returns an exit status.
 """
@@ -47,10 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="verb", metavar="VERB", parser_class=_Parser)
     sub.required = True
-    from . import cli_files, cli_store
+    from . import cli_bridge, cli_files, cli_store
 
     cli_store.register(sub)
     cli_files.register(sub)
+    cli_bridge.register(sub)
     return parser
 
 

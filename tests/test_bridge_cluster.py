@@ -27,7 +27,7 @@ from shmps.bridge import auth, frames
 from shmps.bridge.members import member_id
 from shmps.bridge.ring import Ring, shard_key
 
-from bridge_harness import Cluster
+from bridge_harness import Cluster, free_port
 from bridge_worker import csr_structure
 from helpers import child_env
 
@@ -1934,6 +1934,97 @@ def test_a_member_change_must_say_what_it_changes(make_cluster):
         assert [m["address"] for m in h["members"]] == sorted(c.addrs) and h["replicas"] == 3
         assert "--replicas 3 with 2 members" in c.logs[i].read_text(errors="replace")
     assert post(b"{}") == (200, {"members": c.addrs, "epoch": c.health(0)["epoch"]})
+
+
+def _tool(*args: str, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shmps.cli", *args], capture_output=True,
+                          text=True, timeout=60, env=child_env(), cwd=cwd)
+
+
+def test_shmps_tool_members_shows_and_changes_the_member_list(make_cluster, tmp_path):
+    """`shmps-tool members HOST:PORT` prints the members a bridge sees with their states;
+    with --add / --remove it sends the signed POST /v1/members, checks the bridge's
+    signed answer and prints the new list, which every member applies.  A wrong or
+    missing secret, a non-member to remove, a malformed address, an address where no
+    bridge listens and an answer without the bridge's MAC are one line and exit 2, and
+    change nothing."""
+    c = make_cluster(2)
+    c.start_all()
+    a0 = c.addrs[0]
+
+    def members(i: int) -> list:
+        return [m["address"] for m in c.health(i)["members"]]
+
+    r = _tool("members", a0, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith(f"bridge {a0}: epoch ") and "has a majority" in lines[0]
+    shown = {ln.split()[0]: ln.split()[1] for ln in lines[1:]}
+    assert shown == {a: "alive" for a in c.addrs}, r.stdout
+    assert [ln for ln in lines if "(this bridge)" in ln] == [
+        ln for ln in lines[1:] if ln.split()[0] == a0]
+    r = _tool("members", c.addrs[1], "--json", cwd=tmp_path)
+    assert r.returncode == 0 and sorted(m["address"] for m in json.loads(r.stdout)["members"]
+                                        ) == sorted(c.addrs), r.stdout
+
+    new = f"127.0.0.9:{free_port('127.0.0.9')}"
+    wrong = tmp_path / "wrong"
+    wrong.write_bytes(b"w" * 32)
+    os.chmod(wrong, 0o600)
+    for extra, said in ((["--secret-file", str(wrong)], "check that --secret-file holds"),
+                        ([], "pass --secret-file with the secret")):
+        r = _tool("members", a0, "--add", new, *extra, cwd=tmp_path)
+        assert r.returncode == 2, r
+        assert r.stderr.startswith(f"shmps-tool: error: the bridge at {a0} refused the "
+                                   "request's signature") and said in r.stderr, r.stderr
+    sec = ["--secret-file", str(c.secret_file)]
+    for args, said in (([ "--remove", "127.0.0.99:5"], "refused the change: bad request: not "
+                         "members, nothing to remove"),
+                       (["--add", "nonsense"], "'nonsense' is not host:port")):
+        r = _tool("members", a0, *args, *sec, cwd=tmp_path)
+        assert r.returncode == 2 and said in r.stderr, r.stderr
+        assert "docstring" not in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    assert members(0) == members(1) == sorted(c.addrs)
+
+    r = _tool("members", a0, "--add", new, *sec, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"members now: {', '.join(sorted(c.addrs + [new]))} "), r.stdout
+    c.wait(lambda: members(0) == members(1) == sorted(c.addrs + [new]), 10,
+           "both bridges list the added host")
+    r = _tool("members", c.addrs[1], cwd=tmp_path)
+    assert f"{new} " in r.stdout and "dead" in r.stdout.split(new)[1].splitlines()[0], r.stdout
+    r = _tool("members", c.addrs[1], "--remove", new, "--json", *sec, cwd=tmp_path)
+    assert r.returncode == 0 and json.loads(r.stdout)["members"] == sorted(c.addrs), r
+    c.wait(lambda: members(0) == members(1) == sorted(c.addrs), 10,
+           "both bridges dropped the removed host")
+
+    # nobody there; and an impostor on an address answers 200 without the bridge's MAC
+    r = _tool("members", new, cwd=tmp_path)
+    assert r.returncode == 2 and f"cannot reach a bridge at {new}" in r.stderr, r.stderr
+    import http.server
+    import threading
+
+    class Impostor(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 (the stdlib's name)
+            self.rfile.read(int(self.headers["Content-Length"]))
+            body = json.dumps({"members": [new], "epoch": 99}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a: object) -> None:
+            pass
+
+    host, port = new.rsplit(":", 1)
+    srv = http.server.HTTPServer((host, int(port)), Impostor)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        r = _tool("members", new, "--remove", a0, *sec, cwd=tmp_path)
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert r.returncode == 2 and "unauthenticated" in r.stderr and "99" not in r.stdout, r
 
 
 def test_a_peer_missing_from_this_hosts_list_is_refused_with_a_useful_line(make_cluster):

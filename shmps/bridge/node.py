@@ -3907,9 +3907,10 @@ class Bridge:
         if who is None:
             return web.json_response({"error": "authentication failed: sign the request with "
                                                "the cluster's secret for this host "
-                                               f"(auth.sign_request(..., target={self.addr!r}));"
-                                               " this bridge's log says what failed"},
-                                     status=401)
+                                               f"(`shmps-tool members {self.addr} --secret-file "
+                                               "F ...`, or auth.sign_request(..., target="
+                                               f"{self.addr!r})); this bridge's log says what "
+                                               "failed"}, status=401)
         shape = ('expected a JSON object {"add": ["host:port", ...], "remove": '
                  '["host:port", ...]} (either may be left out)')
         try:
@@ -3934,7 +3935,9 @@ class Bridge:
             members += [a for a in add if a not in members]
             self._set_members(members)
         except (ValueError, Error) as e:
-            return web.json_response({"error": f"bad request: {e}"}, status=400)
+            # (the API's default hint names a docstring: not one an HTTP client has)
+            said = e.message if isinstance(e, Error) and e.hint == InvalidArgument.hint else e
+            return self._signed_json(request, {"error": f"bad request: {said}"}, 400)
         if not req.get("forwarded"):
             # every other member applies the same change, the removed ones included (they
             # hand over and exit); added ones read it from their own member list
@@ -3945,8 +3948,17 @@ class Bridge:
                     self._post_members(m, {"add": add, "remove": remove, "forwarded": True}))
         log.info("members changed by %s: +%s -%s (epoch %d)", who, add, remove,
                  self.members.epoch)
-        return web.json_response({"members": list(self.members.configured),
-                                  "epoch": self.members.epoch})
+        return self._signed_json(request, {"members": list(self.members.configured),
+                                           "epoch": self.members.epoch}, 200)
+
+    def _signed_json(self, request: Any, answer: dict, status: int) -> Any:
+        """A JSON answer to a verified request, with its MAC (auth.sign_response): the
+        sender (`shmps-tool members`) checks it came from this host."""
+        from aiohttp import web
+        body = json.dumps(answer).encode()
+        return web.Response(body=body, status=status, content_type="application/json",
+                            headers=auth.sign_response(self.cfg.secret, request.headers,
+                                                       self.addr, status, body))
 
     async def _post_members(self, peer: str, req: dict) -> None:
         try:   # (its answer is not used: not read, not signed)

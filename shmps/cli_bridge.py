@@ -1,0 +1,143 @@
+"""``shmps-tool members``: a running bridge's member list, and changes to it.
+
+Without ``--add`` / ``--remove`` it reads the bridge's ``GET /health`` (no secret needed)
+and prints every member with its state. With them it sends ``POST /v1/members`` signed
+for that bridge (``auth.sign_request``, with the secret of ``--secret-file``, or the
+empty key of a bridge run without one), checks the signed answer (``auth.check_response``:
+any process on that address could answer) and prints the new member list. The bridge
+applies the change on every member (docs/bridge-protocol.md, section 10); the change is
+not written to hosts.txt.
+
+Uses only the standard library's ``urllib``: the tool does not need aiohttp.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import urllib.error
+import urllib.request
+from typing import Any, Optional
+
+from .errors import Error, InvalidArgument, Timeout
+
+#: the largest answer read (a /health of thousands of shards is a few hundred KiB)
+MAX_ANSWER_BYTES = 16 << 20
+#: who the request's MAC names as its sender (the bridge logs it with the change)
+CLIENT_ID = "operator"
+
+
+def _url(target: str, path: str) -> str:
+    from .bridge.members import parse_address
+    host, port = parse_address(target)
+    return f"http://{host if ':' not in host else '[' + host + ']'}:{port}{path}"
+
+
+def _request(target: str, method: str, path: str, body: Optional[bytes],
+             headers: dict[str, str], timeout: float) -> tuple[int, Any, bytes]:
+    """(status, headers, body) of one request to the bridge at ``target``; a bridge
+    that cannot be reached is an :class:`Error` that says what to check."""
+    req = urllib.request.Request(_url(target, path), data=body, method=method,
+                                 headers={"Content-Type": "application/json", **headers})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.headers, r.read(MAX_ANSWER_BYTES)
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers, e.read(MAX_ANSWER_BYTES)
+    except (TimeoutError, OSError) as e:
+        reason = getattr(e, "reason", e)
+        if isinstance(reason, TimeoutError) or "timed out" in str(reason):
+            raise Timeout(f"the bridge at {target} did not answer {method} {path} within "
+                          f"{timeout:g} s", hint="is it stopped (SIGSTOP) or overloaded? "
+                          "try again, or pass a larger --timeout") from None
+        raise Error(f"cannot reach a bridge at {target}: {reason}",
+                    hint="is shmps-bridge running there? pass the address it listens on, "
+                         "its --listen as hosts.txt lists it") from None
+
+
+def _error_of(body: bytes) -> str:
+    try:
+        answer = json.loads(body)
+        return str(answer["error"]) if isinstance(answer, dict) else body.decode()
+    except (ValueError, KeyError, UnicodeDecodeError):
+        return body[:200].decode("utf-8", "replace")
+
+
+def _print_health(target: str, health: dict) -> None:
+    print(f"bridge {target}: epoch {health.get('epoch')}, "
+          f"{'has' if health.get('quorum') else 'lacks'} a majority "
+          f"({'owns shards' if health.get('acting') else 'owns no shards'})")
+    for m in health.get("members", []):
+        mark = "  (this bridge)" if m.get("address") == health.get("address") else ""
+        print(f"  {m.get('address', '?'):<40} {m.get('state', '?')}{mark}")
+
+
+def cmd_members(args: argparse.Namespace) -> int:
+    from .bridge import auth   # (here: the other verbs start without the bridge's modules)
+    from .bridge.members import normalize_address
+    target = normalize_address(args.bridge)
+    if not args.timeout > 0:
+        raise InvalidArgument(f"--timeout {args.timeout} must be > 0")
+    if not args.add and not args.remove:
+        status, _, body = _request(target, "GET", "/health", None, {}, args.timeout)
+        if status != 200:
+            raise Error(f"the bridge at {target} answered GET /health with {status}: "
+                        f"{_error_of(body)}", hint="see its log")
+        health = json.loads(body)
+        if args.json:
+            print(json.dumps({"epoch": health.get("epoch"), "members": health.get("members")}))
+        else:
+            _print_health(target, health)
+        return 0
+    secret = auth.load_secret(args.secret_file) if args.secret_file else None
+    change = {k: [normalize_address(a) for a in v]
+              for k, v in (("add", args.add), ("remove", args.remove)) if v}
+    body = json.dumps(change).encode()
+    signed = auth.sign_request(secret, "POST", "/v1/members", body, CLIENT_ID, target=target)
+    status, headers, answer = _request(target, "POST", "/v1/members", body, signed,
+                                       args.timeout)
+    if status == 401:
+        raise auth.AuthError(
+            f"the bridge at {target} refused the request's signature",
+            hint=("pass --secret-file with the secret the bridges run with"
+                  if secret is None else "check that --secret-file holds the secret the "
+                  "bridges run with") + "; the bridge's log says what failed")
+    if status == 400:
+        raise InvalidArgument(f"the bridge at {target} refused the change: "
+                              f"{_error_of(answer)}", hint="nothing was changed")
+    if status != 200:
+        raise Error(f"the bridge at {target} answered POST /v1/members with {status}: "
+                    f"{_error_of(answer)}", hint="see its log; nothing may have changed")
+    auth.check_response(secret, signed, target, status, headers, answer)
+    result = json.loads(answer)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"members now: {', '.join(result['members'])} (epoch {result['epoch']} at "
+              f"{target}, which sends the change on to every member)")
+    return 0
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("members", help="show or change a running bridge's member list",
+                       description="Show the members a running shmps-bridge sees, with "
+                                   "their states; with --add / --remove, change the member "
+                                   "list (POST /v1/members, signed for that bridge, applied "
+                                   "by every member; not written to hosts.txt: edit it as "
+                                   "well, or the next edit of it undoes the change).",
+                       epilog="examples:\n  shmps-tool members 10.0.0.1:7070\n"
+                              "  shmps-tool members 10.0.0.1:7070 --add 10.0.0.4:7070 "
+                              "--secret-file secret",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("bridge", metavar="HOST:PORT",
+                   help="the bridge to ask: its --listen address, as hosts.txt lists it")
+    p.add_argument("--add", action="append", default=[], metavar="HOST:PORT",
+                   help="a host to add (repeat for several)")
+    p.add_argument("--remove", action="append", default=[], metavar="HOST:PORT",
+                   help="a member to remove (repeat for several); it hands its shards "
+                        "over and its bridge exits")
+    p.add_argument("--secret-file", metavar="F",
+                   help="the cluster's shared secret (the bridges' --secret-file)")
+    p.add_argument("--timeout", type=float, default=10.0,
+                   help="seconds to wait for the bridge's answer (default 10)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_members)
