@@ -7,7 +7,7 @@ a :mod:`shmps.errors` class.  cdata never leaves this module's callers in
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 import numpy as np
 
@@ -85,6 +85,29 @@ def foreign_pid_namespace(manifest: Any) -> Optional[tuple[int, int]]:
     pids of one namespace (docs/concurrency.md, "Owners and tokens")."""
     theirs, ours = int(lib.shmps_manifest_pid_ns(manifest)), int(lib.shmps_self_pid_ns())
     return (theirs, ours) if theirs and ours and theirs != ours else None
+
+
+#: what a process that met a store of another PID namespace can do, by what it was doing
+_OTHER_PID_NS_FIX = {
+    "attach": "attach from processes of one PID namespace (Kubernetes: "
+              "shareProcessNamespace: true), or use another store name or namespace",
+    "gc": "run `shmps-tool gc` in that PID namespace",
+    "ls": "run `shmps-tool ls` in that PID namespace to see them",
+}
+
+
+def other_pid_namespace(subject: str, pid_ns: tuple[int, int],
+                        doing: Literal["attach", "gc", "ls"]) -> errors.InvalidArgument:
+    """The one message for ``subject`` (a store, a restore's new manifest) made in another
+    PID namespace than this process's (``pid_ns``: theirs and ours, as
+    :func:`foreign_pid_namespace` gives them): what happened, and what to do for what
+    this process was ``doing``.  attach and gc's remove_idle raise it; ls and gc print it
+    (``str()``: the message, then the fix in parentheses)."""
+    theirs, ours = pid_ns
+    return errors.InvalidArgument(
+        f"{subject} was made (or is being made) in another PID namespace (pid:[{theirs}]; "
+        f"this process is in pid:[{ours}]): its processes cannot tell whether this one is "
+        "alive, nor this one whether they are", _OTHER_PID_NS_FIX[doing])
 
 
 def token_alive(tok: int) -> bool:

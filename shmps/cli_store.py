@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from . import names
+from . import _native, names
 from . import inspect as shm_inspect
 from .errors import Error, InvalidArgument
 from .segment import age_of, unlink
@@ -48,7 +48,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if args.json:
         out = [{"store": s.name, "namespace": s.namespace, "bytes": s.bytes, "pids": s.pids,
                 "segments": len(s.segments), "error": s.error, "state": s.state,
-                "other_pid_namespace": s.foreign,
+                "other_pid_namespace": s.foreign is not None,
                 "state_pid": s.state_pid or None,
                 "tensors": [{k: t.get(k) for k in ("name", "kind", "dtype", "shape", "nshards",
                                                    "bytes", "capacity", "dim", "rows_used")
@@ -71,6 +71,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
             print(f"  unreadable: {s.error}")
         elif s.state != "ready":
             print(f"  {_state_line(s)}")
+        if s.foreign is not None:
+            print(f"  {_native.other_pid_namespace(f'store {s.name!r}', s.foreign, 'ls')}")
         for t in s.tensors:
             shape = "x".join(map(str, t.get("shape") or [])) or "-"
             extra = ""
@@ -82,14 +84,19 @@ def cmd_ls(args: argparse.Namespace) -> int:
             print(f"  {t['name']:<24} {t['kind']:<6} {t['dtype']:<8} {shape:<16} "
                   f"{t['optimizer']['type']:<9} {_fmt_bytes(t.get('bytes', 0)):>10}{extra}")
     for o in orphans:
-        r = shm_inspect.restorer(o)
-        if r is not None and r.foreign:
-            print(f"restore in progress in another PID namespace, its new manifest: {o}")
-        elif r is not None and r.alive:
-            print(f"restore in progress (pid {r.pid}), its new manifest: {o}")
-        else:
+        r = shm_inspect.restore_in_progress(o)   # (gc keeps what this does not call orphan)
+        if r is None:
             print(f"orphan segment (no store): {o}")
+        elif r.foreign is not None:
+            print(f"restore in another PID namespace, its new manifest: {o}\n"
+                  f"  {_native.other_pid_namespace(RESTORE_MANIFEST, r.foreign, 'ls')}")
+        else:
+            print(f"restore in progress (pid {r.pid}), its new manifest: {o}")
     return 0
+
+
+#: what a forced restore's new manifest (``…manifest.restore-PID``) is called in messages
+RESTORE_MANIFEST = "a forced restore's new manifest"
 
 
 def _state_line(s: shm_inspect.StoreInfo) -> str:
@@ -142,13 +149,14 @@ def gc_min_age() -> float:
 def _restore_in_progress(segment: str) -> bool:
     """A forced restore's new manifest, not yet renamed over the store's, of a restorer
     still alive (it may wait up to a minute for creations in the old store to end), or
-    of another PID namespace, whose processes gc cannot judge (it says so)."""
-    r = shm_inspect.restorer(segment)
-    if r is not None and r.foreign:
-        print(f"skipped {segment}: a forced restore's new manifest, made in another PID "
-              "namespace, whose processes this one cannot see (run gc there)",
+    of another PID namespace, whose processes gc cannot judge (it says so): ls's verdict
+    (shm_inspect.restore_in_progress)."""
+    r = shm_inspect.restore_in_progress(segment)
+    if r is not None and r.foreign is not None:
+        print(f"skipped {segment}: "
+              f"{_native.other_pid_namespace(RESTORE_MANIFEST, r.foreign, 'gc')}",
               file=sys.stderr)
-    return r is not None and (r.alive or r.foreign)
+    return r is not None
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
@@ -163,17 +171,19 @@ def cmd_gc(args: argparse.Namespace) -> int:
     for s in stores:
         if s.pids:
             continue
-        if s.foreign:   # its processes' pids mean nothing here: all would look dead
-            print(f"skipped store {s.name}: made in another PID namespace, whose processes "
-                  "this one cannot see (run gc there)", file=sys.stderr)
+        what = f"store {s.name}" + (f" (namespace {s.namespace})" if s.namespace else "")
+        if s.foreign is not None:   # its processes' pids mean nothing here: all look dead
+            # (as remove_idle refuses a store made there since this scan)
+            print(f"skipped {what}: "
+                  f"{_native.other_pid_namespace(f'store {s.name!r}', s.foreign, 'gc')}",
+                  file=sys.stderr)
             continue
         if s.error is not None and not args.corrupt:
             print(f"skipped {s.manifest}: {s.error} (pass --corrupt to remove)", file=sys.stderr)
             continue
         if s.age_s < min_age:  # may be mid-attach by a process not yet registered
             continue
-        doomed.append((f"store {s.name}" + (f" (namespace {s.namespace})" if s.namespace else ""),
-                       s.segments, None if s.error is not None else (s.name, s.namespace)))
+        doomed.append((what, s.segments, None if s.error is not None else (s.name, s.namespace)))
     if orphans:
         doomed.append(("orphan segments", [o for o in orphans
                                            if age_of(o) >= min_age

@@ -41,9 +41,10 @@ class StoreInfo:
     state: str = "ready"
     state_pid: int = 0
     state_pid_alive: bool = False
-    #: made in another PID namespace than this process's: its pids mean nothing here
-    #: (``pids`` is empty whoever is attached), so gc leaves it alone
-    foreign: bool = False
+    #: made in another PID namespace than this process's: (its namespace, this
+    #: process's), else None.  Its pids mean nothing here (``pids`` is empty whoever is
+    #: attached), so gc leaves it alone
+    foreign: Optional[tuple[int, int]] = None
     #: its manifest is empty (size 0): its creator has not sized it yet, or died first
     unsized: bool = False
 
@@ -59,7 +60,7 @@ STATES = {0: "being created", 1: "ready", 2: "removing", 3: "restoring", 4: "gc 
 def _read_state(info: StoreInfo, seg: Segment, holder: Optional[int] = None) -> None:
     """The state, and who is at it: the remover or restorer (``retired_by``), or
     ``holder`` (the initialiser of a store being created)."""
-    info.foreign = _native.foreign_pid_namespace(seg.ptr) is not None
+    info.foreign = _native.foreign_pid_namespace(seg.ptr)
     info.state = STATES.get(int(lib.shmps_manifest_state(seg.ptr)), "unknown")
     if holder is None:
         holder = int(lib.shmps_manifest_retired_by(seg.ptr))
@@ -73,9 +74,9 @@ class Restorer:
 
     pid: int
     alive: bool
-    #: of another PID namespace than this process's: ``pid`` and ``alive`` mean nothing
-    #: here (gc leaves the manifest alone)
-    foreign: bool = False
+    #: of another PID namespace than this process's, (its namespace, this process's):
+    #: ``pid`` and ``alive`` mean nothing here (gc leaves the manifest alone)
+    foreign: Optional[tuple[int, int]] = None
 
 
 def restorer(segment: str) -> Optional[Restorer]:
@@ -99,10 +100,19 @@ def restorer(segment: str) -> Optional[Restorer]:
     finally:
         seg.close()
     if other is not None:
-        return Restorer(_native.token_pid(tok) if tok else pid, False, foreign=True)
+        return Restorer(_native.token_pid(tok) if tok else pid, False, foreign=other)
     if not tok:   # its maker has claimed nothing yet
         return Restorer(pid, pid_alive(pid))
     return Restorer(_native.token_pid(tok), _native.token_alive(tok))
+
+
+def restore_in_progress(segment: str) -> Optional[Restorer]:
+    """The verdict ls and gc share on ``segment``: its :func:`restorer` if it is a forced
+    restore's new manifest to leave alone (its restorer alive, or of another PID
+    namespace, whose liveness cannot be judged here: ``foreign``), else None (not a
+    restore's manifest, or its restorer died: an orphan, which gc removes)."""
+    r = restorer(segment)
+    return r if r is not None and (r.alive or r.foreign is not None) else None
 
 
 def _read_manifest(seg: Segment) -> tuple[str, Optional[str], list[dict], list[int]]:

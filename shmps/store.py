@@ -15,7 +15,7 @@ import threading
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Literal, Optional, Sequence
 
 import numpy as np
 
@@ -164,21 +164,17 @@ def attach(name: str, *, create: bool = True, namespace: Optional[str] = None,
             raise
 
 
-def _check_pid_namespace(name: str, manifest: Segment) -> None:
+def _check_pid_namespace(name: str, manifest: Segment,
+                         doing: Literal["attach", "gc"] = "attach") -> None:
     """Every process of a store must see the others' pids: liveness (who holds a lock,
     a freeze, a removal) is a pid and start time read from /proc.  A process of another
     PID namespace sharing /dev/shm (the containers of one pod, by default) looked dead
     to them and they to it: live holders' locks were taken over (lost updates, torn
-    consistent pulls; review 13)."""
+    consistent pulls; review 13).  Raises InvalidArgument for such a store, saying what
+    to do for what this process was ``doing``."""
     other = _native.foreign_pid_namespace(manifest.ptr)
     if other is not None:
-        theirs, ours = other
-        raise InvalidArgument(
-            f"store {name!r} was made (or is being made) in another PID namespace "
-            f"(pid:[{theirs}]; this process is in pid:[{ours}]): its processes cannot tell "
-            "whether this one is alive, nor this one whether they are",
-            "attach from processes of one PID namespace (Kubernetes: "
-            "shareProcessNamespace: true), or use another store name or namespace")
+        raise _native.other_pid_namespace(f"store {name!r}", other, doing)
 
 
 class _Removed(Exception):
@@ -1151,12 +1147,7 @@ def remove_idle(name: str, namespace: Optional[str], unborn_age: Optional[float]
             return None
         raise
     try:
-        other = _native.foreign_pid_namespace(seg.ptr)
-        if other is not None:   # its live processes would look dead from here
-            raise InvalidArgument(
-                f"store {name!r} was made in another PID namespace (pid:[{other[0]}]; "
-                f"this process is in pid:[{other[1]}]), whose processes this one cannot "
-                "see", "run `shmps-tool gc` in that PID namespace")
+        _check_pid_namespace(name, seg, "gc")   # its live processes would look dead here
         if lib.shmps_manifest_state(seg.ptr) == 0:   # being created
             if not old_enough:
                 return None

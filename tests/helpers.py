@@ -830,6 +830,27 @@ def unshare_pid_command() -> list[str]:
     return cmd
 
 
+#: what to do about a store of another PID namespace, as each verb says it
+OTHER_PID_NS_FIX = {
+    "attach": "attach from processes of one PID namespace (Kubernetes: "
+              "shareProcessNamespace: true), or use another store name or namespace",
+    "gc": "run `shmps-tool gc` in that PID namespace",
+    "ls": "run `shmps-tool ls` in that PID namespace to see them",
+}
+
+
+def other_pid_ns_message(subject: str, doing: str) -> str:
+    """A regular expression of the one message (shmps._native.other_pid_namespace) for
+    ``subject`` made in another PID namespace, with the fix for what a process was
+    ``doing`` ("attach", "gc", "ls"), written out here so that tests pin its words."""
+    import re
+
+    return (re.escape(f"{subject} was made (or is being made) in another PID namespace ")
+            + r"\(pid:\[\d+\]; this process is in pid:\[\d+\]\)"
+            + re.escape(": its processes cannot tell whether this one is alive, nor this "
+                        f"one whether they are ({OTHER_PID_NS_FIX[doing]})"))
+
+
 def start_in_other_pid_namespace(code: str, pid: int, env: Optional[dict] = None) -> Any:
     """A ``subprocess.Popen`` (text pipes on stdin/stdout) running ``code`` as process
     ``pid`` of a new PID namespace, the filesystem shared: a writer of another host (or

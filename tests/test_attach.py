@@ -3,6 +3,7 @@ namespaces, destroy, close, attached processes."""
 from __future__ import annotations
 
 import os
+import re
 import time
 
 import numpy as np
@@ -10,8 +11,8 @@ import pytest
 
 import shmps
 from helpers import (STOP, Workers, attach_and_hold, attach_timing, child_env, fork_dying_at_unlink,
-                     new_flags, pull_after_destroy, race_attach, remove_store, store_segments,
-                     unshare_pid_command, wait_until)
+                     new_flags, other_pid_ns_message, pull_after_destroy, race_attach,
+                     remove_store, store_segments, unshare_pid_command, wait_until)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -913,14 +914,17 @@ def test_a_process_of_another_pid_namespace_is_refused(store_name):
             s.dense("w", shape=(4,))
             r = subprocess.run(cmd + [sys.executable, "-c", code, store_name, "open"],
                                capture_output=True, text=True, timeout=60)
-            assert r.stdout.startswith("refused") and "PID namespace" in r.stdout, \
-                (r.stdout, r.stderr[-300:])
+            # (the attach of a ready store of another namespace: refused by its claim)
+            assert re.fullmatch("refused " + other_pid_ns_message(f"store {store_name!r}",
+                                                                  "attach") + "\n",
+                                r.stdout), (r.stdout, r.stderr[-300:])
             assert s.processes() == [os.getpid()]
         remove_store(store_name)
         r = subprocess.run(cmd + [sys.executable, "-c", code, store_name, "make"],
                            capture_output=True, text=True, timeout=60)
         assert r.stdout.startswith("attached"), (r.stdout, r.stderr[-300:])
-        with pytest.raises(shmps.InvalidArgument, match="another PID namespace"):
+        with pytest.raises(shmps.InvalidArgument,
+                           match=other_pid_ns_message(f"store {store_name!r}", "attach")):
             shmps.attach(store_name, create=False)
     finally:
         remove_store(store_name)
@@ -1013,7 +1017,9 @@ def test_attach_does_not_take_over_a_store_being_restored_in_another_pid_namespa
         before = store_segments(store_name)
         assert len(before) == 2, before
         t0 = time.monotonic()
-        with pytest.raises(shmps.InvalidArgument, match="another PID namespace"):
+        # (attach's wait for the removal or restore: refused before it)
+        with pytest.raises(shmps.InvalidArgument,
+                           match=other_pid_ns_message(f"store {store_name!r}", "attach")):
             shmps.attach(store_name, timeout=5)
         assert time.monotonic() - t0 < 2.0   # refused at once, not after the timeout
         assert store_segments(store_name) == before

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import numpy as np
 import pytest
 
 import shmps
-from helpers import child_env
+from helpers import child_env, other_pid_ns_message
 
 SHM = "/dev/shm"
 
@@ -279,23 +280,78 @@ def test_gc_leaves_a_restore_of_another_pid_namespace_alone(ns):
     """A forced restore's new manifest made by a process of another PID namespace (its
     pid_ns not this process's): the pid in its name, and its token, mean nothing here;
     gc judged by the pid and removed it (the restore's rename then failed).  gc leaves
-    it with a message, and ls says whose it is."""
+    it with a message, and ls says whose it is; both say what to do."""
     from helpers import poke
 
     pid, left = left_restore_manifest(ns, "st")
     theirs = int(shmps._native.lib.shmps_self_pid_ns()) + 1
     poke(SHM + left, 408, "<Q", theirs)   # pid_ns: another namespace's
     listed = ok(tool("ls", "--namespace", ns))
-    assert f"restore in progress in another PID namespace, its new manifest: {left}" \
-        in listed, listed
+    assert re.search(re.escape(f"restore in another PID namespace, its new manifest: {left}\n")
+                     + "  " + other_pid_ns_message("a forced restore's new manifest", "ls")
+                     + "\n", listed), listed
     out = tool("gc", "--namespace", ns, env={"SHMPS_GC_MIN_AGE": "0"})
     assert out.returncode == 0 and os.path.exists(SHM + left), (out.stdout, out.stderr)
-    assert f"skipped {left}: a forced restore's new manifest, made in another PID " \
-        "namespace" in out.stderr, out.stderr
+    assert re.fullmatch(re.escape(f"skipped {left}: ")
+                        + other_pid_ns_message("a forced restore's new manifest", "gc") + "\n",
+                        out.stderr), out.stderr
     poke(SHM + left, 408, "<Q", int(shmps._native.lib.shmps_self_pid_ns()))   # ours again
     assert f"orphan segment (no store): {left}" in ok(tool("ls", "--namespace", ns))
     ok(tool("gc", "--namespace", ns, env={"SHMPS_GC_MIN_AGE": "0"}))
     assert not os.path.exists(SHM + left)
+
+
+def test_ls_and_gc_agree_on_a_restorers_new_manifest(ns):
+    """ls and gc take one verdict on a forced restore's new manifest: what ls calls an
+    orphan gc removes, and what ls calls a restore in progress, or one of another PID
+    namespace, gc leaves; by the token inside (alive, dead, another namespace's) or, in
+    a manifest empty (size 0) or unreadable, by the pid in its name (alive or dead)."""
+    from helpers import dead_token, poke
+    from shmps import _native, names
+    from shmps.segment import Segment, unlink
+    from shmps.store import MANIFEST_RESERVED, MANIFEST_SIZE
+
+    me, dead = os.getpid(), dead_token() >> 32
+    made: dict[str, str] = {}   # segment -> the verdict expected of both
+    try:
+        # the token of a live restorer (this process), under a dead pid's name
+        live = names.restore_manifest_name("token_live", ns, dead)
+        seg, _ = Segment.open_or_create(live, MANIFEST_SIZE, reserve=MANIFEST_RESERVED)
+        made[live] = f"restore in progress (pid {me})"
+        try:
+            ident = names.manifest_ident("token_live", ns)
+            assert _native.lib.shmps_manifest_init(seg.ptr, seg.size, _native.token(), 2.0,
+                                                   ident, len(ident), 1) == 0
+        finally:
+            seg.close()
+        _, gone = left_restore_manifest(ns, "token_dead")   # a dead restorer's token
+        made[gone] = "orphan"
+        _, there = left_restore_manifest(ns, "token_there")
+        poke(SHM + there, 408, "<Q", int(_native.lib.shmps_self_pid_ns()) + 1)
+        made[there] = "restore in another PID namespace"
+        for pid, verdict in ((me, f"restore in progress (pid {me})"), (dead, "orphan")):
+            for size in (0, 4096):   # empty (its maker not at ftruncate yet), unreadable
+                n = names.restore_manifest_name(f"s{size}", ns, pid)
+                os.close(os.open(SHM + n, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
+                os.truncate(SHM + n, size)
+                made[n] = verdict
+        listed = ok(tool("ls", "--namespace", ns))
+        said = {line.rpartition(": ")[2]: ("orphan" if line.startswith("orphan segment")
+                                            else line.partition(",")[0])
+                for line in listed.splitlines()
+                if line.startswith(("orphan segment", "restore in"))}
+        assert said == made, listed
+        out = tool("gc", "--namespace", ns, env={"SHMPS_GC_MIN_AGE": "0"})
+        assert out.returncode == 0, out.stderr
+        kept = {n: os.path.exists(SHM + n) for n in made}
+        assert kept == {n: v != "orphan" for n, v in made.items()}, (out.stdout, out.stderr)
+        assert out.stdout == "removed orphan segments: 3 segments\n", out.stdout
+        assert re.fullmatch(re.escape(f"skipped {there}: ")
+                            + other_pid_ns_message("a forced restore's new manifest", "gc")
+                            + "\n", out.stderr), out.stderr
+    finally:
+        for n in made:
+            unlink(n)
 
 
 def test_ls_and_gc_agree_with_attach_on_a_store_being_created(ns):
@@ -341,7 +397,7 @@ def test_gc_leaves_a_store_of_another_pid_namespace_alone(ns, procs):
     """A store made in another PID namespace sharing /dev/shm (a container of the same
     pod), with a live process there: its tokens' pids are not in this /proc, so all of
     them looked dead, and gc removed the store under that process.  gc skips it and
-    says why; ls says its processes are unknown here."""
+    says why; ls says its processes are unknown here; both say what to do."""
     from helpers import unshare_pid_command
 
     env = child_env()
@@ -352,9 +408,13 @@ def test_gc_leaves_a_store_of_another_pid_namespace_alone(ns, procs):
     before = segments("there", ns)
     out = tool("gc", "--namespace", ns, env={"SHMPS_GC_MIN_AGE": "0"})
     assert segments("there", ns) == before and len(before) == 2, out.stdout
-    assert "made in another PID namespace" in out.stderr, out.stderr
-    assert "live processes: unknown (made in another PID namespace)" in \
-        ok(tool("ls", "--namespace", ns))
+    assert re.fullmatch(re.escape(f"skipped store there (namespace {ns}): ")
+                        + other_pid_ns_message("store 'there'", "gc") + "\n",
+                        out.stderr), out.stderr
+    listed = ok(tool("ls", "--namespace", ns))
+    assert re.search(re.escape("live processes: unknown (made in another PID namespace)\n")
+                     + "  " + other_pid_ns_message("store 'there'", "ls") + "\n",
+                     listed), listed
     p.stdin.close()
     assert p.wait(timeout=30) == 0
 
@@ -393,9 +453,9 @@ def test_gc_leaves_a_store_remade_in_another_pid_namespace_since_its_scan_alone(
     assert len(segments("x", ns)) == 2, (out, err)
     assert out.strip() == "nothing to remove", out
     assert "meanwhile" not in out + err
-    assert f"skipped store x (namespace {ns}): store 'x' was made in another PID " \
-        "namespace" in err and "run `shmps-tool gc` in that PID namespace" in err, err
-    with pytest.raises(shmps.InvalidArgument, match="another PID namespace"):
+    assert re.fullmatch(re.escape(f"skipped store x (namespace {ns}): ")
+                        + other_pid_ns_message("store 'x'", "gc") + "\n", err), err
+    with pytest.raises(shmps.InvalidArgument, match=other_pid_ns_message("store 'x'", "gc")):
         remove_idle("x", ns)
     assert len(segments("x", ns)) == 2
     procs[-1].stdin.close()
