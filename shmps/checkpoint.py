@@ -39,8 +39,8 @@ from typing import Any, BinaryIO, Callable, Optional
 import numpy as np
 
 from . import _native, files, names
-from .errors import CorruptFile, Error, InvalidArgument, NotFound, Timeout
-from .segment import Segment
+from .errors import CorruptFile, Error, InvalidArgument, NotFound
+from .segment import Segment, Wait
 from .tensor import MAX_ROW_SHARDS, Shard, Tensor
 
 FORMAT = files.CHECKPOINT_FORMAT
@@ -432,21 +432,20 @@ def _begin_restore(name: str, namespace: Optional[str]) -> Any:
     this process (shmps_manifest_restore_begin).  Another process holding the store's
     removal (a gc deciding whether it is idle) is waited for, at most RESTORE_WAIT s;
     one restoring or removing it makes attach() itself wait and time out."""
-    from .store import attach
+    from .store import attach, removal_held
 
-    deadline = time.monotonic() + RESTORE_WAIT
+    wait = Wait(RESTORE_WAIT, poll=0.01)
     while True:
         store = attach(name, namespace=namespace, _restoring=True)
         code = lib.shmps_manifest_restore_begin(store._mptr, _native.token())
         if code == 0:
             return store
+        holder = int(lib.shmps_manifest_retired_by(store._mptr))
         store.close()
         if code != lib.SHMPS_E_BUSY:
             _native.check(code, f"restore of store {name!r}")
-        if time.monotonic() >= deadline:
-            raise Timeout(f"store {name!r}: another process has been removing it for "
-                          f"{RESTORE_WAIT:g} s", "retry the restore")
-        time.sleep(0.01)
+        wait.again(lambda: removal_held(name, holder, RESTORE_WAIT,
+                                        "retry the restore once it is done"))
 
 
 def _end_restore(store: Any) -> None:

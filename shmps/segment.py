@@ -12,7 +12,7 @@ import mmap
 import os
 import time
 import weakref
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import posix_ipc
@@ -313,3 +313,23 @@ def list_names(prefix: str = "shmps.") -> list[str]:
         return sorted("/" + n for n in os.listdir("/dev/shm") if n.startswith(prefix))
     except FileNotFoundError:
         return []
+
+
+class Wait:
+    """A bounded wait by polling, the one of every wait for a store's state (attach
+    waiting for a store being created or removed, destroy() and restore waiting for a
+    gc deciding about it).  Look; while not done, :meth:`again`.  Cost: the looks, and
+    ``poll`` s of sleep (GIL released) between two."""
+
+    def __init__(self, timeout: float, poll: float) -> None:
+        """``timeout`` s at most from now (``math.inf``: no limit), a look every
+        ``poll`` s."""
+        self.timeout, self.poll = timeout, poll
+        self._end = time.monotonic() + timeout
+
+    def again(self, error: Callable[[], BaseException]) -> None:
+        """Sleep ``poll`` s before the next look, or raise ``error()`` (which says what
+        was waited for and what to do) once the time is up."""
+        if time.monotonic() >= self._end:
+            raise error() from None
+        time.sleep(self.poll)

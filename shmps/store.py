@@ -12,7 +12,6 @@ import math
 import operator
 import os
 import threading
-import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator, Literal, Optional, Sequence
@@ -24,7 +23,8 @@ from .aggregate import HIDDEN_SUFFIXES
 from .dense import DenseTensor, default_shard_rows
 from .errors import (CapacityError, Closed, CorruptFile, CorruptSegment, InvalidArgument,
                      NotFound, SchemaError, Timeout)
-from .segment import Segment, age_of, check_room, list_names, shm_free, size_of, unlink
+from .segment import (Segment, Wait, age_of, check_room, list_names, shm_free, size_of,
+                      unlink)
 from .tensor import PushHandle, Tensor, cast_init, check_shard_count, open_shards
 from .updaters import UpdaterLike, as_updater, from_dict
 
@@ -84,7 +84,7 @@ def attach(name: str, *, create: bool = True, namespace: Optional[str] = None,
         raise InvalidArgument(f"timeout={timeout!r} must be a number of seconds >= 0",
                               "pass e.g. timeout=2.0, or math.inf to wait as long as it takes")
     c_timeout = -1.0 if math.isinf(timeout) else timeout      # (the C core: < 0 = no limit)
-    deadline = time.monotonic() + timeout
+    wait = Wait(timeout, poll=0.001)
     while True:
         if create:
             seg, _ = Segment.open_or_create(mname, MANIFEST_SIZE, reserve=MANIFEST_RESERVED)
@@ -101,15 +101,13 @@ def attach(name: str, *, create: bool = True, namespace: Optional[str] = None,
                 # initialiser.  (An attach that may create sizes it and goes on.)
                 if size_of(mname) != 0:
                     raise
-                if time.monotonic() >= deadline:
-                    raise NotFound(
-                        f"store {name!r}" + (f" in namespace {ns!r}" if ns else "")
-                        + f" is being created, or its creator died before it was made "
-                        f"(its manifest {mname} has been empty for {timeout:g} s)",
-                        "retry later or with a longer timeout; if it stays so, `shmps-tool "
-                        "gc` removes it, or shmps.attach(name) with create=True makes the "
-                        "store") from None
-                time.sleep(0.001)
+                wait.again(lambda: NotFound(
+                    f"store {name!r}" + (f" in namespace {ns!r}" if ns else "")
+                    + f" is being created, or its creator died before it was made "
+                    f"(its manifest {mname} has been empty for {timeout:g} s)",
+                    "retry later or with a longer timeout; if it stays so, `shmps-tool "
+                    "gc` removes it, or shmps.attach(name) with create=True makes the "
+                    "store"))
                 continue
         try:
             ident = names.manifest_ident(name, ns)
@@ -152,13 +150,8 @@ def attach(name: str, *, create: bool = True, namespace: Optional[str] = None,
                     continue
             finally:
                 seg.close()
-            if time.monotonic() >= deadline:
-                raise Timeout(f"store {name!r}: process {_native.token_pid(holder)} has been "
-                              f"removing it "
-                              f"(`shmps-tool gc`, destroy()) or restoring a checkpoint into "
-                              f"it for {timeout:g} s", "retry the attach once it is done, "
-                              "or give attach() a longer timeout") from None
-            time.sleep(0.001)
+            wait.again(lambda: removal_held(name, holder, timeout, "retry the attach once "
+                                            "it is done, or give attach() a longer timeout"))
         except BaseException:
             seg.close()
             raise
@@ -175,6 +168,15 @@ def _check_pid_namespace(name: str, manifest: Segment,
     other = _native.foreign_pid_namespace(manifest.ptr)
     if other is not None:
         raise _native.other_pid_namespace(f"store {name!r}", other, doing)
+
+
+def removal_held(name: str, holder: int, waited: float, retry: str) -> Timeout:
+    """The Timeout of every wait for the process holding store ``name``'s removal claim
+    (``retired_by``: ``holder``, a token; 0 if it let go meanwhile) to be done: attach,
+    destroy() and restore waited ``waited`` s; ``retry`` says what to do."""
+    who = f"process {_native.token_pid(holder)}" if holder else "another process"
+    return Timeout(f"store {name!r}: {who} has been removing it (`shmps-tool gc`, "
+                   f"destroy()) or restoring a checkpoint into it for {waited:g} s", retry)
 
 
 class _Removed(Exception):
@@ -966,17 +968,15 @@ class Store:
         if m is None or m.ptr is None:
             self._destroy_closed()
             return
-        deadline = time.monotonic() + DESTROY_WAIT
+        wait = Wait(DESTROY_WAIT, poll=0.001)
         # until it holds the removal, or the name no longer names this store (another
         # process removed it, or replaced it: nothing of this store is left to remove;
         # holding the claim, no one else can remove or replace it meanwhile)
         while (lib.shmps_manifest_take_removal(m.ptr, _native.token()) != 0
                and m.is_named()):
             # `shmps-tool gc` is deciding about this store, or removing it
-            if time.monotonic() >= deadline:
-                raise Timeout(f"store {self.name!r}: another process has been removing "
-                              f"it for {DESTROY_WAIT:g} s", "retry destroy()")
-            time.sleep(0.001)
+            wait.again(lambda: removal_held(self.name, int(lib.shmps_manifest_retired_by(m.ptr)),
+                                            DESTROY_WAIT, "retry destroy() once it is done"))
         if not m.is_named():
             self.close()
             return

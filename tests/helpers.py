@@ -11,6 +11,7 @@ Flags are a ``RawArray("q")`` (no lock): by convention ``flags[0]`` is "go",
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
@@ -18,7 +19,7 @@ import struct
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
@@ -232,6 +233,48 @@ def dead_token() -> int:
 
 
 # ---- known pushes (workers and the parent generate the same ones) ------------------
+
+@contextlib.contextmanager
+def holding_the_removal(store: Any) -> Iterator[int]:
+    """While it lasts, a live process of its own (as a `shmps-tool gc` deciding about
+    ``store``) holds the store's removal claim (retired_by); yields its pid.  After, the
+    claim is given back (if ``store`` is still open) and the process ends."""
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-c", "import sys; from shmps import _native; "
+                          "print(_native.token(), flush=True); sys.stdin.read()"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                         env=child_env())
+    try:
+        tok = int(p.stdout.readline())
+        store._manifest.array(np.uint64, 400, 1)[0] = tok   # retired_by
+        yield p.pid
+    finally:
+        if store._manifest is not None:
+            store._manifest.array(np.uint64, 400, 1)[0] = 0
+        p.stdin.close()
+        p.wait(timeout=30)
+
+
+def times_out_for_the_removal_holder(store: Any, action: Callable[[], Any], waited: float,
+                                     retry: str) -> None:
+    """``action()`` while a live process holds ``store``'s removal (holding_the_removal)
+    raises, after ``waited`` s (and not much more), the Timeout that names that process
+    and says ``retry``."""
+    import re
+
+    import pytest
+    import shmps
+
+    with holding_the_removal(store) as pid:
+        t0 = time.monotonic()
+        with pytest.raises(shmps.Timeout, match=re.escape(
+                f"store {store.name!r}: process {pid} has been removing it (`shmps-tool gc`, "
+                f"destroy()) or restoring a checkpoint into it for {waited:g} s ({retry})")):
+            action()
+        assert waited <= time.monotonic() - t0 < waited + 5.0
+
 
 def known_grads(seed: int, shape: tuple, dtype: str, n_whole: int, n_rows: int):
     """Yield ``(grad, rows)`` pushes, reproducible from ``seed``: ``n_whole`` whole

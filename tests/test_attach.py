@@ -12,7 +12,8 @@ import pytest
 import shmps
 from helpers import (STOP, Workers, attach_and_hold, attach_timing, child_env, fork_dying_at_unlink,
                      new_flags, other_pid_ns_message, pull_after_destroy, race_attach,
-                     remove_store, store_segments, unshare_pid_command, wait_until)
+                     remove_store, store_segments, times_out_for_the_removal_holder,
+                     unshare_pid_command, wait_until)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -670,6 +671,24 @@ def test_a_destroy_killed_midway_is_finished_by_the_next_attach(store_name):
             assert (w.pull() == 0).all()
         assert len(store_segments(store_name)) == 2   # the new manifest and w7's shard
     finally:
+        remove_store(store_name)
+
+
+def test_destroy_waits_a_bounded_time_for_a_process_holding_the_removal(store_name,
+                                                                        monkeypatch):
+    """destroy() of a store whose removal a live process holds (a gc deciding about it)
+    waits at most DESTROY_WAIT, then raises Timeout naming that process and saying what
+    to do, the store left whole; once the process lets go, destroy() removes it."""
+    monkeypatch.setattr(shmps.store, "DESTROY_WAIT", 0.3)
+    s = shmps.attach(store_name)
+    try:
+        s.dense("w", shape=(4,), init=1.0)
+        times_out_for_the_removal_holder(s, s.destroy, 0.3, "retry destroy() once it is done")
+        assert len(store_segments(store_name)) == 2 and (s["w"].pull() == 1.0).all()
+        s.destroy()
+        assert store_segments(store_name) == []
+    finally:
+        s.close()
         remove_store(store_name)
 
 

@@ -28,7 +28,7 @@ from shmps import checkpoint as ckpt_mod
 from shmps import files
 
 from test_errors import needs_small_shm
-from helpers import child_env, remove_store
+from helpers import child_env, remove_store, times_out_for_the_removal_holder
 
 SHM = "/dev/shm"
 
@@ -890,3 +890,24 @@ def test_a_restored_tensor_goes_on_at_its_step_on_every_stripe(store, tmp_path, 
             assert same_bits(t.pull(), r.pull()), k
     finally:
         other.destroy()
+
+
+def test_a_restore_waits_a_bounded_time_for_a_process_holding_the_removal(store, tmp_path,
+                                                                          names, monkeypatch):
+    """A restore into a store whose removal a live process holds (a gc deciding about it)
+    waits at most RESTORE_WAIT, then raises Timeout naming that process and saying what
+    to do, the store unchanged; once the process lets go, the restore goes through."""
+    store.dense("w", shape=(4,), init=2.0)
+    store.checkpoint(tmp_path / "ck")
+    target = store.name + "r"
+    names.append(target)
+    monkeypatch.setattr(ckpt_mod, "RESTORE_WAIT", 0.3)
+    held = shmps.attach(target)
+    try:
+        times_out_for_the_removal_holder(held, lambda: shmps.restore(tmp_path / "ck", target),
+                                         0.3, "retry the restore once it is done")
+        assert held.tensors() == []
+        with shmps.restore(tmp_path / "ck", target) as again:
+            assert (again["w"].pull() == 2.0).all()
+    finally:
+        held.close()
