@@ -630,3 +630,52 @@ def test_waiting_for_a_slow_worker_times_out(job):
         other.result(10)
         W.push(np.ones(2), timeout=5)
         assert W.pull().tolist() == [3.0, 3.0]
+
+
+def _legacy_dense(store, name: str, init: float) -> None:
+    """A dense tensor ``name`` made as a build before the '#agg*' names were reserved
+    made it (no check of the name): a user tensor, not an aggregation's."""
+    req = {"kind": "dense", "shape": [4], "dtype": "float32"}
+    store._get_or_create(name, req, lambda: store._create_dense(name, req, init,
+                                                                hidden_ok=True))
+
+
+def test_a_legacy_user_tensor_named_like_an_accumulator_beside_a_plain_tensor_stays_its_own(
+        job, store_name, tmp_path):
+    """An older store holding a plain 'x' and a user tensor 'x#agg0': the user's tensor
+    is an ordinary dense tensor in every process (pulls, pushes, writable views), listed
+    by tensors() and `shmps-tool ls`, saved and restored as itself (the restored store
+    the same), and never made x's accumulator: x cannot be turned aggregated
+    (SchemaError, as for any schema change)."""
+    import subprocess
+    import sys
+
+    from helpers import child_env
+
+    x = job.dense("x", shape=(4,), dtype="float32", init=1.0)
+    _legacy_dense(job, "x#agg0", 5.0)
+    user = job["x#agg0"]
+    assert type(user) is shmps.DenseTensor
+    user.push(np.ones(4, np.float32))
+    user.view(writable=True)[0] = 9.0
+    assert user.pull().tolist() == [9, 6, 6, 6] and x.pull().tolist() == [1, 1, 1, 1]
+    with shmps.attach(store_name, create=False) as other:
+        other["x#agg0"].push(np.ones(4, np.float32))
+        assert job.dense("x#agg0", shape=(4,)) is user
+    assert user.pull().tolist() == [10, 7, 7, 7]
+    assert sorted(t["name"] for t in job.tensors()) == ["x", "x#agg0"]
+    ls = subprocess.run([sys.executable, "-m", "shmps.cli", "ls"], env=child_env(),
+                        capture_output=True, text=True, timeout=60)
+    assert ls.returncode == 0 and "x#agg0" in ls.stdout, ls
+    with pytest.raises(shmps.SchemaError, match="aggregate"):
+        job.dense("x", aggregate="sum", workers=1)
+    job.checkpoint(tmp_path / "ck")
+    back = shmps.restore(tmp_path / "ck", store_name + "r")
+    try:
+        assert sorted(t["name"] for t in back.tensors()) == ["x", "x#agg0"]
+        back["x#agg0"].push(np.ones(4, np.float32))
+        assert back["x#agg0"].pull().tolist() == [11, 8, 8, 8]
+        assert back["x"].pull().tolist() == [1, 1, 1, 1]
+    finally:
+        back.destroy()
+
