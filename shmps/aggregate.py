@@ -96,7 +96,23 @@ class HiddenDense(DenseTensor):
         super().__init__(store, record, shards)
         self.base = base
 
+    def _hidden_now(self) -> bool:
+        """Whether the name is still an aggregation's (hidden_of, looked up again): a
+        plain tensor of the base's name made since this handle was opened leaves it to a
+        user tensor of an older build, as a handle opened now would (without the look,
+        this process refused its pushes for ever while another process pushed)."""
+        return hidden_of(self._store, self.record) is not None
+
     def _refuse(self, what: str) -> InvalidArgument:
+        if self._store._record(self.base) is None:   # a creation under way, or legacy
+            return InvalidArgument(
+                f"{what} tensor {self.name!r}: there is no tensor {self.base!r}, and "
+                f"{self.name!r} is taken for a round accumulator of an aggregated tensor "
+                f"{self.base!r} being created (names ending in "
+                f"{', '.join(repr(x) for x in HIDDEN_SUFFIXES)} are reserved)",
+                f"if it is a tensor of your own made by an older shmps, copy it to a name "
+                f"of your own: store.dense(NEW, shape=..., dtype=..., "
+                f"init=store[{self.name!r}].pull())")
         role = ("round control block" if self.name.endswith("#aggctl")
                 else "round accumulator")
         return InvalidArgument(
@@ -107,14 +123,18 @@ class HiddenDense(DenseTensor):
             "round of this worker's clock")
 
     def push(self, grad: Any, rows: Any = None, *, wait: bool = True) -> Optional[PushHandle]:
-        """Refused (InvalidArgument): push to the aggregated tensor."""
+        """Refused (InvalidArgument): push to the aggregated tensor.  (Pushed as any
+        dense tensor's if the name is no longer hidden: _hidden_now.)"""
+        if not self._hidden_now():
+            return DenseTensor.push(self, grad, rows, wait=wait)
         raise self._refuse("push to")
 
     def view(self, writable: bool = False) -> np.ndarray:
-        """As DenseTensor.view, read-only only (``writable=True``: InvalidArgument)."""
-        if writable:
+        """As DenseTensor.view, read-only only (``writable=True``: InvalidArgument,
+        unless the name is no longer hidden: _hidden_now)."""
+        if writable and self._hidden_now():
             raise self._refuse("writable view of")
-        return super().view()
+        return super().view(writable)
 
 
 def _hidden(store: Any, name: str, req: dict) -> None:

@@ -679,3 +679,22 @@ def test_a_legacy_user_tensor_named_like_an_accumulator_beside_a_plain_tensor_st
     finally:
         back.destroy()
 
+
+def test_a_legacy_user_tensor_named_like_an_accumulator_without_its_base(job, store_name):
+    """A user tensor 'y#agg0' of an older store with no 'y': it is taken for the
+    accumulator of a 'y' being created, so a push is refused (InvalidArgument) with a
+    hint that says 'y' does not exist and how to keep the values; once a plain 'y' is
+    made, it is the user's again, also in a process that opened it before (its handle
+    refused pushes for ever, while a new attach pushed)."""
+    _legacy_dense(job, "y#agg0", 5.0)
+    early = job["y#agg0"]
+    with pytest.raises(shmps.InvalidArgument, match=r"no tensor 'y'.*") as err:
+        early.push(np.ones(4, np.float32))
+    assert "init=" in str(err.value) and early.pull().tolist() == [5, 5, 5, 5]
+    job.dense("y", shape=(2,), dtype="int32")
+    early.push(np.ones(4, np.float32))
+    early.view(writable=True)[0] = 0.0
+    assert job["y#agg0"] is early and early.pull().tolist() == [0, 6, 6, 6]
+    with shmps.attach(store_name, create=False) as other:
+        other["y#agg0"].push(np.ones(4, np.float32))
+    assert early.pull().tolist() == [1, 7, 7, 7]
