@@ -911,3 +911,118 @@ def test_a_restore_waits_a_bounded_time_for_a_process_holding_the_removal(store,
             assert (again["w"].pull() == 2.0).all()
     finally:
         held.close()
+
+
+def _checkpoint_at_step(store: Any, path: Path, step: int) -> None:
+    """Checkpoint ``store`` into ``path`` as if each tensor had taken ``step`` pushes
+    (its checkpoint.json entry's step: what restore gives the tensor and its stripes)."""
+    store.checkpoint(path)
+    cj = path / files.CHECKPOINT_JSON
+    doc = json.loads(cj.read_text())
+    for e in doc["tensors"]:
+        e["step"] = step
+    cj.write_text(json.dumps(doc))
+
+
+#: the updaters whose update reads the step: Adagrad's lr_decay (lr / t at t ~ 2**32:
+#: one step off changes every update by 2**-32 of itself, 2**32 off halves it) and
+#: Adam's bias correction (1 at such steps: tells a step wrapped to a small one)
+_WRAP_OPTS = {"adagrad": shmps.Adagrad(lr=1.0, lr_decay=1.0),
+              "adam": shmps.Adam(lr=1e-3)}
+
+
+def _wrap_reference(opt: Any, grads: list, first: int) -> np.ndarray:
+    """float64 numpy model: zeros, then ``grads`` at steps first, first + 1, ..."""
+    import reference
+
+    w = np.zeros(grads[0].shape)
+    state = reference.new_state(opt, w.shape)
+    for k, g in enumerate(grads):
+        reference.step(opt, w, g, state, first + k)
+    return w
+
+
+@pytest.mark.parametrize("start", [2**32 - 2, 2**33 - 2], ids=["2^32", "2^33"])
+def test_a_tensor_whose_step_crosses_a_multiple_of_2_32_applies_at_its_steps(
+        store, tmp_path, names, start):
+    """Each stripe keeps the low 32 bits of its last step (docs/concurrency.md, "The
+    step"), rebuilt against the tensor's 64-bit count: a tensor restored at step
+    2**32 - 2 (2**33 - 2) and pushed 4 times applies at 2**32 - 1, 2**32, 2**32 + 1,
+    2**32 + 2 on every stripe of both shards, whole pushes and rows= pushes alike:
+    Adagrad with lr_decay and Adam equal a float64 numpy model of those steps (to
+    1e-12: one step off is 2e-10), and the whole and rows= runs equal each other bit
+    for bit.  (Seen failing with the rebuild made naive: the count's high half with the
+    stripe's low one.)"""
+    rng = np.random.default_rng(5)
+    grads = [rng.uniform(-1, 1, (64, 1024)) for _ in range(4)]
+    for k, opt in _WRAP_OPTS.items():
+        store.dense(k, shape=(64, 1024), dtype="float64", optimizer=opt, shard_rows=32)
+    _checkpoint_at_step(store, tmp_path / "ck", start)
+    whole, by_rows = (shmps.restore(tmp_path / "ck", new_name(names)) for _ in range(2))
+    try:
+        every = np.arange(64)
+        for k, opt in _WRAP_OPTS.items():
+            for g in grads:
+                whole[k].push(g)
+                by_rows[k].push(g[::-1], rows=every[::-1])
+            ref = _wrap_reference(opt, grads, start + 1)
+            got = whole[k].pull()
+            np.testing.assert_allclose(got, ref, rtol=1e-12, atol=0, err_msg=k)
+            assert same_bits(got, by_rows[k].pull()), k
+            assert whole[k].stats()["step"] == start + 4
+    finally:
+        whole.destroy()
+        by_rows.destroy()
+
+
+_WRAP_PUSHER = r"""
+import sys, numpy as np, shmps
+s = shmps.attach(sys.argv[1], create=False)
+t = s[sys.argv[2]]
+g = np.random.default_rng(9).uniform(-1, 1, t.shape)
+print("ready", flush=True)
+sys.stdin.readline()
+for _ in range(int(sys.argv[3])):
+    t.push(g)
+s.close()
+"""
+
+
+def test_whole_pushes_from_two_processes_across_the_2_32_wrap(store, tmp_path, names):
+    """Two processes each push one gradient 60 times at once into an Adagrad (lr_decay)
+    tensor restored at step 2**32 - 60, so the count crosses 2**32 mid-run while
+    pushes overtake each other on the stripes: every stripe still applies its 120
+    pushes at steps 2**32 - 59 .. 2**32 + 60, so the tensor equals, bit for bit, the
+    same restore pushed 120 times by one process, and the numpy model to 1e-12."""
+    opt = _WRAP_OPTS["adagrad"]
+    store.dense("adagrad", shape=(64, 1024), dtype="float64", optimizer=opt,
+                shard_rows=32)
+    start, n = 2**32 - 60, 60
+    _checkpoint_at_step(store, tmp_path / "ck", start)
+    both, one = (shmps.restore(tmp_path / "ck", new_name(names)) for _ in range(2))
+    procs = [subprocess.Popen([sys.executable, "-c", _WRAP_PUSHER, both.name, "adagrad",
+                               str(n)], env=child_env(), stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        for p in procs:
+            assert p.stdout.readline().strip() == "ready"
+        for p in procs:
+            p.stdin.write("\n")
+            p.stdin.flush()
+        for p in procs:
+            assert p.wait(timeout=120) == 0
+        g = np.random.default_rng(9).uniform(-1, 1, (64, 1024))
+        for _ in range(2 * n):
+            one["adagrad"].push(g)
+        got = both["adagrad"].pull()
+        assert same_bits(got, one["adagrad"].pull())
+        np.testing.assert_allclose(got, _wrap_reference(opt, [g] * (2 * n), start + 1),
+                                   rtol=1e-12, atol=0)
+        assert both["adagrad"].stats()["step"] == start + 2 * n
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=30)
+        both.destroy()
+        one.destroy()
