@@ -1048,3 +1048,105 @@ def test_attach_does_not_take_over_a_store_being_restored_in_another_pid_namespa
         assert p.wait(timeout=30) == 0
     finally:
         _end_child(p, store_name)
+
+
+#: a store user whose children are SIGKILLed before the store's fork handler runs: a
+#: fork hook registered before shmps is imported runs first in the child, and kills it
+#: when KILL is set (phase 1); then children the parent kills at once, wherever they
+#: are (phase 2).  Pushes between the forks; prints its slots in the attached-process
+#: table after each phase, closes when told, stays alive until told again.
+_KILLED_CHILDREN = r"""
+import os, signal, sys, time
+KILL = False
+def _die_first():
+    if KILL:
+        os.kill(os.getpid(), signal.SIGKILL)
+os.register_at_fork(after_in_child=_die_first)    # before shmps's handler: runs first
+import numpy as np
+import shmps
+from shmps import _native
+lib, ffi = _native.lib, _native.ffi
+s = shmps.attach(sys.argv[1], create=False)
+w = s["w"]
+
+
+def own_slots():
+    n, toks = ffi.new("uint32_t *"), ffi.new("uint64_t[]", lib.SHMPS_MAX_PROCS)
+    lib.shmps_proc_list(s._mptr, toks, lib.SHMPS_MAX_PROCS, n)
+    return sum(int(toks[i]) == _native.token() for i in range(n[0]))
+
+
+def reap(pid):
+    _, st = os.waitpid(pid, 0)
+    return os.WIFSIGNALED(st) and os.WTERMSIG(st) == signal.SIGKILL
+
+
+killed = 0
+for _ in range(20):
+    KILL = True
+    pid = os.fork()
+    KILL = False
+    if pid == 0:
+        os._exit(3)      # (not reached: the hook killed the child)
+    killed += reap(pid)
+    w.push(np.ones(4, np.int32))
+    w.pull()
+print("before-handler", killed, own_slots(), flush=True)
+killed = 0
+for _ in range(20):
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(30)
+        os._exit(3)
+    os.kill(pid, signal.SIGKILL)
+    killed += reap(pid)
+    w.push(np.ones(4, np.int32))
+print("killed-at-once", killed, own_slots(), flush=True)
+sys.stdin.readline()      # the test attaches, pushes and looks meanwhile
+s.close()
+print("closed", flush=True)
+sys.stdin.readline()      # alive while the test removes the store
+"""
+
+
+def test_children_killed_before_their_fork_handler_leak_no_slot(store_name):
+    """A process with the store open forks 20 children that die (SIGKILL) before the
+    store's fork handler runs in them, then 20 that it kills at once (before, inside or
+    after the handler): it goes on pushing; it holds at most its own slot and the lease
+    of its last fork, still pending (given back at its next fork or its close); another
+    process attaches, pushes and sees exactly the two live processes (ls too); once it
+    closes, alive, gc's remove_idle removes the store: no lease of a dead child is left
+    counted as its."""
+    import subprocess
+    import sys
+
+    from shmps.store import remove_idle
+
+    with shmps.attach(store_name) as s:
+        s.dense("w", shape=(4,), dtype="int32")
+    p = subprocess.Popen([sys.executable, "-c", _KILLED_CHILDREN, store_name],
+                         env=child_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         text=True)
+    try:
+        for phase in ("before-handler", "killed-at-once"):
+            what, killed, slots = p.stdout.readline().split()
+            assert (what, killed) == (phase, "20") and slots in ("1", "2"), (what, slots)
+        with shmps.attach(store_name, create=False) as s:
+            s["w"].push(np.ones(4, np.int32))
+            assert (s["w"].pull() == 41).all()
+            assert s.processes() == sorted([os.getpid(), p.pid])
+            ls = subprocess.run([sys.executable, "-m", "shmps.cli", "ls"], env=child_env(),
+                                capture_output=True, text=True, timeout=60)
+            line = next(x for x in ls.stdout.splitlines() if x.startswith(store_name))
+            pids = line.split("live processes:")[1].replace(",", " ").split()
+            assert sorted(map(int, pids)) == sorted([os.getpid(), p.pid]), line
+        p.stdin.write("\n")
+        p.stdin.flush()
+        assert p.stdout.readline().strip() == "closed"
+        assert len(remove_idle(store_name, None) or []) == 2   # idle: nothing leaked
+        assert store_segments(store_name) == []
+        p.stdin.write("\n")
+        p.stdin.flush()
+        assert p.wait(timeout=30) == 0
+    finally:
+        _end_child(p, store_name)
