@@ -1306,9 +1306,20 @@ class _Fork:
         return True
 
 
-#: the forking thread's fork (thread id -> _Fork): two threads forking at once each
-#: hand their own child its slots
+#: the forking thread's fork (thread id -> _Fork), from its before-fork handler to its
+#: after-fork one (at most one at a time: _FORK_SERIAL)
 _FORK_LEASES: dict[int, _Fork] = {}
+#: held by a forking thread from its before-fork handler to its after-fork-in-parent
+#: one, so a fork's pipe is made, forked and its write end closed (in the parent) with
+#: no other thread forking meanwhile: a child inherits no other fork's write end.
+#: Without it (review 15 F6) a thread whose os.pipe2 released the GIL came back to it
+#: after another thread had forked: that child held the pipe unknown to its handler
+#: (the pipe was not yet in _FORK_LEASES), and the fork stayed pending while that child
+#: lived (a lease its own child never took kept until then).  A new one in a child.
+_FORK_SERIAL = threading.Lock()
+#: how long a fork waits for another thread's (seconds); past it, it takes no lease
+#: (its child registers anew), so a fork never hangs on it
+FORK_SERIAL_TIMEOUT_S = 10.0
 #: forks whose child had not finished its handler when the parent looked
 _PENDING_FORKS: list[_Fork] = []
 #: taken to settle forks (give leases back) and by close() before it unmaps a manifest;
@@ -1330,31 +1341,43 @@ def _settle_forks_locked(closing: Optional["Store"] = None) -> None:
 
 
 def _before_fork() -> None:
-    if _PENDING_FORKS:
-        with _FORKS_LOCK:
-            _settle_forks_locked()
-    _FORK_LEASES[threading.get_ident()] = _Fork([(st, st._lease_for_fork())
-                                                 for st in list(_OPEN_STORES)])
+    if not _FORK_SERIAL.acquire(timeout=FORK_SERIAL_TIMEOUT_S):
+        return                       # no leases, no pipe: the child registers anew
+    fork = _Fork([])
+    try:
+        if _PENDING_FORKS:
+            with _FORKS_LOCK:
+                _settle_forks_locked()
+        fork = _Fork([(st, st._lease_for_fork()) for st in list(_OPEN_STORES)])
+    finally:   # (its presence tells the after-fork handler to release _FORK_SERIAL)
+        _FORK_LEASES[threading.get_ident()] = fork
 
 
 def _after_fork_in_parent() -> None:
     # (CPython runs this after a failed fork() too, before os.fork raises)
     fork = _FORK_LEASES.pop(threading.get_ident(), None)
-    if fork is None or fork.rfd < 0:
-        return
-    os.close(fork.wfd)
-    fork.wfd = -1
-    with _FORKS_LOCK:
-        if not fork.settle():
-            _PENDING_FORKS.append(fork)
+    if fork is None:
+        return                       # _before_fork did not get _FORK_SERIAL
+    try:
+        if fork.rfd < 0:
+            return
+        os.close(fork.wfd)
+        fork.wfd = -1
+        with _FORKS_LOCK:
+            if not fork.settle():
+                _PENDING_FORKS.append(fork)
+    finally:
+        _FORK_SERIAL.release()
 
 
 def _after_fork_in_child() -> None:
-    global _FORKS_LOCK
+    global _FORKS_LOCK, _FORK_SERIAL
     _FORKS_LOCK = threading.Lock()
+    _FORK_SERIAL = threading.Lock()
     fork = _FORK_LEASES.pop(threading.get_ident(), None)
-    # other threads' forks and the parent's pending ones are theirs to settle: their
-    # fds closed here, or the parent took this child for one that has not finished
+    # the parent's pending forks are its to settle: their fds closed here, or the parent
+    # took this child for one that has not finished (no other fork is under way:
+    # _FORK_SERIAL)
     for other in list(_FORK_LEASES.values()) + _PENDING_FORKS:
         other.close_fds()
     _FORK_LEASES.clear()

@@ -1150,3 +1150,56 @@ def test_children_killed_before_their_fork_handler_leak_no_slot(store_name):
         assert p.wait(timeout=30) == 0
     finally:
         _end_child(p, store_name)
+
+
+def test_two_threads_forking_at_once_leave_no_fork_pending(store):
+    """Two threads fork 40 children each at once, the store open; every child lives on
+    (until the test lets it go) once its fork handler has run.  Every fork's pipe then
+    reads end of file and settles: no child holds another fork's write end.  (A thread
+    whose os.pipe2 released the GIL came back to it after the other thread had forked:
+    that child inherited the pipe unknown to its handler, and the fork stayed pending
+    while the child lived, its lease not given back had its own child died: review 15
+    F6; 26 to 51 of 100 forks here.)"""
+    import select
+    import threading
+
+    import shmps.store as store_mod
+
+    store.dense("w", shape=(4,), dtype="int32")
+    go_r, go_w = os.pipe()
+    ready_r, ready_w = os.pipe()
+    pids: list[int] = []
+
+    def forker() -> None:
+        for _ in range(40):
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    os.close(go_w)
+                    os.write(ready_w, b"r")            # its handler has run
+                    select.select([go_r], [], [], 60)  # alive until the test lets go
+                finally:
+                    os._exit(0)
+            pids.append(pid)
+
+    try:
+        threads = [threading.Thread(target=forker) for _ in range(2)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(60)
+        got = 0
+        while got < len(pids) and select.select([ready_r], [], [], 30)[0]:
+            got += len(os.read(ready_r, 4096))
+        assert got == len(pids) == 80
+        with store_mod._FORKS_LOCK:
+            store_mod._settle_forks_locked()
+            stuck = len(store_mod._PENDING_FORKS)
+        assert stuck == 0, f"{stuck} of 80 forks pending while their children have all run"
+    finally:
+        for fd in (go_w, go_r, ready_r, ready_w):
+            os.close(fd)
+        for pid in pids:
+            os.waitpid(pid, 0)
+        with store_mod._FORKS_LOCK:
+            store_mod._settle_forks_locked()
