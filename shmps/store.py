@@ -1306,17 +1306,22 @@ class _Fork:
         return True
 
 
-#: the forking thread's fork (thread id -> _Fork), from its before-fork handler to its
-#: after-fork one (at most one at a time: _FORK_SERIAL)
-_FORK_LEASES: dict[int, _Fork] = {}
+#: each thread's forks under way (thread id -> a stack: a fork made inside another's
+#: handlers, by a hook registered before shmps's, nests), from the before-fork handler
+#: to the after-fork ones; None for a fork that took no lease (_FORK_SERIAL not had)
+_FORK_LEASES: dict[int, list[Optional[_Fork]]] = {}
 #: held by a forking thread from its before-fork handler to its after-fork-in-parent
 #: one, so a fork's pipe is made, forked and its write end closed (in the parent) with
 #: no other thread forking meanwhile: a child inherits no other fork's write end.
 #: Without it (review 15 F6) a thread whose os.pipe2 released the GIL came back to it
 #: after another thread had forked: that child held the pipe unknown to its handler
 #: (the pipe was not yet in _FORK_LEASES), and the fork stayed pending while that child
-#: lived (a lease its own child never took kept until then).  A new one in a child.
-_FORK_SERIAL = threading.Lock()
+#: lived (a lease its own child never took kept until then).  Reentrant and released by
+#: ownership, not by a _FORK_LEASES entry: a signal handler raising between the acquire
+#: and the entry (Ctrl-C; CPython prints it and forks on) left it held for ever, and
+#: every later fork waited FORK_SERIAL_TIMEOUT_S and took no lease (review 16 F1).  A
+#: new one in a child.
+_FORK_SERIAL = threading.RLock()
 #: how long a fork waits for another thread's (seconds); past it, it takes no lease
 #: (its child registers anew), so a fork never hangs on it
 FORK_SERIAL_TIMEOUT_S = 10.0
@@ -1341,25 +1346,30 @@ def _settle_forks_locked(closing: Optional["Store"] = None) -> None:
 
 
 def _before_fork() -> None:
-    if not _FORK_SERIAL.acquire(timeout=FORK_SERIAL_TIMEOUT_S):
-        return                       # no leases, no pipe: the child registers anew
+    stack = _FORK_LEASES.setdefault(threading.get_ident(), [])
+    # Held by this thread already: a fork nested in this thread's fork, or a hold left
+    # by an earlier fork of this thread cut off between its acquire and its entry; it
+    # serves this fork, and the outermost after-fork handler lets it go.
+    if not (_FORK_SERIAL._is_owned()   # type: ignore[attr-defined]
+            or _FORK_SERIAL.acquire(timeout=FORK_SERIAL_TIMEOUT_S)):
+        stack.append(None)           # no leases, no pipe: the child registers anew
+        return
     fork = _Fork([])
     try:
         if _PENDING_FORKS:
             with _FORKS_LOCK:
                 _settle_forks_locked()
         fork = _Fork([(st, st._lease_for_fork()) for st in list(_OPEN_STORES)])
-    finally:   # (its presence tells the after-fork handler to release _FORK_SERIAL)
-        _FORK_LEASES[threading.get_ident()] = fork
+    finally:
+        stack.append(fork)
 
 
 def _after_fork_in_parent() -> None:
     # (CPython runs this after a failed fork() too, before os.fork raises)
-    fork = _FORK_LEASES.pop(threading.get_ident(), None)
-    if fork is None:
-        return                       # _before_fork did not get _FORK_SERIAL
+    stack = _FORK_LEASES.get(threading.get_ident())
     try:
-        if fork.rfd < 0:
+        fork = stack.pop() if stack else None
+        if fork is None or fork.rfd < 0:
             return
         os.close(fork.wfd)
         fork.wfd = -1
@@ -1367,19 +1377,25 @@ def _after_fork_in_parent() -> None:
             if not fork.settle():
                 _PENDING_FORKS.append(fork)
     finally:
-        _FORK_SERIAL.release()
+        if not stack:                # this thread's outermost fork: the others may fork
+            _FORK_LEASES.pop(threading.get_ident(), None)
+            while _FORK_SERIAL._is_owned():   # type: ignore[attr-defined]
+                _FORK_SERIAL.release()
 
 
 def _after_fork_in_child() -> None:
     global _FORKS_LOCK, _FORK_SERIAL
     _FORKS_LOCK = threading.Lock()
-    _FORK_SERIAL = threading.Lock()
-    fork = _FORK_LEASES.pop(threading.get_ident(), None)
-    # the parent's pending forks are its to settle: their fds closed here, or the parent
-    # took this child for one that has not finished (no other fork is under way:
-    # _FORK_SERIAL)
-    for other in list(_FORK_LEASES.values()) + _PENDING_FORKS:
-        other.close_fds()
+    _FORK_SERIAL = threading.RLock()
+    stack = _FORK_LEASES.pop(threading.get_ident(), None)
+    fork = stack.pop() if stack else None
+    # the parent's pending forks, and the forks this one is nested in, are its to
+    # settle: their fds closed here, or the parent took this child for one that has not
+    # finished (no other thread's fork is under way: _FORK_SERIAL)
+    for other in [f for st in _FORK_LEASES.values() for f in st] + (stack or []) \
+            + _PENDING_FORKS:
+        if other is not None:
+            other.close_fds()
     _FORK_LEASES.clear()
     _PENDING_FORKS.clear()
     if fork is None:
