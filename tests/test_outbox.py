@@ -237,6 +237,43 @@ def test_one_busy_scan_over_many_tensors_equals_each_tensors_busy(store, store_n
         scan2.scan()
 
 
+def test_outbox_calls_over_many_shards_look_them_up_in_batches(store):
+    """shmps_outbox_land/landed and shmps_outbox_busy look their shards' specs up 16 at a
+    time (native/outbox.c, outbox_hdrs): over 40 shards (batches of 16, 16, 8) a whole
+    push and a rows= push land in every shard they touch, count there and free every
+    slot; busy names exactly those shards; and a claim that fails in a later batch
+    frees the slots of the earlier ones."""
+    from shmps.outbox import busy
+    n = 40
+    w = store.dense("w", shape=(n, 2), dtype="float32", shard_rows=1)   # 40 shards
+    store._set_forwarding(True)
+    ob = w._outbox()
+    rows = np.array([0, 15, 16, 17, 31, 32, 39])
+    w.push(np.ones((rows.size, 2), np.float32), rows=rows)
+    assert busy(w) == rows.tolist()
+    for s in range(n):
+        path = os.path.join(SHM, ob._shard(s).seg.name.lstrip("/"))
+        assert peek(path, OB_PUSHED_OFF, "<Q")[0] == (1 if s in rows else 0)
+        assert not any(peek(path, LANDING_OFF, "<128Q")[0::2])           # no slot held
+    w.push(np.ones((n, 2), np.float32))
+    assert busy(w) == list(range(n))
+    # every shard touched, shard 37 unmapped (NULL): the claims of shards 0..36 (three
+    # batches) are undone, and the call says so
+    bases = native.ffi.new("void *[]", [ob._shard(s).ptr for s in range(n)])
+    bases[37] = native.ffi.NULL
+    slots = native.ffi.new("uint8_t[]", [lib.SHMPS_LANDING_NONE] * n)
+    code = lib.shmps_outbox_land(bases, n, ob._every_shard(), native.token(), slots)
+    assert code == lib.SHMPS_E_ARG
+    assert list(slots) == [lib.SHMPS_LANDING_NONE] * n
+    for s in range(n):
+        path = os.path.join(SHM, ob._shard(s).seg.name.lstrip("/"))
+        assert not any(peek(path, LANDING_OFF, "<128Q")[0::2]), s
+    for s in range(n):
+        d = w._outbox_drain(s)
+        assert d.grads.tolist() == [[2.0, 2.0] if s in rows else [1.0, 1.0]]
+    assert busy(w) == []
+
+
 def push_each_kind(store: str, names: tuple) -> int:
     """One forwarded push each: a dense tensor's whole, some of its rows, a table's key
     and a csr tensor's entries; returns how many."""
