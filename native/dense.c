@@ -287,71 +287,105 @@ static uint64_t tensor_end(uint32_t nshards, uint64_t shard_rows) {
 
 /* The shards a rows= call touches, one per run of rows of one shard (the caller's rows
  * are in runs of distinct shards), and their private specs: run j is rows[start[j] ..
- * start[j + 1]) of shard shard[j], whose spec is sp[1 + j]; sp[0] is shard 0's.  Held
- * on the stack for up to RUNS_ON_STACK runs (any call of that many rows), allocated
- * for more. */
+ * start[j + 1]) of shard shard[j], whose spec is sp[1 + j], the greatest of its rows
+ * being shard[j] * shard_rows + top[j]; sp[0] is shard 0's.  Held on the stack for up
+ * to RUNS_ON_STACK runs (any call of that many rows), allocated for more. */
 #define RUNS_ON_STACK 64
 typedef struct {
-    uint64_t nruns;
-    uint64_t *start, *shard;
+    uint64_t nruns, cap;
+    uint64_t *start, *shard, *top;
     void **vb; /* the bases looked up, in sp's order */
     const shmps_spec_t **sp;
     uint64_t start_stack[1 + RUNS_ON_STACK], shard_stack[RUNS_ON_STACK];
+    uint64_t top_stack[RUNS_ON_STACK];
     void *vb_stack[1 + RUNS_ON_STACK];
     const shmps_spec_t *sp_stack[1 + RUNS_ON_STACK];
 } runs_t;
 
 static void runs_free(runs_t *rs) {
-    if (rs->start != rs->start_stack) free(rs->start); /* (one block: see find_runs) */
+    if (rs->start != rs->start_stack) free(rs->start); /* (one block: see runs_grow) */
 }
 
-/* Records the runs of rows[0..n) (each row >= 0) in rs, up to `cap` of them; returns
- * how many there are.  One division a run: the other rows compare (a division costs
- * tens of cycles, a lookup's worth over a run of rows). */
-static uint64_t record_runs(runs_t *rs, void **bases, uint64_t shard_rows, const int64_t *rows,
-                            uint64_t n, uint64_t cap) {
-    uint64_t j = 0;
-    for (uint64_t a = 0; a < n; j++) {
-        uint64_t sh = (uint64_t)rows[a] / shard_rows, first = sh * shard_rows;
-        if (j < cap) rs->start[j] = a, rs->shard[j] = sh, rs->vb[1 + j] = bases[sh];
-        do a++; while (a < n && (uint64_t)rows[a] - first < shard_rows); /* (wraps below) */
-    }
-    if (j <= cap) rs->start[j] = n;
-    return j;
+/* Moves rs's first j runs from the stack into one block for `cap` runs (1 + cap starts,
+ * cap shards and tops, 1 + cap bases and specs); 0, or ENOMEM leaving rs as it was. */
+static int runs_grow(runs_t *rs, uint64_t j, uint64_t cap) {
+    _Static_assert(sizeof(void *) == 8, "runs_t's block holds pointers as 8 bytes");
+    uint64_t *blk = malloc((5 * cap + 3) * 8);
+    if (!blk) return ENOMEM;
+    uint64_t *start = blk, *shard = blk + cap + 1, *top = blk + 2 * cap + 1;
+    void **vb = (void **)(blk + 3 * cap + 1);
+    memcpy(start, rs->start, j * 8), memcpy(shard, rs->shard, j * 8);
+    memcpy(top, rs->top, j * 8), memcpy(vb + 1, rs->vb + 1, j * 8);
+    rs->start = start, rs->shard = shard, rs->top = top, rs->vb = vb;
+    rs->sp = (const shmps_spec_t **)(blk + 4 * cap + 2);
+    rs->cap = cap;
+    return SHMPS_OK;
 }
 
-/* Fills rs for rows[0..n) (bases: every shard, shard i holding rows i*shard_rows on;
- * each row already checked in range of the tensor's shards: >= 0, shard < nshards),
- * looking every shard up together (one lock: shmps_specs_of), and checks them before
- * anything is read or written: each shard a dense shard of shard 0's dtype and row
- * length (SHMPS_E_ARG: one tensor's shards share a spec but nrows; shard 0 a dense
- * shard), each row in range of its shard (SHMPS_E_BOUNDS).  On success the caller
- * frees rs (runs_free); on an error it is freed here. */
-static int find_runs(runs_t *rs, void **bases, uint64_t shard_rows, const int64_t *rows,
-                     uint64_t n) {
-    rs->start = rs->start_stack, rs->shard = rs->shard_stack;
-    rs->vb = rs->vb_stack, rs->sp = rs->sp_stack;
-    uint64_t m = record_runs(rs, bases, shard_rows, rows, n, RUNS_ON_STACK);
-    if (m > RUNS_ON_STACK) { /* one block of 1 + m starts, m shards, 1 + m bases and specs */
-        _Static_assert(sizeof(void *) == 8, "runs_t's block holds pointers as 8 bytes");
-        uint64_t *blk = malloc((4 * m + 3) * 8);
-        if (!blk) return ENOMEM;
-        rs->start = blk, rs->shard = blk + m + 1;
-        rs->vb = (void **)(blk + 2 * m + 1), rs->sp = (const shmps_spec_t **)(blk + 3 * m + 2);
-        record_runs(rs, bases, shard_rows, rows, n, m);
-    }
-    rs->nruns = m;
+/* The checks of every run, its shards looked up together (one lock: shmps_specs_of),
+ * before anything is read or written: each shard a dense shard of shard 0's dtype and
+ * row length (SHMPS_E_ARG: one tensor's shards share a spec but nrows; shard 0 a dense
+ * shard), each run's greatest row in range of its shard (SHMPS_E_BOUNDS), run by run. */
+static int check_runs(runs_t *rs, void **bases) {
+    uint64_t m = rs->nruns;
     rs->vb[0] = bases[0];
-    int r = shmps_specs_of(rs->vb, 1 + m, rs->sp) ? SHMPS_E_ARG : SHMPS_OK;
+    if (shmps_specs_of(rs->vb, 1 + m, rs->sp)) return SHMPS_E_ARG;
     const shmps_spec_t *s0 = rs->sp[0];
-    if (r == SHMPS_OK && s0->kind != SHMPS_DENSE) r = SHMPS_E_ARG;
-    for (uint64_t j = 0; j < m && r == SHMPS_OK; j++) {
+    if (s0->kind != SHMPS_DENSE) return SHMPS_E_ARG;
+    for (uint64_t j = 0; j < m; j++) {
         const shmps_spec_t *s = rs->sp[1 + j];
-        uint64_t first = rs->shard[j] * shard_rows;
         if (s->kind != SHMPS_DENSE || s->dtype != s0->dtype || s->row_len != s0->row_len)
-            r = SHMPS_E_ARG;
-        for (uint64_t i = rs->start[j]; i < rs->start[j + 1] && r == SHMPS_OK; i++)
-            if ((uint64_t)rows[i] - first >= s->nrows) r = SHMPS_E_BOUNDS;
+            return SHMPS_E_ARG;
+        if (rs->top[j] >= s->nrows) return SHMPS_E_BOUNDS;
+    }
+    return SHMPS_OK;
+}
+
+/* One pass over rows[0..n) (bases: every shard, shard i holding rows i*shard_rows on):
+ * each row in the tensor's shards, [0, tensor_end) (else SHMPS_E_BOUNDS), and in order
+ * (else SHMPS_UNSORTED, once every row is in range): `ascending`, each row >= the one
+ * before (a push); else each row's shard >= the one before's (a pull).  Rows in order
+ * are recorded in rs as runs, one per shard, with the greatest row of each (a division
+ * a run: the other rows compare, and a division costs tens of cycles); then
+ * check_runs.  On success the caller frees rs (runs_free); on an error it is freed
+ * here.  (Before 2026-11-27 a rows= call went over its rows three times -- range and
+ * order, runs, each row against its shard's nrows -- and a call of more than
+ * RUNS_ON_STACK runs recorded them twice.) */
+static int find_runs(runs_t *rs, void **bases, uint32_t nshards, uint64_t shard_rows,
+                     const int64_t *rows, uint64_t n, int ascending) {
+    rs->start = rs->start_stack, rs->shard = rs->shard_stack, rs->top = rs->top_stack;
+    rs->vb = rs->vb_stack, rs->sp = rs->sp_stack, rs->cap = RUNS_ON_STACK;
+    uint64_t end = tensor_end(nshards, shard_rows);
+    uint64_t j = 0, first = 0; /* run j - 1's shard's first row */
+    int sorted = 1, oom = 0;   /* once either is off, the rows are only checked */
+    for (uint64_t i = 0; i < n;) {
+        int64_t row = rows[i];
+        if (row < 0 || (uint64_t)row >= end) { runs_free(rs); return SHMPS_E_BOUNDS; }
+        if (i && (uint64_t)row < first) sorted = 0; /* a lower shard than the run before */
+        uint64_t a = i, sh = (uint64_t)row / shard_rows, top = (uint64_t)row - sh * shard_rows;
+        first = sh * shard_rows;
+        /* the rest of the run: rows of this shard, so in the tensor's shards (a row
+         * outside them is in no shard of the tensor, so not this one: it ends the run
+         * and is refused above) */
+        for (uint64_t prev = top; ++i < n;) {
+            uint64_t d = (uint64_t)rows[i] - first; /* (wraps for a row below first) */
+            if (d >= shard_rows) break;
+            if (ascending && d < prev) sorted = 0;
+            top = d > top ? d : top;
+            prev = d;
+        }
+        if (!sorted || oom) continue;
+        /* in order, each run is a shard of its own, higher than the last: at most
+         * min(n, nshards) runs */
+        if (j == rs->cap && runs_grow(rs, j, n < nshards ? n : nshards)) { oom = 1; continue; }
+        rs->start[j] = a, rs->shard[j] = sh, rs->top[j] = top, rs->vb[1 + j] = bases[sh];
+        j++;
+    }
+    int r = !sorted ? SHMPS_UNSORTED : oom ? ENOMEM : SHMPS_OK;
+    if (r == SHMPS_OK) {
+        rs->start[j] = n;
+        rs->nruns = j;
+        r = check_runs(rs, bases);
     }
     if (r) runs_free(rs);
     return r;
@@ -359,7 +393,8 @@ static int find_runs(runs_t *rs, void **bases, uint64_t shard_rows, const int64_
 
 /* A push of rows given by their numbers in the tensor, in one call (a few rows cost a
  * dozen calls from Python otherwise): `rows` ascending (repeats allowed, applied in
- * turn), all checked (each in the tensor's shards, then find_runs, the gradient's dtype,
+ * turn), all checked (each in the tensor's shards and in range of its shard, the
+ * shards and the gradient's dtype (find_runs),
  * with `check` no NaN/Inf) before anything changes; rows not ascending return
  * SHMPS_UNSORTED having done nothing, once each is in the tensor's shards (the
  * caller sorts them, stably, and calls again: each stripe is then locked once per push,
@@ -376,15 +411,9 @@ int shmps_dense_push_sorted_rows(void **bases, uint32_t nshards, uint64_t shard_
                                  const void *grad, uint32_t grad_dtype, int check,
                                  int new_step, uint64_t pushes) {
     if (nshards == 0 || shard_rows == 0) return SHMPS_E_ARG;
-    uint64_t end = tensor_end(nshards, shard_rows);
-    int ascending = 1;
-    for (uint64_t i = 0; i < n; i++) {
-        if (rows[i] < 0 || (uint64_t)rows[i] >= end) return SHMPS_E_BOUNDS;
-        if (i && rows[i] < rows[i - 1]) ascending = 0;
-    }
-    if (!ascending) return SHMPS_UNSORTED; /* (the sorted call checks the rest) */
-    runs_t rs; /* ascending: each shard is one run */
-    int r = find_runs(&rs, bases, shard_rows, rows, n);
+    runs_t rs; /* ascending: each shard is one run (SHMPS_UNSORTED: the sorted call
+                * checks the rest) */
+    int r = find_runs(&rs, bases, nshards, shard_rows, rows, n, 1);
     if (r) return r;
     const shmps_spec_t *s0 = rs.sp[0];
     size_t gsz = shmps_grad_size(s0->dtype);
@@ -534,17 +563,12 @@ int shmps_dense_pull_rows(void **bases, uint32_t nshards, uint64_t shard_rows,
                           uint64_t token, const int64_t *rows, const int64_t *pos,
                           uint64_t n, void *out, int consistent) {
     if (nshards == 0 || shard_rows == 0) return SHMPS_E_ARG;
-    uint64_t end = tensor_end(nshards, shard_rows);
-    int runs = 1;   /* shard numbers never decrease */
-    for (uint64_t i = 0, first = 0; i < n; i++) { /* first: row i - 1's shard's first row */
-        if (rows[i] < 0 || (uint64_t)rows[i] >= end) return SHMPS_E_BOUNDS;
-        if (pos && (pos[i] < 0 || (uint64_t)pos[i] >= n)) return SHMPS_E_BOUNDS;
-        if (i && (uint64_t)rows[i] - first < shard_rows) continue; /* the same shard */
-        if ((uint64_t)rows[i] < first) runs = 0;
-        first = (uint64_t)rows[i] / shard_rows * shard_rows;
-    }
+    for (uint64_t i = 0; pos && i < n; i++)
+        if (pos[i] < 0 || (uint64_t)pos[i] >= n) return SHMPS_E_BOUNDS;
+    runs_t rs; /* in shard order: each shard is one run */
+    int r = find_runs(&rs, bases, nshards, shard_rows, rows, n, 0);
     int64_t srows[64], spos[64];
-    if (!runs) {
+    if (r == SHMPS_UNSORTED) { /* every row is in the tensor's shards */
         if (pos) return SHMPS_E_ARG;
         if (n > 64) return SHMPS_UNSORTED;
         /* stable insertion sort of the positions by shard: at most 64 rows */
@@ -559,9 +583,8 @@ int shmps_dense_pull_rows(void **bases, uint32_t nshards, uint64_t shard_rows,
         }
         rows = srows;
         pos = spos;
+        r = find_runs(&rs, bases, nshards, shard_rows, rows, n, 0);
     }
-    runs_t rs; /* in shard order now: each shard is one run */
-    int r = find_runs(&rs, bases, shard_rows, rows, n);
     if (r) return r;
     size_t rb = rs.sp[0]->row_len * rs.sp[0]->itemsize;
     char *o = (char *)out;

@@ -234,6 +234,13 @@ def test_pull_rows_out_of_range_names_the_row_and_writes_nothing(store, bad):
         assert lib.shmps_dense_pull_rows(
             t._shard_bases(), t.nshards, t.shard_rows, native.token(), native.addr(r),
             native.addr(np.array(p, np.int64)), 2, native.addr(out), 1) == lib.SHMPS_E_BOUNDS
+    # the last shard holds rows 192..199 of 192..207: a row past them in a run of that
+    # shard, wherever it is in the run, or among rows C groups by shard itself
+    for bad_rows in ([201, 193], [193, 201, 195], [5, 201, 193], [201, 5], [199, 200, 5]):
+        r = np.array(bad_rows, np.int64)
+        assert lib.shmps_dense_pull_rows(t._shard_bases(), t.nshards, t.shard_rows,
+                                         native.token(), native.addr(r), native.ffi.NULL,
+                                         r.size, native.addr(out), 1) == lib.SHMPS_E_BOUNDS
     many = np.arange(199, 99, -1, dtype=np.int64)            # 100 rows, unordered
     big = np.zeros((100, 3), np.float32)
     assert lib.shmps_dense_pull_rows(t._shard_bases(), t.nshards, t.shard_rows,
@@ -272,7 +279,7 @@ def test_multi_shard_whole_and_rows_across_shards(store, dtype):
 
 def test_rows_across_more_shards_than_one_call_holds_on_the_stack(store):
     """A rows= push or pull whose rows lie in over 64 shards (C allocates their specs
-    then: dense.c run_specs) matches the model, unsorted and repeated rows included;
+    then: dense.c find_runs) matches the model, unsorted and repeated rows included;
     a row past the last shard is refused before anything changes."""
     rng = np.random.default_rng(12)
     t = store.dense("w", shape=(150, 2), dtype="int32", shard_rows=1)
@@ -592,8 +599,12 @@ def test_a_rows_push_over_several_shards_changes_nothing_when_refused(store, opt
     with pytest.raises(shmps.OutOfRange):
         t.push(g, rows=[8, 0, 4, 0, 10])
     lib, native = shmps._native.lib, shmps._native
+    # (the last shard holds row 9 only: 10 and 11 are inside the tensor's shards, past
+    # that shard's rows, which C checks at each run's greatest row)
     for bad_rows, code in (([0, 4, 3], lib.SHMPS_UNSORTED), ([0, 4, 12], lib.SHMPS_E_BOUNDS),
-                           ([-1, 0, 4], lib.SHMPS_E_BOUNDS)):
+                           ([-1, 0, 4], lib.SHMPS_E_BOUNDS), ([0, 4, 10], lib.SHMPS_E_BOUNDS),
+                           ([0, 9, 10], lib.SHMPS_E_BOUNDS), ([9, 9, 11], lib.SHMPS_E_BOUNDS),
+                           ([0, 11, 10], lib.SHMPS_UNSORTED), ([0, 12, 3], lib.SHMPS_E_BOUNDS)):
         r = np.array(bad_rows, np.int64)
         assert lib.shmps_dense_push_sorted_rows(
             t._shard_bases(), t.nshards, t.shard_rows, native.token(), native.addr(r), 3,
