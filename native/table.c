@@ -440,22 +440,28 @@ static int carve(batch_t *b, void *scratch, uint64_t bytes, uint64_t dim) {
     return SHMPS_OK;
 }
 
+/* Hashes keys[0..n) and marks the shards they hash to in b->touched; the hashes go to
+ * hash[0..n) (NULL: not kept).  O(n), sequential. */
+static void hash_mark(batch_t *b, const uint64_t *keys, uint64_t n, uint64_t *hash) {
+    for (uint64_t i = 0; i < n; i++) {
+        uint64_t h = shmps_key_hash(keys[i]);
+        if (hash) hash[i] = h;
+        uint32_t s = shard_of(h, b->nshards);
+        b->touched[s >> 6] |= 1ull << (s & 63);
+    }
+}
+
 /* Hashes every key into the scratch and marks the shards touched.  First in a batch:
  * the shards touched are the ones it views (shard_views), and the scratch is carved
  * once shard 0's view gives the row length, so the hashes go where carve puts them
- * (the scratch's first array), bounds checked here.  O(n), sequential. */
+ * (the scratch's first array), bounds checked here. */
 static int hash_keys(batch_t *b, void *scratch, uint64_t bytes) {
     if (b->nshards == 0 || b->nshards > SHMPS_TABLE_MAX_SHARDS) return SHMPS_E_ARG;
     memset(b->touched, 0, sizeof b->touched);
     if (b->n == 0) return SHMPS_OK;
     if (!scratch || bytes < A64(8 * b->n) + 64) return SHMPS_E_ARG;
     b->hash = (uint64_t *)A64((uintptr_t)scratch);
-    for (uint64_t i = 0; i < b->n; i++) {
-        uint64_t h = shmps_key_hash(b->keys[i]);
-        b->hash[i] = h;
-        uint32_t s = shard_of(h, b->nshards);
-        b->touched[s >> 6] |= 1ull << (s & 63);
-    }
+    hash_mark(b, b->keys, b->n, b->hash);
     return SHMPS_OK;
 }
 
@@ -1181,16 +1187,10 @@ int shmps_table_pull(void **bases, uint32_t nshards, uint64_t token, const uint6
 
 /* ---- lookups without a batch scratch --------------------------------------------- */
 
-/* Marks every shard some key hashes to (bitmap in b), to view and enter them. */
-static int mark_keys(batch_t *b, const uint64_t *keys, uint64_t n) {
-    if (b->nshards == 0 || b->nshards > SHMPS_TABLE_MAX_SHARDS) return SHMPS_E_ARG;
-    memset(b->touched, 0, sizeof b->touched);
-    for (uint64_t i = 0; i < n; i++) {
-        uint32_t s = shard_of(shmps_key_hash(keys[i]), b->nshards);
-        b->touched[s >> 6] |= 1ull << (s & 63);
-    }
-    return SHMPS_OK;
-}
+/* Keys whose hashes a call without a scratch keeps on its stack (4 KiB): contains and
+ * row_stats hash those once (the marking of their shards and the lookups share them),
+ * and hash any more twice. */
+#define HASH_STACK 512
 
 int shmps_table_contains(void **bases, uint32_t nshards, uint64_t token,
                          const uint64_t *keys, uint64_t n, uint8_t *found) {
@@ -1203,12 +1203,17 @@ int shmps_table_row_stats(void **bases, uint32_t nshards, uint64_t token,
     tshard_t ts[SHMPS_TABLE_MAX_SHARDS];
     batch_t b;
     b.bases = bases, b.nshards = nshards, b.token = token;
-    int r = mark_keys(&b, keys, n);
-    if (r || (r = shard_views(bases, nshards, b.touched, ts))) return r;
+    if (nshards == 0 || nshards > SHMPS_TABLE_MAX_SHARDS) return SHMPS_E_ARG;
+    memset(b.touched, 0, sizeof b.touched);
+    uint64_t hs[HASH_STACK], nk = n < HASH_STACK ? n : HASH_STACK; /* kept: keys < nk */
+    hash_mark(&b, keys, nk, hs);
+    hash_mark(&b, keys + nk, n - nk, NULL);
+    int r = shard_views(bases, nshards, b.touched, ts);
+    if (r) return r;
     if (n == 0) return SHMPS_OK;
     if ((r = enter_all(&b, ts))) return r;
     for (uint64_t i = 0; i < n; i++) {
-        uint64_t h = shmps_key_hash(keys[i]);
+        uint64_t h = i < nk ? hs[i] : shmps_key_hash(keys[i]);
         tshard_t *t = &ts[shard_of(h, nshards)];
         int64_t row = find(t, h, keys[i], NULL, NULL);
         if (row == -2) { r = SHMPS_E_CORRUPT; break; }

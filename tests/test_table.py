@@ -209,6 +209,25 @@ def test_len_keys_stats_describe(store):
     assert t.shape == (30, 4)
 
 
+def test_contains_and_row_stats_past_the_keys_hashed_on_the_stack(store):
+    """contains and row_stats keep the hashes of their first 512 keys on the stack
+    (table.c HASH_STACK) and hash the rest again for the lookups: 1500 keys over 8
+    shards, every other one present, each pushed a known number of times, are all
+    answered right, before and after the 512th."""
+    t = store.table("emb", dim=2, capacity=2000, shards=8, optimizer="sum")
+    keys = np.arange(1500, dtype=np.uint64) * np.uint64(7919) + np.uint64(3)
+    present = keys[::2]
+    t.push(present, np.ones((present.size, 2)))
+    t.push(present[present % np.uint64(3) == 0], np.ones((int(np.sum(present % 3 == 0)), 2)))
+    want = np.zeros(keys.size, bool)
+    want[::2] = True
+    assert t.contains(keys).tolist() == want.tolist()
+    st = t.row_stats(keys[::-1])
+    assert st["found"].tolist() == want[::-1].tolist()
+    pushes = np.where(want, 1 + (keys % np.uint64(3) == 0), 0)
+    assert st["pushes"].tolist() == pushes[::-1].tolist()
+
+
 def test_nonblocking_push(store):
     """push(wait=False) returns a handle; waiting applies it."""
     t = store.table("emb", dim=2, capacity=4, optimizer="sum")
