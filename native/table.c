@@ -998,6 +998,31 @@ static inline int update_row(tshard_t *t, uint64_t row, uint64_t slot, uint64_t 
     return r;
 }
 
+/* A push found its outbox full (SHMPS_E_FULL from create_missing, which says in
+ * `shard` which shard is short of rows, UINT64_MAX for the table as a whole), of keys
+ * kept from earlier drains maybe: those a drain of their shard removes once it scans
+ * ("Outbox drains"), and a shard holding kept keys and nothing listed is not even
+ * frozen by its drain unless asked.  So ask for a scan (ob_rescan: relaxed, a hint; the
+ * bridge finds the shards busy, shmps_outbox_busy) every shard whose keys stand in
+ * the way: the shard that is full, or, the table full, every shard (each one's kept
+ * keys count against the table's capacity: this push's keys may hash to none of
+ * them).  Only through views (the shards the push viewed: the full shard's keys are
+ * among them; for every shard, viewed here, on this failure path only: a base is
+ * written through only once its private spec says it is a shard of this table).  If
+ * some shard cannot be viewed, the shards the push viewed are asked, the rest not. */
+static void ask_rescan(void **bases, uint32_t nshards, tshard_t *ts, const batch_t *b,
+                       uint64_t shard) {
+    if (shard < nshards) { /* (its keys hash there: viewed) */
+        if (touched(b, (uint32_t)shard)) STORE(&ts[shard].h->ob_rescan, 1, RELAXED);
+        return;
+    }
+    /* the views of every shard; those of the shards the push viewed are left as they
+     * were (the same words again, or, on a failure part way, untouched) */
+    int all = shard_views(bases, nshards, NULL, ts) == SHMPS_OK;
+    for (uint32_t s = 0; s < nshards; s++)
+        if (all || s == 0 || touched(b, s)) STORE(&ts[s].h->ob_rescan, 1, RELAXED);
+}
+
 static int table_push(void **bases, uint32_t nshards, uint64_t token, const uint64_t *keys,
                       uint64_t n, const void *grad, uint32_t grad_dtype, int check,
                       void *scratch, uint64_t scratch_bytes, uint64_t *info,
@@ -1006,6 +1031,7 @@ static int table_push(void **bases, uint32_t nshards, uint64_t token, const uint
     if (n > SHMPS_TABLE_MAX_BATCH) return SHMPS_E_ARG;
     batch_t b;
     b.bases = bases, b.nshards = nshards, b.token = token, b.n = n, b.keys = keys;
+    uint64_t own[4], *full = info ? info : own; /* SHMPS_E_FULL: which shard (ask_rescan) */
     int r = hash_keys(&b, scratch, scratch_bytes);
     if (r || (r = shard_views(bases, nshards, b.touched, ts))) return r;
     const shmps_spec_t *s0 = ts[0].s;
@@ -1028,17 +1054,10 @@ static int table_push(void **bases, uint32_t nshards, uint64_t token, const uint
     } else if (missing > 0) {
         /* relaxed: the creation step only orders idle-eviction, a heuristic */
         uint64_t now = LOAD(&ts[0].h->step, RELAXED);
-        r = create_missing(&b, ts, now, info);
+        r = create_missing(&b, ts, now, full);
     }
     if (r) { /* nothing changed: not even the step count */
-        if (r == SHMPS_E_FULL && outbox)
-            /* an outbox full of keys kept from earlier drains, maybe: each shard's next
-             * drain removes them ("Outbox drains"); relaxed, a hint (the bridge finds the
-             * shards busy: shmps_outbox_busy) */
-            /* (shards this call did not view too: the caller's mapped shards, whose
-             * header, always mapped, is all this writes) */
-            for (uint32_t s = 0; s < nshards; s++)
-                if (bases[s]) STORE(&hdr_of(bases[s])->ob_rescan, 1, RELAXED);
+        if (r == SHMPS_E_FULL && outbox) ask_rescan(bases, nshards, ts, &b, full[3]);
         leave_all(&b, ts, nshards);
         return r;
     }
@@ -1431,9 +1450,9 @@ int shmps_table_evict(void **bases, uint32_t nshards, uint32_t shard, uint64_t t
  * half way, which makes a cycle), looks at every row and removes them all instead, as
  * before 2026-11-27 (the scan below); so does a drain of a shard, or of an outbox, whose
  * keys fill over a quarter of it, which keeps room for new keys.  A push that finds the
- * outbox full, and a delete, an evict or a write of row steps in it, ask every shard, or
- * the shard, for a scan too (a row removed and created again without a push would cut
- * the list).  A drain killed while taking listed rows leaves them zeroed with a count of
+ * outbox full asks the full shard, or, the table full, every shard for a scan
+ * (ask_rescan); a delete, an evict or a write of row steps in it asks the shard (a row
+ * removed and created again without a push would cut the list).  A drain killed while taking listed rows leaves them zeroed with a count of
  * 0 (values first), and the list in place: the next drain skips them.  Returns
  * DRAIN_SCAN for the scan (also for a row whose key the index does not find there: the
  * scan meets it and fails as it always did), else SHMPS_OK with *n rows taken.  Frozen

@@ -355,8 +355,9 @@ class TableOutbox(Table):
             finally:
                 _count_forwarded(self)
             # Full, with room for the new keys were the keys that drains keep gone: the
-            # push (which changed nothing) asked every shard's next drain to remove them
-            # (native/table.c "Outbox drains"), and the bridge, woken by the count, drains
+            # push (which changed nothing) asked the next drain of the full shard (the
+            # table full: of every shard) to remove them (native/table.c "Outbox drains",
+            # ask_rescan), and the bridge, woken by the count, drains
             # within a flush interval: try again, for FULL_RETRY_S at most
             if code != lib.SHMPS_E_FULL or int(info[0]) > int(info[2]):
                 break

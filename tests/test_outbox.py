@@ -875,6 +875,39 @@ def test_keys_a_drain_keeps_never_keep_new_keys_out(store):
     store.flush(timeout=1)
 
 
+def test_a_push_into_a_full_outbox_asks_the_shards_in_its_way_for_a_scan(store):
+    """A forwarded table push refused for want of room asks for a scan (ob_rescan) the
+    shards whose kept keys stand in its way (native/table.c ask_rescan): a shard full of
+    its own keys, that shard alone (its keys are the push's, so it viewed it); the
+    table full, every shard, those the push's keys do not hash to too."""
+    t = store.table("e", dim=2, capacity=400, shards=4)
+    store._set_forwarding(True)
+    ob = t._outbox()
+    rows = ob._shards[1].spec["nrows"]                 # 196 rows a shard, of 400 keys
+    cand = np.arange(1, 20_000, dtype=np.uint64)
+    home = t._key_shard(cand)
+    by = [cand[home == s] for s in range(4)]
+    paths = [os.path.join(SHM, ob._shard(s).seg.name.lstrip("/")) for s in range(4)]
+
+    def rescan() -> list:
+        return [peek(p, OB_RESCAN_OFF, "<Q")[0] for p in paths]
+
+    t.push(by[1][:rows], np.ones((rows, 2)))           # shard 1 full, the table not
+    assert rescan() == [0, 0, 0, 0]
+    with pytest.raises(shmps.CapacityError, match="shard 1"):
+        t.push(by[1][rows:rows + 1], np.ones((1, 2)))
+    assert rescan() == [0, 1, 0, 0]
+    n = (400 - rows) // 3 + 1                          # the rest of the table, over 0, 2, 3
+    fill = np.concatenate([by[0][:n], by[2][:n], by[3][:400 - rows - 2 * n]])
+    t.push(fill, np.ones((fill.size, 2)))
+    assert len(ob) == 400
+    for p in paths:
+        poke(p, OB_RESCAN_OFF, "<Q", 0)
+    with pytest.raises(shmps.CapacityError, match="is full"):
+        t.push(by[2][n:n + 1], np.ones((1, 2)))        # a key of shard 2 only
+    assert rescan() == [1, 1, 1, 1]
+
+
 def test_a_delete_in_an_outbox_makes_the_next_drain_scan(store):
     """A key deleted from the outbox by hand frees its row; created again without a
     push (pull(create=True)), the row's link would end the list early and the rows
