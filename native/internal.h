@@ -171,6 +171,10 @@ static inline char *at(void *base, uint64_t off) { return (char *)base + off; }
 /* stripe locks (sync.c) */
 int shmps_stripe_trylock(shmps_stripe_t *s, uint64_t token);
 int shmps_stripe_lock(shmps_stripe_t *s, uint64_t token, double timeout_s, uint64_t *takeovers);
+/* shmps_stripe_lock that says, when it took the lock over (SHMPS_RECOVERED), whose it
+ * was: *was, the dead holder's token */
+int shmps_stripe_lock_was(shmps_stripe_t *s, uint64_t token, double timeout_s,
+                          uint64_t *takeovers, uint64_t *was);
 void shmps_stripe_write_begin(shmps_stripe_t *s);
 void shmps_stripe_write_end(shmps_stripe_t *s);
 void shmps_stripe_unlock(shmps_stripe_t *s);

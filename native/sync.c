@@ -25,6 +25,12 @@ int shmps_stripe_trylock(shmps_stripe_t *s, uint64_t token) {
 
 int shmps_stripe_lock(shmps_stripe_t *s, uint64_t token, double timeout_s,
                       uint64_t *takeovers) {
+    uint64_t was;
+    return shmps_stripe_lock_was(s, token, timeout_s, takeovers, &was);
+}
+
+int shmps_stripe_lock_was(shmps_stripe_t *s, uint64_t token, double timeout_s,
+                          uint64_t *takeovers, uint64_t *was) {
     shmps_wait_t w;
     shmps_wait_init(&w, timeout_s);
     for (;;) {
@@ -41,6 +47,7 @@ int shmps_stripe_lock(shmps_stripe_t *s, uint64_t token, double timeout_s,
              * repair in write_begin accounts for. */
             if (CAS(&s->owner, &cur, token, ACQUIRE, RELAXED)) {
                 if (takeovers) FETCH_ADD(takeovers, 1, RELAXED);
+                *was = cur;
                 return SHMPS_RECOVERED;
             }
         } else if (r < 0) {

@@ -671,19 +671,17 @@ static int shard_sound(const tshard_t *t, const uint64_t *bits, uint64_t hwm, ui
            LOAD(&t->ctl->tombstones, RELAXED) == tombs;
 }
 
-/* Rebuilds every shard's bookkeeping from its index; creation lock held after taking
- * it over from a dead holder.  Concurrent lock-free lookups only ever see CLAIM slots
- * turn into TOMB and missing keys become READY, both of which they handle; pushers
- * only touch READY slots' seq bits, which repair leaves alone.  Readers of the link
+/* Rebuilds every shard's bookkeeping from its index (ts: a view of every shard);
+ * creation lock held after taking it over from a dead holder.  Concurrent lock-free
+ * lookups only ever see CLAIM slots turn into TOMB and missing keys become READY, both
+ * of which they handle; pushers only touch READY slots' seq bits, which repair leaves
+ * alone.  Readers of the link
  * words that do not take the creation lock (shmps_table_keys, read_rows(keys=NULL),
  * a drain's list, a checkpoint's raw copy of the links) run meanwhile too: a live row's
  * link is never changed (the rows READY slots reference are marked in private memory,
  * seen_set), and a shard whose bookkeeping already agrees with its index is not
  * written at all (shard_sound). */
-static int table_repair(void **bases, tshard_t *ts, uint32_t nshards, uint64_t token) {
-    /* the caller viewed the shards it touches: the repair needs them all */
-    int vr = shard_views(bases, nshards, NULL, ts);
-    if (vr) return vr;
+static int table_repair(tshard_t *ts, uint32_t nshards, uint64_t token) {
     uint64_t total = 0, maxrows = 0;
     for (uint32_t s = 0; s < nshards; s++)
         if (ts[s].nrows > maxrows) maxrows = ts[s].nrows;
@@ -765,16 +763,36 @@ static int table_repair(void **bases, tshard_t *ts, uint32_t nshards, uint64_t t
 }
 
 /* Takes the creation lock; taken over from a dead holder, repairs the table first.
- * bases: every shard (ts may hold only some views: shard_views). */
+ * bases: every shard (ts may hold only some views: shard_views).
+ *
+ * The repair needs a view of every shard.  If this caller cannot view them all (a
+ * shard it has not mapped, whose spec it does not hold, or whose control block does
+ * not belong to the table: SHMPS_E_ARG, SHMPS_E_CORRUPT), it repaired nothing, so it
+ * hands the lock back to the dead holder (its token again, release: the next taker's
+ * acquire CAS pairs with it) and returns the error: the next taker takes it over as
+ * from any dead holder and repairs, the dead creator's claimed slots and rows with it.
+ * (Released clean, as before 2026-11-27, the lock was free and nothing repaired them:
+ * a claimed slot stayed CLAIM, a row taken stayed out of the free list and counts,
+ * until another creator died in the lock.)  A repair that fails once it has started
+ * (a corrupt index or row: SHMPS_E_CORRUPT) releases the lock clean, as before: every
+ * process would meet the same corruption, so a lock handed back would fail every later
+ * creation, delete, evict and outbox scan with it, one repair pass each; table.check()
+ * reports it. */
 static int create_lock_within(void **bases, tshard_t *ts, uint32_t nshards, uint64_t token,
                               double timeout_s) {
-    int r = shmps_stripe_lock(&ts[0].ctl->create, token, timeout_s,
-                              &ts[0].h->stats.takeovers);
+    shmps_stripe_t *lk = &ts[0].ctl->create;
+    uint64_t dead = 0;
+    int r = shmps_stripe_lock_was(lk, token, timeout_s, &ts[0].h->stats.takeovers, &dead);
     if (r < 0) return r;
     if (r == SHMPS_RECOVERED) {
-        int rr = table_repair(bases, ts, nshards, token);
-        if (rr < 0) {
-            shmps_stripe_unlock(&ts[0].ctl->create);
+        /* the caller viewed the shards it touches: the repair needs them all */
+        int rr = shard_views(bases, nshards, NULL, ts);
+        if (rr) {
+            STORE(&lk->owner, dead, RELEASE);
+            return rr;
+        }
+        if ((rr = table_repair(ts, nshards, token)) < 0) {
+            shmps_stripe_unlock(lk);
             return rr;
         }
     }

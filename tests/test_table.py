@@ -757,6 +757,38 @@ def test_repair_by_a_call_on_one_shard_repairs_every_shard(store, dead):
     t.check()                             # no claim left, shard 3's row free again
 
 
+def test_a_repair_that_cannot_view_every_shard_leaves_the_lock_to_the_next_taker(store, dead):
+    """A batch that takes the creation lock over from a dead creator views every shard
+    before it repairs.  If it cannot (here shard 2's control block does not belong to
+    the table: its magic overwritten), it repaired nothing: it raises, and hands the
+    lock back to the dead creator, so that the next taker, once every shard can be
+    viewed again, repairs: the dead creator's claim in shard 3 becomes a tombstone and
+    its row is free again (released clean, as before, nothing repaired them)."""
+    t = store.table("emb", dim=2, capacity=64, optimizer="sum", shards=4)
+    t.push(np.arange(20, dtype=np.uint64), np.ones((20, 2)))
+    sp = t._shards[3].spec
+    slots3 = t._shards[3].seg.array(np.uint64, sp["index_off"], 2 * sp["nslots"]).reshape(-1, 2)
+    empty = int(np.flatnonzero(slots3[:, 1] == 0)[0])
+    slots3[empty] = [np.uint64(10**6), np.uint64((1 << 63) | (dead & ((1 << 62) - 1)))]
+    _ctl(t, 3)[11] += np.uint64(1)        # shard 3: a claim and a row taken, then death
+    _ctl(t, 0)[8] = np.uint64(dead)       # the creation lock's owner (shard 0, offset 64)
+    magic2 = int(_ctl(t, 2)[0])
+    _ctl(t, 2)[0] = np.uint64(0)          # shard 2 cannot be viewed
+    new = [k for k in range(10**6 + 1, 10**6 + 999)
+           if shmps.table.key_shards([k], 4)[0] == 0][:3]
+    repairs0 = _repairs(t)
+    with pytest.raises(shmps.CorruptSegment):
+        t.pull(new)                       # new keys of shard 0 only: take the lock over
+    assert _repairs(t) == repairs0 and int(slots3[empty, 1]) >> 62 == 2   # still CLAIM
+    assert int(_ctl(t, 0)[8]) == dead     # the lock is the dead creator's again
+    _ctl(t, 2)[0] = np.uint64(magic2)
+    t.pull(new)                           # takes it over again, and repairs
+    assert _repairs(t) == repairs0 + 1
+    assert int(slots3[empty, 1]) >> 62 == 3   # the claim is a tombstone
+    assert len(t) == 23 and int(_ctl(t, 0)[8]) == 0
+    t.check()                             # no claim left, shard 3's row free again
+
+
 def test_repair_leaves_a_sound_shard_unwritten(store, dead):
     """The repair after a creator died holding the creation lock writes nothing in a
     shard whose bookkeeping agrees with its index (its links, free list in delete
