@@ -13,6 +13,7 @@ Uses only the standard library's ``urllib``: the tool does not need aiohttp.
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import urllib.error
 import urllib.request
@@ -28,21 +29,43 @@ CLIENT_ID = "operator"
 
 def _url(target: str, path: str) -> str:
     from .bridge.members import parse_address
-    host, port = parse_address(target)
-    return f"http://{host if ':' not in host else '[' + host + ']'}:{port}{path}"
+    host, port = parse_address(target)     # (an IPv6 host comes in its brackets)
+    return f"http://{host}:{port}{path}"
+
+
+#: no proxy: the bridges reach each other directly, and so does the tool (a proxy from
+#: the environment would answer for the bridge, and its errors be blamed on it)
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+#: the longest --timeout (a day): larger ones overflow the socket's timeout
+MAX_TIMEOUT_S = 86400.0
+
+
+def _timeout(text: str) -> float:
+    try:
+        t = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < t <= MAX_TIMEOUT_S:
+        raise argparse.ArgumentTypeError(f"{text} must be > 0 and <= {MAX_TIMEOUT_S:g} s")
+    return t
 
 
 def _request(target: str, method: str, path: str, body: Optional[bytes],
              headers: dict[str, str], timeout: float) -> tuple[int, Any, bytes]:
     """(status, headers, body) of one request to the bridge at ``target``; a bridge
-    that cannot be reached is an :class:`Error` that says what to check."""
+    that cannot be reached, or an answer that is not HTTP, is an :class:`Error` that
+    says what to check."""
     req = urllib.request.Request(_url(target, path), data=body, method=method,
                                  headers={"Content-Type": "application/json", **headers})
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
+        with _OPENER.open(req, timeout=timeout) as r:
             return r.status, r.headers, r.read(MAX_ANSWER_BYTES)
     except urllib.error.HTTPError as e:
         return e.code, e.headers, e.read(MAX_ANSWER_BYTES)
+    except http.client.HTTPException as e:   # not an HTTP server: another port
+        raise Error(f"{target} did not answer {method} {path} as an HTTP server "
+                    f"({type(e).__name__}: {e})", hint="is it shmps-bridge's --listen "
+                    "address, as hosts.txt lists it?") from None
     except (TimeoutError, OSError) as e:
         reason = getattr(e, "reason", e)
         if isinstance(reason, TimeoutError) or "timed out" in str(reason):
@@ -62,11 +85,25 @@ def _error_of(body: bytes) -> str:
         return body[:200].decode("utf-8", "replace")
 
 
+def _json_object(target: str, what: str, body: bytes, keys: tuple) -> dict:
+    """The answer ``body`` as a JSON object holding ``keys``, else an Error: it is not
+    a bridge's answer."""
+    try:
+        answer = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        answer = None
+    if not isinstance(answer, dict) or not all(k in answer for k in keys):
+        raise Error(f"the answer of {target} to {what} is not a bridge's ({body[:80]!r})",
+                    hint="is it shmps-bridge's --listen address, as hosts.txt lists it?")
+    return answer
+
+
 def _print_health(target: str, health: dict) -> None:
     print(f"bridge {target}: epoch {health.get('epoch')}, "
           f"{'has' if health.get('quorum') else 'lacks'} a majority "
           f"({'owns shards' if health.get('acting') else 'owns no shards'})")
-    for m in health.get("members", []):
+    for m in health["members"]:
+        m = m if isinstance(m, dict) else {}
         mark = "  (this bridge)" if m.get("address") == health.get("address") else ""
         print(f"  {m.get('address', '?'):<40} {m.get('state', '?')}{mark}")
 
@@ -75,21 +112,24 @@ def cmd_members(args: argparse.Namespace) -> int:
     from .bridge import auth   # (here: the other verbs start without the bridge's modules)
     from .bridge.members import normalize_address
     target = normalize_address(args.bridge)
-    if not args.timeout > 0:
-        raise InvalidArgument(f"--timeout {args.timeout} must be > 0")
     if not args.add and not args.remove:
         status, _, body = _request(target, "GET", "/health", None, {}, args.timeout)
         if status != 200:
             raise Error(f"the bridge at {target} answered GET /health with {status}: "
                         f"{_error_of(body)}", hint="see its log")
-        health = json.loads(body)
+        health = _json_object(target, "GET /health", body, ("members",))
+        if not isinstance(health["members"], list):
+            raise Error(f"the answer of {target} to GET /health is not a bridge's (its "
+                        "members are not a list)", hint="is it shmps-bridge's --listen "
+                        "address, as hosts.txt lists it?")
         if args.json:
-            print(json.dumps({"epoch": health.get("epoch"), "members": health.get("members")}))
+            print(json.dumps({"epoch": health.get("epoch"), "members": health["members"]}))
         else:
             _print_health(target, health)
         return 0
     secret = auth.load_secret(args.secret_file) if args.secret_file else None
-    change = {k: [normalize_address(a) for a in v]
+    # (each address once: "--add X --add X" is one change, not "listed twice")
+    change = {k: list(dict.fromkeys(normalize_address(a) for a in v))
               for k, v in (("add", args.add), ("remove", args.remove)) if v}
     body = json.dumps(change).encode()
     signed = auth.sign_request(secret, "POST", "/v1/members", body, CLIENT_ID, target=target)
@@ -97,23 +137,34 @@ def cmd_members(args: argparse.Namespace) -> int:
                                        args.timeout)
     if status == 401:
         raise auth.AuthError(
-            f"the bridge at {target} refused the request's signature",
+            f"the bridge at {target} refused the request's signature: {_error_of(answer)}",
             hint=("pass --secret-file with the secret the bridges run with"
                   if secret is None else "check that --secret-file holds the secret the "
-                  "bridges run with") + "; the bridge's log says what failed")
+                  "bridges run with") + ", and that HOST:PORT is spelled as in hosts.txt "
+                  "(the signature names it); the bridge's log says what failed")
+    if status in (200, 400):
+        # what the answer says counts only if that bridge said it (any process on the
+        # address could answer, and one passing the request on could say "refused")
+        try:
+            auth.check_response(secret, signed, target, status, headers, answer)
+        except auth.AuthError as e:
+            raise auth.AuthError(
+                f"the answer from {target} ({status}) is not signed by a bridge holding "
+                f"this secret ({e.message}): the change may or may not have been applied",
+                hint=f"check which process listens on {target}, then look at the members "
+                     f"with `shmps-tool members {target}`") from None
     if status == 400:
         raise InvalidArgument(f"the bridge at {target} refused the change: "
                               f"{_error_of(answer)}", hint="nothing was changed")
     if status != 200:
         raise Error(f"the bridge at {target} answered POST /v1/members with {status}: "
                     f"{_error_of(answer)}", hint="see its log; nothing may have changed")
-    auth.check_response(secret, signed, target, status, headers, answer)
-    result = json.loads(answer)
+    result = _json_object(target, "POST /v1/members", answer, ("members", "epoch"))
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"members now: {', '.join(result['members'])} (epoch {result['epoch']} at "
-              f"{target}, which sends the change on to every member)")
+        print(f"members now: {', '.join(map(str, result['members']))} (epoch "
+              f"{result['epoch']} at {target}, which sends the change on to every member)")
     return 0
 
 
@@ -137,7 +188,7 @@ def register(sub: Any) -> None:
                         "over and its bridge exits")
     p.add_argument("--secret-file", metavar="F",
                    help="the cluster's shared secret (the bridges' --secret-file)")
-    p.add_argument("--timeout", type=float, default=10.0,
+    p.add_argument("--timeout", type=_timeout, default=10.0,
                    help="seconds to wait for the bridge's answer (default 10)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_members)

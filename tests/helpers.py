@@ -254,7 +254,11 @@ def holding_the_removal(store: Any) -> Iterator[int]:
         if store._manifest is not None:
             store._manifest.array(np.uint64, 400, 1)[0] = 0
         p.stdin.close()
-        p.wait(timeout=30)
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:   # (stuck: not left behind)
+            p.kill()
+            p.wait()
 
 
 def times_out_for_the_removal_holder(store: Any, action: Callable[[], Any], waited: float,

@@ -15,6 +15,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -127,6 +128,42 @@ def push_spec(rounds: int, sleep: float = 0.0, flush: bool = True) -> dict:
     return {"create": {"dense": DENSE, "table": TABLE, "csr": CSR}, "keys": KEYS,
             "pushes": rounds,
             "sleep": sleep, "flush": flush, "flush_timeout": 60.0}
+
+
+def _ipv6_loopback_port() -> Optional[int]:
+    """A free port on ::1, or None where the machine has no IPv6 loopback."""
+    import socket
+    try:
+        with socket.socket(socket.AF_INET6) as sk:
+            sk.bind(("::1", 0))
+            return int(sk.getsockname()[1])
+    except OSError:
+        return None
+
+
+def test_bridges_on_ipv6_addresses_forward_and_replicate(make_cluster, tmp_path):
+    """hosts.txt takes IPv6 members ("[::1]:7070"): the bridges listen, dial each other
+    and ask each other (catalog, member changes) on them, and 2 hosts pushing +1 reach
+    the exact totals on both.  (They did not: the address's host went to the sockets and
+    URLs in its brackets, "[[::1]]", and no bridge could reach another.)"""
+    ports = [_ipv6_loopback_port(), _ipv6_loopback_port()]
+    if None in ports:
+        pytest.skip("this machine has no IPv6 loopback (::1)")
+    c = make_cluster(2)
+    c.addrs = [f"[::1]:{p}" for p in ports]
+    c.members = list(c.addrs)
+    c.write_hosts()
+    c.start_all()
+    create_everywhere(c, [0, 1])
+    procs = [c.worker(i, push_spec(10)) for i in range(2)]
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err.decode() + c.describe()
+    wait_totals(c, [0, 1], 2 * 10)
+    r = _tool("members", c.addrs[1], "--json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert {m["address"]: m["state"] for m in json.loads(r.stdout)["members"]} == {
+        a: "alive" for a in c.addrs}
 
 
 def test_three_hosts_exact_totals(make_cluster):
@@ -1585,25 +1622,25 @@ def test_bridge_cli_refuses_bad_setups(tmp_path):
     hosts = tmp_path / "hosts.txt"
     hosts.write_text("10.1.2.3:7070\n127.0.0.1:7071\n")
     env = dict(os.environ)
-    r = subprocess.run(["shmps-bridge" if shutil.which("shmps-bridge") else "python", *(
+    r = subprocess.run(["shmps-bridge" if shutil.which("shmps-bridge") else sys.executable, *(
         [] if shutil.which("shmps-bridge") else ["-m", "shmps.bridge.cli"]), "--peers",
         str(hosts), "--store", "m", "--listen", "10.1.2.3:7070"], capture_output=True,
         text=True, timeout=30, env=env)
     assert r.returncode == 2
     assert "without --secret-file" in r.stderr and "Traceback" not in r.stderr
-    r = subprocess.run(["python", "-m", "shmps.bridge.cli", "--peers", str(hosts), "--store",
+    r = subprocess.run([sys.executable, "-m", "shmps.bridge.cli", "--peers", str(hosts), "--store",
                         "m", "--listen", "127.0.0.1:9999"], capture_output=True, text=True,
                        timeout=30)
     assert r.returncode == 2 and "not listed" in r.stderr, r.stderr
     bad = tmp_path / "bad.txt"
     bad.write_text("127.0.0.1:+80\n")
-    r = subprocess.run(["python", "-m", "shmps.bridge.cli", "--peers", str(bad), "--store", "m",
+    r = subprocess.run([sys.executable, "-m", "shmps.bridge.cli", "--peers", str(bad), "--store", "m",
                         "--listen", "127.0.0.1:80"], capture_output=True, text=True, timeout=30)
     assert r.returncode == 2 and "line 1" in r.stderr, r.stderr
     sec = tmp_path / "secret"
     sec.write_text("s" * 32)
     os.chmod(sec, 0o644)
-    r = subprocess.run(["python", "-m", "shmps.bridge.cli", "--peers", str(hosts), "--store",
+    r = subprocess.run([sys.executable, "-m", "shmps.bridge.cli", "--peers", str(hosts), "--store",
                         "m", "--listen", "10.1.2.3:7070", "--secret-file", str(sec)],
                        capture_output=True, text=True, timeout=30)
     assert r.returncode == 2 and "chmod 600" in r.stderr, r.stderr
@@ -1616,7 +1653,7 @@ def test_bridge_cli_refuses_bad_setups(tmp_path):
                        (["--dead-after", "0"], "argument --dead-after: 0 must be a finite"),
                        (["--listen", "nonsense"], "'nonsense' is not host:port")):
         argv = ["--peers", str(hosts), "--store", "m", "--listen", "127.0.0.1:7071", *args]
-        r = subprocess.run(["python", "-m", "shmps.bridge.cli", *argv], capture_output=True,
+        r = subprocess.run([sys.executable, "-m", "shmps.bridge.cli", *argv], capture_output=True,
                            text=True, timeout=30, env=child_env(), cwd=tmp_path)
         assert r.returncode == 2, (args, r.stderr)
         assert r.stderr.startswith(f"shmps-bridge: {said}"), (args, r.stderr)
@@ -1986,11 +2023,14 @@ def test_shmps_tool_members_shows_and_changes_the_member_list(make_cluster, tmp_
         assert "docstring" not in r.stderr and r.stderr.count("\n") == 1, r.stderr
     assert members(0) == members(1) == sorted(c.addrs)
 
-    r = _tool("members", a0, "--add", new, *sec, cwd=tmp_path)
+    r = _tool("members", a0, "--add", new, "--add", new, *sec, cwd=tmp_path)   # (once)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith(f"members now: {', '.join(sorted(c.addrs + [new]))} "), r.stdout
     c.wait(lambda: members(0) == members(1) == sorted(c.addrs + [new]), 10,
            "both bridges list the added host")
+    # (a new member is "joining" until --dead-after has passed without a word from it)
+    c.wait(lambda: {m["address"]: m["state"] for m in c.health(1)["members"]}[new] == "dead",
+           10, "the added host, where nobody listens, to be dead")
     r = _tool("members", c.addrs[1], cwd=tmp_path)
     assert f"{new} " in r.stdout and "dead" in r.stdout.split(new)[1].splitlines()[0], r.stdout
     r = _tool("members", c.addrs[1], "--remove", new, "--json", *sec, cwd=tmp_path)
@@ -2016,15 +2056,61 @@ def test_shmps_tool_members_shows_and_changes_the_member_list(make_cluster, tmp_
         def log_message(self, *a: object) -> None:
             pass
 
+    class Refuser(Impostor):   # passes the request on (say) and says "nothing changed"
+        def do_POST(self) -> None:  # noqa: N802 (the stdlib's name)
+            self.rfile.read(int(self.headers["Content-Length"]))
+            body = json.dumps({"error": "bad request: not members"}).encode()
+            self.send_response(400)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
+            body = b"<html>not a bridge</html>"
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
     host, port = new.rsplit(":", 1)
-    srv = http.server.HTTPServer((host, int(port)), Impostor)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    try:
-        r = _tool("members", new, "--remove", a0, *sec, cwd=tmp_path)
-    finally:
-        srv.shutdown()
-        srv.server_close()
-    assert r.returncode == 2 and "unauthenticated" in r.stderr and "99" not in r.stdout, r
+    said = {}
+    for handler in (Impostor, Refuser):
+        srv = http.server.HTTPServer((host, int(port)), handler)
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        try:
+            said[handler] = _tool("members", new, "--remove", a0, *sec, cwd=tmp_path)
+            if handler is Refuser:
+                said["get"] = _tool("members", new, cwd=tmp_path)
+        finally:
+            srv.shutdown()
+            srv.server_close()
+    for handler, status in ((Impostor, 200), (Refuser, 400)):
+        r = said[handler]
+        assert r.returncode == 2 and r.stdout == "", r
+        assert r.stderr.startswith(f"shmps-tool: error: the answer from {new} ({status}) is "
+                                   "not signed by a bridge holding this secret"), r.stderr
+        assert "may or may not have been applied" in r.stderr, r.stderr
+    r = said["get"]
+    assert r.returncode == 2 and "is not a bridge's" in r.stderr, r.stderr
+    # something that does not speak HTTP on the port; and timeouts a socket cannot take
+    import socket
+    with socket.socket() as banner:
+        banner.bind((host, 0))
+        banner.listen(1)
+
+        def greet() -> None:
+            conn, _ = banner.accept()
+            with conn:
+                conn.sendall(b"SSH-2.0-OpenSSH_9.0\r\n")
+                conn.recv(4096)
+        threading.Thread(target=greet, daemon=True).start()
+        other = f"{host}:{banner.getsockname()[1]}"
+        r = _tool("members", other, cwd=tmp_path)
+    assert r.returncode == 2 and f"{other} did not answer GET /health as an HTTP server" \
+        in r.stderr, r.stderr
+    for t in ("inf", "1e300", "0", "nan"):
+        r = _tool("members", a0, "--timeout", t, cwd=tmp_path)
+        assert r.returncode == 2 and "argument --timeout" in r.stderr, (t, r.stderr)
 
 
 def test_a_peer_missing_from_this_hosts_list_is_refused_with_a_useful_line(make_cluster):

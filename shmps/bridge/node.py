@@ -466,7 +466,8 @@ class Link:
         return c.send(data) if c is not None else False
 
     async def _run(self) -> None:
-        host, port = parse_address(self.addr)
+        # (the socket's host has no brackets: "[::1]:7070" dials ::1)
+        host, port = address_host(self.addr), parse_address(self.addr)[1]
         while True:
             stream: Optional[wsstream.WsStream] = None
             try:
@@ -804,7 +805,8 @@ class Bridge:
         # the free space (segment.check_room)
         self.store.reserve_memory = False
         await self._lock_store()
-        host, port = parse_address(self.addr)
+        # (the socket's host has no brackets: "[::1]:7070" binds ::1)
+        host, port = address_host(self.addr), parse_address(self.addr)[1]
         self._site = web.TCPSite(self.runner, host, port, reuse_address=True)
         try:
             await self._site.start()
@@ -3715,8 +3717,8 @@ class Bridge:
         import aiohttp
         signed = auth.sign_request(self.cfg.secret, method, path, body, self.addr,
                                    target=peer)
-        host, port = parse_address(peer)
-        url = f"http://{host if ':' not in host else '[' + host + ']'}:{port}{path}"
+        host, port = parse_address(peer)     # (an IPv6 host comes in its brackets)
+        url = f"http://{host}:{port}{path}"
         async with self.session.request(method, url, data=body or None,
                                         headers={**signed, **(headers or {})},
                                         timeout=aiohttp.ClientTimeout(total=timeout)) as r:
@@ -3924,8 +3926,9 @@ class Bridge:
                 v = req.get(k, [])
                 if not isinstance(v, list) or not all(isinstance(a, str) for a in v):
                     raise InvalidArgument(f"{k!r} is not a list of strings; {shape}")
-            add = [normalize_address(a) for a in req.get("add", [])]
-            remove = [normalize_address(a) for a in req.get("remove", [])]
+            # (each once: an address given twice is one change, not "listed twice")
+            add = list(dict.fromkeys(normalize_address(a) for a in req.get("add", [])))
+            remove = list(dict.fromkeys(normalize_address(a) for a in req.get("remove", [])))
             strangers = [a for a in remove if a not in self.members.configured]
             if strangers and not req.get("forwarded"):
                 raise InvalidArgument(f"not members, nothing to remove: {strangers} (the "
