@@ -136,12 +136,19 @@ def cmd_members(args: argparse.Namespace) -> int:
     status, headers, answer = _request(target, "POST", "/v1/members", body, signed,
                                        args.timeout)
     if status == 401:
+        try:    # (the bridge says its own address: the one its signatures must name)
+            its = json.loads(answer).get("address")
+        except (ValueError, AttributeError, UnicodeDecodeError):
+            its = None
+        if isinstance(its, str) and its != target:
+            raise auth.AuthError(f"the bridge at {target} refused the request's signature: "
+                                 f"it is {its} in hosts.txt, and a signature names the "
+                                 "address", hint=f"ask it as `shmps-tool members {its} ...`")
         raise auth.AuthError(
-            f"the bridge at {target} refused the request's signature: {_error_of(answer)}",
+            f"the bridge at {target} refused the request's signature",
             hint=("pass --secret-file with the secret the bridges run with"
                   if secret is None else "check that --secret-file holds the secret the "
-                  "bridges run with") + ", and that HOST:PORT is spelled as in hosts.txt "
-                  "(the signature names it); the bridge's log says what failed")
+                  "bridges run with") + "; the bridge's log says what failed")
     if status in (200, 400):
         # what the answer says counts only if that bridge said it (any process on the
         # address could answer, and one passing the request on could say "refused")

@@ -1985,7 +1985,7 @@ def test_shmps_tool_members_shows_and_changes_the_member_list(make_cluster, tmp_
     missing secret, a non-member to remove, a malformed address, an address where no
     bridge listens and an answer without the bridge's MAC are one line and exit 2, and
     change nothing."""
-    c = make_cluster(2)
+    c = make_cluster(2, ip_base=["127.0.0.1", "127.0.0.3"])   # (localhost reaches host 0)
     c.start_all()
     a0 = c.addrs[0]
 
@@ -2015,6 +2015,12 @@ def test_shmps_tool_members_shows_and_changes_the_member_list(make_cluster, tmp_
         assert r.stderr.startswith(f"shmps-tool: error: the bridge at {a0} refused the "
                                    "request's signature") and said in r.stderr, r.stderr
     sec = ["--secret-file", str(c.secret_file)]
+    # the right secret, the bridge reached by another name than hosts.txt's: the
+    # signature names the address, and the tool says which one to use
+    port0 = a0.rsplit(":", 1)[1]
+    r = _tool("members", f"localhost:{port0}", "--add", new, *sec, cwd=tmp_path)
+    assert r.returncode == 2 and f"it is {a0} in hosts.txt" in r.stderr and \
+        f"shmps-tool members {a0} ..." in r.stderr, r.stderr
     for args, said in (([ "--remove", "127.0.0.99:5"], "refused the change: bad request: not "
                          "members, nothing to remove"),
                        (["--add", "nonsense"], "'nonsense' is not host:port")):

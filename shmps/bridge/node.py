@@ -3912,7 +3912,7 @@ class Bridge:
                                                f"(`shmps-tool members {self.addr} --secret-file "
                                                "F ...`, or auth.sign_request(..., target="
                                                f"{self.addr!r})); this bridge's log says what "
-                                               "failed"}, status=401)
+                                               "failed", "address": self.addr}, status=401)
         shape = ('expected a JSON object {"add": ["host:port", ...], "remove": '
                  '["host:port", ...]} (either may be left out)')
         try:
