@@ -355,6 +355,9 @@ static int find_runs(runs_t *rs, void **bases, uint32_t nshards, uint64_t shard_
                      const int64_t *rows, uint64_t n, int ascending) {
     rs->start = rs->start_stack, rs->shard = rs->shard_stack, rs->top = rs->top_stack;
     rs->vb = rs->vb_stack, rs->sp = rs->sp_stack, rs->cap = RUNS_ON_STACK;
+    /* 1 .. INT64_MAX: a negative row, as uint64_t, is then >= shard_rows past any
+     * shard's first row, and ends a run (the loop below) instead of joining it */
+    if (shard_rows - 1 >= (uint64_t)INT64_MAX) return SHMPS_E_ARG;
     uint64_t end = tensor_end(nshards, shard_rows);
     uint64_t j = 0, first = 0; /* run j - 1's shard's first row */
     int sorted = 1, oom = 0;   /* once either is off, the rows are only checked */

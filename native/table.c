@@ -765,12 +765,15 @@ static int table_repair(tshard_t *ts, uint32_t nshards, uint64_t token) {
 /* Takes the creation lock; taken over from a dead holder, repairs the table first.
  * bases: every shard (ts may hold only some views: shard_views).
  *
- * The repair needs a view of every shard.  If this caller cannot view them all (a
- * shard it has not mapped, whose spec it does not hold, or whose control block does
- * not belong to the table: SHMPS_E_ARG, SHMPS_E_CORRUPT), it repaired nothing, so it
- * hands the lock back to the dead holder (its token again, release: the next taker's
- * acquire CAS pairs with it) and returns the error: the next taker takes it over as
- * from any dead holder and repairs, the dead creator's claimed slots and rows with it.
+ * The repair needs a view of every shard.  If this caller cannot view them all
+ * because of what it holds (a shard it has not mapped, whose spec it does not hold:
+ * SHMPS_E_ARG), it repaired nothing, so it hands the lock back to the dead holder (its
+ * token again, release: the next taker's acquire CAS pairs with it) and returns the
+ * error: the next taker takes it over as from any dead holder and repairs, the dead
+ * creator's claimed slots and rows with it.  A control block that does not belong to
+ * the table (SHMPS_E_CORRUPT) is damage every process meets: the lock is released
+ * clean, as for a repair that fails below (handed back, it failed every later call of
+ * every process that takes the lock, each after a takeover: review 17 F1).
  * (Released clean, as before 2026-11-27, the lock was free and nothing repaired them:
  * a claimed slot stayed CLAIM, a row taken stayed out of the free list and counts,
  * until another creator died in the lock.)  A repair that fails once it has started
@@ -787,8 +790,12 @@ static int create_lock_within(void **bases, tshard_t *ts, uint32_t nshards, uint
     if (r == SHMPS_RECOVERED) {
         /* the caller viewed the shards it touches: the repair needs them all */
         int rr = shard_views(bases, nshards, NULL, ts);
-        if (rr) {
+        if (rr == SHMPS_E_ARG) {   /* this caller's: another may view them all */
             STORE(&lk->owner, dead, RELEASE);
+            return rr;
+        }
+        if (rr) {                  /* a damaged control block: every caller's */
+            shmps_stripe_unlock(lk);
             return rr;
         }
         if ((rr = table_repair(ts, nshards, token)) < 0) {
@@ -1024,14 +1031,18 @@ static inline int update_row(tshard_t *t, uint64_t row, uint64_t slot, uint64_t 
  * bridge finds the shards busy, shmps_outbox_busy) every shard whose keys stand in
  * the way: the shard that is full, or, the table full, every shard (each one's kept
  * keys count against the table's capacity: this push's keys may hash to none of
- * them).  Only through views (the shards the push viewed: the full shard's keys are
- * among them; for every shard, viewed here, on this failure path only: a base is
+ * them).  Only through views (the shards the push viewed, all of them: the full
+ * shards' keys are among them; for every shard, viewed here, on this failure path only: a base is
  * written through only once its private spec says it is a shard of this table).  If
  * some shard cannot be viewed, the shards the push viewed are asked, the rest not. */
 static void ask_rescan(void **bases, uint32_t nshards, tshard_t *ts, const batch_t *b,
                        uint64_t shard) {
-    if (shard < nshards) { /* (its keys hash there: viewed) */
-        if (touched(b, (uint32_t)shard)) STORE(&ts[shard].h->ob_rescan, 1, RELAXED);
+    if (shard < nshards) {
+        /* every shard the push viewed, not only the first full one create_missing
+         * names: another it did not reach may be full too, and asked only now it would
+         * cost the pusher's retry a bridge round each (review 17 F2) */
+        for (uint32_t s = 0; s < nshards; s++)
+            if (touched(b, s)) STORE(&ts[s].h->ob_rescan, 1, RELAXED);
         return;
     }
     /* the views of every shard; those of the shards the push viewed are left as they
@@ -1244,7 +1255,7 @@ int shmps_table_row_stats(void **bases, uint32_t nshards, uint64_t token,
     memset(b.touched, 0, sizeof b.touched);
     uint64_t hs[HASH_STACK], nk = n < HASH_STACK ? n : HASH_STACK; /* kept: keys < nk */
     hash_mark(&b, keys, nk, hs);
-    hash_mark(&b, keys + nk, n - nk, NULL);
+    if (n > nk) hash_mark(&b, keys + nk, n - nk, NULL); /* (keys + 0 of a NULL: UB) */
     int r = shard_views(bases, nshards, b.touched, ts);
     if (r) return r;
     if (n == 0) return SHMPS_OK;

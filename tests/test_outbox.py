@@ -908,6 +908,27 @@ def test_a_push_into_a_full_outbox_asks_the_shards_in_its_way_for_a_scan(store):
     assert rescan() == [1, 1, 1, 1]
 
 
+def test_a_push_refused_by_two_full_shards_asks_both_for_a_scan(store):
+    """Two shards full of kept keys, a push with keys of both: refused for the first one
+    the creation meets, and both are asked for a scan (every shard the push viewed),
+    not only the one the error names: asked later, each full shard would cost the
+    pusher's retry a bridge round of its own (review 17 F2: [0, 1, 0, 0] here)."""
+    t = store.table("e", dim=2, capacity=400, shards=4)
+    store._set_forwarding(True)
+    ob = t._outbox()
+    rows = ob._shards[1].spec["nrows"]                 # 196 rows a shard, of 400 keys
+    cand = np.arange(1, 20_000, dtype=np.uint64)
+    home = t._key_shard(cand)
+    by = [cand[home == s] for s in range(4)]
+    paths = [os.path.join(SHM, ob._shard(s).seg.name.lstrip("/")) for s in range(4)]
+    t.push(by[1][:rows], np.ones((rows, 2)))
+    t.push(by[2][:rows], np.ones((rows, 2)))           # shards 1 and 2 full, the table not
+    assert [peek(p, OB_RESCAN_OFF, "<Q")[0] for p in paths] == [0, 0, 0, 0]
+    with pytest.raises(shmps.CapacityError, match="shard [12]"):
+        t.push(np.concatenate([by[1][rows:rows + 1], by[2][rows:rows + 1]]), np.ones((2, 2)))
+    assert [peek(p, OB_RESCAN_OFF, "<Q")[0] for p in paths] == [0, 1, 1, 0]
+
+
 def test_a_delete_in_an_outbox_makes_the_next_drain_scan(store):
     """A key deleted from the outbox by hand frees its row; created again without a
     push (pull(create=True)), the row's link would end the list early and the rows

@@ -757,36 +757,68 @@ def test_repair_by_a_call_on_one_shard_repairs_every_shard(store, dead):
     t.check()                             # no claim left, shard 3's row free again
 
 
-def test_a_repair_that_cannot_view_every_shard_leaves_the_lock_to_the_next_taker(store, dead):
-    """A batch that takes the creation lock over from a dead creator views every shard
-    before it repairs.  If it cannot (here shard 2's control block does not belong to
-    the table: its magic overwritten), it repaired nothing: it raises, and hands the
-    lock back to the dead creator, so that the next taker, once every shard can be
-    viewed again, repairs: the dead creator's claim in shard 3 becomes a tombstone and
-    its row is free again (released clean, as before, nothing repaired them)."""
-    t = store.table("emb", dim=2, capacity=64, optimizer="sum", shards=4)
-    t.push(np.arange(20, dtype=np.uint64), np.ones((20, 2)))
+def _plant_claim_and_dead_lock(t: shmps.Table, dead: int) -> tuple[np.ndarray, int]:
+    """A dead creator that claimed a slot and took a row in shard 3 and died holding the
+    creation lock; returns shard 3's slots and the claimed one's index."""
     sp = t._shards[3].spec
     slots3 = t._shards[3].seg.array(np.uint64, sp["index_off"], 2 * sp["nslots"]).reshape(-1, 2)
     empty = int(np.flatnonzero(slots3[:, 1] == 0)[0])
     slots3[empty] = [np.uint64(10**6), np.uint64((1 << 63) | (dead & ((1 << 62) - 1)))]
     _ctl(t, 3)[11] += np.uint64(1)        # shard 3: a claim and a row taken, then death
     _ctl(t, 0)[8] = np.uint64(dead)       # the creation lock's owner (shard 0, offset 64)
-    magic2 = int(_ctl(t, 2)[0])
-    _ctl(t, 2)[0] = np.uint64(0)          # shard 2 cannot be viewed
-    new = [k for k in range(10**6 + 1, 10**6 + 999)
-           if shmps.table.key_shards([k], 4)[0] == 0][:3]
+    return slots3, empty
+
+
+def test_a_repair_that_cannot_view_every_shard_leaves_the_lock_to_the_next_taker(store, dead):
+    """A batch that takes the creation lock over from a dead creator views every shard
+    before it repairs.  If this caller cannot (here it passes no base for shard 2: a
+    shard it has not mapped), it repaired nothing: it fails, and hands the lock back to
+    the dead creator, so that the next taker, which views every shard, repairs: the dead
+    creator's claim in shard 3 becomes a tombstone and its row is free again (released
+    clean, as before 2026-11-27, nothing repaired them: review 15 F8)."""
+    from shmps import _native
+    from shmps._native import ffi, lib
+
+    t = store.table("emb", dim=2, capacity=64, optimizer="sum", shards=4)
+    t.push(np.arange(20, dtype=np.uint64), np.ones((20, 2)))
+    slots3, empty = _plant_claim_and_dead_lock(t, dead)
+    new = np.asarray([k for k in range(10**6 + 1, 10**6 + 999)
+                      if shmps.table.key_shards([k], 4)[0] == 0][:3], np.uint64)
     repairs0 = _repairs(t)
-    with pytest.raises(shmps.CorruptSegment):
-        t.pull(new)                       # new keys of shard 0 only: take the lock over
+    bases = ffi.new("void *[]", [t._bases[i] if i != 2 else ffi.NULL for i in range(4)])
+    out = np.zeros((3, 2), np.float32)
+    scratch, nbytes, info = t._scratch(3)
+    code = lib.shmps_table_pull(bases, 4, _native.token(), _native.addr(new), 3,
+                                ffi.from_buffer(out), 1, ffi.NULL, scratch, nbytes, info)
+    assert code == lib.SHMPS_E_ARG        # new keys of shard 0 only: took the lock over
     assert _repairs(t) == repairs0 and int(slots3[empty, 1]) >> 62 == 2   # still CLAIM
     assert int(_ctl(t, 0)[8]) == dead     # the lock is the dead creator's again
-    _ctl(t, 2)[0] = np.uint64(magic2)
     t.pull(new)                           # takes it over again, and repairs
     assert _repairs(t) == repairs0 + 1
     assert int(slots3[empty, 1]) >> 62 == 3   # the claim is a tombstone
     assert len(t) == 23 and int(_ctl(t, 0)[8]) == 0
     t.check()                             # no claim left, shard 3's row free again
+
+
+def test_a_repair_that_meets_a_damaged_shard_releases_the_lock(store, dead):
+    """The same, but the shard cannot be viewed because its control block is damaged
+    (its magic overwritten): damage every process meets.  The taker raises
+    CorruptSegment and releases the lock clean: handed back to the dead creator, it
+    failed every later call that takes the lock in every process, each after a takeover
+    (review 17 F1): later creations in the sound shards go on.  (The dead creator's
+    claim stays: `table.check()` reports it, docs/tables.md.)"""
+    t = store.table("emb", dim=2, capacity=64, optimizer="sum", shards=4)
+    t.push(np.arange(20, dtype=np.uint64), np.ones((20, 2)))
+    slots3, empty = _plant_claim_and_dead_lock(t, dead)
+    _ctl(t, 2)[0] = np.uint64(0)          # shard 2 cannot be viewed
+    new = [k for k in range(10**6 + 1, 10**6 + 999)
+           if shmps.table.key_shards([k], 4)[0] == 0][:3]
+    with pytest.raises(shmps.CorruptSegment):
+        t.pull(new)                       # new keys of shard 0 only: take the lock over
+    assert int(_ctl(t, 0)[8]) == 0        # released clean
+    for k in new:                         # later creations in sound shards go on
+        t.pull([k])
+    assert len(t) == 23 and int(_ctl(t, 0)[8]) == 0
 
 
 def test_repair_leaves_a_sound_shard_unwritten(store, dead):
