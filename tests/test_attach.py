@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -573,6 +574,22 @@ def _end_child(p, store_name: str) -> None:
     remove_store(store_name)
 
 
+def _closed_child_leaves_an_idle_store(p: Any, store_name: str) -> None:
+    """The child ``p`` (a script that closes the store on a first line of stdin and
+    exits on a second) closes the store while it lives on: then nothing of it holds a
+    slot, gc's remove_idle removes both segments, and the child exits 0."""
+    from shmps.store import remove_idle
+
+    p.stdin.write("\n")
+    p.stdin.flush()
+    assert p.stdout.readline().strip() == "closed"
+    assert len(remove_idle(store_name, None) or []) == 2   # idle: nothing leaked
+    assert store_segments(store_name) == []
+    p.stdin.write("\n")
+    p.stdin.flush()
+    assert p.wait(timeout=30) == 0
+
+
 def test_a_fork_that_fails_gives_back_the_slot_taken_for_its_child(store_name):
     """os.fork() failing (RLIMIT_NPROC: EAGAIN) after the before-fork handler took a slot
     for the child: the parent gives the slot back, so 1100 failed forks leave it one slot
@@ -581,8 +598,6 @@ def test_a_fork_that_fails_gives_back_the_slot_taken_for_its_child(store_name):
     1024 of them, the table full for everyone else, and gc kept the closed store.)"""
     import subprocess
     import sys
-
-    from shmps.store import remove_idle
 
     env = child_env()
     p = subprocess.Popen([sys.executable, "-c", _FAILING_FORKS, store_name], env=env,
@@ -595,15 +610,8 @@ def test_a_fork_that_fails_gives_back_the_slot_taken_for_its_child(store_name):
         with shmps.attach(store_name, create=False) as s:   # the table is not full
             s["w"].push(np.ones(4, np.int32))
             assert s.processes() == sorted([os.getpid(), p.pid])
-        p.stdin.write("\n")
-        p.stdin.flush()
-        assert p.stdout.readline().strip() == "closed"
         assert len(store_segments(store_name)) == 2
-        assert len(remove_idle(store_name, None)) == 2   # idle: its process closed it
-        assert store_segments(store_name) == []
-        p.stdin.write("\n")
-        p.stdin.flush()
-        assert p.wait(timeout=30) == 0
+        _closed_child_leaves_an_idle_store(p, store_name)
     finally:
         _end_child(p, store_name)
 
@@ -1123,8 +1131,6 @@ def test_children_killed_before_their_fork_handler_leak_no_slot(store_name):
     import subprocess
     import sys
 
-    from shmps.store import remove_idle
-
     with shmps.attach(store_name) as s:
         s.dense("w", shape=(4,), dtype="int32")
     p = subprocess.Popen([sys.executable, "-c", _KILLED_CHILDREN, store_name],
@@ -1143,14 +1149,7 @@ def test_children_killed_before_their_fork_handler_leak_no_slot(store_name):
             line = next(x for x in ls.stdout.splitlines() if x.startswith(store_name))
             pids = line.split("live processes:")[1].replace(",", " ").split()
             assert sorted(map(int, pids)) == sorted([os.getpid(), p.pid]), line
-        p.stdin.write("\n")
-        p.stdin.flush()
-        assert p.stdout.readline().strip() == "closed"
-        assert len(remove_idle(store_name, None) or []) == 2   # idle: nothing leaked
-        assert store_segments(store_name) == []
-        p.stdin.write("\n")
-        p.stdin.flush()
-        assert p.wait(timeout=30) == 0
+        _closed_child_leaves_an_idle_store(p, store_name)
     finally:
         _end_child(p, store_name)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -875,11 +876,9 @@ def test_keys_a_drain_keeps_never_keep_new_keys_out(store):
     store.flush(timeout=1)
 
 
-def test_a_push_into_a_full_outbox_asks_the_shards_in_its_way_for_a_scan(store):
-    """A forwarded table push refused for want of room asks for a scan (ob_rescan) the
-    shards whose kept keys stand in its way (native/table.c ask_rescan): a shard full of
-    its own keys, that shard alone (its keys are the push's, so it viewed it); the
-    table full, every shard, those the push's keys do not hash to too."""
+def _forwarded_table_of_400(store: Any) -> tuple:
+    """A forwarded table of 400 keys in 4 shards; (table, its outbox, rows a shard,
+    candidate keys by shard, the outbox shards' /dev/shm paths)."""
     t = store.table("e", dim=2, capacity=400, shards=4)
     store._set_forwarding(True)
     ob = t._outbox()
@@ -888,6 +887,15 @@ def test_a_push_into_a_full_outbox_asks_the_shards_in_its_way_for_a_scan(store):
     home = t._key_shard(cand)
     by = [cand[home == s] for s in range(4)]
     paths = [os.path.join(SHM, ob._shard(s).seg.name.lstrip("/")) for s in range(4)]
+    return t, ob, rows, by, paths
+
+
+def test_a_push_into_a_full_outbox_asks_the_shards_in_its_way_for_a_scan(store):
+    """A forwarded table push refused for want of room asks for a scan (ob_rescan) the
+    shards whose kept keys stand in its way (native/table.c ask_rescan): a shard full of
+    its own keys, that shard alone (its keys are the push's, so it viewed it); the
+    table full, every shard, those the push's keys do not hash to too."""
+    t, ob, rows, by, paths = _forwarded_table_of_400(store)
 
     def rescan() -> list:
         return [peek(p, OB_RESCAN_OFF, "<Q")[0] for p in paths]
@@ -913,14 +921,7 @@ def test_a_push_refused_by_two_full_shards_asks_both_for_a_scan(store):
     the creation meets, and both are asked for a scan (every shard the push viewed),
     not only the one the error names: asked later, each full shard would cost the
     pusher's retry a bridge round of its own (review 17 F2: [0, 1, 0, 0] here)."""
-    t = store.table("e", dim=2, capacity=400, shards=4)
-    store._set_forwarding(True)
-    ob = t._outbox()
-    rows = ob._shards[1].spec["nrows"]                 # 196 rows a shard, of 400 keys
-    cand = np.arange(1, 20_000, dtype=np.uint64)
-    home = t._key_shard(cand)
-    by = [cand[home == s] for s in range(4)]
-    paths = [os.path.join(SHM, ob._shard(s).seg.name.lstrip("/")) for s in range(4)]
+    t, ob, rows, by, paths = _forwarded_table_of_400(store)
     t.push(by[1][:rows], np.ones((rows, 2)))
     t.push(by[2][:rows], np.ones((rows, 2)))           # shards 1 and 2 full, the table not
     assert [peek(p, OB_RESCAN_OFF, "<Q")[0] for p in paths] == [0, 0, 0, 0]

@@ -735,28 +735,6 @@ def test_dead_creator_mid_insert_repaired(store, dead):
     t.check()
 
 
-def test_repair_by_a_call_on_one_shard_repairs_every_shard(store, dead):
-    """A batch views only the shards its keys hash to (and shard 0); one that takes the
-    creation lock over from a dead creator still repairs the shards it does not touch:
-    the dead creator's claim and row in shard 3 are undone by a pull of shard-0 keys."""
-    t = store.table("emb", dim=2, capacity=64, optimizer="sum", shards=4)
-    t.push(np.arange(20, dtype=np.uint64), np.ones((20, 2)))
-    sp = t._shards[3].spec
-    slots3 = t._shards[3].seg.array(np.uint64, sp["index_off"], 2 * sp["nslots"]).reshape(-1, 2)
-    empty = int(np.flatnonzero(slots3[:, 1] == 0)[0])
-    slots3[empty] = [np.uint64(10**6), np.uint64((1 << 63) | (dead & ((1 << 62) - 1)))]
-    _ctl(t, 3)[11] += np.uint64(1)        # shard 3: a claim and a row taken, then death
-    _ctl(t, 0)[8] = np.uint64(dead)       # the creation lock's owner (shard 0, offset 64)
-    new = [k for k in range(10**6 + 1, 10**6 + 999)
-           if shmps.table.key_shards([k], 4)[0] == 0][:3]
-    repairs0 = _repairs(t)
-    t.pull(new)                           # new keys of shard 0 only: take the lock over
-    assert _repairs(t) == repairs0 + 1
-    assert int(slots3[empty, 1]) >> 62 == 3   # the claim is a tombstone
-    assert len(t) == 23
-    t.check()                             # no claim left, shard 3's row free again
-
-
 def _plant_claim_and_dead_lock(t: shmps.Table, dead: int) -> tuple[np.ndarray, int]:
     """A dead creator that claimed a slot and took a row in shard 3 and died holding the
     creation lock; returns shard 3's slots and the claimed one's index."""
@@ -767,6 +745,23 @@ def _plant_claim_and_dead_lock(t: shmps.Table, dead: int) -> tuple[np.ndarray, i
     _ctl(t, 3)[11] += np.uint64(1)        # shard 3: a claim and a row taken, then death
     _ctl(t, 0)[8] = np.uint64(dead)       # the creation lock's owner (shard 0, offset 64)
     return slots3, empty
+
+
+def test_repair_by_a_call_on_one_shard_repairs_every_shard(store, dead):
+    """A batch views only the shards its keys hash to (and shard 0); one that takes the
+    creation lock over from a dead creator still repairs the shards it does not touch:
+    the dead creator's claim and row in shard 3 are undone by a pull of shard-0 keys."""
+    t = store.table("emb", dim=2, capacity=64, optimizer="sum", shards=4)
+    t.push(np.arange(20, dtype=np.uint64), np.ones((20, 2)))
+    slots3, empty = _plant_claim_and_dead_lock(t, dead)
+    new = [k for k in range(10**6 + 1, 10**6 + 999)
+           if shmps.table.key_shards([k], 4)[0] == 0][:3]
+    repairs0 = _repairs(t)
+    t.pull(new)                           # new keys of shard 0 only: take the lock over
+    assert _repairs(t) == repairs0 + 1
+    assert int(slots3[empty, 1]) >> 62 == 3   # the claim is a tombstone
+    assert len(t) == 23
+    t.check()                             # no claim left, shard 3's row free again
 
 
 def test_a_repair_that_cannot_view_every_shard_leaves_the_lock_to_the_next_taker(store, dead):
