@@ -38,7 +38,8 @@ first write to after its count, so that the values of a push still landing, take
 a drain of a bridge that then ended, are caught too (native/outbox.c, "Landing").
 Names ending in ``#outbox`` are reserved.  An outbox's pages are not backed at its
 creation, whoever creates it (docs/architecture.md): it is as large as its tensor (a
-table's: its capacity) and holds only what is pushed.
+table's: its capacity) and holds only what is pushed.  A push backs the pages it is
+about to write first (_Backing), so that /dev/shm without room refuses it.
 
 What is not forwarded: the hidden tensors of synchronous aggregation (its rounds run
 per host; the round's single update of the aggregated tensor is a push, so it is
@@ -231,6 +232,153 @@ def _check_outbox_shards(ob: Any, shards: list) -> None:
         raise CorruptSegment(f"tensor {ob.name!r}: its segments are not outbox shards")
 
 
+#: the granule (bytes of a shard's segment) in which a pushing process backs an outbox's
+#: pages before its pushes write them (_Backing): 16 pages, so that a push of a few
+#: scattered rows backs little more than the pages it writes, and a run of pushes few
+#: granules at a time
+BACK_CHUNK = 64 << 10
+#: a table outbox's push backs the rows past those handed out (ctl hwm) up to this many
+#: more than it may take, so that a run of pushes backs a granule at a time
+BACK_AHEAD_ROWS = 4096
+
+
+class _Backing:
+    """Which BACK_CHUNK granules of one outbox shard's segment this process backed
+    (Segment._reserve: MADV_POPULATE_WRITE, or posix_fallocate).  An outbox is created
+    without its pages (module docstring: it is as large as its tensor and holds only
+    what is pushed), and a push's first write to a page that /dev/shm then has no room
+    for killed the pusher with SIGBUS.  A push backs what it is about to write first, so
+    it is refused with CapacityError instead, the outbox unchanged.  Per process: once
+    a granule is backed here, it is not asked again (another process may have backed
+    it: asked again, that costs a walk of its pages, nothing more)."""
+
+    __slots__ = ("seg", "done", "left", "rows", "hwm")
+
+    def __init__(self, seg: Any) -> None:
+        self.seg = seg
+        self.done = np.zeros(-(-seg.size // BACK_CHUNK), np.bool_)
+        self.left = self.done.size     #: granules not backed here yet
+        self.rows = 0                  #: a table shard's rows backed here: [0, rows)
+        self.hwm: Optional[np.ndarray] = None   #: a table shard's ctl hwm word (a view)
+
+    def chunks(self, idx: np.ndarray) -> None:
+        """Back the granules ``idx`` (sorted, unique) not yet backed; CapacityError if
+        /dev/shm has no room (those backed before stay backed)."""
+        todo = idx[~self.done[idx]]
+        if not todo.size:
+            return
+        cut = np.flatnonzero(np.diff(todo) != 1) + 1
+        for run in np.split(todo, cut):
+            a, b = int(run[0]), int(run[-1]) + 1
+            self.seg._reserve(None, a * BACK_CHUNK, (b - a) * BACK_CHUNK)
+            self.done[a:b] = True
+        self.left = int(self.done.size - np.count_nonzero(self.done))
+
+    def span(self, lo: int, hi: int) -> None:
+        """Back bytes [lo, hi) of the segment."""
+        if self.left and hi > lo:
+            self.chunks(np.arange(lo // BACK_CHUNK, -(-hi // BACK_CHUNK)))
+
+
+def _backings(t: Any) -> list:
+    """The outbox ``t``'s _Backing of each shard (made on first need)."""
+    b = getattr(t, "_backing", None)
+    if b is None:
+        b = t._backing = [_Backing(t._shard(i).seg) for i in range(t.nshards)]
+    return b
+
+
+class _DenseBacking:
+    """The row groups of a dense outbox this process backed: a group is the rows of
+    about one BACK_CHUNK of values in one shard, backed whole (their values, their row
+    words, and the shard's header and stripe words) the first time a push writes one of
+    them.  A push of rows checks their groups (O(len(rows))); once every group is
+    backed, nothing (O(1))."""
+
+    def __init__(self, t: Any) -> None:
+        self.t = t
+        self.segs = _backings(t)
+        sp = t._shard(0).spec
+        self.rowbytes = max(1, sp["row_len"] * sp["itemsize"])
+        per = max(1, min(t.shard_rows, BACK_CHUNK // self.rowbytes))
+        while t.shard_rows % per:      # a divisor of shard_rows: a row's group is row // per
+            per -= 1
+        self.per = per                                           # rows a group
+        self.groups = t.shard_rows // per                        # groups a shard
+        self.done = np.zeros(t.nshards * self.groups, np.bool_)
+        last = t.nrows - (t.nshards - 1) * t.shard_rows          # the last shard's rows
+        self.done[(t.nshards - 1) * self.groups + -(-last // self.per):] = True
+        self.left = int(self.done.size - np.count_nonzero(self.done))
+
+    def whole(self) -> None:
+        if self.left:
+            for b in self.segs:
+                b.span(0, b.seg.size)
+            self.done[:] = True
+            self.left = 0
+
+    def rows(self, rows: np.ndarray) -> None:
+        if not self.left:
+            return
+        t = self.t
+        gid = rows // self.per
+        # (clipped: rows of an int64 array reach here unchecked, and the C push refuses
+        # one out of range before it writes; backing a group more for it is harmless)
+        done = self.done.take(gid, mode="clip")
+        if done.all():
+            return
+        for g in np.unique(np.clip(gid[~done], 0, self.done.size - 1)).tolist():
+            s, k = divmod(g, self.groups)
+            b, sp = self.segs[s], t._shard(s).spec
+            lo, hi = k * self.per, min(sp["nrows"], (k + 1) * self.per)
+            b.span(0, sp["value_off"])                        # header, landing slots
+            b.span(sp["stripes_off"], b.seg.size)             # stripe words
+            b.span(sp["value_off"] + lo * self.rowbytes, sp["value_off"] + hi * self.rowbytes)
+            b.span(sp["rowstep_off"] + lo * 8, sp["rowstep_off"] + hi * 8)
+            self.done[g] = True
+        self.left = int(self.done.size - np.count_nonzero(self.done))
+
+
+def _back_dense(t: Any, rows: Optional[np.ndarray]) -> None:
+    """Back what a push into the dense outbox ``t`` writes (_DenseBacking): every page
+    for a whole push; for ``rows``, their groups."""
+    d = getattr(t, "_dense_backing", None)
+    if d is None:
+        d = t._dense_backing = _DenseBacking(t)
+    if rows is None:
+        d.whole()
+    else:
+        d.rows(rows)
+
+
+def _back_table(t: Any, n: int) -> None:
+    """Back what a push of ``n`` keys into the table outbox ``t`` may write: each
+    shard's header, index, control block and links whole (a key's slot is anywhere in
+    the index) at its first push, and its per-row arrays (keys, values, row steps,
+    stripes) for the rows handed out so far (ctl hwm) and ``n`` more, and
+    BACK_AHEAD_ROWS beyond (a new key takes a freed row, else row hwm).  O(nshards)
+    per push once backed that far."""
+    bs = _backings(t)
+    for s, b in enumerate(bs):
+        if not b.left:
+            continue
+        if b.hwm is None:                                 # (ctl: docs/tables.md)
+            sp = t._shard(s).spec
+            b.hwm = b.seg.array(np.uint64, sp["index_off"] + 16 * sp["nslots"] + 88, 1)
+        if b.rows and int(b.hwm[0]) + n <= b.rows:
+            continue
+        sp = t._shard(s).spec
+        need = min(sp["nrows"], int(b.hwm[0]) + n)
+        b.span(0, sp["colidx_off"])                       # header
+        b.span(sp["index_off"], b.seg.size)               # index, ctl, links
+        upto = min(sp["nrows"], need + BACK_AHEAD_ROWS)
+        bounds = [sp["colidx_off"], sp["value_off"], sp["rowstep_off"], sp["stripes_off"],
+                  sp["index_off"]]
+        for lo, hi in zip(bounds, bounds[1:]):            # the per-row arrays
+            b.span(lo, lo + -(-(hi - lo) * upto // sp["nrows"]))
+        b.rows = upto
+
+
 class DenseOutbox(DenseTensor):
     """The outbox of a dense tensor (module docstring).  Pushes come from the
     tensor's forwarded pushes only; pull() shows what is pending."""
@@ -254,8 +402,10 @@ class DenseOutbox(DenseTensor):
         try:
             if r is not None:
                 if r.size:
+                    _back_dense(self, r)
                     DenseTensor._apply(self, g, r)
                 return
+            _back_dense(self, None)
             touched = self._every_shard()
             # every entry SHMPS_LANDING_NONE before the claim: an interrupt anywhere after
             # this line still frees exactly the slots claimed
@@ -345,6 +495,7 @@ class TableOutbox(Table):
         touched (shmps_table_push on an outbox shard).  ``check``: the table's NaN/Inf
         rule, applied here before anything changes.  Then the store-wide count of
         forwarded pushes moves (_count_forwarded)."""
+        _back_table(self, k.size)
         scratch, nbytes, info = self._scratch(k.size)
         deadline = None
         while True:

@@ -2710,3 +2710,130 @@ def test_a_rows_push_lands_in_each_shard_it_writes_and_counts_there(store):
         tokens, seqs = slots(k)
         assert not any(tokens) and seqs == moved, (k, seqs)
         assert native_counters(ob, k)[0] == moved
+
+
+# ---- the pages a push writes are backed before it writes them ---------------------------
+
+def _allocated(seg: Any) -> int:
+    """Bytes of /dev/shm that segment ``seg`` holds now (its allocated blocks)."""
+    return os.stat(os.path.join(SHM, seg.name.lstrip("/"))).st_blocks * 512
+
+
+def test_a_push_into_an_outbox_backs_the_pages_it_writes_first(store):
+    """An outbox is created without its pages (it is as large as its tensor); a push
+    backs the granules it writes before it writes them (outbox._Backing), so that
+    /dev/shm without room refuses it with CapacityError, not a SIGBUS.  A push of one
+    row backs that row's granule and the shard's small words, not the shard; a whole
+    push backs every page; a table push, the rows it may take and BACK_AHEAD_ROWS
+    more of each shard's row arrays, not its capacity."""
+    from shmps.outbox import BACK_AHEAD_ROWS, BACK_CHUNK
+
+    w = store.dense("w", shape=(8192, 256), dtype="float32", init=0.0)   # 8 MiB, 1 shard
+    e = store.table("e", dim=64, capacity=1 << 16, shards=2)
+    store._set_forwarding(True)
+    ob_w, ob_e = w._outbox(), e._outbox()
+    seg = ob_w._shard(0).seg
+    before = _allocated(seg)
+    assert before < seg.size // 8
+    w.push(np.ones((1, 256), np.float32), rows=[4000])
+    one = _allocated(seg) - before
+    # (without the backing the write took its own page or two and the words it counts)
+    assert BACK_CHUNK <= one < seg.size // 8, (one, seg.size)
+    w.push(np.ones((8192, 256), np.float32))
+    assert _allocated(seg) >= seg.size - 4096
+    sh = [ob_e._shard(s) for s in range(2)]
+    before = [_allocated(x.seg) for x in sh]
+    e.push(np.arange(1, 101, dtype=np.uint64), np.ones((100, 64)))
+    for x, b0 in zip(sh, before):
+        grown, sp = _allocated(x.seg) - b0, x.spec
+        rows_bytes = sp["index_off"] - sp["colidx_off"]   # keys, values, steps, stripes
+        ahead = rows_bytes * (100 + BACK_AHEAD_ROWS) // sp["nrows"]
+        assert ahead <= grown + 4 * BACK_CHUNK, (grown, ahead)
+        assert grown < x.seg.size // 2, (grown, x.seg.size)   # not the whole capacity
+    assert (ob_w.pull()[4000] == 2).all() and len(ob_e) == 100
+
+
+#: An LD_PRELOAD library whose madvise(MADV_POPULATE_WRITE) fails with ENOMEM, as on a
+#: full /dev/shm, once armed with shmps_test_fail_madvise(1): the backing of a push's
+#: pages cannot be had.  shmps runs unchanged; only libc's answer is.
+_FAILING_MADVISE = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <stddef.h>
+static int armed = 0;
+static long failures = 0;
+void shmps_test_fail_madvise(int on) { armed = on; }
+long shmps_test_madvise_failures(void) { return failures; }
+int madvise(void *addr, size_t len, int advice) {
+    static int (*real)(void *, size_t, int);
+    if (armed && advice == 23) {   /* MADV_POPULATE_WRITE */
+        failures++;
+        errno = ENOMEM;
+        return -1;
+    }
+    if (!real) real = (int (*)(void *, size_t, int))dlsym(RTLD_NEXT, "madvise");
+    return real(addr, len, advice);
+}
+"""
+
+_PUSH_WITHOUT_ROOM = r"""
+import ctypes, sys
+import numpy as np
+import shmps
+libc = ctypes.CDLL(None)
+libc.shmps_test_fail_madvise.argtypes = [ctypes.c_int]
+s = shmps.attach(sys.argv[1])
+try:
+    w = s.dense("w", shape=(4096, 64), dtype="float32", init=0.0)
+    e = s.table("e", dim=64, capacity=4096, shards=2)
+    s._set_forwarding(True)
+    ob_w, ob_e = w._outbox(), e._outbox()
+    libc.shmps_test_fail_madvise(1)
+    for what, push in (("rows", lambda: w.push(np.ones((2, 64), np.float32), rows=[7, 3000])),
+                       ("whole", lambda: w.push(np.ones((4096, 64), np.float32))),
+                       ("table", lambda: e.push([7, 8], np.ones((2, 64))))):
+        try:
+            push()
+            print(what, "pushed", flush=True)
+        except shmps.CapacityError as exc:
+            print(what, "refused", "no room" in str(exc), flush=True)
+    print("failures", libc.shmps_test_madvise_failures() > 0, flush=True)
+    print("unchanged", not ob_w.pull().any(), int(ob_w._pending(0).sum()), len(ob_e),
+          flush=True)
+    libc.shmps_test_fail_madvise(0)
+    w.push(np.ones((2, 64), np.float32), rows=[7, 3000])
+    e.push([7, 8], np.ones((2, 64)))
+    print("after", int(ob_w.pull()[[7, 3000]].sum()), len(ob_e), flush=True)
+finally:
+    s.destroy()
+"""
+
+
+def test_a_push_into_an_outbox_without_room_is_refused_and_changes_nothing(tmp_path,
+                                                                           store_name):
+    """/dev/shm without room for the pages a forwarded push would write (madvise made to
+    fail as on a full /dev/shm): the push is refused with CapacityError saying so, and
+    the outbox is unchanged (no value, no pending count, no key); with room again, the
+    same pushes go in.  (Written into pages never backed, such a push died of SIGBUS.)"""
+    import shutil
+    import subprocess
+    import sys
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build the failing-madvise library")
+    (tmp_path / "fail.c").write_text(_FAILING_MADVISE)
+    r = subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(tmp_path / "fail.so"),
+                        str(tmp_path / "fail.c"), "-ldl"], capture_output=True, text=True,
+                       timeout=120)
+    if r.returncode != 0:
+        pytest.skip(f"cannot build the failing-madvise library: {r.stderr[-300:]}")
+    from helpers import child_env
+    r = subprocess.run([sys.executable, "-c", _PUSH_WITHOUT_ROOM, store_name],
+                       env=child_env(LD_PRELOAD=str(tmp_path / "fail.so")),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.splitlines() == ["rows refused True", "whole refused True",
+                                     "table refused True", "failures True",
+                                     "unchanged True 0 0", "after 128 2"], r.stdout
