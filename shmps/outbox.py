@@ -238,8 +238,8 @@ def _check_outbox_shards(ob: Any, shards: list) -> None:
 #: granules at a time
 BACK_CHUNK = 64 << 10
 #: a table outbox's push backs the rows past those handed out (ctl hwm) up to this many
-#: more than it may take, so that a run of pushes backs a granule at a time
-BACK_AHEAD_ROWS = 4096
+#: more than it may take in each shard, so that a run of pushes backs a granule at a time
+BACK_AHEAD_ROWS = 1024
 
 
 class _Backing:
@@ -252,14 +252,13 @@ class _Backing:
     a granule is backed here, it is not asked again (another process may have backed
     it: asked again, that costs a walk of its pages, nothing more)."""
 
-    __slots__ = ("seg", "done", "left", "rows", "hwm")
+    __slots__ = ("seg", "done", "left", "rows")
 
     def __init__(self, seg: Any) -> None:
         self.seg = seg
         self.done = np.zeros(-(-seg.size // BACK_CHUNK), np.bool_)
         self.left = self.done.size     #: granules not backed here yet
         self.rows = 0                  #: a table shard's rows backed here: [0, rows)
-        self.hwm: Optional[np.ndarray] = None   #: a table shard's ctl hwm word (a view)
 
     def chunks(self, idx: np.ndarray) -> None:
         """Back the granules ``idx`` (sorted, unique) not yet backed; CapacityError if
@@ -292,19 +291,18 @@ class _DenseBacking:
     """The row groups of a dense outbox this process backed: a group is the rows of
     about one BACK_CHUNK of values in one shard, backed whole (their values, their row
     words, and the shard's header and stripe words) the first time a push writes one of
-    them.  A push of rows checks their groups (O(len(rows))); once every group is
-    backed, nothing (O(1))."""
+    them.  A push of rows checks their groups (O(len(rows)): about 3 us for 64 rows);
+    once every group is backed, nothing (O(1))."""
 
     def __init__(self, t: Any) -> None:
         self.t = t
         self.segs = _backings(t)
         sp = t._shard(0).spec
         self.rowbytes = max(1, sp["row_len"] * sp["itemsize"])
-        per = max(1, min(t.shard_rows, BACK_CHUNK // self.rowbytes))
-        while t.shard_rows % per:      # a divisor of shard_rows: a row's group is row // per
-            per -= 1
-        self.per = per                                           # rows a group
-        self.groups = t.shard_rows // per                        # groups a shard
+        self.per = max(1, min(t.shard_rows, BACK_CHUNK // self.rowbytes))   # rows a group
+        self.groups = -(-t.shard_rows // self.per)                          # groups a shard
+        #: groups of the shards' rows in one run over the tensor's rows (row // per)
+        self.flat = t.nshards == 1 or t.shard_rows % self.per == 0
         self.done = np.zeros(t.nshards * self.groups, np.bool_)
         last = t.nrows - (t.nshards - 1) * t.shard_rows          # the last shard's rows
         self.done[(t.nshards - 1) * self.groups + -(-last // self.per):] = True
@@ -321,27 +319,36 @@ class _DenseBacking:
         if not self.left:
             return
         t = self.t
-        gid = rows // self.per
+        if self.flat:
+            gid = rows // self.per
+        else:
+            shard = rows // t.shard_rows
+            gid = shard * self.groups + (rows - shard * t.shard_rows) // self.per
         # (clipped: rows of an int64 array reach here unchecked, and the C push refuses
         # one out of range before it writes; backing a group more for it is harmless)
         done = self.done.take(gid, mode="clip")
         if done.all():
             return
-        for g in np.unique(np.clip(gid[~done], 0, self.done.size - 1)).tolist():
-            s, k = divmod(g, self.groups)
+        new = np.unique(np.clip(gid[~done], 0, self.done.size - 1))
+        # runs of consecutive groups of one shard: one backing each
+        cut = np.flatnonzero((np.diff(new) != 1) | (np.diff(new // self.groups) != 0)) + 1
+        for run in np.split(new, cut):
+            s, k0 = divmod(int(run[0]), self.groups)
+            k1 = int(run[-1]) - s * self.groups + 1
             b, sp = self.segs[s], t._shard(s).spec
-            lo, hi = k * self.per, min(sp["nrows"], (k + 1) * self.per)
+            lo, hi = k0 * self.per, min(sp["nrows"], k1 * self.per)
             b.span(0, sp["value_off"])                        # header, landing slots
             b.span(sp["stripes_off"], b.seg.size)             # stripe words
             b.span(sp["value_off"] + lo * self.rowbytes, sp["value_off"] + hi * self.rowbytes)
             b.span(sp["rowstep_off"] + lo * 8, sp["rowstep_off"] + hi * 8)
-            self.done[g] = True
+            self.done[run] = True
         self.left = int(self.done.size - np.count_nonzero(self.done))
 
 
 def _back_dense(t: Any, rows: Optional[np.ndarray]) -> None:
     """Back what a push into the dense outbox ``t`` writes (_DenseBacking): every page
-    for a whole push; for ``rows``, their groups."""
+    for a whole push; for ``rows``, their groups.  Closed if ``t`` is."""
+    t._shard(0)
     d = getattr(t, "_dense_backing", None)
     if d is None:
         d = t._dense_backing = _DenseBacking(t)
@@ -351,27 +358,34 @@ def _back_dense(t: Any, rows: Optional[np.ndarray]) -> None:
         d.rows(rows)
 
 
-def _back_table(t: Any, n: int) -> None:
-    """Back what a push of ``n`` keys into the table outbox ``t`` may write: each
-    shard's header, index, control block and links whole (a key's slot is anywhere in
-    the index) at its first push, and its per-row arrays (keys, values, row steps,
-    stripes) for the rows handed out so far (ctl hwm) and ``n`` more, and
-    BACK_AHEAD_ROWS beyond (a new key takes a freed row, else row hwm).  O(nshards)
-    per push once backed that far."""
+def _back_table(t: Any, keys: np.ndarray) -> None:
+    """Back what a push of ``keys`` into the table outbox ``t`` may write in each shard
+    they hash to: its header, index, control block and links whole at its first push (a
+    key's slot is anywhere in the index: about a tenth of the shard), and its per-row
+    arrays (keys, values, row steps, stripes) for the rows handed out so far (ctl hwm),
+    its keys' count more (a new key takes a freed row, else row hwm), and
+    BACK_AHEAD_ROWS beyond.  O(nshards) per push once backed that far; the keys are
+    hashed (O(len(keys))) only when some shard may need more.  Closed if ``t`` is."""
     bs = _backings(t)
+    n, counts = keys.size, None
     for s, b in enumerate(bs):
         if not b.left:
             continue
-        if b.hwm is None:                                 # (ctl: docs/tables.md)
-            sp = t._shard(s).spec
-            b.hwm = b.seg.array(np.uint64, sp["index_off"] + 16 * sp["nslots"] + 88, 1)
-        if b.rows and int(b.hwm[0]) + n <= b.rows:
+        sh = t._shard(s)                                  # (Closed if closed)
+        sp = sh.spec
+        # the ctl's hwm (docs/tables.md), read through the pointer: a numpy view kept
+        # here would keep the segment mapped after close
+        hwm = int(ffi.cast("uint64_t *", sh.ptr)[(sp["index_off"] + 16 * sp["nslots"]
+                                                    + 88) // 8])
+        if b.rows and hwm + n <= b.rows:
             continue
-        sp = t._shard(s).spec
-        need = min(sp["nrows"], int(b.hwm[0]) + n)
+        if counts is None:
+            counts = np.bincount(t._key_shard(keys), minlength=t.nshards)
+        if not counts[s] or (b.rows and hwm + int(counts[s]) <= b.rows):
+            continue
         b.span(0, sp["colidx_off"])                       # header
         b.span(sp["index_off"], b.seg.size)               # index, ctl, links
-        upto = min(sp["nrows"], need + BACK_AHEAD_ROWS)
+        upto = min(sp["nrows"], hwm + int(counts[s]) + BACK_AHEAD_ROWS)
         bounds = [sp["colidx_off"], sp["value_off"], sp["rowstep_off"], sp["stripes_off"],
                   sp["index_off"]]
         for lo, hi in zip(bounds, bounds[1:]):            # the per-row arrays
@@ -399,13 +413,13 @@ class DenseOutbox(DenseTensor):
         recover): a push of rows in C (shmps_dense_push_sorted_rows, shard by shard),
         a push of the whole tensor, split over threads, here around it.  Last, the
         store-wide count of forwarded pushes moves (_count_forwarded)."""
+        if r is None or r.size:
+            _back_dense(self, r)   # (refused for want of room: nothing written nor counted)
         try:
             if r is not None:
                 if r.size:
-                    _back_dense(self, r)
                     DenseTensor._apply(self, g, r)
                 return
-            _back_dense(self, None)
             touched = self._every_shard()
             # every entry SHMPS_LANDING_NONE before the claim: an interrupt anywhere after
             # this line still frees exactly the slots claimed
@@ -495,7 +509,7 @@ class TableOutbox(Table):
         touched (shmps_table_push on an outbox shard).  ``check``: the table's NaN/Inf
         rule, applied here before anything changes.  Then the store-wide count of
         forwarded pushes moves (_count_forwarded)."""
-        _back_table(self, k.size)
+        _back_table(self, k)
         scratch, nbytes, info = self._scratch(k.size)
         deadline = None
         while True:

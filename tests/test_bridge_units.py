@@ -49,7 +49,7 @@ from shmps.bridge.frames import (ROWS_SEQ_BASE, BadFrame, Flag, FrameType, Layou
                                   Mark, Status)
 from shmps.bridge.members import Membership, State  # noqa: E402
 from shmps.bridge.outq import Backpressure, ByteBudget, Dedup, OutQueue, Verdict  # noqa: E402
-from shmps.errors import CapacityError, InvalidArgument, Timeout  # noqa: E402
+from shmps.errors import CapacityError, Error, InvalidArgument, Timeout  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -4871,3 +4871,15 @@ def test_a_handed_over_heartbeat_that_also_says_ready_removes_the_host_quietly(t
     node.on_heartbeat(a, _heartbeat(a, 0, leaving, frames.HB_QUORUM | frames.HB_READY
                                     | frames.HB_HANDED_OVER, seq=3))
     assert a not in node.members.states()
+
+
+def test_a_bridge_finds_its_ipv6_entry_of_the_member_list():
+    """Without --listen a bridge takes the one entry of hosts.txt that is an address of
+    this machine: an IPv6 entry is written in brackets ("[::1]:7070") and the machine's
+    addresses are not, so it found none (review 18 F7: "0 match")."""
+    from shmps.bridge import cli as bridge_cli
+
+    assert bridge_cli._pick_listen(["10.255.255.7:7070", "[::1]:7071"]) == "[::1]:7071"
+    assert bridge_cli._pick_listen(["10.255.255.7:7070", "127.0.0.1:7072"]) == "127.0.0.1:7072"
+    with pytest.raises(Error, match="0 match"):
+        bridge_cli._pick_listen(["10.255.255.7:7070"])

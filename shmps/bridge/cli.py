@@ -16,7 +16,7 @@ import sys
 from typing import Optional, Sequence
 
 from ..errors import Error, InvalidArgument
-from .members import DEAD_AFTER, normalize_address, parse_address, read_hosts
+from .members import DEAD_AFTER, address_host, normalize_address, read_hosts
 
 
 class _Parser(argparse.ArgumentParser):
@@ -84,7 +84,7 @@ def _local_addresses() -> set[str]:
 
 def _pick_listen(members: list[str]) -> str:
     local = _local_addresses()
-    mine = [m for m in members if parse_address(m)[0] in local]
+    mine = [m for m in members if address_host(m) in local]   # ("[::1]:7070" is ::1's)
     if len(mine) != 1:
         raise Error(f"cannot tell which entry of the member list is this host ({len(mine)} "
                     "match its addresses)", "pass --listen HOST:PORT")
