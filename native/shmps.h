@@ -34,7 +34,8 @@ enum {
     SHMPS_E_VERSION = -30008,     /* layout version we do not read */
     SHMPS_E_REMOVED = -30009,     /* the store is being removed (shmps-tool gc) */
     SHMPS_E_BUSY = -30010,        /* a live process holds it: nothing done */
-    SHMPS_E_PIDNS = -30011        /* the store is another PID namespace's: nothing done */
+    SHMPS_E_PIDNS = -30011,       /* the store is another PID namespace's: nothing done */
+    SHMPS_E_UNBACKED = -30012     /* an outbox's new rows are not backed yet: nothing done */
 };
 
 enum {
@@ -284,6 +285,9 @@ int shmps_table_evict(void **bases, uint32_t nshards, uint32_t shard, uint64_t t
 int shmps_table_keys(void **bases, uint32_t nshards, uint32_t shard, uint64_t token,
                      uint64_t *out, uint64_t cap, uint64_t *n);
 int shmps_table_len(void **bases, uint32_t nshards, uint64_t *n);
+/* An outbox shard's rows [0, rows) and (once) its index and links are backed: a monotone
+ * max of its ctl `backed` (create_missing refuses new rows past it: SHMPS_E_UNBACKED). */
+int shmps_table_set_backed(void **bases, uint32_t nshards, uint32_t shard, uint64_t rows);
 int shmps_table_check(void **bases, uint32_t nshards, uint64_t token, uint64_t *info);
 int shmps_table_attach_counts(void **bases, uint32_t nshards, uint64_t token,
                               uint32_t *checked);

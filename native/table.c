@@ -96,6 +96,8 @@ typedef struct {
     uint64_t free_head;  /* first free row + 1, 0 = none */
     uint64_t tombstones; /* TOMB slots in this shard's index */
     uint64_t repairs;    /* times table_repair ran (statistics) */
+    uint64_t backed;     /* an outbox shard: rows whose pages its pushers backed, and, once
+                          * > 0, its index and links (shmps_table_set_backed) */
 } tctl_t;
 
 _Static_assert(sizeof(tctl_t) <= SHMPS_TABLE_CTL_BYTES, "table control block too big");
@@ -765,22 +767,16 @@ static int table_repair(tshard_t *ts, uint32_t nshards, uint64_t token) {
 /* Takes the creation lock; taken over from a dead holder, repairs the table first.
  * bases: every shard (ts may hold only some views: shard_views).
  *
- * The repair needs a view of every shard.  If this caller cannot view them all
- * because of what it holds (a shard it has not mapped, whose spec it does not hold:
- * SHMPS_E_ARG), it repaired nothing, so it hands the lock back to the dead holder (its
- * token again, release: the next taker's acquire CAS pairs with it) and returns the
- * error: the next taker takes it over as from any dead holder and repairs, the dead
- * creator's claimed slots and rows with it.  A control block that does not belong to
- * the table (SHMPS_E_CORRUPT) is damage every process meets: the lock is released
- * clean, as for a repair that fails below (handed back, it failed every later call of
- * every process that takes the lock, each after a takeover: review 17 F1).
- * (Released clean, as before 2026-11-27, the lock was free and nothing repaired them:
- * a claimed slot stayed CLAIM, a row taken stayed out of the free list and counts,
- * until another creator died in the lock.)  A repair that fails once it has started
- * (a corrupt index or row: SHMPS_E_CORRUPT) releases the lock clean, as before: every
- * process would meet the same corruption, so a lock handed back would fail every later
- * creation, delete, evict and outbox scan with it, one repair pass each; table.check()
- * reports it. */
+ * The repair needs a view of every shard.  A caller that cannot view them all for a
+ * reason of its own (a shard it has not mapped, whose spec it does not hold:
+ * SHMPS_E_ARG) repaired nothing: it hands the lock back to the dead holder (its token
+ * again, release: the next taker's acquire CAS pairs with it) and fails, so the next
+ * taker repairs, the dead creator's claimed slots and rows with it (released clean,
+ * before 2026-11-27, nothing repaired them: review 15 F8).  Damage every process would
+ * meet -- a control block that is not the table's (SHMPS_E_CORRUPT), or a corrupt index
+ * or row met part way through the repair -- releases the lock clean: handed back, it
+ * failed every later call that takes the lock, in every process, each after a takeover
+ * (review 17 F1); table.check() reports the damage. */
 static int create_lock_within(void **bases, tshard_t *ts, uint32_t nshards, uint64_t token,
                               double timeout_s) {
     shmps_stripe_t *lk = &ts[0].ctl->create;
@@ -826,7 +822,8 @@ static void create_unlock(tshard_t *ts) { shmps_stripe_unlock(&ts[0].ctl->create
 
 /* Creates the keys of the groups whose row is -1, all or none.  info (on
  * SHMPS_E_FULL): new keys needed, keys used, capacity, and the shard that is full
- * (UINT64_MAX: the table as a whole). */
+ * (UINT64_MAX: the table as a whole); (on SHMPS_E_UNBACKED, an outbox's) the rows of
+ * shard info[3] that must be backed, [0, info[0]), those backed, and its rows. */
 static int create_missing(batch_t *b, tshard_t *ts, uint64_t step, uint64_t *info) {
     int r = create_lock(b->bases, ts, b->nshards, b->token);
     if (r < 0) return r;
@@ -861,6 +858,20 @@ static int create_missing(batch_t *b, tshard_t *ts, uint64_t step, uint64_t *inf
                 if (info) info[0] = newcnt[s], info[1] = used, info[2] = ts[s].nrows, info[3] = s;
                 create_unlock(ts);
                 return SHMPS_E_FULL;
+            }
+            if (!(ts[s].s->flags & SHMPS_F_OUTBOX)) continue;
+            /* An outbox is created without its pages: the rows it hands out are backed
+             * by its pushers first (outbox.py), up to `backed`, so that none is written
+             * into a page /dev/shm then has no room for (SIGBUS).  The free rows (hwm -
+             * used, handed out before) are backed; the rest come from hwm on.  Acquire:
+             * pairs with shmps_table_set_backed's release, after its backing. */
+            uint64_t hwm = LOAD(&ts[s].ctl->hwm, RELAXED);
+            uint64_t fresh = newcnt[s] > hwm - used ? newcnt[s] - (hwm - used) : 0;
+            uint64_t backed = LOAD(&ts[s].ctl->backed, ACQUIRE);
+            if (backed == 0 || hwm + fresh > backed) {
+                if (info) info[0] = hwm + fresh, info[1] = backed, info[2] = ts[s].nrows, info[3] = s;
+                create_unlock(ts);
+                return SHMPS_E_UNBACKED;
             }
         }
         for (uint64_t g = 0; g < b->ngroups && r == SHMPS_OK; g++) {
@@ -1023,24 +1034,21 @@ static inline int update_row(tshard_t *t, uint64_t row, uint64_t slot, uint64_t 
     return r;
 }
 
-/* A push found its outbox full (SHMPS_E_FULL from create_missing, which says in
- * `shard` which shard is short of rows, UINT64_MAX for the table as a whole), of keys
- * kept from earlier drains maybe: those a drain of their shard removes once it scans
+/* A push found its outbox full (SHMPS_E_FULL from create_missing, which names in
+ * `shard` the first shard short of rows, UINT64_MAX for the table as a whole), of keys
+ * kept from earlier drains maybe: a drain of their shard removes those once it scans
  * ("Outbox drains"), and a shard holding kept keys and nothing listed is not even
  * frozen by its drain unless asked.  So ask for a scan (ob_rescan: relaxed, a hint; the
- * bridge finds the shards busy, shmps_outbox_busy) every shard whose keys stand in
- * the way: the shard that is full, or, the table full, every shard (each one's kept
- * keys count against the table's capacity: this push's keys may hash to none of
- * them).  Only through views (the shards the push viewed, all of them: the full
- * shards' keys are among them; for every shard, viewed here, on this failure path only: a base is
- * written through only once its private spec says it is a shard of this table).  If
- * some shard cannot be viewed, the shards the push viewed are asked, the rest not. */
+ * bridge finds the shards busy, shmps_outbox_busy) every shard whose keys may stand in
+ * the way: a shard full, every shard the push viewed (another may be full too: asked
+ * one refusal at a time, each cost the pusher's retry a bridge round; review 17 F2);
+ * the table full, every shard (each one's kept keys count against its capacity, and
+ * this push's keys may hash to none of them), viewed here on this failure path only, so
+ * that a base is written through only once its spec says it is a shard of this table:
+ * if some shard cannot be viewed, the shards the push viewed, and shard 0. */
 static void ask_rescan(void **bases, uint32_t nshards, tshard_t *ts, const batch_t *b,
                        uint64_t shard) {
     if (shard < nshards) {
-        /* every shard the push viewed, not only the first full one create_missing
-         * names: another it did not reach may be full too, and asked only now it would
-         * cost the pusher's retry a bridge round each (review 17 F2) */
         for (uint32_t s = 0; s < nshards; s++)
             if (touched(b, s)) STORE(&ts[s].h->ob_rescan, 1, RELAXED);
         return;
@@ -1284,6 +1292,21 @@ int shmps_table_len(void **bases, uint32_t nshards, uint64_t *n) {
     return SHMPS_OK;
 }
 
+int shmps_table_set_backed(void **bases, uint32_t nshards, uint32_t shard, uint64_t rows) {
+    tshard_t ts[SHMPS_TABLE_MAX_SHARDS];
+    int r = shard_view(bases, nshards, shard, ts);
+    if (r) return r;
+    if (!(ts[shard].s->flags & SHMPS_F_OUTBOX) || rows == 0 || rows > ts[shard].nrows)
+        return SHMPS_E_ARG;
+    uint64_t *p = &ts[shard].ctl->backed;
+    /* release: the caller's backing of the pages happens-before a creator's acquire load
+     * that reads this value (create_missing); a monotone max */
+    uint64_t cur = LOAD(p, RELAXED);
+    while (cur < rows && !CAS(p, &cur, rows, RELEASE, RELAXED)) {
+    }
+    return SHMPS_OK;
+}
+
 int shmps_table_keys(void **bases, uint32_t nshards, uint32_t shard, uint64_t token,
                      uint64_t *out, uint64_t cap, uint64_t *n) {
     tshard_t ts[SHMPS_TABLE_MAX_SHARDS];
@@ -1479,7 +1502,7 @@ int shmps_table_evict(void **bases, uint32_t nshards, uint32_t shard, uint64_t t
  * half way, which makes a cycle), looks at every row and removes them all instead, as
  * before 2026-11-27 (the scan below); so does a drain of a shard, or of an outbox, whose
  * keys fill over a quarter of it, which keeps room for new keys.  A push that finds the
- * outbox full asks the full shard, or, the table full, every shard for a scan
+ * outbox full asks every shard it viewed, or, the table full, every shard for a scan
  * (ask_rescan); a delete, an evict or a write of row steps in it asks the shard (a row
  * removed and created again without a push would cut the list).  A drain killed while taking listed rows leaves them zeroed with a count of
  * 0 (values first), and the list in place: the next drain skips them.  Returns

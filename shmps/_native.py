@@ -39,6 +39,8 @@ _CODES: dict[int, tuple[type[errors.Error], str]] = {
                           "`shmps-tool gc --corrupt`, and restore the checkpoint with this "
                           "one)"),
     lib.SHMPS_E_BOUNDS: (errors.OutOfRange, "index or size out of range"),
+    lib.SHMPS_E_UNBACKED: (errors.CapacityError, "an outbox's new rows are not backed yet "
+                           "(its pushers back them first: outbox.py)"),
     lib.SHMPS_E_TIMEOUT: (errors.Timeout, "timed out waiting for a live process holding a "
                           "lock; a push stopped here applied the stripes it had reached"),
     lib.SHMPS_E_FULL: (errors.CapacityError, "capacity reached"),

@@ -252,13 +252,12 @@ class _Backing:
     a granule is backed here, it is not asked again (another process may have backed
     it: asked again, that costs a walk of its pages, nothing more)."""
 
-    __slots__ = ("seg", "done", "left", "rows")
+    __slots__ = ("seg", "done", "left")
 
     def __init__(self, seg: Any) -> None:
         self.seg = seg
         self.done = np.zeros(-(-seg.size // BACK_CHUNK), np.bool_)
         self.left = self.done.size     #: granules not backed here yet
-        self.rows = 0                  #: a table shard's rows backed here: [0, rows)
 
     def chunks(self, idx: np.ndarray) -> None:
         """Back the granules ``idx`` (sorted, unique) not yet backed; CapacityError if
@@ -358,39 +357,25 @@ def _back_dense(t: Any, rows: Optional[np.ndarray]) -> None:
         d.rows(rows)
 
 
-def _back_table(t: Any, keys: np.ndarray) -> None:
-    """Back what a push of ``keys`` into the table outbox ``t`` may write in each shard
-    they hash to: its header, index, control block and links whole at its first push (a
-    key's slot is anywhere in the index: about a tenth of the shard), and its per-row
-    arrays (keys, values, row steps, stripes) for the rows handed out so far (ctl hwm),
-    its keys' count more (a new key takes a freed row, else row hwm), and
-    BACK_AHEAD_ROWS beyond.  O(nshards) per push once backed that far; the keys are
-    hashed (O(len(keys))) only when some shard may need more.  Closed if ``t`` is."""
-    bs = _backings(t)
-    n, counts = keys.size, None
-    for s, b in enumerate(bs):
-        if not b.left:
-            continue
-        sh = t._shard(s)                                  # (Closed if closed)
-        sp = sh.spec
-        # the ctl's hwm (docs/tables.md), read through the pointer: a numpy view kept
-        # here would keep the segment mapped after close
-        hwm = int(ffi.cast("uint64_t *", sh.ptr)[(sp["index_off"] + 16 * sp["nslots"]
-                                                    + 88) // 8])
-        if b.rows and hwm + n <= b.rows:
-            continue
-        if counts is None:
-            counts = np.bincount(t._key_shard(keys), minlength=t.nshards)
-        if not counts[s] or (b.rows and hwm + int(counts[s]) <= b.rows):
-            continue
-        b.span(0, sp["colidx_off"])                       # header
-        b.span(sp["index_off"], b.seg.size)               # index, ctl, links
-        upto = min(sp["nrows"], hwm + int(counts[s]) + BACK_AHEAD_ROWS)
-        bounds = [sp["colidx_off"], sp["value_off"], sp["rowstep_off"], sp["stripes_off"],
-                  sp["index_off"]]
-        for lo, hi in zip(bounds, bounds[1:]):            # the per-row arrays
-            b.span(lo, lo + -(-(hi - lo) * upto // sp["nrows"]))
-        b.rows = upto
+def _back_table_rows(t: Any, shard: int, rows: int) -> None:
+    """A push (or a pull that creates) into the table outbox ``t`` was refused for new
+    rows of ``shard`` past those backed (SHMPS_E_UNBACKED: rows [0, ``rows``) must be):
+    back its header, index and links (its first time: a key's slot is anywhere in the
+    index, about a tenth of the shard) and its per-row arrays (keys, values, row steps,
+    stripes) up to ``rows`` and BACK_AHEAD_ROWS more, then say so for every process
+    (shmps_table_set_backed: the shard's ctl ``backed``, which the C creation checks
+    under the creation lock: the push's other shards, and pushes without new rows, cost
+    nothing).  CapacityError if /dev/shm has no room, nothing changed."""
+    b, sp = _backings(t)[shard], t._shard(shard).spec
+    b.span(0, sp["colidx_off"])                       # header
+    b.span(sp["index_off"], b.seg.size)               # index, ctl, links
+    upto = min(sp["nrows"], rows + BACK_AHEAD_ROWS)
+    bounds = [sp["colidx_off"], sp["value_off"], sp["rowstep_off"], sp["stripes_off"],
+              sp["index_off"]]
+    for lo, hi in zip(bounds, bounds[1:]):            # the per-row arrays
+        b.span(lo, lo + -(-(hi - lo) * upto // sp["nrows"]))
+    _native.check(lib.shmps_table_set_backed(t._ptrs(), t.nshards, shard, upto),
+                  f"push to {t.record['outbox_of']!r}")
 
 
 class DenseOutbox(DenseTensor):
@@ -504,25 +489,34 @@ class TableOutbox(Table):
         """Every shard's base (``void *[]``) for shmps_outbox_busy."""
         return self._ptrs()
 
+    def _back_rows(self, shard: int, rows: int) -> None:
+        """The C creation refused new rows of ``shard`` past those backed: back them
+        (_back_table_rows)."""
+        _back_table_rows(self, shard, rows)
+
     def _push_counted(self, k: np.ndarray, g: np.ndarray, check: bool) -> None:
         """Sum validated rows into the outbox; C counts the push in every shard it
         touched (shmps_table_push on an outbox shard).  ``check``: the table's NaN/Inf
         rule, applied here before anything changes.  Then the store-wide count of
         forwarded pushes moves (_count_forwarded)."""
-        _back_table(self, k)
         scratch, nbytes, info = self._scratch(k.size)
         deadline = None
         while True:
+            code = None
             try:
                 code = lib.shmps_table_push(self._ptrs(), self.nshards, _native.token(),
                                             _native.addr(k), k.size, ffi.from_buffer(g),
                                             self._gcode, int(check), scratch, nbytes, info)
             finally:
-                _count_forwarded(self)
+                if code != lib.SHMPS_E_UNBACKED:   # (a refusal to try again: not a push)
+                    _count_forwarded(self)
+            if code == lib.SHMPS_E_UNBACKED:       # nothing changed: back the rows, again
+                self._back_rows(int(info[3]), int(info[0]))
+                continue
             # Full, with room for the new keys were the keys that drains keep gone: the
-            # push (which changed nothing) asked the next drain of the full shard (the
-            # table full: of every shard) to remove them (native/table.c "Outbox drains",
-            # ask_rescan), and the bridge, woken by the count, drains
+            # push (which changed nothing) asked the next drain of every shard it viewed
+            # (the table full: of every shard) to remove them (native/table.c "Outbox
+            # drains", ask_rescan), and the bridge, woken by the count, drains
             # within a flush interval: try again, for FULL_RETRY_S at most
             if code != lib.SHMPS_E_FULL or int(info[0]) > int(info[2]):
                 break

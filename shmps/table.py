@@ -430,12 +430,23 @@ class Table(Tensor):
             raise InvalidArgument(f"{k.size} keys in one pull; at most {MAX_BATCH}",
                                   "split the batch")
         scratch, nbytes, info = self._scratch(k.size)
-        code = lib.shmps_table_pull(self._ptrs(), self.nshards, _native.token(), _native.addr(k),
-                                    k.size, ffi.from_buffer(out), int(bool(create)), fptr,
-                                    scratch, nbytes, info)
+        while True:
+            code = lib.shmps_table_pull(self._ptrs(), self.nshards, _native.token(),
+                                        _native.addr(k), k.size, ffi.from_buffer(out),
+                                        int(bool(create)), fptr, scratch, nbytes, info)
+            if code != lib.SHMPS_E_UNBACKED:   # (an outbox's: nothing done, back and again)
+                break
+            self._back_rows(int(info[3]), int(info[0]))
         if code:
             self._fail(code, info, "pull")
         return out
+
+    def _back_rows(self, shard: int, rows: int) -> None:
+        """Back new rows of ``shard`` before the C creation writes them: an outbox's
+        (outbox.TableOutbox); a table's pages are backed at its creation, so its
+        creation never asks."""
+        raise CorruptSegment(f"table {self.name!r} asked for its rows to be backed, which "
+                             "only an outbox does (its segment's flags are damaged?)")
 
     # -- keys ------------------------------------------------------------------------
     def contains(self, keys: Any) -> np.ndarray:

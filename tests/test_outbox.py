@@ -2879,3 +2879,44 @@ def test_a_destroyed_table_outbox_is_unmapped_while_its_handles_live(store_name)
     maps = open("/proc/self/maps").read()
     assert not [n for n in names if n in maps], names
     assert t is not None
+
+
+def test_a_table_outbox_creates_rows_only_up_to_those_backed(store):
+    """The C creation of an outbox's rows checks, under the creation lock, that they
+    were backed (ctl ``backed``, shared by every process): past it, SHMPS_E_UNBACKED
+    with the rows needed, nothing changed; the pusher backs them and says so
+    (shmps_table_set_backed), and the push goes in.  A push whose rows were backed, by
+    any process, does no Python work for it (at 256 shards the per-shard checks it made
+    before cost 346 us a push).  set_backed refuses a table that is not an outbox."""
+    from shmps._native import ffi, lib
+    from shmps.outbox import BACK_AHEAD_ROWS
+
+    e = store.table("e", dim=4, capacity=4096, shards=2)
+    store._set_forwarding(True)
+    ob = e._outbox()
+    keys = np.arange(1, 200, dtype=np.uint64)
+    keys = keys[e._key_shard(keys) == 1][:10]
+
+    def raw_push() -> tuple[int, list]:
+        scratch, nbytes, info = ob._scratch(keys.size)
+        g = np.ones((keys.size, 4), np.float32)
+        code = lib.shmps_table_push(ob._ptrs(), 2, native.token(), native.addr(keys),
+                                    keys.size, ffi.from_buffer(g), ob._gcode, 1, scratch,
+                                    nbytes, info)
+        return code, [int(info[i]) for i in range(4)]
+
+    def backed(s: int) -> int:
+        sp = ob._shard(s).spec
+        return int(ob._shard(s).seg.array(np.uint64, sp["index_off"] + 16 * sp["nslots"]
+                                          + 120, 1)[0])
+
+    nrows = ob._shard(1).spec["nrows"]
+    assert raw_push() == (lib.SHMPS_E_UNBACKED, [10, 0, nrows, 1])
+    assert len(ob) == 0 and backed(1) == 0
+    e.push(keys, np.ones((10, 4)))                      # backs shard 1, then goes in
+    assert len(ob) == 10
+    assert backed(1) == min(nrows, 10 + BACK_AHEAD_ROWS) and backed(0) == 0
+    assert lib.shmps_table_set_backed(ob._ptrs(), 2, 1, 5) == 0    # a max: stays
+    assert backed(1) == min(nrows, 10 + BACK_AHEAD_ROWS)
+    assert raw_push()[0] == 0                           # old keys: no new row
+    assert lib.shmps_table_set_backed(e._ptrs(), 2, 0, 5) == lib.SHMPS_E_ARG
