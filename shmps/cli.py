@@ -13,7 +13,7 @@ import os
 import sys
 from typing import Sequence
 
-from .errors import Error, InvalidArgument
+from .errors import Error
 
 PROG = "shmps-tool"
 #: set (to anything but empty) to see the traceback of an internal error
@@ -73,9 +73,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _UsageError as exc:
         return fail(str(exc))
     except Error as exc:
-        if exc.hint == InvalidArgument.hint:   # the API's hint names a docstring
-            exc.hint = f"see {PROG} {getattr(args, 'verb', None) or ''} --help".replace("  ", " ")
-        return fail(str(exc))
+        return fail(exc.told(f"see {PROG} {getattr(args, 'verb', None) or ''} --help"
+                             .replace("  ", " ")))
     except KeyboardInterrupt:
         return fail("interrupted")
     except BrokenPipeError:

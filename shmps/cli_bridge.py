@@ -19,18 +19,13 @@ import urllib.error
 import urllib.request
 from typing import Any, Optional
 
+from .cli_args import positive
 from .errors import Error, InvalidArgument, Timeout
 
 #: the largest answer read (a /health of thousands of shards is a few hundred KiB)
 MAX_ANSWER_BYTES = 16 << 20
 #: who the request's MAC names as its sender (the bridge logs it with the change)
 CLIENT_ID = "operator"
-
-
-def _url(target: str, path: str) -> str:
-    from .bridge.members import parse_address
-    host, port = parse_address(target)     # (an IPv6 host comes in its brackets)
-    return f"http://{host}:{port}{path}"
 
 
 #: no proxy: the bridges reach each other directly, and so does the tool (a proxy from
@@ -40,22 +35,13 @@ _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 MAX_TIMEOUT_S = 86400.0
 
 
-def _timeout(text: str) -> float:
-    try:
-        t = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 < t <= MAX_TIMEOUT_S:
-        raise argparse.ArgumentTypeError(f"{text} must be > 0 and <= {MAX_TIMEOUT_S:g} s")
-    return t
-
-
 def _request(target: str, method: str, path: str, body: Optional[bytes],
              headers: dict[str, str], timeout: float) -> tuple[int, Any, bytes]:
     """(status, headers, body) of one request to the bridge at ``target``; a bridge
     that cannot be reached, or an answer that is not HTTP, is an :class:`Error` that
     says what to check."""
-    req = urllib.request.Request(_url(target, path), data=body, method=method,
+    from .bridge.members import http_url
+    req = urllib.request.Request(http_url(target, path), data=body, method=method,
                                  headers={"Content-Type": "application/json", **headers})
     try:
         with _OPENER.open(req, timeout=timeout) as r:
@@ -195,7 +181,7 @@ def register(sub: Any) -> None:
                         "over and its bridge exits")
     p.add_argument("--secret-file", metavar="F",
                    help="the cluster's shared secret (the bridges' --secret-file)")
-    p.add_argument("--timeout", type=_timeout, default=10.0,
+    p.add_argument("--timeout", type=positive(MAX_TIMEOUT_S), default=10.0,
                    help="seconds to wait for the bridge's answer (default 10)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_members)

@@ -14,6 +14,7 @@ import numpy as np
 
 from . import _native, names
 from . import inspect as shm_inspect
+from .cli_args import positive
 from .errors import Error, InvalidArgument
 from .segment import age_of, unlink
 from .store import remove_idle
@@ -369,7 +370,8 @@ def register(sub: Any) -> None:
     p.add_argument("store")
     p.add_argument("--namespace")
     p.add_argument("--once", action="store_true", help="print one JSON snapshot and exit")
-    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    p.add_argument("--interval", type=positive(), default=1.0,
+                   help="seconds between refreshes")
     p.add_argument("--count", type=int, default=0, help="stop after N refreshes (0: never)")
     p.set_defaults(func=cmd_stats)
 

@@ -24,6 +24,14 @@ class Error(Exception):
     def __str__(self) -> str:
         return f"{self.message} ({self.hint})" if self.hint else self.message
 
+    def told(self, hint: str | None) -> str:
+        """``str(self)`` for a reader outside Python (a command line, an HTTP client):
+        InvalidArgument's default hint points at a docstring that reader does not have,
+        so ``hint`` (None: no hint) takes its place; any other hint stays."""
+        if self.hint != InvalidArgument.hint:
+            return str(self)
+        return f"{self.message} ({hint})" if hint else self.message
+
 
 class InvalidArgument(Error, ValueError):
     """An argument is malformed (bad name, bad option, non-finite gradient, ...)."""

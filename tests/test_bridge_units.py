@@ -205,6 +205,12 @@ def test_parse_hosts_accepts_comments_blank_lines_ipv6_and_names():
     assert members.parse_hosts("") == []
     assert members.address_host("[::1]:7072") == "::1"
     assert members.address_host("h:1") == "h"
+    # sockets take an IPv6 host without its brackets, URLs with them (a bridge listed
+    # as [::1]:7072 could not listen while the brackets went to its sockets)
+    assert members.socket_address("[0::1]:7072") == ("::1", 7072)
+    assert members.socket_address("10.0.0.1:7070") == ("10.0.0.1", 7070)
+    assert members.http_url("[::1]:7072", "/health") == "http://[::1]:7072/health"
+    assert members.http_url("h:1", "/v1/members") == "http://h:1/v1/members"
 
 
 @pytest.mark.parametrize("line, why", [

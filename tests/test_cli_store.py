@@ -724,3 +724,12 @@ def test_gc_never_removes_a_store_under_an_attach(ns, procs):
     gc_runs = int(g_out)
     assert int(loops) > 100 and gc_runs > 100, (loops, gc_runs)
     assert int(nerr) == 0, (nerr, errs, loops, gc_runs)
+
+
+def test_stats_refuses_an_interval_it_cannot_sleep():
+    """--interval must be a finite number of seconds > 0 (the shared cli_args.positive):
+    nan, inf, 0 and -1 were taken."""
+    for bad in ("nan", "inf", "0", "-1", "x"):
+        r = tool("stats", "model", "--interval", bad)
+        assert r.returncode == 2 and "argument --interval" in r.stderr, (bad, r.stderr)
+        assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr

@@ -1010,3 +1010,17 @@ def test_private_specs_follow_init_validate_and_close():
     finally:
         for seg in segs:
             seg.close()
+
+
+def test_an_error_told_outside_python_drops_only_the_docstring_hint():
+    """Error.told: for a command line or an HTTP client, InvalidArgument's default hint
+    (a docstring they do not have) gives way to the one given (or none); any other hint
+    stays, so shmps-tool, shmps-bridge and the bridge's answers say what to do."""
+    plain = shmps.InvalidArgument("bad value")
+    assert str(plain) == "bad value (check the argument against the docstring)"
+    assert plain.told("see shmps-tool --help") == "bad value (see shmps-tool --help)"
+    assert plain.told(None) == "bad value"
+    own = shmps.InvalidArgument("bad value", "pass 3")
+    assert own.told("see --help") == own.told(None) == "bad value (pass 3)"
+    schema = shmps.SchemaError("wrong shape")            # a subclass with its own hint
+    assert schema.told(None) == str(schema) and "docstring" not in str(schema)

@@ -15,33 +15,14 @@ import socket
 import sys
 from typing import Optional, Sequence
 
-from ..errors import Error, InvalidArgument
+from ..cli_args import at_least_one, positive
+from ..errors import Error
 from .members import DEAD_AFTER, address_host, normalize_address, read_hosts
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"shmps-bridge: {message} (see shmps-bridge --help)\n")
-
-
-def _at_least_one(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{n} must be >= 1")
-    return n
-
-
-def _positive(text: str) -> float:
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not x > 0 or x == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text} must be a finite number > 0")
-    return x
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,19 +34,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--listen", metavar="HOST:PORT",
                    help="address to listen on; must be listed in HOSTS_TXT (default: the one "
                         "entry of HOSTS_TXT that is an address of this machine)")
-    p.add_argument("--replicas", type=_at_least_one, default=2,
+    p.add_argument("--replicas", type=at_least_one, default=2,
                    help="copies of every shard that acknowledge a batch (default 2)")
     p.add_argument("--secret-file", metavar="F",
                    help="shared secret (16..4096 bytes, mode 0600); required to listen on "
                         "anything but loopback")
     p.add_argument("--namespace", default=os.environ.get("SHMPS_NAMESPACE") or None,
                    help="shared-memory namespace of the store (as shmps.attach(namespace=))")
-    p.add_argument("--flush-ms", type=_positive, default=5.0,
+    p.add_argument("--flush-ms", type=positive(), default=5.0,
                    help="how often outboxes are drained and sent (default 5 ms)")
     p.add_argument("--allow-minority", action="store_true",
                    help="own shards without a majority (two hosts that only fail by "
                         "crashing; a partition then splits the brain: see the docs)")
-    p.add_argument("--dead-after", type=_positive, default=DEAD_AFTER,
+    p.add_argument("--dead-after", type=positive(), default=DEAD_AFTER,
                    help=f"seconds of silence before a peer is dead (default {DEAD_AFTER})")
     p.add_argument("--log-level", default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -107,9 +88,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                      dead_after=args.dead_after)
         asyncio.run(serve(cfg))
     except Error as e:
-        if e.hint == InvalidArgument.hint:   # the API's hint names a docstring
-            e.hint = "see shmps-bridge --help"
-        print(f"shmps-bridge: {e}", file=sys.stderr)
+        print(f"shmps-bridge: {e.told('see shmps-bridge --help')}", file=sys.stderr)
         return 2
     except OSError as e:
         print(f"shmps-bridge: {e}", file=sys.stderr)

@@ -162,8 +162,21 @@ def normalize_address(text: str) -> str:
 
 def address_host(address: str) -> str:
     """The host of ``address`` without brackets (what a socket binds to). O(len)."""
-    host, _ = parse_address(address)
-    return host[1:-1] if host.startswith("[") else host
+    return socket_address(address)[0]
+
+
+def socket_address(address: str) -> tuple[str, int]:
+    """(host, port) of ``address`` for a socket to bind or dial: an IPv6 host without
+    its brackets ("[::1]:7070" is ("::1", 7070)). O(len)."""
+    host, port = parse_address(address)
+    return (host[1:-1] if host.startswith("[") else host), port
+
+
+def http_url(address: str, path: str) -> str:
+    """The URL of ``path`` on the bridge at ``address`` (an IPv6 host keeps its
+    brackets, as URLs write it). O(len)."""
+    host, port = parse_address(address)
+    return f"http://{host}:{port}{path}"
 
 
 def member_id(address: str) -> int:

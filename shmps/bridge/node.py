@@ -51,8 +51,8 @@ from ..outbox import counters as outbox_counters, unacknowledged
 from . import auth, frames, urgent, wsstream
 from .frames import ROWS_SEQ_BASE, FrameType, Layout, Mark, Status
 from .members import (DEAD_AFTER, HEARTBEAT_INTERVAL, ON_RING, Membership, State,
-                      address_host, member_id, normalize_address, parse_address, parse_hosts,
-                      read_hosts, watch_file)
+                      address_host, http_url, member_id, normalize_address, parse_address,
+                      parse_hosts, read_hosts, socket_address, watch_file)
 from .outq import Backpressure, ByteBudget, Dedup, OutQueue, Verdict
 from .pause import Pause
 from .ring import Ring, shard_key
@@ -466,8 +466,7 @@ class Link:
         return c.send(data) if c is not None else False
 
     async def _run(self) -> None:
-        # (the socket's host has no brackets: "[::1]:7070" dials ::1)
-        host, port = address_host(self.addr), parse_address(self.addr)[1]
+        host, port = socket_address(self.addr)
         while True:
             stream: Optional[wsstream.WsStream] = None
             try:
@@ -805,8 +804,7 @@ class Bridge:
         # the free space (segment.check_room)
         self.store.reserve_memory = False
         await self._lock_store()
-        # (the socket's host has no brackets: "[::1]:7070" binds ::1)
-        host, port = address_host(self.addr), parse_address(self.addr)[1]
+        host, port = socket_address(self.addr)
         self._site = web.TCPSite(self.runner, host, port, reuse_address=True)
         try:
             await self._site.start()
@@ -3717,9 +3715,7 @@ class Bridge:
         import aiohttp
         signed = auth.sign_request(self.cfg.secret, method, path, body, self.addr,
                                    target=peer)
-        host, port = parse_address(peer)     # (an IPv6 host comes in its brackets)
-        url = f"http://{host}:{port}{path}"
-        async with self.session.request(method, url, data=body or None,
+        async with self.session.request(method, http_url(peer, path), data=body or None,
                                         headers={**signed, **(headers or {})},
                                         timeout=aiohttp.ClientTimeout(total=timeout)) as r:
             if r.status not in ok:
@@ -3938,8 +3934,7 @@ class Bridge:
             members += [a for a in add if a not in members]
             self._set_members(members)
         except (ValueError, Error) as e:
-            # (the API's default hint names a docstring: not one an HTTP client has)
-            said = e.message if isinstance(e, Error) and e.hint == InvalidArgument.hint else e
+            said = e.told(None) if isinstance(e, Error) else e
             return self._signed_json(request, {"error": f"bad request: {said}"}, 400)
         if not req.get("forwarded"):
             # every other member applies the same change, the removed ones included (they

@@ -1,0 +1,36 @@
+"""Value types for the command lines' options (``argparse`` ``type=``), shared by
+``shmps-tool`` and ``shmps-bridge``: each refuses what its option cannot take with a
+line saying why (argparse prefixes the option's name)."""
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Callable
+
+
+def at_least_one(text: str) -> int:
+    """An integer >= 1 (a count: --replicas)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} must be >= 1")
+    return n
+
+
+def positive(limit: float = math.inf) -> Callable[[str], float]:
+    """A type for a finite number > 0 and <= ``limit`` (seconds, milliseconds): nan,
+    inf, 0 and negatives are refused, as are values past ``limit`` (a socket's timeout
+    overflows past a few days)."""
+    def parse(text: str) -> float:
+        try:
+            x = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not (0 < x <= limit and math.isfinite(x)):
+            raise argparse.ArgumentTypeError(
+                f"{text} must be a finite number > 0" +
+                (f" and <= {limit:g}" if math.isfinite(limit) else ""))
+        return x
+    return parse
