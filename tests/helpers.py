@@ -916,3 +916,26 @@ def start_in_other_pid_namespace(code: str, pid: int, env: Optional[dict] = None
     return subprocess.Popen(cmd + [sys.executable, "-c", _AT_PID, str(pid), code],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                             env=env)
+
+
+def build_preload(directory: Any, source: str, what: str) -> str:
+    """Compile ``source`` (C) into an LD_PRELOAD library in ``directory`` (``what`` names
+    it in a skip); returns its path.  Skips the test where there is no C compiler or
+    the build fails (the library only changes one libc call's answer)."""
+    import shutil
+    import subprocess
+
+    import pytest
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip(f"no C compiler to build the {what} library")
+    d = Path(directory)
+    (d / "preload.c").write_text(source)
+    r = subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(d / "preload.so"),
+                        str(d / "preload.c"), "-ldl"], capture_output=True, text=True,
+                       timeout=120)
+    if r.returncode != 0:
+        pytest.skip(f"cannot build the {what} library: {r.stderr[-300:]}")
+    return str(d / "preload.so")
+

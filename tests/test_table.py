@@ -736,15 +736,10 @@ def test_dead_creator_mid_insert_repaired(store, dead):
 
 
 def _plant_claim_and_dead_lock(t: shmps.Table, dead: int) -> tuple[np.ndarray, int]:
-    """A dead creator that claimed a slot and took a row in shard 3 and died holding the
-    creation lock; returns shard 3's slots and the claimed one's index."""
-    sp = t._shards[3].spec
-    slots3 = t._shards[3].seg.array(np.uint64, sp["index_off"], 2 * sp["nslots"]).reshape(-1, 2)
-    empty = int(np.flatnonzero(slots3[:, 1] == 0)[0])
-    slots3[empty] = [np.uint64(10**6), np.uint64((1 << 63) | (dead & ((1 << 62) - 1)))]
-    _ctl(t, 3)[11] += np.uint64(1)        # shard 3: a claim and a row taken, then death
-    _ctl(t, 0)[8] = np.uint64(dead)       # the creation lock's owner (shard 0, offset 64)
-    return slots3, empty
+    """_plant_dead_creator's dead creator, its claim and row in shard 3; returns shard
+    3's slots and the claimed one's index."""
+    slots3 = _plant_dead_creator(t, dead, shard=3)[3][0]
+    return slots3, int(np.flatnonzero(slots3[:, 1] >> np.uint64(62) == 2)[0])
 
 
 def test_repair_by_a_call_on_one_shard_repairs_every_shard(store, dead):
@@ -884,25 +879,15 @@ with shmps.attach(name, create=False) as s:
 
 @pytest.fixture(scope="module")
 def failing_calloc(tmp_path_factory) -> str:
-    """The path of the _FAILING_CALLOC library, built with cc (skip without one)."""
-    import shutil
-    import subprocess
+    """The path of the _FAILING_CALLOC library (skip without a C compiler)."""
+    from helpers import build_preload
 
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        pytest.skip("no C compiler to build the failing-calloc library")
-    d = tmp_path_factory.mktemp("calloc")
-    (d / "fail.c").write_text(_FAILING_CALLOC)
-    r = subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(d / "fail.so"),
-                        str(d / "fail.c")], capture_output=True, text=True, timeout=120)
-    if r.returncode != 0:
-        pytest.skip(f"cannot build the failing-calloc library: {r.stderr[-300:]}")
-    return str(d / "fail.so")
+    return build_preload(tmp_path_factory.mktemp("calloc"), _FAILING_CALLOC, "failing-calloc")
 
 
-def _plant_dead_creator(t: shmps.Table, dead: int) -> list:
+def _plant_dead_creator(t: shmps.Table, dead: int, shard: int = 1) -> list:
     """The state of a creator that died inside the creation lock: a CLAIM slot and a row
-    taken in shard 1, the lock's owner dead (docs/tables.md's layout).  Returns per
+    taken in ``shard``, the lock's owner dead (docs/tables.md's layout).  Returns per
     shard (slots, ctl, links) arrays over the segment."""
     regions = []
     for sh in t._shards:
@@ -911,10 +896,10 @@ def _plant_dead_creator(t: shmps.Table, dead: int) -> list:
         regions.append((sh.seg.array(np.uint64, sp["index_off"], 2 * sp["nslots"]).reshape(-1, 2),
                         sh.seg.array(np.uint64, ctl_off, 32),
                         sh.seg.array(np.uint64, ctl_off + 256, sp["nrows"])))
-    slots1, ctl1, _ = regions[1]
-    empty = int(np.flatnonzero(slots1[:, 1] == 0)[0])
-    slots1[empty] = [np.uint64(10**6), np.uint64((1 << 63) | (dead & ((1 << 62) - 1)))]
-    ctl1[11] = ctl1[11] + np.uint64(1)    # hwm: the dead creator took a row
+    slots, ctl, _ = regions[shard]
+    empty = int(np.flatnonzero(slots[:, 1] == 0)[0])
+    slots[empty] = [np.uint64(10**6), np.uint64((1 << 63) | (dead & ((1 << 62) - 1)))]
+    ctl[11] = ctl[11] + np.uint64(1)      # hwm: the dead creator took a row
     regions[0][1][8] = np.uint64(dead)    # the creation lock's owner (shard 0, offset 64)
     return regions
 
