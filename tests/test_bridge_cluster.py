@@ -257,6 +257,91 @@ def test_the_segments_a_bridge_creates_are_backed_in_the_background(make_cluster
     assert len(outbox) == 4 and sum(a for a, _ in outbox) < sum(n for _, n in outbox) // 4
 
 
+#: posix_fallocate answers ENOSPC while the file $SHMPS_TEST_NO_ROOM names exists: a
+#: /dev/shm without room, for the backing of a bridge's copies (segment.allocate)
+_NO_ROOM_FALLOCATE = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <stdlib.h>
+#include <sys/types.h>
+#include <unistd.h>
+static int no_room(void) {
+    const char *flag = getenv("SHMPS_TEST_NO_ROOM");
+    return flag && access(flag, F_OK) == 0;
+}
+int posix_fallocate64(int fd, off_t off, off_t len) {
+    static int (*real)(int, off_t, off_t);
+    if (no_room()) return ENOSPC;   /* posix_fallocate returns the error */
+    if (!real) real = (int (*)(int, off_t, off_t))dlsym(RTLD_NEXT, "posix_fallocate64");
+    return real(fd, off, len);
+}
+int posix_fallocate(int fd, off_t off, off_t len) { return posix_fallocate64(fd, off, len); }
+"""
+
+
+def test_a_copy_is_not_written_before_its_pages_are_backed(make_cluster, tmp_path):
+    """A bridge backs the copy of a peer's tensor it creates (the thread above) before it
+    takes the tensor up: until then it writes nothing into it, since a write to a page
+    that a full /dev/shm has no room for kills the writer with SIGBUS.  Here host 1's
+    posix_fallocate answers ENOSPC (an LD_PRELOAD library) until the test frees "room":
+    meanwhile host 1's copy gets no values (not the owner's snapshot or changed rows,
+    nor a batch for a shard it owns: refused BUSY, reason unbacked), /health lists it
+    under awaiting_backing, and pushes on host 1 wait in its outbox.  (Taken up at once,
+    the copy was written whole by the first snapshot: here that allocated its pages; on
+    a really full /dev/shm it killed host 1's bridge.)  Once there is room, the retry
+    (every 10 s) backs it, and every host holds the initial values plus every push."""
+    from helpers import build_preload
+
+    preload = build_preload(tmp_path, _NO_ROOM_FALLOCATE, "failing-fallocate")
+    flag = tmp_path / "no-room"
+    flag.write_text("")
+    c = make_cluster(2, wrap=lambda i, cmd: (["env", f"LD_PRELOAD={preload}",
+                                              f"SHMPS_TEST_NO_ROOM={flag}"]
+                                             if i == 1 else []) + cmd)
+    c.start_all()
+    init = np.arange(4096 * 64, dtype=np.int32).reshape(4096, 64) % 1000
+    s0 = c.attach(0)
+    s1 = None
+    try:
+        s0.dense("wa", (4096, 64), "int32", init=init, shard_rows=1024)  # 4 x 256 KiB
+        s0["wa"].push(np.ones((4096, 64), np.int32))
+        pushes0 = 1
+        s1 = c.attach(1)
+        c.wait(lambda: any(t["name"] == "wa" for t in s1.tensors()), 15,
+               "host 1 to create its copy")
+        s1["wa"].push(np.full((4096, 64), 2, np.int32))
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:   # the owner's snapshots and batches go on
+            s0["wa"].push(np.ones((4096, 64), np.int32))
+            pushes0 += 1
+            time.sleep(0.1)
+        tid = s1._record("wa")["id"]
+        prefix = f"shmps.{c.namespaces[1]}.{c.store}.t{tid}.s"
+        shards = [os.stat(os.path.join("/dev/shm", n)) for n in os.listdir("/dev/shm")
+                  if n.startswith(prefix)]
+        assert len(shards) == 4
+        # (the header pages are written at creation; 256 KiB of values a shard are not)
+        assert all(st.st_blocks * 512 < 64 << 10 for st in shards), \
+            [(st.st_blocks * 512, st.st_size) for st in shards]
+        assert c.procs[1].poll() is None
+        h1 = c.health(1)
+        assert h1["awaiting_backing"] == ["wa"] and "wa" not in h1["tensors"], h1
+        flag.unlink()   # room in /dev/shm: the next try backs the copy
+        c.wait(lambda: "wa" in (c.health(1) or {}).get("tensors", []), 20,
+               "host 1 to back its copy and forward the tensor")
+        assert metric_value(c, 1, 'shmps_bridge_rejected_frames_total{reason="unbacked"}') > 0
+        s1.flush(timeout=30)
+        s0.flush(timeout=30)
+        v0, v1 = s0["wa"].pull(), s1["wa"].pull()
+        assert np.array_equal(v0, v1)
+        assert np.array_equal(v0, init + pushes0 + 2), np.unique(v0 - init)
+    finally:
+        s0.close()
+        if s1 is not None:
+            s1.close()
+
+
 def test_initial_values_wait_for_an_origin_that_reads_them_one_at_a_time(make_cluster):
     """The creating host reads the initial values of every shard its peers own in its
     snapshot thread, one at a time: here each read takes 0.6 s longer (failpoint
