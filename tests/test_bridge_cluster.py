@@ -342,6 +342,68 @@ def test_a_copy_is_not_written_before_its_pages_are_backed(make_cluster, tmp_pat
             s1.close()
 
 
+def test_an_owner_that_takes_a_tensor_up_after_its_origin_died_copies_a_peer(
+        make_cluster, tmp_path):
+    """A host that takes up a peer's tensor late (here: /dev/shm had no room to back its
+    copy, an LD_PRELOAD library on host 1) and then owns shards of it starts from a copy
+    that was written, not from its own, never written: the origin's if reachable, else
+    the shard's other owners' or any member's.  Host 0 creates the tensor with initial
+    values and dies (SIGKILL) while host 1 waits for room; the ring gives host 1 shards
+    host 0 owned, whose values host 2's copy holds.  Served from host 1's own copy, those
+    shards were zeros, copied over host 2's too: the initial values gone on every host."""
+    from helpers import build_preload
+
+    preload = build_preload(tmp_path, _NO_ROOM_FALLOCATE, "failing-fallocate")
+    flag = tmp_path / "no-room"
+    flag.write_text("")
+    nshards = 16
+    for _ in range(50):   # ports whose rings move a shard of host 0 to host 1
+        c = make_cluster(3, wrap=lambda i, cmd: (["env", f"LD_PRELOAD={preload}",
+                                                  f"SHMPS_TEST_NO_ROOM={flag}"]
+                                                 if i == 1 else []) + cmd)
+        before, after = Ring(c.addrs), Ring(c.addrs[1:])
+        moved = [s for s in range(nshards)
+                 if before.owner(shard_key("wa", s)) == c.addrs[0]
+                 and after.owner(shard_key("wa", s)) == c.addrs[1]]
+        kept = [s for s in range(nshards) if before.owner(shard_key("wa", s)) == c.addrs[2]]
+        if moved and kept:
+            break
+    c.start_all()
+    rows = 64
+    init = np.random.default_rng(9).integers(1, 1000, (nshards * rows, 8), dtype=np.int32)
+    sel = np.concatenate([np.arange(s * rows, (s + 1) * rows) for s in moved + kept])
+    s0 = c.attach(0)
+    try:
+        s0.dense("wa", init.shape, "int32", init=init, shard_rows=rows)
+    finally:
+        s0.close()
+    wait_forwarding(c, {"wa"}, [0, 2])
+    c.wait(lambda: (c.health(1) or {}).get("awaiting_backing") == ["wa"], 15,
+           "host 1 to create its copy and find no room to back it")
+    s2 = c.attach(2)
+    try:
+        c.wait(lambda: np.array_equal(s2["wa"].pull()[sel], init[sel]), 15,
+               "host 2's copy of the shards hosts 0 and 2 own to hold the initial values")
+        c.kill(0)
+        c.wait(lambda: all((c.health(i) or {}).get("ring_digest") == after.digest
+                           for i in (1, 2)), 15, "hosts 1 and 2 to drop host 0")
+        for _ in range(3):
+            s2["wa"].push(np.ones(init.shape, np.int32))
+        flag.unlink()   # room: host 1 backs its copy on its next try and takes it up
+        c.wait(lambda: "wa" in (c.health(1) or {}).get("tensors", []), 20,
+               "host 1 to back its copy and forward the tensor")
+        s2.flush(timeout=60)
+        v2 = s2["wa"].pull()
+    finally:
+        s2.close()
+    s1 = c.attach(1)
+    try:
+        c.wait(lambda: np.array_equal(s1["wa"].pull(), v2), 10, "host 1's copy to match")
+    finally:
+        s1.close()
+    assert np.array_equal(v2[sel], init[sel] + 3), np.unique(v2[sel] - init[sel])
+
+
 def test_initial_values_wait_for_an_origin_that_reads_them_one_at_a_time(make_cluster):
     """The creating host reads the initial values of every shard its peers own in its
     snapshot thread, one at a time: here each read takes 0.6 s longer (failpoint

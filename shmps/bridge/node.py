@@ -1169,18 +1169,31 @@ class Bridge:
             self.shards[(tid, s)] = ShardState(shard_key(info.name, s))
             self.streams[(tid, s)] = SendStream(OutQueue(self.budget))
             self._role_change((tid, s), None, self.owners(shard_key(info.name, s)))
-            if (origin is not None and self.owner(shard_key(info.name, s)) == self.addr
-                    and origin in self.members.reachable()
+            owners = self.owners(shard_key(info.name, s))
+            if (origin is not None and owners and owners[0] == self.addr
                     and self.members.state(self.addr) in (State.ALIVE, State.SUSPECT,
                                                           State.LEAVING)):
-                # an owner of a tensor created elsewhere starts from the origin's
-                # copy (its initial values), asked for as a hand-over snapshot;
-                # batches wait (BUSY) until it is here.  (A joining host copies
-                # every shard from its owner before it owns any.)
+                # An owner of a tensor created elsewhere starts from a copy that was
+                # written: the origin's (its initial values), asked for as a hand-over
+                # snapshot, or, if the origin is gone or does not give it, a copy of the
+                # shard's other owners in the ring, then of any other member (each host
+                # holds one, fed by the owner's rows); batches wait (BUSY) until it is
+                # here.  This copy was never written, and served it would be copied over
+                # every member's: a tensor created just before its origin died, taken up
+                # here after, from a peer's catalog or once /dev/shm had room to back it,
+                # lost its values on every host.  (A joining host copies every shard
+                # from its owner before it owns any.)
                 st = self.shards[(tid, s)]
-                st.handover_from = origin
                 st.handover_since = 0
-                st.handover_until = time.monotonic() + HANDOVER_TIMEOUT
+                st.handover_next = list(dict.fromkeys(
+                    m for m in [*owners[1:], *sorted(self.members.reachable())]
+                    if m != self.addr and m != origin))
+                if origin in self.members.reachable():
+                    st.handover_from = origin
+                    st.handover_until = time.monotonic() + HANDOVER_TIMEOUT
+                else:
+                    st.handover_until = 0.0
+                    self._handover_given_up(st, time.monotonic())
         log.info("forwarding tensor %r (%s, %d shards)", info.name, info.kind, info.nshards)
 
     def _back_pages(self, name: str) -> None:
