@@ -261,6 +261,8 @@ int shmps_table_setup(void *base, uint64_t capacity, uint32_t nshards, uint32_t 
 int shmps_table_attach_check(const void *base, uint64_t capacity, uint32_t nshards,
                              uint32_t shard);
 uint64_t shmps_table_scratch_bytes(uint64_t n, uint64_t dim);
+/* the (smaller) scratch of contains and row_stats: n keys' hashes */
+uint64_t shmps_table_hash_scratch_bytes(uint64_t n);
 int shmps_table_push(void **bases, uint32_t nshards, uint64_t token, const uint64_t *keys,
                      uint64_t n, const void *grad, uint32_t grad_dtype, int check,
                      void *scratch, uint64_t scratch_bytes, uint64_t *info);
@@ -273,10 +275,12 @@ int shmps_table_pull(void **bases, uint32_t nshards, uint64_t token, const uint6
                      uint64_t n, void *out, int create, uint8_t *found, void *scratch,
                      uint64_t scratch_bytes, uint64_t *info);
 int shmps_table_contains(void **bases, uint32_t nshards, uint64_t token,
-                         const uint64_t *keys, uint64_t n, uint8_t *found);
+                         const uint64_t *keys, uint64_t n, uint8_t *found, void *scratch,
+                         uint64_t scratch_bytes);
 int shmps_table_row_stats(void **bases, uint32_t nshards, uint64_t token,
                           const uint64_t *keys, uint64_t n, uint64_t *pushes,
-                          uint64_t *last_step, uint8_t *found);
+                          uint64_t *last_step, uint8_t *found, void *scratch,
+                          uint64_t scratch_bytes);
 int shmps_table_delete(void **bases, uint32_t nshards, uint32_t shard, uint64_t token,
                        const uint64_t *keys, uint64_t n, uint64_t *deleted);
 int shmps_table_evict(void **bases, uint32_t nshards, uint32_t shard, uint64_t token,

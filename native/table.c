@@ -412,6 +412,9 @@ uint64_t shmps_table_scratch_bytes(uint64_t n, uint64_t dim) {
     return A64(8 * n) * 4 + A64(4 * n) * 4 + A64(4 * mh_slots(n)) + A64(8 * dim) + 64;
 }
 
+/* The scratch a call that uses only its hash array (contains, row_stats) needs. */
+uint64_t shmps_table_hash_scratch_bytes(uint64_t n) { return A64(8 * n) + 64; }
+
 typedef struct {
     void **bases;
     uint32_t nshards;
@@ -442,12 +445,12 @@ static int carve(batch_t *b, void *scratch, uint64_t bytes, uint64_t dim) {
     return SHMPS_OK;
 }
 
-/* Hashes keys[0..n) and marks the shards they hash to in b->touched; the hashes go to
- * hash[0..n) (NULL: not kept).  O(n), sequential. */
+/* Hashes keys[0..n) into hash[0..n) and marks the shards they hash to in b->touched.
+ * O(n), sequential. */
 static void hash_mark(batch_t *b, const uint64_t *keys, uint64_t n, uint64_t *hash) {
     for (uint64_t i = 0; i < n; i++) {
         uint64_t h = shmps_key_hash(keys[i]);
-        if (hash) hash[i] = h;
+        hash[i] = h;
         uint32_t s = shard_of(h, b->nshards);
         b->touched[s >> 6] |= 1ull << (s & 63);
     }
@@ -461,7 +464,7 @@ static int hash_keys(batch_t *b, void *scratch, uint64_t bytes) {
     if (b->nshards == 0 || b->nshards > SHMPS_TABLE_MAX_SHARDS) return SHMPS_E_ARG;
     memset(b->touched, 0, sizeof b->touched);
     if (b->n == 0) return SHMPS_OK;
-    if (!scratch || bytes < A64(8 * b->n) + 64) return SHMPS_E_ARG;
+    if (!scratch || bytes < shmps_table_hash_scratch_bytes(b->n)) return SHMPS_E_ARG;
     b->hash = (uint64_t *)A64((uintptr_t)scratch);
     hash_mark(b, b->keys, b->n, b->hash);
     return SHMPS_OK;
@@ -1241,35 +1244,32 @@ int shmps_table_pull(void **bases, uint32_t nshards, uint64_t token, const uint6
     return r;
 }
 
-/* ---- lookups without a batch scratch --------------------------------------------- */
-
-/* Keys whose hashes a call without a scratch keeps on its stack (4 KiB): contains and
- * row_stats hash those once (the marking of their shards and the lookups share them),
- * and hash any more twice. */
-#define HASH_STACK 512
+/* ---- lookups: contains, row_stats ------------------------------------------------ */
 
 int shmps_table_contains(void **bases, uint32_t nshards, uint64_t token,
-                         const uint64_t *keys, uint64_t n, uint8_t *found) {
-    return shmps_table_row_stats(bases, nshards, token, keys, n, NULL, NULL, found);
+                         const uint64_t *keys, uint64_t n, uint8_t *found, void *scratch,
+                         uint64_t scratch_bytes) {
+    return shmps_table_row_stats(bases, nshards, token, keys, n, NULL, NULL, found, scratch,
+                                 scratch_bytes);
 }
 
+/* Each key is hashed once, into the scratch (hash_keys; only its hash array is used:
+ * shmps_table_hash_scratch_bytes(n)), for the marking of the shards to view and enter
+ * and for the lookups; nothing else of the batch is carved.  (The hashes of the first
+ * 512 keys were kept on the stack and the rest hashed twice: 7cc140c.) */
 int shmps_table_row_stats(void **bases, uint32_t nshards, uint64_t token,
                           const uint64_t *keys, uint64_t n, uint64_t *pushes,
-                          uint64_t *last_step, uint8_t *found) {
+                          uint64_t *last_step, uint8_t *found, void *scratch,
+                          uint64_t scratch_bytes) {
     tshard_t ts[SHMPS_TABLE_MAX_SHARDS];
     batch_t b;
-    b.bases = bases, b.nshards = nshards, b.token = token;
-    if (nshards == 0 || nshards > SHMPS_TABLE_MAX_SHARDS) return SHMPS_E_ARG;
-    memset(b.touched, 0, sizeof b.touched);
-    uint64_t hs[HASH_STACK], nk = n < HASH_STACK ? n : HASH_STACK; /* kept: keys < nk */
-    hash_mark(&b, keys, nk, hs);
-    if (n > nk) hash_mark(&b, keys + nk, n - nk, NULL); /* (keys + 0 of a NULL: UB) */
-    int r = shard_views(bases, nshards, b.touched, ts);
-    if (r) return r;
+    b.bases = bases, b.nshards = nshards, b.token = token, b.n = n, b.keys = keys;
+    int r = hash_keys(&b, scratch, scratch_bytes);
+    if (r || (r = shard_views(bases, nshards, b.touched, ts))) return r;
     if (n == 0) return SHMPS_OK;
     if ((r = enter_all(&b, ts))) return r;
     for (uint64_t i = 0; i < n; i++) {
-        uint64_t h = i < nk ? hs[i] : shmps_key_hash(keys[i]);
+        uint64_t h = b.hash[i];
         tshard_t *t = &ts[shard_of(h, nshards)];
         int64_t row = find(t, h, keys[i], NULL, NULL);
         if (row == -2) { r = SHMPS_E_CORRUPT; break; }

@@ -304,9 +304,12 @@ class Table(Tensor):
         self._shard(0)  # Closed after close()
         return self._bases
 
-    def _scratch(self, n: int) -> tuple[Any, int, Any]:
-        """This thread's scratch buffer (grown as needed) and its info[] array."""
-        need = int(lib.shmps_table_scratch_bytes(n, self.dim))
+    def _scratch(self, n: int, hashes_only: bool = False) -> tuple[Any, int, Any]:
+        """This thread's scratch buffer (grown as needed) and its info[] array: room
+        for a batch of ``n`` keys, or (``hashes_only``: contains, row_stats) for their
+        hashes only."""
+        need = int(lib.shmps_table_hash_scratch_bytes(n) if hashes_only
+                   else lib.shmps_table_scratch_bytes(n, self.dim))
         loc = self._local
         buf = getattr(loc, "buf", None)
         if buf is None or buf[1] < need:
@@ -450,13 +453,15 @@ class Table(Tensor):
 
     # -- keys ------------------------------------------------------------------------
     def contains(self, keys: Any) -> np.ndarray:
-        """A bool array: which ``keys`` are in the table.  Lock-free; O(n)."""
+        """A bool array: which ``keys`` are in the table.  Lock-free; O(n), each key
+        hashed once (into this thread's scratch)."""
         k = as_keys(keys)
         out = np.zeros(k.size, np.bool_)
         if k.size:
+            scratch, nbytes, _ = self._scratch(k.size, hashes_only=True)
             code = lib.shmps_table_contains(self._ptrs(), self.nshards, _native.token(),
                                             _native.addr(k), k.size,
-                                            ffi.from_buffer("uint8_t[]", out))
+                                            ffi.from_buffer("uint8_t[]", out), scratch, nbytes)
             if code:
                 self._fail(code, None, "contains")
         return out
@@ -471,15 +476,18 @@ class Table(Tensor):
         """Per key: ``found`` (bool), ``pushes`` (how many times the key was pushed since
         its row was created, every occurrence in a batch counting; saturates at
         2**24 - 1) and ``last_push_step`` (the table's push count at its last push, or
-        at its creation).  What ``evict`` looks at.  O(n)."""
+        at its creation).  What ``evict`` looks at.  O(n), each key hashed once (into
+        this thread's scratch)."""
         k = as_keys(keys)
         found = np.zeros(k.size, np.bool_)
         pushes = np.zeros(k.size, np.uint64)
         last = np.zeros(k.size, np.uint64)
         if k.size:
+            scratch, nbytes, _ = self._scratch(k.size, hashes_only=True)
             code = lib.shmps_table_row_stats(self._ptrs(), self.nshards, _native.token(),
                                              _native.addr(k), k.size, _native.addr(pushes),
-                                             _native.addr(last), ffi.from_buffer("uint8_t[]", found))
+                                             _native.addr(last), ffi.from_buffer("uint8_t[]", found),
+                                             scratch, nbytes)
             if code:
                 self._fail(code, None, "row_stats")
         return {"found": found, "pushes": pushes, "last_push_step": last}

@@ -209,23 +209,45 @@ def test_len_keys_stats_describe(store):
     assert t.shape == (30, 4)
 
 
-def test_contains_and_row_stats_past_the_keys_hashed_on_the_stack(store):
-    """contains and row_stats keep the hashes of their first 512 keys on the stack
-    (table.c HASH_STACK) and hash the rest again for the lookups: 1500 keys over 8
-    shards, every other one present, each pushed a known number of times, are all
-    answered right, before and after the 512th."""
-    t = store.table("emb", dim=2, capacity=2000, shards=8, optimizer="sum")
-    keys = np.arange(1500, dtype=np.uint64) * np.uint64(7919) + np.uint64(3)
-    present = keys[::2]
-    t.push(present, np.ones((present.size, 2)))
-    t.push(present[present % np.uint64(3) == 0], np.ones((int(np.sum(present % 3 == 0)), 2)))
-    want = np.zeros(keys.size, bool)
-    want[::2] = True
-    assert t.contains(keys).tolist() == want.tolist()
-    st = t.row_stats(keys[::-1])
-    assert st["found"].tolist() == want[::-1].tolist()
-    pushes = np.where(want, 1 + (keys % np.uint64(3) == 0), 0)
-    assert st["pushes"].tolist() == pushes[::-1].tolist()
+def test_contains_and_row_stats_hash_each_key_once_at_any_batch_size(store):
+    """contains and row_stats answer batches of 1, 511, 512, 513 and 5000 keys over 8
+    shards (present and absent keys, duplicates) as a dict model does, each key hashed
+    once: every key's hash is in the caller's scratch, where the lookups read it (the
+    keys past the 512th were hashed a second time, table.c 7cc140c), and a scratch
+    without room for every hash is refused."""
+    t = store.table("emb", dim=2, capacity=8000, shards=8, optimizer="sum")
+    rng = np.random.default_rng(5)
+    pool = np.unique(np.r_[rng.integers(0, BIG, 6000, np.uint64, endpoint=True), 0, BIG])
+    rng.shuffle(pool)
+    present = pool[:3000]
+    model: dict[int, tuple[int, int]] = {}   # key -> (pushes, last push step)
+    for step, batch in enumerate((present, present[::3], np.repeat(present[:7], 3)), 1):
+        t.push(batch, np.ones((batch.size, 2)))
+        for key in batch.tolist():
+            model[key] = (model.get(key, (0, 0))[0] + 1, step)
+    for n in (1, 511, 512, 513, 5000):
+        keys = rng.choice(pool, n)   # with replacement: duplicates; half are absent
+        keys[: n // 10] = keys[-(n // 10):]   # and some certain ones
+        want = [model.get(key, (0, 0)) for key in keys.tolist()]
+        assert t.contains(keys).tolist() == [key in model for key in keys.tolist()], n
+        st = t.row_stats(keys)
+        assert st["found"].tolist() == [key in model for key in keys.tolist()], n
+        assert st["pushes"].tolist() == [p for p, _ in want], n
+        assert st["last_push_step"].tolist() == [s for _, s in want], n
+    # the 5000 hashes, at the scratch's first 64-byte boundary (hash_keys)
+    scratch = t._local.buf[2]
+    skip = -scratch.ctypes.data % 64
+    kept = scratch[skip: skip + 8 * keys.size].view(np.uint64)
+    assert kept.tolist() == shmps.table.key_hash(keys).tolist()
+    lib, ffi = shmps._native.lib, shmps._native.ffi
+    nbytes = int(lib.shmps_table_hash_scratch_bytes(keys.size))
+    small = np.zeros(nbytes - 1, np.uint8)
+    found = np.zeros(keys.size, np.uint8)
+    code = lib.shmps_table_contains(t._ptrs(), t.nshards, shmps._native.token(),
+                                    shmps._native.addr(keys), keys.size,
+                                    ffi.from_buffer("uint8_t[]", found),
+                                    ffi.from_buffer(small), small.size)
+    assert code == lib.SHMPS_E_ARG and not found.any()
 
 
 def test_nonblocking_push(store):
