@@ -176,7 +176,7 @@ int shmps_forward_pushed(void *man) {
 
 /* A push's wake-up of a sleeping bridge whose doorbell it cannot ring: fwd_wakes += 1,
  * and a wake of the futex on flush_req that the bridge's waiting thread sleeps on (the
- * word itself unchanged: it counts store.flush() calls).  The thread reads fwd_wakes
+ * word itself unchanged: it counts flush requests).  The thread reads fwd_wakes
  * whenever it wakes; one that was not yet back in its wait misses the futex wake and
  * reads fwd_wakes at its next (1 s) wake-up, when the bridge has passed on its own
  * timeout (the next full scan) anyway. */
@@ -213,11 +213,15 @@ uint64_t shmps_forward_pushes(const void *man) {
     return LOAD(&((const shmps_manifest_t *)man)->fwd_pushes, ACQUIRE);
 }
 
-/* store.flush(): ask the bridge to drain now rather than at its next flush interval:
+/* store.flush(), and a table push into a full outbox before it tries again (outbox.py,
+ * _ask_drain): ask the bridge to drain now rather than at its next flush interval:
  * bump flush_req and wake its waiter (a futex on a MAP_SHARED word: the shared ops).
  * Relaxed: a wake-up hint only.  The pushes the flusher waits for are published by
  * their own release adds of ob_pushed, which the drain acquires; a bridge that misses
- * this bump drains them at its next interval anyway. */
+ * this bump drains them at its next interval anyway.  The scans a full outbox asks for
+ * (ob_rescan, relaxed) are hints too: a scan that misses one sees it at the next full
+ * scan (every 0.1 s), within the pusher's retries, or the push's count after its last
+ * attempt publishes it (shmps_forward_pushed). */
 int shmps_flush_request(void *man) {
     uint32_t *w = &((shmps_manifest_t *)man)->flush_req;
     FETCH_ADD(w, 1, RELAXED);

@@ -18,6 +18,8 @@ namespace) it bumps the futex word instead.  A push rings it too, with a differe
 datagram, when it is the first after the bridge went to sleep with nothing to do
 (native/outbox.c "Sleeping until a push"); where nobody listens, that push bumps the
 manifest's ``fwd_wakes`` and wakes the same futex without bumping ``flush_req``.  A
+table push that finds its outbox full rings as a flush does before each new attempt
+(shmps/outbox.py, _ask_drain: the bridge's pass then scans every outbox shard).  A
 full socket buffer means the bridge has unread rings, so the wake is on its way.
 
 Anyone in the host's network namespace can ring (abstract sockets have no file
@@ -37,7 +39,8 @@ from . import names
 MAX_ADDRESS = 107
 #: datagrams read per wake-up of the bridge at most (the rest wake it again)
 READ_BATCH = 64
-#: the datagrams: a store.flush(), or the first push to a bridge asleep with nothing to do
+#: the datagrams: a store.flush() (or a retry into a full table outbox), or the first push
+#: to a bridge asleep with nothing to do
 FLUSH, PUSH = b"f", b"p"
 
 

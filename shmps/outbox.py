@@ -498,34 +498,43 @@ class TableOutbox(Table):
         """Sum validated rows into the outbox; C counts the push in every shard it
         touched (shmps_table_push on an outbox shard).  ``check``: the table's NaN/Inf
         rule, applied here before anything changes.  Then the store-wide count of
-        forwarded pushes moves (_count_forwarded)."""
+        forwarded pushes moves (_count_forwarded), once, whatever the attempts: a push
+        into a full outbox tries again, waking the bridge without counting."""
         scratch, nbytes, info = self._scratch(k.size)
         deadline = None
-        while True:
-            code = None
-            try:
+        code = None
+        try:
+            while True:
+                code = None   # (a call that raised before C returned counts, as it did)
                 code = lib.shmps_table_push(self._ptrs(), self.nshards, _native.token(),
                                             _native.addr(k), k.size, ffi.from_buffer(g),
                                             self._gcode, int(check), scratch, nbytes, info)
-            finally:
-                if code != lib.SHMPS_E_UNBACKED:   # (a refusal to try again: not a push)
-                    _count_forwarded(self)
-            if code == lib.SHMPS_E_UNBACKED:       # nothing changed: back the rows, again
-                self._back_rows(int(info[3]), int(info[0]))
-                continue
-            # Full, with room for the new keys were the keys that drains keep gone: the
-            # push (which changed nothing) asked the next drain of every shard it viewed
-            # (the table full: of every shard) to remove them (native/table.c "Outbox
-            # drains", ask_rescan), and the bridge, woken by the count, drains
-            # within a flush interval: try again, for FULL_RETRY_S at most
-            if code != lib.SHMPS_E_FULL or int(info[0]) > int(info[2]):
-                break
-            now = time.monotonic()
-            if deadline is None:
-                deadline = now + FULL_RETRY_S
-            elif now >= deadline:
-                break
-            time.sleep(0.002)
+                if code == lib.SHMPS_E_UNBACKED:   # nothing changed: back the rows, again
+                    self._back_rows(int(info[3]), int(info[0]))
+                    continue
+                # Full, with room for the new keys were the keys that drains keep gone:
+                # the push (which changed nothing) asked the next drain of every shard it
+                # viewed (the table full: of every shard) to remove them (native/table.c
+                # "Outbox drains", ask_rescan): try again, for FULL_RETRY_S at most
+                if code != lib.SHMPS_E_FULL or int(info[0]) > int(info[2]):
+                    break
+                now = time.monotonic()
+                if deadline is None:
+                    deadline = now + FULL_RETRY_S
+                elif now >= deadline:
+                    break
+                # and wake the bridge to drain now, as a store.flush() does: its pass
+                # then scans every outbox shard (not skipped for want of a counted push),
+                # so it sees the shards asked.  Not by counting a push (each attempt
+                # did): this push is counted once, below, after its last attempt
+                _ask_drain(self._store)
+                time.sleep(0.002)
+        finally:
+            # one count a push, after its last attempt: what it wrote (and its counts in
+            # its shards) precede the count, as the bridge's scan skip needs
+            # (shmps_forward_pushed).  A refusal to back the rows is not a push
+            if code != lib.SHMPS_E_UNBACKED:
+                _count_forwarded(self)
         if code == lib.SHMPS_E_NONFINITE:
             _native.check(code, f"push to {self.record['outbox_of']!r}")
         if code:
@@ -538,11 +547,25 @@ class TableOutbox(Table):
                 raise
 
 
+def _ask_drain(store: Any) -> None:
+    """Wake ``store``'s bridge to drain now rather than at its next flush interval, and
+    to scan every outbox shard (store.flush(); a table push that found its outbox full,
+    before it tries again): its doorbell, else the futex word its waiting thread sleeps
+    on (shmps/doorbell.py).  A hint that counts nothing: a bridge that misses it drains
+    at its next full scan (FULL_SCAN_EVERY).  A closed store is left alone."""
+    man = store._manifest
+    if man is None or man.ptr is None:
+        return
+    if not store._bell.ring():
+        _native.check(lib.shmps_flush_request(man.ptr), "flush request")
+
+
 def _count_forwarded(ob: Any) -> None:
-    """Add 1 to the store's count of forwarded pushes (shmps_forward_pushed), after a push
-    into ``ob`` counted itself in its shards, or failed part way (what it wrote goes out
-    with a drain): the bridge scans the outboxes only when the count moved (BusyScan),
-    and the first push after it went to sleep with nothing to do wakes it.
+    """Add 1 to the store's count of forwarded pushes (shmps_forward_pushed), once a push
+    into ``ob`` counted itself in its shards, or failed (part way: what it wrote goes out
+    with a drain), after its last attempt: the bridge scans the outboxes only when the
+    count moved (BusyScan), and the first push after it went to sleep with nothing to
+    do wakes it.
     A store closed meanwhile is left alone (the push's own outcome is what its caller
     sees; the bridge's full scans find what it wrote)."""
     store = ob._store
@@ -854,10 +877,7 @@ def flush(store: Any, timeout: Optional[float]) -> None:
     deadline = time.monotonic() + limit
     waits = unacknowledged(store)
     if waits:
-        # wake the bridge: it drains now, not at its next flush interval (its doorbell
-        # socket, else the futex word its waiting thread sleeps on: shmps/doorbell.py)
-        if not store._bell.ring():
-            _native.check(lib.shmps_flush_request(store._mptr), "flush request")
+        _ask_drain(store)
     # sleep on the manifest's ack word, which the bridge bumps after acknowledgements
     # (native/outbox.c, shmps_ack_notify), registered first; at most ACK_POLL_NS at a
     # time, so a bridge that does not bump it (an older build) costs up to 20 ms

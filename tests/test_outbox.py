@@ -876,6 +876,77 @@ def test_keys_a_drain_keeps_never_keep_new_keys_out(store):
     store.flush(timeout=1)
 
 
+def test_a_push_retried_into_a_full_outbox_counts_one_forwarded_push(store, store_name):
+    """A forwarded table push that finds its outbox full of keys kept by earlier drains
+    tries again until a drain removed them.  Each refused attempt wakes the bridge to
+    drain now as a store.flush() does (a FLUSH ring on its doorbell, else flush_req:
+    the bridge then scans every outbox shard, so it sees the ones asked to rescan), and
+    counts no forwarded push: the push counts one, after it went in, however many
+    attempts it took (each attempt counted one).  flush waits on ob_pushed, which only
+    the attempt that went in adds to."""
+    from select import select
+
+    from shmps import doorbell
+    from shmps.outbox import counters
+
+    u = store.table("u", dim=2, capacity=64, shards=1)
+    store._set_forwarding(True)
+    ob = u._outbox()
+    man = store._mptr
+
+    def forwarded() -> int:
+        return int(lib.shmps_forward_pushes(man))
+
+    def drain_and_ack() -> None:
+        d = u._outbox_drain(0)
+        if d is not None:
+            u._outbox_ack(0, d.pushed, d.ticket)
+
+    def flush_req() -> int:
+        return int(lib.shmps_flush_wait(man, 0, 0))
+
+    sock = doorbell.listen(store_name, store.namespace)
+    assert sock is not None
+    try:
+        for listening, first in ((True, 100), (False, 200)):
+            if not listening:
+                sock.close()
+            u.push(np.arange(16, dtype=np.uint64) + np.uint64(first), np.ones((16, 2)))
+            drain_and_ack()
+            assert len(ob) == 16                     # kept: the outbox's room is 48 keys
+            before, req0, wakes = forwarded(), flush_req(), []
+
+            def bridge() -> None:
+                # drain once 3 attempts were refused (each woke it; the old build rang
+                # none: then after 0.2 s, within the push's FULL_RETRY_S)
+                end = time.monotonic() + 0.2
+                seen = 0
+                while seen < 3 and time.monotonic() < end:
+                    if listening:
+                        if select([sock], [], [], 0.01)[0]:
+                            seen += doorbell.take(sock)[0]   # (flushes, pushes)
+                    else:
+                        seen = flush_req() - req0
+                        time.sleep(0.001)
+                wakes.append(seen)
+                drain_and_ack()
+
+            th = threading.Thread(target=bridge)
+            th.start()
+            try:
+                u.push(np.arange(49, dtype=np.uint64) + np.uint64(first + 1000),
+                       np.ones((49, 2)))
+            finally:
+                th.join(10)
+            assert wakes == [3], (listening, wakes)
+            assert forwarded() == before + 1, (listening, forwarded() - before)
+            drain_and_ack()
+            store.flush(timeout=1)
+        assert counters(ob, 0) == (4, 4)             # 4 pushes went in, each counted once
+    finally:
+        sock.close()
+
+
 def _forwarded_table_of_400(store: Any) -> tuple:
     """A forwarded table of 400 keys in 4 shards; (table, its outbox, rows a shard,
     candidate keys by shard, the outbox shards' /dev/shm paths)."""
