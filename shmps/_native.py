@@ -49,8 +49,7 @@ _CODES: dict[int, tuple[type[errors.Error], str]] = {
     lib.SHMPS_E_NOTFOUND: (errors.NotFound, "not found"),
     lib.SHMPS_E_REMOVED: (errors.NotFound, "the store is being removed (shmps-tool gc)"),
     lib.SHMPS_E_BUSY: (errors.Error, "another process holds it"),
-    lib.SHMPS_E_PIDNS: (errors.InvalidArgument, "the store belongs to processes of another "
-                        "PID namespace, whose pids mean nothing in this one"),
+    # (SHMPS_E_PIDNS: InvalidArgument, worded by other_pid_namespace, as attach words it)
 }
 
 
@@ -58,6 +57,11 @@ def check(code: int, what: str) -> int:
     """Return ``code`` if it is OK/informational, else raise the matching error."""
     if code >= 0 and code <= RECOVERED:
         return code
+    if code == lib.SHMPS_E_PIDNS:
+        # the one message of a store of another PID namespace, with attach's fix (the C
+        # refusal of a manifest's claim: attach words it first, naming both namespaces,
+        # store._check_pid_namespace; here the namespaces were not read)
+        raise other_pid_namespace(what, None, "attach")
     if code in _CODES:
         cls, text = _CODES[code]
         raise cls(f"{what}: {text}")
@@ -98,18 +102,22 @@ _OTHER_PID_NS_FIX = {
 }
 
 
-def other_pid_namespace(subject: str, pid_ns: tuple[int, int],
+def other_pid_namespace(subject: str, pid_ns: Optional[tuple[int, int]],
                         doing: Literal["attach", "gc", "ls"]) -> errors.InvalidArgument:
     """The one message for ``subject`` (a store, a restore's new manifest) made in another
     PID namespace than this process's (``pid_ns``: theirs and ours, as
-    :func:`foreign_pid_namespace` gives them): what happened, and what to do for what
-    this process was ``doing``.  attach and gc's remove_idle raise it; ls and gc print it
+    :func:`foreign_pid_namespace` gives them; None where only a C code, SHMPS_E_PIDNS,
+    says so: :func:`check`): what happened, and what to do for what this process was
+    ``doing``.  attach, gc's remove_idle and check raise it; ls and gc print it
     (``str()``: the message, then the fix in parentheses)."""
-    theirs, ours = pid_ns
+    which = ""
+    if pid_ns is not None:
+        theirs, ours = pid_ns
+        which = f" (pid:[{theirs}]; this process is in pid:[{ours}])"
     return errors.InvalidArgument(
-        f"{subject} was made (or is being made) in another PID namespace (pid:[{theirs}]; "
-        f"this process is in pid:[{ours}]): its processes cannot tell whether this one is "
-        "alive, nor this one whether they are", _OTHER_PID_NS_FIX[doing])
+        f"{subject} was made (or is being made) in another PID namespace{which}: its "
+        "processes cannot tell whether this one is alive, nor this one whether they are",
+        _OTHER_PID_NS_FIX[doing])
 
 
 def token_alive(tok: int) -> bool:

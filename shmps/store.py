@@ -1031,7 +1031,7 @@ class Store:
             ident = names.manifest_ident(name, ns)
             _native.check(lib.shmps_manifest_init(seg.ptr, seg.size, _native.token(), 2.0,
                                                   ident, len(ident), 1),
-                          f"store {name!r} manifest {mname}")
+                          f"store {name!r} new manifest {tmp}")
         except BaseException:
             seg.close()
             unlink(tmp)
