@@ -740,10 +740,6 @@ class Bridge:
         #: (_back_pages); their names, and when each whose backing failed is tried again
         self._backer = urgent.UrgentWorker("shmps-backing")
         self._created_here: set[str] = set()
-        #: copies created here whose pages are being backed (or wait to be tried again),
-        #: taken up when that is done (_backed), and when each is tried again (inf: under way)
-        self._awaiting: dict[str, TInfo] = {}
-        self._backed_names: deque[str] = deque()   # of those, the ones backed (_adopt_backed)
         self._unbacked: dict[str, float] = {}
         self._gone: set[tuple[int, int]] = set()  # (member id, incarnation) of processes
                                                   # that restarted since: filters forgotten
@@ -1094,11 +1090,9 @@ class Bridge:
             if not _user_record(rec) or rec["name"] in self.by_name:
                 continue
             tid = frames.tensor_id(rec["name"])
-            same = self.tensors.get(tid) or next(
-                (a for a in self._awaiting.values() if a.tid == tid), None)
-            if same is not None:
+            if tid in self.tensors:
                 log.error("tensors %r and %r have the same 32-bit id; %r is not forwarded",
-                          same.name, rec["name"], rec["name"])
+                          self.tensors[tid].name, rec["name"], rec["name"])
                 continue
             # Opening a tensor (mapping its segments) and creating or opening its outbox
             # take ~0.1 ms a shard each: a tensor of thousands of shards is taken up in
@@ -1146,78 +1140,51 @@ class Bridge:
                     log.error("tensor %r shard %d: %d pushes were taken by an earlier bridge "
                               "process that ended before their owner acknowledged them; "
                               "store.flush() raises PushesLost for them", rec["name"], s, lost)
-            if info.name in self._created_here and info.t._shards:
-                # A copy this bridge created is taken up once its pages are backed
-                # (_back_pages): until then no frame is written into it (its data frames
-                # are answered BUSY, as for a tensor not created here yet) and no shard
-                # of it is owned.  Written unbacked, /dev/shm full killed the bridge
-                # with SIGBUS at the first page it had no room for.
-                self._awaiting[info.name] = info
-                self._back_pages(info.name)
-                continue
-            self._adopt(info)
+            self.tensors[tid] = info
+            self.by_name[info.name] = info
+            self._back_pages(info.name)
+            origin = self.adopted.get(info.name)
+            self._poke_tick()   # (a shard pass for the new shards)
+            for s in range(info.nshards):
+                self.shards[(tid, s)] = ShardState(shard_key(info.name, s))
+                self.streams[(tid, s)] = SendStream(OutQueue(self.budget))
+                self._role_change((tid, s), None, self.owners(shard_key(info.name, s)))
+                if (origin is not None and self.owner(shard_key(info.name, s)) == self.addr
+                        and origin in self.members.reachable()
+                        and self.members.state(self.addr) in (State.ALIVE, State.SUSPECT,
+                                                              State.LEAVING)):
+                    # an owner of a tensor created elsewhere starts from the origin's
+                    # copy (its initial values), asked for as a hand-over snapshot;
+                    # batches wait (BUSY) until it is here.  (A joining host copies
+                    # every shard from its owner before it owns any.)
+                    st = self.shards[(tid, s)]
+                    st.handover_from = origin
+                    st.handover_since = 0
+                    st.handover_until = time.monotonic() + HANDOVER_TIMEOUT
+            log.info("forwarding tensor %r (%s, %d shards)", info.name, info.kind, info.nshards)
         return False
 
-    def _adopt(self, info: TInfo) -> None:
-        """Forward tensor ``info`` from now on: its shards, their streams and roles."""
-        tid = info.tid
-        self.tensors[tid] = info
-        self.by_name[info.name] = info
-        origin = self.adopted.get(info.name)
-        self._poke_tick()   # (a shard pass for the new shards)
-        for s in range(info.nshards):
-            self.shards[(tid, s)] = ShardState(shard_key(info.name, s))
-            self.streams[(tid, s)] = SendStream(OutQueue(self.budget))
-            self._role_change((tid, s), None, self.owners(shard_key(info.name, s)))
-            owners = self.owners(shard_key(info.name, s))
-            if (origin is not None and owners and owners[0] == self.addr
-                    and self.members.state(self.addr) in (State.ALIVE, State.SUSPECT,
-                                                          State.LEAVING)):
-                # An owner of a tensor created elsewhere starts from a copy that was
-                # written: the origin's (its initial values), asked for as a hand-over
-                # snapshot, or, if the origin is gone or does not give it, a copy of the
-                # shard's other owners in the ring, then of any other member (each host
-                # holds one, fed by the owner's rows); batches wait (BUSY) until it is
-                # here.  This copy was never written, and served it would be copied over
-                # every member's: a tensor created just before its origin died, taken up
-                # here after, from a peer's catalog or once /dev/shm had room to back it,
-                # lost its values on every host.  (A joining host copies every shard
-                # from its owner before it owns any.)
-                st = self.shards[(tid, s)]
-                st.handover_since = 0
-                st.handover_next = list(dict.fromkeys(
-                    m for m in [*owners[1:], *sorted(self.members.reachable())]
-                    if m != self.addr and m != origin))
-                if origin in self.members.reachable():
-                    st.handover_from = origin
-                    st.handover_until = time.monotonic() + HANDOVER_TIMEOUT
-                else:
-                    st.handover_until = 0.0
-                    self._handover_given_up(st, time.monotonic())
-        log.info("forwarding tensor %r (%s, %d shards)", info.name, info.kind, info.nshards)
-
     def _back_pages(self, name: str) -> None:
-        """Back every page of this host's copy of tensor ``name``, which this bridge
-        created (a peer's tensor) and takes up once that is done (refresh_tensors), in
-        the ``shmps-backing`` thread: posix_fallocate runs without the GIL, so the event
-        loop goes on meanwhile (at creation it was a pass of ~1 ms a MiB on the loop).
-        A copy is written whole by its snapshot anyway, so this costs no memory it would
-        not take.  Outboxes are not backed: one is as large as its tensor (a table's:
-        its capacity) and holds only what is pushed, and backing every outbox on every
-        host doubled the model's resident memory (an idle table's outbox included); a
-        push backs the outbox pages it writes (shmps/outbox.py).  A failure (/dev/shm
-        full) is logged as an error, shown in /health (``awaiting_backing``) and tried
-        again every BACKING_RETRY s; meanwhile the tensor is not forwarded here: frames
-        for it are answered BUSY and its pushes sum in the outbox."""
-        info = self._awaiting.get(name)
-        if info is None or self._closing:
-            self._unbacked.pop(name, None)
+        """Back every page of this host's copy of tensor ``name`` if this bridge created
+        it (a peer's tensor) in the ``shmps-backing`` thread: posix_fallocate runs
+        without the GIL, so the event loop goes on meanwhile (at creation it was a pass
+        of ~1 ms a MiB on the loop).  A copy is written whole by its snapshot anyway,
+        so this costs no memory it would not take.  Outboxes are not backed: one is as
+        large as its tensor (a table's: its capacity) and holds only what is pushed,
+        and backing every outbox on every host doubled the model's resident memory (an
+        idle table's outbox included).  Until it is done, a write to a page that
+        /dev/shm then has no room for would kill the writer with SIGBUS; a failure is
+        logged as an error and tried again every BACKING_RETRY s."""
+        info = self.by_name.get(name)
+        if info is None or self._closing or name not in self._created_here:
             return
         segs = [(sh.seg.name, sh.seg.size, sh.seg.ino) for sh in (info.t._shards or ())]
+        if not segs:
+            return
 
         def back() -> None:
             for n, size, ino in segs:
-                segment.allocate(n, size, ino)   # (False: gone, the store destroyed)
+                segment.allocate(n, size, ino)
 
         self._unbacked[name] = math.inf   # under way
         try:
@@ -1236,39 +1203,14 @@ class Bridge:
             self._backed, name, f.exception()))
 
     def _backed(self, name: str, exc: Optional[BaseException]) -> None:
-        """The backing of copy ``name`` ended (``exc``: how it failed): take the tensor
-        up, or try again BACKING_RETRY s later."""
         if exc is None:
             self._unbacked.pop(name, None)
-            self._backed_names.append(name)
-            try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:   # not started (tests drive a Node by hand)
-                return self._adopt_backed()
-            if len(self._backed_names) == 1:
-                loop.call_soon(self._adopt_backed)
             return
         self._unbacked[name] = time.monotonic() + BACKING_RETRY
-        log.error("tensor %r: could not back this host's copy in /dev/shm (%s); %s. Until "
-                  "it is, the tensor is not forwarded here (its pushes wait in the outbox, "
-                  "its owner's frames are refused BUSY); tried again every %g s", name, exc,
+        log.error("tensor %r: could not back this host's copy in /dev/shm (%s); "
+                  "until it is, a write to a page /dev/shm has no room for kills the writer "
+                  "with SIGBUS; %s. Tried again every %g s", name, exc,
                   getattr(exc, "hint", "free space in /dev/shm"), BACKING_RETRY)
-
-    def _adopt_backed(self) -> None:
-        """Take up the copies whose pages are backed, for at most ADOPT_SLICE, the rest
-        the next turn of the event loop: the backings of a model of hundreds of small
-        tensors end close together, and taking them all up in one turn held the loop."""
-        deadline = time.monotonic() + ADOPT_SLICE
-        while self._backed_names:
-            if time.monotonic() > deadline:
-                try:
-                    asyncio.get_running_loop().call_soon(self._adopt_backed)
-                    return
-                except RuntimeError:
-                    deadline = math.inf   # (no loop: all of them now)
-            info = self._awaiting.pop(self._backed_names.popleft(), None)
-            if info is not None and not self._closing:
-                self._adopt(info)
 
     def _back_again(self) -> None:
         """Retry the backings that failed (see _back_pages), when their time has come."""
@@ -2730,14 +2672,6 @@ class Bridge:
             info = self.tensors.get(f.tensor)
         return info if info is not None and f.shard < info.nshards else None
 
-    def _unknown_why(self, f: frames.FrameHeader) -> str:
-        """Why a data frame's tensor is not forwarded here (the refused-frames metric):
-        ``unbacked`` while this host's copy of it waits for its pages (_back_pages),
-        else ``unknown_tensor`` (not created here yet)."""
-        if any(a.tid == f.tensor for a in self._awaiting.values()):
-            return "unbacked"
-        return "unknown_tensor"
-
     def on_batch(self, peer: str, f: frames.Data, reply: Callable[[bytes], None]) -> None:
         out = self._out(peer)
         if out is not None and out.incarnation == f.incarnation:
@@ -2749,7 +2683,7 @@ class Bridge:
             reply = out.reply
         info = self._tensor_for(f)
         if info is None:
-            return self._refuse(f, reply, Status.BUSY, self._unknown_why(f))
+            return self._refuse(f, reply, Status.BUSY, "unknown_tensor")
         if f.epoch != self.members.epoch:
             return self._refuse(f, reply, Status.STALE_EPOCH, "stale_epoch")
         if not self.acting():
@@ -3154,7 +3088,7 @@ class Bridge:
     def on_rows(self, peer: str, f: frames.Data, reply: Callable[[bytes], None]) -> None:
         info = self._tensor_for(f)
         if info is None:
-            return self._refuse(f, reply, Status.BUSY, self._unknown_why(f))
+            return self._refuse(f, reply, Status.BUSY, "unknown_tensor")
         key = (f.tensor, f.shard)
         st = self.shards[key]
         if (f.type == FrameType.SNAPSHOT and st.snap_broken.get((f.sender, f.incarnation))
@@ -3874,8 +3808,6 @@ class Bridge:
                      "acting": self.acting(), "owned": owned, "pending": pending,
                      "staleness_ms": round(self._staleness() * 1000, 3),
                      "tensors": sorted(self.by_name), "failovers": self.failover_log[-64:],
-                     # copies created here, not forwarded until their pages are backed
-                     "awaiting_backing": sorted(self._awaiting),
                      "ring_digest": self.ring.digest, "ready": self.ready_flag,
                      "owner_waits": {st.key: {"pending": len(st.pending),
                                               "backups": self._required(st),
