@@ -390,11 +390,41 @@ def _peek_kind(meta_path: str) -> Any:
     """The ``kind`` a ``.meta`` states, or None when it is absent or unreadable (the
     full read reports that in its place).  O(size)."""
     try:
-        with open(meta_path, "rb") as f:
-            meta = json.loads(f.read())
-    except (OSError, ValueError):
+        meta = load_json(meta_path, "")
+    except (OSError, CorruptFile):
         return None
     return meta.get("kind") if isinstance(meta, dict) else None
+
+
+def load_json(path: str, hint: str) -> Any:
+    """The parsed JSON of the regular file ``path`` (a ``.meta``, ``checkpoint.json``).
+
+    Raises :class:`CorruptFile` (with ``hint``) for what is not a regular file (a
+    directory, or a FIFO, whose opening would block until a writer came: it is opened
+    non-blocking and refused), unparsable JSON, text that is not UTF-8, nesting too deep
+    for the parser (RecursionError) and an integer of more digits than Python converts
+    (ValueError); FileNotFoundError and other OSErrors as they are.  O(size)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CorruptFile(f"{path}: not a regular file", hint=hint)
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            text = f.read()
+    finally:
+        os.close(fd)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise CorruptFile(f"{path}: unparsable JSON at line {exc.lineno} column {exc.colno}: "
+                          f"{exc.msg}", hint=hint) from None
+    except UnicodeDecodeError as exc:
+        raise CorruptFile(f"{path}: unparsable JSON: not UTF-8 text at byte {exc.start}",
+                          hint=hint) from None
+    except RecursionError:
+        raise CorruptFile(f"{path}: unparsable JSON: nested too deeply", hint=hint) from None
+    except ValueError:   # an integer of more than sys.get_int_max_str_digits() digits
+        raise CorruptFile(f"{path}: unparsable JSON: a number with more digits than this "
+                          "reader converts", hint=hint) from None
 
 
 # ----------------------------------------------------------------------------- reading
@@ -405,18 +435,9 @@ def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
     are kept).  Raises :class:`CorruptFile` naming the file and the field.  O(size)."""
     p = os.fspath(path)
     try:
-        with open(p, "rb") as f:
-            text = f.read()
+        meta = load_json(p, _META_HINT)
     except FileNotFoundError:
         raise NotFound(f"missing file {p}", hint=_SET_HINT) from None
-    try:
-        meta = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise CorruptFile(f"{p}: unparsable JSON at line {exc.lineno} column {exc.colno}: "
-                          f"{exc.msg}", hint=_META_HINT) from None
-    except UnicodeDecodeError as exc:
-        raise CorruptFile(f"{p}: unparsable JSON: not UTF-8 text at byte {exc.start}",
-                          hint=_META_HINT) from None
     if not isinstance(meta, dict):
         raise CorruptFile(f"{p}: expected a JSON object, found {type(meta).__name__}",
                           hint=_META_HINT)
@@ -1323,17 +1344,10 @@ def read_checkpoint_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
                        hint="pass the PATH given to shmps-tool checkpoint / store.checkpoint")
     fn = os.path.join(d, CHECKPOINT_JSON)
     try:
-        with open(fn, "rb") as f:
-            doc = json.loads(f.read())
+        doc = load_json(fn, _CKPT_HINT)
     except FileNotFoundError:
         raise CorruptFile(f"{fn}: missing: {d} is not a shmps checkpoint (an interrupted "
                           "checkpoint leaves only PATH.tmp-* directories, never PATH)",
-                          hint=_CKPT_HINT) from None
-    except json.JSONDecodeError as exc:
-        raise CorruptFile(f"{fn}: unparsable JSON at line {exc.lineno} column {exc.colno}: "
-                          f"{exc.msg}", hint=_CKPT_HINT) from None
-    except UnicodeDecodeError as exc:
-        raise CorruptFile(f"{fn}: unparsable JSON: not UTF-8 text at byte {exc.start}",
                           hint=_CKPT_HINT) from None
 
     def bad(where: str, value: Any, why: str) -> CorruptFile:

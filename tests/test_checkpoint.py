@@ -512,6 +512,15 @@ def _corrupt_cases() -> list[tuple[str, Any, str]]:
         ("truncated state", trunc("t1.state0", 4), "rows * cols"),
         ("unparsable checkpoint.json", write("checkpoint.json", '{"format": '),
          "unparsable JSON"),
+        # RecursionError / a plain ValueError from json.loads escaped restore
+        ("checkpoint.json nested too deeply", write("checkpoint.json", "[" * 100000),
+         "unparsable JSON: nested too deeply"),
+        ("checkpoint.json integer of 5000 digits", write(
+            "checkpoint.json", '{"format": "shmps-checkpoint", "version": ' + "1" * 5000 + "}"),
+         "unparsable JSON: a number with more digits"),
+        ("checkpoint.json a directory", lambda p: ((p / "checkpoint.json").unlink(),
+                                                   (p / "checkpoint.json").mkdir()),
+         "checkpoint.json: not a regular file"),
         ("checkpoint.json not an object", write("checkpoint.json", "[]"), "JSON object"),
         ("missing checkpoint.json", rm("checkpoint.json"), "not a shmps checkpoint"),
         ("wrong format", edit_json(lambda d: d.update(format="zip")), 'field "format"'),

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 
 import numpy as np
 import pytest
@@ -13,7 +14,8 @@ from hypothesis.extra import numpy as hnp
 
 from shmps.errors import CorruptFile, InvalidArgument, NotFound
 from shmps.files import (CSR, INDEX_DTYPES, VALUE_DTYPES, MatrixSet, _first_decrease,
-                         _scan_columns, read_csr, read_meta, validate, write_csr)
+                         _scan_columns, read_checkpoint_manifest, read_csr, read_dense,
+                         read_meta, validate, write_csr, write_dense)
 
 EXAMPLE = np.array([[1, 2, 0, 0], [0, 3, 9, 0], [0, 1, 4, 0]], dtype=np.float32)
 FAST = settings(max_examples=60, deadline=None,
@@ -276,6 +278,16 @@ def corrupt_cases():
          '{p}.meta: field "dtypes.value" = "complex64" is not one of'),
         ("rowcnt empty", lambda p: open(f"{p}.rowcnt", "wb").close(),
          "{p}.rowcnt: position 0: empty file"),
+        # json.loads raises RecursionError and a plain ValueError (not JSONDecodeError)
+        # for these: both escaped read_csr, and shmps-tool called them internal errors
+        ("meta nested too deeply", lambda p: open(f"{p}.meta", "w").write(
+            '{"kind": "csr", "x": ' + "[" * 100000),
+         "{p}.meta: unparsable JSON: nested too deeply"),
+        ("meta integer of 5000 digits", lambda p: open(f"{p}.meta", "w").write(
+            '{"rows": ' + "9" * 5000 + "}"),
+         "{p}.meta: unparsable JSON: a number with more digits than this reader converts"),
+        ("meta a directory", lambda p: (os.unlink(f"{p}.meta"), os.mkdir(f"{p}.meta")),
+         "{p}.meta: not a regular file"),
     ]
 
 
@@ -293,6 +305,47 @@ def test_every_corruption_has_its_exact_message(tmp_path, name, mutate, expected
     msg = str(info.value)
     assert "\n" not in msg
     assert expected.format(p=prefix) in msg
+
+
+class Blocked(Exception):
+    """Raised by the SIGALRM handler (not an OSError: the reader must not swallow it)."""
+
+
+def _alarm(signum, frame):
+    raise Blocked("the reader blocked")
+
+
+@pytest.mark.parametrize("reader", [validate, read_dense, read_meta, "checkpoint.json"])
+@pytest.mark.parametrize("kind", ["csr", "dense"])
+def test_meta_that_is_a_fifo_is_refused_without_blocking(tmp_path, reader, kind):
+    """A FIFO in place of the .meta (or a checkpoint's checkpoint.json) is CorruptFile at
+    once: opening it for reading blocked until some process wrote to it (shmps-tool check
+    and restore hung forever)."""
+    prefix = str(tmp_path / "m")
+    if kind == "csr":
+        write_csr(prefix, CSR.from_dense(EXAMPLE), cols=4)
+    else:
+        write_dense(prefix, EXAMPLE.astype(np.float32))
+    fifo = str(tmp_path / "checkpoint.json") if reader == "checkpoint.json" else f"{prefix}.meta"
+    if os.path.exists(fifo):
+        os.unlink(fifo)
+    os.mkfifo(fifo)
+    old = signal.signal(signal.SIGALRM, _alarm)
+    signal.setitimer(signal.ITIMER_REAL, 5.0, 1.0)   # every blocking open
+    try:
+        if kind == "dense" and reader is validate:
+            # the kind is unknown without the .meta: read as a csr set, without .rowcnt
+            with pytest.raises(NotFound, match=r"missing file .*m\.rowcnt"):
+                reader(prefix)
+            return
+        with pytest.raises(CorruptFile, match=r"(m\.meta|checkpoint\.json): not a regular file"):
+            if reader == "checkpoint.json":
+                read_checkpoint_manifest(tmp_path)
+            else:
+                reader(fifo if reader is read_meta else prefix)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
 
 
 def test_inference_suggests_the_value_dtype_flag(tmp_path):
