@@ -781,9 +781,13 @@ def _check_npy_size(src: str, dst: str, rows: int, cols: int, nnz: int, vdt: str
             f"{nnz} entries)")
     hint = ("convert to a .npz instead, which keeps the matrix sparse; or, if the column "
             'count is wrong, fix "cols" in the .meta or pass --cols')
-    if need - 4096 > np.iinfo(np.intp).max:
-        raise CapacityError(f"{what} is {need} bytes, more than numpy can address",
-                            hint=hint)
+    # numpy refuses an array whose axes' product times the itemsize overflows, a 0 axis
+    # left out of the product (np.zeros((0, 2**63 - 1)) is "array is too big"), so an
+    # empty array can be as unaddressable as a full one
+    addressed = max(rows, 1) * max(cols, 1) * np.dtype(vdt).itemsize
+    if max(need - 4096, addressed) > np.iinfo(np.intp).max:
+        raise CapacityError(f"{what} is {max(need - 4096, addressed)} bytes, more than numpy "
+                            "can address", hint=hint)
     directory = os.path.dirname(dst) or "."
     free = shutil.disk_usage(directory).free if os.path.isdir(directory) else need
     if need > free:

@@ -51,6 +51,9 @@ DEFAULT_DTYPES: dict[str, str] = {"rowcnt": "int64", "colidx": "int32", "value":
 RESERVED_META_KEYS: tuple[str, ...] = ("version", "kind", "rows", "cols", "nnz", "dtypes")
 #: Elements per chunk of every streaming pass (validation, copying, writing).
 CHUNK = 1 << 22
+#: The most entries an array (and an axis, a row or column count) can have: what numpy
+#: and a file offset address.
+_MAX_EXTENT = (1 << 63) - 1
 #: What a ``.meta`` may say a set is: ``csr`` (explicit structure) or ``dense``
 #: (``rows x cols`` values row-major; no ``.rowcnt``/``.colidx``, the structure is implicit).
 KINDS: tuple[str, ...] = ("csr", "dense")
@@ -519,6 +522,16 @@ def _itemsize(dtype: str) -> int:
     return np.dtype(dtype).itemsize
 
 
+def _axes_bytes(shape: Sequence[int], dtype: str) -> int:
+    """The size numpy checks an array of ``shape`` against: the product of its non-zero
+    axes times the itemsize (``np.zeros((0, 2**62), "float32")`` is "array is too big").
+    O(ndim)."""
+    n = _itemsize(dtype)
+    for x in shape:
+        n *= max(int(x), 1)
+    return n
+
+
 def _truncated(path: str, size: int, dtypes: Sequence[str], note: str) -> CorruptFile:
     which = " or ".join(f"the {d} itemsize {_itemsize(d)} (partial entry at position "
                         f"{size // _itemsize(d)})" for d in dtypes)
@@ -911,6 +924,17 @@ def _read_dense(prefix: str, given: Mapping[str, str | None], cols_arg: int | No
                              + (" = rows * cols" if matching else
                                 f"; no candidate gives rows * cols = {want}"))
         note = f"{array} dtype {vdt} inferred; pass --value-dtype to override"
+    # what numpy can address: rowcnt's rows + 1 entries (len() of its ImplicitIndex), and
+    # the array of the tensor shape (to_numpy) and of rows x cols (a .npy): numpy leaves a
+    # 0 axis out of its size check, so with one an empty .value fits any other axes (a
+    # dense 2**70 x 0 set read "ok", then dump --format summary, convert to .npy and
+    # to_numpy() raised OverflowError / ValueError)
+    extent = max(_axes_bytes(shape, vdt), _axes_bytes((rows, ncols), vdt))
+    if rows + 1 > _MAX_EXTENT or extent > _MAX_EXTENT:
+        raise CorruptFile(f"{mp}: a dense {rows} x {ncols} set (shape "
+                          f"{json.dumps(list(shape))[:200]}) of {vdt} is larger than an array "
+                          f"can be ({extent} bytes with its empty axes left out, and rows + 1 "
+                          f"entries of rowcnt; numpy addresses at most 2**63 - 1)", hint=hint)
     if size % _itemsize(vdt):
         raise _truncated(vp, size, (vdt,), note)
     count = size // _itemsize(vdt)

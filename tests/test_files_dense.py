@@ -315,6 +315,50 @@ def test_dense_dtype_inference_and_flags(tmp_path, monkeypatch):
     assert status == 2 and "dense set" in err
 
 
+@pytest.mark.parametrize("meta,field", [
+    ({"rows": 2**70, "cols": 0}, "a dense 1180591620717411303424 x 0 set"),
+    ({"rows": 2**63 - 1, "cols": 0}, "a dense 9223372036854775807 x 0 set"),  # rows + 1
+    ({"rows": 2**62, "cols": 0}, "a dense 4611686018427387904 x 0 set"),      # x 4 bytes
+    ({"rows": 0, "cols": 10**400}, "a dense 0 x 1000000"),
+    ({"shape": [2**64, 0]}, "a dense 18446744073709551616 x 0 set"),
+    ({"shape": [0, 2**40, 2**40]}, "a dense 0 x 1208925819614629174706176 set"),
+    ({"shape": [0, 2**61, 0]}, "a dense 0 x 0 set (shape [0, 2305843009213693952, 0])"),
+])
+def test_dense_dims_beyond_an_array_are_refused(tmp_path, meta, field):
+    """A dense float32 set numpy cannot make an array of (its non-zero axes times 4 bytes,
+    or rows + 1, past 2**63 - 1) is a CorruptFile, everywhere it is read; with a 0 axis
+    its empty .value fitted, so it read "ok", then to_numpy() (ValueError), dump --format
+    summary (OverflowError) and convert to .npy (ValueError) failed as internal errors."""
+    prefix = tmp_path / "d"
+    (tmp_path / "d.meta").write_text(json.dumps(
+        {"version": 1, "kind": "dense", "dtypes": {"value": "float32"}, **meta}))
+    (tmp_path / "d.value").write_bytes(b"")
+    for read in (shmps.files.read_csr, shmps.files.read_dense, shmps.files.validate_all):
+        with pytest.raises(CorruptFile, match="is larger than an array can be") as info:
+            read(prefix)
+        assert field in str(info.value)
+    for argv in (("check", prefix), ("dump", prefix, "--format", "summary"),
+                 ("convert", prefix, tmp_path / "o.npy")):
+        status, out, err = main_out(*argv)
+        assert status == 2 and err.count("\n") == 1 and "larger than an array can be" in err
+    assert not (tmp_path / "o.npy").exists()
+
+
+def test_largest_dense_dims_still_read(tmp_path):
+    """The largest empty dense float32 sets numpy can make read, check and convert."""
+    for rows, cols in (((2**63 - 1) // 4, 0), (0, (2**63 - 1) // 4)):
+        prefix = tmp_path / f"d{rows}"
+        Path(f"{prefix}.meta").write_text(json.dumps(
+            {"version": 1, "kind": "dense", "rows": rows, "cols": cols,
+             "dtypes": {"value": "float32"}}))
+        Path(f"{prefix}.value").write_bytes(b"")
+        ms = shmps.files.read_csr(prefix)
+        assert (ms.rows, ms.cols, ms.nnz, len(ms.csr.rowcnt)) == (rows, cols, 0, rows + 1)
+        assert ms.to_numpy().shape == (rows, cols)
+        status, out, err = main_out("check", prefix)
+        assert status == 0, err
+
+
 def test_from_dense_matrix_set():
     """MatrixSet.from_dense describes an in-memory array without copying it."""
     a = np.arange(6, dtype=np.int32).reshape(3, 2)
