@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from . import _native, names
-from .errors import Error
+from .errors import CorruptSegment, Error
 from .files import pid_alive
 from .segment import Segment, age_of, list_names, size_of
 
@@ -141,6 +141,26 @@ def _read_manifest(seg: Segment) -> tuple[str, Optional[str], list[dict], list[i
     return store, (ns or None), recs, pids
 
 
+def _check_ident(mname: str, store: str, ns: Optional[str]) -> None:
+    """CorruptSegment unless the manifest ``mname``'s ident (its store and namespace)
+    names that very manifest.  The ident is what ls, gc and the table fill build segment
+    names from: a NUL in it crashed posix_ipc (SIGSEGV in shm_open's name handling), and
+    another valid name would make this manifest speak for another store's segments."""
+    try:
+        names.check_name(store)
+        if ns is not None:
+            names.check_name(ns, "namespace")
+    except Error:
+        ok = False
+    else:
+        ok = names.manifest_name(store, ns) == mname
+    if not ok:
+        raise CorruptSegment(f"manifest {mname}: its ident names store {store!r} of namespace "
+                             f"{ns!r}, not this manifest's",
+                             "the manifest is damaged: remove the store's segments "
+                             "(shmps-tool gc --corrupt)")
+
+
 def scan(namespace: Optional[str] = None, *, with_fill: bool = True
          ) -> tuple[list[StoreInfo], list[str]]:
     """All stores on the host (optionally of one namespace), and orphan segments
@@ -170,6 +190,7 @@ def scan(namespace: Optional[str] = None, *, with_fill: bool = True
             else:
                 store, ns, recs, info.pids = _read_manifest(seg)
                 if store:   # (empty: a creation gc removes, never initialised)
+                    _check_ident(mname, store, ns)
                     info.name, info.namespace = store, ns
                 info.tensors = recs
                 _read_state(info, seg)

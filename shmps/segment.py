@@ -18,13 +18,22 @@ import numpy as np
 import posix_ipc
 
 from . import _native
-from .errors import CapacityError, CorruptSegment, Error, NotFound
+from .errors import CapacityError, CorruptSegment, Error, InvalidArgument, NotFound
 
 MODE = 0o600
 HUGE_PAGE = 2 << 20   #: x86-64's transparent huge page: shard segments from this size ask for them
 #: madvise(2) advice (Linux 5.14): fault every page of the range in for writing now, and
 #: fail with EFAULT where a write would raise SIGBUS (tmpfs full); Python 3.11 lacks the name
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+
+
+def _shm(name: str, *args: Any, **kw: Any) -> Any:
+    """``posix_ipc.SharedMemory(name, ...)``, refusing a name with a NUL in it
+    (InvalidArgument): posix_ipc 1.3 dies of SIGSEGV on one (a store name read from a
+    damaged manifest crashed shmps-tool ls)."""
+    if "\0" in name:
+        raise InvalidArgument(f"segment name {name!r} holds a NUL character")
+    return posix_ipc.SharedMemory(name, *args, **kw)
 
 
 class Segment:
@@ -50,7 +59,7 @@ class Segment:
         Raises FileExistsError if the name is taken, CapacityError (and creates
         nothing) if /dev/shm has no room for it."""
         try:
-            shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=MODE, size=size)
+            shm = _shm(name, posix_ipc.O_CREX, mode=MODE, size=size)
         except posix_ipc.ExistentialError as exc:
             raise FileExistsError(errno.EEXIST, str(exc), name) from None
         try:
@@ -116,7 +125,7 @@ class Segment:
         ``size_if_empty``, an empty one is sized to ``expect_size`` first, as
         :meth:`open_or_create` does: its creator has not sized it yet, or died first)."""
         try:
-            shm = posix_ipc.SharedMemory(name)
+            shm = _shm(name)
         except posix_ipc.ExistentialError:
             raise NotFound(f"no shared-memory segment {name}") from None
         try:
@@ -143,11 +152,11 @@ class Segment:
         size 0 size it too (ftruncate to the same size is idempotent)."""
         created = False
         try:
-            shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=MODE, size=size)
+            shm = _shm(name, posix_ipc.O_CREX, mode=MODE, size=size)
             created = True
         except posix_ipc.ExistentialError:
             try:
-                shm = posix_ipc.SharedMemory(name)
+                shm = _shm(name)
             except posix_ipc.ExistentialError:  # destroyed between the two calls
                 return cls.open_or_create(name, size)
             if shm.size == 0:
@@ -204,7 +213,7 @@ class Segment:
 
     def fd(self) -> int:
         """A new descriptor on the segment (caller closes it)."""
-        shm = posix_ipc.SharedMemory(self.name)
+        shm = _shm(self.name)
         return shm.fd
 
     def close(self) -> None:
@@ -251,7 +260,7 @@ def _fallocate(name: str, start: int, length: int, ino: int = 0) -> bool:
     name may hold a new, smaller segment by then, which fallocate would grow.  OSError
     (ENOSPC) if /dev/shm has no room."""
     try:
-        fd = posix_ipc.SharedMemory(name).fd
+        fd = _shm(name).fd
     except posix_ipc.ExistentialError:
         return False
     try:

@@ -1083,3 +1083,30 @@ def test_an_error_told_outside_python_drops_only_the_docstring_hint():
     assert own.told("see --help") == own.told(None) == "bad value (pass 3)"
     schema = shmps.SchemaError("wrong shape")            # a subclass with its own hint
     assert schema.told(None) == str(schema) and "docstring" not in str(schema)
+
+
+@pytest.mark.parametrize("ident", [b"\0\0\0\0", b"zz", b"a/b"],
+                         ids=["nul", "another-store", "slash"])
+def test_ls_of_a_manifest_whose_ident_is_damaged(store_name, ident):
+    """A manifest whose ident (offset 68: namespace NUL store) no longer names it is shown
+    as unreadable by ls.  A NUL in it crashed `shmps-tool ls` with SIGSEGV: the table fill
+    built shard names from the ident and posix_ipc dies on a name holding a NUL; another
+    valid name made this manifest speak for that store's segments."""
+    import subprocess
+    import sys
+    from helpers import child_env
+
+    ns = store_name
+    s = shmps.attach(store_name, namespace=ns)
+    s.table("emb", dim=2, capacity=8).push(np.arange(3, dtype=np.uint64), np.ones((3, 2)))
+    s.close()
+    manifest = os.path.join(SHM, f"shmps.{ns}.{store_name}.manifest")
+    try:
+        poke(manifest, 68 + len(ns) + 2, f"{len(ident)}s", ident)
+        r = subprocess.run([sys.executable, "-m", "shmps.cli", "ls", "--namespace", ns],
+                           env=child_env(), capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, (r.returncode, r.stderr)
+        assert "unreadable: manifest" in r.stdout and "its ident names store" in r.stdout
+        assert "Traceback" not in r.stderr
+    finally:
+        remove_store(store_name, ns)
