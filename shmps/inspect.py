@@ -130,9 +130,19 @@ def _read_manifest(seg: Segment) -> tuple[str, Optional[str], list[dict], list[i
     _native.check(lib.shmps_catalog_read(seg.ptr, ffi.from_buffer(cat), len(cat), ln, gen),
                   f"manifest {seg.name}")
     recs, pos, end = [], 0, int(ln[0])
+    from .store import _check_record
+
     while pos + 4 <= end:
         k = int.from_bytes(cat[pos:pos + 4], "little")
-        recs.append(json.loads(bytes(cat[pos + 4:pos + 4 + k])))
+        where = f"manifest {seg.name}: catalog record at {pos}"
+        try:
+            rec = json.loads(bytes(cat[pos + 4:pos + 4 + k]))
+        except (ValueError, RecursionError):
+            raise CorruptSegment(f"{where} is not JSON") from None
+        # what attach checks (a record that is JSON but not an object, or without a
+        # name, was an internal AttributeError / KeyError of shmps-tool ls)
+        _check_record(rec, where)
+        recs.append(rec)
         pos += 4 + k
     toks = ffi.new("uint64_t[]", lib.SHMPS_MAX_PROCS)
     lib.shmps_proc_list(seg.ptr, toks, lib.SHMPS_MAX_PROCS, n)

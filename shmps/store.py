@@ -257,7 +257,7 @@ class Store:
                 raise CorruptSegment(f"store {self.name!r}: catalog record at {pos} overruns")
             try:
                 rec = json.loads(bytes(data[pos + 4:pos + 4 + ln]))
-            except ValueError:
+            except (ValueError, RecursionError):   # (nested past json's recursion limit)
                 raise CorruptSegment(f"store {self.name!r}: catalog record at {pos} is not JSON")
             _check_record(rec, f"store {self.name!r}: catalog record at {pos}")
             self._records[rec["name"]] = rec

@@ -1110,3 +1110,35 @@ def test_ls_of_a_manifest_whose_ident_is_damaged(store_name, ident):
         assert "Traceback" not in r.stderr
     finally:
         remove_store(store_name, ns)
+
+
+@pytest.mark.parametrize("body", [b"[1]", b"7", b'{"kind": "dense"}', b"[" * 5000],
+                         ids=["list", "number", "no-name", "nested"])
+def test_ls_and_attach_of_a_damaged_catalog_record(store_name, body):
+    """A catalog record (manifest offset 1 MiB: uint32 length + JSON) that is JSON but not
+    a record, or nested past json's recursion limit, is CorruptSegment for attach and
+    `unreadable` for ls.  ls did not check records as attach does: an internal
+    AttributeError / KeyError (exit 1); a nested one was a RecursionError for both."""
+    import subprocess
+    import sys
+    from helpers import child_env
+
+    s = shmps.attach(store_name)
+    s.dense("d", shape=(4,))
+    s.close()
+    manifest = os.path.join(SHM, f"shmps.{store_name}.manifest")
+    try:
+        (ln,) = peek(manifest, 1 << 20, "<I")
+        if len(body) > ln:   # one record, grown to hold the body (the catalog's length too)
+            poke(manifest, 1 << 20, "<I", len(body))
+            poke(manifest, 40, "<Q", len(body) + 4)
+        poke(manifest, (1 << 20) + 4, f"{max(ln, len(body))}s", body.ljust(ln))
+        with pytest.raises(shmps.CorruptSegment, match="catalog record at 0"):
+            shmps.attach(store_name, create=False)
+        r = subprocess.run([sys.executable, "-m", "shmps.cli", "ls", "--json"],
+                           env=child_env(), capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, (r.returncode, r.stderr)
+        mine = [x for x in json.loads(r.stdout)["stores"] if x["store"] == store_name]
+        assert mine and "catalog record at 0" in mine[0]["error"], mine
+    finally:
+        remove_store(store_name)
