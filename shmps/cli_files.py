@@ -22,8 +22,9 @@ import numpy as np
 
 from .errors import CapacityError, CorruptFile, InvalidArgument, NotFound
 from .files import (ARRAYS, CHUNK, CSR, INDEX_DTYPES, VALUE_DTYPES, MatrixSet, SetWriter,
-                    _check_structure, _scipy_sparse, build_meta, read_checkpoint_manifest,
-                    read_csr, remove_dead_temporaries, temporary_path, validate_all)
+                    _check_structure, _scipy_sparse, build_meta, finish_replacement,
+                    read_checkpoint_manifest, read_csr, remove_dead_temporaries,
+                    temporary_path, validate_all)
 
 #: Entries formatted per write when printing (bounded memory, bounded string size).
 ENTRY_CHUNK = 1 << 16
@@ -169,6 +170,10 @@ def register(sub: Any) -> None:
                "  shmps-tool check scipy_X --rowcnt-dtype int32\n"
                "  shmps-tool check ckpt/t0", formatter_class=raw)
     p.add_argument("prefix", metavar="PREFIX", help="file set prefix")
+    p.add_argument("--finish", action="store_true",
+                   help="first finish a replacement of the set that a writer on another "
+                        "host left half done (its journal, .PREFIX.replacing): only once "
+                        "no writer of PREFIX runs on any host sharing the directory")
     _add_read_flags(p)
     p.set_defaults(func=check)
 
@@ -554,6 +559,9 @@ def check(args: argparse.Namespace) -> int:
     """``shmps-tool check``: full validation; one ``ok:`` line.  Cost: one chunked pass
     over rowcnt and colidx, O(CHUNK) memory."""
     prefix = _checkpoint_prefix(args.prefix, None)
+    if args.finish and finish_replacement(prefix, any_host=True) == "finished":
+        print(f"finished the replacement of {prefix} that a writer left half done",
+              file=sys.stderr)
     if args.array is not None:
         sets = [read_csr(prefix, **_read_args(args), check=True)]
     else:

@@ -23,6 +23,7 @@ and what is wrong.  This module uses the native core for one constant only
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -30,6 +31,7 @@ import re
 import secrets
 import socket
 import stat
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence, cast
 
@@ -645,6 +647,7 @@ def read_csr(prefix: str | os.PathLike[str], *, rowcnt_dtype: str | None = None,
     prefix, member = split_member(prefix)
     array = array if array is not None else (member or "value")
     _check_array_name(array)
+    settle_replacement(prefix)   # (a writer killed between two renames: finished)
     p = paths(prefix)
     given = {"rowcnt": rowcnt_dtype, "colidx": colidx_dtype, "value": value_dtype}
     for k, allowed in (("rowcnt", INDEX_DTYPES), ("colidx", INDEX_DTYPES),
@@ -849,6 +852,7 @@ def read_dense(prefix: str | os.PathLike[str], *, value_dtype: str | None = None
     if value_dtype is not None and value_dtype not in VALUE_DTYPES:
         raise InvalidArgument(f"value dtype {value_dtype!r} is not one of "
                               f"{', '.join(VALUE_DTYPES)}")
+    settle_replacement(prefix)
     mp = paths(prefix)["meta"]
     if not os.path.exists(mp):
         raise NotFound(f"missing file {mp}", hint="a dense set is PREFIX.value and "
@@ -1099,26 +1103,152 @@ def pid_alive(pid: int) -> bool:
 
 
 def _set_member(base: str) -> Callable[[str], bool]:
-    """Whether a file name is ``base.A`` for an array or ``.meta`` of a file set."""
+    """Whether a file name is ``base.A`` for an array or ``.meta`` of a file set, or
+    its replacement journal ``.base.replacing``."""
     def owns(name: str) -> bool:
+        if name == f".{base}.replacing":
+            return True
         head, dot, array = name.rpartition(".")
         return head == base and bool(dot) and (array in ("rowcnt", "colidx", "meta")
                                                or _ARRAY_NAME.fullmatch(array) is not None)
     return owns
 
 
+#: a reader (or writer) of a set that a live writer is replacing waits this long for
+#: it to finish its renames (milliseconds, normally) before it gives up (s)
+REPLACE_WAIT_S = 10.0
+
+
+def journal_path(prefix: str | os.PathLike[str]) -> str:
+    """The replacement journal of set ``prefix``: ``.BASE.replacing`` beside its files.
+    It exists only while a writer renames the set's new files over the old ones
+    (:meth:`SetWriter.commit`), or after one was killed doing so."""
+    directory, base = os.path.split(os.fspath(prefix))
+    return os.path.join(directory, f".{base}.replacing")
+
+
+def _read_journal(path: str, base: str) -> tuple[str, int, list[tuple[str, str]]]:
+    """(host, pid, [(temporary, final), ...]) of the journal at ``path`` for set
+    ``base``, every name checked to be one of that set's (a journal cannot rename
+    anything else).  CorruptFile if it is not such a journal.  O(size)."""
+    hint = ("it is not one this library wrote: remove it, then check the set (its files "
+            "may be a mix of two versions) or write it again")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(1 << 16)
+        j = json.loads(raw)
+        host, pid, pairs = j["host"], j["pid"], j["renames"]
+        if (not isinstance(host, str) or not _is_int(pid) or not isinstance(pairs, list)
+                or not pairs):
+            raise ValueError
+        owns = _set_member(base)
+        renames: list[tuple[str, str]] = []
+        for tmp, final in pairs:
+            m = _TMP_NAME.fullmatch(tmp) if isinstance(tmp, str) else None
+            if (m is None or m[1] != final or not owns(final)
+                    or final.startswith(".") or os.sep in tmp):
+                raise ValueError
+            renames.append((tmp, final))
+    except OSError as exc:
+        raise CorruptFile(f"{path}: cannot read this replacement journal: {exc}",
+                          hint=hint) from None
+    except (ValueError, TypeError, KeyError, RecursionError):
+        raise CorruptFile(f"{path}: not a replacement journal of {base}", hint=hint) from None
+    return host, int(pid), renames
+
+
+def finish_replacement(prefix: str | os.PathLike[str], *, any_host: bool = False) -> str:
+    """Finish the replacement of set ``prefix`` that a writer left half done: rename
+    the new files its journal lists that are still under their temporary names over
+    the final ones, in the journal's order, then remove the journal.  The new files
+    were complete and fsynced before the journal was written (:meth:`SetWriter.commit`),
+    so the set becomes the new one, whole.
+
+    Returns ``"none"`` (no journal), ``"finished"``, ``"live"`` (a live process of this
+    host is the writer: it is renaming now; nothing done) or ``"other-host"`` (the writer
+    is of another host, whose pids mean nothing here: nothing done unless ``any_host``,
+    for ``shmps-tool check --finish``, once no writer of the set runs there).  Several
+    processes may finish one replacement at once.  CorruptFile for a journal that is not
+    one, or a rename refused (a directory this user cannot write).  O(files)."""
+    prefix = os.fspath(prefix)
+    directory, base = os.path.split(prefix)
+    jp = journal_path(prefix)
+    if not os.path.lexists(jp):
+        return "none"
+    host, pid, renames = _read_journal(jp, base)
+    if host != host_id() and not any_host:
+        return "other-host"
+    if host == host_id() and pid != os.getpid() and pid_alive(pid) and not any_host:
+        return "live"
+    d = directory or "."
+    try:
+        for tmp, final in renames:
+            try:
+                if stat.S_ISREG(os.lstat(os.path.join(d, tmp)).st_mode):
+                    os.replace(os.path.join(d, tmp), os.path.join(d, final))
+            except FileNotFoundError:
+                pass   # renamed already (by the writer, or by another finisher)
+        _fsync_dir(d)
+        try:
+            os.unlink(jp)
+        except FileNotFoundError:
+            pass
+    except OSError as exc:
+        raise CorruptFile(f"{prefix}: a writer (pid {pid}) was killed while it replaced "
+                          f"this set's files, and finishing it failed: {exc}",
+                          hint=f"finish it as a user who can write {d}: "
+                               f"shmps-tool check {prefix}") from None
+    return "finished"
+
+
+def settle_replacement(prefix: str | os.PathLike[str]) -> None:
+    """Before reading or writing set ``prefix``: if a writer left it half replaced
+    (killed between two renames), finish that (:func:`finish_replacement`); if a live
+    one is renaming, wait for it (up to REPLACE_WAIT_S).  A set that another host's
+    writer is replacing raises CorruptFile, saying how to finish it.  O(1) (one stat)
+    when no replacement is under way."""
+    deadline = time.monotonic() + REPLACE_WAIT_S
+    while True:
+        how = finish_replacement(prefix)
+        if how in ("none", "finished"):
+            return
+        jp = journal_path(prefix)
+        if how == "other-host":
+            raise CorruptFile(
+                f"{prefix}: a writer on another host is replacing this set or was killed "
+                f"while it did ({jp}); its files may be a mix of old and new ones",
+                hint=f"once no writer of {prefix} runs on the other hosts sharing this "
+                     f"directory, finish the replacement: shmps-tool check --finish {prefix}")
+        if time.monotonic() > deadline:
+            raise CorruptFile(
+                f"{prefix}: a writer of this host is still replacing this set's files "
+                f"after {REPLACE_WAIT_S:g} s ({jp})",
+                hint="wait for the conversion or write of this set to end, then read it")
+        time.sleep(0.005)
+
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class SetWriter:
     """Streams the three arrays of a file set to hidden temporary files beside
     ``prefix`` (``.X.value.tmp-HOST-PID-HEX``, :func:`temporary_path`), then :meth:`commit`
-    fsyncs and renames each over its final name and writes the ``.meta`` last.  Every
-    file is replaced atomically (old or new, never half); the set as a whole is not
-    (checkpoints get that from a directory rename): a writer killed between two renames
-    leaves new files beside old ones.  On an exception inside ``with`` (Ctrl-C
-    included) the temporaries are removed; those of a writer of ``prefix`` killed
-    outright (SIGKILL) are removed by the next SetWriter of ``prefix`` on the same host
-    (:func:`remove_dead_temporaries`, :func:`host_id`).
+    replaces the set as a whole: it fsyncs every new file, ``.meta`` included, writes a
+    journal listing the renames (:func:`journal_path`), renames each new file over its
+    final name, and removes the journal.  A writer killed between two renames leaves the
+    journal: the next reader or writer of ``prefix`` finishes the renames
+    (:func:`settle_replacement`), so no one reads a mix of old and new files.  On an
+    exception inside ``with`` before the journal (Ctrl-C included) the temporaries are
+    removed (after it, the renames are finished); those of a writer of ``prefix`` killed
+    outright (SIGKILL) before its journal are removed by the next SetWriter of ``prefix``
+    on the same host (:func:`remove_dead_temporaries`, :func:`host_id`).
 
-    Cost: the bytes written plus four fsyncs, and one listing of the directory;
+    Cost: the bytes written plus six fsyncs, and one listing of the directory;
     O(CHUNK) memory per :meth:`append`.
     """
 
@@ -1132,6 +1262,11 @@ class SetWriter:
         if not os.path.isdir(directory):
             raise NotFound(f"{directory}: no such directory",
                            hint="create the directory first")
+        # a replacement a writer of this host left half done is finished first (its
+        # new files are temporaries of a dead writer, which the removal below would
+        # take, leaving the mix); another host's journal this commit's replaces
+        if finish_replacement(self.prefix) == "live":
+            settle_replacement(self.prefix)   # (waits for it)
         remove_dead_temporaries(directory, _set_member(os.path.basename(self.prefix)))
         self._tmp = {k: temporary_path(f"{self.prefix}.{k}")
                      for k in (*self.dtypes, "meta")}
@@ -1163,29 +1298,52 @@ class SetWriter:
         return n * dt.itemsize
 
     def commit(self, meta: Mapping[str, Any]) -> None:
-        """fsync and rename the three arrays, then write ``.meta``; fsync the directory."""
+        """Write ``.meta`` beside the arrays, fsync every new file, write the journal
+        (fsynced, with the directory), rename the arrays then ``.meta`` over their final
+        names, fsync the directory and remove the journal.  Once the journal is written
+        the replacement is finished whatever happens: here if an exception interrupts
+        the renames, else by the next reader or writer (:func:`settle_replacement`)."""
         final = {k: f"{self.prefix}.{k}" for k in (*self.dtypes, "meta")}
+        journal = journal_path(self.prefix)
+        journaled = False
         try:
             for k in self.dtypes:
                 f = self._files.pop(k)
                 f.flush()
                 os.fsync(f.fileno())
                 f.close()
-            for k in self.dtypes:
-                os.replace(self._tmp[k], final[k])
             with open(self._tmp["meta"], "x", encoding="utf-8") as f:
                 json.dump(meta, f, indent=1, sort_keys=False)
                 f.write("\n")
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(self._tmp["meta"], final["meta"])
-            fd = os.open(self._dir, os.O_RDONLY)
+            jtmp = temporary_path(journal)
             try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+                with open(jtmp, "x", encoding="utf-8") as f:
+                    json.dump({"host": host_id(), "pid": os.getpid(),
+                               "renames": [[os.path.basename(self._tmp[k]),
+                                            os.path.basename(final[k])] for k in final]}, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(jtmp, journal)   # (over another host's, left unfinished)
+            except BaseException:
+                with contextlib.suppress(OSError, CorruptFile):
+                    os.unlink(jtmp)
+                raise
+            _fsync_dir(self._dir)
+            journaled = True
+            for k in final:
+                os.replace(self._tmp[k], final[k])
+            _fsync_dir(self._dir)
+            os.unlink(journal)
         except BaseException:
-            self.abort()
+            if journaled:
+                # the new files are whole: finish the renames rather than leave a mix
+                # (if that fails too, the journal stays for the next reader or writer)
+                with contextlib.suppress(OSError, CorruptFile):
+                    finish_replacement(self.prefix, any_host=True)
+            else:
+                self.abort()
             raise
 
     def abort(self) -> None:

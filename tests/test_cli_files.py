@@ -569,3 +569,108 @@ def test_dump_store_tensor_prints_a_live_dense_tensor(store, store_name):
                               np.array(doc["value"], np.float32)).to_dense(4), EXAMPLE)
     assert_one_line_error(tool("dump", "--store", store_name, "--tensor", "nope"), "nope")
     assert_one_line_error(tool("dump", "--store", store_name), "needs --tensor T")
+
+
+#: replaces a file set with os.replace counted: after the ``argv[2]``th rename (the
+#: journal's is the first) the writer dies outright, or sleeps ``argv[3]`` s before
+#: that rename when ``argv[3]`` is given
+_REPLACE_THEN = r"""
+import os, sys, time
+import numpy as np
+from shmps.files import CSR, write_csr
+real, n = os.replace, [0]
+def replace(a, b):
+    n[0] += 1
+    if len(sys.argv) > 3 and n[0] == int(sys.argv[2]):
+        print("sleeping", flush=True)
+        time.sleep(float(sys.argv[3]))
+    real(a, b)
+    if len(sys.argv) == 3 and n[0] == int(sys.argv[2]):
+        os._exit(9)
+os.replace = replace
+write_csr(sys.argv[1], CSR(np.array([0, 2, 3, 3]), np.array([1, 3, 0], np.int32),
+                           np.array([7, 8, 9], np.float32)), cols=4)
+"""
+OLD_SET = CSR(np.array([0, 1, 1, 3]), np.array([0, 1, 2], np.int32),
+              np.array([1, 2, 3], np.float32))
+
+
+def replace_then(prefix: Path, *how: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", _REPLACE_THEN, str(prefix), *how],
+                          env=tool_env(), capture_output=True, text=True, timeout=60)
+
+
+def new_set_read(prefix: Path) -> bool:
+    ms = read_csr(prefix)
+    return (ms.csr.rowcnt.tolist(), ms.csr.colidx.tolist(), ms.csr.value.tolist()) == \
+        ([0, 2, 3, 3], [1, 3, 0], [7.0, 8.0, 9.0])
+
+
+@pytest.mark.parametrize("renamed", [1, 2, 3, 4])
+def test_a_set_whose_writer_died_between_two_renames_is_read_whole(tmp_path, renamed):
+    """A writer killed after some of a set's renames (here: after the journal's and
+    ``renamed - 1`` of the files') left new files beside old ones of the same sizes, a
+    mix that read as a valid set.  Its journal (.X.replacing) lists the renames; the
+    next reader finishes them and reads the new set whole, leaving no hidden file; the
+    next writer likewise.  Not finished, the reader got the new rowcnt/colidx with the
+    old values (seen failing)."""
+    prefix = tmp_path / "X"
+    write_csr(prefix, OLD_SET, cols=4)
+    r = replace_then(prefix, str(renamed))
+    assert r.returncode == 9, r.stderr
+    assert hidden(tmp_path)   # the journal and the files not renamed yet
+    if renamed % 2:
+        assert new_set_read(prefix)
+    else:   # a writer finishes it first, then writes its own
+        write_csr(prefix, OLD_SET, cols=4)
+        assert read_csr(prefix).csr.value.tolist() == [1.0, 2.0, 3.0]
+    assert hidden(tmp_path) == set()
+    assert sorted(os.listdir(tmp_path)) == ["X.colidx", "X.meta", "X.rowcnt", "X.value"]
+
+
+def test_a_reader_waits_for_a_live_writer_renaming_the_set(tmp_path):
+    """A reader that finds a live writer of this host in the middle of its renames
+    waits for it (here 0.5 s before its third rename) and reads the new set whole."""
+    prefix = tmp_path / "X"
+    write_csr(prefix, OLD_SET, cols=4)
+    p = subprocess.Popen([sys.executable, "-c", _REPLACE_THEN, str(prefix), "3", "0.5"],
+                         env=tool_env(), stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline() == "sleeping\n"
+        t0 = time.monotonic()
+        assert new_set_read(prefix)
+        assert time.monotonic() - t0 > 0.2   # it waited
+        assert p.wait(timeout=60) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert hidden(tmp_path) == set()
+
+
+def test_another_hosts_unfinished_replacement_is_finished_by_check_finish(tmp_path):
+    """A journal written by another host's writer (a directory shared over NFS or by
+    containers) cannot be judged from here: a read refuses with one line saying how to
+    finish it, and changes nothing; ``shmps-tool check --finish`` finishes it and checks
+    the new set.  A journal that is not one is refused naming it, changing nothing."""
+    prefix = tmp_path / "X"
+    write_csr(prefix, OLD_SET, cols=4)
+    assert replace_then(prefix, "2").returncode == 9
+    journal = tmp_path / ".X.replacing"
+    j = json.loads(journal.read_text())
+    j["host"] = f"{int(shmps.files.host_id(), 16) ^ 1:08x}"
+    journal.write_text(json.dumps(j))
+    before = {n: (tmp_path / n).read_bytes() for n in os.listdir(tmp_path)}
+    r = tool("check", prefix)
+    assert_one_line_error(r, "another host", "check --finish")
+    assert {n: (tmp_path / n).read_bytes() for n in os.listdir(tmp_path)} == before
+    r = tool("check", "--finish", prefix)
+    assert r.returncode == 0 and r.stdout.startswith("ok: 3 x 4, nnz 3"), r
+    assert new_set_read(prefix) and hidden(tmp_path) == set()
+
+    write_csr(prefix, OLD_SET, cols=4)
+    journal.write_text('{"host": "x", "pid": 1, "renames": [["../../etc/passwd", "X.value"]]}')
+    r = tool("dump", prefix)
+    assert_one_line_error(r, ".X.replacing", "not a replacement journal")
+    journal.unlink()
+    assert read_csr(prefix).csr.value.tolist() == [1.0, 2.0, 3.0]
