@@ -1134,9 +1134,7 @@ def _read_journal(path: str, base: str) -> tuple[str, int, list[tuple[str, str]]
     hint = ("it is not one this library wrote: remove it, then check the set (its files "
             "may be a mix of two versions) or write it again")
     try:
-        with open(path, "rb") as f:
-            raw = f.read(1 << 16)
-        j = json.loads(raw)
+        j = load_json(path, hint)
         host, pid, pairs = j["host"], j["pid"], j["renames"]
         if (not isinstance(host, str) or not _is_int(pid) or not isinstance(pairs, list)
                 or not pairs):
@@ -1149,10 +1147,12 @@ def _read_journal(path: str, base: str) -> tuple[str, int, list[tuple[str, str]]
                     or final.startswith(".") or os.sep in tmp):
                 raise ValueError
             renames.append((tmp, final))
+    except CorruptFile:
+        raise   # (load_json's: not a regular file, unparsable)
     except OSError as exc:
         raise CorruptFile(f"{path}: cannot read this replacement journal: {exc}",
                           hint=hint) from None
-    except (ValueError, TypeError, KeyError, RecursionError):
+    except (ValueError, TypeError, KeyError):
         raise CorruptFile(f"{path}: not a replacement journal of {base}", hint=hint) from None
     return host, int(pid), renames
 

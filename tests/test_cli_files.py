@@ -673,4 +673,8 @@ def test_another_hosts_unfinished_replacement_is_finished_by_check_finish(tmp_pa
     r = tool("dump", prefix)
     assert_one_line_error(r, ".X.replacing", "not a replacement journal")
     journal.unlink()
+    os.mkfifo(journal)   # opened for reading, a FIFO would block until a writer came
+    r = tool("check", prefix)
+    assert_one_line_error(r, ".X.replacing", "not a regular file")
+    journal.unlink()
     assert read_csr(prefix).csr.value.tolist() == [1.0, 2.0, 3.0]
