@@ -408,12 +408,20 @@ static uint64_t mh_slots(uint64_t n) {
     return m;
 }
 
+/* Batches above this many keys (2^56) are no caller's: no machine holds their keys,
+ * and the sizes below would wrap (mh_slots would not end).  Their scratch is
+ * UINT64_MAX bytes, which no caller can give, so they are refused with SHMPS_E_ARG. */
+#define TABLE_MAX_BATCH (1ull << 56)
+
 uint64_t shmps_table_scratch_bytes(uint64_t n, uint64_t dim) {
+    if (n > TABLE_MAX_BATCH || dim > TABLE_MAX_BATCH) return UINT64_MAX;
     return A64(8 * n) * 4 + A64(4 * n) * 4 + A64(4 * mh_slots(n)) + A64(8 * dim) + 64;
 }
 
 /* The scratch a call that uses only its hash array (contains, row_stats) needs. */
-uint64_t shmps_table_hash_scratch_bytes(uint64_t n) { return A64(8 * n) + 64; }
+uint64_t shmps_table_hash_scratch_bytes(uint64_t n) {
+    return n > TABLE_MAX_BATCH ? UINT64_MAX : A64(8 * n) + 64;
+}
 
 typedef struct {
     void **bases;
@@ -429,7 +437,8 @@ typedef struct {
 } batch_t;
 
 static int carve(batch_t *b, void *scratch, uint64_t bytes, uint64_t dim) {
-    if (bytes < shmps_table_scratch_bytes(b->n, dim) || !scratch) return SHMPS_E_ARG;
+    if (bytes < shmps_table_scratch_bytes(b->n, dim) || bytes == UINT64_MAX || !scratch)
+        return SHMPS_E_ARG;
     char *p = (char *)A64((uintptr_t)scratch);
     uint64_t n = b->n;
     b->hash = (uint64_t *)p; p += A64(8 * n); /* (filled already: hash_keys) */
@@ -464,7 +473,8 @@ static int hash_keys(batch_t *b, void *scratch, uint64_t bytes) {
     if (b->nshards == 0 || b->nshards > SHMPS_TABLE_MAX_SHARDS) return SHMPS_E_ARG;
     memset(b->touched, 0, sizeof b->touched);
     if (b->n == 0) return SHMPS_OK;
-    if (!scratch || bytes < shmps_table_hash_scratch_bytes(b->n)) return SHMPS_E_ARG;
+    if (!scratch || bytes < shmps_table_hash_scratch_bytes(b->n) || bytes == UINT64_MAX)
+        return SHMPS_E_ARG;
     b->hash = (uint64_t *)A64((uintptr_t)scratch);
     hash_mark(b, b->keys, b->n, b->hash);
     return SHMPS_OK;

@@ -248,6 +248,18 @@ def test_contains_and_row_stats_hash_each_key_once_at_any_batch_size(store):
                                     ffi.from_buffer("uint8_t[]", found),
                                     ffi.from_buffer(small), small.size)
     assert code == lib.SHMPS_E_ARG and not found.any()
+    # a key count no caller has (2**62) needs a scratch no caller can give: its size
+    # wrapped (8 * n + 64 = 64 bytes), and the C call read 2**62 keys from a 5000-key
+    # array (review 20 F10)
+    huge = 1 << 62
+    assert int(lib.shmps_table_hash_scratch_bytes(huge)) == 2**64 - 1
+    assert int(lib.shmps_table_scratch_bytes(huge, 2)) == 2**64 - 1
+    big = np.zeros(1 << 16, np.uint8)
+    code = lib.shmps_table_contains(t._ptrs(), t.nshards, shmps._native.token(),
+                                    shmps._native.addr(keys), huge,
+                                    ffi.from_buffer("uint8_t[]", found),
+                                    ffi.from_buffer(big), big.size)
+    assert code == lib.SHMPS_E_ARG and not found.any()
 
 
 def test_nonblocking_push(store):

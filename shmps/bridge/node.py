@@ -572,8 +572,8 @@ class Metrics:
         self.stalls = Counter("shmps_bridge_stalls", "times this process did not run for "
                               "half of dead_after and listened before acting again",
                               registry=r)
-        wakes = Counter("shmps_bridge_flush_wakes", "store.flush() calls that woke this "
-                        "bridge, by the way they came: the doorbell socket, or the "
+        wakes = Counter("shmps_bridge_flush_wakes", "store.flush() calls (and retries of a "
+                        "push into a full table outbox) that woke this bridge, by the way they came: the doorbell socket, or the "
                         "manifest's futex word (workers that cannot reach the doorbell: "
                         "another network namespace, an older build)", ["via"], registry=r)
         self.wakes_doorbell = wakes.labels(via="doorbell")
