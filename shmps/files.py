@@ -670,6 +670,10 @@ def read_csr(prefix: str | os.PathLike[str], *, rowcnt_dtype: str | None = None,
 
     missing = [p[k] for k in ARRAYS if not os.path.exists(p[k])]
     if missing:
+        if kind is None and os.path.lexists(p["meta"]):
+            # a .meta that cannot be read may be a dense set's (no .rowcnt/.colidx):
+            # its own defect is the error, not the structure files it would not need
+            read_meta(p["meta"])
         raise NotFound(f"missing file {', '.join(missing)}", hint=_SET_HINT)
     sizes: dict[str, int] = {}
     for k in ARRAYS:
