@@ -24,6 +24,7 @@ and what is wrong.  This module uses the native core for one constant only
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -31,12 +32,14 @@ import re
 import secrets
 import socket
 import stat
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence, cast
 
 import numpy as np
 
+from . import _native
 from ._native import lib as _lib
 from .errors import CorruptFile, InvalidArgument, NotFound
 
@@ -670,7 +673,7 @@ def read_csr(prefix: str | os.PathLike[str], *, rowcnt_dtype: str | None = None,
 
     missing = [p[k] for k in ARRAYS if not os.path.exists(p[k])]
     if missing:
-        if kind is None and os.path.lexists(p["meta"]):
+        if kind is None and os.path.exists(p["meta"]):
             # a .meta that cannot be read may be a dense set's (no .rowcnt/.colidx):
             # its own defect is the error, not the structure files it would not need
             read_meta(p["meta"])
@@ -1040,7 +1043,8 @@ def host_id() -> str:
 
 #: What :func:`_tmp_name` writes, read back: NAME, the writer's host, its PID, 8 hex
 #: digits.
-_TMP_NAME = re.compile(r"\.(.+)\.tmp-([0-9a-f]{8})-([1-9][0-9]*)-([0-9a-f]{8})")
+_TMP_NAME = re.compile(r"\.(.+)\.tmp-([0-9a-f]{8})-([1-9][0-9]*)-([0-9a-f]{8})",
+                       re.DOTALL)   # (a NAME may hold any character but "/")
 
 
 def _tmp_name(name: str, host: str, pid: int, token: str) -> str:
@@ -1121,6 +1125,12 @@ def _set_member(base: str) -> Callable[[str], bool]:
 #: a reader (or writer) of a set that a live writer is replacing waits this long for
 #: it to finish its renames (milliseconds, normally) before it gives up (s)
 REPLACE_WAIT_S = 10.0
+#: a journal is a few hundred bytes; a larger file under its name is not one
+_JOURNAL_MAX_BYTES = 1 << 16
+#: the journals this process is committing (SetWriter.commit), by absolute path: a
+#: reader thread of this process must wait for them, not finish them under the writer
+_COMMITTING: set[str] = set()
+_COMMITTING_LOCK = threading.Lock()
 
 
 def journal_path(prefix: str | os.PathLike[str]) -> str:
@@ -1131,34 +1141,68 @@ def journal_path(prefix: str | os.PathLike[str]) -> str:
     return os.path.join(directory, f".{base}.replacing")
 
 
-def _read_journal(path: str, base: str) -> tuple[str, int, list[tuple[str, str]]]:
-    """(host, pid, [(temporary, final), ...]) of the journal at ``path`` for set
-    ``base``, every name checked to be one of that set's (a journal cannot rename
-    anything else).  CorruptFile if it is not such a journal.  O(size)."""
+def _machine_boot() -> tuple[str, str]:
+    """(this machine's id, this boot's id), "" where unreadable: a journal of this
+    machine from another boot is a dead writer's, whatever its host id says."""
+    out = []
+    for path in ("/etc/machine-id", "/proc/sys/kernel/random/boot_id"):
+        try:
+            with open(path, encoding="ascii") as f:
+                out.append(f.read(64).strip())
+        except (OSError, ValueError):
+            out.append("")
+    return out[0], out[1]
+
+
+@dataclass
+class _Journal:
+    host: str          # host_id() of the writer
+    machine: str       # its machine id and boot id ("" unknown)
+    boot: str
+    token: int         # the writer process's token (pid and start time: _native.token)
+    renames: list      # [(temporary, final, inode of the temporary)], in rename order
+    stamp: tuple       # (inode, mtime_ns, size) of the journal file read
+
+
+def _read_journal(path: str, base: str) -> _Journal:
+    """The journal at ``path`` for set ``base``, every name checked to be one of that
+    set's (a journal cannot rename anything else).  FileNotFoundError if it is gone;
+    CorruptFile if it is not such a journal.  O(size)."""
     hint = ("it is not one this library wrote: remove it, then check the set (its files "
             "may be a mix of two versions) or write it again")
+    st = os.lstat(path)
+    if stat.S_ISREG(st.st_mode) and st.st_size > _JOURNAL_MAX_BYTES:
+        raise CorruptFile(f"{path}: {st.st_size:,} bytes, too large for a replacement "
+                          "journal", hint=hint)
+    j = load_json(path, hint)   # (not a regular file, unparsable: CorruptFile)
     try:
-        j = load_json(path, hint)
-        host, pid, pairs = j["host"], j["pid"], j["renames"]
-        if (not isinstance(host, str) or not _is_int(pid) or not isinstance(pairs, list)
-                or not pairs):
+        host, machine, boot, token, pairs = (j["host"], j["machine"], j["boot"], j["token"],
+                                             j["renames"])
+        if (not isinstance(host, str) or not isinstance(machine, str)
+                or not isinstance(boot, str) or not _is_int(token)
+                or not 0 < token < 2**64 or not isinstance(pairs, list)
+                or not 0 < len(pairs) <= 64):
             raise ValueError
         owns = _set_member(base)
-        renames: list[tuple[str, str]] = []
-        for tmp, final in pairs:
+        renames = []
+        for tmp, final, ino in pairs:
             m = _TMP_NAME.fullmatch(tmp) if isinstance(tmp, str) else None
-            if (m is None or m[1] != final or not owns(final)
-                    or final.startswith(".") or os.sep in tmp):
+            if (m is None or m[1] != final or not owns(final) or not _is_int(ino)
+                    or final == f".{base}.replacing" or os.sep in tmp):
                 raise ValueError
-            renames.append((tmp, final))
-    except CorruptFile:
-        raise   # (load_json's: not a regular file, unparsable)
-    except OSError as exc:
-        raise CorruptFile(f"{path}: cannot read this replacement journal: {exc}",
-                          hint=hint) from None
+            renames.append((tmp, final, int(ino)))
     except (ValueError, TypeError, KeyError):
         raise CorruptFile(f"{path}: not a replacement journal of {base}", hint=hint) from None
-    return host, int(pid), renames
+    return _Journal(host, machine, boot, int(token), renames,
+                    (st.st_ino, st.st_mtime_ns, st.st_size))
+
+
+def _same_file(path: str, stamp: tuple) -> bool:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    return (st.st_ino, st.st_mtime_ns, st.st_size) == stamp
 
 
 def finish_replacement(prefix: str | os.PathLike[str], *, any_host: bool = False) -> str:
@@ -1168,66 +1212,111 @@ def finish_replacement(prefix: str | os.PathLike[str], *, any_host: bool = False
     were complete and fsynced before the journal was written (:meth:`SetWriter.commit`),
     so the set becomes the new one, whole.
 
-    Returns ``"none"`` (no journal), ``"finished"``, ``"live"`` (a live process of this
-    host is the writer: it is renaming now; nothing done) or ``"other-host"`` (the writer
-    is of another host, whose pids mean nothing here: nothing done unless ``any_host``,
-    for ``shmps-tool check --finish``, once no writer of the set runs there).  Several
-    processes may finish one replacement at once.  CorruptFile for a journal that is not
-    one, or a rename refused (a directory this user cannot write).  O(files)."""
+    Returns ``"none"`` (no journal), ``"finished"`` (or nothing was left to rename),
+    ``"live"`` (the writer is a live process of this host, or a thread of this one,
+    renaming now: nothing done), ``"other-host"`` (the writer is of another host, whose
+    processes cannot be judged from here, or of another user: nothing done unless
+    ``any_host``, for ``shmps-tool check --finish`` once no writer of the set runs
+    anywhere), or ``"lost"`` (a new file the journal lists is neither under its
+    temporary name nor under its final one: something removed it, and the set may be a
+    mix; the journal stays, and a writer of the set replaces it).  Several processes
+    may finish one replacement at once.  CorruptFile for a journal that is not one, or
+    a rename refused (a directory this user cannot write).  O(files)."""
     prefix = os.fspath(prefix)
     directory, base = os.path.split(prefix)
-    jp = journal_path(prefix)
-    if not os.path.lexists(jp):
-        return "none"
-    host, pid, renames = _read_journal(jp, base)
-    if host != host_id() and not any_host:
-        return "other-host"
-    if host == host_id() and pid != os.getpid() and pid_alive(pid) and not any_host:
-        return "live"
     d = directory or "."
+    jp = journal_path(prefix)
     try:
-        for tmp, final in renames:
+        j = _read_journal(jp, base)
+    except FileNotFoundError:
+        return "none"   # (none, or finished meanwhile by the writer or another reader)
+    pending = [t for t, _, _ in j.renames if os.path.lexists(os.path.join(d, t))]
+    if not any_host:
+        if j.host == host_id():
+            if j.token == _native.token():
+                with _COMMITTING_LOCK:
+                    live = os.path.abspath(jp) in _COMMITTING
+            else:
+                live = _native.token_alive(j.token)
+            if live:   # (its renames done, the set is whole: read it, leave its journal)
+                return "live" if pending else "finished"
+        elif pending:
+            machine, boot = _machine_boot()
+            if not (j.machine and j.machine == machine and j.boot != boot):
+                return "other-host"   # (of this machine's earlier boot: dead, finished)
+        if pending and os.lstat(jp).st_uid != os.geteuid():
+            return "other-host"
+    euid = os.geteuid()
+    lost = []
+    try:
+        for tmp, final, ino in j.renames:
+            tp, fp = os.path.join(d, tmp), os.path.join(d, final)
             try:
-                if stat.S_ISREG(os.lstat(os.path.join(d, tmp)).st_mode):
-                    os.replace(os.path.join(d, tmp), os.path.join(d, final))
+                st = os.lstat(tp)
             except FileNotFoundError:
-                pass   # renamed already (by the writer, or by another finisher)
+                try:   # renamed already, by the writer or another finisher, or gone
+                    if os.lstat(fp).st_ino != ino:
+                        lost.append(final)
+                except FileNotFoundError:
+                    lost.append(final)
+                continue
+            if not (stat.S_ISREG(st.st_mode) and st.st_ino == ino and st.st_uid == euid):
+                lost.append(final)
+                continue
+            try:
+                os.replace(tp, fp)
+            except FileNotFoundError:
+                pass   # (another finisher took it meanwhile)
+        if lost:
+            # (a journal finished and removed meanwhile by another process, the set
+            # written again since, is no loss)
+            return "lost" if _same_file(jp, j.stamp) else "none"
         _fsync_dir(d)
-        try:
-            os.unlink(jp)
-        except FileNotFoundError:
-            pass
+        if _same_file(jp, j.stamp):   # (not a newer writer's journal)
+            try:
+                os.unlink(jp)
+            except FileNotFoundError:
+                pass
     except OSError as exc:
-        raise CorruptFile(f"{prefix}: a writer (pid {pid}) was killed while it replaced "
-                          f"this set's files, and finishing it failed: {exc}",
+        raise CorruptFile(f"{prefix}: a writer (pid {j.token >> 32}) was killed while it "
+                          f"replaced this set's files, and finishing it failed: {exc}",
                           hint=f"finish it as a user who can write {d}: "
-                               f"shmps-tool check {prefix}") from None
+                               f"shmps-tool check --finish {prefix}") from None
     return "finished"
 
 
 def settle_replacement(prefix: str | os.PathLike[str]) -> None:
-    """Before reading or writing set ``prefix``: if a writer left it half replaced
-    (killed between two renames), finish that (:func:`finish_replacement`); if a live
-    one is renaming, wait for it (up to REPLACE_WAIT_S).  A set that another host's
-    writer is replacing raises CorruptFile, saying how to finish it.  O(1) (one stat)
-    when no replacement is under way."""
+    """Before reading set ``prefix``: if a writer left it half replaced (killed between
+    two renames), finish that (:func:`finish_replacement`); if a live one is renaming,
+    wait for it (up to REPLACE_WAIT_S).  A set that another host's writer is replacing,
+    or whose replacement lost a file, raises CorruptFile saying what to do.  O(1) (one
+    stat) when no replacement is under way.  A read that overlaps a live writer's
+    renames may still see old and new files (as two writers may write a mix): only a
+    crash's half-done replacement is finished here."""
     deadline = time.monotonic() + REPLACE_WAIT_S
+    jp = journal_path(prefix)
     while True:
         how = finish_replacement(prefix)
         if how in ("none", "finished"):
             return
-        jp = journal_path(prefix)
         if how == "other-host":
             raise CorruptFile(
-                f"{prefix}: a writer on another host is replacing this set or was killed "
-                f"while it did ({jp}); its files may be a mix of old and new ones",
-                hint=f"once no writer of {prefix} runs on the other hosts sharing this "
-                     f"directory, finish the replacement: shmps-tool check --finish {prefix}")
+                f"{prefix}: a writer on another host (or of another user) is replacing this "
+                f"set or was killed while it did ({jp}); its files may be a mix of old and "
+                "new ones",
+                hint=f"once no writer of {prefix} runs on the hosts sharing this directory, "
+                     f"finish the replacement: shmps-tool check --finish {prefix}")
+        if how == "lost":
+            raise CorruptFile(
+                f"{prefix}: a replacement of this set was interrupted and one of its new "
+                f"files is gone ({jp} lists it): the set may be a mix of two versions",
+                hint=f"write the set again (that replaces {jp})")
         if time.monotonic() > deadline:
             raise CorruptFile(
                 f"{prefix}: a writer of this host is still replacing this set's files "
                 f"after {REPLACE_WAIT_S:g} s ({jp})",
-                hint="wait for the conversion or write of this set to end, then read it")
+                hint="wait for the conversion or write of this set to end; if none is "
+                     f"running, finish it: shmps-tool check --finish {prefix}")
         time.sleep(0.005)
 
 
@@ -1269,8 +1358,14 @@ class SetWriter:
         # a replacement a writer of this host left half done is finished first (its
         # new files are temporaries of a dead writer, which the removal below would
         # take, leaving the mix); another host's journal this commit's replaces
-        if finish_replacement(self.prefix) == "live":
-            settle_replacement(self.prefix)   # (waits for it)
+        deadline = time.monotonic() + REPLACE_WAIT_S
+        while finish_replacement(self.prefix) == "live":   # (its journal: wait for it)
+            if time.monotonic() > deadline:
+                raise CorruptFile(f"{self.prefix}: another writer of this host is still "
+                                  f"replacing this set after {REPLACE_WAIT_S:g} s",
+                                  hint="wait for it to end, then write again")
+            time.sleep(0.005)
+        # (another host's or a lost replacement's journal: this commit's replaces it)
         remove_dead_temporaries(directory, _set_member(os.path.basename(self.prefix)))
         self._tmp = {k: temporary_path(f"{self.prefix}.{k}")
                      for k in (*self.dtypes, "meta")}
@@ -1304,12 +1399,17 @@ class SetWriter:
     def commit(self, meta: Mapping[str, Any]) -> None:
         """Write ``.meta`` beside the arrays, fsync every new file, write the journal
         (fsynced, with the directory), rename the arrays then ``.meta`` over their final
-        names, fsync the directory and remove the journal.  Once the journal is written
-        the replacement is finished whatever happens: here if an exception interrupts
-        the renames, else by the next reader or writer (:func:`settle_replacement`)."""
+        names, fsync the directory and remove the journal.  Once the journal is in
+        place the replacement is finished whatever happens: here if an exception
+        interrupts the renames, else by the next reader or writer
+        (:func:`settle_replacement`).  The journal is made with a hard link, which fails
+        while another writer's is there: a second writer of the set on this host waits
+        for the first one's renames instead of interleaving with them."""
         final = {k: f"{self.prefix}.{k}" for k in (*self.dtypes, "meta")}
         journal = journal_path(self.prefix)
+        key = os.path.abspath(journal)
         journaled = False
+        jtmp = None
         try:
             for k in self.dtypes:
                 f = self._files.pop(k)
@@ -1321,26 +1421,33 @@ class SetWriter:
                 f.write("\n")
                 f.flush()
                 os.fsync(f.fileno())
+            machine, boot = _machine_boot()
             jtmp = temporary_path(journal)
-            try:
-                with open(jtmp, "x", encoding="utf-8") as f:
-                    json.dump({"host": host_id(), "pid": os.getpid(),
-                               "renames": [[os.path.basename(self._tmp[k]),
-                                            os.path.basename(final[k])] for k in final]}, f)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(jtmp, journal)   # (over another host's, left unfinished)
-            except BaseException:
-                with contextlib.suppress(OSError, CorruptFile):
-                    os.unlink(jtmp)
-                raise
+            with open(jtmp, "x", encoding="utf-8") as f:
+                json.dump({"host": host_id(), "machine": machine, "boot": boot,
+                           "token": _native.token(), "pid": os.getpid(),
+                           "renames": [[os.path.basename(self._tmp[k]),
+                                        os.path.basename(final[k]),
+                                        os.stat(self._tmp[k]).st_ino] for k in final]}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            with _COMMITTING_LOCK:
+                _COMMITTING.add(key)
+            self._place_journal(jtmp, journal)
+            jtmp = None
+            st = os.lstat(journal)
             _fsync_dir(self._dir)
             journaled = True
             for k in final:
                 os.replace(self._tmp[k], final[k])
             _fsync_dir(self._dir)
-            os.unlink(journal)
+            if _same_file(journal, (st.st_ino, st.st_mtime_ns, st.st_size)):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(journal)
         except BaseException:
+            if jtmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(jtmp)
             if journaled:
                 # the new files are whole: finish the renames rather than leave a mix
                 # (if that fails too, the journal stays for the next reader or writer)
@@ -1349,6 +1456,39 @@ class SetWriter:
             else:
                 self.abort()
             raise
+        finally:
+            with _COMMITTING_LOCK:
+                _COMMITTING.discard(key)
+
+    def _place_journal(self, jtmp: str, journal: str) -> None:
+        """Give the written journal ``jtmp`` its name ``journal``: a hard link, refused
+        while a journal is there; then that one is finished or waited for (another
+        writer's renames), or replaced (another host's, a lost replacement's)."""
+        deadline = time.monotonic() + REPLACE_WAIT_S
+        while True:
+            try:
+                os.link(jtmp, journal)
+            except FileExistsError:
+                how = finish_replacement(self.prefix)
+                if how in ("other-host", "lost"):
+                    os.replace(jtmp, journal)
+                    return
+                if how == "live":
+                    if time.monotonic() > deadline:
+                        raise CorruptFile(f"{self.prefix}: another writer of this host is "
+                                          f"still replacing this set after "
+                                          f"{REPLACE_WAIT_S:g} s",
+                                          hint="wait for it to end, then write again") from None
+                    time.sleep(0.005)
+                continue
+            except OSError as exc:
+                if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP,
+                                     errno.EXDEV, errno.EMLINK):
+                    raise
+                os.replace(jtmp, journal)   # (no hard links here: the rename, unguarded)
+                return
+            os.unlink(jtmp)
+            return
 
     def abort(self) -> None:
         """Close and delete whatever temporaries exist.  Idempotent."""

@@ -25,7 +25,8 @@ from .errors import (CapacityError, Closed, CorruptFile, CorruptSegment, Invalid
                      NotFound, SchemaError, Timeout)
 from .segment import (Segment, Wait, age_of, check_room, list_names, shm_free, size_of,
                       unlink)
-from .tensor import PushHandle, Tensor, cast_init, check_shard_count, open_shards
+from .tensor import (MAX_ROW_SHARDS, PushHandle, Tensor, cast_init, check_shard_count,
+                     open_shards)
 from .updaters import UpdaterLike, as_updater, from_dict
 
 lib = _native.lib
@@ -1444,7 +1445,10 @@ def _check_record(rec: Any, where: str) -> None:
                      ("nshards", int), ("optimizer", dict)):
         if not isinstance(rec.get(key), typ) or isinstance(rec.get(key), bool):
             raise bad(f"field {key!r} missing or not a {typ.__name__}")
-    if rec["dtype"] not in DTYPES or rec["id"] < 0 or rec["nshards"] < 1:
+    # (a table has at most SHMPS_TABLE_MAX_SHARDS shards, any other tensor MAX_ROW_SHARDS:
+    # a damaged count sent shmps-tool ls opening 10**12 shard names, for good)
+    most = int(lib.SHMPS_TABLE_MAX_SHARDS) if rec["kind"] == "table" else MAX_ROW_SHARDS
+    if (rec["dtype"] not in DTYPES or rec["id"] < 0 or not 1 <= rec["nshards"] <= most):
         raise bad(f"dtype {rec['dtype']!r}, id {rec['id']}, nshards {rec['nshards']}")
     if rec["kind"] == "dense":
         shape, per = rec.get("shape"), rec.get("shard_rows")

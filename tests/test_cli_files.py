@@ -571,9 +571,9 @@ def test_dump_store_tensor_prints_a_live_dense_tensor(store, store_name):
     assert_one_line_error(tool("dump", "--store", store_name), "needs --tensor T")
 
 
-#: replaces a file set with os.replace counted: after the ``argv[2]``th rename (the
-#: journal's is the first) the writer dies outright, or sleeps ``argv[3]`` s before
-#: that rename when ``argv[3]`` is given
+#: replaces a file set with os.replace counted: after the ``argv[2]``th rename of a
+#: file (rowcnt, colidx, value, meta) the writer dies outright, or sleeps ``argv[3]`` s
+#: before that rename when ``argv[3]`` is given
 _REPLACE_THEN = r"""
 import os, sys, time
 import numpy as np
@@ -608,8 +608,8 @@ def new_set_read(prefix: Path) -> bool:
 
 @pytest.mark.parametrize("renamed", [1, 2, 3, 4])
 def test_a_set_whose_writer_died_between_two_renames_is_read_whole(tmp_path, renamed):
-    """A writer killed after some of a set's renames (here: after the journal's and
-    ``renamed - 1`` of the files') left new files beside old ones of the same sizes, a
+    """A writer killed after some of a set's renames (here: after ``renamed`` of its
+    four files, the journal in place) left new files beside old ones of the same sizes, a
     mix that read as a valid set.  Its journal (.X.replacing) lists the renames; the
     next reader finishes them and reads the new set whole, leaving no hidden file; the
     next writer likewise.  Not finished, the reader got the new rowcnt/colidx with the
@@ -678,3 +678,127 @@ def test_another_hosts_unfinished_replacement_is_finished_by_check_finish(tmp_pa
     assert_one_line_error(r, ".X.replacing", "not a regular file")
     journal.unlink()
     assert read_csr(prefix).csr.value.tolist() == [1.0, 2.0, 3.0]
+
+
+def test_a_hidden_prefix_killed_mid_replacement_is_read_whole(tmp_path):
+    """A set whose name starts with '.' (all its files hidden) is finished like any
+    other: its journal's final names start with '.', which the journal check refused as
+    forged, for good (review 21 F1)."""
+    prefix = tmp_path / ".X"
+    write_csr(prefix, OLD_SET, cols=4)
+    assert replace_then(prefix, "3").returncode == 9
+    assert new_set_read(prefix)
+    assert sorted(os.listdir(tmp_path)) == [".X.colidx", ".X.meta", ".X.rowcnt", ".X.value"]
+
+
+def test_a_reader_does_not_wait_for_a_dead_unreaped_writer(tmp_path):
+    """A writer killed mid-replacement and not yet reaped (a zombie: kill(pid, 0) still
+    answers) is dead: the next read finishes its replacement at once.  Judged by its
+    pid alone, every read waited 10 s and then failed (review 21 F6)."""
+    prefix = tmp_path / "X"
+    write_csr(prefix, OLD_SET, cols=4)
+    p = subprocess.Popen([sys.executable, "-c", _REPLACE_THEN, str(prefix), "3"],
+                         env=tool_env())
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:   # exited (os._exit), not reaped: a zombie
+            with open(f"/proc/{p.pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+            time.sleep(0.01)
+        t0 = time.monotonic()
+        assert new_set_read(prefix)
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_a_writer_thread_and_reader_threads_of_one_process(tmp_path):
+    """Readers in the writer's own process do not finish its replacement under it (the
+    journal carries the writer's token, which is this process's): they wait for it.
+    Before, reader threads renamed the writer's files while it did, and about 40 % of
+    its writes raised FileNotFoundError (review 21 F3)."""
+    import threading
+
+    prefix = tmp_path / "X"
+    write_csr(prefix, OLD_SET, cols=4)
+    errors: list = []
+    stop = time.monotonic() + 2.0
+
+    def write() -> None:
+        n = 0
+        while time.monotonic() < stop:
+            try:
+                write_csr(prefix, OLD_SET if n % 2 else
+                          CSR(np.array([0, 2, 3, 3]), np.array([1, 3, 0], np.int32),
+                              np.array([7, 8, 9], np.float32)), cols=4)
+            except Exception as exc:   # noqa: BLE001 (what the test counts)
+                errors.append(exc)
+            n += 1
+
+    def read() -> None:
+        while time.monotonic() < stop:
+            try:
+                read_csr(prefix, mmap=False)
+            except shmps.CorruptFile:
+                pass   # a read overlapping the renames may see a mix (documented)
+            except Exception as exc:   # noqa: BLE001
+                errors.append(exc)
+
+    threads = [threading.Thread(target=write)] + [threading.Thread(target=read)
+                                                   for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == []
+    assert hidden(tmp_path) == set()
+
+
+def test_a_second_writer_waits_for_the_first_ones_renames(tmp_path):
+    """Two writers of one set on this host, both past their start when the first one
+    renames: the second's commit waits while the first's journal is there (made with a
+    hard link, which fails while another is), then replaces the set whole.  Before, the
+    second replaced the first one's journal and renamed its files while the first went
+    on renaming its own: the set ended a mix of both (review 21 F9)."""
+    from shmps.files import SetWriter, build_meta
+
+    prefix = tmp_path / "X"
+    write_csr(prefix, OLD_SET, cols=4)
+    dtypes = {"rowcnt": "int64", "colidx": "int32", "value": "float32"}
+    w = SetWriter(prefix, dtypes)   # started before the other writer's journal
+    for k, a in zip(("rowcnt", "colidx", "value"), OLD_SET):
+        w.append(k, np.asarray(a))
+    p = subprocess.Popen([sys.executable, "-c", _REPLACE_THEN, str(prefix), "2", "0.5"],
+                         env=tool_env(), stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline() == "sleeping\n"   # X.rowcnt renamed, the rest not
+        w.commit(build_meta(3, 4, 3, dtypes))
+        assert p.wait(timeout=60) == 0
+    finally:
+        w.abort()
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    ms = read_csr(prefix)
+    assert (ms.csr.rowcnt.tolist(), ms.csr.colidx.tolist(), ms.csr.value.tolist()) == \
+        ([0, 1, 1, 3], [0, 1, 2], [1.0, 2.0, 3.0])
+    assert hidden(tmp_path) == set()
+
+
+def test_a_replacement_whose_new_file_was_removed_is_reported(tmp_path):
+    """A journal whose listed new file is neither under its temporary name nor its final
+    one (something removed it: a writer of an earlier version cleaning up) cannot be
+    finished: reads refuse, naming the loss, instead of passing the mix as finished;
+    writing the set again replaces the journal (review 21 F8)."""
+    prefix = tmp_path / "X"
+    write_csr(prefix, OLD_SET, cols=4)
+    assert replace_then(prefix, "2").returncode == 9   # X.rowcnt and X.colidx renamed
+    for n in hidden(tmp_path) - {".X.replacing"}:
+        os.unlink(tmp_path / n)
+    with pytest.raises(shmps.CorruptFile, match="one of its new files is gone"):
+        read_csr(prefix)
+    write_csr(prefix, OLD_SET, cols=4)
+    assert read_csr(prefix).csr.value.tolist() == [1.0, 2.0, 3.0]
+    assert hidden(tmp_path) == set()

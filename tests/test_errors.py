@@ -1112,8 +1112,8 @@ def test_ls_of_a_manifest_whose_ident_is_damaged(store_name, ident):
         remove_store(store_name, ns)
 
 
-@pytest.mark.parametrize("body", [b"[1]", b"7", b'{"kind": "dense"}', b"[" * 5000],
-                         ids=["list", "number", "no-name", "nested"])
+@pytest.mark.parametrize("body", [b"[1]", b"7", b'{"kind": "dense"}', b"[" * 5000, b"TABLE"],
+                         ids=["list", "number", "no-name", "nested", "nshards"])
 def test_ls_and_attach_of_a_damaged_catalog_record(store_name, body):
     """A catalog record (manifest offset 1 MiB: uint32 length + JSON) that is JSON but not
     a record, or nested past json's recursion limit, is CorruptSegment for attach and
@@ -1124,7 +1124,11 @@ def test_ls_and_attach_of_a_damaged_catalog_record(store_name, body):
     from helpers import child_env
 
     s = shmps.attach(store_name)
-    s.dense("d", shape=(4,))
+    if body == b"TABLE":   # a table's shard count beyond any table's: ls opened 10**12
+        s.table("t", dim=2, capacity=64)      # shard names, for good (review 21 F11)
+        body = json.dumps({**s._record("t"), "nshards": 10**12}).encode()
+    else:
+        s.dense("d", shape=(4,))
     s.close()
     manifest = os.path.join(SHM, f"shmps.{store_name}.manifest")
     try:
