@@ -1155,7 +1155,9 @@ def test_a_peer_whose_connections_closed_is_looked_at_once_half_dead_after_silen
 
     early, took = asyncio.run(asyncio.wait_for(main(), 10))
     assert early is not State.DEAD                  # silent for less than 0.2 s yet
-    assert node.members.state(b) is State.DEAD and 0.2 <= took < 0.35, took
+    # (from the heartbeat's own clock read, a little before `heard`, and asyncio runs a
+    # timer up to its clock resolution early: CI saw 0.1986)
+    assert node.members.state(b) is State.DEAD and 0.19 <= took < 0.35, took
 
 
 def test_a_link_takes_data_frames_that_come_with_the_servers_ok(tmp_path):
