@@ -196,6 +196,13 @@ def scan(namespace: Optional[str] = None, *, with_fill: bool = True
             continue
         try:
             if lib.shmps_manifest_state(seg.ptr) == 0:   # being initialised
+                if lib.shmps_catalog_generation(seg.ptr):
+                    # a catalog: it was READY once and its state word is damaged (attach
+                    # refuses it, native/manifest.c shmps_manifest_init), not a creation
+                    # cut off that gc would remove
+                    raise CorruptSegment(f"manifest {seg.name}: its state says 'being "
+                                         "created', but it has a catalog (the state word "
+                                         "is damaged)")
                 _read_state(info, seg, int(lib.shmps_manifest_init_owner(seg.ptr)))
             else:
                 store, ns, recs, info.pids = _read_manifest(seg)

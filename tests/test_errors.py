@@ -1146,3 +1146,42 @@ def test_ls_and_attach_of_a_damaged_catalog_record(store_name, body):
         assert mine and "catalog record at 0" in mine[0]["error"], mine
     finally:
         remove_store(store_name)
+
+
+def test_a_store_whose_state_word_is_damaged_to_0_is_not_initialised_again(store_name):
+    """A ready store's manifest whose state word (offset 32) reads 0, 'being created',
+    with its creator dead: attach took the initialisation over and wiped the catalog, so
+    attach(create=False) returned an empty store, the tensor's values were lost and a
+    get-or-create made a new empty tensor over its segment; `shmps-tool gc` removed it
+    as a creation cut off.  A manifest with a catalog was READY once: CorruptSegment for
+    attach, unreadable for ls, and gc leaves it (without --corrupt)."""
+    import subprocess
+    import sys
+    from helpers import child_env
+
+    ns = store_name
+    subprocess.run([sys.executable, "-c",
+                    "import sys, numpy as np, shmps\n"
+                    "s = shmps.attach(sys.argv[1], namespace=sys.argv[1])\n"
+                    "s.dense('d', shape=(4,)).push(np.full(4, 5.0))\n"
+                    "s.close()\n", store_name],
+                   env=child_env(), check=True, timeout=60)   # its creator is dead now
+    manifest = os.path.join(SHM, f"shmps.{ns}.{store_name}.manifest")
+    try:
+        poke(manifest, 32, "<I", 0)
+        for create in (False, True):
+            with pytest.raises(shmps.CorruptSegment):
+                shmps.attach(store_name, namespace=ns, create=create, timeout=1)
+        env = child_env(SHMPS_GC_MIN_AGE="0")
+        for verb in ("ls", "gc"):
+            r = subprocess.run([sys.executable, "-m", "shmps.cli", verb, "--namespace", ns],
+                               env=env, capture_output=True, text=True, timeout=60)
+            assert r.returncode == 0, (verb, r.returncode, r.stderr)
+            assert "it has a catalog" in r.stdout + r.stderr, (verb, r.stdout, r.stderr)
+        assert os.path.exists(manifest) and len(store_segments(store_name, ns)) == 2
+        poke(manifest, 32, "<I", 1)   # READY again: the store as it was
+        s = shmps.attach(store_name, namespace=ns, create=False)
+        assert s["d"].pull().tolist() == [5.0] * 4
+        s.close()
+    finally:
+        remove_store(store_name, ns)
