@@ -73,6 +73,9 @@ int shmps_manifest_validate(const void *base, uint64_t size) {
     if (m->header_size != PROCS_OFF || m->total_size != size) return SHMPS_E_CORRUPT;
     if (LOAD(&m->catalog_len, ACQUIRE) > SHMPS_CATALOG_BYTES) return SHMPS_E_CORRUPT;
     if (m->ident_len > sizeof m->ident) return SHMPS_E_CORRUPT;
+    /* only ever 0 or 1 (shmps_forward_set); any other value is damage, which every push
+     * would read as "forwarding on" and sum into a new outbox nothing drains */
+    if (LOAD(&m->forward, RELAXED) > 1u) return SHMPS_E_CORRUPT;
     return SHMPS_OK;
 }
 

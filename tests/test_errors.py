@@ -1185,3 +1185,37 @@ def test_a_store_whose_state_word_is_damaged_to_0_is_not_initialised_again(store
         s.close()
     finally:
         remove_store(store_name, ns)
+
+
+@pytest.mark.parametrize("word", [0xFFFFFFFF, 0x40000000, 2])
+def test_a_damaged_forwarding_switch_is_corrupt_not_pushes_into_a_new_outbox(store_name, word):
+    """The manifest's forwarding switch (offset 276, uint32) is 0 or 1 (shmps-bridge sets
+    it); a damaged value was taken as "forwarding on": every push was summed into a new
+    hidden tensor `d#outbox` that no bridge drains, and pull never saw it (the previous
+    fuzzing pass's tensors t3..t5 that no one created).  Attach now refuses it, and ls
+    shows the store unreadable."""
+    import subprocess
+    import sys
+    from helpers import child_env
+
+    s = shmps.attach(store_name)
+    s.dense("d", shape=(4,))
+    s.close()
+    manifest = os.path.join(SHM, f"shmps.{store_name}.manifest")
+    try:
+        poke(manifest, 276, "<I", word)
+        with pytest.raises(shmps.CorruptSegment):
+            shmps.attach(store_name, create=False, timeout=1)
+        r = subprocess.run([sys.executable, "-m", "shmps.cli", "ls", "--json"],
+                           env=child_env(), capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, (r.returncode, r.stderr)
+        mine = [x for x in json.loads(r.stdout)["stores"] if x["store"] == store_name]
+        assert mine and mine[0].get("error"), mine
+        poke(manifest, 276, "<I", 0)
+        s = shmps.attach(store_name, create=False)
+        s["d"].push(np.ones(4))
+        assert s["d"].pull().tolist() == [1.0] * 4
+        assert [t["name"] for t in s.tensors()] == ["d"]
+        s.close()
+    finally:
+        remove_store(store_name)
