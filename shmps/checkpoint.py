@@ -39,7 +39,7 @@ from typing import Any, BinaryIO, Callable, Optional
 import numpy as np
 
 from . import _native, files, names
-from .errors import CorruptFile, Error, InvalidArgument, NotFound
+from .errors import CorruptFile, CorruptSegment, Error, InvalidArgument, NotFound
 from .segment import Segment, Wait
 from .tensor import MAX_ROW_SHARDS, Shard, Tensor
 
@@ -721,7 +721,41 @@ def _save_sparse(t: Any, directory: str, prefix: str, bar: Any) -> dict:
                 "dtypes": {"rowcnt": "int64", "colidx": "int64", "value": t.dtype.name},
                 **common}
     w.close(meta)
-    return {"prefix": prefix, "record": t.record, "step": step, "shards": shards}
+    entry = {"prefix": prefix, "record": t.record, "step": step, "shards": shards}
+    if table:
+        _check_written_table(t, directory, entry)
+    return entry
+
+
+def _check_written_table(t: Any, directory: str, entry: dict) -> None:
+    """Run restore's check of a table's saved index (``_check_saved_index``) on the
+    files just written: a table whose index is damaged in shared memory gives a
+    checkpoint restore refuses, which must not replace a good checkpoint at the path.
+    Raises CorruptSegment (save() then removes the temporary directory)."""
+    from . import table as tmod
+    from .updaters import from_dict
+
+    rec = entry["record"]
+    clean = {k: v for k, v in rec.items() if k not in ("id", "bytes")}
+    specs = tmod.shard_specs(clean, from_dict(rec["optimizer"]))
+    where = os.path.join(directory, entry["prefix"])
+    raw = [{name: np.memmap(f"{where}.s{s}.{name}", dtype="<u8", mode="r", shape=(n,))
+            if n else np.zeros(0, np.uint64)   # (read as restore reads them)
+            for name, _, n in _raw_regions(_native.layout(spec))}
+           for s, spec in enumerate(specs)]
+    try:
+        _check_saved_index(rec["name"], specs, raw, entry["shards"])
+    except CorruptFile as exc:
+        problem = getattr(exc, "table_problem", None)
+        if problem is None:
+            raise
+        code, shard, at = problem
+        what = _TABLE_PROBLEMS.get(code, f"problem {code}")
+        raise CorruptSegment(
+            f"store {t._store.name!r}: table {rec['name']!r}, shard {shard}: its index in "
+            f"shared memory is inconsistent: {what} (at entry {at}); a checkpoint of it "
+            "would not restore, so none was written (a checkpoint at this path, if any, "
+            "is unchanged)") from None
 
 
 def _plan_sparse(path: str, entry: dict) -> _Plan:

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import shmps
-from shmps import files
+from shmps import _native, files
 from shmps.errors import CorruptFile
 
 SHM = "/dev/shm"
@@ -304,3 +304,43 @@ def procs() -> Iterator[list[subprocess.Popen]]:
         if p.poll() is None:
             p.kill()
         p.wait(timeout=10)
+
+
+def test_checkpoint_of_a_table_whose_index_is_damaged_is_refused_and_keeps_the_old_one(
+        store, tmp_path, names):
+    """A table whose index is damaged in shared memory (the key word of a row in use no
+    longer matches its index entry) made `checkpoint` succeed and swap in a checkpoint
+    that restore refuses ("its saved index is inconsistent"), deleting the good checkpoint
+    at the path.  The checkpoint runs restore's index check on the files it wrote and
+    refuses (CorruptSegment, naming the table and shard) before anything is installed; the
+    old checkpoint still restores, and so does a new one once the word is repaired."""
+    t = store.table("e", dim=2, capacity=64, shards=2, optimizer=shmps.Adam(lr=0.1))
+    keys = np.arange(1, 21, dtype=np.uint64)
+    t.push(keys, np.ones((20, 2), np.float32))
+    before = t.pull(keys, create=False)
+    path = tmp_path / "ck"
+    store.checkpoint(path)
+    sh = next(i for i in range(2) if _native.stats(t._shards[i].ptr)["rows_used"])
+    spec = t._shards[sh].spec
+    row_keys = t._shards[sh].seg.array(np.uint64, spec["colidx_off"], 1)   # row 0's key
+    good = int(row_keys[0])
+    row_keys[0] = good ^ (1 << 40)
+    try:
+        with pytest.raises(shmps.CorruptSegment,
+                           match=rf"table 'e', shard {sh}: its index in shared memory"):
+            store.checkpoint(path)
+        r = subprocess.run([sys.executable, "-m", "shmps.cli", "checkpoint", store.name,
+                            str(path)], env=dict(os.environ, PYTHONPATH=ROOT),
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert sorted(os.listdir(tmp_path)) == ["ck"]   # no temporary directory left
+    finally:
+        row_keys[0] = good
+    name = new_name(names)
+    q = shmps.restore(path, name)   # the old checkpoint, whole
+    try:
+        assert q["e"].pull(keys, create=False).tolist() == before.tolist()
+    finally:
+        q.destroy()
+    store.checkpoint(path)   # repaired: written again
+
