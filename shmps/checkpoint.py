@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import hashlib
 import json
 import mmap
 import os
@@ -724,7 +725,28 @@ def _save_sparse(t: Any, directory: str, prefix: str, bar: Any) -> dict:
     entry = {"prefix": prefix, "record": t.record, "step": step, "shards": shards}
     if table:
         _check_written_table(t, directory, entry)
+    else:
+        _check_written_structure(t, directory, entry)
     return entry
+
+
+def _check_written_structure(t: Any, directory: str, entry: dict) -> None:
+    """Restore's check of a csr tensor's structure (its digest, csr.structure_hash, equal
+    to the record's) on the rowcnt/colidx files just written, read back in 16 MiB
+    pieces: a structure damaged in shared memory gives a checkpoint restore refuses,
+    which must not replace a good checkpoint at the path.  Raises CorruptSegment."""
+    h = hashlib.blake2b(digest_size=16)   # as csr.structure_hash: rowcnt, then colidx
+    where = os.path.join(directory, entry["prefix"])
+    for ext in ("rowcnt", "colidx"):   # little-endian int64 files, as hashed
+        with open(f"{where}.{ext}", "rb") as f:
+            while chunk := f.read(1 << 24):
+                h.update(chunk)
+    if h.hexdigest() != entry["record"].get("structure"):
+        raise CorruptSegment(
+            f"store {t._store.name!r}: csr tensor {t.name!r}: its structure (rowcnt, colidx) "
+            "in shared memory differs from the one it was created with; a checkpoint of it "
+            "would not restore, so none was written (a checkpoint at this path, if any, is "
+            "unchanged)")
 
 
 def _check_written_table(t: Any, directory: str, entry: dict) -> None:

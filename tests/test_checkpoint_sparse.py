@@ -344,3 +344,33 @@ def test_checkpoint_of_a_table_whose_index_is_damaged_is_refused_and_keeps_the_o
         q.destroy()
     store.checkpoint(path)   # repaired: written again
 
+
+def test_checkpoint_of_a_csr_tensor_whose_structure_is_damaged_is_refused(store, tmp_path,
+                                                                          names):
+    """A csr tensor whose column index is damaged in shared memory, still a valid structure
+    (row 0's columns 0, 2 read 1, 2) but not the one in its record: `checkpoint` wrote it
+    and swapped it in for the good checkpoint at the path, and restore refused it ("the
+    structure differs from the record's").  The checkpoint compares the digest of the
+    rowcnt/colidx files it wrote with the record's and refuses (CorruptSegment); the old
+    checkpoint still restores."""
+    rc, ci = np.array([0, 2, 3, 5, 5, 7]), np.array([0, 2, 1, 0, 3, 1, 2])
+    c = store.csr("c", rc, ci, dtype="float32", init=np.arange(7.0), shard_rows=2)
+    path = tmp_path / "ck"
+    store.checkpoint(path)
+    spec = c._shards[0].spec
+    colidx = c._shards[0].seg.array(np.int64, spec["colidx_off"], spec["nnz"])
+    assert colidx[0] == 0
+    colidx[0] = 1
+    try:
+        with pytest.raises(shmps.CorruptSegment, match="csr tensor 'c': its structure"):
+            store.checkpoint(path)
+        assert sorted(os.listdir(tmp_path)) == ["ck"]
+    finally:
+        colidx[0] = 0
+    q = shmps.restore(path, new_name(names))
+    try:
+        got = q["c"].pull()
+        assert got.colidx.tolist() == ci.tolist() and got.value.tolist() == list(range(7))
+    finally:
+        q.destroy()
+    store.checkpoint(path)
