@@ -144,6 +144,10 @@ def _read_manifest(seg: Segment) -> tuple[str, Optional[str], list[dict], list[i
         _check_record(rec, where)
         recs.append(rec)
         pos += 4 + k
+    if len(recs) < int(gen[0]):   # as attach refuses it (store._refresh)
+        from .store import _short_catalog
+        raise CorruptSegment(f"manifest {seg.name}: " + _short_catalog(store, len(recs),
+                                                                      int(gen[0])))
     toks = ffi.new("uint64_t[]", lib.SHMPS_MAX_PROCS)
     lib.shmps_proc_list(seg.ptr, toks, lib.SHMPS_MAX_PROCS, n)
     pids = sorted({_native.token_pid(int(toks[i])) for i in range(n[0])

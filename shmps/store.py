@@ -264,6 +264,11 @@ class Store:
             self._records[rec["name"]] = rec
             self._record_list.append(rec)
             pos += 4 + ln
+        if len(self._record_list) < int(g[0]):
+            # the catalog is append-only and each append bumps the generation once, after
+            # the length (shmps_catalog_append): fewer records than that is a damaged
+            # length word, which hid tensors (a get-or-create made a new empty one)
+            raise CorruptSegment(_short_catalog(self.name, len(self._record_list), int(g[0])))
         self._catalog_len = pos
         self._generation = int(g[0])
 
@@ -1175,6 +1180,12 @@ def _unlink_store(name: str, namespace: Optional[str]) -> list[str]:
     mname = names.manifest_name(name, namespace)
     shards = [n for n in list_names(prefix[1:]) if _is_own_segment(n, prefix) and n != mname]
     return [n for n in shards + [mname] if unlink(n)]
+
+
+def _short_catalog(store: str, records: int, generation: int) -> str:
+    """The CorruptSegment message of a catalog holding fewer records than appended."""
+    return (f"store {store!r}: its catalog holds {records} records, but {generation} were "
+            "appended (its length or generation word is damaged: tensors would be hidden)")
 
 
 def _is_own_segment(seg: str, prefix: str) -> bool:

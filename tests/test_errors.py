@@ -1219,3 +1219,44 @@ def test_a_damaged_forwarding_switch_is_corrupt_not_pushes_into_a_new_outbox(sto
         s.close()
     finally:
         remove_store(store_name)
+
+
+@pytest.mark.parametrize("damage", ["empty", "one-record", "generation"])
+def test_a_catalog_shorter_than_its_generation_is_corrupt(store_name, damage):
+    """The catalog is append-only and each append bumps the generation (offset 48) once:
+    a length word (offset 40) damaged to 0, or to the end of an earlier record, made
+    attach see fewer tensors, and a get-or-create of a hidden one made a new, empty tensor
+    (the values of 'd' read 0 instead of 5).  Fewer records than the generation counts is
+    CorruptSegment for attach and unreadable for ls."""
+    import subprocess
+    import sys
+    from helpers import child_env
+
+    s = shmps.attach(store_name)
+    s.dense("d", shape=(4,)).push(np.full(4, 5.0))
+    s.dense("e", shape=(2,))
+    s.close()
+    manifest = os.path.join(SHM, f"shmps.{store_name}.manifest")
+    try:
+        (length,) = peek(manifest, 40, "<Q")
+        (first,) = peek(manifest, 1 << 20, "<I")
+        if damage == "empty":
+            poke(manifest, 40, "<Q", 0)
+        elif damage == "one-record":
+            poke(manifest, 40, "<Q", 4 + first)
+        else:
+            poke(manifest, 48, "<Q", 3)
+        with pytest.raises(shmps.CorruptSegment, match="were appended"):
+            shmps.attach(store_name, create=False)
+        r = subprocess.run([sys.executable, "-m", "shmps.cli", "ls", "--json"],
+                           env=child_env(), capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, (r.returncode, r.stderr)
+        mine = [x for x in json.loads(r.stdout)["stores"] if x["store"] == store_name]
+        assert mine and "were appended" in (mine[0].get("error") or ""), mine
+        poke(manifest, 40, "<Q", length)
+        poke(manifest, 48, "<Q", 2)
+        s = shmps.attach(store_name, create=False)
+        assert sorted(s) == ["d", "e"] and s["d"].pull().tolist() == [5.0] * 4
+        s.close()
+    finally:
+        remove_store(store_name)
