@@ -1127,9 +1127,10 @@ def _set_member(base: str) -> Callable[[str], bool]:
 REPLACE_WAIT_S = 10.0
 #: a journal is a few hundred bytes; a larger file under its name is not one
 _JOURNAL_MAX_BYTES = 1 << 16
-#: the journals this process is committing (SetWriter.commit), by absolute path: a
-#: reader thread of this process must wait for them, not finish them under the writer
-_COMMITTING: set[str] = set()
+#: the journals this process is committing (SetWriter.commit), by absolute path, and
+#: how many of its threads are (two may write one set): a reader thread of this
+#: process must wait for them, not finish them under the writer
+_COMMITTING: dict[str, int] = {}
 _COMMITTING_LOCK = threading.Lock()
 
 
@@ -1162,6 +1163,7 @@ class _Journal:
     token: int         # the writer process's token (pid and start time: _native.token)
     renames: list      # [(temporary, final, inode of the temporary)], in rename order
     stamp: tuple       # (inode, mtime_ns, size) of the journal file read
+    uid: int           # its owner
 
 
 def _read_journal(path: str, base: str) -> _Journal:
@@ -1194,7 +1196,7 @@ def _read_journal(path: str, base: str) -> _Journal:
     except (ValueError, TypeError, KeyError):
         raise CorruptFile(f"{path}: not a replacement journal of {base}", hint=hint) from None
     return _Journal(host, machine, boot, int(token), renames,
-                    (st.st_ino, st.st_mtime_ns, st.st_size))
+                    (st.st_ino, st.st_mtime_ns, st.st_size), st.st_uid)
 
 
 def _same_file(path: str, stamp: tuple) -> bool:
@@ -1235,7 +1237,7 @@ def finish_replacement(prefix: str | os.PathLike[str], *, any_host: bool = False
         if j.host == host_id():
             if j.token == _native.token():
                 with _COMMITTING_LOCK:
-                    live = os.path.abspath(jp) in _COMMITTING
+                    live = _COMMITTING.get(os.path.abspath(jp), 0) > 0
             else:
                 live = _native.token_alive(j.token)
             if live:   # (its renames done, the set is whole: read it, leave its journal)
@@ -1244,7 +1246,7 @@ def finish_replacement(prefix: str | os.PathLike[str], *, any_host: bool = False
             machine, boot = _machine_boot()
             if not (j.machine and j.machine == machine and j.boot != boot):
                 return "other-host"   # (of this machine's earlier boot: dead, finished)
-        if pending and os.lstat(jp).st_uid != os.geteuid():
+        if pending and j.uid != os.geteuid():
             return "other-host"
     euid = os.geteuid()
     lost = []
@@ -1408,7 +1410,7 @@ class SetWriter:
         final = {k: f"{self.prefix}.{k}" for k in (*self.dtypes, "meta")}
         journal = journal_path(self.prefix)
         key = os.path.abspath(journal)
-        journaled = False
+        journaled = counted = False
         jtmp = None
         try:
             for k in self.dtypes:
@@ -1432,7 +1434,8 @@ class SetWriter:
                 f.flush()
                 os.fsync(f.fileno())
             with _COMMITTING_LOCK:
-                _COMMITTING.add(key)
+                _COMMITTING[key] = _COMMITTING.get(key, 0) + 1
+                counted = True
             self._place_journal(jtmp, journal)
             jtmp = None
             st = os.lstat(journal)
@@ -1457,8 +1460,12 @@ class SetWriter:
                 self.abort()
             raise
         finally:
-            with _COMMITTING_LOCK:
-                _COMMITTING.discard(key)
+            if counted:
+                with _COMMITTING_LOCK:
+                    if _COMMITTING[key] > 1:
+                        _COMMITTING[key] -= 1
+                    else:
+                        del _COMMITTING[key]
 
     def _place_journal(self, jtmp: str, journal: str) -> None:
         """Give the written journal ``jtmp`` its name ``journal``: a hard link, refused
@@ -1473,7 +1480,8 @@ class SetWriter:
                 if how in ("other-host", "lost"):
                     os.replace(jtmp, journal)
                     return
-                if how == "live":
+                if how in ("live", "finished") and os.path.lexists(journal):
+                    # a live writer's, renaming or done and about to remove it
                     if time.monotonic() > deadline:
                         raise CorruptFile(f"{self.prefix}: another writer of this host is "
                                           f"still replacing this set after "

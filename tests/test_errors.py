@@ -1148,7 +1148,9 @@ def test_ls_and_attach_of_a_damaged_catalog_record(store_name, body):
         remove_store(store_name)
 
 
-def test_a_store_whose_state_word_is_damaged_to_0_is_not_initialised_again(store_name):
+@pytest.mark.parametrize("generation_too", [False, True], ids=["state", "state-generation"])
+def test_a_store_whose_state_word_is_damaged_to_0_is_not_initialised_again(store_name,
+                                                                          generation_too):
     """A ready store's manifest whose state word (offset 32) reads 0, 'being created',
     with its creator dead: attach took the initialisation over and wiped the catalog, so
     attach(create=False) returned an empty store, the tensor's values were lost and a
@@ -1169,6 +1171,9 @@ def test_a_store_whose_state_word_is_damaged_to_0_is_not_initialised_again(store
     manifest = os.path.join(SHM, f"shmps.{ns}.{store_name}.manifest")
     try:
         poke(manifest, 32, "<I", 0)
+        if generation_too:   # (ls and gc looked at the generation only: review 22 F5)
+            (generation,) = peek(manifest, 48, "<Q")
+            poke(manifest, 48, "<Q", 0)
         for create in (False, True):
             with pytest.raises(shmps.CorruptSegment):
                 shmps.attach(store_name, namespace=ns, create=create, timeout=1)
@@ -1180,6 +1185,8 @@ def test_a_store_whose_state_word_is_damaged_to_0_is_not_initialised_again(store
             assert "it has a catalog" in r.stdout + r.stderr, (verb, r.stdout, r.stderr)
         assert os.path.exists(manifest) and len(store_segments(store_name, ns)) == 2
         poke(manifest, 32, "<I", 1)   # READY again: the store as it was
+        if generation_too:
+            poke(manifest, 48, "<Q", generation)
         s = shmps.attach(store_name, namespace=ns, create=False)
         assert s["d"].pull().tolist() == [5.0] * 4
         s.close()
