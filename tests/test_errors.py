@@ -1112,6 +1112,22 @@ def test_ls_of_a_manifest_whose_ident_is_damaged(store_name, ident):
         remove_store(store_name, ns)
 
 
+def refused_by_attach_and_ls(store_name: str, words: str) -> None:
+    """attach(create=False) raises CorruptSegment saying ``words``, and `shmps-tool ls
+    --json` (a subprocess) lists the store with an error saying them."""
+    import subprocess
+    import sys
+    from helpers import child_env
+
+    with pytest.raises(shmps.CorruptSegment, match=words):
+        shmps.attach(store_name, create=False)
+    r = subprocess.run([sys.executable, "-m", "shmps.cli", "ls", "--json"],
+                       env=child_env(), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, (r.returncode, r.stderr)
+    mine = [x for x in json.loads(r.stdout)["stores"] if x["store"] == store_name]
+    assert mine and words in (mine[0].get("error") or ""), mine
+
+
 @pytest.mark.parametrize("body", [b"[1]", b"7", b'{"kind": "dense"}', b"[" * 5000, b"TABLE"],
                          ids=["list", "number", "no-name", "nested", "nshards"])
 def test_ls_and_attach_of_a_damaged_catalog_record(store_name, body):
@@ -1119,10 +1135,6 @@ def test_ls_and_attach_of_a_damaged_catalog_record(store_name, body):
     a record, or nested past json's recursion limit, is CorruptSegment for attach and
     `unreadable` for ls.  ls did not check records as attach does: an internal
     AttributeError / KeyError (exit 1); a nested one was a RecursionError for both."""
-    import subprocess
-    import sys
-    from helpers import child_env
-
     s = shmps.attach(store_name)
     if body == b"TABLE":   # a table's shard count beyond any table's: ls opened 10**12
         s.table("t", dim=2, capacity=64)      # shard names, for good (review 21 F11)
@@ -1137,13 +1149,7 @@ def test_ls_and_attach_of_a_damaged_catalog_record(store_name, body):
             poke(manifest, 1 << 20, "<I", len(body))
             poke(manifest, 40, "<Q", len(body) + 4)
         poke(manifest, (1 << 20) + 4, f"{max(ln, len(body))}s", body.ljust(ln))
-        with pytest.raises(shmps.CorruptSegment, match="catalog record at 0"):
-            shmps.attach(store_name, create=False)
-        r = subprocess.run([sys.executable, "-m", "shmps.cli", "ls", "--json"],
-                           env=child_env(), capture_output=True, text=True, timeout=60)
-        assert r.returncode == 0, (r.returncode, r.stderr)
-        mine = [x for x in json.loads(r.stdout)["stores"] if x["store"] == store_name]
-        assert mine and "catalog record at 0" in mine[0]["error"], mine
+        refused_by_attach_and_ls(store_name, "catalog record at 0")
     finally:
         remove_store(store_name)
 
@@ -1235,10 +1241,6 @@ def test_a_catalog_shorter_than_its_generation_is_corrupt(store_name, damage):
     attach see fewer tensors, and a get-or-create of a hidden one made a new, empty tensor
     (the values of 'd' read 0 instead of 5).  Fewer records than the generation counts is
     CorruptSegment for attach and unreadable for ls."""
-    import subprocess
-    import sys
-    from helpers import child_env
-
     s = shmps.attach(store_name)
     s.dense("d", shape=(4,)).push(np.full(4, 5.0))
     s.dense("e", shape=(2,))
@@ -1253,13 +1255,7 @@ def test_a_catalog_shorter_than_its_generation_is_corrupt(store_name, damage):
             poke(manifest, 40, "<Q", 4 + first)
         else:
             poke(manifest, 48, "<Q", 3)
-        with pytest.raises(shmps.CorruptSegment, match="were appended"):
-            shmps.attach(store_name, create=False)
-        r = subprocess.run([sys.executable, "-m", "shmps.cli", "ls", "--json"],
-                           env=child_env(), capture_output=True, text=True, timeout=60)
-        assert r.returncode == 0, (r.returncode, r.stderr)
-        mine = [x for x in json.loads(r.stdout)["stores"] if x["store"] == store_name]
-        assert mine and "were appended" in (mine[0].get("error") or ""), mine
+        refused_by_attach_and_ls(store_name, "were appended")
         poke(manifest, 40, "<Q", length)
         poke(manifest, 48, "<Q", 2)
         s = shmps.attach(store_name, create=False)
