@@ -3811,7 +3811,7 @@ def data_frame_args(draw, min_rows=0):
     else:
         kw["keys"] = np.array(draw(st.lists(U64S, min_size=n, max_size=n)), dtype=np.uint64)
     if ftype is FrameType.BATCH:
-        kw["step"] = draw(st.integers(1, frames.U64))
+        kw["step"] = draw(st.integers(1, frames.U63))
         return frames.encode_batch, ftype, kw
     kw["step"] = draw(U64S)
     kw["marks"] = draw(st.lists(st.builds(Mark, U32S, U32S, U64S), max_size=4))

@@ -459,7 +459,7 @@ def _encode_data(ftype: FrameType, *, epoch: int, sender: int, incarnation: int,
         if marks or state or row_steps is not None or flags & ~Flag.CONTINUES:
             raise InvalidArgument("a BATCH carries no marks, state, row steps or flags "
                                   "other than CONTINUES")
-        _u("step", step, U64)
+        _u("step", step, U63)   # (the owner counts step - 1 more pushes as an int64)
         if step < 1:
             raise InvalidArgument("a BATCH folds step >= 1 pushes")
     else:
@@ -854,8 +854,10 @@ def _decode_data(hdr: dict[str, Any], body: memoryview, limits: Limits) -> Data:
         raise _bad(ft, "start must be 0 unless the layout is RANGE")
     if start + n > U63:
         raise _bad(ft, "row range exceeds 2**63 - 1")
-    if ft is FrameType.BATCH and (n == 0 or step == 0 or nmarks or nstate):
-        raise _bad(ft, "a BATCH needs >= 1 row, step >= 1, and no marks or state")
+    if ft is FrameType.BATCH and (n == 0 or not 1 <= step <= U63 or nmarks or nstate):
+        # (step: the owner counts the pushes it stands for as an int64: a larger one was
+        # applied, then raised OverflowError, unacknowledged, and applied again when resent)
+        raise _bad(ft, "a BATCH needs >= 1 row, step in 1..2**63 - 1, and no marks or state")
     if _refused_malformed(hdr["flags"], n, nmarks):
         raise _bad(ft, REFUSED_RULE)
     dt = CODE_DTYPES[code]

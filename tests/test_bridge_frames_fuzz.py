@@ -1,0 +1,76 @@
+"""Frames that decode but carry values the bridge cannot take: each must be refused as
+malformed (BadFrame) before anything is applied, by the decoder, not fail half-way
+through a handler.  Drives a Bridge, not started, on a real store, as
+test_bridge_units does."""
+from __future__ import annotations
+
+import struct
+import types
+
+import numpy as np
+import pytest
+
+from test_bridge_units import (ROWS_SEQ_BASE, BadFrame, Mark, Status, _owner_on_a_store,
+                               _take_snapshot, _tensor_owned_by, frames, members)
+
+pytestmark = pytest.mark.timeout(60)
+
+STEP_AT = 48 + 24          # a data frame's step (header 48, then the data sub-header)
+
+
+def _peer(addr: str, incarnation: int = 7) -> types.SimpleNamespace:
+    """The authenticated peer ``addr`` as Bridge.on_message takes it."""
+    return types.SimpleNamespace(sender=members.member_id(addr), incarnation=incarnation)
+
+
+def _feed(node, peer: str, buf: bytes) -> tuple[int, list]:
+    """``buf`` as a websocket message from ``peer`` (incarnation 7): (the count of
+    malformed messages in a row on_message returns, the frames it answered)."""
+    got: list = []
+    bad = node.on_message(peer, _peer(peer), buf,
+                          lambda d: got.extend(frames.iter_frames(bytes(d))), 0)
+    return bad, got
+
+
+def test_a_batch_step_past_2_63_is_malformed():
+    """A BATCH's step (pushes folded in) the owner counts as an int64 (the C counter takes
+    step - 1 more pushes): a step past 2**63 - 1 is refused by the decoder and the
+    encoder; 2**63 - 1 is taken."""
+    ok = dict(epoch=0, sender=1, incarnation=7, tensor=1, shard=0, seq=1,
+              values=np.ones((1, 4), np.float32), keys=np.array([3], np.uint64))
+    buf = bytearray(frames.encode_batch(step=frames.U63, **ok))
+    assert frames.decode(bytes(buf)).step == frames.U63
+    for step in (frames.U63 + 1, frames.U64):
+        struct.pack_into("<Q", buf, STEP_AT, step)
+        with pytest.raises(BadFrame, match="step in 1..2"):
+            frames.decode(bytes(buf))
+        with pytest.raises(frames.InvalidArgument):
+            frames.encode_batch(step=step, **ok)
+
+
+def test_a_table_batch_with_a_huge_step_is_refused_not_applied_twice(tmp_path):
+    """A table's owner took a BATCH of step 2**64 - 1, applied it, and then counting its
+    pushes raised OverflowError: no answer, nothing in the duplicate filter, no ROWS to
+    the copies, and the sender's resend was applied again (keys 1 and 2 at 2.0 after
+    one batch of 1.0).  Now the message is malformed and nothing changes."""
+    from shmps.bridge.ring import shard_key
+
+    me, a = "127.0.0.2:7001", "127.0.0.3:7001"
+    with _owner_on_a_store(tmp_path, [me, a], "fzstep") as (node, _, _st):
+        name = next(f"t{i}" for i in range(1000) if node.owner(shard_key(f"t{i}", 0)) == me)
+        node.store.table(name, dim=4, capacity=256, shards=1, optimizer="sum")
+        while node.refresh_tensors(budget=None):
+            pass
+        info = node.by_name[name]
+        st = node.shards[(info.tid, 0)]
+        keys = np.array([1, 2], np.uint64)
+        buf = bytearray(frames.encode_batch(
+            epoch=0, sender=members.member_id(a), incarnation=7, tensor=info.tid, shard=0,
+            seq=1, values=np.ones((2, 4), np.float32), keys=keys))
+        struct.pack_into("<Q", buf, STEP_AT, frames.U64)
+        for _ in range(3):   # (the first is answered GAP by a shard new to the stream)
+            bad, _got = _feed(node, a, bytes(buf))
+            assert bad == 1
+        assert len(st.dedup) == 0 and not st.first_seen
+        np.testing.assert_array_equal(node.store[name].pull(keys), np.zeros((2, 4), np.float32))
+        assert node.metrics.applied._value.get() == 0
