@@ -3814,7 +3814,8 @@ def data_frame_args(draw, min_rows=0):
         kw["step"] = draw(st.integers(1, frames.U63))
         return frames.encode_batch, ftype, kw
     kw["step"] = draw(U64S)
-    kw["marks"] = draw(st.lists(st.builds(Mark, U32S, U32S, U64S), max_size=4))
+    kw["marks"] = draw(st.lists(st.builds(Mark, U32S, U32S, st.integers(1, frames.U64)),
+                                 max_size=4))
     sdt = draw(st.sampled_from(["float16", "float32", "float64"]))
     kw["state"] = [draw(hnp.arrays(sdt, shape)) for _ in range(draw(st.integers(0, 2)))]
     if draw(st.booleans()):

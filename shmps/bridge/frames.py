@@ -424,7 +424,14 @@ def _pack_marks(marks: Sequence[Mark]) -> bytes:
         raise InvalidArgument("too many marks")
     return b"".join(MARK.pack(_u("mark sender", m.sender, U32),
                               _u("mark incarnation", m.incarnation, U32),
-                              _u("mark seq", m.seq, U64)) for m in marks)
+                              _mark_seq(m.seq)) for m in marks)
+
+
+def _mark_seq(seq: int) -> int:
+    if not _u("mark seq", seq, U64):
+        raise InvalidArgument("a mark's seq must be >= 1 (a stream's seqs start at 1; a "
+                              "floor of 0 names nothing)")
+    return int(seq)
 
 
 def _check_size(payload: int, limits: Limits | None) -> None:
@@ -871,6 +878,11 @@ def _decode_data(hdr: dict[str, Any], body: memoryview, limits: Limits) -> Data:
                        f"need {expected} payload bytes, the frame has {len(body)}")
     off = DATA_HEAD.size
     marks = tuple(Mark(*MARK.unpack_from(body, off + MARK.size * i)) for i in range(nmarks))
+    if nmarks and any(m.seq == 0 for m in marks):
+        # (a stream's seqs start at 1: the duplicate filter takes none below; on_rows
+        # wrote the rows of such a ROWS, then its marks raised InvalidArgument: no answer,
+        # the marks before it recorded, those after it not)
+        raise _bad(ft, "a mark's seq is 0")
     off += MARK.size * nmarks
     index: np.ndarray | None = None
     if layout is Layout.INDEXED or layout is Layout.KEYED:
