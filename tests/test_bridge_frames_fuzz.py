@@ -117,3 +117,37 @@ def test_rows_with_a_mark_of_seq_0_change_nothing(tmp_path, floor):
         np.testing.assert_array_equal(node.store[name].pull(), np.zeros((8, 4), np.float32))
         assert st.dedup.floor((s, 7, info.tid, 0)) == 10
         assert (s, 9, info.tid, 0) not in st.dedup and st.copied_in == 1
+
+
+def test_a_batch_of_seq_0_is_malformed_and_does_not_stall_its_stream(tmp_path):
+    """A BATCH of seq 0 (a stream's seqs start at 1) was answered GAP by an owner new to
+    the stream, which remembered 0 as where it starts: every later frame of the stream,
+    seq 1 included, was answered GAP (the stream stalled), and a resend of seq 0 raised
+    InvalidArgument from the duplicate filter (a traceback, no answer).  Now it is
+    malformed, and the stream starts at its seq 1 as any other does."""
+    ok = dict(epoch=0, sender=1, incarnation=7, tensor=1, shard=0,
+              values=np.ones((1, 4), np.float32), start=0)
+    buf = bytearray(frames.encode_batch(seq=1, **ok))
+    struct.pack_into("<Q", buf, 32, 0)
+    with pytest.raises(BadFrame, match="seq is 0"):
+        frames.decode(bytes(buf))
+    with pytest.raises(frames.InvalidArgument, match="seq is >= 1"):
+        frames.encode_batch(seq=0, **ok)
+
+    me, a = "127.0.0.2:7001", "127.0.0.3:7001"
+    with _owner_on_a_store(tmp_path, [me, a], "fzseq") as (node, info, st):
+        def batch(seq: int) -> bytes:
+            buf = bytearray(frames.encode_batch(
+                epoch=0, sender=members.member_id(a), incarnation=7, tensor=info.tid,
+                shard=0, seq=max(seq, 1), values=np.ones((1, 4), np.float32), start=0))
+            struct.pack_into("<Q", buf, 32, seq)
+            return bytes(buf)
+
+        for _ in range(2):
+            assert _feed(node, a, batch(0)) == (1, [])
+        assert not st.first_seen and len(st.dedup) == 0
+        bad, got = _feed(node, a, batch(1))       # new to the owner: GAP, from seq 1
+        assert bad == 0 and [g.status for g in got] == [Status.GAP]
+        assert _feed(node, a, batch(1))[0] == 0   # applied (answered once a's copy has it)
+        assert st.dedup.floor((members.member_id(a), 7, info.tid, 0)) == 1
+        assert node.store[info.name].pull()[0].tolist() == [1.0] * 4

@@ -3812,6 +3812,7 @@ def data_frame_args(draw, min_rows=0):
         kw["keys"] = np.array(draw(st.lists(U64S, min_size=n, max_size=n)), dtype=np.uint64)
     if ftype is FrameType.BATCH:
         kw["step"] = draw(st.integers(1, frames.U63))
+        kw["seq"] = max(1, kw["seq"])             # (a stream's seqs start at 1)
         return frames.encode_batch, ftype, kw
     kw["step"] = draw(U64S)
     kw["marks"] = draw(st.lists(st.builds(Mark, U32S, U32S, st.integers(1, frames.U64)),

@@ -463,6 +463,8 @@ def _encode_data(ftype: FrameType, *, epoch: int, sender: int, incarnation: int,
     if ftype is FrameType.BATCH:
         if n == 0:
             raise InvalidArgument("a BATCH carries at least one row")
+        if isinstance(seq, (int, np.integer)) and seq == 0:
+            raise InvalidArgument("a BATCH's seq is >= 1 (a stream's seqs start at 1)")
         if marks or state or row_steps is not None or flags & ~Flag.CONTINUES:
             raise InvalidArgument("a BATCH carries no marks, state, row steps or flags "
                                   "other than CONTINUES")
@@ -861,6 +863,11 @@ def _decode_data(hdr: dict[str, Any], body: memoryview, limits: Limits) -> Data:
         raise _bad(ft, "start must be 0 unless the layout is RANGE")
     if start + n > U63:
         raise _bad(ft, "row range exceeds 2**63 - 1")
+    if ft is FrameType.BATCH and hdr["seq"] == 0:
+        # (a stream's seqs start at 1: the owner answered GAP and remembered 0 as the
+        # stream's first seq, then GAP for every later frame of it; a resend raised
+        # InvalidArgument from its duplicate filter)
+        raise _bad(ft, "a BATCH's seq is 0")
     if ft is FrameType.BATCH and (n == 0 or not 1 <= step <= U63 or nmarks or nstate):
         # (step: the owner counts the pushes it stands for as an int64: a larger one was
         # applied, then raised OverflowError, unacknowledged, and applied again when resent)
