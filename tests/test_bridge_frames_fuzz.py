@@ -151,3 +151,47 @@ def test_a_batch_of_seq_0_is_malformed_and_does_not_stall_its_stream(tmp_path):
         assert _feed(node, a, batch(1))[0] == 0   # applied (answered once a's copy has it)
         assert st.dedup.floor((members.member_id(a), 7, info.tid, 0)) == 1
         assert node.store[info.name].pull()[0].tolist() == [1.0] * 4
+
+
+def test_an_answer_with_an_etag_that_is_not_utf8_fails_authentication():
+    """Any process on a member's address can answer a request (check_response's
+    docstring).  An ETag header of bytes that are not UTF-8 reaches check_response as
+    lone surrogates (aiohttp decodes headers with surrogateescape), and computing the
+    MAC raised UnicodeEncodeError, which the bridge does not count or log as a failed
+    authentication (_ask_peer catches AuthError); now it is AuthError."""
+    import asyncio
+
+    import aiohttp
+
+    from shmps.bridge import auth
+
+    secret = b"k" * 16
+
+    async def answer(reader, writer) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b'HTTP/1.1 200 OK\r\nContent-Length: 2\r\nETag: "\xff\xfe"\r\n'
+                     b"X-Shmps-Response-Mac: " + b"a" * 64 + b"\r\n\r\nok")
+        await writer.drain()
+        writer.close()
+
+    async def ask() -> Exception:
+        srv = await asyncio.start_server(answer, "127.0.0.1", 0)
+        peer = f"127.0.0.1:{srv.sockets[0].getsockname()[1]}"
+        signed = auth.sign_request(secret, "GET", "/v1/catalog", b"", "127.0.0.1:1",
+                                   target=peer)
+        try:
+            async with aiohttp.ClientSession() as s:
+                async with s.get(f"http://{peer}/v1/catalog", headers=signed,
+                                 timeout=aiohttp.ClientTimeout(total=5)) as r:
+                    data = await r.read()
+                    try:
+                        auth.check_response(secret, signed, peer, r.status, r.headers, data)
+                    except Exception as e:
+                        return e
+        finally:
+            srv.close()
+        raise AssertionError("the answer passed")
+
+    e = asyncio.run(ask())
+    assert isinstance(e, auth.AuthError), repr(e)
+    assert "malformed ETag" in str(e)

@@ -397,6 +397,10 @@ def check_response(secret: bytes | None, request_headers: Mapping[str, str], ser
     etag = response_headers.get("ETag", "")
     mac = _hex(_header(response_headers, HEADER_RESPONSE_MAC, 128), MAC_BYTES,
                HEADER_RESPONSE_MAC)
+    if not isinstance(etag, str) or len(etag) > 1024 or not etag.isascii():
+        # (aiohttp hands header bytes that are not UTF-8 on as lone surrogates, which
+        # raised UnicodeEncodeError in the MAC; every ETag a bridge gives is ASCII)
+        raise AuthError(f"the answer of {server_id} has a malformed ETag header")
     expected = _response_mac(_key(secret), nonce, server_id, status, etag, body)
     if not hmac.compare_digest(mac, expected):
         raise AuthError(f"the answer of {server_id} failed authentication (it does not hold "
