@@ -195,3 +195,18 @@ def test_an_answer_with_an_etag_that_is_not_utf8_fails_authentication():
     e = asyncio.run(ask())
     assert isinstance(e, auth.AuthError), repr(e)
     assert "malformed ETag" in str(e)
+
+
+def test_a_strided_buffer_is_bad_frame_not_buffer_error():
+    """decode, iter_frames and restamp_epoch raise BadFrame for any malformed input,
+    "never another exception": a strided view of bytes (format B, so no cast was tried)
+    raised BufferError from struct."""
+    whole = frames.encode_sync(epoch=1, sender=2, incarnation=3, tensor=4, shard=5)
+    doubled = bytes(b for b in whole for _ in range(2))
+    strided = memoryview(doubled)[::2]
+    assert bytes(strided) == whole
+    for call in (frames.decode, lambda b: list(frames.iter_frames(b)),
+                 lambda b: frames.restamp_epoch(b, 9)):
+        with pytest.raises(BadFrame, match="C-contiguous"):
+            call(strided)
+    assert frames.decode(memoryview(whole + b"x")[:len(whole)]).type == frames.FrameType.SYNC

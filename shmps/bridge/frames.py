@@ -727,6 +727,8 @@ def _as_bytes_view(buf: object) -> memoryview:
         mv = memoryview(buf)  # type: ignore[arg-type]
     except TypeError:
         raise BadFrame(f"a frame must be bytes-like, got {type(buf).__name__}") from None
+    if not mv.c_contiguous:   # (a strided 1-d view of bytes passed the cast: BufferError)
+        raise BadFrame("a frame buffer must be C-contiguous bytes")
     if mv.ndim != 1 or mv.format not in ("B", "b", "c"):
         try:
             mv = mv.cast("B")
