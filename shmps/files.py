@@ -650,187 +650,191 @@ def read_csr(prefix: str | os.PathLike[str], *, rowcnt_dtype: str | None = None,
     prefix, member = split_member(prefix)
     array = array if array is not None else (member or "value")
     _check_array_name(array)
-    settle_replacement(prefix)   # (a writer killed between two renames: finished)
-    p = paths(prefix)
-    given = {"rowcnt": rowcnt_dtype, "colidx": colidx_dtype, "value": value_dtype}
-    for k, allowed in (("rowcnt", INDEX_DTYPES), ("colidx", INDEX_DTYPES),
-                       ("value", VALUE_DTYPES)):
-        if given[k] is not None and given[k] not in allowed:
-            raise InvalidArgument(f"{k} dtype {given[k]!r} is not one of {', '.join(allowed)}")
-    if cols is not None and (not _is_int(cols) or cols < 0):
-        raise InvalidArgument(f"cols must be a non-negative integer, got {cols!r}")
-    kind = _peek_kind(p["meta"])
-    if kind == "dense":
-        return _read_dense(prefix, given, cols, mmap, array)
-    if kind is not None and kind != "csr":
-        read_meta(p["meta"])  # names the bad "kind" field (before any missing file)
-    vfield = "dtypes.value"
-    if array != "value":
-        declared = declared_arrays(read_meta(p["meta"]) if os.path.exists(p["meta"]) else {})
-        if array not in declared:
-            raise _no_array(p["meta"], array, declared)
-        p["value"], vfield = f"{prefix}.{array}", "state.dtype"
 
-    missing = [p[k] for k in ARRAYS if not os.path.exists(p[k])]
-    if missing:
-        if kind is None and os.path.exists(p["meta"]):
-            # a .meta that cannot be read may be a dense set's (no .rowcnt/.colidx):
-            # its own defect is the error, not the structure files it would not need
-            read_meta(p["meta"])
-        raise NotFound(f"missing file {', '.join(missing)}", hint=_SET_HINT)
-    sizes: dict[str, int] = {}
-    for k in ARRAYS:
-        if not os.path.isfile(p[k]):
-            raise CorruptFile(f"{p[k]}: not a regular file", hint=_SET_HINT)
-        sizes[k] = os.path.getsize(p[k])
-    meta = read_meta(p["meta"]) if os.path.exists(p["meta"]) else {}
-    meta_dtypes: dict[str, str] = dict(meta.get("dtypes", {})) if meta else {}
-    if array != "value":
-        meta_dtypes["value"] = meta["state"]["dtype"]
+    def once() -> MatrixSet:
+        p = paths(prefix)
+        given = {"rowcnt": rowcnt_dtype, "colidx": colidx_dtype, "value": value_dtype}
+        for k, allowed in (("rowcnt", INDEX_DTYPES), ("colidx", INDEX_DTYPES),
+                           ("value", VALUE_DTYPES)):
+            if given[k] is not None and given[k] not in allowed:
+                raise InvalidArgument(f"{k} dtype {given[k]!r} is not one of "
+                                      f"{', '.join(allowed)}")
+        if cols is not None and (not _is_int(cols) or cols < 0):
+            raise InvalidArgument(f"cols must be a non-negative integer, got {cols!r}")
+        kind = _peek_kind(p["meta"])
+        if kind == "dense":
+            return _read_dense(prefix, given, cols, mmap, array)
+        if kind is not None and kind != "csr":
+            read_meta(p["meta"])  # names the bad "kind" field (before any missing file)
+        vfield = "dtypes.value"
+        if array != "value":
+            declared = declared_arrays(read_meta(p["meta"]) if os.path.exists(p["meta"]) else {})
+            if array not in declared:
+                raise _no_array(p["meta"], array, declared)
+            p["value"], vfield = f"{prefix}.{array}", "state.dtype"
 
-    dtypes: dict[str, str] = {}
-    sources: dict[str, str] = {}
-    notes: dict[str, str] = {}
-    inferred: dict[str, str] = {}
-    for k in ARRAYS:
-        if given[k] is not None:
-            dtypes[k], sources[k] = str(given[k]), "argument"
-            notes[k] = f"{k} dtype {given[k]} as given"
-        elif k in meta_dtypes:
-            dtypes[k], sources[k] = meta_dtypes[k], "meta"
-            notes[k] = f"{k} dtype {meta_dtypes[k]} from {p['meta']}"
-    options: dict[str, tuple[str, ...]] = {"rowcnt": ("int64", "int32"),
-                                           "colidx": ("int32", "int64"),
-                                           "value": ("float32", "float64")}
-    for k in ARRAYS:
-        if k in dtypes:
-            options[k] = (dtypes[k],)
+        missing = [p[k] for k in ARRAYS if not os.path.exists(p[k])]
+        if missing:
+            if kind is None and os.path.exists(p["meta"]):
+                # a .meta that cannot be read may be a dense set's (no .rowcnt/.colidx):
+                # its own defect is the error, not the structure files it would not need
+                read_meta(p["meta"])
+            raise NotFound(f"missing file {', '.join(missing)}", hint=_SET_HINT)
+        sizes: dict[str, int] = {}
+        for k in ARRAYS:
+            if not os.path.isfile(p[k]):
+                raise CorruptFile(f"{p[k]}: not a regular file", hint=_SET_HINT)
+            sizes[k] = os.path.getsize(p[k])
+        meta = read_meta(p["meta"]) if os.path.exists(p["meta"]) else {}
+        meta_dtypes: dict[str, str] = dict(meta.get("dtypes", {})) if meta else {}
+        if array != "value":
+            meta_dtypes["value"] = meta["state"]["dtype"]
 
-    # rowcnt: the candidate dtype whose size divides, first entry is 0 and last entry
-    # matches the colidx/value counts; ties broken by monotonicity, then int64.
-    rsize = sizes["rowcnt"]
-    if rsize == 0:
-        raise CorruptFile(f"{p['rowcnt']}: position 0: empty file; rowcnt needs rows + 1 >= 1 "
-                          "entries (a 0 x 0 matrix has rowcnt [0])")
-    if "rowcnt" not in dtypes:
-        cands: list[tuple[int, str, np.ndarray, int]] = []
-        for d in options["rowcnt"]:
-            if rsize % _itemsize(d):
+        dtypes: dict[str, str] = {}
+        sources: dict[str, str] = {}
+        notes: dict[str, str] = {}
+        inferred: dict[str, str] = {}
+        for k in ARRAYS:
+            if given[k] is not None:
+                dtypes[k], sources[k] = str(given[k]), "argument"
+                notes[k] = f"{k} dtype {given[k]} as given"
+            elif k in meta_dtypes:
+                dtypes[k], sources[k] = meta_dtypes[k], "meta"
+                notes[k] = f"{k} dtype {meta_dtypes[k]} from {p['meta']}"
+        options: dict[str, tuple[str, ...]] = {"rowcnt": ("int64", "int32"),
+                                               "colidx": ("int32", "int64"),
+                                               "value": ("float32", "float64")}
+        for k in ARRAYS:
+            if k in dtypes:
+                options[k] = (dtypes[k],)
+
+        # rowcnt: the candidate dtype whose size divides, first entry is 0 and last entry
+        # matches the colidx/value counts; ties broken by monotonicity, then int64.
+        rsize = sizes["rowcnt"]
+        if rsize == 0:
+            raise CorruptFile(f"{p['rowcnt']}: position 0: empty file; rowcnt needs rows + 1 >= 1 "
+                              "entries (a 0 x 0 matrix has rowcnt [0])")
+        if "rowcnt" not in dtypes:
+            cands: list[tuple[int, str, np.ndarray, int]] = []
+            for d in options["rowcnt"]:
+                if rsize % _itemsize(d):
+                    continue
+                a = _open_array(p["rowcnt"], d, rsize, True)
+                first, last = int(a[0]), int(a[-1])
+                counts_fit = (_count_fits(sizes["colidx"], options["colidx"], last)
+                              and _count_fits(sizes["value"], options["value"], last))
+                cands.append((int(first == 0) + int(counts_fit), d, a, last))
+            if not cands:
+                raise _truncated(p["rowcnt"], rsize, options["rowcnt"],
+                                 "rowcnt dtype inferred; pass --rowcnt-dtype")
+            top = max(c[0] for c in cands)
+            best = [c for c in cands if c[0] == top]
+            if top == 2 and len(best) > 1:
+                mono = [c for c in best if _first_decrease(c[2]) is None]
+                best = mono or best
+            chosen = best[0]
+            d = chosen[1]
+            n = rsize // _itemsize(d)
+            why = (f"{d}: {rsize} bytes = {_n(n, 'entry', 'entries')}, starting at 0 and ending "
+                   f"at {chosen[3]}"
+                   f" = the number of values" if top == 2 else
+                   f"{d}: no candidate dtype gives offsets from 0 to the number of values; "
+                   f"read as {d}")
+            if len(best) > 1:
+                alt = best[1][1]
+                why += (f"; ambiguous: {alt} fits too "
+                        f"({_n(rsize // _itemsize(alt) - 1, 'row', 'rows')}), "
+                        f"pass --rowcnt-dtype {alt} if that is meant")
+            dtypes["rowcnt"], sources["rowcnt"], inferred["rowcnt"] = d, "inferred", why
+            notes["rowcnt"] = f"rowcnt dtype {d} inferred; pass --rowcnt-dtype to override"
+        elif rsize % _itemsize(dtypes["rowcnt"]):
+            raise _truncated(p["rowcnt"], rsize, (dtypes["rowcnt"],), notes["rowcnt"])
+        rowcnt = _open_array(p["rowcnt"], dtypes["rowcnt"], rsize, mmap)
+        target = int(rowcnt[-1])
+
+        for k in ("colidx", "value"):
+            size = sizes[k]
+            if k in dtypes:
+                if size % _itemsize(dtypes[k]):
+                    raise _truncated(p[k], size, (dtypes[k],), notes[k])
                 continue
-            a = _open_array(p["rowcnt"], d, rsize, True)
-            first, last = int(a[0]), int(a[-1])
-            counts_fit = (_count_fits(sizes["colidx"], options["colidx"], last)
-                          and _count_fits(sizes["value"], options["value"], last))
-            cands.append((int(first == 0) + int(counts_fit), d, a, last))
-        if not cands:
-            raise _truncated(p["rowcnt"], rsize, options["rowcnt"],
-                             "rowcnt dtype inferred; pass --rowcnt-dtype")
-        top = max(c[0] for c in cands)
-        best = [c for c in cands if c[0] == top]
-        if top == 2 and len(best) > 1:
-            mono = [c for c in best if _first_decrease(c[2]) is None]
-            best = mono or best
-        chosen = best[0]
-        d = chosen[1]
-        n = rsize // _itemsize(d)
-        why = (f"{d}: {rsize} bytes = {_n(n, 'entry', 'entries')}, starting at 0 and ending "
-               f"at {chosen[3]}"
-               f" = the number of values" if top == 2 else
-               f"{d}: no candidate dtype gives offsets from 0 to the number of values; "
-               f"read as {d}")
-        if len(best) > 1:
-            alt = best[1][1]
-            why += (f"; ambiguous: {alt} fits too "
-                    f"({_n(rsize // _itemsize(alt) - 1, 'row', 'rows')}), "
-                    f"pass --rowcnt-dtype {alt} if that is meant")
-        dtypes["rowcnt"], sources["rowcnt"], inferred["rowcnt"] = d, "inferred", why
-        notes["rowcnt"] = f"rowcnt dtype {d} inferred; pass --rowcnt-dtype to override"
-    elif rsize % _itemsize(dtypes["rowcnt"]):
-        raise _truncated(p["rowcnt"], rsize, (dtypes["rowcnt"],), notes["rowcnt"])
-    rowcnt = _open_array(p["rowcnt"], dtypes["rowcnt"], rsize, mmap)
-    target = int(rowcnt[-1])
+            dividing = [d for d in options[k] if size % _itemsize(d) == 0]
+            if not dividing:
+                extra = ", e.g. for int8/int32/float16 values" if k == "value" else ""
+                raise _truncated(p[k], size, options[k],
+                                 f"{k} dtype inferred; pass --{k}-dtype{extra}")
+            matching = [d for d in dividing if size // _itemsize(d) == target]
+            d = (matching or dividing)[0]
+            n = size // _itemsize(d)
+            why = (f"{d}: {size} bytes = {_n(n, 'entry', 'entries')} of {_itemsize(d)} bytes"
+                   + (" = rowcnt's last entry" if matching else
+                      f"; no candidate gives rowcnt's last entry {target}"))
+            dtypes[k], sources[k], inferred[k] = d, "inferred", why
+            notes[k] = f"{k} dtype {d} inferred; pass --{k}-dtype to override"
 
-    for k in ("colidx", "value"):
-        size = sizes[k]
-        if k in dtypes:
-            if size % _itemsize(dtypes[k]):
-                raise _truncated(p[k], size, (dtypes[k],), notes[k])
-            continue
-        dividing = [d for d in options[k] if size % _itemsize(d) == 0]
-        if not dividing:
-            extra = ", e.g. for int8/int32/float16 values" if k == "value" else ""
-            raise _truncated(p[k], size, options[k],
-                             f"{k} dtype inferred; pass --{k}-dtype{extra}")
-        matching = [d for d in dividing if size // _itemsize(d) == target]
-        d = (matching or dividing)[0]
-        n = size // _itemsize(d)
-        why = (f"{d}: {size} bytes = {_n(n, 'entry', 'entries')} of {_itemsize(d)} bytes"
-               + (" = rowcnt's last entry" if matching else
-                  f"; no candidate gives rowcnt's last entry {target}"))
-        dtypes[k], sources[k], inferred[k] = d, "inferred", why
-        notes[k] = f"{k} dtype {d} inferred; pass --{k}-dtype to override"
+        colidx = _open_array(p["colidx"], dtypes["colidx"], sizes["colidx"], mmap)
+        value = _open_array(p["value"], dtypes["value"], sizes["value"], mmap)
+        csr = CSR(rowcnt, colidx, value)
+        rows = len(rowcnt) - 1
+        nc, nv = len(colidx), len(value)
 
-    colidx = _open_array(p["colidx"], dtypes["colidx"], sizes["colidx"], mmap)
-    value = _open_array(p["value"], dtypes["value"], sizes["value"], mmap)
-    csr = CSR(rowcnt, colidx, value)
-    rows = len(rowcnt) - 1
-    nc, nv = len(colidx), len(value)
+        # A .meta dtype that makes the counts disagree while another dtype would not:
+        # blame the .meta field, not the data.
+        want: dict[str, int | None] = {"rowcnt": None, "colidx": target, "value": target}
+        if meta and "rows" in meta:
+            want["rowcnt"] = meta["rows"] + 1
+        for k in ARRAYS:
+            expected = want[k]
+            if sources[k] != "meta" or expected is None:
+                continue
+            count = sizes[k] // _itemsize(dtypes[k])
+            if count == want[k]:
+                continue
+            allowed = INDEX_DTYPES if k != "value" else VALUE_DTYPES
+            alts = [a for a in allowed
+                    if a != dtypes[k] and _count_fits(sizes[k], (a,), expected)]
+            if alts:
+                raise CorruptFile(
+                    f'{p["meta"]}: field "{vfield if k == "value" else "dtypes." + k}" = '
+                    f'"{dtypes[k]}" disagrees with '
+                    f"{p[k]}: {sizes[k]} bytes = {count} {dtypes[k]} entries, but "
+                    f"{want[k]} are expected ({' or '.join(alts)} would fit)", hint=_META_HINT)
 
-    # A .meta dtype that makes the counts disagree while another dtype would not:
-    # blame the .meta field, not the data.
-    want: dict[str, int | None] = {"rowcnt": None, "colidx": target, "value": target}
-    if meta and "rows" in meta:
-        want["rowcnt"] = meta["rows"] + 1
-    for k in ARRAYS:
-        expected = want[k]
-        if sources[k] != "meta" or expected is None:
-            continue
-        count = sizes[k] // _itemsize(dtypes[k])
-        if count == want[k]:
-            continue
-        allowed = INDEX_DTYPES if k != "value" else VALUE_DTYPES
-        alts = [a for a in allowed
-                if a != dtypes[k] and _count_fits(sizes[k], (a,), expected)]
-        if alts:
-            raise CorruptFile(
-                f'{p["meta"]}: field "{vfield if k == "value" else "dtypes." + k}" = '
-                f'"{dtypes[k]}" disagrees with '
-                f"{p[k]}: {sizes[k]} bytes = {count} {dtypes[k]} entries, but "
-                f"{want[k]} are expected ({' or '.join(alts)} would fit)", hint=_META_HINT)
+        if nv != target and nc == target and sources["value"] == "inferred" and target > 0 \
+                and sizes["value"] % target == 0:
+            per = sizes["value"] // target
+            fits = [d for d in VALUE_DTYPES if _itemsize(d) == per]
+            if fits:
+                raise CorruptFile(
+                    f"{p['rowcnt']}: position {rows}: last rowcnt entry is {target} but "
+                    f"{p['value']} holds {nv} values read as {dtypes['value']} (inferred); "
+                    f"{sizes['value']} bytes = {target} values of {per} "
+                    f"byte{'s' if per != 1 else ''}: pass --value-dtype {' or '.join(fits)}")
 
-    if nv != target and nc == target and sources["value"] == "inferred" and target > 0 \
-            and sizes["value"] % target == 0:
-        per = sizes["value"] // target
-        fits = [d for d in VALUE_DTYPES if _itemsize(d) == per]
-        if fits:
-            raise CorruptFile(
-                f"{p['rowcnt']}: position {rows}: last rowcnt entry is {target} but "
-                f"{p['value']} holds {nv} values read as {dtypes['value']} (inferred); "
-                f"{sizes['value']} bytes = {target} values of {per} "
-                f"byte{'s' if per != 1 else ''}: pass --value-dtype {' or '.join(fits)}")
+        if meta:
+            if "rows" in meta and meta["rows"] != rows:
+                raise CorruptFile(f'{p["meta"]}: field "rows" = {meta["rows"]} disagrees with '
+                                  f"{p['rowcnt']}: {rows + 1} entries = {rows} rows",
+                                  hint=_META_HINT)
 
-    if meta:
-        if "rows" in meta and meta["rows"] != rows:
-            raise CorruptFile(f'{p["meta"]}: field "rows" = {meta["rows"]} disagrees with '
-                              f"{p['rowcnt']}: {rows + 1} entries = {rows} rows",
-                              hint=_META_HINT)
+        if cols is not None:
+            ncols, sources["cols"], cols_note = cols, "argument", "as given"
+        elif meta and "cols" in meta:
+            ncols, sources["cols"] = meta["cols"], "meta"
+            cols_note = f'from field "cols" of {p["meta"]}'
+        else:
+            ncols, sources["cols"], cols_note = None, "inferred", ""
+        found, how = _check_structure(csr, cols=ncols, names=p, exc=CorruptFile,
+                                      cols_note=cols_note, full=check, vlabel=array)
+        if ncols is None:
+            inferred["cols"] = how
+        if meta and "nnz" in meta and meta["nnz"] != nv:
+            raise CorruptFile(f'{p["meta"]}: field "nnz" = {meta["nnz"]} disagrees with '
+                              f"{p['value']}: {nv} values", hint=_META_HINT)
+        return MatrixSet(csr, rows, found, dtypes, inferred, meta, prefix, sources, "csr", None,
+                         array, declared_arrays(meta))
 
-    if cols is not None:
-        ncols, sources["cols"], cols_note = cols, "argument", "as given"
-    elif meta and "cols" in meta:
-        ncols, sources["cols"] = meta["cols"], "meta"
-        cols_note = f'from field "cols" of {p["meta"]}'
-    else:
-        ncols, sources["cols"], cols_note = None, "inferred", ""
-    found, how = _check_structure(csr, cols=ncols, names=p, exc=CorruptFile,
-                                  cols_note=cols_note, full=check, vlabel=array)
-    if ncols is None:
-        inferred["cols"] = how
-    if meta and "nnz" in meta and meta["nnz"] != nv:
-        raise CorruptFile(f'{p["meta"]}: field "nnz" = {meta["nnz"]} disagrees with '
-                          f"{p['value']}: {nv} values", hint=_META_HINT)
-    return MatrixSet(csr, rows, found, dtypes, inferred, meta, prefix, sources, "csr", None,
-                     array, declared_arrays(meta))
+    return _consistent_read(prefix, array, once)
 
 
 def _no_array(meta_path: str, array: str, declared: Sequence[str]) -> InvalidArgument:
@@ -859,13 +863,70 @@ def read_dense(prefix: str | os.PathLike[str], *, value_dtype: str | None = None
     if value_dtype is not None and value_dtype not in VALUE_DTYPES:
         raise InvalidArgument(f"value dtype {value_dtype!r} is not one of "
                               f"{', '.join(VALUE_DTYPES)}")
-    settle_replacement(prefix)
-    mp = paths(prefix)["meta"]
-    if not os.path.exists(mp):
-        raise NotFound(f"missing file {mp}", hint="a dense set is PREFIX.value and "
-                       'PREFIX.meta with "kind": "dense", "rows" and "cols"')
-    return _read_dense(prefix, {"rowcnt": None, "colidx": None, "value": value_dtype},
-                       None, mmap, array)
+    def once() -> MatrixSet:
+        mp = paths(prefix)["meta"]
+        if not os.path.exists(mp):
+            raise NotFound(f"missing file {mp}", hint="a dense set is PREFIX.value and "
+                           'PREFIX.meta with "kind": "dense", "rows" and "cols"')
+        return _read_dense(prefix, {"rowcnt": None, "colidx": None, "value": value_dtype},
+                           None, mmap, array)
+
+    return _consistent_read(prefix, array, once)
+
+
+#: a read whose set was replaced under it is done again, at most this many times
+READ_ATTEMPTS = 20
+
+
+def _inodes(names: Sequence[str]) -> tuple:
+    """The inode under each name (None: none there).  O(len(names)) stat calls."""
+    out = []
+    for n in names:
+        try:
+            out.append(os.stat(n).st_ino)
+        except OSError:
+            out.append(None)
+    return tuple(out)
+
+
+def _consistent_read(prefix: str, array: str, read: Callable[[], MatrixSet]) -> MatrixSet:
+    """``read()`` set ``prefix`` with every file of one version: a replacement that
+    finished, or a half-done one finished (:func:`settle_replacement`), before it, and
+    none under way while it reads (no journal before or after it, and the same inode
+    under each name before and after it: a replacement renames new files, with new
+    inodes, over every name, and removes its journal only after).  A read that met one
+    is done again (its error too: a mix fails the size checks), at most READ_ATTEMPTS
+    times; a journal still there once its renames are done (its writer is about to
+    remove it) is waited for, up to REPLACE_WAIT_S.  Cost: two stats of each of the
+    set's names and of its journal a read."""
+    names = [*paths(prefix).values(), f"{prefix}.{array}"]
+    jp = journal_path(prefix)
+    deadline = time.monotonic() + REPLACE_WAIT_S
+    replaced = 0
+    while replaced < READ_ATTEMPTS:
+        settle_replacement(prefix)
+        before = _inodes(names)
+        if os.path.lexists(jp):   # a writer's, renaming or about to remove it
+            if time.monotonic() > deadline:
+                raise CorruptFile(f"{prefix}: a writer of this host is still replacing "
+                                  f"this set after {REPLACE_WAIT_S:g} s ({jp})",
+                                  hint="wait for the conversion or write of this set to "
+                                       "end; if none is running, finish it: shmps-tool "
+                                       f"check --finish {prefix}")
+            time.sleep(0.005)
+            continue
+        try:
+            ms = read()
+        except (CorruptFile, NotFound):
+            if _inodes(names) == before and not os.path.lexists(jp):
+                raise   # (the set as it is)
+            replaced += 1
+            continue
+        if _inodes(names) == before and not os.path.lexists(jp):
+            return ms
+        replaced += 1
+    raise CorruptFile(f"{prefix}: its files were replaced {READ_ATTEMPTS} times while it "
+                      "was read", hint="read it again once its writers have ended")
 
 
 def _read_dense(prefix: str, given: Mapping[str, str | None], cols_arg: int | None,
@@ -1293,8 +1354,7 @@ def settle_replacement(prefix: str | os.PathLike[str]) -> None:
     wait for it (up to REPLACE_WAIT_S).  A set that another host's writer is replacing,
     or whose replacement lost a file, raises CorruptFile saying what to do.  O(1) (one
     stat) when no replacement is under way.  A read that overlaps a live writer's
-    renames may still see old and new files (as two writers may write a mix): only a
-    crash's half-done replacement is finished here."""
+    renames is caught and done again by :func:`_consistent_read`, not here."""
     deadline = time.monotonic() + REPLACE_WAIT_S
     jp = journal_path(prefix)
     while True:

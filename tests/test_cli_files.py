@@ -804,3 +804,51 @@ def test_a_replacement_whose_new_file_was_removed_is_reported(tmp_path):
     write_csr(prefix, OLD_SET, cols=4)
     assert read_csr(prefix).csr.value.tolist() == [1.0, 2.0, 3.0]
     assert hidden(tmp_path) == set()
+
+
+_REWRITE_FOR = r"""
+import sys, time
+import numpy as np
+from shmps.files import CSR, write_csr
+sets = [CSR(np.array([0, 1, 1, 3]), np.array([0, 1, 2], np.int32),
+            np.array([1, 2, 3], np.float32)),
+        CSR(np.array([0, 2, 3, 3]), np.array([1, 3, 0], np.int32),
+            np.array([7, 8, 9], np.float32))]
+end, n = time.monotonic() + float(sys.argv[2]), 0
+while time.monotonic() < end:
+    write_csr(sys.argv[1], sets[n % 2], cols=4)
+    n += 1
+print(n)
+"""
+
+
+def test_a_read_while_another_process_rewrites_the_set_gets_one_version(tmp_path):
+    """A process rewrites a set again and again, alternating two versions of the same
+    sizes, while this one reads it: every read returns one version whole, never the
+    rowcnt of one with the values of the other.  A read checks that no journal was
+    there and that every name kept its inode from before to after it, and reads again
+    if not.  Before, 1 read in 80 to 340 was such a mix, which the size checks passed
+    (review 21 F5)."""
+    prefix = tmp_path / "X"
+    write_csr(prefix, OLD_SET, cols=4)
+    p = subprocess.Popen([sys.executable, "-c", _REWRITE_FOR, str(prefix), "3"],
+                         env=tool_env(), stdout=subprocess.PIPE, text=True)
+    versions = {((0, 1, 1, 3), (0, 1, 2), (1.0, 2.0, 3.0)),
+                ((0, 2, 3, 3), (1, 3, 0), (7.0, 8.0, 9.0))}
+    reads, mixes = 0, []
+    try:
+        while p.poll() is None:
+            ms = read_csr(prefix, mmap=False)
+            got = (tuple(ms.csr.rowcnt.tolist()), tuple(ms.csr.colidx.tolist()),
+                   tuple(ms.csr.value.tolist()))
+            reads += 1
+            if got not in versions:
+                mixes.append(got)
+        assert p.wait(timeout=60) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    writes = int(p.stdout.read())
+    assert reads > 50 and writes > 50, (reads, writes)
+    assert mixes == [], (len(mixes), reads, mixes[:3])
