@@ -896,35 +896,23 @@ def _consistent_read(prefix: str, array: str, read: Callable[[], MatrixSet]) -> 
     under each name before and after it: a replacement renames new files, with new
     inodes, over every name, and removes its journal only after).  A read that met one
     is done again (its error too: a mix fails the size checks), at most READ_ATTEMPTS
-    times; a journal still there once its renames are done (its writer is about to
-    remove it) is waited for, up to REPLACE_WAIT_S.  Cost: two stats of each of the
+    times.  Cost: two stats of each of the
     set's names and of its journal a read."""
     names = [*paths(prefix).values(), f"{prefix}.{array}"]
     jp = journal_path(prefix)
-    deadline = time.monotonic() + REPLACE_WAIT_S
-    replaced = 0
-    while replaced < READ_ATTEMPTS:
-        settle_replacement(prefix)
+    for _ in range(READ_ATTEMPTS):
+        settle_replacement(prefix)   # (waits for a live writer's renames)
         before = _inodes(names)
-        if os.path.lexists(jp):   # a writer's, renaming or about to remove it
-            if time.monotonic() > deadline:
-                raise CorruptFile(f"{prefix}: a writer of this host is still replacing "
-                                  f"this set after {REPLACE_WAIT_S:g} s ({jp})",
-                                  hint="wait for the conversion or write of this set to "
-                                       "end; if none is running, finish it: shmps-tool "
-                                       f"check --finish {prefix}")
-            time.sleep(0.005)
-            continue
+        if os.path.lexists(jp):
+            continue   # a writer began since: settle waits for it
         try:
             ms = read()
         except (CorruptFile, NotFound):
             if _inodes(names) == before and not os.path.lexists(jp):
                 raise   # (the set as it is)
-            replaced += 1
             continue
         if _inodes(names) == before and not os.path.lexists(jp):
             return ms
-        replaced += 1
     raise CorruptFile(f"{prefix}: its files were replaced {READ_ATTEMPTS} times while it "
                       "was read", hint="read it again once its writers have ended")
 
@@ -1277,7 +1265,7 @@ def finish_replacement(prefix: str | os.PathLike[str], *, any_host: bool = False
 
     Returns ``"none"`` (no journal), ``"finished"`` (or nothing was left to rename),
     ``"live"`` (the writer is a live process of this host, or a thread of this one,
-    renaming now: nothing done), ``"other-host"`` (the writer is of another host, whose
+    renaming now or about to remove its journal: nothing done), ``"other-host"`` (the writer is of another host, whose
     processes cannot be judged from here, or of another user: nothing done unless
     ``any_host``, for ``shmps-tool check --finish`` once no writer of the set runs
     anywhere), or ``"lost"`` (a new file the journal lists is neither under its
@@ -1301,8 +1289,8 @@ def finish_replacement(prefix: str | os.PathLike[str], *, any_host: bool = False
                     live = _COMMITTING.get(os.path.abspath(jp), 0) > 0
             else:
                 live = _native.token_alive(j.token)
-            if live:   # (its renames done, the set is whole: read it, leave its journal)
-                return "live" if pending else "finished"
+            if live:   # (renaming, or done and about to remove its journal)
+                return "live"
         elif pending:
             machine, boot = _machine_boot()
             if not (j.machine and j.machine == machine and j.boot != boot):
@@ -1334,7 +1322,7 @@ def finish_replacement(prefix: str | os.PathLike[str], *, any_host: bool = False
             # (a journal finished and removed meanwhile by another process, the set
             # written again since, is no loss)
             return "lost" if _same_file(jp, j.stamp) else "none"
-        _fsync_dir(d)
+        fsync_dir(d)
         if _same_file(jp, j.stamp):   # (not a newer writer's journal)
             try:
                 os.unlink(jp)
@@ -1348,42 +1336,50 @@ def finish_replacement(prefix: str | os.PathLike[str], *, any_host: bool = False
     return "finished"
 
 
-def settle_replacement(prefix: str | os.PathLike[str]) -> None:
-    """Before reading set ``prefix``: if a writer left it half replaced (killed between
-    two renames), finish that (:func:`finish_replacement`); if a live one is renaming,
-    wait for it (up to REPLACE_WAIT_S).  A set that another host's writer is replacing,
-    or whose replacement lost a file, raises CorruptFile saying what to do.  O(1) (one
-    stat) when no replacement is under way.  A read that overlaps a live writer's
-    renames is caught and done again by :func:`_consistent_read`, not here."""
-    deadline = time.monotonic() + REPLACE_WAIT_S
-    jp = journal_path(prefix)
+def _await_writer(prefix: str | os.PathLike[str], deadline: float) -> str:
+    """:func:`finish_replacement` of ``prefix`` again every 5 ms while a live writer of
+    this host holds its journal, and its last answer; CorruptFile past ``deadline``.
+    The one wait of readers and writers for another writer's renames."""
     while True:
         how = finish_replacement(prefix)
-        if how in ("none", "finished"):
-            return
-        if how == "other-host":
-            raise CorruptFile(
-                f"{prefix}: a writer on another host (or of another user) is replacing this "
-                f"set or was killed while it did ({jp}); its files may be a mix of old and "
-                "new ones",
-                hint=f"once no writer of {prefix} runs on the hosts sharing this directory, "
-                     f"finish the replacement: shmps-tool check --finish {prefix}")
-        if how == "lost":
-            raise CorruptFile(
-                f"{prefix}: a replacement of this set was interrupted and one of its new "
-                f"files is gone ({jp} lists it): the set may be a mix of two versions",
-                hint=f"write the set again (that replaces {jp})")
+        if how != "live":
+            return how
         if time.monotonic() > deadline:
             raise CorruptFile(
                 f"{prefix}: a writer of this host is still replacing this set's files "
-                f"after {REPLACE_WAIT_S:g} s ({jp})",
+                f"after {REPLACE_WAIT_S:g} s ({journal_path(prefix)})",
                 hint="wait for the conversion or write of this set to end; if none is "
                      f"running, finish it: shmps-tool check --finish {prefix}")
         time.sleep(0.005)
 
 
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
+def settle_replacement(prefix: str | os.PathLike[str]) -> None:
+    """Before reading set ``prefix``: if a writer left it half replaced (killed between
+    two renames), finish that (:func:`finish_replacement`); if a live one is renaming,
+    wait for it (up to REPLACE_WAIT_S).  A set that another host's writer is replacing,
+    or whose replacement lost a file, raises CorruptFile saying what to do.  O(1) (one
+    stat) when no replacement is under way.  A read that overlaps a writer that starts
+    after this is caught and done again by :func:`_consistent_read`."""
+    how = _await_writer(prefix, time.monotonic() + REPLACE_WAIT_S)
+    jp = journal_path(prefix)
+    if how == "other-host":
+        raise CorruptFile(
+            f"{prefix}: a writer on another host (or of another user) is replacing this "
+            f"set or was killed while it did ({jp}); its files may be a mix of old and "
+            "new ones",
+            hint=f"once no writer of {prefix} runs on the hosts sharing this directory, "
+                 f"finish the replacement: shmps-tool check --finish {prefix}")
+    if how == "lost":
+        raise CorruptFile(
+            f"{prefix}: a replacement of this set was interrupted and one of its new "
+            f"files is gone ({jp} lists it): the set may be a mix of two versions",
+            hint=f"write the set again (that replaces {jp})")
+
+
+def fsync_dir(directory: str) -> None:
+    """fsync ``directory`` itself: the names created, renamed or removed in it are
+    durable (a file's own fsync covers its bytes, not its name).  O(1)."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
     finally:
@@ -1420,14 +1416,8 @@ class SetWriter:
         # a replacement a writer of this host left half done is finished first (its
         # new files are temporaries of a dead writer, which the removal below would
         # take, leaving the mix); another host's journal this commit's replaces
-        deadline = time.monotonic() + REPLACE_WAIT_S
-        while finish_replacement(self.prefix) == "live":   # (its journal: wait for it)
-            if time.monotonic() > deadline:
-                raise CorruptFile(f"{self.prefix}: another writer of this host is still "
-                                  f"replacing this set after {REPLACE_WAIT_S:g} s",
-                                  hint="wait for it to end, then write again")
-            time.sleep(0.005)
         # (another host's or a lost replacement's journal: this commit's replaces it)
+        _await_writer(self.prefix, time.monotonic() + REPLACE_WAIT_S)
         remove_dead_temporaries(directory, _set_member(os.path.basename(self.prefix)))
         self._tmp = {k: temporary_path(f"{self.prefix}.{k}")
                      for k in (*self.dtypes, "meta")}
@@ -1499,11 +1489,11 @@ class SetWriter:
             self._place_journal(jtmp, journal)
             jtmp = None
             st = os.lstat(journal)
-            _fsync_dir(self._dir)
+            fsync_dir(self._dir)
             journaled = True
             for k in final:
                 os.replace(self._tmp[k], final[k])
-            _fsync_dir(self._dir)
+            fsync_dir(self._dir)
             if _same_file(journal, (st.st_ino, st.st_mtime_ns, st.st_size)):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(journal)
@@ -1535,19 +1525,10 @@ class SetWriter:
         while True:
             try:
                 os.link(jtmp, journal)
-            except FileExistsError:
-                how = finish_replacement(self.prefix)
-                if how in ("other-host", "lost"):
+            except FileExistsError:   # (waits for a live writer's renames)
+                if _await_writer(self.prefix, deadline) in ("other-host", "lost"):
                     os.replace(jtmp, journal)
                     return
-                if how in ("live", "finished") and os.path.lexists(journal):
-                    # a live writer's, renaming or done and about to remove it
-                    if time.monotonic() > deadline:
-                        raise CorruptFile(f"{self.prefix}: another writer of this host is "
-                                          f"still replacing this set after "
-                                          f"{REPLACE_WAIT_S:g} s",
-                                          hint="wait for it to end, then write again") from None
-                    time.sleep(0.005)
                 continue
             except OSError as exc:
                 if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP,
