@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import hashlib
 import json
 import mmap
 import os
@@ -35,7 +34,7 @@ import shutil
 import stat
 import sys
 import time
-from typing import Any, BinaryIO, Callable, Optional
+from typing import Any, BinaryIO, Callable, Iterator, Optional
 
 import numpy as np
 
@@ -84,14 +83,6 @@ def _dense_fields(sh: Shard) -> dict:
     return d
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 
@@ -130,7 +121,7 @@ def _install(tmp: str, path: str) -> None:
     if os.path.lexists(path):
         _check_target(path)
         if _exchange(tmp, path):
-            _fsync_dir(parent)
+            files.fsync_dir(parent)
             shutil.rmtree(tmp, ignore_errors=True)  # now the old checkpoint
             return
         # fallback without renameat2: a short window with no PATH, the old one kept
@@ -143,11 +134,11 @@ def _install(tmp: str, path: str) -> None:
             if not os.path.lexists(path):
                 os.rename(old, path)
             raise
-        _fsync_dir(parent)
+        files.fsync_dir(parent)
         shutil.rmtree(old, ignore_errors=True)
         return
     os.rename(tmp, path)
-    _fsync_dir(parent)
+    files.fsync_dir(parent)
 
 
 def _aside_name(path: str, what: str) -> str:
@@ -232,7 +223,7 @@ def save(store: Any, path: str | os.PathLike) -> str:
             json.dump(doc, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        files.fsync_dir(tmp)
         phase = "install"
         _install(tmp, path)
     except BaseException as exc:
@@ -735,13 +726,17 @@ def _check_written_structure(t: Any, directory: str, entry: dict) -> None:
     to the record's) on the rowcnt/colidx files just written, read back in 16 MiB
     pieces: a structure damaged in shared memory gives a checkpoint restore refuses,
     which must not replace a good checkpoint at the path.  Raises CorruptSegment."""
-    h = hashlib.blake2b(digest_size=16)   # as csr.structure_hash: rowcnt, then colidx
+    from .csr import structure_digest
+
     where = os.path.join(directory, entry["prefix"])
-    for ext in ("rowcnt", "colidx"):   # little-endian int64 files, as hashed
-        with open(f"{where}.{ext}", "rb") as f:
-            while chunk := f.read(1 << 24):
-                h.update(chunk)
-    if h.hexdigest() != entry["record"].get("structure"):
+
+    def pieces() -> Iterator[bytes]:
+        for ext in ("rowcnt", "colidx"):   # little-endian int64 files, as hashed
+            with open(f"{where}.{ext}", "rb") as f:
+                while chunk := f.read(1 << 24):
+                    yield chunk
+
+    if structure_digest(pieces()) != entry["record"].get("structure"):
         raise CorruptSegment(
             f"store {t._store.name!r}: csr tensor {t.name!r}: its structure (rowcnt, colidx) "
             "in shared memory differs from the one it was created with; a checkpoint of it "

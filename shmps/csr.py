@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import numpy as np
 
@@ -101,9 +101,16 @@ def check_sorted(rc: np.ndarray, ci: np.ndarray) -> None:
 
 def structure_hash(rc: np.ndarray, ci: np.ndarray) -> str:
     """A digest of the structure, stored in the catalog for get-or-create."""
+    return structure_digest((rc.astype("<i8", copy=False).tobytes(),
+                             ci.astype("<i8", copy=False).tobytes()))
+
+
+def structure_digest(pieces: Iterable[bytes]) -> str:
+    """The digest of :func:`structure_hash` over the bytes of rowcnt then colidx as
+    little-endian int64, given in pieces (a checkpoint's files read back in chunks)."""
     h = hashlib.blake2b(digest_size=16)
-    h.update(rc.astype("<i8", copy=False).tobytes())
-    h.update(ci.astype("<i8", copy=False).tobytes())
+    for piece in pieces:
+        h.update(piece)
     return h.hexdigest()
 
 
