@@ -270,7 +270,7 @@ class _Backing:
             a, b = int(run[0]), int(run[-1]) + 1
             self.seg._reserve(None, a * BACK_CHUNK, (b - a) * BACK_CHUNK)
             self.done[a:b] = True
-        self.left = int(self.done.size - np.count_nonzero(self.done))
+            self.left -= b - a   # (todo: unique, none done before)
 
     def span(self, lo: int, hi: int) -> None:
         """Back bytes [lo, hi) of the segment."""
@@ -341,7 +341,7 @@ class _DenseBacking:
             b.span(sp["value_off"] + lo * self.rowbytes, sp["value_off"] + hi * self.rowbytes)
             b.span(sp["rowstep_off"] + lo * 8, sp["rowstep_off"] + hi * 8)
             self.done[run] = True
-        self.left = int(self.done.size - np.count_nonzero(self.done))
+            self.left -= run.size   # (new: unique, none done before)
 
 
 def _back_dense(t: Any, rows: Optional[np.ndarray]) -> None:
