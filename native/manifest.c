@@ -118,13 +118,9 @@ int shmps_manifest_init(void *base, uint64_t size, uint64_t token, double timeou
         if (st != 0) return shmps_manifest_validate(base, size);
         uint64_t magic = LOAD(&m->magic, RELAXED);
         if (magic != 0 && magic != SHMPS_MANIFEST_MAGIC) return SHMPS_E_CORRUPT;
-        /* A store that was ever READY has catalog words: initialise() zeroes them before
-         * it publishes READY, and the state never goes back to 0.  State 0 with a
-         * catalog is a damaged state word, not a dead initialiser's half-work: taking
-         * the initialisation over would wipe the catalog of a live store (its tensors
-         * orphaned, a get-or-create making an empty one over their segments). */
-        if (LOAD(&m->catalog_len, RELAXED) != 0 || LOAD(&m->generation, RELAXED) != 0)
-            return SHMPS_E_CORRUPT;
+        /* taking the initialisation over would wipe the catalog of a live store (its
+         * tensors orphaned, a get-or-create making an empty one over their segments) */
+        if (shmps_manifest_was_ready(base)) return SHMPS_E_CORRUPT;
         /* before any look at init_owner: its token is judged only in its namespace */
         int r = claim_pid_ns(m);
         if (r) return r;
@@ -350,10 +346,8 @@ int shmps_manifest_remove_unborn(void *base, uint64_t token) {
     if (LOAD(&m->state, ACQUIRE) != 0) return SHMPS_E_BUSY;
     uint64_t magic = LOAD(&m->magic, RELAXED);
     if (magic != 0 && magic != SHMPS_MANIFEST_MAGIC) return SHMPS_E_CORRUPT;
-    /* a store with a catalog was READY once: its state word is damaged (as in
-     * shmps_manifest_init), and it is removed only as a corrupt one (gc --corrupt) */
-    if (LOAD(&m->catalog_len, RELAXED) != 0 || LOAD(&m->generation, RELAXED) != 0)
-        return SHMPS_E_CORRUPT;
+    /* its state word is damaged: removed only as a corrupt store (gc --corrupt) */
+    if (shmps_manifest_was_ready(base)) return SHMPS_E_CORRUPT;
     if (claim_pid_ns(m)) return SHMPS_E_BUSY;
     uint64_t cur = LOAD(&m->init_owner, ACQUIRE);
     if (cur != 0 && shmps_token_alive(cur)) return SHMPS_E_BUSY;
@@ -452,6 +446,15 @@ int shmps_manifest_usable(const void *base, uint64_t token) {
      * manifest lock, which a creator holds across this check and its creation */
     return LOAD(&((const shmps_manifest_t *)base)->state, SEQ_CST) == STATE_RETIRING
         || shmps_manifest_attached(base, token);
+}
+
+/* A manifest at state 0 ("being created") that has catalog words was READY once:
+ * initialise() zeroes them before it publishes READY, and the state never goes back to
+ * 0, so its state word is damaged, not a dead initialiser's half-work.  Relaxed: read
+ * only at state 0, where nothing publishes them. */
+int shmps_manifest_was_ready(const void *base) {
+    const shmps_manifest_t *m = (const shmps_manifest_t *)base;
+    return LOAD(&m->catalog_len, RELAXED) != 0 || LOAD(&m->generation, RELAXED) != 0;
 }
 
 uint32_t shmps_manifest_state(const void *base) {

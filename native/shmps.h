@@ -184,6 +184,8 @@ uint64_t shmps_manifest_retired_by(const void *base);
 uint64_t shmps_manifest_init_owner(const void *base);
 uint64_t shmps_manifest_pid_ns(const void *base);
 uint32_t shmps_manifest_state(const void *base);
+/* 1 if a manifest at state 0 has catalog words: READY once, its state word damaged */
+int shmps_manifest_was_ready(const void *base);
 uint64_t shmps_self_pid_ns(void);
 int shmps_manifest_usable(const void *base, uint64_t token);
 int shmps_manifest_attached(const void *base, uint64_t token);

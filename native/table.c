@@ -454,17 +454,6 @@ static int carve(batch_t *b, void *scratch, uint64_t bytes, uint64_t dim) {
     return SHMPS_OK;
 }
 
-/* Hashes keys[0..n) into hash[0..n) and marks the shards they hash to in b->touched.
- * O(n), sequential. */
-static void hash_mark(batch_t *b, const uint64_t *keys, uint64_t n, uint64_t *hash) {
-    for (uint64_t i = 0; i < n; i++) {
-        uint64_t h = shmps_key_hash(keys[i]);
-        hash[i] = h;
-        uint32_t s = shard_of(h, b->nshards);
-        b->touched[s >> 6] |= 1ull << (s & 63);
-    }
-}
-
 /* Hashes every key into the scratch and marks the shards touched.  First in a batch:
  * the shards touched are the ones it views (shard_views), and the scratch is carved
  * once shard 0's view gives the row length, so the hashes go where carve puts them
@@ -476,7 +465,12 @@ static int hash_keys(batch_t *b, void *scratch, uint64_t bytes) {
     if (!scratch || bytes < shmps_table_hash_scratch_bytes(b->n) || bytes == UINT64_MAX)
         return SHMPS_E_ARG;
     b->hash = (uint64_t *)A64((uintptr_t)scratch);
-    hash_mark(b, b->keys, b->n, b->hash);
+    for (uint64_t i = 0; i < b->n; i++) {
+        uint64_t h = shmps_key_hash(b->keys[i]);
+        b->hash[i] = h;
+        uint32_t s = shard_of(h, b->nshards);
+        b->touched[s >> 6] |= 1ull << (s & 63);
+    }
     return SHMPS_OK;
 }
 

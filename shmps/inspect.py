@@ -200,9 +200,7 @@ def scan(namespace: Optional[str] = None, *, with_fill: bool = True
             continue
         try:
             if lib.shmps_manifest_state(seg.ptr) == 0:   # being initialised
-                ln, gen = ffi.new("uint64_t *"), ffi.new("uint64_t *")
-                lib.shmps_catalog_read(seg.ptr, ffi.new("char[1]"), 0, ln, gen)  # (words)
-                if ln[0] or gen[0]:
+                if lib.shmps_manifest_was_ready(seg.ptr):
                     # a catalog: it was READY once and its state word is damaged (attach
                     # refuses it, native/manifest.c shmps_manifest_init), not a creation
                     # cut off that gc would remove
