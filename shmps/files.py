@@ -1477,7 +1477,7 @@ class SetWriter:
             jtmp = temporary_path(journal)
             with open(jtmp, "x", encoding="utf-8") as f:
                 json.dump({"host": host_id(), "machine": machine, "boot": boot,
-                           "token": _native.token(), "pid": os.getpid(),
+                           "token": _native.token(),
                            "renames": [[os.path.basename(self._tmp[k]),
                                         os.path.basename(final[k]),
                                         os.stat(self._tmp[k]).st_ino] for k in final]}, f)
