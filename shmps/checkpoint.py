@@ -462,16 +462,25 @@ _TABLE_PROBLEMS = {
 }
 
 
+def _table_problem(exc: CorruptFile) -> Optional[tuple[int, int, str]]:
+    """(shard, entry, what is wrong) of a failed table check (its ``table_problem``:
+    native code, shard, entry), None for any other error."""
+    problem = getattr(exc, "table_problem", None)
+    if problem is None:
+        return None
+    code, shard, at = problem
+    return shard, at, _TABLE_PROBLEMS.get(code, f"problem {code}")
+
+
 def _table_check_error(exc: CorruptFile, path: str, entry: dict) -> CorruptFile:
     """The table check's failure (``table_problem``, set by Store._restore_raw while the
     restored table is created) in the terms of the checkpoint's files, with the
     checkpoint hint; any other error as it is."""
-    problem = getattr(exc, "table_problem", None)
+    problem = _table_problem(exc)
     if problem is None or entry["record"].get("kind") != "table":
         return exc
-    code, shard, at = problem
+    shard, at, what = problem
     stem = os.path.join(path, f"{entry['prefix']}.s{shard}")
-    what = _TABLE_PROBLEMS.get(code, f"problem {code}")
     return CorruptFile(f"checkpoint {path}: table {entry['record']['name']!r}, shard {shard}: "
                        f"its saved index is inconsistent: {what} (at entry {at}; files "
                        f"{stem}.index, .keys, .links, .ctl)", hint=files._CKPT_HINT)
@@ -763,11 +772,10 @@ def _check_written_table(t: Any, directory: str, entry: dict) -> None:
     try:
         _check_saved_index(rec["name"], specs, raw, entry["shards"])
     except CorruptFile as exc:
-        problem = getattr(exc, "table_problem", None)
+        problem = _table_problem(exc)
         if problem is None:
             raise
-        code, shard, at = problem
-        what = _TABLE_PROBLEMS.get(code, f"problem {code}")
+        shard, at, what = problem
         raise CorruptSegment(
             f"store {t._store.name!r}: table {rec['name']!r}, shard {shard}: its index in "
             f"shared memory is inconsistent: {what} (at entry {at}); a checkpoint of it "
