@@ -197,6 +197,12 @@ class Store:
     #: shmps-bridge turns it off for its handle (Bridge.start): backing a 256 MiB copy of
     #: a peer's tensor held its event loop, where heartbeats run, for 250-300 ms
     reserve_memory: bool = True
+    #: with reserve_memory off: bytes of the tensors this handle created without backing
+    #: them that are not backed yet (shmps-bridge's thread backs its copies right after,
+    #: and counts them down): a new such tensor is refused unless /dev/shm has room for
+    #: its segments beside them (_create_segments), so copies made in a row cannot each
+    #: count the same free space as theirs
+    unbacked_bytes: int = 0
 
     def __init__(self, name: str, namespace: Optional[str], manifest: Segment) -> None:
         self.name = name
@@ -538,16 +544,26 @@ class Store:
         self._refresh()
         return len(self._record_list)
 
-    def _create_segments(self, tid: int, specs: list[dict], fill: Any,
+    def _create_segments(self, tid: int, what: str, specs: list[dict], fill: Any,
                          check: Any = None, reserve: bool = True) -> int:
-        """Create, lay out and fill one segment per spec, then run ``check(segments)``
-        (if given) while they are all mapped; returns total bytes.  Removes what it
-        made if anything fails."""
+        """Create, lay out and fill one segment per spec of tensor ``what`` (its name,
+        for messages), then run ``check(segments)`` (if given) while they are all
+        mapped; returns total bytes.  Removes what it made if anything fails."""
         made: list[Segment] = []
         total = 0
+        lays = [_native.layout(spec) for spec in specs]
+        if reserve and not self.reserve_memory:
+            # created unbacked, backed later (shmps-bridge): the reservation that refuses
+            # a tensor /dev/shm has no room for comes after it is in use, so refuse one
+            # now that would not fit whole, its optimizer state included, beside the
+            # ones still being backed (a copy that fits only in part is a SIGBUS later)
+            need = sum(lay["total_size"] for lay in lays)
+            pending = f" beside {self.unbacked_bytes:,} bytes of tensors still being " \
+                      "backed" if self.unbacked_bytes else ""
+            check_room(f"tensor {what} ({len(specs)} segments of {need:,} bytes in "
+                       f"all{pending})", need + self.unbacked_bytes)
         try:
-            for s, spec in enumerate(specs):
-                lay = _native.layout(spec)
+            for s, (spec, lay) in enumerate(zip(specs, lays)):
                 name = names.shard_name(self.name, self.namespace, tid, s)
                 unlink(name)  # debris of a creator that died before registering
                 seg = Segment.create(name, lay["total_size"], huge=True,
@@ -585,7 +601,8 @@ class Store:
                          f"process; tensor {rec['name']!r} was not created",
                          "attach the store again")
         rec["id"] = tid = self._next_id()
-        rec["bytes"] = self._create_segments(tid, specs, fill, check, reserve)
+        rec["bytes"] = self._create_segments(tid, repr(rec["name"]), specs, fill, check,
+                                             reserve)
         try:
             return self._append(rec)
         except BaseException:

@@ -257,6 +257,57 @@ def test_the_segments_a_bridge_creates_are_backed_in_the_background(make_cluster
     assert len(outbox) == 4 and sum(a for a, _ in outbox) < sum(n for _, n in outbox) // 4
 
 
+def _can_mount_tmpfs() -> bool:
+    try:
+        r = subprocess.run(["unshare", "-rm", "sh", "-c",
+                            "mount -t tmpfs -o size=1m tmpfs /dev/shm"],
+                           capture_output=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return r.returncode == 0
+
+
+def _on_small_shm(host: int, mib: int):
+    """A Cluster ``wrap`` running host ``host``'s bridge in a private mount namespace with
+    a tmpfs of ``mib`` MiB on /dev/shm (its segments vanish with it)."""
+    import shlex
+
+    def wrap(i: int, cmd: list) -> list:
+        if i != host:
+            return cmd
+        return ["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size={mib}m tmpfs "
+                "/dev/shm && exec " + " ".join(shlex.quote(str(x)) for x in cmd)]
+    return wrap
+
+
+@pytest.mark.skipif(not _can_mount_tmpfs(), reason="needs a private tmpfs on /dev/shm "
+                    "(unshare -rm: user and mount namespaces), which this machine refuses")
+def test_a_host_with_no_room_for_a_tensor_leaves_and_the_others_go_on(make_cluster):
+    """Host 2's /dev/shm (32 MiB) has no room for its copy of a 48 MiB tensor made on
+    host 0.  It leaves the cluster, saying why, and exits with status 2; hosts 0 and 1
+    take its shards over, and host 0's pushes are applied and acknowledged: flush()
+    returns and both pulls hold the exact totals.  Before, host 2 logged the refusal
+    twice a second and stayed on the ring: every shard it owned or backed stalled, and
+    flush() timed out for good."""
+    c = make_cluster(3, wrap=_on_small_shm(2, 32))
+    c.start_all()
+    big = {"w": [[12 << 20], "int32", "sum", 2 << 20]}      # 48 MiB, 6 shards of 8 MiB
+    out = c.run_worker(0, {"create": {"dense": big}, "pushes": 2, "flush": True,
+                           "flush_timeout": 20.0}, timeout=60)
+    assert out["rounds"] == 2
+    assert c.wait_exit(2, 20) == 2
+    log = c.logs[2].read_text(errors="replace")
+    assert "no room for its copy of tensor 'w'" in log, log[-3000:]
+    c.wait_converged(20, hosts=[0, 1])
+    for i in (0, 1):
+        s = c.attach(i)
+        try:
+            w = s["w"].pull()
+            assert w.min() == 2 and w.max() == 2, (i, w.min(), w.max())
+        finally:
+            s.close()
+
+
 def test_initial_values_wait_for_an_origin_that_reads_them_one_at_a_time(make_cluster):
     """The creating host reads the initial values of every shard its peers own in its
     snapshot thread, one at a time: here each read takes 0.6 s longer (failpoint

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import stat
 import time
@@ -592,6 +593,93 @@ def test_an_outbox_made_on_a_full_dev_shm_is_refused_not_a_crash():
     out = _on_small_shm(FULL_OUTBOX_SCRIPT)
     assert "no room" in out["push"], out
     assert out["pending"] == 1 and out["works"] == 1024.0 and out["end"] == [], out
+
+
+UNBACKED_SCRIPT = """
+import json, os, numpy as np, shmps
+out = {}
+s = shmps.attach("full")
+s.reserve_memory = False          # as the handle of shmps-bridge: copies backed later
+try:   # 24 MiB of values fit in 64 MiB, not with the two Adam moments (72 MiB in all)
+    s.dense("a", shape=(6 << 20,), optimizer=shmps.Adam(lr=0.1))
+    out["adam"] = "created"
+except shmps.CapacityError as e:
+    out["adam"] = str(e)
+out["adam_left"] = sorted(os.listdir("/dev/shm"))
+s.unbacked_bytes = 40 << 20      # copies made before, still being backed
+try:   # 32 MiB fits alone, not beside them
+    s.dense("b", shape=(8 << 20,))
+    out["beside"] = "created"
+except shmps.CapacityError as e:
+    out["beside"] = str(e)
+s.unbacked_bytes = 0
+s.dense("b", shape=(8 << 20,))
+out["alone"] = s["b"].shape[0]
+s.reserve_memory = True
+""" + _still_works("w")
+
+
+@needs_small_shm
+def test_a_tensor_made_unbacked_must_fit_whole_beside_those_being_backed():
+    """shmps-bridge creates its copies of peers' tensors without backing them (a thread
+    backs them after): on a 64 MiB /dev/shm such a tensor is refused unless all its
+    segments fit, an Adam tensor's moments included, beside the tensors still being
+    backed (Store.unbacked_bytes), and nothing of it is left.  Before, only its values
+    were compared with the free space: the Adam copy was created and its backing failed,
+    or the first write past the room killed the bridge with SIGBUS; and two copies made
+    in a row each counted the same free space."""
+    out = _on_small_shm(UNBACKED_SCRIPT)
+    assert re.search(r"tensor 'a' \(\d segments of 75,\d+,\d+ bytes in all\) needs",
+                     out["adam"]), out
+    assert out["adam_left"] == ["shmps.full.manifest"], out
+    assert "beside 41,943,040 bytes of tensors still being backed" in out["beside"], out
+    assert out["alone"] == 8 << 20
+    assert out["works"] == 1024.0 and out["end"] == [], out
+
+
+BACKING_FAILS_SCRIPT = """
+import asyncio, json, os, sys, tempfile, numpy as np, shmps
+from shmps import segment
+from shmps.bridge.node import Bridge, Config, TInfo
+out = {}
+d = tempfile.mkdtemp()
+open(d + "/hosts.txt", "w").write("127.0.0.2:7001")
+node = Bridge(Config(peers_file=d + "/hosts.txt", store="full", listen="127.0.0.2:7001"))
+node.store = shmps.attach("full")
+node.store.reserve_memory = False
+node._stop_event = asyncio.Event()
+rec = dict(name="emb", kind="table", dtype="float32", dim=16, capacity=200_000,
+           nshards=2, optimizer=dict(type="Sum"))
+node.create_from_record(rec)                     # 13 MiB, created unbacked: it fits
+t = node.store["emb"]
+node.by_name["emb"] = TInfo("emb", 0, "table", t, 2, np.dtype("float32"),
+                            np.dtype("float32"), 16, (16,), None, 1, rec)
+filler = segment.Segment.create("/filler", segment.shm_free())   # then /dev/shm is full
+node._back_pages("emb")                          # (no event loop: backs it at once)
+out["fatal"] = str(node.fatal)
+out["stop"] = node._stop_event.is_set()
+out["pending"] = node.store.unbacked_bytes
+filler.close()
+segment.unlink("/filler")
+node.store.close()
+s = shmps.attach("full")
+""" + _still_works("w")
+
+
+@needs_small_shm
+def test_a_bridge_whose_copy_cannot_be_backed_leaves(caplog):
+    """shmps-bridge backs the copy of a peer's tensor after creating it; when /dev/shm is
+    full by then (another process took the room), it leaves the cluster, as on SIGTERM,
+    with a CapacityError naming the tensor that serve raises once it has left (exit
+    status 2), and no longer counts the copy as being backed.  Before, it logged an
+    error and tried again every 10 s, a bridge on the ring with a copy the next write
+    past the room would kill with SIGBUS."""
+    out = _on_small_shm(BACKING_FAILS_SCRIPT)
+    assert out["fatal"].startswith("this host's /dev/shm has no room for its copy of "
+                                   "tensor 'emb' (/dev/shm has no room for segment"), out
+    assert "then start shmps-bridge again" in out["fatal"], out
+    assert out["stop"] is True and out["pending"] == 0, out
+    assert out["works"] == 1024.0 and out["end"] == [], out
 
 
 def test_backing_a_segment_later_leaves_a_new_one_under_its_name_alone(store_name):

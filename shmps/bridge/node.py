@@ -84,7 +84,6 @@ DRAIN_RETRY_S = 1.0              #: a shard whose drain failed is tried again af
 RESEND_AFTER = 2.0                #: resend a stream's unacknowledged frames after this silence
 HANDOVER_TIMEOUT = 3.0           #: a new owner waits this long for the old owner's snapshot
 CATALOG_INTERVAL = 0.5           #: how often tensor catalogs are compared with peers (s)
-BACKING_RETRY = 10.0             #: a tensor whose pages found /dev/shm full is tried again after (s)
 MAX_MSG = frames.MAX_FRAME_BYTES + 4096
 MAX_BAD_FRAMES = 3               #: malformed frames in a row before a connection is closed
 REFUSAL_LOG_EVERY = 5.0          #: s between log lines of one refused connection's reason
@@ -737,10 +736,13 @@ class Bridge:
         #: that new owners wait for first (_send_snapshot_now)
         self._snap_reader = urgent.UrgentWorker("shmps-snapshot")
         #: backs the pages of the tensors this bridge creates, off the event loop
-        #: (_back_pages); their names, and when each whose backing failed is tried again
+        #: (_back_pages); the names of those under way, and their bytes (counted in
+        #: the store's unbacked_bytes until backed)
         self._backer = urgent.UrgentWorker("shmps-backing")
         self._created_here: set[str] = set()
-        self._unbacked: dict[str, float] = {}
+        self._unbacked: dict[str, int] = {}
+        #: why this bridge left on its own (_no_room): serve raises it once it has left
+        self.fatal: Optional[Error] = None
         self._gone: set[tuple[int, int]] = set()  # (member id, incarnation) of processes
                                                   # that restarted since: filters forgotten
         self._says_joining: dict[str, int] = {}  # peer -> epoch at which it has us joining
@@ -1173,10 +1175,13 @@ class Bridge:
         large as its tensor (a table's: its capacity) and holds only what is pushed,
         and backing every outbox on every host doubled the model's resident memory (an
         idle table's outbox included).  Until it is done, a write to a page that
-        /dev/shm then has no room for would kill the writer with SIGBUS; a failure is
-        logged as an error and tried again every BACKING_RETRY s."""
+        /dev/shm then has no room for would kill the writer with SIGBUS: creation
+        refused a copy that does not fit beside those still being backed
+        (Store.unbacked_bytes), and a backing that fails all the same (another process
+        took the room meanwhile) makes this host leave (_no_room)."""
         info = self.by_name.get(name)
-        if info is None or self._closing or name not in self._created_here:
+        if (info is None or self._closing or name not in self._created_here
+                or name in self._unbacked):
             return
         segs = [(sh.seg.name, sh.seg.size, sh.seg.ino) for sh in (info.t._shards or ())]
         if not segs:
@@ -1186,7 +1191,8 @@ class Bridge:
             for n, size, ino in segs:
                 segment.allocate(n, size, ino)
 
-        self._unbacked[name] = math.inf   # under way
+        self._unbacked[name] = nbytes = sum(size for _, size, _ in segs)
+        self.store.unbacked_bytes += nbytes
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:              # not started (tests drive a Node by hand)
@@ -1203,21 +1209,33 @@ class Bridge:
             self._backed, name, f.exception()))
 
     def _backed(self, name: str, exc: Optional[BaseException]) -> None:
-        if exc is None:
-            self._unbacked.pop(name, None)
-            return
-        self._unbacked[name] = time.monotonic() + BACKING_RETRY
-        log.error("tensor %r: could not back this host's copy in /dev/shm (%s); "
-                  "until it is, a write to a page /dev/shm has no room for kills the writer "
-                  "with SIGBUS; %s. Tried again every %g s", name, exc,
-                  getattr(exc, "hint", "free space in /dev/shm"), BACKING_RETRY)
+        self.store.unbacked_bytes -= self._unbacked.pop(name, 0)
+        if exc is not None:
+            self._no_room(name, exc)
 
-    def _back_again(self) -> None:
-        """Retry the backings that failed (see _back_pages), when their time has come."""
-        now = time.monotonic()
-        for name, when in list(self._unbacked.items()):
-            if when <= now:
-                self._back_pages(name)
+    def _no_room(self, name: str, exc: BaseException) -> None:
+        """This host's /dev/shm has no room for its copy of a peer's tensor ``name``
+        (creating it, or backing it, failed with ``exc``): leave the cluster, as on
+        SIGTERM, and end with the error once left.  A host on the ring without a copy
+        of a tensor stalls every shard of it that it owns or backs (owners wait for
+        their backups, senders for their owner) and so every flush() of it, for as long
+        as it runs; and a copy not backed whole kills this bridge with SIGBUS at the
+        first write to a page /dev/shm has no room for.  Having left, the other hosts
+        own and back its shards, and training goes on without this host."""
+        if self.fatal is not None:
+            return
+        why = getattr(exc, "message", None) or str(exc)
+        hint = getattr(exc, "hint", None) or segment.NO_ROOM_HINT
+        self.fatal = CapacityError(
+            f"this host's /dev/shm has no room for its copy of tensor {name!r} ({why}); "
+            "it left the cluster, whose other hosts took its shards over",
+            f"{hint}; then start shmps-bridge again")
+        log.error("this host's /dev/shm has no room for its copy of tensor %r (%s): "
+                  "leaving the cluster, as on SIGTERM (a host without a copy would stall "
+                  "every shard of it that it owns or backs; a copy not backed whole, kill "
+                  "this bridge with SIGBUS). The other hosts take its shards over. To do: "
+                  "%s; then start shmps-bridge again", name, why, hint)
+        self.request_stop()
 
     def _end_adopt_turn(self) -> None:
         """The event loop turned: the next refresh_tensors starts a new slice."""
@@ -3692,7 +3710,6 @@ class Bridge:
         while True:
             try:
                 await self.refresh_all_tensors()
-                self._back_again()
                 for m in list(self.members.reachable()):
                     if m == self.addr:
                         continue
@@ -3755,10 +3772,16 @@ class Bridge:
                     # (heartbeats, batches) between slices
                     await asyncio.sleep(0)
                     t0 = time.monotonic()
+                if self.fatal is not None:
+                    complete = False    # (leaving: no more copies)
+                    break
                 try:
                     structure = (await self._fetch_structure(peer, rec)
                                  if rec["kind"] == "csr" else None)
                     self.create_from_record(rec, peer, structure)
+                except CapacityError as e:
+                    complete = False
+                    self._no_room(rec["name"], e)
                 except Error as e:
                     complete = False   # asked for again (and logged) next time
                     log.error("cannot create tensor %r like %s has it: %s", rec["name"], peer, e)
@@ -4187,6 +4210,8 @@ async def serve(cfg: Config, ready: Optional[Callable[[Bridge], None]] = None) -
     finally:
         await node.close()
         log.info("bridge %s stopped", node.addr)
+    if node.fatal is not None:     # (left on its own: shmps-bridge exits with status 2)
+        raise node.fatal
 
 
 __all__ = ["Bridge", "Config", "serve"]
