@@ -5,6 +5,7 @@ test_bridge_units does."""
 from __future__ import annotations
 
 import struct
+import time
 import types
 
 import numpy as np
@@ -210,3 +211,76 @@ def test_a_strided_buffer_is_bad_frame_not_buffer_error():
         with pytest.raises(BadFrame, match="C-contiguous"):
             call(strided)
     assert frames.decode(memoryview(whole + b"x")[:len(whole)]).type == frames.FrameType.SYNC
+
+
+EPOCH_AT = 8               # the header's epoch
+
+
+def test_an_epoch_past_the_bound_is_malformed():
+    """Every frame carries its sender's epoch, a u64: one past MAX_EPOCH (2**62) is
+    refused by the decoder, whatever the frame's type, and by the encoders; MAX_EPOCH
+    itself is taken."""
+    ok = dict(epoch=0, sender=1, incarnation=7, tensor=1, shard=0)
+    every = [frames.encode_batch(seq=1, values=np.ones((1, 4), np.float32), start=0, **ok),
+             frames.encode_rows(seq=ROWS_SEQ_BASE + 1, values=np.ones((1, 4), np.float32),
+                                start=0, **ok),
+             frames.encode_snapshot(seq=ROWS_SEQ_BASE + 1, values=np.ones((1, 4), np.float32),
+                                    start=0, last=True, **ok),
+             frames.encode_ack(seq=1, **ok), frames.encode_sync(**ok),
+             frames.encode_heartbeat(epoch=0, sender=1, incarnation=7, seq=1, digest=0,
+                                     sent_ms=0, members=[(1, 1)])]
+    for whole in every:
+        buf = bytearray(whole)
+        struct.pack_into("<Q", buf, EPOCH_AT, frames.MAX_EPOCH)
+        assert frames.decode(bytes(buf)).epoch == frames.MAX_EPOCH
+        for epoch in (frames.MAX_EPOCH + 1, frames.U64 - 1, frames.U64):
+            struct.pack_into("<Q", buf, EPOCH_AT, epoch)
+            for call in (frames.decode, lambda b: list(frames.iter_frames(b))):
+                with pytest.raises(BadFrame, match="epoch"):
+                    call(bytes(buf))
+    with pytest.raises(frames.InvalidArgument, match="epoch must be"):
+        frames.encode_sync(**{**ok, "epoch": frames.MAX_EPOCH + 1})
+    with pytest.raises(frames.InvalidArgument, match="epoch must be"):
+        frames.restamp_epoch(every[0], frames.MAX_EPOCH + 1)
+    assert frames.epoch_of(frames.restamp_epoch(every[0], frames.MAX_EPOCH)) == frames.MAX_EPOCH
+
+
+def test_a_heartbeat_of_an_epoch_past_the_bound_changes_nothing(tmp_path, caplog):
+    """A host that hears a majority member with a higher epoch takes its view over
+    (members.py, E3): a heartbeat of epoch 2**64 - 1 was taken, and the next epoch this
+    host minted, 2**64, did not fit the header: every frame it encoded after that raised.
+    Now a heartbeat of an epoch past MAX_EPOCH is malformed, logged with the reason, and
+    changes nothing (epoch, member states, ring); one of MAX_EPOCH is taken as any newer
+    epoch is, and no epoch is minted past it (logged)."""
+    from test_bridge_units import State, _host_c_of_three, ring
+
+    node, a, b, c = _host_c_of_three(tmp_path)
+    node.members.tick(now=time.monotonic() + 10 * node.cfg.dead_after)   # cut off
+    before = (node.members.epoch, node.members.states(), node.ring.digest)
+    majority = [(members.member_id(a), State.ALIVE.code), (members.member_id(b), State.ALIVE.code),
+                (members.member_id(c), State.DEAD.code)]
+
+    def heartbeat(epoch: int, seq: int) -> bytes:
+        buf = bytearray(frames.encode_heartbeat(
+            epoch=0, sender=members.member_id(b), incarnation=7, seq=seq,
+            digest=ring.Ring([a, b]).digest, sent_ms=0, hb_flags=frames.HB_QUORUM,
+            members=majority))
+        struct.pack_into("<Q", buf, EPOCH_AT, epoch)
+        return bytes(buf)
+
+    with caplog.at_level("WARNING", logger="shmps.bridge"):
+        for seq, epoch in enumerate((frames.U64, frames.U64 - 1, frames.MAX_EPOCH + 1), 2):
+            assert _feed(node, b, heartbeat(epoch, seq)) == (1, [])
+    assert (node.members.epoch, node.members.states(), node.ring.digest) == before
+    assert node.metrics.rejected_c.labels("malformed")._value.get() == 3
+    assert caplog.text.count(f"epoch {frames.U64} past the bound") == 1, caplog.text
+    assert _feed(node, b, heartbeat(frames.MAX_EPOCH, 5)) == (0, [])
+    assert node.members.epoch == frames.MAX_EPOCH and node.members.state(c) is State.JOINING
+    m = members.Membership([a, b, c], a, now=0.0)
+    m.heartbeat(b, 0.1)
+    m.heartbeat(c, 0.1)
+    m.adopt({a: State.ALIVE, b: State.ALIVE, c: State.ALIVE}, frames.MAX_EPOCH, now=0.1)
+    with caplog.at_level("ERROR", logger="shmps.bridge"):
+        m.mark_dead(c)                          # a majority (a, b): a change that mints
+    assert m.live() == (a, b) and m.epoch == frames.MAX_EPOCH
+    assert "no epoch is minted" in caplog.text

@@ -3787,7 +3787,7 @@ def test_request_nonce_cache_is_bounded_and_forgets_old_nonces():
 U32S = st.integers(0, frames.U32)
 U64S = st.integers(0, frames.U64)
 DTYPES = st.sampled_from(list(frames.DTYPE_CODES))
-HEAD = st.fixed_dictionaries({"epoch": U64S, "sender": U32S, "incarnation": U32S, "tensor": U32S,
+HEAD = st.fixed_dictionaries({"epoch": st.integers(0, frames.MAX_EPOCH), "sender": U32S, "incarnation": U32S, "tensor": U32S,
                               "shard": U32S, "seq": U64S})
 
 

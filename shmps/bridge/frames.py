@@ -6,7 +6,7 @@ A frame is a fixed 48-byte little-endian header followed by ``payload_len`` byte
       0   4 magic          b"SHPB"
       4   2 version        1
       6   2 type           FrameType (BATCH, ACK, ROWS, SNAPSHOT, HEARTBEAT, SYNC)
-      8   8 epoch          the sender's membership epoch
+      8   8 epoch          the sender's membership epoch, at most MAX_EPOCH (2**62)
      16   4 sender         the sender's member id (members.member_id of its address)
      20   4 incarnation    random per sender process start
      24   4 tensor         tensor id (tensor_id(name))
@@ -49,6 +49,12 @@ U64 = (1 << 64) - 1
 #: A ROWS or SNAPSHOT frame's seq is its sender's ROW seq for the shard plus this; a
 #: BATCH's is its stream's seq, below it: an ACK's seq tells which of the two it answers
 ROWS_SEQ_BASE = 1 << 63
+#: The highest epoch a frame may carry (the field is a u64): a host that takes a majority
+#: member's newer epoch over mints the next one from it, and a peer's 2**64 - 1 made that
+#: 2**64, which no frame could carry: every frame encoded after it raised.  A cluster
+#: minting 1000 epochs a second reaches 2**62 in ~146 million years.  A frame past it is
+#: malformed (_read_header), no encoder writes one, and Membership mints none past it
+MAX_EPOCH = 1 << 62
 
 HEADER = struct.Struct("<4sHHQIIIIQHHI")
 DATA_HEAD = struct.Struct("<HHHHIIQQII")
@@ -325,7 +331,7 @@ def _u(name: str, v: int, top: int) -> int:
 
 def _header(ftype: FrameType, *, epoch: int, sender: int, incarnation: int, tensor: int,
             shard: int, seq: int, flags: int, layout: Layout, payload_len: int) -> bytes:
-    return HEADER.pack(MAGIC, VERSION, int(ftype), _u("epoch", epoch, U64),
+    return HEADER.pack(MAGIC, VERSION, int(ftype), _u("epoch", epoch, MAX_EPOCH),
                        _u("sender", sender, U32), _u("incarnation", incarnation, U32),
                        _u("tensor", tensor, U32), _u("shard", shard, U32),
                        _u("seq", seq, U64), int(flags), int(layout), payload_len)
@@ -711,7 +717,7 @@ def restamp_epoch(buf: "bytes | Pieces", epoch: int) -> "bytes | Pieces":
     mv = _as_bytes_view(buf)
     _read_header(mv, Limits(max_frame_bytes=U64))
     out = bytearray(mv)
-    struct.pack_into("<Q", out, 8, _u("epoch", epoch, U64))
+    struct.pack_into("<Q", out, 8, _u("epoch", epoch, MAX_EPOCH))
     return bytes(out)
 
 
@@ -758,6 +764,8 @@ def _read_header(mv: memoryview, limits: Limits) -> tuple[dict[str, Any], int]:
                        f"{limits.max_frame_bytes}-byte limit")
     if flags & ~_ALLOWED_BITS[ft]:
         raise _bad(ft, f"flags {flags:#x} not allowed")
+    if epoch > MAX_EPOCH:
+        raise _bad(ft, f"epoch {epoch} past the bound {MAX_EPOCH} (2**62)")
     if ft in _DATA_TYPES:
         if layout not in (Layout.RANGE, Layout.INDEXED, Layout.KEYED) or (
                 ft is FrameType.SNAPSHOT and layout == Layout.INDEXED):
@@ -969,4 +977,4 @@ __all__ = ["Ack", "BadFrame", "CODE_DTYPES", "DEFAULT_LIMITS", "DTYPE_CODES", "D
            "RowsBuilder", "Status", "Sync", "VERSION", "check_schema", "data_payload_bytes", "decode",
            "encode_ack", "encode_batch", "encode_heartbeat", "encode_rows", "encode_snapshot",
            "encode_sync", "iter_frames", "max_rows_per_frame", "restamp_epoch", "tensor_id",
-           "Pieces", "as_bytes", "epoch_of"]
+           "Pieces", "as_bytes", "epoch_of", "MAX_EPOCH"]

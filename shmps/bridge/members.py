@@ -42,7 +42,7 @@ but mints no epoch, so it cannot come back with an epoch that overrides the majo
 nor does one for ``dead_after`` after it got a majority back, while the heartbeats TCP
 delivers first may be stale: :attr:`Membership.mint_held_until`; nor for ``dead_after``
 after a heartbeat of a newer epoch that counts it out: :meth:`Membership.hold_mints`), and
-never goes down.
+never goes down, nor past ``frames.MAX_EPOCH``, the highest a frame carries.
 A host that hears a majority member with a higher epoch takes over that member's view
 with :meth:`Membership.adopt`.
 """
@@ -61,6 +61,7 @@ from enum import Enum
 from typing import Any, Awaitable, Callable, Iterable, Mapping, Union
 
 from ..errors import Error, InvalidArgument
+from .frames import MAX_EPOCH
 from .ring import stable_hash64
 
 log = logging.getLogger("shmps.bridge")
@@ -402,8 +403,16 @@ class Membership:
         # the lower epoch it should follow: it copied from a ring of its own for good
         if (live != self.epoch_live and self.can_mint() and self._t >= self.mint_held_until
                 and (self.self_addr is None or self.self_addr in live)):
-            self.epoch += 1
-            self.epoch_live = live
+            if self.epoch < MAX_EPOCH:
+                self.epoch += 1
+                self.epoch_live = live
+            elif changes:   # (logged with the change, not at every tick after it)
+                # no frame carries a higher one (frames.MAX_EPOCH): minted, every frame
+                # encoded after it would raise.  Reached only by taking over a peer's
+                # epoch at the bound (1000 mints a second take 146 million years)
+                log.error("epoch %d is the last a frame can carry (frames.MAX_EPOCH): no "
+                          "epoch is minted for this change; restart every bridge of the "
+                          "cluster to start again from epoch 0", self.epoch)
         for c in changes:
             log.info("member %s: %s -> %s (epoch %d)", c.member,
                      c.old.value if c.old else "none", c.new.value if c.new else "none",
