@@ -4508,14 +4508,72 @@ def test_dedup_window_streams_and_floors():
     d.advance("a", 1)
     assert d.floor("a") == 3
     d.record("b", 1)
+    assert d.fits(["a", "b", "b"]) and not d.fits(["a", "c"])   # (what record would raise)
     with pytest.raises(CapacityError, match="streams"):
         d.record("c", 1)
+    with pytest.raises(CapacityError, match="streams"):
+        d.advance("c", 1)
+    assert set(d.streams()) == {"a", "b"}
     d.forget("b")
+    assert d.fits(["c"]) and not d.fits(["c", "d"])
     d.record("c", 1)
     assert set(d.streams()) == {"a", "c"} and "a" in d and len(d) == 2
     for bad in (0, -1, 1.0, True):
         with pytest.raises(InvalidArgument):
             d.check("a", bad)
+
+
+def test_a_full_duplicate_filter_refuses_a_new_stream_before_anything_is_written(tmp_path):
+    """A shard's duplicate filter tracks at most max_streams streams (2**18).  A copy took
+    a ROWS whose marks named one more: it wrote the rows, then recording the mark raised
+    CapacityError (test_dedup_window_streams_and_floors), logged as a handler's failure:
+    no answer, and the copy held rows its filter lacked the batch of.  An owner's first
+    frame of a new stream raised the same way, unanswered.  Now the frame is refused
+    BUSY (reason capacity) before anything is written or recorded; the owner copies the
+    refusing host again, and its snapshot's filter replaces the full one.  A ROWS of
+    streams tracked already is taken.  Drives a Bridge, not started, on a real store."""
+    me, a, b = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
+    with _owner_on_a_store(tmp_path, [me, a, b], "dedupfull") as (node, mine, own):
+        name, info, st = _tensor_owned_by(node, a, [me, b], b, pushed=False)
+        tid = info.tid
+        s, t = members.member_id(b), members.member_id("127.0.0.9:7001")
+
+        def feed(peer: str, buf: bytes) -> list:
+            got: list = []
+            bad = node.on_message(peer, types.SimpleNamespace(
+                sender=members.member_id(peer), incarnation=7), buf,
+                lambda d: got.extend(frames.iter_frames(bytes(d))), 0)
+            assert bad == 0
+            return [g.status for g in got]
+
+        def rows(rseq: int, marks: list) -> list:
+            return feed(a, frames.encode_rows(
+                epoch=node.members.epoch, sender=members.member_id(a), incarnation=7,
+                tensor=tid, shard=0, seq=ROWS_SEQ_BASE + rseq,
+                values=np.full((8, 4), rseq, np.float32), start=0,
+                marks=[Mark(*m) for m in marks]))
+
+        assert _take_snapshot(node, a, tid, 1, marks=[(s, 7, 10)]) is Status.OK
+        st.dedup.max_streams = len(st.dedup)              # full
+        assert rows(2, [(s, 7, 11)]) == [Status.OK]
+        assert rows(3, [(s, 7, 12), (t, 7, 1)]) == [Status.BUSY]
+        np.testing.assert_array_equal(node.store[name].pull(), np.full((8, 4), 2, np.float32))
+        assert st.dedup.floor((s, 7, tid, 0)) == 11 and (t, 7, tid, 0) not in st.dedup
+        assert st.copied_in == 2 and _refused(node, "capacity") == 1
+        # the owner copies this host again: its snapshot's filter replaces the full one
+        assert _take_snapshot(node, a, tid, 4, marks=[(s, 7, 12), (t, 7, 1)],
+                              value=3.0) is Status.OK
+        assert st.dedup.floor((t, 7, tid, 0)) == 1 and rows(5, [(t, 7, 2)]) == [Status.OK]
+        # as the owner: a stream new to a full filter is refused before the apply
+        own.dedup.advance((s, 7, mine.tid, 0), 4)
+        own.dedup.max_streams = len(own.dedup)
+        batch = frames.encode_batch(epoch=node.members.epoch, sender=members.member_id(a),
+                                    incarnation=7, tensor=mine.tid, shard=0, seq=1,
+                                    values=np.ones((8, 4), np.float32), start=0)
+        for _ in range(2):   # (GAP first, without the check: a shard new to the stream)
+            assert feed(a, batch) == [Status.BUSY]
+        np.testing.assert_array_equal(node.store[mine.name].pull(), np.zeros((8, 4), np.float32))
+        assert len(own.dedup) == 1 and _refused(node, "capacity") == 3
 
 
 @settings(max_examples=150, deadline=None)

@@ -39,7 +39,7 @@ import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, NamedTuple, Optional
+from typing import Any, Callable, Iterable, Iterator, NamedTuple, Optional
 
 import numpy as np
 
@@ -2681,6 +2681,30 @@ class Bridge:
                         status.name, reason, f.epoch, self.members.epoch)
         reply(self._ack(f, status))
 
+    def _refuse_over_streams(self, st: ShardState, f: frames.Data, streams: list,
+                             peer: str, reply: Callable[[bytes], None]) -> bool:
+        """Refuse ``f`` BUSY (reason ``capacity``) if recording ``streams``, the streams
+        of its seq or marks, would take the duplicate filter of ``st`` past its bound
+        (Dedup.fits): before anything of it is applied or written.  True if refused.
+        (A copy wrote a ROWS's rows, then its new stream's mark raised CapacityError:
+        no answer, and rows its filter lacked the batch of.)  A copy refused is copied
+        again by the owner (on_ack), whose snapshot's filter replaces its own; a sender
+        resends later."""
+        if st.dedup.fits(streams):
+            return False
+        log.warning("%s %d of shard %s from %s refused: its duplicate filter tracks %d "
+                    "streams, the most it may", f.type.name, f.seq, st.key, peer,
+                    len(st.dedup))
+        self._refuse(f, reply, Status.BUSY, "capacity")
+        return True
+
+    def _marked(self, f: frames.Data, marks: Iterable[Mark]) -> Iterator[tuple[tuple, int]]:
+        """(stream, seq) of each of ``marks`` of data frame ``f``, but those of a
+        restarted sender's old process (its filter is forgotten)."""
+        for m in marks:
+            if (m.sender, m.incarnation) not in self._gone:
+                yield (m.sender, m.incarnation, f.tensor, f.shard), m.seq
+
     def _tensor_for(self, f: frames.FrameHeader) -> Optional[TInfo]:
         """The tensor a data frame names (looking again for tensors created since), or
         None if this host does not have it yet (the catalog sync creates it soon)."""
@@ -2720,6 +2744,8 @@ class Bridge:
             return self._refuse(f, reply, Status.BUSY, "snapshot")
         stream = (f.sender, f.incarnation, f.tensor, f.shard)
         if stream not in st.dedup:
+            if self._refuse_over_streams(st, f, [stream], peer, reply):
+                return
             # A stream this host's filter does not know: nothing of it was applied to the
             # shard (its copies all carry the marks of what was), but this frame may be
             # one of several the sender has in flight, the earlier ones refused (BUSY
@@ -3146,6 +3172,11 @@ class Bridge:
             unsynced = self._unsynced(st, f, since)
             if unsynced is not None:
                 return self._refuse(f, reply, Status.NOT_OWNER, unsynced)
+            # (a SNAPSHOT's marks go into a new filter, its LAST's: at most max_marks
+            # streams; the other chunks' are not recorded)
+            if self._refuse_over_streams(st, f, [s for s, _ in self._marked(f, f.marks)],
+                                         peer, reply):
+                return
         fed_on: Optional[tuple[int, int]] = None
         if not handover:
             # (_role_change: whose copies are complete) The shard's owners in this host's
@@ -3247,23 +3278,20 @@ class Bridge:
             marks = ()   # (the first chunk's: to check, above; they count with the last)
         else:
             marks = f.marks
-        for m in marks:
-            if (m.sender, m.incarnation) in self._gone:
-                continue   # a restarted sender's old process: its filter is forgotten
-            stream = (m.sender, m.incarnation, f.tensor, f.shard)
+        for stream, seq in self._marked(f, marks):
             try:
                 if f.flags & frames.Flag.FLOOR_MARKS:
-                    st.dedup.advance(stream, m.seq)
+                    st.dedup.advance(stream, seq)
                 else:
                     if stream not in st.dedup:
-                        st.dedup.advance(stream, m.seq - 1)
-                    st.dedup.record(stream, m.seq)
-            except CapacityError:
-                st.dedup.advance(stream, m.seq)
+                        st.dedup.advance(stream, seq - 1)
+                    st.dedup.record(stream, seq)
+            except CapacityError:   # (beyond the window: the streams fit, checked above)
+                st.dedup.advance(stream, seq)
             if f.flags & frames.Flag.REFUSED:
                 # the owner refused it for good: made owner, this host refuses a resend
                 # of it again (its sender may not have had the answer)
-                self._remember_refusal(st, stream, m.seq, (f.sender, f.incarnation))
+                self._remember_refusal(st, stream, seq, (f.sender, f.incarnation))
         if f.type == FrameType.SNAPSHOT and f.flags & frames.Flag.LAST:
             st.snap_epoch_seen = self.members.epoch
             st.snapshots_received += 1

@@ -28,7 +28,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Callable, Hashable, Iterator
+from typing import Callable, Hashable, Iterable, Iterator
 
 from ..errors import CapacityError, InvalidArgument, Timeout
 
@@ -360,6 +360,15 @@ class Dedup:
         if seq - floor > self.window:
             return Verdict.TOO_FAR
         return Verdict.NEW
+
+    def fits(self, streams: Iterable[Hashable]) -> bool:
+        """True if seqs of ``streams`` can be recorded (:meth:`record`, :meth:`advance`)
+        with no more than ``max_streams`` tracked; changes nothing.  A receiver checks a
+        frame's streams with this before it applies the frame: past the bound, recording
+        them raises :class:`CapacityError`, with the frame applied by then.
+        O(len(streams))."""
+        new = {s for s in streams if s not in self._streams}
+        return len(self._streams) + len(new) <= self.max_streams
 
     def _window(self, stream: Hashable) -> _Window:
         w = self._streams.get(stream)
