@@ -7,6 +7,10 @@ import argparse
 import math
 from typing import Callable
 
+#: the longest wait an option may ask for (a day): a socket's timeout overflows past a
+#: few days, and time.sleep past time_t
+MAX_SECONDS = 86400.0
+
 
 def at_least_one(text: str) -> int:
     """An integer >= 1 (a count: --replicas)."""
@@ -16,6 +20,17 @@ def at_least_one(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if n < 1:
         raise argparse.ArgumentTypeError(f"{n} must be >= 1")
+    return n
+
+
+def at_least_zero(text: str) -> int:
+    """An integer >= 0 (a count where 0 means no limit: stats --count)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{n} must be >= 0")
     return n
 
 

@@ -19,7 +19,7 @@ import urllib.error
 import urllib.request
 from typing import Any, Optional
 
-from .cli_args import positive
+from .cli_args import MAX_SECONDS, positive
 from .errors import Error, InvalidArgument, Timeout
 
 #: the largest answer read (a /health of thousands of shards is a few hundred KiB)
@@ -31,8 +31,6 @@ CLIENT_ID = "operator"
 #: no proxy: the bridges reach each other directly, and so does the tool (a proxy from
 #: the environment would answer for the bridge, and its errors be blamed on it)
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-#: the longest --timeout (a day): larger ones overflow the socket's timeout
-MAX_TIMEOUT_S = 86400.0
 
 
 def _request(target: str, method: str, path: str, body: Optional[bytes],
@@ -181,7 +179,7 @@ def register(sub: Any) -> None:
                         "over and its bridge exits")
     p.add_argument("--secret-file", metavar="F",
                    help="the cluster's shared secret (the bridges' --secret-file)")
-    p.add_argument("--timeout", type=positive(MAX_TIMEOUT_S), default=10.0,
+    p.add_argument("--timeout", type=positive(MAX_SECONDS), default=10.0,
                    help="seconds to wait for the bridge's answer (default 10)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_members)

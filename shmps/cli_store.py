@@ -14,7 +14,7 @@ import numpy as np
 
 from . import _native, names
 from . import inspect as shm_inspect
-from .cli_args import positive
+from .cli_args import MAX_SECONDS, at_least_zero, positive
 from .errors import Error, InvalidArgument
 from .segment import age_of, unlink
 from .store import remove_idle
@@ -370,9 +370,10 @@ def register(sub: Any) -> None:
     p.add_argument("store")
     p.add_argument("--namespace")
     p.add_argument("--once", action="store_true", help="print one JSON snapshot and exit")
-    p.add_argument("--interval", type=positive(), default=1.0,
-                   help="seconds between refreshes")
-    p.add_argument("--count", type=int, default=0, help="stop after N refreshes (0: never)")
+    p.add_argument("--interval", type=positive(MAX_SECONDS), default=1.0,
+                   help="seconds between refreshes (at most a day)")
+    p.add_argument("--count", type=at_least_zero, default=0,
+                   help="stop after N refreshes (0: never)")
     p.set_defaults(func=cmd_stats)
 
     p = sub.add_parser("checkpoint", help="save a store to a checkpoint directory",

@@ -727,9 +727,13 @@ def test_gc_never_removes_a_store_under_an_attach(ns, procs):
 
 
 def test_stats_refuses_an_interval_it_cannot_sleep():
-    """--interval must be a finite number of seconds > 0 (the shared cli_args.positive):
-    nan, inf, 0 and -1 were taken."""
-    for bad in ("nan", "inf", "0", "-1", "x"):
-        r = tool("stats", "model", "--interval", bad)
-        assert r.returncode == 2 and "argument --interval" in r.stderr, (bad, r.stderr)
+    """--interval must be a finite number of seconds > 0 and at most a day (the shared
+    cli_args.positive): nan, inf, 0 and -1 were taken, and 1e10 printed one screen,
+    then died of an internal OverflowError in time.sleep.  --count must be >= 0: -1
+    refreshed for ever."""
+    for opt, bad in [("--interval", b) for b in ("nan", "inf", "0", "-1", "x", "1e10",
+                                                   "86401")] + [("--count", "-1"),
+                                                                ("--count", "1.5")]:
+        r = tool("stats", "model", opt, bad)
+        assert r.returncode == 2 and f"argument {opt}" in r.stderr, (bad, r.stderr)
         assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
