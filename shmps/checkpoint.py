@@ -317,7 +317,8 @@ def restore(path: str | os.PathLike, name: str, *, namespace: Optional[str] = No
     """Recreate store ``name`` from the checkpoint at ``path``; returns it attached.
 
     The whole checkpoint is checked first (every file's size and ``.meta`` against
-    checkpoint.json, and each table's saved index): a corrupt one raises
+    checkpoint.json, each table's saved index, the per-row statistics of tables and csr
+    tensors: ``_stats_problem``): a corrupt one raises
     :class:`CorruptFile` (a missing directory :class:`NotFound`) and creates, replaces or
     changes nothing.  Every file is read from the directory ``path`` named when restore
     began (opened once): a checkpoint written to ``path`` meanwhile is not mixed in.  Refuses
@@ -587,6 +588,7 @@ def _plan_dense(path: str, entry: dict) -> _Plan:
 _CTL_WORDS = 32        # SHMPS_TABLE_CTL_BYTES / 8 (tctl_t, native/table.c)
 _CTL_CREATE_OWNER = 8  # tctl_t.create.owner (offset 64)
 _CTL_TABLE_LIVE = 10   # tctl_t.table_live (offset 80), shard 0: keys in the whole table
+_CTL_HWM = 11          # tctl_t.hwm (offset 88): rows of the shard handed out at least once
 _CTL_MAGIC = 0x4c54435453504d48
 _AUX_STEP_MASK = (1 << 40) - 1
 
@@ -604,6 +606,56 @@ def _raw_regions(lay: dict) -> list[tuple[str, int, int]]:
         regs += [("index", lay["index_off"], 2 * lay["nslots"]), ("ctl", ctl, _CTL_WORDS),
                  ("links", ctl + 8 * _CTL_WORDS, lay["nrows"])]
     return regs
+
+
+#: Updaters whose pushes count a table row's step (native/table.c, uses_step); a table
+#: of any other updater never writes its rows' steps (0 from creation).
+_TABLE_ROW_STEP = (lib.SHMPS_MOMENTUM, lib.SHMPS_ADAGRAD, lib.SHMPS_ADAM)
+#: A row's step counts its pushes one by one (here, or on the owner a bridge copy takes
+#: it from): 2**63 of them take 292 years at one a nanosecond.  A word near 2**64 wraps
+#: to 0 at the row's next push, which restarts Momentum's buffer and Adam's bias
+#: correction.
+_MAX_ROW_STEP = (1 << 63) - 1
+
+
+def _stats_problem(lay: dict, d: dict, updater: str) -> Optional[tuple[str, int, str]]:
+    """(region, row, what is wrong) of the first per-row statistic of a table/csr shard's
+    saved regions ``d`` that the C core could not have written, else None.  A row never
+    handed out (a table's at or past its control block's hwm, which only grows) or
+    without entries (a csr's: no push, pull or write locks it) keeps the zeros it was
+    created with, step and stripe words; a table whose updater keeps no per-row step has
+    none; no step passes _MAX_ROW_STEP; a csr stripe's second word is a 32-bit seqlock
+    counter (dense stripes alone use its high half)."""
+    rs, st = d["rowstep"], d["stripes"].reshape(-1, 2)
+    table = lay["kind"] == lib.SHMPS_TABLE
+    if table:
+        hwm = int(d["ctl"][_CTL_HWM])
+        unused = np.arange(hwm, lay["nrows"])
+        why = f"was never handed out (its .ctl counts {hwm} rows that were)"
+    else:
+        rc = d["_rowcnt"]
+        unused = np.flatnonzero(rc[1:] == rc[:-1])
+        why = "has no entries"
+    if (r := _first(unused[rs[unused] != 0])) is not None:
+        return "rowstep", r, f"{why}, but a step of {int(rs[r])}"
+    if (r := _first(unused[(st[unused] != 0).any(axis=1)])) is not None:
+        return "stripes", r, f"{why}, but stripe words {int(st[r, 0]):#x}, {int(st[r, 1]):#x}"
+    if table and lay["updater"] not in _TABLE_ROW_STEP:
+        if (r := _first(np.flatnonzero(rs))) is not None:
+            return "rowstep", r, (f"has step {int(rs[r])}, but its updater {updater} keeps "
+                                  "no per-row step (Momentum, Adagrad and Adam do)")
+    if (r := _first(np.flatnonzero(rs > np.uint64(_MAX_ROW_STEP)))) is not None:
+        return "rowstep", r, (f"has step {int(rs[r])}: more pushes than a row can have (at "
+                              "most 2**63 - 1)")
+    if not table and (r := _first(np.flatnonzero(st[:, 1] >> np.uint64(32)))) is not None:
+        return "stripes", r, (f"has {int(st[r, 1]) >> 32:#x} in bits 63-32 of its seqlock "
+                              "word, which a csr row never uses (0)")
+    return None
+
+
+def _first(rows: np.ndarray) -> Optional[int]:
+    """The first of ``rows`` (row numbers), None if there are none."""
+    return int(rows[0]) if rows.size else None
 
 
 def _write_regions(seg: Segment, lay: dict, d: dict, table_used: int, table_live: int,
@@ -787,6 +839,7 @@ def _plan_sparse(path: str, entry: dict) -> _Plan:
     """Check a table's / csr tensor's files against its record; creates nothing."""
     from . import csr as cmod
     from . import table as tmod
+    from .store import _is_outbox
     from .updaters import from_dict
 
     rec = entry["record"]
@@ -874,8 +927,9 @@ def _plan_sparse(path: str, entry: dict) -> _Plan:
         if kind == "table":
             c = d["ctl"]
             if (int(c[0]) != _CTL_MAGIC or int(c[1]) != rec["capacity"]
-                    or int(c[2]) != (rec["nshards"] | (s << 32)) or int(c[11]) > ly["nrows"]
-                    or int(c[12]) > ly["nrows"] or shards[s]["table_used"] > ly["nrows"]):
+                    or int(c[2]) != (rec["nshards"] | (s << 32))
+                    or int(c[_CTL_HWM]) > ly["nrows"] or int(c[12]) > ly["nrows"]
+                    or shards[s]["table_used"] > ly["nrows"]):
                 raise corrupt(f"{where}.s{s}.ctl: not the control block of shard {s} of "
                               f"table {rec['name']!r}")
         if kind == "csr":
@@ -883,6 +937,12 @@ def _plan_sparse(path: str, entry: dict) -> _Plan:
             e0 = int(rc[r0])
             d["_rowcnt"] = rc[r0:r0 + n + 1] - e0
             d["_colidx"] = ci[e0:int(rc[r0 + n])]
+        # (an outbox's rowstep words link its pushed rows; restore leaves outboxes out)
+        problem = None if _is_outbox(rec) else _stats_problem(ly, d, type(upd).__name__)
+        if problem is not None:
+            region, row, what = problem
+            raise corrupt(f"{where}.s{s}.{region}: row {row} of shard {s} of {kind} "
+                          f"{rec['name']!r} {what}")
         raw.append(d)
     if kind == "table":
         try:

@@ -258,6 +258,72 @@ def test_out_of_range_words_are_refused_before_force(store, tmp_path, names, ten
         again.close()
 
 
+# (tensor, region file, which uint64 word of it: "live" row 0, "fresh" the last row
+# slot, never handed out, "empty" csr row 1, which has no entries; + 2 * row + 1 for a
+# row's second stripe word, its aux), the word written, what the refusal says
+STATS_EDITS = [
+    ("e", "rowstep", ("live", 0), 7, "but its updater Sum keeps no per-row step"),
+    ("a", "rowstep", ("fresh", 0), 3, "never handed out"),
+    ("a", "stripes", ("fresh", 1), 5 << 40, "never handed out"),
+    ("a", "stripes", ("fresh", 0), 1 << 40, "never handed out"),
+    ("a", "rowstep", ("live", 0), 2**64 - 1, "more pushes than a row can have"),
+    ("m", "rowstep", ("live", 0), 2**63, "more pushes than a row can have"),
+    ("m", "rowstep", ("empty", 0), 1, "has no entries"),
+    ("m", "stripes", ("empty", 1), 2, "has no entries"),
+    ("m", "stripes", ("live", 1), 1 << 32, "bits 63-32 of its seqlock word"),
+]
+
+
+@pytest.mark.parametrize("tensor,region,word,value,needle", STATS_EDITS,
+                         ids=[f"{t}-{r}-{w[0]}{w[1]}" for t, r, w, _, _ in STATS_EDITS])
+def test_impossible_row_statistics_are_refused_before_force(store, tmp_path, names, tensor,
+                                                            region, word, value, needle):
+    """Per-row statistics the C core never writes (a step on a table whose updater keeps
+    none, statistics on a row slot never handed out or a csr row without entries, a step
+    that would wrap to 0 at the next push, a csr row's unused stripe bits) were restored as
+    they were, the values and keys right: restore refuses them (CorruptFile naming the
+    file, row and what is wrong, with the checkpoint hint) before it creates anything or
+    destroys a store that --force would replace."""
+    e = store.table("e", dim=3, capacity=100, shards=3)
+    e.push(np.arange(50, dtype=np.uint64), np.ones((50, 3), np.float32))
+    a = store.table("a", dim=2, capacity=100, shards=2, optimizer=shmps.Adam(lr=0.1))
+    a.push(np.arange(30, dtype=np.uint64), np.ones((30, 2), np.float32))
+    m = store.csr("m", [0, 2, 2, 3], [0, 1, 1], dtype="float32")
+    m.push(shmps.CSR([0, 2, 2, 3], [0, 1, 1], np.ones(3, np.float32)))
+    path = tmp_path / "ck"
+    store.checkpoint(path)
+    shmps.restore(path, new_name(names)).destroy()   # as written, it restores
+    doc = json.loads((path / "checkpoint.json").read_text())
+    prefix = next(e["prefix"] for e in doc["tensors"] if e["record"]["name"] == tensor)
+    f = path / f"{prefix}.s0.{region}"
+    words = np.fromfile(f, np.uint64)
+    nrows = np.fromfile(path / f"{prefix}.s0.rowstep", np.uint64).size
+    if tensor == "m":
+        row = {"live": 0, "empty": 1}[word[0]]
+    else:
+        hwm = int(np.fromfile(path / f"{prefix}.s0.ctl", np.uint64)[11])
+        assert 0 < hwm < nrows
+        row = {"live": 0, "fresh": nrows - 1}[word[0]]
+    at = row if region == "rowstep" else 2 * row + word[1]
+    words[at] = value
+    words.tofile(f)
+    name = new_name(names)
+    with pytest.raises(CorruptFile, match=re.escape(needle)) as info:
+        shmps.restore(path, name)
+    assert str(f) in str(info.value) and f"row {row}" in str(info.value), info.value
+    assert info.value.hint == files._CKPT_HINT
+    assert not [n for n in os.listdir(SHM) if n.startswith(f"shmps.{name}.")]
+    with pytest.raises(CorruptFile, match=re.escape(needle)):
+        shmps.restore(path, store.name, force=True)
+    again = shmps.attach(store.name)  # a new handle: the old one keeps unlinked mappings
+    try:
+        assert sorted(d["name"] for d in again.tensors()) == ["a", "e", "m"]
+        assert again["e"].pull(np.arange(50, dtype=np.uint64)).tolist() == \
+            e.pull(np.arange(50, dtype=np.uint64)).tolist()
+    finally:
+        again.close()
+
+
 @pytest.mark.parametrize("victim,scramble,what", [
     ("t0.s0.keys", "reverse", "an index entry's key differs from the key of its row"),
     ("t0.s0.index", "reverse", "the rows marked in use do not match the index entries"),

@@ -1919,7 +1919,7 @@ def test_restore_skips_outboxes(store, tmp_path):
     t = store.table("e", dim=2, capacity=4)
     store._set_forwarding(True)
     w.push(np.ones(4, np.float32))
-    t.push([1], np.ones((1, 2)))
+    t.push([1, 2, 3], np.ones((3, 2)))   # listed rows: their rowstep words link them
     store._set_forwarding(False)
     w.push(np.full(4, 2, np.float32))
     path = store.checkpoint(tmp_path / "ckpt")
