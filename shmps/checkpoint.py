@@ -658,6 +658,30 @@ def _first(rows: np.ndarray) -> Optional[int]:
     return int(rows[0]) if rows.size else None
 
 
+def _open_regions(where: str, lays: list, name: str) -> list[dict]:
+    """The raw region files ``where.sS.<region>`` of each shard (laid out as ``lays``) of
+    tensor ``name``, memory-mapped read-only as little-endian uint64 words: region ->
+    array, one dict a shard.  A file missing or not of its region's size raises
+    CorruptFile (checkpoint hint) naming it."""
+    raw = []
+    for s, ly in enumerate(lays):
+        d = {}
+        for region, _, n in _raw_regions(ly):
+            fn = f"{where}.s{s}.{region}"
+            try:
+                size = os.path.getsize(fn)
+            except OSError:
+                raise CorruptFile(f"{fn}: missing (tensor {name!r})", files._CKPT_HINT) from None
+            if size != 8 * n:
+                raise CorruptFile(f"{fn}: {size} bytes, shard {s} of {name!r} needs {8 * n} "
+                                  f"({n} uint64)", files._CKPT_HINT)
+            # (np.memmap cannot map an empty file)
+            d[region] = np.memmap(fn, dtype="<u8", mode="r", shape=(n,)) if n else \
+                np.zeros(0, np.uint64)
+        raw.append(d)
+    return raw
+
+
 def _write_regions(seg: Segment, lay: dict, d: dict, table_used: int, table_live: int,
                    first: bool) -> None:
     """Write a table/csr shard's raw regions into ``seg`` from its checkpoint files
@@ -816,11 +840,8 @@ def _check_written_table(t: Any, directory: str, entry: dict) -> None:
     rec = entry["record"]
     clean = {k: v for k, v in rec.items() if k not in ("id", "bytes")}
     specs = tmod.shard_specs(clean, from_dict(rec["optimizer"]))
-    where = os.path.join(directory, entry["prefix"])
-    raw = [{name: np.memmap(f"{where}.s{s}.{name}", dtype="<u8", mode="r", shape=(n,))
-            if n else np.zeros(0, np.uint64)   # (read as restore reads them)
-            for name, _, n in _raw_regions(_native.layout(spec))}
-           for s, spec in enumerate(specs)]
+    raw = _open_regions(os.path.join(directory, entry["prefix"]),
+                        [_native.layout(spec) for spec in specs], rec["name"])
     try:
         _check_saved_index(rec["name"], specs, raw, entry["shards"])
     except CorruptFile as exc:
@@ -910,20 +931,8 @@ def _plan_sparse(path: str, entry: dict) -> _Plan:
             if not files.is_u64(x.get(k)):
                 raise corrupt(f"{cj}: tensor {rec['name']!r}: field \"shards[{s}].{k}\" = "
                               f"{json.dumps(x.get(k))[:80]} {files.NOT_U64}")
-    raw: list[dict] = []
-    for s, ly in enumerate(lays):
-        d = {}
-        for name, _, n in _raw_regions(ly):
-            fn = f"{where}.s{s}.{name}"
-            try:
-                size = os.path.getsize(fn)
-            except OSError:
-                raise corrupt(f"{fn}: missing (tensor {rec['name']!r})") from None
-            if size != 8 * n:
-                raise corrupt(f"{fn}: {size} bytes, shard {s} of {rec['name']!r} needs "
-                              f"{8 * n} ({n} uint64)")
-            d[name] = np.memmap(fn, dtype="<u8", mode="r", shape=(n,)) if n else \
-                np.zeros(0, np.uint64)
+    raw = _open_regions(where, lays, rec["name"])
+    for s, (ly, d) in enumerate(zip(lays, raw)):
         if kind == "table":
             c = d["ctl"]
             if (int(c[0]) != _CTL_MAGIC or int(c[1]) != rec["capacity"]
@@ -943,7 +952,6 @@ def _plan_sparse(path: str, entry: dict) -> _Plan:
             region, row, what = problem
             raise corrupt(f"{where}.s{s}.{region}: row {row} of shard {s} of {kind} "
                           f"{rec['name']!r} {what}")
-        raw.append(d)
     if kind == "table":
         try:
             _check_saved_index(rec["name"], specs, raw, shards)
