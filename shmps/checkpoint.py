@@ -618,14 +618,15 @@ _TABLE_ROW_STEP = (lib.SHMPS_MOMENTUM, lib.SHMPS_ADAGRAD, lib.SHMPS_ADAM)
 _MAX_ROW_STEP = (1 << 63) - 1
 
 
-def _stats_problem(lay: dict, d: dict, updater: str) -> Optional[tuple[str, int, str]]:
-    """(region, row, what is wrong) of the first per-row statistic of a table/csr shard's
-    saved regions ``d`` that the C core could not have written, else None.  A row never
-    handed out (a table's at or past its control block's hwm, which only grows) or
-    without entries (a csr's: no push, pull or write locks it) keeps the zeros it was
-    created with, step and stripe words; a table whose updater keeps no per-row step has
-    none; no step passes _MAX_ROW_STEP; a csr stripe's second word is a 32-bit seqlock
-    counter (dense stripes alone use its high half)."""
+def _stats_problem(lay: dict, d: dict, updater: str, whose: str
+                   ) -> Optional[tuple[str, str]]:
+    """(region, what is wrong) of the first per-row statistic of ``whose`` (a table/csr
+    shard) in its saved regions ``d`` that the C core could not have written, else None.
+    A row never handed out (a table's at or past its control block's hwm, which only
+    grows) or without entries (a csr's: no push, pull or write locks it) keeps the zeros
+    it was created with, step and stripe words; a table whose updater keeps no per-row
+    step has none; no step passes _MAX_ROW_STEP; a csr stripe's second word is a 32-bit
+    seqlock counter (dense stripes alone use its high half)."""
     rs, st = d["rowstep"], d["stripes"].reshape(-1, 2)
     table = lay["kind"] == lib.SHMPS_TABLE
     if table:
@@ -637,19 +638,43 @@ def _stats_problem(lay: dict, d: dict, updater: str) -> Optional[tuple[str, int,
         unused = np.flatnonzero(rc[1:] == rc[:-1])
         why = "has no entries"
     if (r := _first(unused[rs[unused] != 0])) is not None:
-        return "rowstep", r, f"{why}, but a step of {int(rs[r])}"
+        return "rowstep", f"row {r} of {whose} {why}, but a step of {int(rs[r])}"
     if (r := _first(unused[(st[unused] != 0).any(axis=1)])) is not None:
-        return "stripes", r, f"{why}, but stripe words {int(st[r, 0]):#x}, {int(st[r, 1]):#x}"
+        return "stripes", (f"row {r} of {whose} {why}, but stripe words {int(st[r, 0]):#x}, "
+                           f"{int(st[r, 1]):#x}")
     if table and lay["updater"] not in _TABLE_ROW_STEP:
         if (r := _first(np.flatnonzero(rs))) is not None:
-            return "rowstep", r, (f"has step {int(rs[r])}, but its updater {updater} keeps "
-                                  "no per-row step (Momentum, Adagrad and Adam do)")
+            return "rowstep", (f"row {r} of {whose} has step {int(rs[r])}, but its updater "
+                               f"{updater} keeps no per-row step (Momentum, Adagrad and Adam "
+                               "do)")
     if (r := _first(np.flatnonzero(rs > np.uint64(_MAX_ROW_STEP)))) is not None:
-        return "rowstep", r, (f"has step {int(rs[r])}: more pushes than a row can have (at "
-                              "most 2**63 - 1)")
+        return "rowstep", (f"row {r} of {whose} has step {int(rs[r])}: more pushes than a row "
+                           "can have (at most 2**63 - 1)")
     if not table and (r := _first(np.flatnonzero(st[:, 1] >> np.uint64(32)))) is not None:
-        return "stripes", r, (f"has {int(st[r, 1]) >> 32:#x} in bits 63-32 of its seqlock "
-                              "word, which a csr row never uses (0)")
+        return "stripes", (f"row {r} of {whose} has {int(st[r, 1]) >> 32:#x} in bits 63-32 of "
+                           "its seqlock word, which a csr row never uses (0)")
+    return None
+
+
+def _live_lock(lay: dict, d: dict, whose: str) -> Optional[tuple[str, str]]:
+    """(region, what is wrong) of a lock word in the saved regions ``d`` of ``whose`` (a
+    table/csr shard) that names a live process, else None.  Saving clears those (and
+    keeps dead holders', which the restored store takes over); one alive now was not
+    written by shmps, and its lock would never be released: every push to the row, or
+    every key creation and the restore's own table check, would time out."""
+    st = d["stripes"].reshape(-1, 2)
+    for tok in np.unique(st[:, 0][st[:, 0] != 0]):
+        if _native.token_alive(int(tok)):
+            r = int(np.flatnonzero(st[:, 0] == tok)[0])
+            return "stripes", (f"row {r} of {whose} is locked by live process "
+                               f"{_native.token_pid(int(tok))} (token {int(tok):#x}); a "
+                               "checkpoint keeps only dead holders' locks")
+    if lay["kind"] == lib.SHMPS_TABLE:
+        tok = int(d["ctl"][_CTL_CREATE_OWNER])
+        if tok and _native.token_alive(tok):
+            return "ctl", (f"word {_CTL_CREATE_OWNER} of {whose}, the table's creation lock, "
+                           f"is held by live process {_native.token_pid(tok)} (token "
+                           f"{tok:#x}); a checkpoint keeps only dead holders' locks")
     return None
 
 
@@ -947,11 +972,12 @@ def _plan_sparse(path: str, entry: dict) -> _Plan:
             d["_rowcnt"] = rc[r0:r0 + n + 1] - e0
             d["_colidx"] = ci[e0:int(rc[r0 + n])]
         # (an outbox's rowstep words link its pushed rows; restore leaves outboxes out)
-        problem = None if _is_outbox(rec) else _stats_problem(ly, d, type(upd).__name__)
+        whose = f"shard {s} of {kind} {rec['name']!r}"
+        problem = None if _is_outbox(rec) else (
+            _stats_problem(ly, d, type(upd).__name__, whose) or _live_lock(ly, d, whose))
         if problem is not None:
-            region, row, what = problem
-            raise corrupt(f"{where}.s{s}.{region}: row {row} of shard {s} of {kind} "
-                          f"{rec['name']!r} {what}")
+            region, what = problem
+            raise corrupt(f"{where}.s{s}.{region}: {what}")
     if kind == "table":
         try:
             _check_saved_index(rec["name"], specs, raw, shards)

@@ -324,6 +324,36 @@ def test_impossible_row_statistics_are_refused_before_force(store, tmp_path, nam
         again.close()
 
 
+@pytest.mark.parametrize("tensor,region,at,needle", [
+    ("e", "stripes", 0, "row 0 of shard 0 of table 'e' is locked by live process"),
+    ("e", "ctl", 8, "word 8 of shard 0 of table 'e', the table's creation lock, is held by"),
+    ("m", "stripes", 2, "row 1 of shard 0 of csr 'm' is locked by live process"),
+], ids=["table row", "table creation", "csr row"])
+def test_a_lock_word_of_a_live_process_is_refused(store, tmp_path, names, tensor, region, at,
+                                                 needle):
+    """A checkpoint keeps the lock words of dead holders only (saving clears live ones), so
+    the restored store takes them over.  One naming a live process was restored as it was,
+    and that lock is never released: every push to the row, or every key creation, waited
+    and timed out.  Restore refuses it (CorruptFile naming the file) before creating
+    anything."""
+    e = store.table("e", dim=3, capacity=100)
+    e.push(np.arange(5, dtype=np.uint64), np.ones((5, 3), np.float32))
+    store.csr("m", [0, 2, 3], [0, 1, 1])
+    path = tmp_path / "ck"
+    store.checkpoint(path)
+    prefix = {"e": "t0", "m": "t1"}[tensor]
+    f = path / f"{prefix}.s0.{region}"
+    words = np.fromfile(f, np.uint64)
+    assert words[at] == 0
+    words[at] = _native.token()   # this process: alive
+    words.tofile(f)
+    name = new_name(names)
+    with pytest.raises(CorruptFile, match=re.escape(needle)) as info:
+        shmps.restore(path, name)
+    assert str(f) in str(info.value) and f"{os.getpid()}" in str(info.value), info.value
+    assert not [n for n in os.listdir(SHM) if n.startswith(f"shmps.{name}.")]
+
+
 @pytest.mark.parametrize("victim,scramble,what", [
     ("t0.s0.keys", "reverse", "an index entry's key differs from the key of its row"),
     ("t0.s0.index", "reverse", "the rows marked in use do not match the index entries"),
