@@ -34,7 +34,7 @@ import shutil
 import stat
 import sys
 import time
-from typing import Any, BinaryIO, Callable, Iterator, Optional
+from typing import Any, BinaryIO, Callable, Optional
 
 import numpy as np
 
@@ -824,61 +824,26 @@ def _save_sparse(t: Any, directory: str, prefix: str, bar: Any) -> dict:
                 **common}
     w.close(meta)
     entry = {"prefix": prefix, "record": t.record, "step": step, "shards": shards}
-    if table:
-        _check_written_table(t, directory, entry)
-    else:
-        _check_written_structure(t, directory, entry)
+    _check_written(t, directory, entry)
     return entry
 
 
-def _check_written_structure(t: Any, directory: str, entry: dict) -> None:
-    """Restore's check of a csr tensor's structure (its digest, csr.structure_hash, equal
-    to the record's) on the rowcnt/colidx files just written, read back in 16 MiB
-    pieces: a structure damaged in shared memory gives a checkpoint restore refuses,
-    which must not replace a good checkpoint at the path.  Raises CorruptSegment."""
-    from .csr import structure_digest
-
-    where = os.path.join(directory, entry["prefix"])
-
-    def pieces() -> Iterator[bytes]:
-        for ext in ("rowcnt", "colidx"):   # little-endian int64 files, as hashed
-            with open(f"{where}.{ext}", "rb") as f:
-                while chunk := f.read(1 << 24):
-                    yield chunk
-
-    if structure_digest(pieces()) != entry["record"].get("structure"):
-        raise CorruptSegment(
-            f"store {t._store.name!r}: csr tensor {t.name!r}: its structure (rowcnt, colidx) "
-            "in shared memory differs from the one it was created with; a checkpoint of it "
-            "would not restore, so none was written (a checkpoint at this path, if any, is "
-            "unchanged)")
-
-
-def _check_written_table(t: Any, directory: str, entry: dict) -> None:
-    """Run restore's check of a table's saved index (``_check_saved_index``) on the
-    files just written: a table whose index is damaged in shared memory gives a
-    checkpoint restore refuses, which must not replace a good checkpoint at the path.
-    Raises CorruptSegment (save() then removes the temporary directory)."""
-    from . import table as tmod
-    from .updaters import from_dict
-
-    rec = entry["record"]
-    clean = {k: v for k, v in rec.items() if k not in ("id", "bytes")}
-    specs = tmod.shard_specs(clean, from_dict(rec["optimizer"]))
-    raw = _open_regions(os.path.join(directory, entry["prefix"]),
-                        [_native.layout(spec) for spec in specs], rec["name"])
+def _check_written(t: Any, directory: str, entry: dict) -> None:
+    """Restore's checks of a table or csr tensor (``_plan_sparse``: its record, structure,
+    control blocks, per-row statistics, lock words, a table's index) on the files just
+    written: a tensor damaged in shared memory gives a checkpoint restore refuses, which
+    must not replace a good checkpoint at the path.  Raises CorruptSegment (save() then
+    removes the temporary directory)."""
     try:
-        _check_saved_index(rec["name"], specs, raw, entry["shards"])
+        _plan_sparse(directory, entry)
     except CorruptFile as exc:
-        problem = _table_problem(exc)
-        if problem is None:
-            raise
-        shard, at, what = problem
+        # (the files named are the temporary directory's, which save() removes)
+        what = exc.message.replace(f"checkpoint {directory}: ", "").replace(
+            directory + os.sep, "")
         raise CorruptSegment(
-            f"store {t._store.name!r}: table {rec['name']!r}, shard {shard}: its index in "
-            f"shared memory is inconsistent: {what} (at entry {at}); a checkpoint of it "
-            "would not restore, so none was written (a checkpoint at this path, if any, "
-            "is unchanged)") from None
+            f"store {t._store.name!r}: {t.kind} tensor {t.name!r} in shared memory is not "
+            f"what shmps writes ({what}); a checkpoint of it would not restore, so none "
+            "was written (a checkpoint at this path, if any, is unchanged)") from None
 
 
 def _plan_sparse(path: str, entry: dict) -> _Plan:

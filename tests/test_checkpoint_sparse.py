@@ -324,6 +324,39 @@ def test_impossible_row_statistics_are_refused_before_force(store, tmp_path, nam
         again.close()
 
 
+def test_checkpoint_of_impossible_row_statistics_is_refused_and_keeps_the_old_one(
+        store, tmp_path, names):
+    """Row statistics damaged in shared memory (a step on a table row never handed out)
+    made `checkpoint` write and swap in a checkpoint restore refuses, deleting the good
+    one at the path.  The checkpoint runs restore's own checks (_plan_sparse) on what it
+    wrote and refuses (CorruptSegment naming the tensor, row and what is wrong); the old
+    checkpoint still restores, and a new one is written once the word is repaired."""
+    e = store.table("e", dim=3, capacity=100, shards=1)
+    keys = np.arange(10, dtype=np.uint64)
+    e.push(keys, np.ones((10, 3), np.float32))
+    path = tmp_path / "ck"
+    store.checkpoint(path)
+    spec = e._shards[0].spec
+    steps = e._shards[0].seg.array(np.uint64, spec["rowstep_off"], spec["nrows"])
+    last = spec["nrows"] - 1
+    assert steps[last] == 0
+    steps[last] = 7
+    try:
+        with pytest.raises(shmps.CorruptSegment, match=re.escape(
+                f"table tensor 'e' in shared memory is not what shmps writes (t{e.record['id']}"
+                f".s0.rowstep: row {last} of shard 0 of table 'e' was never handed out")):
+            store.checkpoint(path)
+        assert sorted(os.listdir(tmp_path)) == ["ck"]   # no temporary directory left
+    finally:
+        steps[last] = 0
+    q = shmps.restore(path, new_name(names))   # the old checkpoint, whole
+    try:
+        assert q["e"].pull(keys, create=False).tolist() == [[1.0] * 3] * 10
+    finally:
+        q.destroy()
+    store.checkpoint(path)   # repaired: written again
+
+
 @pytest.mark.parametrize("tensor,region,at,needle", [
     ("e", "stripes", 0, "row 0 of shard 0 of table 'e' is locked by live process"),
     ("e", "ctl", 8, "word 8 of shard 0 of table 'e', the table's creation lock, is held by"),
@@ -423,7 +456,9 @@ def test_checkpoint_of_a_table_whose_index_is_damaged_is_refused_and_keeps_the_o
     row_keys[0] = good ^ (1 << 40)
     try:
         with pytest.raises(shmps.CorruptSegment,
-                           match=rf"table 'e', shard {sh}: its index in shared memory"):
+                           match=rf"table tensor 'e' in shared memory is not what shmps "
+                                 rf"writes \(table 'e', shard {sh}: its saved index is "
+                                 "inconsistent"):
             store.checkpoint(path)
         r = subprocess.run([sys.executable, "-m", "shmps.cli", "checkpoint", store.name,
                             str(path)], env=dict(os.environ, PYTHONPATH=ROOT),
@@ -458,7 +493,8 @@ def test_checkpoint_of_a_csr_tensor_whose_structure_is_damaged_is_refused(store,
     assert colidx[0] == 0
     colidx[0] = 1
     try:
-        with pytest.raises(shmps.CorruptSegment, match="csr tensor 'c': its structure"):
+        with pytest.raises(shmps.CorruptSegment, match="csr tensor 'c' in shared memory "
+                           "is not .* the structure differs from the record's"):
             store.checkpoint(path)
         assert sorted(os.listdir(tmp_path)) == ["ck"]
     finally:
