@@ -114,7 +114,7 @@ class Segment:
                 raise
             if whole and fd is not None:
                 os.ftruncate(fd, 0)    # give back the pages it got, then say what is free
-            raise CapacityError(f"/dev/shm has no room for segment {self.name} "
+            raise NoRoom(f"/dev/shm has no room for segment {self.name} "
                                 f"({hi - lo:,} bytes; {shm_free():,} bytes free)",
                                 NO_ROOM_HINT) from None
 
@@ -241,6 +241,12 @@ def unlink(name: str) -> bool:
         return False
 
 
+class NoRoom(CapacityError):
+    """/dev/shm has no room for a segment or its pages (a CapacityError: callers catch
+    that).  Told apart from the other capacity limits (a full catalog, a full table) by
+    shmps-bridge, which leaves the cluster for it (Bridge._no_room)."""
+
+
 NO_ROOM_HINT = ("remove stores nobody uses (`shmps-tool ls`, `shmps-tool gc`), make the "
                 "tensor smaller, or enlarge /dev/shm (mount -o remount,size=... /dev/shm)")
 
@@ -272,6 +278,19 @@ def _fallocate(name: str, start: int, length: int, ino: int = 0) -> bool:
     return True
 
 
+def unbacked_bytes(name: str, size: int, ino: int) -> int:
+    """Bytes of segment ``name`` (``size`` bytes, inode ``ino``) whose pages /dev/shm has
+    not allocated yet (0 if it is gone, or another segment is under its name): what
+    backing it still takes from the free space."""
+    try:
+        st = os.stat("/dev/shm" + name)
+    except OSError:
+        return 0
+    if st.st_ino != ino:
+        return 0
+    return max(0, size - st.st_blocks * 512)
+
+
 def size_of(name: str) -> int:
     """Bytes of segment ``name`` (0 if it is gone)."""
     try:
@@ -301,7 +320,7 @@ def allocate(name: str, size: int, ino: int) -> bool:
     except OSError as exc:
         if exc.errno not in (errno.ENOSPC, errno.ENOMEM):
             raise
-        raise CapacityError(f"/dev/shm has no room for segment {name} ({size:,} bytes; "
+        raise NoRoom(f"/dev/shm has no room for segment {name} ({size:,} bytes; "
                             f"{shm_free():,} bytes free)", NO_ROOM_HINT) from None
 
 
@@ -312,7 +331,7 @@ def check_room(what: str, nbytes: int) -> None:
     test: free space changes, and Segment.create's reservation is the real one."""
     free = shm_free()
     if free >= 0 and nbytes > free:
-        raise CapacityError(f"{what} needs at least {nbytes:,} bytes of /dev/shm; "
+        raise NoRoom(f"{what} needs at least {nbytes:,} bytes of /dev/shm; "
                             f"{free:,} are free", NO_ROOM_HINT)
 
 

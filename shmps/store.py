@@ -14,7 +14,7 @@ import os
 import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterator, Literal, Optional, Sequence
+from typing import Any, Callable, Iterator, Literal, Optional, Sequence
 
 import numpy as np
 
@@ -23,8 +23,8 @@ from .aggregate import HIDDEN_SUFFIXES
 from .dense import DenseTensor, default_shard_rows
 from .errors import (CapacityError, Closed, CorruptFile, CorruptSegment, InvalidArgument,
                      NotFound, SchemaError, Timeout)
-from .segment import (Segment, Wait, age_of, check_room, list_names, shm_free, size_of,
-                      unlink)
+from .segment import (NoRoom, Segment, Wait, age_of, check_room, list_names, shm_free,
+                      size_of, unlink)
 from .tensor import (MAX_ROW_SHARDS, PushHandle, Tensor, cast_init, check_shard_count,
                      open_shards)
 from .updaters import UpdaterLike, as_updater, from_dict
@@ -197,12 +197,12 @@ class Store:
     #: shmps-bridge turns it off for its handle (Bridge.start): backing a 256 MiB copy of
     #: a peer's tensor held its event loop, where heartbeats run, for 250-300 ms
     reserve_memory: bool = True
-    #: with reserve_memory off: bytes of the tensors this handle created without backing
-    #: them that are not backed yet (shmps-bridge's thread backs its copies right after,
-    #: and counts them down): a new such tensor is refused unless /dev/shm has room for
-    #: its segments beside them (_create_segments), so copies made in a row cannot each
-    #: count the same free space as theirs
-    unbacked_bytes: int = 0
+    #: with reserve_memory off: the bytes of /dev/shm that the tensors created without
+    #: backing and not yet backed still need (shmps-bridge's copies, which its thread
+    #: backs right after: Bridge._still_unbacked).  A new such tensor is refused unless
+    #: /dev/shm has room for its segments beside them (_create_segments), so copies made
+    #: in a row do not each count the same free space as theirs
+    unbacked_bytes: Callable[[], int] = staticmethod(lambda: 0)
 
     def __init__(self, name: str, namespace: Optional[str], manifest: Segment) -> None:
         self.name = name
@@ -558,10 +558,11 @@ class Store:
             # now that would not fit whole, its optimizer state included, beside the
             # ones still being backed (a copy that fits only in part is a SIGBUS later)
             need = sum(lay["total_size"] for lay in lays)
-            pending = f" beside {self.unbacked_bytes:,} bytes of tensors still being " \
-                      "backed" if self.unbacked_bytes else ""
+            unbacked = self.unbacked_bytes()
+            pending = f" beside {unbacked:,} bytes of tensors still being backed" \
+                if unbacked else ""
             check_room(f"tensor {what} ({len(specs)} segments of {need:,} bytes in "
-                       f"all{pending})", need + self.unbacked_bytes)
+                       f"all{pending})", need + unbacked)
         try:
             for s, (spec, lay) in enumerate(zip(specs, lays)):
                 name = names.shard_name(self.name, self.namespace, tid, s)
@@ -621,7 +622,7 @@ class Store:
                 self._manifest.reserve(lib.SHMPS_CATALOG_OFF + end,  # type: ignore
                                        4 + len(data))
             except CapacityError as exc:
-                raise CapacityError(f"store {self.name!r}: /dev/shm has no room for the "
+                raise NoRoom(f"store {self.name!r}: /dev/shm has no room for the "
                                     f"catalog page of tensor {rec['name']!r}'s record "
                                     f"({shm_free():,} bytes free)", exc.hint) from None
         _native.check(lib.shmps_catalog_append(self._mptr, data, len(data)),

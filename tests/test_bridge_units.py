@@ -49,6 +49,7 @@ from shmps.bridge.frames import (ROWS_SEQ_BASE, BadFrame, Flag, FrameType, Layou
                                   Mark, Status)
 from shmps.bridge.members import Membership, State  # noqa: E402
 from shmps.bridge.outq import Backpressure, ByteBudget, Dedup, OutQueue, Verdict  # noqa: E402
+from shmps import segment  # noqa: E402
 from shmps.errors import CapacityError, Error, InvalidArgument, Timeout  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
@@ -1400,6 +1401,63 @@ def test_calls_in_one_loop_turn_share_one_slice_of_taking_up_tensors(tmp_path):
         assert left and first_turn < 300, (first_turn, took)
         assert took < ADOPT_SLICE + 0.5, (first_turn, took)
         assert turns > 1 and len(node.by_name) - known == 300
+
+
+@pytest.mark.parametrize("members_,leaves", [
+    (["127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"], True),
+    (["127.0.0.2:7001", "127.0.0.3:7001"], False),
+], ids=["three hosts", "two hosts"])
+def test_a_host_without_room_leaves_only_if_the_others_keep_a_majority(tmp_path, caplog,
+                                                                     members_, leaves):
+    """A host whose /dev/shm has no room for its copy of a peer's tensor leaves the
+    cluster (fatal, a stop requested) when the other hosts hold a majority without it;
+    of two hosts it stays (the other alone would stop owning every tensor, not only this
+    one's shards), says why once (not at every catalog pass) and reports the tensor in
+    /health's no_room.  A failed backing leaves either way, at once (its copy has pages
+    missing, which kill whoever touches them)."""
+    from shmps.segment import NO_ROOM_HINT, NoRoom
+
+    with _owner_on_a_store(tmp_path, members_, "noroom") as (node, _, _st):
+        node._stop_event = asyncio.Event()
+        err = NoRoom("tensor 'big' needs at least 9 bytes of /dev/shm; 1 are free",
+                     NO_ROOM_HINT)
+        with caplog.at_level("ERROR", logger="shmps.bridge"):
+            node._no_room("big", err)
+            node._no_room("big", err)
+        assert (node.fatal is not None) == leaves
+        assert node._stop_event.is_set() == leaves and not node._hurry
+        assert len(caplog.records) == 1, caplog.records
+        if leaves:
+            assert "it left the cluster" in str(node.fatal)
+            assert "leaving the cluster, as on SIGTERM" in caplog.records[0].getMessage()
+        else:
+            assert node.no_room == {"big": err.message}
+            assert "it stays in the cluster" in caplog.records[0].getMessage()
+            node._no_room("big", err, backing=True)
+            assert node.fatal is not None and node._stop_event.is_set() and node._hurry
+
+
+def test_a_copy_an_earlier_bridge_left_unbacked_is_backed(tmp_path):
+    """An earlier bridge process of the store created a copy without backing it and
+    ended before its thread backed it: the next one backs it when it takes the tensor
+    up (it backed only the copies it created itself, and touching a missing page on a
+    full /dev/shm kills with SIGBUS); a tensor already backed costs nothing more."""
+    import os
+
+    with _owner_on_a_store(tmp_path, ["127.0.0.2:7001"], "backlater") as (node, _, _st):
+        node.store.reserve_memory = False
+        node.store.dense("copy", (1 << 16, 64), "float32", optimizer="sum")   # 16 MiB
+        node.store.reserve_memory = True
+        t = node.store["copy"]
+        segs = [(sh.seg.name, sh.seg.size, sh.seg.ino) for sh in t._shards]
+        assert sum(segment.unbacked_bytes(*x) for x in segs) > 15 << 20
+        while node.refresh_tensors(budget=None):
+            pass
+        assert "copy" in node.by_name
+        assert sum(segment.unbacked_bytes(*x) for x in segs) == 0
+        assert node._still_unbacked() == 0 and not node._unbacked and not node._backing
+        for n, size, _ in segs:
+            assert os.stat("/dev/shm" + n).st_blocks * 512 >= size
 
 
 def test_a_slice_left_by_a_loop_that_stopped_is_not_kept(tmp_path):

@@ -735,12 +735,17 @@ class Bridge:
         #: reads and encodes snapshots off the event loop, one at a time, the hand-overs
         #: that new owners wait for first (_send_snapshot_now)
         self._snap_reader = urgent.UrgentWorker("shmps-snapshot")
-        #: backs the pages of the tensors this bridge creates, off the event loop
-        #: (_back_pages); the names of those under way, and their bytes (counted in
-        #: the store's unbacked_bytes until backed)
+        #: backs the pages of this host's copies of peers' tensors off the event loop
+        #: (_back_pages): the segments (name, size, inode) of each copy not yet known
+        #: backed, from its creation on (Store.unbacked_bytes counts what they still
+        #: need), and the names of those whose backing is under way
         self._backer = urgent.UrgentWorker("shmps-backing")
-        self._created_here: set[str] = set()
-        self._unbacked: dict[str, int] = {}
+        self._unbacked: dict[str, list[tuple[str, int, int]]] = {}
+        self._backing: set[str] = set()
+        #: tensors this host has no room for and stays on the ring without, as the others
+        #: would have no majority without it (_no_room): name -> why, in /health
+        self.no_room: dict[str, str] = {}
+        self._no_room_logged: dict[str, float] = {}
         #: why this bridge left on its own (_no_room): serve raises it once it has left
         self.fatal: Optional[Error] = None
         self._gone: set[tuple[int, int]] = set()  # (member id, incarnation) of processes
@@ -805,6 +810,7 @@ class Bridge:
         # backs them right after (_back_pages), and creation refuses a tensor larger than
         # the free space (segment.check_room)
         self.store.reserve_memory = False
+        self.store.unbacked_bytes = self._still_unbacked
         await self._lock_store()
         host, port = socket_address(self.addr)
         self._site = web.TCPSite(self.runner, host, port, reuse_address=True)
@@ -1167,32 +1173,34 @@ class Bridge:
         return False
 
     def _back_pages(self, name: str) -> None:
-        """Back every page of this host's copy of tensor ``name`` if this bridge created
-        it (a peer's tensor) in the ``shmps-backing`` thread: posix_fallocate runs
-        without the GIL, so the event loop goes on meanwhile (at creation it was a pass
-        of ~1 ms a MiB on the loop).  A copy is written whole by its snapshot anyway,
-        so this costs no memory it would not take.  Outboxes are not backed: one is as
-        large as its tensor (a table's: its capacity) and holds only what is pushed,
-        and backing every outbox on every host doubled the model's resident memory (an
-        idle table's outbox included).  Until it is done, a write to a page that
-        /dev/shm then has no room for would kill the writer with SIGBUS: creation
-        refused a copy that does not fit beside those still being backed
-        (Store.unbacked_bytes), and a backing that fails all the same (another process
-        took the room meanwhile) makes this host leave (_no_room)."""
+        """Back every page of this host's copy of tensor ``name`` not backed yet (one this
+        bridge created, or an earlier bridge process of the store did and ended first)
+        in the ``shmps-backing`` thread: posix_fallocate runs without the GIL, so the
+        event loop goes on meanwhile (at creation it was a pass of ~1 ms a MiB on the
+        loop).  A copy is written whole by its snapshot anyway, so this costs no memory
+        it would not take.  Outboxes are not backed: one is as large as its tensor (a
+        table's: its capacity) and holds only what is pushed, and backing every outbox
+        on every host doubled the model's resident memory (an idle table's outbox
+        included).  Until it is done, a touch of a page that /dev/shm then has no room
+        for (a write, or a read of a page never written) kills the toucher with SIGBUS:
+        creation refused a copy that does not fit beside what the copies not yet backed
+        still need (Store.unbacked_bytes), and a backing that fails all the same
+        (another process took the room meanwhile) makes this host leave (_no_room)."""
         info = self.by_name.get(name)
-        if (info is None or self._closing or name not in self._created_here
-                or name in self._unbacked):
+        if info is None or self._closing or name in self._backing:
             return
         segs = [(sh.seg.name, sh.seg.size, sh.seg.ino) for sh in (info.t._shards or ())]
+        segs = [x for x in segs if segment.unbacked_bytes(*x)]
         if not segs:
+            self._unbacked.pop(name, None)
             return
 
         def back() -> None:
             for n, size, ino in segs:
                 segment.allocate(n, size, ino)
 
-        self._unbacked[name] = nbytes = sum(size for _, size, _ in segs)
-        self.store.unbacked_bytes += nbytes
+        self._unbacked[name] = segs
+        self._backing.add(name)
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:              # not started (tests drive a Node by hand)
@@ -1208,33 +1216,69 @@ class Bridge:
         fut.add_done_callback(lambda f: f.cancelled() or loop.call_soon_threadsafe(
             self._backed, name, f.exception()))
 
-    def _backed(self, name: str, exc: Optional[BaseException]) -> None:
-        self.store.unbacked_bytes -= self._unbacked.pop(name, 0)
-        if exc is not None:
-            self._no_room(name, exc)
+    def _still_unbacked(self) -> int:
+        """Bytes of /dev/shm this host's copies not yet backed still need (their pages
+        not allocated yet): Store.unbacked_bytes, for the room check of a new copy.
+        O(segments of those copies): a stat each."""
+        return sum(segment.unbacked_bytes(*x) for segs in self._unbacked.values()
+                   for x in segs)
 
-    def _no_room(self, name: str, exc: BaseException) -> None:
+    def _backed(self, name: str, exc: Optional[BaseException]) -> None:
+        self._backing.discard(name)
+        if exc is None:
+            self._unbacked.pop(name, None)
+            return
+        if isinstance(exc, Error):
+            self._no_room(name, exc, backing=True)
+        else:
+            log.error("tensor %r: backing this host's copy failed: %r", name, exc)
+
+    def _others_go_on(self) -> bool:
+        """The other hosts on the ring (alive, suspect or joining) hold a majority of the
+        members without this one (or, with --allow-minority, there is one)."""
+        others = {m for m in self.members.reachable() - {self.addr}
+                  if self.members.state(m) != State.LEAVING}
+        return bool(others) and self.members.has_quorum(others)
+
+    def _no_room(self, name: str, exc: Error, backing: bool = False) -> None:
         """This host's /dev/shm has no room for its copy of a peer's tensor ``name``
-        (creating it, or backing it, failed with ``exc``): leave the cluster, as on
-        SIGTERM, and end with the error once left.  A host on the ring without a copy
-        of a tensor stalls every shard of it that it owns or backs (owners wait for
-        their backups, senders for their owner) and so every flush() of it, for as long
-        as it runs; and a copy not backed whole kills this bridge with SIGBUS at the
-        first write to a page /dev/shm has no room for.  Having left, the other hosts
-        own and back its shards, and training goes on without this host."""
+        (creating it, or backing it, failed with ``exc``).  A host on the ring without a
+        copy stalls every shard of the tensor it owns or backs (owners wait for their
+        backups, senders for their owner), and so every flush() of it; a copy with
+        pages missing kills whoever touches one with SIGBUS.  So it leaves the cluster,
+        as on SIGTERM, and serve ends with the error once it has left: the other hosts
+        own and back its shards, and training goes on without it.  A copy whose backing
+        failed is left at once (the leave's waits skipped, as on a second SIGTERM: they
+        touch the copy).  A copy never created is not left for when the other hosts
+        would have no majority without this one (two hosts, another one down): they
+        would stop owning every tensor, not only this one's shards; this host logs it
+        (once a minute), reports it in /health (``no_room``), and tries again at every
+        catalog pass."""
         if self.fatal is not None:
             return
-        why = getattr(exc, "message", None) or str(exc)
-        hint = getattr(exc, "hint", None) or segment.NO_ROOM_HINT
+        why, hint = exc.message, exc.hint or segment.NO_ROOM_HINT
+        if not backing and not self._others_go_on():
+            self.no_room[name] = why
+            now = time.monotonic()
+            if now - self._no_room_logged.get(name, -math.inf) >= 60.0:
+                self._no_room_logged[name] = now
+                log.error("this host's /dev/shm has no room for its copy of tensor %r (%s); "
+                          "it stays in the cluster, whose other hosts would have no "
+                          "majority without it, and every shard of the tensor it owns or "
+                          "backs waits. To do: %s", name, why, hint)
+            return
         self.fatal = CapacityError(
             f"this host's /dev/shm has no room for its copy of tensor {name!r} ({why}); "
             "it left the cluster, whose other hosts took its shards over",
             f"{hint}; then start shmps-bridge again")
         log.error("this host's /dev/shm has no room for its copy of tensor %r (%s): "
-                  "leaving the cluster, as on SIGTERM (a host without a copy would stall "
-                  "every shard of it that it owns or backs; a copy not backed whole, kill "
-                  "this bridge with SIGBUS). The other hosts take its shards over. To do: "
-                  "%s; then start shmps-bridge again", name, why, hint)
+                  "leaving the cluster%s (a host without a copy would stall every shard of "
+                  "it that it owns or backs; a copy not backed whole, kill whoever touches a "
+                  "missing page with SIGBUS). The other hosts take its shards over. To do: "
+                  "%s; then start shmps-bridge again", name, why,
+                  " at once" if backing else ", as on SIGTERM", hint)
+        if backing:
+            self._hurry = True
         self.request_stop()
 
     def _end_adopt_turn(self) -> None:
@@ -1257,7 +1301,6 @@ class Bridge:
         origin = rec.get("origin") if isinstance(rec.get("origin"), str) else peer
         if origin is not None and origin != self.addr:
             self.adopted[name] = origin
-        self._created_here.add(name)
         if rec["kind"] == "dense":
             self.store.dense(name, tuple(rec["shape"]), rec["dtype"],
                              optimizer=from_dict(rec["optimizer"]), mode=rec.get("mode"),
@@ -1277,6 +1320,12 @@ class Bridge:
                              optimizer=from_dict(rec["optimizer"]), init=tuple(spec),
                              seed=int(rec.get("seed", 0)), shards=int(rec["nshards"]),
                              allow_nonfinite=bool(rec.get("allow_nonfinite", False)))
+        # counted as not backed from now on (Store.unbacked_bytes), before the next copy
+        # made in this catalog pass checks its room; backed once refresh_tensors takes it
+        # up (_back_pages)
+        self._unbacked[name] = [(sh.seg.name, sh.seg.size, sh.seg.ino)
+                                for sh in self.store[name]._shards or ()]
+        self.no_room.pop(name, None)
 
     # ------------------------------------------------------------ ring and roles
     def owners(self, key: str) -> list[str]:
@@ -3807,7 +3856,7 @@ class Bridge:
                     structure = (await self._fetch_structure(peer, rec)
                                  if rec["kind"] == "csr" else None)
                     self.create_from_record(rec, peer, structure)
-                except CapacityError as e:
+                except segment.NoRoom as e:
                     complete = False
                     self._no_room(rec["name"], e)
                 except Error as e:
@@ -3859,6 +3908,8 @@ class Bridge:
                      "acting": self.acting(), "owned": owned, "pending": pending,
                      "staleness_ms": round(self._staleness() * 1000, 3),
                      "tensors": sorted(self.by_name), "failovers": self.failover_log[-64:],
+                     # tensors this host has no room for and stays without (_no_room)
+                     "no_room": dict(self.no_room),
                      "ring_digest": self.ring.digest, "ready": self.ready_flag,
                      "owner_waits": {st.key: {"pending": len(st.pending),
                                               "backups": self._required(st),
