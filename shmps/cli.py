@@ -9,6 +9,7 @@ a verb takes the parsed namespace and returns an exit status.
 from __future__ import annotations
 
 import argparse
+import codecs
 import os
 import sys
 from typing import Sequence
@@ -63,9 +64,33 @@ def fail(message: str) -> int:
     return 2
 
 
+#: the error handler of stdout (see _escape_unencodable)
+STDOUT_ERRORS = "shmps-escape"
+
+
+def _escape_unencodable(exc: UnicodeError) -> tuple[str, int]:
+    """What stdout's encoding cannot hold, escaped instead of failing the verb after its
+    work is done: a file name's undecodable bytes as they were (surrogateescape: a path
+    given as ``$'\\xff.npy'``, printed in a UTF-8 locale whose stdout is strict),
+    anything else as a backslash escape (a lone surrogate in a .meta's JSON,
+    ``"\\ud800"``, or in a bridge's answer)."""
+    if not isinstance(exc, UnicodeEncodeError):
+        raise exc
+    try:
+        return codecs.lookup_error("surrogateescape")(exc)
+    except UnicodeEncodeError:
+        return codecs.backslashreplace_errors(exc)
+
+
+codecs.register_error(STDOUT_ERRORS, _escape_unencodable)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``shmps-tool``; returns the exit status."""
     args = None
+    reconfigure = getattr(sys.stdout, "reconfigure", None)
+    if reconfigure is not None:   # (not a StringIO of a test's redirect_stdout)
+        reconfigure(errors=STDOUT_ERRORS)
     try:
         parser = build_parser()
         args = parser.parse_args(argv)

@@ -545,6 +545,28 @@ def test_unexpected_exceptions_are_one_line(tmp_path, monkeypatch):
         main_out("check", tmp_path / "x")
 
 
+def test_what_stdout_cannot_encode_is_escaped_not_an_internal_error(tmp_path):
+    """A .meta key that is a lone surrogate (JSON "\\ud800") printed by dump --format
+    summary, and a DST path with a byte that is not UTF-8 printed by convert under a
+    strict stdout (a UTF-8 locale): each is escaped and the verb exits 0.  Before,
+    UnicodeEncodeError made them an internal error (exit 1), the convert's output
+    already written (fuzzing, review 24)."""
+    write_csr(tmp_path / "x", CSR.from_dense(EXAMPLE))
+    meta = json.loads((tmp_path / "x.meta").read_text())
+    (tmp_path / "x.meta").write_text(json.dumps(meta)[:-1] + ', "\\ud800": 1}')
+    env = dict(tool_env(), PYTHONIOENCODING="utf-8:strict")
+    r = subprocess.run([sys.executable, "-m", "shmps.cli", "dump", str(tmp_path / "x"),
+                        "--format", "summary"], env=env, capture_output=True, timeout=120)
+    assert r.returncode == 0 and r.stderr == b"", r.stderr
+    assert b"other keys: \\ud800" in r.stdout
+    dst = os.fsencode(tmp_path) + b"/\xff.npy"
+    r = subprocess.run([sys.executable.encode(), b"-m", b"shmps.cli", b"convert",
+                        os.fsencode(tmp_path / "x"), dst], env=env, capture_output=True,
+                       timeout=120)
+    assert r.returncode == 0 and r.stderr == b"", r.stderr
+    assert dst in r.stdout and os.path.exists(dst)
+
+
 def test_dump_into_a_closed_pipe_is_quiet(tmp_path):
     """`dump | head -1` exits 0 without a BrokenPipe message on stderr."""
     n = 200_000
