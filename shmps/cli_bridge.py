@@ -86,10 +86,9 @@ def _print_health(target: str, health: dict) -> None:
     print(f"bridge {target}: epoch {health.get('epoch')}, "
           f"{'has' if health.get('quorum') else 'lacks'} a majority "
           f"({'owns shards' if health.get('acting') else 'owns no shards'})")
-    for m in health["members"]:
-        m = m if isinstance(m, dict) else {}
-        mark = "  (this bridge)" if m.get("address") == health.get("address") else ""
-        print(f"  {m.get('address', '?'):<40} {m.get('state', '?')}{mark}")
+    for m in health["members"]:   # (checked: objects with a string address and state)
+        mark = "  (this bridge)" if m["address"] == health.get("address") else ""
+        print(f"  {m['address']:<40} {m['state']}{mark}")
 
 
 def cmd_members(args: argparse.Namespace) -> int:
@@ -102,10 +101,16 @@ def cmd_members(args: argparse.Namespace) -> int:
             raise Error(f"the bridge at {target} answered GET /health with {status}: "
                         f"{_error_of(body)}", hint="see its log")
         health = _json_object(target, "GET /health", body, ("members",))
-        if not isinstance(health["members"], list):
+        members = health["members"]
+        # (each {"address": str, "state": str}, as Membership.snapshot writes them: any
+        # other entry is no bridge's, and printing it failed as an internal error)
+        if not isinstance(members, list) or not all(
+                isinstance(m, dict) and isinstance(m.get("address"), str)
+                and isinstance(m.get("state"), str) for m in members):
             raise Error(f"the answer of {target} to GET /health is not a bridge's (its "
-                        "members are not a list)", hint="is it shmps-bridge's --listen "
-                        "address, as hosts.txt lists it?")
+                        "members are not a list of {\"address\": ..., \"state\": ...} "
+                        "objects)", hint="is it shmps-bridge's --listen address, as "
+                        "hosts.txt lists it?")
         if args.json:
             print(json.dumps({"epoch": health.get("epoch"), "members": health["members"]}))
         else:

@@ -739,3 +739,54 @@ def test_stats_refuses_an_interval_it_cannot_sleep():
         r = tool("stats", "model", opt, bad)
         assert r.returncode == 2 and f"argument {opt}" in r.stderr, (bad, r.stderr)
         assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.fixture
+def fake_bridge() -> Iterator[tuple[str, list[bytes]]]:
+    """An HTTP server on loopback answering every request with ``answer[0]`` (a JSON
+    body, status 200): something on a bridge's address that is not a bridge."""
+    import http.server
+    import threading
+
+    answer = [b"{}"]
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(answer[0])))
+            self.end_headers()
+            self.wfile.write(answer[0])
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{server.server_address[1]}", answer
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_members_refuses_a_health_answer_whose_members_are_not_a_bridges(fake_bridge):
+    """`shmps-tool members HOST:PORT` whose /health lists members that are not
+    {"address": str, "state": str} objects (something else listens there): one line
+    saying it is not a bridge's answer, exit 2, nothing on stdout.  Before, an address
+    that was a list died of an internal TypeError (exit 1) after the first line was
+    printed, and entries that were not objects printed as '?' each marked "(this
+    bridge)" (fuzzing, review 24)."""
+    target, answer = fake_bridge
+    for members in ([{"address": [1], "state": "alive"}], [5, None, "x"],
+                    [{"address": "10.0.0.1:7070", "state": {"x": 1}}], [{}], "x"):
+        answer[0] = json.dumps({"epoch": 1, "members": members}).encode()
+        r = tool("members", target, "--timeout", "5")
+        one_line_error(r, "is not a bridge's", "hosts.txt")
+    answer[0] = json.dumps({"epoch": 3, "quorum": True, "acting": True,
+                            "address": "10.0.0.1:7070",
+                            "members": [{"address": "10.0.0.1:7070", "state": "alive"},
+                                        {"address": "10.0.0.2:7070", "state": "dead"}]}).encode()
+    out = ok(tool("members", target, "--timeout", "5"))
+    assert "10.0.0.1:7070" in out and "alive  (this bridge)" in out and "dead" in out
