@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import logging
 import os
 import struct
 import subprocess
@@ -3391,6 +3392,55 @@ def test_watch_file_sees_edits_survives_errors_and_missing_files(tmp_path):
 
     asyncio.run(main())
     assert seen == [b"b:2\n", b"c:3\n", b"boom\n", b"d:4\n"]
+
+
+def test_watch_file_refuses_a_fifo_without_blocking_the_loop(tmp_path, caplog):
+    """hosts.txt replaced by a FIFO while the bridge watches it: the watch says once
+    that it is not a regular file and keeps the configuration; the event loop goes on.
+    Before, opening the FIFO blocked the loop (heartbeats and all) until a writer came
+    (fuzzing, review 24); a regular file back in its place is reported again."""
+    import threading
+
+    path = tmp_path / "hosts.txt"
+    path.write_text("a:1\n")
+    seen: list[bytes] = []
+    stop = threading.Event()
+
+    def unblock() -> None:   # (so that a blocking open ends, and the test with it)
+        while not stop.wait(0.5):
+            try:
+                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:
+                pass
+
+    async def main() -> None:
+        task = members.watch_file(path, seen.append, interval=0.01)
+        await asyncio.sleep(0.05)
+        path.unlink()
+        os.mkfifo(path)
+        t0 = time.monotonic()
+        for _ in range(20):              # the loop keeps running meanwhile
+            await asyncio.sleep(0.01)
+        assert time.monotonic() - t0 < 0.4 and seen == [], seen
+        path.unlink()
+        path.write_text("b:2\n")
+        for _ in range(300):
+            if seen:
+                break
+            await asyncio.sleep(0.01)
+        task.cancel()
+        assert seen == [b"b:2\n"]
+
+    unblocker = threading.Thread(target=unblock, daemon=True)
+    unblocker.start()
+    try:
+        with caplog.at_level(logging.ERROR, logger="shmps.bridge"):
+            asyncio.run(asyncio.wait_for(main(), 10))
+    finally:
+        stop.set()
+        unblocker.join()
+    said = [r.getMessage() for r in caplog.records if "not a regular file" in r.getMessage()]
+    assert len(said) == 1, said
 
 
 def test_watch_file_reports_an_edit_once_it_has_settled(tmp_path):

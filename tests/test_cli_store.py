@@ -790,3 +790,24 @@ def test_members_refuses_a_health_answer_whose_members_are_not_a_bridges(fake_br
                                         {"address": "10.0.0.2:7070", "state": "dead"}]}).encode()
     out = ok(tool("members", target, "--timeout", "5"))
     assert "10.0.0.1:7070" in out and "alive  (this bridge)" in out and "dead" in out
+
+
+def test_a_fifo_as_hosts_or_secret_file_is_refused_not_waited_on(tmp_path):
+    """A FIFO given as shmps-bridge's --peers or --secret-file, or as shmps-tool
+    members' --secret-file, is refused with one line (not a regular file), exit 2.
+    Before, opening it blocked until a writer came: each command hung for ever
+    (fuzzing, review 24)."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo, 0o600)
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("127.0.0.1:1\n")
+    bridge = [sys.executable, "-m", "shmps.bridge.cli", "--store", "x",
+              "--namespace", f"n{uuid.uuid4().hex[:10]}"]
+    for argv, what in ((bridge + ["--peers", str(fifo)], "hosts file"),
+                       (bridge + ["--peers", str(hosts), "--secret-file", str(fifo)],
+                        "secret file")):
+        r = subprocess.run(argv, capture_output=True, text=True, env=child_env(), timeout=60)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+        assert f"{what} {fifo} is not a regular file" in r.stderr, r.stderr
+    r = tool("members", "127.0.0.1:1", "--add", "127.0.0.1:2", "--secret-file", fifo)
+    one_line_error(r, f"secret file {fifo} is not a regular file")

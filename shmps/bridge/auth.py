@@ -96,11 +96,14 @@ def load_secret(path: str | os.PathLike[str]) -> bytes:
     """Read the shared secret from ``path``; refuse it if group or others may read it.
 
     Surrounding whitespace (a trailing newline) is stripped; the rest must be 16..4096
-    bytes. The mode is checked on the opened file (no race with a rename). O(size).
+    bytes. The mode is checked on the opened file (no race with a rename), which is
+    opened non-blocking: a FIFO is refused as not a regular file instead of blocking
+    until a writer comes. O(size).
     """
     name = os.fspath(path)
     try:
-        fd = os.open(name, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0)
+                     | getattr(os, "O_CLOEXEC", 0))
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise InvalidArgument(

@@ -55,6 +55,7 @@ import ipaddress
 import logging
 import os
 import re
+import stat
 import time
 from dataclasses import dataclass
 from enum import Enum
@@ -219,12 +220,28 @@ def parse_hosts(text: str, source: str = "hosts.txt") -> list[str]:
     return list(found)
 
 
+def _read_regular(path: str, limit: int) -> bytes:
+    """Up to ``limit`` bytes of ``path``, which must be a regular file: it is opened
+    non-blocking, so a FIFO is refused (:class:`InvalidArgument`) instead of blocking
+    the caller until a writer comes (the bridge's event loop, for the watch).  OSError
+    as it is. O(limit)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise InvalidArgument(f"hosts file {path} is not a regular file",
+                                  hint="pass --peers with a regular file, one host:port a line")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read(limit)
+    finally:
+        os.close(fd)
+
+
 def read_hosts(path: str | os.PathLike[str]) -> list[str]:
-    """Read and parse a hosts file (at most :data:`MAX_HOSTS_BYTES`). O(file size)."""
+    """Read and parse a hosts file (at most :data:`MAX_HOSTS_BYTES`), a regular file.
+    O(file size)."""
     name = os.fspath(path)
     try:
-        with open(name, "rb") as f:
-            data = f.read(MAX_HOSTS_BYTES + 1)
+        data = _read_regular(name, MAX_HOSTS_BYTES + 1)
     except OSError as e:
         raise InvalidArgument(f"cannot read hosts file {name}: {e.strerror}",
                               hint="pass --peers with a readable file") from None
@@ -654,12 +671,12 @@ async def _watch(path: str, callback: FileCallback, interval: float, racy: float
     digest: bytes | None = None
     read_at = 0.0
     pending: tuple[bytes, float] | None = None   # (digest, first seen) of unsettled content
+    refused: tuple[int, int, int, int] | None = None   # a non-regular file, said once
     if sig is not None:
         try:
-            with open(path, "rb") as f:
-                digest = hashlib.blake2b(f.read(MAX_HOSTS_BYTES + 1)).digest()
+            digest = hashlib.blake2b(_read_regular(path, MAX_HOSTS_BYTES + 1)).digest()
             read_at = time.time()
-        except OSError:
+        except (OSError, InvalidArgument):
             sig = None
     while True:
         await asyncio.sleep(interval)
@@ -671,10 +688,15 @@ async def _watch(path: str, callback: FileCallback, interval: float, racy: float
         # last read may have changed again within the mtime granularity, so re-read it.
         if pending is None and new_sig == sig and new_sig[0] / 1e9 < read_at - racy:
             continue
+        if new_sig == refused:
+            continue
         try:
-            with open(path, "rb") as f:
-                data = f.read(MAX_HOSTS_BYTES + 1)
+            data = _read_regular(path, MAX_HOSTS_BYTES + 1)
         except OSError:
+            continue
+        except InvalidArgument as e:   # (a FIFO: opening it blocked the event loop)
+            refused = new_sig
+            log.error("%s; keeping the previous configuration", e)
             continue
         read_at = time.time()
         sig = new_sig
