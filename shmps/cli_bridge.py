@@ -61,21 +61,26 @@ def _request(target: str, method: str, path: str, body: Optional[bytes],
                          "its --listen as hosts.txt lists it") from None
 
 
-def _error_of(body: bytes) -> str:
+def _loads(body: bytes) -> Any:
+    """The JSON of an answer, or None where it is none: not JSON, not UTF-8, or nested
+    deeper than the parser goes (RecursionError, which was an internal error)."""
     try:
-        answer = json.loads(body)
-        return str(answer["error"]) if isinstance(answer, dict) else body.decode()
-    except (ValueError, KeyError, UnicodeDecodeError):
-        return body[:200].decode("utf-8", "replace")
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
+
+
+def _error_of(body: bytes) -> str:
+    answer = _loads(body)
+    if isinstance(answer, dict) and "error" in answer:
+        return str(answer["error"])
+    return body[:200].decode("utf-8", "replace")
 
 
 def _json_object(target: str, what: str, body: bytes, keys: tuple) -> dict:
     """The answer ``body`` as a JSON object holding ``keys``, else an Error: it is not
     a bridge's answer."""
-    try:
-        answer = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        answer = None
+    answer = _loads(body)
     if not isinstance(answer, dict) or not all(k in answer for k in keys):
         raise Error(f"the answer of {target} to {what} is not a bridge's ({body[:80]!r})",
                     hint="is it shmps-bridge's --listen address, as hosts.txt lists it?")
@@ -125,10 +130,8 @@ def cmd_members(args: argparse.Namespace) -> int:
     status, headers, answer = _request(target, "POST", "/v1/members", body, signed,
                                        args.timeout)
     if status == 401:
-        try:    # (the bridge says its own address: the one its signatures must name)
-            its = json.loads(answer).get("address")
-        except (ValueError, AttributeError, UnicodeDecodeError):
-            its = None
+        its = _loads(answer)   # (the bridge says its own address: the one its
+        its = its.get("address") if isinstance(its, dict) else None   # signatures name)
         if isinstance(its, str) and its != target:
             raise auth.AuthError(f"the bridge at {target} refused the request's signature: "
                                  f"it is {its} in hosts.txt, and a signature names the "

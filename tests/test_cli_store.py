@@ -777,13 +777,16 @@ def test_members_refuses_a_health_answer_whose_members_are_not_a_bridges(fake_br
     saying it is not a bridge's answer, exit 2, nothing on stdout.  Before, an address
     that was a list died of an internal TypeError (exit 1) after the first line was
     printed, and entries that were not objects printed as '?' each marked "(this
-    bridge)" (fuzzing, review 24)."""
+    bridge)"; an answer nested deeper than the JSON parser goes died of an internal
+    RecursionError (fuzzing, review 24)."""
     target, answer = fake_bridge
     for members in ([{"address": [1], "state": "alive"}], [5, None, "x"],
                     [{"address": "10.0.0.1:7070", "state": {"x": 1}}], [{}], "x"):
         answer[0] = json.dumps({"epoch": 1, "members": members}).encode()
         r = tool("members", target, "--timeout", "5")
         one_line_error(r, "is not a bridge's", "hosts.txt")
+    answer[0] = b"[" * 100_000 + b"]" * 100_000   # deeper than json.loads goes
+    one_line_error(tool("members", target, "--timeout", "5"), "is not a bridge's")
     answer[0] = json.dumps({"epoch": 3, "quorum": True, "acting": True,
                             "address": "10.0.0.1:7070",
                             "members": [{"address": "10.0.0.1:7070", "state": "alive"},
