@@ -675,7 +675,9 @@ def _npz_to_set(args: argparse.Namespace) -> tuple[int, int, int, str]:
         raise NotFound(f"missing file {args.src}", hint="check the path")
     try:
         m = sparse.load_npz(args.src)
-    except (ValueError, OSError, KeyError, zipfile.BadZipFile) as exc:
+    # (an empty file is EOFError; a shape of floats, TypeError; a short one, IndexError)
+    except (ValueError, OSError, KeyError, EOFError, TypeError, IndexError,
+            zipfile.BadZipFile) as exc:
         raise CorruptFile(f"{args.src}: not a scipy.sparse .npz file: {exc}",
                           hint="write it with scipy.sparse.save_npz") from None
     c = CSR.from_scipy(m)

@@ -567,6 +567,21 @@ def test_what_stdout_cannot_encode_is_escaped_not_an_internal_error(tmp_path):
     assert dst in r.stdout and os.path.exists(dst)
 
 
+def test_convert_refuses_a_hostile_npz_with_one_line(tmp_path):
+    """An empty .npz, and one whose shape is floats or too short: one line naming the
+    file (not a scipy.sparse .npz), exit 2, nothing written.  Before, they died of an
+    internal EOFError / TypeError / IndexError (fuzzing, review 24)."""
+    (tmp_path / "empty.npz").write_bytes(b"")
+    base = dict(format=np.array(b"csr"), data=np.array([1.0, 2.0], np.float32),
+                indices=np.array([0, 2], np.int32), indptr=np.array([0, 1, 2], np.int32))
+    np.savez(tmp_path / "float_shape.npz", shape=np.array([2.5, 3]), **base)
+    np.savez(tmp_path / "short_shape.npz", shape=np.array([2]), **base)
+    for name in ("empty.npz", "float_shape.npz", "short_shape.npz"):
+        r = tool("convert", tmp_path / name, tmp_path / "out")
+        assert_one_line_error(r, f"{tmp_path / name}: not a scipy.sparse .npz file")
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(("out", ".out"))]
+
+
 def test_dump_into_a_closed_pipe_is_quiet(tmp_path):
     """`dump | head -1` exits 0 without a BrokenPipe message on stderr."""
     n = 200_000
