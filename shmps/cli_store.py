@@ -282,7 +282,9 @@ def cmd_restore(args: argparse.Namespace) -> int:
     """Recreate a store from a checkpoint directory."""
     from .checkpoint import load_manifest, restore
 
-    name = args.as_name or load_manifest(args.path)["store"]
+    # (--as '' is refused as a name, not taken for "the checkpoint's": a `--as "$NAME"`
+    # with NAME unset must not restore over the checkpointed store)
+    name = args.as_name if args.as_name is not None else load_manifest(args.path)["store"]
     store = restore(args.path, name, namespace=args.namespace, force=args.force)
     n = len(store.tensors())
     store.close()

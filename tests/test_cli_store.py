@@ -814,3 +814,22 @@ def test_a_fifo_as_hosts_or_secret_file_is_refused_not_waited_on(tmp_path):
         assert f"{what} {fifo} is not a regular file" in r.stderr, r.stderr
     r = tool("members", "127.0.0.1:1", "--add", "127.0.0.1:2", "--secret-file", fifo)
     one_line_error(r, f"secret file {fifo} is not a regular file")
+
+
+def test_restore_as_empty_and_a_bridge_path_with_a_newline_are_one_line(ns, tmp_path):
+    """`restore CKPT --as ''` is refused as an invalid store name (exit 2, no store
+    made); before, '' meant "the checkpointed store's name", so a `--as "$NAME"` with
+    NAME unset restored over that store.  shmps-bridge --peers with a newline in the
+    path says so on one line (it printed two) (fuzzing, review 24)."""
+    s = shmps.attach("orig", namespace=ns)
+    s.dense("w", shape=(2, 2), dtype="float32", init=1.0)
+    s.checkpoint(tmp_path / "ck")
+    s.destroy()
+    one_line_error(tool("restore", tmp_path / "ck", "--as", "", "--namespace", ns),
+                   "invalid store name ''")
+    assert segments("orig", ns) == []
+    r = subprocess.run([sys.executable, "-m", "shmps.bridge.cli", "--store", "x",
+                        "--peers", str(tmp_path / "a\nb")], capture_output=True,
+                       text=True, env=child_env(), timeout=60)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "cannot read hosts file" in r.stderr

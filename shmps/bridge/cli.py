@@ -72,6 +72,12 @@ def _pick_listen(members: list[str]) -> str:
     return mine[0]
 
 
+def _fail(message: str) -> None:
+    """``shmps-bridge: <message>`` on stderr, one line (a path given with a newline
+    in it made two)."""
+    print(f"shmps-bridge: {' '.join(message.split())}", file=sys.stderr)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level),
@@ -88,10 +94,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                      dead_after=args.dead_after)
         asyncio.run(serve(cfg))
     except Error as e:
-        print(f"shmps-bridge: {e.told('see shmps-bridge --help')}", file=sys.stderr)
+        _fail(e.told("see shmps-bridge --help"))
         return 2
     except OSError as e:
-        print(f"shmps-bridge: {e}", file=sys.stderr)
+        _fail(str(e))
         return 2
     except KeyboardInterrupt:
         return 130
