@@ -34,18 +34,19 @@ def at_least_zero(text: str) -> int:
     return n
 
 
-def positive(limit: float = math.inf) -> Callable[[str], float]:
-    """A type for a finite number > 0 and <= ``limit`` (seconds, milliseconds): nan,
-    inf, 0 and negatives are refused, as are values past ``limit`` (a socket's timeout
-    overflows past a few days)."""
+def positive(limit: float = math.inf, least: float = 0.0) -> Callable[[str], float]:
+    """A type for a finite number > 0 (with ``least``: >= it) and <= ``limit`` (seconds,
+    milliseconds): nan, inf, 0 and negatives are refused, as are values past ``limit``
+    (a socket's timeout overflows past a few days) or below ``least`` (a period too
+    short to mean anything: a busy loop, peers dead between two heartbeats)."""
     def parse(text: str) -> float:
         try:
             x = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if not (0 < x <= limit and math.isfinite(x)):
+        if not (0 < x <= limit and x >= least and math.isfinite(x)):
             raise argparse.ArgumentTypeError(
-                f"{text} must be a finite number > 0" +
-                (f" and <= {limit:g}" if math.isfinite(limit) else ""))
+                f"{text} must be a finite number " + (f">= {least:g}" if least else "> 0")
+                + (f" and <= {limit:g}" if math.isfinite(limit) else ""))
         return x
     return parse

@@ -1702,6 +1702,15 @@ def test_bridge_cli_refuses_bad_setups(tmp_path):
                        (["--flush-ms", "-1"], "argument --flush-ms: -1 must be a finite"),
                        (["--flush-ms", "nan"], "argument --flush-ms: nan must be a finite"),
                        (["--dead-after", "0"], "argument --dead-after: 0 must be a finite"),
+                       # a period between two heartbeats counted every peer dead; 1e-300
+                       # flooded the log, 4e-324 named an internal parameter, and 1e308
+                       # was taken
+                       (["--dead-after", "0.1"], "argument --dead-after: 0.1 must be a "
+                                                 "finite number >= 0.2 and <= 86400"),
+                       (["--dead-after", "4e-324"], "argument --dead-after: 4e-324 must be"),
+                       (["--dead-after", "1e308"], "argument --dead-after: 1e308 must be"),
+                       (["--flush-ms", "1e-300"], "argument --flush-ms: 1e-300 must be a "
+                                                  "finite number >= 0.1 and <= 8.64e+07"),
                        (["--listen", "nonsense"], "'nonsense' is not host:port")):
         argv = ["--peers", str(hosts), "--store", "m", "--listen", "127.0.0.1:7071", *args]
         r = subprocess.run([sys.executable, "-m", "shmps.bridge.cli", *argv], capture_output=True,

@@ -15,9 +15,9 @@ import socket
 import sys
 from typing import Optional, Sequence
 
-from ..cli_args import at_least_one, positive
+from ..cli_args import MAX_SECONDS, at_least_one, positive
 from ..errors import Error
-from .members import DEAD_AFTER, address_host, normalize_address, read_hosts
+from .members import DEAD_AFTER, HEARTBEAT_INTERVAL, address_host, normalize_address, read_hosts
 
 
 class _Parser(argparse.ArgumentParser):
@@ -41,13 +41,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "anything but loopback")
     p.add_argument("--namespace", default=os.environ.get("SHMPS_NAMESPACE") or None,
                    help="shared-memory namespace of the store (as shmps.attach(namespace=))")
-    p.add_argument("--flush-ms", type=positive(), default=5.0,
-                   help="how often outboxes are drained and sent (default 5 ms)")
+    p.add_argument("--flush-ms", type=positive(MAX_SECONDS * 1e3, least=0.1), default=5.0,
+                   help="how often outboxes are drained and sent (default 5 ms; 0.1 ms to "
+                        "a day)")
     p.add_argument("--allow-minority", action="store_true",
                    help="own shards without a majority (two hosts that only fail by "
                         "crashing; a partition then splits the brain: see the docs)")
-    p.add_argument("--dead-after", type=positive(), default=DEAD_AFTER,
-                   help=f"seconds of silence before a peer is dead (default {DEAD_AFTER})")
+    p.add_argument("--dead-after", type=positive(MAX_SECONDS, least=2 * HEARTBEAT_INTERVAL),
+                   default=DEAD_AFTER,
+                   help=f"seconds of silence before a peer is dead (default {DEAD_AFTER}; "
+                        f"at least two heartbeats, {2 * HEARTBEAT_INTERVAL:g} s)")
     p.add_argument("--log-level", default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
