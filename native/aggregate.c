@@ -54,8 +54,13 @@
  * holder's death) orders all of them before the next holder's reads.
  * A dead applier's claim is taken over according to its phase: SUM (nothing
  * written to the tensor yet) restarts the round, PUSHING (the aggregate was being
- * pushed: partially applied, like any push cut by a kill) and ZEROING go on with
- * zeroing the buffer.
+ * pushed, at the ticket recorded in push_step before any stripe was written:
+ * shmps_agg_pushing) finishes the push on the stripes the dead applier did not reach
+ * (each stripe keeps the step it last applied a push at, dense.c "Stripe steps"; the
+ * stripe it was writing keeps half, as any push cut by a kill), then zeroes the buffer;
+ * ZEROING goes on with zeroing the buffer.  A PUSHING claim without push_step (set
+ * with shmps_agg_phase, by a build before 2026-11-28) is taken over as ZEROING: the
+ * round is applied on the stripes the dead process reached only.
  *
  * Restored stores.  Round numbers are worker clocks, which belong to one manifest.
  * The control block is stamped with its manifest's creation time; a block carried
@@ -102,6 +107,7 @@ typedef struct {
     uint64_t stamp;       /* created_ns of the manifest the rounds belong to */
     uint64_t resetter;    /* token resetting a stale block, 0 = none */
     agg_buf_t buf[2];
+    uint64_t push_step;   /* the ticket of the claimed round's push (PUSHING), 0 = none */
 } agg_ctl_t;
 
 _Static_assert(sizeof(agg_ctl_t) <= SHMPS_AGG_CTL_BYTES, "aggregation control block");
@@ -222,14 +228,18 @@ static void step(agg_ctl_t *c, void *man, uint64_t token, uint32_t want, int cla
                 *what = SHMPS_AGG_BUSY;
                 return;
             }
-            /* a dead applier (or our own claim, left by an exception): go on */
-            uint32_t ph = c->phase == SHMPS_AGG_PH_PUSHING ? SHMPS_AGG_PH_ZEROING : c->phase;
+            /* a dead applier (or our own claim, left by an exception): go on; PUSHING
+             * with its ticket recorded is finished (resumed), without it cleared */
+            uint32_t ph = c->phase;
+            if (ph == SHMPS_AGG_PH_PUSHING && !LOAD(&c->push_step, RELAXED))
+                ph = SHMPS_AGG_PH_ZEROING;
             *what = SHMPS_AGG_APPLY;
             *count = c->count;
             *phase = ph;
             if (claim && c->applier != token) {
-                /* either order leaves a valid claim (a PUSHING phase is read as
-                 * ZEROING by whoever takes it over next): relaxed, as the claim below */
+                /* either order leaves a valid claim (a PUSHING phase is finished again
+                 * by whoever takes it over next: stripes that have the push are
+                 * skipped): relaxed, as the claim below */
                 STORE(&c->phase, ph, RELAXED);
                 STORE(&c->applier, token, RELAXED);
                 c->takeovers++;
@@ -264,6 +274,7 @@ static void step(agg_ctl_t *c, void *man, uint64_t token, uint32_t want, int cla
              * commit point left its dead token in applier, that token's claim of r
              * with this phase and count: taken over as ours would be.  Hence phase
              * and count before claim_round. */
+            STORE(&c->push_step, 0, RELAXED); /* the last round's ticket: not ours */
             STORE(&c->phase, *phase, RELAXED);
             STORE(&c->count, n, RELAXED);
             CRASH_ORDER();
@@ -418,6 +429,48 @@ int shmps_agg_phase(void *ctl, uint64_t token, uint64_t round, uint32_t phase) {
         e = SHMPS_E_ARG; /* our claim was taken over (we were thought dead?) */
     else
         c->phase = phase;
+    unlock(c);
+    return e;
+}
+
+/* Phase PUSHING of our claim of `round`, whose push takes ticket `step` (taken by the
+ * caller, shmps_dense_next_step, before this call and passed to the push without
+ * SHMPS_STEP_BY_STRIPE, so that a stripe has the push exactly if its last step is
+ * `step` or later).  Relaxed stores in this order (CRASH_ORDER): killed between them,
+ * the phase is still SUM, and whoever takes the claim over restarts the round (a new
+ * ticket; this one's step is skipped, which by-ticket pushes allow).  The lock's
+ * release (or its takeover CAS, acquire) orders both before the next holder's reads. */
+int shmps_agg_pushing(void *ctl, uint64_t token, uint64_t round, uint64_t step) {
+    agg_ctl_t *c = ctl_of(ctl);
+    if (!c) return SHMPS_E_CORRUPT;
+    if (!step || step >= SHMPS_STEP_RESUME) return SHMPS_E_ARG;
+    int e = lock(c, token);
+    if (e) return e;
+    if (c->applier != token || c->claim_round != round || c->next_round != round) {
+        e = SHMPS_E_ARG; /* our claim was taken over (we were thought dead?) */
+    } else {
+        STORE(&c->push_step, step, RELAXED);
+        CRASH_ORDER();
+        STORE(&c->phase, SHMPS_AGG_PH_PUSHING, RELAXED);
+    }
+    unlock(c);
+    return e;
+}
+
+/* The ticket of our claim of `round` in phase PUSHING (shmps_agg_pushing), to finish
+ * its push: SHMPS_E_ARG if we hold no such claim or it has none. */
+int shmps_agg_push_step(void *ctl, uint64_t token, uint64_t round, uint64_t *step) {
+    agg_ctl_t *c = ctl_of(ctl);
+    if (!c) return SHMPS_E_CORRUPT;
+    int e = lock(c, token);
+    if (e) return e;
+    /* relaxed: under the lock, whose acquire orders the recording holder's stores */
+    uint64_t t = LOAD(&c->push_step, RELAXED);
+    if (c->applier != token || c->claim_round != round || c->next_round != round ||
+        c->phase != SHMPS_AGG_PH_PUSHING || !t || t >= SHMPS_STEP_RESUME)
+        e = SHMPS_E_ARG;
+    else
+        *step = t;
     unlock(c);
     return e;
 }

@@ -75,14 +75,19 @@ typedef struct {
     const uint64_t *now;    /* shard 0's step word: the tensor's push count */
 } push_step_t;
 
-static uint64_t stripe_step(shmps_stripe_t *st, const push_step_t *ps) {
-    uint64_t ticket = ps->step & ~SHMPS_STEP_BY_STRIPE;
+/* The step stripe `st` (locked by the caller) last applied a push at. */
+static uint64_t stripe_last(shmps_stripe_t *st, const push_step_t *ps) {
     /* relaxed: the stripe's lock (acquired) orders it after the fetch-add of every push
      * that applied here before */
     uint64_t now = LOAD(ps->now, RELAXED);
     /* relaxed: under the stripe's lock, whose acquire/release orders it */
     uint32_t back = (uint32_t)now - LOAD(&st->pad, RELAXED);
-    uint64_t last = back <= now ? now - back : 0;
+    return back <= now ? now - back : 0;
+}
+
+static uint64_t stripe_step(shmps_stripe_t *st, const push_step_t *ps) {
+    uint64_t ticket = ps->step & ~(SHMPS_STEP_BY_STRIPE | SHMPS_STEP_RESUME);
+    uint64_t last = stripe_last(st, ps);
     uint64_t t = (ps->step & SHMPS_STEP_BY_STRIPE) ? last + 1 : ticket > last ? ticket : last;
     STORE(&st->pad, (uint32_t)t, RELAXED);
     return t;
@@ -92,6 +97,20 @@ static uint64_t stripe_step(shmps_stripe_t *st, const push_step_t *ps) {
  * spec (shmps_spec_of), here and in every helper below that takes one. */
 static int apply_stripe(void *base, const shmps_spec_t *s, shmps_stripe_t *st, uint64_t j,
                         const char *grad, const push_step_t *ps) {
+    if ((ps->step & SHMPS_STEP_RESUME) &&
+        stripe_last(st, ps) >= (ps->step & (SHMPS_STEP_RESUME - 1))) {
+        /* finishing a dead process's push (SHMPS_STEP_RESUME, passed by ticket, not
+         * SHMPS_STEP_BY_STRIPE): it set this stripe's step to its ticket before writing
+         * the values (stripe_step, then shmps_apply), so the stripe has the push, whole,
+         * or half if it died writing here, as any push cut by a kill.  Not applied again;
+         * a dead writer's odd seq is closed (relaxed: only the lock holder writes seq). */
+        if (LOAD(&st->seq, RELAXED) & 1) {
+            shmps_stripe_write_begin(st);
+            shmps_stripe_write_end(st);
+        }
+        shmps_stripe_unlock(st);
+        return SHMPS_OK;
+    }
     uint64_t i0 = j * s->stripe_elems;
     uint64_t n = s->nnz - i0 < s->stripe_elems ? s->nnz - i0 : s->stripe_elems;
     shmps_stripe_write_begin(st);
@@ -117,7 +136,7 @@ static int push_stripes(void *base, const shmps_spec_t *s, uint64_t token, const
         uint64_t i1 = hi * s->stripe_elems < s->nnz ? hi * s->stripe_elems : s->nnz;
         /* hogwild: no lock, so no stripe steps; the ticket */
         return shmps_apply(base, s, i0, i1 - i0, g + i0 * shmps_grad_size(s->dtype),
-                           ps->step & ~SHMPS_STEP_BY_STRIPE);
+                           ps->step & ~(SHMPS_STEP_BY_STRIPE | SHMPS_STEP_RESUME));
     }
     shmps_stripe_t *stripes = (shmps_stripe_t *)at(base, s->stripes_off);
     uint64_t contended = 0;

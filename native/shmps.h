@@ -213,6 +213,11 @@ enum {
     SHMPS_AGG_NOTHING = 0, SHMPS_AGG_APPLY = 1, SHMPS_AGG_BUSY = 2,
     SHMPS_AGG_PH_SUM = 1, SHMPS_AGG_PH_PUSHING = 2, SHMPS_AGG_PH_ZEROING = 3
 };
+/* Set in the step of a dense whole push that finishes the push of ticket (step & (this
+ * - 1)) a dead process began: the stripes whose last step is that ticket or later are
+ * skipped, the others get the push at the ticket (dense.c "Stripe steps";
+ * aggregate.c, a round's PUSHING taken over). */
+#define SHMPS_STEP_RESUME 0x4000000000000000
 typedef struct {
     uint64_t next_round, applied, skipped, takeovers;
     uint64_t rounds[2];
@@ -228,6 +233,8 @@ int shmps_agg_abort(void *ctl, uint64_t token, uint32_t slot, uint64_t round);
 int shmps_agg_next(void *ctl, void *man, uint64_t token, uint32_t want, uint32_t *what,
                    uint64_t *round, uint32_t *count, uint32_t *phase, int32_t *behind);
 int shmps_agg_phase(void *ctl, uint64_t token, uint64_t round, uint32_t phase);
+int shmps_agg_pushing(void *ctl, uint64_t token, uint64_t round, uint64_t step);
+int shmps_agg_push_step(void *ctl, uint64_t token, uint64_t round, uint64_t *step);
 int shmps_agg_finish(void *ctl, uint64_t token, uint64_t round);
 int shmps_agg_wait(void *ctl, void *man, uint64_t token, uint32_t want, uint64_t round,
                    double timeout_s, uint32_t *done, int32_t *behind);

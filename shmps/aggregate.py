@@ -51,7 +51,7 @@ import numpy as np
 from . import _native
 from .dense import DenseTensor
 from .errors import CorruptSegment, Error, InvalidArgument, SchemaError, Timeout
-from .tensor import PushHandle, grad_dtype
+from .tensor import PushHandle, cast_grad, grad_dtype
 from .updaters import Sum
 
 lib = _native.lib
@@ -360,18 +360,37 @@ class AggregateDense(DenseTensor):
                 return
 
     def _apply_round(self, rnd: int, count: int, phase: int) -> None:
-        """Apply round ``rnd`` (claimed by us): aggregate, push once, clear."""
+        """Apply round ``rnd`` (claimed by us): aggregate, push once, clear.  Phase
+        PUSHING: a claim taken over from a process that died pushing the aggregate;
+        the push is finished on the stripes it did not reach (native/aggregate.c)."""
         ctl, tok = self._cptr(), _native.token()
         acc = self._acc[rnd % 2]
         err: Optional[BaseException] = None
-        if phase == lib.SHMPS_AGG_PH_SUM:
+        what = f"round {rnd} of {self.name!r}"
+        if phase in (lib.SHMPS_AGG_PH_SUM, lib.SHMPS_AGG_PH_PUSHING):
             total = acc.pull()
             if self.aggregate == "mean":
                 np.divide(total, count, out=total)
-            _native.check(lib.shmps_agg_phase(ctl, tok, rnd, lib.SHMPS_AGG_PH_PUSHING),
-                          f"round {rnd} of {self.name!r}")
+            step = 0
+            if phase == lib.SHMPS_AGG_PH_PUSHING:
+                got = ffi.new("uint64_t *")
+                _native.check(lib.shmps_agg_push_step(ctl, tok, rnd, got), what)
+                step = int(got[0]) | lib.SHMPS_STEP_RESUME
+            elif self._resumable():
+                got = ffi.new("uint64_t *")
+                lib.shmps_dense_next_step(self._shard(0).ptr, got)
+                # by ticket (the flags masked off): a stripe has this push exactly if
+                # its last step is the ticket or later, which a resume relies on
+                step = int(got[0]) & (lib.SHMPS_STEP_RESUME - 1)
+                _native.check(lib.shmps_agg_pushing(ctl, tok, rnd, step), what)
+            else:
+                _native.check(lib.shmps_agg_phase(ctl, tok, rnd, lib.SHMPS_AGG_PH_PUSHING),
+                              what)
             try:
-                DenseTensor.push(self, total)
+                if step:
+                    self._push_round(total, step)
+                else:
+                    DenseTensor.push(self, total)
             except Error as exc:  # e.g. the sum overflowed to Inf: the round is dropped
                 err = exc
         _native.check(lib.shmps_agg_phase(ctl, tok, rnd, lib.SHMPS_AGG_PH_ZEROING),
@@ -381,6 +400,22 @@ class AggregateDense(DenseTensor):
         _native.check(lib.shmps_agg_finish(ctl, tok, rnd), f"round {rnd} of {self.name!r}")
         if err is not None:
             raise err
+
+    def _resumable(self) -> bool:
+        """A push of a round that a dead applier cut can be finished: the tensor's
+        stripes keep their steps (not hogwild) and the push is applied here (not
+        forwarded to a bridge, where it goes to the outbox)."""
+        return self.mode != "hogwild" and not (self._fwd[0] and self._forwards())
+
+    def _push_round(self, total: np.ndarray, step: int) -> None:
+        """Push the round's aggregate ``total`` at ticket ``step`` (taken for the
+        round; with SHMPS_STEP_RESUME: only to the stripes that do not have it yet)."""
+        g = cast_grad(total, self.dtype)
+        nthreads = self._threads_for(g.nbytes)
+        self._require_finite(g, nthreads)
+        self._push_all(g, step, nthreads)
+        lib.shmps_count_push(self._shard(0).ptr, 0 if step & lib.SHMPS_STEP_RESUME else 1,
+                             g.nbytes, self.nrows)
 
     def _wait(self, rnd: int, timeout: float) -> None:
         """Block until round ``rnd`` is applied (applying it, or earlier ones, when

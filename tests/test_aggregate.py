@@ -179,6 +179,25 @@ def die_while_applying(store: str, phase: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def die_part_way_through_a_round(store: str) -> None:
+    """The only worker of a 2-shard aggregated tensor: push round 0 through the public
+    API and SIGKILL itself while applying it, after the aggregate reached shard 0 and
+    before it reached shard 1."""
+    from shmps.dense import DenseTensor
+
+    real = DenseTensor._call_push
+
+    def call_push(self, i, *args, **kw):
+        if self.name == "W" and i == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(self, i, *args, **kw)
+
+    DenseTensor._call_push = call_push
+    s = shmps.attach(store)
+    s.join()
+    s["W"].push(known_int(0, 0))
+
+
 # ---- fixtures -----------------------------------------------------------------------
 
 @pytest.fixture
@@ -317,6 +336,31 @@ def test_applier_killed_mid_round_is_taken_over(job, phase):
     job.join()
     job.clock()  # round 0 is closed; this worker's next round is 1
     W.push(known_int(1, 1))
+    assert np.array_equal(W.pull(), known_int(0, 0) + known_int(1, 1))
+    assert W.stats()["step"] == 2
+
+
+def test_applier_killed_part_way_through_pushing_a_round_is_finished(job):
+    """The applier SIGKILLed with the round's aggregate pushed to shard 0 and not to
+    shard 1: the next pull finishes the push on the stripes it did not reach, so the
+    round lands exactly once everywhere (before, the takeover only cleared the
+    accumulator: shard 1 never got the round, and every contributor's push, returned
+    or not, was lost there)."""
+    W = job.dense("W", shape=SHAPE, dtype="int32", optimizer="sum", aggregate="sum",
+                  workers=1, shard_rows=8)
+    assert W.nshards == 2
+    with Workers(hard_timeout=60) as ws:
+        w = ws.start(die_part_way_through_a_round, job.name)
+        w.process.join(30)
+        assert w.process.exitcode == -signal.SIGKILL
+    assert np.array_equal(W.pull(), known_int(0, 0))
+    info = W.rounds()
+    assert info["takeovers"] >= 1 and info["next_round"] == 1 and info["applied"] == 1
+    assert not W._acc[0].pull().any()
+    assert W.stats()["step"] == 1
+    job.join()
+    job.clock()
+    W.push(known_int(1, 1))   # the next round goes on at the next step, on every stripe
     assert np.array_equal(W.pull(), known_int(0, 0) + known_int(1, 1))
     assert W.stats()["step"] == 2
 
