@@ -808,6 +808,43 @@ def _whole(path: Path) -> Optional[float]:
     return first if bool((v == v[0]).all()) else None
 
 
+KILLED_INSIDE_TQDM = r"""
+import os, signal, sys, threading
+import shmps
+name, path = sys.argv[1], sys.argv[2]
+s = shmps.attach(name)
+s.dense("w", shape=(4,))
+s.checkpoint(path)                  # the parent's first checkpoint (and progress bar)
+pid = os.fork()
+if pid == 0:                        # a process forked afterwards, killed while it holds
+    from tqdm import tqdm           # the lock every tqdm bar of the process takes
+    tqdm.get_lock().acquire()
+    os.kill(os.getpid(), signal.SIGKILL)
+os.waitpid(pid, 0)
+for call in (lambda: s.checkpoint(path), lambda: shmps.restore(path, name + "r").destroy()):
+    done = threading.Event()
+    threading.Thread(target=lambda: (call(), done.set()), daemon=True).start()
+    if not done.wait(20):
+        os._exit(3)                 # blocked on the dead process's lock
+s.close()
+"""
+
+
+def test_a_process_killed_inside_a_progress_bar_blocks_no_checkpoint(tmp_path, procs, names):
+    """A process SIGKILLed while it holds tqdm's lock (its own progress bar, or
+    checkpoint()'s) never blocks another process's checkpoint() or restore().  tqdm's
+    default lock is a multiprocessing lock shared by every process forked after the
+    first bar: checkpoint() took it for a bar even when none was shown, and a process
+    killed inside it left every other process of the family blocked for ever in its
+    next checkpoint (found by a kill fuzzer; fails without the fix)."""
+    name = new_name(names)
+    names.append(name + "r")
+    p = subprocess.Popen([sys.executable, "-c", KILLED_INSIDE_TQDM, name, str(tmp_path / "ck")],
+                         env=child_env(), stderr=subprocess.PIPE)
+    procs.append(p)
+    assert p.wait(timeout=90) == 0, p.stderr.read().decode()[-2000:]
+
+
 @pytest.mark.slow
 def test_sigkill_mid_checkpoint_keeps_previous_checkpoint(store, tmp_path, procs, names):
     """SIGKILL mid-checkpoint (256 MiB, random instants) leaves PATH whole and restorable."""
