@@ -32,14 +32,12 @@ import re
 import secrets
 import shutil
 import stat
-import sys
-import threading
 import time
 from typing import Any, BinaryIO, Callable, Optional
 
 import numpy as np
 
-from . import _native, files, names
+from . import _native, files, names, progress
 from .errors import CorruptFile, CorruptSegment, Error, InvalidArgument, NotFound
 from .segment import Segment, Wait
 from .tensor import MAX_ROW_SHARDS, Shard, Tensor
@@ -49,56 +47,6 @@ VERSION = files.CHECKPOINT_VERSION
 #: How long one shard's freeze may wait for the pushers inside it (seconds).
 FREEZE_TIMEOUT_S = 60.0
 lib, ffi = _native.lib, _native.ffi
-
-
-class _NoBar:
-    """The progress bar when none is shown (stderr not a terminal)."""
-
-    def __enter__(self) -> "_NoBar":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
-
-    def update(self, n: int = 1) -> None:
-        return None
-
-
-_BAR_CLASS: Any = None
-
-
-def _bar_class() -> Any:
-    """tqdm with a lock of this process only.  tqdm's own lock is a multiprocessing
-    lock (a POSIX semaphore) shared by every process forked after the first bar, taken
-    by every bar's creation and close and by its monitor thread: a process SIGKILLed
-    while holding it (inside its own bar, or checkpoint()'s) left every other process of
-    the family blocked for ever in its next checkpoint() or restore()
-    (test_a_process_killed_inside_a_progress_bar_blocks_no_checkpoint).  No monitor
-    thread (it takes the lock too), and a fresh lock in a forked child (the parent's
-    may have been held by another thread at the fork)."""
-    global _BAR_CLASS
-    if _BAR_CLASS is None:
-        import weakref
-        from tqdm import tqdm
-
-        class Bar(tqdm):  # type: ignore[misc]
-            _lock = threading.RLock()
-            _instances: Any = weakref.WeakSet()
-            monitor_interval = 0
-
-        def fresh_lock() -> None:
-            Bar._lock = threading.RLock()
-
-        os.register_at_fork(after_in_child=fresh_lock)
-        _BAR_CLASS = Bar
-    return _BAR_CLASS
-
-
-def _progress(total: int, desc: str) -> Any:
-    if not sys.stderr.isatty():
-        return _NoBar()
-    return _bar_class()(total=total, unit="B", unit_scale=True, desc=desc, file=sys.stderr,
-                        leave=False)
 
 
 def _frozen_copy(t: Tensor, i: int, fields: Callable[[Shard], dict]) -> dict:
@@ -257,7 +205,7 @@ def save(store: Any, path: str | os.PathLike) -> str:
         phase = "write"
         total = sum(sum(sh.seg.size for sh in t._shards) for t in tensors)
         entries = []
-        with _progress(total, f"checkpoint {store.name}") as bar:
+        with progress.bar(total, f"checkpoint {store.name}") as bar:
             for t in tensors:
                 entries.append(_SAVERS[t.kind](t, tmp, f"t{t.record['id']}", bar))
         doc = {"format": FORMAT, "version": VERSION, "store": store.name,
@@ -443,7 +391,7 @@ def _restore_from(path: str, name: str, namespace: Optional[str], force: bool) -
                 store.close()
             raise
     try:
-        with _progress(sum(p.nbytes for p in plans), f"restore {name}") as bar:
+        with progress.bar(sum(p.nbytes for p in plans), f"restore {name}") as bar:
             for e, p in zip(doc["tensors"], plans):
                 try:
                     p.run(store, bar)

@@ -20,6 +20,7 @@ from typing import IO, Any, Iterator
 
 import numpy as np
 
+from . import progress
 from .errors import CapacityError, CorruptFile, InvalidArgument, NotFound
 from .files import (ARRAYS, CHUNK, CSR, INDEX_DTYPES, VALUE_DTYPES, MatrixSet, SetWriter,
                     _check_structure, _scipy_sparse, build_meta, finish_replacement,
@@ -625,11 +626,7 @@ def _out_value_dtype(src: np.dtype, requested: str | None, what: str) -> str:
 
 
 def _progress(total: int, desc: str) -> Any:
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
-                file=sys.stderr, leave=False,
-                disable=not (total >= PROGRESS_MIN_BYTES and sys.stderr.isatty()))
+    return progress.bar(total, desc, min_total=PROGRESS_MIN_BYTES, divisor=1024)
 
 
 @contextmanager
