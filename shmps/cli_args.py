@@ -12,26 +12,23 @@ from typing import Callable
 MAX_SECONDS = 86400.0
 
 
-def at_least_one(text: str) -> int:
-    """An integer >= 1 (a count: --replicas)."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{n} must be >= 1")
-    return n
+def at_least(least: int) -> Callable[[str], int]:
+    """A type for an integer >= ``least`` (a count)."""
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if n < least:
+            raise argparse.ArgumentTypeError(f"{n} must be >= {least}")
+        return n
+    return parse
 
 
-def at_least_zero(text: str) -> int:
-    """An integer >= 0 (a count where 0 means no limit: stats --count)."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"{n} must be >= 0")
-    return n
+#: a count of at least one (--replicas)
+at_least_one = at_least(1)
+#: a count where 0 means no limit (stats --count)
+at_least_zero = at_least(0)
 
 
 def positive(limit: float = math.inf, least: float = 0.0) -> Callable[[str], float]:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
+import pytest
 
 CTX = mp.get_context("spawn")
 SHM = "/dev/shm"
@@ -939,3 +940,19 @@ def build_preload(directory: Any, source: str, what: str) -> str:
         pytest.skip(f"cannot build the {what} library: {r.stderr[-300:]}")
     return str(d / "preload.so")
 
+
+def _can_mount_tmpfs() -> bool:
+    import subprocess
+    try:
+        r = subprocess.run(["unshare", "-rm", "sh", "-c",
+                            "mount -t tmpfs -o size=1m tmpfs /dev/shm"],
+                           capture_output=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return r.returncode == 0
+
+
+#: a test that runs processes on a small /dev/shm of their own (a private tmpfs)
+needs_small_shm = pytest.mark.skipif(
+    not _can_mount_tmpfs(), reason="needs a private tmpfs on /dev/shm (unshare -rm: user "
+    "and mount namespaces), which this machine refuses")

@@ -30,7 +30,7 @@ from shmps.bridge.ring import Ring, shard_key
 
 from bridge_harness import Cluster, free_port
 from bridge_worker import csr_structure
-from helpers import child_env
+from helpers import child_env, needs_small_shm
 
 pytest.importorskip("aiohttp")
 pytest.importorskip("prometheus_client")
@@ -257,16 +257,6 @@ def test_the_segments_a_bridge_creates_are_backed_in_the_background(make_cluster
     assert len(outbox) == 4 and sum(a for a, _ in outbox) < sum(n for _, n in outbox) // 4
 
 
-def _can_mount_tmpfs() -> bool:
-    try:
-        r = subprocess.run(["unshare", "-rm", "sh", "-c",
-                            "mount -t tmpfs -o size=1m tmpfs /dev/shm"],
-                           capture_output=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return r.returncode == 0
-
-
 def _on_small_shm(host: int, mib: int):
     """A Cluster ``wrap`` running host ``host``'s bridge in a private mount namespace with
     a tmpfs of ``mib`` MiB on /dev/shm (its segments vanish with it)."""
@@ -280,8 +270,7 @@ def _on_small_shm(host: int, mib: int):
     return wrap
 
 
-@pytest.mark.skipif(not _can_mount_tmpfs(), reason="needs a private tmpfs on /dev/shm "
-                    "(unshare -rm: user and mount namespaces), which this machine refuses")
+@needs_small_shm
 def test_a_host_with_no_room_for_a_tensor_leaves_and_the_others_go_on(make_cluster):
     """Host 2's /dev/shm (32 MiB) has no room for its copy of a 48 MiB tensor made on
     host 0.  It leaves the cluster, saying why, and exits with status 2; hosts 0 and 1

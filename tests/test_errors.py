@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import shmps
-from helpers import SHM, peek, poke, remove_store, store_segments
+from helpers import SHM, needs_small_shm, peek, poke, remove_store, store_segments
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -442,17 +442,6 @@ def test_shard_rows_above_the_rows_are_the_rows(store):
         store.dense("w", shard_rows=5)
 
 
-def _can_mount_tmpfs() -> bool:
-    import subprocess
-    try:
-        r = subprocess.run(["unshare", "-rm", "sh", "-c",
-                            "mount -t tmpfs -o size=1m tmpfs /dev/shm"],
-                           capture_output=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return r.returncode == 0
-
-
 def _on_small_shm(script: str) -> dict:
     """Run ``script`` (which prints a JSON object last) in a private mount namespace with
     a 64 MiB tmpfs on /dev/shm; its object."""
@@ -463,11 +452,6 @@ def _on_small_shm(script: str) -> dict:
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr + r.stdout
     return json.loads(r.stdout.splitlines()[-1])
-
-
-needs_small_shm = pytest.mark.skipif(
-    not _can_mount_tmpfs(), reason="needs a private tmpfs on /dev/shm (unshare -rm: user "
-    "and mount namespaces), which this machine refuses")
 
 
 def _still_works(name: str) -> str:
@@ -637,7 +621,9 @@ def test_a_tensor_made_unbacked_must_fit_whole_beside_those_being_backed():
     assert out["works"] == 1024.0 and out["end"] == [], out
 
 
-BACKING_FAILS_SCRIPT = """
+#: the start of a script on a small /dev/shm: a Bridge (not started) on store "full",
+#: its handle creating tensors unbacked and counting them as shmps-bridge's does
+BRIDGE_BY_HAND = """
 import asyncio, json, os, sys, tempfile, numpy as np, shmps
 from shmps import segment
 from shmps.bridge.node import Bridge, Config, TInfo
@@ -647,7 +633,12 @@ open(d + "/hosts.txt", "w").write("127.0.0.2:7001")
 node = Bridge(Config(peers_file=d + "/hosts.txt", store="full", listen="127.0.0.2:7001"))
 node.store = shmps.attach("full")
 node.store.reserve_memory = False
+node.store.unbacked_bytes = node._still_unbacked
 node._stop_event = asyncio.Event()
+"""
+
+
+BACKING_FAILS_SCRIPT = BRIDGE_BY_HAND + """
 rec = dict(name="emb", kind="table", dtype="float32", dim=16, capacity=200_000,
            nshards=2, optimizer=dict(type="Sum"))
 node.create_from_record(rec)                     # 30 MiB, created unbacked: it fits
@@ -667,17 +658,7 @@ s = shmps.attach("full")
 """ + _still_works("w")
 
 
-COPIES_IN_A_ROW_SCRIPT = """
-import asyncio, json, os, sys, tempfile, numpy as np, shmps
-from shmps import segment
-from shmps.bridge.node import Bridge, Config
-out = {}
-d = tempfile.mkdtemp()
-open(d + "/hosts.txt", "w").write("127.0.0.2:7001")
-node = Bridge(Config(peers_file=d + "/hosts.txt", store="full", listen="127.0.0.2:7001"))
-node.store = shmps.attach("full")
-node.store.reserve_memory = False
-node.store.unbacked_bytes = node._still_unbacked
+COPIES_IN_A_ROW_SCRIPT = BRIDGE_BY_HAND + """
 
 def rec(name, rows):
     return dict(name=name, kind="dense", shape=[rows, 1024], dtype="float32",
