@@ -57,7 +57,8 @@
  * pushed, at the ticket recorded in push_step before any stripe was written:
  * shmps_agg_pushing) finishes the push on the stripes the dead applier did not reach
  * (each stripe keeps the step it last applied a push at, dense.c "Stripe steps"; the
- * stripe it was writing keeps half, as any push cut by a kill), then zeroes the buffer;
+ * stripe it was writing keeps the part it wrote, possibly none, as any push cut by a
+ * kill), then zeroes the buffer;
  * ZEROING goes on with zeroing the buffer.  A PUSHING claim without push_step (set
  * with shmps_agg_phase, by a build before 2026-11-28) is taken over as ZEROING: the
  * round is applied on the stripes the dead process reached only.
@@ -494,6 +495,9 @@ int shmps_agg_finish(void *ctl, uint64_t token, uint64_t round) {
         CRASH_ORDER();
         STORE(&c->applier, 0, RELAXED);
         STORE(&c->phase, 0, RELAXED);
+        /* the ticket of an applied round is nobody's (a claim by an older build, which
+         * does not record one, must not find it) */
+        STORE(&c->push_step, 0, RELAXED);
         c->applied++;
     }
     unlock(c);

@@ -90,6 +90,11 @@ static uint64_t stripe_step(shmps_stripe_t *st, const push_step_t *ps) {
     uint64_t last = stripe_last(st, ps);
     uint64_t t = (ps->step & SHMPS_STEP_BY_STRIPE) ? last + 1 : ticket > last ? ticket : last;
     STORE(&st->pad, (uint32_t)t, RELAXED);
+    /* a compiler barrier, no instruction: the step is in memory before the values are
+     * (a process killed between has the stripe at the step with part of the push, or
+     * none: a resume, SHMPS_STEP_RESUME, counts it as having the push), whatever
+     * inlining the build does */
+    __atomic_signal_fence(__ATOMIC_SEQ_CST);
     return t;
 }
 
@@ -102,7 +107,7 @@ static int apply_stripe(void *base, const shmps_spec_t *s, shmps_stripe_t *st, u
         /* finishing a dead process's push (SHMPS_STEP_RESUME, passed by ticket, not
          * SHMPS_STEP_BY_STRIPE): it set this stripe's step to its ticket before writing
          * the values (stripe_step, then shmps_apply), so the stripe has the push, whole,
-         * or half if it died writing here, as any push cut by a kill.  Not applied again;
+         * or the part it wrote (possibly none) if it died writing here, as any push cut by a kill.  Not applied again;
          * a dead writer's odd seq is closed (relaxed: only the lock holder writes seq). */
         if (LOAD(&st->seq, RELAXED) & 1) {
             shmps_stripe_write_begin(st);

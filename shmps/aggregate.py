@@ -43,6 +43,8 @@ an accumulator behind the round bookkeeping went into some round's sum).
 """
 from __future__ import annotations
 
+import os
+import threading
 import time
 from typing import Any, Optional
 
@@ -53,6 +55,30 @@ from .dense import DenseTensor
 from .errors import CorruptSegment, Error, InvalidArgument, SchemaError, Timeout
 from .tensor import PushHandle, cast_grad, grad_dtype
 from .updaters import Sum
+
+#: (store, namespace, tensor id) -> the lock one thread of this process holds while it
+#: claims and applies a round of that tensor (AggregatedTensor._settle); new ones in a
+#: forked child (a parent's thread may have held one at the fork)
+_APPLY_LOCKS: dict[tuple, threading.RLock] = {}
+_APPLY_LOCKS_GUARD = threading.Lock()
+
+
+def _fresh_apply_locks() -> None:
+    global _APPLY_LOCKS_GUARD
+    _APPLY_LOCKS.clear()
+    _APPLY_LOCKS_GUARD = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_fresh_apply_locks)
+
+
+def _apply_lock(t: Any) -> threading.RLock:
+    key = (t._store.name, t._store.namespace, t.record["id"])
+    with _APPLY_LOCKS_GUARD:
+        lock = _APPLY_LOCKS.get(key)
+        if lock is None:
+            lock = _APPLY_LOCKS[key] = threading.RLock()
+        return lock
 
 lib = _native.lib
 ffi = _native.ffi
@@ -350,11 +376,20 @@ class AggregateDense(DenseTensor):
         count, phase, behind = ffi.new("uint32_t *"), ffi.new("uint32_t *"), ffi.new("int32_t *")
         man, tok = self._store._mptr, _native.token()
         while True:
-            _native.check(lib.shmps_agg_next(self._cptr(), man, tok, self.workers, what, rnd,
-                                             count, phase, behind), f"round of {self.name!r}")
-            if what[0] == lib.SHMPS_AGG_APPLY:
-                self._apply_round(int(rnd[0]), int(count[0]), int(phase[0]))
-            elif what[0] == lib.SHMPS_AGG_BUSY and wait_busy:
+            # one thread of this process at a time from the claim to the round's end:
+            # the threads share the process's token, and the C side hands a claim of
+            # this token out again as one left by an exception, so a second thread (a
+            # pull() beside a push(wait=False)) took the round another thread was
+            # applying and applied it again (twice on every stripe; a cut push's resume
+            # tore it across stripes)
+            with _apply_lock(self):
+                _native.check(lib.shmps_agg_next(self._cptr(), man, tok, self.workers, what,
+                                                 rnd, count, phase, behind),
+                              f"round of {self.name!r}")
+                if what[0] == lib.SHMPS_AGG_APPLY:
+                    self._apply_round(int(rnd[0]), int(count[0]), int(phase[0]))
+                    continue
+            if what[0] == lib.SHMPS_AGG_BUSY and wait_busy:
                 self._wait(int(rnd[0]), timeout)
             else:
                 return

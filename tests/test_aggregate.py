@@ -340,6 +340,27 @@ def test_applier_killed_mid_round_is_taken_over(job, phase):
     assert W.stats()["step"] == 2
 
 
+def test_a_pull_beside_a_push_in_flight_applies_each_round_once(store):
+    """The training loop push(wait=False); pull(); clock() in one process: the pull's
+    thread and the push's share the process's token, and the C side hands a claim of
+    this token out again (one left by an exception), so the pull took the round the push
+    thread was applying and applied it a second time (300 rounds gave 302-319, not the
+    same on every stripe, and InvalidArgument at some clock()s).  One thread of a
+    process at a time claims and applies a round of a tensor: every element ends at the
+    number of rounds, and no call raises."""
+    store.join()
+    W = store.dense("W", shape=(4096, 64), dtype="int32", optimizer="sum",
+                    aggregate="sum", workers=1, shard_rows=512)
+    g = np.ones(W.shape, np.int32)
+    rounds = 300
+    for _ in range(rounds):
+        W.push(g, wait=False)
+        W.pull()
+        store.clock()
+    final = W.pull()
+    assert final.min() == rounds and final.max() == rounds, np.unique(final)
+
+
 def test_applier_killed_part_way_through_pushing_a_round_is_finished(job):
     """The applier SIGKILLed with the round's aggregate pushed to shard 0 and not to
     shard 1: the next pull finishes the push on the stripes it did not reach, so the
