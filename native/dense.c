@@ -106,9 +106,10 @@ static int apply_stripe(void *base, const shmps_spec_t *s, shmps_stripe_t *st, u
         stripe_last(st, ps) >= (ps->step & (SHMPS_STEP_RESUME - 1))) {
         /* finishing a dead process's push (SHMPS_STEP_RESUME, passed by ticket, not
          * SHMPS_STEP_BY_STRIPE): it set this stripe's step to its ticket before writing
-         * the values (stripe_step, then shmps_apply), so the stripe has the push, whole,
-         * or the part it wrote (possibly none) if it died writing here, as any push cut by a kill.  Not applied again;
-         * a dead writer's odd seq is closed (relaxed: only the lock holder writes seq). */
+         * the values (stripe_step, then shmps_apply), so the stripe has the push: whole,
+         * or the part it wrote (possibly none) if it died writing here, as any push cut
+         * by a kill.  Not applied again; a dead writer's odd seq is closed (relaxed:
+         * only the lock holder writes seq). */
         if (LOAD(&st->seq, RELAXED) & 1) {
             shmps_stripe_write_begin(st);
             shmps_stripe_write_end(st);
