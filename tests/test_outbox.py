@@ -946,7 +946,9 @@ def test_a_push_retried_into_a_full_outbox_counts_one_forwarded_push(store, stor
                        np.ones((49, 2)))
             finally:
                 th.join(10)
-            assert wakes == [3], (listening, wakes)
+            # 3 or more: a thread scheduled late (at load 5) reads the rings of the
+            # attempts refused meanwhile at once (5 seen); the old build rang none
+            assert len(wakes) == 1 and wakes[0] >= 3, (listening, wakes)
             assert forwarded() == before + 1, (listening, forwarded() - before)
             drain_and_ack()
             store.flush(timeout=1)
