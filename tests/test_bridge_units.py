@@ -1461,6 +1461,36 @@ def test_a_copy_an_earlier_bridge_left_unbacked_is_backed(tmp_path):
             assert os.stat("/dev/shm" + n).st_blocks * 512 >= size
 
 
+@pytest.mark.parametrize("init", [False, True], ids=["previous owner", "creator"])
+def test_a_hand_over_is_not_taken_from_a_restarted_process(tmp_path, init):
+    """A new owner waiting for the previous owner's hand-over snapshot stops waiting for
+    it when that host's bridge restarts (a new incarnation in its heartbeat): the new
+    process holds the old one's copy, which outlives it in /dev/shm, but not its
+    duplicate filter, and taken as the hand-over it made the resent batches the old one
+    had applied apply again (a chaos run: a shard 5 pushes over).  The wait goes on to
+    the previous owner's backup (a frame of the new process that comes before its
+    heartbeat is no hand-over either: on_rows compares incarnations).  A wait for a
+    creator's initial values is kept: they are in its copy whichever process serves
+    it."""
+    from shmps.bridge.ring import shard_key
+
+    y, x, z = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
+    with _owner_on_a_store(tmp_path, [y, x, z], "handrestart") as (node, info, st):
+        everyone = {m: State.ALIVE for m in (y, x, z)}
+        node.on_heartbeat(x, _heartbeat(x, 0, everyone, incarnation=7, seq=2))
+        now = time.monotonic()
+        st.handover_from, st.handover_init = x, init
+        st.handover_next = [] if init else [z]
+        st.handover_until = st.handover_hold_until = now + 3.0
+        node.on_heartbeat(x, _heartbeat(x, 0, everyone, incarnation=8, seq=3))
+        assert shard_key(info.name, 0) == st.key
+        if init:
+            assert st.handover_from == x and st.handover_init
+        else:
+            assert st.handover_from == z and x not in st.handover_next, (
+                st.handover_from, st.handover_next)
+
+
 def test_a_slice_left_by_a_loop_that_stopped_is_not_kept(tmp_path):
     """The turn's slice is reset by a call_soon; a loop that stopped before running it
     left the slice spent.  A slice that ended over a second ago is taken for such a

@@ -282,6 +282,9 @@ class ShardState:
                                                          # owner's backups (_role_change)
     handover_hold_until: float = 0.0                     # until then, one of those cut off
                                                          # is waited for to come back
+    handover_init: bool = False                          # the wait is for the creator's
+                                                         # initial values (refresh_tensors),
+                                                         # not a previous owner's copy
     failover_from: Optional[str] = None                  # the dead owner, until first apply
     failover_dead_seen: float = 0.0
     # replica side
@@ -1167,6 +1170,7 @@ class Bridge:
                     # every shard from its owner before it owns any.)
                     st = self.shards[(tid, s)]
                     st.handover_from = origin
+                    st.handover_init = True
                     st.handover_since = 0
                     st.handover_until = time.monotonic() + HANDOVER_TIMEOUT
             log.info("forwarding tensor %r (%s, %d shards)", info.name, info.kind, info.nshards)
@@ -1602,6 +1606,7 @@ class Bridge:
                     st.handover_done = ("", 0.0, 0)
                 else:
                     st.handover_from = prev
+                    st.handover_init = False
                     st.handover_until = time.monotonic() + HANDOVER_TIMEOUT
                     st.handover_next = backups
             elif prev and prev != self.addr:
@@ -1824,12 +1829,23 @@ class Bridge:
             # the old process is gone and its frames are refused from now on (on_frame):
             # its duplicate filters are no longer needed
             self._gone.add((hb.sender, known))
+            now = time.monotonic()
             for st in self.shards.values():
                 st.synced.discard(peer)
                 st.snapshotting.pop(peer, None)
                 for stream in st.dedup.streams():
                     if stream[0] == hb.sender and stream[1] == known:
                         st.dedup.forget(stream)
+                if st.handover_from == peer and not st.handover_init:
+                    # Its new process holds the old one's copy (the shard's segment
+                    # outlives it) but not its duplicate filter: taken as the hand-over,
+                    # the batches the old one applied and nobody acknowledged were
+                    # applied again when resent (a bridge killed as a new owner and
+                    # restarted within the hold: a chaos run, 2026-11-28).  The wait
+                    # goes on to the previous owner's backups, or this host's copy.
+                    st.handover_next = [b for b in st.handover_next if b != peer]
+                    st.handover_until = 0.0
+                    self._handover_given_up(st, now)
             self._unsettle()
             # joining even if it was dead: its new process copies its shards (its
             # duplicate filters are gone), whether or not its death moved any
@@ -3191,7 +3207,10 @@ class Bridge:
         # rows come from the shard's owner in this host's ring, or, while this host waits
         # to take the shard over, from its previous owner (its last ROWS, then its
         # hand-over snapshot)
-        handover = st.handover_from == peer
+        # (from the process waited for: one restarted since holds the old one's copy
+        # without its duplicate filter, and its frames may come before its heartbeat)
+        handover = st.handover_from == peer and (
+            st.handover_init or self._incarnations.get(peer, f.incarnation) == f.incarnation)
         if handover and f.type == FrameType.ROWS and peer != st.handover_prev:
             # Only the previous owner's last ROWS belong to a hand-over; a host asked
             # instead (a backup, the owner of the last ROWS, one waited for while cut
