@@ -50,7 +50,6 @@ from shmps.bridge.frames import (ROWS_SEQ_BASE, BadFrame, Flag, FrameType, Layou
                                   Mark, Status)
 from shmps.bridge.members import Membership, State  # noqa: E402
 from shmps.bridge.outq import Backpressure, ByteBudget, Dedup, OutQueue, Verdict  # noqa: E402
-from shmps import segment  # noqa: E402
 from shmps.errors import CapacityError, Error, InvalidArgument, Timeout  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
@@ -1444,6 +1443,8 @@ def test_a_copy_an_earlier_bridge_left_unbacked_is_backed(tmp_path):
     up (it backed only the copies it created itself, and touching a missing page on a
     full /dev/shm kills with SIGBUS); a tensor already backed costs nothing more."""
     import os
+
+    from shmps import segment   # (here: the module imports without the native core)
 
     with _owner_on_a_store(tmp_path, ["127.0.0.2:7001"], "backlater") as (node, _, _st):
         node.store.reserve_memory = False
