@@ -115,8 +115,8 @@ class Segment:
             if whole and fd is not None:
                 os.ftruncate(fd, 0)    # give back the pages it got, then say what is free
             raise NoRoom(f"/dev/shm has no room for segment {self.name} "
-                                f"({hi - lo:,} bytes; {shm_free():,} bytes free)",
-                                NO_ROOM_HINT) from None
+                         f"({hi - lo:,} bytes; {shm_free():,} bytes free)",
+                         NO_ROOM_HINT) from None
 
     @classmethod
     def open(cls, name: str, *, expect_size: Optional[int] = None,
@@ -321,7 +321,7 @@ def allocate(name: str, size: int, ino: int) -> bool:
         if exc.errno not in (errno.ENOSPC, errno.ENOMEM):
             raise
         raise NoRoom(f"/dev/shm has no room for segment {name} ({size:,} bytes; "
-                            f"{shm_free():,} bytes free)", NO_ROOM_HINT) from None
+                     f"{shm_free():,} bytes free)", NO_ROOM_HINT) from None
 
 
 def check_room(what: str, nbytes: int) -> None:
@@ -332,7 +332,7 @@ def check_room(what: str, nbytes: int) -> None:
     free = shm_free()
     if free >= 0 and nbytes > free:
         raise NoRoom(f"{what} needs at least {nbytes:,} bytes of /dev/shm; "
-                            f"{free:,} are free", NO_ROOM_HINT)
+                     f"{free:,} are free", NO_ROOM_HINT)
 
 
 def list_names(prefix: str = "shmps.") -> list[str]:

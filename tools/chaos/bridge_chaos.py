@@ -44,6 +44,19 @@ def main():
         anomalies.append({"kind": kind, "detail": detail, "t": round(time.time() - t00, 3)})
         ev(f"ANOMALY {kind}: {detail}")
     c = Cluster(wd, nh, replicas=2, secret=True, dead_after=dead_after)
+
+    def await_exit(i, timeout, kind, why):
+        """Bridge i ends within ``timeout`` s of a SIGTERM or removal (exit 0), else an
+        anomaly (and it is killed)."""
+        t0 = time.time()
+        try:
+            rc = c.procs[i].wait(timeout)
+            ev(f"  bridge {i} exited rc={rc} after {time.time()-t0:.2f}s")
+            if rc != 0:
+                anomaly(f"{kind}_rc", f"bridge {i} rc={rc} after {why}")
+        except subprocess.TimeoutExpired:
+            anomaly(f"{kind}_hang", f"bridge {i} still running {timeout} s after {why}")
+            c.kill(i)
     ev(f"seed={seed} hosts={nh} aggressive={aggressive} dead_after={dead_after} addrs={c.addrs} ns={c.namespaces}")
     (wd / "namespaces.txt").write_text("\n".join(c.namespaces) + "\n")
     workers = []   # dicts: host, proc, journal
@@ -194,29 +207,15 @@ def main():
                 os.killpg(c.procs[i].pid, signal.SIGCONT); ev(f"  SIGCONT bridge {i}")
             elif k == "term":
                 ev(f"EVENT SIGTERM bridge {i}")
-                c.signal(i, signal.SIGTERM); t0 = time.time()
-                try:
-                    rc = c.procs[i].wait(15)
-                    ev(f"  bridge {i} exited rc={rc} after {time.time()-t0:.2f}s")
-                    if rc != 0:
-                        anomaly("term_rc", f"bridge {i} rc={rc} after SIGTERM")
-                except subprocess.TimeoutExpired:
-                    anomaly("term_hang", f"bridge {i} still running 15 s after SIGTERM")
-                    c.kill(i)
+                c.signal(i, signal.SIGTERM)
+                await_exit(i, 15, "term", "SIGTERM")
                 d = rng.uniform(0.2, 2.0); time.sleep(d)
                 c.start(i); ev(f"  restarted bridge {i} after {d:.2f}s")
             elif k == "remove":
                 a = c.addrs[i]
                 ev(f"EVENT remove host {i} ({a}) from hosts.txt")
-                c.members.remove(a); c.write_hosts(); t0 = time.time()
-                try:
-                    rc = c.procs[i].wait(20)
-                    ev(f"  bridge {i} exited rc={rc} after {time.time()-t0:.2f}s")
-                    if rc != 0:
-                        anomaly("remove_rc", f"bridge {i} rc={rc} after removal")
-                except subprocess.TimeoutExpired:
-                    anomaly("remove_hang", f"bridge {i} still running 20 s after removal")
-                    c.kill(i)
+                c.members.remove(a); c.write_hosts()
+                await_exit(i, 20, "remove", "removal")
                 d = rng.uniform(0.5, 3.0); time.sleep(d)
                 c.members.insert(i, a); c.write_hosts()
                 c.start(i); ev(f"  re-added and restarted host {i} after {d:.2f}s")
