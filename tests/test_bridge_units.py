@@ -1462,34 +1462,75 @@ def test_a_copy_an_earlier_bridge_left_unbacked_is_backed(tmp_path):
             assert os.stat("/dev/shm" + n).st_blocks * 512 >= size
 
 
-@pytest.mark.parametrize("init", [False, True], ids=["previous owner", "creator"])
-def test_a_hand_over_is_not_taken_from_a_restarted_process(tmp_path, init):
+@pytest.mark.parametrize("init,dead", [(False, False), (False, True), (True, False)],
+                         ids=["previous owner", "previous owner dead at its restart",
+                              "creator"])
+def test_a_hand_over_is_not_taken_from_a_restarted_process(tmp_path, init, dead):
     """A new owner waiting for the previous owner's hand-over snapshot stops waiting for
     it when that host's bridge restarts (a new incarnation in its heartbeat): the new
     process holds the old one's copy, which outlives it in /dev/shm, but not its
     duplicate filter, and taken as the hand-over it made the resent batches the old one
     had applied apply again (a chaos run: a shard 5 pushes over).  The wait goes on to
-    the previous owner's backup (a frame of the new process that comes before its
-    heartbeat is no hand-over either: on_rows compares incarnations).  A wait for a
-    creator's initial values is kept: they are in its copy whichever process serves
-    it."""
+    the previous owner's backup.  The same when the previous owner was dead at its
+    restart and the hold still ran: the hold waited for it again, and its new process's
+    hand-over, of no marks, replaced this copy and emptied its filter (chaos seed 2004:
+    a table shard 19 pushes over).  A frame of the new process is no hand-over for a
+    wait that began before it (on_rows compares the incarnation the wait began with).
+    A wait for a creator's initial values is kept: they are in its copy whichever
+    process serves it."""
+    from shmps.bridge import node as bridge_node
     from shmps.bridge.ring import shard_key
 
     y, x, z = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
     with _owner_on_a_store(tmp_path, [y, x, z], "handrestart") as (node, info, st):
+        key = (info.tid, 0)
+        assert shard_key(info.name, 0) == st.key
         everyone = {m: State.ALIVE for m in (y, x, z)}
         node.on_heartbeat(x, _heartbeat(x, 0, everyone, incarnation=7, seq=2))
-        now = time.monotonic()
-        st.handover_from, st.handover_init = x, init
-        st.handover_next = [] if init else [z]
-        st.handover_until = st.handover_hold_until = now + 3.0
+        stream = (members.member_id(z), 7, info.tid, 0)
+        st.dedup.advance(stream, 40)
+        node._send_snapshot = _no_snapshot_sent
+
+        async def run(steps) -> None:
+            steps()
+            await asyncio.sleep(0)
+
+        if init:
+            st.handover_from, st.handover_init = x, True
+            st.handover_next = []
+            st.handover_until = st.handover_hold_until = time.monotonic() + 3.0
+        else:
+            # this host, no backup of x, becomes the owner: it waits for x's hand-over
+            asyncio.run(run(lambda: node._role_change(key, [x, z], [y, z])))
+            assert st.handover_from == x and st.handover_next == [z]
+            assert st.handover_hold_until > time.monotonic()
+        if dead:
+            node._on_changes(node.members.mark_dead(x))
+            node._maintain_shards(True, time.monotonic())
         node.on_heartbeat(x, _heartbeat(x, 0, everyone, incarnation=8, seq=3))
-        assert shard_key(info.name, 0) == st.key
         if init:
             assert st.handover_from == x and st.handover_init
-        else:
-            assert st.handover_from == z and x not in st.handover_next, (
-                st.handover_from, st.handover_next)
+            return
+        assert st.handover_from == z and x not in st.handover_next, (
+            st.handover_from, st.handover_next)
+        # z gone too: the hold waits for nobody that restarted; this host's copy serves
+        node._on_changes(node.members.mark_dead(z))
+        node._maintain_shards(True, time.monotonic())
+        assert st.handover_from != x, (st.handover_from, st.handover_next)
+        # however the wait for x comes back, x's new process is not what it waits for
+        st.handover_from, st.handover_until = x, time.monotonic() + 3.0
+        got: list = []
+        f = frames.encode_snapshot(
+            epoch=0, sender=members.member_id(x), incarnation=8, tensor=info.tid, shard=0,
+            seq=bridge_node.ROWS_SEQ_BASE + 1, values=np.full((8, 4), 9, np.float32),
+            start=0, marks=[Mark(stream[0], 7, 40)], last=True, handover=True)
+        node.on_rows(x, frames.decode(f), lambda d: got.extend(frames.iter_frames(bytes(d))))
+        assert got[-1].status is Status.NOT_OWNER
+        assert st.dedup.floor(stream) == 40 and not (node.store[info.name].pull() == 9).any()
+
+
+async def _no_snapshot_sent(*a, **k) -> None:
+    """Stands in for Bridge._send_snapshot where a test sends no hand-over of its own."""
 
 
 def test_a_slice_left_by_a_loop_that_stopped_is_not_kept(tmp_path):
@@ -2063,6 +2104,35 @@ def test_a_hand_over_behind_this_hosts_copy_is_refused_before_a_row_is_written(t
         assert st.handover_from is None and st.dedup.floor(stream) == 60
         np.testing.assert_array_equal(node.store[info.name].pull(),
                                       np.full((8, 4), 9, np.float32))
+
+
+@pytest.mark.parametrize("chunks", [1, 2], ids=["one chunk", "two chunks"])
+def test_a_hand_over_of_no_marks_is_behind_a_copy_that_applied_batches(tmp_path, chunks):
+    """A hand-over that carries no marks says its sender's filter holds no batch: a copy
+    here that applied some is ahead of it, and it is refused before a row is written,
+    as one whose marks are behind is (the check ran only on chunks with marks; a
+    restarted process's copy, of an empty filter, replaced a copy and its filter, and
+    resent batches were applied again: chaos seed 2004).  Drives a Bridge, not started,
+    on a real store."""
+    from shmps.bridge import node as bridge_node
+
+    me, prev = "127.0.0.2:7001", "127.0.0.3:7001"
+    with _owner_on_a_store(tmp_path, [me, prev], "nomarks") as (node, info, st):
+        stream = (members.member_id(prev), 7, info.tid, 0)
+        node.store[info.name].push(np.full((8, 4), 5, np.float32))
+        st.dedup.advance(stream, 50)
+        st.handover_from, st.handover_until = prev, time.monotonic() + 60
+        got: list = []
+        rows = 8 // chunks
+        f = frames.encode_snapshot(
+            epoch=0, sender=members.member_id(prev), incarnation=7, tensor=info.tid, shard=0,
+            seq=bridge_node.ROWS_SEQ_BASE + 1, values=np.full((rows, 4), 9, np.float32),
+            start=0, last=chunks == 1, handover=True)
+        node.on_rows(prev, frames.decode(f), lambda d: got.extend(frames.iter_frames(bytes(d))))
+        assert got[-1].status is Status.NOT_OWNER and st.handover_from is None
+        assert st.dedup.floor(stream) == 50
+        np.testing.assert_array_equal(node.store[info.name].pull(),
+                                      np.full((8, 4), 5, np.float32))
 
 
 def test_a_hand_over_carries_its_marks_on_its_first_chunk_and_its_last(tmp_path,
@@ -3436,9 +3506,16 @@ def test_watch_file_refuses_a_fifo_without_blocking_the_loop(tmp_path, caplog):
     path.write_text("a:1\n")
     seen: list[bytes] = []
     stop = threading.Event()
+    made = threading.Event()
 
-    def unblock() -> None:   # (so that a blocking open ends, and the test with it)
-        while not stop.wait(0.5):
+    def unblock() -> None:
+        # so that a blocking open ends, and the test with it: from 2 s after the FIFO
+        # is made on, which a loop that goes on does not wait for (a fixed 0.4 s bound
+        # on 20 sleeps of 10 ms failed under load)
+        made.wait(10)
+        if stop.wait(2.0):
+            return
+        while not stop.wait(0.2):
             try:
                 os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
             except OSError:
@@ -3449,10 +3526,11 @@ def test_watch_file_refuses_a_fifo_without_blocking_the_loop(tmp_path, caplog):
         await asyncio.sleep(0.05)
         path.unlink()
         os.mkfifo(path)
+        made.set()
         t0 = time.monotonic()
         for _ in range(20):              # the loop keeps running meanwhile
             await asyncio.sleep(0.01)
-        assert time.monotonic() - t0 < 0.4 and seen == [], seen
+        assert time.monotonic() - t0 < 1.8 and seen == [], seen
         path.unlink()
         path.write_text("b:2\n")
         for _ in range(300):

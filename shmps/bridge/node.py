@@ -285,6 +285,10 @@ class ShardState:
     handover_init: bool = False                          # the wait is for the creator's
                                                          # initial values (refresh_tensors),
                                                          # not a previous owner's copy
+    handover_incs: dict = field(default_factory=dict)    # host -> its incarnation when the
+                                                         # wait began (_role_change): a
+                                                         # process started since is no
+                                                         # hand-over (_waited_restarted)
     failover_from: Optional[str] = None                  # the dead owner, until first apply
     failover_dead_seen: float = 0.0
     # replica side
@@ -1609,8 +1613,10 @@ class Bridge:
                     st.handover_init = False
                     st.handover_until = time.monotonic() + HANDOVER_TIMEOUT
                     st.handover_next = backups
+                    st.handover_incs = {m: self._incarnations.get(m) for m in [prev] + backups}
             elif prev and prev != self.addr:
                 cands = backups + ([prev] if self.cfg.replicas > 1 else [])
+                st.handover_incs = {m: self._incarnations.get(m) for m in cands}
                 if not complete and cands:   # the owner is gone: its backups' copy (in turn)
                     st.handover_next = cands
                     st.handover_until = 0.0
@@ -1836,14 +1842,15 @@ class Bridge:
                 for stream in st.dedup.streams():
                     if stream[0] == hb.sender and stream[1] == known:
                         st.dedup.forget(stream)
-                if st.handover_from == peer and not st.handover_init:
-                    # Its new process holds the old one's copy (the shard's segment
-                    # outlives it) but not its duplicate filter: taken as the hand-over,
-                    # the batches the old one applied and nobody acknowledged were
-                    # applied again when resent (a bridge killed as a new owner and
-                    # restarted within the hold: a chaos run, 2026-11-28).  The wait
-                    # goes on to the previous owner's backups, or this host's copy.
+                # Its new process holds the old one's copy (the shard's segment outlives
+                # it) but not its duplicate filter: taken as the hand-over, the batches
+                # the old one applied and nobody acknowledged were applied again when
+                # resent (a bridge killed as a new owner and restarted within the hold:
+                # a chaos run, 2026-11-28).  The wait goes on to the previous owner's
+                # backups, or this host's copy; nor is it asked later in the wait.
+                if not st.handover_init:
                     st.handover_next = [b for b in st.handover_next if b != peer]
+                if st.handover_from == peer and not st.handover_init:
                     st.handover_until = 0.0
                     self._handover_given_up(st, now)
             self._unsettle()
@@ -3209,8 +3216,12 @@ class Bridge:
         # hand-over snapshot)
         # (from the process waited for: one restarted since holds the old one's copy
         # without its duplicate filter, and its frames may come before its heartbeat)
+        # (and from the process the wait began with: one started since, while the hold
+        # waited for its host to come back, served the old one's copy under an empty
+        # filter, which replaced this host's: chaos seed 2004, a table shard 19 over)
         handover = st.handover_from == peer and (
-            st.handover_init or self._incarnations.get(peer, f.incarnation) == f.incarnation)
+            st.handover_init or self._handover_incarnation(st, peer, f.incarnation)
+            == f.incarnation)
         if handover and f.type == FrameType.ROWS and peer != st.handover_prev:
             # Only the previous owner's last ROWS belong to a hand-over; a host asked
             # instead (a backup, the owner of the last ROWS, one waited for while cut
@@ -3284,7 +3295,14 @@ class Bridge:
                             "owner's copy; lost if they were acknowledged", st.key, peer,
                             stream[0], mine, theirs)
                 self.metrics.snapshots_behind.inc()
-        elif f.type == FrameType.SNAPSHOT and f.marks:
+        elif f.type == FrameType.SNAPSHOT and (f.marks or not st.handover_init and (
+                f.flags & frames.Flag.LAST or st.snap_open is None
+                or st.snap_open[:2] != (f.sender, f.incarnation))):
+            # (checked on the chunks with marks, the first and the last, and on those
+            # chunks when they carry none: its sender's filter held no batch, which this
+            # copy may be ahead of.  A restarted process's copy, of an empty filter, was
+            # taken so, and resent batches were applied again: chaos seed 2004.  A
+            # creator's initial values carry none and replace nothing applied)
             behind = self._behind(st, f)
             if behind is not None:
                 # The copy handed over lacks batches this host's copy holds: the sender
@@ -3467,6 +3485,19 @@ class Bridge:
                 return stream, mine, theirs.get(who, 0)
         return None
 
+    def _handover_incarnation(self, st: ShardState, member: str, default: int) -> int:
+        """The incarnation of ``member`` whose copy the wait for ``st``'s hand-over is
+        for: its process when the wait began (``st.handover_incs``), else (not heard of
+        then) its current one, else ``default``."""
+        began = st.handover_incs.get(member)
+        return began if began is not None else self._incarnations.get(member, default)
+
+    def _waited_restarted(self, st: ShardState, member: str) -> bool:
+        """Whether ``member``'s bridge restarted since the wait for ``st``'s hand-over
+        began: its new process can give no hand-over (on_heartbeat)."""
+        began = st.handover_incs.get(member)
+        return began is not None and self._incarnations.get(member, began) != began
+
     def _handover_given_up(self, st: ShardState, now: float) -> bool:
         """Whether this owner stops waiting for the hand-over of ``st`` (it is waiting):
         HANDOVER_TIMEOUT passed since the last frame or "coming" answer from the host it
@@ -3483,10 +3514,15 @@ class Bridge:
         waited = st.handover_from
         hold = now < st.handover_hold_until
         # one that did not deliver while reachable has nothing to give; one cut off
-        # before it did is asked again if it is back before the hold ends
+        # before it did is asked again if it is back before the hold ends, unless its
+        # bridge restarted meanwhile (its new process holds the old one's copy without
+        # its duplicate filter: on_heartbeat; the hold waited for it again, and took
+        # that copy under an empty filter: chaos seed 2004)
         st.handover_next = [b for b in st.handover_next
-                            if b != waited or (hold and b not in reach)]
-        if waited is not None and hold and waited not in reach and waited not in st.handover_next:
+                            if (b != waited or (hold and b not in reach))
+                            and not self._waited_restarted(st, b)]
+        if (waited is not None and hold and waited not in reach
+                and waited not in st.handover_next and not self._waited_restarted(st, waited)):
             st.handover_next.append(waited)
         nxt = next((b for b in st.handover_next if b in reach), None)
         if nxt is not None:
