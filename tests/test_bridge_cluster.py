@@ -297,6 +297,38 @@ def test_a_host_with_no_room_for_a_tensor_leaves_and_the_others_go_on(make_clust
             s.close()
 
 
+@needs_small_shm
+def test_a_host_without_room_the_other_needs_stays_and_says_so_in_health(make_cluster):
+    """Of two hosts, host 1's /dev/shm (32 MiB) has no room for a 48 MiB tensor made on
+    host 0; host 0 alone would have no majority, so host 1 stays in the cluster: it
+    keeps running, host 0 still counts it alive, a tensor it has room for is forwarded
+    (host 0's pushes to it are applied and acknowledged: flush() returns, the pull is
+    exact), and GET /health over HTTP names the tensor it has no room for, with why."""
+    c = make_cluster(2, wrap=_on_small_shm(1, 32))
+    c.start_all()
+    big = {"w": [[12 << 20], "int32", "sum", 2 << 20]}      # 48 MiB, 6 shards of 8 MiB
+    c.run_worker(0, {"create": {"dense": big}}, timeout=60)
+    c.wait(lambda: "w" in ((c.health(1) or {}).get("no_room") or {}), 30,
+           "host 1's /health to name 'w' in no_room")
+    why = c.health(1)["no_room"]["w"]
+    assert "/dev/shm" in why and "free" in why, why
+    small = {"v": [[64, 4], "int32", "sum", 16]}
+    out = c.run_worker(0, {"create": {"dense": small}, "pushes": 3, "flush": True,
+                           "flush_timeout": 20.0}, timeout=60)
+    assert out["rounds"] == 3
+    assert c.running() == [0, 1], c.describe()
+    states = {m["address"]: m["state"] for m in (c.health(0) or {}).get("members", [])}
+    assert states.get(c.addrs[1]) == "alive", c.describe()
+    s = c.attach(0)
+    try:
+        v = s["v"].pull()
+        assert v.min() == 3 and v.max() == 3, (v.min(), v.max())
+    finally:
+        s.close()
+    log = c.logs[1].read_text(errors="replace")
+    assert "it stays in the cluster" in log, log[-3000:]
+
+
 def test_initial_values_wait_for_an_origin_that_reads_them_one_at_a_time(make_cluster):
     """The creating host reads the initial values of every shard its peers own in its
     snapshot thread, one at a time: here each read takes 0.6 s longer (failpoint
