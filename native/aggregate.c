@@ -63,6 +63,11 @@
  * with shmps_agg_phase, by a build before 2026-11-28) is taken over as ZEROING: the
  * round is applied on the stripes the dead process reached only.
  *
+ * Closing.  A round is closed to new pushes from its claim on (begin: CLAIMED, then
+ * CLOSED once applied): a worker that joined after the claim starts at the round's
+ * clock, and its push, added to the accumulator the applier had read (or would read
+ * again in a resume), was lost with the zeroing or pushed to part of the stripes.
+ *
  * Restored stores.  Round numbers are worker clocks, which belong to one manifest.
  * The control block is stamped with its manifest's creation time; a block carried
  * into another manifest (a checkpoint restored) is STALE: pushes refuse it until
@@ -320,6 +325,14 @@ int shmps_agg_begin(void *ctl, void *man, uint64_t token, uint32_t slot, uint32_
         e = b->round == r && bit_get(b, slot) ? SHMPS_AGG_E_TWICE : SHMPS_AGG_E_CLOSED;
     } else if (r >= c->next_round + 2) {
         e = SHMPS_AGG_E_AHEAD;
+    } else if (r == c->next_round && c->applier && c->claim_round == r) {
+        /* claimed (its applier may be reading the accumulator, or dead in PUSHING with a
+         * resume to come, which reads it again): closed to new pushes, which would be
+         * lost with the zeroing or pushed by a resume to part of the stripes.  Only a
+         * worker that joined after the claim gets here (every joined worker was
+         * covered when the round was claimed); the caller waits for the round, and
+         * its push is then refused as one to an applied round (CLOSED) */
+        e = SHMPS_AGG_E_CLAIMED;
     } else if (!c->assembled && joined(man, &minclock) < want) {
         e = SHMPS_AGG_E_ASSEMBLING;
     } else {

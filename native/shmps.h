@@ -209,6 +209,7 @@ enum {
     SHMPS_AGG_E_AHEAD = -30103,   /* the pusher is 2 rounds ahead of the oldest unapplied */
     SHMPS_AGG_E_ASSEMBLING = -30104, /* fewer than `workers` workers have joined yet */
     SHMPS_AGG_E_STALE = -30105,   /* rounds of another manifest (restored): reset first */
+    SHMPS_AGG_E_CLAIMED = -30106, /* the pusher's round is claimed (being applied): closed */
     SHMPS_AGG_RESET_DONE = 0, SHMPS_AGG_RESET_CLAIMED = 1, SHMPS_AGG_RESET_BUSY = 2,
     SHMPS_AGG_NOTHING = 0, SHMPS_AGG_APPLY = 1, SHMPS_AGG_BUSY = 2,
     SHMPS_AGG_PH_SUM = 1, SHMPS_AGG_PH_PUSHING = 2, SHMPS_AGG_PH_ZEROING = 3

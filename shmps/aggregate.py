@@ -24,7 +24,9 @@ Rules (docs/consistency.md has the diagram):
 - Rounds are applied in order.  Double buffering by clock parity: pushes for
   c + 1 go to the other buffer while round c is open; a push for c + 2 waits until
   round c is applied (at most two rounds in flight, whatever the store's
-  staleness).  A push for a round already applied raises InvalidArgument.
+  staleness).  A push for a round already applied raises InvalidArgument; so does
+  one for a round claimed for applying (a worker that joined after the claim), once
+  the round is applied.
 - ``pull()`` first applies any round that is complete but not yet applied (e.g.
   one whose last worker died after every other pushed), and waits for a round
   another process is applying; ``wait_round()`` blocks until a round is applied.
@@ -299,6 +301,11 @@ class AggregateDense(DenseTensor):
             if code == lib.SHMPS_AGG_E_AHEAD:
                 self._settle(True, timeout)
                 self._wait(int(rnd[0]) - 2, timeout)
+                continue
+            if code == lib.SHMPS_AGG_E_CLAIMED:
+                # a worker that joined after round rnd was claimed: the round goes on
+                # without it; once applied, the push is refused as CLOSED just below
+                self._wait(int(rnd[0]), timeout)
                 continue
             if code == lib.SHMPS_AGG_E_ASSEMBLING:
                 self._assemble(timeout)

@@ -386,6 +386,44 @@ def test_applier_killed_part_way_through_pushing_a_round_is_finished(job):
     assert W.stats()["step"] == 2
 
 
+def _cut_round(job, child=die_part_way_through_a_round):
+    """A 2-shard int32 Sum tensor W (workers=1) whose only worker pushed round 0 and was
+    SIGKILLed applying it (by ``child``): round 0 is claimed by a dead process in phase
+    PUSHING, and nobody has taken it over yet."""
+    W = job.dense("W", shape=SHAPE, dtype="int32", optimizer="sum", aggregate="sum",
+                  workers=1, shard_rows=8)
+    assert W.nshards == 2
+    with Workers(hard_timeout=60) as ws:
+        w = ws.start(child, job.name)
+        w.process.join(30)
+        assert w.process.exitcode == -signal.SIGKILL
+    return W
+
+
+def test_a_worker_joining_while_a_round_is_claimed_pushes_to_the_next_round(job):
+    """Review F2 of ca12e65: a worker that joins while round 0 is claimed (here by an
+    applier SIGKILLed part-way through pushing it) starts at clock 0, whose round is
+    closed to new pushes from the claim on: its push is refused as one to an applied
+    round (InvalidArgument, call clock()) once the round is finished, and goes to round 1
+    after clock().  Before, the push was added to the claimed round's accumulator and the
+    resume pushed the larger sum to the stripes the dead applier had not reached: shard 1
+    got both pushes, shard 0 the first only (the late push lost there, torn across
+    shards), and with "mean" the larger sum was divided by the old count."""
+    W = _cut_round(job)
+    late = known_int(1, 0)
+    assert job.join(worker=1) == 1   # (slot 0, the dead applier's, holds its bit)
+    assert job.workers()[0]["clock"] == 0
+    with pytest.raises(shmps.InvalidArgument, match="already applied without this worker"):
+        W.push(late)
+    assert np.array_equal(W.pull(), known_int(0, 0))
+    job.clock()
+    W.push(late)
+    assert np.array_equal(W.pull(), known_int(0, 0) + late)
+    info = W.rounds()
+    assert info["applied"] == 2 and info["next_round"] == 2
+    assert W.stats()["step"] == 2
+
+
 def test_first_push_waits_for_the_team(job):
     """With workers=2 and one worker joined, a push waits; Timeout says how many
     have joined, and nothing was counted."""
