@@ -61,7 +61,12 @@
  * kill), then zeroes the buffer;
  * ZEROING goes on with zeroing the buffer.  A PUSHING claim without push_step (set
  * with shmps_agg_phase, by a build before 2026-11-28) is taken over as ZEROING: the
- * round is applied on the stripes the dead process reached only.
+ * round is applied on the stripes the dead process reached only.  The resume's test
+ * (a stripe has the round if its step is the ticket or later) holds only if nothing
+ * else moves a stripe past the ticket: pushes to the tensor by another path (the
+ * bridge's direct applies) are bracketed by shmps_agg_foreign, and a round takes its
+ * ticket and enters PUSHING only while none is in flight, and none starts while a
+ * round is in PUSHING (it waits, or finishes a dead applier's round first).
  *
  * Closing.  A round is closed to new pushes from its claim on (begin: CLAIMED, then
  * CLOSED once applied): a worker that joined after the claim starts at the round's
@@ -86,6 +91,7 @@
 #define AGG_MAGIC 0x4c54434741504853ull /* "SHPAGCTL" little-endian */
 #define AGG_VERSION 1u
 #define AGG_WORDS (SHMPS_MAX_WORKERS / 64)
+#define AGG_FOREIGN 64     /* processes pushing to the tensor by another path at once */
 #define NAP_NS 2000000ull /* waiters re-check liveness and clocks every 2 ms */
 /* The compiler emits no store after it before any store ahead of it (C11's fence for
  * a signal in the same thread, which is what a kill at any instant is to the crash
@@ -98,6 +104,12 @@ typedef struct {
     uint64_t bits[AGG_WORDS];          /* worker slots that contributed */
     uint64_t pend[SHMPS_MAX_WORKERS];  /* token of a slot's push in flight, else 0 */
 } agg_buf_t;
+
+/* A process's pushes to the tensor by another path (the bridge's direct applies) in
+ * flight: token 0 = a free entry; a dead token's entry is free too. */
+typedef struct {
+    uint64_t token, count;
+} agg_foreign_t;
 
 typedef struct {
     uint64_t magic;       /* AGG_MAGIC once next_round is set (all zero before) */
@@ -114,6 +126,7 @@ typedef struct {
     uint64_t resetter;    /* token resetting a stale block, 0 = none */
     agg_buf_t buf[2];
     uint64_t push_step;   /* the ticket of the claimed round's push (PUSHING), 0 = none */
+    agg_foreign_t foreign[AGG_FOREIGN]; /* pushes by another path in flight, per process */
 } agg_ctl_t;
 
 _Static_assert(sizeof(agg_ctl_t) <= SHMPS_AGG_CTL_BYTES, "aggregation control block");
@@ -447,27 +460,114 @@ int shmps_agg_phase(void *ctl, uint64_t token, uint64_t round, uint32_t phase) {
     return e;
 }
 
-/* Phase PUSHING of our claim of `round`, whose push takes ticket `step` (taken by the
- * caller, shmps_dense_next_step, before this call and passed to the push without
- * SHMPS_STEP_BY_STRIPE, so that a stripe has the push exactly if its last step is
- * `step` or later).  Relaxed stores in this order (CRASH_ORDER): killed between them,
- * the phase is still SUM, and whoever takes the claim over restarts the round (a new
- * ticket; this one's step is skipped, which by-ticket pushes allow).  The lock's
- * release (or its takeover CAS, acquire) orders both before the next holder's reads. */
-int shmps_agg_pushing(void *ctl, uint64_t token, uint64_t round, uint64_t step) {
+/* Is a push by another path (shmps_agg_foreign) of a live process other than `token`
+ * in flight?  Dead processes' entries are freed.  (Lock held.) */
+static int foreign_in_flight(agg_ctl_t *c, uint64_t token) {
+    int busy = 0;
+    for (uint32_t i = 0; i < AGG_FOREIGN; i++) {
+        agg_foreign_t *f = &c->foreign[i];
+        if (!f->token || !f->count) continue;
+        if (!shmps_token_alive(f->token)) {
+            f->token = 0; /* a dead process pushes nothing more (under the lock) */
+            continue;
+        }
+        if (f->token != token) busy = 1;
+    }
+    return busy;
+}
+
+/* Phase PUSHING of our claim of `round`: takes the push's ticket here (*step, from
+ * shard 0 `base0` of the tensor, its flags masked off: the push goes by ticket, without
+ * SHMPS_STEP_BY_STRIPE, so that a stripe has the push exactly if its last step is the
+ * ticket or later) and records it, once no push by another path is in flight
+ * (SHMPS_AGG_E_FOREIGN: nothing done, try again).  The ticket is taken under the lock,
+ * after that check: every push by another path then took its ticket before ours and
+ * has finished writing, or takes it after this round has left PUSHING (it waits, or
+ * resumes a dead applier's round first), so no stripe reaches the ticket otherwise
+ * than by this round, which a resume relies on.  Relaxed stores in this order
+ * (CRASH_ORDER): killed between them, the phase is still SUM, and whoever takes the
+ * claim over restarts the round (a new ticket; this one's step is skipped, which
+ * by-ticket pushes allow).  The lock's release (or its takeover CAS, acquire) orders
+ * both before the next holder's reads. */
+int shmps_agg_pushing(void *ctl, uint64_t token, uint64_t round, void *base0, uint64_t *step) {
     agg_ctl_t *c = ctl_of(ctl);
     if (!c) return SHMPS_E_CORRUPT;
-    if (!step || step >= SHMPS_STEP_RESUME) return SHMPS_E_ARG;
+    const shmps_spec_t *s0 = shmps_spec_of(base0);
+    if (!s0 || s0->kind != SHMPS_DENSE) return SHMPS_E_ARG;
     int e = lock(c, token);
     if (e) return e;
     if (c->applier != token || c->claim_round != round || c->next_round != round) {
         e = SHMPS_E_ARG; /* our claim was taken over (we were thought dead?) */
+    } else if (foreign_in_flight(c, token)) {
+        e = SHMPS_AGG_E_FOREIGN;
     } else {
-        STORE(&c->push_step, step, RELAXED);
-        CRASH_ORDER();
-        STORE(&c->phase, SHMPS_AGG_PH_PUSHING, RELAXED);
+        uint64_t t;
+        shmps_dense_next_step(base0, &t);
+        t &= ~(uint64_t)(SHMPS_STEP_BY_STRIPE | SHMPS_STEP_RESUME); /* by ticket, see above */
+        if (!t) {
+            e = SHMPS_E_ARG;
+        } else {
+            STORE(&c->push_step, t, RELAXED);
+            CRASH_ORDER();
+            STORE(&c->phase, SHMPS_AGG_PH_PUSHING, RELAXED);
+            *step = t;
+        }
     }
     unlock(c);
+    return e;
+}
+
+/* A push to the tensor by another path than the rounds (the bridge's direct applies),
+ * bracketed by this call with end = 0 before it and end = 1 after it.  end = 0: if a
+ * round is claimed in phase PUSHING, nothing is registered and *what says what to do
+ * first (SHMPS_AGG_BUSY: a live process pushes round *round, wait for it;
+ * SHMPS_AGG_APPLY: its applier is dead, finish it, shmps_agg_next); else the push is
+ * registered (*what = SHMPS_AGG_NOTHING) and a round's PUSHING waits until it ends
+ * (shmps_agg_pushing), because a stripe this push moved past a round's ticket would
+ * pass for having the round when a resume finishes it.  SHMPS_AGG_E_FOREIGN: the
+ * table is full (AGG_FOREIGN processes at once), try again.  Entries are per process
+ * (threads share the token; the caller serialises them with the round's applier,
+ * aggregate.py _apply_lock); a dead process's entry is ignored and reused. */
+int shmps_agg_foreign(void *ctl, void *man, uint64_t token, int end, uint32_t *what,
+                      uint64_t *round) {
+    agg_ctl_t *c = ctl_of(ctl);
+    if (!c) return SHMPS_E_CORRUPT;
+    *what = SHMPS_AGG_NOTHING;
+    *round = 0;
+    int e = lock(c, token);
+    if (e) return e;
+    agg_foreign_t *mine = NULL, *free_ = NULL;
+    for (uint32_t i = 0; i < AGG_FOREIGN; i++) {
+        agg_foreign_t *f = &c->foreign[i];
+        if (f->token == token) mine = f;
+        else if (!free_ && (!f->token || !f->count || !shmps_token_alive(f->token))) free_ = f;
+    }
+    if (end) {
+        /* relaxed: under the lock (as every field of the block) */
+        if (mine && mine->count) STORE(&mine->count, mine->count - 1, RELAXED);
+    } else if (/* relaxed: under the lock, which orders begin's release store of it */
+               LOAD(&c->magic, RELAXED) == AGG_MAGIC && !stale(c, man) &&
+               c->applier && c->claim_round == c->next_round &&
+               c->phase == SHMPS_AGG_PH_PUSHING) {
+        *round = c->next_round;
+        *what = c->applier != token && shmps_token_alive(c->applier) ? SHMPS_AGG_BUSY
+                                                                     : SHMPS_AGG_APPLY;
+    } else if (mine) {
+        /* relaxed: under the lock, which orders it for the next holder (the count is
+         * read only there: foreign_in_flight) */
+        STORE(&mine->count, mine->count + 1, RELAXED);
+    } else if (free_) {
+        /* the count, then the token (CRASH_ORDER): killed between, the entry holds no
+         * token (free) or our dead one (ignored); the lock orders both for the next
+         * holder */
+        STORE(&free_->count, 1, RELAXED);
+        CRASH_ORDER();
+        STORE(&free_->token, token, RELAXED);
+    } else {
+        e = SHMPS_AGG_E_FOREIGN;
+    }
+    unlock(c);
+    if (end && !e) wake(c);
     return e;
 }
 

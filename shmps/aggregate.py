@@ -45,10 +45,11 @@ an accumulator behind the round bookkeeping went into some round's sum).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 
@@ -419,12 +420,7 @@ class AggregateDense(DenseTensor):
                 _native.check(lib.shmps_agg_push_step(ctl, tok, rnd, got), what)
                 step = int(got[0]) | lib.SHMPS_STEP_RESUME
             elif self._resumable():
-                got = ffi.new("uint64_t *")
-                lib.shmps_dense_next_step(self._shard(0).ptr, got)
-                # by ticket (the flags masked off): a stripe has this push exactly if
-                # its last step is the ticket or later, which a resume relies on
-                step = int(got[0]) & (lib.SHMPS_STEP_RESUME - 1)
-                _native.check(lib.shmps_agg_pushing(ctl, tok, rnd, step), what)
+                step = self._pushing(rnd)
             else:
                 _native.check(lib.shmps_agg_phase(ctl, tok, rnd, lib.SHMPS_AGG_PH_PUSHING),
                               what)
@@ -449,15 +445,82 @@ class AggregateDense(DenseTensor):
         forwarded to a bridge, where it goes to the outbox)."""
         return self.mode != "hogwild" and not (self._fwd[0] and self._forwards())
 
-    def _push_round(self, total: np.ndarray, step: int) -> None:
+    def _pushing(self, rnd: int) -> int:
+        """Phase PUSHING of our claim of round ``rnd``; returns the push's ticket
+        (shmps_agg_pushing takes it), once no push by another path is in flight."""
+        got = ffi.new("uint64_t *")
+        deadline = _native.now_ns() + int(WAIT_TIMEOUT_S * 1e9)
+        while True:
+            code = lib.shmps_agg_pushing(self._cptr(), _native.token(), rnd,
+                                         self._shard(0).ptr, got)
+            if code != lib.SHMPS_AGG_E_FOREIGN:
+                _native.check(code, f"round {rnd} of {self.name!r}")
+                return int(got[0])
+            if _native.now_ns() > deadline:
+                raise Timeout(f"round {rnd} of {self.name!r}: a push by another path (a "
+                              f"bridge's) has been in flight for {WAIT_TIMEOUT_S} s",
+                              "is the process applying it stuck?")
+            time.sleep(0.0005)
+
+    def _push_round(self, total: np.ndarray, step: int) -> np.ndarray:
         """Push the round's aggregate ``total`` at ticket ``step`` (taken for the
-        round; with SHMPS_STEP_RESUME: only to the stripes that do not have it yet)."""
+        round; with SHMPS_STEP_RESUME: only to the stripes that do not have it yet);
+        returns the gradient pushed."""
         g = cast_grad(total, self.dtype)
         nthreads = self._threads_for(g.nbytes)
         self._require_finite(g, nthreads)
         self._push_all(g, step, nthreads)
         lib.shmps_count_push(self._shard(0).ptr, 0 if step & lib.SHMPS_STEP_RESUME else 1,
                              g.nbytes, self.nrows)
+        return g
+
+    # -- pushes by another path (the bridge) --------------------------------------
+    def _apply_direct(self, index: Any, grads: Any, pushes: int = 1,
+                      continues: bool = False) -> None:
+        """As DenseTensor._apply_direct, bracketed by the rounds (:meth:`_foreign`)."""
+        with self._foreign():
+            super()._apply_direct(index, grads, pushes, continues)
+
+    def _apply_shard(self, shard: int, rows: np.ndarray, grads: np.ndarray, pushes: int = 1,
+                     continues: bool = False) -> None:
+        """As DenseTensor._apply_shard, bracketed by the rounds (:meth:`_foreign`)."""
+        with self._foreign():
+            super()._apply_shard(shard, rows, grads, pushes, continues)
+
+    @contextlib.contextmanager
+    def _foreign(self) -> Iterator[None]:
+        """A push to the tensor by another path than the rounds (the bridge applying
+        to it directly): a round claimed in phase PUSHING is waited for, or, its
+        applier dead, finished first; the push is then registered in the control
+        block, and a round does not start pushing until it is done
+        (shmps_agg_foreign).  Without this, the push could move stripes that a dead
+        applier had not reached past the round's ticket, and the resume took them for
+        having the round (review F3 of ca12e65).  One thread of this process at a
+        time, as the rounds' applier (_apply_lock)."""
+        what, rnd = ffi.new("uint32_t *"), ffi.new("uint64_t *")
+        man, tok = self._store._mptr, _native.token()
+        deadline = _native.now_ns() + int(WAIT_TIMEOUT_S * 1e9)
+        with _apply_lock(self):
+            while True:
+                code = lib.shmps_agg_foreign(self._cptr(), man, tok, 0, what, rnd)
+                if code == lib.SHMPS_AGG_E_FOREIGN:   # the table is full: try again
+                    if _native.now_ns() > deadline:
+                        raise Timeout(f"push to {self.name!r}: too many processes push to "
+                                      f"it by another path at once, for {WAIT_TIMEOUT_S} s")
+                    time.sleep(0.0005)
+                    continue
+                _native.check(code, f"push to {self.name!r}")
+                if what[0] == lib.SHMPS_AGG_NOTHING:
+                    break
+                if what[0] == lib.SHMPS_AGG_APPLY:
+                    self._settle(False, WAIT_TIMEOUT_S)   # finish the dead applier's round
+                else:
+                    self._wait(int(rnd[0]), WAIT_TIMEOUT_S)
+            try:
+                yield
+            finally:
+                _native.check(lib.shmps_agg_foreign(self._cptr(), man, tok, 1, what, rnd),
+                              f"push to {self.name!r}")
 
     def _wait(self, rnd: int, timeout: float) -> None:
         """Block until round ``rnd`` is applied (applying it, or earlier ones, when

@@ -198,6 +198,23 @@ def die_part_way_through_a_round(store: str) -> None:
     s["W"].push(known_int(0, 0))
 
 
+def push_by_another_path(store: str, flags) -> None:
+    """A bridge's direct apply to "W" (ones), held open: inside the bracket
+    (AggregateDense._foreign) it sets ``flags[0]`` and applies once ``flags[1]`` is set."""
+    from shmps.dense import DenseTensor
+
+    s = shmps.attach(store)
+    try:
+        W = s["W"]
+        with W._foreign():
+            flags[0] = 1
+            deadline = time.monotonic() + 30
+            while not flags[1] and time.monotonic() < deadline:
+                time.sleep(0.001)
+            DenseTensor._apply_direct(W, None, np.ones(W.shape, W.dtype))
+    finally:
+        s.close()
+
 # ---- fixtures -----------------------------------------------------------------------
 
 @pytest.fixture
@@ -422,6 +439,57 @@ def test_a_worker_joining_while_a_round_is_claimed_pushes_to_the_next_round(job)
     info = W.rounds()
     assert info["applied"] == 2 and info["next_round"] == 2
     assert W.stats()["step"] == 2
+
+
+@pytest.mark.parametrize("path", ["direct", "shard"])
+def test_a_push_by_another_path_before_the_resume_does_not_hide_the_round(job, path):
+    """Review F3 of ca12e65: round 0's applier SIGKILLed with the aggregate on shard 0
+    and not on shard 1, then a push by another path (the bridge's _apply_direct or
+    _apply_shard, a plain push on the tensor) before anyone resumed the round: it took
+    a later ticket and moved shard 1's stripes past the round's ticket, so the resume
+    took shard 1 for having the round and skipped it (shard 1 held the other push
+    only).  The other path finishes the cut round first: every element ends at the
+    round plus the other push."""
+    W = _cut_round(job)
+    other = np.ones(SHAPE, np.int32)
+    if path == "direct":
+        W._apply_direct(None, other)
+    else:
+        rows = np.arange(8, 16, dtype=np.int64)   # shard 1's rows
+        W._apply_shard(1, rows, other[8:])
+    want = known_int(0, 0).copy()
+    want[8:] += 1
+    if path == "direct":
+        want[:8] += 1
+    assert np.array_equal(W.pull(), want)
+    info = W.rounds()
+    assert info["applied"] == 1 and info["next_round"] == 1
+    assert not W._acc[0].pull().any()
+
+
+def test_a_round_does_not_start_pushing_while_a_push_by_another_path_is_in_flight(job):
+    """The other half of F3's fix: a round's applier takes its ticket and enters PUSHING
+    only once no push by another path is in flight (here a bridge's direct apply held
+    open in another process), so no such push writes a stripe at a later ticket while
+    the round is being pushed.  The round waits (still not applied while the other push
+    is open), then lands: every element is the round plus the other push."""
+    W = job.dense("W", shape=SHAPE, dtype="int32", optimizer="sum", aggregate="sum",
+                  workers=1, shard_rows=8)
+    flags = CTX.RawArray("q", 2)
+    with Workers(hard_timeout=60) as ws:
+        other = ws.start(push_by_another_path, job.name, flags)
+        wait_until(lambda: flags[0], 30, "the other path's push registered")
+        job.join()
+        h = W.push(known_int(0, 0), wait=False)
+        wait_until(lambda: W.rounds()["buffers"][0]["contributed"] == 1, 30,
+                   "the worker's push accumulated")
+        time.sleep(0.2)
+        assert W.rounds()["applied"] == 0 and W.stats()["step"] == 0
+        flags[1] = 1
+        other.result(30)
+        h.wait(30)
+    assert np.array_equal(W.pull(), known_int(0, 0) + 1)
+    assert W.rounds()["applied"] == 1 and W.stats()["step"] == 2
 
 
 def test_first_push_waits_for_the_team(job):
