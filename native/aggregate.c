@@ -66,7 +66,9 @@
  * else moves a stripe past the ticket: pushes to the tensor by another path (the
  * bridge's direct applies) are bracketed by shmps_agg_foreign, and a round takes its
  * ticket and enters PUSHING only while none is in flight, and none starts while a
- * round is in PUSHING (it waits, or finishes a dead applier's round first).
+ * round is in PUSHING (it waits, or finishes a dead applier's round first).  The
+ * round's push counts once in the tensor's statistics, by whoever ends PUSHING
+ * (shmps_agg_pushed, `counted`).
  *
  * Closing.  A round is closed to new pushes from its claim on (begin: CLAIMED, then
  * CLOSED once applied): a worker that joined after the claim starts at the round's
@@ -126,6 +128,7 @@ typedef struct {
     uint64_t resetter;    /* token resetting a stale block, 0 = none */
     agg_buf_t buf[2];
     uint64_t push_step;   /* the ticket of the claimed round's push (PUSHING), 0 = none */
+    uint64_t counted;     /* r + 1 once round r's push was counted in the tensor's pushes */
     agg_foreign_t foreign[AGG_FOREIGN]; /* pushes by another path in flight, per process */
 } agg_ctl_t;
 
@@ -517,6 +520,42 @@ int shmps_agg_pushing(void *ctl, uint64_t token, uint64_t round, void *base0, ui
     return e;
 }
 
+/* The push of our claim of `round` (PUSHING, with its ticket) reached every stripe:
+ * count it as one push in the tensor's statistics (shard 0 `base0`: nbytes, rows), once
+ * per round whoever finished it (the dead applier's push counted nothing yet: it
+ * counts here), and go to phase ZEROING.  Under the lock, relaxed stores in this
+ * order (CRASH_ORDER): `counted` first, so a holder killed anywhere in here never
+ * makes the round count twice (a taker finds it counted); killed between that store
+ * and the count (two adjacent instructions), the round counts no push.  The lock's
+ * release (or takeover CAS, acquire) orders them before the next holder's reads. */
+int shmps_agg_pushed(void *ctl, uint64_t token, uint64_t round, void *base0, uint64_t nbytes,
+                     uint64_t rows) {
+    agg_ctl_t *c = ctl_of(ctl);
+    if (!c) return SHMPS_E_CORRUPT;
+    const shmps_spec_t *s0 = shmps_spec_of(base0);
+    if (!s0 || s0->kind != SHMPS_DENSE) return SHMPS_E_ARG;
+    int e = lock(c, token);
+    if (e) return e;
+    if (c->applier != token || c->claim_round != round || c->next_round != round ||
+        c->phase != SHMPS_AGG_PH_PUSHING || !LOAD(&c->push_step, RELAXED)) {
+        e = SHMPS_E_ARG;
+    } else {
+        /* relaxed, here and in the stores below: written only under this lock, whose
+         * release (or takeover CAS, acquire) orders them for the next holder; the
+         * order a kill sees is kept by CRASH_ORDER */
+        if (LOAD(&c->counted, RELAXED) != round + 1) {
+            STORE(&c->counted, round + 1, RELAXED);
+            CRASH_ORDER();
+            /* (its relaxed adds: statistics, each counter independently atomic) */
+            shmps_count_push(base0, 1, nbytes, rows);
+            CRASH_ORDER();
+        }
+        STORE(&c->phase, SHMPS_AGG_PH_ZEROING, RELAXED);
+    }
+    unlock(c);
+    return e;
+}
+
 /* A push to the tensor by another path than the rounds (the bridge's direct applies),
  * bracketed by this call with end = 0 before it and end = 1 after it.  end = 0: if a
  * round is claimed in phase PUSHING, nothing is registered and *what says what to do
@@ -677,6 +716,7 @@ int shmps_agg_reset(void *ctl, void *man, uint64_t token, int finish, uint32_t *
         c->next_round = c->applier = c->claim_round = 0;
         c->phase = c->count = c->assembled = 0;
         c->stamp = c->resetter = 0;
+        c->counted = 0; /* round numbers start again: no round of theirs is counted */
         *state = SHMPS_AGG_RESET_DONE;
     }
     unlock(c);

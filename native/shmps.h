@@ -237,6 +237,8 @@ int shmps_agg_next(void *ctl, void *man, uint64_t token, uint32_t want, uint32_t
                    uint64_t *round, uint32_t *count, uint32_t *phase, int32_t *behind);
 int shmps_agg_phase(void *ctl, uint64_t token, uint64_t round, uint32_t phase);
 int shmps_agg_pushing(void *ctl, uint64_t token, uint64_t round, void *base0, uint64_t *step);
+int shmps_agg_pushed(void *ctl, uint64_t token, uint64_t round, void *base0, uint64_t nbytes,
+                     uint64_t rows);
 int shmps_agg_foreign(void *ctl, void *man, uint64_t token, int end, uint32_t *what,
                       uint64_t *round);
 int shmps_agg_push_step(void *ctl, uint64_t token, uint64_t round, uint64_t *step);

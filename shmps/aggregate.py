@@ -424,13 +424,19 @@ class AggregateDense(DenseTensor):
             else:
                 _native.check(lib.shmps_agg_phase(ctl, tok, rnd, lib.SHMPS_AGG_PH_PUSHING),
                               what)
+            g: Optional[np.ndarray] = None
             try:
                 if step:
-                    self._push_round(total, step)
+                    g = self._push_round(total, step)
                 else:
                     DenseTensor.push(self, total)
             except Error as exc:  # e.g. the sum overflowed to Inf: the round is dropped
                 err = exc
+            if g is not None:
+                # one push in the statistics per round, whoever finished it (a dead
+                # applier's cut push counted none); phase ZEROING
+                _native.check(lib.shmps_agg_pushed(ctl, tok, rnd, self._shard(0).ptr,
+                                                   g.nbytes, self.nrows), what)
         _native.check(lib.shmps_agg_phase(ctl, tok, rnd, lib.SHMPS_AGG_PH_ZEROING),
                       f"round {rnd} of {self.name!r}")
         for sh in acc._shards:
@@ -465,13 +471,11 @@ class AggregateDense(DenseTensor):
     def _push_round(self, total: np.ndarray, step: int) -> np.ndarray:
         """Push the round's aggregate ``total`` at ticket ``step`` (taken for the
         round; with SHMPS_STEP_RESUME: only to the stripes that do not have it yet);
-        returns the gradient pushed."""
+        returns the gradient pushed.  Counted by the caller (shmps_agg_pushed)."""
         g = cast_grad(total, self.dtype)
         nthreads = self._threads_for(g.nbytes)
         self._require_finite(g, nthreads)
         self._push_all(g, step, nthreads)
-        lib.shmps_count_push(self._shard(0).ptr, 0 if step & lib.SHMPS_STEP_RESUME else 1,
-                             g.nbytes, self.nrows)
         return g
 
     # -- pushes by another path (the bridge) --------------------------------------

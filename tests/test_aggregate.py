@@ -198,6 +198,22 @@ def die_part_way_through_a_round(store: str) -> None:
     s["W"].push(known_int(0, 0))
 
 
+def die_after_pushing_a_round(store: str) -> None:
+    """As die_part_way_through_a_round, but SIGKILLed once the aggregate has reached
+    every stripe, before the round leaves phase PUSHING (the accumulator not cleared)."""
+    from shmps.aggregate import AggregateDense
+
+    real = AggregateDense._push_round
+
+    def push_round(self, *args, **kw):
+        real(self, *args, **kw)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    AggregateDense._push_round = push_round
+    s = shmps.attach(store)
+    s.join()
+    s["W"].push(known_int(0, 0))
+
 def push_by_another_path(store: str, flags) -> None:
     """A bridge's direct apply to "W" (ones), held open: inside the bracket
     (AggregateDense._foreign) it sets ``flags[0]`` and applies once ``flags[1]`` is set."""
@@ -490,6 +506,24 @@ def test_a_round_does_not_start_pushing_while_a_push_by_another_path_is_in_fligh
         h.wait(30)
     assert np.array_equal(W.pull(), known_int(0, 0) + 1)
     assert W.rounds()["applied"] == 1 and W.stats()["step"] == 2
+
+
+@pytest.mark.parametrize("child", [die_part_way_through_a_round, die_after_pushing_a_round],
+                         ids=["cut", "pushed"])
+def test_a_resumed_round_counts_as_one_push(job, child):
+    """Review F4 of ca12e65: a round applied by a resume counts once in the tensor's
+    pushes statistic, whether the dead applier was cut between its shards or had reached
+    every stripe (a resume then writes nothing).  Before, the resume counted no push
+    and the dead applier had not counted one yet: stats()["pushes"] stayed 0 ("cut")."""
+    W = _cut_round(job, child)
+    assert np.array_equal(W.pull(), known_int(0, 0))
+    assert W.rounds()["applied"] == 1
+    assert W.stats()["pushes"] == 1
+    job.join()
+    job.clock()
+    W.push(known_int(1, 1))
+    assert np.array_equal(W.pull(), known_int(0, 0) + known_int(1, 1))
+    assert W.stats()["pushes"] == 2 and W.stats()["step"] == 2
 
 
 def test_first_push_waits_for_the_team(job):
