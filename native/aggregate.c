@@ -559,7 +559,8 @@ int shmps_agg_pushed(void *ctl, uint64_t token, uint64_t round, void *base0, uin
 /* A push to the tensor by another path than the rounds (the bridge's direct applies),
  * bracketed by this call with end = 0 before it and end = 1 after it.  end = 0: if a
  * round is claimed in phase PUSHING, nothing is registered and *what says what to do
- * first (SHMPS_AGG_BUSY: a live process pushes round *round, wait for it;
+ * first, if it is pushed by ticket (push_step set: a resumable round)
+ * (SHMPS_AGG_BUSY: a live process pushes round *round, wait for it;
  * SHMPS_AGG_APPLY: its applier is dead, finish it, shmps_agg_next); else the push is
  * registered (*what = SHMPS_AGG_NOTHING) and a round's PUSHING waits until it ends
  * (shmps_agg_pushing), because a stripe this push moved past a round's ticket would
@@ -587,7 +588,12 @@ int shmps_agg_foreign(void *ctl, void *man, uint64_t token, int end, uint32_t *w
     } else if (/* relaxed: under the lock, which orders begin's release store of it */
                LOAD(&c->magic, RELAXED) == AGG_MAGIC && !stale(c, man) &&
                c->applier && c->claim_round == c->next_round &&
-               c->phase == SHMPS_AGG_PH_PUSHING) {
+               c->phase == SHMPS_AGG_PH_PUSHING && LOAD(&c->push_step, RELAXED)) {
+        /* (only a round pushed by ticket, which a resume finishes by the stripes'
+         * steps: one pushed without (shmps_agg_phase: the tensor forwarded to a
+         * bridge, which is what applies by another path) is no resume's concern, and
+         * the bridge's event loop must not wait for a worker's push, which a paused
+         * worker would make last; relaxed, as the loads beside it: under the lock) */
         *round = c->next_round;
         *what = c->applier != token && shmps_token_alive(c->applier) ? SHMPS_AGG_BUSY
                                                                      : SHMPS_AGG_APPLY;

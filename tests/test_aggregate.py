@@ -214,6 +214,27 @@ def die_after_pushing_a_round(store: str) -> None:
     s.join()
     s["W"].push(known_int(0, 0))
 
+def stop_before_pushing_a_round(store: str, flags) -> None:
+    """The only worker of a hogwild aggregated tensor "W" (its rounds are pushed without
+    a ticket, as a forwarded tensor's are): push round 0 and SIGSTOP itself once the
+    round is claimed, in phase PUSHING, before its push (``flags[0]`` set just before)."""
+    from shmps.aggregate import AggregateDense
+    from shmps.dense import DenseTensor
+
+    real = DenseTensor.push
+
+    def push(self, *args, **kw):
+        if isinstance(self, AggregateDense):
+            flags[0] = 1
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return real(self, *args, **kw)
+
+    DenseTensor.push = push
+    s = shmps.attach(store)
+    s.join()
+    AggregateDense.push(s["W"], known_int(0, 0))
+
+
 def push_by_another_path(store: str, flags) -> None:
     """A bridge's direct apply to "W" (ones), held open: inside the bracket
     (AggregateDense._foreign) it sets ``flags[0]`` and applies once ``flags[1]`` is set."""
@@ -506,6 +527,32 @@ def test_a_round_does_not_start_pushing_while_a_push_by_another_path_is_in_fligh
         h.wait(30)
     assert np.array_equal(W.pull(), known_int(0, 0) + 1)
     assert W.rounds()["applied"] == 1 and W.stats()["step"] == 2
+
+
+def test_a_push_by_another_path_does_not_wait_for_a_round_pushed_without_a_ticket(job):
+    """A round pushed without a ticket (hogwild here; a tensor forwarded to a bridge
+    likewise) is no resume's concern: a push by another path (the bridge's direct
+    apply, on its event loop) does not wait for it, even with its applier stopped
+    (SIGSTOP) half-way through: it returns at once, and the round lands once the
+    applier goes on.  (Waiting, a paused worker stalled the bridge's event loop for
+    up to 60 s.)"""
+    W = job.dense("W", shape=SHAPE, dtype="int32", optimizer="sum", aggregate="sum",
+                  workers=1, shard_rows=8, mode="hogwild")
+    flags = CTX.RawArray("q", 1)
+    with Workers(hard_timeout=60) as ws:
+        w = ws.start(stop_before_pushing_a_round, job.name, flags)
+        try:
+            wait_until(lambda: flags[0], 30, "the round claimed")
+            time.sleep(0.1)   # (the SIGSTOP itself)
+            assert W.rounds()["applied"] == 0
+            t0 = time.monotonic()
+            W._apply_direct(None, np.ones(SHAPE, np.int32))
+            took = time.monotonic() - t0
+        finally:
+            os.kill(w.process.pid, signal.SIGCONT)
+        w.result(30)
+    assert took < 5.0, took
+    assert np.array_equal(W.pull(), known_int(0, 0) + 1)
 
 
 @pytest.mark.parametrize("child", [die_part_way_through_a_round, die_after_pushing_a_round],
