@@ -1504,9 +1504,25 @@ def test_a_hand_over_is_not_taken_from_a_restarted_process(tmp_path, init, dead)
             asyncio.run(run(lambda: node._role_change(key, [x, z], [y, z])))
             assert st.handover_from == x and st.handover_next == [z]
             assert st.handover_hold_until > time.monotonic()
+        got: list = []
+
+        def hand_over_from_the_new_process() -> Status:
+            f = frames.encode_snapshot(
+                epoch=0, sender=members.member_id(x), incarnation=8, tensor=info.tid,
+                shard=0, seq=bridge_node.ROWS_SEQ_BASE + 1,
+                values=np.full((8, 4), 9, np.float32), start=0,
+                marks=[Mark(stream[0], 7, 40)], last=True, handover=True)
+            node.on_rows(x, frames.decode(f), lambda d: got.extend(
+                frames.iter_frames(bytes(d))))
+            return got[-1].status
+
         if dead:
             node._on_changes(node.members.mark_dead(x))
             node._maintain_shards(True, time.monotonic())
+        elif not init:
+            # its new process's frame before its heartbeat: no hand-over, the wait goes on
+            assert hand_over_from_the_new_process() is Status.NOT_OWNER
+            assert st.handover_from == x and not (node.store[info.name].pull() == 9).any()
         node.on_heartbeat(x, _heartbeat(x, 0, everyone, incarnation=8, seq=3))
         if init:
             assert st.handover_from == x and st.handover_init
@@ -1519,13 +1535,7 @@ def test_a_hand_over_is_not_taken_from_a_restarted_process(tmp_path, init, dead)
         assert st.handover_from != x, (st.handover_from, st.handover_next)
         # however the wait for x comes back, x's new process is not what it waits for
         st.handover_from, st.handover_until = x, time.monotonic() + 3.0
-        got: list = []
-        f = frames.encode_snapshot(
-            epoch=0, sender=members.member_id(x), incarnation=8, tensor=info.tid, shard=0,
-            seq=bridge_node.ROWS_SEQ_BASE + 1, values=np.full((8, 4), 9, np.float32),
-            start=0, marks=[Mark(stream[0], 7, 40)], last=True, handover=True)
-        node.on_rows(x, frames.decode(f), lambda d: got.extend(frames.iter_frames(bytes(d))))
-        assert got[-1].status is Status.NOT_OWNER
+        assert hand_over_from_the_new_process() is Status.NOT_OWNER
         assert st.dedup.floor(stream) == 40 and not (node.store[info.name].pull() == 9).any()
 
 
