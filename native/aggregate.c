@@ -602,12 +602,15 @@ int shmps_agg_foreign(void *ctl, void *man, uint64_t token, int end, uint32_t *w
          * read only there: foreign_in_flight) */
         STORE(&mine->count, mine->count + 1, RELAXED);
     } else if (free_) {
-        /* the count, then the token (CRASH_ORDER): killed between, the entry holds no
-         * token (free) or our dead one (ignored); the lock orders both for the next
-         * holder */
-        STORE(&free_->count, 1, RELAXED);
-        CRASH_ORDER();
+        /* the token, then the count (CRASH_ORDER): killed between, the entry holds our
+         * dead token with the count it had, which foreign_in_flight ignores and frees.
+         * (The count first left a live process's idle entry, reused, at its token with
+         * count 1 when the kill came between: that process's brackets then took it
+         * 1 -> 2 -> 1, never 0, and every round waited for it: review H2 F6.)  The lock
+         * orders both for the next holder */
         STORE(&free_->token, token, RELAXED);
+        CRASH_ORDER();
+        STORE(&free_->count, 1, RELAXED);
     } else {
         e = SHMPS_AGG_E_FOREIGN;
     }

@@ -55,7 +55,7 @@ import numpy as np
 
 from . import _native
 from .dense import DenseTensor
-from .errors import CorruptSegment, Error, InvalidArgument, SchemaError, Timeout
+from .errors import Busy, CorruptSegment, Error, InvalidArgument, SchemaError, Timeout
 from .tensor import PushHandle, cast_grad, grad_dtype
 from .updaters import Sum
 
@@ -89,6 +89,7 @@ ffi = _native.ffi
 AGGREGATES = ("sum", "mean")
 CTL_WORDS = lib.SHMPS_AGG_CTL_BYTES // 4
 WAIT_TIMEOUT_S = 60.0
+AGG_FOREIGN = 64   #: processes pushing to a tensor by another path at once (aggregate.c)
 
 
 #: The suffixes of the hidden tensors' names: reserved (store._check_not_reserved), so
@@ -494,32 +495,35 @@ class AggregateDense(DenseTensor):
     @contextlib.contextmanager
     def _foreign(self) -> Iterator[None]:
         """A push to the tensor by another path than the rounds (the bridge applying
-        to it directly): a round claimed in phase PUSHING is waited for, or, its
-        applier dead, finished first; the push is then registered in the control
-        block, and a round does not start pushing until it is done
-        (shmps_agg_foreign).  Without this, the push could move stripes that a dead
-        applier had not reached past the round's ticket, and the resume took them for
-        having the round (review F3 of ca12e65).  One thread of this process at a
-        time, as the rounds' applier (_apply_lock)."""
+        to it directly): a round a dead applier left in phase PUSHING is finished
+        first; the push is then registered in the control block, and a round does not
+        start pushing until it is done (shmps_agg_foreign).  Without this, the push
+        could move stripes that a dead applier had not reached past the round's
+        ticket, and the resume took them for having the round (review F3 of ca12e65).
+        It never waits for another process: its caller is a bridge's event loop, whose
+        heartbeats a wait stops (a paused worker's round held it up to 60 s, then the
+        batch was refused for good: review H2 F3).  A round a live process is pushing
+        by ticket, or a full table of such pushes, raises :class:`Busy` with nothing
+        done, and the bridge refuses the batch BUSY: its sender sends it again.  One
+        thread of this process at a time, as the rounds' applier (_apply_lock)."""
         what, rnd = ffi.new("uint32_t *"), ffi.new("uint64_t *")
         man, tok = self._store._mptr, _native.token()
-        deadline = _native.now_ns() + int(WAIT_TIMEOUT_S * 1e9)
         with _apply_lock(self):
-            while True:
+            for _ in range(4):   # (each pass finishes a dead applier's round)
                 code = lib.shmps_agg_foreign(self._cptr(), man, tok, 0, what, rnd)
-                if code == lib.SHMPS_AGG_E_FOREIGN:   # the table is full: try again
-                    if _native.now_ns() > deadline:
-                        raise Timeout(f"push to {self.name!r}: too many processes push to "
-                                      f"it by another path at once, for {WAIT_TIMEOUT_S} s")
-                    time.sleep(0.0005)
-                    continue
+                if code == lib.SHMPS_AGG_E_FOREIGN:
+                    raise Busy(f"push to {self.name!r}: {AGG_FOREIGN} processes push to it "
+                               "by another path at once")
                 _native.check(code, f"push to {self.name!r}")
                 if what[0] == lib.SHMPS_AGG_NOTHING:
                     break
-                if what[0] == lib.SHMPS_AGG_APPLY:
-                    self._settle(False, WAIT_TIMEOUT_S)   # finish the dead applier's round
-                else:
-                    self._wait(int(rnd[0]), WAIT_TIMEOUT_S)
+                if what[0] != lib.SHMPS_AGG_APPLY:
+                    raise Busy(f"push to {self.name!r}: round {int(rnd[0])} is being "
+                               "pushed by another process")
+                self._settle(False, WAIT_TIMEOUT_S)   # finish the dead applier's round
+            else:
+                raise Busy(f"push to {self.name!r}: rounds left by dead appliers are "
+                           "still being finished")
             try:
                 yield
             finally:

@@ -91,6 +91,14 @@ class Timeout(Error, TimeoutError):
     hint = "a peer may be stuck (SIGSTOP?) or overloaded; retry or raise the timeout"
 
 
+class Busy(Timeout):
+    """A call that must not wait found what it needs held by another process, and
+    changed nothing (internal: a bridge's apply to an aggregated tensor while a worker
+    pushes a round, which the bridge answers BUSY and its sender sends again)."""
+
+    hint = "try again shortly"
+
+
 class Closed(Error, ValueError):
     """The store or tensor was closed in this process."""
 

@@ -235,6 +235,25 @@ def stop_before_pushing_a_round(store: str, flags) -> None:
     AggregateDense.push(s["W"], known_int(0, 0))
 
 
+def stop_in_a_ticket_push(store: str, flags) -> None:
+    """The only worker of an exact aggregated tensor "W", its store not forwarding (no
+    bridge yet): its round goes by ticket; SIGSTOP itself in PUSHING (``flags[0]`` set
+    just before)."""
+    from shmps.aggregate import AggregateDense
+
+    real = AggregateDense._push_round
+
+    def push_round(self, total, step):
+        flags[0] = 1
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return real(self, total, step)
+
+    AggregateDense._push_round = push_round
+    s = shmps.attach(store)
+    s.join()
+    AggregateDense.push(s["W"], known_int(0, 0))
+
+
 def push_by_another_path(store: str, flags) -> None:
     """A bridge's direct apply to "W" (ones), held open: inside the bracket
     (AggregateDense._foreign) it sets ``flags[0]`` and applies once ``flags[1]`` is set."""
@@ -551,6 +570,37 @@ def test_a_push_by_another_path_does_not_wait_for_a_round_pushed_without_a_ticke
         finally:
             os.kill(w.process.pid, signal.SIGCONT)
         w.result(30)
+    assert took < 5.0, took
+    assert np.array_equal(W.pull(), known_int(0, 0) + 1)
+
+
+def test_a_push_by_another_path_refuses_busy_a_round_a_live_worker_pushes(job):
+    """A round pushed by ticket (claimed while the store did not forward: a bridge
+    starting, or one restarted after a clean stop), its worker paused in PUSHING: the
+    bridge's direct apply (on its event loop) raises Busy at once with nothing applied,
+    and the bridge answers the batch BUSY (its sender sends it again); applied again
+    once the round is done, it lands.  (It waited for the round on the event loop for
+    60 s, the bridge counted dead meanwhile, then raised Timeout, and the batch was
+    refused for good: review H2 F3.)"""
+    W = job.dense("W", shape=SHAPE, dtype="int32", optimizer="sum", aggregate="sum",
+                  workers=1, shard_rows=8)
+    flags = CTX.RawArray("q", 1)
+    with Workers(hard_timeout=60) as ws:
+        w = ws.start(stop_in_a_ticket_push, job.name, flags)
+        try:
+            wait_until(lambda: flags[0], 30, "the round in PUSHING")
+            time.sleep(0.1)   # (the SIGSTOP itself)
+            job._set_forwarding(True)      # the bridge starts (node.py _start)
+            t0 = time.monotonic()
+            with pytest.raises(shmps.errors.Busy, match="being pushed by another process"):
+                W._apply_direct(None, np.ones(SHAPE, np.int32))
+            took = time.monotonic() - t0
+            assert W.rounds()["applied"] == 0 and W.stats()["step"] <= 1
+        finally:
+            os.kill(w.process.pid, signal.SIGCONT)
+        w.result(30)
+        W._apply_direct(None, np.ones(SHAPE, np.int32))
+        job._set_forwarding(False)
     assert took < 5.0, took
     assert np.array_equal(W.pull(), known_int(0, 0) + 1)
 

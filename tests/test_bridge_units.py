@@ -1539,6 +1539,164 @@ def test_a_hand_over_is_not_taken_from_a_restarted_process(tmp_path, init, dead)
         assert st.dedup.floor(stream) == 40 and not (node.store[info.name].pull() == 9).any()
 
 
+def _handover_snapshot(x: str, info, incarnation: int, marks=(), last: bool = True,
+                       rows: int = 8, start: int = 0, seq: int = 1, value: float = 9):
+    """A decoded hand-over SNAPSHOT chunk of shard 0 of ``info`` from ``x``'s process
+    ``incarnation``: ``rows`` rows of ``value`` from ``start``, ROW seq ``seq``."""
+    from shmps.bridge import node as bridge_node
+
+    return frames.decode(frames.encode_snapshot(
+        epoch=0, sender=members.member_id(x), incarnation=incarnation, tensor=info.tid,
+        shard=0, seq=bridge_node.ROWS_SEQ_BASE + seq,
+        values=np.full((rows, 4), value, np.float32), start=start, marks=list(marks),
+        last=last, handover=True))
+
+
+def _status_of(node, peer: str, frame) -> Status:
+    """``node``'s answer to ``frame`` from ``peer`` (on_rows)."""
+    got: list = []
+    node.on_rows(peer, frame, lambda d: got.extend(frames.iter_frames(bytes(d))))
+    return got[-1].status
+
+
+async def _in_a_loop(steps) -> None:
+    steps()
+    await asyncio.sleep(0)
+
+
+@pytest.mark.parametrize("creator_first", [False, True],
+                         ids=["no creator's hand-over", "after a creator's hand-over"])
+def test_a_failover_wait_is_no_creators_wait_after_a_creators_hand_over(tmp_path,
+                                                                         creator_first):
+    """A shard whose creator's initial values were handed over, later taken in a
+    failover (its previous owner dead), waits for the backup's copy as a previous
+    owner's, not as a creator's: when that backup restarts, the wait moves on and its
+    new process's hand-over is refused.  (handover_init stayed set from the creator's
+    hand-over, which switched off every check against a restarted process: review H2
+    F1.)"""
+    y, x, z = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
+    with _owner_on_a_store(tmp_path, [y, x, z], "initstale") as (node, info, st):
+        key = (info.tid, 0)
+        everyone = {m: State.ALIVE for m in (y, x, z)}
+        node._send_snapshot = _no_snapshot_sent
+        if creator_first:
+            st.handover_from, st.handover_init = x, True
+            st.handover_until = time.monotonic() + 3.0
+            assert _status_of(node, x, _handover_snapshot(x, info, 7, value=1)) is Status.OK
+            assert st.handover_from is None
+        stream = (members.member_id(x), 7, info.tid, 0)
+        st.dedup.advance(stream, 40)
+        node._on_changes(node.members.mark_dead(x))
+        asyncio.run(_in_a_loop(lambda: node._role_change(key, [x, z], [y, z])))
+        assert st.handover_from == z and not st.handover_init
+        node.on_heartbeat(z, _heartbeat(z, 0, everyone, incarnation=8, seq=5))
+        assert st.handover_from != z and z not in st.handover_next
+        st.handover_from, st.handover_until = z, time.monotonic() + 3.0   # however it comes
+        assert _status_of(node, z, _handover_snapshot(z, info, 8)) is Status.NOT_OWNER
+        assert st.dedup.floor(stream) == 40 and not (node.store[info.name].pull() == 9).any()
+
+
+@pytest.mark.parametrize("applied", [True, False], ids=["copy applied", "copy empty"])
+def test_a_restart_that_moves_the_shard_takes_no_hand_over_from_the_new_process(
+        tmp_path, applied):
+    """x owns the shard and this host is its backup; x's bridge restarts, its new
+    heartbeat makes it joining, and the ring gives this host the shard: the wait that
+    change begins is no wait for x's new process (it holds the old one's copy without
+    its filter), whether or not this copy's filter holds a stream that would show it
+    behind.  (The wait recorded x's new incarnation, set just before the change, and
+    took the new process's hand-over: review H2 F2.)"""
+    import uuid
+
+    import shmps
+    from shmps.bridge.ring import shard_key
+
+    y, x, z = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
+    ns = f"u{uuid.uuid4().hex[:10]}"
+    node = _bridge(tmp_path, [y, x, z], store="restartmoves", namespace=ns, dead_after=5.0)
+    node.store = shmps.attach("restartmoves", namespace=ns)
+    try:
+        name = next(f"w{i}" for i in range(1000)
+                    if node.owners(shard_key(f"w{i}", 0))[:2] == [x, y])
+        node.store.dense(name, (8, 4), "float32", init=0.0, optimizer="sum")
+        while node.refresh_tensors(budget=None):
+            pass
+        everyone = {m: State.ALIVE for m in (y, x, z)}
+        for p in (x, z):
+            node.on_heartbeat(p, _heartbeat(p, 0, everyone))
+        info = node.by_name[name]
+        st = node.shards[(info.tid, 0)]
+        node._ever_acted = True
+        node._send_snapshot = _no_snapshot_sent
+        stream = (0x1234, 3, info.tid, 0)
+        if applied:
+            st.dedup.advance(stream, 40)
+        assert node.owner(st.key) == x
+        asyncio.run(_in_a_loop(lambda: node.on_heartbeat(
+            x, _heartbeat(x, 0, everyone, incarnation=8, seq=1))))
+        assert node.owner(st.key) == y and st.handover_from != x, (
+            st.handover_from, st.handover_next, st.handover_incs)
+        st.handover_from, st.handover_until = x, time.monotonic() + 3.0   # however it comes
+        assert _status_of(node, x, _handover_snapshot(x, info, 8)) is Status.NOT_OWNER
+        assert not (node.store[info.name].pull() == 9).any()
+    finally:
+        node.store.destroy()
+
+
+@pytest.mark.parametrize("applied", [True, False], ids=["copy applied", "copy empty"])
+def test_a_host_first_heard_after_the_wait_began_is_not_taken_after_its_restart(
+        tmp_path, applied):
+    """The wait for a hand-over began before x's incarnation was heard; x's first
+    heartbeat pins it (7); x dies, the hold waits for it, it restarts (8): its new
+    process is not waited for and its hand-over is refused.  (A wait that began with
+    an unknown incarnation took whatever process came: review H2 F4.)"""
+    y, x, z = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
+    with _owner_on_a_store(tmp_path, [y, x, z], "unknowninc") as (node, info, st):
+        key = (info.tid, 0)
+        everyone = {m: State.ALIVE for m in (y, x, z)}
+        stream = (0x1234, 3, info.tid, 0)
+        if applied:
+            st.dedup.advance(stream, 40)
+        node._send_snapshot = _no_snapshot_sent
+        node._incarnations.pop(x)
+        asyncio.run(_in_a_loop(lambda: node._role_change(key, [x, z], [y, z])))
+        assert st.handover_from == x and st.handover_incs.get(x) is None
+        node.on_heartbeat(x, _heartbeat(x, 0, everyone, incarnation=7, seq=9))
+        assert st.handover_incs[x] == 7
+        node._on_changes(node.members.mark_dead(x))
+        node._maintain_shards(True, time.monotonic())
+        node._on_changes(node.members.mark_dead(z))
+        node._maintain_shards(True, time.monotonic())
+        node.on_heartbeat(x, _heartbeat(x, 0, everyone, incarnation=8, seq=1))
+        node._maintain_shards(True, time.monotonic())
+        assert st.handover_from != x and x not in st.handover_next
+        st.handover_from, st.handover_until = x, time.monotonic() + 3.0   # however it comes
+        assert _status_of(node, x, _handover_snapshot(x, info, 8)) is Status.NOT_OWNER
+        assert not (node.store[info.name].pull() == 9).any()
+
+
+def test_a_no_marks_hand_over_after_a_cut_off_snapshot_is_checked_on_its_first_chunk(
+        tmp_path):
+    """A snapshot of the previous owner's process into this copy was cut off before its
+    LAST (st.snap_open left behind); its hand-over then comes with no marks, in two
+    chunks: its first chunk, which does not follow the cut-off one, is checked and
+    refused before a row is written.  (It was taken for a middle chunk and written;
+    the LAST was refused after, and the copy that served was half the sender's: review
+    H2 F5.)"""
+    me, prev = "127.0.0.2:7001", "127.0.0.3:7001"
+    with _owner_on_a_store(tmp_path, [me, prev], "cutopen") as (node, info, st):
+        stream = (0x1234, 3, info.tid, 0)
+        node.store[info.name].push(np.full((8, 4), 5, np.float32))
+        st.dedup.advance(stream, 50)
+        st.snap_open = (members.member_id(prev), 7, 3)
+        st.handover_from, st.handover_until = prev, time.monotonic() + 60
+        first = _handover_snapshot(prev, info, 7, last=False, rows=4, seq=10)
+        assert _status_of(node, prev, first) is Status.NOT_OWNER
+        last = _handover_snapshot(prev, info, 7, last=True, rows=4, start=4, seq=11)
+        assert _status_of(node, prev, last) is Status.NOT_OWNER
+        np.testing.assert_array_equal(node.store[info.name].pull(),
+                                      np.full((8, 4), 5, np.float32))
+
+
 async def _no_snapshot_sent(*a, **k) -> None:
     """Stands in for Bridge._send_snapshot where a test sends no hand-over of its own."""
 

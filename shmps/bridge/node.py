@@ -43,7 +43,7 @@ from typing import Any, Callable, Iterable, Iterator, NamedTuple, Optional
 
 import numpy as np
 
-from ..errors import CapacityError, Error, InvalidArgument
+from ..errors import Busy, CapacityError, Error, InvalidArgument
 from .. import _native, doorbell, names, segment
 from .._native import lib
 from ..outbox import BusyScan, DrainBuffers, RowData, take_lost
@@ -1531,6 +1531,7 @@ class Bridge:
             st.snapshotting.clear()
             st.copy_first.clear()
             st.handover_from = None   # only an owner waits for a hand-over
+            st.handover_init = False
             st.handover_next = []
             # (a host that never acted owned nothing: a joiner's first ring counted it
             # in before it heard the cluster's view; nor does one listening after a stall
@@ -1546,6 +1547,7 @@ class Bridge:
                 asyncio.get_running_loop().create_task(self._send_snapshot(key, new[0],
                                                                            handover=True))
         elif now and not was:
+            st.handover_init = False   # (refresh_tensors sets it after, for a creator's)
             st.synced = set()
             st.joiners_copied = set()
             st.snapshotting = {}
@@ -1842,21 +1844,19 @@ class Bridge:
                 for stream in st.dedup.streams():
                     if stream[0] == hb.sender and stream[1] == known:
                         st.dedup.forget(stream)
-                # Its new process holds the old one's copy (the shard's segment outlives
-                # it) but not its duplicate filter: taken as the hand-over, the batches
-                # the old one applied and nobody acknowledged were applied again when
-                # resent (a bridge killed as a new owner and restarted within the hold:
-                # a chaos run, 2026-11-28).  The wait goes on to the previous owner's
-                # backups, or this host's copy; nor is it asked later in the wait.
-                if not st.handover_init:
-                    st.handover_next = [b for b in st.handover_next if b != peer]
-                if st.handover_from == peer and not st.handover_init:
-                    st.handover_until = 0.0
-                    self._handover_given_up(st, now)
             self._unsettle()
             # joining even if it was dead: its new process copies its shards (its
             # duplicate filters are gone), whether or not its death moved any
             self._on_changes(self.members.mark_joining(peer))
+            # (after the role changes that makes: a wait they begin for this host is
+            # for its old process's copy, which is gone, not for its new process's)
+            self._stop_waiting_for_restarted(peer, known, hb.incarnation, now)
+        elif known is None:
+            # first heard: a wait that began before is for this process (a restart
+            # later is one: _waited_restarted)
+            for st in self.shards.values():
+                if peer in st.handover_incs and st.handover_incs[peer] is None:
+                    st.handover_incs[peer] = hb.incarnation
         if known != hb.incarnation:
             self._rebind_data(peer)   # prefer the connection of the current incarnation
         view = {}
@@ -2888,6 +2888,11 @@ class Bridge:
             else:
                 info.t._apply_direct(index, f.values.reshape((f.n,) + info.row_shape),
                                      pushes=f.step, continues=continues)
+        except Busy as e:
+            # (an aggregated tensor whose round a worker is pushing: nothing was applied,
+            # and the event loop does not wait for the worker; its sender sends it again)
+            log.debug("batch %d from %s for %s: %s", f.seq, peer, st.key, e)
+            return self._refuse(f, reply, Status.BUSY, "round_pushing")
         except CapacityError as e:
             log.error("batch %d from %s for %s: %s", f.seq, peer, st.key, e)
             return self._refuse(f, reply, Status.BUSY, "capacity")
@@ -3296,12 +3301,15 @@ class Bridge:
                             stream[0], mine, theirs)
                 self.metrics.snapshots_behind.inc()
         elif f.type == FrameType.SNAPSHOT and (f.marks or not st.handover_init and (
-                f.flags & frames.Flag.LAST or st.snap_open is None
-                or st.snap_open[:2] != (f.sender, f.incarnation))):
+                f.flags & frames.Flag.LAST or st.snap_open != (
+                    f.sender, f.incarnation, f.seq - ROWS_SEQ_BASE - 1))):
             # (checked on the chunks with marks, the first and the last, and on those
             # chunks when they carry none: its sender's filter held no batch, which this
             # copy may be ahead of.  A restarted process's copy, of an empty filter, was
-            # taken so, and resent batches were applied again: chaos seed 2004.  A
+            # taken so, and resent batches were applied again: chaos seed 2004.  A first
+            # chunk is one that does not follow the open snapshot's last chunk: a
+            # snapshot's chunks are numbered in a row, and one cut off leaves
+            # st.snap_open behind, which a later one does not follow (review H2 F5).  A
             # creator's initial values carry none and replace nothing applied)
             behind = self._behind(st, f)
             if behind is not None:
@@ -3384,6 +3392,7 @@ class Bridge:
             if f.flags & frames.Flag.HANDOVER:
                 if handover:
                     st.handover_from = None
+                    st.handover_init = False   # (a later wait is a previous owner's)
                     log.info("shard %s handed over by %s", st.key, peer)
                 else:   # it came before this host saw the new ring
                     st.handover_done = (peer, time.monotonic(), f.epoch)
@@ -3485,6 +3494,27 @@ class Bridge:
                 return stream, mine, theirs.get(who, 0)
         return None
 
+    def _stop_waiting_for_restarted(self, peer: str, old: int, new: int, now: float) -> None:
+        """``peer``'s bridge restarted: no hand-over wait takes its copy any more.  Its
+        new process holds the old one's copy (the shard's segment outlives it) but not
+        its duplicate filter: taken as the hand-over, the batches the old one applied
+        and nobody acknowledged were applied again when resent (a bridge killed as a new
+        owner and restarted within the hold: a chaos run, 2026-11-28).  The wait goes on
+        to the previous owner's backups, or this host's copy; nor is ``peer`` asked
+        later in the wait.  A wait for a creator's initial values keeps it: they are in
+        its copy whichever process serves it.  A wait the restart itself began (its
+        new heartbeat made ``peer`` joining, which moved the shard) recorded the new
+        incarnation ``new``: it is for the old process ``old`` (review H2 F2)."""
+        for st in self.shards.values():
+            if st.handover_init:
+                continue
+            if st.handover_incs.get(peer) == new:
+                st.handover_incs[peer] = old
+            st.handover_next = [b for b in st.handover_next if b != peer]
+            if st.handover_from == peer:
+                st.handover_until = 0.0
+                self._handover_given_up(st, now)
+
     def _handover_incarnation(self, st: ShardState, member: str, default: int) -> int:
         """The incarnation of ``member`` whose copy the wait for ``st``'s hand-over is
         for: its process when the wait began (``st.handover_incs``), else (not heard of
@@ -3549,6 +3579,7 @@ class Bridge:
             log.warning("shard %s: no hand-over snapshot from %s; serving from this host's "
                         "copy", st.key, waited)
         st.handover_from = None
+        st.handover_init = False
         return True
 
     def _on_sync_answer(self, peer: str, key: tuple, status: Status) -> None:
