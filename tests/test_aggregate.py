@@ -440,13 +440,7 @@ def test_applier_killed_part_way_through_pushing_a_round_is_finished(job):
     round lands exactly once everywhere (before, the takeover only cleared the
     accumulator: shard 1 never got the round, and every contributor's push, returned
     or not, was lost there)."""
-    W = job.dense("W", shape=SHAPE, dtype="int32", optimizer="sum", aggregate="sum",
-                  workers=1, shard_rows=8)
-    assert W.nshards == 2
-    with Workers(hard_timeout=60) as ws:
-        w = ws.start(die_part_way_through_a_round, job.name)
-        w.process.join(30)
-        assert w.process.exitcode == -signal.SIGKILL
+    W = _cut_round(job)
     assert np.array_equal(W.pull(), known_int(0, 0))
     info = W.rounds()
     assert info["takeovers"] >= 1 and info["next_round"] == 1 and info["applied"] == 1
