@@ -320,8 +320,11 @@ class AggregateDense(DenseTensor):
                                       "clock) was already applied without this worker",
                                       "call store.clock() to move to the current round")
             if code == lib.SHMPS_AGG_E_TWICE:
+                # (or the process that held this slot before: a worker that joined
+                # into a dead worker's slot finds that one's push in the round)
                 raise InvalidArgument(f"worker {slot} already pushed to {self.name!r} for "
-                                      f"clock {int(rnd[0])}",
+                                      f"clock {int(rnd[0])} (this process, or the one that "
+                                      f"held slot {slot} before it)",
                                       "an aggregated tensor takes one push per worker per "
                                       "clock: sum gradients locally, or call store.clock()")
             if code == lib.SHMPS_E_ARG:

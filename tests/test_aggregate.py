@@ -517,6 +517,21 @@ def test_a_push_by_another_path_before_the_resume_does_not_hide_the_round(job, p
     assert not W._acc[0].pull().any()
 
 
+def test_a_worker_in_a_dead_workers_slot_is_told_whose_push_it_found(job):
+    """A worker that joins into the slot of a worker that died applying round 0 (its
+    push is in the round) finds that push under its slot: the refusal says the push
+    may be the slot's earlier holder's, not only this process's (it said only "worker
+    0 already pushed", which this process never did), and after clock() it pushes to
+    the next round."""
+    W = _cut_round(job)
+    assert job.join() == 0
+    with pytest.raises(shmps.InvalidArgument, match="or the one that held slot 0 before it"):
+        W.push(known_int(1, 0))
+    job.clock()
+    W.push(known_int(1, 1))
+    assert np.array_equal(W.pull(), known_int(0, 0) + known_int(1, 1))
+
+
 def test_a_round_does_not_start_pushing_while_a_push_by_another_path_is_in_flight(job):
     """The other half of F3's fix: a round's applier takes its ticket and enters PUSHING
     only once no push by another path is in flight (here a bridge's direct apply held
