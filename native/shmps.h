@@ -309,6 +309,8 @@ int shmps_table_len(void **bases, uint32_t nshards, uint64_t *n);
  * max of its ctl `backed` (create_missing refuses new rows past it: SHMPS_E_UNBACKED). */
 int shmps_table_set_backed(void **bases, uint32_t nshards, uint32_t shard, uint64_t rows);
 int shmps_table_check(void **bases, uint32_t nshards, uint64_t token, uint64_t *info);
+int shmps_table_check_some(void **bases, uint32_t nshards, const uint64_t *want,
+                           uint64_t token, uint64_t *info);
 int shmps_table_attach_counts(void **bases, uint32_t nshards, uint64_t token,
                               uint32_t *checked);
 

@@ -476,6 +476,56 @@ def test_checkpoint_of_a_table_whose_index_is_damaged_is_refused_and_keeps_the_o
     store.checkpoint(path)   # repaired: written again
 
 
+def test_a_saved_index_is_checked_one_shard_at_a_time(store, tmp_path, names, monkeypatch):
+    """Restore's check of a table's saved index (and the checkpoint's of what it wrote)
+    lays out shard 0 and one other shard at a time in private memory, not every shard's
+    index at once (about 140 B a key of the whole table, held together: the last note's
+    left item), and still finds a damaged index in the last shard, naming it."""
+    from shmps import checkpoint as ck
+    from shmps.segment import Segment
+
+    open_now, most = [0], [0]
+
+    class Counted(Segment):   # (observes the private images; changes nothing)
+        def __init__(self, *a: Any, **k: Any) -> None:
+            super().__init__(*a, **k)
+            open_now[0] += 1
+            most[0] = max(most[0], open_now[0])
+
+        def close(self) -> None:
+            if self.mm is not None:
+                open_now[0] -= 1
+            super().close()
+
+    t = store.table("e", dim=2, capacity=256, shards=4, optimizer=shmps.Adam(lr=0.1))
+    keys = np.arange(1, 101, dtype=np.uint64)
+    t.push(keys, np.ones((100, 2), np.float32))
+    before = t.pull(keys, create=False)
+    assert all(_native.stats(t._shards[i].ptr)["rows_used"] for i in range(4))
+    monkeypatch.setattr(ck, "Segment", Counted)
+    path = tmp_path / "ck"
+    store.checkpoint(path)
+    assert most[0] == 2 and open_now[0] == 0, (most, open_now)
+    most[0] = 0
+    q = shmps.restore(path, new_name(names))
+    try:
+        assert q["e"].pull(keys, create=False).tolist() == before.tolist()
+    finally:
+        q.destroy()
+    assert most[0] == 2 and open_now[0] == 0, (most, open_now)
+    spec = t._shards[3].spec
+    row_keys = t._shards[3].seg.array(np.uint64, spec["colidx_off"], 1)   # row 0's key
+    good = int(row_keys[0])
+    row_keys[0] = good ^ (1 << 40)
+    try:
+        with pytest.raises(shmps.CorruptSegment,
+                           match=r"table 'e', shard 3: its saved index is inconsistent"):
+            store.checkpoint(tmp_path / "ck2")
+    finally:
+        row_keys[0] = good
+    assert open_now[0] == 0
+
+
 def test_checkpoint_of_a_csr_tensor_whose_structure_is_damaged_is_refused(store, tmp_path,
                                                                           names):
     """A csr tensor whose column index is damaged in shared memory, still a valid structure
