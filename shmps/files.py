@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl as _fcntl
 import hashlib
 import json
 import os
@@ -32,8 +33,10 @@ import re
 import secrets
 import socket
 import stat
+import struct
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence, cast
 
@@ -41,7 +44,7 @@ import numpy as np
 
 from . import _native
 from ._native import lib as _lib
-from .errors import CorruptFile, InvalidArgument, NotFound
+from .errors import CorruptFile, InvalidArgument, NotFound, Timeout
 
 FORMAT_VERSION = 1
 #: The most optimizer state arrays a set may have (``"state": {"count": N}``): as many as
@@ -1191,6 +1194,114 @@ def journal_path(prefix: str | os.PathLike[str]) -> str:
     return os.path.join(directory, f".{base}.replacing")
 
 
+def lock_path(prefix: str | os.PathLike[str]) -> str:
+    """The lock file of set ``prefix``: ``.BASE.lock`` beside its files, empty.  A
+    writer holds a write lock on it (an open file description lock, ``F_OFD_SETLK``)
+    from before it puts its journal in place until after it removed it, so writers of
+    the set on any hosts that share the directory take turns at their renames, and a
+    reader that finds another host's journal waits for a read lock: once it has one,
+    that journal's writer is gone.  Made by the first writer, and kept (removing a
+    lock file some process may hold or wait for would let a third one lock a new file
+    of that name meanwhile)."""
+    directory, base = os.path.split(os.fspath(prefix))
+    return os.path.join(directory, f".{base}.lock")
+
+
+#: whether this process said that file locks do not work where it wrote a set
+_LOCKS_WARNED = False
+#: errors of a lock request that mean the filesystem (or the system) has no working
+#: locks, not that another process holds it
+_NO_LOCKS = frozenset({errno.ENOLCK, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP,
+                       errno.ENOSYS})
+
+
+def _no_locks(path: str, exc: OSError) -> None:
+    global _LOCKS_WARNED
+    if not _LOCKS_WARNED:
+        _LOCKS_WARNED = True
+        warnings.warn(f"{path}: file locks do not work here ({exc}): writers of a set "
+                      "on different hosts sharing this directory are not kept apart "
+                      "(see docs/file-format.md, Writing)", RuntimeWarning, stacklevel=4)
+
+
+def _holder(prefix: str) -> str:
+    """Who the set's journal says is replacing it, for a message.  O(1)."""
+    try:
+        j = _read_journal(journal_path(prefix), os.path.basename(prefix))
+    except (OSError, CorruptFile):
+        return "another writer of this set (its journal is gone)"
+    if j.host != host_id():
+        return f"a writer on another host ({j.host}, pid {j.token >> 32})"
+    return f"a writer of this host (pid {j.token >> 32})"
+
+
+def _lock_set(prefix: str, exclusive: bool, deadline: float) -> int | None:
+    """A descriptor holding the lock of set ``prefix`` (:func:`lock_path`): a write lock
+    (``exclusive``, the file made if missing) or a read lock, waited for until
+    ``deadline`` (polled every 1 to 20 ms), then :class:`Timeout`.  None where locks do
+    not work (the lock file cannot be made or opened, or the filesystem refuses locks:
+    NFS without lockd): a writer warns once per process (:data:`_LOCKS_WARNED`), a
+    reader goes on as it would without locks.  Closing the descriptor unlocks; the
+    kernel does when the process dies.  O(1) but the wait."""
+    path = lock_path(prefix)
+    try:
+        fd = os.open(path, (os.O_RDWR | os.O_CREAT if exclusive else os.O_RDONLY)
+                     | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+    except OSError as exc:
+        if exclusive:
+            _no_locks(path, exc)
+        return None
+    # struct flock of 64-bit Linux: type, whence, start, len (0: the whole file), pid
+    # (0: required for open file description locks), padding
+    lk = struct.pack("@hhqqi4x", _fcntl.F_WRLCK if exclusive else _fcntl.F_RDLCK,
+                     os.SEEK_SET, 0, 0, 0)
+    delay = 0.001
+    try:
+        cmd = getattr(_fcntl, "F_OFD_SETLK", None) if struct.calcsize("P") == 8 else None
+        while True:
+            if cmd is None:
+                raise OSError(errno.ENOSYS, "no open file description locks on this "
+                                            "platform (64-bit Linux has them)")
+            try:
+                _fcntl.fcntl(fd, cmd, lk)
+                return fd
+            except OSError as exc:
+                if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                    raise
+            if time.monotonic() > deadline:
+                raise Timeout(
+                    f"{prefix}: {_holder(prefix)} has held {path} for more than "
+                    f"{REPLACE_WAIT_S:g} s (a writer holds it while it renames the "
+                    "set's new files: milliseconds)",
+                    hint="wait for the write of this set to end, then try again; if no "
+                         "writer of it runs on any host sharing the directory, a stuck "
+                         "process or a lost NFS client holds the lock: end it")
+            time.sleep(delay)
+            delay = min(2 * delay, 0.02)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno not in _NO_LOCKS:
+            raise
+        if exclusive:
+            _no_locks(path, exc)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+@contextlib.contextmanager
+def _set_lock(prefix: str, *, exclusive: bool, deadline: float) -> Iterator[bool]:
+    """Hold set ``prefix``'s lock (:func:`_lock_set`) inside ``with``; the value is
+    whether it is held (False: locks do not work here)."""
+    fd = _lock_set(prefix, exclusive, deadline)
+    try:
+        yield fd is not None
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
 def _machine_boot() -> tuple[str, str]:
     """(this machine's id, this boot's id), "" where unreadable: a journal of this
     machine from another boot is a dead writer's, whatever its host id says."""
@@ -1256,7 +1367,8 @@ def _same_file(path: str, stamp: tuple) -> bool:
     return (st.st_ino, st.st_mtime_ns, st.st_size) == stamp
 
 
-def finish_replacement(prefix: str | os.PathLike[str], *, any_host: bool = False) -> str:
+def finish_replacement(prefix: str | os.PathLike[str], *, any_host: bool = False,
+                       writer_gone: bool = False) -> str:
     """Finish the replacement of set ``prefix`` that a writer left half done: rename
     the new files its journal lists that are still under their temporary names over
     the final ones, in the journal's order, then remove the journal.  The new files
@@ -1270,9 +1382,13 @@ def finish_replacement(prefix: str | os.PathLike[str], *, any_host: bool = False
     ``any_host``, for ``shmps-tool check --finish`` once no writer of the set runs
     anywhere), or ``"lost"`` (a new file the journal lists is neither under its
     temporary name nor under its final one: something removed it, and the set may be a
-    mix; the journal stays, and a writer of the set replaces it).  Several processes
-    may finish one replacement at once.  CorruptFile for a journal that is not one, or
-    a rename refused (a directory this user cannot write).  O(files)."""
+    mix; the journal stays, and a writer of the set replaces it).  ``writer_gone``: the
+    caller holds the set's lock (:func:`lock_path`), so another host's writer of this
+    user that left the journal is not running (a writer holds the lock from before its
+    journal is there until after it is gone): its replacement is finished too.
+    Several processes may finish one replacement at once.  CorruptFile for a journal
+    that is not one, or a rename refused (a directory this user cannot write).
+    O(files)."""
     prefix = os.fspath(prefix)
     directory, base = os.path.split(prefix)
     d = directory or "."
@@ -1291,7 +1407,7 @@ def finish_replacement(prefix: str | os.PathLike[str], *, any_host: bool = False
                 live = _native.token_alive(j.token)
             if live:   # (renaming, or done and about to remove its journal)
                 return "live"
-        elif pending:
+        elif pending and not writer_gone:
             machine, boot = _machine_boot()
             if not (j.machine and j.machine == machine and j.boot != boot):
                 return "other-host"   # (of this machine's earlier boot: dead, finished)
@@ -1356,11 +1472,23 @@ def _await_writer(prefix: str | os.PathLike[str], deadline: float) -> str:
 def settle_replacement(prefix: str | os.PathLike[str]) -> None:
     """Before reading set ``prefix``: if a writer left it half replaced (killed between
     two renames), finish that (:func:`finish_replacement`); if a live one is renaming,
-    wait for it (up to REPLACE_WAIT_S).  A set that another host's writer is replacing,
-    or whose replacement lost a file, raises CorruptFile saying what to do.  O(1) (one
-    stat) when no replacement is under way.  A read that overlaps a writer that starts
+    wait for it (up to REPLACE_WAIT_S, then CorruptFile, or :class:`Timeout` for the
+    set's lock).  Another host's writer is waited for by a read lock of the set
+    (:func:`lock_path`), which it holds while renaming: once it is had, a journal still
+    there is a killed writer's, finished.  A set that another host's writer is
+    replacing where locks do not work (or another user's), or whose replacement lost a
+    file, raises CorruptFile saying what to do.  O(1) (one stat) when no replacement is
+    under way.  A read that overlaps a writer that starts
     after this is caught and done again by :func:`_consistent_read`."""
-    how = _await_writer(prefix, time.monotonic() + REPLACE_WAIT_S)
+    deadline = time.monotonic() + REPLACE_WAIT_S
+    how = _await_writer(prefix, deadline)
+    if how == "other-host":
+        # another host's writer: renaming now if it holds the set's lock, else gone
+        with _set_lock(os.fspath(prefix), exclusive=False, deadline=deadline) as locked:
+            if locked:
+                how = finish_replacement(prefix, writer_gone=True)
+        if how == "live":   # (a writer of this host that does not lock came meanwhile)
+            how = _await_writer(prefix, deadline)
     jp = journal_path(prefix)
     if how == "other-host":
         raise CorruptFile(
@@ -1393,11 +1521,13 @@ class SetWriter:
     journal listing the renames (:func:`journal_path`), renames each new file over its
     final name, and removes the journal.  A writer killed between two renames leaves the
     journal: the next reader or writer of ``prefix`` finishes the renames
-    (:func:`settle_replacement`), so no one reads a mix of old and new files.  On an
-    exception inside ``with`` before the journal (Ctrl-C included) the temporaries are
-    removed (after it, the renames are finished); those of a writer of ``prefix`` killed
-    outright (SIGKILL) before its journal are removed by the next SetWriter of ``prefix``
-    on the same host (:func:`remove_dead_temporaries`, :func:`host_id`).
+    (:func:`settle_replacement`), so no one reads a mix of old and new files.  Writers
+    of ``prefix`` on different hosts sharing the directory take turns at their renames
+    by the set's lock (:func:`lock_path`).  On an exception inside ``with`` before the
+    journal (Ctrl-C included) the temporaries are removed (after it, the renames are
+    finished); those of a writer of ``prefix`` killed outright (SIGKILL) before its
+    journal are removed by the next SetWriter of ``prefix`` on the same host
+    (:func:`remove_dead_temporaries`, :func:`host_id`).
 
     Cost: the bytes written plus six fsyncs, and one listing of the directory;
     O(CHUNK) memory per :meth:`append`.
@@ -1454,14 +1584,19 @@ class SetWriter:
         names, fsync the directory and remove the journal.  Once the journal is in
         place the replacement is finished whatever happens: here if an exception
         interrupts the renames, else by the next reader or writer
-        (:func:`settle_replacement`).  The journal is made with a hard link, which fails
-        while another writer's is there: a second writer of the set on this host waits
-        for the first one's renames instead of interleaving with them."""
+        (:func:`settle_replacement`).  From before the journal is in place until after
+        it is removed the writer holds the set's lock (:func:`lock_path`; waited for up
+        to REPLACE_WAIT_S, then :class:`Timeout`): writers of the set on every host
+        sharing the directory take turns at their renames instead of interleaving them,
+        and a journal found meanwhile is a killed writer's, finished first.  The journal
+        is made with a hard link, which fails while another writer's is there: writers
+        of this host take turns so even where locks do not work."""
         final = {k: f"{self.prefix}.{k}" for k in (*self.dtypes, "meta")}
         journal = journal_path(self.prefix)
         key = os.path.abspath(journal)
         journaled = counted = False
         jtmp = None
+        held = contextlib.ExitStack()   # (the set's lock: released last)
         try:
             for k in self.dtypes:
                 f = self._files.pop(k)
@@ -1483,10 +1618,14 @@ class SetWriter:
                                         os.stat(self._tmp[k]).st_ino] for k in final]}, f)
                 f.flush()
                 os.fsync(f.fileno())
+            # writers of the set on every host take turns from here until the journal
+            # is gone (a live one holds the lock; a killed one's journal is finished)
+            locked = held.enter_context(_set_lock(
+                self.prefix, exclusive=True, deadline=time.monotonic() + REPLACE_WAIT_S))
             with _COMMITTING_LOCK:
                 _COMMITTING[key] = _COMMITTING.get(key, 0) + 1
                 counted = True
-            self._place_journal(jtmp, journal)
+            self._place_journal(jtmp, journal, locked)
             jtmp = None
             st = os.lstat(journal)
             fsync_dir(self._dir)
@@ -1516,17 +1655,23 @@ class SetWriter:
                         _COMMITTING[key] -= 1
                     else:
                         del _COMMITTING[key]
+            held.close()
 
-    def _place_journal(self, jtmp: str, journal: str) -> None:
+    def _place_journal(self, jtmp: str, journal: str, locked: bool) -> None:
         """Give the written journal ``jtmp`` its name ``journal``: a hard link, refused
         while a journal is there; then that one is finished or waited for (another
-        writer's renames), or replaced (another host's, a lost replacement's)."""
+        writer's renames), or replaced (a lost replacement's, or another host's when
+        the set's lock is not ``locked``: no working locks here).  Holding the lock,
+        another host's journal is a killed writer's: it is finished."""
         deadline = time.monotonic() + REPLACE_WAIT_S
         while True:
             try:
                 os.link(jtmp, journal)
             except FileExistsError:   # (waits for a live writer's renames)
-                if _await_writer(self.prefix, deadline) in ("other-host", "lost"):
+                how = _await_writer(self.prefix, deadline)
+                if how == "other-host" and locked:
+                    how = finish_replacement(self.prefix, writer_gone=True)
+                if how in ("other-host", "lost"):
                     os.replace(jtmp, journal)
                     return
                 continue

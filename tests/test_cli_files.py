@@ -288,8 +288,8 @@ def test_convert_npz_round_trip(tmp_path):
     assert b.shape == m.shape and b.nnz == m.nnz and b.dtype == np.float32
     assert np.array_equal(b.indptr, m.indptr) and np.array_equal(b.indices, m.indices)
     assert np.array_equal(b.data, m.data)
-    assert sorted(os.listdir(tmp_path)) == ["a.npz", "b.npz", "set.colidx", "set.meta",
-                                            "set.rowcnt", "set.value"]
+    assert sorted(os.listdir(tmp_path)) == [".set.lock", "a.npz", "b.npz", "set.colidx",
+                                            "set.meta", "set.rowcnt", "set.value"]
 
 
 def test_convert_npy_round_trip_with_and_without_zeros(tmp_path):
@@ -331,7 +331,7 @@ def test_convert_edge_cases_in_process(tmp_path):
     (tmp_path / "bad.npz").write_bytes(b"not a zip")
     status, _, err = main_out("convert", tmp_path / "bad.npz", tmp_path / "z")
     assert status == 2 and "bad.npz: not a scipy.sparse .npz file" in err
-    assert not any(n.startswith(".") for n in os.listdir(tmp_path))  # no temporaries left
+    assert hidden(tmp_path) == set()  # no temporaries left
 
 
 def test_convert_of_values_that_overflow_keeps_stderr_clean(tmp_path):
@@ -362,7 +362,10 @@ def dead_pid() -> int:
 
 
 def hidden(directory: Path) -> set[str]:
-    return {n for n in os.listdir(directory) if n.startswith(".")}
+    """The hidden files in ``directory`` but the sets' lock files (``.X.lock``: empty,
+    made by a set's first writer and kept)."""
+    return {n for n in os.listdir(directory) if n.startswith(".")
+            and not (n.endswith(".lock") and os.path.getsize(directory / n) == 0)}
 
 
 def test_sigkilled_convert_leaves_temporaries_that_the_next_write_removes(tmp_path):
@@ -516,7 +519,8 @@ def test_convert_to_npy_checks_the_output_size(tmp_path, monkeypatch):
     assert "a dense 3 x 3 float32 array" in err   # no .meta: cols inferred
     assert "needs 164 bytes but" in err and "has 100 bytes free" in err
     assert sorted(os.listdir(tmp_path)) == sorted(
-        f"{p}.{e}" for p in "hgx" for e in ("rowcnt", "colidx", "value", "meta"))
+        [".e.lock", ".x.lock"]
+        + [f"{p}.{e}" for p in "hgx" for e in ("rowcnt", "colidx", "value", "meta")])
 
 
 def test_unexpected_exceptions_are_one_line(tmp_path, monkeypatch):
@@ -662,7 +666,8 @@ def test_a_set_whose_writer_died_between_two_renames_is_read_whole(tmp_path, ren
         write_csr(prefix, OLD_SET, cols=4)
         assert read_csr(prefix).csr.value.tolist() == [1.0, 2.0, 3.0]
     assert hidden(tmp_path) == set()
-    assert sorted(os.listdir(tmp_path)) == ["X.colidx", "X.meta", "X.rowcnt", "X.value"]
+    assert sorted(os.listdir(tmp_path)) == [".X.lock", "X.colidx", "X.meta", "X.rowcnt",
+                                            "X.value"]
 
 
 def test_a_reader_waits_for_a_live_writer_renaming_the_set(tmp_path):
@@ -687,9 +692,12 @@ def test_a_reader_waits_for_a_live_writer_renaming_the_set(tmp_path):
 
 def test_another_hosts_unfinished_replacement_is_finished_by_check_finish(tmp_path):
     """A journal written by another host's writer (a directory shared over NFS or by
-    containers) cannot be judged from here: a read refuses with one line saying how to
-    finish it, and changes nothing; ``shmps-tool check --finish`` finishes it and checks
-    the new set.  A journal that is not one is refused naming it, changing nothing."""
+    containers) where no set lock tells whether that writer still runs (no .X.lock: a
+    writer of an earlier version, or locks that do not work) cannot be judged from
+    here: a read refuses with one line saying how to finish it, and changes nothing;
+    ``shmps-tool check --finish`` finishes it and checks the new set.  (With the lock
+    file, a reader that gets its lock finishes it: tests/test_files_hosts.py.)  A
+    journal that is not one is refused naming it, changing nothing."""
     prefix = tmp_path / "X"
     write_csr(prefix, OLD_SET, cols=4)
     assert replace_then(prefix, "2").returncode == 9
@@ -697,6 +705,7 @@ def test_another_hosts_unfinished_replacement_is_finished_by_check_finish(tmp_pa
     j = json.loads(journal.read_text())
     j["host"] = f"{int(shmps.files.host_id(), 16) ^ 1:08x}"
     journal.write_text(json.dumps(j))
+    (tmp_path / ".X.lock").unlink()
     before = {n: (tmp_path / n).read_bytes() for n in os.listdir(tmp_path)}
     r = tool("check", prefix)
     assert_one_line_error(r, "another host", "check --finish")
@@ -725,7 +734,8 @@ def test_a_hidden_prefix_killed_mid_replacement_is_read_whole(tmp_path):
     write_csr(prefix, OLD_SET, cols=4)
     assert replace_then(prefix, "3").returncode == 9
     assert new_set_read(prefix)
-    assert sorted(os.listdir(tmp_path)) == [".X.colidx", ".X.meta", ".X.rowcnt", ".X.value"]
+    assert sorted(os.listdir(tmp_path)) == ["..X.lock", ".X.colidx", ".X.meta", ".X.rowcnt",
+                                            ".X.value"]
 
 
 def test_a_reader_does_not_wait_for_a_dead_unreaped_writer(tmp_path):

@@ -177,10 +177,13 @@ def test_value_dtype_casts_same_kind(tmp_path):
 
 
 def test_overwrite_is_atomic_per_file_and_leaves_no_temporaries(tmp_path):
-    """Rewriting a set replaces every file and leaves only the four final names."""
+    """Rewriting a set replaces every file and leaves only the four final names (and
+    the set's lock file, empty, kept for the next writer)."""
     write_csr(tmp_path / "a", CSR.from_dense(EXAMPLE))
     write_csr(tmp_path / "a", CSR.from_dense(EXAMPLE[:1].astype(np.float64)))
-    assert sorted(os.listdir(tmp_path)) == ["a.colidx", "a.meta", "a.rowcnt", "a.value"]
+    assert sorted(os.listdir(tmp_path)) == [".a.lock", "a.colidx", "a.meta", "a.rowcnt",
+                                            "a.value"]
+    assert os.path.getsize(tmp_path / ".a.lock") == 0
     ms = read_csr(tmp_path / "a")
     assert ms.rows == 1 and ms.dtypes["value"] == "float64"
 

@@ -64,7 +64,7 @@ def test_dense_round_trip_with_implicit_structure(tmp_path, case):
     prefix = here / "d"
     meta = write_dense(prefix, values, states=states, meta={"name": "w"})
     assert sorted(os.listdir(here)) == sorted(
-        ["d.value", "d.meta"] + [f"d.state{k}" for k in range(len(states))])
+        [".d.lock", "d.value", "d.meta"] + [f"d.state{k}" for k in range(len(states))])
     ms = read_csr(prefix)
     rows, cols = shmps.files.dense_dims(values.shape)
     assert (ms.kind, ms.rows, ms.cols, ms.shape) == ("dense", rows, cols, values.shape)
