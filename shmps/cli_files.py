@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import sys
+import time
 import zipfile
 from collections import Counter
 from contextlib import contextmanager
@@ -20,6 +21,7 @@ from typing import IO, Any, Iterator
 
 import numpy as np
 
+from . import files as _files
 from . import progress
 from .errors import CapacityError, CorruptFile, InvalidArgument, NotFound
 from .files import (ARRAYS, CHUNK, CSR, INDEX_DTYPES, VALUE_DTYPES, MatrixSet, SetWriter,
@@ -560,9 +562,15 @@ def check(args: argparse.Namespace) -> int:
     """``shmps-tool check``: full validation; one ``ok:`` line.  Cost: one chunked pass
     over rowcnt and colidx, O(CHUNK) memory."""
     prefix = _checkpoint_prefix(args.prefix, None)
-    if args.finish and finish_replacement(prefix, any_host=True) == "finished":
-        print(f"finished the replacement of {prefix} that a writer left half done",
-              file=sys.stderr)
+    if args.finish:
+        # under a read lock of the set: a writer renaming (on any host, where locks
+        # work) holds its write lock, and is waited for (bounded), not finished under
+        with _files._set_lock(prefix, exclusive=False,
+                              deadline=time.monotonic() + _files.REPLACE_WAIT_S):
+            how = finish_replacement(prefix, any_host=True)
+        if how == "finished":
+            print(f"finished the replacement of {prefix} that a writer left half done",
+                  file=sys.stderr)
     if args.array is not None:
         sets = [read_csr(prefix, **_read_args(args), check=True)]
     else:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import os
 import signal
 import subprocess
@@ -285,3 +286,31 @@ def test_without_working_locks_writes_go_on_with_one_warning(tmp_path, monkeypat
         f"{os.strerror(errno.ENOLCK)}): writers of a set on different hosts sharing "
         "this directory are not kept apart (see docs/file-format.md, Writing)"]
     assert read_csr(tmp_path / "Y").csr.value.tolist() == [1.0]
+
+
+@pytest.mark.timeout(60)
+def test_check_finish_waits_for_a_live_writer_of_another_host(tmp_path, monkeypatch):
+    """``shmps-tool check --finish`` (for a journal that cannot be judged) takes a read
+    lock of the set first: a writer on another host stalled mid-rename holds the write
+    lock, so --finish waits (1 s here) and fails with one Timeout line, renaming
+    nothing; once that writer went on, the set is its version whole.  Before,
+    --finish renamed the live writer's files under it."""
+    from shmps import cli
+
+    monkeypatch.setattr(files, "REPLACE_WAIT_S", 1.0)
+    prefix = tmp_path / "X"
+    with writers(prefix, "stall") as (p,):
+        assert p.stdout.readline() == "mid\n"
+        before = {n: os.stat(tmp_path / n).st_ino for n in os.listdir(tmp_path)}
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            status = cli.main(["check", "--finish", str(prefix)])
+        assert (status, out.getvalue()) == (2, "")
+        assert err.getvalue().count("\n") == 1 and "shmps-tool: error: " in err.getvalue()
+        assert "has held" in err.getvalue() and ".X.lock" in err.getvalue()
+        assert {n: os.stat(tmp_path / n).st_ino for n in os.listdir(tmp_path)} == before
+        send(p, "")
+        assert p.stdout.readline() == "written\n"
+        assert p.wait(timeout=30) == 0
+    assert version(read_csr(prefix)) == (1, 0)
+    assert hidden(tmp_path) == {".X.lock"}
