@@ -479,6 +479,19 @@ static int foreign_in_flight(agg_ctl_t *c, uint64_t token) {
     return busy;
 }
 
+/* The control block `ctl` locked by `token` (*out), for a round's push to the dense
+ * tensor whose shard 0 is `base0`; an error code, the block not locked, else. */
+static int lock_for_push(void *ctl, void *base0, uint64_t token, agg_ctl_t **out) {
+    agg_ctl_t *c = ctl_of(ctl);
+    if (!c) return SHMPS_E_CORRUPT;
+    const shmps_spec_t *s0 = shmps_spec_of(base0);
+    if (!s0 || s0->kind != SHMPS_DENSE) return SHMPS_E_ARG;
+    int e = lock(c, token);
+    if (e) return e;
+    *out = c;
+    return SHMPS_OK;
+}
+
 /* Phase PUSHING of our claim of `round`: takes the push's ticket here (*step, from
  * shard 0 `base0` of the tensor, its flags masked off: the push goes by ticket, without
  * SHMPS_STEP_BY_STRIPE, so that a stripe has the push exactly if its last step is the
@@ -493,11 +506,8 @@ static int foreign_in_flight(agg_ctl_t *c, uint64_t token) {
  * by-ticket pushes allow).  The lock's release (or its takeover CAS, acquire) orders
  * both before the next holder's reads. */
 int shmps_agg_pushing(void *ctl, uint64_t token, uint64_t round, void *base0, uint64_t *step) {
-    agg_ctl_t *c = ctl_of(ctl);
-    if (!c) return SHMPS_E_CORRUPT;
-    const shmps_spec_t *s0 = shmps_spec_of(base0);
-    if (!s0 || s0->kind != SHMPS_DENSE) return SHMPS_E_ARG;
-    int e = lock(c, token);
+    agg_ctl_t *c;
+    int e = lock_for_push(ctl, base0, token, &c);
     if (e) return e;
     if (c->applier != token || c->claim_round != round || c->next_round != round) {
         e = SHMPS_E_ARG; /* our claim was taken over (we were thought dead?) */
@@ -530,11 +540,8 @@ int shmps_agg_pushing(void *ctl, uint64_t token, uint64_t round, void *base0, ui
  * release (or takeover CAS, acquire) orders them before the next holder's reads. */
 int shmps_agg_pushed(void *ctl, uint64_t token, uint64_t round, void *base0, uint64_t nbytes,
                      uint64_t rows) {
-    agg_ctl_t *c = ctl_of(ctl);
-    if (!c) return SHMPS_E_CORRUPT;
-    const shmps_spec_t *s0 = shmps_spec_of(base0);
-    if (!s0 || s0->kind != SHMPS_DENSE) return SHMPS_E_ARG;
-    int e = lock(c, token);
+    agg_ctl_t *c;
+    int e = lock_for_push(ctl, base0, token, &c);
     if (e) return e;
     if (c->applier != token || c->claim_round != round || c->next_round != round ||
         c->phase != SHMPS_AGG_PH_PUSHING || !LOAD(&c->push_step, RELAXED)) {

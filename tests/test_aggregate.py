@@ -7,6 +7,7 @@ the worker functions live here, so a child imports this module.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -557,6 +558,25 @@ def test_a_round_does_not_start_pushing_while_a_push_by_another_path_is_in_fligh
     assert W.rounds()["applied"] == 1 and W.stats()["step"] == 2
 
 
+@contextlib.contextmanager
+def _round_paused_in(job, child, **kw):
+    """A 2-shard int32 Sum tensor W (workers=1, ``kw``) whose only worker, ``child``,
+    stopped itself (SIGSTOP) applying round 0 (setting ``flags[0]`` first): yields W
+    with the worker stopped, then lets it go on and waits for its push to end."""
+    W = job.dense("W", shape=SHAPE, dtype="int32", optimizer="sum", aggregate="sum",
+                  workers=1, shard_rows=8, **kw)
+    flags = CTX.RawArray("q", 1)
+    with Workers(hard_timeout=60) as ws:
+        w = ws.start(child, job.name, flags)
+        try:
+            wait_until(lambda: flags[0], 30, "the round claimed")
+            time.sleep(0.1)   # (the SIGSTOP itself)
+            yield W
+        finally:
+            os.kill(w.process.pid, signal.SIGCONT)
+        w.result(30)
+
+
 def test_a_push_by_another_path_does_not_wait_for_a_round_pushed_without_a_ticket(job):
     """A round pushed without a ticket (hogwild here; a tensor forwarded to a bridge
     likewise) is no resume's concern: a push by another path (the bridge's direct
@@ -564,21 +584,11 @@ def test_a_push_by_another_path_does_not_wait_for_a_round_pushed_without_a_ticke
     (SIGSTOP) half-way through: it returns at once, and the round lands once the
     applier goes on.  (Waiting, a paused worker stalled the bridge's event loop for
     up to 60 s.)"""
-    W = job.dense("W", shape=SHAPE, dtype="int32", optimizer="sum", aggregate="sum",
-                  workers=1, shard_rows=8, mode="hogwild")
-    flags = CTX.RawArray("q", 1)
-    with Workers(hard_timeout=60) as ws:
-        w = ws.start(stop_before_pushing_a_round, job.name, flags)
-        try:
-            wait_until(lambda: flags[0], 30, "the round claimed")
-            time.sleep(0.1)   # (the SIGSTOP itself)
-            assert W.rounds()["applied"] == 0
-            t0 = time.monotonic()
-            W._apply_direct(None, np.ones(SHAPE, np.int32))
-            took = time.monotonic() - t0
-        finally:
-            os.kill(w.process.pid, signal.SIGCONT)
-        w.result(30)
+    with _round_paused_in(job, stop_before_pushing_a_round, mode="hogwild") as W:
+        assert W.rounds()["applied"] == 0
+        t0 = time.monotonic()
+        W._apply_direct(None, np.ones(SHAPE, np.int32))
+        took = time.monotonic() - t0
     assert took < 5.0, took
     assert np.array_equal(W.pull(), known_int(0, 0) + 1)
 
@@ -591,25 +601,15 @@ def test_a_push_by_another_path_refuses_busy_a_round_a_live_worker_pushes(job):
     once the round is done, it lands.  (It waited for the round on the event loop for
     60 s, the bridge counted dead meanwhile, then raised Timeout, and the batch was
     refused for good: review H2 F3.)"""
-    W = job.dense("W", shape=SHAPE, dtype="int32", optimizer="sum", aggregate="sum",
-                  workers=1, shard_rows=8)
-    flags = CTX.RawArray("q", 1)
-    with Workers(hard_timeout=60) as ws:
-        w = ws.start(stop_in_a_ticket_push, job.name, flags)
-        try:
-            wait_until(lambda: flags[0], 30, "the round in PUSHING")
-            time.sleep(0.1)   # (the SIGSTOP itself)
-            job._set_forwarding(True)      # the bridge starts (node.py _start)
-            t0 = time.monotonic()
-            with pytest.raises(shmps.errors.Busy, match="being pushed by another process"):
-                W._apply_direct(None, np.ones(SHAPE, np.int32))
-            took = time.monotonic() - t0
-            assert W.rounds()["applied"] == 0 and W.stats()["step"] <= 1
-        finally:
-            os.kill(w.process.pid, signal.SIGCONT)
-        w.result(30)
-        W._apply_direct(None, np.ones(SHAPE, np.int32))
-        job._set_forwarding(False)
+    with _round_paused_in(job, stop_in_a_ticket_push) as W:
+        job._set_forwarding(True)      # the bridge starts (node.py _start)
+        t0 = time.monotonic()
+        with pytest.raises(shmps.errors.Busy, match="being pushed by another process"):
+            W._apply_direct(None, np.ones(SHAPE, np.int32))
+        took = time.monotonic() - t0
+        assert W.rounds()["applied"] == 0 and W.stats()["step"] <= 1
+    W._apply_direct(None, np.ones(SHAPE, np.int32))
+    job._set_forwarding(False)
     assert took < 5.0, took
     assert np.array_equal(W.pull(), known_int(0, 0) + 1)
 
