@@ -387,6 +387,46 @@ def test_initial_values_wait_for_an_origin_that_reads_them_one_at_a_time(make_cl
         assert "serving from this host's copy" not in text, c.describe()
 
 
+def test_a_creator_leaving_at_once_gives_every_owner_the_initial_values(make_cluster):
+    """Host 0 creates a tensor with init= an array, and is stopped (SIGTERM) as soon as
+    every bridge took it up: hosts 1 and 2 own shards of it and wait for its initial
+    values, asked for with SYNCs that may come after host 0 is gone, and take over host
+    0's own shards from their backup copies, which host 0 may not have sent yet.  The
+    leaving creator sends the initial values unasked to the owners, and waits for the
+    next owners of its own shards to hold its copy, and every shard on both hosts holds
+    them.  (Before, 2 to 7 of the 16 shards held the schema's init, zeros, in 2 of 3
+    runs, and in 2 of 6 with the first half of the fix: review 24 F7.)"""
+    c = make_cluster(3)
+    c.start_all()
+    init = np.random.default_rng(3).integers(-1000, 1000, (512, 8), dtype=np.int32)
+    s0 = c.attach(0)
+    try:
+        s0.dense("wa", (512, 8), "int32", init=init, shard_rows=32)   # 16 shards
+    finally:
+        s0.close()
+    wait_forwarding(c, {"wa"}, [0, 1, 2])
+    c.signal(0, signal.SIGTERM)
+    assert c.wait_exit(0, 30) == 0
+    c.wait_converged(20, hosts=[1, 2])
+
+    def holds_init(i: int) -> list:
+        s = c.attach(i)
+        try:
+            got = s["wa"].pull()
+        finally:
+            s.close()
+        return [k for k in range(16)
+                if not np.array_equal(got[32 * k:32 * k + 32], init[32 * k:32 * k + 32])]
+
+    time.sleep(1.0)   # (an owner without them would have served its own copy by now)
+    bad = {i: holds_init(i) for i in (1, 2)}
+    # (for each shard without them: its owner before the leave and after, host numbers)
+    moved = {k: (c.addrs.index(Ring(c.addrs).owner(shard_key("wa", k))),
+                 c.addrs.index(Ring(c.addrs[1:]).owner(shard_key("wa", k))))
+             for k in set(bad[1] + bad[2])}
+    assert bad == {1: [], 2: []}, (bad, moved, c.describe())
+
+
 def test_csr_tensors_are_forwarded(make_cluster):
     """csr tensors cross hosts as their entries: created on one host with init values,
     every host holds them; pushes from every host reach each shard's owner exactly once
