@@ -89,7 +89,6 @@ ffi = _native.ffi
 AGGREGATES = ("sum", "mean")
 CTL_WORDS = lib.SHMPS_AGG_CTL_BYTES // 4
 WAIT_TIMEOUT_S = 60.0
-AGG_FOREIGN = 64   #: processes pushing to a tensor by another path at once (aggregate.c)
 
 
 #: The suffixes of the hidden tensors' names: reserved (store._check_not_reserved), so
@@ -515,8 +514,8 @@ class AggregateDense(DenseTensor):
             for _ in range(4):   # (each pass finishes a dead applier's round)
                 code = lib.shmps_agg_foreign(self._cptr(), man, tok, 0, what, rnd)
                 if code == lib.SHMPS_AGG_E_FOREIGN:
-                    raise Busy(f"push to {self.name!r}: {AGG_FOREIGN} processes push to it "
-                               "by another path at once")
+                    raise Busy(f"push to {self.name!r}: as many processes as the control "
+                               "block holds push to it by another path at once")
                 _native.check(code, f"push to {self.name!r}")
                 if what[0] == lib.SHMPS_AGG_NOTHING:
                     break

@@ -329,6 +329,18 @@ def test_a_host_without_room_the_other_needs_stays_and_says_so_in_health(make_cl
     assert "it stays in the cluster" in log, log[-3000:]
 
 
+def _made_with_init(c: Cluster, seed: int) -> np.ndarray:
+    """Host 0's worker creates tensor "wa" (512 x 8 int32, 16 shards of 32 rows) with
+    init= a random array of ``seed``: returns the array."""
+    init = np.random.default_rng(seed).integers(-1000, 1000, (512, 8), dtype=np.int32)
+    s0 = c.attach(0)
+    try:
+        s0.dense("wa", (512, 8), "int32", init=init, shard_rows=32)
+    finally:
+        s0.close()
+    return init
+
+
 def test_initial_values_wait_for_an_origin_that_reads_them_one_at_a_time(make_cluster):
     """The creating host reads the initial values of every shard its peers own in its
     snapshot thread, one at a time: here each read takes 0.6 s longer (failpoint
@@ -346,12 +358,7 @@ def test_initial_values_wait_for_an_origin_that_reads_them_one_at_a_time(make_cl
         if sum(ring.owner(shard_key("wa", s)) != c.addrs[0] for s in range(16)) >= 6:
             break
     c.start_all()
-    init = np.random.default_rng(8).integers(-1000, 1000, (512, 8), dtype=np.int32)
-    s0 = c.attach(0)
-    try:
-        s0.dense("wa", (512, 8), "int32", init=init, shard_rows=32)   # 16 shards
-    finally:
-        s0.close()
+    init = _made_with_init(c, 8)
     t0 = time.monotonic()
     wait_forwarding(c, {"wa"}, [0, 1, 2])
     others = sum(k.startswith("wa/") for i in (1, 2) for k in c.health(i)["owned"])
@@ -398,12 +405,7 @@ def test_a_creator_leaving_at_once_gives_every_owner_the_initial_values(make_clu
     runs, and in 2 of 6 with the first half of the fix: review 24 F7.)"""
     c = make_cluster(3)
     c.start_all()
-    init = np.random.default_rng(3).integers(-1000, 1000, (512, 8), dtype=np.int32)
-    s0 = c.attach(0)
-    try:
-        s0.dense("wa", (512, 8), "int32", init=init, shard_rows=32)   # 16 shards
-    finally:
-        s0.close()
+    init = _made_with_init(c, 3)
     wait_forwarding(c, {"wa"}, [0, 1, 2])
     c.signal(0, signal.SIGTERM)
     assert c.wait_exit(0, 30) == 0

@@ -1006,9 +1006,15 @@ class Bridge:
         for key, st in self.shards.items():
             owner = self.owner(st.key)
             if (owner and owner != self.addr and owner in reach and st.init_served != owner
-                    and now - st.taken_up_at < INIT_GIVE_S and self._is_origin(key)):
+                    and self._fresh_origin(key, now)):
                 asyncio.get_running_loop().create_task(
                     self._send_snapshot(key, owner, handover=True))
+
+    def _fresh_origin(self, key: tuple, now: float) -> bool:
+        """Shard ``key`` is of a tensor created here that this process took up less than
+        INIT_GIVE_S before ``now``: its owners and backups may lack its initial values
+        (a leave gives them: _give_initial_values, _leave_targets)."""
+        return now - self.shards[key].taken_up_at < INIT_GIVE_S and self._is_origin(key)
 
     def _leave_targets(self) -> dict:
         """Leaving: for each shard this host owns whose owner on the ring without it is
@@ -1032,8 +1038,7 @@ class Bridge:
             # backup copy: waited for like a next owner without a backup.  A creator
             # SIGTERMed as every bridge took its tensor up left those shards with the
             # schema's init everywhere: review 24 F7)
-            fresh = now - st.taken_up_at < INIT_GIVE_S and self._is_origin(key)
-            if nxt in self._required(st) and not fresh:
+            if nxt in self._required(st) and not self._fresh_origin(key, now):
                 continue
             st.leave_to = nxt
             out[key] = nxt
@@ -1648,13 +1653,12 @@ class Bridge:
                     st.handover_done = ("", 0.0, 0)
                 else:
                     st.handover_from = prev
-                    st.handover_init = False
                     st.handover_until = time.monotonic() + HANDOVER_TIMEOUT
                     st.handover_next = backups
-                    st.handover_incs = {m: self._incarnations.get(m) for m in [prev] + backups}
+                    st.handover_incs = self._incarnations_of([prev] + backups)
             elif prev and prev != self.addr:
                 cands = backups + ([prev] if self.cfg.replicas > 1 else [])
-                st.handover_incs = {m: self._incarnations.get(m) for m in cands}
+                st.handover_incs = self._incarnations_of(cands)
                 if not complete and cands:   # the owner is gone: its backups' copy (in turn)
                     st.handover_next = cands
                     st.handover_until = 0.0
@@ -3550,6 +3554,11 @@ class Bridge:
             if st.handover_from == peer:
                 st.handover_until = 0.0
                 self._handover_given_up(st, now)
+
+    def _incarnations_of(self, hosts: list) -> dict:
+        """Each of ``hosts``' incarnation as last heard (None: not heard of yet): what a
+        hand-over wait beginning now is for (ShardState.handover_incs)."""
+        return {m: self._incarnations.get(m) for m in hosts}
 
     def _handover_incarnation(self, st: ShardState, member: str, default: int) -> int:
         """The incarnation of ``member`` whose copy the wait for ``st``'s hand-over is
