@@ -429,6 +429,27 @@ def test_a_creator_leaving_at_once_gives_every_owner_the_initial_values(make_clu
     assert bad == {1: [], 2: []}, (bad, moved, c.describe())
 
 
+def test_a_tensor_created_just_before_its_creator_leaves_reaches_the_others(make_cluster):
+    """Host 0 creates a tensor with init= an array and is stopped (SIGTERM) at once, before
+    its bridge's next look at the store: the leaving bridge takes the tensor up and waits
+    until every peer took its catalog, so hosts 1 and 2 hold the tensor with its initial
+    values.  (Before, the others never heard of it while host 0 was gone.)"""
+    c = make_cluster(3)
+    c.start_all()
+    c.wait_converged(20)
+    init = _made_with_init(c, 5)
+    c.signal(0, signal.SIGTERM)
+    assert c.wait_exit(0, 30) == 0
+    c.wait_converged(20, hosts=[1, 2])
+    for i in (1, 2):
+        s = c.attach(i)
+        try:
+            assert "wa" in s, f"host {i} never heard of the tensor: {c.describe()}"
+            np.testing.assert_array_equal(s["wa"].pull(), init, err_msg=f"host {i}")
+        finally:
+            s.close()
+
+
 def test_csr_tensors_are_forwarded(make_cluster):
     """csr tensors cross hosts as their entries: created on one host with init values,
     every host holds them; pushes from every host reach each shard's owner exactly once

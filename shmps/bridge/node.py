@@ -99,6 +99,10 @@ SNAPSHOT_FRAME_BYTES = 1 << 20   #: values per snapshot chunk
 #: recently and has not given their owner yet (_give_initial_values): an owner waits
 #: for them from its own take-up, HANDOVER_TIMEOUT after the creator's last news
 INIT_GIVE_S = 30.0
+#: leaving with a tensor created here and taken up less than INIT_GIVE_S ago: the longest
+#: it waits for every reachable peer to take its catalog (peers read it every
+#: CATALOG_INTERVAL, and a second time to say they took it whole: about 1 s)
+CATALOG_WAIT_S = 3.0
 MAX_MARKS = frames.DEFAULT_LIMITS.max_marks  #: duplicate-filter marks a snapshot carries at most
 SPARE_DRAIN_BUFFERS = 2          #: a tensor's drain buffers kept for reuse (TInfo.spare)
 #: gradient bytes per BATCH frame (and so per ROWS frame answering it): a drain of a
@@ -689,6 +693,7 @@ class Bridge:
         self._index: tuple = (-1, [], None, [])   # _shard_index's cache
         self._maint_sig: tuple = ()        # what the last _maintain shard pass saw
         self._catalog_tags: dict[str, str] = {}   # peer -> ETag of its catalog taken whole
+        self._catalog_taken: dict[str, str] = {}  # peer -> ETag of this catalog it took whole
         self._maint_due = 0.0              # when the next one is due at the latest
         self._tick_sleep = Pause()         # the tick loop's (_poke_tick ends it sooner)
         self._moved_at = 0.0               # the latest _poke_tick
@@ -942,11 +947,27 @@ class Bridge:
         self.members.mark_leaving(self.addr)
         self._poke_tick()
         deadline = time.monotonic() + timeout
-        self._give_initial_values()
 
         async def wait_while(cond: Callable[[], bool], until: float) -> None:
             while cond() and time.monotonic() < until and not self._hurry:
                 await asyncio.sleep(0.02)
+
+        # a tensor a worker created a moment ago: taken up, and every peer took this
+        # catalog with it, or the others never hear of it while this host is gone (a
+        # peer learns of tensors by reading catalogs: _catalog_loop)
+        await self.refresh_all_tensors()
+        self._give_initial_values()
+        now = time.monotonic()
+        if any(self._fresh_origin(key, now) for key in self.shards):
+            await wait_while(self._catalog_not_taken, min(deadline - 3.0, now + CATALOG_WAIT_S))
+            if self._catalog_not_taken():
+                log.warning("leaving before %s took this host's catalog: they may not hear "
+                            "of its newest tensors while it is gone",
+                            ", ".join(self._catalog_not_taken()))
+            # (owners that created a tensor just now: given its initial values too)
+            await wait_while(lambda: any(st.reading is not None
+                                         for st in self.shards.values()), deadline - 3.0)
+            self._give_initial_values()
 
         # this host's own pushes reach their owners first: what store.flush would wait
         # for now, waited for on this loop (which keeps draining and sending meanwhile,
@@ -1009,6 +1030,19 @@ class Bridge:
                     and self._fresh_origin(key, now)):
                 asyncio.get_running_loop().create_task(
                     self._send_snapshot(key, owner, handover=True))
+
+    def _catalog_not_taken(self) -> list:
+        """The reachable peers that have not taken this host's catalog as it is now whole
+        (their last read of it, If-None-Match, did not match: h_catalog)."""
+        self.store._refresh()
+        tag = self._catalog_tag()
+        return [p for p in self.members.reachable()
+                if p != self.addr and self._catalog_taken.get(p) != tag]
+
+    def _catalog_tag(self) -> str:
+        """The ETag of this host's catalog answer (h_catalog): it changes whenever the
+        answer does (the catalog only grows, and a record's origin is set with it)."""
+        return f'"{self.incarnation}-{len(self.store._record_list)}-{len(self.adopted)}"'
 
     def _fresh_origin(self, key: tuple, now: float) -> bool:
         """Shard ``key`` is of a tensor created here that this process took up less than
@@ -4092,14 +4126,16 @@ class Bridge:
 
     async def h_catalog(self, request: Any) -> Any:
         from aiohttp import web
-        if self._verify(request, b"") is None:
+        peer = self._verify(request, b"")
+        if peer is None:
             return web.json_response({"error": "authentication failed"}, status=401)
         self.store._refresh()
         # The catalog only grows, and a record's origin is set with it: this tag changes
         # whenever the answer does.  A peer that has taken every record of this answer
         # sends it back (If-None-Match) and gets 304, not hundreds of records again.
-        tag = f'"{self.incarnation}-{len(self.store._record_list)}-{len(self.adopted)}"'
+        tag = self._catalog_tag()
         if request.headers.get("If-None-Match") == tag:
+            self._catalog_taken[peer] = tag   # (a leave waits for it: _catalog_not_taken)
             return web.Response(status=304, headers={
                 "ETag": tag, **auth.sign_response(self.cfg.secret, request.headers, self.addr,
                                                   304, b"", tag)})
