@@ -412,6 +412,7 @@ class AggregateDense(DenseTensor):
         ctl, tok = self._cptr(), _native.token()
         acc = self._acc[rnd % 2]
         err: Optional[BaseException] = None
+        g: Optional[np.ndarray] = None   # the gradient of a push by ticket that landed
         what = f"round {rnd} of {self.name!r}"
         if phase in (lib.SHMPS_AGG_PH_SUM, lib.SHMPS_AGG_PH_PUSHING):
             total = acc.pull()
@@ -427,7 +428,6 @@ class AggregateDense(DenseTensor):
             else:
                 _native.check(lib.shmps_agg_phase(ctl, tok, rnd, lib.SHMPS_AGG_PH_PUSHING),
                               what)
-            g: Optional[np.ndarray] = None
             try:
                 if step:
                     g = self._push_round(total, step)
@@ -435,13 +435,13 @@ class AggregateDense(DenseTensor):
                     DenseTensor.push(self, total)
             except Error as exc:  # e.g. the sum overflowed to Inf: the round is dropped
                 err = exc
-            if g is not None:
-                # one push in the statistics per round, whoever finished it (a dead
-                # applier's cut push counted none); phase ZEROING
-                _native.check(lib.shmps_agg_pushed(ctl, tok, rnd, self._shard(0).ptr,
-                                                   g.nbytes, self.nrows), what)
-        _native.check(lib.shmps_agg_phase(ctl, tok, rnd, lib.SHMPS_AGG_PH_ZEROING),
-                      f"round {rnd} of {self.name!r}")
+        if g is not None:
+            # one push in the statistics per round, whoever finished it (a dead
+            # applier's cut push counted none); it moves the round to phase ZEROING
+            _native.check(lib.shmps_agg_pushed(ctl, tok, rnd, self._shard(0).ptr,
+                                               g.nbytes, self.nrows), what)
+        else:   # pushed without a ticket, dropped (err), or taken over in ZEROING
+            _native.check(lib.shmps_agg_phase(ctl, tok, rnd, lib.SHMPS_AGG_PH_ZEROING), what)
         for sh in acc._shards:
             sh.values(acc.dtype)[...] = 0  # nobody else writes this buffer now
         _native.check(lib.shmps_agg_finish(ctl, tok, rnd), f"round {rnd} of {self.name!r}")
