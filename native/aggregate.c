@@ -168,6 +168,25 @@ static void wake(agg_ctl_t *c) {
     syscall(SYS_futex, &c->seq, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
 }
 
+/* The deadline of a wait of timeout_s seconds (< 0: none). */
+static uint64_t deadline_of(double timeout_s) {
+    return timeout_s < 0 ? UINT64_MAX : shmps_now_ns() + (uint64_t)(timeout_s * 1e9);
+}
+
+/* Sleep on futex word `word` while it reads `seen` (the caller loaded it, acquire,
+ * before looking at what it waits for: a change made after that look bumps the word
+ * first, and the wait returns at once), at most NAP_NS (waiters look again that often:
+ * a process that dies wakes nobody) and not past `deadline`.  SHMPS_E_TIMEOUT once the
+ * deadline has passed (no sleep), else SHMPS_OK: look again. */
+static int nap(uint32_t *word, uint32_t seen, uint64_t deadline) {
+    uint64_t now = shmps_now_ns();
+    if (now >= deadline) return SHMPS_E_TIMEOUT;
+    uint64_t ns = deadline - now < NAP_NS ? deadline - now : NAP_NS;
+    struct timespec ts = {(time_t)(ns / 1000000000ull), (long)(ns % 1000000000ull)};
+    syscall(SYS_futex, word, FUTEX_WAIT, seen, &ts, NULL, 0);
+    return SHMPS_OK;
+}
+
 static int lock(agg_ctl_t *c, uint64_t token) {
     /* RECOVERED (a holder died inside) needs no repair: see the store orders above */
     int r = shmps_stripe_lock(&c->lock, token, SHMPS_LOCK_TIMEOUT_S, &c->takeovers);
@@ -377,7 +396,7 @@ int shmps_agg_assemble(void *ctl, void *man, uint64_t token, uint32_t want, doub
     agg_ctl_t *c = ctl_of(ctl);
     if (!c) return SHMPS_E_CORRUPT;
     uint32_t *seq = &((shmps_manifest_t *)man)->clock_seq;
-    uint64_t deadline = timeout_s < 0 ? UINT64_MAX : shmps_now_ns() + (uint64_t)(timeout_s * 1e9);
+    uint64_t deadline = deadline_of(timeout_s);
     for (;;) {
         /* acquire: pairs with clock.c's wake_all (bumped by every join); a join
          * after this load makes the futex wait return at once */
@@ -392,11 +411,7 @@ int shmps_agg_assemble(void *ctl, void *man, uint64_t token, uint32_t want, doub
             wake(c);
             return SHMPS_OK;
         }
-        uint64_t now = shmps_now_ns();
-        if (now >= deadline) return SHMPS_E_TIMEOUT;
-        uint64_t nap = deadline - now < NAP_NS ? deadline - now : NAP_NS;
-        struct timespec ts = {(time_t)(nap / 1000000000ull), (long)(nap % 1000000000ull)};
-        syscall(SYS_futex, seq, FUTEX_WAIT, seen, &ts, NULL, 0);
+        if (nap(seq, seen, deadline)) return SHMPS_E_TIMEOUT;
     }
 }
 
@@ -479,35 +494,22 @@ static int foreign_in_flight(agg_ctl_t *c, uint64_t token) {
     return busy;
 }
 
-/* The control block `ctl` locked by `token` (*out), for a round's push to the dense
- * tensor whose shard 0 is `base0`; an error code, the block not locked, else. */
-static int lock_for_push(void *ctl, void *base0, uint64_t token, agg_ctl_t **out) {
+/* The control block `ctl` (*out), for a round's push to the dense tensor whose shard 0
+ * is `base0`; an error code, else. */
+static int ctl_for_push(void *ctl, void *base0, agg_ctl_t **out) {
     agg_ctl_t *c = ctl_of(ctl);
     if (!c) return SHMPS_E_CORRUPT;
     const shmps_spec_t *s0 = shmps_spec_of(base0);
     if (!s0 || s0->kind != SHMPS_DENSE) return SHMPS_E_ARG;
-    int e = lock(c, token);
-    if (e) return e;
     *out = c;
     return SHMPS_OK;
 }
 
-/* Phase PUSHING of our claim of `round`: takes the push's ticket here (*step, from
- * shard 0 `base0` of the tensor, its flags masked off: the push goes by ticket, without
- * SHMPS_STEP_BY_STRIPE, so that a stripe has the push exactly if its last step is the
- * ticket or later) and records it, once no push by another path is in flight
- * (SHMPS_AGG_E_FOREIGN: nothing done, try again).  The ticket is taken under the lock,
- * after that check: every push by another path then took its ticket before ours and
- * has finished writing, or takes it after this round has left PUSHING (it waits, or
- * resumes a dead applier's round first), so no stripe reaches the ticket otherwise
- * than by this round, which a resume relies on.  Relaxed stores in this order
- * (CRASH_ORDER): killed between them, the phase is still SUM, and whoever takes the
- * claim over restarts the round (a new ticket; this one's step is skipped, which
- * by-ticket pushes allow).  The lock's release (or its takeover CAS, acquire) orders
- * both before the next holder's reads. */
-int shmps_agg_pushing(void *ctl, uint64_t token, uint64_t round, void *base0, uint64_t *step) {
-    agg_ctl_t *c;
-    int e = lock_for_push(ctl, base0, token, &c);
+/* shmps_agg_pushing's one look, under the lock: SHMPS_AGG_E_FOREIGN while a push by
+ * another path is in flight. */
+static int pushing_once(agg_ctl_t *c, uint64_t token, uint64_t round, void *base0,
+                        uint64_t *step) {
+    int e = lock(c, token);
     if (e) return e;
     if (c->applier != token || c->claim_round != round || c->next_round != round) {
         e = SHMPS_E_ARG; /* our claim was taken over (we were thought dead?) */
@@ -516,7 +518,7 @@ int shmps_agg_pushing(void *ctl, uint64_t token, uint64_t round, void *base0, ui
     } else {
         uint64_t t;
         shmps_dense_next_step(base0, &t);
-        t &= ~(uint64_t)(SHMPS_STEP_BY_STRIPE | SHMPS_STEP_RESUME); /* by ticket, see above */
+        t &= ~(uint64_t)(SHMPS_STEP_BY_STRIPE | SHMPS_STEP_RESUME); /* by ticket: below */
         if (!t) {
             e = SHMPS_E_ARG;
         } else {
@@ -530,6 +532,38 @@ int shmps_agg_pushing(void *ctl, uint64_t token, uint64_t round, void *base0, ui
     return e;
 }
 
+/* Phase PUSHING of our claim of `round`: takes the push's ticket here (*step, from
+ * shard 0 `base0` of the tensor, its flags masked off: the push goes by ticket, without
+ * SHMPS_STEP_BY_STRIPE, so that a stripe has the push exactly if its last step is the
+ * ticket or later) and records it, once no push by another path is in flight: while
+ * one is, it sleeps on the block's futex, woken as one ends (shmps_agg_foreign), and
+ * looks again every NAP_NS (a process that dies in one ends nothing), for at most
+ * `timeout_s` seconds (< 0: no limit; SHMPS_AGG_E_FOREIGN after them, nothing done).
+ * The ticket is taken under the lock, after that check: every push by another path
+ * then took its ticket before ours and has finished writing, or takes it after this
+ * round has left PUSHING (it is refused, or resumes a dead applier's round first), so
+ * no stripe reaches the ticket otherwise than by this round, which a resume relies on.  Relaxed stores in this order
+ * (CRASH_ORDER): killed between them, the phase is still SUM, and whoever takes the
+ * claim over restarts the round (a new ticket; this one's step is skipped, which
+ * by-ticket pushes allow).  The lock's release (or its takeover CAS, acquire) orders
+ * both before the next holder's reads. */
+int shmps_agg_pushing(void *ctl, uint64_t token, uint64_t round, void *base0, double timeout_s,
+                      uint64_t *step) {
+    agg_ctl_t *c;
+    int e = ctl_for_push(ctl, base0, &c);
+    if (e) return e;
+    uint64_t deadline = deadline_of(timeout_s);
+    for (;;) {
+        /* acquire: pairs with wake()'s release after a push by another path ends
+         * (shmps_agg_foreign); loaded before our look under the lock, so an end that
+         * comes after the look bumps it past `seen`, and the nap returns at once */
+        uint32_t seen = LOAD(&c->seq, ACQUIRE);
+        e = pushing_once(c, token, round, base0, step);
+        if (e != SHMPS_AGG_E_FOREIGN) return e;
+        if (nap(&c->seq, seen, deadline)) return SHMPS_AGG_E_FOREIGN;
+    }
+}
+
 /* The push of our claim of `round` (PUSHING, with its ticket) reached every stripe:
  * count it as one push in the tensor's statistics (shard 0 `base0`: nbytes, rows), once
  * per round whoever finished it (the dead applier's push counted nothing yet: it
@@ -541,7 +575,8 @@ int shmps_agg_pushing(void *ctl, uint64_t token, uint64_t round, void *base0, ui
 int shmps_agg_pushed(void *ctl, uint64_t token, uint64_t round, void *base0, uint64_t nbytes,
                      uint64_t rows) {
     agg_ctl_t *c;
-    int e = lock_for_push(ctl, base0, token, &c);
+    int e = ctl_for_push(ctl, base0, &c);
+    if (!e) e = lock(c, token);
     if (e) return e;
     if (c->applier != token || c->claim_round != round || c->next_round != round ||
         c->phase != SHMPS_AGG_PH_PUSHING || !LOAD(&c->push_step, RELAXED)) {
@@ -622,6 +657,12 @@ int shmps_agg_foreign(void *ctl, void *man, uint64_t token, int end, uint32_t *w
         e = SHMPS_AGG_E_FOREIGN;
     }
     unlock(c);
+    /* An end wakes a round waiting to take its ticket (shmps_agg_pushing): that waiter
+     * loaded seq before it took the lock and found our count, so this bump, after our
+     * unlock (the lock orders its look before our decrement, and our decrement before
+     * the bump), is one it has not seen, and its futex wait returns.  wake()'s release
+     * is the ordering; a process that dies inside its bracket ends nothing, and the
+     * waiter finds its entry dead at its next look (NAP_NS). */
     if (end && !e) wake(c);
     return e;
 }
@@ -679,7 +720,7 @@ int shmps_agg_wait(void *ctl, void *man, uint64_t token, uint32_t want, uint64_t
     if (!c) return SHMPS_E_CORRUPT;
     *done = 0;
     *behind = -1;
-    uint64_t deadline = timeout_s < 0 ? UINT64_MAX : shmps_now_ns() + (uint64_t)(timeout_s * 1e9);
+    uint64_t deadline = deadline_of(timeout_s);
     for (;;) {
         /* acquire: pairs with wake()'s release; a change after this load makes the
          * futex wait below return at once */
@@ -701,11 +742,7 @@ int shmps_agg_wait(void *ctl, void *man, uint64_t token, uint32_t want, uint64_t
         if (moved) continue;
         if (what == SHMPS_AGG_APPLY) return SHMPS_OK; /* *done = 0: the caller applies */
         if (what == SHMPS_AGG_BUSY) *behind = -2;     /* another process is applying */
-        uint64_t now = shmps_now_ns();
-        if (now >= deadline) return SHMPS_E_TIMEOUT;
-        uint64_t nap = deadline - now < NAP_NS ? deadline - now : NAP_NS;
-        struct timespec ts = {(time_t)(nap / 1000000000ull), (long)(nap % 1000000000ull)};
-        syscall(SYS_futex, &c->seq, FUTEX_WAIT, seen, &ts, NULL, 0);
+        if (nap(&c->seq, seen, deadline)) return SHMPS_E_TIMEOUT;
     }
 }
 

@@ -210,8 +210,8 @@ enum {
     SHMPS_AGG_E_ASSEMBLING = -30104, /* fewer than `workers` workers have joined yet */
     SHMPS_AGG_E_STALE = -30105,   /* rounds of another manifest (restored): reset first */
     SHMPS_AGG_E_CLAIMED = -30106, /* the pusher's round is claimed (being applied): closed */
-    SHMPS_AGG_E_FOREIGN = -30107, /* pushes by another path are in flight (or the table of
-                                     them is full): try again */
+    SHMPS_AGG_E_FOREIGN = -30107, /* pushes by another path are in flight (shmps_agg_pushing:
+                                     still at its timeout), or the table of them is full */
     SHMPS_AGG_RESET_DONE = 0, SHMPS_AGG_RESET_CLAIMED = 1, SHMPS_AGG_RESET_BUSY = 2,
     SHMPS_AGG_NOTHING = 0, SHMPS_AGG_APPLY = 1, SHMPS_AGG_BUSY = 2,
     SHMPS_AGG_PH_SUM = 1, SHMPS_AGG_PH_PUSHING = 2, SHMPS_AGG_PH_ZEROING = 3
@@ -236,7 +236,8 @@ int shmps_agg_abort(void *ctl, uint64_t token, uint32_t slot, uint64_t round);
 int shmps_agg_next(void *ctl, void *man, uint64_t token, uint32_t want, uint32_t *what,
                    uint64_t *round, uint32_t *count, uint32_t *phase, int32_t *behind);
 int shmps_agg_phase(void *ctl, uint64_t token, uint64_t round, uint32_t phase);
-int shmps_agg_pushing(void *ctl, uint64_t token, uint64_t round, void *base0, uint64_t *step);
+int shmps_agg_pushing(void *ctl, uint64_t token, uint64_t round, void *base0, double timeout_s,
+                      uint64_t *step);
 int shmps_agg_pushed(void *ctl, uint64_t token, uint64_t round, void *base0, uint64_t nbytes,
                      uint64_t rows);
 int shmps_agg_foreign(void *ctl, void *man, uint64_t token, int end, uint32_t *what,

@@ -456,20 +456,18 @@ class AggregateDense(DenseTensor):
 
     def _pushing(self, rnd: int) -> int:
         """Phase PUSHING of our claim of round ``rnd``; returns the push's ticket
-        (shmps_agg_pushing takes it), once no push by another path is in flight."""
+        (shmps_agg_pushing takes it), once no push by another path is in flight.  While
+        one is, sleeps on the control block's futex (GIL released), woken as it ends;
+        Timeout after WAIT_TIMEOUT_S."""
         got = ffi.new("uint64_t *")
-        deadline = _native.now_ns() + int(WAIT_TIMEOUT_S * 1e9)
-        while True:
-            code = lib.shmps_agg_pushing(self._cptr(), _native.token(), rnd,
-                                         self._shard(0).ptr, got)
-            if code != lib.SHMPS_AGG_E_FOREIGN:
-                _native.check(code, f"round {rnd} of {self.name!r}")
-                return int(got[0])
-            if _native.now_ns() > deadline:
-                raise Timeout(f"round {rnd} of {self.name!r}: a push by another path (a "
-                              f"bridge's) has been in flight for {WAIT_TIMEOUT_S} s",
-                              "is the process applying it stuck?")
-            time.sleep(0.0005)
+        code = lib.shmps_agg_pushing(self._cptr(), _native.token(), rnd, self._shard(0).ptr,
+                                     WAIT_TIMEOUT_S, got)
+        if code == lib.SHMPS_AGG_E_FOREIGN:
+            raise Timeout(f"round {rnd} of {self.name!r}: a push by another path (a "
+                          f"bridge's) has been in flight for {WAIT_TIMEOUT_S} s",
+                          "is the process applying it stuck?")
+        _native.check(code, f"round {rnd} of {self.name!r}")
+        return int(got[0])
 
     def _push_round(self, total: np.ndarray, step: int) -> np.ndarray:
         """Push the round's aggregate ``total`` at ticket ``step`` (taken for the

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
 import time
 
 import numpy as np
@@ -155,6 +156,25 @@ def ck_worker(store: str, idx: int, rounds: range, partial: int | None, flags) -
         s.close()
 
 
+def claim_a_round(s, W) -> int:
+    """As the last pusher of a round of "W" (workers=1) does, by the C calls, in a
+    process that joined store ``s``: begin, accumulate known_int(0, 0), commit, and
+    claim the round for this process (phase SUM); returns the round."""
+    from shmps import _native
+    from shmps.dense import DenseTensor
+
+    lib, ffi, tok = _native.lib, _native.ffi, _native.token()
+    slot = W._slot()
+    rnd = W._begin(slot, 10)
+    DenseTensor.push(W._acc[rnd % 2], known_int(0, 0))
+    assert lib.shmps_agg_commit(W._cptr(), tok, slot, rnd, 1) == 0
+    what, r, n = ffi.new("uint32_t *"), ffi.new("uint64_t *"), ffi.new("uint32_t *")
+    ph, behind = ffi.new("uint32_t *"), ffi.new("int32_t *")
+    assert lib.shmps_agg_next(W._cptr(), s._mptr, tok, 1, what, r, n, ph, behind) == 0
+    assert what[0] == lib.SHMPS_AGG_APPLY and int(r[0]) == rnd
+    return rnd
+
+
 def die_while_applying(store: str, phase: str) -> None:
     """The only worker: push once, claim the round's application, and SIGKILL
     itself in phase ``phase`` ("sum": before touching the tensor; "pushing":
@@ -165,17 +185,10 @@ def die_while_applying(store: str, phase: str) -> None:
     s = shmps.attach(store)
     s.join()
     W = s["W"]
-    lib, ffi, tok = _native.lib, _native.ffi, _native.token()
-    slot = W._slot()
-    rnd = W._begin(slot, 10)
-    DenseTensor.push(W._acc[rnd % 2], known_int(0, 0))
-    assert lib.shmps_agg_commit(W._cptr(), tok, slot, rnd, 1) == 0
-    what, r, n = ffi.new("uint32_t *"), ffi.new("uint64_t *"), ffi.new("uint32_t *")
-    ph, behind = ffi.new("uint32_t *"), ffi.new("int32_t *")
-    assert lib.shmps_agg_next(W._cptr(), s._mptr, tok, 1, what, r, n, ph, behind) == 0
-    assert what[0] == lib.SHMPS_AGG_APPLY and int(r[0]) == rnd
+    rnd = claim_a_round(s, W)
     if phase == "pushing":
-        assert lib.shmps_agg_phase(W._cptr(), tok, rnd, lib.SHMPS_AGG_PH_PUSHING) == 0
+        assert _native.lib.shmps_agg_phase(W._cptr(), _native.token(), rnd,
+                                           _native.lib.SHMPS_AGG_PH_PUSHING) == 0
         DenseTensor.push(W, W._acc[rnd % 2].pull())
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -612,6 +625,67 @@ def test_a_push_by_another_path_refuses_busy_a_round_a_live_worker_pushes(job):
     job._set_forwarding(False)
     assert took < 5.0, took
     assert np.array_equal(W.pull(), known_int(0, 0) + 1)
+
+
+def test_a_round_sleeps_until_a_push_by_another_path_ends(job):
+    """shmps_agg_pushing waits in C while another process's push by another path is in
+    flight (on the control block's futex, GIL released, woken as that push ends): it
+    returns SHMPS_AGG_E_FOREIGN with nothing done once its timeout has passed, and the
+    round's ticket once the other push has ended.  (Before, it returned at once and
+    aggregate.py polled it every 0.5 ms for up to 60 s.)"""
+    from shmps import _native
+
+    lib, ffi, tok = _native.lib, _native.ffi, _native.token()
+    W = job.dense("W", shape=SHAPE, dtype="int32", optimizer="sum", aggregate="sum",
+                  workers=1, shard_rows=8)
+    job.join()
+    flags = CTX.RawArray("q", 2)
+    got = ffi.new("uint64_t *")
+    with Workers(hard_timeout=60) as ws:
+        other = ws.start(push_by_another_path, job.name, flags)
+        wait_until(lambda: flags[0], 30, "the other path's push registered")
+        rnd = claim_a_round(job, W)
+        t0 = time.monotonic()
+        code = lib.shmps_agg_pushing(W._cptr(), tok, rnd, W._shard(0).ptr, 0.3, got)
+        took = time.monotonic() - t0
+        assert code == lib.SHMPS_AGG_E_FOREIGN and 0.25 < took < 5.0, (code, took)
+        assert W.stats()["step"] == 0   # no ticket taken
+        threading.Timer(0.3, flags.__setitem__, (1, 1)).start()   # the other push ends
+        t0 = time.monotonic()
+        code = lib.shmps_agg_pushing(W._cptr(), tok, rnd, W._shard(0).ptr, 30.0, got)
+        took = time.monotonic() - t0
+        assert code == 0 and 0.2 < took < 5.0, (code, took)
+        assert int(got[0]) == 2   # the other push took ticket 1
+        other.result(30)
+    # our claim in PUSHING, handed back to this process by the pull: pushed at the ticket
+    assert np.array_equal(W.pull(), known_int(0, 0) + 1)
+    assert W.rounds()["applied"] == 1 and W.stats()["step"] == 2
+
+
+def test_a_round_waits_for_a_push_by_another_path_at_most_its_timeout(job, monkeypatch):
+    """A push by another path in flight for longer than the round's wait
+    (aggregate.WAIT_TIMEOUT_S, 60 s; 0.3 here): the worker completing the round gets
+    Timeout saying so, nothing of the round pushed, and the next pull applies the round
+    once the other push has ended."""
+    monkeypatch.setattr(shmps.aggregate, "WAIT_TIMEOUT_S", 0.3)
+    W = job.dense("W", shape=SHAPE, dtype="int32", optimizer="sum", aggregate="sum",
+                  workers=1, shard_rows=8)
+    job.join()
+    flags = CTX.RawArray("q", 2)
+    with Workers(hard_timeout=60) as ws:
+        other = ws.start(push_by_another_path, job.name, flags)
+        wait_until(lambda: flags[0], 30, "the other path's push registered")
+        t0 = time.monotonic()
+        with pytest.raises(shmps.Timeout, match="a push by another path .* has been in "
+                                                "flight for 0.3 s"):
+            W.push(known_int(0, 0))
+        took = time.monotonic() - t0
+        assert 0.25 < took < 5.0, took
+        assert W.rounds()["applied"] == 0 and W.stats()["step"] == 0
+        flags[1] = 1
+        other.result(30)
+    assert np.array_equal(W.pull(), known_int(0, 0) + 1)
+    assert W.rounds()["applied"] == 1 and W.stats()["step"] == 2
 
 
 @pytest.mark.parametrize("child", [die_part_way_through_a_round, die_after_pushing_a_round],
