@@ -86,6 +86,8 @@
 #include <errno.h>
 #include <limits.h>
 #include <linux/futex.h>
+#include <signal.h>
+#include <stdlib.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -100,6 +102,28 @@
  * order of the file comment); no instruction, the CPU's own order of stores across a
  * kill is the instruction order. */
 #define CRASH_ORDER() __atomic_signal_fence(__ATOMIC_SEQ_CST)
+
+/* Test-only kill points: the crash tests of tests/test_aggregate.py start a process
+ * with SHMPS_TEST_KILL_AT=<name> in its environment, and it SIGKILLs itself at that
+ * point, between two stores whose order a kill relies on (names below).  Read once, as
+ * the library is loaded (a constructor: before any thread of it runs, so a plain int);
+ * otherwise a point is a load and a compare, and none is on a hot path (they are per
+ * round, or per push by another path).  A point is a call: the compiler completes the
+ * stores before it, and moves none after it above it. */
+enum { KILL_NONE, KILL_FOREIGN_TOKEN, KILL_COUNTED, KILL_COUNT };
+static int kill_at;
+
+__attribute__((constructor)) static void kill_point_from_env(void) {
+    static const char *const names[] = {"", "foreign-token", "pushed-counted", "pushed-count"};
+    const char *s = getenv("SHMPS_TEST_KILL_AT");
+    for (int i = 1; s && i < (int)(sizeof names / sizeof *names); i++)
+        if (!strcmp(s, names[i])) kill_at = i;
+}
+
+#define KILL_POINT(p)                                                              \
+    do {                                                                           \
+        if (__builtin_expect(kill_at == (p), 0)) kill(getpid(), SIGKILL);         \
+    } while (0)
 
 typedef struct {
     uint64_t round;                    /* round collected here; stale if < next_round */
@@ -570,8 +594,9 @@ int shmps_agg_pushing(void *ctl, uint64_t token, uint64_t round, void *base0, do
  * counts here), and go to phase ZEROING.  Under the lock, relaxed stores in this
  * order (CRASH_ORDER): `counted` first, so a holder killed anywhere in here never
  * makes the round count twice (a taker finds it counted); killed between that store
- * and the count (two adjacent instructions), the round counts no push.  The lock's
- * release (or takeover CAS, acquire) orders them before the next holder's reads. */
+ * and the count (two adjacent instructions), the round counts no push (tried by the
+ * kill points pushed-counted and pushed-count).  The lock's release (or takeover CAS,
+ * acquire) orders them before the next holder's reads. */
 int shmps_agg_pushed(void *ctl, uint64_t token, uint64_t round, void *base0, uint64_t nbytes,
                      uint64_t rows) {
     agg_ctl_t *c;
@@ -588,9 +613,11 @@ int shmps_agg_pushed(void *ctl, uint64_t token, uint64_t round, void *base0, uin
         if (LOAD(&c->counted, RELAXED) != round + 1) {
             STORE(&c->counted, round + 1, RELAXED);
             CRASH_ORDER();
+            KILL_POINT(KILL_COUNTED);
             /* (its relaxed adds: statistics, each counter independently atomic) */
             shmps_count_push(base0, 1, nbytes, rows);
             CRASH_ORDER();
+            KILL_POINT(KILL_COUNT);
         }
         STORE(&c->phase, SHMPS_AGG_PH_ZEROING, RELAXED);
     }
@@ -648,10 +675,11 @@ int shmps_agg_foreign(void *ctl, void *man, uint64_t token, int end, uint32_t *w
          * dead token with the count it had, which foreign_in_flight ignores and frees.
          * (The count first left a live process's idle entry, reused, at its token with
          * count 1 when the kill came between: that process's brackets then took it
-         * 1 -> 2 -> 1, never 0, and every round waited for it: review H2 F6.)  The lock
-         * orders both for the next holder */
+         * 1 -> 2 -> 1, never 0, and every round waited for it: review H2 F6; kill point
+         * foreign-token.)  The lock orders both for the next holder */
         STORE(&free_->token, token, RELAXED);
         CRASH_ORDER();
+        KILL_POINT(KILL_FOREIGN_TOKEN);
         STORE(&free_->count, 1, RELAXED);
     } else {
         e = SHMPS_AGG_E_FOREIGN;

@@ -268,6 +268,49 @@ def stop_in_a_ticket_push(store: str, flags) -> None:
     AggregateDense.push(s["W"], known_int(0, 0))
 
 
+def keep_an_idle_entry(store: str, flags) -> None:
+    """A live process with an idle entry in the table of pushes by another path of "W" (a
+    bridge between two applies): an empty push by another path (W._foreign()), then
+    ``flags[0]``; a second once ``flags[1]`` is set, then ``flags[2]``; alive until
+    ``flags[3]``."""
+    s = shmps.attach(store)
+    try:
+        W = s["W"]
+        with W._foreign():
+            pass
+        flags[0] = 1
+        await_flag(flags, 1)
+        with W._foreign():
+            pass
+        flags[2] = 1
+        await_flag(flags, 3)
+    finally:
+        s.close()
+
+
+def push_by_another_path_empty(store: str) -> None:
+    """An empty push by another path to "W" (W._foreign()), for a process that a kill
+    point ends in there (run_to_its_kill)."""
+    s = shmps.attach(store)
+    with s["W"]._foreign():
+        pass
+
+
+def push_a_round(store: str) -> None:
+    """The only worker: push round 0 of "W" (known_int(0, 0)), for a process that a kill
+    point ends while it applies the round (run_to_its_kill)."""
+    s = shmps.attach(store)
+    s.join()
+    s["W"].push(known_int(0, 0))
+
+
+def await_flag(flags, i: int, timeout: float = 30.0) -> None:
+    """Wait (in a child) until ``flags[i]`` is set, at most ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not flags[i] and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
 def push_by_another_path(store: str, flags) -> None:
     """A bridge's direct apply to "W" (ones), held open: inside the bracket
     (AggregateDense._foreign) it sets ``flags[0]`` and applies once ``flags[1]`` is set."""
@@ -278,9 +321,7 @@ def push_by_another_path(store: str, flags) -> None:
         W = s["W"]
         with W._foreign():
             flags[0] = 1
-            deadline = time.monotonic() + 30
-            while not flags[1] and time.monotonic() < deadline:
-                time.sleep(0.001)
+            await_flag(flags, 1)
             DenseTensor._apply_direct(W, None, np.ones(W.shape, W.dtype))
     finally:
         s.close()
@@ -467,17 +508,30 @@ def test_applier_killed_part_way_through_pushing_a_round_is_finished(job):
     assert W.stats()["step"] == 2
 
 
-def _cut_round(job, child=die_part_way_through_a_round):
+def run_to_its_kill(ws, fn, *args, kill_at: str | None = None) -> None:
+    """Run worker ``fn(*args)`` (of Workers ``ws``) until it is SIGKILLed: by itself, or
+    with ``kill_at``, at that kill point of native/aggregate.c (SHMPS_TEST_KILL_AT in
+    its environment, read as the library loads: a point between two stores whose order
+    a kill relies on)."""
+    if kill_at is not None:
+        os.environ["SHMPS_TEST_KILL_AT"] = kill_at
+    try:
+        w = ws.start(fn, *args)   # (the spawned process has the environment of now)
+    finally:
+        os.environ.pop("SHMPS_TEST_KILL_AT", None)
+    w.process.join(30)
+    assert w.process.exitcode == -signal.SIGKILL, w.process.exitcode
+
+
+def _cut_round(job, child=die_part_way_through_a_round, kill_at: str | None = None):
     """A 2-shard int32 Sum tensor W (workers=1) whose only worker pushed round 0 and was
-    SIGKILLed applying it (by ``child``): round 0 is claimed by a dead process in phase
-    PUSHING, and nobody has taken it over yet."""
+    SIGKILLed applying it (by ``child``, or at kill point ``kill_at``): round 0 is
+    claimed by a dead process in phase PUSHING, and nobody has taken it over yet."""
     W = job.dense("W", shape=SHAPE, dtype="int32", optimizer="sum", aggregate="sum",
                   workers=1, shard_rows=8)
     assert W.nshards == 2
     with Workers(hard_timeout=60) as ws:
-        w = ws.start(child, job.name)
-        w.process.join(30)
-        assert w.process.exitcode == -signal.SIGKILL
+        run_to_its_kill(ws, child, job.name, kill_at=kill_at)
     return W
 
 
@@ -704,6 +758,46 @@ def test_a_resumed_round_counts_as_one_push(job, child):
     W.push(known_int(1, 1))
     assert np.array_equal(W.pull(), known_int(0, 0) + known_int(1, 1))
     assert W.stats()["pushes"] == 2 and W.stats()["step"] == 2
+
+
+@pytest.mark.parametrize("kill_at, pushes", [("pushed-counted", 0), ("pushed-count", 1)])
+def test_an_applier_killed_at_its_count_counts_the_round_at_most_once(job, kill_at, pushes):
+    """The counted gap, tried: the round's applier SIGKILLed in shmps_agg_pushed after
+    recording the round as counted and before the count (kill point pushed-counted)
+    leaves the round counting no push (the documented gap: 0, never 2); killed after the
+    count (pushed-count), it counts one, not two.  The resume lands the round once either
+    way.  (With the count before the record, the first kill counted the round twice.)"""
+    W = _cut_round(job, push_a_round, kill_at=kill_at)
+    assert np.array_equal(W.pull(), known_int(0, 0))
+    info = W.rounds()
+    assert info["applied"] == 1 and info["takeovers"] >= 1
+    assert W.stats()["pushes"] == pushes and W.stats()["step"] == 1
+
+
+def test_a_push_by_another_path_killed_reusing_an_idle_entry_leaves_no_count(job, monkeypatch):
+    """Review H2 F6, tried: a push by another path SIGKILLed between its two stores into
+    the table entry it reuses (the token, then the count: kill point foreign-token), the
+    entry a live process's idle one: that process's next push by another path leaves
+    nothing in flight, and the round takes its ticket at once.  (With the count first, the
+    entry was left at the live process's token with count 1, its pushes took it 1 -> 2 ->
+    1, and every round waited for it: here Timeout, WAIT_TIMEOUT_S set to 5 s.)"""
+    monkeypatch.setattr(shmps.aggregate, "WAIT_TIMEOUT_S", 5.0)
+    W = job.dense("W", shape=SHAPE, dtype="int32", optimizer="sum", aggregate="sum",
+                  workers=1)
+    flags = CTX.RawArray("q", 4)
+    with Workers(hard_timeout=60) as ws:
+        live = ws.start(keep_an_idle_entry, job.name, flags)
+        wait_until(lambda: flags[0], 30, "the live process's first push by another path")
+        run_to_its_kill(ws, push_by_another_path_empty, job.name, kill_at="foreign-token")
+        flags[1] = 1
+        wait_until(lambda: flags[2], 30, "the live process's second push by another path")
+        job.join()
+        W.push(known_int(0, 0))
+        flags[3] = 1
+        live.result(30)
+    assert np.array_equal(W.pull(), known_int(0, 0))
+    info = W.rounds()
+    assert info["applied"] == 1 and info["takeovers"] >= 1   # (killed holding the lock)
 
 
 def test_first_push_waits_for_the_team(job):
