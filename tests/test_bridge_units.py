@@ -1697,6 +1697,49 @@ def test_a_no_marks_hand_over_after_a_cut_off_snapshot_is_checked_on_its_first_c
                                       np.full((8, 4), 5, np.float32))
 
 
+def test_an_owner_taking_the_tensor_up_mid_hand_over_takes_no_half_of_the_initial_values(
+        tmp_path):
+    """The creator x sends the initial values of shard 0 as a hand-over of two chunks
+    (a leaving creator sends them unasked: _give_initial_values) to this host, its owner,
+    which has not taken the tensor up yet: the first chunk is refused BUSY (unknown
+    tensor).  The catalog pass then takes the tensor up, and this owner waits for x's
+    initial values; the LAST chunk comes next.  Taken, it ended the wait with the first
+    chunk's rows never written (the schema's init there, x's values after): the refusal
+    of the chunk before it must count as one of that snapshot's (snap_broken), as it
+    does for a tensor known here."""
+    import uuid
+
+    import shmps
+    from shmps.bridge.ring import shard_key
+
+    me, x, z = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
+    ns = f"u{uuid.uuid4().hex[:10]}"
+    node = _bridge(tmp_path, [me, x, z], store="midtakeup", namespace=ns, dead_after=5.0)
+    node.store = shmps.attach("midtakeup", namespace=ns)
+    try:
+        everyone = {m: State.ALIVE for m in (me, x, z)}
+        for p in (x, z):
+            node.on_heartbeat(p, _heartbeat(p, 0, everyone))
+        name = next(f"w{i}" for i in range(1000) if node.owner(shard_key(f"w{i}", 0)) == me)
+        info = types.SimpleNamespace(tid=frames.tensor_id(name))
+        first = _handover_snapshot(x, info, 7, last=False, rows=4, seq=1)
+        got: list = []
+        asyncio.run(_in_a_loop(lambda: got.append(_status_of(node, x, first))))
+        assert got == [Status.BUSY]                                # (unknown tensor)
+        node.create_from_record(dict(name=name, kind="dense", shape=[8, 4],
+                                     dtype="float32", shard_rows=8,
+                                     optimizer=dict(type="Sum")), x)
+        while node.refresh_tensors(budget=None):
+            pass
+        st = node.shards[(info.tid, 0)]
+        assert st.handover_from == x and st.handover_init          # waits for x's values
+        last = _handover_snapshot(x, info, 7, last=True, rows=4, start=4, seq=2)
+        assert _status_of(node, x, last) is Status.NOT_OWNER, node.store[name].pull()
+        assert st.handover_from == x                               # and waits on
+    finally:
+        node.store.destroy()
+
+
 async def _no_snapshot_sent(*a, **k) -> None:
     """Stands in for Bridge._send_snapshot where a test sends no hand-over of its own."""
 
