@@ -95,6 +95,9 @@ AUTH_WAIT = 3.0                  #: s a server waits for the client's AUTH after
 MAX_PRESTART = 2 * MAX_MSG        #: bytes a link holds from its peer before it starts reading them
 MAX_CATALOG_BYTES = 64 << 20     #: the largest catalog answer a peer's bridge may give
 SNAPSHOT_FRAME_BYTES = 1 << 20   #: values per snapshot chunk
+#: shards of tensors not taken up yet whose refused snapshot chunks are remembered
+#: (Bridge._unknown_snap_broken), the oldest dropped past it
+UNKNOWN_SNAP_KEEP = 1 << 16
 #: a leaving creator sends the initial values unasked of the shards it took up this
 #: recently and has not given their owner yet (_give_initial_values): an owner waits
 #: for them from its own take-up, HANDOVER_TIMEOUT after the creator's last news
@@ -679,6 +682,10 @@ class Bridge:
         # values (init= arrays or scalars are not in the record)
         self.adopted: dict[str, str] = {}
         self.shards: dict[tuple[int, int], ShardState] = {}
+        # (tid, shard) of a tensor not taken up yet -> {(sender, incarnation): ROW seq}
+        # of a SNAPSHOT chunk refused for it (unknown tensor): its ShardState starts with
+        # them as snap_broken (refresh_tensors), so the rest of that snapshot is refused
+        self._unknown_snap_broken: dict[tuple[int, int], dict] = {}
         self.streams: dict[tuple[int, int], SendStream] = {}
         self._sweep_at = 0.0               # next sweep (_drain_all)
         self._drain_round = 0              # rotates where a drain pass starts
@@ -1236,7 +1243,9 @@ class Bridge:
             origin = self.adopted.get(info.name)
             self._poke_tick()   # (a shard pass for the new shards)
             for s in range(info.nshards):
-                self.shards[(tid, s)] = ShardState(shard_key(info.name, s))
+                self.shards[(tid, s)] = ShardState(
+                    shard_key(info.name, s),
+                    snap_broken=self._unknown_snap_broken.pop((tid, s), None) or {})
                 self.streams[(tid, s)] = SendStream(OutQueue(self.budget))
                 self._role_change((tid, s), None, self.owners(shard_key(info.name, s)))
                 if (origin is not None and self.owner(shard_key(info.name, s)) == self.addr
@@ -2809,16 +2818,28 @@ class Bridge:
             if base is not None and (base.sender, base.incarnation) == (f.sender, f.incarnation) \
                     and f.seq - ROWS_SEQ_BASE > base.rseq:
                 st.fed_base = None
-            if st is not None and f.type == FrameType.SNAPSHOT:
+            if f.type == FrameType.SNAPSHOT:
                 # A chunk refused, the chunk numbered next (a snapshot's chunks are
                 # numbered in a row) is refused too, and so on through the LAST: taken,
                 # the LAST would make this copy the sender's snapshot, its marks and all,
-                # with the refused chunk's rows missing (found by review, 2026-11-26)
+                # with the refused chunk's rows missing (found by review, 2026-11-26).
+                # Also for a tensor not taken up yet (BUSY, unknown_tensor): taken up
+                # before the next chunk (the catalog pass), an owner waiting for its
+                # creator's initial values took the rest of a hand-over the creator sent
+                # unasked (_give_initial_values) and served the first chunk's rows as the
+                # schema's init
                 who = (f.sender, f.incarnation)
+                broken = (st.snap_broken if st is not None else
+                          self._unknown_snap_broken.setdefault((f.tensor, f.shard), {}))
                 if f.flags & frames.Flag.LAST:
-                    st.snap_broken.pop(who, None)
+                    broken.pop(who, None)
                 else:
-                    st.snap_broken[who] = f.seq - ROWS_SEQ_BASE
+                    broken[who] = f.seq - ROWS_SEQ_BASE
+                if st is None:
+                    if not broken:
+                        self._unknown_snap_broken.pop((f.tensor, f.shard), None)
+                    while len(self._unknown_snap_broken) > UNKNOWN_SNAP_KEEP:
+                        del self._unknown_snap_broken[next(iter(self._unknown_snap_broken))]
         self.metrics.rejected(reason)
         if self.debug and f.type != FrameType.BATCH:
             info = self.tensors.get(f.tensor)
