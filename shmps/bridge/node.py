@@ -102,10 +102,6 @@ UNKNOWN_SNAP_KEEP = 1 << 16
 #: recently and has not given their owner yet (_give_initial_values): an owner waits
 #: for them from its own take-up, HANDOVER_TIMEOUT after the creator's last news
 INIT_GIVE_S = 30.0
-#: leaving with a tensor created here and taken up less than INIT_GIVE_S ago: the longest
-#: it waits for every reachable peer to take its catalog (peers read it every
-#: CATALOG_INTERVAL, and a second time to say they took it whole: about 1 s)
-CATALOG_WAIT_S = 3.0
 MAX_MARKS = frames.DEFAULT_LIMITS.max_marks  #: duplicate-filter marks a snapshot carries at most
 SPARE_DRAIN_BUFFERS = 2          #: a tensor's drain buffers kept for reuse (TInfo.spare)
 #: gradient bytes per BATCH frame (and so per ROWS frame answering it): a drain of a
@@ -299,6 +295,11 @@ class ShardState:
     init_served: Optional[str] = None                    # the owner this process, the
                                                          # tensor's creator, sent its copy
                                                          # to as a hand-over (leave)
+    init_seqs: tuple = (0, 0)                            # the ROW seqs of that hand-over's
+                                                         # first and LAST chunks (on_ack)
+    init_given: Optional[str] = None                     # the owner that answered its LAST
+                                                         # (took it, or waits for none), no
+                                                         # chunk of it refused BUSY (leave)
     taken_up_at: float = field(default_factory=time.monotonic)   # when this process took
                                                          # the shard up
     handover_incs: dict = field(default_factory=dict)    # host -> its incarnation when the
@@ -700,7 +701,6 @@ class Bridge:
         self._index: tuple = (-1, [], None, [])   # _shard_index's cache
         self._maint_sig: tuple = ()        # what the last _maintain shard pass saw
         self._catalog_tags: dict[str, str] = {}   # peer -> ETag of its catalog taken whole
-        self._catalog_taken: dict[str, str] = {}  # peer -> ETag of this catalog it took whole
         self._maint_due = 0.0              # when the next one is due at the latest
         self._tick_sleep = Pause()         # the tick loop's (_poke_tick ends it sooner)
         self._moved_at = 0.0               # the latest _poke_tick
@@ -959,22 +959,10 @@ class Bridge:
             while cond() and time.monotonic() < until and not self._hurry:
                 await asyncio.sleep(0.02)
 
-        # a tensor a worker created a moment ago: taken up, and every peer took this
-        # catalog with it, or the others never hear of it while this host is gone (a
-        # peer learns of tensors by reading catalogs: _catalog_loop)
+        # a tensor a worker created a moment ago: taken up, so that its initial values
+        # are given too (_init_not_given, below)
         await self.refresh_all_tensors()
         self._give_initial_values()
-        now = time.monotonic()
-        if any(self._fresh_origin(key, now) for key in self.shards):
-            await wait_while(self._catalog_not_taken, min(deadline - 3.0, now + CATALOG_WAIT_S))
-            if self._catalog_not_taken():
-                log.warning("leaving before %s took this host's catalog: they may not hear "
-                            "of its newest tensors while it is gone",
-                            ", ".join(self._catalog_not_taken()))
-            # (owners that created a tensor just now: given its initial values too)
-            await wait_while(lambda: any(st.reading is not None
-                                         for st in self.shards.values()), deadline - 3.0)
-            self._give_initial_values()
 
         # this host's own pushes reach their owners first: what store.flush would wait
         # for now, waited for on this loop (which keeps draining and sending meanwhile,
@@ -990,12 +978,28 @@ class Bridge:
         # the shards this host owns with no backup (--replicas 1): their next owner must
         # hold every batch acknowledged here before the others drop this host and it
         # takes over, or its copy lacks them (section 7 of bridge-protocol.md)
+        # And the owners of the shards of a tensor created here just now hold its initial
+        # values: an owner that had not taken the tensor up refused them (BUSY), and one
+        # that takes it up once this host is counted gone (handed_over, below) waits for
+        # nothing and serves the schema's init (a creator stopped as soon as its bridge
+        # forwarded the tensor left every shard so in 3 of 8 runs: its leave, owning no
+        # shard of it, ended before its peers' catalog passes)
         nexts = self._leave_targets()
-        await wait_while(lambda: bool(self._not_left(nexts)), deadline - 1.5)
+        give_at = [time.monotonic() + 0.25]
+
+        def not_given() -> list:
+            if time.monotonic() >= give_at[0]:
+                give_at[0] = time.monotonic() + 0.25
+                self._give_initial_values()   # (again: those refused BUSY)
+            return self._init_not_given()
+        await wait_while(lambda: bool(self._not_left(nexts) or not_given()), deadline - 1.5)
         behind = self._not_left(nexts)
         if behind:
             log.warning("leaving before the next owners of %d shards took this host's last "
                         "changes: acknowledged pushes to them may be lost", len(behind))
+        if self._init_not_given():
+            log.warning("leaving before the owners of %d shards of tensors created here "
+                        "took their initial values", len(self._init_not_given()))
         # then no more drains: pushes made from now on stay in the outboxes, counted, for
         # the next bridge on this store, and what was drained is acknowledged before this
         # process ends (it kept draining the workers' newer pushes, and ended with some
@@ -1038,18 +1042,19 @@ class Bridge:
                 asyncio.get_running_loop().create_task(
                     self._send_snapshot(key, owner, handover=True))
 
-    def _catalog_not_taken(self) -> list:
-        """The reachable peers that have not taken this host's catalog as it is now whole
-        (their last read of it, If-None-Match, did not match: h_catalog)."""
-        self.store._refresh()
-        tag = self._catalog_tag()
-        return [p for p in self.members.reachable()
-                if p != self.addr and self._catalog_taken.get(p) != tag]
-
-    def _catalog_tag(self) -> str:
-        """The ETag of this host's catalog answer (h_catalog): it changes whenever the
-        answer does (the catalog only grows, and a record's origin is set with it)."""
-        return f'"{self.incarnation}-{len(self.store._record_list)}-{len(self.adopted)}"'
+    def _init_not_given(self) -> list:
+        """Leaving: the shards of tensors created here and taken up less than INIT_GIVE_S
+        ago whose owner, a reachable peer, has not answered a hand-over of their initial
+        values from this process (ShardState.init_given; one refused BUSY, the tensor
+        not taken up there yet, is sent again: _give_initial_values)."""
+        now, reach = time.monotonic(), self.members.reachable()
+        out = []
+        for key, st in self.shards.items():
+            owner = self.owner(st.key)
+            if (owner and owner != self.addr and owner in reach and st.init_given != owner
+                    and self._fresh_origin(key, now)):
+                out.append(key)
+        return out
 
     def _fresh_origin(self, key: tuple, now: float) -> bool:
         """Shard ``key`` is of a tensor created here that this process took up less than
@@ -2180,6 +2185,14 @@ class Bridge:
             if st is None:
                 return
             r = ack.seq - ROWS_SEQ_BASE
+            if st.init_served == peer and st.init_seqs[0] <= r <= st.init_seqs[1]:
+                # an answer to this origin's hand-over of the initial values (leave:
+                # _init_not_given): BUSY, the owner has not taken the tensor up (it is
+                # sent again); else its LAST's, taken or not waited for
+                if ack.status == Status.BUSY:
+                    st.init_served = None
+                elif r == st.init_seqs[1]:
+                    st.init_given = peer
             if ack.status == Status.OK:
                 if r > st.acked.get(peer, 0):
                     st.acked[peer] = r
@@ -3789,6 +3802,8 @@ class Bridge:
             chunks = [frames.restamp_epoch(c, self.members.epoch) for c in chunks]
         if handover and self._is_origin(key):
             st.init_served = member   # (_give_initial_values)
+            st.init_seqs = (rseq + 1, st.rseq)
+            st.init_given = None      # (its answer: on_ack)
         if not handover:
             st.snapshotting[member] = st.rseq
             st.copy_first[member] = rseq + 1
@@ -4147,16 +4162,14 @@ class Bridge:
 
     async def h_catalog(self, request: Any) -> Any:
         from aiohttp import web
-        peer = self._verify(request, b"")
-        if peer is None:
+        if self._verify(request, b"") is None:
             return web.json_response({"error": "authentication failed"}, status=401)
         self.store._refresh()
         # The catalog only grows, and a record's origin is set with it: this tag changes
         # whenever the answer does.  A peer that has taken every record of this answer
         # sends it back (If-None-Match) and gets 304, not hundreds of records again.
-        tag = self._catalog_tag()
+        tag = f'"{self.incarnation}-{len(self.store._record_list)}-{len(self.adopted)}"'
         if request.headers.get("If-None-Match") == tag:
-            self._catalog_taken[peer] = tag   # (a leave waits for it: _catalog_not_taken)
             return web.Response(status=304, headers={
                 "ETag": tag, **auth.sign_response(self.cfg.secret, request.headers, self.addr,
                                                   304, b"", tag)})
