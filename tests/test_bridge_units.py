@@ -2945,12 +2945,13 @@ def test_one_snapshot_read_of_a_shard_at_a_time_and_close_waits_for_it(tmp_path,
     shard's last ROWS); while the read runs the shard refuses batches (BUSY); the copy
     goes out over the member's data connection once read; and close() waits for a read
     under way before it unmaps the store (unmapped under the thread, the read would
-    touch freed memory).  Each read takes 0.4 s longer (failpoint slow_snapshot).
+    touch freed memory).  Each read takes 0.6 s longer (failpoint slow_snapshot; at 0.4 s
+    the bounds below failed once with the machine's load at 11).
     Drives a Bridge, not started, on a real store, with real websocket connections."""
     from shmps.bridge import node as bridge_node, wsstream
     from test_bridge_wsstream import Server, collect
 
-    monkeypatch.setenv("SHMPS_BRIDGE_FAILPOINTS", "slow_snapshot=0.4")
+    monkeypatch.setenv("SHMPS_BRIDGE_FAILPOINTS", "slow_snapshot=0.6")
     me, m1, m2 = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
     with _owner_on_a_store(tmp_path, [me, m1, m2], "oneread") as (node, info, st):
         key, name, ns = (info.tid, 0), info.name, node.store.namespace
@@ -2998,7 +2999,7 @@ def test_one_snapshot_read_of_a_shard_at_a_time_and_close_waits_for_it(tmp_path,
 
         second_took, retry, refused, chunks, close_took = asyncio.run(
             asyncio.wait_for(main(), 30))
-        assert second_took < 0.1 and m2 in retry and m1 not in retry
+        assert second_took < 0.3 and m2 in retry and m1 not in retry   # (not the read)
         assert [(a.status, a.seq) for a in refused] == [(Status.BUSY, 1)]
         assert chunks and chunks[-1].flags & frames.Flag.LAST
         np.testing.assert_array_equal(chunks[0].values.reshape(8, 4),
