@@ -1740,6 +1740,67 @@ def test_an_owner_taking_the_tensor_up_mid_hand_over_takes_no_half_of_the_initia
         node.store.destroy()
 
 
+def test_a_restarted_bridge_gives_no_initial_values_of_a_copy_it_adopted(tmp_path):
+    """A bridge process made its copy of tensor "w" from a peer's catalog record (the
+    peer's worker created it: not this host's initial values); the bridge restarts (a
+    new process on the same store, which keeps the copy) and is told to leave within
+    INIT_GIVE_S of its start.  The new process has no record that the copy was adopted
+    (Bridge.adopted lives in the process), so it takes every tensor of the store for one
+    its own workers just created: its leave sends every shard's copy, unasked, as a
+    hand-over to the shard's owner (the whole store read and queued at once, each copy
+    refused by an owner that waits for nothing; the reads touch copies a hurried leave
+    must not touch), and waits for the next owners of every shard it owns."""
+    import uuid
+
+    import shmps
+    from shmps.bridge.node import Bridge, Config
+    from shmps.bridge.ring import shard_key
+
+    me, peer, third = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
+    ns = f"u{uuid.uuid4().hex[:10]}"
+    everyone = {m: State.ALIVE for m in (me, peer, third)}
+
+    def process():
+        node = _bridge(tmp_path, [me, peer, third], store="restartorigin", namespace=ns,
+                       dead_after=5.0)
+        node.store = shmps.attach("restartorigin", namespace=ns)
+        return node
+
+    first = process()
+    try:
+        name = next(f"w{i}" for i in range(1000) if first.owner(shard_key(f"w{i}", 0)) == peer)
+        first.create_from_record(dict(name=name, kind="dense", shape=[8, 4], dtype="float32",
+                                      shard_rows=8, optimizer=dict(type="Sum")), peer)
+        while first.refresh_tensors(budget=None):
+            pass
+        key = (first.by_name[name].tid, 0)
+        assert not first._is_origin(key)          # the first process knows
+        first.store.close()
+        second = process()                        # the bridge restarted
+        while second.refresh_tensors(budget=None):
+            pass
+        for p in (peer, third):
+            second.on_heartbeat(p, _heartbeat(p, 0, everyone))
+        assert second.owner(second.shards[key].key) == peer
+        sent: list = []
+
+        async def record(k, member, handover=False) -> None:
+            sent.append((k, member, handover))
+
+        second._send_snapshot = record
+
+        async def leaving() -> None:
+            second._give_initial_values()
+            await asyncio.sleep(0.01)
+
+        asyncio.run(leaving())
+        assert sent == [], sent                   # (was: [(key, peer, True)])
+        assert not second._fresh_origin(key, time.monotonic())
+    finally:
+        s = shmps.attach("restartorigin", namespace=ns)
+        s.destroy()
+
+
 async def _no_snapshot_sent(*a, **k) -> None:
     """Stands in for Bridge._send_snapshot where a test sends no hand-over of its own."""
 
