@@ -887,7 +887,9 @@ def _plan_sparse(path: str, entry: dict) -> _Plan:
         raise corrupt(f"{exc.message} (tensor {rec['name']!r} of checkpoint {path})") from None
     ms = sets[0]
     try:
-        clean = {k: v for k, v in rec.items() if k not in ("id", "bytes")}
+        # (not "origin": the restored tensor is this store's own, the checkpoint's values
+        # its initial ones, not a copy of a peer's; a dense record keeps _RECORD_KEYS)
+        clean = {k: v for k, v in rec.items() if k not in ("id", "bytes", "origin")}
         upd = from_dict(rec["optimizer"])
         if upd.float_only and np.dtype(rec["dtype"]).kind != "f":
             raise ValueError(f"optimizer {type(upd).__name__} needs a float dtype")

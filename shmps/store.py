@@ -7,6 +7,7 @@ catalog without the lock; tensors are mapped lazily on first use.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import operator
@@ -222,6 +223,10 @@ class Store:
         self._lock = threading.RLock()
         self._executor: Optional[ThreadPoolExecutor] = None
         self._executor_pid = 0
+        # the host whose copy a tensor created now takes its initial values from, recorded
+        # in its catalog record as "origin" (the bridge's copies of a peer's tensors:
+        # _adopting)
+        self._adopting_from: Optional[str] = None
         _check_pid_namespace(name, manifest)
         slot = ffi.new("uint32_t *")
         _native.check(lib.shmps_proc_register(manifest.ptr, _native.token(), slot),
@@ -586,6 +591,18 @@ class Store:
             seg.close()
         return total
 
+    @contextlib.contextmanager
+    def _adopting(self, origin: Optional[str]) -> Iterator[None]:
+        """Tensors created in this block (by this thread: the bridge's event loop) are
+        copies of a tensor made on host ``origin``: their records say so ("origin"), so a
+        bridge process started later on this store knows it did not create them (its
+        initial values are the origin's, not this host's: bridge Bridge._is_origin)."""
+        self._adopting_from = origin
+        try:
+            yield
+        finally:
+            self._adopting_from = None
+
     def _create_tensor(self, rec: dict, specs: list[dict], fill: Any,
                        check: Any = None, reserve: bool = True) -> dict:
         """Give ``rec`` the next tensor id, create its segments (:meth:`_create_segments`)
@@ -601,6 +618,8 @@ class Store:
             raise Closed(f"store {self.name!r} was destroyed or replaced by another "
                          f"process; tensor {rec['name']!r} was not created",
                          "attach the store again")
+        if self._adopting_from is not None:
+            rec["origin"] = self._adopting_from   # (Store._adopting)
         rec["id"] = tid = self._next_id()
         rec["bytes"] = self._create_segments(tid, repr(rec["name"]), specs, fill, check,
                                              reserve)

@@ -1753,7 +1753,6 @@ def test_a_restarted_bridge_gives_no_initial_values_of_a_copy_it_adopted(tmp_pat
     import uuid
 
     import shmps
-    from shmps.bridge.node import Bridge, Config
     from shmps.bridge.ring import shard_key
 
     me, peer, third = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"

@@ -209,6 +209,27 @@ def test_empty_store_and_empty_tensors_roundtrip(store, tmp_path, names):
         r.destroy()
 
 
+def test_a_restored_tensor_is_created_by_the_restore_not_adopted(store, tmp_path, names):
+    """A bridge's copy of a peer's tensor records that host as its "origin" (its initial
+    values are that host's); a checkpoint of it restored into a new store is this
+    store's own tensor (its values are the checkpoint's), of every kind: no origin."""
+    with store._adopting("127.0.0.9:7001"):
+        store.dense("d", (4, 2), "float32", init=1.5)
+        store.table("t", dim=2, capacity=8)
+        store.csr("c", [0, 1, 2], [0, 1], "float32", init=2.0)
+    assert {store._record(n).get("origin") for n in "dtc"} == {"127.0.0.9:7001"}
+    store.dense("mine", (2,), "int32")
+    assert "origin" not in store._record("mine")
+    store.checkpoint(tmp_path / "ck")
+    r = shmps.restore(tmp_path / "ck", new_name(names))
+    try:
+        assert {n: "origin" in r._record(n) for n in ("d", "t", "c", "mine")} == dict.fromkeys(
+            ("d", "t", "c", "mine"), False)
+        np.testing.assert_array_equal(r["d"].pull(), np.full((4, 2), 1.5, np.float32))
+    finally:
+        r.destroy()
+
+
 # ---- consistency under concurrent pushes ----------------------------------------------
 
 PUSHER = """

@@ -1246,6 +1246,14 @@ class Bridge:
             self.by_name[info.name] = info
             self._back_pages(info.name)
             origin = self.adopted.get(info.name)
+            if (origin is None and isinstance(rec.get("origin"), str)
+                    and rec["origin"] != self.addr):
+                # a copy an earlier bridge process on this store made of a peer's tensor
+                # (create_from_record): not created here, though this process did not
+                # adopt it (_is_origin; a restarted bridge took every copy it had adopted
+                # for its own creation, and its leave sent each as initial values: review
+                # H1 F1).  No wait for the origin's copy: this one is a copy already.
+                self.adopted[info.name] = rec["origin"]
             self._poke_tick()   # (a shard pass for the new shards)
             for s in range(info.nshards):
                 self.shards[(tid, s)] = ShardState(
@@ -1391,13 +1399,27 @@ class Bridge:
                            structure: Optional[tuple] = None) -> None:
         """Create a tensor a peer has (same schema), so this host can own and replicate it;
         its initial values come from the host where it was created (``rec["origin"]``,
-        else ``peer``): see refresh_tensors."""
-        from ..updaters import from_dict
-
+        else ``peer``), which this host's record of it names too: see refresh_tensors."""
         name = rec["name"]
         origin = rec.get("origin") if isinstance(rec.get("origin"), str) else peer
         if origin is not None and origin != self.addr:
             self.adopted[name] = origin
+        else:
+            origin = None
+        with self.store._adopting(origin):
+            self._create_like(rec, structure)
+        # counted as not backed from now on (Store.unbacked_bytes), before the next copy
+        # made in this catalog pass checks its room; backed once refresh_tensors takes it
+        # up (_back_pages)
+        self._unbacked[name] = [(sh.seg.name, sh.seg.size, sh.seg.ino)
+                                for sh in self.store[name]._shards or ()]
+        self.no_room.pop(name, None)
+
+    def _create_like(self, rec: dict, structure: Optional[tuple]) -> None:
+        """Create tensor ``rec["name"]`` in this host's store with the schema of ``rec``."""
+        from ..updaters import from_dict
+
+        name = rec["name"]
         if rec["kind"] == "dense":
             self.store.dense(name, tuple(rec["shape"]), rec["dtype"],
                              optimizer=from_dict(rec["optimizer"]), mode=rec.get("mode"),
@@ -1417,12 +1439,6 @@ class Bridge:
                              optimizer=from_dict(rec["optimizer"]), init=tuple(spec),
                              seed=int(rec.get("seed", 0)), shards=int(rec["nshards"]),
                              allow_nonfinite=bool(rec.get("allow_nonfinite", False)))
-        # counted as not backed from now on (Store.unbacked_bytes), before the next copy
-        # made in this catalog pass checks its room; backed once refresh_tensors takes it
-        # up (_back_pages)
-        self._unbacked[name] = [(sh.seg.name, sh.seg.size, sh.seg.ino)
-                                for sh in self.store[name]._shards or ()]
-        self.no_room.pop(name, None)
 
     # ------------------------------------------------------------ ring and roles
     def owners(self, key: str) -> list[str]:
