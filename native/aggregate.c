@@ -52,7 +52,8 @@
  * the compiler could have merged or reordered them).  Relaxed suffices between
  * processes: the lock's release/acquire (or its takeover CAS, acquire, after the
  * holder's death) orders all of them before the next holder's reads.
- * A dead applier's claim is taken over according to its phase: SUM (nothing
+ * A dead applier's claim (or one released on an error, shmps_agg_release: its applier
+ * is then a token no process has) is taken over according to its phase: SUM (nothing
  * written to the tensor yet) restarts the round, PUSHING (the aggregate was being
  * pushed, at the ticket recorded in push_step before any stripe was written:
  * shmps_agg_pushing) finishes the push on the stripes the dead applier did not reach
@@ -96,6 +97,7 @@
 #define AGG_VERSION 1u
 #define AGG_WORDS (SHMPS_MAX_WORKERS / 64)
 #define AGG_FOREIGN 64     /* processes pushing to the tensor by another path at once */
+#define AGG_RELEASED 1ull  /* applier of a claim given up on an error: pid 0, no process */
 #define NAP_NS 2000000ull /* waiters re-check liveness and clocks every 2 ms */
 /* The compiler emits no store after it before any store ahead of it (C11's fence for
  * a signal in the same thread, which is what a kill at any instant is to the crash
@@ -293,7 +295,8 @@ static void step(agg_ctl_t *c, void *man, uint64_t token, uint32_t want, int cla
                 *what = SHMPS_AGG_BUSY;
                 return;
             }
-            /* a dead applier (or our own claim, left by an exception): go on; PUSHING
+            /* a dead applier, a claim released on an error (AGG_RELEASED), or our own
+             * claim, left by an exception before its release: go on; PUSHING
              * with its ticket recorded is finished (resumed), without it cleared */
             uint32_t ph = c->phase;
             if (ph == SHMPS_AGG_PH_PUSHING && !LOAD(&c->push_step, RELAXED))
@@ -711,6 +714,28 @@ int shmps_agg_push_step(void *ctl, uint64_t token, uint64_t round, uint64_t *ste
         *step = t;
     unlock(c);
     return e;
+}
+
+/* Our claim of `round` (any phase), which our apply left on an error (Python raises it
+ * to its caller), handed to whoever looks next: applier becomes AGG_RELEASED, a token
+ * no process has (pid 0: shmps_token_alive says dead), so the next step() takes the
+ * claim over as a dead applier's, by its phase: SUM restarts the round, PUSHING with a
+ * ticket resumes the push by ticket (SHMPS_STEP_RESUME: the stripes our push reached,
+ * at the ticket, are skipped; the others get it), ZEROING zeroes again.  Kept by us
+ * instead, every other process took the claim for a live applier's (BUSY) and waited,
+ * and a process that never called again held the round for ever.  Nothing else
+ * changes (relaxed: under the lock, whose release orders it for the next holder).
+ * A claim that is not ours (taken over meanwhile) is left alone; SHMPS_OK either way. */
+int shmps_agg_release(void *ctl, uint64_t token, uint64_t round) {
+    agg_ctl_t *c = ctl_of(ctl);
+    if (!c) return SHMPS_E_CORRUPT;
+    int e = lock(c, token);
+    if (e) return e;
+    int mine = c->applier == token && c->claim_round == round && c->next_round == round;
+    if (mine) STORE(&c->applier, AGG_RELEASED, RELAXED);
+    unlock(c);
+    if (mine) wake(c); /* waiters (shmps_agg_wait) look again at once and take it over */
+    return SHMPS_OK;
 }
 
 int shmps_agg_finish(void *ctl, uint64_t token, uint64_t round) {

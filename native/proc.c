@@ -11,6 +11,17 @@
 #include <time.h>
 #include <unistd.h>
 
+double shmps_lock_timeout_s = 60.0;
+
+/* SHMPS_TEST_LOCK_TIMEOUT_S (internal.h).  Read once, as the library is loaded (a
+ * constructor: before any thread of it runs, so a plain double, only read after). */
+__attribute__((constructor)) static void lock_timeout_from_env(void) {
+    const char *s = getenv("SHMPS_TEST_LOCK_TIMEOUT_S");
+    char *end = NULL;
+    double t = s ? strtod(s, &end) : 0.0;
+    if (s && end != s && !*end && t > 0.0 && t <= 60.0) shmps_lock_timeout_s = t;
+}
+
 uint64_t shmps_now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);

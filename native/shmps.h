@@ -243,6 +243,7 @@ int shmps_agg_pushed(void *ctl, uint64_t token, uint64_t round, void *base0, uin
 int shmps_agg_foreign(void *ctl, void *man, uint64_t token, int end, uint32_t *what,
                       uint64_t *round);
 int shmps_agg_push_step(void *ctl, uint64_t token, uint64_t round, uint64_t *step);
+int shmps_agg_release(void *ctl, uint64_t token, uint64_t round);
 int shmps_agg_finish(void *ctl, uint64_t token, uint64_t round);
 int shmps_agg_wait(void *ctl, void *man, uint64_t token, uint32_t want, uint64_t round,
                    double timeout_s, uint32_t *done, int32_t *behind);

@@ -55,7 +55,8 @@ import numpy as np
 
 from . import _native
 from .dense import DenseTensor
-from .errors import Busy, CorruptSegment, Error, InvalidArgument, SchemaError, Timeout
+from .errors import (Busy, CorruptSegment, Error, InvalidArgument, NonFinite, SchemaError,
+                     Timeout)
 from .tensor import PushHandle, cast_grad, grad_dtype
 from .updaters import Sum
 
@@ -282,7 +283,10 @@ class AggregateDense(DenseTensor):
         worker is two rounds ahead of the oldest unapplied round (until it is
         applied; Timeout after ``timeout`` s, default 60, naming who is behind).
         ``wait=False`` returns a handle once the round is fixed (the accumulation
-        runs on the store's push thread; ``store.clock()`` waits for it).  Cost:
+        runs on the store's push thread; ``store.clock()`` waits for it).  The pusher
+        that applies a round raises NonFinite if the round's sum is not finite (the
+        round is dropped), and any other error of the apply (a Timeout on a lock a
+        stuck process holds) with the round left for the next process to finish.  Cost:
         one exact push into the accumulator, and for the last pusher a pull, a push
         and a clear of the tensor; the bookkeeping is a few C calls."""
         slot = self._slot()
@@ -407,46 +411,75 @@ class AggregateDense(DenseTensor):
 
     def _apply_round(self, rnd: int, count: int, phase: int) -> None:
         """Apply round ``rnd`` (claimed by us): aggregate, push once, clear.  Phase
-        PUSHING: a claim taken over from a process that died pushing the aggregate;
-        the push is finished on the stripes it did not reach (native/aggregate.c)."""
+        PUSHING: a claim taken over from a process that died pushing the aggregate (or
+        released on an error); the push is finished on the stripes it did not reach
+        (native/aggregate.c).  A sum that is not finite (NonFinite, found before anything
+        is written) drops the round and is raised.  Any other exception (a Timeout on a
+        lock or a freeze another process holds, an interrupt: possibly after some shards
+        were written) releases the claim as it stands (shmps_agg_release) and is raised:
+        the next process to look finishes the round as a dead applier's, by its phase,
+        never twice on a stripe nor without one."""
         ctl, tok = self._cptr(), _native.token()
         acc = self._acc[rnd % 2]
-        err: Optional[BaseException] = None
-        g: Optional[np.ndarray] = None   # the gradient of a push by ticket that landed
         what = f"round {rnd} of {self.name!r}"
-        if phase in (lib.SHMPS_AGG_PH_SUM, lib.SHMPS_AGG_PH_PUSHING):
-            total = acc.pull()
-            if self.aggregate == "mean":
-                np.divide(total, count, out=total)
-            step = 0
-            if phase == lib.SHMPS_AGG_PH_PUSHING:
-                got = ffi.new("uint64_t *")
-                _native.check(lib.shmps_agg_push_step(ctl, tok, rnd, got), what)
-                step = int(got[0]) | lib.SHMPS_STEP_RESUME
-            elif self._resumable():
-                step = self._pushing(rnd)
-            else:
-                _native.check(lib.shmps_agg_phase(ctl, tok, rnd, lib.SHMPS_AGG_PH_PUSHING),
+        dropped: Optional[Error] = None
+        try:
+            if phase in (lib.SHMPS_AGG_PH_SUM, lib.SHMPS_AGG_PH_PUSHING):
+                dropped = self._push_aggregate(rnd, count, phase, acc)
+            if phase == lib.SHMPS_AGG_PH_ZEROING or dropped is not None:
+                # (a round pushed moved to ZEROING as its push ended)
+                _native.check(lib.shmps_agg_phase(ctl, tok, rnd, lib.SHMPS_AGG_PH_ZEROING),
                               what)
+            for sh in acc._shards:
+                sh.values(acc.dtype)[...] = 0  # nobody else writes this buffer now
+            _native.check(lib.shmps_agg_finish(ctl, tok, rnd), what)
+        except BaseException:
+            lib.shmps_agg_release(ctl, tok, rnd)   # (a claim no longer ours: left alone)
+            raise
+        if dropped is not None:
+            raise dropped
+
+    def _push_aggregate(self, rnd: int, count: int, phase: int, acc: DenseTensor
+                        ) -> Optional[Error]:
+        """Push the aggregate of round ``rnd`` (our claim, phase SUM or PUSHING) to the
+        tensor; the round is then in phase ZEROING.  Returns the NonFinite of a sum that
+        is not finite, the round's push not begun (the caller drops the round)."""
+        ctl, tok = self._cptr(), _native.token()
+        what = f"round {rnd} of {self.name!r}"
+        total = acc.pull()
+        if self.aggregate == "mean":
+            np.divide(total, count, out=total)
+        if not (phase == lib.SHMPS_AGG_PH_PUSHING or self._resumable()):
+            # pushed without a ticket (hogwild, or forwarded to a bridge): an error after
+            # this cannot be finished stripe by stripe; the round is cleared by whoever
+            # takes it over, as a dead applier's (consistency.md)
+            _native.check(lib.shmps_agg_phase(ctl, tok, rnd, lib.SHMPS_AGG_PH_PUSHING), what)
             try:
-                if step:
-                    g = self._push_round(total, step)
-                else:
-                    DenseTensor.push(self, total)
-            except Error as exc:  # e.g. the sum overflowed to Inf: the round is dropped
-                err = exc
-        if g is not None:
-            # one push in the statistics per round, whoever finished it (a dead
-            # applier's cut push counted none); it moves the round to phase ZEROING
-            _native.check(lib.shmps_agg_pushed(ctl, tok, rnd, self._shard(0).ptr,
-                                               g.nbytes, self.nrows), what)
-        else:   # pushed without a ticket, dropped (err), or taken over in ZEROING
+                DenseTensor.push(self, total)
+            except NonFinite as exc:   # its check, before anything is written
+                return exc
             _native.check(lib.shmps_agg_phase(ctl, tok, rnd, lib.SHMPS_AGG_PH_ZEROING), what)
-        for sh in acc._shards:
-            sh.values(acc.dtype)[...] = 0  # nobody else writes this buffer now
-        _native.check(lib.shmps_agg_finish(ctl, tok, rnd), f"round {rnd} of {self.name!r}")
-        if err is not None:
-            raise err
+            return None
+        g = cast_grad(total, self.dtype)
+        nthreads = self._threads_for(g.nbytes)
+        if phase == lib.SHMPS_AGG_PH_PUSHING:
+            # resumed: the sum the first applier checked before taking the ticket (the
+            # accumulator is closed to pushes from the claim on)
+            got = ffi.new("uint64_t *")
+            _native.check(lib.shmps_agg_push_step(ctl, tok, rnd, got), what)
+            step = int(got[0]) | lib.SHMPS_STEP_RESUME
+        else:
+            try:
+                self._require_finite(g, nthreads)
+            except NonFinite as exc:   # e.g. the sum overflowed to Inf
+                return exc
+            step = self._pushing(rnd)
+        self._push_round(g, step, nthreads)
+        # one push in the statistics per round, whoever finished it (a dead applier's
+        # cut push counted none); it moves the round to phase ZEROING
+        _native.check(lib.shmps_agg_pushed(ctl, tok, rnd, self._shard(0).ptr, g.nbytes,
+                                           self.nrows), what)
+        return None
 
     def _resumable(self) -> bool:
         """A push of a round that a dead applier cut can be finished: the tensor's
@@ -469,15 +502,11 @@ class AggregateDense(DenseTensor):
         _native.check(code, f"round {rnd} of {self.name!r}")
         return int(got[0])
 
-    def _push_round(self, total: np.ndarray, step: int) -> np.ndarray:
-        """Push the round's aggregate ``total`` at ticket ``step`` (taken for the
-        round; with SHMPS_STEP_RESUME: only to the stripes that do not have it yet);
-        returns the gradient pushed.  Counted by the caller (shmps_agg_pushed)."""
-        g = cast_grad(total, self.dtype)
-        nthreads = self._threads_for(g.nbytes)
-        self._require_finite(g, nthreads)
+    def _push_round(self, g: np.ndarray, step: int, nthreads: int) -> None:
+        """Push the round's gradient ``g`` (checked) at ticket ``step`` (taken for the
+        round; with SHMPS_STEP_RESUME: only to the stripes that do not have it yet), over
+        ``nthreads`` threads.  Counted by the caller (shmps_agg_pushed)."""
         self._push_all(g, step, nthreads)
-        return g
 
     # -- pushes by another path (the bridge) --------------------------------------
     def _apply_direct(self, index: Any, grads: Any, pushes: int = 1,

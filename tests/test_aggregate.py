@@ -257,10 +257,10 @@ def stop_in_a_ticket_push(store: str, flags) -> None:
 
     real = AggregateDense._push_round
 
-    def push_round(self, total, step):
+    def push_round(self, *args):
         flags[0] = 1
         os.kill(os.getpid(), signal.SIGSTOP)
-        return real(self, total, step)
+        return real(self, *args)
 
     AggregateDense._push_round = push_round
     s = shmps.attach(store)
@@ -302,6 +302,21 @@ def push_a_round(store: str) -> None:
     s = shmps.attach(store)
     s.join()
     s["W"].push(known_int(0, 0))
+
+
+def push_a_round_told(store: str) -> str:
+    """The only worker: push round 0 of "W" (known_int(0, 0)); returns what the push
+    raised (``"Timeout: ..."``), or "" if nothing."""
+    s = shmps.attach(store)
+    try:
+        s.join()
+        try:
+            s["W"].push(known_int(0, 0))
+        except shmps.Error as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return ""
+    finally:
+        s.close()
 
 
 def await_flag(flags, i: int, timeout: float = 30.0) -> None:
@@ -508,17 +523,23 @@ def test_applier_killed_part_way_through_pushing_a_round_is_finished(job):
     assert W.stats()["step"] == 2
 
 
+def start_with(ws, env: dict, fn, *args):
+    """``ws.start(fn, *args)`` with ``env`` added to the child's environment (variables
+    the library reads as it loads: SHMPS_TEST_KILL_AT, SHMPS_TEST_LOCK_TIMEOUT_S)."""
+    os.environ.update(env)
+    try:
+        return ws.start(fn, *args)   # (the spawned process has the environment of now)
+    finally:
+        for k in env:
+            os.environ.pop(k, None)
+
+
 def run_to_its_kill(ws, fn, *args, kill_at: str | None = None) -> None:
     """Run worker ``fn(*args)`` (of Workers ``ws``) until it is SIGKILLed: by itself, or
     with ``kill_at``, at that kill point of native/aggregate.c (SHMPS_TEST_KILL_AT in
     its environment, read as the library loads: a point between two stores whose order
     a kill relies on)."""
-    if kill_at is not None:
-        os.environ["SHMPS_TEST_KILL_AT"] = kill_at
-    try:
-        w = ws.start(fn, *args)   # (the spawned process has the environment of now)
-    finally:
-        os.environ.pop("SHMPS_TEST_KILL_AT", None)
+    w = start_with(ws, {} if kill_at is None else {"SHMPS_TEST_KILL_AT": kill_at}, fn, *args)
     w.process.join(30)
     assert w.process.exitcode == -signal.SIGKILL, w.process.exitcode
 
@@ -533,6 +554,35 @@ def _cut_round(job, child=die_part_way_through_a_round, kill_at: str | None = No
     with Workers(hard_timeout=60) as ws:
         run_to_its_kill(ws, child, job.name, kill_at=kill_at)
     return W
+
+
+def test_a_round_cut_by_an_error_part_way_is_finished_not_dropped(job):
+    """Review H4 F1: the applier's push of round 0 reaches shard 0 and times out waiting
+    for shard 1, which another live process holds frozen (the applier's lock timeout
+    0.3 s: SHMPS_TEST_LOCK_TIMEOUT_S).  The worker gets the Timeout, and the round is
+    left claimed for any process to finish: the next pull pushes it to shard 1 by its
+    ticket and not again to shard 0, so it lands once everywhere and counts one push.
+    (Any error was taken for the sum's overflow: the round was marked applied and its
+    accumulator cleared, and shard 1 never got it.)"""
+    from shmps import _native
+
+    W = job.dense("W", shape=SHAPE, dtype="int32", optimizer="sum", aggregate="sum",
+                  workers=1, shard_rows=8)
+    assert W.nshards == 2
+    lib, tok = _native.lib, _native.token()
+    assert lib.shmps_freeze(W._shard(1).ptr, tok, 5.0) == 0
+    try:
+        with Workers(hard_timeout=60) as ws:
+            told = start_with(ws, {"SHMPS_TEST_LOCK_TIMEOUT_S": "0.3"}, push_a_round_told,
+                              job.name).result(30)
+    finally:
+        lib.shmps_thaw(W._shard(1).ptr, tok)
+    assert told.startswith("Timeout"), told
+    assert np.array_equal(W.pull(), known_int(0, 0))
+    info = W.rounds()
+    assert info["applied"] == 1 and info["next_round"] == 1 and info["takeovers"] >= 1
+    assert not W._acc[0].pull().any()
+    assert W.stats()["pushes"] == 1 and W.stats()["step"] == 1
 
 
 def test_a_worker_joining_while_a_round_is_claimed_pushes_to_the_next_round(job):
