@@ -67,7 +67,8 @@
  * else moves a stripe past the ticket: pushes to the tensor by another path (the
  * bridge's direct applies) are bracketed by shmps_agg_foreign, and a round takes its
  * ticket and enters PUSHING only while none is in flight, and none starts while a
- * round is in PUSHING (it waits, or finishes a dead applier's round first).  The
+ * round is in PUSHING (it is refused BUSY, or finishes a dead applier's round first),
+ * nor while a live process's round waits to take its ticket (round_waits).  The
  * round's push counts once in the tensor's statistics, by whoever ends PUSHING
  * (shmps_agg_pushed, `counted`).
  *
@@ -156,6 +157,8 @@ typedef struct {
     uint64_t push_step;   /* the ticket of the claimed round's push (PUSHING), 0 = none */
     uint64_t counted;     /* r + 1 once round r's push was counted in the tensor's pushes */
     agg_foreign_t foreign[AGG_FOREIGN]; /* pushes by another path in flight, per process */
+    uint64_t waiter;      /* the round waiting: its applier's token, 0 = none (round_waits) */
+    uint64_t wait_until;  /* ... until then (shmps_now_ns; the waiter's own deadline) */
 } agg_ctl_t;
 
 _Static_assert(sizeof(agg_ctl_t) <= SHMPS_AGG_CTL_BYTES, "aggregation control block");
@@ -532,15 +535,37 @@ static int ctl_for_push(void *ctl, void *base0, agg_ctl_t **out) {
     return SHMPS_OK;
 }
 
+/* Does a round wait to take its ticket (shmps_agg_pushing's mark: `waiter`), for
+ * shmps_agg_foreign by `token` to refuse a new push by another path?  The mark counts
+ * while its waiter is another process, alive, holding the claim of the oldest round,
+ * still in phase SUM, and `wait_until` (its own deadline) has not passed: a waiter that
+ * was killed, gave up, or whose claim was taken over or went on leaves a mark that
+ * counts no more, whatever it holds (lock held; relaxed loads, as every field under
+ * it). */
+static int round_waits(agg_ctl_t *c, uint64_t token) {
+    uint64_t w = LOAD(&c->waiter, RELAXED);
+    return w && w != token && w == c->applier && c->claim_round == c->next_round &&
+           c->phase == SHMPS_AGG_PH_SUM && shmps_now_ns() < LOAD(&c->wait_until, RELAXED) &&
+           shmps_token_alive(w);
+}
+
 /* shmps_agg_pushing's one look, under the lock: SHMPS_AGG_E_FOREIGN while a push by
- * another path is in flight. */
+ * another path is in flight, the round then marked as waiting until `deadline`
+ * (round_waits: new pushes by another path are refused meanwhile, so the ones in flight
+ * end and none holds the round off); any other outcome clears our mark.  The mark's
+ * deadline, then its token (CRASH_ORDER): killed between, the token left there is not
+ * the claim's applier (we are), and round_waits ignores it.  Relaxed: under the lock,
+ * whose release orders them for the next holder. */
 static int pushing_once(agg_ctl_t *c, uint64_t token, uint64_t round, void *base0,
-                        uint64_t *step) {
+                        uint64_t deadline, uint64_t *step) {
     int e = lock(c, token);
     if (e) return e;
     if (c->applier != token || c->claim_round != round || c->next_round != round) {
         e = SHMPS_E_ARG; /* our claim was taken over (we were thought dead?) */
     } else if (foreign_in_flight(c, token)) {
+        STORE(&c->wait_until, deadline, RELAXED);
+        CRASH_ORDER();
+        STORE(&c->waiter, token, RELAXED);
         e = SHMPS_AGG_E_FOREIGN;
     } else {
         uint64_t t;
@@ -555,8 +580,18 @@ static int pushing_once(agg_ctl_t *c, uint64_t token, uint64_t round, void *base
             *step = t;
         }
     }
+    if (e != SHMPS_AGG_E_FOREIGN && LOAD(&c->waiter, RELAXED) == token)
+        STORE(&c->waiter, 0, RELAXED);
     unlock(c);
     return e;
+}
+
+/* shmps_agg_pushing gives up: our mark of a waiting round (if it is still ours) goes. */
+static void stop_waiting(agg_ctl_t *c, uint64_t token) {
+    if (lock(c, token)) return; /* (the mark then lapses at its deadline) */
+    /* relaxed: under the lock */
+    if (LOAD(&c->waiter, RELAXED) == token) STORE(&c->waiter, 0, RELAXED);
+    unlock(c);
 }
 
 /* Phase PUSHING of our claim of `round`: takes the push's ticket here (*step, from
@@ -585,9 +620,12 @@ int shmps_agg_pushing(void *ctl, uint64_t token, uint64_t round, void *base0, do
          * (shmps_agg_foreign); loaded before our look under the lock, so an end that
          * comes after the look bumps it past `seen`, and the nap returns at once */
         uint32_t seen = LOAD(&c->seq, ACQUIRE);
-        e = pushing_once(c, token, round, base0, step);
+        e = pushing_once(c, token, round, base0, deadline, step);
         if (e != SHMPS_AGG_E_FOREIGN) return e;
-        if (nap(&c->seq, seen, deadline)) return SHMPS_AGG_E_FOREIGN;
+        if (nap(&c->seq, seen, deadline)) {
+            stop_waiting(c, token);
+            return SHMPS_AGG_E_FOREIGN;
+        }
     }
 }
 
@@ -633,7 +671,9 @@ int shmps_agg_pushed(void *ctl, uint64_t token, uint64_t round, void *base0, uin
  * round is claimed in phase PUSHING, nothing is registered and *what says what to do
  * first, if it is pushed by ticket (push_step set: a resumable round)
  * (SHMPS_AGG_BUSY: a live process pushes round *round, wait for it;
- * SHMPS_AGG_APPLY: its applier is dead, finish it, shmps_agg_next); else the push is
+ * SHMPS_AGG_APPLY: its applier is dead, finish it, shmps_agg_next), and likewise while
+ * a live process's round waits to take its ticket (round_waits: SHMPS_AGG_BUSY, unless
+ * this process has a push by another path in flight already); else the push is
  * registered (*what = SHMPS_AGG_NOTHING) and a round's PUSHING waits until it ends
  * (shmps_agg_pushing), because a stripe this push moved past a round's ticket would
  * pass for having the round when a resume finishes it.  SHMPS_AGG_E_FOREIGN: the
@@ -660,12 +700,16 @@ int shmps_agg_foreign(void *ctl, void *man, uint64_t token, int end, uint32_t *w
     } else if (/* relaxed: under the lock, which orders begin's release store of it */
                LOAD(&c->magic, RELAXED) == AGG_MAGIC && !stale(c, man) &&
                c->applier && c->claim_round == c->next_round &&
-               c->phase == SHMPS_AGG_PH_PUSHING && LOAD(&c->push_step, RELAXED)) {
+               ((c->phase == SHMPS_AGG_PH_PUSHING && LOAD(&c->push_step, RELAXED)) ||
+                (!(mine && mine->count) && round_waits(c, token)))) {
         /* (only a round pushed by ticket, which a resume finishes by the stripes'
          * steps: one pushed without (shmps_agg_phase: the tensor forwarded to a
          * bridge, which is what applies by another path) is no resume's concern, and
          * the bridge's event loop must not wait for a worker's push, which a paused
          * worker would make last; relaxed, as the loads beside it: under the lock) */
+        /* (or a round waits to take its ticket: round_waits, whose waiter is alive, so
+         * BUSY; a process with a push by another path in flight already, nested in it,
+         * goes on: refused, it would not end the one the round waits for) */
         *round = c->next_round;
         *what = c->applier != token && shmps_token_alive(c->applier) ? SHMPS_AGG_BUSY
                                                                      : SHMPS_AGG_APPLY;
@@ -823,6 +867,7 @@ int shmps_agg_reset(void *ctl, void *man, uint64_t token, int finish, uint32_t *
         c->phase = c->count = c->assembled = 0;
         c->stamp = c->resetter = 0;
         c->counted = 0; /* round numbers start again: no round of theirs is counted */
+        c->waiter = 0;
         *state = SHMPS_AGG_RESET_DONE;
     }
     unlock(c);

@@ -532,8 +532,10 @@ class AggregateDense(DenseTensor):
         It never waits for another process: its caller is a bridge's event loop, whose
         heartbeats a wait stops (a paused worker's round held it up to 60 s, then the
         batch was refused for good: review H2 F3).  A round a live process is pushing
-        by ticket, or a full table of such pushes, raises :class:`Busy` with nothing
-        done, and the bridge refuses the batch BUSY: its sender sends it again.  One
+        by ticket, or one waiting to take its ticket (it would wait for ever if new
+        pushes by another path kept starting), or a full table of such pushes, raises
+        :class:`Busy` with nothing done, and the bridge refuses the batch BUSY: its sender
+        sends it again.  One
         thread of this process at a time, as the rounds' applier (_apply_lock)."""
         what, rnd = ffi.new("uint32_t *"), ffi.new("uint64_t *")
         man, tok = self._store._mptr, _native.token()
@@ -548,7 +550,7 @@ class AggregateDense(DenseTensor):
                     break
                 if what[0] != lib.SHMPS_AGG_APPLY:
                     raise Busy(f"push to {self.name!r}: round {int(rnd[0])} is being "
-                               "pushed by another process")
+                               "pushed by another process, or waits to be")
                 self._settle(False, WAIT_TIMEOUT_S)   # finish the dead applier's round
             else:
                 raise Busy(f"push to {self.name!r}: rounds left by dead appliers are "

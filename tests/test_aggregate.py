@@ -792,6 +792,36 @@ def test_a_round_waits_for_a_push_by_another_path_at_most_its_timeout(job, monke
     assert W.rounds()["applied"] == 1 and W.stats()["step"] == 2
 
 
+def test_a_round_waiting_for_a_push_by_another_path_refuses_new_ones(job):
+    """Review H4 F2: while a round waits to take its ticket (its worker, a child, waits
+    for a bridge's direct apply held open in another process), a new push by another
+    path is refused Busy (the bridge sends the batch again): pushes that kept starting
+    held the round off until its Timeout (before, this one was let in).  The mark dies
+    with its waiter: SIGKILLed, the next push by another path goes in, and the round
+    lands once the first one ends."""
+    from shmps.errors import Busy
+
+    W = job.dense("W", shape=SHAPE, dtype="int32", optimizer="sum", aggregate="sum",
+                  workers=1, shard_rows=8)
+    flags = CTX.RawArray("q", 2)
+    with Workers(hard_timeout=60) as ws:
+        other = ws.start(push_by_another_path, job.name, flags)
+        wait_until(lambda: flags[0], 30, "the other path's push registered")
+        worker = ws.start(push_a_round, job.name)
+        wait_until(lambda: W.rounds()["applier_pid"] == worker.pid, 30, "the round claimed")
+        time.sleep(0.05)   # (from its claim to its wait: microseconds)
+        with pytest.raises(Busy, match="waits to be"):
+            with W._foreign():
+                pass
+        worker.kill()
+        with W._foreign():
+            pass
+        flags[1] = 1
+        other.result(30)
+    assert np.array_equal(W.pull(), known_int(0, 0) + 1)
+    assert W.rounds()["applied"] == 1 and W.stats()["step"] == 2
+
+
 @pytest.mark.parametrize("child", [die_part_way_through_a_round, die_after_pushing_a_round],
                          ids=["cut", "pushed"])
 def test_a_resumed_round_counts_as_one_push(job, child):
