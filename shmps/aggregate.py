@@ -384,9 +384,11 @@ class AggregateDense(DenseTensor):
         self._settle(False, WAIT_TIMEOUT_S)
 
     # -- rounds ------------------------------------------------------------------
-    def _settle(self, wait_busy: bool, timeout: float) -> None:
+    def _settle(self, wait_busy: bool, timeout: float, wait_foreign: bool = True) -> None:
         """Apply every complete round (in order); with ``wait_busy``, also wait for
-        one another process is applying."""
+        one another process is applying.  Without ``wait_foreign``, a round that would
+        wait for a push by another path to take its ticket raises Busy at once instead
+        (its claim released: :meth:`_apply_round`)."""
         what, rnd = ffi.new("uint32_t *"), ffi.new("uint64_t *")
         count, phase, behind = ffi.new("uint32_t *"), ffi.new("uint32_t *"), ffi.new("int32_t *")
         man, tok = self._store._mptr, _native.token()
@@ -402,14 +404,16 @@ class AggregateDense(DenseTensor):
                                                  rnd, count, phase, behind),
                               f"round of {self.name!r}")
                 if what[0] == lib.SHMPS_AGG_APPLY:
-                    self._apply_round(int(rnd[0]), int(count[0]), int(phase[0]))
+                    self._apply_round(int(rnd[0]), int(count[0]), int(phase[0]),
+                                      wait_foreign)
                     continue
             if what[0] == lib.SHMPS_AGG_BUSY and wait_busy:
                 self._wait(int(rnd[0]), timeout)
             else:
                 return
 
-    def _apply_round(self, rnd: int, count: int, phase: int) -> None:
+    def _apply_round(self, rnd: int, count: int, phase: int, wait_foreign: bool = True
+                     ) -> None:
         """Apply round ``rnd`` (claimed by us): aggregate, push once, clear.  Phase
         PUSHING: a claim taken over from a process that died pushing the aggregate (or
         released on an error); the push is finished on the stripes it did not reach
@@ -418,14 +422,14 @@ class AggregateDense(DenseTensor):
         lock or a freeze another process holds, an interrupt: possibly after some shards
         were written) releases the claim as it stands (shmps_agg_release) and is raised:
         the next process to look finishes the round as a dead applier's, by its phase,
-        never twice on a stripe nor without one."""
+        never twice on a stripe nor without one.  ``wait_foreign``: as :meth:`_settle`."""
         ctl, tok = self._cptr(), _native.token()
         acc = self._acc[rnd % 2]
         what = f"round {rnd} of {self.name!r}"
         dropped: Optional[Error] = None
         try:
             if phase in (lib.SHMPS_AGG_PH_SUM, lib.SHMPS_AGG_PH_PUSHING):
-                dropped = self._push_aggregate(rnd, count, phase, acc)
+                dropped = self._push_aggregate(rnd, count, phase, acc, wait_foreign)
             if phase == lib.SHMPS_AGG_PH_ZEROING or dropped is not None:
                 # (a round pushed moved to ZEROING as its push ended)
                 _native.check(lib.shmps_agg_phase(ctl, tok, rnd, lib.SHMPS_AGG_PH_ZEROING),
@@ -439,8 +443,8 @@ class AggregateDense(DenseTensor):
         if dropped is not None:
             raise dropped
 
-    def _push_aggregate(self, rnd: int, count: int, phase: int, acc: DenseTensor
-                        ) -> Optional[Error]:
+    def _push_aggregate(self, rnd: int, count: int, phase: int, acc: DenseTensor,
+                        wait_foreign: bool) -> Optional[Error]:
         """Push the aggregate of round ``rnd`` (our claim, phase SUM or PUSHING) to the
         tensor; the round is then in phase ZEROING.  Returns the NonFinite of a sum that
         is not finite, the round's push not begun (the caller drops the round)."""
@@ -473,7 +477,7 @@ class AggregateDense(DenseTensor):
                 self._require_finite(g, nthreads)
             except NonFinite as exc:   # e.g. the sum overflowed to Inf
                 return exc
-            step = self._pushing(rnd)
+            step = self._pushing(rnd, wait_foreign)
         self._push_round(g, step, nthreads)
         # one push in the statistics per round, whoever finished it (a dead applier's
         # cut push counted none); it moves the round to phase ZEROING
@@ -487,14 +491,17 @@ class AggregateDense(DenseTensor):
         forwarded to a bridge, where it goes to the outbox)."""
         return self.mode != "hogwild" and not (self._fwd[0] and self._forwards())
 
-    def _pushing(self, rnd: int) -> int:
+    def _pushing(self, rnd: int, wait: bool = True) -> int:
         """Phase PUSHING of our claim of round ``rnd``; returns the push's ticket
         (shmps_agg_pushing takes it), once no push by another path is in flight.  While
         one is, sleeps on the control block's futex (GIL released), woken as it ends;
-        Timeout after WAIT_TIMEOUT_S."""
+        Timeout after WAIT_TIMEOUT_S.  Without ``wait``: Busy at once."""
         got = ffi.new("uint64_t *")
         code = lib.shmps_agg_pushing(self._cptr(), _native.token(), rnd, self._shard(0).ptr,
-                                     WAIT_TIMEOUT_S, got)
+                                     WAIT_TIMEOUT_S if wait else 0.0, got)
+        if code == lib.SHMPS_AGG_E_FOREIGN and not wait:
+            raise Busy(f"round {rnd} of {self.name!r}: a push by another path (a bridge's) "
+                       "is in flight")
         if code == lib.SHMPS_AGG_E_FOREIGN:
             raise Timeout(f"round {rnd} of {self.name!r}: a push by another path (a "
                           f"bridge's) has been in flight for {WAIT_TIMEOUT_S} s",
@@ -535,7 +542,9 @@ class AggregateDense(DenseTensor):
         by ticket, or one waiting to take its ticket (it would wait for ever if new
         pushes by another path kept starting), or a full table of such pushes, raises
         :class:`Busy` with nothing done, and the bridge refuses the batch BUSY: its sender
-        sends it again.  One
+        sends it again.  So does a round this call finishes for a dead applier, or
+        applies after it, that would wait for another process's push by another path
+        (before, it waited up to WAIT_TIMEOUT_S on the event loop).  One
         thread of this process at a time, as the rounds' applier (_apply_lock)."""
         what, rnd = ffi.new("uint32_t *"), ffi.new("uint64_t *")
         man, tok = self._store._mptr, _native.token()
@@ -551,7 +560,10 @@ class AggregateDense(DenseTensor):
                 if what[0] != lib.SHMPS_AGG_APPLY:
                     raise Busy(f"push to {self.name!r}: round {int(rnd[0])} is being "
                                "pushed by another process, or waits to be")
-                self._settle(False, WAIT_TIMEOUT_S)   # finish the dead applier's round
+                # finish the dead applier's round, and any complete after it, waiting for
+                # nobody: one that would wait for another process's push by another path
+                # (begun since) raises Busy, its claim released for the workers
+                self._settle(False, WAIT_TIMEOUT_S, wait_foreign=False)
             else:
                 raise Busy(f"push to {self.name!r}: rounds left by dead appliers are "
                            "still being finished")

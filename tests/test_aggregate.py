@@ -156,18 +156,28 @@ def ck_worker(store: str, idx: int, rounds: range, partial: int | None, flags) -
         s.close()
 
 
-def claim_a_round(s, W) -> int:
-    """As the last pusher of a round of "W" (workers=1) does, by the C calls, in a
-    process that joined store ``s``: begin, accumulate known_int(0, 0), commit, and
-    claim the round for this process (phase SUM); returns the round."""
+def commit_a_push(W, g) -> int:
+    """As a pusher of a round of "W" (workers=1) does, by the C calls, in a process that
+    joined: begin, accumulate ``g``, commit, and nothing more (the round, complete, is
+    not applied); returns the round."""
     from shmps import _native
     from shmps.dense import DenseTensor
 
-    lib, ffi, tok = _native.lib, _native.ffi, _native.token()
     slot = W._slot()
     rnd = W._begin(slot, 10)
-    DenseTensor.push(W._acc[rnd % 2], known_int(0, 0))
-    assert lib.shmps_agg_commit(W._cptr(), tok, slot, rnd, 1) == 0
+    DenseTensor.push(W._acc[rnd % 2], g)
+    assert _native.lib.shmps_agg_commit(W._cptr(), _native.token(), slot, rnd, 1) == 0
+    return rnd
+
+
+def claim_a_round(s, W) -> int:
+    """As the last pusher of a round of "W" (workers=1) does, by the C calls, in a
+    process that joined store ``s``: commit_a_push of known_int(0, 0), and claim the
+    round for this process (phase SUM); returns the round."""
+    from shmps import _native
+
+    lib, ffi, tok = _native.lib, _native.ffi, _native.token()
+    rnd = commit_a_push(W, known_int(0, 0))
     what, r, n = ffi.new("uint32_t *"), ffi.new("uint64_t *"), ffi.new("uint32_t *")
     ph, behind = ffi.new("uint32_t *"), ffi.new("int32_t *")
     assert lib.shmps_agg_next(W._cptr(), s._mptr, tok, 1, what, r, n, ph, behind) == 0
@@ -820,6 +830,60 @@ def test_a_round_waiting_for_a_push_by_another_path_refuses_new_ones(job):
         other.result(30)
     assert np.array_equal(W.pull(), known_int(0, 0) + 1)
     assert W.rounds()["applied"] == 1 and W.stats()["step"] == 2
+
+
+class _AfterFinish:
+    """``shmps.aggregate.lib`` for a test: the library, but ``after(round)`` runs once
+    each shmps_agg_finish of a round has returned."""
+
+    def __init__(self, lib, after) -> None:
+        self._lib, self._after = lib, after
+
+    def __getattr__(self, name):
+        return getattr(self._lib, name)
+
+    def shmps_agg_finish(self, ctl, token, rnd):
+        code = self._lib.shmps_agg_finish(ctl, token, rnd)
+        self._after(rnd)
+        return code
+
+
+def test_a_push_by_another_path_finishing_a_dead_round_never_waits(job, monkeypatch):
+    """Review H4 F3: a push by another path (the bridge's, on its event loop) meets round 0
+    left in PUSHING by a dead applier, and finishes it; round 1, complete, comes next, and
+    another process's push by another path began in between: round 1 would wait for it to
+    take its ticket, so the call raises Busy at once, nothing of its own applied, round 1's
+    claim released (before, it waited WAIT_TIMEOUT_S, 1 s here, on the event loop, then
+    raised Timeout).  The next pull applies round 1 once the other push has ended, and
+    the bridge's batch sent again lands."""
+    from shmps import _native
+    from shmps.errors import Busy
+
+    monkeypatch.setattr(shmps.aggregate, "WAIT_TIMEOUT_S", 1.0)
+    W = _cut_round(job)
+    assert job.join(worker=1) == 1
+    job.clock()
+    assert commit_a_push(W, known_int(1, 1)) == 1
+    ones = np.ones(SHAPE, np.int32)
+    flags = CTX.RawArray("q", 2)
+    with Workers(hard_timeout=60) as ws:
+        def begin_another(rnd):
+            if rnd == 0:
+                ws.start(push_by_another_path, job.name, flags)
+                wait_until(lambda: flags[0], 30, "the other path's push registered")
+
+        monkeypatch.setattr(shmps.aggregate, "lib", _AfterFinish(_native.lib, begin_another))
+        with pytest.raises(Busy, match="round 1 .* is in flight"):
+            W._apply_direct(None, ones)
+        monkeypatch.undo()
+        info = W.rounds()
+        assert info["applied"] == 1 and info["next_round"] == 1 and info["applier_pid"] == 0
+        flags[1] = 1
+        ws.workers[0].result(30)
+    assert np.array_equal(W.pull(), known_int(0, 0) + 1 + known_int(1, 1))
+    W._apply_direct(None, ones)
+    assert np.array_equal(W.pull(), known_int(0, 0) + 2 + known_int(1, 1))
+    assert W.rounds()["applied"] == 2
 
 
 @pytest.mark.parametrize("child", [die_part_way_through_a_round, die_after_pushing_a_round],
