@@ -145,7 +145,9 @@ typedef struct {
     uint32_t version, pad0;
     shmps_stripe_t lock;  /* guards every field below except seq */
     uint32_t seq;         /* futex word: bumped on commit, finish and skip */
-    uint32_t assembled;   /* sticky: N workers were seen joined (or contributed) */
+    uint32_t assembled;   /* sticky: N workers were seen joined (or contributed); written
+                           * under the lock with atomic stores (set_assembled), read
+                           * without it by shmps_agg_assemble and shmps_agg_info */
     uint64_t next_round;  /* oldest round not yet applied */
     uint64_t applier;     /* token applying claim_round, 0 = none */
     uint64_t claim_round;
@@ -224,6 +226,12 @@ static int lock(agg_ctl_t *c, uint64_t token) {
 
 static void unlock(agg_ctl_t *c) { shmps_stripe_unlock(&c->lock); }
 
+/* The team has assembled (lock held).  An atomic store, as shmps_agg_assemble reads the
+ * flag without the lock; relaxed: the flag orders no other data for that reader (it
+ * only stops waiting, and begin looks again under the lock), and holders of the lock
+ * get it through the lock's release/acquire. */
+static void set_assembled(agg_ctl_t *c) { STORE(&c->assembled, 1, RELAXED); }
+
 /* Joined slots: count them (dead ones included until dropped) for the assembly
  * gate; *minclock is the smallest clock among them (UINT64_MAX if none). */
 static uint32_t joined(void *man, uint64_t *minclock) {
@@ -289,6 +297,9 @@ static void step(agg_ctl_t *c, void *man, uint64_t token, uint32_t want, int cla
     *behind = -1;
     *count = 0;
     *phase = 0;
+    /* relaxed: under the lock, and every store of magic (begin's and reset's, release
+     * for the readers without the lock) is made holding it: the lock's acquire orders
+     * it, and the fields begin set before it, before our reads */
     if (LOAD(&c->magic, RELAXED) != AGG_MAGIC || stale(c, man)) return; /* no rounds */
     for (;;) {
         uint64_t r = c->next_round;
@@ -319,7 +330,7 @@ static void step(agg_ctl_t *c, void *man, uint64_t token, uint32_t want, int cla
         }
         uint32_t passed, njoined;
         int ok = complete(c, man, r, behind, &passed, &njoined);
-        if (njoined >= want) c->assembled = 1;
+        if (njoined >= want) set_assembled(c);
         if (!ok) return;
         agg_buf_t *b = &c->buf[r & 1];
         int active = b->round == r;
@@ -335,7 +346,8 @@ static void step(agg_ctl_t *c, void *man, uint64_t token, uint32_t want, int cla
             continue;
         }
         if (n == 0 && !passed) return; /* begun (in-flight pushes of dead workers) only */
-        if (n && !c->assembled && n < want) return; /* the team is not here yet */
+        /* relaxed: under the lock, which orders every store of it (set_assembled) */
+        if (n && !LOAD(&c->assembled, RELAXED) && n < want) return; /* not here yet */
         *what = SHMPS_AGG_APPLY;
         *count = n;
         *phase = n ? SHMPS_AGG_PH_SUM : SHMPS_AGG_PH_ZEROING;
@@ -398,10 +410,11 @@ int shmps_agg_begin(void *ctl, void *man, uint64_t token, uint32_t slot, uint32_
          * covered when the round was claimed); the caller waits for the round, and
          * its push is then refused as one to an applied round (CLOSED) */
         e = SHMPS_AGG_E_CLAIMED;
-    } else if (!c->assembled && joined(man, &minclock) < want) {
+    } else if (/* relaxed: under the lock, as in step() */
+               !LOAD(&c->assembled, RELAXED) && joined(man, &minclock) < want) {
         e = SHMPS_AGG_E_ASSEMBLING;
     } else {
-        c->assembled = 1;
+        set_assembled(c);
         if (b->round != r) {
             /* the buffer held round r - 2 (applied) or nothing: reset, round last
              * (CRASH_ORDER: killed before it, the buffer still reads as the old
@@ -433,10 +446,13 @@ int shmps_agg_assemble(void *ctl, void *man, uint64_t token, uint32_t want, doub
         uint32_t seen = LOAD(seq, ACQUIRE);
         uint64_t m;
         *njoined = joined(man, &m);
+        /* relaxed, without the lock: a sticky flag (set_assembled) that only ends this
+         * wait; nothing is read on its word (the caller's begin looks again under the
+         * lock), and a store it does not see yet costs one more nap (NAP_NS) */
         if (*njoined >= want || LOAD(&c->assembled, RELAXED)) {
             int e = lock(c, token);
             if (e) return e;
-            c->assembled = 1;
+            set_assembled(c);
             unlock(c);
             wake(c);
             return SHMPS_OK;
@@ -460,7 +476,7 @@ int shmps_agg_commit(void *ctl, uint64_t token, uint32_t slot, uint64_t round, u
         STORE(&b->bits[slot >> 6], b->bits[slot >> 6] | 1ull << (slot & 63), RELAXED);
         CRASH_ORDER();
         STORE(&b->pend[slot], 0, RELAXED);
-        if (popcount(b) >= want) c->assembled = 1;
+        if (popcount(b) >= want) set_assembled(c);
     }
     unlock(c);
     if (!e) wake(c);
@@ -863,8 +879,18 @@ int shmps_agg_reset(void *ctl, void *man, uint64_t token, int finish, uint32_t *
         /* the accumulators are clear: start afresh (begin initialises lazily) */
         STORE(&c->magic, 0, RELEASE); /* first: the block is "never used" from here */
         CRASH_ORDER(); /* (as in finish: the release keeps only earlier stores above) */
-        c->next_round = c->applier = c->claim_round = 0;
-        c->phase = c->count = c->assembled = 0;
+        /* atomic stores where a reader without the lock loads the field (next_round,
+         * applier, claim_round: shmps_agg_mark, shmps_agg_wait; assembled:
+         * shmps_agg_assemble); relaxed: shmps_agg_wait takes the lock once it sees magic
+         * 0 (the store above, which it loads acquire), a mark of a block being reset
+         * brackets no change a pull could copy (a reset writes only the accumulators),
+         * assemble's reader only stops waiting (set_assembled), and lock holders get
+         * them through the lock */
+        STORE(&c->next_round, 0, RELAXED);
+        STORE(&c->applier, 0, RELAXED);
+        STORE(&c->claim_round, 0, RELAXED);
+        STORE(&c->assembled, 0, RELAXED);
+        c->phase = c->count = 0;
         c->stamp = c->resetter = 0;
         c->counted = 0; /* round numbers start again: no round of theirs is counted */
         c->waiter = 0;
