@@ -161,6 +161,7 @@ typedef struct {
     agg_foreign_t foreign[AGG_FOREIGN]; /* pushes by another path in flight, per process */
     uint64_t waiter;      /* the round waiting: its applier's token, 0 = none (round_waits) */
     uint64_t wait_until;  /* ... until then (shmps_now_ns; the waiter's own deadline) */
+    uint64_t push_base;   /* the tensor's pushes statistic as the round entered PUSHING */
 } agg_ctl_t;
 
 _Static_assert(sizeof(agg_ctl_t) <= SHMPS_AGG_CTL_BYTES, "aggregation control block");
@@ -590,6 +591,11 @@ static int pushing_once(agg_ctl_t *c, uint64_t token, uint64_t round, void *base
         if (!t) {
             e = SHMPS_E_ARG;
         } else {
+            /* the pushes statistic the round's count goes from (shmps_agg_pushed): every
+             * push by another path has ended (its count made before its bracket's end,
+             * which our lock orders before this load), and none starts until the round
+             * leaves PUSHING; relaxed: a statistic, read once, under our lock */
+            STORE(&c->push_base, LOAD(&hdr_of(base0)->stats.pushes, RELAXED), RELAXED);
             STORE(&c->push_step, t, RELAXED);
             CRASH_ORDER();
             STORE(&c->phase, SHMPS_AGG_PH_PUSHING, RELAXED);
@@ -648,12 +654,16 @@ int shmps_agg_pushing(void *ctl, uint64_t token, uint64_t round, void *base0, do
 /* The push of our claim of `round` (PUSHING, with its ticket) reached every stripe:
  * count it as one push in the tensor's statistics (shard 0 `base0`: nbytes, rows), once
  * per round whoever finished it (the dead applier's push counted nothing yet: it
- * counts here), and go to phase ZEROING.  Under the lock, relaxed stores in this
- * order (CRASH_ORDER): `counted` first, so a holder killed anywhere in here never
- * makes the round count twice (a taker finds it counted); killed between that store
- * and the count (two adjacent instructions), the round counts no push (tried by the
- * kill points pushed-counted and pushed-count).  The lock's release (or takeover CAS,
- * acquire) orders them before the next holder's reads. */
+ * counts here), and go to phase ZEROING.  The count is a CAS of the pushes statistic
+ * from `push_base` (its value as the round entered PUSHING: nothing else counts a push
+ * of the tensor while a round is in PUSHING, pushes by another path being kept out) to
+ * push_base + 1: it succeeds once per round, whoever makes it, however many times a
+ * holder killed in here is resumed; the bytes and rows follow it (killed between, they
+ * miss the round: statistics).  Then `counted` records it (a resume skips the CAS).
+ * Killed anywhere, the round counts one push, never none nor two (tried by the kill
+ * points pushed-count, after the count, and pushed-counted, after the record).  Under
+ * the lock, relaxed stores in this order (CRASH_ORDER); the lock's release (or takeover
+ * CAS, acquire) orders them before the next holder's reads. */
 int shmps_agg_pushed(void *ctl, uint64_t token, uint64_t round, void *base0, uint64_t nbytes,
                      uint64_t rows) {
     agg_ctl_t *c;
@@ -668,13 +678,17 @@ int shmps_agg_pushed(void *ctl, uint64_t token, uint64_t round, void *base0, uin
          * release (or takeover CAS, acquire) orders them for the next holder; the
          * order a kill sees is kept by CRASH_ORDER */
         if (LOAD(&c->counted, RELAXED) != round + 1) {
+            uint64_t was = LOAD(&c->push_base, RELAXED);
+            /* relaxed: a statistic; only its atomicity matters (a CAS fails on any
+             * other value: the round's count is there already, or a push the rounds do
+             * not bracket moved it, and the round then counts none rather than two) */
+            if (CAS(&hdr_of(base0)->stats.pushes, &was, was + 1, RELAXED, RELAXED))
+                shmps_count_push(base0, 0, nbytes, rows); /* (relaxed adds, likewise) */
+            CRASH_ORDER();
+            KILL_POINT(KILL_COUNT);
             STORE(&c->counted, round + 1, RELAXED);
             CRASH_ORDER();
             KILL_POINT(KILL_COUNTED);
-            /* (its relaxed adds: statistics, each counter independently atomic) */
-            shmps_count_push(base0, 1, nbytes, rows);
-            CRASH_ORDER();
-            KILL_POINT(KILL_COUNT);
         }
         STORE(&c->phase, SHMPS_AGG_PH_ZEROING, RELAXED);
     }
