@@ -660,27 +660,38 @@ def test_a_worker_in_a_dead_workers_slot_is_told_whose_push_it_found(job):
     assert np.array_equal(W.pull(), known_int(0, 0) + known_int(1, 1))
 
 
-def test_a_round_does_not_start_pushing_while_a_push_by_another_path_is_in_flight(job):
-    """The other half of F3's fix: a round's applier takes its ticket and enters PUSHING
-    only once no push by another path is in flight (here a bridge's direct apply held
-    open in another process), so no such push writes a stripe at a later ticket while
-    the round is being pushed.  The round waits (still not applied while the other push
-    is open), then lands: every element is the round plus the other push."""
+@contextlib.contextmanager
+def _another_path_open(job):
+    """A 2-shard int32 Sum tensor W (workers=1) and a push to it by another path held
+    open in another process (push_by_another_path: a bridge's direct apply, inside its
+    bracket): yields (W, the Workers, the child's flags).  Setting ``flags[1]`` lets the
+    child apply ones and end; the block's end does it (if the body did not) and waits
+    for the child."""
     W = job.dense("W", shape=SHAPE, dtype="int32", optimizer="sum", aggregate="sum",
                   workers=1, shard_rows=8)
     flags = CTX.RawArray("q", 2)
     with Workers(hard_timeout=60) as ws:
         other = ws.start(push_by_another_path, job.name, flags)
         wait_until(lambda: flags[0], 30, "the other path's push registered")
+        yield W, ws, flags
+        flags[1] = 1
+        other.result(30)
+
+
+def test_a_round_does_not_start_pushing_while_a_push_by_another_path_is_in_flight(job):
+    """The other half of F3's fix: a round's applier takes its ticket and enters PUSHING
+    only once no push by another path is in flight (here a bridge's direct apply held
+    open in another process), so no such push writes a stripe at a later ticket while
+    the round is being pushed.  The round waits (still not applied while the other push
+    is open), then lands: every element is the round plus the other push."""
+    with _another_path_open(job) as (W, _, _):
         job.join()
         h = W.push(known_int(0, 0), wait=False)
         wait_until(lambda: W.rounds()["buffers"][0]["contributed"] == 1, 30,
                    "the worker's push accumulated")
         time.sleep(0.2)
         assert W.rounds()["applied"] == 0 and W.stats()["step"] == 0
-        flags[1] = 1
-        other.result(30)
-        h.wait(30)
+    h.wait(30)
     assert np.array_equal(W.pull(), known_int(0, 0) + 1)
     assert W.rounds()["applied"] == 1 and W.stats()["step"] == 2
 
@@ -750,14 +761,9 @@ def test_a_round_sleeps_until_a_push_by_another_path_ends(job):
     from shmps import _native
 
     lib, ffi, tok = _native.lib, _native.ffi, _native.token()
-    W = job.dense("W", shape=SHAPE, dtype="int32", optimizer="sum", aggregate="sum",
-                  workers=1, shard_rows=8)
     job.join()
-    flags = CTX.RawArray("q", 2)
     got = ffi.new("uint64_t *")
-    with Workers(hard_timeout=60) as ws:
-        other = ws.start(push_by_another_path, job.name, flags)
-        wait_until(lambda: flags[0], 30, "the other path's push registered")
+    with _another_path_open(job) as (W, _, flags):
         rnd = claim_a_round(job, W)
         t0 = time.monotonic()
         code = lib.shmps_agg_pushing(W._cptr(), tok, rnd, W._shard(0).ptr, 0.3, got)
@@ -770,7 +776,6 @@ def test_a_round_sleeps_until_a_push_by_another_path_ends(job):
         took = time.monotonic() - t0
         assert code == 0 and 0.2 < took < 5.0, (code, took)
         assert int(got[0]) == 2   # the other push took ticket 1
-        other.result(30)
     # our claim in PUSHING, handed back to this process by the pull: pushed at the ticket
     assert np.array_equal(W.pull(), known_int(0, 0) + 1)
     assert W.rounds()["applied"] == 1 and W.stats()["step"] == 2
@@ -782,13 +787,8 @@ def test_a_round_waits_for_a_push_by_another_path_at_most_its_timeout(job, monke
     Timeout saying so, nothing of the round pushed, and the next pull applies the round
     once the other push has ended."""
     monkeypatch.setattr(shmps.aggregate, "WAIT_TIMEOUT_S", 0.3)
-    W = job.dense("W", shape=SHAPE, dtype="int32", optimizer="sum", aggregate="sum",
-                  workers=1, shard_rows=8)
     job.join()
-    flags = CTX.RawArray("q", 2)
-    with Workers(hard_timeout=60) as ws:
-        other = ws.start(push_by_another_path, job.name, flags)
-        wait_until(lambda: flags[0], 30, "the other path's push registered")
+    with _another_path_open(job) as (W, _, _):
         t0 = time.monotonic()
         with pytest.raises(shmps.Timeout, match="a push by another path .* has been in "
                                                 "flight for 0.3 s"):
@@ -796,8 +796,6 @@ def test_a_round_waits_for_a_push_by_another_path_at_most_its_timeout(job, monke
         took = time.monotonic() - t0
         assert 0.25 < took < 5.0, took
         assert W.rounds()["applied"] == 0 and W.stats()["step"] == 0
-        flags[1] = 1
-        other.result(30)
     assert np.array_equal(W.pull(), known_int(0, 0) + 1)
     assert W.rounds()["applied"] == 1 and W.stats()["step"] == 2
 
@@ -811,12 +809,7 @@ def test_a_round_waiting_for_a_push_by_another_path_refuses_new_ones(job):
     lands once the first one ends."""
     from shmps.errors import Busy
 
-    W = job.dense("W", shape=SHAPE, dtype="int32", optimizer="sum", aggregate="sum",
-                  workers=1, shard_rows=8)
-    flags = CTX.RawArray("q", 2)
-    with Workers(hard_timeout=60) as ws:
-        other = ws.start(push_by_another_path, job.name, flags)
-        wait_until(lambda: flags[0], 30, "the other path's push registered")
+    with _another_path_open(job) as (W, ws, _):
         worker = ws.start(push_a_round, job.name)
         wait_until(lambda: W.rounds()["applier_pid"] == worker.pid, 30, "the round claimed")
         time.sleep(0.05)   # (from its claim to its wait: microseconds)
@@ -826,8 +819,6 @@ def test_a_round_waiting_for_a_push_by_another_path_refuses_new_ones(job):
         worker.kill()
         with W._foreign():
             pass
-        flags[1] = 1
-        other.result(30)
     assert np.array_equal(W.pull(), known_int(0, 0) + 1)
     assert W.rounds()["applied"] == 1 and W.stats()["step"] == 2
 
