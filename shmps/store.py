@@ -593,8 +593,9 @@ class Store:
 
     @contextlib.contextmanager
     def _adopting(self, origin: Optional[str]) -> Iterator[None]:
-        """Tensors created in this block (by this thread: the bridge's event loop) are
-        copies of a tensor made on host ``origin``: their records say so ("origin"), so a
+        """Tensors this handle creates in this block are copies of a tensor made on host
+        ``origin`` (the bridge's event loop, the one thread of its process that creates
+        tensors, is the caller): their records say so ("origin"), so a
         bridge process started later on this store knows it did not create them (its
         initial values are the origin's, not this host's: bridge Bridge._is_origin)."""
         self._adopting_from = origin

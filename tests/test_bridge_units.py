@@ -1800,6 +1800,64 @@ def test_a_restarted_bridge_gives_no_initial_values_of_a_copy_it_adopted(tmp_pat
         s.destroy()
 
 
+def test_a_leaving_creators_unanswered_hand_over_of_initial_values_is_sent_again(tmp_path):
+    """A leaving creator sent the initial values of a shard to its owner, and no answer
+    came (the connection reset: the chunks, or the answer to the LAST, lost with it).
+    It sends them again once INIT_RESEND_S passed without one, and not while a read is
+    under way or after the owner answered.  (Before, a hand-over marked sent was never
+    sent again: the leave waited until its deadline and the owner served the schema's
+    init: review H5 F2.)"""
+    import uuid
+
+    import shmps
+    from shmps.bridge import node as bridge_node
+    from shmps.bridge.ring import shard_key
+
+    me, peer, third = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
+    ns = f"u{uuid.uuid4().hex[:10]}"
+    node = _bridge(tmp_path, [me, peer, third], store="giveagain", namespace=ns,
+                   dead_after=5.0)
+    node.store = shmps.attach("giveagain", namespace=ns)
+    try:
+        name = next(f"w{i}" for i in range(1000) if node.owner(shard_key(f"w{i}", 0)) == peer)
+        node.store.dense(name, (8, 4), "float32", init=3.0)   # created here
+        while node.refresh_tensors(budget=None):
+            pass
+        everyone = {m: State.ALIVE for m in (me, peer, third)}
+        for p in (peer, third):
+            node.on_heartbeat(p, _heartbeat(p, 0, everyone))
+        key = (node.by_name[name].tid, 0)
+        st = node.shards[key]
+        assert node._fresh_origin(key, time.monotonic()) and node.owner(st.key) == peer
+        sent: list = []
+
+        async def record(k, member, handover=False) -> None:
+            sent.append((k, member, handover))
+
+        node._send_snapshot = record
+
+        def gives() -> list:
+            sent.clear()
+
+            async def main() -> None:
+                node._give_initial_values()
+                await asyncio.sleep(0.01)
+            asyncio.run(main())
+            return list(sent)
+
+        st.init_served, st.init_given = peer, None
+        st.init_sent_at = time.monotonic()
+        assert gives() == []                                   # just sent: its answer may come
+        st.init_sent_at = time.monotonic() - bridge_node.INIT_RESEND_S - 0.1
+        assert gives() == [(key, peer, True)]                  # (was: [])
+        st.reading = peer
+        assert gives() == []                                   # a read under way
+        st.reading, st.init_given = None, peer
+        assert gives() == []                                   # answered
+    finally:
+        node.store.destroy()
+
+
 async def _no_snapshot_sent(*a, **k) -> None:
     """Stands in for Bridge._send_snapshot where a test sends no hand-over of its own."""
 

@@ -102,6 +102,9 @@ UNKNOWN_SNAP_KEEP = 1 << 16
 #: recently and has not given their owner yet (_give_initial_values): an owner waits
 #: for them from its own take-up, HANDOVER_TIMEOUT after the creator's last news
 INIT_GIVE_S = 30.0
+#: a leaving creator's hand-over of initial values that its owner has not answered this
+#: long after it was queued is sent again (its connection reset, say)
+INIT_RESEND_S = 1.0
 MAX_MARKS = frames.DEFAULT_LIMITS.max_marks  #: duplicate-filter marks a snapshot carries at most
 SPARE_DRAIN_BUFFERS = 2          #: a tensor's drain buffers kept for reuse (TInfo.spare)
 #: gradient bytes per BATCH frame (and so per ROWS frame answering it): a drain of a
@@ -297,6 +300,9 @@ class ShardState:
                                                          # to as a hand-over (leave)
     init_seqs: tuple = (0, 0)                            # the ROW seqs of that hand-over's
                                                          # first and LAST chunks (on_ack)
+    init_sent_at: float = 0.0                            # when it was queued (a leave
+                                                         # sends it again, unanswered
+                                                         # INIT_RESEND_S after)
     init_given: Optional[str] = None                     # the owner that answered its LAST
                                                          # (took it, or waits for none), no
                                                          # chunk of it refused BUSY (leave)
@@ -992,7 +998,10 @@ class Bridge:
                 give_at[0] = time.monotonic() + 0.25
                 self._give_initial_values()   # (again: those refused BUSY)
             return self._init_not_given()
-        await wait_while(lambda: bool(self._not_left(nexts) or not_given()), deadline - 1.5)
+        # (both looked at on every poll: not_given sends again, and ran only once no next
+        # owner lacked this host's changes when the two were or-ed: review H5 F1)
+        await wait_while(lambda: bool(not_given()) | bool(self._not_left(nexts)),
+                         deadline - 1.5)
         behind = self._not_left(nexts)
         if behind:
             log.warning("leaving before the next owners of %d shards took this host's last "
@@ -1037,7 +1046,12 @@ class Bridge:
         now, reach = time.monotonic(), self.members.reachable()
         for key, st in self.shards.items():
             owner = self.owner(st.key)
-            if (owner and owner != self.addr and owner in reach and st.init_served != owner
+            # (one not answered INIT_RESEND_S after it was queued is sent again: its
+            # connection reset, the chunks or the answer lost with it: review H5 F2)
+            if (owner and owner != self.addr and owner in reach
+                    and (st.init_served != owner
+                         or (st.init_given != owner and st.reading is None
+                             and now - st.init_sent_at > INIT_RESEND_S))
                     and self._fresh_origin(key, now)):
                 asyncio.get_running_loop().create_task(
                     self._send_snapshot(key, owner, handover=True))
@@ -3820,6 +3834,7 @@ class Bridge:
             st.init_served = member   # (_give_initial_values)
             st.init_seqs = (rseq + 1, st.rseq)
             st.init_given = None      # (its answer: on_ack)
+            st.init_sent_at = time.monotonic()
         if not handover:
             st.snapshotting[member] = st.rseq
             st.copy_first[member] = rseq + 1
@@ -3835,6 +3850,8 @@ class Bridge:
         for c in chunks:
             if not link.send(c, bulk=True):   # closed
                 st.snapshotting.pop(member, None)
+                if handover and st.init_served == member:
+                    st.init_served = None     # (not given: sent again by a leave)
                 self._unsettle()
                 return
             self.metrics.sent("snapshot", len(c))
@@ -4190,7 +4207,9 @@ class Bridge:
                 "ETag": tag, **auth.sign_response(self.cfg.secret, request.headers, self.addr,
                                                   304, b"", tag)})
         # each record says where its tensor was created: the copy with its initial values
-        recs = [dict(r, origin=self.adopted.get(r["name"], self.addr))
+        # (a record not taken up yet by this process names its origin itself: a copy an
+        # earlier bridge process on this store made: review H5 F6)
+        recs = [dict(r, origin=self.adopted.get(r["name"]) or r.get("origin") or self.addr)
                 for r in self.store._record_list if _user_record(r)]
         body = json.dumps(recs).encode()
         return web.Response(body=body, content_type="application/json", headers={
