@@ -249,10 +249,19 @@ class DenseTensor(Tensor):
             except BaseException as exc:  # still wait for the others before raising
                 err = exc
             for f in futures:
-                try:
-                    f.result()
-                except BaseException as exc:
-                    err = err or exc
+                # waited for until done, an interrupt of the wait included: the slots are
+                # let go of, and an aggregated round's claim released for another process
+                # to finish, only once no thread of this push writes (a round resumed
+                # while a helper thread was still in its stripes landed twice on some:
+                # review H5 F3)
+                while True:
+                    try:
+                        f.result()
+                        break
+                    except BaseException as exc:
+                        err = err or exc
+                        if f.done():
+                            break
             if err is not None:
                 raise err
 
