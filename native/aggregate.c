@@ -342,7 +342,9 @@ static void step(agg_ctl_t *c, void *man, uint64_t token, uint32_t want, int cla
             if (!passed) return;
             /* release: pairs with the acquire load in shmps_agg_wait */
             STORE(&c->next_round, r + 1, RELEASE);
-            c->skipped++;
+            /* relaxed: a statistic, only ever written under the lock; shmps_agg_info
+             * reads it without the lock, so the store is atomic (no torn read) */
+            STORE(&c->skipped, c->skipped + 1, RELAXED);
             wake(c);
             continue;
         }
@@ -389,7 +391,11 @@ int shmps_agg_begin(void *ctl, void *man, uint64_t token, uint32_t slot, uint32_
     if (c->magic != AGG_MAGIC) {
         uint64_t m;
         joined(man, &m);
-        c->next_round = m < r ? m : r;
+        /* relaxed: a reader that checks magic first (acquire) sees this value, ordered
+         * by magic's release store below; shmps_agg_mark, which does not, reads 0 or
+         * this value atomically, and a mark that differs from the next one only makes
+         * its pull copy again */
+        STORE(&c->next_round, m < r ? m : r, RELAXED);
         c->version = AGG_VERSION;
         c->stamp = man_stamp(man);
         c->buf[0].round = c->buf[1].round = UINT64_MAX;
@@ -834,7 +840,7 @@ int shmps_agg_finish(void *ctl, uint64_t token, uint64_t round) {
         /* the ticket of an applied round is nobody's (a claim by an older build, which
          * does not record one, must not find it) */
         STORE(&c->push_step, 0, RELAXED);
-        c->applied++;
+        STORE(&c->applied, c->applied + 1, RELAXED);   /* as skipped: a statistic */
     }
     unlock(c);
     if (!e) wake(c);
