@@ -73,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dir", metavar="DIR", type=Path, default=None,
                    help="where 'files' writes (default: a new temporary directory under /tmp)")
     p.add_argument("--reps", type=int, default=None, help="measured repetitions (default 5, quick 2)")
+    p.add_argument("--smoke", action="store_true",
+                   help="for the test suite: --quick's steps with 1 short repetition, no warm-up, "
+                        "no waiting for a quiet machine and fewer attach/row samples; checks that "
+                        "everything runs, counts exactly and cleans up (its figures mean little)")
     p.add_argument("--perf", action="store_true",
                    help="bridge: also sample both bridges with `perf record` over each forwarded "
                         "row's windows and note where their CPU went (Python, kernel, C, libc)")
@@ -80,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def timing_for(args: argparse.Namespace) -> Timing:
+    if args.smoke:
+        return Timing(window=0.1, warmup=0, reps=args.reps or 1, quiet_wait=0.0, quiet_budget=0.0)
     if args.quick:
         return Timing(warmup=1, reps=args.reps or 2, quiet_wait=0.5, quiet_budget=5.0)
     return Timing(reps=args.reps or 5)
@@ -149,7 +155,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     t0 = time.perf_counter()
     try:
         with ExitStack() as stack:
-            ctx = RunContext(timing=timing_for(args), quick=args.quick, stack=stack,
+            ctx = RunContext(timing=timing_for(args), quick=args.quick or args.smoke,
+                             smoke=args.smoke, stack=stack,
                              workdir=args.dir, shmps=shmps_mod, shmps_error=shmps_error,
                              perf=args.perf)
             sections, lim = run_sections(ctx, names)

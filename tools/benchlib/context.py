@@ -25,6 +25,7 @@ class RunContext:
     stack: ExitStack
     workdir: Optional[Path] = None
     perf: bool = False   #: bench.py --perf (the bridge section samples its bridges)
+    smoke: bool = False  #: bench.py --smoke (quick, and fewer samples where a section counts them)
     shmps: Optional[ModuleType] = None
     shmps_error: str = ""
     limits: dict[str, float] = field(default_factory=dict)

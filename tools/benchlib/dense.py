@@ -255,7 +255,7 @@ def run_attach(ctx: RunContext, sec: Section, name: str, store: Any) -> None:
         store.dense(n, shape=(256,), dtype="float32", init=0.0)
     row = sec.add(Row("shmps_attach", f"shmps.attach() of a store with {ATTACH_TENSORS} tensors",
                       1, "ms"))
-    runs = 10 if ctx.quick else 20
+    runs = 2 if ctx.smoke else 10 if ctx.quick else 20
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([shmps_root(ctx), os.environ.get("PYTHONPATH", "")])}
     lookups: list[float] = []
     try:
@@ -290,11 +290,12 @@ def run_one_row(ctx: RunContext, sec: Section, store: Any) -> None:
     shm, w = create_array(ctx.stack, ROW_SHAPE, "float32")
     g = np.ones((1, ROW_SHAPE[1]), np.float32)
     r = np.array([1000])
-    reps = 3 if ctx.quick else 5
+    reps = 1 if ctx.smoke else 3 if ctx.quick else 5
+    ncalls = ROW_CALLS // 100 if ctx.smoke else ROW_CALLS
 
     def per_call(fn: Any) -> list[float]:
         fn()
-        return [timeit.timeit(fn, number=ROW_CALLS) / ROW_CALLS * 1e6 for _ in range(reps)]
+        return [timeit.timeit(fn, number=ncalls) / ncalls * 1e6 for _ in range(reps)]
 
     def lower_is_better(row: Row, what: str) -> None:
         row.note(f"{what}; us per call, lower is better (a ratio below 1 beats the baseline)")
@@ -319,7 +320,7 @@ def run_one_row(ctx: RunContext, sec: Section, store: Any) -> None:
                lambda: t.pull(rows=r, consistent=False), NP_ROW_PULL)]
     for key, label, fn, ref in calls:
         row = sec.add(Row(key, label, 1, "us", samples=per_call(fn), baseline=ref))
-        lower_is_better(row, f"{ROW_SHAPE[0]}x{ROW_SHAPE[1]} float32, {ROW_CALLS} calls a sample")
+        lower_is_better(row, f"{ROW_SHAPE[0]}x{ROW_SHAPE[1]} float32, {ncalls} calls a sample")
 
 
 def shmps_root(ctx: RunContext) -> str:

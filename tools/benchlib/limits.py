@@ -10,6 +10,7 @@ from .report import Ref, Section
 from .shm import KernelSpec, load_kernels
 
 LIMIT_BYTES = 256 * 2**20
+SMOKE_LIMIT_BYTES = 32 * 2**20   # bench.py --smoke: a figure, not a measurement
 
 
 class CopyLimit:
@@ -46,10 +47,11 @@ class TriadLimit:
 def measure_limits(ctx: RunContext, section: Section, when: str) -> None:
     """Measure copy_Np and triad_Np (GB/s) and keep the better of start/end medians."""
     suffix = "" if when == "start" else f" ({when} of run)"
-    params: dict[str, Any] = {"nbytes": LIMIT_BYTES}
+    nbytes = SMOKE_LIMIT_BYTES if ctx.smoke else LIMIT_BYTES
+    params: dict[str, Any] = {"nbytes": nbytes}
     for procs in PROCS:
-        row, _ = ctx.measure(section, f"copy_{when}", f"np.copyto 256 MiB (read+write bytes){suffix}",
-                             procs, "GB/s", "benchlib.limits:CopyLimit", params, scale=1e-9,
+        row, _ = ctx.measure(section, f"copy_{when}",
+                             f"np.copyto {nbytes >> 20} MiB (read+write bytes){suffix}", procs, "GB/s", "benchlib.limits:CopyLimit", params, scale=1e-9,
                              limit=Ref("limit:copy", "copy"))
         if row.median:
             ctx.record_limit(f"copy_{procs}p", row.median)
