@@ -31,28 +31,34 @@ def test_racing_attach_and_get_or_create(store_name):
     # native/manifest.c initialise() zeroes init_owner in its memset of the header: a
     # second attacher claims init_owner in that window and initialises the store again
     # (seen: 4 initialisations in one race, one over a locked mutex with waiters).
-    n = 8
-    for rnd in range(5):
-        name = f"{store_name}r{rnd}"
-        flags = new_flags(n)
-        try:
-            with Workers() as ws:
-                for i in range(n):
-                    ws.start(race_attach, name, SPECS, flags, i)
-                wait_until(lambda: all(flags[2 + i] for i in range(n)), 60, "workers ready")
+    # The 40 processes of the 5 rounds are spawned at once, each round's 8 wait for its
+    # go: a round is still 8 fresh processes racing their first attach (processes
+    # reused from round to round, each arriving hot, no longer caught that bug).
+    n, rounds = 8, 5
+    names = [f"{store_name}r{rnd}" for rnd in range(rounds)]
+    flags = [new_flags(n) for _ in range(rounds)]
+    try:
+        with Workers() as ws:
+            racers = [[ws.start(race_attach, name, SPECS, fl, i) for i in range(n)]
+                      for name, fl in zip(names, flags)]
+            for rnd, (name, fl, ours) in enumerate(zip(names, flags, racers)):
+                wait_until(lambda: all(fl[2 + i] for i in range(n)), 60, "workers ready")
                 assert store_segments(name) == [], "nobody attached before go"
-                flags[0] = 1
-                seen = ws.results(20)
-            assert all(s == seen[0] for s in seen), f"round {rnd}: {seen}"
-            with shmps.attach(name, create=False) as s:
-                desc = s.tensors()
-                assert sorted(d["name"] for d in desc) == ["a", "b", "c"], f"round {rnd}"
-                for tname, shape, dtype in SPECS:
-                    np.testing.assert_array_equal(s[tname].pull(), np.full(shape, n, dtype),
-                                                  err_msg=f"round {rnd}: {tname}")
-            nshards = sum(d["nshards"] for d in desc)
-            assert len(store_segments(name)) == 1 + nshards, "no orphan segments"
-        finally:
+                fl[0] = 1
+                deadline = time.monotonic() + 20
+                seen = [w.result(max(0.0, deadline - time.monotonic())) for w in ours]
+                assert all(s == seen[0] for s in seen), f"round {rnd}: {seen}"
+                with shmps.attach(name, create=False) as s:
+                    desc = s.tensors()
+                    assert sorted(d["name"] for d in desc) == ["a", "b", "c"], f"round {rnd}"
+                    for tname, shape, dtype in SPECS:
+                        np.testing.assert_array_equal(s[tname].pull(), np.full(shape, n, dtype),
+                                                      err_msg=f"round {rnd}: {tname}")
+                nshards = sum(d["nshards"] for d in desc)
+                assert len(store_segments(name)) == 1 + nshards, "no orphan segments"
+                remove_store(name)
+    finally:
+        for name in names:
             remove_store(name)
 
 
