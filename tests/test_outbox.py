@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import shmps
 import shmps._native as native
-from helpers import (GO, SHM, STOP, Workers, dead_token, new_flags, peek,
+from helpers import (GO, SHM, STOP, Workers, after_go, dead_token, new_flags, peek,
                      poison_frame_buffers, poke, publish_token, table_push_loop, wait_until)
 
 pytestmark = pytest.mark.timeout(240)
@@ -1169,17 +1169,19 @@ def test_a_pusher_killed_mid_push_leaves_no_row_behind(store, store_name):
     store._set_forwarding(True)
     ob = t._outbox()
     rng = np.random.default_rng(5)
-    for attempt in range(12):
-        flags = new_flags(1)
-        with Workers() as ws:
-            p = ws.start(push_keys_forever, store_name, "e", (attempt + 1) << 40, flags, 0)
-            wait_until(lambda: flags[2] > 2, 120, "pusher pushing")
+    flags = [new_flags(1) for _ in range(12)]
+    with Workers() as ws:   # (all 12 spawned at once, each waits for its go)
+        ps = [ws.start(after_go, f, push_keys_forever, store_name, "e", (attempt + 1) << 40,
+                       f, 0) for attempt, f in enumerate(flags)]
+        for attempt, (p, f) in enumerate(zip(ps, flags)):
+            f[GO] = 1
+            wait_until(lambda: f[2] > 2, 120, "pusher pushing")
             time.sleep(float(rng.uniform(0, 0.003)))
             p.kill()
-        for _ in range(2):
-            for sh in range(t._nshards):
-                t._outbox_drain(sh)
-        assert ob._pending().size == 0, (attempt, ob._pending()[:8])
+            for _ in range(2):
+                for sh in range(t._nshards):
+                    t._outbox_drain(sh)
+            assert ob._pending().size == 0, (attempt, ob._pending()[:8])
     ob.check()
 
 
@@ -2065,17 +2067,18 @@ def test_a_pusher_killed_mid_write_leaves_its_rows_counted(store, store_name):
     store._set_forwarding(True)
     ob = w._outbox()
     rng = np.random.default_rng(7)
-    for k in range(12):
-        flags = new_flags(1)
-        stop = threading.Event()
+    flags = [new_flags(1) for _ in range(12)]
+    with Workers() as ws:   # (all 12 spawned at once, each waits for its go)
+        ps = [ws.start(after_go, f, push_whole, store_name, "w", f, 0) for f in flags]
+        for k, (p, f) in enumerate(zip(ps, flags)):
+            stop = threading.Event()
 
-        def drainer() -> None:
-            while not stop.is_set():
-                drain_all(w)
+            def drainer() -> None:
+                while not stop.is_set():
+                    drain_all(w)
 
-        with Workers() as ws:
-            p = ws.start(push_whole, store_name, "w", flags, 0)
-            wait_until(lambda: flags[2] > 3, 120, "the pusher pushing")
+            f[GO] = 1
+            wait_until(lambda: f[2] > 3, 120, "the pusher pushing")
             th = threading.Thread(target=drainer)
             th.start()
             try:
@@ -2084,13 +2087,13 @@ def test_a_pusher_killed_mid_write_leaves_its_rows_counted(store, store_name):
             finally:
                 stop.set()
                 th.join(timeout=60)
-        held = ob.pull().any(axis=1)
-        pend = np.concatenate([ob._pending(s) for s in range(w._nshards)])
-        assert not (held & (pend == 0)).any(), \
-            f"kill {k}: rows {np.flatnonzero(held & (pend == 0))[:8]} hold uncounted values"
-        drain_all(w)
-        drain_all(w)
-        assert not ob.pull().any(), f"kill {k}: the drains left values behind"
+            held = ob.pull().any(axis=1)
+            pend = np.concatenate([ob._pending(s) for s in range(w._nshards)])
+            assert not (held & (pend == 0)).any(), \
+                f"kill {k}: rows {np.flatnonzero(held & (pend == 0))[:8]} hold uncounted values"
+            drain_all(w)
+            drain_all(w)
+            assert not ob.pull().any(), f"kill {k}: the drains left values behind"
 
 
 # ---- a bridge process that ends with drained, unacknowledged pushes ---------------------
