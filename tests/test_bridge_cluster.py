@@ -1082,7 +1082,9 @@ def test_a_corrupt_outbox_shard_stops_only_itself(make_cluster):
     drain took and lost."""
     from test_outbox import _corrupt_live_row, segment_path
 
-    c = make_cluster(2, replicas=1, dead_after=5.0)
+    # dead_after 2 s (was 5): host 0 is stopped only while a row is corrupted, far
+    # below the 1 s that counts as a stall; a start-up listens for 2 * dead_after
+    c = make_cluster(2, replicas=1, dead_after=2.0)
     c.start_all()
     s = c.attach(0)
     try:
