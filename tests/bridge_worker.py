@@ -37,20 +37,26 @@ def csr_structure(rows: int, cols: int, seed: int) -> tuple[np.ndarray, np.ndarr
     return np.concatenate(([0], np.cumsum(per))), ci
 
 
+def create(store: shmps.Store, what: dict) -> dict:
+    """Get-or-create the tensors ``what`` (the spec's ``create``) in ``store``; returns
+    them by name (dense first, then tables, then csr)."""
+    made = {}
+    for name, (shape, dtype, opt, shard_rows) in what.get("dense", {}).items():
+        upd = shmps.SGD(lr=opt) if isinstance(opt, (int, float)) else None
+        made[name] = store.dense(name, tuple(shape), dtype, optimizer=upd, shard_rows=shard_rows)
+    for name, (dim, dtype, cap, *shards) in what.get("table", {}).items():
+        made[name] = store.table(name, dim=dim, dtype=dtype, capacity=cap,
+                                 **({"shards": shards[0]} if shards else {}))
+    for name, (rows, cols, seed, dtype, shard_rows) in what.get("csr", {}).items():
+        rc, ci = csr_structure(rows, cols, seed)
+        made[name] = store.csr(name, rc, ci, dtype, shard_rows=shard_rows)
+    return made
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     store = shmps.attach(spec["store"], namespace=spec["namespace"])
-    made = {}
-    for name, (shape, dtype, opt, shard_rows) in spec.get("create", {}).get("dense", {}).items():
-        upd = shmps.SGD(lr=opt) if isinstance(opt, (int, float)) else None
-        made[name] = store.dense(name, tuple(shape), dtype, optimizer=upd, shard_rows=shard_rows)
-    for name, (dim, dtype, cap, *shards) in spec.get("create", {}).get("table", {}).items():
-        made[name] = store.table(name, dim=dim, dtype=dtype, capacity=cap,
-                                 **({"shards": shards[0]} if shards else {}))
-    for name, (rows, cols, seed, dtype, shard_rows) in spec.get("create", {}).get(
-            "csr", {}).items():
-        rc, ci = csr_structure(rows, cols, seed)
-        made[name] = store.csr(name, rc, ci, dtype, shard_rows=shard_rows)
+    made = create(store, spec.get("create", {}))
     keys = np.asarray(spec.get("keys", []), dtype=np.uint64)
     rounds = int(spec.get("pushes", 0))
     done = lost_flushes = 0
