@@ -347,31 +347,35 @@ def _made_with_init(c: Cluster, seed: int) -> np.ndarray:
 
 def test_initial_values_wait_for_an_origin_that_reads_them_one_at_a_time(make_cluster):
     """The creating host reads the initial values of every shard its peers own in its
-    snapshot thread, one at a time: here each read takes 0.6 s longer (failpoint
-    slow_snapshot on host 0 only), so the last of ~10 owners gets its copy well after
-    the 3 s an owner waits without news, while a worker on host 1 pushes to every shard.
-    The origin answers each SYNC "coming" (BUSY), so every owner waits for its copy
-    (refusing the batches meanwhile): all hosts hold the init= array plus every push, and
-    none serves its own copy (zeros: the schema does not carry the array)."""
-    slow = {"SHMPS_BRIDGE_FAILPOINTS": "slow_snapshot=0.6"}
+    snapshot thread, one at a time: here each read takes 0.35 s longer (failpoint
+    slow_snapshot on host 0 only), so the last of 12 or more owners gets its copy well
+    after the 3 s an owner waits without news, while a worker on host 1 pushes to every
+    shard.  The origin answers each SYNC "coming" (BUSY), so every owner waits for its
+    copy (refusing the batches meanwhile): all hosts hold the init= array plus every
+    push, and none serves its own copy (zeros: the schema does not carry the array).
+    (Each backup's copy is read too, 17 to 25 reads in all: 0.6 s reads with 6 or more
+    owners took 12 s of reading for an owners' wait of 3.6 s or more; now 4.2 s or more
+    in about 7.5 s.)"""
+    delay = 0.35
+    slow = {"SHMPS_BRIDGE_FAILPOINTS": f"slow_snapshot={delay}"}
     for _ in range(50):   # ports whose ring gives hosts 1 and 2 enough shards to read
         c = make_cluster(3, wrap=lambda i, cmd: (["env", *(f"{k}={v}" for k, v in
                                                            slow.items())]
                                                 if i == 0 else []) + cmd)
         ring = Ring(c.addrs)
-        if sum(ring.owner(shard_key("wa", s)) != c.addrs[0] for s in range(16)) >= 6:
+        if sum(ring.owner(shard_key("wa", s)) != c.addrs[0] for s in range(16)) >= 12:
             break
     c.start_all()
     init = _made_with_init(c, 8)
     t0 = time.monotonic()
     wait_forwarding(c, {"wa"}, [0, 1, 2])
     others = sum(k.startswith("wa/") for i in (1, 2) for k in c.health(i)["owned"])
-    assert others >= 6, (others, c.describe())   # enough reads to outlast the 3 s
+    assert others >= 12, (others, c.describe())   # enough reads to outlast the 3 s
 
     s1 = c.attach(1)
     try:
         rounds = 0
-        while time.monotonic() - t0 < 0.6 * others + 1.0:   # past the last owner's copy
+        while time.monotonic() - t0 < delay * others + 1.0:   # past the last owner's copy
             s1["wa"].push(np.ones((512, 8), np.int32))
             rounds += 1
             time.sleep(0.05)
@@ -393,7 +397,7 @@ def test_initial_values_wait_for_an_origin_that_reads_them_one_at_a_time(make_cl
     c.wait(copies, 30, f"every host to hold the initial values + {rounds}")
     logs = {i: c.logs[i].read_text(errors="replace") for i in range(3)}
     assert logs[0].count("failpoint slow_snapshot") >= others, c.describe()
-    assert waited > 0.6 * others > 3.0, (waited, others)
+    assert waited > delay * others > 4.0, (waited, others)
     for text in logs.values():
         assert "serving from this host's copy" not in text, c.describe()
 
