@@ -922,14 +922,16 @@ def test_a_shard_larger_than_the_send_backlog_is_copied(make_cluster):
 
 def test_a_slow_snapshot_read_leaves_the_event_loop_running(make_cluster, monkeypatch):
     """Snapshots are read and encoded off the event loop, in the snapshot thread.  Every
-    read here takes 2 s longer (failpoint slow_snapshot: a slow machine's copy of a large
-    shard took 0.5-0.7 s for 192 MiB), while a worker pushes and flushes every round:
+    read here takes 1.2 s longer (failpoint slow_snapshot: a slow machine's copy of a
+    large shard took 0.5-0.7 s for 192 MiB), while a worker pushes and flushes every round:
     - heartbeats go on: with --dead-after 1 s neither host ever sees the other other than
       alive, the epochs do not move, and neither event loop is ever 1 s late;
     - a shard being read refuses batches (BUSY, reason "snapshot"), which the sender
       resends, so every flush returns and the totals are exact on both hosts.
-    (Reading in one step of the event loop, as before, fails the first point.)"""
-    monkeypatch.setenv("SHMPS_BRIDGE_FAILPOINTS", "slow_snapshot")
+    (Reading in one step of the event loop, as before, fails the first point: a 1.2 s
+    read is a stall (0.5 s), a peer silent past dead_after and a 1.2 s lag.  The reads
+    took 2 s each before, the failpoint's default.)"""
+    monkeypatch.setenv("SHMPS_BRIDGE_FAILPOINTS", "slow_snapshot=1.2")
     c = make_cluster(2, dead_after=1.0)
     c.start_all()
     epochs = {i: c.health(i)["epoch"] for i in (0, 1)}
