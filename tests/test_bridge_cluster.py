@@ -1054,8 +1054,10 @@ def test_a_flushed_push_shows_in_the_pushing_hosts_pull(make_cluster):
     into its copy before it takes the ACK.  (The ACK went back on the other connection,
     the one the BATCH came on, and overtook the 256 KiB of ROWS: pull showed the
     previous round.)  Replicas 1: with 2, the pushing host is the owner's backup, and
-    its ACK of the ROWS comes before the owner's ACK of the batch anyway."""
-    c = make_cluster(2, dead_after=4.0, replicas=1)
+    its ACK of the ROWS comes before the owner's ACK of the batch anyway.  dead_after
+    2 s (a bridge starts by listening for twice that): no host is stopped here, the
+    margin is only for a loaded machine."""
+    c = make_cluster(2, dead_after=2.0, replicas=1)
     c.start_all()
     with c.attach(0) as s:
         s.dense("w", (1024, 256), "int32", shard_rows=256, init=0, optimizer="sum")
