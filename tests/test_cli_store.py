@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import uuid
@@ -19,20 +18,19 @@ import numpy as np
 import pytest
 
 import shmps
+import cli_runner
 from helpers import child_env, other_pid_ns_message
 
 SHM = "/dev/shm"
 
 
 def tool(*args: object, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run ``shmps-tool ARGS`` (the console script, else ``python -m shmps.cli``)."""
-    exe = shutil.which("shmps-tool")
-    cmd = [exe] if exe else [sys.executable, "-m", "shmps.cli"]
+    """Run ``shmps-tool ARGS`` (``python -m shmps.cli``) in a process of its own, forked
+    with the imports done (cli_runner)."""
     e = child_env()
     e.pop("SHMPS_NAMESPACE", None)
     e.update(env or {})
-    return subprocess.run(cmd + [str(a) for a in args], capture_output=True, text=True,
-                          env=e, timeout=120)
+    return cli_runner.run("shmps.cli", args, env=e, timeout=120)
 
 
 def ok(r: subprocess.CompletedProcess) -> str:
@@ -804,12 +802,11 @@ def test_a_fifo_as_hosts_or_secret_file_is_refused_not_waited_on(tmp_path):
     os.mkfifo(fifo, 0o600)
     hosts = tmp_path / "hosts.txt"
     hosts.write_text("127.0.0.1:1\n")
-    bridge = [sys.executable, "-m", "shmps.bridge.cli", "--store", "x",
-              "--namespace", f"n{uuid.uuid4().hex[:10]}"]
+    bridge = ["--store", "x", "--namespace", f"n{uuid.uuid4().hex[:10]}"]
     for argv, what in ((bridge + ["--peers", str(fifo)], "hosts file"),
                        (bridge + ["--peers", str(hosts), "--secret-file", str(fifo)],
                         "secret file")):
-        r = subprocess.run(argv, capture_output=True, text=True, env=child_env(), timeout=60)
+        r = cli_runner.run("shmps.bridge.cli", argv, env=child_env(), timeout=60)
         assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
         assert f"{what} {fifo} is not a regular file" in r.stderr, r.stderr
     r = tool("members", "127.0.0.1:1", "--add", "127.0.0.1:2", "--secret-file", fifo)
@@ -828,8 +825,7 @@ def test_restore_as_empty_and_a_bridge_path_with_a_newline_are_one_line(ns, tmp_
     one_line_error(tool("restore", tmp_path / "ck", "--as", "", "--namespace", ns),
                    "invalid store name ''")
     assert segments("orig", ns) == []
-    r = subprocess.run([sys.executable, "-m", "shmps.bridge.cli", "--store", "x",
-                        "--peers", str(tmp_path / "a\nb")], capture_output=True,
-                       text=True, env=child_env(), timeout=60)
+    r = cli_runner.run("shmps.bridge.cli", ["--store", "x", "--peers", tmp_path / "a\nb"],
+                       env=child_env(), timeout=60)
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "cannot read hosts file" in r.stderr
