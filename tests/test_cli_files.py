@@ -23,6 +23,7 @@ from shmps import cli
 from shmps.cli_files import ENTRY_CHUNK, ROW_CHUNK, value_strings
 from shmps.files import CSR, read_csr, write_csr
 
+import cli_runner
 from helpers import child_env
 from test_files import CORRUPT, EXAMPLE, csr_cases, raw_set
 
@@ -33,10 +34,14 @@ def tool_env() -> dict[str, str]:
     return child_env()
 
 
-def tool(*args: str, cwd: str | os.PathLike[str] | None = None) -> subprocess.CompletedProcess:
-    """Run ``python -m shmps.cli ARGS`` in a fresh interpreter; capture text output."""
-    return subprocess.run([sys.executable, "-m", "shmps.cli", *map(str, args)], cwd=cwd,
-                          env=tool_env(), capture_output=True, text=True, timeout=120)
+def tool(*args: str, cwd: str | os.PathLike[str] | None = None,
+         fresh: bool = False) -> subprocess.CompletedProcess:
+    """Run ``python -m shmps.cli ARGS`` in a process of its own, forked with the imports
+    done (cli_runner), or with ``fresh`` in a fresh interpreter; capture text output."""
+    if fresh:
+        return subprocess.run([sys.executable, "-m", "shmps.cli", *map(str, args)], cwd=cwd,
+                              env=tool_env(), capture_output=True, text=True, timeout=120)
+    return cli_runner.run("shmps.cli", args, cwd=cwd, env=tool_env(), timeout=120)
 
 
 def main_out(*args: str) -> tuple[int, str, str]:
@@ -78,10 +83,11 @@ def json_matches(doc: dict, csr: CSR, cols: int) -> None:
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=csr_cases())
 def test_dump_json_round_trip_through_subprocess(tmp_path, case):
-    """write_csr, then `shmps-tool dump --format json` in a subprocess, gives the data back."""
+    """write_csr, then `shmps-tool dump --format json` in a subprocess (a fresh
+    interpreter: `python -m shmps.cli` imports its modules itself), gives the data back."""
     csr, cols = case
     write_csr(tmp_path / "m", csr, cols=cols)
-    r = tool("dump", tmp_path / "m", "--format", "json")
+    r = tool("dump", tmp_path / "m", "--format", "json", fresh=True)
     assert r.returncode == 0 and r.stderr == "", r.stderr
     json_matches(json.loads(r.stdout), csr, cols)
 
