@@ -28,6 +28,7 @@ from shmps.bridge import auth, frames
 from shmps.bridge.members import member_id
 from shmps.bridge.ring import Ring, shard_key
 
+import cli_runner
 from bridge_harness import Cluster, free_port
 from bridge_worker import create, csr_structure
 from helpers import child_env, needs_small_shm
@@ -1796,21 +1797,21 @@ def test_bridge_cli_refuses_bad_setups(tmp_path):
         text=True, timeout=30, env=env)
     assert r.returncode == 2
     assert "without --secret-file" in r.stderr and "Traceback" not in r.stderr
-    r = subprocess.run([sys.executable, "-m", "shmps.bridge.cli", "--peers", str(hosts), "--store",
-                        "m", "--listen", "127.0.0.1:9999"], capture_output=True, text=True,
-                       timeout=30)
+    # (the first run above is the console script in a fresh interpreter; the others run
+    # `python -m shmps.bridge.cli` in a process forked with the imports done: cli_runner)
+    r = cli_runner.run("shmps.bridge.cli", ["--peers", hosts, "--store", "m", "--listen",
+                                            "127.0.0.1:9999"], timeout=30)
     assert r.returncode == 2 and "not listed" in r.stderr, r.stderr
     bad = tmp_path / "bad.txt"
     bad.write_text("127.0.0.1:+80\n")
-    r = subprocess.run([sys.executable, "-m", "shmps.bridge.cli", "--peers", str(bad), "--store", "m",
-                        "--listen", "127.0.0.1:80"], capture_output=True, text=True, timeout=30)
+    r = cli_runner.run("shmps.bridge.cli", ["--peers", bad, "--store", "m", "--listen",
+                                            "127.0.0.1:80"], timeout=30)
     assert r.returncode == 2 and "line 1" in r.stderr, r.stderr
     sec = tmp_path / "secret"
     sec.write_text("s" * 32)
     os.chmod(sec, 0o644)
-    r = subprocess.run([sys.executable, "-m", "shmps.bridge.cli", "--peers", str(hosts), "--store",
-                        "m", "--listen", "10.1.2.3:7070", "--secret-file", str(sec)],
-                       capture_output=True, text=True, timeout=30)
+    r = cli_runner.run("shmps.bridge.cli", ["--peers", hosts, "--store", "m", "--listen",
+                                            "10.1.2.3:7070", "--secret-file", sec], timeout=30)
     assert r.returncode == 2 and "chmod 600" in r.stderr, r.stderr
     # numbers out of range are refused by the parser, each naming its option, and every
     # message points a command-line user at --help (not at a docstring)
@@ -1830,8 +1831,7 @@ def test_bridge_cli_refuses_bad_setups(tmp_path):
                                                   "finite number >= 0.1 and <= 8.64e+07"),
                        (["--listen", "nonsense"], "'nonsense' is not host:port")):
         argv = ["--peers", str(hosts), "--store", "m", "--listen", "127.0.0.1:7071", *args]
-        r = subprocess.run([sys.executable, "-m", "shmps.bridge.cli", *argv], capture_output=True,
-                           text=True, timeout=30, env=child_env(), cwd=tmp_path)
+        r = cli_runner.run("shmps.bridge.cli", argv, env=child_env(), cwd=tmp_path, timeout=30)
         assert r.returncode == 2, (args, r.stderr)
         assert r.stderr.startswith(f"shmps-bridge: {said}"), (args, r.stderr)
         assert r.stderr.rstrip().endswith("(see shmps-bridge --help)"), (args, r.stderr)
@@ -2151,8 +2151,9 @@ def test_a_member_change_must_say_what_it_changes(make_cluster):
 
 
 def _tool(*args: str, cwd) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shmps.cli", *args], capture_output=True,
-                          text=True, timeout=60, env=child_env(), cwd=cwd)
+    """``python -m shmps.cli ARGS`` in a process of its own (forked with the imports
+    done: cli_runner)."""
+    return cli_runner.run("shmps.cli", args, env=child_env(), cwd=cwd, timeout=60)
 
 
 def test_shmps_tool_members_shows_and_changes_the_member_list(make_cluster, tmp_path):
