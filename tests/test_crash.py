@@ -104,35 +104,40 @@ def test_sigkill_creator_mid_create(store, store_name):
 def test_sigkill_during_attach_race(store_name):
     """Attachers killed -9 mid-race never leave the store unusable (attach + create < 2 s)."""
     rng = random.Random(7)
-    for rnd in range(4):
-        name = f"{store_name}r{rnd}"
-        n = 5
-        flags = new_flags(n)
-        try:
-            with Workers() as ws:
-                workers = [ws.start(attach_loop, name, flags, i) for i in range(n)]
-                wait_until(lambda: all(flags[2 + i] for i in range(n)), 90, "workers ready")
-                flags[GO] = 1
+    n, rounds = 5, 4
+    names = [f"{store_name}r{rnd}" for rnd in range(rounds)]
+    flags = [new_flags(n) for _ in range(rounds)]
+    try:
+        with Workers() as ws:
+            # every round's 5 fresh processes spawned at once, each round's waiting for
+            # its go (one round after the other, their spawns took most of the test)
+            racers = [[ws.start(attach_loop, name, fl, i) for i in range(n)]
+                      for name, fl in zip(names, flags)]
+            for name, fl, workers in zip(names, flags, racers):
+                wait_until(lambda: all(fl[2 + i] for i in range(n)), 90, "workers ready")
+                fl[GO] = 1
                 time.sleep(rng.uniform(0, 0.004))
                 killed = rng.sample(workers, 2)
                 for w in killed:
                     w.kill()
                     time.sleep(rng.uniform(0, 0.01))
                 time.sleep(0.05)
-                flags[STOP] = 1
+                fl[STOP] = 1
                 for w in workers:
                     if w not in killed:
                         assert w.result(30) > 0, "a survivor attached at least once"
-            s, dt = timed(lambda: shmps.attach(name))
-            try:
-                assert dt < 2.0
-                t, dt = timed(lambda: s.dense("w", shape=(4,), dtype="int32"))
-                assert dt < 2.0
-                t.push(np.ones(4, np.int32))
-                np.testing.assert_array_equal(t.pull(), 1)
-            finally:
-                s.close()
-        finally:
+                s, dt = timed(lambda: shmps.attach(name))
+                try:
+                    assert dt < 2.0
+                    t, dt = timed(lambda: s.dense("w", shape=(4,), dtype="int32"))
+                    assert dt < 2.0
+                    t.push(np.ones(4, np.int32))
+                    np.testing.assert_array_equal(t.pull(), 1)
+                finally:
+                    s.close()
+                remove_store(name)
+    finally:
+        for name in names:
             remove_store(name)
 
 
