@@ -21,6 +21,8 @@ from typing import Any, Callable, Optional
 
 import shmps
 
+import cli_runner
+
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "bridge_worker.py"
 
@@ -37,7 +39,8 @@ class Cluster:
     def __init__(self, workdir: Path, n: int, *, store: str = "model", replicas: int = 2,
                  secret: bool = True, flush_ms: float = 5.0, dead_after: float = 0.5,
                  spare: int = 0, ip_base: Optional[list] = None,
-                 wrap: Optional[Callable[[int, list], list]] = None) -> None:
+                 wrap: Optional[Callable[[int, list], list]] = None,
+                 forked: bool = False) -> None:
         self.dir = Path(workdir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.store = store
@@ -45,6 +48,7 @@ class Cluster:
         self.flush_ms = flush_ms
         self.dead_after = dead_after
         self.wrap = wrap
+        self.forked = forked   # start (unwrapped) bridges with cli_runner: see start()
         total = n + spare
         ips = ip_base or [f"127.0.0.{i + 2}" for i in range(total)]
         self.addrs = [f"{ip}:{free_port(ip) if ip.startswith('127.') else 17000 + i}"
@@ -80,13 +84,22 @@ class Cluster:
         return cmd
 
     def start(self, i: int) -> subprocess.Popen:
+        """Start host i's bridge, in a session of its own, its output appended to its
+        log.  With ``forked`` (and no ``wrap``) it is forked with its imports done
+        (cli_runner: a fresh interpreter spent 0.6-1 s importing the bridge, at every
+        start and restart of every test), else a fresh interpreter."""
         log = self.dir / f"bridge{i}.log"
         self.logs[i] = log
         cmd = self.bridge_cmd(i)
-        if self.wrap is not None:
-            cmd = self.wrap(i, cmd)
-        p = subprocess.Popen(cmd, stdout=open(log, "ab"), stderr=subprocess.STDOUT,
-                             start_new_session=True)
+        if self.wrap is not None or not self.forked:
+            p = subprocess.Popen(self.wrap(i, cmd) if self.wrap else cmd,
+                                 stdout=open(log, "ab"), stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+        else:
+            assert cmd[1:3] == ["-m", "shmps.bridge.cli"], cmd
+            open(log, "ab").close()   # (there at once, as Popen's stdout file was)
+            p = cli_runner.start("shmps.bridge.cli", cmd[3:], stdout=log, append=True,
+                                 start_new_session=True)
         self.procs[i] = p
         return p
 

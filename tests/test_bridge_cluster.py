@@ -49,7 +49,7 @@ def make_cluster(tmp_path):
     made: list[Cluster] = []
 
     def make(n: int, **kw) -> Cluster:
-        c = Cluster(tmp_path / f"cluster{len(made)}", n, **kw)
+        c = Cluster(tmp_path / f"cluster{len(made)}", n, forked=True, **kw)
         made.append(c)
         return c
 
