@@ -512,7 +512,8 @@ class AggregateDense(DenseTensor):
     def _push_round(self, g: np.ndarray, step: int, nthreads: int) -> None:
         """Push the round's gradient ``g`` (checked) at ticket ``step`` (taken for the
         round; with SHMPS_STEP_RESUME: only to the stripes that do not have it yet), over
-        ``nthreads`` threads.  Counted by the caller (shmps_agg_pushed)."""
+        ``nthreads`` threads.  Counted by the caller (shmps_agg_pushed).  (Its own
+        method: the crash tests of test_aggregate.py kill an applier inside it.)"""
         self._push_all(g, step, nthreads)
 
     # -- pushes by another path (the bridge) --------------------------------------

@@ -1035,24 +1035,21 @@ class Bridge:
 
     def _give_initial_values(self) -> None:
         """Leaving: send the initial values of the shards of tensors this host created,
-        which this process took up less than INIT_GIVE_S ago and whose owner (a peer,
-        reachable) it has not sent its copy to yet, as hand-overs, unasked.  Such an
+        which this process took up less than INIT_GIVE_S ago, as hand-overs, unasked, to
+        each such shard's owner (a reachable peer) that has not had them from this
+        process, or has not answered them INIT_RESEND_S after they were queued (the
+        connection reset, the chunks or the answer lost with it: review H5 F2).  Such an
         owner may still wait for them: its SYNC may come after this process is gone, and
         it then served its own copy, the schema's init instead of the init= array
         (review 24 F7: 5 to 7 of 16 shards in 2 of 3 runs of a creator SIGTERMed once
         every bridge took the tensor up).  An owner that no longer waits refuses them
-        (on_rows: not its hand-over); the leave waits for the reads (below) until its
-        deadline."""
-        now, reach = time.monotonic(), self.members.reachable()
-        for key, st in self.shards.items():
-            owner = self.owner(st.key)
-            # (one not answered INIT_RESEND_S after it was queued is sent again: its
-            # connection reset, the chunks or the answer lost with it: review H5 F2)
-            if (owner and owner != self.addr and owner in reach
-                    and (st.init_served != owner
-                         or (st.init_given != owner and st.reading is None
-                             and now - st.init_sent_at > INIT_RESEND_S))
-                    and self._fresh_origin(key, now)):
+        (on_rows: not its hand-over); the leave waits for every owner's answer
+        (_init_not_given) until its deadline."""
+        now = time.monotonic()
+        for key, st, owner in self._fresh_shards_of_others(now):
+            if (st.init_served != owner
+                    or (st.init_given != owner and st.reading is None
+                        and now - st.init_sent_at > INIT_RESEND_S)):
                 asyncio.get_running_loop().create_task(
                     self._send_snapshot(key, owner, handover=True))
 
@@ -1061,14 +1058,18 @@ class Bridge:
         ago whose owner, a reachable peer, has not answered a hand-over of their initial
         values from this process (ShardState.init_given; one refused BUSY, the tensor
         not taken up there yet, is sent again: _give_initial_values)."""
-        now, reach = time.monotonic(), self.members.reachable()
-        out = []
+        return [key for key, st, owner in self._fresh_shards_of_others(time.monotonic())
+                if st.init_given != owner]
+
+    def _fresh_shards_of_others(self, now: float) -> Iterator[tuple]:
+        """(key, ShardState, owner) of each shard of a tensor created here and taken up
+        less than INIT_GIVE_S before ``now`` (_fresh_origin) that a reachable peer owns."""
+        reach = self.members.reachable()
         for key, st in self.shards.items():
             owner = self.owner(st.key)
-            if (owner and owner != self.addr and owner in reach and st.init_given != owner
+            if (owner and owner != self.addr and owner in reach
                     and self._fresh_origin(key, now)):
-                out.append(key)
-        return out
+                yield key, st, owner
 
     def _fresh_origin(self, key: tuple, now: float) -> bool:
         """Shard ``key`` is of a tensor created here that this process took up less than
