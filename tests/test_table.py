@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 import shmps
-from helpers import (GO, STOP, Workers, after_go, create_new_keys, dead_token, keys_observer,
-                     new_flags, wait_until)
+from helpers import (GO, STOP, Workers, create_new_keys, dead_token, keys_observer, new_flags,
+                     wait_until)
 from reference import RefTable, init_row
 
 pytestmark = pytest.mark.timeout(180)
@@ -673,18 +673,10 @@ def test_repair_after_a_killed_creator_hides_no_live_key(store, store_name):
         wait_until(lambda: flags[2], 60, "observer ready")
         flags[GO] = 1
         deadline = time.monotonic() + 25
-        ahead: list = []   # the next rounds' creators, spawned while this one runs
-
-        def spawn(k: int) -> tuple:
-            pre, vf = new_flags(0), new_flags(1)
-            return pre, vf, ws.start(after_go, pre, create_new_keys, store_name, "emb",
-                                     (1 << 40) + k * 10**7, batch, vf, 0)
-
         while _repairs(t) - repairs0 < 6 and time.monotonic() < deadline:
-            while len(ahead) < 3:
-                ahead.append(spawn(rounds + len(ahead)))
-            pre, vf, v = ahead.pop(0)
-            pre[GO] = 1   # (it attaches now, as one spawned now would)
+            vf = new_flags(1)
+            v = ws.start(create_new_keys, store_name, "emb", (1 << 40) + rounds * 10**7,
+                         batch, vf, 0)
             wait_until(lambda: vf[2], 60, "creator ready")
             vf[GO] = 1
             wait_until(lambda: vf[2] >= 2, 30, "creator past its first batch")
