@@ -35,7 +35,9 @@ from helpers import child_env
 #: a writer of set argv[1] as writer argv[2] (1 or 2); its version of round r is
 #: version(who, r).  Mode argv[3]:
 #:   "rounds": for each line r read, write round r and print "done r";
-#:   "free":   after a line "go", write rounds 0, 1, ... for argv[4] s, print the count;
+#:   "free":   after a line "go", write rounds 0, 1, ... for argv[4] s and at least
+#:             argv[5] rounds (a writer the other kept waiting on the lock goes on
+#:             alone until it did its share), print the count;
 #:   "stall":  write round 0 but, after its second rename, print "mid" and wait for a
 #:             line (holding the lock, the set half replaced) before the rest.
 #: Every rename is followed by a pause, 1 ms for writer 1 and 15 ms for writer 2 (as
@@ -68,8 +70,8 @@ if mode == "rounds":
         print("done", int(line), flush=True)
 elif mode == "free":
     assert sys.stdin.readline() == "go\n"
-    end, r = time.monotonic() + float(sys.argv[4]), 0
-    while time.monotonic() < end:
+    end, least, r = time.monotonic() + float(sys.argv[4]), int(sys.argv[5]), 0
+    while time.monotonic() < end or r < least:
         write(r)
         r += 1
     print(r, flush=True)
@@ -111,7 +113,7 @@ def start_writer(prefix: Path, who: int, mode: str, *args: str) -> subprocess.Po
 
 @contextlib.contextmanager
 def writers(prefix: Path, *modes: str):
-    """A writer in each of ``modes`` ("rounds", "free 3", "stall"), writer 1, 2, ...,
+    """A writer in each of ``modes`` ("rounds", "free 3 20", "stall"), writer 1, 2, ...,
     each on its own "host" (none this one: all host ids differ while they run); each
     killed at the end."""
     procs = []
@@ -178,7 +180,7 @@ def test_a_reader_racing_two_hosts_writers_reads_whole_sets(tmp_path):
                           np.full(3, 100000, np.float32)), cols=10**6,
               meta={"writer": 1, "round": 0})
     reads, mixes, errors = 0, [], []
-    with writers(prefix, "free 3", "free 3") as procs:
+    with writers(prefix, "free 3 20", "free 3 20") as procs:
         for p in procs:
             send(p, "go")
         while any(p.poll() is None for p in procs):
@@ -191,7 +193,7 @@ def test_a_reader_racing_two_hosts_writers_reads_whole_sets(tmp_path):
             reads += 1
         rounds = [int(p.stdout.read()) for p in procs]
         assert [p.wait(timeout=30) for p in procs] == [0, 0]
-    assert reads > 50 and min(rounds) > 10, (reads, rounds)
+    assert reads > 50 and min(rounds) >= 20, (reads, rounds)
     assert (mixes, errors) == ([], []), (f"{len(mixes)} mixes and {len(errors)} errors in "
                                          f"{reads} reads", mixes[:2], errors[:2])
     version(read_csr(prefix))
