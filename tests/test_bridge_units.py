@@ -1740,6 +1740,46 @@ def test_an_owner_taking_the_tensor_up_mid_hand_over_takes_no_half_of_the_initia
         node.store.destroy()
 
 
+def test_the_refused_snapshots_of_tensors_not_taken_up_are_remembered_up_to_a_cap(
+        tmp_path, monkeypatch):
+    """A snapshot chunk refused BUSY for a tensor this host has not taken up yet is
+    remembered per shard (Bridge._unknown_snap_broken), for the take-up to find; a peer
+    can name any tensor id, so at most UNKNOWN_SNAP_KEEP shards are, the oldest dropped
+    first.  Driven through the refusal on a Bridge, not started, on a real store, with
+    the cap made 3 (65536 shards would be a long test of the same lines)."""
+    import uuid
+
+    import shmps
+    from shmps.bridge import node as bridge_node
+
+    monkeypatch.setattr(bridge_node, "UNKNOWN_SNAP_KEEP", 3)
+    me, x, z = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
+    ns = f"u{uuid.uuid4().hex[:10]}"
+    node = _bridge(tmp_path, [me, x, z], store="unknowncap", namespace=ns, dead_after=5.0)
+    node.store = shmps.attach("unknowncap", namespace=ns)
+    try:
+        everyone = {m: State.ALIVE for m in (me, x, z)}
+        for p in (x, z):
+            node.on_heartbeat(p, _heartbeat(p, 0, everyone))
+        tids = [frames.tensor_id(f"gone{i}") for i in range(6)]   # in no catalog here
+        sizes: list = []
+
+        def refuse_first_chunks() -> None:
+            for tid in tids:
+                chunk = _handover_snapshot(x, types.SimpleNamespace(tid=tid), 7, last=False,
+                                           rows=4, seq=1)
+                assert _status_of(node, x, chunk) is Status.BUSY      # (unknown tensor)
+                sizes.append(len(node._unknown_snap_broken))
+
+        asyncio.run(_in_a_loop(refuse_first_chunks))
+        assert sizes == [1, 2, 3, 3, 3, 3]                              # never past the cap
+        assert list(node._unknown_snap_broken) == [(tid, 0) for tid in tids[3:]]  # oldest out
+        assert all(v == {(members.member_id(x), 7): 1}
+                   for v in node._unknown_snap_broken.values())
+    finally:
+        node.store.destroy()
+
+
 def test_a_restarted_bridge_gives_no_initial_values_of_a_copy_it_adopted(tmp_path):
     """A bridge process made its copy of tensor "w" from a peer's catalog record (the
     peer's worker created it: not this host's initial values); the bridge restarts (a
