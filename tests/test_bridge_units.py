@@ -1840,6 +1840,82 @@ def test_a_restarted_bridge_gives_no_initial_values_of_a_copy_it_adopted(tmp_pat
         s.destroy()
 
 
+async def _catalog_served(node, asker: str) -> list:
+    """``node``'s answer to a peer's signed ``GET /v1/catalog`` (Bridge.h_catalog),
+    served on a real listener of 127.0.0.1 and asked by a real HTTP client."""
+    import aiohttp
+    from aiohttp import web
+
+    app = web.Application()
+    app.router.add_get("/v1/catalog", node.h_catalog)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        port = runner.addresses[0][1]
+        headers = auth.sign_request(node.cfg.secret, "GET", "/v1/catalog", b"", asker,
+                                    target=node.addr)
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"http://127.0.0.1:{port}/v1/catalog",
+                                   headers=headers) as r:
+                assert r.status == 200, await r.text()
+                return await r.json()
+    finally:
+        await runner.cleanup()
+
+
+def test_a_restarted_bridges_catalog_names_the_origin_of_a_copy_it_has_not_taken_up(
+        tmp_path):
+    """A bridge process made copies of two peers' tensors from their catalog records
+    (their origins: the peer it asked, and a third host that peer passed on) next to a
+    tensor this host's worker created; the bridge restarts (a new process on the same
+    store).  Before the new process takes the copies up, its catalog answer names each
+    record's own origin (its record in the store says it), not this host: a peer that
+    creates the tensor from that answer waits for the initial values from the host that
+    has them (before, for a record not taken up yet the answer named the restarted
+    bridge, which holds only a copy: review H5 F6).  The same once they are taken up."""
+    import uuid
+
+    import shmps
+
+    me, peer, third = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
+    ns = f"u{uuid.uuid4().hex[:10]}"
+
+    def process():
+        node = _bridge(tmp_path, [me, peer, third], store="restartcatalog", namespace=ns,
+                       dead_after=5.0)
+        node.store = shmps.attach("restartcatalog", namespace=ns)
+        return node
+
+    def record(name: str, **extra) -> dict:
+        return dict(name=name, kind="dense", shape=[8, 4], dtype="float32", shard_rows=8,
+                    optimizer=dict(type="Sum"), **extra)
+
+    first = process()
+    try:
+        first.create_from_record(record("from_peer"), peer)
+        first.create_from_record(record("passed_on", origin=third), peer)
+        first.store.dense("made_here", (8, 4), "float32", init=3.0)
+        while first.refresh_tensors(budget=None):
+            pass
+        want = {"from_peer": peer, "passed_on": third, "made_here": me}
+        origins = {r["name"]: r["origin"] for r in asyncio.run(_catalog_served(first, peer))}
+        assert origins == want                    # the first process knows
+        first.store.close()
+        second = process()                        # the bridge restarted
+        assert not second.by_name                 # nothing taken up yet
+        origins = {r["name"]: r["origin"] for r in asyncio.run(_catalog_served(second, peer))}
+        assert origins == want, origins           # (was: me for from_peer and passed_on)
+        while second.refresh_tensors(budget=None):
+            pass
+        origins = {r["name"]: r["origin"] for r in asyncio.run(_catalog_served(second, peer))}
+        assert origins == want, origins
+    finally:
+        s = shmps.attach("restartcatalog", namespace=ns)
+        s.destroy()
+
+
 def test_a_leaving_creators_unanswered_hand_over_of_initial_values_is_sent_again(tmp_path):
     """A leaving creator sent the initial values of a shard to its owner, and no answer
     came (the connection reset: the chunks, or the answer to the LAST, lost with it).
