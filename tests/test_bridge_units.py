@@ -1974,6 +1974,73 @@ def test_a_leaving_creators_unanswered_hand_over_of_initial_values_is_sent_again
         node.store.destroy()
 
 
+def test_a_leave_resends_refused_initial_values_while_a_next_owner_lacks_its_changes(
+        tmp_path):
+    """A leaving creator owns shard 0 of tensor w (its next owner holds no copy yet) and
+    sent the initial values of shard 0 of tensor v, created here too, to v's owner, which
+    refused them BUSY (it had not taken v up yet).  While the leave waits for w's next
+    owner, it sends v's initial values again (every 0.25 s), so that both waits can end
+    together.  (When the two were or-ed, `_not_left(nexts) or not_given()`, the resend
+    ran only once no next owner lacked this host's changes: review H5 F1.)  Drives the
+    leave of a Bridge, not started, on a real store, with a real websocket connection
+    to v's owner."""
+    me, peer, third = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
+    with _owner_on_a_store(tmp_path, [me, peer, third], "leaveresend") as (node, winfo, wst):
+        _, vinfo, vst = _tensor_owned_by(node, peer, prefix="v", pushed=False)
+        assert node._fresh_origin((winfo.tid, 0), time.monotonic())   # both created here
+        assert node._fresh_origin((vinfo.tid, 0), time.monotonic())
+
+        def answer(f, status: Status) -> None:
+            node.on_ack(peer, frames.decode(frames.encode_ack(
+                epoch=node.members.epoch, sender=members.member_id(peer), incarnation=7,
+                tensor=f.tensor, shard=f.shard, seq=f.seq, status=status)))
+
+        async def main() -> tuple:
+            async with _data_connection(node, peer) as client:
+                lasts: list = []        # the LAST chunks of v's hand-overs, as they come
+                came = asyncio.Event()
+
+                def keep(data: memoryview) -> bool:
+                    for f in frames.iter_frames(bytes(data)):
+                        if (f.type == FrameType.SNAPSHOT and f.tensor == vinfo.tid
+                                and f.flags & Flag.LAST):
+                            lasts.append(f)
+                            came.set()
+                    return True
+
+                client.start(keep)
+                leave = asyncio.ensure_future(node.leave(timeout=6.0))
+                try:
+                    await asyncio.wait_for(came.wait(), 10)     # the first hand-over
+                    came.clear()
+                    assert len(lasts) == 1 and lasts[0].flags & Flag.HANDOVER
+                    answer(lasts[0], Status.BUSY)               # v not taken up there yet
+                    assert vst.init_served is None
+                    nxt = wst.leave_to
+                    assert nxt in (peer, third) and node._not_left({(winfo.tid, 0): nxt})
+                    # (w's next owner holds no copy all this while: nothing sends it one,
+                    # the maintenance pass does not run.  The resend is due 0.25 s on,
+                    # and INIT_RESEND_S after the first send; the wait ends 4.5 s after
+                    # the leave began)
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(came.wait(), 2.5)
+                    assert lasts[1:], ("v's initial values not sent again while w's next "
+                                       "owner lacked this host's changes")
+                    assert node._not_left({(winfo.tid, 0): nxt})   # (still)
+                    answer(lasts[-1], Status.OK)                    # taken
+                    wst.synced.add(nxt)                             # the next owner copied w
+                    wst.acked[nxt] = wst.rows_rseq
+                    await asyncio.wait_for(leave, 15)
+                    return node._init_not_given(), node.handed_over
+                finally:
+                    leave.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await leave
+
+        not_given, handed_over = asyncio.run(asyncio.wait_for(main(), 40))
+        assert not_given == [] and handed_over and vst.init_given == peer
+
+
 async def _no_snapshot_sent(*a, **k) -> None:
     """Stands in for Bridge._send_snapshot where a test sends no hand-over of its own."""
 
