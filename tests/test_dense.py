@@ -673,6 +673,95 @@ def test_a_split_push_holds_each_shard_once_and_lets_go(store, monkeypatch):
     assert got[4096:4100].min() == 4 and got[4100:].max() == 3   # stripe 0 of shard 2
 
 
+def test_an_interrupt_of_a_split_push_surfaces_only_once_no_helper_thread_writes(
+        store, monkeypatch):
+    """Ctrl-C (a real SIGINT to this thread) lands while a split push waits for its last
+    helper thread: the KeyboardInterrupt surfaces only once every helper is done, so the
+    shards' active slots (and an aggregated round's claim) are let go of with no thread
+    of the push still writing.  The interrupted push then holds whole, and a push after
+    it too.  (The wait was cut by the interrupt: the push raised with its last part still
+    running, its slots let go of: review H5 F3.)  Four parts of 32 MiB (NCPU forced to 4)
+    on a pool of one helper thread, so the last part runs, alone, while this thread waits
+    for it; the SIGINT is sent then.  Its handler raises only when it runs inside the
+    push (a signal that came late, after the push returned, is noted and the push tried
+    again), so no KeyboardInterrupt can escape the test."""
+    import os
+    import signal
+    import sys
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from shmps import dense, tensor
+
+    assert threading.current_thread() is threading.main_thread()   # (signals go here)
+    monkeypatch.setattr(dense, "NCPU", 4)
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shmps-split")
+    monkeypatch.setitem(tensor._pools, os.getpid(), pool)
+    t = store.dense("w", shape=(32768, 1024), dtype="int32", optimizer="sum")
+    g = np.ones(t.shape, np.int32)
+    assert t._threads_for(g.nbytes) == 4
+    push_code = dense.DenseTensor._push_all.__code__
+    me = threading.get_ident()
+
+    def push_frame(frame):
+        while frame is not None and frame.f_code is not push_code:
+            frame = frame.f_back
+        return frame
+
+    landed: list = []          # where each SIGINT's handler ran: in the push, or not
+
+    def on_sigint(signum, frame) -> None:
+        landed.append(push_frame(frame) is not None)
+        if landed[-1]:
+            raise KeyboardInterrupt
+
+    def interrupt_the_last_wait(stop: threading.Event, futures_seen: list) -> None:
+        """Send one SIGINT to the test's thread once its push waits for its last part,
+        which a helper thread is running."""
+        while not stop.is_set():
+            frame = push_frame(sys._current_frames().get(me))
+            loc = frame.f_locals if frame is not None else {}
+            futures, f = loc.get("futures"), loc.get("f")
+            if futures and f is futures[-1] and f.running():
+                futures_seen.extend(futures)
+                signal.pthread_kill(me, signal.SIGINT)
+                return
+            time.sleep(0.0002)
+
+    old = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        pushed, still_running = 0, None
+        for _ in range(20):
+            stop, futures_seen = threading.Event(), []
+            th = threading.Thread(target=interrupt_the_last_wait, args=(stop, futures_seen))
+            th.start()
+            try:
+                t.push(g)
+                pushed += 1                              # (no interrupt landed in it)
+            except KeyboardInterrupt:
+                still_running = [f for f in futures_seen if not f.done()]
+                break
+            finally:
+                stop.set()
+                th.join(30)
+        assert still_running is not None, ("no SIGINT landed in the wait in 20 pushes", landed)
+        assert still_running == [], "the interrupt surfaced while a helper thread wrote"
+        # the interrupted push's parts all ran: it holds whole (it is not counted)
+        n = shmps._native.ffi.new("uint32_t *")
+        for sh in t._shards:
+            assert shmps._native.lib.shmps_active_pushers(sh.ptr, n) == 0 and n[0] == 0
+        got = t.pull()
+        assert got.min() == got.max() == pushed + 1, (got.min(), got.max(), pushed)
+        t.push(g)
+        got = t.pull()
+        assert got.min() == got.max() == pushed + 2
+        assert t.stats()["pushes"] == pushed + 1
+    finally:
+        signal.signal(signal.SIGINT, old)
+        pool.shutdown(wait=True)
+
+
 def test_a_copy_written_by_rows_goes_on_at_the_tensors_step(store):
     """A replica's copy (the bridge writes the owner's rows into it, and raises its step)
     holds values its stripes did not apply themselves: a whole push there afterwards
