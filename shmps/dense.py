@@ -11,7 +11,7 @@ import numpy as np
 
 from . import _native
 from .errors import CorruptSegment, OutOfRange, SchemaError
-from .tensor import PushHandle, Tensor, cast_grad, check_rows, rows_for_c, split_pool
+from .tensor import PushHandle, SplitParts, Tensor, cast_grad, check_rows, rows_for_c
 
 lib = _native.lib
 
@@ -241,29 +241,22 @@ class DenseTensor(Tensor):
             return
         parts = self._split(units, nthreads)
         with self._entered() as slots:
-            futures = [split_pool().submit(self._run_units, part, gbase, gsz, step, slots)
-                       for part in parts[1:]]
-            err = None
+            # the slots are let go of, and an aggregated round's claim released for
+            # another process to finish, only once no thread of this push writes, an
+            # interrupt anywhere in here included (a round resumed while a helper thread
+            # was still in its stripes landed twice on some: review H5 F3); on an error
+            # the parts not started yet do not start (SplitParts)
+            helpers = SplitParts()
             try:
+                for part in parts[1:]:
+                    helpers.submit(self._run_units, part, gbase, gsz, step, slots)
                 self._run_units(parts[0], gbase, gsz, step, slots)
-            except BaseException as exc:  # still wait for the others before raising
-                err = exc
-            for f in futures:
-                # waited for until done, an interrupt of the wait included: the slots are
-                # let go of, and an aggregated round's claim released for another process
-                # to finish, only once no thread of this push writes (a round resumed
-                # while a helper thread was still in its stripes landed twice on some:
-                # review H5 F3)
-                while True:
-                    try:
-                        f.result()
-                        break
-                    except BaseException as exc:
-                        err = err or exc
-                        if f.done():
-                            break
-            if err is not None:
-                raise err
+                helpers.wait()
+            except BaseException:
+                helpers.close()
+                raise
+            if helpers.errors:
+                raise helpers.errors[0]
 
     @contextmanager
     def _entered(self) -> Iterator[list[int]]:

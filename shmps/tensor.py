@@ -230,6 +230,71 @@ def split_pool() -> ThreadPoolExecutor:
         return pool
 
 
+class SplitParts:
+    """The parts of one split push that helper threads of :func:`split_pool` run
+    (:meth:`submit`), and the wait for them (:meth:`wait`, :meth:`close`) that holds
+    through an interrupt wherever it lands in the pushing thread.
+
+    A signal's exception (Ctrl-C's KeyboardInterrupt) is raised in the main thread only,
+    between any two of its bytecodes, a call into ThreadPoolExecutor.submit included: a
+    part may be queued and its future never returned.  So the parts are counted here,
+    not by their futures: a part starts only while the push is not closed, and
+    :meth:`close` (the pushing thread's way out on an error) stops any part from
+    starting and returns once none runs.  The push's slots, and an aggregated round's
+    claim, are let go of after it, with no thread of the push still writing (a SIGINT
+    during the parts' submission let the slots go while a queued part then wrote: review
+    H2 of 2026-11-28)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._closed = False
+        self._running = 0      # parts a helper thread runs now
+        self._submitted = 0    # parts submitted (counted after submit returned)
+        self._ended = 0        # parts that ran to their end (or raised)
+        self.errors: list[BaseException] = []
+
+    def submit(self, fn: Any, *args: Any) -> None:
+        split_pool().submit(self._run, fn, args)
+        self._submitted += 1   # (only the pushing thread writes it)
+
+    def _run(self, fn: Any, args: tuple) -> None:
+        with self._cond:
+            if self._closed:
+                return         # (the push ended on an error before this part started)
+            self._running += 1
+        try:
+            fn(*args)
+        except BaseException as exc:
+            self.errors.append(exc)
+        finally:
+            with self._cond:
+                self._running -= 1
+                self._ended += 1
+                self._cond.notify_all()
+
+    def wait(self) -> None:
+        """Until every submitted part ended (interruptible: then :meth:`close`)."""
+        with self._cond:
+            while self._ended < self._submitted:
+                self._cond.wait()
+
+    def close(self) -> None:
+        """No part starts from now on; returns once none runs, however often it is
+        interrupted meanwhile (the first interrupt is raised after)."""
+        err: Optional[BaseException] = None
+        while True:
+            try:
+                with self._cond:
+                    self._closed = True
+                    while self._running:
+                        self._cond.wait()
+                break
+            except BaseException as exc:
+                err = err or exc
+        if err is not None:
+            raise err
+
+
 class Tensor:
     """Base class of DenseTensor, Table and CSRTensor."""
 
@@ -350,12 +415,9 @@ class Tensor:
             if code:
                 _native.check(code, f"push to {self.name!r}")
             return
-        if nthreads > 1:
-            parts = np.array_split(flat, nthreads)
-            futures = [split_pool().submit(scan, p) for p in parts[1:]]
-            codes = [scan(parts[0])] + [f.result() for f in futures]
-        else:
-            codes = [scan(flat)]
+        parts = np.array_split(flat, nthreads)
+        futures = [split_pool().submit(scan, p) for p in parts[1:]]
+        codes = [scan(parts[0])] + [f.result() for f in futures]
         for code in codes:
             if code:
                 _native.check(code, f"push to {self.name!r}")
