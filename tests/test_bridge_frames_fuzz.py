@@ -227,6 +227,7 @@ def test_an_epoch_past_the_bound_is_malformed():
              frames.encode_snapshot(seq=ROWS_SEQ_BASE + 1, values=np.ones((1, 4), np.float32),
                                     start=0, last=True, **ok),
              frames.encode_ack(seq=1, **ok), frames.encode_sync(**ok),
+             frames.encode_init_query(**ok),
              frames.encode_heartbeat(epoch=0, sender=1, incarnation=7, seq=1, digest=0,
                                      sent_ms=0, members=[(1, 1)])]
     for whole in every:

@@ -4598,7 +4598,7 @@ def test_data_frames_round_trip(args):
 @given(HEAD, st.sampled_from(list(Status)), U64S, U64S,
        st.lists(st.tuples(U32S, st.integers(1, 5)), max_size=10), st.integers(0, 7))
 def test_control_frames_round_trip(h, status, digest, sent_ms, mems, hb_flags):
-    """ACK, HEARTBEAT and SYNC frames decode to what was encoded."""
+    """ACK, HEARTBEAT, SYNC and INIT_QUERY frames decode to what was encoded."""
     a = frames.decode(frames.encode_ack(**h, status=status))
     assert isinstance(a, frames.Ack) and a.status is status and a.seq == h["seq"]
     assert a.epoch == h["epoch"] and (a.tensor, a.shard) == (h["tensor"], h["shard"])
@@ -4612,6 +4612,11 @@ def test_control_frames_round_trip(h, status, digest, sent_ms, mems, hb_flags):
     s = frames.decode(frames.encode_sync(**h))
     assert isinstance(s, frames.Sync) and (s.tensor, s.shard, s.seq) == (h["tensor"], h["shard"],
                                                                           h["seq"])
+    q = frames.decode(frames.encode_init_query(**{k: v for k, v in h.items() if k != "seq"}))
+    assert isinstance(q, frames.InitQuery) and q.type is FrameType.INIT_QUERY
+    assert (q.epoch, q.sender, q.incarnation, q.tensor, q.shard, q.seq) == (
+        h["epoch"], h["sender"], h["incarnation"], h["tensor"], h["shard"],
+        frames.INIT_QUERY_SEQ)
 
 
 def test_header_bytes_match_the_documented_layout():
@@ -4707,7 +4712,7 @@ def test_random_bytes_raise_only_bad_frame(data):
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.integers(0, 6), st.integers(0, 3), st.integers(0, 63), st.binary(max_size=300))
+@given(st.integers(0, 7), st.integers(0, 3), st.integers(0, 63), st.binary(max_size=300))
 def test_random_payloads_behind_a_valid_header_raise_only_bad_frame(ftype, layout, flags, body):
     """Fuzzing below the header (types, layouts, flags, payloads) gives BadFrame or a frame
     whose arrays lie inside the buffer."""
@@ -4787,6 +4792,12 @@ def test_limits_and_header_checks_give_reasons():
                                  members=[(1, 1)] * 3)
     with pytest.raises(BadFrame, match="3 members, over the limit 2"):
         frames.decode(hb, frames.Limits(max_members=2))
+    q = frames.encode_init_query(**{k: v for k, v in ok.items() if k != "seq"})
+    assert frames.decode(q).seq == frames.INIT_QUERY_SEQ == ROWS_SEQ_BASE - 2
+    with pytest.raises(BadFrame, match="INIT_QUERY frame: seq 1, expected INIT_QUERY_SEQ"):
+        frames.decode(q[:32] + struct.pack("<Q", 1) + q[40:])
+    with pytest.raises(BadFrame, match="INIT_QUERY frame: payload is 1 bytes, expected 0"):
+        frames.decode(q[:44] + struct.pack("<I", 1) + b"\0")
 
 
 def test_encoders_refuse_bad_arguments_and_oversized_frames():

@@ -5,7 +5,8 @@ A frame is a fixed 48-byte little-endian header followed by ``payload_len`` byte
     off size field         meaning
       0   4 magic          b"SHPB"
       4   2 version        1
-      6   2 type           FrameType (BATCH, ACK, ROWS, SNAPSHOT, HEARTBEAT, SYNC)
+      6   2 type           FrameType (BATCH, ACK, ROWS, SNAPSHOT, HEARTBEAT, SYNC,
+                               INIT_QUERY)
       8   8 epoch          the sender's membership epoch, at most MAX_EPOCH (2**62)
      16   4 sender         the sender's member id (members.member_id of its address)
      20   4 incarnation    random per sender process start
@@ -19,7 +20,8 @@ A frame is a fixed 48-byte little-endian header followed by ``payload_len`` byte
 BATCH, ROWS and SNAPSHOT ("data frames") share one payload: a 40-byte sub-header, then
 ``nmarks`` 16-byte marks, the row index, optional per-row steps, the values and the
 optimizer state arrays, with no padding (see ``docs/bridge-protocol.md`` for the table).
-ACK carries a status; HEARTBEAT the ring digest and member states; SYNC nothing.
+ACK carries a status; HEARTBEAT the ring digest and member states; SYNC and INIT_QUERY
+nothing.
 
 :func:`decode` checks every declared size against the buffer and against
 :class:`Limits` before looking at (or allocating for) the data, and raises
@@ -55,6 +57,10 @@ ROWS_SEQ_BASE = 1 << 63
 #: minting 1000 epochs a second reaches 2**62 in ~146 million years.  A frame past it is
 #: malformed (_read_header), no encoder writes one, and Membership mints none past it
 MAX_EPOCH = 1 << 62
+#: The seq of every INIT_QUERY, and so of the ACK that answers it (no BATCH stream's, no
+#: ROWS's, not a SYNC's: node.SYNC_SEQ is ROWS_SEQ_BASE - 1): the decoder refuses another,
+#: so that an answer can be told from the ACK of a stream's frame by its seq alone
+INIT_QUERY_SEQ = ROWS_SEQ_BASE - 2
 
 HEADER = struct.Struct("<4sHHQIIIIQHHI")
 DATA_HEAD = struct.Struct("<HHHHIIQQII")
@@ -75,6 +81,8 @@ class FrameType(IntEnum):
     SNAPSHOT = 4    #: a chunk of a whole shard, for a joining or new backup host
     HEARTBEAT = 5   #: liveness, epoch, ring digest and member states, every 0.1 s
     SYNC = 6        #: "send me a snapshot of this shard, then its ROWS"
+    INIT_QUERY = 7  #: a leaving creator to a shard's owner: "do you still wait for my
+    #:                 initial values of this shard?" (answered by an ACK)
 
 
 class Layout(IntEnum):
@@ -128,6 +136,7 @@ _ALLOWED_FLAGS = {
     FrameType.SNAPSHOT: Flag.LAST | Flag.ROW_STEPS | Flag.FLOOR_MARKS | Flag.HANDOVER,
     FrameType.HEARTBEAT: Flag(0),
     FrameType.SYNC: Flag(0),
+    FrameType.INIT_QUERY: Flag(0),
 }
 
 HB_QUORUM = 1       #: heartbeat flag: the sender reaches a majority
@@ -257,7 +266,13 @@ class Sync(FrameHeader):
     """Request for a snapshot of (tensor, shard) followed by its ROWS stream."""
 
 
-Frame = Union[Data, Ack, Heartbeat, Sync]
+@dataclass(frozen=True)
+class InitQuery(FrameHeader):
+    """A leaving creator asks the owner of (tensor, shard) whether it still waits for the
+    creator's initial values of it; ``seq`` is INIT_QUERY_SEQ."""
+
+
+Frame = Union[Data, Ack, Heartbeat, Sync, InitQuery]
 
 
 # --------------------------------------------------------------------------- sizes
@@ -707,6 +722,14 @@ def encode_sync(*, epoch: int, sender: int, incarnation: int, tensor: int, shard
                    payload_len=0)
 
 
+def encode_init_query(*, epoch: int, sender: int, incarnation: int, tensor: int,
+                      shard: int) -> bytes:
+    """An INIT_QUERY (48 bytes, no payload, seq INIT_QUERY_SEQ). O(1)."""
+    return _header(FrameType.INIT_QUERY, epoch=epoch, sender=sender, incarnation=incarnation,
+                   tensor=tensor, shard=shard, seq=INIT_QUERY_SEQ, flags=0,
+                   layout=Layout.NONE, payload_len=0)
+
+
 def restamp_epoch(buf: "bytes | Pieces", epoch: int) -> "bytes | Pieces":
     """A copy of the encoded frame ``buf`` with its epoch field set to ``epoch`` (for
     resending unacknowledged frames after an epoch change; seq and payload unchanged).
@@ -822,6 +845,10 @@ def _decode_body(hdr: dict[str, Any], body: memoryview, limits: Limits) -> Frame
         return _decode_heartbeat(hdr, body, limits)
     if len(body):
         raise _bad(ft, f"payload is {len(body)} bytes, expected 0")
+    if ft is FrameType.INIT_QUERY:
+        if hdr["seq"] != INIT_QUERY_SEQ:
+            raise _bad(ft, f"seq {hdr['seq']}, expected INIT_QUERY_SEQ ({INIT_QUERY_SEQ})")
+        return _new(InitQuery, hdr)
     return _new(Sync, hdr)
 
 
@@ -977,4 +1004,5 @@ __all__ = ["Ack", "BadFrame", "CODE_DTYPES", "DEFAULT_LIMITS", "DTYPE_CODES", "D
            "RowsBuilder", "Status", "Sync", "VERSION", "check_schema", "data_payload_bytes", "decode",
            "encode_ack", "encode_batch", "encode_heartbeat", "encode_rows", "encode_snapshot",
            "encode_sync", "iter_frames", "max_rows_per_frame", "restamp_epoch", "tensor_id",
-           "Pieces", "as_bytes", "epoch_of", "MAX_EPOCH"]
+           "Pieces", "as_bytes", "epoch_of", "MAX_EPOCH", "INIT_QUERY_SEQ", "InitQuery",
+           "encode_init_query"]
