@@ -2041,6 +2041,276 @@ def test_a_leave_resends_refused_initial_values_while_a_next_owner_lacks_its_cha
         assert not_given == [] and handed_over and vst.init_given == peer
 
 
+@contextlib.asynccontextmanager
+async def _two_bridges(tmp_path, name: str, nshards: int):
+    """Two bridges started in this process, a and b, each on store "m" of a namespace of
+    its own (its host's shared memory) and listening on a loopback address of its own,
+    their ports chosen so that b owns each of the ``nshards`` shards of tensor ``name``:
+    yields [a, b] once both act; closes them and destroys both stores after."""
+    import secrets
+    import uuid
+
+    import shmps
+    from bridge_harness import free_port
+    from shmps.bridge.node import Bridge, Config
+    from shmps.bridge.ring import shard_key
+
+    for _ in range(200):
+        a, b = (f"{ip}:{free_port(ip)}" for ip in ("127.0.0.2", "127.0.0.3"))
+        if all(ring.Ring([a, b]).owner(shard_key(name, k)) == b for k in range(nshards)):
+            break
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text(f"{a}\n{b}\n")
+    secret, tag = secrets.token_bytes(32), uuid.uuid4().hex[:8]
+    nodes = [Bridge(Config(peers_file=str(hosts), store="m", listen=addr,
+                           namespace=f"u{tag}{i}", secret=secret, dead_after=2.0,
+                           startup_grace=0.0))
+             for i, addr in enumerate((a, b))]
+    started: list = []
+    try:
+        for node in nodes:
+            await node.start()
+            started.append(node)
+        until = time.monotonic() + 20
+        while not all(node.acting() for node in nodes):
+            assert time.monotonic() < until, "the two bridges to act"
+            await asyncio.sleep(0.02)
+        yield nodes
+    finally:
+        for node in started:
+            await node.close()
+        for node in nodes:
+            shmps.attach("m", namespace=node.cfg.namespace).destroy()
+
+
+def _counted(node, metric: str, ftype: str) -> float:
+    """``node``'s /metrics sample ``metric`` (a counter) for frame type ``ftype``."""
+    return node.metrics.registry.get_sample_value(metric, {"type": ftype}) or 0.0
+
+
+@pytest.mark.parametrize("there", [True, False], ids=["created there too", "adopted there"])
+def test_a_leaving_creator_gives_its_initial_values_only_to_an_owner_that_waits(tmp_path,
+                                                                                  there):
+    """Host a's worker creates tensor "wi" with init= an array, both of whose shards
+    host b owns, and a leaves (as on SIGTERM) within INIT_GIVE_S of taking it up.
+
+    Created there too (b's worker made it as well, as each host's worker makes the model
+    in a training job: the SIGTERM-while-pushing cluster test's store), b holds the
+    initial values and waits for none of a's: a asks b (INIT_QUERY) and sends no
+    snapshot, and its leave is short (0.2 s), with every snapshot read slowed to 3 s
+    (failpoint slow_snapshot).  (Before, a read the shards and sent them, each refused
+    by b as no hand-over it waited for, and the leave waited for the refusals: 1112
+    snapshot bytes sent, and the leave took its whole 10 s, the second shard's read
+    still unanswered; 2224 bytes and 4.1 s with 2 s reads.)
+
+    Adopted there (the leave starts as soon as a's worker created the tensor, before
+    b's catalog pass took it up): b answers BUSY until it takes the tensor up, then
+    waits for a's copy, and gets it: b holds the init= array once a is gone (as it did
+    before the question).  Two bridges started in this process, each with a store of
+    its own, over real connections."""
+    import shmps
+
+    init = np.arange(64 * 8, dtype=np.float32).reshape(64, 8)
+    delay = 3.0
+
+    def holds(node, values) -> bool:
+        s = shmps.attach("m", namespace=node.cfg.namespace)
+        try:
+            return "wi" in s and np.array_equal(s["wi"].pull(), values)
+        finally:
+            s.close()
+
+    async def main() -> dict:
+        async with _two_bridges(tmp_path, "wi", 2) as (a, b):
+            for node in ([a, b] if there else [a]):
+                s = shmps.attach("m", namespace=node.cfg.namespace)
+                try:
+                    s.dense("wi", (64, 8), "float32", init=init, shard_rows=32)
+                finally:
+                    s.close()
+            if there:
+                until = time.monotonic() + 20
+                while not ("wi" in a.by_name and "wi" in b.by_name and holds(b, init)):
+                    assert time.monotonic() < until, "both bridges to take wi up"
+                    await asyncio.sleep(0.02)
+                a._failpoints["slow_snapshot"] = str(delay)
+            before = _counted(a, "shmps_bridge_bytes_sent_total", "snapshot")
+            t0 = time.monotonic()
+            await a.leave(timeout=10.0)
+            took = time.monotonic() - t0
+            tid = a.by_name["wi"].tid
+            return dict(
+                took=took, not_given=a._init_not_given(), holds=holds(b, init),
+                snapshot_bytes=_counted(a, "shmps_bridge_bytes_sent_total", "snapshot") - before,
+                asked=_counted(a, "shmps_bridge_frames_sent_total", "init_query"),
+                waits=[b.shards[(tid, k)].handover_from for k in range(2)])
+
+    got = asyncio.run(asyncio.wait_for(main(), 50))
+    if there:
+        assert got["snapshot_bytes"] == 0 and got["took"] < delay, got   # (was: 2224, 4.1 s)
+    else:
+        assert got["snapshot_bytes"] > 0, got
+    assert got["holds"] and got["not_given"] == [] and got["waits"] == [None, None], got
+    assert got["asked"] >= 2, got                              # (asked first)
+
+
+def test_a_leaving_creators_question_unanswered_or_answered_busy_is_asked_or_sent_again(
+        tmp_path):
+    """A leaving creator asks the owner of each fresh shard whether it still waits for
+    its initial values (INIT_QUERY) before it sends them, and acts on the answer:
+    NOT_OWNER (it waits for none), nothing is sent and the leave waits for nothing; OK
+    (it waits for them), they are sent at once; BUSY (the tensor not taken up there
+    yet), it is asked again; none INIT_ASK_S after the question (lost with its
+    connection, or a bridge of an earlier build dropped it as malformed), they are sent
+    as before there was a question; an answer of the owner's earlier process does not
+    count (its new one is asked).  Drives a Bridge, not started, on a real store, over
+    real connections (a link to the owner for the questions and their answers, its data
+    connection for the snapshots)."""
+    import uuid
+
+    import shmps
+    from shmps.bridge import node as bridge_node
+    from shmps.bridge.ring import shard_key
+
+    me, peer, third = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
+    ns = f"u{uuid.uuid4().hex[:10]}"
+    node = _bridge(tmp_path, [me, peer, third], store="askinit", namespace=ns,
+                   dead_after=5.0)
+    node.store = shmps.attach("askinit", namespace=ns)
+    try:
+        name = next(f"w{i}" for i in range(5000)
+                    if all(node.owner(shard_key(f"w{i}", k)) == peer for k in range(3)))
+        node.store.dense(name, (12, 4), "float32", init=3.0, shard_rows=4)   # created here
+        while node.refresh_tensors(budget=None):
+            pass
+        everyone = {m: State.ALIVE for m in (me, peer, third)}
+        for p in (peer, third):
+            node.on_heartbeat(p, _heartbeat(p, 0, everyone))      # (incarnation 7)
+        tid = node.by_name[name].tid
+        sts = [node.shards[(tid, k)] for k in range(3)]
+        assert all(node._fresh_origin((tid, k), time.monotonic()) for k in range(3))
+
+        def answer(shard: int, status: Status, incarnation: int = 7) -> None:
+            node.on_ack(peer, frames.decode(frames.encode_ack(
+                epoch=0, sender=members.member_id(peer), incarnation=incarnation,
+                tensor=tid, shard=shard, seq=frames.INIT_QUERY_SEQ, status=status)))
+
+        def frames_of(got: list) -> list:
+            out = [(type(f).__name__, f.shard) for f in got]
+            got.clear()
+            return out
+
+        async def main() -> None:
+            async with _link_connection(node, peer) as far, \
+                    _data_connection(node, peer) as data:
+                asked: list = []
+                sent: list = []
+                far.start(lambda m: asked.extend(frames.iter_frames(bytes(m))) or True)
+                data.start(lambda m: sent.extend(frames.iter_frames(bytes(m))) or True)
+
+                async def give() -> None:
+                    node._give_initial_values()
+                    await asyncio.sleep(0.2)        # (the snapshot tasks, the sockets)
+
+                await give()
+                assert all(isinstance(f, frames.InitQuery) and f.seq == frames.INIT_QUERY_SEQ
+                           for f in asked)
+                assert frames_of(asked) == [("InitQuery", 0), ("InitQuery", 1),
+                                            ("InitQuery", 2)] and sent == []
+                await give()                                       # asked: no more
+                assert asked == [] and sent == []
+                answer(0, Status.BUSY)                             # not taken up there
+                answer(1, Status.NOT_OWNER, incarnation=6)         # its earlier process's
+                answer(2, Status.OK)                               # waits for them
+                await asyncio.sleep(0.2)
+                assert [(f.shard, bool(f.flags & Flag.HANDOVER), bool(f.flags & Flag.LAST))
+                        for f in sent] == [(2, True, True)]        # sent at once
+                sent.clear()
+                node.on_ack(peer, frames.decode(frames.encode_ack(
+                    epoch=0, sender=members.member_id(peer), incarnation=7, tensor=tid,
+                    shard=2, seq=ROWS_SEQ_BASE + sts[2].init_seqs[1], status=Status.OK)))
+                assert sorted(node._init_not_given()) == [(tid, 0), (tid, 1)]
+                await give()
+                assert frames_of(asked) == [("InitQuery", 0), ("InitQuery", 1)]   # again
+                assert sent == []
+                answer(1, Status.NOT_OWNER)                        # waits for none
+                assert node._init_not_given() == [(tid, 0)]
+                await give()
+                assert asked == [] and sent == []
+                # unanswered INIT_ASK_S on: sent as before there was a question
+                sts[0].init_asked_at -= bridge_node.INIT_ASK_S + 0.1
+                await give()
+                assert asked == [] and [(f.shard, bool(f.flags & Flag.LAST))
+                                        for f in sent] == [(0, True)]
+                sent.clear()
+                await give()                                       # (its answer may come)
+                assert asked == [] and sent == []
+
+        asyncio.run(asyncio.wait_for(main(), 30))
+    finally:
+        node.store.destroy()
+
+
+def test_an_owner_answers_a_creators_question_by_its_own_wait(tmp_path):
+    """The owner of a shard answers a leaving creator's INIT_QUERY by what a hand-over of
+    its initial values would meet here now: BUSY while it has not taken the tensor up
+    (it may wait for them once it has); OK while it waits for that creator's copy;
+    NOT_OWNER once it does not (taken, or a host that is not the one it waits for asks,
+    or it created the tensor itself): a host waits for a creator's copy only from its
+    take-up of the tensor on.  Drives a Bridge, not started, on a real store, through
+    on_message (decoded, checked to come from the peer's process)."""
+    import uuid
+
+    import shmps
+    from shmps.bridge.ring import shard_key
+
+    me, x, z = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
+    ns = f"u{uuid.uuid4().hex[:10]}"
+    node = _bridge(tmp_path, [me, x, z], store="answerinit", namespace=ns, dead_after=5.0)
+    node.store = shmps.attach("answerinit", namespace=ns)
+    try:
+        everyone = {m: State.ALIVE for m in (me, x, z)}
+        for p in (x, z):
+            node.on_heartbeat(p, _heartbeat(p, 0, everyone))
+        name, mine = (next(f"{p}{i}" for i in range(1000)
+                           if node.owner(shard_key(f"{p}{i}", 0)) == me) for p in "wv")
+        tid = frames.tensor_id(name)
+
+        def ask(peer: str, tensor: int = tid) -> Status:
+            got: list = []
+            query = frames.encode_init_query(epoch=0, sender=members.member_id(peer),
+                                             incarnation=7, tensor=tensor, shard=0)
+            bad = node.on_message(peer, types.SimpleNamespace(
+                sender=members.member_id(peer), incarnation=7), query,
+                lambda d: got.extend(frames.iter_frames(bytes(d))), 0)
+            assert bad == 0 and len(got) == 1 and got[0].seq == frames.INIT_QUERY_SEQ
+            return got[0].status
+
+        async def main() -> None:
+            assert ask(x) is Status.BUSY                           # not taken up here
+            node.create_from_record(dict(name=name, kind="dense", shape=[8, 4],
+                                         dtype="float32", shard_rows=8,
+                                         optimizer=dict(type="Sum")), x)
+            while node.refresh_tensors(budget=None):
+                pass
+            st = node.shards[(tid, 0)]
+            assert st.handover_from == x and st.handover_init      # waits for x's values
+            assert ask(x) is Status.OK
+            assert ask(z) is Status.NOT_OWNER                      # not the one it waits for
+            assert _status_of(node, x, _handover_snapshot(
+                x, types.SimpleNamespace(tid=tid), 7)) is Status.OK
+            assert st.handover_from is None                        # taken
+            assert ask(x) is Status.NOT_OWNER
+            node.store.dense(mine, (8, 4), "float32", init=1.0, optimizer="sum")
+            while node.refresh_tensors(budget=None):
+                pass
+            assert ask(x, frames.tensor_id(mine)) is Status.NOT_OWNER   # created here
+
+        asyncio.run(main())
+    finally:
+        node.store.destroy()
+
+
 async def _no_snapshot_sent(*a, **k) -> None:
     """Stands in for Bridge._send_snapshot where a test sends no hand-over of its own."""
 

@@ -105,6 +105,11 @@ INIT_GIVE_S = 30.0
 #: a leaving creator's hand-over of initial values that its owner has not answered this
 #: long after it was queued is sent again (its connection reset, say)
 INIT_RESEND_S = 1.0
+#: a leaving creator first asks each such owner whether it still waits for them
+#: (INIT_QUERY); one that has not answered this long after it was asked (the question or
+#: the answer lost with a connection, or a bridge of an earlier build, which drops the
+#: frame as malformed) is sent them all the same
+INIT_ASK_S = 1.0
 MAX_MARKS = frames.DEFAULT_LIMITS.max_marks  #: duplicate-filter marks a snapshot carries at most
 SPARE_DRAIN_BUFFERS = 2          #: a tensor's drain buffers kept for reuse (TInfo.spare)
 #: gradient bytes per BATCH frame (and so per ROWS frame answering it): a drain of a
@@ -306,6 +311,12 @@ class ShardState:
     init_given: Optional[str] = None                     # the owner that answered its LAST
                                                          # (took it, or waits for none), no
                                                          # chunk of it refused BUSY (leave)
+    init_asked: Optional[str] = None                     # the owner asked whether it waits
+                                                         # for them (INIT_QUERY; None again
+                                                         # on a BUSY answer: asked again)
+    init_asked_at: float = 0.0                           # when (sent unasked INIT_ASK_S after)
+    init_waits: Optional[tuple] = None                   # (owner, its incarnation, whether
+                                                         # it waits for them): its answer
     taken_up_at: float = field(default_factory=time.monotonic)   # when this process took
                                                          # the shard up
     handover_incs: dict = field(default_factory=dict)    # host -> its incarnation when the
@@ -1035,31 +1046,82 @@ class Bridge:
 
     def _give_initial_values(self) -> None:
         """Leaving: send the initial values of the shards of tensors this host created,
-        which this process took up less than INIT_GIVE_S ago, as hand-overs, unasked, to
-        each such shard's owner (a reachable peer) that has not had them from this
-        process, or has not answered them INIT_RESEND_S after they were queued (the
-        connection reset, the chunks or the answer lost with it: review H5 F2).  Such an
-        owner may still wait for them: its SYNC may come after this process is gone, and
-        it then served its own copy, the schema's init instead of the init= array
-        (review 24 F7: 5 to 7 of 16 shards in 2 of 3 runs of a creator SIGTERMed once
-        every bridge took the tensor up).  An owner that no longer waits refuses them
-        (on_rows: not its hand-over); the leave waits for every owner's answer
-        (_init_not_given) until its deadline."""
+        which this process took up less than INIT_GIVE_S ago, as hand-overs to each such
+        shard's owner (a reachable peer) that may still wait for them: its SYNC may come
+        after this process is gone, and it then served its own copy, the schema's init
+        instead of the init= array (review 24 F7: 5 to 7 of 16 shards in 2 of 3 runs of
+        a creator SIGTERMed once every bridge took the tensor up).
+
+        Each owner is asked first (INIT_QUERY; the questions to one owner corked into
+        one message) and answers from its own state (_on_init_query).  One that waits
+        for them gets them (at once: _on_init_answer).  One that does not, and never
+        will (its own worker created the tensor too, or it took them, or served its own
+        copy), gets nothing and is not waited for: it refused them as no hand-over of
+        its own (on_rows), and before the question a leave from a store whose every
+        host created its tensors read and sent every shard its peers own, and waited for
+        the refusals (one outlasted the SIGTERM-while-pushing cluster test's worker).
+        One that has not taken the tensor up answers BUSY and is asked again on the next
+        call (every 0.25 s: it may wait for them once it has).  One that has not
+        answered INIT_ASK_S after the question, or that there is no link to ask on, is
+        sent them as before there was a question.  A hand-over is sent again when its
+        owner has not answered it INIT_RESEND_S after it was queued (the connection
+        reset, the chunks or the answer lost with it: review H5 F2).  The leave waits
+        for every owner's answer (_init_not_given) until its deadline."""
         now = time.monotonic()
-        for key, st, owner in self._fresh_shards_of_others(now):
-            if (st.init_served != owner
-                    or (st.init_given != owner and st.reading is None
-                        and now - st.init_sent_at > INIT_RESEND_S)):
+        with self.cork:   # (the questions to one owner go as one message)
+            for key, st, owner in self._fresh_shards_of_others(now):
+                if st.init_given == owner:
+                    continue
+                waits = self._init_answer(st, owner)
+                if waits is False:
+                    continue
+                if st.init_served == owner:
+                    if (st.reading is None and now - st.init_sent_at > INIT_RESEND_S):
+                        asyncio.get_running_loop().create_task(
+                            self._send_snapshot(key, owner, handover=True))
+                    continue
+                if waits is None:
+                    if st.init_waits is not None and st.init_waits[0] == owner:
+                        # the answer of the owner's earlier process: its new one is asked
+                        st.init_waits, st.init_asked = None, None
+                    if st.init_asked != owner:
+                        if self._ask_init(key, owner):
+                            st.init_asked, st.init_asked_at = owner, now
+                            continue
+                    elif now - st.init_asked_at <= INIT_ASK_S:
+                        continue   # (its answer may come)
                 asyncio.get_running_loop().create_task(
                     self._send_snapshot(key, owner, handover=True))
+
+    def _ask_init(self, key: tuple, owner: str) -> bool:
+        """Leaving: ask ``owner`` whether it still waits for this host's initial values
+        of shard ``key`` (INIT_QUERY, on this host's link to it, as its SYNCs come the
+        other way); False if there is no connection to ask on."""
+        link = self.links.get(owner)
+        if link is None or not link.send(frames.encode_init_query(
+                epoch=self.members.epoch, sender=self.mid, incarnation=self.incarnation,
+                tensor=key[0], shard=key[1])):
+            return False
+        self.metrics.sent("init_query", frames.HEADER.size)
+        return True
+
+    def _init_answer(self, st: ShardState, owner: str) -> Optional[bool]:
+        """Whether ``owner``'s bridge process said it waits for this host's initial
+        values of ``st`` (INIT_QUERY), None without an answer from its current process
+        (a restarted one is asked again: its answer is its own)."""
+        ans = st.init_waits
+        if ans is None or ans[0] != owner or self._incarnations.get(owner, ans[1]) != ans[1]:
+            return None
+        return bool(ans[2])
 
     def _init_not_given(self) -> list:
         """Leaving: the shards of tensors created here and taken up less than INIT_GIVE_S
         ago whose owner, a reachable peer, has not answered a hand-over of their initial
         values from this process (ShardState.init_given; one refused BUSY, the tensor
-        not taken up there yet, is sent again: _give_initial_values)."""
+        not taken up there yet, is sent again: _give_initial_values) and has not said
+        it waits for none (ShardState.init_waits)."""
         return [key for key, st, owner in self._fresh_shards_of_others(time.monotonic())
-                if st.init_given != owner]
+                if st.init_given != owner and self._init_answer(st, owner) is not False]
 
     def _fresh_shards_of_others(self, now: float) -> Iterator[tuple]:
         """(key, ShardState, owner) of each shard of a tensor created here and taken up
@@ -2211,6 +2273,8 @@ class Bridge:
         key = (ack.tensor, ack.shard)
         if ack.seq == SYNC_SEQ:
             return self._on_sync_answer(peer, key, ack.status)
+        if ack.seq == frames.INIT_QUERY_SEQ:
+            return self._on_init_answer(peer, key, ack)
         if ack.seq >= ROWS_SEQ_BASE:
             st = self.shards.get(key)
             if st is None:
@@ -3737,6 +3801,43 @@ class Bridge:
             return
         st.handover_until = max(st.handover_until, time.monotonic() + HANDOVER_TIMEOUT)
 
+    def _on_init_answer(self, peer: str, key: tuple, ack: frames.Ack) -> None:
+        """``peer``'s answer to this host's INIT_QUERY for shard ``key`` (leaving:
+        _give_initial_values): NOT_OWNER, its process does not wait for this host's
+        initial values and would refuse them; BUSY, it has not taken the tensor up (asked
+        again); anything else (OK: it waits for them), they are sent.  An answer from a
+        host this one no longer asks is dropped."""
+        st = self.shards.get(key)
+        if st is None or st.init_asked != peer:
+            return
+        if ack.status == Status.BUSY:
+            st.init_asked = None
+            return
+        st.init_waits = (peer, ack.incarnation, ack.status != Status.NOT_OWNER)
+        if (st.init_waits[2] and st.init_served != peer and self.owner(st.key) == peer
+                and self._fresh_origin(key, time.monotonic())):
+            # sent now, not at the leave's next look (every 0.25 s), as it was unasked
+            asyncio.get_running_loop().create_task(
+                self._send_snapshot(key, peer, handover=True))
+
+    def _on_init_query(self, peer: str, f: frames.InitQuery,
+                       reply: Callable[[bytes], None]) -> None:
+        """A leaving creator ``peer`` asks whether this host still waits for its initial
+        values of shard (f.tensor, f.shard) (_give_initial_values).  Answered from what a
+        hand-over of them from ``peer`` would meet here now (on_rows): BUSY while the
+        tensor is not taken up (this host may wait for them once it is); OK while this
+        host would take it (it waits for ``peer``'s copy, or ``peer`` owns the shard in
+        this host's view); else NOT_OWNER, "it waits for none": a host waits for a
+        creator's copy only from its take-up of the tensor on (refresh_tensors), so one
+        that knows the tensor and does not wait now never will in this process (a
+        restarted one is asked again: the asker keeps the answering incarnation)."""
+        st = self.shards.get((f.tensor, f.shard))
+        if st is None:
+            reply(self._ack(f, Status.BUSY))
+            return
+        waits = st.handover_from == peer or self.owner(st.key) == peer
+        reply(self._ack(f, Status.OK if waits else Status.NOT_OWNER))
+
     async def _send_snapshot(self, key: tuple, member: str, handover: bool = False) -> None:
         """Send a consistent copy of shard ``key`` to ``member`` (chunks, then LAST)."""
         try:
@@ -4489,6 +4590,9 @@ class Bridge:
         elif isinstance(f, frames.Ack):
             self.metrics.received("ack")
             self.on_ack(peer, f)
+        elif isinstance(f, frames.InitQuery):
+            self.metrics.received("init_query")
+            self._on_init_query(peer, f, reply)
 
 
 # --------------------------------------------------------------------------- running
