@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import numbers
 import operator
 import os
 import threading
@@ -53,6 +54,40 @@ def _dtype(dtype: Any) -> np.dtype:
     return dt
 
 
+def _clock_timeout(timeout: Optional[float]) -> float:
+    """``clock(timeout=)`` as the C core takes it: seconds, or -1.0 for no limit.
+
+    The core reads any negative value as "no limit" and turns the rest into a uint64
+    deadline in ns, so a negative or NaN timeout (a typo, a computed value gone wrong)
+    must be refused here, not waited out for ever, and ``math.inf`` (or a value whose ns
+    overflow the deadline: past 292 years) is passed as -1.0, not converted."""
+    if timeout is None:
+        return -1.0
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) \
+            or not float(timeout) >= 0:
+        raise InvalidArgument(f"timeout={timeout!r} must be None or a number of seconds >= 0",
+                              "pass e.g. timeout=60, or None (or math.inf) to wait as long "
+                              "as it takes")
+    t = float(timeout)
+    return -1.0 if t > 9e9 else t
+
+
+def _staleness_word(staleness: Optional[int]) -> int:
+    """The manifest's staleness word for ``staleness`` (-1: None, eventual).
+
+    An integer, as for every count here: int() would take 2.7 as 2, True as 1 and raise
+    a plain ValueError for "x"."""
+    if staleness is None:
+        return -1
+    if isinstance(staleness, bool) or not isinstance(staleness, numbers.Integral) \
+            or not 0 <= int(staleness) < 2**63:
+        raise InvalidArgument(f"staleness={staleness!r} must be None or an integer from 0 "
+                              "to 2^63-1",
+                              "pass None (eventual), 0 (sequential) or k > 0 (bounded delay "
+                              "of k clocks)")
+    return int(staleness)
+
+
 def attach(name: str, *, create: bool = True, namespace: Optional[str] = None,
            timeout: float = 2.0, staleness: Optional[int] = None,
            _restoring: bool = False) -> "Store":
@@ -78,6 +113,7 @@ def attach(name: str, *, create: bool = True, namespace: Optional[str] = None,
     names.check_name(name)
     ns = names.resolve_namespace(namespace)
     mname = names.manifest_name(name, ns)
+    _staleness_word(staleness)   # refused before anything is attached (or created)
     try:
         timeout = float(timeout)
     except (TypeError, ValueError):
@@ -830,9 +866,7 @@ class Store:
         ``None`` eventual (clock() never waits), ``0`` sequential (a barrier per
         clock), ``k > 0`` bounded delay (no worker more than k clocks ahead of the
         slowest live one)."""
-        k = -1 if staleness is None else int(staleness)
-        if k < -1 or (staleness is not None and not 0 <= k < 2**63):
-            raise InvalidArgument(f"staleness={staleness!r} must be None or from 0 to 2^63-1")
+        k = _staleness_word(staleness)
         _native.check(lib.shmps_set_staleness(self._mptr, k), "set_consistency")
 
     @property
@@ -846,8 +880,21 @@ class Store:
 
         ``worker=`` asks for a given id (free, or left by a dead process).  The new
         worker's clock starts at the slowest live worker's clock."""
+        if worker is not None and (isinstance(worker, bool)
+                                   or not isinstance(worker, numbers.Integral)
+                                   or not 0 <= int(worker) < lib.SHMPS_MAX_WORKERS):
+            # (int() would take -5 as "any id", 2.5 as 2, True as 1; the C core's bound
+            # error would speak of rows)
+            raise InvalidArgument(f"worker={worker!r} must be None or an integer from 0 to "
+                                  f"{lib.SHMPS_MAX_WORKERS - 1}",
+                                  "join() without an id picks a free one")
         with self._lock:
             if self._worker is not None:
+                if worker is not None and int(worker) != self._worker:
+                    raise InvalidArgument(f"this process is already worker {self._worker} of "
+                                          f"store {self.name!r}; it cannot also be worker "
+                                          f"{int(worker)}",
+                                          "call store.leave() first to change its id")
                 return self._worker
             slot, clock = ffi.new("uint32_t *"), ffi.new("uint64_t *")
             want = -1 if worker is None else int(worker)
@@ -873,13 +920,14 @@ class Store:
         live worker is more than k clocks behind; a dead worker is dropped within a
         few ms.  Raises :class:`shmps.Timeout` naming the slowest worker after
         ``timeout`` seconds (default: wait forever).  Joins first if needed."""
+        c_timeout = _clock_timeout(timeout)
         if self._worker is None:
             self.join()
         if self._executor is not None and self._executor_pid == os.getpid():
             self._executor.submit(int).result()  # pushes made with wait=False land first
         clock, behind = ffi.new("uint64_t *"), ffi.new("int32_t *")
         code = lib.shmps_worker_clock(self._mptr, _native.token(), self._worker,
-                                      -1.0 if timeout is None else float(timeout), clock, behind)
+                                      c_timeout, clock, behind)
         if code == lib.SHMPS_E_TIMEOUT:
             w = {x["worker"]: x for x in self.workers()}.get(int(behind[0]), {})
             from .errors import Timeout

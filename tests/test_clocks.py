@@ -6,14 +6,16 @@ happens); the worker functions live here, so a child imports this module.
 """
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
 
+import numpy as np
 import pytest
 
 import shmps
-from helpers import CTX, Workers, wait_until
+from helpers import CTX, Workers, remove_store, store_segments, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -237,5 +239,78 @@ def test_join_id_held_by_live_process_is_refused(clocked_store):
             holder.kill()
             assert s.join(worker=5) == 5
             assert [w["pid"] for w in s.workers() if w["worker"] == 5] == [os.getpid()]
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("worker", [-5, 2.5, True, "a", 1024])
+def test_join_refuses_a_worker_id_that_is_not_one(clocked_store, worker):
+    """join(worker=) takes an integer id from 0 to 1023, else InvalidArgument saying so,
+    and the process is no worker afterwards.  (int(worker) took -5 as "any id" (0), 2.5
+    as 2 and True as 1, raised a plain ValueError for "a", and 1024 got the C core's
+    OutOfRange whose hint spoke of rows.)"""
+    s = shmps.attach(clocked_store)
+    try:
+        with pytest.raises(shmps.InvalidArgument, match="from 0 to 1023") as info:
+            s.join(worker=worker)
+        assert type(info.value) is shmps.InvalidArgument and info.value.hint
+        assert s.workers() == []
+    finally:
+        s.close()
+
+
+def test_join_again_with_another_id_is_refused(clocked_store):
+    """A process is one worker: join() again returns its id, join(worker=j) for another
+    id raises InvalidArgument (it returned the old id as if j had been granted)."""
+    s = shmps.attach(clocked_store)
+    try:
+        assert s.join(worker=3) == 3
+        assert s.join() == 3 and s.join(worker=3) == 3
+        with pytest.raises(shmps.InvalidArgument, match="already worker 3"):
+            s.join(worker=4)
+        assert [w["worker"] for w in s.workers()] == [3]
+        s.leave()
+        assert s.join(worker=4) == 4
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("timeout", [-1, float("nan"), "x", True])
+def test_clock_refuses_a_timeout_that_is_not_seconds(clocked_store, timeout):
+    """clock(timeout=) is None or seconds >= 0: a negative or NaN timeout went to the C
+    core, which reads a negative one as "no limit" (so clock(timeout=-1) waited for ever
+    at a barrier) and "x" raised a plain ValueError.  The clock does not advance."""
+    s = shmps.attach(clocked_store, staleness=0)
+    try:
+        s.join()
+        with pytest.raises(shmps.InvalidArgument, match="number of seconds"):
+            s.clock(timeout=timeout)
+        assert s.workers()[0]["clock"] == 0
+        assert s.clock(timeout=math.inf) == 1   # alone: no wait
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("k", [2.7, True, "2", -1])
+def test_set_consistency_refuses_a_staleness_that_is_not_an_integer(clocked_store, k):
+    """staleness is None or an integer >= 0: int() took 2.7 as 2, True as 1, "2" as 2,
+    and raised a plain ValueError for other strings.  The bound is unchanged, and
+    attach(staleness=k) refuses it before it creates a store."""
+    s = shmps.attach(clocked_store, staleness=5)
+    try:
+        with pytest.raises(shmps.InvalidArgument, match="integer from 0"):
+            s.set_consistency(k)
+        with pytest.raises(shmps.InvalidArgument, match="integer from 0"):
+            shmps.attach(clocked_store, staleness=k)
+        other = clocked_store + "b"
+        try:
+            with pytest.raises(shmps.InvalidArgument, match="integer from 0"):
+                shmps.attach(other, staleness=k)
+            assert store_segments(other, s.namespace) == []
+        finally:
+            remove_store(other, s.namespace)
+        assert s.staleness == 5
+        s.set_consistency(np.int64(3))
+        assert s.staleness == 3
     finally:
         s.close()
