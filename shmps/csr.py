@@ -38,11 +38,15 @@ SHARD_BYTES = 16 << 20
 def _ints(a: Any, what: str) -> np.ndarray:
     arr = np.asarray(a)
     if arr.ndim != 1:
-        raise SchemaError(f"{what} must be a 1-d integer array, got shape {arr.shape}")
+        raise SchemaError(f"{what} must be a 1-d integer array, got shape {arr.shape}",
+                          "pass rowcnt and colidx as 1-d integer arrays (scipy's indptr "
+                          "and indices)")
     if arr.size == 0:
         return np.zeros(0, np.int64)
     if arr.dtype.kind not in "iu":
-        raise SchemaError(f"{what} of dtype {arr.dtype}: must be integers")
+        raise SchemaError(f"{what} of dtype {arr.dtype}: must be integers",
+                          "pass rowcnt and colidx as 1-d integer arrays (scipy's indptr "
+                          "and indices)")
     if arr.dtype == np.uint64 and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
         raise OutOfRange(f"{what} holds {int(arr.max())}, beyond int64")
     return np.ascontiguousarray(arr, dtype=np.int64)
@@ -52,7 +56,8 @@ def check_rowcnt(rowcnt: Any, nnz: int, what: str = "rowcnt") -> np.ndarray:
     """Row offsets as int64: starting at 0, non-decreasing, ending at ``nnz``."""
     rc = _ints(rowcnt, what)
     if rc.size == 0:
-        raise InvalidArgument(f"{what} is empty: it has rows + 1 entries, starting at 0")
+        raise InvalidArgument(f"{what} is empty: it has rows + 1 entries, starting at 0",
+                              "pass rows + 1 offsets (scipy's indptr; [0] for no rows)")
     if rc[0] != 0:
         raise InvalidArgument(f"{what}[0] is {int(rc[0])}, not 0",
                               "row offsets start at 0 (scipy's indptr)")
@@ -254,10 +259,12 @@ class CSRTensor(Tensor):
         rowcnt, colidx, value = as_csr(csr)
         g = cast_grad(value, self.dtype, "value")
         if g.ndim != 1:
-            raise SchemaError(f"value must be 1-d, got shape {g.shape}")
+            raise SchemaError(f"value must be 1-d, got shape {g.shape}",
+                              "give one value per entry of colidx")
         ci = check_colidx(colidx, self.ncols)
         if ci.size != g.size:
-            raise InvalidArgument(f"colidx has {ci.size} entries, value {g.size}")
+            raise InvalidArgument(f"colidx has {ci.size} entries, value {g.size}",
+                                  "give one value per entry of colidx")
         rc = check_rowcnt(rowcnt, g.size)
         if rc.size != self.nrows + 1:
             raise SchemaError(f"the pushed CSR has {rc.size - 1} rows, {self.name!r} has "

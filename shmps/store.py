@@ -404,9 +404,11 @@ class Store:
         if shape is not None:
             shp = _shape(shape)
             if any(x < 0 for x in shp) or (shp and shp[0] == 0 and len(shp) > 8):
-                raise SchemaError(f"invalid shape {shape!r}")
+                raise SchemaError(f"invalid shape {shape!r}",
+                                  "give each dimension as an integer >= 0")
             if len(shp) > 8:
-                raise SchemaError(f"shape {shp} has more than 8 dimensions")
+                raise SchemaError(f"shape {shp} has more than 8 dimensions",
+                                  "reshape to at most 8 dimensions")
             if shp and shp[0] > 0 and 0 in shp[1:]:
                 raise SchemaError(f"shape {shp}: rows of zero values are not supported",
                                   "give every dimension after the first a size >= 1")
@@ -512,13 +514,16 @@ class Store:
         if shape is not None:
             shp = [int(x) for x in shape]
             if len(shp) != 2 or min(shp) < 0:
-                raise SchemaError(f"shape {tuple(shape)!r} must be (rows, cols)")
+                raise SchemaError(f"shape {tuple(shape)!r} must be (rows, cols)",
+                                  "give shape as two integers >= 0, or leave it out")
             req["shape"] = shp
         if rowcnt is not None:
             ci = cmod.check_colidx(colidx, req["shape"][1] if "shape" in req else None)
             rc = cmod.check_rowcnt(rowcnt, ci.size)
             if "shape" in req and req["shape"][0] != rc.size - 1:
-                raise SchemaError(f"shape {tuple(req['shape'])} but rowcnt has {rc.size - 1} rows")
+                raise SchemaError(f"shape {tuple(req['shape'])} but rowcnt has {rc.size - 1} rows",
+                                  "rowcnt holds rows + 1 offsets: pass shape=(rows, cols) of "
+                                  "that many rows, or leave shape out")
             cmod.check_sorted(rc, ci)
             req["structure"] = cmod.structure_hash(rc, ci)
 
@@ -1529,7 +1534,8 @@ def _init_array(init: Any, shape: tuple, dt: np.dtype, allow_nonfinite: bool) ->
     if a.ndim == 0:
         return a[()]
     if a.shape != tuple(shape):
-        raise SchemaError(f"init array shape {a.shape} != tensor shape {tuple(shape)}")
+        raise SchemaError(f"init array shape {a.shape} != tensor shape {tuple(shape)}",
+                          "pass init as a scalar or an array of the tensor's shape")
     return a
 
 

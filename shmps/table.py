@@ -370,7 +370,8 @@ class Table(Tensor):
         g = cast_grad(grads, self.dtype)
         if g.shape != (k.size, self.dim):
             raise SchemaError(f"grads shape {g.shape} != (len(keys), dim) = "
-                              f"{(k.size, self.dim)} for table {self.name!r}")
+                              f"{(k.size, self.dim)} for table {self.name!r}",
+                              "give one gradient row of dim values per key")
         if k.size > MAX_BATCH:
             raise InvalidArgument(f"{k.size} keys in one push; at most {MAX_BATCH}",
                                   "split the batch")

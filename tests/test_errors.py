@@ -1384,3 +1384,52 @@ def test_a_catalog_shorter_than_its_generation_is_corrupt(store_name, damage):
         s.close()
     finally:
         remove_store(store_name)
+
+
+# ---- hints that fit the mistake ------------------------------------------------------
+
+#: the hints of a mismatch with an existing tensor and of "read the docstring": right for
+#: those, but the caller of the calls below made another mistake, which its hint names
+GENERIC_HINTS = (shmps.SchemaError.hint, shmps.InvalidArgument.hint)
+
+
+@pytest.mark.parametrize("call", [
+    lambda s: s.dense("d", shape=(-1, 2)),
+    lambda s: s.dense("d", shape=(1,) * 9),
+    lambda s: s.dense("d", shape=(2, 2), init=np.ones(3)),
+    lambda s: s.csr("c", [0, 1], [0], shape=(1, 2, 3)),
+    lambda s: s.csr("c", [0, 1], [0], shape=(2, 2)),
+    lambda s: s.csr("c", [[0, 1]], [0]),
+    lambda s: s.csr("c", [0.0, 1.0], [0]),
+    lambda s: s.csr("c", [], []),
+], ids=["negative-dim", "nine-dims", "init-shape", "csr-3d-shape", "csr-shape-rows",
+        "csr-2d-rowcnt", "csr-float-rowcnt", "csr-empty-rowcnt"])
+def test_a_bad_creation_argument_gets_a_hint_about_it(store, call):
+    """A creation argument that is wrong in itself gets a hint saying how to give it, not
+    the hint of a mismatch with an existing tensor ("pass the same shape/dtype/optimizer
+    as the tensor's creator, or use a new name": there is none) or "check the argument
+    against the docstring".  Nothing is created."""
+    with pytest.raises(shmps.InvalidArgument) as info:
+        call(store)
+    assert info.value.hint and info.value.hint not in GENERIC_HINTS, str(info.value)
+    assert store.tensors() == []
+
+
+def test_a_bad_gradient_gets_a_hint_about_it(store):
+    """The same for pushes: a table's grads of the wrong shape, a csr push whose value is
+    not 1-d or not one per entry; the tensors are unchanged."""
+    emb = store.table("emb", dim=4, capacity=8, init=1.0)
+    m = store.csr("m", [0, 2, 3], [0, 2, 1], init=1.0)
+    rows, before = emb.pull([1, 2]), m.pull().value
+    for tensor, call in [
+            (emb, lambda: emb.push([1, 2], np.ones((2, 3)))),
+            (emb, lambda: emb.push([1, 2], np.ones(8))),
+            (m, lambda: m.push(shmps.CSR(np.array([0, 2, 3]), np.array([0, 2, 1]),
+                                         np.ones((3, 1))))),
+            (m, lambda: m.push(shmps.CSR(np.array([0, 2, 3]), np.array([0, 2, 1]),
+                                         np.ones(2))))]:
+        with pytest.raises(shmps.InvalidArgument) as info:
+            call()
+        assert info.value.hint and info.value.hint not in GENERIC_HINTS, str(info.value)
+    np.testing.assert_array_equal(emb.pull([1, 2]), rows)
+    np.testing.assert_array_equal(m.pull().value, before)
