@@ -13,6 +13,7 @@ NAME --secret-file F` per host (docs/bridge.md).
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import secrets
@@ -166,7 +167,9 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "--worker":
+    if len(sys.argv) == 4 and sys.argv[1] == "--worker":   # (how main() starts a worker)
         worker(int(sys.argv[2]), sys.argv[3])
         sys.exit(0)
+    # no options, but --help says so and a mistyped one is refused, not ignored
+    argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args()
     sys.exit(main())

@@ -157,3 +157,34 @@ def test_missing_optional_package_exits_0(tmp_path):
     path = os.pathsep.join(p for p in [str(tmp_path), os.environ.get("PYTHONPATH", "")] if p)
     out = run_example("torch_mlp.py", env_extra={"PYTHONPATH": path})
     assert "this example needs torch: pip install torch" in out
+
+
+@pytest.mark.parametrize("script,args,says", [
+    ("hogwild_logreg.py", ["--workers", "0"], "--workers: 0 must be an integer >= 1"),
+    ("hogwild_logreg.py", ["--batch", "0"], "--batch: 0 must be an integer >= 1"),
+    ("sync_sgd.py", ["--workers", "0"], "--workers: 0 must be an integer >= 1"),
+    ("sync_sgd.py", ["--steps", "0"], "--steps: 0 must be an integer >= 1"),
+    ("sync_sgd.py", ["--lr", "nan"], "--lr: nan must be a finite number >= 0"),
+    ("sparse_ftrl.py", ["--batch", "-1"], "--batch: -1 must be an integer >= 1"),
+    ("torch_mlp.py", ["--staleness", "-1"], "--staleness: -1 must be an integer >= 0"),
+    ("multihost_logreg.py", ["--hosts", "4"], "unrecognized arguments: --hosts 4"),
+], ids=["hogwild-workers", "hogwild-batch", "sync-workers", "sync-steps", "sync-lr",
+        "ftrl-batch", "torch-staleness", "multihost-unknown"])
+@pytest.mark.timeout(60)
+def test_an_example_refuses_a_meaningless_option(script, args, says):
+    """An option that cannot work is refused by the option parser (exit status 2, the
+    usage line and what is wrong) before anything starts.  Before, --workers 0 trained
+    nothing and printed FAIL (hogwild) or divided by zero (sync_sgd), --steps 0 printed
+    "OK: equal to full-batch gradient descent" with accuracy 0.10, --batch 0 raised
+    range()'s ValueError in every worker, and multihost_logreg.py ignored every argument
+    (--help included) and ran."""
+    out = run_example(script, *args, status=2)
+    assert says in out and "usage:" in out, out
+
+
+@pytest.mark.timeout(60)
+def test_multihost_logreg_help_lists_its_options_and_starts_nothing():
+    """docs/examples.md: `--help` lists each example's options; multihost_logreg.py has
+    none, and says so instead of starting three bridges."""
+    out = run_example("multihost_logreg.py", "--help")
+    assert out.startswith("usage: multihost_logreg.py [-h]") and "bridges up" not in out, out
