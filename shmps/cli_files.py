@@ -674,10 +674,33 @@ def _copy_set(dst: str, c: CSR, rows: int, cols: int, dtypes: dict[str, str],
         w.commit(build_meta(rows, cols, c.nnz, dtypes))
 
 
+#: what a .npy file starts with (numpy's format: magic string, then the version)
+NPY_MAGIC = b"\x93NUMPY"
+#: what a .npz (a zip file: its first local file header) starts with
+ZIP_MAGIC = b"PK\x03\x04"
+
+
+def _starts_with(path: str, magic: bytes) -> bool:
+    with open(path, "rb") as f:
+        return f.read(len(magic)) == magic
+
+
+def _not_a(path: str, kind: str, magic: bytes, hint: str) -> CorruptFile:
+    """The error for a file that lacks its format's magic.  np.load takes any such file
+    for a pickle and, with allow_pickle=False, says "This file contains pickled (object)
+    data. If you trust the file you can load it unsafely": wrong about the file, and a
+    hint to unpickle what may be anything."""
+    return CorruptFile(f"{path}: not a {kind} file: it does not start with "
+                       f"{magic.decode('latin-1')!r}", hint=hint)
+
+
 def _npz_to_set(args: argparse.Namespace) -> tuple[int, int, int, str]:
     sparse = _scipy_sparse()
     if not os.path.isfile(args.src):
         raise NotFound(f"missing file {args.src}", hint="check the path")
+    if not _starts_with(args.src, ZIP_MAGIC):
+        raise _not_a(args.src, "scipy.sparse .npz", ZIP_MAGIC,
+                     "write it with scipy.sparse.save_npz")
     try:
         m = sparse.load_npz(args.src)
     # (an empty file is EOFError; a shape of floats, TypeError; a short one, IndexError)
@@ -706,6 +729,8 @@ def _index_dtype(a: np.ndarray) -> str:
 def _npy_to_set(args: argparse.Namespace) -> tuple[int, int, int, str]:
     if not os.path.isfile(args.src):
         raise NotFound(f"missing file {args.src}", hint="check the path")
+    if not _starts_with(args.src, NPY_MAGIC):
+        raise _not_a(args.src, "numpy .npy", NPY_MAGIC, "write it with numpy.save")
     try:
         a = np.load(args.src, mmap_mode="r", allow_pickle=False)
     except (ValueError, OSError, EOFError) as exc:

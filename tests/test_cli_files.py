@@ -905,3 +905,21 @@ def test_a_read_while_another_process_rewrites_the_set_gets_one_version(tmp_path
     writes = int(p.stdout.read())
     assert reads > 50 and writes > 50, (reads, writes)
     assert mixes == [], (len(mixes), reads, mixes[:3])
+
+
+@pytest.mark.parametrize("name,says", [
+    ("junk.npy", "junk.npy: not a numpy .npy file: it does not start with '\\x93NUMPY'"),
+    ("junk.npz", "junk.npz: not a scipy.sparse .npz file: it does not start with 'PK"),
+    ("text.npz", "text.npz: not a scipy.sparse .npz file: it does not start with 'PK"),
+])
+def test_convert_says_a_file_that_is_not_npy_or_npz_is_not_one(tmp_path, name, says):
+    """A .npy or .npz SRC without its format's magic is "not a ... file: it does not
+    start with ...", exit 2, nothing written.  Before, np.load took it for a pickle and
+    the line said "This file contains pickled (object) data. If you trust the file you
+    can load it unsafely using the `allow_pickle=` keyword argument": untrue of a text
+    file, and advice to unpickle an unknown file."""
+    (tmp_path / name).write_bytes(b"PK not a zip" if name == "junk.npz" else b"hello, world\n")
+    r = tool("convert", tmp_path / name, tmp_path / "out")
+    assert_one_line_error(r, says)
+    assert "pickle" not in r.stderr
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(("out", ".out"))]
