@@ -177,7 +177,13 @@ def test_gc_removes_only_stores_without_live_processes(ns, procs):
     # both are younger than the minimum age: nothing is touched (an hour here: the
     # default 5 s passed under load between the spawn and the gc, and it removed "dead")
     young = {"SHMPS_GC_MIN_AGE": "3600"}
-    assert ok(tool("gc", "--namespace", ns, env=young)).strip() == "nothing to remove"
+    r = tool("gc", "--namespace", ns, env=young)
+    assert ok(r).strip() == "nothing to remove"
+    # ... and says on stderr which idle store it spared and why (it said nothing: a user
+    # whose `ls` showed "live processes: none" was left guessing)
+    assert r.stderr.splitlines() == [
+        f"spared store dead (namespace {ns}): no live process, but younger than 3600 s (a "
+        "process may be attaching it; SHMPS_GC_MIN_AGE=0 shmps-tool gc removes it now)"]
     now = {"SHMPS_GC_MIN_AGE": "0"}
     dry = ok(tool("gc", "--dry-run", "--namespace", ns, env=now))
     assert dry.splitlines() == [f"would remove store dead (namespace {ns}): 2 segments"]
