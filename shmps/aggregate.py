@@ -46,6 +46,7 @@ an accumulator behind the round bookkeeping went into some round's sum).
 from __future__ import annotations
 
 import contextlib
+import numbers
 import os
 import threading
 import time
@@ -90,6 +91,24 @@ ffi = _native.ffi
 AGGREGATES = ("sum", "mean")
 CTL_WORDS = lib.SHMPS_AGG_CTL_BYTES // 4
 WAIT_TIMEOUT_S = 60.0
+#: the longest wait a timeout asks for (about 31 years): math.inf is taken as this, so
+#: that the deadlines in ns (int(timeout * 1e9), the C core's uint64) stay numbers
+LONGEST_WAIT_S = 1e9
+
+
+def _round_timeout(timeout: Optional[float]) -> float:
+    """``push(timeout=)`` and ``wait_round(timeout=)`` in seconds: None is the default
+    (60 s), math.inf waits as long as it takes.  A negative or NaN timeout is refused:
+    the C core reads a negative one as no limit (a push waiting for the team hung for
+    ever) and int(NaN * 1e9) or int(inf * 1e9) raised a plain ValueError/OverflowError."""
+    if timeout is None:
+        return WAIT_TIMEOUT_S
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) \
+            or not float(timeout) >= 0:
+        raise InvalidArgument(f"timeout={timeout!r} must be None or a number of seconds >= 0",
+                              "pass e.g. timeout=60 (the default, None), or math.inf to "
+                              "wait as long as it takes")
+    return min(float(timeout), LONGEST_WAIT_S)
 
 
 #: The suffixes of the hidden tensors' names: reserved (store._check_not_reserved), so
@@ -289,10 +308,11 @@ class AggregateDense(DenseTensor):
         stuck process holds) with the round left for the next process to finish.  Cost:
         one exact push into the accumulator, and for the last pusher a pull, a push
         and a clear of the tensor; the bookkeeping is a few C calls."""
+        limit = _round_timeout(timeout)
         slot = self._slot()
         g, r = self._prepare(grad, rows)
         self._require_finite(g)
-        rnd = self._begin(slot, WAIT_TIMEOUT_S if timeout is None else float(timeout))
+        rnd = self._begin(slot, limit)
         if wait:
             self._contribute(slot, rnd, g, r)
             return None
@@ -595,10 +615,11 @@ class AggregateDense(DenseTensor):
         """Block until ``round`` (default: this process's last push's round) is
         applied; Timeout after ``timeout`` s (default 60) naming the worker behind.
         Sleeps on a futex (GIL released); re-checks liveness every 2 ms."""
+        limit = _round_timeout(timeout)
         rnd = self._last_round if round is None else int(round)
         if rnd is None:
             return
-        self._wait(rnd, WAIT_TIMEOUT_S if timeout is None else float(timeout))
+        self._wait(rnd, limit)
 
     def rounds(self) -> dict:
         """Round bookkeeping: next_round (oldest not applied), applied, skipped

@@ -1314,3 +1314,33 @@ def test_a_legacy_user_tensor_named_like_an_accumulator_without_its_base(job, st
     with shmps.attach(store_name, create=False) as other:
         other["y#agg0"].push(np.ones(4, np.float32))
     assert early.pull().tolist() == [1, 7, 7, 7]
+
+
+@pytest.mark.parametrize("timeout", [-1, float("nan"), "x", True])
+# (thread: should the bug come back, the push waits inside C, where the signal method's
+# alarm never reaches Python: the run would hang instead of failing)
+@pytest.mark.timeout(30, method="thread")
+def test_a_bad_round_timeout_is_refused_before_anything_waits(job, timeout):
+    """push(timeout=) and wait_round(timeout=) take None or seconds >= 0.  Before,
+    timeout=-1 (or NaN) reached the C core, which reads a negative timeout as no limit:
+    a push waiting for the team (1 of workers=2 joined) hung for ever; "x" raised a
+    plain ValueError.  Nothing is pushed."""
+    job.join()
+    W = job.dense("W", shape=(3,), dtype="float64", aggregate="sum", workers=2)
+    with pytest.raises(shmps.InvalidArgument, match="number of seconds"):
+        W.push(np.ones(3), timeout=timeout)
+    with pytest.raises(shmps.InvalidArgument, match="number of seconds"):
+        W.wait_round(0, timeout=timeout)
+    assert W.rounds()["applied"] == 0
+    np.testing.assert_array_equal(W.pull(), 0)
+
+
+@pytest.mark.timeout(30)
+def test_an_infinite_round_timeout_waits_as_long_as_it_takes(job):
+    """timeout=math.inf is "no limit" (as for attach, flush and clock): it raised
+    OverflowError (int(inf * 1e9), the deadline in ns) from wait_round."""
+    job.join()
+    W = job.dense("W", shape=(3,), dtype="float64", aggregate="sum", workers=1)
+    W.push(np.ones(3), timeout=float("inf"))
+    W.wait_round(timeout=float("inf"))
+    np.testing.assert_array_equal(W.pull(), 1)
