@@ -51,6 +51,7 @@ pending when the checkpoint was taken are not part of the model it holds.
 from __future__ import annotations
 
 import math
+import numbers
 import time
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
@@ -871,9 +872,14 @@ def unacknowledged(store: Any) -> list[tuple[Any, int, int]]:
 
 def flush(store: Any, timeout: Optional[float]) -> None:
     """store.flush(): wait until every push counted in an outbox now is acknowledged."""
+    # (a number: float() took "1" as 1 s and raised a plain ValueError for "x")
+    if timeout is not None and (isinstance(timeout, bool)
+                                or not isinstance(timeout, numbers.Real)
+                                or not float(timeout) >= 0):
+        raise InvalidArgument(f"timeout={timeout!r} must be None or a number of seconds >= 0",
+                              "pass e.g. timeout=60 (the default, None), or math.inf to "
+                              "wait as long as it takes")
     limit = FLUSH_TIMEOUT_S if timeout is None else float(timeout)
-    if not limit >= 0:
-        raise InvalidArgument(f"timeout={timeout!r} must be >= 0 (or None)")
     deadline = time.monotonic() + limit
     waits = unacknowledged(store)
     if waits:

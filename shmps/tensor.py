@@ -9,13 +9,15 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
 from . import _native, names
-from .errors import Closed, CorruptSegment, InvalidArgument, OutOfRange, SchemaError
+from .errors import (Closed, CorruptSegment, Error, InvalidArgument, OutOfRange, SchemaError,
+                     Timeout)
 from .segment import Segment
 from .updaters import Updater, from_dict
 
@@ -184,8 +186,20 @@ class PushHandle:
         return self._future.done()
 
     def wait(self, timeout: Optional[float] = None) -> None:
-        """Block until the push is applied; re-raises its error."""
-        self._future.result(timeout)
+        """Block until the push is applied; re-raises its error.  ``timeout`` seconds
+        (None: as long as it takes), then :class:`shmps.Timeout`; the push goes on."""
+        try:
+            self._future.result(timeout)
+        except FutureTimeout as exc:
+            # the future's own timeout is a plain TimeoutError, which `except
+            # shmps.Timeout` misses; the push's error (a shmps.Timeout too, on a stuck
+            # stripe lock) is re-raised as it is
+            if isinstance(exc, Error) or self._future.done():
+                raise
+            raise Timeout(f"the push is not applied after {timeout} s; it goes on in the "
+                          "background",
+                          "wait again (handle.wait()), or find the process holding the "
+                          "tensor's locks (a stopped one?)") from None
 
 
 #: shards of a dense or csr tensor at most: each is a mapping in every process that uses

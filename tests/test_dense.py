@@ -563,6 +563,22 @@ def test_push_wait_false_returns_handles(store):
     assert a[0, 0] == 7 and a[1, 0] == 5 and a.sum() == 5 * 100000 + 200
 
 
+def test_a_push_handle_whose_wait_runs_out_raises_shmps_timeout(store):
+    """handle.wait(timeout) that runs out raises shmps.Timeout (a TimeoutError too),
+    saying the push goes on; the push is applied all the same.  It raised the future's
+    plain TimeoutError, which `except shmps.Timeout` missed.  (The second push waits
+    behind the first, 64 MiB, on the store's push thread: not done at once.)"""
+    t = store.dense("w", shape=(4096, 4096), dtype="float32")
+    g = np.ones((4096, 4096), np.float32)
+    first, second = t.push(g, wait=False), t.push(g, wait=False)
+    with pytest.raises(shmps.Timeout, match="goes on in the background") as info:
+        second.wait(0)
+    assert isinstance(info.value, TimeoutError) and info.value.hint
+    store.wait(second, timeout=60)
+    assert first.done()
+    assert t.pull()[[0, -1], [0, -1]].tolist() == [2.0, 2.0]
+
+
 def test_push_wait_false_error_raised_on_wait(store):
     """A rejected wait=False push raises on wait, changing nothing; a bad shape raises at once."""
     t = store.dense("w", shape=(3,), dtype="float32", init=1.0)

@@ -1205,6 +1205,14 @@ def test_flush_times_out_without_a_bridge(store):
         store.flush(timeout=0.05)
 
 
+@pytest.mark.parametrize("timeout", ["1", "x", True, -1, float("nan")])
+def test_flush_refuses_a_timeout_that_is_not_seconds(store, timeout):
+    """flush(timeout=) is None or a number of seconds >= 0: float() took "1" as 1 s,
+    True as 1 s, and raised a plain ValueError for "x"."""
+    with pytest.raises(shmps.InvalidArgument, match="number of seconds"):
+        store.flush(timeout=timeout)
+
+
 def test_flush_asks_the_bridge_only_when_it_has_to_wait(store):
     """store.flush() bumps the manifest's flush_req word (the bridge's waiting thread
     wakes on it) when a push waits for its acknowledgement, and not when nothing is
