@@ -503,6 +503,22 @@ def _check_sharding(rows: int, shard_rows: Any, nshards: Any) -> None:
                          f"split {rows} rows")
 
 
+def _validate_sets(where: str, rec: dict, path: str) -> list:
+    """``files.validate_all(where)`` for a restore: a missing file, or a defect whose hint
+    is the file verbs' ("pass --rowcnt-dtype/--colidx-dtype/--value-dtype/--cols", flags
+    restore does not have: a truncated t0.value told a user restoring to pass them), is
+    a CorruptFile with the checkpoint hint; a hint of its own (fix a .meta) stays."""
+    try:
+        return files.validate_all(where)
+    except NotFound as exc:
+        raise CorruptFile(f"{exc.message} (tensor {rec['name']!r} of checkpoint {path})",
+                          files._CKPT_HINT) from None
+    except CorruptFile as exc:
+        if exc.hint != CorruptFile.hint:
+            raise
+        raise CorruptFile(exc.message, files._CKPT_HINT) from None
+
+
 def _plan_dense(path: str, entry: dict) -> _Plan:
     """Check a dense tensor's files against its record; nothing is created here."""
     from .store import _dense_specs
@@ -529,11 +545,7 @@ def _plan_dense(path: str, entry: dict) -> _Plan:
     except (KeyError, TypeError, ValueError, ArithmeticError, Error) as exc:
         raise CorruptFile(f"{cj}: tensor {rec['name']!r}: invalid record: {exc}",
                           files._CKPT_HINT) from None
-    try:
-        sets = files.validate_all(where)
-    except NotFound as exc:
-        raise CorruptFile(f"{exc.message} (tensor {rec['name']!r} of checkpoint {path})",
-                          files._CKPT_HINT) from None
+    sets = _validate_sets(where, rec, path)
     ms = sets[0]
     mp = f"{where}.meta"
     if ms.kind != "dense":
@@ -881,10 +893,7 @@ def _plan_sparse(path: str, entry: dict) -> _Plan:
     def corrupt(msg: str) -> CorruptFile:
         return CorruptFile(msg, files._CKPT_HINT)
 
-    try:
-        sets = files.validate_all(where)
-    except NotFound as exc:
-        raise corrupt(f"{exc.message} (tensor {rec['name']!r} of checkpoint {path})") from None
+    sets = _validate_sets(where, rec, path)
     ms = sets[0]
     try:
         # (not "origin": the restored tensor is this store's own, the checkpoint's values

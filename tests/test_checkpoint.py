@@ -590,6 +590,8 @@ def test_restore_of_corrupt_checkpoint_raises_and_leaves_no_store(store, tmp_pat
     with pytest.raises(shmps.CorruptFile) as info:
         shmps.restore(path, target)
     assert needle in str(info.value), str(info.value)
+    # (the file verbs' hint, "pass --rowcnt-dtype/.../--cols", names flags restore has not)
+    assert "--rowcnt-dtype" not in str(info.value), str(info.value)
     assert segments(target) == []
     before = store["b"].pull()
     with pytest.raises(shmps.CorruptFile):
