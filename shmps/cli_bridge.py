@@ -191,3 +191,10 @@ def register(sub: Any) -> None:
                    help="seconds to wait for the bridge's answer (default 10)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_members)
+
+
+if __name__ == "__main__":  # pragma: no cover (run in a subprocess by the tests)
+    # `python -m shmps.<this module> --help` printed nothing and exited 0: the module
+    # only defines verbs of shmps-tool, so it runs shmps-tool
+    from .cli import main
+    raise SystemExit(main())

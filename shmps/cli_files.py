@@ -895,3 +895,10 @@ def convert(args: argparse.Namespace) -> int:
 
 __all__ = ["register", "dump", "check", "convert", "value_strings", "row_nnz_stats",
            "value_stats", "ENTRY_CHUNK", "ROW_CHUNK", "PROGRESS_MIN_BYTES"]
+
+
+if __name__ == "__main__":  # pragma: no cover (run in a subprocess by the tests)
+    # `python -m shmps.<this module> --help` printed nothing and exited 0: the module
+    # only defines verbs of shmps-tool, so it runs shmps-tool
+    from .cli import main
+    raise SystemExit(main())

@@ -402,3 +402,10 @@ def register(sub: Any) -> None:
     p.add_argument("--namespace")
     p.add_argument("--force", action="store_true", help="replace an existing store")
     p.set_defaults(func=cmd_restore)
+
+
+if __name__ == "__main__":  # pragma: no cover (run in a subprocess by the tests)
+    # `python -m shmps.<this module> --help` printed nothing and exited 0: the module
+    # only defines verbs of shmps-tool, so it runs shmps-tool
+    from .cli import main
+    raise SystemExit(main())

@@ -835,3 +835,17 @@ def test_restore_as_empty_and_a_bridge_path_with_a_newline_are_one_line(ns, tmp_
                        env=child_env(), timeout=60)
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "cannot read hosts file" in r.stderr
+
+
+@pytest.mark.parametrize("module", ["shmps.cli_store", "shmps.cli_files", "shmps.cli_bridge"])
+def test_running_a_verb_module_runs_shmps_tool(module, ns):
+    """`python -m shmps.cli_store --help` (a module of shmps-tool's verbs) printed
+    nothing and exited 0; it runs shmps-tool now: usage, and a verb works."""
+    env = {**child_env(), "SHMPS_NAMESPACE": ns}
+    r = subprocess.run([sys.executable, "-m", module, "--help"], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.startswith("usage: shmps-tool"), (r.stdout, r.stderr)
+    r = subprocess.run([sys.executable, "-m", module, "ls"], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert r.stdout.strip() == f"no shmps stores on this host in namespace {ns}", r.stdout
