@@ -304,9 +304,11 @@ def load_manifest(path: str | os.PathLike) -> dict:
     return files.read_checkpoint_manifest(path)
 
 
-def restore(path: str | os.PathLike, name: str, *, namespace: Optional[str] = None,
-            force: bool = False) -> Any:
-    """Recreate store ``name`` from the checkpoint at ``path``; returns it attached.
+def restore(path: str | os.PathLike, name: Optional[str] = None, *,
+            namespace: Optional[str] = None, force: bool = False) -> Any:
+    """Recreate store ``name`` (default: the checkpointed store's name, as
+    ``shmps-tool restore`` without ``--as``) from the checkpoint at ``path``; returns it
+    attached.
 
     The whole checkpoint is checked first (every file's size and ``.meta`` against
     checkpoint.json, each table's saved index, the per-row statistics of tables and csr
@@ -323,7 +325,10 @@ def restore(path: str | os.PathLike, name: str, *, namespace: Optional[str] = No
     process after its ``timeout``), and if this process is killed midway the next attach
     (or gc) removes the partial store, so no process ever uses a half-restored one."""
     shown = os.fspath(path)
-    names.check_name(name)
+    if name is not None:
+        # ("" is refused as a name, not taken for "the checkpoint's": a name from an
+        # unset variable must not restore over the checkpointed store)
+        names.check_name(name)
     try:
         dfd = os.open(shown, os.O_RDONLY | os.O_DIRECTORY)
     except OSError:
@@ -349,9 +354,12 @@ def restore(path: str | os.PathLike, name: str, *, namespace: Optional[str] = No
         os.close(dfd)
 
 
-def _restore_from(path: str, name: str, namespace: Optional[str], force: bool) -> Any:
-    """restore(), reading the checkpoint at ``path``."""
+def _restore_from(path: str, name: Optional[str], namespace: Optional[str],
+                  force: bool) -> Any:
+    """restore(), reading the checkpoint at ``path`` (``name`` None: its store's)."""
     doc = _load_doc(path)
+    if name is None:
+        name = doc["store"]
     plans = []
     for e in doc["tensors"]:
         kind = e["record"]["kind"]

@@ -285,13 +285,12 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
 
 def cmd_restore(args: argparse.Namespace) -> int:
     """Recreate a store from a checkpoint directory."""
-    from .checkpoint import load_manifest, restore
+    from .checkpoint import restore
 
     # (--as '' is refused as a name, not taken for "the checkpoint's": a `--as "$NAME"`
     # with NAME unset must not restore over the checkpointed store)
-    name = args.as_name if args.as_name is not None else load_manifest(args.path)["store"]
-    store = restore(args.path, name, namespace=args.namespace, force=args.force)
-    n = len(store.tensors())
+    store = restore(args.path, args.as_name, namespace=args.namespace, force=args.force)
+    n, name = len(store.tensors()), store.name
     store.close()
     print(f"restored {n} tensors from {args.path} into store {name}")
     return 0

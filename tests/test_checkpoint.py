@@ -425,6 +425,26 @@ def test_checkpoint_leaves_the_users_own_dirs_beside_path(store, tmp_path, names
 
 # ---- restore rules ----------------------------------------------------------------------
 
+def test_restore_without_a_name_recreates_the_checkpointed_store(store, tmp_path, names):
+    """shmps.restore(path) takes the checkpointed store's name, as `shmps-tool restore
+    PATH` without --as does (it was a required argument: TypeError); an empty name is
+    refused, not taken for that default."""
+    store.dense("w", shape=(3, 2), dtype="int32", init=4)
+    path = tmp_path / "ck"
+    store.checkpoint(path)
+    with pytest.raises(shmps.InvalidArgument, match="exists .*force"):
+        shmps.restore(path)                    # (the checkpointed store: it is live)
+    with pytest.raises(shmps.InvalidArgument):
+        shmps.restore(path, "")
+    name = store.name
+    store.destroy()
+    r = shmps.restore(path)
+    try:
+        assert r.name == name and (r["w"].pull() == 4).all()
+    finally:
+        r.destroy()
+
+
 def test_restore_refuses_existing_store_unless_force(store, tmp_path, procs, names):
     """restore() refuses a store with tensors or other live processes unless force=True."""
     t = store.dense("w", shape=(3, 2), dtype="int32", init=1)
