@@ -519,6 +519,25 @@ class DenseTensor(Tensor):
             _native.check(code, f"pull from {self.name!r}")
         return out
 
+    def __array__(self, dtype: Any = None, copy: Optional[bool] = None) -> np.ndarray:
+        """``np.asarray(w)`` (and ``torch.as_tensor(w)``): :meth:`pull`, a consistent
+        private copy, in ``dtype`` if given.  ``copy=False`` is refused (ValueError, as
+        numpy does for what it cannot give without a copy): :meth:`view` is the zero-copy
+        array, racy by design, not a default to fall into."""
+        if copy is False:
+            raise ValueError(f"{self.name!r}: a shmps tensor's values cannot be given "
+                             "without a copy; use w.view() for a zero-copy, racy, "
+                             "read-only array, or w.pull()")
+        out = self.pull()
+        return out if dtype is None else out.astype(dtype, copy=False)
+
+    def __len__(self) -> int:
+        """The first dimension, as for a numpy array (a 0-d tensor has none:
+        TypeError, as numpy's)."""
+        if not self.shape:
+            raise TypeError(f"len() of the 0-d tensor {self.name!r}")
+        return int(self.shape[0])
+
     def view(self, writable: bool = False) -> np.ndarray:
         """A zero-copy, read-only numpy array over the live values.
 

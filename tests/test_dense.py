@@ -844,3 +844,27 @@ def test_a_copy_written_by_rows_goes_on_at_the_tensors_step(store):
     owner.push(g)
     copy.push(g)
     assert copy.pull().tobytes() == owner.pull().tobytes()
+
+
+def test_numpy_takes_a_tensor_as_an_array_through_a_pull(store):
+    """np.asarray(w) is w.pull(): the values, a private copy (writing it changes no
+    tensor), in the dtype asked for; copy=False is refused with numpy's ValueError,
+    naming view(); len(w) is the first dimension, and a 0-d tensor has none (numpy's
+    TypeError).  (Before, np.asarray(w) made a 0-d object array holding the tensor, and
+    len(w) raised TypeError.)"""
+    w = store.dense("w", shape=(4, 3), dtype="int32", optimizer="sum", init=2)
+    w.push(np.arange(12, dtype=np.int32).reshape(4, 3))
+    a = np.asarray(w)
+    assert a.dtype == np.int32 and a.shape == (4, 3)
+    np.testing.assert_array_equal(a, w.pull())
+    a[:] = -1
+    assert w.pull().min() == 2
+    f = np.asarray(w, dtype=np.float64)
+    assert f.dtype == np.float64 and f.sum() == 24 + 66
+    assert np.sum(w) == 24 + 66 and np.add(w, 1)[3, 2] == 14
+    with pytest.raises(ValueError, match="view()"):
+        np.asarray(w, copy=False)
+    assert len(w) == 4
+    assert len(store.dense("empty", shape=(0, 3), dtype="float32")) == 0
+    with pytest.raises(TypeError, match="0-d"):
+        len(store.dense("scalar", shape=(), dtype="float32"))
