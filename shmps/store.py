@@ -430,7 +430,10 @@ class Store:
         if aggregate is not None or workers is not None:
             from .aggregate import add_request
             add_request(self, name, req, aggregate, workers)
-        return self._get_or_create(name, req, lambda: self._create_dense(name, req, init))
+        return self._get_or_create(
+            name, req, lambda: self._create_dense(name, req, init),
+            lambda rec: _init_array(init, tuple(rec["shape"]), np.dtype(rec["dtype"]),
+                                    bool(rec.get("allow_nonfinite", False))))
 
     def table(self, name: str, dim: Optional[int] = None, dtype: Any = None,
               capacity: Optional[int] = None, optimizer: UpdaterLike = None,
@@ -553,22 +556,34 @@ class Store:
 
             return self._create_tensor(rec, specs, fill)
 
-        return self._get_or_create(name, req, create)
+        def check_init(rec: dict) -> None:
+            cmod.init_values(init, int(rec["nnz"]), np.dtype(rec["dtype"]),
+                             bool(rec.get("allow_nonfinite", False)))
 
-    def _get_or_create(self, name: str, req: dict, create: Any) -> Any:
+        return self._get_or_create(name, req, create, check_init)
+
+    def _get_or_create(self, name: str, req: dict, create: Any,
+                       check_init: Any = None) -> Any:
+        """The tensor ``name``: created by ``create()`` if absent, else its record must
+        match ``req`` (_match); ``check_init(rec)``, if given, then checks the caller's
+        init against the existing record (it is not used, but a bad one is refused in
+        every worker, not only in the one that happened to create the tensor)."""
         with self._lock:
             self._mptr  # Closed after close()
             t = self._tensors.get(name)
             rec = t.record if t is not None else self._record(name)
+            created = False
             if rec is None:
                 self._lock_manifest()
                 try:
                     rec = self._record(name)
                     if rec is None:
-                        rec = create()
+                        rec, created = create(), True
                 finally:
                     lib.shmps_manifest_unlock(self._mptr)
             _match(rec, req)
+            if check_init is not None and not created:
+                check_init(rec)
             return t if t is not None else self._open(rec)
 
     def _lock_manifest(self) -> None:

@@ -125,6 +125,21 @@ def test_get_or_create(store):
         store.csr("Y")
 
 
+def test_get_or_create_refuses_a_bad_init_in_a_worker_that_did_not_create(store):
+    """As for dense tensors: an existing csr tensor's init is not used, but one not of
+    one value per entry, or not finite, is refused in every worker, and changes
+    nothing."""
+    m = random_matrix(3)
+    x = make(store, m)
+    before = x.pull().value.copy()
+    with pytest.raises(shmps.SchemaError):
+        store.csr("X", m.indptr, m.indices, init=np.ones(m.nnz + 1))
+    with pytest.raises(shmps.InvalidArgument, match="not finite"):
+        store.csr("X", init=float("nan"))
+    np.testing.assert_array_equal(x.pull().value, before)
+    assert store.csr("X", init=np.full(m.nnz, 7.0)) is x
+
+
 def test_shape_and_empty_matrix(store):
     """shape= may add empty columns; a matrix with no rows or no entries works."""
     x = store.csr("X", [0, 1], [2], shape=(1, 10), init=5.0)

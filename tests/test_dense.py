@@ -502,6 +502,28 @@ def test_get_or_create_mismatch_names_the_field(store, field, kwargs):
     np.testing.assert_array_equal(store["w"].pull(), before)
 
 
+@pytest.mark.parametrize("init,error", [
+    (np.ones(7, np.float32), shmps.SchemaError),               # not the tensor's shape
+    (np.full((4, 2), np.nan, np.float32), shmps.InvalidArgument),  # NaN, allow_nonfinite off
+    ("abc", shmps.SchemaError),                                # not a number
+    (float("inf"), shmps.InvalidArgument),
+])
+def test_get_or_create_refuses_a_bad_init_in_a_worker_that_did_not_create(store, init,
+                                                                            error):
+    """init is not compared (each worker may pass its own, random, one: only the
+    creator's is used), but a bad one is refused in every worker, the same as in the
+    creator, and changes nothing: whether a worker's bad init raised depended on which
+    worker won the creation race (H3's walk-through).  A good init differing from the
+    creator's is accepted and not used."""
+    t = store.dense("w", shape=(4, 2), dtype="float32", init=1.0)
+    with pytest.raises(error):
+        store.dense("w", shape=(4, 2), dtype="float32", init=init)
+    with pytest.raises(error):
+        store.dense("w", init=init)
+    np.testing.assert_array_equal(t.pull(), 1.0)
+    assert store.dense("w", init=np.full((4, 2), 5.0)).pull().max() == 1.0
+
+
 def test_getitem_and_contains(store):
     """store[name] returns an existing tensor; `in` tells whether it exists."""
     store.dense("w", shape=(2,))
