@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import io
 import logging
 import os
 import struct
@@ -5958,7 +5959,27 @@ def test_a_bridge_finds_its_ipv6_entry_of_the_member_list():
     addresses are not, so it found none (review 18 F7: "0 match")."""
     from shmps.bridge import cli as bridge_cli
 
-    assert bridge_cli._pick_listen(["10.255.255.7:7070", "[::1]:7071"]) == "[::1]:7071"
-    assert bridge_cli._pick_listen(["10.255.255.7:7070", "127.0.0.1:7072"]) == "127.0.0.1:7072"
-    with pytest.raises(Error, match="0 match"):
-        bridge_cli._pick_listen(["10.255.255.7:7070"])
+    pick = bridge_cli._pick_listen
+    assert pick(["10.255.255.7:7070", "[::1]:7071"], "h.txt") == "[::1]:7071"
+    assert pick(["10.255.255.7:7070", "127.0.0.1:7072"], "h.txt") == "127.0.0.1:7072"
+    with pytest.raises(Error, match="no entry of hosts file h.txt is an address of this"):
+        pick(["10.255.255.7:7070"], "h.txt")
+
+
+def test_a_bridge_without_listen_says_what_its_hosts_file_lacks(tmp_path):
+    """shmps-bridge without --listen: a hosts file that lists no host (empty, or only
+    comments) says so, and one with two entries of this machine names them (both said
+    "cannot tell which entry ... (0 match its addresses)", or "(2 match ...)");
+    --log-level takes lower case too (it was refused: "invalid choice: 'debug'")."""
+    from shmps.bridge import cli as bridge_cli
+
+    hosts = tmp_path / "hosts.txt"
+    for text in ["", "# no host yet\n\n"]:
+        hosts.write_text(text)
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            assert bridge_cli.main(["--peers", str(hosts), "--store", "m",
+                                    "--log-level", "debug"]) == 2
+        assert f"hosts file {hosts} lists no host" in err.getvalue(), err.getvalue()
+    with pytest.raises(Error, match="2 match its addresses: 127.0.0.1:7070, 127.0.0.1:7071"):
+        bridge_cli._pick_listen(["127.0.0.1:7070", "127.0.0.1:7071"], "h.txt")

@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
                    default=DEAD_AFTER,
                    help=f"seconds of silence before a peer is dead (default {DEAD_AFTER}; "
                         f"at least two heartbeats, {2 * HEARTBEAT_INTERVAL:g} s)")
-    p.add_argument("--log-level", default="INFO",
+    p.add_argument("--log-level", default="INFO", type=str.upper,   # (debug as DEBUG)
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
 
@@ -66,12 +66,20 @@ def _local_addresses() -> set[str]:
     return out
 
 
-def _pick_listen(members: list[str]) -> str:
+def _pick_listen(members: list[str], peers: str) -> str:
+    if not members:
+        raise Error(f"hosts file {peers} lists no host",
+                    "write one host:port a line in it, this host's among them")
     local = _local_addresses()
     mine = [m for m in members if address_host(m) in local]   # ("[::1]:7070" is ::1's)
-    if len(mine) != 1:
-        raise Error(f"cannot tell which entry of the member list is this host ({len(mine)} "
-                    "match its addresses)", "pass --listen HOST:PORT")
+    if not mine:
+        raise Error(f"no entry of hosts file {peers} is an address of this host "
+                    f"({len(members)} entries)",
+                    "add this host's host:port to it, or pass --listen HOST:PORT")
+    if len(mine) > 1:
+        raise Error(f"cannot tell which entry of hosts file {peers} is this host ("
+                    f"{len(mine)} match its addresses: {', '.join(mine[:4])})",
+                    "pass --listen HOST:PORT")
     return mine[0]
 
 
@@ -89,7 +97,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from .node import Config, serve
     try:
         members = read_hosts(args.peers)
-        listen = normalize_address(args.listen) if args.listen else _pick_listen(members)
+        listen = normalize_address(args.listen) if args.listen else _pick_listen(members, args.peers)
         secret = auth.load_secret(args.secret_file) if args.secret_file else None
         cfg = Config(peers_file=args.peers, store=args.store, listen=listen,
                      replicas=args.replicas, secret=secret, namespace=args.namespace,
