@@ -19,6 +19,7 @@ import uuid
 import numpy as np
 
 import shmps
+from shmps.cli_args import at_least_one, non_negative
 
 
 def load_data(seed: int = 0):
@@ -66,29 +67,12 @@ def accuracy(w: np.ndarray, X: np.ndarray, y: np.ndarray) -> float:
     return float(((X @ w).argmax(axis=1) == y).mean())
 
 
-def positive(text: str) -> int:
-    """argparse type: an integer >= 1 (0 workers, epochs or rows trains nothing: the
-    run would fail its bar, or divide by zero, instead of saying what is wrong)."""
-    n = int(text)   # (a ValueError: argparse says "invalid positive value")
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{text} must be an integer >= 1")
-    return n
-
-
-def non_negative(text: str) -> float:
-    """argparse type: a finite number >= 0 (a learning rate, a penalty)."""
-    x = float(text)
-    if not 0 <= x < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text} must be a finite number >= 0")
-    return x
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--workers", type=positive, default=4)
-    ap.add_argument("--epochs", type=positive, default=160)  # 60 missed the 1-point bar in ~1 run of 20
+    ap.add_argument("--workers", type=at_least_one, default=4)
+    ap.add_argument("--epochs", type=at_least_one, default=160)  # 60 missed the 1-point bar in ~1 run of 20
     ap.add_argument("--lr", type=non_negative, default=0.3)
-    ap.add_argument("--batch", type=positive, default=32)
+    ap.add_argument("--batch", type=at_least_one, default=32)
     ap.add_argument("--l2", type=non_negative, default=1e-4)
     args = ap.parse_args(argv)
     X_train, X_test, y_train, y_test = load_data()

@@ -28,6 +28,7 @@ import uuid
 import numpy as np
 
 import shmps
+from shmps.cli_args import at_least_one, non_negative
 
 D = 1 << 20                      # hashed feature space
 BIAS_KEY = D                     # one extra key for the bias
@@ -130,30 +131,13 @@ def worker(rank: int, nworkers: int, store_name: str, args: argparse.Namespace) 
         store.close()
 
 
-def positive(text: str) -> int:
-    """argparse type: an integer >= 1 (0 workers, epochs or rows trains nothing: the
-    run would fail its bar, or divide by zero, instead of saying what is wrong)."""
-    n = int(text)   # (a ValueError: argparse says "invalid positive value")
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{text} must be an integer >= 1")
-    return n
-
-
-def non_negative(text: str) -> float:
-    """argparse type: a finite number >= 0 (a learning rate, a penalty)."""
-    x = float(text)
-    if not 0 <= x < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text} must be a finite number >= 0")
-    return x
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--workers", type=positive, default=4)
-    ap.add_argument("--epochs", type=positive, default=3)
-    ap.add_argument("--train", type=positive, default=400_000, help="impressions to train on")
-    ap.add_argument("--test", type=positive, default=50_000, help="held-out impressions")
-    ap.add_argument("--batch", type=positive, default=256)
+    ap.add_argument("--workers", type=at_least_one, default=4)
+    ap.add_argument("--epochs", type=at_least_one, default=3)
+    ap.add_argument("--train", type=at_least_one, default=400_000, help="impressions to train on")
+    ap.add_argument("--test", type=at_least_one, default=50_000, help="held-out impressions")
+    ap.add_argument("--batch", type=at_least_one, default=256)
     ap.add_argument("--alpha", type=non_negative, default=0.2)
     ap.add_argument("--l1", type=non_negative, default=0.5)
     ap.add_argument("--l2", type=non_negative, default=1.0)

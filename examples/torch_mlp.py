@@ -22,7 +22,7 @@ import uuid
 
 import numpy as np
 
-import shmps
+from shmps.cli_args import at_least_one, at_least_zero, non_negative
 
 
 def need(module: str, extra: str) -> None:
@@ -111,38 +111,13 @@ def reference(args: argparse.Namespace, X_tr, y_tr, X_te, y_te) -> float:
     return accuracy(model, X_te, y_te)
 
 
-def positive(text: str) -> int:
-    """argparse type: an integer >= 1 (0 workers, epochs or rows trains nothing: the
-    run would fail its bar, or divide by zero, instead of saying what is wrong)."""
-    n = int(text)   # (a ValueError: argparse says "invalid positive value")
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{text} must be an integer >= 1")
-    return n
-
-
-def non_negative(text: str) -> float:
-    """argparse type: a finite number >= 0 (a learning rate, a penalty)."""
-    x = float(text)
-    if not 0 <= x < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text} must be a finite number >= 0")
-    return x
-
-
-def staleness(text: str) -> int:
-    """argparse type: an integer >= 0 (shmps.attach(staleness=k))."""
-    n = int(text)
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"{text} must be an integer >= 0")
-    return n
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--workers", type=positive, default=4)
-    ap.add_argument("--staleness", type=staleness, default=2)
-    ap.add_argument("--epochs", type=positive, default=30)
-    ap.add_argument("--batch", type=positive, default=32)
-    ap.add_argument("--hidden", type=positive, default=128)
+    ap.add_argument("--workers", type=at_least_one, default=4)
+    ap.add_argument("--staleness", type=at_least_zero, default=2)
+    ap.add_argument("--epochs", type=at_least_one, default=30)
+    ap.add_argument("--batch", type=at_least_one, default=32)
+    ap.add_argument("--hidden", type=at_least_one, default=128)
     ap.add_argument("--lr", type=non_negative, default=1e-3)
     args = ap.parse_args(argv)
     need("torch", "torch")

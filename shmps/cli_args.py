@@ -20,7 +20,7 @@ def at_least(least: int) -> Callable[[str], int]:
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
         if n < least:
-            raise argparse.ArgumentTypeError(f"{n} must be >= {least}")
+            raise argparse.ArgumentTypeError(f"{n} must be an integer >= {least}")
         return n
     return parse
 
@@ -47,3 +47,15 @@ def positive(limit: float = math.inf, least: float = 0.0) -> Callable[[str], flo
                 + (f" and <= {limit:g}" if math.isfinite(limit) else ""))
         return x
     return parse
+
+
+def non_negative(text: str) -> float:
+    """A type for a finite number >= 0 (a learning rate, a penalty of the examples):
+    nan, inf and negatives are refused."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (0 <= x and math.isfinite(x)):
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number >= 0")
+    return x

@@ -1815,7 +1815,7 @@ def test_bridge_cli_refuses_bad_setups(tmp_path):
     assert r.returncode == 2 and "chmod 600" in r.stderr, r.stderr
     # numbers out of range are refused by the parser, each naming its option, and every
     # message points a command-line user at --help (not at a docstring)
-    for args, said in ((["--replicas", "0"], "argument --replicas: 0 must be >= 1"),
+    for args, said in ((["--replicas", "0"], "argument --replicas: 0 must be an integer >= 1"),
                        (["--replicas", "two"], "argument --replicas: 'two' is not an integer"),
                        (["--flush-ms", "-1"], "argument --flush-ms: -1 must be a finite"),
                        (["--flush-ms", "nan"], "argument --flush-ms: nan must be a finite"),
