@@ -257,10 +257,23 @@ class SplitParts:
     starting and returns once none runs.  The push's slots, and an aggregated round's
     claim, are let go of after it, with no thread of the push still writing (a SIGINT
     during the parts' submission let the slots go while a queued part then wrote: review
-    H2 of 2026-11-28)."""
+    H2 of 2026-11-28).
+
+    No threading.Condition: its ``__enter__`` is Python code, and an interrupt handled
+    there right after its lock was taken (at the check that follows a C call) leaves
+    the lock held with no ``with`` block to let it go: :meth:`close` then waited for it
+    forever, and so did each helper thread at its part's end (review H4 of 2026-11-28).
+    The pushing thread takes ``_lock``, a plain lock, only in ``with`` statements
+    (entered in C: nothing runs between the lock taken and the block begun) and never
+    holds it while it waits; it waits on ``_bell``, a lock held while no part ended
+    since it last looked, that a helper thread lets go of (under ``_lock``) as its part
+    ends.  An interrupt of that wait loses nothing: the counts are looked at again,
+    under ``_lock``, before each wait."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()   # the counts and _closed (helpers and pusher)
+        self._bell = threading.Lock()   # held: no part ended since the pusher's last look
+        self._bell.acquire()
         self._closed = False
         self._running = 0      # parts a helper thread runs now
         self._submitted = 0    # parts submitted (counted after submit returned)
@@ -272,7 +285,7 @@ class SplitParts:
         self._submitted += 1   # (only the pushing thread writes it)
 
     def _run(self, fn: Any, args: tuple) -> None:
-        with self._cond:
+        with self._lock:
             if self._closed:
                 return         # (the push ended on an error before this part started)
             self._running += 1
@@ -281,16 +294,21 @@ class SplitParts:
         except BaseException as exc:
             self.errors.append(exc)
         finally:
-            with self._cond:
+            with self._lock:
                 self._running -= 1
                 self._ended += 1
-                self._cond.notify_all()
+                # (only helpers let the bell go, each under _lock: it is held here, so
+                # this release cannot meet a bell let go of already)
+                if self._bell.locked():
+                    self._bell.release()
 
     def wait(self) -> None:
         """Until every submitted part ended (interruptible: then :meth:`close`)."""
-        with self._cond:
-            while self._ended < self._submitted:
-                self._cond.wait()
+        while True:
+            with self._lock:
+                if self._ended >= self._submitted:
+                    return
+            self._bell.acquire()   # (a part that ended since the look let it go)
 
     def close(self) -> None:
         """No part starts from now on; returns once none runs, however often it is
@@ -298,11 +316,11 @@ class SplitParts:
         err: Optional[BaseException] = None
         while True:
             try:
-                with self._cond:
+                with self._lock:
                     self._closed = True
-                    while self._running:
-                        self._cond.wait()
-                break
+                    if not self._running:
+                        break
+                self._bell.acquire()
             except BaseException as exc:
                 err = err or exc
         if err is not None:

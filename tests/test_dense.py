@@ -847,6 +847,81 @@ def test_an_interrupt_of_a_split_push_surfaces_only_once_no_helper_thread_writes
         tensor._pools.pop(os.getpid()).shutdown(wait=True)
 
 
+_INTERRUPT_AT_THE_LOCK = r'''
+import os, signal, sys, threading, time
+from shmps.tensor import SplitParts
+
+where = sys.argv[1]
+parts = SplitParts()
+release, ended = threading.Event(), []
+
+def part() -> None:
+    release.wait(30)
+    ended.append(1)
+
+parts.submit(part)                       # runs on a helper thread until released
+me = threading.get_ident()
+waits = {SplitParts.wait.__code__, SplitParts.close.__code__}
+
+def holder() -> None:
+    with parts._lock:
+        until = time.monotonic() + 10    # until the push waits for the lock
+        while time.monotonic() < until:
+            f = sys._current_frames().get(me)
+            while f is not None and f.f_code not in waits:
+                f = f.f_back
+            if f is not None:
+                break
+            time.sleep(0.001)
+        time.sleep(0.1)
+        os.kill(os.getpid(), signal.SIGINT)   # taken by a thread other than the push's
+        time.sleep(0.1)
+
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+threading.Thread(target=holder, daemon=True).start()
+threading.Timer(0.6, release.set).start()     # the part ends after the interrupt
+try:
+    (parts.wait if where == "waiting" else parts.close)()
+    print("no interrupt", flush=True)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+if where == "waiting":
+    parts.close()                 # (the push's way out of its wait)
+    print("closed", ended, flush=True)
+else:
+    print("closed", ended, flush=True)
+os._exit(0)
+'''
+
+
+@pytest.mark.parametrize("where", ["waiting", "closing"])
+def test_an_interrupt_just_as_a_split_push_takes_its_parts_lock_ends_no_wait(where):
+    """A SIGINT handled in the pushing thread right after it took the lock that counts
+    the parts of its split push (tensor.SplitParts), in its wait for them ("waiting")
+    or in close(), its way out on an error, retried until no part runs ("closing"):
+    the interrupt surfaces, and close() returns once the running part ended.  (With a
+    threading.Condition, the interrupt could be raised inside Condition.__enter__ after
+    the lock was taken and before the with block began: the lock stayed held, close()
+    waited for it forever, and the helper thread's part, at its end, too.)  A thread
+    holds the lock while the push waits for it, and the SIGINT, blocked in the
+    pushing thread, is taken by another one (its handler then runs in the pushing
+    thread as soon as the lock is taken, not in the wait for it).  In a child process,
+    bounded: the hang was a hang."""
+    import subprocess
+    import sys
+
+    from helpers import child_env
+
+    try:
+        out = subprocess.run([sys.executable, "-c", _INTERRUPT_AT_THE_LOCK, where],
+                             env=child_env(), capture_output=True, text=True, timeout=20)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the push's wait hung ({where}): {e.stdout!r}")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == ["interrupted", "closed [1]"], (out.stdout,
+                                                                          out.stderr)
+
+
 def test_a_copy_written_by_rows_goes_on_at_the_tensors_step(store):
     """A replica's copy (the bridge writes the owner's rows into it, and raises its step)
     holds values its stripes did not apply themselves: a whole push there afterwards
