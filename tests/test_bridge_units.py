@@ -2252,6 +2252,83 @@ def test_a_leaving_creators_question_unanswered_or_answered_busy_is_asked_or_sen
         node.store.destroy()
 
 
+def test_a_leaving_creators_unanswered_question_is_sent_on_while_its_pushes_wait(tmp_path):
+    """A leaving creator asked the owner of a fresh shard whether it still waits for its
+    initial values (INIT_QUERY), and no answer came (lost with its connection, say),
+    while the leave waits for this host's own pushes to be acknowledged (its first
+    step, up to its deadline less 2 s).  The initial values are sent INIT_ASK_S after
+    the question, during that wait, as they went at the leave's start before there was
+    a question; not only once the wait for the pushes has ended (that left them 0.5 s
+    before the leave's deadline for a read, a send and an answer: they came at 4.0 s of
+    a 6 s leave).  Drives the leave of a Bridge, not started (nothing drains: a
+    worker's push stays unacknowledged), on a real store, over real connections (a link
+    to the owner for the question, its data connection for the snapshot)."""
+    import uuid
+
+    import shmps
+    from shmps.bridge import node as bridge_node
+    from shmps.bridge.ring import shard_key
+
+    me, peer, third = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
+    ns = f"u{uuid.uuid4().hex[:10]}"
+    node = _bridge(tmp_path, [me, peer, third], store="askwait", namespace=ns,
+                   dead_after=5.0)
+    node.store = shmps.attach("askwait", namespace=ns)
+    worker = None
+    try:
+        name = next(f"w{i}" for i in range(1000) if node.owner(shard_key(f"w{i}", 0)) == peer)
+        node.store.dense(name, (8, 4), "float32", init=3.0, optimizer="sum")  # created here
+        while node.refresh_tensors(budget=None):
+            pass
+        everyone = {m: State.ALIVE for m in (me, peer, third)}
+        for p in (peer, third):
+            node.on_heartbeat(p, _heartbeat(p, 0, everyone))
+        tid = node.by_name[name].tid
+        assert node._fresh_origin((tid, 0), time.monotonic())
+        node.store._set_forwarding(True)
+        worker = shmps.attach("askwait", namespace=ns, create=False)
+        worker[name].push(np.ones((8, 4), np.float32))   # (never drained: unacknowledged)
+
+        async def main() -> tuple:
+            async with _link_connection(node, peer) as far, \
+                    _data_connection(node, peer) as data:
+                asked: list = []
+                came = asyncio.Event()
+                lasts: list = []
+
+                def keep(m: memoryview) -> bool:
+                    for f in frames.iter_frames(bytes(m)):
+                        if f.type == FrameType.SNAPSHOT and f.flags & Flag.LAST:
+                            lasts.append((f, time.monotonic()))
+                            came.set()
+                    return True
+
+                far.start(lambda m: asked.extend(frames.iter_frames(bytes(m))) or True)
+                data.start(keep)
+                t0 = time.monotonic()
+                leave = asyncio.ensure_future(node.leave(timeout=6.0))
+                try:
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(came.wait(), 5.0)
+                    return ([(type(f).__name__, f.shard) for f in asked],
+                            [(f.tensor, f.shard, bool(f.flags & Flag.HANDOVER), at - t0)
+                             for f, at in lasts], node.handed_over)
+                finally:
+                    leave.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await leave
+
+        asked, lasts, handed_over = asyncio.run(asyncio.wait_for(main(), 30))
+        assert asked == [("InitQuery", 0)], asked          # asked, never answered
+        assert lasts and lasts[0][:3] == (tid, 0, True), lasts
+        assert bridge_node.INIT_ASK_S <= lasts[0][3] < 2.5, lasts   # (was: 4.0 s)
+        assert not handed_over                              # (still in the pushes' wait)
+    finally:
+        if worker is not None:
+            worker.close()
+        node.store.destroy()
+
+
 def test_an_owner_answers_a_creators_question_by_its_own_wait(tmp_path):
     """The owner of a shard answers a leaving creator's INIT_QUERY by what a hand-over of
     its initial values would meet here now: BUSY while it has not taken the tensor up

@@ -980,6 +980,18 @@ class Bridge:
         # are given too (_init_not_given, below)
         await self.refresh_all_tensors()
         self._give_initial_values()
+        give_at = [time.monotonic() + 0.25]
+
+        def give_again() -> None:
+            # every 0.25 s from here on, the wait for this host's pushes included: the
+            # owners asked whether they wait for the initial values that have not
+            # answered INIT_ASK_S on are sent them, those that answered BUSY asked
+            # again.  (Looked at only after that wait, an unanswered question's values
+            # went up to the leave's deadline less 2 s late, where before the question
+            # they went at its start: review H4 of 2026-11-28)
+            if time.monotonic() >= give_at[0]:
+                give_at[0] = time.monotonic() + 0.25
+                self._give_initial_values()
 
         # this host's own pushes reach their owners first: what store.flush would wait
         # for now, waited for on this loop (which keeps draining and sending meanwhile,
@@ -988,6 +1000,7 @@ class Bridge:
         self._wake_flush()
 
         def unacked() -> bool:
+            give_again()
             return any(outbox_counters(ob, s)[1] < pushed for ob, s, pushed in waits)
         await wait_while(unacked, deadline - 2.0)
         if unacked():
@@ -1002,12 +1015,9 @@ class Bridge:
         # forwarded the tensor left every shard so in 3 of 8 runs: its leave, owning no
         # shard of it, ended before its peers' catalog passes)
         nexts = self._leave_targets()
-        give_at = [time.monotonic() + 0.25]
 
         def not_given() -> list:
-            if time.monotonic() >= give_at[0]:
-                give_at[0] = time.monotonic() + 0.25
-                self._give_initial_values()   # (again: those refused BUSY)
+            give_again()   # (again: those refused BUSY, those unanswered)
             return self._init_not_given()
         # (both looked at on every poll: not_given sends again, and ran only once no next
         # owner lacked this host's changes when the two were or-ed: review H5 F1)
