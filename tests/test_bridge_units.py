@@ -2091,7 +2091,8 @@ def _counted(node, metric: str, ftype: str) -> float:
 
 @pytest.mark.parametrize("there", [True, False], ids=["created there too", "adopted there"])
 def test_a_leaving_creator_gives_its_initial_values_only_to_an_owner_that_waits(tmp_path,
-                                                                                  there):
+                                                                                  there,
+                                                                                  caplog):
     """Host a's worker creates tensor "wi" with init= an array, both of whose shards
     host b owns, and a leaves (as on SIGTERM) within INIT_GIVE_S of taking it up.
 
@@ -2103,6 +2104,9 @@ def test_a_leaving_creator_gives_its_initial_values_only_to_an_owner_that_waits(
     by b as no hand-over it waited for, and the leave waited for the refusals: 1112
     snapshot bytes sent, and the leave took its whole 10 s, the second shard's read
     still unanswered; 2224 bytes and 4.1 s with 2 s reads.)
+
+    The leave logs how many shards' owners said they wait for none (2 here; before,
+    nothing told a reader of the log that their values were not sent).
 
     Adopted there (the leave starts as soon as a's worker created the tensor, before
     b's catalog pass took it up): b answers BUSY until it takes the tensor up, then
@@ -2146,11 +2150,16 @@ def test_a_leaving_creator_gives_its_initial_values_only_to_an_owner_that_waits(
                 asked=_counted(a, "shmps_bridge_frames_sent_total", "init_query"),
                 waits=[b.shards[(tid, k)].handover_from for k in range(2)])
 
-    got = asyncio.run(asyncio.wait_for(main(), 50))
+    with caplog.at_level("INFO", logger="shmps.bridge"):
+        got = asyncio.run(asyncio.wait_for(main(), 50))
+    # the leave says how many shards' values it did not send, their owners holding them
+    said = [r.args for r in caplog.records if "wait for none of" in r.getMessage()]
     if there:
         assert got["snapshot_bytes"] == 0 and got["took"] < delay, got   # (was: 2224, 4.1 s)
+        assert said == [(2,)], said
     else:
         assert got["snapshot_bytes"] > 0, got
+        assert said == [], said
     assert got["holds"] and got["not_given"] == [] and got["waits"] == [None, None], got
     assert got["asked"] >= 2, got                              # (asked first)
 

@@ -1030,6 +1030,14 @@ class Bridge:
         if self._init_not_given():
             log.warning("leaving before the owners of %d shards of tensors created here "
                         "took their initial values", len(self._init_not_given()))
+        held = sum(self._init_answer(st, owner) is False
+                   for _, st, owner in self._fresh_shards_of_others(time.monotonic()))
+        if held:
+            # (no snapshot, no refusal to count: without this line nothing told that
+            # those values were not sent)
+            log.info("leaving: the owners of %d shards of tensors created here wait for "
+                     "none of their initial values (INIT_QUERY: they hold them): not sent",
+                     held)
         # then no more drains: pushes made from now on stay in the outboxes, counted, for
         # the next bridge on this store, and what was drained is acknowledged before this
         # process ends (it kept draining the workers' newer pushes, and ended with some
