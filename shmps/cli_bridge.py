@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import sys
 import urllib.error
 import urllib.request
 from typing import Any, Optional
@@ -159,6 +160,10 @@ def cmd_members(args: argparse.Namespace) -> int:
         raise Error(f"the bridge at {target} answered POST /v1/members with {status}: "
                     f"{_error_of(answer)}", hint="see its log; nothing may have changed")
     result = _json_object(target, "POST /v1/members", answer, ("members", "epoch"))
+    already = result.get("already")
+    if isinstance(already, list) and already:
+        print(f"shmps-tool: {', '.join(map(str, already))}: a member already, nothing to add",
+              file=sys.stderr)
     if args.json:
         print(json.dumps(result))
     else:

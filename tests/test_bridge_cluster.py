@@ -2208,7 +2208,7 @@ def test_shmps_tool_members_shows_and_changes_the_member_list(make_cluster, tmp_
     assert members(0) == members(1) == sorted(c.addrs)
 
     r = _tool("members", a0, "--add", new, "--add", new, *sec, cwd=tmp_path)   # (once)
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 0 and "already" not in r.stderr, r.stderr
     assert r.stdout.startswith(f"members now: {', '.join(sorted(c.addrs + [new]))} "), r.stdout
     c.wait(lambda: members(0) == members(1) == sorted(c.addrs + [new]), 10,
            "both bridges list the added host")
@@ -2217,6 +2217,10 @@ def test_shmps_tool_members_shows_and_changes_the_member_list(make_cluster, tmp_
            10, "the added host, where nobody listens, to be dead")
     r = _tool("members", c.addrs[1], cwd=tmp_path)
     assert f"{new} " in r.stdout and "dead" in r.stdout.split(new)[1].splitlines()[0], r.stdout
+    # adding a member again changes nothing, and says so (it said "members now: ..." only)
+    r = _tool("members", c.addrs[1], "--add", new, *sec, cwd=tmp_path)
+    assert r.returncode == 0 and r.stderr == (f"shmps-tool: {new}: a member already, "
+                                              "nothing to add\n"), r.stderr
     r = _tool("members", c.addrs[1], "--remove", new, "--json", *sec, cwd=tmp_path)
     assert r.returncode == 0 and json.loads(r.stdout)["members"] == sorted(c.addrs), r
     c.wait(lambda: members(0) == members(1) == sorted(c.addrs), 10,

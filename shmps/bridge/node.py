@@ -4390,6 +4390,7 @@ class Bridge:
                 raise InvalidArgument(f"not members, nothing to remove: {strangers} (the "
                                       f"members: {list(self.members.configured)})")
             before = list(self.members.configured)
+            already = [a for a in add if a in before and a not in remove]
             members = [m for m in before if m not in remove]
             members += [a for a in add if a not in members]
             self._set_members(members)
@@ -4406,8 +4407,11 @@ class Bridge:
                     self._post_members(m, {"add": add, "remove": remove, "forwarded": True}))
         log.info("members changed by %s: +%s -%s (epoch %d)", who, add, remove,
                  self.members.epoch)
+        # (an address to add that is a member already changes nothing, as a set's add:
+        # named in "already", for the tool to say so)
         return self._signed_json(request, {"members": list(self.members.configured),
-                                           "epoch": self.members.epoch}, 200)
+                                           "epoch": self.members.epoch,
+                                           "already": already}, 200)
 
     def _signed_json(self, request: Any, answer: dict, status: int) -> Any:
         """A JSON answer to a verified request, with its MAC (auth.sign_response): the
