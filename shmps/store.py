@@ -877,7 +877,8 @@ class Store:
             return PushHandle(self._executor.submit(fn, *args))
 
     def wait(self, handle: PushHandle, timeout: Optional[float] = None) -> None:
-        """Block until a ``push(..., wait=False)`` is applied (re-raises its error)."""
+        """Block until a ``push(..., wait=False)`` is applied (re-raises its error);
+        ``timeout`` as :meth:`PushHandle.wait` takes it."""
         handle.wait(timeout)
 
     # -- worker clocks (consistency) ---------------------------------------------

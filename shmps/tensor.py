@@ -6,6 +6,7 @@ once by its creator) and stored in ``nshards`` segments named
 """
 from __future__ import annotations
 
+import numbers
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -176,6 +177,28 @@ def check_rows(rows: Any, nrows: int) -> np.ndarray:
     return np.ascontiguousarray(r, dtype=np.int64)
 
 
+#: a handle's wait past this many seconds (about 31 years) waits as long as it takes:
+#: the future's lock takes at most threading.TIMEOUT_MAX (~292 years) and raised a plain
+#: OverflowError for math.inf
+_LONGEST_HANDLE_WAIT_S = 1e9
+
+
+def _handle_wait_limit(timeout: Optional[float]) -> Optional[float]:
+    """``PushHandle.wait(timeout=)`` as the future takes it (None: no limit).  The
+    future reads a negative or NaN timeout as "do not wait" (a Timeout after -1 s), took
+    True as 1 s and raised a TypeError for "x": refused here, as store.flush() and
+    store.clock() refuse them."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) \
+            or not float(timeout) >= 0:
+        raise InvalidArgument(f"timeout={timeout!r} must be None or a number of seconds >= 0",
+                              "pass e.g. timeout=60, or None (or math.inf) to wait as long "
+                              "as it takes")
+    t = float(timeout)
+    return None if t > _LONGEST_HANDLE_WAIT_S else t
+
+
 class PushHandle:
     """Returned by ``push(..., wait=False)``; ``store.wait(handle)`` or ``handle.wait()``."""
 
@@ -187,9 +210,12 @@ class PushHandle:
 
     def wait(self, timeout: Optional[float] = None) -> None:
         """Block until the push is applied; re-raises its error.  ``timeout`` seconds
-        (None: as long as it takes), then :class:`shmps.Timeout`; the push goes on."""
+        (None or math.inf: as long as it takes), then :class:`shmps.Timeout`; the push
+        goes on.  A negative, NaN or non-number timeout is an InvalidArgument, as for
+        store.flush() and store.clock()."""
+        limit = _handle_wait_limit(timeout)
         try:
-            self._future.result(timeout)
+            self._future.result(limit)
         except FutureTimeout as exc:
             # the future's own timeout is a plain TimeoutError, which `except
             # shmps.Timeout` misses; the push's error (a shmps.Timeout too, on a stuck

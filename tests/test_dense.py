@@ -601,6 +601,31 @@ def test_a_push_handle_whose_wait_runs_out_raises_shmps_timeout(store):
     assert t.pull()[[0, -1], [0, -1]].tolist() == [2.0, 2.0]
 
 
+def test_a_push_handle_wait_takes_the_timeouts_flush_and_clock_take(store):
+    """handle.wait(timeout=) and store.wait(h, timeout=) take what store.flush() and
+    store.clock() take: None or math.inf (or a value past what time_t holds) waits as
+    long as it takes, numpy numbers are numbers; a negative, NaN, bool or non-number
+    timeout is an InvalidArgument, before any wait.  math.inf raised a plain
+    OverflowError ("timestamp out of range for platform time_t"), -1 and NaN a Timeout
+    "not applied after -1 s", "x" a TypeError, and True waited 1 s."""
+    import math
+
+    t = store.dense("w", shape=(64,), dtype="float32")
+    g = np.ones(64, np.float32)
+    for timeout in (math.inf, 1e10, np.float64(30), np.int64(30)):
+        h = t.push(g, wait=False)
+        h.wait(timeout)
+        store.wait(h, timeout=timeout)
+    for bad in (-1, float("nan"), "x", True):
+        h = t.push(g, wait=False)
+        with pytest.raises(shmps.InvalidArgument, match="number of seconds >= 0"):
+            h.wait(bad)
+        with pytest.raises(shmps.InvalidArgument, match="number of seconds >= 0"):
+            store.wait(h, timeout=bad)
+        h.wait()
+    assert t.pull()[0] == 8.0
+
+
 def test_push_wait_false_error_raised_on_wait(store):
     """A rejected wait=False push raises on wait, changing nothing; a bad shape raises at once."""
     t = store.dense("w", shape=(3,), dtype="float32", init=1.0)
