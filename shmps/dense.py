@@ -538,6 +538,12 @@ class DenseTensor(Tensor):
             raise TypeError(f"len() of the 0-d tensor {self.name!r}")
         return int(self.shape[0])
 
+    def __bool__(self) -> bool:
+        """True unless the tensor has no rows: without this, bool() falls back on
+        __len__, and `if w:` or `w or other` on a 0-d tensor (one value, no first
+        dimension) raised len()'s TypeError."""
+        return not self.shape or self.shape[0] > 0
+
     def view(self, writable: bool = False) -> np.ndarray:
         """A zero-copy, read-only numpy array over the live values.
 

@@ -990,3 +990,15 @@ def test_numpy_takes_a_tensor_as_an_array_through_a_pull(store):
     assert len(store.dense("empty", shape=(0, 3), dtype="float32")) == 0
     with pytest.raises(TypeError, match="0-d"):
         len(store.dense("scalar", shape=(), dtype="float32"))
+
+
+def test_a_tensor_is_true_unless_it_has_no_rows(store):
+    """bool(w) is len(w) != 0 for a tensor with rows, and True for a 0-d tensor (it
+    holds one value), as before len() was added: `if w:`, `w or other` and `assert w`
+    on a scalar tensor raised TypeError "len() of the 0-d tensor" since 6b633b9."""
+    scalar = store.dense("scalar", shape=(), dtype="float32", init=0.0)
+    assert bool(scalar) and (scalar or None) is scalar
+    assert store.dense("w", shape=(4, 3), dtype="float32")
+    assert not store.dense("empty", shape=(0, 3), dtype="float32")
+    with pytest.raises(TypeError, match="0-d"):
+        len(scalar)
