@@ -520,10 +520,11 @@ class DenseTensor(Tensor):
         return out
 
     def __array__(self, dtype: Any = None, copy: Optional[bool] = None) -> np.ndarray:
-        """``np.asarray(w)`` (and ``torch.as_tensor(w)``): :meth:`pull`, a consistent
-        private copy, in ``dtype`` if given.  ``copy=False`` is refused (ValueError, as
-        numpy does for what it cannot give without a copy): :meth:`view` is the zero-copy
-        array, racy by design, not a default to fall into."""
+        """``np.asarray(w)``: :meth:`pull`, a consistent private copy, in ``dtype`` if
+        given.  ``copy=False`` is refused (ValueError, as numpy does for what it cannot
+        give without a copy): :meth:`view` is the zero-copy array, racy by design, not a
+        default to fall into.  (torch reads no ``__array__``: torch.as_tensor(w) raises;
+        ``torch.from_numpy(w.pull())``.)"""
         if copy is False:
             raise ValueError(f"{self.name!r}: a shmps tensor's values cannot be given "
                              "without a copy; use w.view() for a zero-copy, racy, "
