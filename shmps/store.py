@@ -28,7 +28,7 @@ from .errors import (CapacityError, Closed, CorruptFile, CorruptSegment, Invalid
 from .segment import (NoRoom, Segment, Wait, age_of, check_room, list_names, shm_free,
                       size_of, unlink)
 from .tensor import (MAX_ROW_SHARDS, PushHandle, Tensor, cast_init, check_shard_count,
-                     open_shards)
+                     init_is_valid, open_shards)
 from .updaters import UpdaterLike, as_updater, from_dict
 
 lib = _native.lib
@@ -430,10 +430,16 @@ class Store:
         if aggregate is not None or workers is not None:
             from .aggregate import add_request
             add_request(self, name, req, aggregate, workers)
-        return self._get_or_create(
-            name, req, lambda: self._create_dense(name, req, init),
-            lambda rec: _init_array(init, tuple(rec["shape"]), np.dtype(rec["dtype"]),
-                                    bool(rec.get("allow_nonfinite", False))))
+        def check_init(rec: dict) -> None:
+            shp, dt = tuple(rec["shape"]), np.dtype(rec["dtype"])
+            anf = bool(rec.get("allow_nonfinite", False))
+            # (unused here: checked a chunk at a time, no copy; a bad one is checked
+            # again whole, for the creator's error naming the first bad element)
+            if not init_is_valid(init, shp, dt, anf):
+                _init_array(init, shp, dt, anf)
+
+        return self._get_or_create(name, req, lambda: self._create_dense(name, req, init),
+                                   check_init)
 
     def table(self, name: str, dim: Optional[int] = None, dtype: Any = None,
               capacity: Optional[int] = None, optimizer: UpdaterLike = None,
@@ -557,8 +563,10 @@ class Store:
             return self._create_tensor(rec, specs, fill)
 
         def check_init(rec: dict) -> None:
-            cmod.init_values(init, int(rec["nnz"]), np.dtype(rec["dtype"]),
-                             bool(rec.get("allow_nonfinite", False)))
+            nnz, dt = int(rec["nnz"]), np.dtype(rec["dtype"])
+            anf = bool(rec.get("allow_nonfinite", False))
+            if not init_is_valid(init, (nnz,), dt, anf):   # (as for a dense tensor's)
+                cmod.init_values(init, nnz, dt, anf)
 
         return self._get_or_create(name, req, create, check_init)
 

@@ -119,6 +119,44 @@ def cast_init(init: Any, dtype: np.dtype, allow_nonfinite: bool = False) -> np.n
     return v
 
 
+#: values of an init checked at a time where the init is not used (init_is_valid): the
+#: check's temporaries (a cast chunk, its masks) stay a few MiB whatever the init's size
+INIT_CHECK_CHUNK = 1 << 18
+
+
+def init_is_valid(init: Any, shape: tuple, dtype: np.dtype, allow_nonfinite: bool) -> bool:
+    """Whether ``cast_init(init, dtype, allow_nonfinite)`` takes ``init`` and, for an
+    array, whether it has ``shape``: for a get-or-create that finds the tensor made,
+    which uses no init but refuses a bad one as its creator does.  cast_init's checks,
+    made a chunk at a time (numpy's buffered iterator: chunks of a contiguous init are
+    views of it), so that a good init costs no copy: cast_init's whole cast copy and
+    masks took 1.5 times a 256 MiB float64 init (into float32) in every such worker.
+    O(n) time, O(INIT_CHECK_CHUNK) memory.  False: the caller runs the whole check for
+    its error, which names the first bad element."""
+    a = np.asarray(init)
+    if a.ndim == 0 or a.size <= INIT_CHECK_CHUNK:
+        try:
+            v = cast_init(a, dtype, allow_nonfinite)
+        except Error:
+            return False
+        return v.ndim == 0 or v.shape == tuple(shape)
+    # (what cast_init refuses for the whole array, before any value: a chunk of it
+    # would be refused the same way)
+    if a.shape != tuple(shape) or a.dtype.kind not in "iuf" \
+            or not np.can_cast(a.dtype, dtype, "same_kind"):
+        return False
+    # each value's verdict depends on that value alone (integral and in range, finite,
+    # finite after the cast), so the chunks pass exactly when the whole array does
+    for chunk in np.nditer(a, flags=["external_loop", "buffered", "zerosize_ok"],
+                           op_flags=[["readonly"]], order="K",
+                           buffersize=INIT_CHECK_CHUNK):
+        try:
+            cast_init(chunk, dtype, allow_nonfinite)
+        except Error:
+            return False
+    return True
+
+
 def _init_at(init: Any, a: np.ndarray, bad: Optional[np.ndarray]) -> str:
     """The init named in a message: the scalar itself, or its first bad element."""
     if a.ndim == 0:

@@ -140,6 +140,34 @@ def test_get_or_create_refuses_a_bad_init_in_a_worker_that_did_not_create(store)
     assert store.csr("X", init=np.full(m.nnz, 7.0)) is x
 
 
+def test_a_worker_that_did_not_create_checks_a_large_init_in_little_memory(store):
+    """As for a dense tensor: an existing csr tensor's large init (4 Mi entries as
+    float64, 32 MiB, into float32) is checked a chunk at a time: a traced peak of
+    24.0 MiB before (cast_init's cast copy and masks of the whole init), 1.5 MiB after;
+    a bad one still gets the creator's error, naming the same entry."""
+    import tracemalloc
+
+    rows, per = 4096, 1024
+    rowcnt = np.arange(rows + 1, dtype=np.int64) * per
+    colidx = np.tile(np.arange(per, dtype=np.int64), rows)
+    x = store.csr("X", rowcnt, colidx, dtype="float32", init=1.0)
+    init = np.full(rows * per, 2.0)
+    tracemalloc.start()
+    try:
+        assert store.csr("X", init=init) is x
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20, f"{peak / 2**20:.1f} MiB"
+    init[3_000_000] = np.inf
+    with pytest.raises(shmps.InvalidArgument) as creating:
+        store.csr("Y", rowcnt, colidx, dtype="float32", init=init)
+    with pytest.raises(shmps.InvalidArgument) as getting:
+        store.csr("X", init=init)
+    assert str(getting.value) == str(creating.value) and "init[3000000]" in str(getting.value)
+    assert x.pull().value.max() == 1.0
+
+
 def test_shape_and_empty_matrix(store):
     """shape= may add empty columns; a matrix with no rows or no entries works."""
     x = store.csr("X", [0, 1], [2], shape=(1, 10), init=5.0)
