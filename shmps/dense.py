@@ -10,7 +10,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 
 from . import _native
-from .errors import CorruptSegment, OutOfRange, SchemaError
+from .errors import CorruptSegment, InvalidArgument, OutOfRange, SchemaError
 from .tensor import PushHandle, SplitParts, Tensor, cast_grad, check_rows, rows_for_c
 
 lib = _native.lib
@@ -521,14 +521,17 @@ class DenseTensor(Tensor):
 
     def __array__(self, dtype: Any = None, copy: Optional[bool] = None) -> np.ndarray:
         """``np.asarray(w)``: :meth:`pull`, a consistent private copy, in ``dtype`` if
-        given.  ``copy=False`` is refused (ValueError, as numpy does for what it cannot
-        give without a copy): :meth:`view` is the zero-copy array, racy by design, not a
-        default to fall into.  (torch reads no ``__array__``: torch.as_tensor(w) raises;
+        given.  ``copy=False`` is refused (InvalidArgument, the ValueError numpy raises
+        for what it cannot give without a copy): :meth:`view` is the zero-copy array,
+        racy by design, not a default to fall into.  (torch reads no ``__array__``: torch.as_tensor(w) raises;
         ``torch.from_numpy(w.pull())``.)"""
         if copy is False:
-            raise ValueError(f"{self.name!r}: a shmps tensor's values cannot be given "
-                             "without a copy; use w.view() for a zero-copy, racy, "
-                             "read-only array, or w.pull()")
+            # (InvalidArgument is the ValueError numpy's protocol asks for, and a
+            # shmps.Error with its hint, as the README promises)
+            raise InvalidArgument(f"{self.name!r}: a shmps tensor's values cannot be "
+                                  "given without a copy",
+                                  "use w.view() for a zero-copy, racy, read-only array, "
+                                  "or w.pull()")
         out = self.pull()
         return out if dtype is None else out.astype(dtype, copy=False)
 

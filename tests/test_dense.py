@@ -1037,3 +1037,14 @@ def test_a_tensor_is_true_unless_it_has_no_rows(store):
     assert not store.dense("empty", shape=(0, 3), dtype="float32")
     with pytest.raises(TypeError, match="0-d"):
         len(scalar)
+
+
+def test_numpy_without_a_copy_is_an_invalid_argument_with_a_hint(store):
+    """np.asarray(w, copy=False) raises shmps.InvalidArgument, a ValueError as numpy's
+    protocol asks (numpy passes it on as it is), with the hint every shmps error has:
+    the README says every error is a shmps.Error but for the file system's OSError and
+    numpy's own for writing into view().  It raised a plain ValueError."""
+    w = store.dense("w", shape=(4, 3), dtype="float32")
+    with pytest.raises(shmps.InvalidArgument, match=r"view\(\)") as info:
+        np.asarray(w, copy=False)
+    assert isinstance(info.value, ValueError) and "view()" in info.value.hint
