@@ -185,9 +185,12 @@ def cmd_gc(args: argparse.Namespace) -> int:
         if s.age_s < min_age:  # may be mid-attach by a process not yet registered
             # said, on stderr as "skipped" is: a user who just saw `ls` show the store
             # with no live process, and gc print "nothing to remove", was left guessing
+            # (the command names the store's namespace: without --namespace a gc covers
+            # every namespace, and would remove the young idle stores of all of them)
+            scope = f" --namespace {shlex.quote(s.namespace)}" if s.namespace else ""
             print(f"spared {what}: no live process, but younger than {min_age:g} s (a "
-                  f"process may be attaching it; {GC_MIN_AGE_ENV}=0 shmps-tool gc removes "
-                  "it now)", file=sys.stderr)
+                  f"process may be attaching it; {GC_MIN_AGE_ENV}=0 shmps-tool gc{scope} "
+                  "removes it now)", file=sys.stderr)
             continue
         doomed.append((what, s.segments, None if s.error is not None else (s.name, s.namespace)))
     if orphans:

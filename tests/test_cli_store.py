@@ -180,10 +180,13 @@ def test_gc_removes_only_stores_without_live_processes(ns, procs):
     r = tool("gc", "--namespace", ns, env=young)
     assert ok(r).strip() == "nothing to remove"
     # ... and says on stderr which idle store it spared and why (it said nothing: a user
-    # whose `ls` showed "live processes: none" was left guessing)
+    # whose `ls` showed "live processes: none" was left guessing), and the command that
+    # removes it names its namespace (without --namespace, a gc covers every namespace:
+    # the command said removed the young idle stores of all of them)
     assert r.stderr.splitlines() == [
         f"spared store dead (namespace {ns}): no live process, but younger than 3600 s (a "
-        "process may be attaching it; SHMPS_GC_MIN_AGE=0 shmps-tool gc removes it now)"]
+        f"process may be attaching it; SHMPS_GC_MIN_AGE=0 shmps-tool gc --namespace {ns} "
+        "removes it now)"]
     now = {"SHMPS_GC_MIN_AGE": "0"}
     dry = ok(tool("gc", "--dry-run", "--namespace", ns, env=now))
     assert dry.splitlines() == [f"would remove store dead (namespace {ns}): 2 segments"]
