@@ -681,8 +681,13 @@ ZIP_MAGIC = b"PK\x03\x04"
 
 
 def _starts_with(path: str, magic: bytes) -> bool:
-    with open(path, "rb") as f:
-        return f.read(len(magic)) == magic
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(magic)) == magic
+    except OSError as exc:
+        if exc.filename is None:
+            exc.filename = path   # (a read's error names no file: the line would not)
+        raise
 
 
 def _not_a(path: str, kind: str, magic: bytes, hint: str) -> CorruptFile:

@@ -923,3 +923,15 @@ def test_convert_says_a_file_that_is_not_npy_or_npz_is_not_one(tmp_path, name, s
     assert_one_line_error(r, says)
     assert "pickle" not in r.stderr
     assert not [n for n in os.listdir(tmp_path) if n.startswith(("out", ".out"))]
+
+
+def test_convert_names_a_source_it_cannot_read(tmp_path):
+    """A .npy SRC whose first read fails (here a link to /proc/self/mem, which opens and
+    then fails to read at offset 0 with EIO) gets one line naming the file, exit 2.
+    Before, the line was "shmps-tool: error: Input/output error", with no path (the
+    check of the format's magic read it outside the error handling that names it)."""
+    src = tmp_path / "mem.npy"
+    os.symlink("/proc/self/mem", src)
+    r = tool("convert", src, tmp_path / "out")
+    assert_one_line_error(r, f"{src}: Input/output error")
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(("out", ".out"))]
