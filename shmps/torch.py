@@ -159,10 +159,13 @@ class Pusher:
         return loss
 
     def wait(self, timeout: Optional[float] = None) -> None:
-        """Block until every push of the previous ``step(...)`` is applied."""
-        pending, self._pending = self._pending, []
-        for h, _ in pending:
+        """Block until every push of the previous ``step(...)`` is applied (``timeout``
+        for each).  One that times out (shmps.Timeout) stays pending, with every later
+        one, and their gradients referenced: a next ``wait()`` waits for them."""
+        while self._pending:
+            h, _ = self._pending[0]
             h.wait(timeout)
+            self._pending.pop(0)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the gradients (``set_to_none=True``, no wait), or zero them in

@@ -153,6 +153,36 @@ def test_nonblocking_steps_match_blocking(store):
     assert max_diff(model, ref) < 1e-5
 
 
+def test_a_timed_out_wait_keeps_the_pushes_it_did_not_wait_for(store):
+    """Pusher.wait(timeout) that times out on one push keeps it and every later one
+    pending: a next wait() waits for them all, and their gradients stay referenced
+    while they run.  (It emptied the list first: after the Timeout, wait() returned at
+    once with pushes still in flight, and a pull after it missed some.)  Three 32 MiB
+    parameters pushed without waiting, on the store's one push thread, so the first
+    is still running when wait(timeout=0) looks at it."""
+    model = torch.nn.ParameterList(
+        [torch.nn.Parameter(torch.zeros(2048, 4096)) for _ in range(3)])
+    shmps.torch.share(model, store, optimizer=shmps.Sum())
+    opt = shmps.torch.Pusher(model, wait=False)
+    for _ in range(10):
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        opt.step()
+        try:
+            opt.wait(timeout=0)
+        except shmps.Timeout:
+            break
+        opt.wait()
+    else:
+        pytest.skip("no push was still running at wait(timeout=0) in 10 steps")
+    assert len(opt._pending) >= 1
+    opt.wait()
+    assert opt._pending == []
+    got = {float(t.pull().min()) for t in opt.tensors} | {float(t.pull().max())
+                                                          for t in opt.tensors}
+    assert len(got) == 1, got   # every tensor holds every step's push
+
+
 def test_sparse_embedding_gradients_push_rows(store):
     """An nn.Embedding(sparse=True) is trained through rows= pushes, like torch's
     SGD on the sparse gradient."""
