@@ -4603,6 +4603,25 @@ def test_load_secret_checks_mode_and_size(tmp_path):
     assert str(target) in str(e.value)
 
 
+def test_load_secret_says_how_long_a_long_secret_is(tmp_path):
+    """A secret over 4096 bytes is refused with its own size, or "more than" for a large
+    file: every one was "4098 bytes" (the read's limit), a 100 kB file too; and one of
+    4097 bytes with no trailing newline was taken (only the file's size was checked
+    against the limit, with a byte to spare for the newline).  Surrounding whitespace
+    does not count (an operator's editor may add a blank line).  The walk-through of
+    2026-11-28."""
+    p = tmp_path / "secret"
+    for body, said in ((b"s" * 4097, f"secret in {p} is 4097 bytes"),
+                       (b"s" * 6668 + b"\n", f"secret in {p} is 6668 bytes"),
+                       (b"s" * 100_000, f"secret file {p} holds more than 8192 bytes")):
+        p.write_bytes(body)
+        os.chmod(p, 0o600)
+        with pytest.raises(InvalidArgument, match=f"{said}; it must be 16..4096 bytes"):
+            auth.load_secret(p)
+    p.write_bytes(b"s" * 4096 + b"\n\n\n")
+    assert auth.load_secret(p) == b"s" * 4096
+
+
 @pytest.mark.parametrize("host", ["127.0.0.1", "127.1.2.3", "localhost", "LOCALHOST.", "::1",
                                   "[::1]"])
 def test_check_bind_allows_loopback_without_secret(host):

@@ -56,6 +56,7 @@ REQUEST_NONCE_BYTES = 16
 MAC_BYTES = 32
 SECRET_MIN_BYTES = 16
 SECRET_MAX_BYTES = 4096
+_SECRET_READ = SECRET_MAX_BYTES + 4096   #: bytes of a secret file load_secret reads at most
 HANDSHAKE_VERSION = 1
 HANDSHAKE_TIMEOUT = 10.0
 REQUEST_WINDOW = 30.0
@@ -123,14 +124,19 @@ def load_secret(path: str | os.PathLike[str]) -> bytes:
             raise InvalidArgument(
                 f"secret file {name} has mode {mode:04o}: group or others can access it",
                 hint=f"run `chmod 600 {name}` (the secret lets anyone overwrite parameters)")
-        data = os.read(fd, SECRET_MAX_BYTES + 2)
+        # up to _SECRET_READ bytes: room for surrounding whitespace (blank lines an editor
+        # added), and a file larger than that is refused without reading it whole
+        data = os.read(fd, _SECRET_READ + 1)
     finally:
         os.close(fd)
     secret = data.strip()
-    if len(secret) < SECRET_MIN_BYTES or len(data) > SECRET_MAX_BYTES + 1:
+    # (the size the operator's file or secret has: it was "4098 bytes", the old read's
+    # limit, for any larger file, and a secret of 4097 bytes passed)
+    said = (f"secret file {name} holds more than {_SECRET_READ} bytes"
+            if len(data) > _SECRET_READ else f"secret in {name} is {len(secret)} bytes")
+    if len(data) > _SECRET_READ or not SECRET_MIN_BYTES <= len(secret) <= SECRET_MAX_BYTES:
         raise InvalidArgument(
-            f"secret in {name} is {len(secret)} bytes; it must be {SECRET_MIN_BYTES}.."
-            f"{SECRET_MAX_BYTES} bytes",
+            f"{said}; it must be {SECRET_MIN_BYTES}..{SECRET_MAX_BYTES} bytes",
             hint=f"e.g. `head -c 32 /dev/urandom | base64 > {name}; chmod 600 {name}`")
     return secret
 
