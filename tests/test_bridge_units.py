@@ -229,6 +229,9 @@ def test_parse_hosts_accepts_comments_blank_lines_ipv6_and_names():
     ("bad_host:80", "not a valid host name"),
     ("-a.com:80", "not a valid host name"),
     ("a:1 b:2", "more than one address"),
+    # a URL (pasted from a browser or curl) was told to write IPv6 addresses in brackets
+    ("http://10.0.0.1:80", "is a URL; write host:port: '10.0.0.1:80'"),
+    ("http://[::1]:80/health", "is a URL; write host:port: '\\[::1\\]:80'"),
 ])
 def test_parse_hosts_names_the_bad_line(line, why):
     """A malformed line raises InvalidArgument naming the file, the line number and why."""

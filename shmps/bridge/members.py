@@ -121,6 +121,11 @@ def parse_address(text: str) -> tuple[str, int]:
         raise InvalidArgument(f"an address must be a string, got {type(text).__name__}")
     if len(text) > 300:
         raise InvalidArgument("address is longer than 300 characters")
+    if "://" in text:
+        # (a URL pasted from a browser or `curl http://...`: it was told to write IPv6
+        # addresses in brackets, the scheme's colon taken for an IPv6 address's)
+        raise InvalidArgument(f"{text!r} is a URL; write host:port: "
+                              f"{text.split('://', 1)[1].split('/', 1)[0]!r}")
     if text.startswith("["):
         end = text.find("]")
         if end < 0 or text[end + 1:end + 2] != ":":
