@@ -6074,6 +6074,36 @@ def test_a_bridge_finds_its_ipv6_entry_of_the_member_list():
         pick(["10.255.255.7:7070"], "h.txt")
 
 
+def test_a_bridge_finds_its_entry_when_its_host_name_is_a_loopback_name():
+    """Without --listen a bridge takes the entry of hosts.txt that is an address of this
+    machine, also when the machine's name resolves to a loopback address only (Debian's
+    /etc/hosts maps it to 127.0.1.1; this machine's to 127.0.0.1): its network address
+    (eth0's) was no address "of this host", and docs/bridge.md's quick start ("it finds
+    itself in hosts.txt") failed on it with "no entry ... (2 entries)".  An entry is this
+    host's if a socket can bind its address.  The walk-through of 2026-11-28."""
+    import socket
+
+    from shmps.bridge import cli as bridge_cli
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))     # (no packet is sent: it picks a source address)
+        except OSError:
+            pytest.skip("no route off this machine")
+        mine = s.getsockname()[0]
+    if mine.startswith("127."):
+        pytest.skip("no network address")
+    assert bridge_cli._pick_listen(["10.255.255.7:7070", f"{mine}:7071"],
+                                   "h.txt") == f"{mine}:7071"
+    # several loopback "hosts" on one machine: each is an address of it, so it asks
+    with pytest.raises(Error, match="2 match its addresses: 127.0.0.2:7070, 127.0.0.3:7070"):
+        bridge_cli._pick_listen(["127.0.0.2:7070", "127.0.0.3:7070"], "h.txt")
+    # no address of this machine: the wildcard and a multicast group are none
+    with pytest.raises(Error, match="no entry of hosts file h.txt is an address of this"):
+        bridge_cli._pick_listen(["0.0.0.0:7070", "224.0.0.1:7070", "10.255.255.7:7070"],
+                                "h.txt")
+
+
 def test_a_bridge_without_listen_says_what_its_hosts_file_lacks(tmp_path):
     """shmps-bridge without --listen: a hosts file that lists no host (empty, or only
     comments) says so, and one with two entries of this machine names them (both said

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import logging
 import os
 import socket
@@ -66,12 +67,40 @@ def _local_addresses() -> set[str]:
     return out
 
 
+def _bindable(host: str) -> bool:
+    """True if a socket of this machine can bind an address ``host`` resolves to: it is
+    an address of this machine (EADDRNOTAVAIL otherwise).  The wildcard and multicast
+    addresses, which bind but name no host, are not.  Catches what _local_addresses
+    misses where the machine's name resolves to loopback only (Debian's 127.0.1.1 in
+    /etc/hosts): its network interfaces' addresses.  O(addresses of ``host``); a name
+    is resolved (a lookup)."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return False
+    for family, _, _, _, sockaddr in infos:
+        try:
+            ip = ipaddress.ip_address(str(sockaddr[0]).split("%", 1)[0])
+        except ValueError:
+            continue
+        if ip.is_unspecified or ip.is_multicast:
+            continue
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.bind((sockaddr[0], 0, *sockaddr[2:]))   # (port 0: takes no port in use)
+                return True
+        except OSError:
+            continue
+    return False
+
+
 def _pick_listen(members: list[str], peers: str) -> str:
     if not members:
         raise Error(f"hosts file {peers} lists no host",
                     "write one host:port a line in it, this host's among them")
     local = _local_addresses()
-    mine = [m for m in members if address_host(m) in local]   # ("[::1]:7070" is ::1's)
+    mine = [m for m in members   # ("[::1]:7070" is ::1's)
+            if address_host(m) in local or _bindable(address_host(m))]
     if not mine:
         raise Error(f"no entry of hosts file {peers} is an address of this host "
                     f"({len(members)} entries)",
