@@ -2221,6 +2221,11 @@ def test_shmps_tool_members_shows_and_changes_the_member_list(make_cluster, tmp_
     r = _tool("members", c.addrs[1], "--add", new, *sec, cwd=tmp_path)
     assert r.returncode == 0 and r.stderr == (f"shmps-tool: {new}: a member already, "
                                               "nothing to add\n"), r.stderr
+    # and the bridge's log says nothing changed (it said "members changed by operator:
+    # +['<new>'] -[]", as for an addition)
+    log1 = c.logs[1].read_text(errors="replace")
+    assert f"members changed by operator: +['{new}']" not in log1, log1
+    assert f"members unchanged by operator: ['{new}'] a member already (epoch " in log1, log1
     r = _tool("members", c.addrs[1], "--remove", new, "--json", *sec, cwd=tmp_path)
     assert r.returncode == 0 and json.loads(r.stdout)["members"] == sorted(c.addrs), r
     c.wait(lambda: members(0) == members(1) == sorted(c.addrs), 10,

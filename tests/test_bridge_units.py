@@ -4478,6 +4478,29 @@ def test_a_hosts_file_that_lists_nobody_is_ignored(tmp_path):
     asyncio.run(main())
 
 
+def test_an_edit_of_the_hosts_file_logs_one_line_of_what_changed(tmp_path, caplog):
+    """An edit of hosts.txt that changes the members logs one INFO line naming the file,
+    the hosts added and removed and the epoch, as a change by POST /v1/members does
+    ("members changed by operator: ..."): the log showed only each member's state
+    change, and a typo that dropped a host ("127.0.0.4:27416") showed as that host
+    leaving, with nothing saying why (the walk-through of 2026-11-28).  An edit that
+    changes no member (a comment) logs nothing."""
+    a, b, c = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
+    node = _bridge(tmp_path, [a, b, c])
+    hosts = node.cfg.peers_file
+
+    async def main() -> None:
+        node._stop_event = asyncio.Event()
+        with caplog.at_level("INFO", logger="shmps.bridge"):
+            node._on_hosts_file(f"{a}\n{b}\n127.0.0.5:7001\n".encode())
+            node._on_hosts_file(f"# a comment\n{a}\n{b}\n127.0.0.5:7001\n".encode())
+        said = [r.getMessage() for r in caplog.records if "members" in r.getMessage()]
+        assert said == [f"members changed by {hosts}: +['127.0.0.5:7001'] -['{c}'] "
+                        f"(epoch {node.members.epoch})"], said
+
+    asyncio.run(main())
+
+
 def test_only_a_second_signal_hurries_a_leave(tmp_path):
     """A leave ends its waits early only on a second SIGTERM/SIGINT: a host removed from
     the members (which starts its leave) and then sent one SIGTERM leaves as usual (the

@@ -2195,7 +2195,15 @@ class Bridge:
 
     def _on_hosts_file(self, data: bytes) -> None:
         members = parse_hosts(data.decode("utf-8", "replace"), self.cfg.peers_file)
+        before = list(self.members.configured)
         self._set_members(members)   # (an InvalidArgument is logged by the watcher)
+        # one line an edit, as for POST /v1/members (a typo that dropped a host showed
+        # only as that host leaving)
+        added = [m for m in members if m not in before]
+        removed = [m for m in before if m not in members]
+        if added or removed:
+            log.info("members changed by %s: +%s -%s (epoch %d)", self.cfg.peers_file,
+                     added, removed, self.members.epoch)
 
     def _set_members(self, members: list[str]) -> None:
         """Take ``members`` (hosts.txt edited, or POST /v1/members) as the member list;
@@ -4405,8 +4413,16 @@ class Bridge:
                     continue
                 asyncio.get_running_loop().create_task(
                     self._post_members(m, {"add": add, "remove": remove, "forwarded": True}))
-        log.info("members changed by %s: +%s -%s (epoch %d)", who, add, remove,
-                 self.members.epoch)
+        # what changed: an address to add that was a member already is no change (it was
+        # logged as one), nor, in a forwarded request, one to remove that was none here
+        added = [a for a in add if a not in before]
+        removed = [a for a in remove if a in before]
+        if added or removed:
+            log.info("members changed by %s: +%s -%s (epoch %d)", who, added, removed,
+                     self.members.epoch)
+        else:
+            log.info("members unchanged by %s%s (epoch %d)", who,
+                     f": {already} a member already" if already else "", self.members.epoch)
         # (an address to add that is a member already changes nothing, as a set's add:
         # named in "already", for the tool to say so)
         return self._signed_json(request, {"members": list(self.members.configured),
