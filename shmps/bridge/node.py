@@ -574,7 +574,10 @@ class Metrics:
                                   registry=r)
         self.frames_recv = Counter("shmps_bridge_frames_received", "frames received", ["type"],
                                    registry=r)
-        self.bytes_recv = Counter("shmps_bridge_bytes_received", "frame bytes received",
+        # (what the receive path knows cheaply: a decoded BATCH's values; other frames'
+        # sizes are not kept, so only "batch" is counted, unlike bytes_sent's frames)
+        self.bytes_recv = Counter("shmps_bridge_bytes_received", "gradient bytes of the "
+                                  "BATCH frames received (their values; no other type)",
                                   ["type"], registry=r)
         self.applied = Counter("shmps_bridge_batches_applied", "batches applied as owner",
                                registry=r)
