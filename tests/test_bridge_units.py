@@ -4501,6 +4501,26 @@ def test_an_edit_of_the_hosts_file_logs_one_line_of_what_changed(tmp_path, caplo
     asyncio.run(main())
 
 
+def test_losing_the_majority_is_logged_once(tmp_path, caplog):
+    """A host that no longer reaches a majority of the members logs a WARNING once,
+    saying how many it reaches and that it owns nothing until a majority is back.  It
+    was silent: three hosts not yet running added to a 3-host cluster's hosts.txt
+    stopped all training, every store.flush() timed out asking whether shmps-bridge was
+    running, and the log showed only "member ...: joining -> dead" (the walk-through of
+    2026-11-28; being back in a majority was logged)."""
+    node, a, b, c = _host_c_of_three(tmp_path)
+    with caplog.at_level("WARNING", logger="shmps.bridge"):
+        node._on_changes(node.members.set_members(
+            [c, a, b, "127.0.0.6:7001", "127.0.0.7:7001", "127.0.0.8:7001"]))
+        node._on_changes(node.members.tick(now=time.monotonic() + 10 * node.cfg.dead_after))
+        node._on_changes(node.members.tick(now=time.monotonic() + 20 * node.cfg.dead_after))
+    said = [r.getMessage() for r in caplog.records if "majority" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith(
+        f"no majority of the members reachable (1 of 6, epoch {node.members.epoch}): "
+        "this host owns no shards"), said
+    assert not node.members.has_quorum() and not node.acting()
+
+
 def test_only_a_second_signal_hurries_a_leave(tmp_path):
     """A leave ends its waits early only on a second SIGTERM/SIGINT: a host removed from
     the members (which starts its leave) and then sent one SIGTERM leaves as usual (the

@@ -1655,6 +1655,16 @@ class Bridge:
                         "for %.0f ms before acting", self.members.epoch,
                         self.cfg.dead_after * 1e3)
             self.grace_until = max(self.grace_until, time.monotonic() + self.cfg.dead_after)
+        if not quorum and self._had_quorum and not self.leaving:
+            # (said once a loss: it was silent, and training stopped with every flush
+            # timing out, asking whether a bridge runs; hosts added to hosts.txt before
+            # their bridges ran, as many as were running, did that)
+            configured = list(self.members.configured)
+            reached = len(self.members.reachable() & set(configured))
+            log.warning("no majority of the members reachable (%d of %d, epoch %d): this "
+                        "host owns no shards, and its workers' pushes wait in the outboxes, "
+                        "until a majority is back (`shmps-tool members %s` shows who is "
+                        "dead)", reached, len(configured), self.members.epoch, self.addr)
         self._had_quorum = quorum
         live = self.members.live()
         if tuple(self.ring.members) != tuple(live):
