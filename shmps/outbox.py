@@ -923,8 +923,11 @@ def _flush_timeout(store: Any, ob: Any, shard: int, target: int, acked: int,
                        "were lost is known only once every push landing in the outbox then "
                        "is counted; a process stopped in the middle of a push holds that up",
                        "resume or kill the stopped worker, or raise the timeout")
+    # (a bridge that runs may be waiting itself: without a majority of its members it
+    # owns nothing and forwards nothing; this hint said only to start one)
     return Timeout(head + "; is shmps-bridge running for this store and namespace?",
-                   "start shmps-bridge for it, or raise the timeout")
+                   "start shmps-bridge for it; if one runs, its log says why it waits (no "
+                   "majority of its members, say); or raise the timeout")
 
 
 def _raise_lost(store: Any) -> None:

@@ -1198,6 +1198,10 @@ def test_flush_times_out_without_a_bridge(store):
     msg = str(ei.value)
     assert "'w'" in msg and "shard 0" in msg and "1 pushes" in msg and "0 acknowledged" in msg
     assert "is shmps-bridge running for this store and namespace?" in msg
+    # and one that runs may be waiting itself: the hint says where to look (it said only
+    # "start shmps-bridge for it", to an operator whose bridge ran without a majority)
+    assert ("if one runs, its log says why it waits (no majority of its members, say)"
+            in msg), msg
     assert isinstance(ei.value, TimeoutError)
     # forwarding off does not forget what is still pending
     store._set_forwarding(False)
