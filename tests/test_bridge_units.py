@@ -4521,6 +4521,17 @@ def test_losing_the_majority_is_logged_once(tmp_path, caplog):
     assert not node.members.has_quorum() and not node.acting()
 
 
+def test_health_names_the_store_and_namespace(tmp_path):
+    """GET /health names the store and namespace the bridge serves: a bridge started with
+    another --store than its workers' (a typo) joins the cluster all the same (bridges
+    do not compare store names), and only its first log line said which store it had
+    (the walk-through of 2026-11-28)."""
+    node = _bridge(tmp_path, ["127.0.0.2:7001"], store="model", namespace="ns1")
+    h = node.health()
+    assert (h["store"], h["namespace"]) == ("model", "ns1")
+    assert _bridge(tmp_path, ["127.0.0.2:7001"]).health()["namespace"] is None
+
+
 def test_only_a_second_signal_hurries_a_leave(tmp_path):
     """A leave ends its waits early only on a second SIGTERM/SIGINT: a host removed from
     the members (which starts its leave) and then sent one SIGTERM leaves as usual (the

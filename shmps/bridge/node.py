@@ -4280,6 +4280,9 @@ class Bridge:
         owned = sorted(st.key for st in self.shards.values()
                        if self.owner(st.key) == self.addr and self.acting())
         snap.update({"address": self.addr, "incarnation": self.incarnation,
+                     # (bridges do not compare them: one started with a mistyped --store
+                     # joins all the same, serving a store its workers do not use)
+                     "store": self.cfg.store, "namespace": self.cfg.namespace,
                      "replicas": self.cfg.replicas,
                      "state": self.members.state(self.addr).value,
                      "acting": self.acting(), "owned": owned, "pending": pending,
