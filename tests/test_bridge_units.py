@@ -2046,11 +2046,12 @@ def test_a_leave_resends_refused_initial_values_while_a_next_owner_lacks_its_cha
 
 
 @contextlib.asynccontextmanager
-async def _two_bridges(tmp_path, name: str, nshards: int):
-    """Two bridges started in this process, a and b, each on store "m" of a namespace of
-    its own (its host's shared memory) and listening on a loopback address of its own,
-    their ports chosen so that b owns each of the ``nshards`` shards of tensor ``name``:
-    yields [a, b] once both act; closes them and destroys both stores after."""
+async def _two_bridges(tmp_path, name: str, nshards: int, stores: tuple = ("m", "m")):
+    """Two bridges started in this process, a and b, on stores ``stores`` (each of a
+    namespace of its own: its host's shared memory) and listening on a loopback address
+    of its own, their ports chosen so that b owns each of the ``nshards`` shards of
+    tensor ``name``: yields [a, b] once both act; closes them and destroys both stores
+    after."""
     import secrets
     import uuid
 
@@ -2066,7 +2067,7 @@ async def _two_bridges(tmp_path, name: str, nshards: int):
     hosts = tmp_path / "hosts.txt"
     hosts.write_text(f"{a}\n{b}\n")
     secret, tag = secrets.token_bytes(32), uuid.uuid4().hex[:8]
-    nodes = [Bridge(Config(peers_file=str(hosts), store="m", listen=addr,
+    nodes = [Bridge(Config(peers_file=str(hosts), store=stores[i], listen=addr,
                            namespace=f"u{tag}{i}", secret=secret, dead_after=2.0,
                            startup_grace=0.0))
              for i, addr in enumerate((a, b))]
@@ -2084,7 +2085,35 @@ async def _two_bridges(tmp_path, name: str, nshards: int):
         for node in started:
             await node.close()
         for node in nodes:
-            shmps.attach("m", namespace=node.cfg.namespace).destroy()
+            shmps.attach(node.cfg.store, namespace=node.cfg.namespace).destroy()
+
+
+def test_a_peer_serving_another_store_is_named_and_its_tensors_not_copied(tmp_path,
+                                                                           caplog):
+    """Bridge b runs with --store "m2" (a typo of a's "m"): each logs one ERROR naming
+    the other's store, lists it in /health's store_mismatch, and copies none of its
+    tensors.  Before, nothing compared the names: b took a's tensor "x" into store
+    "m2", which no worker of b's host uses, and the two hosts' pushes never met,
+    silently (review H6 of 2026-11-28)."""
+    async def main() -> None:
+        async with _two_bridges(tmp_path, "x", 1, stores=("m", "m2")) as (a, b):
+            a.store.dense("x", (8, 4), "float32", init=1.0)
+            until = time.monotonic() + 10
+            while not (a.store_mismatch and b.store_mismatch):
+                assert time.monotonic() < until, (a.store_mismatch, b.store_mismatch)
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(1.5)   # (three catalog passes of b more)
+            assert a.store_mismatch == {b.addr: "m2"} and b.store_mismatch == {a.addr: "m"}
+            assert "x" not in b.store and "x" not in b.by_name
+            assert b.health()["store_mismatch"] == {a.addr: "m"}
+            said = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR
+                    and "serves store" in r.getMessage()]
+            assert len(said) == 2, said   # (once each)
+            assert any(f"peer {a.addr} serves store 'm', this bridge --store 'm2'" in m
+                       for m in said), said
+
+    with caplog.at_level(logging.INFO, logger="shmps.bridge"):
+        asyncio.run(asyncio.wait_for(main(), 60))
 
 
 def _counted(node, metric: str, ftype: str) -> float:

@@ -105,6 +105,8 @@ INIT_GIVE_S = 30.0
 #: a leaving creator's hand-over of initial values that its owner has not answered this
 #: long after it was queued is sent again (its connection reset, say)
 INIT_RESEND_S = 1.0
+#: the header of a catalog answer that names the answering bridge's --store
+STORE_HEADER = "X-Shmps-Store"
 #: a leaving creator first asks each such owner whether it still waits for them
 #: (INIT_QUERY); one that has not answered this long after it was asked (the question or
 #: the answer lost with a connection, or a bridge of an earlier build, which drops the
@@ -721,6 +723,7 @@ class Bridge:
         self._index: tuple = (-1, [], None, [])   # _shard_index's cache
         self._maint_sig: tuple = ()        # what the last _maintain shard pass saw
         self._catalog_tags: dict[str, str] = {}   # peer -> ETag of its catalog taken whole
+        self.store_mismatch: dict[str, str] = {}  # peer -> the other --store it serves
         self._maint_due = 0.0              # when the next one is due at the latest
         self._tick_sleep = Pause()         # the tick loop's (_poke_tick ends it sooner)
         self._moved_at = 0.0               # the latest _poke_tick
@@ -4208,6 +4211,19 @@ class Bridge:
         except auth.AuthError as e:
             log.warning("refused the catalog answer of %s: %s", peer, e)
             return
+        theirs = answer.get(STORE_HEADER)
+        if theirs is not None and theirs != self.cfg.store:
+            # a mistyped --store: that host's workers and this host's push to stores
+            # that never meet (its bridge joined the ring all the same; silent before,
+            # review H6 of 2026-11-28).  Its tensors are not copied into this store.
+            if self.store_mismatch.get(peer) != theirs:
+                log.error("peer %s serves store %r, this bridge --store %r: every host must "
+                          "run shmps-bridge with the same --store (their pushes and this "
+                          "host's do not meet); its tensors are not copied here", peer,
+                          theirs, self.cfg.store)
+            self.store_mismatch[peer] = theirs
+            return
+        self.store_mismatch.pop(peer, None)
         if status == 304:   # nothing new there since every record was taken
             self.catalog_seen_from.add(peer)
             return
@@ -4280,9 +4296,10 @@ class Bridge:
         owned = sorted(st.key for st in self.shards.values()
                        if self.owner(st.key) == self.addr and self.acting())
         snap.update({"address": self.addr, "incarnation": self.incarnation,
-                     # (bridges do not compare them: one started with a mistyped --store
-                     # joins all the same, serving a store its workers do not use)
+                     # (a peer serving another --store joins all the same: its name
+                     # is logged as an ERROR and listed in store_mismatch)
                      "store": self.cfg.store, "namespace": self.cfg.namespace,
+                     "store_mismatch": dict(self.store_mismatch),
                      "replicas": self.cfg.replicas,
                      "state": self.members.state(self.addr).value,
                      "acting": self.acting(), "owned": owned, "pending": pending,
@@ -4346,10 +4363,11 @@ class Bridge:
         # whenever the answer does.  A peer that has taken every record of this answer
         # sends it back (If-None-Match) and gets 304, not hundreds of records again.
         tag = f'"{self.incarnation}-{len(self.store._record_list)}-{len(self.adopted)}"'
+        mine = {STORE_HEADER: self.cfg.store}   # (the asker checks it is its own --store)
         if request.headers.get("If-None-Match") == tag:
             return web.Response(status=304, headers={
-                "ETag": tag, **auth.sign_response(self.cfg.secret, request.headers, self.addr,
-                                                  304, b"", tag)})
+                "ETag": tag, **mine, **auth.sign_response(self.cfg.secret, request.headers,
+                                                          self.addr, 304, b"", tag)})
         # each record says where its tensor was created: the copy with its initial values
         # (a record not taken up yet by this process names its origin itself: a copy an
         # earlier bridge process on this store made: review H5 F6)
@@ -4357,8 +4375,8 @@ class Bridge:
                 for r in self.store._record_list if _user_record(r)]
         body = json.dumps(recs).encode()
         return web.Response(body=body, content_type="application/json", headers={
-            "ETag": tag, **auth.sign_response(self.cfg.secret, request.headers, self.addr, 200,
-                                              body, tag)})
+            "ETag": tag, **mine, **auth.sign_response(self.cfg.secret, request.headers,
+                                                      self.addr, 200, body, tag)})
 
     async def h_structure(self, request: Any) -> Any:
         """``POST /v1/structure`` ``{"name": N}``: csr tensor N's rowcnt then colidx
