@@ -2147,7 +2147,10 @@ def test_a_member_change_must_say_what_it_changes(make_cluster):
         h = c.health(i)
         assert [m["address"] for m in h["members"]] == sorted(c.addrs) and h["replicas"] == 3
         assert "--replicas 3 with 2 members" in c.logs[i].read_text(errors="replace")
-    assert post(b"{}") == (200, {"members": c.addrs, "epoch": c.health(0)["epoch"]})
+    assert post(b"{}") == (200, {"members": c.addrs, "epoch": c.health(0)["epoch"],
+                                 "already": []})
+    assert post(b'{"add": ["%s"]}' % c.addrs[1].encode()) == (
+        200, {"members": c.addrs, "epoch": c.health(0)["epoch"], "already": [c.addrs[1]]})
 
 
 def _tool(*args: str, cwd) -> subprocess.CompletedProcess:
