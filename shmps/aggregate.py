@@ -46,7 +46,6 @@ an accumulator behind the round bookkeeping went into some round's sum).
 from __future__ import annotations
 
 import contextlib
-import numbers
 import os
 import threading
 import time
@@ -58,7 +57,7 @@ from . import _native
 from .dense import DenseTensor
 from .errors import (Busy, CorruptSegment, Error, InvalidArgument, NonFinite, SchemaError,
                      Timeout)
-from .tensor import PushHandle, cast_grad, grad_dtype
+from .tensor import PushHandle, cast_grad, check_seconds, grad_dtype
 from .updaters import Sum
 
 #: (store, namespace, tensor id) -> the lock one thread of this process holds while it
@@ -101,14 +100,9 @@ def _round_timeout(timeout: Optional[float]) -> float:
     (60 s), math.inf waits as long as it takes.  A negative or NaN timeout is refused:
     the C core reads a negative one as no limit (a push waiting for the team hung for
     ever) and int(NaN * 1e9) or int(inf * 1e9) raised a plain ValueError/OverflowError."""
-    if timeout is None:
-        return WAIT_TIMEOUT_S
-    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) \
-            or not float(timeout) >= 0:
-        raise InvalidArgument(f"timeout={timeout!r} must be None or a number of seconds >= 0",
-                              "pass e.g. timeout=60 (the default, None), or math.inf to "
-                              "wait as long as it takes")
-    return min(float(timeout), LONGEST_WAIT_S)
+    t = check_seconds(timeout, "pass e.g. timeout=60 (the default, None), or math.inf to "
+                               "wait as long as it takes")
+    return WAIT_TIMEOUT_S if t is None else min(t, LONGEST_WAIT_S)
 
 
 #: The suffixes of the hidden tensors' names: reserved (store._check_not_reserved), so

@@ -51,7 +51,6 @@ pending when the checkpoint was taken are not part of the model it holds.
 from __future__ import annotations
 
 import math
-import numbers
 import time
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
@@ -62,7 +61,7 @@ from . import _native
 from .dense import DenseTensor
 from .errors import CorruptSegment, InvalidArgument, PushesLost, Timeout
 from .table import Table
-from .tensor import NO_FWD, grad_dtype
+from .tensor import NO_FWD, check_seconds, grad_dtype
 
 lib = _native.lib
 ffi = _native.ffi
@@ -873,13 +872,9 @@ def unacknowledged(store: Any) -> list[tuple[Any, int, int]]:
 def flush(store: Any, timeout: Optional[float]) -> None:
     """store.flush(): wait until every push counted in an outbox now is acknowledged."""
     # (a number: float() took "1" as 1 s and raised a plain ValueError for "x")
-    if timeout is not None and (isinstance(timeout, bool)
-                                or not isinstance(timeout, numbers.Real)
-                                or not float(timeout) >= 0):
-        raise InvalidArgument(f"timeout={timeout!r} must be None or a number of seconds >= 0",
-                              "pass e.g. timeout=60 (the default, None), or math.inf to "
-                              "wait as long as it takes")
-    limit = FLUSH_TIMEOUT_S if timeout is None else float(timeout)
+    t = check_seconds(timeout, "pass e.g. timeout=60 (the default, None), or math.inf to "
+                               "wait as long as it takes")
+    limit = FLUSH_TIMEOUT_S if t is None else t
     deadline = time.monotonic() + limit
     waits = unacknowledged(store)
     if waits:

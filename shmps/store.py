@@ -27,8 +27,8 @@ from .errors import (CapacityError, Closed, CorruptFile, CorruptSegment, Invalid
                      NotFound, SchemaError, Timeout)
 from .segment import (NoRoom, Segment, Wait, age_of, check_room, list_names, shm_free,
                       size_of, unlink)
-from .tensor import (MAX_ROW_SHARDS, PushHandle, Tensor, cast_init, check_shard_count,
-                     init_is_valid, open_shards)
+from .tensor import (MAX_ROW_SHARDS, PushHandle, Tensor, cast_init, check_seconds,
+                     check_shard_count, init_is_valid, open_shards)
 from .updaters import UpdaterLike, as_updater, from_dict
 
 lib = _native.lib
@@ -61,15 +61,8 @@ def _clock_timeout(timeout: Optional[float]) -> float:
     deadline in ns, so a negative or NaN timeout (a typo, a computed value gone wrong)
     must be refused here, not waited out for ever, and ``math.inf`` (or a value whose ns
     overflow the deadline: past 292 years) is passed as -1.0, not converted."""
-    if timeout is None:
-        return -1.0
-    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) \
-            or not float(timeout) >= 0:
-        raise InvalidArgument(f"timeout={timeout!r} must be None or a number of seconds >= 0",
-                              "pass e.g. timeout=60, or None (or math.inf) to wait as long "
-                              "as it takes")
-    t = float(timeout)
-    return -1.0 if t > 9e9 else t
+    t = check_seconds(timeout)
+    return -1.0 if t is None or t > 9e9 else t
 
 
 def _staleness_word(staleness: Optional[int]) -> int:

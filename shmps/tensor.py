@@ -221,20 +221,27 @@ def check_rows(rows: Any, nrows: int) -> np.ndarray:
 _LONGEST_HANDLE_WAIT_S = 1e9
 
 
-def _handle_wait_limit(timeout: Optional[float]) -> Optional[float]:
-    """``PushHandle.wait(timeout=)`` as the future takes it (None: no limit).  The
-    future reads a negative or NaN timeout as "do not wait" (a Timeout after -1 s), took
-    True as 1 s and raised a TypeError for "x": refused here, as store.flush() and
-    store.clock() refuse them."""
+def check_seconds(timeout: Any, hint: str = "pass e.g. timeout=60, or None (or math.inf) "
+                  "to wait as long as it takes") -> Optional[float]:
+    """A ``timeout=`` argument as a float of seconds (None stays None, math.inf stays
+    inf): a number >= 0, not a bool.  The waits below it read a negative timeout as "no
+    limit" (the C core) or "do not wait" (a future), took True as 1 s and NaN as
+    anything: every public wait (PushHandle.wait, Store.clock, Store.flush, an
+    aggregated push and wait_round) refuses them here with the same InvalidArgument."""
     if timeout is None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) \
             or not float(timeout) >= 0:
         raise InvalidArgument(f"timeout={timeout!r} must be None or a number of seconds >= 0",
-                              "pass e.g. timeout=60, or None (or math.inf) to wait as long "
-                              "as it takes")
-    t = float(timeout)
-    return None if t > _LONGEST_HANDLE_WAIT_S else t
+                              hint)
+    return float(timeout)
+
+
+def _handle_wait_limit(timeout: Optional[float]) -> Optional[float]:
+    """``PushHandle.wait(timeout=)`` as the future takes it (None: no limit; a longer
+    wait than _LONGEST_HANDLE_WAIT_S is none: the future's OverflowError for math.inf)."""
+    t = check_seconds(timeout)
+    return None if t is None or t > _LONGEST_HANDLE_WAIT_S else t
 
 
 class PushHandle:
