@@ -1701,6 +1701,29 @@ def test_a_no_marks_hand_over_after_a_cut_off_snapshot_is_checked_on_its_first_c
                                       np.full((8, 4), 5, np.float32))
 
 
+@contextlib.contextmanager
+def _three_hosts_on_a_store(tmp_path, store: str):
+    """A Bridge (not started) for host ``me`` of the members me, x, z (127.0.0.2-4:7001)
+    on a real store ``store`` of a namespace of its own, x and z alive in its view at
+    epoch 0: yields (node, me, x, z); destroys the store after.  ``dead_after`` 5 s: a
+    test's short sleeps are no stall of this bridge."""
+    import uuid
+
+    import shmps
+
+    me, x, z = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
+    ns = f"u{uuid.uuid4().hex[:10]}"
+    node = _bridge(tmp_path, [me, x, z], store=store, namespace=ns, dead_after=5.0)
+    node.store = shmps.attach(store, namespace=ns)
+    try:
+        everyone = {m: State.ALIVE for m in (me, x, z)}
+        for p in (x, z):
+            node.on_heartbeat(p, _heartbeat(p, 0, everyone))
+        yield node, me, x, z
+    finally:
+        node.store.destroy()
+
+
 def test_an_owner_taking_the_tensor_up_mid_hand_over_takes_no_half_of_the_initial_values(
         tmp_path):
     """The creator x sends the initial values of shard 0 as a hand-over of two chunks
@@ -1711,19 +1734,9 @@ def test_an_owner_taking_the_tensor_up_mid_hand_over_takes_no_half_of_the_initia
     chunk's rows never written (the schema's init there, x's values after): the refusal
     of the chunk before it must count as one of that snapshot's (snap_broken), as it
     does for a tensor known here."""
-    import uuid
-
-    import shmps
     from shmps.bridge.ring import shard_key
 
-    me, x, z = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
-    ns = f"u{uuid.uuid4().hex[:10]}"
-    node = _bridge(tmp_path, [me, x, z], store="midtakeup", namespace=ns, dead_after=5.0)
-    node.store = shmps.attach("midtakeup", namespace=ns)
-    try:
-        everyone = {m: State.ALIVE for m in (me, x, z)}
-        for p in (x, z):
-            node.on_heartbeat(p, _heartbeat(p, 0, everyone))
+    with _three_hosts_on_a_store(tmp_path, "midtakeup") as (node, me, x, z):
         name = next(f"w{i}" for i in range(1000) if node.owner(shard_key(f"w{i}", 0)) == me)
         info = types.SimpleNamespace(tid=frames.tensor_id(name))
         first = _handover_snapshot(x, info, 7, last=False, rows=4, seq=1)
@@ -1740,8 +1753,6 @@ def test_an_owner_taking_the_tensor_up_mid_hand_over_takes_no_half_of_the_initia
         last = _handover_snapshot(x, info, 7, last=True, rows=4, start=4, seq=2)
         assert _status_of(node, x, last) is Status.NOT_OWNER, node.store[name].pull()
         assert st.handover_from == x                               # and waits on
-    finally:
-        node.store.destroy()
 
 
 def test_the_refused_snapshots_of_tensors_not_taken_up_are_remembered_up_to_a_cap(
@@ -1751,20 +1762,10 @@ def test_the_refused_snapshots_of_tensors_not_taken_up_are_remembered_up_to_a_ca
     can name any tensor id, so at most UNKNOWN_SNAP_KEEP shards are, the oldest dropped
     first.  Driven through the refusal on a Bridge, not started, on a real store, with
     the cap made 3 (65536 shards would be a long test of the same lines)."""
-    import uuid
-
-    import shmps
     from shmps.bridge import node as bridge_node
 
     monkeypatch.setattr(bridge_node, "UNKNOWN_SNAP_KEEP", 3)
-    me, x, z = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
-    ns = f"u{uuid.uuid4().hex[:10]}"
-    node = _bridge(tmp_path, [me, x, z], store="unknowncap", namespace=ns, dead_after=5.0)
-    node.store = shmps.attach("unknowncap", namespace=ns)
-    try:
-        everyone = {m: State.ALIVE for m in (me, x, z)}
-        for p in (x, z):
-            node.on_heartbeat(p, _heartbeat(p, 0, everyone))
+    with _three_hosts_on_a_store(tmp_path, "unknowncap") as (node, me, x, z):
         tids = [frames.tensor_id(f"gone{i}") for i in range(6)]   # in no catalog here
         sizes: list = []
 
@@ -1780,8 +1781,6 @@ def test_the_refused_snapshots_of_tensors_not_taken_up_are_remembered_up_to_a_ca
         assert list(node._unknown_snap_broken) == [(tid, 0) for tid in tids[3:]]  # oldest out
         assert all(v == {(members.member_id(x), 7): 1}
                    for v in node._unknown_snap_broken.values())
-    finally:
-        node.store.destroy()
 
 
 def test_a_restarted_bridge_gives_no_initial_values_of_a_copy_it_adopted(tmp_path):
@@ -2378,19 +2377,9 @@ def test_an_owner_answers_a_creators_question_by_its_own_wait(tmp_path):
     or it created the tensor itself): a host waits for a creator's copy only from its
     take-up of the tensor on.  Drives a Bridge, not started, on a real store, through
     on_message (decoded, checked to come from the peer's process)."""
-    import uuid
-
-    import shmps
     from shmps.bridge.ring import shard_key
 
-    me, x, z = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
-    ns = f"u{uuid.uuid4().hex[:10]}"
-    node = _bridge(tmp_path, [me, x, z], store="answerinit", namespace=ns, dead_after=5.0)
-    node.store = shmps.attach("answerinit", namespace=ns)
-    try:
-        everyone = {m: State.ALIVE for m in (me, x, z)}
-        for p in (x, z):
-            node.on_heartbeat(p, _heartbeat(p, 0, everyone))
+    with _three_hosts_on_a_store(tmp_path, "answerinit") as (node, me, x, z):
         name, mine = (next(f"{p}{i}" for i in range(1000)
                            if node.owner(shard_key(f"{p}{i}", 0)) == me) for p in "wv")
         tid = frames.tensor_id(name)
@@ -2426,8 +2415,6 @@ def test_an_owner_answers_a_creators_question_by_its_own_wait(tmp_path):
             assert ask(x, frames.tensor_id(mine)) is Status.NOT_OWNER   # created here
 
         asyncio.run(main())
-    finally:
-        node.store.destroy()
 
 
 async def _no_snapshot_sent(*a, **k) -> None:
