@@ -523,8 +523,8 @@ class DenseTensor(Tensor):
         """``np.asarray(w)``: :meth:`pull`, a consistent private copy, in ``dtype`` if
         given.  ``copy=False`` is refused (InvalidArgument, the ValueError numpy raises
         for what it cannot give without a copy): :meth:`view` is the zero-copy array,
-        racy by design, not a default to fall into.  (torch reads no ``__array__``: torch.as_tensor(w) raises;
-        ``torch.from_numpy(w.pull())``.)"""
+        racy by design, not a default to fall into.  (torch reads no ``__array__``:
+        torch.as_tensor(w) raises; use ``torch.from_numpy(w.pull())``.)"""
         if copy is False:
             # (InvalidArgument is the ValueError numpy's protocol asks for, and a
             # shmps.Error with its hint, as the README promises)

@@ -423,6 +423,7 @@ class Store:
         if aggregate is not None or workers is not None:
             from .aggregate import add_request
             add_request(self, name, req, aggregate, workers)
+
         def check_init(rec: dict) -> None:
             shp, dt = tuple(rec["shape"]), np.dtype(rec["dtype"])
             anf = bool(rec.get("allow_nonfinite", False))

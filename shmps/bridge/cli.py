@@ -126,7 +126,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from .node import Config, serve
     try:
         members = read_hosts(args.peers)
-        listen = normalize_address(args.listen) if args.listen else _pick_listen(members, args.peers)
+        listen = (normalize_address(args.listen) if args.listen
+                  else _pick_listen(members, args.peers))
         secret = auth.load_secret(args.secret_file) if args.secret_file else None
         cfg = Config(peers_file=args.peers, store=args.store, listen=listen,
                      replicas=args.replicas, secret=secret, namespace=args.namespace,
