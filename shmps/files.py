@@ -892,30 +892,56 @@ def _inodes(names: Sequence[str]) -> tuple:
     return tuple(out)
 
 
+def _pinned(names: Sequence[str]) -> tuple[list[int], tuple]:
+    """Each name opened (read-only, non-blocking: a FIFO there does not hang), and the
+    inode under it (None: none there, or it cannot be opened).  While the descriptors
+    are open their inodes stay allocated, so no file made meanwhile gets one of their
+    numbers: ext4 gives a set's new files the numbers its replaced files freed (a set
+    rewritten twice, B then A again, had the same four inode numbers in 200 of 200
+    tries here), and an inode compared without this passed an A-B-A replacement during
+    a read for no replacement at all."""
+    fds: list[int] = []
+    inodes = []
+    for n in names:
+        try:
+            fd = os.open(n, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            inodes.append(None)
+            continue
+        fds.append(fd)
+        inodes.append(os.fstat(fd).st_ino)
+    return fds, tuple(inodes)
+
+
 def _consistent_read(prefix: str, array: str, read: Callable[[], MatrixSet]) -> MatrixSet:
     """``read()`` set ``prefix`` with every file of one version: a replacement that
     finished, or a half-done one finished (:func:`settle_replacement`), before it, and
     none under way while it reads (no journal before or after it, and the same inode
-    under each name before and after it: a replacement renames new files, with new
-    inodes, over every name, and removes its journal only after).  A read that met one
-    is done again (its error too: a mix fails the size checks), at most READ_ATTEMPTS
-    times.  Cost: two stats of each of the
-    set's names and of its journal a read."""
+    under each name before and after it, the inodes from before held open meanwhile:
+    a replacement renames new files, with new inodes, over every name, and removes its
+    journal only after; held open, no new file can take an old one's number,
+    :func:`_pinned`).  A read that met one is done again (its error too: a mix fails
+    the size checks), at most READ_ATTEMPTS times.  Cost: an open, a close and two
+    stats of each of the set's names, and two of its journal, a read."""
     names = [*paths(prefix).values(), f"{prefix}.{array}"]
     jp = journal_path(prefix)
     for _ in range(READ_ATTEMPTS):
         settle_replacement(prefix)   # (waits for a live writer's renames)
-        before = _inodes(names)
-        if os.path.lexists(jp):
-            continue   # a writer began since: settle waits for it
+        fds, before = _pinned(names)
         try:
-            ms = read()
-        except (CorruptFile, NotFound):
+            if os.path.lexists(jp):
+                continue   # a writer began since: settle waits for it
+            try:
+                ms = read()
+            except (CorruptFile, NotFound):
+                if _inodes(names) == before and not os.path.lexists(jp):
+                    raise   # (the set as it is)
+                continue
             if _inodes(names) == before and not os.path.lexists(jp):
-                raise   # (the set as it is)
-            continue
-        if _inodes(names) == before and not os.path.lexists(jp):
-            return ms
+                return ms
+        finally:
+            for fd in fds:
+                os.close(fd)
     raise CorruptFile(f"{prefix}: its files were replaced {READ_ATTEMPTS} times while it "
                       "was read", hint="read it again once its writers have ended")
 
