@@ -1101,8 +1101,7 @@ class Bridge:
                     continue
                 if st.init_served == owner:
                     if (st.reading is None and now - st.init_sent_at > INIT_RESEND_S):
-                        asyncio.get_running_loop().create_task(
-                            self._send_snapshot(key, owner, handover=True))
+                        self._hand_over(key, owner)
                     continue
                 if waits is None:
                     if st.init_waits is not None and st.init_waits[0] == owner:
@@ -1114,8 +1113,7 @@ class Bridge:
                             continue
                     elif now - st.init_asked_at <= INIT_ASK_S:
                         continue   # (its answer may come)
-                asyncio.get_running_loop().create_task(
-                    self._send_snapshot(key, owner, handover=True))
+                self._hand_over(key, owner)
 
     def _ask_init(self, key: tuple, owner: str) -> bool:
         """Leaving: ask ``owner`` whether it still waits for this host's initial values
@@ -1760,8 +1758,7 @@ class Bridge:
             # GAP after GAP, for good: the network cut test, 2026-11-26)
             if (new and new[0] in self.members.reachable() and self._ever_acted
                     and time.monotonic() >= self.grace_until):
-                asyncio.get_running_loop().create_task(self._send_snapshot(key, new[0],
-                                                                           handover=True))
+                self._hand_over(key, new[0])
         elif now and not was:
             st.handover_init = False   # (refresh_tensors sets it after, for a creator's)
             st.synced = set()
@@ -3859,8 +3856,7 @@ class Bridge:
         if (st.init_waits[2] and st.init_served != peer and self.owner(st.key) == peer
                 and self._fresh_origin(key, time.monotonic())):
             # sent now, not at the leave's next look (every 0.25 s), as it was unasked
-            asyncio.get_running_loop().create_task(
-                self._send_snapshot(key, peer, handover=True))
+            self._hand_over(key, peer)
 
     def _on_init_query(self, peer: str, f: frames.InitQuery,
                        reply: Callable[[bytes], None]) -> None:
@@ -3879,6 +3875,12 @@ class Bridge:
             return
         waits = st.handover_from == peer or self.owner(st.key) == peer
         reply(self._ack(f, Status.OK if waits else Status.NOT_OWNER))
+
+    def _hand_over(self, key: tuple, member: str) -> None:
+        """Queue a hand-over snapshot of shard ``key`` to ``member`` (its owner, which
+        takes it only while it waits for one from this host: on_rows)."""
+        asyncio.get_running_loop().create_task(self._send_snapshot(key, member,
+                                                                   handover=True))
 
     async def _send_snapshot(self, key: tuple, member: str, handover: bool = False) -> None:
         """Send a consistent copy of shard ``key`` to ``member`` (chunks, then LAST)."""
@@ -4645,8 +4647,7 @@ class Bridge:
                 # (it accepts them only while it waits for them: refresh_tensors); or,
                 # the previous owner's hand-over not coming, it asks this host, one of
                 # that owner's backups, for its copy (_handover_given_up, _copy_to_give)
-                asyncio.get_running_loop().create_task(
-                    self._send_snapshot(key, peer, handover=True))
+                self._hand_over(key, peer)
                 # Answered BUSY, "coming" (_on_sync_answer), while this host has the data
                 # connection to send it on (the one the new owner opened, which its SYNCs
                 # come on too): the snapshot thread reads one shard at a time, so the
