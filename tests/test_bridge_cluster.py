@@ -1451,7 +1451,7 @@ async def _ws_session(c: Cluster, i: int, secret: bytes, client: str, incarnatio
     ws = await session.ws_connect(c.url(i, "/v1/stream"), max_msg_size=64 << 20)
     hello = await ws.receive_bytes(timeout=5)
     hs = auth.ClientHandshake(secret, client, "data", sender=member_id(client),
-                              incarnation=incarnation, server_id=c.addrs[i])
+                              store=c.store, incarnation=incarnation, server_id=c.addrs[i])
     await ws.send_bytes(hs.answer(hello))
     return session, ws, hs
 
@@ -2358,7 +2358,8 @@ def test_a_bridge_stops_promptly_with_a_peer_connection_still_open(make_cluster)
                         ws = await session.ws_connect(c.url(0, "/v1/stream"))
                         hs = auth.ClientHandshake(secret, c.addrs[1], "data",
                                                   sender=member_id(c.addrs[1]),
-                                                  incarnation=77, server_id=c.addrs[0])
+                                                  store=c.store, incarnation=77,
+                                                  server_id=c.addrs[0])
                         await ws.send_bytes(hs.answer(await ws.receive_bytes(timeout=5)))
                         hs.check(await ws.receive_bytes(timeout=5))
                         while (await ws.receive()).type not in (

@@ -1183,7 +1183,7 @@ def test_a_link_takes_data_frames_that_come_with_the_servers_ok(tmp_path):
             await ws.prepare(request)
             stream = wsstream.take_over(request, max_msg=1 << 20, peer="the link")
             hs = auth.ServerHandshake(None, sender=members.member_id(got["b"]),
-                                      incarnation=1)
+                                      store="unused", incarnation=1)   # (_bridge's)
             stream.send(hs.hello())
             _, ok = hs.verify(await stream.receive(5))
             stream.limit(bridge_node.MAX_MSG)
@@ -4714,11 +4714,12 @@ def test_check_bind_refuses_network_addresses_without_secret(host):
     auth.check_bind(host, SECRET)
 
 
-def handshake(server_secret, client_secret, *, purpose="data"):
-    """Run the three handshake messages; return (server's view, client's view)."""
-    s = auth.ServerHandshake(server_secret, sender=11, incarnation=12)
-    c = auth.ClientHandshake(client_secret, "10.0.0.2:7070", purpose, sender=21, incarnation=22,
-                             server_id="10.0.0.1:7070")
+def handshake(server_secret, client_secret, *, purpose="data", stores=("m", "m")):
+    """Run the three handshake messages, the server serving store ``stores[0]`` and the
+    client ``stores[1]``; return (server's view, client's view)."""
+    s = auth.ServerHandshake(server_secret, sender=11, store=stores[0], incarnation=12)
+    c = auth.ClientHandshake(client_secret, "10.0.0.2:7070", purpose, sender=21,
+                             store=stores[1], incarnation=22, server_id="10.0.0.1:7070")
     peer, ok = s.verify(c.answer(s.hello()))
     return peer, c.check(ok)
 
@@ -4726,9 +4727,41 @@ def handshake(server_secret, client_secret, *, purpose="data"):
 def test_handshake_good_secret_authenticates_both_sides():
     """Same secret: the server learns the client's id/purpose/ids and the client the server's."""
     peer, server = handshake(SECRET, SECRET)
-    assert peer == auth.Peer("10.0.0.2:7070", "data", 21, 22)
-    assert server == auth.Peer("10.0.0.1:7070", "data", 11, 12)
+    assert peer == auth.Peer("10.0.0.2:7070", "data", 21, 22, "m")
+    assert server == auth.Peer("10.0.0.1:7070", "data", 11, 12, "m")
     assert handshake(None, None)[0].client_id == "10.0.0.2:7070"   # loopback, no secret
+
+
+@pytest.mark.parametrize("secret", [SECRET, None], ids=["secret", "no secret"])
+def test_handshake_tells_each_side_the_others_store(secret):
+    """Each side learns the store the other serves, under the MAC (flipping any byte of
+    it fails: test_handshake_tampering_any_byte_is_refused), with or without a secret;
+    the bridge compares them (test_a_bridge_serving_another_store_is_refused_at_the_
+    handshake).  Before, the handshake named no store at all: a bridge of another
+    --store passed it and joined the ring."""
+    peer, server = handshake(secret, secret, stores=("model", "modle"))
+    assert (peer.store, server.store) == ("modle", "model")
+    longest = "s" * auth.MAX_STORE_BYTES
+    peer, server = handshake(secret, secret, stores=(longest, longest))
+    assert peer.store == server.store == longest
+    with pytest.raises(InvalidArgument):
+        handshake(secret, secret, stores=("m", "s" * (auth.MAX_STORE_BYTES + 1)))
+
+
+def test_handshake_of_the_version_before_the_store_is_refused():
+    """A peer speaking handshake version 1 (no store in AUTH and OK) is refused with the
+    version message, either end; so is a v2 peer by a v1 one (it checks the version
+    first).  Before the bump, v1 was this version: the messages were taken."""
+    old_hello = struct.pack("<4sHH32s", b"SHPH", 1, 0, bytes(32))
+    c = auth.ClientHandshake(SECRET, "c:1", "data", sender=2, store="m", incarnation=2)
+    with pytest.raises(AuthError, match="server speaks handshake version 1, this host 2"):
+        c.answer(old_hello)
+    s = auth.ServerHandshake(SECRET, sender=1, store="m", incarnation=1)
+    s.hello()
+    old_auth = struct.pack("<4sHBBII32s32s", b"SHPA", 1, 3, 4, 2, 2, bytes(32),
+                           bytes(32)) + b"c:1data"
+    with pytest.raises(AuthError, match="peer speaks handshake version 1, this host 2"):
+        s.verify(old_auth)
 
 
 @pytest.mark.parametrize("server_secret, client_secret", [
@@ -4742,10 +4775,10 @@ def test_handshake_wrong_secret_is_refused(server_secret, client_secret):
 def test_handshake_client_refuses_a_server_without_the_secret():
     """A server holding another secret cannot produce an OK the client accepts (it could
     otherwise acknowledge batches and make senders drop them)."""
-    fake = auth.ServerHandshake(b"y" * 32, sender=1, incarnation=1)
-    accomplice = auth.ClientHandshake(b"y" * 32, "c:1", "data", sender=2, incarnation=2)
+    fake = auth.ServerHandshake(b"y" * 32, sender=1, store="m", incarnation=1)
+    accomplice = auth.ClientHandshake(b"y" * 32, "c:1", "data", sender=2, store="m", incarnation=2)
     hello = fake.hello()
-    victim = auth.ClientHandshake(SECRET, "c:1", "data", sender=2, incarnation=2)
+    victim = auth.ClientHandshake(SECRET, "c:1", "data", sender=2, store="m", incarnation=2)
     victim.answer(hello)
     accomplice._cnonce = victim._cnonce   # even with the victim's own nonce
     _, ok = fake.verify(accomplice.answer(hello))
@@ -4755,13 +4788,13 @@ def test_handshake_client_refuses_a_server_without_the_secret():
 
 def test_handshake_tampering_any_byte_is_refused():
     """Flipping any bit of AUTH or OK makes the handshake fail with AuthError."""
-    s0 = auth.ServerHandshake(SECRET, sender=1, incarnation=2)
+    s0 = auth.ServerHandshake(SECRET, sender=1, store="m", incarnation=2)
     hello = s0.hello()
-    c0 = auth.ClientHandshake(SECRET, "10.0.0.2:7070", "data", sender=3, incarnation=4)
+    c0 = auth.ClientHandshake(SECRET, "10.0.0.2:7070", "data", sender=3, store="m", incarnation=4)
     msg = c0.answer(hello)
     for i in range(len(msg)):
         for bit in (0x01, 0x80):
-            s = auth.ServerHandshake(SECRET, sender=1, incarnation=2)
+            s = auth.ServerHandshake(SECRET, sender=1, store="m", incarnation=2)
             s._nonce = s0._nonce        # same challenge as the genuine exchange
             s.hello()
             bad = bytearray(msg)
@@ -4770,7 +4803,8 @@ def test_handshake_tampering_any_byte_is_refused():
                 s.verify(bytes(bad))
     _, ok = s0.verify(msg)
     for i in range(len(ok)):
-        c = auth.ClientHandshake(SECRET, "10.0.0.2:7070", "data", sender=3, incarnation=4)
+        c = auth.ClientHandshake(SECRET, "10.0.0.2:7070", "data", sender=3, store="m",
+                                 incarnation=4)
         c._cnonce = c0._cnonce
         c.answer(hello)
         bad = bytearray(ok)
@@ -4781,39 +4815,41 @@ def test_handshake_tampering_any_byte_is_refused():
 
 def test_handshake_replayed_or_expired_is_refused():
     """An AUTH works once, never on another connection, and only within the timeout."""
-    s1 = auth.ServerHandshake(SECRET, sender=1, incarnation=1)
-    c = auth.ClientHandshake(SECRET, "c:1", "data", sender=2, incarnation=2)
+    s1 = auth.ServerHandshake(SECRET, sender=1, store="m", incarnation=1)
+    c = auth.ClientHandshake(SECRET, "c:1", "data", sender=2, store="m", incarnation=2)
     msg = c.answer(s1.hello())
     s1.verify(msg)
     with pytest.raises(AuthError, match="already used"):
         s1.verify(msg)
-    s2 = auth.ServerHandshake(SECRET, sender=1, incarnation=1)
+    s2 = auth.ServerHandshake(SECRET, sender=1, store="m", incarnation=1)
     s2.hello()
     with pytest.raises(AuthError, match="failed authentication"):
         s2.verify(msg)                   # recorded AUTH, fresh nonce
     t = [100.0]
-    s3 = auth.ServerHandshake(SECRET, sender=1, incarnation=1, timeout=10, clock=lambda: t[0])
-    msg3 = auth.ClientHandshake(SECRET, "c:1", "data", sender=2, incarnation=2).answer(s3.hello())
+    s3 = auth.ServerHandshake(SECRET, sender=1, store="m", incarnation=1, timeout=10,
+                              clock=lambda: t[0])
+    msg3 = auth.ClientHandshake(SECRET, "c:1", "data", sender=2, store="m",
+                                incarnation=2).answer(s3.hello())
     t[0] = 110.5
     with pytest.raises(AuthError, match="expired"):
         s3.verify(msg3)
     with pytest.raises(AuthError, match="before HELLO"):
-        auth.ServerHandshake(SECRET, sender=1, incarnation=1).verify(msg)
+        auth.ServerHandshake(SECRET, sender=1, store="m", incarnation=1).verify(msg)
     with pytest.raises(AuthError, match="already answered"):
         c.answer(s2.hello())
     with pytest.raises(AuthError, match="before HELLO"):
-        auth.ClientHandshake(SECRET, "c:1", "d", sender=1, incarnation=1).check(b"")
+        auth.ClientHandshake(SECRET, "c:1", "d", sender=1, store="m", incarnation=1).check(b"")
 
 
 @FAST
 @given(st.binary(max_size=200))
 def test_handshake_garbage_raises_only_auth_error(data):
     """Arbitrary bytes as AUTH, HELLO or OK raise AuthError, never anything else."""
-    s = auth.ServerHandshake(SECRET, sender=1, incarnation=1)
+    s = auth.ServerHandshake(SECRET, sender=1, store="m", incarnation=1)
     s.hello()
     with pytest.raises(AuthError):
         s.verify(data)
-    c = auth.ClientHandshake(SECRET, "c:1", "data", sender=1, incarnation=1)
+    c = auth.ClientHandshake(SECRET, "c:1", "data", sender=1, store="m", incarnation=1)
     try:
         c.answer(data)
     except AuthError:
@@ -4825,11 +4861,11 @@ def test_handshake_garbage_raises_only_auth_error(data):
 def test_handshake_arguments_are_checked():
     """Client ids, purposes and ids out of range are InvalidArgument at construction."""
     with pytest.raises(InvalidArgument):
-        auth.ClientHandshake(SECRET, "", "data", sender=1, incarnation=1)
+        auth.ClientHandshake(SECRET, "", "data", sender=1, store="m", incarnation=1)
     with pytest.raises(InvalidArgument):
-        auth.ClientHandshake(SECRET, "c:1", "p" * 65, sender=1, incarnation=1)
+        auth.ClientHandshake(SECRET, "c:1", "p" * 65, sender=1, store="m", incarnation=1)
     with pytest.raises(InvalidArgument):
-        auth.ServerHandshake(SECRET, sender=1 << 32, incarnation=1)
+        auth.ServerHandshake(SECRET, sender=1 << 32, store="m", incarnation=1)
 
 
 NOW = 1_700_000_000.0

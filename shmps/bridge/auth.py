@@ -7,16 +7,23 @@ refuses files that group or others can read). Two mechanisms use it:
 binary messages before any frame::
 
     server -> client  HELLO  server nonce (32 random bytes)
-    client -> server  AUTH   client id, purpose, sender id, incarnation, client nonce,
-                             MAC_c = HMAC-SHA256(secret, "shmps-bridge/1 client\\0" ||
-                                     server nonce || client nonce || fields)
-    server -> client  OK     server sender id, incarnation,
-                             MAC_s = HMAC-SHA256(secret, "shmps-bridge/1 server\\0" || ...)
+    client -> server  AUTH   client id, purpose, store, sender id, incarnation, client
+                             nonce, MAC_c = HMAC-SHA256(secret, "shmps-bridge/2 client\\0"
+                                     || server nonce || client nonce || fields)
+    server -> client  OK     server sender id, incarnation, store,
+                             MAC_s = HMAC-SHA256(secret, "shmps-bridge/2 server\\0" || ...)
 
 The server's fresh nonce makes every AUTH single-use (a recorded one fails on another
 connection); the client's nonce lets the client check the server too (a host without
 the secret could otherwise acknowledge batches and make senders drop them). Variable
 fields are length-prefixed so no two field lists give the same MAC input.
+
+Both ends name the store they serve (``--store``), under the MAC: the bridge refuses a
+peer that serves another one (a mistyped ``--store``) right after the handshake, on
+either end, so such a peer is never heard and never a member of its ring.  The handshake
+only carries the names; the bridge compares them.  The namespace is not sent: it is a
+host's own (several "hosts" on one machine each have one).  Without a secret the MACs
+still bind the names to the nonces, and the names are compared all the same.
 
 **Per-request MAC** for HTTP requests (:func:`sign_request`, :class:`RequestVerifier`):
 headers carry a client id, a timestamp (ms), a 16-byte nonce and
@@ -57,11 +64,13 @@ MAC_BYTES = 32
 SECRET_MIN_BYTES = 16
 SECRET_MAX_BYTES = 4096
 _SECRET_READ = SECRET_MAX_BYTES + 4096   #: bytes of a secret file load_secret reads at most
-HANDSHAKE_VERSION = 1
+HANDSHAKE_VERSION = 2
+"""2 since 2026-11-28: AUTH and OK carry the store (1 did not)."""
 HANDSHAKE_TIMEOUT = 10.0
 REQUEST_WINDOW = 30.0
 MAX_ID_BYTES = 255
 MAX_PURPOSE_BYTES = 64
+MAX_STORE_BYTES = 64           #: a store name's limit (names.check_name)
 
 HEADER_ID = "X-Shmps-Id"
 HEADER_TIME = "X-Shmps-Time"
@@ -69,19 +78,21 @@ HEADER_NONCE = "X-Shmps-Nonce"
 HEADER_MAC = "X-Shmps-Mac"
 HEADER_RESPONSE_MAC = "X-Shmps-Response-Mac"
 
-_TAG_CLIENT = b"shmps-bridge/1 client\0"
-_TAG_SERVER = b"shmps-bridge/1 server\0"
+_TAG_CLIENT = b"shmps-bridge/2 client\0"   # /2: the fields name the store
+_TAG_SERVER = b"shmps-bridge/2 server\0"
 _TAG_REQUEST = b"shmps-bridge/2 request\0"    # /2: the target host is signed too
 _TAG_RESPONSE = b"shmps-bridge/2 response\0"
 
 _HELLO = struct.Struct("<4sHH32s")          # magic, version, reserved, server nonce
-_AUTH = struct.Struct("<4sHBBII32s32s")     # magic, version, id len, purpose len, sender,
-#                                             incarnation, client nonce, MAC_c; then id, purpose
-_OK = struct.Struct("<4sHHII32s")           # magic, version, reserved, sender, incarnation, MAC_s
+_AUTH = struct.Struct("<4sHBBBBII32s32s")   # magic, version, id len, purpose len, store len,
+#                                             reserved, sender, incarnation, client nonce,
+#                                             MAC_c; then id, purpose, store
+_OK = struct.Struct("<4sHBBII32s")          # magic, version, store len, reserved, sender,
+#                                             incarnation, MAC_s; then store
 MAGIC_HELLO, MAGIC_AUTH, MAGIC_OK = b"SHPH", b"SHPA", b"SHPK"
-#: the largest handshake message (an AUTH with the longest id and purpose): the bound on
-#: what a connection may send before it has authenticated (wsstream.WsStream.limit)
-MAX_HANDSHAKE_MSG = _AUTH.size + MAX_ID_BYTES + MAX_PURPOSE_BYTES
+#: the largest handshake message (an AUTH with the longest id, purpose and store): the
+#: bound on what a connection may send before it has authenticated (WsStream.limit)
+MAX_HANDSHAKE_MSG = _AUTH.size + MAX_ID_BYTES + MAX_PURPOSE_BYTES + MAX_STORE_BYTES
 
 
 class AuthError(Error, PermissionError):
@@ -195,10 +206,12 @@ class Peer:
     purpose: str        #: what the connection is for (``"data"``, ``"sync"``, ...)
     sender: int         #: the peer's 32-bit member id (the frame header's sender field)
     incarnation: int    #: random per process start; distinguishes restarts
+    store: str          #: the store the peer's bridge serves (its ``--store``)
 
 
-def _fields(client_id: bytes, purpose: bytes, sender: int, incarnation: int) -> bytes:
-    return _lp(client_id) + _lp(purpose) + struct.pack("<II", sender, incarnation)
+def _fields(client_id: bytes, purpose: bytes, store: bytes, sender: int,
+            incarnation: int) -> bytes:
+    return _lp(client_id) + _lp(purpose) + _lp(store) + struct.pack("<II", sender, incarnation)
 
 
 def _client_mac(key: bytes, snonce: bytes, cnonce: bytes, fields: bytes) -> bytes:
@@ -206,9 +219,10 @@ def _client_mac(key: bytes, snonce: bytes, cnonce: bytes, fields: bytes) -> byte
 
 
 def _server_mac(key: bytes, snonce: bytes, cnonce: bytes, fields: bytes, sender: int,
-                incarnation: int) -> bytes:
+                incarnation: int, store: bytes) -> bytes:
     return hmac.new(key, _TAG_SERVER + snonce + cnonce + fields
-                    + struct.pack("<II", sender, incarnation), hashlib.sha256).digest()
+                    + struct.pack("<II", sender, incarnation) + _lp(store),
+                    hashlib.sha256).digest()
 
 
 def _check_u32(name: str, v: int) -> int:
@@ -232,13 +246,17 @@ class ServerHandshake:
     ``hello()`` gives the first message; ``verify(auth)`` checks the client's answer
     (within ``timeout`` seconds of ``hello()``) and returns the :class:`Peer` and the OK
     message to send back. Any failure raises :class:`AuthError`, and the handshake cannot
-    be retried. O(len(message)) each.
+    be retried. ``store`` is the store this host serves, sent in OK; a peer's that
+    differs is not a failure here (the caller compares ``Peer.store``, and may send OK
+    before it refuses: the client learns this host's store from it). O(len(message))
+    each.
     """
 
-    def __init__(self, secret: bytes | None, *, sender: int, incarnation: int,
+    def __init__(self, secret: bytes | None, *, sender: int, incarnation: int, store: str,
                  timeout: float = HANDSHAKE_TIMEOUT,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._key = _key(secret)
+        self._store = _text("store", store, MAX_STORE_BYTES)
         self._sender = _check_u32("sender", sender)
         self._incarnation = _check_u32("incarnation", incarnation)
         self._timeout = float(timeout)
@@ -268,44 +286,53 @@ class ServerHandshake:
             raise AuthError(f"peer {peer.client_id!r} failed authentication (wrong secret, "
                             "or the message was altered)")
         ok_mac = _server_mac(self._key, self._nonce, cnonce, fields, self._sender,
-                             self._incarnation)
-        return peer, _OK.pack(MAGIC_OK, HANDSHAKE_VERSION, 0, self._sender,
-                              self._incarnation, ok_mac)
+                             self._incarnation, self._store)
+        return peer, _OK.pack(MAGIC_OK, HANDSHAKE_VERSION, len(self._store), 0, self._sender,
+                              self._incarnation, ok_mac) + self._store
 
 
 def _parse_auth(message: bytes) -> tuple[Peer, bytes, bytes, bytes]:
     mv = memoryview(message).cast("B") if not isinstance(message, bytes) else message
     if len(mv) < _AUTH.size:
         raise AuthError(f"malformed AUTH: {len(mv)} bytes, need at least {_AUTH.size}")
-    magic, version, id_len, purpose_len, sender, inc, cnonce, mac = _AUTH.unpack_from(mv, 0)
+    (magic, version, id_len, purpose_len, store_len, reserved, sender, inc, cnonce,
+     mac) = _AUTH.unpack_from(mv, 0)
     if magic != MAGIC_AUTH:
         raise AuthError(f"malformed AUTH: magic {bytes(magic)!r}, expected {MAGIC_AUTH!r}")
     if version != HANDSHAKE_VERSION:
         raise AuthError(f"peer speaks handshake version {version}, this host {HANDSHAKE_VERSION}")
-    if id_len == 0 or not 1 <= purpose_len <= MAX_PURPOSE_BYTES:
-        raise AuthError("malformed AUTH: empty client id or purpose, or purpose too long")
-    if len(mv) != _AUTH.size + id_len + purpose_len:
+    if (id_len == 0 or not 1 <= purpose_len <= MAX_PURPOSE_BYTES
+            or not 1 <= store_len <= MAX_STORE_BYTES or reserved):
+        raise AuthError("malformed AUTH: empty client id, purpose or store, purpose or "
+                        "store too long, or reserved field not zero")
+    if len(mv) != _AUTH.size + id_len + purpose_len + store_len:
         raise AuthError(f"malformed AUTH: {len(mv)} bytes, fields declare "
-                        f"{_AUTH.size + id_len + purpose_len}")
-    raw_id = bytes(mv[_AUTH.size:_AUTH.size + id_len])
-    raw_purpose = bytes(mv[_AUTH.size + id_len:])
+                        f"{_AUTH.size + id_len + purpose_len + store_len}")
+    at = _AUTH.size
+    raw_id = bytes(mv[at:at + id_len])
+    raw_purpose = bytes(mv[at + id_len:at + id_len + purpose_len])
+    raw_store = bytes(mv[at + id_len + purpose_len:])
     try:
         client_id, purpose = raw_id.decode("utf-8"), raw_purpose.decode("utf-8")
+        store = raw_store.decode("utf-8")
     except UnicodeDecodeError:
-        raise AuthError("malformed AUTH: client id or purpose is not UTF-8") from None
-    fields = _fields(raw_id, raw_purpose, sender, inc)
-    return Peer(client_id, purpose, sender, inc), bytes(cnonce), fields, bytes(mac)
+        raise AuthError("malformed AUTH: client id, purpose or store is not UTF-8") from None
+    fields = _fields(raw_id, raw_purpose, raw_store, sender, inc)
+    return Peer(client_id, purpose, sender, inc, store), bytes(cnonce), fields, bytes(mac)
 
 
 class ClientHandshake:
     """The connecting side: ``answer(hello)`` gives AUTH; ``check(ok)`` authenticates the
-    server and returns it as a :class:`Peer` (its ``client_id`` is ``server_id``). O(len)."""
+    server and returns it as a :class:`Peer` (its ``client_id`` is ``server_id``, its
+    ``store`` the one it serves: the caller compares it with ``store``, this host's).
+    O(len)."""
 
     def __init__(self, secret: bytes | None, client_id: str, purpose: str, *, sender: int,
-                 incarnation: int, server_id: str = "") -> None:
+                 incarnation: int, store: str, server_id: str = "") -> None:
         self._key = _key(secret)
         self._id = _text("client_id", client_id, MAX_ID_BYTES)
         self._purpose = _text("purpose", purpose, MAX_PURPOSE_BYTES)
+        self._store = _text("store", store, MAX_STORE_BYTES)
         self._sender = _check_u32("sender", sender)
         self._incarnation = _check_u32("incarnation", incarnation)
         self._server_id = server_id
@@ -326,27 +353,38 @@ class ClientHandshake:
             raise AuthError(f"server speaks handshake version {version}, this host "
                             f"{HANDSHAKE_VERSION}")
         self._snonce = snonce
-        fields = _fields(self._id, self._purpose, self._sender, self._incarnation)
-        mac = _client_mac(self._key, snonce, self._cnonce, fields)
+        mac = _client_mac(self._key, snonce, self._cnonce, self._fields())
         return (_AUTH.pack(MAGIC_AUTH, HANDSHAKE_VERSION, len(self._id), len(self._purpose),
-                           self._sender, self._incarnation, self._cnonce, mac)
-                + self._id + self._purpose)
+                           len(self._store), 0, self._sender, self._incarnation,
+                           self._cnonce, mac)
+                + self._id + self._purpose + self._store)
+
+    def _fields(self) -> bytes:
+        return _fields(self._id, self._purpose, self._store, self._sender, self._incarnation)
 
     def check(self, ok: bytes) -> Peer:
         """Verify the server's OK; return the server as a :class:`Peer`."""
         if self._snonce is None:
             raise AuthError("OK received before HELLO was answered")
-        if len(ok) != _OK.size:
-            raise AuthError(f"malformed OK: {len(ok)} bytes, expected {_OK.size}")
-        magic, version, reserved, sender, inc, mac = _OK.unpack(bytes(ok))
+        ok = bytes(ok)
+        if len(ok) < _OK.size:
+            raise AuthError(f"malformed OK: {len(ok)} bytes, need at least {_OK.size}")
+        magic, version, store_len, reserved, sender, inc, mac = _OK.unpack_from(ok, 0)
         if magic != MAGIC_OK or version != HANDSHAKE_VERSION or reserved:
             raise AuthError("malformed OK: wrong magic, version or reserved field")
-        fields = _fields(self._id, self._purpose, self._sender, self._incarnation)
-        expected = _server_mac(self._key, self._snonce, self._cnonce, fields, sender, inc)
+        if not 1 <= store_len <= MAX_STORE_BYTES or len(ok) != _OK.size + store_len:
+            raise AuthError(f"malformed OK: {len(ok)} bytes with a store of {store_len}")
+        raw_store = ok[_OK.size:]
+        expected = _server_mac(self._key, self._snonce, self._cnonce, self._fields(), sender,
+                               inc, raw_store)
         if not hmac.compare_digest(mac, expected):
             raise AuthError("the server failed authentication (it does not hold this "
                             "host's secret, or the message was altered)")
-        return Peer(self._server_id, self._purpose.decode("utf-8"), sender, inc)
+        try:
+            store = raw_store.decode("utf-8")
+        except UnicodeDecodeError:   # (MAC'd: a peer holding the secret sent it so)
+            raise AuthError("malformed OK: the store is not UTF-8") from None
+        return Peer(self._server_id, self._purpose.decode("utf-8"), sender, inc, store)
 
 
 # --------------------------------------------------------------------------- requests

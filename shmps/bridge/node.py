@@ -525,7 +525,7 @@ class Link:
                 hs = auth.ClientHandshake(self.node.cfg.secret, self.node.addr, "data",
                                           sender=self.node.mid,
                                           incarnation=self.node.incarnation,
-                                          server_id=self.addr)
+                                          store=self.node.cfg.store, server_id=self.addr)
                 stream.send(hs.answer(hello))
                 server = hs.check(await stream.receive(2.0))
                 if server.sender != member_id(self.addr):
@@ -4556,7 +4556,7 @@ class Bridge:
     async def _serve_stream(self, stream: wsstream.WsStream, request: Any,
                             authenticated: Callable[[], None]) -> None:
         hs = auth.ServerHandshake(self.cfg.secret, sender=self.mid,
-                                  incarnation=self.incarnation)
+                                  incarnation=self.incarnation, store=self.cfg.store)
         stream.send(hs.hello())
         try:
             peer, ok = hs.verify(await stream.receive(min(AUTH_WAIT, auth.HANDSHAKE_TIMEOUT)))
