@@ -2334,6 +2334,51 @@ def test_a_peer_missing_from_this_hosts_list_is_refused_with_a_useful_line(make_
     assert "add it to this host's hosts.txt" in lines[0], lines
 
 
+def test_a_bridge_started_with_another_store_is_refused_and_the_others_train(make_cluster):
+    """Three hosts started together, host 2's bridge with --store modle (the others
+    model).  The handshakes refuse it both ways: hosts 0 and 1 converge on a ring of the
+    two with host 2 dead, host 2 acts on nothing and owns no shard, and workers on 0 and
+    1 push and flush to exact totals.  Each bridge's log says it once per peer (however
+    often the links retried), /health lists it and the metric counts the refusals.
+    Before, the catalog answer's store header only named it: host 2 was alive on the
+    ring of epoch 0 with the others (a share of the shards, whose batches it could not
+    apply), and the others never converged without it."""
+    c = make_cluster(3)
+    for i in range(3):
+        c.store = "modle" if i == 2 else "model"     # (bridge_cmd reads it)
+        c.start(i)
+    c.store = "model"
+    try:
+        c.wait_converged(20, hosts=[0, 1])
+        create_everywhere(c, [0, 1])
+        procs = [c.worker(i, push_spec(10)) for i in (0, 1)]
+        for p in procs:
+            out, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err.decode() + c.describe()
+        wait_totals(c, [0, 1], 2 * 10)
+        for i in (0, 1):
+            h = c.health(i)
+            assert {m["address"]: m["state"] for m in h["members"]}[c.addrs[2]] == "dead", h
+            assert h["ring_digest"] == Ring(c.addrs[:2]).digest, h
+            assert h["store_mismatch"] == {c.addrs[2]: "modle"}, h
+            assert rejected(c, i, "store") >= 1
+        h2 = c.health(2)
+        assert not h2["acting"] and h2["owned"] == [] and h2["tensors"] == [], h2
+        assert h2["store_mismatch"] == {c.addrs[0]: "model", c.addrs[1]: "model"}, h2
+        for i, peers in ((0, [2]), (1, [2]), (2, [0, 1])):
+            lines = [line for line in c.logs[i].read_text(errors="replace").splitlines()
+                     if "serves store" in line]
+            assert len(lines) == len(peers), (i, lines)
+            ours, theirs = ("modle", "model") if i == 2 else ("model", "modle")
+            for j in peers:
+                assert any(f"peer {c.addrs[j]} serves store '{theirs}', this host '{ours}': "
+                           f"start it with --store {ours}" in line for line in lines), lines
+    finally:
+        c.kill(2)
+        with contextlib.suppress(shmps.Error):
+            shmps.attach("modle", namespace=c.namespaces[2], create=False).destroy()
+
+
 def test_a_bridge_stops_promptly_with_a_peer_connection_still_open(make_cluster):
     """SIGTERM ends a bridge in a few seconds even while connections it did not close
     itself are open: one still in its handshake, and one a member opened after the

@@ -2045,12 +2045,11 @@ def test_a_leave_resends_refused_initial_values_while_a_next_owner_lacks_its_cha
 
 
 @contextlib.asynccontextmanager
-async def _two_bridges(tmp_path, name: str, nshards: int, stores: tuple = ("m", "m")):
-    """Two bridges started in this process, a and b, on stores ``stores`` (each of a
-    namespace of its own: its host's shared memory) and listening on a loopback address
-    of its own, their ports chosen so that b owns each of the ``nshards`` shards of
-    tensor ``name``: yields [a, b] once both act; closes them and destroys both stores
-    after."""
+async def _two_bridges(tmp_path, name: str, nshards: int):
+    """Two bridges started in this process, a and b, each on store "m" of a namespace of
+    its own (its host's shared memory) and listening on a loopback address of its own,
+    their ports chosen so that b owns each of the ``nshards`` shards of tensor ``name``:
+    yields [a, b] once both act; closes them and destroys both stores after."""
     import secrets
     import uuid
 
@@ -2066,7 +2065,7 @@ async def _two_bridges(tmp_path, name: str, nshards: int, stores: tuple = ("m", 
     hosts = tmp_path / "hosts.txt"
     hosts.write_text(f"{a}\n{b}\n")
     secret, tag = secrets.token_bytes(32), uuid.uuid4().hex[:8]
-    nodes = [Bridge(Config(peers_file=str(hosts), store=stores[i], listen=addr,
+    nodes = [Bridge(Config(peers_file=str(hosts), store="m", listen=addr,
                            namespace=f"u{tag}{i}", secret=secret, dead_after=2.0,
                            startup_grace=0.0))
              for i, addr in enumerate((a, b))]
@@ -2087,32 +2086,96 @@ async def _two_bridges(tmp_path, name: str, nshards: int, stores: tuple = ("m", 
             shmps.attach(node.cfg.store, namespace=node.cfg.namespace).destroy()
 
 
-def test_a_peer_serving_another_store_is_named_and_its_tensors_not_copied(tmp_path,
-                                                                           caplog):
-    """Bridge b runs with --store "m2" (a typo of a's "m"): each logs one ERROR naming
-    the other's store, lists it in /health's store_mismatch, and copies none of its
-    tensors.  Before, nothing compared the names: b took a's tensor "x" into store
-    "m2", which no worker of b's host uses, and the two hosts' pushes never met,
-    silently (review H6 of 2026-11-28)."""
-    async def main() -> None:
-        async with _two_bridges(tmp_path, "x", 1, stores=("m", "m2")) as (a, b):
-            a.store.dense("x", (8, 4), "float32", init=1.0)
-            until = time.monotonic() + 10
-            while not (a.store_mismatch and b.store_mismatch):
-                assert time.monotonic() < until, (a.store_mismatch, b.store_mismatch)
-                await asyncio.sleep(0.05)
-            await asyncio.sleep(1.5)   # (three catalog passes of b more)
-            assert a.store_mismatch == {b.addr: "m2"} and b.store_mismatch == {a.addr: "m"}
-            assert "x" not in b.store and "x" not in b.by_name
-            assert b.health()["store_mismatch"] == {a.addr: "m"}
-            said = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR
-                    and "serves store" in r.getMessage()]
-            assert len(said) == 2, said   # (once each)
-            assert any(f"peer {a.addr} serves store 'm', this bridge --store 'm2'" in m
-                       for m in said), said
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("secret,late", [(True, True), (False, True), (True, False)],
+                         ids=["secret, c late", "no secret, c late", "secret, together"])
+def test_a_bridge_serving_another_store_is_refused_at_the_handshake(tmp_path, caplog, secret,
+                                                                    late):
+    """Bridges a and b serve store "m", c (the third member of hosts.txt) --store "m2"
+    (a typo); c starts once a and b act on a ring of the two, or with them.  Each side
+    refuses the other at the websocket handshake and logs it once, naming both stores
+    and the fix; a and b never count c reachable once they counted it dead, their
+    epoch and ring stay as they were, c owns no shard, copies no tensor, and every
+    /health lists the mismatch.  With a secret and without one (loopback, no HMAC: the
+    store is checked all the same).  Before, the store was only named in catalog
+    answers: c started late was counted reachable (joining) by a and b, which sent it
+    copies, and counted it toward their majority; c started with them was alive on
+    their ring at epoch 0 and owned a third of the shards, whose batches it could not
+    apply (review H6 of 2026-11-28).  "x" not in c's store: the catalog answers' store
+    header still does that; taken out, c copied "x" into m2 in every case (2 of 2
+    runs): every configured member counts reachable, unheard, for dead_after from a
+    bridge's start, and c's catalog pass asked a then."""
+    import secrets as secrets_
+    import uuid
 
-    with caplog.at_level(logging.INFO, logger="shmps.bridge"):
-        asyncio.run(asyncio.wait_for(main(), 60))
+    import shmps
+    from bridge_harness import free_port
+    from shmps.bridge.node import Bridge, Config
+
+    addrs = [f"{ip}:{free_port(ip)}" for ip in ("127.0.0.2", "127.0.0.3", "127.0.0.4")]
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("".join(f"{m}\n" for m in addrs))
+    key, tag = (secrets_.token_bytes(32) if secret else None), uuid.uuid4().hex[:8]
+    nodes = [Bridge(Config(peers_file=str(hosts), store=store, listen=addr,
+                           namespace=f"u{tag}{i}", secret=key, dead_after=1.0,
+                           startup_grace=0.0))
+             for i, (addr, store) in enumerate(zip(addrs, ("m", "m", "m2")))]
+    a, b, c = nodes
+
+    async def main() -> None:
+        started: list = []
+        try:
+            for node in (a, b) if late else (a, b, c):
+                await node.start()
+                started.append(node)
+            a.store.dense("x", (64, 4), "float32", init=1.0, shard_rows=8)
+            until = time.monotonic() + 20
+            while not (a.acting() and b.acting() and a.ring.digest == b.ring.digest
+                       and c.addr not in a.members.reachable() | b.members.reachable()
+                       and c.addr not in a.ring and "x" in b.by_name):
+                assert time.monotonic() < until, ("a and b to act on a ring without c",
+                                                  a.ring.members, b.ring.members)
+                await asyncio.sleep(0.02)
+            epoch, digest = a.members.epoch, a.ring.digest
+            if late:
+                await c.start()
+                started.append(c)
+            # until every side has met the other's store, then three dead_after more
+            until, settled = time.monotonic() + 20, None
+            while settled is None or time.monotonic() < settled:
+                for node in (a, b):
+                    assert c.addr not in node.members.reachable(), \
+                        f"{node.addr} counts {c.addr} reachable"
+                    assert c.addr not in node.ring.members
+                assert not c.health()["owned"]
+                if settled is None and a.store_mismatch and b.store_mismatch and len(
+                        c.store_mismatch) == 2:
+                    settled = time.monotonic() + 3 * 1.0
+                assert time.monotonic() < until, (a.store_mismatch, c.store_mismatch)
+                await asyncio.sleep(0.02)
+            assert (a.members.epoch, a.ring.digest) == (epoch, digest)
+            assert (b.members.epoch, b.ring.digest) == (epoch, digest)
+            assert not c.acting() and "x" not in c.by_name and "x" not in c.store
+            assert a.health()["store_mismatch"] == {c.addr: "m2"}
+            assert b.health()["store_mismatch"] == {c.addr: "m2"}
+            assert c.health()["store_mismatch"] == {a.addr: "m", b.addr: "m"}
+            said = sorted(r.getMessage() for r in caplog.records
+                          if r.levelno == logging.ERROR and "serves store" in r.getMessage())
+            assert len(said) == 4, said   # (once each side, however often c retried)
+            assert any(f"peer {c.addr} serves store 'm2', this host 'm': start it with "
+                       "--store m" in m for m in said), said
+            assert any(f"peer {a.addr} serves store 'm', this host 'm2': start it with "
+                       "--store m2" in m for m in said), said
+        finally:
+            for node in started:
+                await node.close()
+
+    try:
+        with caplog.at_level(logging.INFO, logger="shmps.bridge"):
+            asyncio.run(asyncio.wait_for(main(), 90))
+    finally:
+        for node in nodes:
+            shmps.attach(node.cfg.store, namespace=node.cfg.namespace).destroy()
 
 
 def _counted(node, metric: str, ftype: str) -> float:

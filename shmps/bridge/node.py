@@ -107,6 +107,9 @@ INIT_GIVE_S = 30.0
 INIT_RESEND_S = 1.0
 #: the header of a catalog answer that names the answering bridge's --store
 STORE_HEADER = "X-Shmps-Store"
+#: s between a link's attempts to a peer whose handshake named another --store (a
+#: typo fixed by a restart is met this late at most; every 0.05 s was pointless work)
+STORE_RETRY = 1.0
 #: a leaving creator first asks each such owner whether it still waits for them
 #: (INIT_QUERY); one that has not answered this long after it was asked (the question or
 #: the answer lost with a connection, or a bridge of an earlier build, which drops the
@@ -531,6 +534,12 @@ class Link:
                 if server.sender != member_id(self.addr):
                     raise auth.AuthError(f"member id {server.sender:08x} does not match "
                                          f"the address {self.addr}")
+                if not self.node._store_agrees(self.addr, server.store):
+                    # (the server refuses this host too, and closes: see _serve_stream)
+                    stream.close()
+                    stream = None
+                    await asyncio.sleep(STORE_RETRY)
+                    continue
                 self.conn = conn = Conn(stream, self.addr, cork=self.node.cork)
                 self.up_since = time.monotonic()
                 bad = 0
@@ -4214,18 +4223,12 @@ class Bridge:
             log.warning("refused the catalog answer of %s: %s", peer, e)
             return
         theirs = answer.get(STORE_HEADER)
-        if theirs is not None and theirs != self.cfg.store:
-            # a mistyped --store: that host's workers and this host's push to stores
-            # that never meet (its bridge joined the ring all the same; silent before,
-            # review H6 of 2026-11-28).  Its tensors are not copied into this store.
-            if self.store_mismatch.get(peer) != theirs:
-                log.error("peer %s serves store %r, this bridge --store %r: every host must "
-                          "run shmps-bridge with the same --store (their pushes and this "
-                          "host's do not meet); its tensors are not copied here", peer,
-                          theirs, self.cfg.store)
-            self.store_mismatch[peer] = theirs
+        if theirs is not None and not self._store_agrees(peer, theirs):
+            # A mistyped --store is refused at the handshake, and such a peer is never
+            # reachable; but every configured member counts reachable, unheard, for
+            # dead_after from this bridge's start, and a catalog pass then would copy
+            # the other store's tensors into this one.  Its tensors are not copied.
             return
-        self.store_mismatch.pop(peer, None)
         if status == 304:   # nothing new there since every record was taken
             self.catalog_seen_from.add(peer)
             return
@@ -4298,8 +4301,8 @@ class Bridge:
         owned = sorted(st.key for st in self.shards.values()
                        if self.owner(st.key) == self.addr and self.acting())
         snap.update({"address": self.addr, "incarnation": self.incarnation,
-                     # (a peer serving another --store joins all the same: its name
-                     # is logged as an ERROR and listed in store_mismatch)
+                     # (peers serving another --store: refused at the handshake,
+                     # logged as an ERROR once and listed here: _store_agrees)
                      "store": self.cfg.store, "namespace": self.cfg.namespace,
                      "store_mismatch": dict(self.store_mismatch),
                      "replicas": self.cfg.replicas,
@@ -4537,6 +4540,28 @@ class Bridge:
             authenticated()
         return ws
 
+    def _store_agrees(self, peer: str, theirs: str) -> bool:
+        """Whether member ``peer``, whose handshake (or catalog answer) says it serves
+        store ``theirs``, serves this host's.  If not, it is refused: its connection
+        closes before any frame of it is read, so it is never heard, never reachable and
+        on no ring here (a mistyped --store: its workers' pushes and this host's would
+        never meet, and before the handshake named the store it joined the ring and owned
+        shards it could not apply).  Logged once as long as it serves that store (each
+        end of each connection, every retry, would otherwise log it), listed in
+        /health's store_mismatch.  The namespace is not compared: it is a host's own."""
+        if theirs == self.cfg.store:
+            self.store_mismatch.pop(peer, None)
+            return True
+        self.metrics.rejected("store")
+        if self.store_mismatch.get(peer) != theirs:
+            log.error("peer %s serves store %r, this host %r: start it with --store %s "
+                      "(or this host with --store %s: every host must run shmps-bridge "
+                      "with the same --store); refused until then, it is no member of "
+                      "this host's ring", peer, theirs, self.cfg.store, self.cfg.store,
+                      theirs)
+        self.store_mismatch[peer] = theirs
+        return False
+
     def _log_refusal(self, remote: str, why: str) -> None:
         """Log a refused connection once per REFUSAL_LOG_EVERY s per remote host and
         reason: a peer that retries every 0.1 s, or a stranger's flood, is one line with
@@ -4567,6 +4592,12 @@ class Bridge:
             if member_id(peer.client_id) != peer.sender:
                 raise auth.AuthError(f"{peer.client_id}: member id {peer.sender:08x} does not "
                                      "match its address")
+            if not self._store_agrees(peer.client_id, peer.store):
+                # OK all the same, with the stream's small limit: it tells the client
+                # this host's store (under the MAC), so its log names it too; then the
+                # connection closes before any frame of it is read
+                stream.send(ok)
+                return
             stream.limit(MAX_MSG)   # a member: data frames from now on
             authenticated()
             stream.send(ok)
