@@ -2178,6 +2178,72 @@ def test_a_bridge_serving_another_store_is_refused_at_the_handshake(tmp_path, ca
             shmps.attach(node.cfg.store, namespace=node.cfg.namespace).destroy()
 
 
+@pytest.mark.timeout(60)
+def test_a_peer_of_an_older_handshake_is_one_warning_per_interval_on_the_dialling_side(
+        tmp_path, caplog):
+    """Host a's hosts.txt names a peer that speaks an older handshake (a rolling upgrade:
+    its HELLO says version 1): a's link to it fails authentication on every try and
+    retries every 0.05 s.  The accepting side logged one line per REFUSAL_LOG_EVERY
+    already; the dialling side now does too (one line, then one with a count), and the
+    metric still counts each try.  Before, Link._run logged a WARNING per try: 46 lines
+    in 2.5 s (review H8 of 2026-11-28).  The old peer is a websocket server on a real
+    socket that sends a version-1 HELLO, as an older build's bridge does."""
+    import secrets as secrets_
+    import uuid
+
+    from aiohttp import web
+
+    import shmps
+    from bridge_harness import free_port
+    from shmps.bridge import auth
+    from shmps.bridge.node import Bridge, Config
+
+    addrs = [f"{ip}:{free_port(ip)}" for ip in ("127.0.0.2", "127.0.0.3")]
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("".join(f"{m}\n" for m in addrs))
+    a = Bridge(Config(peers_file=str(hosts), store="m", listen=addrs[0],
+                      namespace=f"u{uuid.uuid4().hex[:8]}", secret=secrets_.token_bytes(32),
+                      dead_after=1.0, startup_grace=0.0))
+
+    async def old_bridge(request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        await ws.send_bytes(auth._HELLO.pack(auth.MAGIC_HELLO, 1, 0,
+                                             secrets_.token_bytes(32)))
+        async for _ in ws:      # (until the dialling side gives up on it)
+            pass
+        return ws
+
+    async def main() -> None:
+        app = web.Application()
+        app.router.add_get("/v1/stream", old_bridge)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        host, port = addrs[1].split(":")
+        await web.TCPSite(runner, host, int(port)).start()
+        started = False
+        try:
+            await a.start()
+            started = True
+            await asyncio.sleep(2.5)
+            tries = a.metrics.registry.get_sample_value(
+                "shmps_bridge_rejected_frames_total", {"reason": "auth"}) or 0.0
+            assert tries >= 10, tries    # (every try is counted)
+            said = [r.getMessage() for r in caplog.records
+                    if f"peer {addrs[1]} failed authentication" in r.getMessage()]
+            assert 1 <= len(said) <= 2, said
+            assert "server speaks handshake version 1, this host 2" in said[0], said
+        finally:
+            if started:
+                await a.close()
+            await runner.cleanup()
+
+    try:
+        with caplog.at_level(logging.INFO, logger="shmps.bridge"):
+            asyncio.run(asyncio.wait_for(main(), 50))
+    finally:
+        shmps.attach(a.cfg.store, namespace=a.cfg.namespace).destroy()
+
 def _counted(node, metric: str, ftype: str) -> float:
     """``node``'s /metrics sample ``metric`` (a counter) for frame type ``ftype``."""
     return node.metrics.registry.get_sample_value(metric, {"type": ftype}) or 0.0

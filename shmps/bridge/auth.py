@@ -102,6 +102,10 @@ class AuthError(Error, PermissionError):
             "the request window (30 s)")
 
 
+#: the hint of a handshake of another version: no secret or clock fixes that
+VERSION_HINT = "every host's bridge must run the same shmps release: upgrade the older one"
+
+
 # --------------------------------------------------------------------------- secrets
 
 def load_secret(path: str | os.PathLike[str]) -> bytes:
@@ -300,7 +304,8 @@ def _parse_auth(message: bytes) -> tuple[Peer, bytes, bytes, bytes]:
     if magic != MAGIC_AUTH:
         raise AuthError(f"malformed AUTH: magic {bytes(magic)!r}, expected {MAGIC_AUTH!r}")
     if version != HANDSHAKE_VERSION:
-        raise AuthError(f"peer speaks handshake version {version}, this host {HANDSHAKE_VERSION}")
+        raise AuthError(f"peer speaks handshake version {version}, this host {HANDSHAKE_VERSION}",
+                        hint=VERSION_HINT)
     if (id_len == 0 or not 1 <= purpose_len <= MAX_PURPOSE_BYTES
             or not 1 <= store_len <= MAX_STORE_BYTES or reserved):
         raise AuthError("malformed AUTH: empty client id, purpose or store, purpose or "
@@ -351,7 +356,7 @@ class ClientHandshake:
                             "reserved field not zero")
         if version != HANDSHAKE_VERSION:
             raise AuthError(f"server speaks handshake version {version}, this host "
-                            f"{HANDSHAKE_VERSION}")
+                            f"{HANDSHAKE_VERSION}", hint=VERSION_HINT)
         self._snonce = snonce
         mac = _client_mac(self._key, snonce, self._cnonce, self._fields())
         return (_AUTH.pack(MAGIC_AUTH, HANDSHAKE_VERSION, len(self._id), len(self._purpose),

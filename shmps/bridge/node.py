@@ -558,8 +558,11 @@ class Link:
                     stream.close()
                 raise
             except auth.AuthError as e:
+                # (counted each time; logged once per REFUSAL_LOG_EVERY: the link retries
+                # every 0.05 s, and a peer of another release fails every try)
                 self.node.metrics.rejected("auth")
-                log.warning("peer %s failed authentication: %s", self.addr, e)
+                self.node._log_refusal(self.addr, str(e),
+                                       "peer %s failed authentication: %s%s")
             except Exception as e:
                 log.debug("link to %s: %s", self.addr, e)
             if stream is not None:
@@ -4562,15 +4565,17 @@ class Bridge:
         self.store_mismatch[peer] = theirs
         return False
 
-    def _log_refusal(self, remote: str, why: str) -> None:
+    def _log_refusal(self, remote: str, why: str,
+                     form: str = "refused a connection from %s: %s%s") -> None:
         """Log a refused connection once per REFUSAL_LOG_EVERY s per remote host and
         reason: a peer that retries every 0.1 s, or a stranger's flood, is one line with
-        a count (the metric counts each)."""
+        a count (the metric counts each).  ``form`` takes the remote, the reason and the
+        count; Link._run's refusals by the server it dials have their own."""
         key = (remote, why)
         now = time.monotonic()
         last, skipped = self._refusals_logged.get(key, (-math.inf, 0))
         if now - last >= REFUSAL_LOG_EVERY:
-            log.warning("refused a connection from %s: %s%s", remote, why,
+            log.warning(form, remote, why,
                         f" ({skipped} more like it since)" if skipped else "")
             if len(self._refusals_logged) > 1024:
                 self._refusals_logged.clear()
