@@ -2166,6 +2166,12 @@ def test_a_bridge_serving_another_store_is_refused_at_the_handshake(tmp_path, ca
                        "--store m" in m for m in said), said
             assert any(f"peer {a.addr} serves store 'm', this host 'm2': start it with "
                        "--store m2" in m for m in said), said
+            # c taken out of hosts.txt: the mismatch goes from a's and b's /health
+            hosts.write_text("".join(f"{m}\n" for m in addrs[:2]))
+            until = time.monotonic() + 10
+            while a.health()["store_mismatch"] or b.health()["store_mismatch"]:
+                assert time.monotonic() < until, (a.store_mismatch, b.store_mismatch)
+                await asyncio.sleep(0.05)
         finally:
             for node in started:
                 await node.close()

@@ -4305,9 +4305,11 @@ class Bridge:
                        if self.owner(st.key) == self.addr and self.acting())
         snap.update({"address": self.addr, "incarnation": self.incarnation,
                      # (peers serving another --store: refused at the handshake,
-                     # logged as an ERROR once and listed here: _store_agrees)
+                     # logged as an ERROR once and listed here while they are members:
+                     # _store_agrees; one taken out of hosts.txt is no longer news)
                      "store": self.cfg.store, "namespace": self.cfg.namespace,
-                     "store_mismatch": dict(self.store_mismatch),
+                     "store_mismatch": {p: s for p, s in self.store_mismatch.items()
+                                        if p in self.members.configured},
                      "replicas": self.cfg.replicas,
                      "state": self.members.state(self.addr).value,
                      "acting": self.acting(), "owned": owned, "pending": pending,
