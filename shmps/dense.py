@@ -245,18 +245,19 @@ class DenseTensor(Tensor):
             # another process to finish, only once no thread of this push writes, an
             # interrupt anywhere in here included (a round resumed while a helper thread
             # was still in its stripes landed twice on some: review H5 F3); on an error
-            # the parts not started yet do not start (SplitParts)
-            helpers = SplitParts()
+            # of any part, or an interrupt, the parts not started yet do not start
+            # (SplitParts)
+            helpers = SplitParts(len(parts))
             try:
-                for part in parts[1:]:
-                    helpers.submit(self._run_units, part, gbase, gsz, step, slots)
-                self._run_units(parts[0], gbase, gsz, step, slots)
+                for j in range(1, len(parts)):
+                    helpers.submit(j, self._run_units, parts[j], gbase, gsz, step, slots)
+                helpers.run_here(0, self._run_units, parts[0], gbase, gsz, step, slots)
                 helpers.wait()
             except BaseException:
                 helpers.close()
                 raise
-            if helpers.errors:
-                raise helpers.errors[0]
+        helpers.raise_first(lambda j: self._span(parts[j]), "values",
+                            f"flat indices into {self.name!r}")
 
     @contextmanager
     def _entered(self) -> Iterator[list[int]]:
@@ -301,6 +302,15 @@ class DenseTensor(Tensor):
                                                 slots[i], ptr, self._gcode, lo, hi, step)
         if code:
             _native.check(code, f"push to {self.name!r}")
+
+    def _span(self, part: list) -> tuple[int, int]:
+        """The flat indices ``[start, end)`` of the tensor's values that ``part`` (a
+        run of :meth:`_split`: consecutive stripe ranges) covers."""
+        i, lo, _ = part[0]
+        j, _, hi = part[-1]
+        per = self._shards[i].spec["stripe_elems"]
+        return (self._elem0[i] + lo * per,
+                self._elem0[j] + min(hi * per, self._shards[j].spec["nnz"]))
 
     @staticmethod
     def _split(units: list, k: int) -> list:

@@ -316,15 +316,25 @@ def split_pool() -> ThreadPoolExecutor:
 
 
 class SplitParts:
-    """The parts of one split push that helper threads of :func:`split_pool` run
-    (:meth:`submit`), and the wait for them (:meth:`wait`, :meth:`close`) that holds
-    through an interrupt wherever it lands in the pushing thread.
+    """The parts of one split push (numbered from 0), run by helper threads of
+    :func:`split_pool` (:meth:`submit`) and by the pushing thread (:meth:`run_here`),
+    and the wait for them (:meth:`wait`, :meth:`close`) that holds through an interrupt
+    wherever it lands in the pushing thread.
+
+    A part either runs whole or does not start: the first part to raise (in any
+    thread) closes the push, so no part starts after it, and the parts running then
+    run to their end; :meth:`raise_first` then raises the first error in time, its
+    message saying which values were applied whole, which were in a part an error
+    stopped, and which were not started.  (Before 2026-11-28 only an error in the
+    pushing thread stopped the parts not started: a helper's let the others run, and
+    a helper's error that came first was passed over for a later one of the pushing
+    thread.)
 
     A signal's exception (Ctrl-C's KeyboardInterrupt) is raised in the main thread only,
     between any two of its bytecodes, a call into ThreadPoolExecutor.submit included: a
     part may be queued and its future never returned.  So the parts are counted here,
     not by their futures: a part starts only while the push is not closed, and
-    :meth:`close` (the pushing thread's way out on an error) stops any part from
+    :meth:`close` (the pushing thread's way out on an interrupt) stops any part from
     starting and returns once none runs.  The push's slots, and an aggregated round's
     claim, are let go of after it, with no thread of the push still writing (a SIGINT
     during the parts' submission let the slots go while a queued part then wrote: review
@@ -341,37 +351,77 @@ class SplitParts:
     ends.  An interrupt of that wait loses nothing: the counts are looked at again,
     under ``_lock``, before each wait."""
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()   # the counts and _closed (helpers and pusher)
+    def __init__(self, nparts: int) -> None:
+        self._lock = threading.Lock()   # the counts, _closed, outcomes, errors
         self._bell = threading.Lock()   # held: no part ended since the pusher's last look
         self._bell.acquire()
         self._closed = False
         self._running = 0      # parts a helper thread runs now
         self._submitted = 0    # parts submitted (counted after submit returned)
-        self._ended = 0        # parts that ran to their end (or raised)
-        self.errors: list[BaseException] = []
+        self._ended = 0        # parts that ran to their end, raised, or never started
+        #: each part's outcome: None (not started), True (applied whole), or the
+        #: exception it raised
+        self.outcomes: list[Any] = [None] * nparts
+        #: (part, exception) in the order they were raised: appended under ``_lock``,
+        #: after the part's call returned, so the first is the first error in time
+        self.errors: list[tuple[int, BaseException]] = []
 
-    def submit(self, fn: Any, *args: Any) -> None:
-        split_pool().submit(self._run, fn, args)
+    def submit(self, i: int, fn: Any, *args: Any) -> None:
+        """Part ``i``, ``fn(*args)``, queued for a helper thread."""
+        split_pool().submit(self._run, i, fn, args)
         self._submitted += 1   # (only the pushing thread writes it)
 
-    def _run(self, fn: Any, args: tuple) -> None:
+    def _ended_as(self, i: int, err: Optional[BaseException]) -> None:
+        """Under ``_lock``: part ``i`` ran to its end (``err`` None) or raised ``err``,
+        which closes the push: no part starts after it."""
+        if err is None:
+            self.outcomes[i] = True
+            return
+        self.outcomes[i] = err
+        self.errors.append((i, err))
+        self._closed = True
+
+    def _run(self, i: int, fn: Any, args: tuple) -> None:
         with self._lock:
             if self._closed:
-                return         # (the push ended on an error before this part started)
+                # (the push ended on an interrupt, or a part raised, before this part
+                # started: counted as ended, for the wait)
+                self._ended += 1
+                if self._bell.locked():
+                    self._bell.release()
+                return
             self._running += 1
+        err: Optional[BaseException] = None
         try:
             fn(*args)
         except BaseException as exc:
-            self.errors.append(exc)
+            err = exc
         finally:
             with self._lock:
+                self._ended_as(i, err)
                 self._running -= 1
                 self._ended += 1
                 # (only helpers let the bell go, each under _lock: it is held here, so
                 # this release cannot meet a bell let go of already)
                 if self._bell.locked():
                     self._bell.release()
+
+    def run_here(self, i: int, fn: Any, *args: Any) -> None:
+        """Part ``i`` in the pushing thread, unless a helper's part raised already: its
+        error (an Exception) is recorded as a helper's is and closes the push.  An
+        interrupt (a BaseException that is no Exception) is raised as it is: the
+        caller's way out is :meth:`close`."""
+        with self._lock:
+            if self._closed:
+                return
+        try:
+            fn(*args)
+        except Exception as exc:
+            with self._lock:
+                self._ended_as(i, exc)
+            return
+        with self._lock:
+            self._ended_as(i, None)
 
     def wait(self) -> None:
         """Until every submitted part ended (interruptible: then :meth:`close`)."""
@@ -396,6 +446,34 @@ class SplitParts:
                 err = err or exc
         if err is not None:
             raise err
+
+    def raise_first(self, span: Any, what: str, note: str) -> None:
+        """After :meth:`wait`: raise the first error in time of any part, if one
+        raised.  A shmps :class:`Error`'s message is extended with what became of every
+        part: ``span(i)`` is part ``i``'s ``(start, end)`` in ``what`` (e.g. "values"),
+        adjacent parts of one outcome given as one range, ``note`` after them.  (Only
+        the pushing thread reads outcomes and errors here, every part ended: each was
+        written under ``_lock``, which the wait took after.)"""
+        if not self.errors:
+            return
+        first, exc = self.errors[0]
+        if not isinstance(exc, Error):
+            raise exc
+        runs: list[list[Any]] = []     # [start, end, outcome text]
+        for i, outcome in enumerate(self.outcomes):
+            text = ("applied whole" if outcome is True else "not started" if outcome is None
+                    else "stopped by this error" if i == first
+                    else f"stopped by another error ({type(outcome).__name__})")
+            lo, hi = span(i)
+            if runs and runs[-1][2] == text and runs[-1][1] == lo:
+                runs[-1][1] = hi
+            else:
+                runs.append([lo, hi, text])
+        told = ", ".join(f"[{lo}, {hi}) {text}" for lo, hi, text in runs)
+        exc.message = (f"{exc.message}; split into {len(self.outcomes)} parts: {what} "
+                       f"{told} ({note})")
+        exc.args = (exc.message,)
+        raise exc
 
 
 class Tensor:

@@ -912,14 +912,14 @@ import os, signal, sys, threading, time
 from shmps.tensor import SplitParts
 
 where = sys.argv[1]
-parts = SplitParts()
+parts = SplitParts(1)
 release, ended = threading.Event(), []
 
 def part() -> None:
     release.wait(30)
     ended.append(1)
 
-parts.submit(part)                       # runs on a helper thread until released
+parts.submit(0, part)                    # runs on a helper thread until released
 me = threading.get_ident()
 waits = {SplitParts.wait.__code__, SplitParts.close.__code__}
 
@@ -980,6 +980,115 @@ def test_an_interrupt_just_as_a_split_push_takes_its_parts_lock_ends_no_wait(whe
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[:2] == ["interrupted", "closed [1]"], (out.stdout,
                                                                           out.stderr)
+
+
+_PUSH_ON_ONE_HELPER = r'''
+import json, os, sys
+from concurrent.futures import ThreadPoolExecutor
+import numpy as np
+import shmps
+from shmps import dense, tensor
+
+dense.NCPU = 4                # four parts, whatever this machine has
+tensor._pools[os.getpid()] = ThreadPoolExecutor(1, thread_name_prefix="shmps-split")
+s = shmps.attach(sys.argv[1], namespace=sys.argv[2])
+t = s["w"]
+try:
+    t.push(np.ones(t.shape, np.int32))
+    print(json.dumps(["no error", ""]))
+except shmps.Error as e:
+    print(json.dumps([type(e).__name__, str(e)]))
+s.close()
+'''
+
+
+def test_an_error_in_a_helper_threads_part_stops_the_parts_not_started(store):
+    """A split push whose part on a helper thread fails stops the parts not started
+    yet, as an error in the pushing thread does: each part is applied whole or not
+    started (the failing one applied the stripes it reached), and the error says which
+    values are which.  A 32 MiB int32 Sum push in four parts (NCPU forced to 4) on a
+    pool of one helper thread, which runs parts 1, 2, 3 in turn; the last stripe of
+    part 1 is held by a live process (this one) past the child's lock timeout (0.3 s:
+    SHMPS_TEST_LOCK_TIMEOUT_S), so part 1 raises Timeout.  (Before, the helper's error
+    stopped nothing: parts 2 and 3 were applied after it, and the error said nothing
+    of them.)"""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from helpers import SHM, child_env, own_token, peek, poke
+
+    t = store.dense("w", shape=(8192, 1024), dtype="int32", optimizer="sum")
+    assert t.nshards == 2 and [sh.spec["nstripes"] for sh in t._shards] == [1024, 1024]
+    elems = t._shards[0].spec["stripe_elems"]      # 4096: 16 KiB of int32
+    # parts of 512 stripes: 0 and 1 in shard 0, 2 and 3 in shard 1
+    path = os.path.join(SHM, t._shards[0].seg.name.lstrip("/"))
+    off = t._shards[0].spec["stripes_off"] + 16 * 1023      # part 1's last stripe
+    assert peek(path, off, "<Q") == (0,)
+    poke(path, off, "<Q", own_token())
+    try:
+        out = subprocess.run([sys.executable, "-c", _PUSH_ON_ONE_HELPER, store.name,
+                              store.namespace or ""],
+                             env=child_env(SHMPS_TEST_LOCK_TIMEOUT_S="0.3"),
+                             capture_output=True, text=True, timeout=30)
+    finally:
+        poke(path, off, "<Q", 0)
+    assert out.returncode == 0, out.stderr
+    kind, message = json.loads(out.stdout)
+    got = t.pull().reshape(-1)
+    quarter = got.size // 4
+    assert (got[:2 * quarter - elems] == 1).all()           # parts 0 and 1 but its last
+    assert (got[2 * quarter - elems:2 * quarter] == 0).all()  # stripe (held)
+    assert (got[2 * quarter:] == 0).all(), "a part started after part 1's error"
+    assert kind == "Timeout", message
+    assert (f"values [0, {quarter}) applied whole, [{quarter}, {2 * quarter}) stopped by "
+            f"this error, [{2 * quarter}, {4 * quarter}) not started") in message, message
+    n = shmps._native.ffi.new("uint32_t *")
+    for sh in t._shards:
+        assert shmps._native.lib.shmps_active_pushers(sh.ptr, n) == 0 and n[0] == 0
+    t.push(np.ones(t.shape, np.int32))
+    np.testing.assert_array_equal(t.pull().reshape(-1), got + 1)
+
+
+def test_a_split_push_raises_the_first_error_in_time_whichever_thread_met_it():
+    """Two parts of a split push raise: the one on a helper thread first, then the
+    pushing thread's own part (which waits for the helper's error before it raises).
+    The push raises the helper's error, the first in time, its message telling both
+    parts' outcomes; the later one is named by its class.  (Before, the pushing
+    thread's error was raised whatever came first: helpers' errors were looked at only
+    when the pushing thread's part had none.)  tensor.SplitParts with real threads of
+    the split pool, its parts plain functions."""
+    import threading
+
+    from helpers import wait_until
+    from shmps.tensor import SplitParts
+
+    parts = SplitParts(3)
+    first = shmps.Timeout("part 1 met a held lock")
+    started = threading.Event()
+
+    def helper_part() -> None:
+        assert started.wait(10)     # (part 0 started: a part raised before would stop it)
+        raise first
+
+    def own_part() -> None:
+        started.set()
+        wait_until(lambda: parts.errors, 10, "the helper's part raised")
+        raise shmps.InvalidArgument("part 0 met another error")
+
+    parts.submit(1, helper_part)
+    parts.run_here(0, own_part)
+    parts.submit(2, print, "never")      # submitted after both: never started
+    parts.wait()
+    assert [i for i, _ in parts.errors] == [1, 0] and parts.outcomes[2] is None
+    with pytest.raises(shmps.Timeout) as info:
+        parts.raise_first(lambda i: (10 * i, 10 * i + 10), "values", "a note")
+    assert info.value is first
+    assert str(info.value).startswith(
+        "part 1 met a held lock; split into 3 parts: values [0, 10) stopped by another "
+        "error (InvalidArgument), [10, 20) stopped by this error, [20, 30) not started "
+        "(a note)"), str(info.value)
 
 
 def test_a_copy_written_by_rows_goes_on_at_the_tensors_step(store):
