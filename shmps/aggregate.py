@@ -54,6 +54,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 
 from . import _native
+from .checks import check_int
 from .dense import DenseTensor
 from .errors import (Busy, CorruptSegment, Error, InvalidArgument, NonFinite, SchemaError,
                      Timeout)
@@ -196,12 +197,8 @@ def add_request(store: Any, name: str, req: dict, aggregate: Optional[str],
                               "pass both: aggregate='mean' or 'sum', and workers=N")
     if aggregate not in AGGREGATES:
         raise InvalidArgument(f"aggregate={aggregate!r}", "use 'mean' or 'sum'")
-    if isinstance(workers, bool) or not isinstance(workers, (int, np.integer)) \
-            or not 1 <= int(workers) <= lib.SHMPS_MAX_WORKERS:
-        raise InvalidArgument(f"workers={workers!r}",
-                              f"an integer from 1 to {lib.SHMPS_MAX_WORKERS}")
     req["aggregate"] = aggregate
-    req["workers"] = int(workers)
+    req["workers"] = check_int(workers, "workers", 1, lib.SHMPS_MAX_WORKERS)
     if name in store:
         return  # the existing record is matched against req by the caller
     if "shape" not in req:
@@ -610,7 +607,8 @@ class AggregateDense(DenseTensor):
         applied; Timeout after ``timeout`` s (default 60) naming the worker behind.
         Sleeps on a futex (GIL released); re-checks liveness every 2 ms."""
         limit = _round_timeout(timeout)
-        rnd = self._last_round if round is None else int(round)
+        # (int() took 2.5 as round 2)
+        rnd = self._last_round if round is None else check_int(round, "round", 0)
         if rnd is None:
             return
         self._wait(rnd, limit)

@@ -58,6 +58,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from . import _native
+from .checks import check_int
 from .dense import DenseTensor
 from .errors import CorruptSegment, InvalidArgument, PushesLost, Timeout
 from .table import Table
@@ -774,9 +775,7 @@ def drain_table(t: Any, shard: int, timeout: Optional[float] = None,
 def _check_drained_fields(**fields: Any) -> None:
     """InvalidArgument unless each value is a non-negative integer (a Drained field)."""
     for what, v in fields.items():
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
-            raise InvalidArgument(f"{what}={v!r} must be a non-negative integer "
-                                  f"(a Drained.{what})")
+        check_int(v, what, 0, hint=f"pass the Drained.{what} of the drain")
 
 
 def ack(t: Any, shard: int, pushed: int, ticket: int) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import numbers
 import operator
 import os
 import threading
@@ -21,6 +20,7 @@ from typing import Any, Callable, Iterator, Literal, Optional, Sequence
 import numpy as np
 
 from . import _native, doorbell, names
+from .checks import check_int
 from .aggregate import HIDDEN_SUFFIXES
 from .dense import DenseTensor, default_shard_rows
 from .errors import (CapacityError, Closed, CorruptFile, CorruptSegment, InvalidArgument,
@@ -66,19 +66,12 @@ def _clock_timeout(timeout: Optional[float]) -> float:
 
 
 def _staleness_word(staleness: Optional[int]) -> int:
-    """The manifest's staleness word for ``staleness`` (-1: None, eventual).
-
-    An integer, as for every count here: int() would take 2.7 as 2, True as 1 and raise
-    a plain ValueError for "x"."""
-    if staleness is None:
-        return -1
-    if isinstance(staleness, bool) or not isinstance(staleness, numbers.Integral) \
-            or not 0 <= int(staleness) < 2**63:
-        raise InvalidArgument(f"staleness={staleness!r} must be None or an integer from 0 "
-                              "to 2^63-1",
-                              "pass None (eventual), 0 (sequential) or k > 0 (bounded delay "
-                              "of k clocks)")
-    return int(staleness)
+    """The manifest's staleness word for ``staleness`` (-1: None, eventual): an integer
+    as every count here is (checks.check_int)."""
+    k = check_int(staleness, "staleness", 0, 2**63 - 1, none=True,
+                  hint="pass None (eventual), 0 (sequential) or k > 0 (bounded delay of k "
+                       "clocks)")
+    return -1 if k is None else k
 
 
 def attach(name: str, *, create: bool = True, namespace: Optional[str] = None,
@@ -417,9 +410,7 @@ class Store:
         if allow_nonfinite is not None:
             req["allow_nonfinite"] = bool(allow_nonfinite)
         if shard_rows is not None:
-            if int(shard_rows) < 1:
-                raise InvalidArgument(f"shard_rows={shard_rows!r} must be >= 1")
-            req["shard_rows"] = int(shard_rows)
+            req["shard_rows"] = check_int(shard_rows, "shard_rows", 1)
         if aggregate is not None or workers is not None:
             from .aggregate import add_request
             add_request(self, name, req, aggregate, workers)
@@ -450,21 +441,22 @@ class Store:
         from . import table as tmod
 
         names.check_name(name, "tensor name") if not _loose_name(name) else None
-        tmod.check_args(dim, capacity, seed, shards)
+        # (ints from here: a 0-d array or a numpy integer would not go into the JSON record)
+        dim, capacity, seed, shards = tmod.check_args(dim, capacity, seed, shards)
         req: dict[str, Any] = {"kind": "table"}
         dt = _dtype(dtype) if dtype is not None else None
         if dt is not None:
             req["dtype"] = dt.name
         for key, v in (("dim", dim), ("capacity", capacity), ("seed", seed)):
             if v is not None:
-                req[key] = int(v)
+                req[key] = v
         if optimizer is not None:
             req["optimizer"] = as_updater(optimizer).to_dict()
         if init is not None:
             req["init_spec"] = tmod.init_spec(init, dt if dt is not None else np.dtype("float32"))
         if allow_nonfinite is not None:
             req["allow_nonfinite"] = bool(allow_nonfinite)
-        nshards = int(shards) if shards is not None else None
+        nshards = shards
 
         def create() -> dict:
             _check_not_reserved(name)
@@ -509,13 +501,12 @@ class Store:
             req["optimizer"] = as_updater(optimizer).to_dict()
         if allow_nonfinite is not None:
             req["allow_nonfinite"] = bool(allow_nonfinite)
-        if shard_rows is not None and (isinstance(shard_rows, bool) or int(shard_rows) < 1):
-            raise InvalidArgument(f"shard_rows={shard_rows!r} must be >= 1")
+        shard_rows = check_int(shard_rows, "shard_rows", 1, none=True)
         rc = ci = None
         if (rowcnt is None) != (colidx is None):
             raise InvalidArgument("pass both rowcnt and colidx, or neither")
         if shape is not None:
-            shp = [int(x) for x in shape]
+            shp = list(_shape(shape))   # (int() took 2.5 as 2)
             if len(shp) != 2 or min(shp) < 0:
                 raise SchemaError(f"shape {tuple(shape)!r} must be (rows, cols)",
                                   "give shape as two integers >= 0, or leave it out")
@@ -903,27 +894,23 @@ class Store:
 
         ``worker=`` asks for a given id (free, or left by a dead process).  The new
         worker's clock starts at the slowest live worker's clock."""
-        if worker is not None and (isinstance(worker, bool)
-                                   or not isinstance(worker, numbers.Integral)
-                                   or not 0 <= int(worker) < lib.SHMPS_MAX_WORKERS):
-            # (int() would take -5 as "any id", 2.5 as 2, True as 1; the C core's bound
-            # error would speak of rows)
-            raise InvalidArgument(f"worker={worker!r} must be None or an integer from 0 to "
-                                  f"{lib.SHMPS_MAX_WORKERS - 1}",
-                                  "join() without an id picks a free one")
+        # (int() would take -5 as "any id", 2.5 as 2, True as 1; the C core's bound
+        # error would speak of rows)
+        wid = check_int(worker, "worker", 0, lib.SHMPS_MAX_WORKERS - 1, none=True,
+                        hint="join() without an id picks a free one")
         with self._lock:
             if self._worker is not None:
-                if worker is not None and int(worker) != self._worker:
+                if wid is not None and wid != self._worker:
                     raise InvalidArgument(f"this process is already worker {self._worker} of "
                                           f"store {self.name!r}; it cannot also be worker "
-                                          f"{int(worker)}",
+                                          f"{wid}",
                                           "call store.leave() first to change its id")
                 return self._worker
             slot, clock = ffi.new("uint32_t *"), ffi.new("uint64_t *")
-            want = -1 if worker is None else int(worker)
+            want = -1 if wid is None else wid
             code = lib.shmps_worker_join(self._mptr, _native.token(), want, slot, clock)
-            if code == lib.SHMPS_E_ARG and worker is not None:
-                raise InvalidArgument(f"worker id {worker} is held by a live process",
+            if code == lib.SHMPS_E_ARG and wid is not None:
+                raise InvalidArgument(f"worker id {wid} is held by a live process",
                                       "join() without an id picks a free one")
             _native.check(code, f"join store {self.name!r}")
             self._worker = int(slot[0])

@@ -23,6 +23,7 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from . import _native
+from .checks import check_int
 from .errors import CapacityError, CorruptSegment, InvalidArgument, SchemaError
 from .tensor import PushHandle, Tensor, bool_at, cast_grad, grad_dtype
 from .updaters import Updater
@@ -555,10 +556,8 @@ class Table(Tensor):
             if v is None:
                 vals.append(0)
                 continue
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
-                raise InvalidArgument(f"{name}={v!r} must be a non-negative integer")
             which |= bit
-            vals.append(min(int(v), 2**64 - 1))
+            vals.append(min(check_int(v, name, 0), 2**64 - 1))
         if not which:
             raise InvalidArgument("evict() needs min_pushes= or idle_steps=",
                                   "e.g. table.evict(idle_steps=100_000)")
@@ -795,12 +794,11 @@ def create_record(name: str, req: dict, init: InitLike, nshards: Optional[int]) 
             "allow_nonfinite": bool(req.get("allow_nonfinite", False)), "shape": [cap, dim]}
 
 
-def check_args(dim: Any, capacity: Any, seed: Any, shards: Any) -> None:
-    """Creation arguments that are integers in range (else InvalidArgument)."""
-    for name, v, lo, hi in (("dim", dim, 1, 2**31), ("capacity", capacity, 1, 2**40),
-                            ("seed", seed, 0, 2**64 - 1), ("shards", shards, 1, MAX_SHARDS)):
-        if v is None:
-            continue
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not lo <= v <= hi:
-            raise InvalidArgument(f"{name}={v!r} must be an integer in [{lo}, {hi}]",
-                                  f"pass {name} as an integer from {lo} to {hi}")
+def check_args(dim: Any, capacity: Any, seed: Any,
+               shards: Any) -> tuple[Optional[int], ...]:
+    """Creation arguments as ints in range, None where not given (checks.check_int:
+    else InvalidArgument)."""
+    return tuple(check_int(v, name, lo, hi, none=True)
+                 for name, v, lo, hi in (("dim", dim, 1, 2**31), ("capacity", capacity, 1, 2**40),
+                                         ("seed", seed, 0, 2**64 - 1),
+                                         ("shards", shards, 1, MAX_SHARDS)))

@@ -243,7 +243,8 @@ def test_join_id_held_by_live_process_is_refused(clocked_store):
         s.close()
 
 
-@pytest.mark.parametrize("worker", [-5, 2.5, True, "a", 1024])
+@pytest.mark.parametrize("worker", [-5, 2.5, True, "a", 1024, np.array(2.0), np.bool_(True),
+                                    np.array([2])])
 def test_join_refuses_a_worker_id_that_is_not_one(clocked_store, worker):
     """join(worker=) takes an integer id from 0 to 1023, else InvalidArgument saying so,
     and the process is no worker afterwards.  (int(worker) took -5 as "any id" (0), 2.5
@@ -275,6 +276,23 @@ def test_join_again_with_another_id_is_refused(clocked_store):
         s.close()
 
 
+@pytest.mark.parametrize("three", [np.int64(3), np.array(3)], ids=["np.int64", "0-d"])
+def test_worker_ids_and_staleness_take_any_integer_like(clocked_store, three):
+    """join(worker=), set_consistency() and attach(staleness=) take what operator.index
+    takes, as numpy and PyTorch users pass them: np.int64(3) and a 0-d integer array
+    np.array(3) (which int() took, and the numbers.Integral checks that replaced it
+    refused with InvalidArgument)."""
+    s = shmps.attach(clocked_store, staleness=three)
+    try:
+        assert s.staleness == 3 and type(s.staleness) is int
+        s.set_consistency(three - 1)
+        assert s.staleness == 2
+        assert s.join(worker=three) == 3 and s.join(worker=three) == 3
+        assert [w["worker"] for w in s.workers()] == [3]
+    finally:
+        s.close()
+
+
 @pytest.mark.parametrize("timeout", [-1, float("nan"), "x", True])
 def test_clock_refuses_a_timeout_that_is_not_seconds(clocked_store, timeout):
     """clock(timeout=) is None or seconds >= 0: a negative or NaN timeout went to the C
@@ -291,7 +309,7 @@ def test_clock_refuses_a_timeout_that_is_not_seconds(clocked_store, timeout):
         s.close()
 
 
-@pytest.mark.parametrize("k", [2.7, True, "2", -1])
+@pytest.mark.parametrize("k", [2.7, True, "2", -1, np.array(2.0), np.bool_(True)])
 def test_set_consistency_refuses_a_staleness_that_is_not_an_integer(clocked_store, k):
     """staleness is None or an integer >= 0: int() took 2.7 as 2, True as 1, "2" as 2,
     and raised a plain ValueError for other strings.  The bound is unchanged, and

@@ -417,6 +417,64 @@ def test_bad_table_creation_arguments(store, kwargs, exc, match):
     assert len(store_segments(store.name)) == 1
 
 
+# what operator.index takes (numpy and PyTorch integers, a 0-d integer array), and what
+# it does not (a float of any kind, a bool, a string, a 1-d array)
+INDEXES = [np.int64(2), np.uint8(2), np.array(2)]
+NOT_INTEGERS = [2.5, np.float64(2.0), np.array(2.0), True, np.bool_(True), np.array(True),
+                "2", np.array([2])]
+NOT_INTEGER_IDS = ["float", "np.float64", "0-d float", "bool", "np.bool_", "0-d bool",
+                   "str", "1-d"]
+
+
+@pytest.mark.parametrize("two", INDEXES, ids=["np.int64", "np.uint8", "0-d"])
+def test_integer_arguments_take_what_operator_index_takes(store, two):
+    """Every integer argument of tensor creation and eviction (dense and csr
+    shard_rows, an aggregated tensor's workers, a table's dim, capacity, seed and
+    shards, evict's min_pushes and idle_steps) takes an integer-like as numpy and
+    PyTorch users pass it (operator.index: a 0-d integer array was refused by the
+    isinstance checks, which int() took before), through one check (checks.check_int)."""
+    w = store.dense("w", shape=(4, 4), dtype="int32", shard_rows=two)
+    assert w.shard_rows == 2 and w.nshards == 2
+    x = store.csr("x", np.array([0, 1, 2, 2, 3]), np.array([0, 1, 0]), shard_rows=two)
+    assert x.nshards == 2
+    a = store.dense("a", shape=(4,), aggregate="sum", workers=two)
+    assert a.record["workers"] == 2
+    t = store.table("emb", dim=two, capacity=two * 8, seed=two, shards=two)
+    assert (t.record["dim"], t.record["capacity"], t.record["seed"], t.nshards) == (2, 16, 2, 2)
+    assert store.table("emb", dim=two, capacity=two * 8, seed=two) is t
+    t.push(np.array([1, 2], np.uint64), np.ones((2, 2), np.float32))
+    t.push(np.array([1], np.uint64), np.ones((1, 2), np.float32))
+    assert t.evict(min_pushes=two) == 1 and t.evict(idle_steps=two) == 0
+
+
+@pytest.mark.parametrize("bad", NOT_INTEGERS, ids=NOT_INTEGER_IDS)
+@pytest.mark.parametrize("call", ["dense shard_rows", "csr shard_rows", "workers", "dim",
+                                  "capacity", "seed", "shards", "min_pushes", "idle_steps"])
+def test_integer_arguments_refuse_what_is_no_integer(store, call, bad):
+    """The same arguments refuse a float (2.5 was taken as 2 by int() for shard_rows), a
+    bool, a string and a 1-d array: InvalidArgument naming the argument, with a hint,
+    and nothing created or evicted."""
+    t = store.table("t", dim=2, capacity=8)
+    t.push(np.array([1], np.uint64), np.ones((1, 2), np.float32))
+    calls = {
+        "dense shard_rows": lambda: store.dense("w", shape=(4,), shard_rows=bad),
+        "csr shard_rows": lambda: store.csr("x", np.array([0, 1]), np.array([0]),
+                                            shard_rows=bad),
+        "workers": lambda: store.dense("w", shape=(4,), aggregate="sum", workers=bad),
+        "dim": lambda: store.table("e", dim=bad, capacity=8),
+        "capacity": lambda: store.table("e", dim=2, capacity=bad),
+        "seed": lambda: store.table("e", dim=2, capacity=8, seed=bad),
+        "shards": lambda: store.table("e", dim=2, capacity=8, shards=bad),
+        "min_pushes": lambda: t.evict(min_pushes=bad),
+        "idle_steps": lambda: t.evict(idle_steps=bad),
+    }
+    with pytest.raises(shmps.InvalidArgument) as info:
+        calls[call]()
+    assert f"{call.split()[-1]}=" in str(info.value) and info.value.hint, str(info.value)
+    assert [d["name"] for d in store.tensors()] == ["t"]
+    assert t.contains(np.array([1], np.uint64)).tolist() == [True]
+
+
 def test_a_shard_rows_making_too_many_shards_is_refused(store):
     """An explicit shard_rows that would split a dense or csr tensor into more than
     MAX_ROW_SHARDS shards (each a mapping in every process; Linux allows 65530) is a

@@ -1,0 +1,65 @@
+"""Checks of public arguments that every module shares: integers and flags.
+
+An integer argument (a count, an id, a bound) takes what ``operator.index`` takes, as
+numpy and PyTorch users expect: a Python int, a numpy or torch integer scalar, a 0-d
+integer array (``np.array(3)``).  A bool (``operator.index(True)`` is 1), a float of
+any kind, a string or a 1-d array is refused with :class:`InvalidArgument` naming the
+argument and saying what to pass: ``int()`` took 2.7 as 2 and True as 1, and raised a
+plain ValueError for "x".
+
+A flag (a boolean keyword: ``consistent=``, ``wait=``, ``create=``, ...) takes True or
+False (numpy's ``np.bool_`` too); anything else is refused the same way, where a truthy
+test took ``consistent="no"`` as True.
+
+A leaf module (errors and numpy only), so that updaters.py, tensor.py and the modules
+above them all use these.  O(1) each.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Optional
+
+import numpy as np
+
+from .errors import InvalidArgument
+
+
+def _bound(n: int) -> str:
+    """``n`` as a message gives it: 2^63-1 rather than 9223372036854775807."""
+    if n >= 1 << 20:
+        if (n + 1) & n == 0:
+            return f"2^{(n + 1).bit_length() - 1}-1"
+        if n & (n - 1) == 0:
+            return f"2^{n.bit_length() - 1}"
+    return str(n)
+
+
+def check_int(value: object, name: str, lo: int, hi: Optional[int] = None, *,
+              none: bool = False, hint: Optional[str] = None) -> Optional[int]:
+    """``value`` of argument ``name`` as a Python int in ``[lo, hi]`` (``hi`` None: no
+    upper bound), or None if it is None and ``none`` allows it; else InvalidArgument
+    ("name=value must be [None or ]an integer from lo to hi", ``hint`` or one saying
+    what to pass)."""
+    if value is None and none:
+        return None
+    v: Optional[int] = None
+    if not isinstance(value, (bool, np.bool_)):
+        try:
+            v = operator.index(value)  # type: ignore[arg-type]
+        except TypeError:
+            v = None
+    if v is None or v < lo or (hi is not None and v > hi):
+        span = f"from {lo} to {_bound(hi)}" if hi is not None else f">= {lo}"
+        raise InvalidArgument(f"{name}={value!r} must be {'None or ' if none else ''}an "
+                              f"integer {span}",
+                              hint or f"pass {name} as an integer {span}")
+    return v
+
+
+def check_flag(value: object, name: str) -> bool:
+    """``value`` of keyword ``name`` as a bool: True or False (numpy's too); anything
+    else (a string, a number, None) is an InvalidArgument saying what to pass."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise InvalidArgument(f"{name}={value!r} is not a bool ({type(value).__name__})",
+                              f"pass {name}=True or {name}=False")
+    return bool(value)
