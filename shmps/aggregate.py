@@ -54,7 +54,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 
 from . import _native
-from .checks import check_int
+from .checks import check_flag, check_int
 from .dense import DenseTensor
 from .errors import (Busy, CorruptSegment, Error, InvalidArgument, NonFinite, SchemaError,
                      Timeout)
@@ -176,7 +176,7 @@ class HiddenDense(DenseTensor):
     def view(self, writable: bool = False) -> np.ndarray:
         """As DenseTensor.view, read-only only (``writable=True``: InvalidArgument,
         unless the name is no longer hidden: _hidden_now)."""
-        if writable and self._hidden_now():
+        if check_flag(writable, "writable") and self._hidden_now():
             raise self._refuse("writable view of")
         return super().view(writable)
 
@@ -300,6 +300,7 @@ class AggregateDense(DenseTensor):
         one exact push into the accumulator, and for the last pusher a pull, a push
         and a clear of the tensor; the bookkeeping is a few C calls."""
         limit = _round_timeout(timeout)
+        wait = check_flag(wait, "wait")   # (before the push joins or takes a round)
         slot = self._slot()
         g, r = self._prepare(grad, rows)
         self._require_finite(g)
@@ -633,6 +634,7 @@ class AggregateDense(DenseTensor):
         being copied makes it copy again (shmps_agg_mark before and after): the copy
         is of one whole round, never some shards of the next."""
         busy, man = 2**64 - 1, self._store._mptr
+        consistent = check_flag(consistent, "consistent")   # (before a round is applied)
         while True:
             self._settle(True, WAIT_TIMEOUT_S)
             before = int(lib.shmps_agg_mark(self._cptr(), man))
@@ -644,5 +646,6 @@ class AggregateDense(DenseTensor):
 
     def view(self, writable: bool = False) -> np.ndarray:
         """As :meth:`DenseTensor.view`, after applying any complete round."""
+        writable = check_flag(writable, "writable")   # (before a round is applied)
         self._settle(True, WAIT_TIMEOUT_S)
         return super().view(writable)

@@ -38,6 +38,7 @@ from typing import Any, BinaryIO, Callable, Optional
 import numpy as np
 
 from . import _native, files, names, progress
+from .checks import check_flag
 from .errors import CorruptFile, CorruptSegment, Error, InvalidArgument, NotFound
 from .segment import Segment, Wait
 from .tensor import MAX_ROW_SHARDS, Shard, Tensor
@@ -324,6 +325,7 @@ def restore(path: str | os.PathLike, name: Optional[str] = None, *,
     shmps_manifest_restore_begin): other processes' attach waits (a Timeout naming this
     process after its ``timeout``), and if this process is killed midway the next attach
     (or gc) removes the partial store, so no process ever uses a half-restored one."""
+    force = check_flag(force, "force")   # (a truthy "no" destroyed the old store)
     shown = os.fspath(path)
     if name is not None:
         # ("" is refused as a name, not taken for "the checkpoint's": a name from an

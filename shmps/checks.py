@@ -58,7 +58,10 @@ def check_int(value: object, name: str, lo: int, hi: Optional[int] = None, *,
 
 def check_flag(value: object, name: str) -> bool:
     """``value`` of keyword ``name`` as a bool: True or False (numpy's too); anything
-    else (a string, a number, None) is an InvalidArgument saying what to pass."""
+    else (a string, a number, None) is an InvalidArgument saying what to pass.  A push
+    or pull calls it: True and False are told apart by identity first."""
+    if value is True or value is False:
+        return value
     if not isinstance(value, (bool, np.bool_)):
         raise InvalidArgument(f"{name}={value!r} is not a bool ({type(value).__name__})",
                               f"pass {name}=True or {name}=False")

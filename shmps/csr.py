@@ -20,6 +20,7 @@ from typing import Any, Iterable, Optional
 import numpy as np
 
 from . import _native
+from .checks import check_flag
 from .errors import CorruptSegment, InvalidArgument, OutOfRange, SchemaError
 from .files import CSR
 from .tensor import (PushHandle, Tensor, cast_grad, cast_init, check_rows,
@@ -244,6 +245,7 @@ class CSRTensor(Tensor):
         While shmps-bridge runs (the store's forwarding switch), the push is checked the
         same way and summed into the tensor's outbox; the bridge forwards it to the
         owner of each shard (docs/bridge.md)."""
+        wait = check_flag(wait, "wait")   # (wait="no" waited)
         rc, ci, g = self._prepare(csr)
         if self._fwd[0] and self._forwards():
             if wait:
@@ -484,8 +486,8 @@ class CSRTensor(Tensor):
         ``colidx`` are the shared read-only structure arrays.  ``consistent=True``: each
         shard is copied while no push is inside it (a whole number of pushes per shard);
         False: each row is a whole number of pushes and pushers never wait."""
+        c = int(check_flag(consistent, "consistent"))   # (consistent="no" was True)
         grc, gci = self.structure()
-        c = int(bool(consistent))
         tok = _native.token()
         if rows is None:
             out = np.empty(self.nnz, self.dtype)

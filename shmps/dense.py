@@ -10,6 +10,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 
 from . import _native
+from .checks import check_flag
 from .errors import CorruptSegment, InvalidArgument, OutOfRange, SchemaError
 from .tensor import PushHandle, SplitParts, Tensor, cast_grad, check_rows, rows_for_c
 
@@ -106,7 +107,7 @@ class DenseTensor(Tensor):
         the same way and then summed into the tensor's outbox for the bridge to send
         to the shard's owner (shmps/outbox.py); it shows in pull() once the owner's
         update comes back."""
-        if (self._fast and rows is None and wait and type(grad) is np.ndarray
+        if (self._fast and rows is None and wait is True and type(grad) is np.ndarray
                 and grad.dtype == self._gdtype and grad.shape == self.shape
                 and grad.flags.c_contiguous):
             code = lib.shmps_dense_push_all(self._shard(0).ptr, self._fwd, _native.token(),
@@ -117,6 +118,7 @@ class DenseTensor(Tensor):
             if code != lib.SHMPS_FORWARDING:
                 _native.check(code, f"push to {self.name!r}")
             # forwarding: C tested the switch (and did nothing); on below
+        wait = check_flag(wait, "wait")   # (wait="no" waited)
         if self._fwd[0] and self._forwards():
             g, r = self._prepare(grad, rows, c_checks_rows=wait)
             if wait:
@@ -483,6 +485,7 @@ class DenseTensor(Tensor):
         and pushers never wait.  ``out=`` (C
         contiguous, the tensor's dtype and the result's shape) avoids allocating."""
         self._shard(0)  # Closed after close()
+        c = int(check_flag(consistent, "consistent"))   # (consistent="no" was True)
         if rows is None:
             want = self.shape
             r = None
@@ -497,7 +500,6 @@ class DenseTensor(Tensor):
                               f"shape {want}",
                               "allocate it with np.empty(shape, dtype)")
         tok = _native.token()
-        c = int(bool(consistent))
         if r is None and self.nshards == 1:
             code = lib.shmps_dense_pull_all(self._shard(0).ptr, tok,
                                             _native.ffi.from_buffer(out), c)
@@ -570,7 +572,7 @@ class DenseTensor(Tensor):
         the updater and the NaN check: it races with pushes (an update can be lost
         or half-overwritten, like plain Hogwild) and every process sees it at once.
         Write only when no push runs (e.g. to initialise), or push instead."""
-        if writable:
+        if check_flag(writable, "writable"):
             if getattr(self, "_wview", None) is None:
                 self._wview = self._map_view(True)
             return self._wview

@@ -44,6 +44,7 @@ import numpy as np
 
 from . import _native
 from ._native import lib as _lib
+from .checks import check_flag
 from .errors import CorruptFile, InvalidArgument, NotFound, Timeout
 
 FORMAT_VERSION = 1
@@ -137,6 +138,7 @@ class CSR(NamedTuple):
                    rowcnt_dtype: str = "int64", colidx_dtype: str | None = None) -> CSR:
         """The CSR of a 2-d array: its nonzeros (NaN counts as nonzero), or every entry
         with ``keep_zeros``.  O(rows * cols) time, O(nnz) memory for the result."""
+        keep_zeros = check_flag(keep_zeros, "keep_zeros")
         arr = np.asarray(a)
         if arr.ndim != 2:
             raise InvalidArgument(f"from_dense needs a 2-d array, got {arr.ndim}-d")
@@ -650,6 +652,7 @@ def read_csr(prefix: str | os.PathLike[str], *, rowcnt_dtype: str | None = None,
     must be inferred.  Raises :class:`NotFound` for a missing file and
     :class:`CorruptFile` for anything wrong, naming file, position and defect.
     """
+    mmap, check = check_flag(mmap, "mmap"), check_flag(check, "check")
     prefix, member = split_member(prefix)
     array = array if array is not None else (member or "value")
     _check_array_name(array)
@@ -860,6 +863,7 @@ def read_dense(prefix: str | os.PathLike[str], *, value_dtype: str | None = None
     (``mmap=False`` loads them).  Raises :class:`NotFound` for a missing file,
     :class:`CorruptFile` naming the file, position and defect otherwise (a set that is
     not dense included)."""
+    mmap = check_flag(mmap, "mmap")
     prefix, member = split_member(prefix)
     array = array if array is not None else (member or "value")
     _check_array_name(array)

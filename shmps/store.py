@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Literal, Optional, Sequence
 import numpy as np
 
 from . import _native, doorbell, names
-from .checks import check_int
+from .checks import check_flag, check_int
 from .aggregate import HIDDEN_SUFFIXES
 from .dense import DenseTensor, default_shard_rows
 from .errors import (CapacityError, Closed, CorruptFile, CorruptSegment, InvalidArgument,
@@ -100,6 +100,7 @@ def attach(name: str, *, create: bool = True, namespace: Optional[str] = None,
     ns = names.resolve_namespace(namespace)
     mname = names.manifest_name(name, ns)
     _staleness_word(staleness)   # refused before anything is attached (or created)
+    create = check_flag(create, "create")   # (create="no" created the store)
     try:
         timeout = float(timeout)
     except (TypeError, ValueError):
@@ -408,7 +409,7 @@ class Store:
                 raise InvalidArgument(f"mode={mode!r}", "use 'exact' or 'hogwild'")
             req["mode"] = mode
         if allow_nonfinite is not None:
-            req["allow_nonfinite"] = bool(allow_nonfinite)
+            req["allow_nonfinite"] = check_flag(allow_nonfinite, "allow_nonfinite")
         if shard_rows is not None:
             req["shard_rows"] = check_int(shard_rows, "shard_rows", 1)
         if aggregate is not None or workers is not None:
@@ -455,7 +456,7 @@ class Store:
         if init is not None:
             req["init_spec"] = tmod.init_spec(init, dt if dt is not None else np.dtype("float32"))
         if allow_nonfinite is not None:
-            req["allow_nonfinite"] = bool(allow_nonfinite)
+            req["allow_nonfinite"] = check_flag(allow_nonfinite, "allow_nonfinite")
         nshards = shards
 
         def create() -> dict:
@@ -500,7 +501,7 @@ class Store:
         if optimizer is not None:
             req["optimizer"] = as_updater(optimizer).to_dict()
         if allow_nonfinite is not None:
-            req["allow_nonfinite"] = bool(allow_nonfinite)
+            req["allow_nonfinite"] = check_flag(allow_nonfinite, "allow_nonfinite")
         shard_rows = check_int(shard_rows, "shard_rows", 1, none=True)
         rc = ci = None
         if (rowcnt is None) != (colidx is None):

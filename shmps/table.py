@@ -23,7 +23,7 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from . import _native
-from .checks import check_int
+from .checks import check_flag, check_int
 from .errors import CapacityError, CorruptSegment, InvalidArgument, SchemaError
 from .tensor import PushHandle, Tensor, bool_at, cast_grad, grad_dtype
 from .updaters import Updater
@@ -355,6 +355,7 @@ class Table(Tensor):
         While shmps-bridge runs (the store's forwarding switch), the push is checked the
         same way and summed into the table's outbox for the bridge to send to each
         key's owner (shmps/outbox.py)."""
+        wait = check_flag(wait, "wait")   # (wait="no" waited)
         k, g = self._prepare(keys, grads)
         if self._fwd[0] and self._forwards():
             if wait:
@@ -415,6 +416,7 @@ class Table(Tensor):
         table's dtype, ``(n, dim)``) avoids allocating.  Each row is a whole number of
         pushes (per-row seqlock); pushers never wait for a pull.  Cost: O(n * dim), one
         C call, GIL released."""
+        create = check_flag(create, "create")   # (create="no" created the rows)
         k = as_keys(keys)
         want = (k.size, self.dim)
         if out is None:
@@ -438,7 +440,7 @@ class Table(Tensor):
         while True:
             code = lib.shmps_table_pull(self._ptrs(), self.nshards, _native.token(),
                                         _native.addr(k), k.size, ffi.from_buffer(out),
-                                        int(bool(create)), fptr, scratch, nbytes, info)
+                                        int(create), fptr, scratch, nbytes, info)
             if code != lib.SHMPS_E_UNBACKED:   # (an outbox's: nothing done, back and again)
                 break
             self._back_rows(int(info[3]), int(info[0]))

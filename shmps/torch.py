@@ -38,6 +38,7 @@ except ImportError as exc:  # pragma: no cover - exercised where torch is absent
 import numpy as np
 
 from .dense import DenseTensor
+from .checks import check_flag
 from .errors import InvalidArgument, SchemaError
 from .tensor import PushHandle
 from .updaters import UpdaterLike
@@ -119,6 +120,7 @@ class Pusher:
     """
 
     def __init__(self, module: "torch.nn.Module", *, wait: bool = True) -> None:
+        wait = check_flag(wait, "wait")
         shared = shared_tensors(module)
         params = dict(module.named_parameters())
         self._pairs = [(params[name], t) for name, t in shared.items() if name in params]
@@ -170,6 +172,7 @@ class Pusher:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the gradients (``set_to_none=True``, no wait), or zero them in
         place after waiting for pending pushes (which read them)."""
+        set_to_none = check_flag(set_to_none, "set_to_none")
         if not set_to_none:
             self.wait()
         for p, _ in self._pairs:

@@ -14,6 +14,7 @@ from typing import Any, ClassVar, Union
 import numpy as np
 
 from ._native import lib
+from .checks import check_flag
 from .errors import InvalidArgument
 
 
@@ -37,14 +38,6 @@ def _finite(name: str, value: object, *, positive: bool = False,
     if not math.isfinite(v) or (positive and v <= 0) or (nonneg and v < 0):
         raise InvalidArgument(f"{name}={value!r} must be {need}", "fix the optimizer argument")
     return v
-
-
-def _flag(name: str, value: object) -> bool:
-    """``value`` as a bool: True or False (numpy's too); anything else is refused."""
-    if not isinstance(value, (bool, np.bool_)):
-        raise InvalidArgument(f"{name}={value!r} is not a bool ({type(value).__name__})",
-                              f"pass {name}=True or {name}=False")
-    return bool(value)
 
 
 def _set_floats(obj: Any, **checks: dict) -> None:
@@ -141,7 +134,7 @@ class Momentum(Updater):
     def __post_init__(self) -> None:
         _set_floats(self, lr=_NONNEG, momentum=_NONNEG, dampening={},
                     weight_decay=_NONNEG)
-        object.__setattr__(self, "nesterov", _flag("nesterov", self.nesterov))
+        object.__setattr__(self, "nesterov", check_flag(self.nesterov, "nesterov"))
         if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
             raise InvalidArgument("nesterov momentum requires momentum > 0 and dampening 0",
                                   "as in torch.optim.SGD")
@@ -190,7 +183,7 @@ class Adam(Updater):
                                   "as in torch.optim.Adam, e.g. betas=(0.9, 0.999)")
         object.__setattr__(self, "betas", (float(b[0]), float(b[1])))
         _set_floats(self, eps=_NONNEG, weight_decay=_NONNEG)
-        object.__setattr__(self, "amsgrad", _flag("amsgrad", self.amsgrad))
+        object.__setattr__(self, "amsgrad", check_flag(self.amsgrad, "amsgrad"))
 
     def params(self) -> list[float]:
         return [self.lr, self.betas[0], self.betas[1], self.eps, self.weight_decay,

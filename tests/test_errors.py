@@ -475,6 +475,91 @@ def test_integer_arguments_refuse_what_is_no_integer(store, call, bad):
     assert t.contains(np.array([1], np.uint64)).tolist() == [True]
 
 
+FLAG_CALLS = ["attach create", "restore force", "dense allow_nonfinite",
+              "table allow_nonfinite", "csr allow_nonfinite", "dense push wait",
+              "dense pull consistent", "dense view writable", "table push wait",
+              "table pull create", "csr push wait", "csr pull consistent",
+              "csr to_scipy consistent", "aggregated push wait",
+              "aggregated pull consistent", "Momentum nesterov", "Adam amsgrad",
+              "CSR.from_dense keep_zeros", "read_csr mmap", "read_csr check",
+              "read_dense mmap"]
+
+
+@pytest.mark.parametrize("bad", ["no", "", 1, 0.0, None], ids=["no", "empty", "1", "0.0",
+                                                                "None"])
+@pytest.mark.parametrize("call", FLAG_CALLS)
+def test_boolean_keywords_refuse_what_is_no_bool(store, tmp_path, call, bad):
+    """Every public boolean keyword takes True or False (numpy's np.bool_ too) and
+    refuses anything else with InvalidArgument naming it and saying to pass True or
+    False (checks.check_flag), before anything is done: a truthy test took
+    pull(consistent="no") as True, attach(create="no") created the store, and
+    allow_nonfinite="no" made a tensor that takes NaN.  (None too, where it is no
+    choice of its own: allow_nonfinite=None means "whatever the tensor has".)"""
+    from shmps import files
+
+    if bad is None and call.endswith("allow_nonfinite"):
+        pytest.skip("allow_nonfinite=None accepts the existing tensor's")
+    w = store.dense("w", shape=(4,), dtype="float32")
+    t = store.table("t", dim=2, capacity=8)
+    x = store.csr("x", np.array([0, 1]), np.array([0]))
+    a = store.dense("a", shape=(4,), aggregate="sum", workers=1)
+    ck = str(tmp_path / "ck")
+    if call == "restore force":
+        store.checkpoint(ck)
+    keys, g2 = np.array([1], np.uint64), np.ones((1, 2), np.float32)
+    other = store.name + "b"
+    calls = {
+        "attach create": lambda: shmps.attach(other, create=bad),
+        "restore force": lambda: shmps.restore(ck, other, force=bad),
+        "dense allow_nonfinite": lambda: store.dense("n", shape=(4,), allow_nonfinite=bad),
+        "table allow_nonfinite": lambda: store.table("n", dim=2, capacity=8,
+                                                     allow_nonfinite=bad),
+        "csr allow_nonfinite": lambda: store.csr("n", np.array([0, 1]), np.array([0]),
+                                                 allow_nonfinite=bad),
+        "dense push wait": lambda: w.push(np.ones(4), wait=bad),
+        "dense pull consistent": lambda: w.pull(consistent=bad),
+        "dense view writable": lambda: w.view(writable=bad),
+        "table push wait": lambda: t.push(keys, g2, wait=bad),
+        "table pull create": lambda: t.pull(keys, create=bad),
+        "csr push wait": lambda: x.push(shmps.CSR(np.array([0, 1]), np.array([0]),
+                                                  np.ones(1, np.float32)), wait=bad),
+        "csr pull consistent": lambda: x.pull(consistent=bad),
+        "csr to_scipy consistent": lambda: x.to_scipy(consistent=bad),
+        "aggregated push wait": lambda: a.push(np.ones(4), wait=bad),
+        "aggregated pull consistent": lambda: a.pull(consistent=bad),
+        "Momentum nesterov": lambda: shmps.Momentum(lr=0.1, nesterov=bad),
+        "Adam amsgrad": lambda: shmps.Adam(lr=0.1, amsgrad=bad),
+        "CSR.from_dense keep_zeros": lambda: shmps.CSR.from_dense(np.eye(2),
+                                                                  keep_zeros=bad),
+        "read_csr mmap": lambda: files.read_csr(ck, mmap=bad),
+        "read_csr check": lambda: files.read_csr(ck, check=bad),
+        "read_dense mmap": lambda: files.read_dense(ck, mmap=bad),
+    }
+    name = call.split()[-1]
+    try:
+        with pytest.raises(shmps.InvalidArgument, match=f"{name}=") as info:
+            calls[call]()
+        assert f"pass {name}=True or {name}=False" in str(info.value)
+        assert store_segments(other) == []
+        assert sorted(d["name"] for d in store.tensors()
+                      if "#" not in d["name"]) == ["a", "t", "w", "x"]
+        assert not w.pull().any() and not t.contains(keys).any() and not x.pull().value.any()
+        assert not a.pull().any()
+    finally:
+        remove_store(other)
+
+
+@pytest.mark.parametrize("yes", [True, np.bool_(True)], ids=["True", "np.True_"])
+def test_boolean_keywords_take_numpy_bools(store, yes):
+    """np.bool_ (what a numpy comparison gives) is taken where a bool is."""
+    w = store.dense("w", shape=(4,), dtype="float32", allow_nonfinite=yes)
+    w.push(np.full(4, np.nan), wait=yes)
+    assert np.isnan(w.pull(consistent=yes)).all() and w.view(writable=yes).flags.writeable
+    t = store.table("t", dim=2, capacity=8)
+    assert t.pull(np.array([1], np.uint64), create=yes).shape == (1, 2)
+    assert len(t) == 1
+
+
 def test_a_shard_rows_making_too_many_shards_is_refused(store):
     """An explicit shard_rows that would split a dense or csr tensor into more than
     MAX_ROW_SHARDS shards (each a mapping in every process; Linux allows 65530) is a

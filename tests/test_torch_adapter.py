@@ -249,3 +249,19 @@ def test_concurrent_nonblocking_training(store, store_name):
         assert ws.results(90) == [nsteps, nsteps]
     for desc in store.tensors():
         assert store[desc["name"]].stats()["step"] == 2 * nsteps
+
+
+@pytest.mark.parametrize("bad", ["no", 0, None])
+def test_the_pushers_boolean_keywords_refuse_what_is_no_bool(store, bad):
+    """Pusher(wait=) and zero_grad(set_to_none=) take True or False (np.bool_ too), as
+    every boolean keyword of shmps does (checks.check_flag): wait="no" waited, and
+    zero_grad(set_to_none="no") dropped the gradients.  Nothing changes."""
+    model = torch.nn.Linear(3, 2)
+    shmps.torch.share(model, store, optimizer=shmps.Sum())
+    with pytest.raises(shmps.InvalidArgument, match="pass wait=True or wait=False"):
+        shmps.torch.Pusher(model, wait=bad)
+    opt = shmps.torch.Pusher(model, wait=np.bool_(True))
+    model(torch.ones(1, 3)).sum().backward()
+    with pytest.raises(shmps.InvalidArgument, match="pass set_to_none=True or"):
+        opt.zero_grad(set_to_none=bad)
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
