@@ -338,6 +338,19 @@ class Store:
         self._refresh()
         return iter(list(self._records))
 
+    def __len__(self) -> int:
+        """How many names iteration gives: every tensor of the store, hidden ones
+        (outboxes, an aggregated tensor's) included, as store.tensors() lists them.
+        One load when no tensor was added since the last look."""
+        self._refresh()
+        return len(self._records)
+
+    def __bool__(self) -> bool:
+        """Always true: a store is a handle first (``store or shmps.attach(...)``).
+        Without this, bool() falls back on __len__: an empty store would be false, and
+        a closed one would raise Closed."""
+        return True
+
     def _open(self, rec: dict) -> Tensor:
         cls = _KIND_CLASSES.get(rec["kind"])
         if rec.get("aggregate") and rec["kind"] == "dense":

@@ -568,6 +568,25 @@ def test_getitem_and_contains(store):
         store["v"]
 
 
+def test_len_of_a_store_counts_the_names_it_iterates(store):
+    """A store is a mapping of names to tensors (store[name], `name in store`,
+    iteration over the names): len(store) is the number of names its iteration gives,
+    hidden tensors (an aggregated tensor's) included, and a tensor another handle
+    created counts at once, as iteration sees it.  (len() raised TypeError.)  An empty
+    store is still true: a handle, as before (`store or shmps.attach(...)`)."""
+    assert len(store) == 0 and list(store) == [] and bool(store)
+    store.dense("w", shape=(2,))
+    store.dense("a", shape=(2,), aggregate="sum", workers=1)
+    assert len(store) == len(list(store)) == len(store.tensors()) == 5   # a's 3 hidden
+    assert all(name in store and store[name].name == name for name in store)
+    other = shmps.attach(store.name, namespace=store.namespace)
+    try:
+        other.table("t", dim=2, capacity=4)
+    finally:
+        other.close()
+    assert len(store) == 6 and "t" in list(store)
+
+
 def test_tensors_describes_every_tensor(store):
     """store.tensors() lists name, kind, dtype, shape, optimizer, mode and nshards."""
     store.dense("a", shape=(10, 2), dtype="int8", optimizer="max", shard_rows=5)
