@@ -244,6 +244,7 @@ class Store:
         # (tensor, shard, pushes) recorded lost by this handle's drains (outbox.take_lost)
         self._lost_settled: list[tuple[str, int, int]] = []
         self._lock = threading.RLock()
+        self._catalog_lock = threading.Lock()   # (_refresh's reads; a leaf lock)
         self._executor: Optional[ThreadPoolExecutor] = None
         self._executor_pid = 0
         # the host whose copy a tensor created now takes its initial values from, recorded
@@ -277,11 +278,19 @@ class Store:
         return self._manifest.ptr
 
     def _refresh(self) -> None:
-        """Read catalog records appended since the last look (lock-free)."""
+        """Read catalog records appended since the last look: lock-free when there are
+        none, else under ``_catalog_lock``, a leaf lock (nothing is taken while it is
+        held): threads that each read from the same last position appended the same
+        records, each once per thread (8 threads: a tensor listed 8 times, and the next
+        id, the list's length, wrong)."""
         ptr = self._mptr
-        gen = int(lib.shmps_catalog_generation(ptr))
-        if gen == self._generation:
+        if int(lib.shmps_catalog_generation(ptr)) == self._generation:
             return
+        with self._catalog_lock:
+            if int(lib.shmps_catalog_generation(ptr)) != self._generation:
+                self._read_catalog(ptr)
+
+    def _read_catalog(self, ptr: Any) -> None:
         buf = bytearray(lib.SHMPS_CATALOG_BYTES)
         n = ffi.new("uint64_t *")
         g = ffi.new("uint64_t *")
@@ -1025,6 +1034,7 @@ class Store:
         a new lock (with the old one it hung at its first store call).  True if the
         child took ``lease``."""
         self._lock = threading.RLock()
+        self._catalog_lock = threading.Lock()   # (_refresh's reads; a leaf lock)
         m = self._manifest
         self._worker = None
         if m is None or m.ptr is None:

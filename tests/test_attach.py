@@ -1338,3 +1338,44 @@ def test_two_threads_forking_at_once_leave_no_fork_pending(store):
             os.waitpid(pid, 0)
         with store_mod._FORKS_LOCK:
             store_mod._settle_forks_locked()
+
+
+@pytest.mark.timeout(60)
+def test_threads_reading_the_catalog_at_once_see_each_tensor_once(store_name):
+    """Threads of one process that look at the catalog at the same time (``name in
+    store``, ``len``, ``tensors()``, each reading the records added since the last
+    look) each see every tensor once, and the next tensor this handle creates gets the
+    next id.  Before, each thread read from the same last position and appended the
+    same records: tensors() listed them twice, len() counted them twice, and the next
+    id (the list's length) skipped (review H10 of 2026-11-28)."""
+    import threading
+
+    maker = shmps.attach(store_name)
+    looker = shmps.attach(store_name)
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)   # (thread switches inside the record loop)
+    try:
+        for rnd in range(5):
+            for i in range(40):
+                maker.dense(f"r{rnd}t{i}", shape=(1,), shard_rows=1)
+            go = threading.Barrier(8)
+
+            def look() -> None:
+                go.wait()
+                len(looker)
+            threads = [threading.Thread(target=look) for _ in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            names = [d["name"] for d in looker.tensors()]
+            assert len(names) == len(set(names)) == 40 * (rnd + 1) == len(looker), \
+                (rnd, len(names), len(set(names)), len(looker))
+        sys.setswitchinterval(old)
+        looker.dense("last", shape=(1,))
+        assert [d["name"] for d in maker.tensors()][-1] == "last"
+        np.testing.assert_array_equal(maker["last"].pull(), 0.0)
+    finally:
+        sys.setswitchinterval(old)
+        looker.close()
+        maker.destroy()
