@@ -813,6 +813,10 @@ class Bridge:
         self.fatal: Optional[Error] = None
         self._gone: set[tuple[int, int]] = set()  # (member id, incarnation) of processes
                                                   # that restarted since: filters forgotten
+        #: member -> incarnation of its process that left on purpose (its heartbeat said
+        #: handed over, and it was removed): that process exits and gives no hand-over
+        #: (_left_for_good)
+        self._left: dict[str, int] = {}
         self._says_joining: dict[str, int] = {}  # peer -> epoch at which it has us joining
         self._peer_view: dict[str, tuple[int, int]] = {}   # peer -> (epoch, ring digest)
         #: peers whose last heartbeat said they act (HB_ACTING) by its (epoch, ring)
@@ -2202,6 +2206,7 @@ class Bridge:
             self._unsettle()
             self._on_changes(self.members.mark_joining(peer))
         if (hb.hb_flags & frames.HB_HANDED_OVER) and self.members.state(peer) is State.LEAVING:
+            self._left[peer] = hb.incarnation   # (before the role changes the removal makes)
             self._on_changes(self.members.remove(peer))
             return   # (no longer a member: a rejoined host's heartbeat also says READY)
         if ((hb.hb_flags & frames.HB_READY) and self.members.state(peer) is State.JOINING
@@ -3787,6 +3792,16 @@ class Bridge:
         began = st.handover_incs.get(member)
         return began is not None and self._incarnations.get(member, began) != began
 
+    def _left_for_good(self, member: str) -> bool:
+        """Whether ``member``'s current process left on purpose: its heartbeat said handed
+        over and this host removed it (``_left``).  It gives no hand-over: it sends none
+        (its own ring keeps it, leaving, to its end), answers no SYNC as a previous owner
+        would, and its heartbeats revive nobody dead (on_heartbeat); it exits.  Its
+        next process is another incarnation, which a wait begun before does not take
+        (_waited_restarted)."""
+        left = self._left.get(member)
+        return left is not None and self._incarnations.get(member) == left
+
     def _handover_given_up(self, st: ShardState, now: float) -> bool:
         """Whether this owner stops waiting for the hand-over of ``st`` (it is waiting):
         HANDOVER_TIMEOUT passed since the last frame or "coming" answer from the host it
@@ -3806,12 +3821,22 @@ class Bridge:
         # before it did is asked again if it is back before the hold ends, unless its
         # bridge restarted meanwhile (its new process holds the old one's copy without
         # its duplicate filter: on_heartbeat; the hold waited for it again, and took
-        # that copy under an empty filter: chaos seed 2004)
+        # that copy under an empty filter: chaos seed 2004), or it left on purpose: it
+        # is not cut off but gone, and no copy of it can come (_left_for_good).  (A new
+        # owner whose copy seemed incomplete held for the host that had just handed
+        # over and left, HANDOVER_TIMEOUT in vain, with every batch of the shard
+        # refused BUSY meanwhile: an owner restarted since took it up again with a
+        # snapshot, which came before its heartbeat of that epoch, so the backup did
+        # not count itself one (on_rows).  The walk-through of 2026-11-28: pushes
+        # stalled up to 3 s on the other hosts at the leave of a host restarted 8 s
+        # before.)
         st.handover_next = [b for b in st.handover_next
                             if (b != waited or (hold and b not in reach))
-                            and not self._waited_restarted(st, b)]
+                            and not self._waited_restarted(st, b)
+                            and not self._left_for_good(b)]
         if (waited is not None and hold and waited not in reach
-                and waited not in st.handover_next and not self._waited_restarted(st, waited)):
+                and waited not in st.handover_next and not self._waited_restarted(st, waited)
+                and not self._left_for_good(waited)):
             st.handover_next.append(waited)
         nxt = next((b for b in st.handover_next if b in reach), None)
         if nxt is not None:
