@@ -2056,6 +2056,61 @@ def test_sigterm_while_this_hosts_workers_push_loses_nothing(make_cluster):
     assert took < 5.0, f"the leave took {took:.1f} s"
 
 
+MANY = {"m": [[256, 2], "int32", "sum", 4]}        # 64 shards of 4 rows
+
+
+def owned_shards(c: Cluster, i: int) -> set:
+    return set((c.health(i) or {}).get("owned", []))
+
+
+def test_a_planned_leave_counts_hand_overs_and_a_kill_failovers(make_cluster):
+    """The shards a leaving host hands over (SIGTERM) are counted as hand-overs
+    (`shmps_bridge_handovers_total`, timed by `shmps_bridge_handover_seconds`), not as
+    failovers: `shmps_bridge_failovers_total` and /health's `failovers` are the shards
+    taken over from a host that died (a kill), which the bench's failover figures read.
+    Before, a leave counted its 43-44 shards (of 128) as failovers, timed from the
+    leaver's last heartbeat to the first push after."""
+    c = make_cluster(3)
+    c.start_all()
+    for i in range(3):
+        with c.attach(i) as s:
+            create(s, {"dense": MANY})
+    wait_forwarding(c, {"m"}, [0, 1, 2])
+    spec = {"create": {"dense": MANY}, "pushes": 5000, "sleep": 0.01, "flush": True,
+            "flush_timeout": 60.0}
+    procs = [c.worker(0, spec)]
+    time.sleep(0.5)
+    left = owned_shards(c, 2)
+    assert left, c.describe()
+
+    def total(name: str) -> float:
+        return sum(metric_value(c, i, name) for i in (0, 1))
+
+    c.signal(2, signal.SIGTERM)
+    assert c.wait_exit(2, 30) == 0, c.describe()
+    time.sleep(0.5)
+    assert total("shmps_bridge_failovers_total") == 0, c.describe()
+    c.wait(lambda: total("shmps_bridge_handover_seconds_count") >= len(left), 10,
+           f"the {len(left)} shards host 2 handed over to apply a batch each")
+    assert total("shmps_bridge_failovers_total") == 0, c.describe()
+    assert total("shmps_bridge_handovers_total") == len(left), c.describe()
+    assert not any(c.health(i)["failovers"] for i in (0, 1)), c.describe()
+
+    c.start(2)
+    c.wait_converged(30)
+    time.sleep(0.3)
+    killed = owned_shards(c, 2)
+    assert killed, c.describe()
+    t_kill = c.kill(2)
+    c.wait(lambda: total("shmps_bridge_failovers_total") >= len(killed), 10,
+           f"the {len(killed)} shards of the killed host 2 to fail over")
+    c.wait(lambda: {f["shard"] for i in (0, 1) for f in c.health(i)["failovers"]
+                    if f["dead"] == c.addrs[2] and f["first_apply_wall"] >= t_kill} == killed,
+           10, "a first batch applied by a successor of every shard of the killed host")
+    assert total("shmps_bridge_failovers_total") == len(killed), c.describe()
+    assert procs[0].poll() is None, "the worker ended before the kill: too short"
+
+
 def test_a_bridge_that_cannot_listen_touches_no_outbox(make_cluster):
     """A bridge that cannot have its store's bridge lock or its address exits (status 2,
     one line saying what to do) before it touches an outbox: the same command run again

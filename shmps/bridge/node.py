@@ -330,6 +330,8 @@ class ShardState:
                                                          # hand-over (_waited_restarted)
     failover_from: Optional[str] = None                  # the dead owner, until first apply
     failover_dead_seen: float = 0.0
+    handover_took_at: float = 0.0                        # taken by hand-over then, until
+                                                         # the first apply (0: not)
     # replica side
     snap_epoch_seen: int = -1                            # a LAST snapshot chunk arrived
     handover_done: tuple = ("", 0.0, 0)                  # (previous owner, when, epoch) its
@@ -613,6 +615,14 @@ class Metrics:
         self.failover_s = Histogram("shmps_bridge_failover_seconds", "owner's last heartbeat"
                                     " to the first batch applied by its successor", registry=r,
                                     buckets=(0.1, 0.2, 0.3, 0.5, 0.75, 1, 2, 5))
+        # (a planned hand-over is no failover: counted and timed apart, so the failover
+        # figures are those of deaths and cuts only)
+        self.handovers = Counter("shmps_bridge_handovers", "shards taken over from an owner "
+                                 "that handed them over (a member joined or left on purpose)",
+                                 registry=r)
+        self.handover_s = Histogram("shmps_bridge_handover_seconds", "a hand-over's ownership "
+                                    "change on the new owner to the first batch it applied",
+                                    registry=r, buckets=(0.01, 0.05, 0.1, 0.2, 0.5, 1, 2, 5))
         self.epoch = Gauge("shmps_bridge_epoch", "membership epoch", registry=r)
         self.pending = Gauge("shmps_bridge_pending_bytes", "unacknowledged batch bytes",
                              registry=r)
@@ -763,6 +773,9 @@ class Bridge:
         self.ids: dict[int, str] = {member_id(m): m for m in configured}
         self.hb_seq = 0
         self.failover_log: list[dict] = []
+        # members heard saying they handed their shards over (HB_HANDED_OVER), until they
+        # are heard again as members (a restarted one joins): _takeover_kind
+        self._handed_over: set[str] = set()
         self.joined_at_epoch: Optional[int] = None
         self.catalog_seen_from: set[str] = set()
         self.store: Any = None
@@ -1715,6 +1728,10 @@ class Bridge:
                     st.snapshotting.pop(c.member, None)
                     st.acked.pop(c.member, None)
                 self._unsettle()
+            if c.new is State.JOINING or c.new is State.ALIVE:
+                # back (restarted, or added again): a later death is a failover.  (Not on
+                # -> leaving: the heartbeat that says "handed over" may say "leaving" too)
+                self._handed_over.discard(c.member)
             if c.member == self.addr and c.new is State.JOINING:
                 self.joined_at_epoch = self.members.epoch
                 self._join_progress_at = 0.0
@@ -1851,12 +1868,35 @@ class Bridge:
                     st.handover_next = cands
                     st.handover_until = 0.0
                     self._handover_given_up(st, time.monotonic())
+            # What the take-over counts as (the metrics; _on_changes logs the counts).  A
+            # shard a leaving host handed over is no failover, though that host is gone
+            # by now: it was 43-44 failovers a planned leave, timed to the first push
+            # after, and the failover figures mixed them with kills.
+            kind = self._takeover_kind(prev)
+            st.failover_from, st.handover_took_at = None, 0.0
+            if kind == "failover":
                 st.failover_from = prev
                 try:
                     st.failover_dead_seen = self.members.last_seen(prev)
                 except InvalidArgument:
                     st.failover_dead_seen = time.monotonic()
                 self.metrics.failovers.inc()
+            elif kind == "hand-over":
+                st.handover_took_at = time.monotonic()
+                self.metrics.handovers.inc()
+
+    def _takeover_kind(self, prev: Optional[str]) -> str:
+        """What this host taking a shard over from its previous owner ``prev`` is:
+        "hand-over" when ``prev`` is reachable (a member joined or left, or the ring
+        moved) or it said it handed its shards over (a planned leave: SIGTERM, removed
+        from the members; it is gone at the change), "failover" when it is unreachable
+        otherwise (dead, cut off), "" when the shard had no owner (new, or a ring of
+        nobody)."""
+        if not prev or prev == self.addr:
+            return ""
+        if prev in self.members.reachable() or prev in self._handed_over:
+            return "hand-over"
+        return "failover"
 
     def _check_stall(self) -> None:
         """A process that did not run for half of ``dead_after`` (SIGSTOP, a starved CPU)
@@ -2036,6 +2076,8 @@ class Bridge:
     def on_heartbeat(self, peer: str, hb: frames.Heartbeat) -> None:
         if peer not in self.members.states():
             return
+        if hb.hb_flags & frames.HB_HANDED_OVER:
+            self._handed_over.add(peer)   # (_takeover_kind: its shards are no failovers)
         if hb.hb_flags & frames.HB_HANDED_OVER and self.members.state(peer) is State.DEAD:
             return  # it left on purpose and is about to exit: not a rejoin
         if (hb.sender, hb.incarnation) in self._gone:
@@ -3169,6 +3211,9 @@ class Bridge:
                                       "since_last_heartbeat_s": round(took, 4)})
             del self.failover_log[:-100]
             st.failover_from = None
+        elif st.handover_took_at:
+            self.metrics.handover_s.observe(time.monotonic() - st.handover_took_at)
+            st.handover_took_at = 0.0
         if info.kind == "dense":
             rseq = self._send_dense_rows(key, info, f.shard, index, f, mark)
         elif info.kind == "table":   # the rows as the push left them, filled in by it
