@@ -40,7 +40,7 @@ class Cluster:
                  secret: bool = True, flush_ms: float = 5.0, dead_after: float = 0.5,
                  spare: int = 0, ip_base: Optional[list] = None,
                  wrap: Optional[Callable[[int, list], list]] = None,
-                 forked: bool = False) -> None:
+                 forked: bool = False, log_level: Optional[str] = None) -> None:
         self.dir = Path(workdir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.store = store
@@ -49,6 +49,7 @@ class Cluster:
         self.dead_after = dead_after
         self.wrap = wrap
         self.forked = forked   # start (unwrapped) bridges with cli_runner: see start()
+        self.log_level = log_level   # --log-level (None: the default, INFO)
         total = n + spare
         ips = ip_base or [f"127.0.0.{i + 2}" for i in range(total)]
         self.addrs = [f"{ip}:{free_port(ip) if ip.startswith('127.') else 17000 + i}"
@@ -81,6 +82,8 @@ class Cluster:
                str(self.flush_ms), "--dead-after", str(self.dead_after)]
         if self.secret_file is not None:
             cmd += ["--secret-file", str(self.secret_file)]
+        if self.log_level is not None:
+            cmd += ["--log-level", self.log_level]
         return cmd
 
     def start(self, i: int) -> subprocess.Popen:

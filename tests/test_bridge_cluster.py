@@ -1392,9 +1392,9 @@ def train_through_a_join(make_cluster, monkeypatch, failpoints: str, rounds: int
                          totals_timeout: float = 10.0) -> tuple[Cluster, dict]:
     """train_while_a_host_joins (after 0.3 s) with the bridges' ``failpoints``: both
     workers end well, the four hosts converge and hold the exact totals.  Returns the
-    cluster and each host's log."""
+    cluster and each host's log (at DEBUG: the per-shard lines of a hand-over)."""
     monkeypatch.setenv("SHMPS_BRIDGE_FAILPOINTS", failpoints)
-    c, procs = train_while_a_host_joins(make_cluster, rounds, after=0.3)
+    c, procs = train_while_a_host_joins(make_cluster, rounds, after=0.3, log_level="DEBUG")
     for p in procs:
         out, err = p.communicate(timeout=150)
         assert p.returncode == 0, err.decode() + c.describe()
@@ -1403,7 +1403,8 @@ def train_through_a_join(make_cluster, monkeypatch, failpoints: str, rounds: int
     return c, {i: c.logs[i].read_text(errors="replace") for i in range(4)}
 
 
-def train_while_a_host_joins(make_cluster, rounds: int, after: float):
+def train_while_a_host_joins(make_cluster, rounds: int, after: float,
+                             log_level: Optional[str] = None):
     """3 hosts; workers on hosts 0 and 2 push ``rounds`` rounds; after ``after`` s a fourth
     host is added to hosts.txt and started. Returns the cluster and the workers.
 
@@ -1411,7 +1412,7 @@ def train_while_a_host_joins(make_cluster, rounds: int, after: float):
     fourth host owns at least one of the 9 shards, so that its join moves ownership."""
     keys = [shard_key("w", s) for s in range(8)] + [shard_key("emb", 0)]
     for _ in range(50):
-        c = make_cluster(3, spare=1)
+        c = make_cluster(3, spare=1, log_level=log_level)
         ring = Ring(c.addrs[:4])
         if any(ring.owner(k) == c.addrs[3] for k in keys):
             break
@@ -2109,6 +2110,58 @@ def test_a_planned_leave_counts_hand_overs_and_a_kill_failovers(make_cluster):
            10, "a first batch applied by a successor of every shard of the killed host")
     assert total("shmps_bridge_failovers_total") == len(killed), c.describe()
     assert procs[0].poll() is None, "the worker ended before the kill: too short"
+
+
+def info_lines(c: Cluster, i: int, since: int) -> list:
+    """Host i's log lines at INFO or above after byte ``since``."""
+    text = c.logs[i].read_bytes()[since:].decode(errors="replace")
+    return [ln for ln in text.splitlines() if re.search(r" (INFO|WARNING|ERROR) ", ln)]
+
+
+def test_a_leave_and_a_rejoin_log_lines_by_event_not_by_shard(make_cluster):
+    """A member leaving (SIGTERM) and coming back logs a few lines an event at INFO and
+    above, however many shards move: one per member change and per previous owner ("took
+    ownership of N shards from H (epoch E): a by hand-over, b by failover"), the
+    per-shard lines (a hand-over snapshot taken, one already here) summed up in one;
+    each shard's own line is at DEBUG.  Before, one rejoin logged a line per shard moved:
+    53 at 128 shards, 178 in an operator's cluster."""
+    big = {"m": [[2048, 2], "int32", "sum", 4]}        # 512 shards
+    c = make_cluster(3, log_level="DEBUG")
+    c.start_all()
+    for i in range(3):
+        with c.attach(i) as s:
+            create(s, {"dense": big})
+    wait_forwarding(c, {"m"}, [0, 1, 2])
+    procs = [c.worker(0, {"create": {"dense": big}, "pushes": 3000, "sleep": 0.01,
+                          "flush": True, "flush_timeout": 60.0})]
+    time.sleep(0.5)
+    left = owned_shards(c, 2)
+    assert len(left) > 100, c.describe()
+    since = {i: c.logs[i].stat().st_size for i in range(3)}
+    c.signal(2, signal.SIGTERM)
+    assert c.wait_exit(2, 30) == 0, c.describe()
+    time.sleep(1.5)   # (a summary is said a second after its first shard)
+    said = {i: info_lines(c, i, since[i]) for i in range(3)}
+    since = {i: c.logs[i].stat().st_size for i in range(3)}
+    c.start(2)
+    c.wait_converged(30)
+    time.sleep(1.5)
+    taken = owned_shards(c, 2)
+    assert len(taken) > 100, c.describe()
+    said.update({(i, "rejoin"): info_lines(c, i, since[i]) for i in range(3)})
+    for who, lines in said.items():
+        assert len(lines) <= 30, (who, len(lines), "\n".join(lines))   # (16-21 seen)
+    took = [ln for i in (0, 1) for ln in said[i] if "took ownership of" in ln]
+    assert sum(int(re.search(r"took ownership of (\d+) shards", ln).group(1))
+               for ln in took) == len(left), took
+    assert all(ln.endswith(" 0 by failover") for ln in took), took
+    # each shard the rejoined host took over has its own line, at DEBUG
+    text = c.logs[2].read_bytes()[since[2]:].decode(errors="replace")
+    per_shard = set(re.findall(r" DEBUG shmps\.bridge: shard (\S+?):? (?:handed over by|"
+                               r"hand-over snapshot from \S+ already here)", text))
+    assert taken <= per_shard, sorted(taken - per_shard)[:10]
+    procs[0].kill()
+    procs[0].wait(10)
 
 
 def test_a_bridge_that_cannot_listen_touches_no_outbox(make_cluster):

@@ -3056,7 +3056,7 @@ def test_a_new_owner_stops_waiting_for_a_hand_over_without_a_batch(tmp_path, cap
         st.handover_from, st.handover_until = prev, now + 0.5
         assert node._maintain_shards(True, now) is True          # still waiting
         assert st.handover_from == prev
-        with caplog.at_level("WARNING", logger="shmps.bridge"):
+        with caplog.at_level("DEBUG", logger="shmps.bridge"):
             node._maintain_shards(True, now + 0.6)
         assert st.handover_from is None
         assert f"shard {st.key}: no hand-over snapshot from {prev}" in caplog.text
@@ -3118,7 +3118,7 @@ def test_a_new_owner_that_was_no_backup_takes_the_backups_copy_when_no_hand_over
         assert hand_over(bk, 4.0, 30) is Status.NOT_OWNER          # not waited for yet
         now = time.monotonic()
         node._on_changes(node.members.mark_dead(prev))
-        with caplog.at_level("WARNING", logger="shmps.bridge"):
+        with caplog.at_level("DEBUG", logger="shmps.bridge"):
             assert node._maintain_shards(True, now) is True        # waiting on
         # (prev, cut off before its copy came, is asked again if back within the hold)
         assert st.handover_from == bk and st.handover_next == [prev]
@@ -3147,7 +3147,7 @@ def test_a_new_owner_that_was_no_backup_takes_the_backups_copy_when_no_hand_over
         assert st.handover_next == [prev]                 # (it may come back: the hold)
         # none of them reachable: waited for until the hold ends, then its own copy serves
         node._on_changes(node.members.mark_dead(bk))
-        with caplog.at_level("WARNING", logger="shmps.bridge"):
+        with caplog.at_level("DEBUG", logger="shmps.bridge"):
             node._maintain_shards(True, time.monotonic())
         assert st.handover_from in (bk, prev)
         assert "cut off, which may hold acknowledged batches" in caplog.text
@@ -3184,7 +3184,7 @@ def test_a_hand_over_behind_this_hosts_copy_is_refused_before_a_row_is_written(t
             return got[-1].status
 
         st.handover_from, st.handover_until = prev, time.monotonic() + 60
-        with caplog.at_level("WARNING", logger="shmps.bridge"):
+        with caplog.at_level("DEBUG", logger="shmps.bridge"):
             assert chunk(1, 0, 40, last=False) is Status.NOT_OWNER
         assert "is behind this host's copy" in caplog.text
         assert st.handover_from is None and st.dedup.floor(stream) == 50
@@ -3564,12 +3564,12 @@ def test_an_owners_snapshot_that_lacks_batches_this_copy_applied_is_named(tmp_pa
         assert frame(frames.encode_rows, bridge_node.ROWS_SEQ_BASE + 2, 5) is Status.OK
         # (applied B's batch 5)
         assert st.dedup.floor((x, 7, key[0], 0)) == 5
-        with caplog.at_level("WARNING", logger="shmps.bridge"):
+        with caplog.at_level("DEBUG", logger="shmps.bridge"):
             assert frame(frames.encode_snapshot, bridge_node.ROWS_SEQ_BASE + 3, 5,
                          last=True) is Status.OK
         assert "lacks batches" not in caplog.text
         assert node.metrics.snapshots_behind._value.get() == 0
-        with caplog.at_level("WARNING", logger="shmps.bridge"):
+        with caplog.at_level("DEBUG", logger="shmps.bridge"):
             assert frame(frames.encode_snapshot, bridge_node.ROWS_SEQ_BASE + 4, 3,
                          last=True) is Status.OK
         assert "lacks batches this copy applied" in caplog.text
@@ -3623,7 +3623,7 @@ def test_a_new_owner_with_no_backup_left_asks_the_owner_its_last_rows_came_from(
         assert st.fed_owners == [a, b]
         node.members.mark_dead(b)
         node.members.mark_joining(a)
-        with caplog.at_level("WARNING", logger="shmps.bridge"):
+        with caplog.at_level("DEBUG", logger="shmps.bridge"):
             node._role_change(key, [b, me], [me])
         assert st.handover_from == a and st.handover_next == [b]   # (b, if back in time)
         assert f"asking {a}, a backup of the previous owner" in caplog.text
@@ -3632,7 +3632,7 @@ def test_a_new_owner_with_no_backup_left_asks_the_owner_its_last_rows_came_from(
         node.members.mark_dead(a)
         caplog.clear()
         t0 = time.monotonic()
-        with caplog.at_level("WARNING", logger="shmps.bridge"):
+        with caplog.at_level("DEBUG", logger="shmps.bridge"):
             assert not node._handover_given_up(st, t0)
             assert st.handover_from == b and st.handover_next == [b, a]
             assert "waiting up to" in caplog.text
@@ -4009,7 +4009,7 @@ def test_rows_written_into_a_copy_while_it_is_read_void_the_read(tmp_path, monke
                     await asyncio.sleep(0.05)
                 return voided, [frames.decode(c) for c in got]
 
-        with caplog.at_level("INFO", logger="shmps.bridge"):
+        with caplog.at_level("DEBUG", logger="shmps.bridge"):
             voided, chunks = asyncio.run(asyncio.wait_for(main(), 30))
         assert [(a.status, a.seq - ROWS_SEQ_BASE) for a in acks] == [(Status.OK, 1),
                                                                      (Status.OK, 2)]

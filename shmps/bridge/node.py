@@ -53,6 +53,7 @@ from .frames import ROWS_SEQ_BASE, FrameType, Layout, Mark, Status
 from .members import (DEAD_AFTER, HEARTBEAT_INTERVAL, ON_RING, Membership, State,
                       address_host, http_url, member_id, normalize_address, parse_address,
                       parse_hosts, read_hosts, socket_address, watch_file)
+from .logsum import ShardLog
 from .outq import Backpressure, ByteBudget, Dedup, OutQueue, Verdict
 from .pause import Pause
 from .ring import Ring, shard_key
@@ -776,6 +777,9 @@ class Bridge:
         # members heard saying they handed their shards over (HB_HANDED_OVER), until they
         # are heard again as members (a restarted one joins): _takeover_kind
         self._handed_over: set[str] = set()
+        # previous owner -> (shards taken by hand-over, undecided, since, epoch): the
+        # take-overs from an owner gone without a word here, until _decide_takeovers
+        self._took_undecided: dict[str, tuple[int, int, float, int]] = {}
         self.joined_at_epoch: Optional[int] = None
         self.catalog_seen_from: set[str] = set()
         self.store: Any = None
@@ -797,6 +801,8 @@ class Bridge:
         #: SHMPS_BRIDGE_DEBUG=1 at start: log every GAP, refused ROWS/SNAPSHOT, ACK taken
         #: and the marks of every ROWS/SNAPSHOT (docs/bridge.md)
         self.debug = bool(os.environ.get("SHMPS_BRIDGE_DEBUG"))
+        # per-shard lines of an event: each at DEBUG, one summary at INFO/WARNING
+        self.shard_log = ShardLog(log)
         self._initial = set(configured)
         self._ever_acted = False                 # this host has owned shards at some time
         self._had_quorum = self.members.has_quorum()   # at the last membership change
@@ -1240,6 +1246,7 @@ class Bridge:
         # once, and a handler started after the streams were closed would hold the
         # runner's cleanup until its shutdown timeout
         self._closing = True
+        self.shard_log.flush(force=True)
         if self._site is not None:
             await self._bounded(self._site.stop(), "stopping the listener")
         for t in self._tasks:
@@ -1705,12 +1712,37 @@ class Bridge:
             prev_owners = {}
             for key, st in self.shards.items():
                 prev_owners[key] = old.owners(st.key, self.cfg.replicas) if len(old) else []
+            took: Counter = Counter()   # (previous owner, how) -> shards this host took
+            gave: Counter = Counter()   # new owner -> shards this host had
             for key, st in self.shards.items():
-                self._role_change(key, prev_owners[key], self.owners(st.key))
+                new = self.owners(st.key)
+                self._role_change(key, prev_owners[key], new)
+                prev = prev_owners[key][0] if prev_owners[key] else None
+                if new and new[0] == self.addr and prev and prev != self.addr:
+                    took[(prev, self._takeover_kind(prev))] += 1
+                elif prev == self.addr and new and new[0] != self.addr:
+                    gave[new[0]] += 1
             for sk, stream in self.streams.items():
                 stream.q.rewind()
                 stream.target = None
             log.info("epoch %d: ring %s", self.members.epoch, ", ".join(live) or "(empty)")
+            # one line per previous (or next) owner, not per shard (DEBUG has the shards:
+            # the hand-over's and the failover's own lines)
+            for prev in dict.fromkeys(p for p, _ in took):
+                n_ho, n_un = took[(prev, "hand-over")], took[(prev, "undecided")]
+                if n_un:   # (said once decided: _decide_takeovers)
+                    t = self._took_undecided.get(prev)
+                    self._took_undecided[prev] = (
+                        (n_ho, n_un, time.monotonic(), self.members.epoch) if t is None else
+                        (t[0] + n_ho, t[1] + n_un, t[2], self.members.epoch))
+                else:
+                    log.info("took ownership of %d shards from %s (epoch %d): %d by "
+                             "hand-over, 0 by failover", n_ho, prev, self.members.epoch, n_ho)
+            for nxt, n in gave.items() if self._ever_acted else ():
+                # (a host that never acted owned nothing: a joiner's first ring counted
+                # it in before it heard the cluster's view)
+                log.info("gave ownership of %d shards to %s (epoch %d)", n, nxt,
+                         self.members.epoch)
         self._heartbeat_if_new()
         if not self.acting():
             for st in self.shards.values():
@@ -1854,7 +1886,10 @@ class Bridge:
                 if (hd_from == prev and hd_when > time.monotonic() - 5
                         and hd_epoch >= self.members.epoch - 1):
                     # (an older one would be from before prev owned the shard again)
-                    log.info("shard %s: hand-over snapshot from %s already here", st.key, prev)
+                    self.shard_log.add(
+                        logging.INFO, "hand-over snapshots from %s already here at the "
+                        "change of owner (epoch %d)", (prev, self.members.epoch), st.key,
+                        "shard %s: hand-over snapshot from %s already here", st.key, prev)
                     st.handover_done = ("", 0.0, 0)
                 else:
                     st.handover_from = prev
@@ -1871,32 +1906,54 @@ class Bridge:
             # What the take-over counts as (the metrics; _on_changes logs the counts).  A
             # shard a leaving host handed over is no failover, though that host is gone
             # by now: it was 43-44 failovers a planned leave, timed to the first push
-            # after, and the failover figures mixed them with kills.
+            # after, and the failover figures mixed them with kills.  From an owner gone
+            # without a word here it is undecided (_decide_takeovers): both are noted
+            # and the first apply times the one it turned out to be.
             kind = self._takeover_kind(prev)
             st.failover_from, st.handover_took_at = None, 0.0
-            if kind == "failover":
+            if kind:
+                st.handover_took_at = time.monotonic()
+            if kind == "hand-over":
+                self.metrics.handovers.inc()
+            elif kind == "undecided":
                 st.failover_from = prev
                 try:
                     st.failover_dead_seen = self.members.last_seen(prev)
                 except InvalidArgument:
                     st.failover_dead_seen = time.monotonic()
-                self.metrics.failovers.inc()
-            elif kind == "hand-over":
-                st.handover_took_at = time.monotonic()
-                self.metrics.handovers.inc()
 
     def _takeover_kind(self, prev: Optional[str]) -> str:
         """What this host taking a shard over from its previous owner ``prev`` is:
         "hand-over" when ``prev`` is reachable (a member joined or left, or the ring
         moved) or it said it handed its shards over (a planned leave: SIGTERM, removed
-        from the members; it is gone at the change), "failover" when it is unreachable
-        otherwise (dead, cut off), "" when the shard had no owner (new, or a ring of
-        nobody)."""
+        from the members; it is gone at the change); "undecided" when it is unreachable
+        otherwise: a failover (dead, cut off), unless its "handed over" comes within
+        ``dead_after`` (_decide_takeovers: this host may take the others' view of it
+        gone before its own heartbeat saying so, 2 leaves in 3 in a test); "" when the
+        shard had no owner (new, or a ring of nobody)."""
         if not prev or prev == self.addr:
             return ""
         if prev in self.members.reachable() or prev in self._handed_over:
             return "hand-over"
-        return "failover"
+        return "undecided"
+
+    def _decide_takeovers(self, now: float) -> None:
+        """Count and log the take-overs from owners gone without a word here
+        (_takeover_kind "undecided"): hand-overs once the owner's "handed over" is heard,
+        failovers once ``dead_after`` has passed since the change without it.  (A dead
+        owner says nothing more; a leaving one said it to every member at once.)"""
+        for prev, (n_ho, n_un, since, epoch) in list(self._took_undecided.items()):
+            if prev in self._handed_over:
+                n_ho, n_fo = n_ho + n_un, 0
+                self.metrics.handovers.inc(n_un)
+            elif now - since >= self.cfg.dead_after:
+                n_fo = n_un
+                self.metrics.failovers.inc(n_un)
+            else:
+                continue
+            del self._took_undecided[prev]
+            log.info("took ownership of %d shards from %s (epoch %d): %d by hand-over, "
+                     "%d by failover", n_ho + n_fo, prev, epoch, n_ho, n_fo)
 
     def _check_stall(self) -> None:
         """A process that did not run for half of ``dead_after`` (SIGSTOP, a starved CPU)
@@ -2022,6 +2079,8 @@ class Bridge:
             try:
                 self._notice_silence()
                 self._maintain()
+                self._decide_takeovers(now)
+                self.shard_log.flush(now)
                 if (self._doorbell is None and not self._closing
                         and now - self._doorbell_tried >= DOORBELL_RETRY
                         and self._listen_doorbell()):
@@ -3203,6 +3262,9 @@ class Bridge:
         self._record_as_owner(st, f)
         self.metrics.applied.inc()
         self.metrics.applied_bytes.inc(f.values.nbytes)
+        if st.failover_from is not None and st.failover_from in self._handed_over:
+            # (an owner gone without a word here said "handed over" since: _takeover_kind)
+            st.failover_from = None
         if st.failover_from is not None:
             took = time.monotonic() - st.failover_dead_seen
             self.metrics.failover_s.observe(took)
@@ -3211,6 +3273,7 @@ class Bridge:
                                       "since_last_heartbeat_s": round(took, 4)})
             del self.failover_log[:-100]
             st.failover_from = None
+            st.handover_took_at = 0.0
         elif st.handover_took_at:
             self.metrics.handover_s.observe(time.monotonic() - st.handover_took_at)
             st.handover_took_at = 0.0
@@ -3599,10 +3662,13 @@ class Bridge:
                 # acknowledged, it is lost here, and this line is where a trace starts
                 # (the flapping network test's traces B2-12 and C2-9 would have shown it)
                 stream, mine, theirs = behind
-                log.warning("shard %s: the owner %s's snapshot lacks batches this copy "
-                            "applied (sender %08x: up to %d here, %d there); taken, as the "
-                            "owner's copy; lost if they were acknowledged", st.key, peer,
-                            stream[0], mine, theirs)
+                self.shard_log.add(
+                    logging.WARNING, "the owner %s's snapshots lack batches this copy "
+                    "applied; taken, as the owner's copy; lost if they were acknowledged "
+                    "(the senders and seqs: DEBUG)", (peer,), st.key, "shard %s: the owner "
+                    "%s's snapshot lacks batches this copy applied (sender %08x: up to %d "
+                    "here, %d there); taken, as the owner's copy; lost if they were "
+                    "acknowledged", st.key, peer, stream[0], mine, theirs)
                 self.metrics.snapshots_behind.inc()
         elif f.type == FrameType.SNAPSHOT and (f.marks or not st.handover_init and (
                 f.flags & frames.Flag.LAST or st.snap_open != (
@@ -3625,9 +3691,11 @@ class Bridge:
                 # flapping network test, 2026-11-26).  The chunk that carries the marks
                 # comes first (_snapshot_chunks), before any row is written.
                 stream, mine, theirs = behind
-                log.warning("shard %s: the hand-over from %s is behind this host's copy "
-                            "(sender %08x: applied up to %d here, %d there); refused",
-                            st.key, peer, stream[0], mine, theirs)
+                self.shard_log.add(
+                    logging.WARNING, "hand-overs from %s behind this host's copy; refused "
+                    "(the senders and seqs: DEBUG)", (peer,), st.key, "shard %s: the "
+                    "hand-over from %s is behind this host's copy (sender %08x: applied up "
+                    "to %d here, %d there); refused", st.key, peer, stream[0], mine, theirs)
                 st.handover_until = 0.0
                 self._handover_given_up(st, time.monotonic())
                 return self._refuse(f, reply, Status.NOT_OWNER, "stale_handover")
@@ -3697,7 +3765,9 @@ class Bridge:
                 if handover:
                     st.handover_from = None
                     st.handover_init = False   # (a later wait is a previous owner's)
-                    log.info("shard %s handed over by %s", st.key, peer)
+                    self.shard_log.add(logging.INFO, "hand-over snapshots taken from %s",
+                                       (peer,), st.key, "shard %s handed over by %s",
+                                       st.key, peer)
                 else:   # it came before this host saw the new ring
                     st.handover_done = (peer, time.monotonic(), f.epoch)
         if fed_on is not None:
@@ -3745,10 +3815,12 @@ class Bridge:
                 stream = (m.sender, m.incarnation, f.tensor, f.shard)
                 if (m.sender, m.incarnation) not in self._gone and stream in st.dedup \
                         and m.seq > st.dedup.expected(stream):
-                    log.warning("ROWS of shard %s from %08x skip batches of sender %08x "
-                                "(seq %d, expected %d): refused, the owner copies this "
-                                "host again", st.key, f.sender, m.sender, m.seq,
-                                st.dedup.expected(stream))
+                    self.shard_log.add(
+                        logging.WARNING, "ROWS from %08x skip batches of their senders: "
+                        "refused, the owner copies this host again", (f.sender,), st.key,
+                        "ROWS of shard %s from %08x skip batches of sender %08x (seq %d, "
+                        "expected %d): refused, the owner copies this host again", st.key,
+                        f.sender, m.sender, m.seq, st.dedup.expected(stream))
                     return "rows_skipped"
         return None
 
@@ -3890,23 +3962,33 @@ class Bridge:
             st.handover_until = now + HANDOVER_TIMEOUT
             st.sync_sent_at = 0.0   # (_maintain_shards asks it at once)
             self._unsettle()
-            log.warning("shard %s: no hand-over snapshot from %s; asking %s, a backup of "
-                        "the previous owner, for its copy", st.key, waited or "a dead owner",
-                        st.handover_from)
+            self.shard_log.add(
+                logging.WARNING, "no hand-over snapshot from %s; asking %s, a backup of the "
+                "previous owner, for its copy", (waited or "a dead owner", st.handover_from),
+                st.key, "shard %s: no hand-over snapshot from %s; asking %s, a backup of "
+                "the previous owner, for its copy", st.key, waited or "a dead owner",
+                st.handover_from)
             return False
         if st.handover_next and hold:
             # nobody to ask is reachable now: wait for the first of them until the hold ends
             st.handover_from = st.handover_next[0]
             st.handover_until = st.handover_hold_until
             if waited != st.handover_from:
-                log.warning("shard %s: no hand-over snapshot from %s; waiting up to %.1f s "
-                            "for %s, cut off, which may hold acknowledged batches", st.key,
-                            waited or "a dead owner", st.handover_hold_until - now,
-                            ", ".join(st.handover_next))
+                self.shard_log.add(
+                    logging.WARNING, "no hand-over snapshot from %s; waiting up to %.1f s "
+                    "from the change of owner for %s, cut off, which may hold acknowledged "
+                    "batches", (waited or "a dead owner", HANDOVER_TIMEOUT,
+                                ", ".join(st.handover_next)), st.key,
+                    "shard %s: no hand-over snapshot from %s; waiting up to %.1f s for %s, "
+                    "cut off, which may hold acknowledged batches", st.key,
+                    waited or "a dead owner", st.handover_hold_until - now,
+                    ", ".join(st.handover_next))
             return False
         if waited is not None:
-            log.warning("shard %s: no hand-over snapshot from %s; serving from this host's "
-                        "copy", st.key, waited)
+            self.shard_log.add(
+                logging.WARNING, "no hand-over snapshot from %s; serving from this host's "
+                "copy", (waited,), st.key, "shard %s: no hand-over snapshot from %s; serving "
+                "from this host's copy", st.key, waited)
         st.handover_from = None
         st.handover_init = False
         return True
@@ -4000,8 +4082,10 @@ class Bridge:
             # a snapshot into this copy is half written: its rows are ahead of its marks,
             # and a new owner taking it would apply again batches they already hold
             # (the new owner asks again, or another host: SYNC)
-            log.info("hand-over of %s to %s not sent: a snapshot into this copy is half "
-                     "written", st.key, member)
+            self.shard_log.add(
+                logging.INFO, "hand-overs to %s not sent: a snapshot into this copy is half "
+                "written (it asks again)", (member,), st.key, "hand-over of %s to %s not "
+                "sent: a snapshot into this copy is half written", st.key, member)
             return
         if handover and drop:
             self._dropped.add(key)
@@ -4047,9 +4131,11 @@ class Bridge:
         if changed or link is None or not still:
             # the copy is out of date or no longer wanted: a copy still missing is sent
             # again (_maintain_shards; a hand-over is asked for again by its SYNC)
-            log.info("snapshot of %s for %s dropped after its read: %s (epoch %d)", st.key,
-                     member, "the shard changed meanwhile" if changed else "no longer wanted",
-                     self.members.epoch)
+            why = "the shard changed meanwhile" if changed else "no longer wanted"
+            self.shard_log.add(
+                logging.INFO, "snapshots for %s dropped after their read: %s (epoch %d)",
+                (member, why, self.members.epoch), st.key, "snapshot of %s for %s dropped "
+                "after its read: %s (epoch %d)", st.key, member, why, self.members.epoch)
             if not handover:
                 st.snap_retry[member] = time.monotonic() + RETRY
                 self._unsettle()
