@@ -166,9 +166,26 @@ def cmd_members(args: argparse.Namespace) -> int:
               file=sys.stderr)
     if args.json:
         print(json.dumps(result))
+        return 0
+    print(f"members now: {', '.join(map(str, result['members']))} (at {target}, which "
+          f"sends the change on to every member)")
+    # The answer's epoch is the one before the change takes effect: an added host owns
+    # nothing until it has copied every shard, a removed one until it has handed its
+    # shards over, and only then does the ring move to a new epoch.  Said so, the epoch
+    # looked like the change's own (it was the one from before it).
+    joining = [a for a in change.get("add", [])
+               if not (isinstance(already, list) and a in already)]
+    leaving = change.get("remove", [])
+    steps = ([f"{', '.join(joining)} {'has' if len(joining) == 1 else 'have'} copied every "
+              "shard (its bridge must be running)"] if joining else [])
+    steps += ([f"{', '.join(leaving)} {'has' if len(leaving) == 1 else 'have'} handed "
+               "its shards over (its bridge exits)"] if leaving else [])
+    if steps:
+        print(f"in flight: the ring is still that of epoch {result['epoch']}; it moves to "
+              f"a new epoch once {' and '.join(steps)}; `shmps-tool members {target}` "
+              "shows each member's state")
     else:
-        print(f"members now: {', '.join(map(str, result['members']))} (epoch "
-              f"{result['epoch']} at {target}, which sends the change on to every member)")
+        print(f"epoch {result['epoch']}: nothing changed")
     return 0
 
 

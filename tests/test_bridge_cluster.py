@@ -2318,9 +2318,17 @@ def test_shmps_tool_members_shows_and_changes_the_member_list(make_cluster, tmp_
         assert "docstring" not in r.stderr and r.stderr.count("\n") == 1, r.stderr
     assert members(0) == members(1) == sorted(c.addrs)
 
+    epoch = c.health(0)["epoch"]
     r = _tool("members", a0, "--add", new, "--add", new, *sec, cwd=tmp_path)   # (once)
     assert r.returncode == 0 and "already" not in r.stderr, r.stderr
     assert r.stdout.startswith(f"members now: {', '.join(sorted(c.addrs + [new]))} "), r.stdout
+    # the epoch moves once the new host has copied its shards (never, here: nobody runs
+    # there): the tool says the change is in flight (it printed "(epoch E at ...)", E
+    # the epoch from before the change, as if it were the change's)
+    assert r.stdout.splitlines()[1] == (
+        f"in flight: the ring is still that of epoch {epoch}; it moves to a new epoch "
+        f"once {new} has copied every shard (its bridge must be running); `shmps-tool "
+        f"members {a0}` shows each member's state"), r.stdout
     c.wait(lambda: members(0) == members(1) == sorted(c.addrs + [new]), 10,
            "both bridges list the added host")
     # (a new member is "joining" until --dead-after has passed without a word from it)
@@ -2329,9 +2337,11 @@ def test_shmps_tool_members_shows_and_changes_the_member_list(make_cluster, tmp_
     r = _tool("members", c.addrs[1], cwd=tmp_path)
     assert f"{new} " in r.stdout and "dead" in r.stdout.split(new)[1].splitlines()[0], r.stdout
     # adding a member again changes nothing, and says so (it said "members now: ..." only)
+    epoch = c.health(1)["epoch"]
     r = _tool("members", c.addrs[1], "--add", new, *sec, cwd=tmp_path)
     assert r.returncode == 0 and r.stderr == (f"shmps-tool: {new}: a member already, "
                                               "nothing to add\n"), r.stderr
+    assert r.stdout.splitlines()[1] == f"epoch {epoch}: nothing changed", r.stdout
     # and the bridge's log says nothing changed (it said "members changed by operator:
     # +['<new>'] -[]", as for an addition)
     log1 = c.logs[1].read_text(errors="replace")
