@@ -2342,6 +2342,10 @@ def test_shmps_tool_members_shows_and_changes_the_member_list(make_cluster, tmp_
     assert r.returncode == 0 and r.stderr == (f"shmps-tool: {new}: a member already, "
                                               "nothing to add\n"), r.stderr
     assert r.stdout.splitlines()[1] == f"epoch {epoch}: nothing changed", r.stdout
+    # nor is it sent on to the other members (each took it and logged it, unchanged)
+    time.sleep(0.5)
+    log0 = c.logs[0].read_text(errors="replace")
+    assert f"members unchanged by {c.addrs[1]}" not in log0, log0
     # and the bridge's log says nothing changed (it said "members changed by operator:
     # +['<new>'] -[]", as for an addition)
     log1 = c.logs[1].read_text(errors="replace")

@@ -4601,11 +4601,15 @@ class Bridge:
             already = [a for a in add if a in before and a not in remove]
             members = [m for m in before if m not in remove]
             members += [a for a in add if a not in members]
-            self._set_members(members)
+            # A change that changes nothing (every address to add a member already) is
+            # no change: not applied, not sent on (it was, and every member logged it)
+            unchanged = members == before
+            if not unchanged:
+                self._set_members(members)
         except (ValueError, Error) as e:
             said = e.told(None) if isinstance(e, Error) else e
             return self._signed_json(request, {"error": f"bad request: {said}"}, 400)
-        if not req.get("forwarded"):
+        if not req.get("forwarded") and not unchanged:
             # every other member applies the same change, the removed ones included (they
             # hand over and exit); added ones read it from their own member list
             for m in before:
