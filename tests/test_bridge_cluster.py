@@ -2209,13 +2209,51 @@ def test_a_bridge_that_cannot_listen_touches_no_outbox(make_cluster):
                             "--store", "solo", "--namespace", ns, "--listen", addr],
                            capture_output=True, timeout=30)
         blocker.close()
-        assert r.returncode == 2 and b"cannot listen on" in r.stderr, r.stderr
+        assert r.returncode == 2 and f"{addr} is in use".encode() in r.stderr, r.stderr
         assert not st._forwarding
         w.push(np.ones((4, 2), np.float32))
         assert np.array_equal(w.pull(), np.full((4, 2), 2, np.float32))
         st.flush(timeout=1)
     finally:
         st.destroy()
+
+
+def test_a_bridge_whose_port_is_in_use_says_so_and_removes_the_store_it_made(tmp_path):
+    """A bridge started on a store that does not exist yet, on an address whose port is
+    taken, exits with status 2 and one line of its own (before: "cannot listen on ...:
+    error while attempting to bind on address (...): address already in use", aiohttp's
+    text inside ours), and leaves no store behind (before: the empty store its attach
+    made, its manifest in /dev/shm and in `shmps-tool ls`)."""
+    import secrets
+    import socket
+
+    from shmps import names
+    ns = f"b{os.getpid()}x{secrets.token_hex(2)}nop"
+    prefix = names.store_prefix("fresh", ns)[1:]
+
+    def segments() -> list:
+        return sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefix))
+
+    blocker = socket.socket()
+    try:
+        blocker.bind(("127.0.0.2", 0))
+        blocker.listen(1)
+        addr = f"127.0.0.2:{blocker.getsockname()[1]}"
+        hosts = tmp_path / "hosts.txt"
+        hosts.write_text(addr + "\n")
+        r = subprocess.run([sys.executable, "-m", "shmps.bridge.cli", "--peers", str(hosts),
+                            "--store", "fresh", "--namespace", ns, "--listen", addr],
+                           capture_output=True, timeout=30, env=child_env())
+        said = [ln for ln in r.stderr.decode().splitlines() if ln.startswith("shmps-bridge:")]
+        assert r.returncode == 2 and said == [
+            f"shmps-bridge: {addr} is in use (another shmps-bridge?); pick another --listen "
+            "or stop it"], r.stderr
+        assert b"Traceback" not in r.stderr and b"attempting to bind" not in r.stderr, r.stderr
+        assert segments() == [], segments()
+    finally:
+        blocker.close()
+        with contextlib.suppress(shmps.Error):
+            shmps.attach("fresh", namespace=ns, create=False).destroy()
 
 
 def test_a_member_change_must_say_what_it_changes(make_cluster):

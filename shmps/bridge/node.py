@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import fcntl
@@ -718,6 +719,7 @@ class Bridge:
         self._hurry = False            # a second SIGTERM/SIGINT: leave without waiting
         self._signals = 0              # SIGTERM/SIGINT received (request_stop)
         self._set_forwarding_here = False   # start() switched the store's forwarding on
+        self._made_store = False            # start()'s attach made the store
         self._lock_fd: Optional[int] = None    # the store's bridge lock (_lock_store)
         self.tensors: dict[int, TInfo] = {}
         self.by_name: dict[str, TInfo] = {}
@@ -866,8 +868,29 @@ class Bridge:
             # session, and the store's forwarding switch (off again unless it was set)
             if self.store is not None and self._set_forwarding_here:
                 self.store._set_forwarding(False)
+            # and the store, if its attach made it and it is still empty (a port in use
+            # left an empty store that `shmps-tool ls` listed): one a worker made, or
+            # has tensors in, or is attached to, is kept
+            made = (self._made_store and self.store is not None
+                    and not self.store.tensors())
             await self.close()
+            if made:
+                self._remove_made_store(shmps)
             raise
+
+    def _remove_made_store(self, shmps: Any) -> None:
+        """Remove the empty store this bridge's start made, unless a process is
+        attached to it (a worker that attached since: remove_idle keeps it)."""
+        from ..store import remove_idle
+        try:
+            removed = remove_idle(self.cfg.store, self.cfg.namespace)
+        except (Error, OSError) as e:   # (the start's own error is the one to report)
+            log.warning("could not remove the empty store %r this bridge made: %s",
+                        self.cfg.store, e)
+            return
+        if removed:
+            log.info("removed the empty store %r this bridge made at its start",
+                     self.cfg.store)
 
     async def _start(self, aiohttp: Any, web: Any, shmps: Any) -> None:
         app = web.Application(client_max_size=64 << 10)
@@ -888,6 +911,10 @@ class Bridge:
         # was.  (It switched forwarding on and recovered the outboxes first: a second
         # bridge of a store recorded the live one's batches in flight as lost, and a
         # failed start left the store forwarding with no bridge, every later push held.)
+        # (whether the attach below makes the store: a start that fails removes it again.
+        # A worker making it in between is kept: it has tensors or is attached)
+        self._made_store = not os.path.exists(
+            "/dev/shm" + names.manifest_name(self.cfg.store, self.cfg.namespace))
         self.store = shmps.attach(self.cfg.store, namespace=self.cfg.namespace)
         # the copies of peers' tensors and the outboxes this bridge creates are not backed
         # page by page at creation (Store.reserve_memory): that is a pass over all their
@@ -903,9 +930,14 @@ class Bridge:
         try:
             await self._site.start()
         except OSError as e:
-            raise OSError(e.errno, f"cannot listen on {self.addr}: {e.strerror or e} (is "
-                          "another shmps-bridge running on this address? stop it, or give "
-                          "this host another host:port in hosts.txt and --listen)") from None
+            # one line of ours, not aiohttp's "error while attempting to bind on address
+            # (...): address already in use" inside it
+            if e.errno == errno.EADDRINUSE:
+                raise Error(f"{self.addr} is in use (another shmps-bridge?); pick another "
+                            "--listen or stop it") from None
+            why = os.strerror(e.errno) if e.errno else str(e)
+            raise Error(f"cannot listen on {self.addr}: {why}", "is it an address of "
+                        "this machine, as hosts.txt lists it? pass --listen") from None
         # no await from here to the tasks: no request is served before the store is ready
         self._set_forwarding_here = not self.store._forwarding
         self.store._set_forwarding(True)
