@@ -875,10 +875,10 @@ class Bridge:
                     and not self.store.tensors())
             await self.close()
             if made:
-                self._remove_made_store(shmps)
+                self._remove_made_store()
             raise
 
-    def _remove_made_store(self, shmps: Any) -> None:
+    def _remove_made_store(self) -> None:
         """Remove the empty store this bridge's start made, unless a process is
         attached to it (a worker that attached since: remove_idle keeps it)."""
         from ..store import remove_idle
