@@ -183,8 +183,11 @@ def get_or_create(t: Any) -> Any:
         raise CorruptSegment(f"tensor {name!r} is not the outbox of {t.name!r}")
     if name not in store._lost_seen:
         # this handle's pushes to the outbox all come after this: losses recorded before
-        # cannot hold them (flush compares with these counts)
-        store._lost_seen[name] = [lost(ob, i)[2] for i in range(ob.nshards)]
+        # cannot hold them (flush compares with these counts).  setdefault (one step
+        # under the GIL): of threads that came here at once, the first one's counts, read
+        # before any of them pushed, stay (a later thread's, read after a loss, would
+        # hide that loss of the first one's pushes from flush)
+        store._lost_seen.setdefault(name, [lost(ob, i)[2] for i in range(ob.nshards)])
     return ob
 
 
@@ -930,7 +933,10 @@ def _raise_lost(store: Any) -> None:
     Called after the waits (their acquire loads of ob_acked order these reads after the
     recover that acknowledged the lost range)."""
     found = []
-    for name, seen in store._lost_seen.items():
+    # (a copy, taken in one step under the GIL: another thread's first push to a tensor
+    # adds its outbox meanwhile (get_or_create), and iterating the dict itself raised
+    # RuntimeError: dictionary changed size during iteration)
+    for name, seen in list(store._lost_seen.items()):
         ob = store[name]
         for i in range(ob.nshards):
             count = lost(ob, i)[2]

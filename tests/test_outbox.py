@@ -3040,3 +3040,49 @@ def test_a_dense_outbox_backs_the_row_groups_of_every_shard_it_writes(store):
     assert d.left == 0 and d.done.all()
     got = ob.pull()[[5, 190, 249, 0]]
     np.testing.assert_array_equal(got, np.repeat([[2], [2], [2], [1]], 768, 1))
+
+
+@pytest.mark.timeout(120)
+def test_a_flush_while_another_thread_first_pushes_to_a_tensor_does_not_raise(store):
+    """A thread's store.flush() (a checkpoint thread, say) while a training thread makes
+    the first forwarded push to a tensor (which creates its outbox and notes the
+    outbox's lost counts in the handle's bookkeeping): the flush returns.  Before,
+    the flush's last look for lost pushes iterated that bookkeeping (a dict) while the
+    push added to it, and raised RuntimeError: dictionary changed size during
+    iteration (review H11 of 2026-11-28)."""
+    import sys
+
+    tensors = [store.dense(f"t{i}", shape=(4,), shard_rows=1) for i in range(60)]
+    store._set_forwarding(True)
+    empty = np.zeros(0, np.float32)
+    for t in tensors[:20]:
+        t.push(empty, rows=[])      # (an empty push: creates the outbox, pushes nothing)
+    go = threading.Barrier(2)
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def flusher() -> None:
+        go.wait()
+        try:
+            while not done.is_set():
+                store.flush(timeout=10)
+        except BaseException as exc:   # (the test's failure, shown below)
+            errors.append(exc)
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)   # (thread switches inside the flush's loop)
+    th = threading.Thread(target=flusher)
+    th.start()
+    try:
+        go.wait()
+        for t in tensors[20:]:
+            t.push(empty, rows=[])
+            if errors:
+                break
+    finally:
+        done.set()
+        th.join(30)
+        sys.setswitchinterval(old)
+        store._set_forwarding(False)
+    assert not errors, errors
+    assert sorted(store._lost_seen) == sorted(f"t{i}#outbox" for i in range(60))
