@@ -3086,3 +3086,55 @@ def test_a_flush_while_another_thread_first_pushes_to_a_tensor_does_not_raise(st
         store._set_forwarding(False)
     assert not errors, errors
     assert sorted(store._lost_seen) == sorted(f"t{i}#outbox" for i in range(60))
+
+
+@pytest.mark.timeout(120)
+def test_threads_backing_a_dense_outbox_at_once_leave_no_group_counted_backed_twice(store):
+    """8 threads of one process making the same forwarded pushes of rows at once (the
+    first pushes to a new outbox, which back the row groups they write): the counts
+    of groups and granules still to back never fall below what is really left, so
+    every later push that writes an unbacked group still backs it (a count at 0 stops
+    all backing: a push writing an unbacked page with /dev/shm full is killed by
+    SIGBUS, which the backing exists to turn into CapacityError).  Before, threads
+    that found the same group unbacked each took it off the count: 64 groups, 32
+    pushed by 8 threads, left a count of -192 for 32 groups left (review H11 of
+    2026-11-28)."""
+    import sys
+
+    # rows of 3 KiB: 21 rows a group of about 64 KiB; one shard of 64 groups
+    w = store.dense("w", shape=(21 * 64, 768), dtype="float32", shard_rows=21 * 64)
+    store._set_forwarding(True)
+    ob = w._outbox()
+    rows = np.arange(32) * 21                     # one row in each of groups 0..31
+    g = np.ones((rows.size, 768), np.float32)
+    go = threading.Barrier(8)
+    errors: list[BaseException] = []
+
+    def pusher() -> None:
+        go.wait()
+        try:
+            w.push(g, rows=rows)
+        except BaseException as exc:   # (the test's failure, shown below)
+            errors.append(exc)
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)   # (thread switches inside the backing's loops)
+    try:
+        threads = [threading.Thread(target=pusher) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        sys.setswitchinterval(old)
+    assert not errors, errors
+    d = ob._dense_backing
+    assert d.done[:32].all() and not d.done[32:].any()
+    assert d.left >= 32, d.left
+    for b in d.segs:
+        assert b.left >= np.count_nonzero(~b.done), (b.left, np.count_nonzero(~b.done))
+    # a push into each group left backs it
+    w.push(np.ones((32, 768), np.float32), rows=np.arange(32, 64) * 21)
+    assert d.done.all()
+    np.testing.assert_array_equal(ob.pull()[[0, 21 * 40, 21 * 64 - 1], 0], [8, 1, 0])
+    store._set_forwarding(False)
