@@ -164,10 +164,23 @@ class Pusher:
         """Block until every push of the previous ``step(...)`` is applied (``timeout``
         for each).  One that times out (shmps.Timeout) stays pending, with every later
         one, and their gradients referenced: a next ``wait()`` waits for them."""
-        while self._pending:
-            h, _ = self._pending[0]
-            h.wait(timeout)
-            self._pending.pop(0)
+        # Threads may wait at once (a training thread's step() and a checkpoint
+        # thread's wait()): each removes the entry it waited for, by identity, and only
+        # if still there (list.remove: one step under the GIL; a tuple compares its
+        # handle first, by identity, so no gradient array is ever compared).  Each
+        # popped the head before: the second pop dropped a push nobody had waited for
+        # (that wait returned with it running), or raised IndexError on an empty list
+        # (review H11 of 2026-11-28).  No lock: none is held across a fork.
+        while True:
+            try:
+                entry = self._pending[0]
+            except IndexError:
+                return
+            entry[0].wait(timeout)
+            try:
+                self._pending.remove(entry)
+            except ValueError:
+                pass   # another thread's wait took it off
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the gradients (``set_to_none=True``, no wait), or zero them in

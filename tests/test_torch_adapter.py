@@ -265,3 +265,56 @@ def test_the_pushers_boolean_keywords_refuse_what_is_no_bool(store, bad):
     with pytest.raises(shmps.InvalidArgument, match="pass set_to_none=True or"):
         opt.zero_grad(set_to_none=bad)
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+
+
+def test_two_threads_waiting_for_a_pushers_steps_at_once_each_see_them_all_applied(store):
+    """Pusher(wait=False): a training thread's wait() and another thread's (a checkpoint
+    thread making sure the last step landed) at once: each returns only once every
+    push of the step is applied, and neither raises.  Before, both waited for the
+    same first push and each then popped the list's head: the second pop dropped a
+    push nobody waited for (its wait returned with it still running, its gradient no
+    longer referenced), or found the list empty (IndexError) (review H11 of
+    2026-11-28)."""
+    import sys
+    import threading
+
+    model = torch.nn.ParameterList(
+        [torch.nn.Parameter(torch.zeros(256, 1024)) for _ in range(12)])   # 1 MiB each
+    shmps.torch.share(model, store, optimizer=shmps.Sum())
+    opt = shmps.torch.Pusher(model, wait=False)
+    bad: list = []
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)   # (thread switches between the wait and the pop)
+    try:
+        for _ in range(20):
+            for p in model.parameters():
+                p.grad = torch.ones_like(p)
+            opt.step()
+            handles = [h for h, _ in opt._pending]
+            go = threading.Barrier(2)
+
+            def waiter() -> None:
+                go.wait()
+                try:
+                    opt.wait()
+                except BaseException as exc:   # (the test's failure, shown below)
+                    bad.append(exc)
+                    return
+                running = sum(not h.done() for h in handles)
+                if running:
+                    bad.append(f"wait() returned with {running} of {len(handles)} "
+                               "pushes still running")
+            threads = [threading.Thread(target=waiter) for _ in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            opt.wait()
+            if bad:
+                break
+    finally:
+        sys.setswitchinterval(old)
+    assert not bad, bad
+    assert not opt._pending
+    for name, t in shmps.torch.shared_tensors(model).items():
+        assert t.stats()["pushes"] == 20, name
