@@ -1480,6 +1480,16 @@ def _settle_forks_locked(closing: Optional["Store"] = None) -> None:
             f.leases = [(st, None if st is closing else slot) for st, slot in f.leases]
 
 
+def _open_stores() -> list["Store"]:
+    """The open stores' handles, listed in one step: list() of the WeakSet's set of
+    references is one C call under the GIL.  list(_OPEN_STORES) iterates in Python (a
+    generator), and another thread's attach adding to it meanwhile raised RuntimeError
+    (Set changed size during iteration) in the before-fork handler: CPython printed it
+    and that fork took no lease (review H11 of 2026-11-28)."""
+    refs = list(_OPEN_STORES.data)
+    return [st for st in (r() for r in refs) if st is not None]
+
+
 def _before_fork() -> None:
     stack = _FORK_LEASES.setdefault(threading.get_ident(), [])
     # Held by this thread already: a fork nested in this thread's fork, or a hold left
@@ -1494,7 +1504,7 @@ def _before_fork() -> None:
         if _PENDING_FORKS:
             with _FORKS_LOCK:
                 _settle_forks_locked()
-        fork = _Fork([(st, st._lease_for_fork()) for st in list(_OPEN_STORES)])
+        fork = _Fork([(st, st._lease_for_fork()) for st in _open_stores()])
     finally:
         stack.append(fork)
 

@@ -1379,3 +1379,52 @@ def test_threads_reading_the_catalog_at_once_see_each_tensor_once(store_name):
         sys.setswitchinterval(old)
         looker.close()
         maker.destroy()
+
+
+@pytest.mark.timeout(120)
+def test_a_fork_while_another_thread_attaches_takes_its_leases(store_name):
+    """One thread forks while another attaches and closes handles of the store: every
+    fork's before-fork handler lists the open stores and takes their leases without
+    an error.  Before, it iterated the WeakSet of open stores while the other thread's
+    attach added to it: RuntimeError (Set changed size during iteration), printed by
+    CPython as "Exception ignored in" the fork hook, and that fork took no lease for
+    any store (its child registered anew: the gap the leases close) (review H11 of
+    2026-11-28)."""
+    import threading
+
+    held = [shmps.attach(store_name) for _ in range(50)]   # (a long list to iterate)
+    ignored: list = []
+    old_hook = sys.unraisablehook
+    sys.unraisablehook = lambda u: ignored.append(f"{u.exc_type.__name__}: {u.exc_value}")
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)   # (thread switches inside the handler's iteration)
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def attacher() -> None:
+        try:
+            while not done.is_set():
+                shmps.attach(store_name).close()
+        except BaseException as exc:   # (the test's failure, shown below)
+            errors.append(exc)
+
+    th = threading.Thread(target=attacher)
+    th.start()
+    try:
+        for _ in range(150):
+            pid = os.fork()
+            if pid == 0:
+                os._exit(0)
+            os.waitpid(pid, 0)
+            if ignored:
+                break
+    finally:
+        done.set()
+        th.join(60)
+        sys.setswitchinterval(old)
+        sys.unraisablehook = old_hook
+        for s in held[1:]:
+            s.close()
+        held[0].destroy()
+    assert not errors, errors
+    assert not ignored, ignored
