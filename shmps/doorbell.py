@@ -66,29 +66,47 @@ class Bell:
 
     def __init__(self, store: str, namespace: Optional[str]) -> None:
         self.address = address(store, namespace)
-        self._sock: Optional[socket.socket] = None
-        self._pid = 0
+        # pid -> this process's socket: one entry but in a forked child, whose first
+        # ring drops (closes its copy of) the parent's.  Threads ringing at once make
+        # one socket: setdefault is one step under the GIL; the threads that lose close
+        # theirs.  (A check and a store of one attribute made one socket per thread
+        # (socket() releases the GIL), all but the last left to the garbage collector:
+        # review H11 of 2026-11-28.)  No lock: none is held across a fork.
+        self._socks: dict[int, socket.socket] = {}
 
     def ring(self, push: bool = False) -> bool:
         """True if the bridge will wake (a datagram sent, or its queue full of them);
         False if nobody listens: the caller falls back to the futex word.  ``push``: the
         ring of a push waking a bridge that sleeps with nothing to do (native/outbox.c
         "Sleeping until a push"), not of a store.flush()."""
-        if self._sock is None or self._pid != os.getpid():
-            self._sock = _socket()
-            self._pid = os.getpid()
+        pid = os.getpid()
+        sock = self._socks.get(pid)
+        if sock is None:
+            sock = self._new_socket(pid)
         try:
-            self._sock.sendto(PUSH if push else FLUSH, self.address)
+            sock.sendto(PUSH if push else FLUSH, self.address)
         except BlockingIOError:
             return True    # the bridge's queue is full: it has rings to read
         except OSError:
-            return False   # ECONNREFUSED: no bridge bound to the address
+            return False   # ECONNREFUSED: no bridge bound to the address (EBADF: closed)
         return True
 
+    def _new_socket(self, pid: int) -> socket.socket:
+        new = _socket()
+        sock = self._socks.setdefault(pid, new)
+        if sock is not new:
+            new.close()    # another thread's came first
+        for other in [p for p in list(self._socks) if p != pid]:
+            old = self._socks.pop(other, None)   # (a parent's, inherited by this child)
+            if old is not None:
+                old.close()
+        return sock
+
     def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+        for pid in list(self._socks):
+            sock = self._socks.pop(pid, None)
+            if sock is not None:
+                sock.close()
 
 
 def listen(store: str, namespace: Optional[str]) -> Optional[socket.socket]:

@@ -89,11 +89,63 @@ def test_a_full_queue_still_counts_as_rung(rung):
 def test_a_forked_child_rings_with_a_socket_of_its_own(rung):
     sock, bell = rung
     assert bell.ring()
-    parent_sock = bell._sock
+    parent_sock = bell._socks[os.getpid()]
     pid = os.fork()
     if pid == 0:
-        ok = bell.ring() and bell._sock is not parent_sock
+        # its own socket, and its copy of the parent's closed
+        ok = (bell.ring() and bell._socks.get(os.getpid()) not in (None, parent_sock)
+              and list(bell._socks) == [os.getpid()] and parent_sock.fileno() == -1)
         os._exit(0 if ok else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert doorbell.take(sock) == (2, 0)
+    assert bell._socks[os.getpid()] is parent_sock and bell.ring()   # (the parent's: open)
+    assert doorbell.take(sock) == (1, 0)
+
+
+@pytest.mark.timeout(60)
+def test_threads_ringing_a_new_bell_at_once_make_one_socket():
+    """8 threads of one process make a bell's first rings at once (pushes of several
+    threads waking the bridge): the bell makes one socket, and every ring reaches the
+    listener.  Before, each thread that found no socket made one (socket() releases
+    the GIL) and the last one stored won: the others' sockets were left to the garbage
+    collector, each a ResourceWarning (unclosed socket) (review H11 of 2026-11-28)."""
+    import gc
+    import sys
+    import threading
+    import warnings
+
+    store = _store()
+    sock = doorbell.listen(store, None)
+    assert sock is not None
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)   # (thread switches inside the first ring)
+    rung = got = 0
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ResourceWarning)
+            for _ in range(20):
+                bell = doorbell.Bell(store, None)
+                go = threading.Barrier(8)
+                ok: list[bool] = []
+
+                def ring() -> None:
+                    go.wait()
+                    ok.append(bell.ring(push=True))
+                threads = [threading.Thread(target=ring) for _ in range(8)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join(30)
+                assert ok == [True] * 8
+                bell.close()
+                rung += 8
+                while got < rung and select.select([sock], [], [], 1)[0]:
+                    got += sum(doorbell.take(sock))
+            gc.collect()
+        leaked = [w for w in caught if issubclass(w.category, ResourceWarning)]
+    finally:
+        sys.setswitchinterval(old)
+        sock.close()
+    assert not leaked, f"{len(leaked)} sockets left unclosed: {leaked[0].message}"
+    assert got == rung
