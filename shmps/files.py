@@ -44,7 +44,7 @@ import numpy as np
 
 from . import _native
 from ._native import lib as _lib
-from .checks import check_flag
+from .checks import check_flag, check_int
 from .errors import CorruptFile, InvalidArgument, NotFound, Timeout
 
 FORMAT_VERSION = 1
@@ -106,7 +106,8 @@ class CSR(NamedTuple):
 
     def row(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         """``(colidx, value)`` views of row ``i`` (no copy).  O(1)."""
-        if not 0 <= i < self.rows:
+        i = check_int(i, "i", 0)   # (True and 1.5 raised numpy's TypeError and IndexError)
+        if not i < self.rows:
             raise InvalidArgument(f"row {i} is out of range [0, {self.rows})")
         a, b = int(self.rowcnt[i]), int(self.rowcnt[i + 1])
         return self.colidx[a:b], self.value[a:b]
@@ -127,7 +128,8 @@ class CSR(NamedTuple):
 
         O(rows * cols) memory; ``cols`` defaults to :meth:`min_cols`.
         """
-        ncols = self.min_cols() if cols is None else int(cols)
+        # (int() took 3.5 as 3 columns)
+        ncols = self.min_cols() if cols is None else check_int(cols, "cols", 0)
         out = np.zeros((self.rows, ncols), dtype=self.value.dtype)
         rows = np.repeat(np.arange(self.rows), self.row_nnz())
         np.add.at(out, (rows, np.asarray(self.colidx)), np.asarray(self.value))
@@ -168,7 +170,8 @@ class CSR(NamedTuple):
         """A ``scipy.sparse.csr_matrix`` sharing these arrays where scipy allows.
         Needs scipy (imported here, lazily).  O(1) to O(nnz)."""
         sparse = _scipy_sparse()
-        ncols = self.min_cols() if cols is None else int(cols)
+        # (int() took 3.5 as 3 columns)
+        ncols = self.min_cols() if cols is None else check_int(cols, "cols", 0)
         return sparse.csr_matrix((self.value, self.colidx, self.rowcnt),
                                  shape=(self.rows, ncols))
 
@@ -653,6 +656,7 @@ def read_csr(prefix: str | os.PathLike[str], *, rowcnt_dtype: str | None = None,
     :class:`CorruptFile` for anything wrong, naming file, position and defect.
     """
     mmap, check = check_flag(mmap, "mmap"), check_flag(check, "check")
+    cols = check_int(cols, "cols", 0, none=True)   # (np.int64(4) was refused)
     prefix, member = split_member(prefix)
     array = array if array is not None else (member or "value")
     _check_array_name(array)
@@ -665,8 +669,6 @@ def read_csr(prefix: str | os.PathLike[str], *, rowcnt_dtype: str | None = None,
             if given[k] is not None and given[k] not in allowed:
                 raise InvalidArgument(f"{k} dtype {given[k]!r} is not one of "
                                       f"{', '.join(allowed)}")
-        if cols is not None and (not _is_int(cols) or cols < 0):
-            raise InvalidArgument(f"cols must be a non-negative integer, got {cols!r}")
         kind = _peek_kind(p["meta"])
         if kind == "dense":
             return _read_dense(prefix, given, cols, mmap, array)
@@ -1797,8 +1799,7 @@ def write_csr(prefix: str | os.PathLike[str], csr: CSR | Sequence[np.ndarray], *
     else:
         raise InvalidArgument(f"value: dtype {src} is not a file dtype "
                               f"({', '.join(VALUE_DTYPES)}); pass value_dtype=")
-    if cols is not None and (not _is_int(cols) or cols < 0):
-        raise InvalidArgument(f"cols must be a non-negative integer, got {cols!r}")
+    cols = check_int(cols, "cols", 0, none=True)   # (np.int64(4) was refused)
     c = CSR(arrs[0], arrs[1], arrs[2])
     ncols, _ = _check_structure(c, cols=cols, names={k: k for k in ARRAYS},
                                 exc=InvalidArgument, cols_note="as given", full=True)

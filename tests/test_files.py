@@ -388,3 +388,34 @@ def test_matrix_set_from_csr_validates():
     assert (ms.rows, ms.cols, ms.nnz) == (3, 4, 6) and ms.dtypes["value"] == "float32"
     with pytest.raises(InvalidArgument, match="rowcnt: position 0: rowcnt starts at 1"):
         MatrixSet.from_csr((np.array([1, 2]), np.zeros(2, np.int32), np.zeros(2)))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("bad", [3.5, np.float64(4.0), True, "4", np.array([4]), -1],
+                         ids=["float", "np.float64", "bool", "str", "1-d", "negative"])
+def test_cols_and_row_arguments_are_integers(tmp_path, bad):
+    """``cols=`` of CSR.to_dense, CSR.to_scipy, write_csr and read_csr, and CSR.row's
+    ``i``, go through checks.check_int as every integer argument does: a float, a bool,
+    a string, a 1-d array or a negative count is an InvalidArgument naming it, and a
+    numpy integer or a 0-d integer array is taken.  Before, to_dense(cols=3.5) and
+    to_scipy(cols=3.5) gave 3 columns, row(True) a numpy TypeError and row(1.5) a numpy
+    IndexError; write_csr and read_csr refused cols=np.int64(4)."""
+    csr = CSR.from_dense(EXAMPLE)
+    write_csr(tmp_path / "x", csr, cols=4)
+    calls = {"to_dense": lambda c: csr.to_dense(cols=c),
+             "to_scipy": lambda c: csr.to_scipy(cols=c),
+             "write_csr": lambda c: write_csr(tmp_path / "y", csr, cols=c),
+             "read_csr": lambda c: read_csr(tmp_path / "x", cols=c)}
+    for what, call in calls.items():
+        with pytest.raises(InvalidArgument, match="cols=") as info:
+            call(bad)
+        assert info.value.hint, what
+        for four in (np.int64(4), np.array(4)):
+            got = call(four)
+            assert (got.shape if what.startswith("to_") else
+                    got["cols"] if what == "write_csr" else got.cols) in ((3, 4), 4), what
+    if bad != -1:   # (a negative row is refused as before)
+        with pytest.raises(InvalidArgument, match="i="):
+            csr.row(bad)
+    assert csr.row(np.int64(1))[1].tolist() == [3, 9]
+    assert csr.row(np.array(1))[0].tolist() == [1, 2]
