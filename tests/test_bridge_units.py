@@ -2321,6 +2321,69 @@ def test_a_peer_of_an_older_handshake_is_one_warning_per_interval_on_the_diallin
     finally:
         shmps.attach(a.cfg.store, namespace=a.cfg.namespace).destroy()
 
+@pytest.mark.timeout(60)
+def test_a_peer_that_closes_on_this_hosts_hello_is_told_as_maybe_an_older_release(tmp_path,
+                                                                                 caplog):
+    """A bridge of an older release dialling this host reads its HELLO, meets handshake
+    version 2, logs why in its own log and closes: it never sends an AUTH.  This end's
+    refusal says the connection closed before its AUTH and that an older release's
+    bridge closes there (upgrade it), once per REFUSAL_LOG_EVERY with every try counted.
+    Before, this end logged "the websocket with H closed" and nothing more, though
+    docs/bridge.md quoted "peer speaks handshake version 1, this host 2", which only an
+    AUTH of version 1 gets, and an older release's bridge never sends one.  The older
+    bridge is a real websocket client on a real socket that does what an older
+    release's Link does on a version-2 HELLO: read it, and close."""
+    import secrets as secrets_
+    import uuid
+
+    import aiohttp
+
+    import shmps
+    from bridge_harness import free_port
+    from shmps.bridge import auth
+    from shmps.bridge.node import Bridge, Config
+
+    addrs = [f"{ip}:{free_port(ip)}" for ip in ("127.0.0.2", "127.0.0.3")]
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("".join(f"{m}\n" for m in addrs))
+    a = Bridge(Config(peers_file=str(hosts), store="m", listen=addrs[0],
+                      namespace=f"u{uuid.uuid4().hex[:8]}", secret=secrets_.token_bytes(32),
+                      dead_after=1.0, startup_grace=0.0))
+
+    async def main() -> None:
+        started = False
+        try:
+            await a.start()
+            started = True
+            before = a.metrics.registry.get_sample_value(
+                "shmps_bridge_rejected_frames_total", {"reason": "auth"}) or 0.0
+            async with aiohttp.ClientSession() as session:
+                for _ in range(3):
+                    ws = await session.ws_connect(f"http://{addrs[0]}/v1/stream")
+                    hello = await ws.receive_bytes(timeout=5)
+                    assert auth._HELLO.unpack(hello)[1] == auth.HANDSHAKE_VERSION == 2
+                    await ws.close()
+            until = time.monotonic() + 10
+            while (a.metrics.registry.get_sample_value(
+                    "shmps_bridge_rejected_frames_total", {"reason": "auth"}) or 0.0) < before + 3:
+                assert time.monotonic() < until, "three refusals counted"
+                await asyncio.sleep(0.02)
+            said = [r.getMessage() for r in caplog.records
+                    if r.getMessage().startswith("refused a connection from")]
+            assert len(said) == 1, said
+            assert "closed before its AUTH (a bridge of an older shmps release" in said[0], said
+            assert "upgrade it" in said[0], said
+        finally:
+            if started:
+                await a.close()
+
+    try:
+        with caplog.at_level(logging.INFO, logger="shmps.bridge"):
+            asyncio.run(asyncio.wait_for(main(), 50))
+    finally:
+        shmps.attach(a.cfg.store, namespace=a.cfg.namespace).destroy()
+
+
 def _counted(node, metric: str, ftype: str) -> float:
     """``node``'s /metrics sample ``metric`` (a counter) for frame type ``ftype``."""
     return node.metrics.registry.get_sample_value(metric, {"type": ftype}) or 0.0

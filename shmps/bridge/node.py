@@ -4782,6 +4782,7 @@ class Bridge:
         hs = auth.ServerHandshake(self.cfg.secret, sender=self.mid,
                                   incarnation=self.incarnation, store=self.cfg.store)
         stream.send(hs.hello())
+        peer: Optional[auth.Peer] = None
         try:
             peer, ok = hs.verify(await stream.receive(min(AUTH_WAIT, auth.HANDSHAKE_TIMEOUT)))
             if peer.client_id not in self.members.states():
@@ -4801,9 +4802,18 @@ class Bridge:
             authenticated()
             stream.send(ok)
         except (auth.AuthError, asyncio.TimeoutError, wsstream.WsClosed) as e:
+            why = str(e) or type(e).__name__
+            if isinstance(e, wsstream.WsClosed) and peer is None:
+                # a bridge of an older release closes right here, its version check
+                # refusing this HELLO, and says why in its own log only (before, this
+                # end logged "the websocket with H closed", nothing more)
+                why += (" before its AUTH (a bridge of an older shmps release, of another "
+                        f"handshake version than {auth.HANDSHAKE_VERSION}, closes here: "
+                        "upgrade it)")
             self.metrics.rejected("auth")
-            self._log_refusal(str(request.remote), str(e) or type(e).__name__)
+            self._log_refusal(str(request.remote), why)
             return
+        assert peer is not None   # (verify returned it, or raised)
         stream.peer = peer.client_id
         conn = Conn(stream, peer.client_id, peer.incarnation, cork=self.cork)
         # a reconnect of the same process replaces its old stream; another process using
