@@ -27,11 +27,12 @@ still bind the names to the nonces, and the names are compared all the same.
 
 **Per-request MAC** for HTTP requests (:func:`sign_request`, :class:`RequestVerifier`):
 headers carry a client id, a timestamp (ms), a 16-byte nonce and
-``HMAC-SHA256(secret, "shmps-bridge/1 request\\0" || method || path || client id ||
-timestamp || nonce || SHA-256(body))``. The verifier compares in constant time, refuses
-timestamps outside a window (default 30 s) and remembers the nonces it accepted inside the
-window (a bounded cache; when full it refuses rather than forget), so a captured request
-cannot be replayed.
+``HMAC-SHA256(secret, "shmps-bridge/2 request\\0" || method || path || client id ||
+target host || timestamp || nonce || SHA-256(body))`` (docs/bridge-protocol.md has the
+exact layout). The verifier compares in constant time, refuses timestamps outside a
+window (default 30 s) and remembers the nonces it accepted inside the window (a bounded
+cache; when full it refuses rather than forget), so a captured request cannot be
+replayed.
 
 Without ``--secret-file`` the same code runs with an empty key: the bridge then listens
 on loopback only (:func:`check_bind`), and a peer configured with a secret is refused.
