@@ -15,6 +15,7 @@ import time
 import tracemalloc
 import types
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -2255,6 +2256,36 @@ def test_a_bridge_serving_another_store_is_refused_at_the_handshake(tmp_path, ca
             shmps.attach(node.cfg.store, namespace=node.cfg.namespace).destroy()
 
 
+def _bridge_and_a_silent_peer(tmp_path) -> tuple[list[str], Any]:
+    """Bridge a (store "m", a secret) on a loopback address, its hosts.txt naming a
+    second member b that no bridge serves: ([a's address, b's], a), a not started."""
+    import secrets as secrets_
+    import uuid
+
+    from bridge_harness import free_port
+    from shmps.bridge.node import Bridge, Config
+
+    addrs = [f"{ip}:{free_port(ip)}" for ip in ("127.0.0.2", "127.0.0.3")]
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("".join(f"{m}\n" for m in addrs))
+    return addrs, Bridge(Config(peers_file=str(hosts), store="m", listen=addrs[0],
+                                namespace=f"u{uuid.uuid4().hex[:8]}",
+                                secret=secrets_.token_bytes(32), dead_after=1.0,
+                                startup_grace=0.0))
+
+
+def _run_logged(a: Any, caplog: Any, main: Any) -> None:
+    """``asyncio.run(main())`` (50 s at most) with the bridge's log captured; bridge
+    ``a``'s store destroyed after."""
+    import shmps
+
+    try:
+        with caplog.at_level(logging.INFO, logger="shmps.bridge"):
+            asyncio.run(asyncio.wait_for(main(), 50))
+    finally:
+        shmps.attach(a.cfg.store, namespace=a.cfg.namespace).destroy()
+
+
 @pytest.mark.timeout(60)
 def test_a_peer_of_an_older_handshake_is_one_warning_per_interval_on_the_dialling_side(
         tmp_path, caplog):
@@ -2266,21 +2297,12 @@ def test_a_peer_of_an_older_handshake_is_one_warning_per_interval_on_the_diallin
     in 2.5 s (review H8 of 2026-11-28).  The old peer is a websocket server on a real
     socket that sends a version-1 HELLO, as an older build's bridge does."""
     import secrets as secrets_
-    import uuid
 
     from aiohttp import web
 
-    import shmps
-    from bridge_harness import free_port
     from shmps.bridge import auth
-    from shmps.bridge.node import Bridge, Config
 
-    addrs = [f"{ip}:{free_port(ip)}" for ip in ("127.0.0.2", "127.0.0.3")]
-    hosts = tmp_path / "hosts.txt"
-    hosts.write_text("".join(f"{m}\n" for m in addrs))
-    a = Bridge(Config(peers_file=str(hosts), store="m", listen=addrs[0],
-                      namespace=f"u{uuid.uuid4().hex[:8]}", secret=secrets_.token_bytes(32),
-                      dead_after=1.0, startup_grace=0.0))
+    addrs, a = _bridge_and_a_silent_peer(tmp_path)
 
     async def old_bridge(request: web.Request) -> web.WebSocketResponse:
         ws = web.WebSocketResponse()
@@ -2315,11 +2337,7 @@ def test_a_peer_of_an_older_handshake_is_one_warning_per_interval_on_the_diallin
                 await a.close()
             await runner.cleanup()
 
-    try:
-        with caplog.at_level(logging.INFO, logger="shmps.bridge"):
-            asyncio.run(asyncio.wait_for(main(), 50))
-    finally:
-        shmps.attach(a.cfg.store, namespace=a.cfg.namespace).destroy()
+    _run_logged(a, caplog, main)
 
 @pytest.mark.timeout(60)
 def test_a_peer_that_closes_on_this_hosts_hello_is_told_as_maybe_an_older_release(tmp_path,
@@ -2333,22 +2351,11 @@ def test_a_peer_that_closes_on_this_hosts_hello_is_told_as_maybe_an_older_releas
     AUTH of version 1 gets, and an older release's bridge never sends one.  The older
     bridge is a real websocket client on a real socket that does what an older
     release's Link does on a version-2 HELLO: read it, and close."""
-    import secrets as secrets_
-    import uuid
-
     import aiohttp
 
-    import shmps
-    from bridge_harness import free_port
     from shmps.bridge import auth
-    from shmps.bridge.node import Bridge, Config
 
-    addrs = [f"{ip}:{free_port(ip)}" for ip in ("127.0.0.2", "127.0.0.3")]
-    hosts = tmp_path / "hosts.txt"
-    hosts.write_text("".join(f"{m}\n" for m in addrs))
-    a = Bridge(Config(peers_file=str(hosts), store="m", listen=addrs[0],
-                      namespace=f"u{uuid.uuid4().hex[:8]}", secret=secrets_.token_bytes(32),
-                      dead_after=1.0, startup_grace=0.0))
+    addrs, a = _bridge_and_a_silent_peer(tmp_path)
 
     async def main() -> None:
         started = False
@@ -2377,11 +2384,7 @@ def test_a_peer_that_closes_on_this_hosts_hello_is_told_as_maybe_an_older_releas
             if started:
                 await a.close()
 
-    try:
-        with caplog.at_level(logging.INFO, logger="shmps.bridge"):
-            asyncio.run(asyncio.wait_for(main(), 50))
-    finally:
-        shmps.attach(a.cfg.store, namespace=a.cfg.namespace).destroy()
+    _run_logged(a, caplog, main)
 
 
 def _counted(node, metric: str, ftype: str) -> float:
