@@ -4809,7 +4809,7 @@ class Bridge:
                 # end logged "the websocket with H closed", nothing more)
                 why += (" before its AUTH (a bridge of an older shmps release, of another "
                         f"handshake version than {auth.HANDSHAKE_VERSION}, closes here: "
-                        "upgrade it)")
+                        "if that host runs one, upgrade it)")
             self.metrics.rejected("auth")
             self._log_refusal(str(request.remote), why)
             return
