@@ -2238,6 +2238,13 @@ def test_a_bridge_serving_another_store_is_refused_at_the_handshake(tmp_path, ca
                        "--store m" in m for m in said), said
             assert any(f"peer {a.addr} serves store 'm', this host 'm2': start it with "
                        "--store m2" in m for m in said), said
+            # a member change c sends on (as it does one POSTed to it) changes nothing
+            # on a: c's handshake is refused, and so is its change (before, a applied
+            # it: b removed from a's member list)
+            await c._post_members(a.addr, {"add": [], "remove": [b.addr],
+                                           "forwarded": True, "store": "m2"})
+            assert b.addr in a.members.configured, a.members.configured
+            assert (a.members.epoch, a.ring.digest) == (epoch, digest)
             # c taken out of hosts.txt: the mismatch goes from a's and b's /health
             hosts.write_text("".join(f"{m}\n" for m in addrs[:2]))
             until = time.monotonic() + 10

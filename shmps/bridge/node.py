@@ -4615,9 +4615,16 @@ class Bridge:
             req = json.loads(body or b"{}")
             if not isinstance(req, dict):
                 raise InvalidArgument(f"not an object; {shape}")
-            unknown = set(req) - {"add", "remove", "forwarded"}
+            unknown = set(req) - {"add", "remove", "forwarded", "store"}
             if unknown:
                 raise InvalidArgument(f"unknown keys {sorted(unknown)}; {shape}")
+            if req.get("forwarded") and not self._store_agrees(who, str(req.get("store"))):
+                # (a member change a bridge of another --store sent on: one that its
+                # handshake refuses must not change this host's members either)
+                return self._signed_json(request, {
+                    "error": f"refused: {who} serves store {req.get('store')!r}, this host "
+                             f"{self.cfg.store!r} (every host must run shmps-bridge with "
+                             "the same --store)"}, 409)
             for k in ("add", "remove"):
                 v = req.get(k, [])
                 if not isinstance(v, list) or not all(isinstance(a, str) for a in v):
@@ -4648,7 +4655,8 @@ class Bridge:
                 if m == self.addr:
                     continue
                 asyncio.get_running_loop().create_task(
-                    self._post_members(m, {"add": add, "remove": remove, "forwarded": True}))
+                    self._post_members(m, {"add": add, "remove": remove, "forwarded": True,
+                                           "store": self.cfg.store}))
         # what changed: an address to add that was a member already is no change (it was
         # logged as one), nor, in a forwarded request, one to remove that was none here
         added = [a for a in add if a not in before]
