@@ -1421,6 +1421,8 @@ def finish_replacement(prefix: str | os.PathLike[str], *, any_host: bool = False
     Several processes may finish one replacement at once.  CorruptFile for a journal
     that is not one, or a rename refused (a directory this user cannot write).
     O(files)."""
+    check_flag(any_host, "any_host")
+    check_flag(writer_gone, "writer_gone")
     prefix = os.fspath(prefix)
     directory, base = os.path.split(prefix)
     d = directory or "."

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from . import _native, names
+from .checks import check_flag
 from .errors import CorruptSegment, Error
 from .files import pid_alive
 from .segment import Segment, age_of, list_names, size_of
@@ -179,6 +180,7 @@ def scan(namespace: Optional[str] = None, *, with_fill: bool = True
          ) -> tuple[list[StoreInfo], list[str]]:
     """All stores on the host (optionally of one namespace), and orphan segments
     (shmps segments that belong to no readable manifest)."""
+    check_flag(with_fill, "with_fill")
     all_names = list_names("shmps.")
     stores: list[StoreInfo] = []
     for mname in [n for n in all_names if n.endswith(".manifest")]:

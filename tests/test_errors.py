@@ -482,7 +482,7 @@ FLAG_CALLS = ["attach create", "restore force", "dense allow_nonfinite",
               "csr to_scipy consistent", "aggregated push wait",
               "aggregated pull consistent", "Momentum nesterov", "Adam amsgrad",
               "CSR.from_dense keep_zeros", "read_csr mmap", "read_csr check",
-              "read_dense mmap"]
+              "read_dense mmap", "inspect.scan with_fill", "finish_replacement any_host"]
 
 
 @pytest.mark.parametrize("bad", ["no", "", 1, 0.0, None], ids=["no", "empty", "1", "0.0",
@@ -496,6 +496,7 @@ def test_boolean_keywords_refuse_what_is_no_bool(store, tmp_path, call, bad):
     allow_nonfinite="no" made a tensor that takes NaN.  (None too, where it is no
     choice of its own: allow_nonfinite=None means "whatever the tensor has".)"""
     from shmps import files
+    from shmps import inspect as shm_inspect
 
     if bad is None and call.endswith("allow_nonfinite"):
         pytest.skip("allow_nonfinite=None accepts the existing tensor's")
@@ -534,6 +535,8 @@ def test_boolean_keywords_refuse_what_is_no_bool(store, tmp_path, call, bad):
         "read_csr mmap": lambda: files.read_csr(ck, mmap=bad),
         "read_csr check": lambda: files.read_csr(ck, check=bad),
         "read_dense mmap": lambda: files.read_dense(ck, mmap=bad),
+        "inspect.scan with_fill": lambda: shm_inspect.scan(with_fill=bad),
+        "finish_replacement any_host": lambda: files.finish_replacement(ck, any_host=bad),
     }
     name = call.split()[-1]
     try:
