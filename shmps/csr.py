@@ -177,8 +177,9 @@ class CSRTensor(Tensor):
         self._gdtype = grad_dtype(self.dtype)
         self._gcode = _native.DTYPE_CODES[self._gdtype.name]
         self._local = threading.local()
-        self._rowcnt: Optional[np.ndarray] = None
-        self._colidx: Optional[np.ndarray] = None
+        # (rowcnt, colidx), built once: one attribute, so that a thread that sees it
+        # sees both (two were set one after the other)
+        self._structure: Optional[tuple[np.ndarray, np.ndarray]] = None
         try:
             self._check_shards()
             self._scratch_bytes = max(int(lib.shmps_csr_scratch_bytes(sh.ptr))
@@ -214,7 +215,8 @@ class CSRTensor(Tensor):
     # -- structure -------------------------------------------------------------------
     def structure(self) -> tuple[np.ndarray, np.ndarray]:
         """``(rowcnt, colidx)``: read-only int64 arrays, built once per process."""
-        if self._rowcnt is None:
+        built = self._structure
+        if built is None:
             self._shard(0)
             rcs, cis, base = [], [], 0
             for sh in self._shards:
@@ -227,9 +229,8 @@ class CSRTensor(Tensor):
             colidx = np.concatenate(cis) if cis else np.zeros(0, np.int64)
             rowcnt.flags.writeable = False
             colidx.flags.writeable = False
-            self._rowcnt, self._colidx = rowcnt, colidx
-        assert self._colidx is not None
-        return self._rowcnt, self._colidx
+            self._structure = built = (rowcnt, colidx)
+        return built
 
     # -- push ------------------------------------------------------------------------
     def push(self, csr: Any, *, wait: bool = True) -> Optional[PushHandle]:
