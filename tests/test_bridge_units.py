@@ -598,6 +598,63 @@ def test_pushes_a_drain_recorded_lost_are_logged_and_counted(tmp_path, caplog):
     assert [r.args[:3] for r in caplog.records] == [("w", 0, 3), ("e", 2, 1)]
 
 
+
+def _drain_and_end(store: str, namespace: str, tensor: str) -> int:
+    """An earlier bridge process: drain every shard of ``tensor``'s outbox, acknowledge
+    nothing, and end (what it took ends with it)."""
+    import shmps
+    s = shmps.attach(store, namespace=namespace, create=False)
+    t = s[tensor]
+    took = sum(t._outbox_drain(i) is not None for i in range(t._nshards))
+    s.close()
+    return took
+
+
+@pytest.mark.timeout(60)
+def test_pushes_an_earlier_bridge_took_are_one_error_line_a_tensor(tmp_path, caplog):
+    """A bridge that starts on a store whose earlier bridge process drained pushes of
+    16 shards and ended before their owner acknowledged them counts all 16 (the metric)
+    and says so in one ERROR line for the tensor, with the shards named; each shard's
+    line is at DEBUG.  Before, an ERROR line a shard: 16 here, 512 for a tensor of 512
+    shards at every restart after a kill (the chaos runs' logs)."""
+    import uuid
+
+    import shmps
+    from bridge_harness import free_port
+
+    addr = f"127.0.0.2:{free_port('127.0.0.2')}"
+    ns = f"u{uuid.uuid4().hex[:8]}"
+    s = shmps.attach("m", namespace=ns)
+    node = None
+    try:
+        w = s.dense("w", shape=(64, 2), shard_rows=4)          # 16 shards
+        s._set_forwarding(True)
+        w.push(np.ones((64, 2), np.float32))
+        with helpers.Workers() as ws:
+            assert ws.start(_drain_and_end, "m", ns, "w").result(timeout=60) == 16
+        node = _bridge(tmp_path, [addr], store="m", namespace=ns)
+
+        async def main() -> None:
+            await node.start()
+            try:
+                until = time.monotonic() + 20
+                while "w" not in node.by_name:
+                    assert time.monotonic() < until, "the bridge took w up"
+                    await asyncio.sleep(0.02)
+            finally:
+                await node.close()
+
+        with caplog.at_level(logging.DEBUG, logger="shmps.bridge"):
+            asyncio.run(asyncio.wait_for(main(), 40))
+        assert node.metrics.lost._value.get() == 16
+        said = [r for r in caplog.records if "taken by an earlier bridge" in r.getMessage()]
+        errors = [r.getMessage() for r in said if r.levelno == logging.ERROR]
+        assert len(errors) == 1, errors
+        assert "tensor 'w': 16 pushes of 16 shards (0, 1, 2, 3, 4, 5, ...)" in errors[0], errors
+        assert sum(r.levelno == logging.DEBUG for r in said) == 16
+    finally:
+        s.destroy()
+
 def _host_c_of_three(tmp_path, **cfg):
     """A Bridge (not started) for host C of {A, B, C}, acting at epoch 0 on the ring of
     the three (it heard A and B): (node, a, b, c).  ``cfg``: Config fields."""

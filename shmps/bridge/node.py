@@ -1399,16 +1399,24 @@ class Bridge:
                 continue
             info = TInfo(rec["name"], tid, rec["kind"], t, int(rec["nshards"]), dt, gdt, cols,
                          row_shape, nrows, int(rec.get("shard_rows", 1)), rec, bounds=bounds)
-            for s in range(info.nshards):
-                # what an earlier bridge process on this store drained and took with it
-                lost = t._outbox_recover(s)
-                if lost:
-                    self._acks_new = True   # recover acknowledged the lost range: the
-                    self._tell_acks()       # flushes waiting past it raise PushesLost now
-                    self.metrics.lost.inc(lost)
-                    log.error("tensor %r shard %d: %d pushes were taken by an earlier bridge "
-                              "process that ended before their owner acknowledged them; "
-                              "store.flush() raises PushesLost for them", rec["name"], s, lost)
+            # what an earlier bridge process on this store drained and took with it: one
+            # ERROR line a tensor, each shard's at DEBUG (a line a shard was 512 ERROR
+            # lines for a tensor of 512 shards at each restart after a kill)
+            lost_of = [(s, n) for s in range(info.nshards) if (n := t._outbox_recover(s))]
+            if lost_of:
+                self._acks_new = True   # recover acknowledged the lost ranges: the
+                self._tell_acks()       # flushes waiting past them raise PushesLost now
+                total = sum(n for _, n in lost_of)
+                self.metrics.lost.inc(total)
+                for s, n in lost_of:
+                    log.debug("tensor %r shard %d: %d pushes were taken by an earlier bridge "
+                              "process that ended before their owner acknowledged them",
+                              rec["name"], s, n)
+                log.error("tensor %r: %d pushes of %d shards (%s%s) were taken by an earlier "
+                          "bridge process that ended before their owner acknowledged them; "
+                          "store.flush() raises PushesLost for them", rec["name"], total,
+                          len(lost_of), ", ".join(str(s) for s, _ in lost_of[:6]),
+                          ", ..." if len(lost_of) > 6 else "")
             self.tensors[tid] = info
             self.by_name[info.name] = info
             self._back_pages(info.name)
