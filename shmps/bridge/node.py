@@ -334,6 +334,9 @@ class ShardState:
     failover_dead_seen: float = 0.0
     handover_took_at: float = 0.0                        # taken by hand-over then, until
                                                          # the first apply (0: not)
+    undecided_apply: tuple = ()                          # (monotonic, wall) of the first
+                                                         # apply while failover_from was
+                                                         # undecided (_decide_takeovers)
     # replica side
     snap_epoch_seen: int = -1                            # a LAST snapshot chunk arrived
     handover_done: tuple = ("", 0.0, 0)                  # (previous owner, when, epoch) its
@@ -1950,7 +1953,7 @@ class Bridge:
             # without a word here it is undecided (_decide_takeovers): both are noted
             # and the first apply times the one it turned out to be.
             kind = self._takeover_kind(prev)
-            st.failover_from, st.handover_took_at = None, 0.0
+            st.failover_from, st.handover_took_at, st.undecided_apply = None, 0.0, ()
             if kind:
                 st.handover_took_at = time.monotonic()
             if kind == "hand-over":
@@ -1981,7 +1984,9 @@ class Bridge:
         """Count and log the take-overs from owners gone without a word here
         (_takeover_kind "undecided"): hand-overs once the owner's "handed over" is heard,
         failovers once ``dead_after`` has passed since the change without it.  (A dead
-        owner says nothing more; a leaving one said it to every member at once.)"""
+        owner says nothing more; a leaving one said it to every member at once.)  The
+        shards that applied a batch meanwhile are timed as what it turned out to be
+        (ShardState.undecided_apply); the others are by their first apply (on_batch)."""
         for prev, (n_ho, n_un, since, epoch) in list(self._took_undecided.items()):
             if prev in self._handed_over:
                 n_ho, n_fo = n_ho + n_un, 0
@@ -1992,8 +1997,33 @@ class Bridge:
             else:
                 continue
             del self._took_undecided[prev]
+            for st in self.shards.values():   # (once an event: O(shards))
+                if st.failover_from != prev:
+                    continue
+                if n_fo == 0:
+                    st.failover_from = None
+                    if st.undecided_apply and st.handover_took_at:
+                        self.metrics.handover_s.observe(
+                            st.undecided_apply[0] - st.handover_took_at)
+                        st.handover_took_at = 0.0
+                elif st.undecided_apply:
+                    self._time_takeover(st, *st.undecided_apply)
+                st.undecided_apply = ()
             log.info("took ownership of %d shards from %s (epoch %d): %d by hand-over, "
                      "%d by failover", n_ho + n_fo, prev, epoch, n_ho, n_fo)
+
+    def _time_takeover(self, st: ShardState, applied: float, wall: float) -> None:
+        """A failover of ``st`` (from ``st.failover_from``) applied its first batch at
+        ``applied`` (monotonic; ``wall``, time.time()): timed from the dead owner's last
+        heartbeat here, and listed in /health's failovers."""
+        took = applied - st.failover_dead_seen
+        self.metrics.failover_s.observe(took)
+        self.failover_log.append({"shard": st.key, "dead": st.failover_from,
+                                  "first_apply_wall": wall,
+                                  "since_last_heartbeat_s": round(took, 4)})
+        del self.failover_log[:-100]
+        st.failover_from = None
+        st.handover_took_at = 0.0
 
     def _check_stall(self) -> None:
         """A process that did not run for half of ``dead_after`` (SIGSTOP, a starved CPU)
@@ -3314,15 +3344,15 @@ class Bridge:
         if st.failover_from is not None and st.failover_from in self._handed_over:
             # (an owner gone without a word here said "handed over" since: _takeover_kind)
             st.failover_from = None
-        if st.failover_from is not None:
-            took = time.monotonic() - st.failover_dead_seen
-            self.metrics.failover_s.observe(took)
-            self.failover_log.append({"shard": st.key, "dead": st.failover_from,
-                                      "first_apply_wall": time.time(),
-                                      "since_last_heartbeat_s": round(took, 4)})
-            del self.failover_log[:-100]
-            st.failover_from = None
-            st.handover_took_at = 0.0
+        if st.failover_from is not None and st.failover_from in self._took_undecided:
+            # still undecided: timed as what it turns out to be (_decide_takeovers).  (Timed
+            # as a failover here, a leave seen first in a peer's view, its "handed over"
+            # a few ms behind, had a shard or two in the failover figures and /health's
+            # failovers, and none of its hand-over timing)
+            if not st.undecided_apply:
+                st.undecided_apply = (time.monotonic(), time.time())
+        elif st.failover_from is not None:
+            self._time_takeover(st, time.monotonic(), time.time())
         elif st.handover_took_at:
             self.metrics.handover_s.observe(time.monotonic() - st.handover_took_at)
             st.handover_took_at = 0.0
