@@ -1916,6 +1916,49 @@ def test_a_leave_seen_first_in_a_peers_view_times_a_hand_over_not_a_failover(tmp
         assert st.failover_from is None and not st.undecided_apply
 
 
+def test_a_buffered_handed_over_of_a_restarted_hosts_old_process_marks_no_leave(tmp_path):
+    """x leaves (its heartbeats say "handed over") and starts again: its new process
+    joins and owns its shards.  A heartbeat of the old process that TCP delivers after
+    that (buffered in its connection) says "handed over" too; it is of a process gone
+    (Bridge._gone) and does not mark x as having left on purpose: when x's new process
+    is killed, the shards taken from it are failovers (shmps_bridge_failovers_total),
+    not hand-overs.  (It was counted a hand-over: _takeover_kind read the old process's
+    word.)"""
+    from shmps.bridge.ring import shard_key
+
+    me, x, z = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
+    with _owner_on_a_store(tmp_path, [me, x, z], "oldword") as (node, _, _st):
+        name = next(f"v{i}" for i in range(1000)
+                    if node.owners(shard_key(f"v{i}", 0)) == [x, me])
+        node.store.dense(name, (8, 4), "float32", init=0.0, optimizer="sum")
+        while node.refresh_tensors(budget=None):
+            pass
+        st = node.shards[(node.by_name[name].tid, 0)]
+        everyone = {m: State.ALIVE for m in (me, x, z)}
+        reg = node.metrics.registry
+
+        def heard(peer: str, view: dict, flags: int, seq: int, inc: int) -> None:
+            asyncio.run(_in_a_loop(lambda: node.on_heartbeat(peer, _heartbeat(
+                peer, node.members.epoch, view, flags, incarnation=inc, seq=seq))))
+
+        # x's new process (incarnation 8) joins and is ready: x owns the shard again
+        heard(x, everyone, frames.HB_QUORUM, 1, 8)
+        heard(x, dict(everyone, **{x: State.JOINING}), frames.HB_READY, 2, 8)
+        assert node.owners(st.key) == [x, me] and node.members.state(x) is State.ALIVE
+        # the old process's last heartbeat (incarnation 7), delivered late
+        heard(x, dict(everyone, **{x: State.LEAVING}),
+              frames.HB_QUORUM | frames.HB_HANDED_OVER, 99, 7)
+        assert node.members.state(x) is State.ALIVE and node.owners(st.key) == [x, me]
+        # x's new process is killed
+        handovers = reg.get_sample_value("shmps_bridge_handovers_total")  # (its rejoin's)
+        assert reg.get_sample_value("shmps_bridge_failovers_total") == 0
+        asyncio.run(_in_a_loop(lambda: node._on_changes(node.members.mark_dead(x))))
+        assert node.owner(st.key) == me
+        node._decide_takeovers(time.monotonic() + node.cfg.dead_after)
+        assert reg.get_sample_value("shmps_bridge_handovers_total") == handovers
+        assert reg.get_sample_value("shmps_bridge_failovers_total") >= 1
+
+
 @contextlib.contextmanager
 def _three_hosts_on_a_store(tmp_path, store: str):
     """A Bridge (not started) for host ``me`` of the members me, x, z (127.0.0.2-4:7001)

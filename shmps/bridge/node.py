@@ -2205,8 +2205,11 @@ class Bridge:
     def on_heartbeat(self, peer: str, hb: frames.Heartbeat) -> None:
         if peer not in self.members.states():
             return
-        if hb.hb_flags & frames.HB_HANDED_OVER:
-            self._handed_over.add(peer)   # (_takeover_kind: its shards are no failovers)
+        if hb.hb_flags & frames.HB_HANDED_OVER and (hb.sender, hb.incarnation) not in self._gone:
+            # (_takeover_kind: its shards are no failovers.  Not the word of a process
+            # gone, buffered in its connection: its host's new process may own shards
+            # by now, and their take-over at its death was counted a hand-over)
+            self._handed_over.add(peer)
         if hb.hb_flags & frames.HB_HANDED_OVER and self.members.state(peer) is State.DEAD:
             # it left on purpose and is about to exit: not a rejoin.  Counted out here by
             # a peer's view before this heartbeat came (the peer removed it on its own
