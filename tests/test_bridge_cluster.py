@@ -2380,7 +2380,8 @@ def test_shmps_tool_members_shows_and_changes_the_member_list(make_cluster, tmp_
     assert r.returncode == 0 and r.stderr == (f"shmps-tool: {new}: a member already, "
                                               "nothing to add\n"), r.stderr
     assert r.stdout.splitlines()[1] == f"epoch {epoch}: nothing changed", r.stdout
-    # nor is it sent on to the other members (each took it and logged it, unchanged)
+    # and the other members, to which it is sent on (for one an earlier change missed),
+    # log nothing of it at INFO (each logged "members unchanged" before)
     time.sleep(0.5)
     log0 = c.logs[0].read_text(errors="replace")
     assert f"members unchanged by {c.addrs[1]}" not in log0, log0

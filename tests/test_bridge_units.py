@@ -6697,3 +6697,46 @@ def test_a_bridge_without_listen_says_what_its_hosts_file_lacks(tmp_path):
         assert f"hosts file {hosts} lists no host" in err.getvalue(), err.getvalue()
     with pytest.raises(Error, match="2 match its addresses: 127.0.0.1:7070, 127.0.0.1:7071"):
         bridge_cli._pick_listen(["127.0.0.1:7070", "127.0.0.1:7071"], "h.txt")
+
+
+@pytest.mark.timeout(60)
+def test_a_member_change_that_changes_nothing_here_is_sent_on_to_repair_the_others(
+        tmp_path, caplog):
+    """Host a has member x (a change whose sending on to b failed: b was cut off then)
+    and b has not.  The operator asks a again to add x: nothing changes on a, and the
+    request is still sent on, so that b catches up (it did not: the no-op answered
+    "a member already" and sent nothing, and b lacked x until its hosts.txt was edited:
+    review H13).  A member it is sent on to that finds nothing to change logs it at
+    DEBUG only (each member logged "members unchanged" at INFO: review H6); the host
+    asked says it at INFO."""
+    import json
+
+    async def main() -> None:
+        async with _two_bridges(tmp_path, "rp", 1) as (a, b):
+            x = "127.0.0.9:4242"
+            a._set_members([a.addr, b.addr, x])
+            assert x not in b.members.configured
+            status, _, body = await b._ask_peer(
+                a.addr, "POST", "/v1/members", json.dumps({"add": [x]}).encode(),
+                timeout=5.0, limit=1 << 16)
+            assert status == 200 and json.loads(body)["already"] == [x], body
+            until = time.monotonic() + 10
+            while x not in b.members.configured:
+                assert time.monotonic() < until, ("b to take x", b.members.configured)
+                await asyncio.sleep(0.02)
+            # asked again: nothing changes anywhere, and no host logs it above DEBUG
+            caplog.clear()
+            status, _, body = await b._ask_peer(
+                a.addr, "POST", "/v1/members", json.dumps({"add": [x]}).encode(),
+                timeout=5.0, limit=1 << 16)
+            assert status == 200
+            await asyncio.sleep(0.5)
+            said = [r.getMessage() for r in caplog.records
+                    if r.levelno >= logging.INFO and "members" in r.getMessage()]
+            # (a, asked, says it once; b, sent it on, does not)
+            assert [m for m in said if m.startswith("members changed by")] == [], said
+            assert len([m for m in said if f"unchanged by {b.addr}" in m]) == 1, said
+            assert not [m for m in said if f"unchanged by {a.addr}" in m], said
+
+    with caplog.at_level(logging.DEBUG, logger="shmps.bridge"):
+        asyncio.run(asyncio.wait_for(main(), 50))

@@ -4691,15 +4691,17 @@ class Bridge:
             already = [a for a in add if a in before and a not in remove]
             members = [m for m in before if m not in remove]
             members += [a for a in add if a not in members]
-            # A change that changes nothing (every address to add a member already) is
-            # no change: not applied, not sent on (it was, and every member logged it)
+            # A change that changes nothing here (every address to add a member already)
+            # is not applied here; it is still sent on: a member whose earlier copy of
+            # it was lost (cut off, its forward not retried) catches up by asking again
+            # (review H13).  Members it changes nothing for log it at DEBUG only.
             unchanged = members == before
             if not unchanged:
                 self._set_members(members)
         except (ValueError, Error) as e:
             said = e.told(None) if isinstance(e, Error) else e
             return self._signed_json(request, {"error": f"bad request: {said}"}, 400)
-        if not req.get("forwarded") and not unchanged:
+        if not req.get("forwarded"):
             # every other member applies the same change, the removed ones included (they
             # hand over and exit); added ones read it from their own member list
             for m in before:
@@ -4715,9 +4717,10 @@ class Bridge:
         if added or removed:
             log.info("members changed by %s: +%s -%s (epoch %d)", who, added, removed,
                      self.members.epoch)
-        else:
-            log.info("members unchanged by %s%s (epoch %d)", who,
-                     f": {already} a member already" if already else "", self.members.epoch)
+        else:   # (at INFO on the host asked; sent on, DEBUG: one line per request)
+            log.log(logging.DEBUG if req.get("forwarded") else logging.INFO,
+                    "members unchanged by %s%s (epoch %d)", who,
+                    f": {already} a member already" if already else "", self.members.epoch)
         # (an address to add that is a member already changes nothing, as a set's add:
         # named in "already", for the tool to say so)
         return self._signed_json(request, {"members": list(self.members.configured),
