@@ -1249,8 +1249,8 @@ def _dense_specs(rec: dict) -> list[dict]:
     return specs
 
 
-def remove_idle(name: str, namespace: Optional[str], unborn_age: Optional[float] = None
-                ) -> Optional[list[str]]:
+def remove_idle(name: str, namespace: Optional[str], unborn_age: Optional[float] = None,
+                *, only_empty: bool = False) -> Optional[list[str]]:
     """Remove store ``name`` if no live process is attached (``shmps-tool gc``): the
     names of the segments removed, or None if a process is attached (or attaches while
     this looks: native/manifest.c, shmps_manifest_retire) or another remover is at it.
@@ -1264,7 +1264,11 @@ def remove_idle(name: str, namespace: Optional[str], unborn_age: Optional[float]
     if its manifest is at least ``unborn_age`` s old (gc's minimum age; None: kept):
     sized as any opener does, then marked removed under this process's claim of the
     initialisation (shmps_manifest_remove_unborn), so an attach meanwhile waits and
-    makes a new store."""
+    makes a new store.
+
+    ``only_empty``: keep (None) a store whose catalog has a tensor, looked at just
+    before the claim (a failed bridge start's own store: a worker may have made a
+    tensor in it and gone while the bridge closed; one attached is kept anyway)."""
     mname = names.manifest_name(name, namespace)
     old_enough = unborn_age is not None and age_of(mname) >= unborn_age
     try:
@@ -1282,6 +1286,8 @@ def remove_idle(name: str, namespace: Optional[str], unborn_age: Optional[float]
                 return None
             code = lib.shmps_manifest_remove_unborn(seg.ptr, _native.token())
         else:
+            if only_empty and int(lib.shmps_catalog_generation(seg.ptr)) != 0:
+                return None
             code = lib.shmps_manifest_retire(seg.ptr, _native.token())
         if code == lib.SHMPS_E_BUSY:
             return None

@@ -6740,3 +6740,26 @@ def test_a_member_change_that_changes_nothing_here_is_sent_on_to_repair_the_othe
 
     with caplog.at_level(logging.DEBUG, logger="shmps.bridge"):
         asyncio.run(asyncio.wait_for(main(), 50))
+
+
+
+def test_a_failed_start_keeps_a_store_a_worker_filled_meanwhile(tmp_path):
+    """A bridge whose start failed removes the empty store its own attach made, but
+    looks again when it removes it: a worker may have attached, made a tensor and gone
+    while the bridge closed (seconds; it decided "empty" before its close).  Before, the
+    store and the worker's tensor were removed (review H13)."""
+    import uuid
+
+    import shmps
+
+    ns = f"u{uuid.uuid4().hex[:8]}"
+    node = _bridge(tmp_path, ["127.0.0.2:7001"], store="m", namespace=ns)
+    worker = shmps.attach("m", namespace=ns)
+    try:
+        worker.dense("w", shape=(4,), init=2.0)
+        worker.close()                       # the worker is gone; its tensor stays
+        node._remove_made_store()
+        with shmps.attach("m", namespace=ns, create=False) as again:
+            np.testing.assert_array_equal(again["w"].pull(), 2.0)
+    finally:
+        shmps.attach("m", namespace=ns).destroy()

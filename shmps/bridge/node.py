@@ -883,10 +883,13 @@ class Bridge:
 
     def _remove_made_store(self) -> None:
         """Remove the empty store this bridge's start made, unless a process is
-        attached to it (a worker that attached since: remove_idle keeps it)."""
+        attached to it (a worker that attached since: remove_idle keeps it) or it has a
+        tensor now (a worker made one and went while this bridge closed: looked at again
+        just before the removal's claim; a worker that attaches, makes a tensor and goes
+        within those microseconds is the one case left)."""
         from ..store import remove_idle
         try:
-            removed = remove_idle(self.cfg.store, self.cfg.namespace)
+            removed = remove_idle(self.cfg.store, self.cfg.namespace, only_empty=True)
         except (Error, OSError) as e:   # (the start's own error is the one to report)
             log.warning("could not remove the empty store %r this bridge made: %s",
                         self.cfg.store, e)
