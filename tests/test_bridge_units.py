@@ -6763,3 +6763,42 @@ def test_a_failed_start_keeps_a_store_a_worker_filled_meanwhile(tmp_path):
             np.testing.assert_array_equal(again["w"].pull(), 2.0)
     finally:
         shmps.attach("m", namespace=ns).destroy()
+
+
+
+@pytest.mark.timeout(60)
+def test_a_shard_summary_added_while_the_bridge_closes_is_logged(tmp_path, caplog):
+    """Per-shard lines are summed up (logsum.ShardLog) and logged once a second by the
+    tick; close() logs what is pending first.  A line added after that, by a task
+    close() then ends (a snapshot task's last words, say), was never logged above DEBUG:
+    close() logs what is pending again at its end (review H13)."""
+    import uuid
+
+    import shmps
+    from bridge_harness import free_port
+
+    addr = f"127.0.0.2:{free_port('127.0.0.2')}"
+    ns = f"u{uuid.uuid4().hex[:8]}"
+    node = _bridge(tmp_path, [addr], store="m", namespace=ns)
+
+    async def last_words() -> None:
+        try:
+            await asyncio.sleep(3600)
+        finally:   # (cancelled by close(), after its first look at the summaries)
+            node.shard_log.add(logging.WARNING, "a summary added while closing", (),
+                               "w/0", "shard w/0: a summary added while closing")
+
+    async def main() -> None:
+        await node.start()
+        node._tasks.append(asyncio.get_running_loop().create_task(last_words()))
+        await asyncio.sleep(0.1)
+        await node.close()
+
+    try:
+        with caplog.at_level(logging.INFO, logger="shmps.bridge"):
+            asyncio.run(asyncio.wait_for(main(), 40))
+        said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING
+                and "a summary added while closing" in r.getMessage()]
+        assert said == ["a summary added while closing (1 shard: w/0)"], said
+    finally:
+        shmps.attach("m", namespace=ns).destroy()

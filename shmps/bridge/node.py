@@ -1318,6 +1318,8 @@ class Bridge:
         if self._lock_fd is not None:   # the next bridge of the store may start
             os.close(self._lock_fd)
             self._lock_fd = None
+        # (what the ended tasks added since the first look: their summaries were lost)
+        self.shard_log.flush(force=True)
 
     @staticmethod
     async def _bounded(step: Any, what: str) -> None:
