@@ -6802,3 +6802,28 @@ def test_a_shard_summary_added_while_the_bridge_closes_is_logged(tmp_path, caplo
         assert said == ["a summary added while closing (1 shard: w/0)"], said
     finally:
         shmps.attach("m", namespace=ns).destroy()
+
+
+@pytest.mark.timeout(60)
+def test_a_member_dropped_from_the_list_is_no_longer_dialled(tmp_path):
+    """A member taken out of the list (never heard, or dead, or gone after handing its
+    shards over) is dropped, and this host's link to it ends once its connection is
+    down: it dialled it every 0.05 s for as long as the bridge ran, and sent it every
+    heartbeat.  Added again, it is dialled again."""
+    async def main() -> None:
+        async with _two_bridges(tmp_path, "dl", 1) as (a, b):
+            x = "127.0.0.9:4242"              # nobody listens there
+            a._set_members([a.addr, b.addr, x])
+            link = a.links[x]
+            await asyncio.sleep(0.2)
+            a._set_members([a.addr, b.addr])
+            assert x not in a.members.states()
+            until = time.monotonic() + 10
+            while x in a.links or not link.task.done():
+                assert time.monotonic() < until, ("the link to x to end", list(a.links))
+                await asyncio.sleep(0.02)
+            assert b.addr in a.links and a.links[b.addr].up   # (a member's stays)
+            a._set_members([a.addr, b.addr, x])
+            assert x in a.links and not a.links[x].task.done()
+
+    asyncio.run(asyncio.wait_for(main(), 50))

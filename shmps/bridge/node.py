@@ -578,6 +578,15 @@ class Link:
                 self.conn = None
                 self.down_since = time.monotonic()
                 self.node._look_when_silent(self.addr)
+            if self.addr not in self.node.members.states():
+                # no longer a member (taken out of the list: never heard, dead, or gone
+                # after handing its shards over), and its connection is down: this link
+                # ends (it dialled it every 0.05 s as long as the bridge ran).  Not
+                # while up: a leaving host's last batches come on it.  Added again, it
+                # gets a new one (_set_members).
+                if self.node.links.get(self.addr) is self:
+                    del self.node.links[self.addr]
+                return
             await asyncio.sleep(0.05)
 
 
