@@ -1434,6 +1434,20 @@ def _owner_on_a_store(tmp_path, members_: list, store: str, owners: int = 1, **c
         node.store.destroy()
 
 
+def _a_tensor_owned_by(node, owners: list) -> tuple:
+    """Create on ``node``'s store a dense (8, 4) float32 "sum" tensor whose shard 0
+    ``owners`` own, in that order, on ``node``'s ring now, and take it up: (its TInfo,
+    shard 0's ShardState)."""
+    from shmps.bridge.ring import shard_key
+
+    name = next(f"v{i}" for i in range(1000) if node.owners(shard_key(f"v{i}", 0)) == owners)
+    node.store.dense(name, (8, 4), "float32", init=0.0, optimizer="sum")
+    while node.refresh_tensors(budget=None):
+        pass
+    info = node.by_name[name]
+    return info, node.shards[(info.tid, 0)]
+
+
 def test_calls_in_one_loop_turn_share_one_slice_of_taking_up_tensors(tmp_path):
     """One socket read can carry the frames of hundreds of tensors the bridge has not
     taken up yet, each frame calling refresh_tensors (_tensor_for).  The calls of one
@@ -1777,18 +1791,11 @@ def test_an_owner_that_left_on_purpose_is_not_held_for(tmp_path, how):
     dead here before x's own "handed over" comes, as in 2 leaves in 3 of a cluster
     test (_takeover_kind): x is not held for once that heartbeat comes.)"""
     from shmps.bridge import node as bridge_node
-    from shmps.bridge.ring import shard_key
 
     me, x, z = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
     with _owner_on_a_store(tmp_path, [me, x, z], "leftheld") as (node, _, _st):
         node._send_snapshot = _no_snapshot_sent
-        name = next(f"v{i}" for i in range(1000)
-                    if node.owners(shard_key(f"v{i}", 0)) == [x, me])
-        node.store.dense(name, (8, 4), "float32", init=0.0, optimizer="sum")
-        while node.refresh_tensors(budget=None):
-            pass
-        info = node.by_name[name]
-        st = node.shards[(info.tid, 0)]
+        info, st = _a_tensor_owned_by(node, [x, me])
         everyone = {m: State.ALIVE for m in (me, x, z)}
 
         def heard(peer: str, view: dict, flags: int, seq: int, inc: int = 8) -> None:
@@ -1834,11 +1841,11 @@ def test_an_owner_that_left_on_purpose_is_not_held_for(tmp_path, how):
             lambda d: got.extend(frames.iter_frames(bytes(d))))
         if how != "dies":
             assert st.handover_from is None and not got, (st.handover_from, got)
-            np.testing.assert_array_equal(node.store[name].pull(),
+            np.testing.assert_array_equal(node.store[info.name].pull(),
                                           np.full((8, 4), 5, np.float32))   # applied
         else:
             assert st.handover_from == x and [a.status for a in got] == [Status.BUSY]
-            np.testing.assert_array_equal(node.store[name].pull(),
+            np.testing.assert_array_equal(node.store[info.name].pull(),
                                           np.full((8, 4), 4, np.float32))
 
 
@@ -1855,17 +1862,10 @@ def test_a_leave_seen_first_in_a_peers_view_times_a_hand_over_not_a_failover(tmp
     failovers waited for its hand-over timing in vain when that happened.)  An x that
     says nothing (dead) is a failover once dead_after has passed, timed by that apply."""
     from shmps.bridge import node as bridge_node
-    from shmps.bridge.ring import shard_key
 
     me, x, z = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
     with _owner_on_a_store(tmp_path, [me, x, z], "leaveview") as (node, _, _st):
-        name = next(f"v{i}" for i in range(1000)
-                    if node.owners(shard_key(f"v{i}", 0)) == [x, me])
-        node.store.dense(name, (8, 4), "float32", init=0.0, optimizer="sum")
-        while node.refresh_tensors(budget=None):
-            pass
-        info = node.by_name[name]
-        st = node.shards[(info.tid, 0)]
+        info, st = _a_tensor_owned_by(node, [x, me])
         everyone = {m: State.ALIVE for m in (me, x, z)}
         gone = dict(everyone, **{x: State.DEAD})
         reg = node.metrics.registry
@@ -1924,16 +1924,10 @@ def test_a_buffered_handed_over_of_a_restarted_hosts_old_process_marks_no_leave(
     is killed, the shards taken from it are failovers (shmps_bridge_failovers_total),
     not hand-overs.  (It was counted a hand-over: _takeover_kind read the old process's
     word.)"""
-    from shmps.bridge.ring import shard_key
 
     me, x, z = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
     with _owner_on_a_store(tmp_path, [me, x, z], "oldword") as (node, _, _st):
-        name = next(f"v{i}" for i in range(1000)
-                    if node.owners(shard_key(f"v{i}", 0)) == [x, me])
-        node.store.dense(name, (8, 4), "float32", init=0.0, optimizer="sum")
-        while node.refresh_tensors(budget=None):
-            pass
-        st = node.shards[(node.by_name[name].tid, 0)]
+        _, st = _a_tensor_owned_by(node, [x, me])
         everyone = {m: State.ALIVE for m in (me, x, z)}
         reg = node.metrics.registry
 
