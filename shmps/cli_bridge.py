@@ -175,15 +175,24 @@ def cmd_members(args: argparse.Namespace) -> int:
     # looked like the change's own (it was the one from before it).
     joining = [a for a in change.get("add", [])
                if not (isinstance(already, list) and a in already)]
-    leaving = change.get("remove", [])
+    # (a removed member that was dead or never heard is dropped at once: the bridge
+    # names it in "dropped"; the others hand their shards over first)
+    dropped = result.get("dropped")
+    dropped = [a for a in dropped if isinstance(a, str)] if isinstance(dropped, list) else []
+    leaving = [a for a in change.get("remove", []) if a not in dropped]
     steps = ([f"{', '.join(joining)} {'has' if len(joining) == 1 else 'have'} copied every "
               "shard (its bridge must be running)"] if joining else [])
     steps += ([f"{', '.join(leaving)} {'has' if len(leaving) == 1 else 'have'} handed "
                "its shards over (its bridge exits)"] if leaving else [])
+    gone = (f"{', '.join(dropped)} dropped at once (dead or never heard: "
+            f"{'it owns' if len(dropped) == 1 else 'they own'} no shards to hand over)"
+            if dropped else "")
     if steps:
         print(f"in flight: the ring is still that of epoch {result['epoch']}; it moves to "
               f"a new epoch once {' and '.join(steps)}; `shmps-tool members {target}` "
-              "shows each member's state")
+              "shows each member's state" + (f"; {gone}" if gone else ""))
+    elif gone:
+        print(f"epoch {result['epoch']}: {gone}")
     else:
         print(f"epoch {result['epoch']}: nothing changed")
     return 0

@@ -4702,6 +4702,10 @@ class Bridge:
                 raise InvalidArgument(f"not members, nothing to remove: {strangers} (the "
                                       f"members: {list(self.members.configured)})")
             before = list(self.members.configured)
+            # (removed members dead or never heard are dropped at once: nothing to hand
+            # over, no exit to wait for; shmps-tool members says so: cli_bridge.py)
+            states = self.members.states()
+            dropped = [a for a in remove if states.get(a) in (State.DEAD, State.JOINING)]
             already = [a for a in add if a in before and a not in remove]
             members = [m for m in before if m not in remove]
             members += [a for a in add if a not in members]
@@ -4739,7 +4743,8 @@ class Bridge:
         # named in "already", for the tool to say so)
         return self._signed_json(request, {"members": list(self.members.configured),
                                            "epoch": self.members.epoch,
-                                           "already": already}, 200)
+                                           "already": already,
+                                           "dropped": dropped}, 200)
 
     def _signed_json(self, request: Any, answer: dict, status: int) -> Any:
         """A JSON answer to a verified request, with its MAC (auth.sign_response): the
