@@ -2294,9 +2294,10 @@ def test_a_member_change_must_say_what_it_changes(make_cluster):
         assert [m["address"] for m in h["members"]] == sorted(c.addrs) and h["replicas"] == 3
         assert "--replicas 3 with 2 members" in c.logs[i].read_text(errors="replace")
     assert post(b"{}") == (200, {"members": c.addrs, "epoch": c.health(0)["epoch"],
-                                 "already": []})
+                                 "already": [], "dropped": []})
     assert post(b'{"add": ["%s"]}' % c.addrs[1].encode()) == (
-        200, {"members": c.addrs, "epoch": c.health(0)["epoch"], "already": [c.addrs[1]]})
+        200, {"members": c.addrs, "epoch": c.health(0)["epoch"], "already": [c.addrs[1]],
+              "dropped": []})
 
 
 def _tool(*args: str, cwd) -> subprocess.CompletedProcess:
