@@ -54,11 +54,11 @@ from typing import Any, Iterator, Optional
 import numpy as np
 
 from . import _native
-from .checks import check_flag, check_int
+from .checks import BOUNDED_WAIT_HINT, check_flag, check_int, check_seconds
 from .dense import DenseTensor
 from .errors import (Busy, CorruptSegment, Error, InvalidArgument, NonFinite, SchemaError,
                      Timeout)
-from .tensor import PushHandle, cast_grad, check_seconds, grad_dtype
+from .tensor import PushHandle, cast_grad, grad_dtype
 from .updaters import Sum
 
 #: (store, namespace, tensor id) -> the lock one thread of this process holds while it
@@ -101,8 +101,7 @@ def _round_timeout(timeout: Optional[float]) -> float:
     (60 s), math.inf waits as long as it takes.  A negative or NaN timeout is refused:
     the C core reads a negative one as no limit (a push waiting for the team hung for
     ever) and int(NaN * 1e9) or int(inf * 1e9) raised a plain ValueError/OverflowError."""
-    t = check_seconds(timeout, "pass e.g. timeout=60 (the default, None), or math.inf to "
-                               "wait as long as it takes")
+    t = check_seconds(timeout, BOUNDED_WAIT_HINT)
     return WAIT_TIMEOUT_S if t is None else min(t, LONGEST_WAIT_S)
 
 

@@ -1,4 +1,4 @@
-"""Checks of public arguments that every module shares: integers and flags.
+"""Checks of public arguments that every module shares: integers, flags and timeouts.
 
 An integer argument (a count, an id, a bound) takes what ``operator.index`` takes, as
 numpy and PyTorch users expect: a Python int, a numpy or torch integer scalar, a 0-d
@@ -16,8 +16,9 @@ above them all use these.  O(1) each.
 """
 from __future__ import annotations
 
+import numbers
 import operator
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -66,3 +67,24 @@ def check_flag(value: object, name: str) -> bool:
         raise InvalidArgument(f"{name}={value!r} is not a bool ({type(value).__name__})",
                               f"pass {name}=True or {name}=False")
     return bool(value)
+
+
+#: the hint of a wait whose default (None) is a bounded wait of its own, not "no limit"
+BOUNDED_WAIT_HINT = ("pass e.g. timeout=60 (the default, None), or math.inf to wait as "
+                     "long as it takes")
+
+
+def check_seconds(timeout: Any, hint: str = "pass e.g. timeout=60, or None (or math.inf) "
+                  "to wait as long as it takes") -> Optional[float]:
+    """A ``timeout=`` argument as a float of seconds (None stays None, math.inf stays
+    inf): a number >= 0, not a bool.  The waits below it read a negative timeout as "no
+    limit" (the C core) or "do not wait" (a future), took True as 1 s and NaN as
+    anything: every public wait (PushHandle.wait, Store.clock, Store.flush, an
+    aggregated push and wait_round) refuses them here with the same InvalidArgument."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) \
+            or not float(timeout) >= 0:
+        raise InvalidArgument(f"timeout={timeout!r} must be None or a number of seconds >= 0",
+                              hint)
+    return float(timeout)

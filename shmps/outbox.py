@@ -58,11 +58,11 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from . import _native
-from .checks import check_int
+from .checks import BOUNDED_WAIT_HINT, check_int, check_seconds
 from .dense import DenseTensor
 from .errors import CorruptSegment, InvalidArgument, PushesLost, Timeout
 from .table import Table
-from .tensor import NO_FWD, check_seconds, grad_dtype
+from .tensor import NO_FWD, grad_dtype
 
 lib = _native.lib
 ffi = _native.ffi
@@ -886,8 +886,7 @@ def unacknowledged(store: Any) -> list[tuple[Any, int, int]]:
 def flush(store: Any, timeout: Optional[float]) -> None:
     """store.flush(): wait until every push counted in an outbox now is acknowledged."""
     # (a number: float() took "1" as 1 s and raised a plain ValueError for "x")
-    t = check_seconds(timeout, "pass e.g. timeout=60 (the default, None), or math.inf to "
-                               "wait as long as it takes")
+    t = check_seconds(timeout, BOUNDED_WAIT_HINT)
     limit = FLUSH_TIMEOUT_S if t is None else t
     deadline = time.monotonic() + limit
     waits = unacknowledged(store)

@@ -20,15 +20,15 @@ from typing import Any, Callable, Iterator, Literal, Optional, Sequence
 import numpy as np
 
 from . import _native, doorbell, names
-from .checks import check_flag, check_int
+from .checks import check_flag, check_int, check_seconds
 from .aggregate import HIDDEN_SUFFIXES
 from .dense import DenseTensor, default_shard_rows
 from .errors import (CapacityError, Closed, CorruptFile, CorruptSegment, InvalidArgument,
                      NotFound, SchemaError, Timeout)
 from .segment import (NoRoom, Segment, Wait, age_of, check_room, list_names, shm_free,
                       size_of, unlink)
-from .tensor import (MAX_ROW_SHARDS, PushHandle, Tensor, cast_init, check_seconds,
-                     check_shard_count, init_is_valid, open_shards)
+from .tensor import (MAX_ROW_SHARDS, PushHandle, Tensor, cast_init, check_shard_count,
+                     init_is_valid, open_shards)
 from .updaters import UpdaterLike, as_updater, from_dict
 
 lib = _native.lib

@@ -6,7 +6,6 @@ once by its creator) and stored in ``nshards`` segments named
 """
 from __future__ import annotations
 
-import numbers
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -17,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import numpy as np
 
 from . import _native, names
+from .checks import check_seconds
 from .errors import (Closed, CorruptSegment, Error, InvalidArgument, OutOfRange, SchemaError,
                      Timeout)
 from .segment import Segment
@@ -219,22 +219,6 @@ def check_rows(rows: Any, nrows: int) -> np.ndarray:
 #: the future's lock takes at most threading.TIMEOUT_MAX (~292 years) and raised a plain
 #: OverflowError for math.inf
 _LONGEST_HANDLE_WAIT_S = 1e9
-
-
-def check_seconds(timeout: Any, hint: str = "pass e.g. timeout=60, or None (or math.inf) "
-                  "to wait as long as it takes") -> Optional[float]:
-    """A ``timeout=`` argument as a float of seconds (None stays None, math.inf stays
-    inf): a number >= 0, not a bool.  The waits below it read a negative timeout as "no
-    limit" (the C core) or "do not wait" (a future), took True as 1 s and NaN as
-    anything: every public wait (PushHandle.wait, Store.clock, Store.flush, an
-    aggregated push and wait_round) refuses them here with the same InvalidArgument."""
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) \
-            or not float(timeout) >= 0:
-        raise InvalidArgument(f"timeout={timeout!r} must be None or a number of seconds >= 0",
-                              hint)
-    return float(timeout)
 
 
 def _handle_wait_limit(timeout: Optional[float]) -> Optional[float]:
