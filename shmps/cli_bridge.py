@@ -2,9 +2,11 @@
 
 Without ``--add`` / ``--remove`` it reads the bridge's ``GET /health`` (no secret needed)
 and prints every member with its state. With them it sends ``POST /v1/members`` signed
-for that bridge (``auth.sign_request``, with the secret of ``--secret-file``, or the
-empty key of a bridge run without one), checks the signed answer (``auth.check_response``:
-any process on that address could answer) and prints the new member list. The bridge
+for that bridge and for the store of ``--store`` (``auth.sign_request``, with the secret
+of ``--secret-file``, or the empty key of a bridge run without one), checks the signed
+answer (``auth.check_response``: any process on that address could answer) and prints
+the new member list; a bridge of another store refuses the change (409), and the tool
+says which store it serves. The bridge
 applies the change on every member (docs/bridge-protocol.md, section 10); the change is
 not written to hosts.txt.
 
@@ -97,10 +99,24 @@ def _print_health(target: str, health: dict) -> None:
         print(f"  {m['address']:<40} {m['state']}{mark}")
 
 
+def _wrong_store(target: str, asked: str, serves: str) -> Error:
+    """The error of a bridge that serves store ``serves`` asked about store ``asked``."""
+    from .bridge import auth
+    return auth.StoreMismatch(
+        f"the bridge at {target} serves store {serves!r}, not {asked!r} (--store): nothing "
+        "was changed", asked=asked, serves=serves,
+        hint=f"to change the members of store {serves!r}, pass `--store {serves}` "
+             f"(`shmps-tool members {target} --store {serves} ...`); for store {asked!r}, "
+             "ask one of its bridges")
+
+
 def cmd_members(args: argparse.Namespace) -> int:
     from .bridge import auth   # (here: the other verbs start without the bridge's modules)
     from .bridge.members import normalize_address
+    from .names import check_name
     target = normalize_address(args.bridge)
+    if args.store is not None:
+        check_name(args.store)
     if not args.add and not args.remove:
         status, _, body = _request(target, "GET", "/health", None, {}, args.timeout)
         if status != 200:
@@ -117,17 +133,30 @@ def cmd_members(args: argparse.Namespace) -> int:
                         "members are not a list of {\"address\": ..., \"state\": ...} "
                         "objects)", hint="is it shmps-bridge's --listen address, as "
                         "hosts.txt lists it?")
+        # (/health is not signed: a check for the operator's sake, as a change's is not)
+        if args.store is not None and health.get("store") != args.store:
+            raise _wrong_store(target, args.store, str(health.get("store")))
         if args.json:
             print(json.dumps({"epoch": health.get("epoch"), "members": health["members"]}))
         else:
             _print_health(target, health)
         return 0
     secret = auth.load_secret(args.secret_file) if args.secret_file else None
+    if args.store is None:
+        # (the request names the store, and a bridge of another one refuses it: the
+        # operator says which store's members to change, so that a bridge of another
+        # store, a port mistyped, is not changed instead)
+        raise InvalidArgument(
+            "--add and --remove need --store NAME: the store whose members to change (the "
+            "bridges' --store); a bridge of another store refuses the change",
+            hint=f"e.g. `shmps-tool members {target} --store model "
+                 f"{'--add' if args.add else '--remove'} HOST:PORT ...`")
     # (each address once: "--add X --add X" is one change, not "listed twice")
     change = {k: list(dict.fromkeys(normalize_address(a) for a in v))
               for k, v in (("add", args.add), ("remove", args.remove)) if v}
     body = json.dumps(change).encode()
-    signed = auth.sign_request(secret, "POST", "/v1/members", body, CLIENT_ID, target=target)
+    signed = auth.sign_request(secret, "POST", "/v1/members", body, CLIENT_ID, target=target,
+                               store=args.store)
     status, headers, answer = _request(target, "POST", "/v1/members", body, signed,
                                        args.timeout)
     if status == 401:
@@ -142,11 +171,21 @@ def cmd_members(args: argparse.Namespace) -> int:
             hint=("pass --secret-file with the secret the bridges run with"
                   if secret is None else "check that --secret-file holds the secret the "
                   "bridges run with") + "; the bridge's log says what failed")
-    if status in (200, 400):
+    if status in (200, 400, 409):
         # what the answer says counts only if that bridge said it (any process on the
-        # address could answer, and one passing the request on could say "refused")
+        # address could answer, and one passing the request on could say "refused"); a
+        # bridge of another store refuses with 409, and its answer's MAC covers its store
         try:
             auth.check_response(secret, signed, target, status, headers, answer)
+        except auth.StoreMismatch as e:
+            if status == 409:   # (refused before it did anything)
+                raise _wrong_store(target, args.store, e.serves) from None
+            # (a bridge that does not check the request's store: none of this release)
+            raise auth.StoreMismatch(
+                f"the bridge at {target} serves store {e.serves!r}, not {args.store!r} "
+                f"(--store), and answered {status}: the change may have been applied there",
+                asked=args.store, serves=e.serves,
+                hint=f"look at its members with `shmps-tool members {target}`") from None
         except auth.AuthError as e:
             raise auth.AuthError(
                 f"the answer from {target} ({status}) is not signed by a bridge holding "
@@ -206,8 +245,8 @@ def register(sub: Any) -> None:
                                    "by every member; not written to hosts.txt: edit it as "
                                    "well, or the next edit of it undoes the change).",
                        epilog="examples:\n  shmps-tool members 10.0.0.1:7070\n"
-                              "  shmps-tool members 10.0.0.1:7070 --add 10.0.0.4:7070 "
-                              "--secret-file secret",
+                              "  shmps-tool members 10.0.0.1:7070 --store model --add "
+                              "10.0.0.4:7070 --secret-file secret",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("bridge", metavar="HOST:PORT",
                    help="the bridge to ask: its --listen address, as hosts.txt lists it")
@@ -216,6 +255,10 @@ def register(sub: Any) -> None:
     p.add_argument("--remove", action="append", default=[], metavar="HOST:PORT",
                    help="a member to remove (repeat for several); it hands its shards "
                         "over and its bridge exits")
+    p.add_argument("--store", metavar="NAME",
+                   help="the store whose members to change (the bridges' --store; needed "
+                        "with --add / --remove: a bridge of another store refuses the "
+                        "change); without them, checked against the bridge's")
     p.add_argument("--secret-file", metavar="F",
                    help="the cluster's shared secret (the bridges' --secret-file)")
     p.add_argument("--timeout", type=positive(MAX_SECONDS), default=10.0,

@@ -533,7 +533,7 @@ def test_csr_tensors_are_forwarded(make_cluster):
     def structure(name: object, sign: bool) -> tuple[int, bytes]:
         body = json.dumps({"name": name}).encode()
         headers = (auth.sign_request(secret, "POST", "/v1/structure", body, c.addrs[1],
-                                     target=c.addrs[2]) if sign else {})
+                                     target=c.addrs[2], store=c.store) if sign else {})
         req = urllib.request.Request(c.url(2, "/v1/structure"), data=body, method="POST",
                                      headers=headers)
         try:
@@ -860,7 +860,8 @@ def test_a_model_of_many_tensors_is_taken_up_without_a_stall(make_cluster):
     # the catalog is not sent again while it has not changed: 304 for its ETag
     def catalog(tag: str | None) -> tuple[int, str, list]:
         headers = auth.sign_request(c.secret_file.read_bytes().strip(), "GET",
-                                    "/v1/catalog", b"", c.addrs[1], target=c.addrs[0])
+                                    "/v1/catalog", b"", c.addrs[1], target=c.addrs[0],
+                                    store=c.store)
         if tag is not None:
             headers["If-None-Match"] = tag
         req = urllib.request.Request(c.url(0, "/v1/catalog"), headers=headers)
@@ -1704,14 +1705,14 @@ def test_unauthenticated_clients_get_bounded_resources_and_change_nothing(make_c
             # 3. a signed membership change for host 0, replayed to host 1
             body = json.dumps({"remove": [c.addrs[1]]}).encode()
             h = auth.sign_request(secret, "POST", "/v1/members", body, "operator",
-                                  target=c.addrs[0])
+                                  target=c.addrs[0], store=c.store)
             async with aiohttp.ClientSession() as session:
                 async with session.post(c.url(1, "/v1/members"), data=body,
                                         headers=h) as resp:
                     out["replayed"] = resp.status
                 # 4. a non-ASCII header
                 bad = dict(auth.sign_request(secret, "GET", "/v1/catalog", b"", "operator",
-                                             target=c.addrs[0]))
+                                             target=c.addrs[0], store=c.store))
             rr, ww = await asyncio.open_connection(host, int(port))
             ww.write(b"GET /v1/catalog HTTP/1.1\r\nHost: x\r\nX-Shmps-Id: \xff\r\n"
                      + "".join(f"{k}: {v}\r\n" for k, v in bad.items()
@@ -2005,7 +2006,8 @@ def test_leave_by_members_api_and_sigterm(make_cluster):
     req = urllib.request.Request(c.url(1, "/v1/members"), data=body, method="POST",
                                  headers=auth.sign_request(secret, "POST", "/v1/members",
                                                            body, c.addrs[1],
-                                                           target=c.addrs[1]))
+                                                           target=c.addrs[1],
+                                                           store=c.store))
     with urllib.request.urlopen(req, timeout=5) as r:
         assert c.addrs[3] not in json.loads(r.read())["members"]
     assert c.wait_exit(3, 30) == 0, c.describe()
@@ -2269,7 +2271,7 @@ def test_a_member_change_must_say_what_it_changes(make_cluster):
 
     def post(body: bytes, sign: bool = True) -> tuple[int, dict]:
         headers = (auth.sign_request(secret, "POST", "/v1/members", body, "operator",
-                                     target=c.addrs[0]) if sign else {})
+                                     target=c.addrs[0], store=c.store) if sign else {})
         req = urllib.request.Request(c.url(0, "/v1/members"), data=body, method="POST",
                                      headers=headers)
         try:
@@ -2338,11 +2340,11 @@ def test_shmps_tool_members_shows_and_changes_the_member_list(make_cluster, tmp_
     os.chmod(wrong, 0o600)
     for extra, said in ((["--secret-file", str(wrong)], "check that --secret-file holds"),
                         ([], "pass --secret-file with the secret")):
-        r = _tool("members", a0, "--add", new, *extra, cwd=tmp_path)
+        r = _tool("members", a0, "--add", new, "--store", c.store, *extra, cwd=tmp_path)
         assert r.returncode == 2, r
         assert r.stderr.startswith(f"shmps-tool: error: the bridge at {a0} refused the "
                                    "request's signature") and said in r.stderr, r.stderr
-    sec = ["--secret-file", str(c.secret_file)]
+    sec = ["--secret-file", str(c.secret_file), "--store", c.store]
     # the right secret, the bridge reached by another name than hosts.txt's: the
     # signature names the address, and the tool says which one to use
     port0 = a0.rsplit(":", 1)[1]
@@ -2474,6 +2476,49 @@ def test_shmps_tool_members_shows_and_changes_the_member_list(make_cluster, tmp_
     for t in ("inf", "1e300", "0", "nan"):
         r = _tool("members", a0, "--timeout", t, cwd=tmp_path)
         assert r.returncode == 2 and "argument --timeout" in r.stderr, (t, r.stderr)
+
+
+def test_shmps_tool_members_pointed_at_another_stores_bridge_is_refused(make_cluster,
+                                                                       tmp_path):
+    """`shmps-tool members HOST:PORT --store S --add/--remove ...` signs its request for
+    store S; a bridge of another store refuses it (409, signed) and the tool says, in
+    one line with exit 2, which store that bridge serves, that nothing was changed, and
+    the --store to pass; nothing changes on any host.  Without --store a change is
+    refused before it is sent; listing the members with --store checks the bridge's
+    (/health).  Before, the tool named no store and any bridge it reached applied the
+    change (a port mistyped changed another store's members)."""
+    c = make_cluster(2)
+    c.start_all()
+    a0 = c.addrs[0]
+    sec = ["--secret-file", str(c.secret_file)]
+
+    def members(i: int) -> list:
+        return [m["address"] for m in c.health(i)["members"]]
+
+    epochs = [c.health(i)["epoch"] for i in (0, 1)]
+    new = f"127.0.0.9:{free_port('127.0.0.9')}"
+    for change in (["--add", new], ["--remove", c.addrs[1]]):
+        r = _tool("members", a0, *change, "--store", "modle", *sec, cwd=tmp_path)
+        assert r.returncode == 2 and r.stdout == "", r
+        assert r.stderr == (
+            f"shmps-tool: error: the bridge at {a0} serves store {c.store!r}, not 'modle' "
+            f"(--store): nothing was changed (to change the members of store {c.store!r}, "
+            f"pass `--store {c.store}` (`shmps-tool members {a0} --store {c.store} ...`); "
+            "for store 'modle', ask one of its bridges)\n"), r.stderr
+        r = _tool("members", a0, *change, *sec, cwd=tmp_path)   # (no --store)
+        assert r.returncode == 2 and "--add and --remove need --store NAME" in r.stderr \
+            and r.stderr.count("\n") == 1, r.stderr
+    r = _tool("members", a0, "--store", "modle", cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.startswith(
+        f"shmps-tool: error: the bridge at {a0} serves store {c.store!r}, not 'modle'"), r
+    assert _tool("members", a0, "--store", c.store, cwd=tmp_path).returncode == 0
+    time.sleep(0.5)   # (a change sent on would have reached host 1 by now)
+    assert members(0) == members(1) == sorted(c.addrs)
+    assert [c.health(i)["epoch"] for i in (0, 1)] == epochs
+    log0 = c.logs[0].read_text(errors="replace")
+    assert "members changed" not in log0, log0
+    assert "refused a request from 127.0.0.1: 'operator' asks for store 'modle', and this " \
+           f"host serves {c.store!r}" in log0, log0
 
 
 def test_a_peer_missing_from_this_hosts_list_is_refused_with_a_useful_line(make_cluster):

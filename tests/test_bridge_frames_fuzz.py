@@ -179,7 +179,7 @@ def test_an_answer_with_an_etag_that_is_not_utf8_fails_authentication():
         srv = await asyncio.start_server(answer, "127.0.0.1", 0)
         peer = f"127.0.0.1:{srv.sockets[0].getsockname()[1]}"
         signed = auth.sign_request(secret, "GET", "/v1/catalog", b"", "127.0.0.1:1",
-                                   target=peer)
+                                   target=peer, store="m")
         try:
             async with aiohttp.ClientSession() as s:
                 async with s.get(f"http://{peer}/v1/catalog", headers=signed,

@@ -2110,7 +2110,7 @@ async def _catalog_served(node, asker: str) -> list:
     try:
         port = runner.addresses[0][1]
         headers = auth.sign_request(node.cfg.secret, "GET", "/v1/catalog", b"", asker,
-                                    target=node.addr)
+                                    target=node.addr, store=node.cfg.store)
         async with aiohttp.ClientSession() as session:
             async with session.get(f"http://127.0.0.1:{port}/v1/catalog",
                                    headers=headers) as r:
@@ -2353,10 +2353,13 @@ def test_a_bridge_serving_another_store_is_refused_at_the_handshake(tmp_path, ca
     answers: c started late was counted reachable (joining) by a and b, which sent it
     copies, and counted it toward their majority; c started with them was alive on
     their ring at epoch 0 and owned a third of the shards, whose batches it could not
-    apply (review H6 of 2026-11-28).  "x" not in c's store: the catalog answers' store
-    header still does that; taken out, c copied "x" into m2 in every case (2 of 2
-    runs): every configured member counts reachable, unheard, for dead_after from a
-    bridge's start, and c's catalog pass asked a then."""
+    apply (review H6 of 2026-11-28).  "x" not in c's store: c's catalog request names
+    m2 (under its MAC) and a refuses it (409), and any answer's MAC covers a's store,
+    which c compares with its own; with both checks taken out (auth.RequestVerifier,
+    auth.check_response), c copied "x" into m2 in every case: every configured member
+    counts reachable, unheard, for dead_after from a bridge's start, and c's catalog
+    pass asked a then (as it did before 2026-11-28 with the catalog's store header
+    check taken out)."""
     import secrets as secrets_
     import uuid
 
@@ -2422,10 +2425,12 @@ def test_a_bridge_serving_another_store_is_refused_at_the_handshake(tmp_path, ca
             # on a: c's handshake is refused, and so is its change (before, a applied
             # it: b removed from a's member list)
             # (answered 409: _post_members, which c forwards with, reads no answer, and a
-            # request refused for another reason, a signature say, passed as well)
+            # request refused for another reason, a signature say, passed as well; the
+            # request names c's store under its MAC, the body not: with a's check of it
+            # taken out, a applied the change, 200)
             status, _, _ = await c._ask_peer(
                 a.addr, "POST", "/v1/members", json.dumps(
-                    {"add": [], "remove": [b.addr], "forwarded": True, "store": "m2"}).encode(),
+                    {"add": [], "remove": [b.addr], "forwarded": True}).encode(),
                 timeout=5.0, ok=())
             assert status == 409, status
             assert b.addr in a.members.configured, a.members.configured
@@ -2476,6 +2481,104 @@ def _run_logged(a: Any, caplog: Any, main: Any) -> None:
             asyncio.run(asyncio.wait_for(main(), 50))
     finally:
         shmps.attach(a.cfg.store, namespace=a.cfg.namespace).destroy()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("secret", [True, False], ids=["secret", "no secret"])
+def test_a_request_for_another_store_is_refused_by_every_signed_endpoint(tmp_path, caplog,
+                                                                        secret):
+    """Bridge a serves store m.  A signed request for store m2 to each signed endpoint
+    (GET /v1/catalog, POST /v1/structure, POST /v1/members: an operator's and one a
+    member sends on) is answered 409, signed, with a body naming both stores and the
+    fix, and changes nothing (the members and epoch stay, nothing is read); the answer's
+    MAC covers a's store, so check_response says StoreMismatch, serving m.  The same
+    request with its store header made to say m is 401 (the MAC covers the store).  A
+    member asking for m2 is reported as its handshake's refusal is (/health's
+    store_mismatch), an operator's request logged once.  With a secret and without one
+    (the empty key: the store is checked all the same).  Before, catalog and structure
+    answered 200 to a bridge or tool of another store, and an operator's member change
+    for another store was applied."""
+    import secrets as secrets_
+    import uuid
+
+    import aiohttp
+    import numpy as np
+
+    from bridge_harness import free_port
+    from shmps.bridge import auth
+    from shmps.bridge.node import Bridge, Config
+
+    addrs = [f"{ip}:{free_port(ip)}" for ip in ("127.0.0.2", "127.0.0.3")]
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("".join(f"{m}\n" for m in addrs))
+    key = secrets_.token_bytes(32) if secret else None
+    a = Bridge(Config(peers_file=str(hosts), store="m", listen=addrs[0],
+                      namespace=f"u{uuid.uuid4().hex[:8]}", secret=key, dead_after=1.0,
+                      startup_grace=0.0))
+    rc, ci = np.array([0, 1, 3]), np.array([1, 0, 2])
+    asks = (("GET", "/v1/catalog", b""), ("POST", "/v1/structure", b'{"name": "s"}'),
+            ("POST", "/v1/members", json.dumps({"remove": [addrs[1]]}).encode()))
+
+    def refused(reason: str) -> float:
+        return a.metrics.registry.get_sample_value(
+            "shmps_bridge_rejected_frames_total", {"reason": reason}) or 0.0
+
+    async def main() -> None:
+        started = False
+        try:
+            await a.start()
+            started = True
+            a.store.dense("x", (8, 4), "float32", init=1.0)
+            a.store.csr("s", rc, ci, "float32", init=1.0)
+            await a.refresh_all_tensors()
+            members, epoch = list(a.members.configured), a.members.epoch
+            stores = refused("store")
+            async with aiohttp.ClientSession() as session:
+                async def ask(method: str, path: str, body: bytes, store: str,
+                              who: str = "operator", header: str | None = None) -> tuple:
+                    h = auth.sign_request(key, method, path, body, who, target=a.addr,
+                                          store=store)
+                    if header is not None:
+                        h[auth.HEADER_STORE] = header
+                    async with session.request(method, f"http://{a.addr}{path}",
+                                               data=body or None, headers=h) as r:
+                        return r.status, h, r.headers, await r.read()
+
+                for method, path, body in asks:
+                    status, h, headers, data = await ask(method, path, body, "m2")
+                    assert status == 409, (path, status, data)
+                    answer = json.loads(data)
+                    assert (answer["store"], answer["asked"]) == ("m", "m2"), answer
+                    assert f"{method} {path} is for store 'm2', and this bridge " \
+                           f"({a.addr}) serves store 'm': nothing was done" in answer["error"]
+                    assert f"`shmps-tool members {a.addr} --store m ...`" in answer["error"]
+                    with pytest.raises(auth.StoreMismatch) as e:
+                        auth.check_response(key, h, a.addr, status, headers, data)
+                    assert (e.value.asked, e.value.serves) == ("m2", "m")
+                    # the store under the request's MAC: made to say m, it fails
+                    status, _, _, data = await ask(method, path, body, "m2", header="m")
+                    assert status == 401, (path, status, data)
+                # a member change that member b, of store m2, sends on
+                status, _, _, _ = await ask("POST", "/v1/members", json.dumps(
+                    {"remove": [addrs[1]], "forwarded": True}).encode(), "m2", who=addrs[1])
+                assert status == 409
+                assert (list(a.members.configured), a.members.epoch) == (members, epoch)
+                assert refused("store") == stores + 4
+                assert a.health()["store_mismatch"] == {addrs[1]: "m2"}
+                # for store m: the catalog and the structure are answered
+                for method, path, body in asks[:2]:
+                    status, h, headers, data = await ask(method, path, body, "m")
+                    assert status == 200, (path, status, data)
+                    auth.check_response(key, h, a.addr, status, headers, data)
+            said = [r.getMessage() for r in caplog.records
+                    if r.getMessage().startswith("refused a request from")]
+            assert len(said) == 1 and "'operator' asks for store 'm2', and this host " \
+                "serves 'm'" in said[0], said
+        finally:
+            if started:
+                await a.close()
+
+    _run_logged(a, caplog, main)
 
 
 @pytest.mark.timeout(60)
@@ -5336,18 +5439,19 @@ NOW = 1_700_000_000.0
 
 
 HOST = "10.0.0.9:7070"     # the bridge the requests are for
+STORE = "m"                # the store it serves, and the requests are for
 
 
 def signed(secret=SECRET, method="POST", path="/v1/members?x=1", body=b'{"add": "d:4"}',
-           now=NOW, nonce=None, target=HOST):
+           now=NOW, nonce=None, target=HOST, store=STORE):
     return auth.sign_request(secret, method, path, body, "10.0.0.2:7070", target=target,
-                             now=now, nonce=nonce)
+                             store=store, now=now, nonce=nonce)
 
 
 def test_request_mac_good_request_passes_once():
     """A signed request verifies and yields the client id; the same request again is a
     replay."""
-    v = auth.RequestVerifier(SECRET, HOST)
+    v = auth.RequestVerifier(SECRET, HOST, store=STORE)
     h = signed()
     assert v.verify("POST", "/v1/members?x=1", h, b'{"add": "d:4"}', now=NOW + 1) == "10.0.0.2:7070"
     with pytest.raises(AuthError, match="replayed"):
@@ -5357,11 +5461,13 @@ def test_request_mac_good_request_passes_once():
 
 
 @pytest.mark.parametrize("change", ["secret", "method", "path", "body", "id", "time", "nonce",
-                                    "mac", "target"])
+                                    "mac", "target", "store"])
 def test_request_mac_wrong_secret_or_tampered_field_fails(change):
     """Another secret, or any altered part of the request, fails the MAC check; so does
-    a request signed for another host (replayed to this one)."""
-    v = auth.RequestVerifier(SECRET, HOST)
+    a request signed for another host (replayed to this one).  The store header is
+    under the MAC: a request for store m2 whose header is made to say m (this host's)
+    fails (with the store left out of the MAC it was taken as for m2, StoreMismatch)."""
+    v = auth.RequestVerifier(SECRET, HOST, store=STORE)
     method, path, body = "POST", "/v1/members?x=1", b'{"add": "d:4"}'
     h = (signed(secret=b"z" * 32) if change == "secret" else
          signed(target="10.0.0.8:7070") if change == "target" else signed())
@@ -5379,15 +5485,42 @@ def test_request_mac_wrong_secret_or_tampered_field_fails(change):
         h[auth.HEADER_NONCE] = ("0" if h[auth.HEADER_NONCE][0] != "0" else "1") + h[auth.HEADER_NONCE][1:]
     elif change == "mac":
         h[auth.HEADER_MAC] = h[auth.HEADER_MAC][::-1]
+    elif change == "store":
+        h = signed(store="m2")
+        assert h[auth.HEADER_STORE] == "m2"
+        h[auth.HEADER_STORE] = STORE
+        with pytest.raises(AuthError, match="failed authentication"):
+            v.verify(method, path, h, body, now=NOW)
+        h[auth.HEADER_STORE] = "m3"
     with pytest.raises(AuthError, match="failed authentication"):
         v.verify(method, path, h, body, now=NOW)
     assert len(v) == 0
 
 
+@pytest.mark.parametrize("secret", [SECRET, None], ids=["secret", "no secret"])
+def test_request_for_another_store_is_refused_once_authenticated(secret):
+    """A request signed for store m2 that reaches a host of store m passes the MAC, time
+    and nonce checks and is refused as StoreMismatch naming both stores (the bridge
+    answers 409 before it does anything); its nonce is spent, so it is refused as a
+    replay after.  The same without a secret (the empty key): the store is checked all
+    the same.  A request for m passes."""
+    v = auth.RequestVerifier(secret, HOST, store=STORE)
+    h = signed(secret=secret, store="m2")
+    with pytest.raises(auth.StoreMismatch, match="is for store 'm2'; this host serves 'm'") as e:
+        v.verify("POST", "/v1/members?x=1", h, b'{"add": "d:4"}', now=NOW)
+    assert (e.value.asked, e.value.serves) == ("m2", "m") and len(v) == 1
+    with pytest.raises(AuthError, match="replayed"):
+        v.verify("POST", "/v1/members?x=1", h, b'{"add": "d:4"}', now=NOW)
+    assert v.verify("POST", "/v1/members?x=1", signed(secret=secret), b'{"add": "d:4"}',
+                    now=NOW) == "10.0.0.2:7070"
+    with pytest.raises(InvalidArgument, match="invalid store name"):
+        signed(store="a/b")
+
+
 @pytest.mark.parametrize("skew", [-31.0, 31.0, -3600.0])
 def test_request_mac_expired_is_refused(skew):
     """A correctly signed request outside the time window is refused as expired."""
-    v = auth.RequestVerifier(SECRET, HOST, window=30)
+    v = auth.RequestVerifier(SECRET, HOST, store=STORE, window=30)
     with pytest.raises(AuthError, match="expired"):
         v.verify("POST", "/v1/members?x=1", signed(now=NOW + skew), b'{"add": "d:4"}', now=NOW)
 
@@ -5408,21 +5541,24 @@ def test_request_mac_missing_or_malformed_headers(header, value, match):
     else:
         h[header] = value
     with pytest.raises(AuthError, match=match):
-        auth.RequestVerifier(SECRET, HOST).verify("POST", "/v1/members?x=1", h, b'{"add": "d:4"}',
-                                            now=NOW)
+        auth.RequestVerifier(SECRET, HOST, store=STORE).verify(
+            "POST", "/v1/members?x=1", h, b'{"add": "d:4"}', now=NOW)
 
 
 @pytest.mark.parametrize("change", [None, "secret", "server", "status", "etag", "body",
-                                    "request", "missing"])
+                                    "request", "missing", "store", "no store"])
 def test_response_mac_binds_the_answer_to_its_request_and_server(change):
     """A bridge's answer to a signed request (catalog, structure) carries a MAC of the
-    request's nonce, the answering host, the status, the ETag and the body: the asking
-    host checks it before it reads anything (any process on a member's address could
-    answer), and any other secret, server, status, tag, body or request fails it."""
+    request's nonce, the answering host, its store, the status, the ETag and the body:
+    the asking host checks it before it reads anything (any process on a member's
+    address could answer), and any other secret, server, status, tag, body or request
+    fails it; so does an answer of store m2 whose store header is made to say m (with
+    the store left out of the MAC it passed as m's), or has none."""
     req = signed(method="GET", path="/v1/catalog", body=b"")
     body, tag = b'[{"name": "w"}]', '"1-2-3"'
     resp = {"ETag": tag, **auth.sign_response(b"z" * 32 if change == "secret" else SECRET,
-                                              req, HOST, 200, body, tag)}
+                                              req, HOST, 200, body, tag,
+                                              store="m2" if change == "store" else STORE)}
     server, status = HOST, 200
     if change == "server":
         server = "10.0.0.8:7070"
@@ -5436,6 +5572,11 @@ def test_response_mac_binds_the_answer_to_its_request_and_server(change):
         req = signed(method="GET", path="/v1/catalog", body=b"")   # another nonce
     elif change == "missing":
         del resp[auth.HEADER_RESPONSE_MAC]
+    elif change == "store":
+        assert resp[auth.HEADER_STORE] == "m2"
+        resp[auth.HEADER_STORE] = STORE
+    elif change == "no store":
+        del resp[auth.HEADER_STORE]
     if change is None:
         auth.check_response(SECRET, req, server, status, resp, body)
     else:
@@ -5443,10 +5584,26 @@ def test_response_mac_binds_the_answer_to_its_request_and_server(change):
             auth.check_response(SECRET, req, server, status, resp, body)
 
 
+@pytest.mark.parametrize("status", [200, 409])
+def test_an_answer_of_another_stores_bridge_is_store_mismatch(status):
+    """The answer of a bridge of store m2 to a request for m (its 409 refusal, or any
+    answer) passes its MAC, which covers m2, and check_response raises StoreMismatch
+    naming both stores: the asker learns which store that bridge serves, from that
+    bridge.  Before, only the catalog answer named its store, in a header no MAC
+    covered."""
+    req = signed(method="GET", path="/v1/catalog", body=b"")
+    body = b'{"error": "refused"}'
+    resp = auth.sign_response(SECRET, req, HOST, status, body, store="m2")
+    with pytest.raises(auth.StoreMismatch, match="serves store 'm2', not 'm'") as e:
+        auth.check_response(SECRET, req, HOST, status, resp, body)
+    assert (e.value.asked, e.value.serves) == ("m", "m2")
+    assert not isinstance(e.value, AuthError)   # (counted as "store", not "auth")
+
+
 def test_request_nonce_cache_is_bounded_and_forgets_old_nonces():
     """The nonce cache refuses (fails closed) when full of in-window nonces, and forgets
     nonces once their window has passed."""
-    v = auth.RequestVerifier(SECRET, HOST, window=30, max_nonces=3)
+    v = auth.RequestVerifier(SECRET, HOST, store=STORE, window=30, max_nonces=3)
     for i in range(3):
         v.verify("GET", "/v1/x", signed(method="GET", path="/v1/x", body=b"", now=NOW + i), b"",
                  now=NOW + i)
@@ -5456,7 +5613,7 @@ def test_request_nonce_cache_is_bounded_and_forgets_old_nonces():
     h = signed(method="GET", path="/v1/x", body=b"", now=NOW + 40)
     assert v.verify("GET", "/v1/x", h, b"", now=NOW + 40) and len(v) == 1
     with pytest.raises(InvalidArgument):
-        auth.RequestVerifier(SECRET, HOST, window=0)
+        auth.RequestVerifier(SECRET, HOST, store=STORE, window=0)
     with pytest.raises(InvalidArgument):
         signed(nonce=b"short")
 

@@ -26,13 +26,17 @@ host's own (several "hosts" on one machine each have one).  Without a secret the
 still bind the names to the nonces, and the names are compared all the same.
 
 **Per-request MAC** for HTTP requests (:func:`sign_request`, :class:`RequestVerifier`):
-headers carry a client id, a timestamp (ms), a 16-byte nonce and
-``HMAC-SHA256(secret, "shmps-bridge/2 request\\0" || method || path || client id ||
-target host || timestamp || nonce || SHA-256(body))`` (docs/bridge-protocol.md has the
-exact layout). The verifier compares in constant time, refuses timestamps outside a
-window (default 30 s) and remembers the nonces it accepted inside the window (a bounded
-cache; when full it refuses rather than forget), so a captured request cannot be
-replayed.
+headers carry a client id, the store the request is for, a timestamp (ms), a 16-byte
+nonce and ``HMAC-SHA256(secret, "shmps-bridge/3 request\\0" || method || path || client
+id || target host || store || timestamp || nonce || SHA-256(body))``
+(docs/bridge-protocol.md has the exact layout). The verifier compares in constant time,
+refuses timestamps outside a window (default 30 s) and remembers the nonces it accepted
+inside the window (a bounded cache; when full it refuses rather than forget), so a
+captured request cannot be replayed.  A request that passes and is for another store
+than the verifier's is refused as well (:class:`StoreMismatch`: the server answers 409).
+The answer's MAC (:func:`sign_response`) covers the answering bridge's store, which
+:func:`check_response` compares with the request's: the store is checked in these two
+places for every signed request, with or without a secret.
 
 Without ``--secret-file`` the same code runs with an empty key: the bridge then listens
 on loopback only (:func:`check_bind`), and a peer configured with a secret is refused.
@@ -54,6 +58,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping
 
 from ..errors import Error, InvalidArgument
+from ..names import check_name
 
 NONCE_BYTES = 32
 """Size of handshake nonces."""
@@ -78,11 +83,14 @@ HEADER_TIME = "X-Shmps-Time"
 HEADER_NONCE = "X-Shmps-Nonce"
 HEADER_MAC = "X-Shmps-Mac"
 HEADER_RESPONSE_MAC = "X-Shmps-Response-Mac"
+#: the store a request is for (the client's), and in the answer the store the answering
+#: bridge serves; under the request's and the answer's MAC
+HEADER_STORE = "X-Shmps-Store"
 
 _TAG_CLIENT = b"shmps-bridge/2 client\0"   # /2: the fields name the store
 _TAG_SERVER = b"shmps-bridge/2 server\0"
-_TAG_REQUEST = b"shmps-bridge/2 request\0"    # /2: the target host is signed too
-_TAG_RESPONSE = b"shmps-bridge/2 response\0"
+_TAG_REQUEST = b"shmps-bridge/3 request\0"    # /2: the target host; /3: the store
+_TAG_RESPONSE = b"shmps-bridge/3 response\0"  # /3: the answering bridge's store
 
 _HELLO = struct.Struct("<4sHH32s")          # magic, version, reserved, server nonce
 _AUTH = struct.Struct("<4sHBBBBII32s32s")   # magic, version, id len, purpose len, store len,
@@ -101,6 +109,21 @@ class AuthError(Error, PermissionError):
 
     hint = ("every host must use the same --secret-file, and host clocks must agree within "
             "the request window (30 s)")
+
+
+class StoreMismatch(Error, ValueError):
+    """An authenticated request, or its authenticated answer, is for another store than
+    the bridge it reached serves: its --store, or the asker's, is another one.  Nothing
+    was done.  ``asked`` is the store of the request, ``serves`` the bridge's."""
+
+    hint = ("every host must run shmps-bridge with the same --store, and `shmps-tool "
+            "members` be given that store with --store")
+
+    def __init__(self, message: str, *, asked: str, serves: str,
+                 hint: str | None = None) -> None:
+        super().__init__(message, hint)
+        self.asked = asked      #: the store the request named (the asker's)
+        self.serves = serves    #: the store the answering bridge serves
 
 
 #: the hint of a handshake of another version: no secret or clock fixes that
@@ -396,57 +419,76 @@ class ClientHandshake:
 # --------------------------------------------------------------------------- requests
 
 def _request_mac(key: bytes, method: str, path: str, client_id: str, target: str,
-                 ts_ms: int, nonce: bytes, body: bytes) -> bytes:
+                 store: str, ts_ms: int, nonce: bytes, body: bytes) -> bytes:
     msg = (_TAG_REQUEST + _lp(method.upper().encode("utf-8")) + _lp(path.encode("utf-8"))
            + _lp(client_id.encode("utf-8")) + _lp(target.encode("utf-8"))
+           + _lp(store.encode("utf-8"))
            + struct.pack("<Q", ts_ms) + nonce + hashlib.sha256(body).digest())
     return hmac.new(key, msg, hashlib.sha256).digest()
 
 
 def sign_request(secret: bytes | None, method: str, path: str, body: bytes, client_id: str,
-                 *, target: str, now: float | None = None,
+                 *, target: str, store: str, now: float | None = None,
                  nonce: bytes | None = None) -> dict[str, str]:
-    """The four authentication headers for an HTTP request to the bridge at ``target``
+    """The five authentication headers for an HTTP request to the bridge at ``target``
     (its member address as in hosts.txt, ``host:port``: the MAC names it, so the request
-    is refused by every other host). ``path`` includes the query string; ``now`` is
+    is refused by every other host) for store ``store`` (the asker's --store, or the one
+    an operator means: the MAC names it, and a bridge serving another refuses the
+    request, :class:`StoreMismatch`). ``path`` includes the query string; ``now`` is
     wall-clock seconds (default ``time.time()``). O(len(body))."""
     _text("client_id", client_id, MAX_ID_BYTES)
     _text("target", target, MAX_ID_BYTES)
+    _store_name(store)
     ts_ms = int(round((time.time() if now is None else now) * 1000))
     if nonce is None:
         nonce = new_nonce(REQUEST_NONCE_BYTES)
     if len(nonce) != REQUEST_NONCE_BYTES:
         raise InvalidArgument(f"nonce must be {REQUEST_NONCE_BYTES} bytes")
-    mac = _request_mac(_key(secret), method, path, client_id, target, ts_ms, nonce, body)
-    return {HEADER_ID: client_id, HEADER_TIME: str(ts_ms), HEADER_NONCE: nonce.hex(),
-            HEADER_MAC: mac.hex()}
+    mac = _request_mac(_key(secret), method, path, client_id, target, store, ts_ms, nonce,
+                       body)
+    return {HEADER_ID: client_id, HEADER_STORE: store, HEADER_TIME: str(ts_ms),
+            HEADER_NONCE: nonce.hex(), HEADER_MAC: mac.hex()}
 
 
-def _response_mac(key: bytes, nonce: bytes, server_id: str, status: int, etag: str,
-                  body: bytes) -> bytes:
-    msg = (_TAG_RESPONSE + nonce + _lp(server_id.encode("utf-8")) + struct.pack("<H", status)
+def _store_name(store: str) -> str:
+    """``store`` if it is a store name (names.check_name: ASCII, so it passes in a
+    header as it is); InvalidArgument otherwise."""
+    return check_name(store)
+
+
+def _response_mac(key: bytes, nonce: bytes, server_id: str, store: str, status: int,
+                  etag: str, body: bytes) -> bytes:
+    msg = (_TAG_RESPONSE + nonce + _lp(server_id.encode("utf-8"))
+           + _lp(store.encode("utf-8")) + struct.pack("<H", status)
            + _lp(etag.encode("utf-8")) + hashlib.sha256(body).digest())
     return hmac.new(key, msg, hashlib.sha256).digest()
 
 
 def sign_response(secret: bytes | None, request_headers: Mapping[str, str], server_id: str,
-                  status: int, body: bytes, etag: str = "") -> dict[str, str]:
-    """The header that authenticates the answer to a verified request: a MAC of the
-    request's nonce (so it answers that request and no other), the answering host, the
-    status, the ``ETag`` (or "") and the body. O(len(body))."""
+                  status: int, body: bytes, etag: str = "", *,
+                  store: str) -> dict[str, str]:
+    """The headers that authenticate the answer to a verified request: the store the
+    answering bridge serves (``store``, its --store) and a MAC of the request's nonce (so
+    it answers that request and no other), the answering host, that store, the status,
+    the ``ETag`` (or "") and the body. O(len(body))."""
     nonce = _hex(_header(request_headers, HEADER_NONCE, 64), REQUEST_NONCE_BYTES,
                  HEADER_NONCE)
-    mac = _response_mac(_key(secret), nonce, server_id, status, etag, body)
-    return {HEADER_RESPONSE_MAC: mac.hex()}
+    mac = _response_mac(_key(secret), nonce, server_id, _store_name(store), status, etag,
+                        body)
+    return {HEADER_STORE: store, HEADER_RESPONSE_MAC: mac.hex()}
 
 
 def check_response(secret: bytes | None, request_headers: Mapping[str, str], server_id: str,
                    status: int, response_headers: Mapping[str, str], body: bytes) -> None:
     """Raise :class:`AuthError` unless the response to the request signed with
     ``request_headers`` (sign_request) carries the MAC that ``server_id``, holding the
-    secret, gives it (sign_response). Check it before using anything of the response:
-    any process listening on a member's address can answer. O(len(body))."""
+    secret, gives it (sign_response); then :class:`StoreMismatch` if the store that
+    answer names (under its MAC) is not the one the request named: the answer is of a
+    bridge of another store (a 409 refusal, or any answer at all).  Check it before
+    using anything of the response: any process listening on a member's address can
+    answer. O(len(body))."""
     nonce = bytes.fromhex(request_headers[HEADER_NONCE])
+    asked = request_headers[HEADER_STORE]
     etag = response_headers.get("ETag", "")
     mac = _hex(_header(response_headers, HEADER_RESPONSE_MAC, 128), MAC_BYTES,
                HEADER_RESPONSE_MAC)
@@ -454,10 +496,15 @@ def check_response(secret: bytes | None, request_headers: Mapping[str, str], ser
         # (aiohttp hands header bytes that are not UTF-8 on as lone surrogates, which
         # raised UnicodeEncodeError in the MAC; every ETag a bridge gives is ASCII)
         raise AuthError(f"the answer of {server_id} has a malformed ETag header")
-    expected = _response_mac(_key(secret), nonce, server_id, status, etag, body)
+    serves = _header(response_headers, HEADER_STORE, MAX_STORE_BYTES)   # (ASCII: _header)
+    expected = _response_mac(_key(secret), nonce, server_id, serves, status, etag, body)
     if not hmac.compare_digest(mac, expected):
         raise AuthError(f"the answer of {server_id} failed authentication (it does not hold "
                         "this host's secret, or the answer was altered)")
+    if serves != asked:   # (authentic: the MAC covers the store the answer names)
+        raise StoreMismatch(f"the bridge at {server_id} serves store {serves!r}, not "
+                            f"{asked!r}: it refused the request (or answered for another "
+                            "store)", asked=asked, serves=serves)
 
 
 def _header(headers: Mapping[str, str], name: str, limit: int) -> str:
@@ -490,14 +537,16 @@ class RequestVerifier:
     ``verify`` is O(len(body) + log(max_nonces)) amortized.
     """
 
-    def __init__(self, secret: bytes | None, address: str, *, window: float = REQUEST_WINDOW,
-                 max_nonces: int = 65536, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, secret: bytes | None, address: str, *, store: str,
+                 window: float = REQUEST_WINDOW, max_nonces: int = 65536,
+                 clock: Callable[[], float] = time.time) -> None:
         if not window > 0:
             raise InvalidArgument(f"window must be > 0, got {window!r}")
         if max_nonces < 1:
             raise InvalidArgument(f"max_nonces must be >= 1, got {max_nonces!r}")
         self._key = _key(secret)
         self.address = address    #: this host's member address: the target requests sign
+        self.store = _store_name(store)   #: the store this host serves: requests sign it
         self.window = float(window)
         self.max_nonces = int(max_nonces)
         self._clock = clock
@@ -516,7 +565,10 @@ class RequestVerifier:
     def verify(self, method: str, path: str, headers: Mapping[str, str], body: bytes, *,
                now: float | None = None) -> str:
         """Return the authenticated client id, or raise :class:`AuthError` naming the check
-        that failed (missing/malformed header, bad MAC, expired, replayed, cache full)."""
+        that failed (missing/malformed header, bad MAC, expired, replayed, cache full);
+        or, for a request that passes them all and is for another store than this
+        host's, :class:`StoreMismatch` (its nonce is remembered: it is not taken later
+        either)."""
         t = self._clock() if now is None else now
         client_id = _header(headers, HEADER_ID, 4 * MAX_ID_BYTES)
         ts_text = _header(headers, HEADER_TIME, 20)
@@ -525,10 +577,11 @@ class RequestVerifier:
         ts_ms = int(ts_text)
         if ts_ms >= 1 << 64:
             raise AuthError(f"malformed {HEADER_TIME} header: out of range")
+        store = _header(headers, HEADER_STORE, MAX_STORE_BYTES)
         nonce = _hex(_header(headers, HEADER_NONCE, 64), REQUEST_NONCE_BYTES, HEADER_NONCE)
         mac = _hex(_header(headers, HEADER_MAC, 128), MAC_BYTES, HEADER_MAC)
-        expected = _request_mac(self._key, method, path, client_id, self.address, ts_ms,
-                                nonce, body)
+        expected = _request_mac(self._key, method, path, client_id, self.address, store,
+                                ts_ms, nonce, body)
         if not hmac.compare_digest(mac, expected):
             raise AuthError(f"request {method} {path} from {client_id!r} failed authentication "
                             "(wrong secret, signed for another host than "
@@ -547,10 +600,17 @@ class RequestVerifier:
                             f"({self.max_nonces} remembered); refusing rather than forgetting")
         self._seen.add(nonce)
         heapq.heappush(self._expiry, (ts + self.window, nonce))
+        if store != self.store:
+            # (after the MAC: the store is the asker's own claim, so the refusal can name
+            # it and be signed; the caller answers 409 before it does anything)
+            raise StoreMismatch(f"request {method} {path} from {client_id!r} is for store "
+                                f"{store!r}; this host serves {self.store!r}",
+                                asked=store, serves=self.store)
         return client_id
 
 
 __all__ = ["AuthError", "ClientHandshake", "HEADER_ID", "HEADER_MAC", "HEADER_NONCE",
-           "HEADER_TIME", "NONCE_BYTES", "Peer", "RequestVerifier", "SECRET_MIN_BYTES",
-           "ServerHandshake", "check_bind", "check_response", "is_loopback", "load_secret",
+           "HEADER_STORE", "HEADER_TIME", "NONCE_BYTES", "Peer", "RequestVerifier",
+           "SECRET_MIN_BYTES", "ServerHandshake", "StoreMismatch", "check_bind",
+           "check_response", "is_loopback", "load_secret",
            "new_nonce", "sign_request", "sign_response"]

@@ -107,8 +107,6 @@ INIT_GIVE_S = 30.0
 #: a leaving creator's hand-over of initial values that its owner has not answered this
 #: long after it was queued is sent again (its connection reset, say)
 INIT_RESEND_S = 1.0
-#: the header of a catalog answer that names the answering bridge's --store
-STORE_HEADER = "X-Shmps-Store"
 #: s between a link's attempts to a peer whose handshake named another --store (a
 #: typo fixed by a restart is met this late at most; every 0.05 s was pointless work)
 STORE_RETRY = 1.0
@@ -801,7 +799,7 @@ class Bridge:
         self.runner: Any = None
         self._site: Any = None
         self._tasks: list[asyncio.Task] = []
-        self._verifier = auth.RequestVerifier(cfg.secret, self.addr)
+        self._verifier = auth.RequestVerifier(cfg.secret, self.addr, store=cfg.store)
         #: incoming connections not yet authenticated, per remote IP address (h_stream)
         self._handshaking: Counter = Counter()
         self._refusals_logged: dict[tuple, tuple] = {}   # (remote, why) -> (logged at, since)
@@ -4452,10 +4450,13 @@ class Bridge:
         ``ok`` is read up to ``limit`` bytes and its MAC checked (auth.check_response)
         before anything of it is returned: any process listening on a member's address
         can answer.  A MAC that fails is counted and raised (AuthError); an answer of
-        another status comes back with no body."""
+        another status comes back with no body.  The request names this host's --store
+        (under its MAC), and the answer the peer's: a peer of another store answers
+        409, and check_response raises StoreMismatch for it (409 in ``ok``) or for any
+        answer of such a peer."""
         import aiohttp
         signed = auth.sign_request(self.cfg.secret, method, path, body, self.addr,
-                                   target=peer)
+                                   target=peer, store=self.cfg.store)
         async with self.session.request(method, http_url(peer, path), data=body or None,
                                         headers={**signed, **(headers or {})},
                                         timeout=aiohttp.ClientTimeout(total=timeout)) as r:
@@ -4474,16 +4475,18 @@ class Bridge:
         try:
             status, answer, body = await self._ask_peer(
                 peer, "GET", "/v1/catalog", timeout=1.0, limit=MAX_CATALOG_BYTES,
-                ok=(200, 304), headers={"If-None-Match": known} if known else None)
+                ok=(200, 304, 409), headers={"If-None-Match": known} if known else None)
         except auth.AuthError as e:
             log.warning("refused the catalog answer of %s: %s", peer, e)
             return
-        theirs = answer.get(STORE_HEADER)
-        if theirs is not None and not self._store_agrees(peer, theirs):
+        except auth.StoreMismatch as e:
             # A mistyped --store is refused at the handshake, and such a peer is never
             # reachable; but every configured member counts reachable, unheard, for
             # dead_after from this bridge's start, and a catalog pass then would copy
-            # the other store's tensors into this one.  Its tensors are not copied.
+            # the other store's tensors into this one.  The request names this host's
+            # store, the peer refuses it (409), and its signed refusal names the peer's:
+            # reported as the handshake's refusal is, and nothing of it is copied.
+            self._store_agrees(peer, e.serves)
             return
         if status == 304:   # nothing new there since every record was taken
             self.catalog_seen_from.add(peer)
@@ -4608,29 +4611,57 @@ class Bridge:
         return web.Response(body=generate_latest(self.metrics.registry),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    def _verify(self, request: Any, body: bytes) -> Optional[str]:
+    def _verify(self, request: Any, body: bytes, refused: Optional[dict] = None) -> Any:
+        """The authenticated client id of ``request`` (a str), or the answer to send
+        instead: 401 (``refused``, or "authentication failed") when its MAC, time or
+        nonce fails; 409, signed, when it is authentic and for another store than this
+        host's (auth.StoreMismatch), before anything else is done with it.  A member
+        that asks for another store is reported as its handshake's refusal is
+        (_store_agrees: one ERROR, /health's store_mismatch)."""
+        from aiohttp import web
         try:
             return self._verifier.verify(request.method, request.path_qs, request.headers, body)
         except auth.AuthError as e:
             self.metrics.rejected("auth")
             log.warning("refused %s %s from %s: %s", request.method, request.path_qs,
                         request.remote, e)
-            return None
+            return web.json_response(refused or {"error": "authentication failed"},
+                                     status=401)
+        except auth.StoreMismatch as e:
+            who = request.headers.get(auth.HEADER_ID, "")   # (authenticated: verify passed)
+            if who in self.members.configured:
+                self._store_agrees(who, e.asked)
+            else:   # an operator's tool given another store: once per ~10 s per remote
+                self.metrics.rejected("store")
+                self._log_refusal(str(request.remote), f"{who!r} asks for store "
+                                  f"{e.asked!r}, and this host serves {self.cfg.store!r}",
+                                  "refused a request from %s: %s%s")
+            return self._signed_json(request, {
+                "error": f"refused: {request.method} {request.path_qs} is for store "
+                         f"{e.asked!r}, and this bridge ({self.addr}) serves store "
+                         f"{self.cfg.store!r}: nothing was done (ask a bridge of store "
+                         f"{e.asked!r}; or, to ask this one, `shmps-tool members "
+                         f"{self.addr} --store {self.cfg.store} ...`; a bridge sending "
+                         "this runs with another --store than this host's: every host "
+                         "must run shmps-bridge with the same --store)",
+                "store": self.cfg.store, "asked": e.asked, "address": self.addr}, 409)
 
     async def h_catalog(self, request: Any) -> Any:
         from aiohttp import web
-        if self._verify(request, b"") is None:
-            return web.json_response({"error": "authentication failed"}, status=401)
+        who = self._verify(request, b"")
+        if not isinstance(who, str):
+            return who
         self.store._refresh()
         # The catalog only grows, and a record's origin is set with it: this tag changes
         # whenever the answer does.  A peer that has taken every record of this answer
         # sends it back (If-None-Match) and gets 304, not hundreds of records again.
         tag = f'"{self.incarnation}-{len(self.store._record_list)}-{len(self.adopted)}"'
-        mine = {STORE_HEADER: self.cfg.store}   # (the asker checks it is its own --store)
+        # (the answer's MAC covers this host's --store: the asker checks it is its own)
         if request.headers.get("If-None-Match") == tag:
             return web.Response(status=304, headers={
-                "ETag": tag, **mine, **auth.sign_response(self.cfg.secret, request.headers,
-                                                          self.addr, 304, b"", tag)})
+                "ETag": tag, **auth.sign_response(self.cfg.secret, request.headers,
+                                                  self.addr, 304, b"", tag,
+                                                  store=self.cfg.store)})
         # each record says where its tensor was created: the copy with its initial values
         # (a record not taken up yet by this process names its origin itself: a copy an
         # earlier bridge process on this store made: review H5 F6)
@@ -4638,16 +4669,17 @@ class Bridge:
                 for r in self.store._record_list if _user_record(r)]
         body = json.dumps(recs).encode()
         return web.Response(body=body, content_type="application/json", headers={
-            "ETag": tag, **mine, **auth.sign_response(self.cfg.secret, request.headers,
-                                                      self.addr, 200, body, tag)})
+            "ETag": tag, **auth.sign_response(self.cfg.secret, request.headers, self.addr,
+                                              200, body, tag, store=self.cfg.store)})
 
     async def h_structure(self, request: Any) -> Any:
         """``POST /v1/structure`` ``{"name": N}``: csr tensor N's rowcnt then colidx
         (little-endian int64), for a peer creating it (request MAC)."""
         from aiohttp import web
         body = await request.read()
-        if self._verify(request, body) is None:
-            return web.json_response({"error": "authentication failed"}, status=401)
+        who = self._verify(request, body)
+        if not isinstance(who, str):
+            return who
         try:
             name = json.loads(body)["name"]
             if isinstance(name, str) and name not in self.by_name:
@@ -4661,35 +4693,30 @@ class Bridge:
         data = rc.astype("<i8").tobytes() + ci.astype("<i8").tobytes()
         return web.Response(body=data, content_type="application/octet-stream",
                             headers=auth.sign_response(self.cfg.secret, request.headers,
-                                                       self.addr, 200, data))
+                                                       self.addr, 200, data,
+                                                       store=self.cfg.store))
 
     async def h_members(self, request: Any) -> Any:
-        from aiohttp import web
         body = await request.read()
-        who = self._verify(request, body)
-        if who is None:
-            return web.json_response({"error": "authentication failed: sign the request with "
-                                               "the cluster's secret for this host "
-                                               f"(`shmps-tool members {self.addr} --secret-file "
-                                               "F ...`, or auth.sign_request(..., target="
-                                               f"{self.addr!r})); this bridge's log says what "
-                                               "failed", "address": self.addr}, status=401)
+        who = self._verify(request, body, {
+            "error": "authentication failed: sign the request with the cluster's secret for "
+                     f"this host (`shmps-tool members {self.addr} --store {self.cfg.store} "
+                     "--secret-file F ...`, or "
+                     f"auth.sign_request(..., target={self.addr!r}, store=...)); this "
+                     "bridge's log says what failed", "address": self.addr})
+        if not isinstance(who, str):
+            return who
         shape = ('expected a JSON object {"add": ["host:port", ...], "remove": '
                  '["host:port", ...]} (either may be left out)')
         try:
             req = json.loads(body or b"{}")
             if not isinstance(req, dict):
                 raise InvalidArgument(f"not an object; {shape}")
-            unknown = set(req) - {"add", "remove", "forwarded", "store"}
+            # (a member change a bridge of another --store sends on was refused by
+            # _verify: the request names its store under the MAC, 409)
+            unknown = set(req) - {"add", "remove", "forwarded"}
             if unknown:
                 raise InvalidArgument(f"unknown keys {sorted(unknown)}; {shape}")
-            if req.get("forwarded") and not self._store_agrees(who, str(req.get("store"))):
-                # (a member change a bridge of another --store sent on: one that its
-                # handshake refuses must not change this host's members either)
-                return self._signed_json(request, {
-                    "error": f"refused: {who} serves store {req.get('store')!r}, this host "
-                             f"{self.cfg.store!r} (every host must run shmps-bridge with "
-                             "the same --store)"}, 409)
             for k in ("add", "remove"):
                 v = req.get(k, [])
                 if not isinstance(v, list) or not all(isinstance(a, str) for a in v):
@@ -4726,8 +4753,7 @@ class Bridge:
                 if m == self.addr:
                     continue
                 asyncio.get_running_loop().create_task(
-                    self._post_members(m, {"add": add, "remove": remove, "forwarded": True,
-                                           "store": self.cfg.store}))
+                    self._post_members(m, {"add": add, "remove": remove, "forwarded": True}))
         # what changed: an address to add that was a member already is no change (it was
         # logged as one), nor, in a forwarded request, one to remove that was none here
         added = [a for a in add if a not in before]
@@ -4753,7 +4779,8 @@ class Bridge:
         body = json.dumps(answer).encode()
         return web.Response(body=body, status=status, content_type="application/json",
                             headers=auth.sign_response(self.cfg.secret, request.headers,
-                                                       self.addr, status, body))
+                                                       self.addr, status, body,
+                                                       store=self.cfg.store))
 
     async def _post_members(self, peer: str, req: dict) -> None:
         try:   # (its answer is not used: not read, not signed)
@@ -4819,14 +4846,15 @@ class Bridge:
         return ws
 
     def _store_agrees(self, peer: str, theirs: str) -> bool:
-        """Whether member ``peer``, whose handshake (or catalog answer) says it serves
-        store ``theirs``, serves this host's.  If not, it is refused: its connection
-        closes before any frame of it is read, so it is never heard, never reachable and
-        on no ring here (a mistyped --store: its workers' pushes and this host's would
-        never meet, and before the handshake named the store it joined the ring and owned
-        shards it could not apply).  Logged once as long as it serves that store (each
-        end of each connection, every retry, would otherwise log it), listed in
-        /health's store_mismatch.  The namespace is not compared: it is a host's own."""
+        """Whether member ``peer``, whose handshake (or signed request, or signed answer)
+        says it serves store ``theirs``, serves this host's.  If not, it is refused: its
+        connection closes before any frame of it is read, so it is never heard, never
+        reachable and on no ring here (a mistyped --store: its workers' pushes and this
+        host's would never meet, and before the handshake named the store it joined the
+        ring and owned shards it could not apply).  Logged once as long as it serves
+        that store (each end of each connection, every retry, would otherwise log it),
+        listed in /health's store_mismatch.  The namespace is not compared: it is a
+        host's own."""
         if theirs == self.cfg.store:
             self.store_mismatch.pop(peer, None)
             return True
