@@ -1223,6 +1223,54 @@ def test_a_peer_whose_connections_closed_is_looked_at_once_half_dead_after_silen
     assert node.members.state(b) is State.DEAD and 0.19 <= took < 0.35, took
 
 
+def test_a_peer_whose_connections_closed_and_whose_address_refuses_is_dead_at_once(tmp_path):
+    """A peer's connection broke and this host's link, dialling it again, is refused
+    (ECONNREFUSED: nothing listens on its address, so its bridge process is gone; a
+    stopped or cut-off process still has its socket, whose kernel accepts): the peer is
+    dead as soon as its connections are closed, not half of dead_after later.  A killed
+    owner failed over 0.25 s after its last word at the earliest, and its successors
+    took its shards 0.3-0.5 s after the kill.  A peer that still accepts connections
+    (its process is there) waits for the silence as before.  Drives a Bridge, not
+    started, with real Links dialling real addresses."""
+    from bridge_harness import free_port
+    from shmps.bridge import node as bridge_node
+
+    a = "127.0.0.2:7001"
+    b = f"127.0.0.3:{free_port('127.0.0.3')}"   # nothing listens here: refused
+    c = f"127.0.0.4:{free_port('127.0.0.4')}"   # accepts, then closes
+    node = _bridge(tmp_path, [a, b, c], dead_after=2.0)
+    everyone = {a: State.ALIVE, b: State.ALIVE, c: State.ALIVE}
+
+    async def main() -> tuple:
+        async def hang_up(reader, writer):
+            writer.close()
+        server = await asyncio.start_server(hang_up, *c.rsplit(":", 1))
+        try:
+            for p in (b, c):
+                node.on_heartbeat(p, _heartbeat(p, 0, everyone))
+            heard = time.monotonic()
+            for p in (b, c):
+                link = bridge_node.Link(node, p)
+                node.links[p] = link
+                link.down_since = time.monotonic()   # its connection broke (before its dial)
+                node._look_when_silent(p)
+            while node.members.state(b) is not State.DEAD and time.monotonic() < heard + 3:
+                await asyncio.sleep(0.005)
+            took = time.monotonic() - heard
+            await asyncio.sleep(0.3)
+            other = node.members.state(c)
+            return took, other
+        finally:
+            for link in list(node.links.values()):
+                link.task.cancel()
+            server.close()
+            await server.wait_closed()
+
+    took, other = asyncio.run(asyncio.wait_for(main(), 10))
+    assert node.members.state(b) is State.DEAD and took < 0.5, took   # not 1 s (dead_after / 2)
+    assert other is not State.DEAD, other         # accepts: silent for < 1 s yet, so alive
+
+
 def test_a_link_takes_data_frames_that_come_with_the_servers_ok(tmp_path):
     """A peer's bridge (the websocket server) sends its data frames on this host's link
     as soon as the handshake succeeds, so the first may arrive in the same read as its

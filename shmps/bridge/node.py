@@ -505,6 +505,7 @@ class Link:
         self.conn: Optional[Conn] = None
         self.up_since = 0.0
         self.down_since = 0.0     # when an established connection last broke (0: never)
+        self.refused_at = 0.0     # when a dial was last refused (ECONNREFUSED; 0: never)
         self.task = asyncio.get_running_loop().create_task(self._run(), name=f"link {addr}")
 
     @property
@@ -570,9 +571,18 @@ class Link:
                                        "peer %s failed authentication: %s%s")
             except Exception as e:
                 log.debug("link to %s: %s", self.addr, e)
+                if isinstance(e, OSError) and e.errno == errno.ECONNREFUSED:
+                    # nothing listens on the peer's address: its bridge process is gone
+                    # (a stopped or cut-off one keeps its socket, which its kernel, or no
+                    # one, answers): with its connections closed it is dead at once
+                    # (_closed_and_silent), not half of dead_after after its last word
+                    self.refused_at = time.monotonic()
+                    if self.down_since:
+                        self.node._look_at_closed()
             if stream is not None:
                 stream.close()
-            if self.conn is not None:
+            broke = self.conn is not None
+            if broke:
                 self.conn = None
                 self.down_since = time.monotonic()
                 self.node._look_when_silent(self.addr)
@@ -585,7 +595,9 @@ class Link:
                 if self.node.links.get(self.addr) is self:
                     del self.node.links[self.addr]
                 return
-            await asyncio.sleep(0.05)
+            # dialled again at once after a break (a peer that died refuses it: dead
+            # then, _closed_and_silent), then every 0.05 s
+            await asyncio.sleep(0.0 if broke else 0.05)
 
 
 # --------------------------------------------------------------------------- metrics
@@ -2072,6 +2084,9 @@ class Bridge:
         from the last look, and this timer is no measure of the event loop's pace."""
         if member not in self.members.states():
             return
+        link = self.links.get(member)
+        if link is not None and link.refused_at > link.down_since > 0:
+            self._look_at_closed()   # its address refused a dial already: look now
         delay = self.members.last_seen(member) + self.cfg.dead_after / 2 - time.monotonic()
         asyncio.get_running_loop().call_later(max(0.0, delay) + 0.001, self._look_at_closed)
 
@@ -2081,8 +2096,12 @@ class Bridge:
 
     def _closed_and_silent(self) -> None:
         """A peer whose connections both closed (its kernel closes them when the process
-        dies) and that has been silent for half of ``dead_after`` is dead now: a killed
-        bridge fails over sooner than a stopped or cut-off one, whose connections stay."""
+        dies) and that has been silent for half of ``dead_after``, or whose address
+        refused this host's dial since (nothing listens there: the process is gone), is
+        dead now: a killed bridge fails over sooner than a stopped or cut-off one, whose
+        connections stay, and whose kernel (or no one) still answers a dial.  (Half of
+        dead_after alone: a killed owner's shards were taken 0.3-0.5 s after the kill,
+        the failover bench, 2026-11-28.)"""
         now = time.monotonic()
         for m, st in self.members.states().items():
             if m == self.addr or st in (State.DEAD, State.JOINING):
@@ -2093,8 +2112,11 @@ class Bridge:
             if any(who[0] == m for who in self.incoming):
                 continue
             silent = now - self.members.last_seen(m)
-            if silent >= self.cfg.dead_after / 2 and now - link.down_since < 5 * self.cfg.dead_after:
-                log.info("member %s: connections closed, silent %.0f ms: dead", m, silent * 1e3)
+            refused = link.refused_at > link.down_since
+            if ((silent >= self.cfg.dead_after / 2 or refused)
+                    and now - link.down_since < 5 * self.cfg.dead_after):
+                log.info("member %s: connections closed%s, silent %.0f ms: dead", m,
+                         ", its address refuses" if refused else "", silent * 1e3)
                 self._on_changes(self.members.mark_dead(m))
 
     def _is_origin(self, key: tuple) -> bool:
