@@ -1369,6 +1369,42 @@ def test_a_gap_for_the_oldest_frame_resends_the_stream_at_once(tmp_path):
     assert stream.retry_at >= t0 + RETRY
 
 
+def test_a_stream_its_owner_refused_for_its_view_goes_again_once_the_owner_acts(tmp_path):
+    """An owner refuses batches while it does not act by the sender's view (NO_QUORUM:
+    it minted the epoch and waits for a majority to say they hold it; STALE_EPOCH,
+    NOT_OWNER).  The sender resends when the owner's heartbeat says it acts at the
+    sender's epoch on its ring (HB_ACTING), not RETRY later: at a failover the new
+    owner agrees a round trip after the other survivor's heartbeat, and its shards
+    waited RETRY (50 ms) more than that.  Not for a BUSY (a snapshot read or a hand-over:
+    its backoff holds), nor on a heartbeat that does not say it acts."""
+    from shmps.bridge.node import RETRY
+
+    node, stream, a, b, answer = _sending_stream(tmp_path)
+    stream.target = b                                  # (_send_stream: b owns the shard)
+    everyone = {a: State.ALIVE, b: State.ALIVE}
+    node.on_heartbeat(b, _heartbeat(b, 0, everyone, seq=1))
+    assert node._epoch_ring == (0, ring.Ring([a, b]).digest)
+    acts = frames.HB_QUORUM | frames.HB_ACTING
+
+    for status in (Status.NO_QUORUM, Status.STALE_EPOCH, Status.NOT_OWNER):
+        stream.retry_at = 0.0
+        stream.q.to_send()
+        t0 = time.monotonic()
+        answer(1, status)
+        assert stream.retry_at >= t0 + RETRY and stream.q.sent == 0
+        node.on_heartbeat(b, _heartbeat(b, 0, everyone, seq=node._hb_seq[b] + 1))
+        assert stream.retry_at >= t0 + RETRY, status    # it does not act yet
+        node._flush_asked = False
+        node.on_heartbeat(b, _heartbeat(b, 0, everyone, acts, seq=node._hb_seq[b] + 1))
+        assert stream.retry_at == 0.0 and node._flush_asked, status   # resent now
+
+    stream.q.to_send()
+    t0 = time.monotonic()
+    answer(1, Status.BUSY)
+    node.on_heartbeat(b, _heartbeat(b, 0, everyone, acts, seq=node._hb_seq[b] + 1))
+    assert stream.retry_at >= t0 + 0.01, stream.retry_at - t0        # BUSY's backoff holds
+
+
 def test_busy_answers_in_a_row_back_off(tmp_path):
     """An owner answers BUSY while it reads a snapshot of the shard (up to a second for
     a large one), waits for a hand-over or its copies are behind; each resend sends the
@@ -1427,27 +1463,31 @@ def test_a_host_acts_only_while_a_majority_holds_its_epoch_and_ring(tmp_path):
 def test_a_heartbeat_goes_out_at_once_when_the_epoch_changes(tmp_path):
     """The heartbeat loop waits its interval, or less: a change of epoch or ring sends the
     next heartbeat at once, so the peers take the new view over (or agree with it) and
-    the host acts a round trip after the change, not an interval (_ring_agreed)."""
+    the host acts a round trip after the change, not an interval (_ring_agreed); so does
+    the host's starting to act (HB_ACTING: senders whose batches it refused until then
+    resend on it, _resend_view_waits)."""
     a, b, c = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
     node = _bridge(tmp_path, [c, a, b], heartbeat=5.0)
+    everyone = {a: State.ALIVE, b: State.ALIVE, c: State.ALIVE}
 
     async def main() -> list:
         seen = []
         task = asyncio.get_running_loop().create_task(node._heartbeat_loop())
         await asyncio.sleep(0.1)
-        seen.append(node.hb_seq)                     # the first one, then the interval
-        node.on_heartbeat(a, _heartbeat(a, 0, {a: State.ALIVE, b: State.ALIVE,
-                                               c: State.ALIVE}))
+        seen.append((node.hb_seq, node._hb_acting))  # the first one, then the interval
+        node.on_heartbeat(a, _heartbeat(a, 0, everyone, seq=1))
         await asyncio.sleep(0.1)
-        seen.append(node.hb_seq)                     # nothing changed: still waiting
-        node.on_heartbeat(b, _heartbeat(b, 1, {a: State.ALIVE, b: State.ALIVE,
-                                               c: State.ALIVE}))   # a newer epoch
+        seen.append((node.hb_seq, node._hb_acting))  # a agrees: this host acts, says so
+        node.on_heartbeat(a, _heartbeat(a, 0, everyone, seq=2))
         await asyncio.sleep(0.1)
-        seen.append(node.hb_seq)
+        seen.append((node.hb_seq, node._hb_acting))  # nothing changed: still waiting
+        node.on_heartbeat(b, _heartbeat(b, 1, everyone))   # a newer epoch
+        await asyncio.sleep(0.1)
+        seen.append((node.hb_seq, node._hb_acting))
         task.cancel()
         return seen
 
-    assert asyncio.run(main()) == [1, 1, 2]
+    assert asyncio.run(main()) == [(1, False), (2, True), (2, True), (3, True)]
     assert node.members.epoch == 1
 
 
