@@ -1271,6 +1271,59 @@ def test_a_peer_whose_connections_closed_and_whose_address_refuses_is_dead_at_on
     assert other is not State.DEAD, other         # accepts: silent for < 1 s yet, so alive
 
 
+def test_a_link_to_a_peer_that_closes_each_connection_at_once_dials_at_most_every_50_ms(tmp_path):
+    """A link dials again at once after its connection breaks (a peer that died then
+    refuses the dial and is dead at once), but not after a connection that broke as
+    soon as it was made: a peer that closes every connection after its handshake is
+    dialled every 0.05 s, as before, not in a loop of handshakes.  A fake peer completes
+    the handshake and closes; the connections it took in 0.5 s are counted.  Drives a
+    Bridge, not started, with one real Link."""
+    from aiohttp import web
+    from shmps.bridge import auth, node as bridge_node, wsstream
+
+    got: dict = {"n": 0}
+
+    async def main() -> None:
+        async def fake_peer(request):
+            ws = web.WebSocketResponse()
+            await ws.prepare(request)
+            stream = wsstream.take_over(request, max_msg=1 << 20, peer="the link")
+            hs = auth.ServerHandshake(None, sender=members.member_id(got["b"]),
+                                      store="unused", incarnation=1)   # (_bridge's)
+            stream.send(hs.hello())
+            _, ok = hs.verify(await stream.receive(5))
+            stream.send(ok)
+            got["n"] += 1
+            await asyncio.sleep(0.001)
+            stream.close()
+            return ws
+
+        app = web.Application()
+        app.router.add_get("/v1/stream", fake_peer)
+        runner = web.AppRunner(app, handle_signals=False)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.3", 0)
+        await site.start()
+        got["b"] = b = f"127.0.0.3:{site._server.sockets[0].getsockname()[1]}"  # noqa: SLF001
+        node = _bridge(tmp_path, ["127.0.0.2:7001", b])
+        node.on_message = lambda *args: 0
+        link = bridge_node.Link(node, b)
+        try:
+            while got["n"] == 0:
+                await asyncio.sleep(0.005)
+            got["n"] = 0
+            await asyncio.sleep(0.5)
+            got["dials"] = got["n"]
+        finally:
+            link.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await link.task
+            await runner.cleanup()
+
+    asyncio.run(asyncio.wait_for(main(), 20))
+    assert 3 <= got["dials"] <= 12, got      # every 0.05 s (10 in 0.5 s), not a loop
+
+
 def test_a_link_takes_data_frames_that_come_with_the_servers_ok(tmp_path):
     """A peer's bridge (the websocket server) sends its data frames on this host's link
     as soon as the handshake succeeds, so the first may arrive in the same read as its

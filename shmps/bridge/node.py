@@ -600,8 +600,11 @@ class Link:
                     del self.node.links[self.addr]
                 return
             # dialled again at once after a break (a peer that died refuses it: dead
-            # then, _closed_and_silent), then every 0.05 s
-            await asyncio.sleep(0.0 if broke else 0.05)
+            # then, _closed_and_silent), then every 0.05 s; and at most every 0.05 s if
+            # its connections break as soon as they are made (a peer that closes each
+            # one after its handshake was dialled in a loop)
+            quick = broke and time.monotonic() - self.up_since >= 0.05
+            await asyncio.sleep(0.0 if quick else 0.05)
 
 
 # --------------------------------------------------------------------------- metrics
