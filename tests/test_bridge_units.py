@@ -2723,6 +2723,67 @@ def test_a_request_for_another_store_is_refused_by_every_signed_endpoint(tmp_pat
 
 
 @pytest.mark.timeout(60)
+def test_a_structure_request_refused_for_another_store_is_a_store_mismatch(tmp_path, caplog):
+    """Bridge c (store m2) asks bridge a (store m) for csr tensor s's structure, as its
+    catalog pass does right after a catalog answer (a restarted with another --store in
+    between, say): a refuses it (409, signed), and c takes that as the store refusal it
+    is, auth.StoreMismatch naming a's store, reported as a handshake's refusal
+    (store_mismatch, one ERROR naming both stores and the fix), as the catalog fetch
+    does.  Before, the structure fetch took only 200 in: the refusal came back as
+    "structure of 's' from A: HTTP 409", which c's catalog pass logged as an ERROR
+    ("cannot create tensor") every pass, saying nothing of the store."""
+    import uuid
+
+    import numpy as np
+
+    import shmps
+    from bridge_harness import free_port
+    from shmps.bridge import auth
+    from shmps.bridge.node import Bridge, Config
+
+    tag = uuid.uuid4().hex[:8]
+    nodes = []
+    for i, (ip, store) in enumerate((("127.0.0.2", "m"), ("127.0.0.3", "m2"))):
+        addr = f"{ip}:{free_port(ip)}"
+        hosts = tmp_path / f"hosts{i}.txt"   # (each alone: no handshake between them)
+        hosts.write_text(f"{addr}\n")
+        nodes.append(Bridge(Config(peers_file=str(hosts), store=store, listen=addr,
+                                   namespace=f"u{tag}{i}", secret=None, dead_after=1.0,
+                                   startup_grace=0.0)))
+    a, c = nodes
+
+    async def main() -> None:
+        started: list = []
+        try:
+            for node in nodes:
+                await node.start()
+                started.append(node)
+            a.store.csr("s", np.array([0, 1, 3]), np.array([1, 0, 2]), "float32", init=1.0)
+            await a.refresh_all_tensors()
+            rec = next(r for r in a.store._record_list if r["name"] == "s")
+            for _ in range(2):
+                with pytest.raises(auth.StoreMismatch) as e:
+                    await c._fetch_structure(a.addr, rec)
+                assert (e.value.asked, e.value.serves) == ("m2", "m"), e.value
+            assert c.store_mismatch == {a.addr: "m"}
+            said = [r.getMessage() for r in caplog.records
+                    if r.levelno == logging.ERROR and r.getMessage().startswith(
+                        f"peer {a.addr} serves store 'm', this host 'm2'")]
+            assert len(said) == 1 and "start it with --store m2" in said[0], said
+            assert "s" not in c.by_name
+        finally:
+            for node in started:
+                await node.close()
+
+    try:
+        with caplog.at_level(logging.INFO, logger="shmps.bridge"):
+            asyncio.run(asyncio.wait_for(main(), 50))
+    finally:
+        for node in nodes:
+            shmps.attach(node.cfg.store, namespace=node.cfg.namespace).destroy()
+
+
+@pytest.mark.timeout(60)
 def test_a_peer_of_an_older_handshake_is_one_warning_per_interval_on_the_dialling_side(
         tmp_path, caplog):
     """Host a's hosts.txt names a peer that speaks an older handshake (a rolling upgrade:

@@ -96,6 +96,9 @@ MAX_HANDSHAKES_PER_HOST = 8      #: connections in their handshake at once from 
 AUTH_WAIT = 3.0                  #: s a server waits for the client's AUTH after its HELLO
 MAX_PRESTART = 2 * MAX_MSG        #: bytes a link holds from its peer before it starts reading them
 MAX_CATALOG_BYTES = 64 << 20     #: the largest catalog answer a peer's bridge may give
+#: the largest refusal of another store (409, _verify's signed JSON: two store names
+#: and an address in a few hundred bytes) a structure request reads
+MAX_REFUSAL_BYTES = 4096
 SNAPSHOT_FRAME_BYTES = 1 << 20   #: values per snapshot chunk
 #: shards of tensors not taken up yet whose refused snapshot chunks are remembered
 #: (Bridge._unknown_snap_broken), the oldest dropped past it
@@ -4592,6 +4595,8 @@ class Bridge:
                     structure = (await self._fetch_structure(peer, rec)
                                  if rec["kind"] == "csr" else None)
                     self.create_from_record(rec, peer, structure)
+                except auth.StoreMismatch:
+                    return   # (reported: _fetch_structure; nothing more of that peer)
                 except segment.NoRoom as e:
                     complete = False
                     self._no_room(rec["name"], e)
@@ -4609,11 +4614,21 @@ class Bridge:
         from ..csr import check_colidx, check_rowcnt, check_sorted, structure_hash
         rows, nnz = int(rec["shape"][0]), int(rec["nnz"])
         try:
+            # (409: a peer of another store refuses the request, signed, as it refuses
+            # a catalog request: taken in, so that check_response names its store)
             status, _, data = await self._ask_peer(
                 peer, "POST", "/v1/structure", json.dumps({"name": rec["name"]}).encode(),
-                timeout=60.0, limit=8 * (rows + 1 + nnz))
+                timeout=60.0, limit=max(8 * (rows + 1 + nnz), MAX_REFUSAL_BYTES),
+                ok=(200, 409))
         except auth.AuthError as e:
             raise InvalidArgument(f"structure of {rec['name']!r}: {e}") from None
+        except auth.StoreMismatch as e:
+            # reported as the catalog fetch reports it (a peer restarted with another
+            # --store between its catalog answer and this request): raised on, so that
+            # the catalog pass takes nothing more of that peer (it was "HTTP 409", an
+            # ERROR each pass that said nothing of the store)
+            self._store_agrees(peer, e.serves)
+            raise
         if status != 200:
             raise InvalidArgument(f"structure of {rec['name']!r} from {peer}: HTTP {status}")
         if len(data) != 8 * (rows + 1 + nnz):
