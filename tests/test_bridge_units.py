@@ -5747,6 +5747,36 @@ def test_request_mac_missing_or_malformed_headers(header, value, match):
             "POST", "/v1/members?x=1", h, b'{"add": "d:4"}', now=NOW)
 
 
+@pytest.mark.parametrize("store", ["", "a b", "..", "\x1b[31mred", "m/x"])
+def test_a_store_header_that_is_no_store_name_is_malformed_even_under_its_mac(store):
+    """X-Shmps-Store is a store name (docs/bridge-protocol.md section 10: 1..64 of
+    [A-Za-z0-9_.-]), in a request and in an answer.  One that is none, correctly MACed
+    by a signer that does not check it (sign_request does; the empty key lets anyone on
+    loopback sign), is refused as a malformed header (AuthError, 401), its nonce not
+    spent.  Before, any ASCII up to 64 bytes passed: a request was refused as
+    StoreMismatch for store '' or a terminal escape sequence (409, the peer reported
+    in store_mismatch as serving it), and an answer's raised StoreMismatch whose
+    ``serves`` shmps-tool printed unquoted in its `--store ...` hint."""
+    nonce = auth.new_nonce(auth.REQUEST_NONCE_BYTES)
+    body = b'{"add": "d:4"}'
+    for secret in (SECRET, None):
+        key = secret or b""
+        h = {auth.HEADER_ID: "10.0.0.2:7070", auth.HEADER_STORE: store,
+             auth.HEADER_TIME: str(int(NOW * 1000)), auth.HEADER_NONCE: nonce.hex(),
+             auth.HEADER_MAC: auth._request_mac(key, "POST", "/v1/members", "10.0.0.2:7070",
+                                                HOST, store, int(NOW * 1000), nonce,
+                                                body).hex()}
+        v = auth.RequestVerifier(secret, HOST, store=STORE)
+        with pytest.raises(AuthError, match="malformed X-Shmps-Store"):
+            v.verify("POST", "/v1/members", h, body, now=NOW)
+        assert len(v) == 0
+        req = signed(secret=secret, method="GET", path="/v1/catalog", body=b"")
+        resp = {auth.HEADER_STORE: store, auth.HEADER_RESPONSE_MAC: auth._response_mac(
+            key, bytes.fromhex(req[auth.HEADER_NONCE]), HOST, store, 409, "", b"{}").hex()}
+        with pytest.raises(AuthError, match="malformed X-Shmps-Store"):
+            auth.check_response(secret, req, HOST, 409, resp, b"{}")
+
+
 @pytest.mark.parametrize("change", [None, "secret", "server", "status", "etag", "body",
                                     "request", "missing", "store", "no store"])
 def test_response_mac_binds_the_answer_to_its_request_and_server(change):

@@ -496,7 +496,7 @@ def check_response(secret: bytes | None, request_headers: Mapping[str, str], ser
         # (aiohttp hands header bytes that are not UTF-8 on as lone surrogates, which
         # raised UnicodeEncodeError in the MAC; every ETag a bridge gives is ASCII)
         raise AuthError(f"the answer of {server_id} has a malformed ETag header")
-    serves = _header(response_headers, HEADER_STORE, MAX_STORE_BYTES)   # (ASCII: _header)
+    serves = _store_header(response_headers)
     expected = _response_mac(_key(secret), nonce, server_id, serves, status, etag, body)
     if not hmac.compare_digest(mac, expected):
         raise AuthError(f"the answer of {server_id} failed authentication (it does not hold "
@@ -520,6 +520,19 @@ def _header(headers: Mapping[str, str], name: str, limit: int) -> str:
     if not isinstance(value, str) or len(value) > limit or not value.isascii():
         raise AuthError(f"malformed {name} header")
     return value
+
+
+def _store_header(headers: Mapping[str, str]) -> str:
+    """The X-Shmps-Store header of a request or an answer: a store name (check_name), or
+    AuthError.  (Under the MAC, but the MAC only says who sent it: a signer that does
+    not check it, with the empty key anyone on loopback, could name store '' or a
+    terminal escape, which a 409 and the logs then repeated.)"""
+    store = _header(headers, HEADER_STORE, MAX_STORE_BYTES)
+    try:
+        return check_name(store)
+    except InvalidArgument:
+        raise AuthError(f"malformed {HEADER_STORE} header: {store!r} is not a store name "
+                        "(1 to 64 characters from A-Z a-z 0-9 _ . -)") from None
 
 
 def _hex(value: str, nbytes: int, name: str) -> bytes:
@@ -577,7 +590,7 @@ class RequestVerifier:
         ts_ms = int(ts_text)
         if ts_ms >= 1 << 64:
             raise AuthError(f"malformed {HEADER_TIME} header: out of range")
-        store = _header(headers, HEADER_STORE, MAX_STORE_BYTES)
+        store = _store_header(headers)
         nonce = _hex(_header(headers, HEADER_NONCE, 64), REQUEST_NONCE_BYTES, HEADER_NONCE)
         mac = _hex(_header(headers, HEADER_MAC, 128), MAC_BYTES, HEADER_MAC)
         expected = _request_mac(self._key, method, path, client_id, self.address, store,
