@@ -93,7 +93,10 @@ def _json_object(target: str, what: str, body: bytes, keys: tuple) -> dict:
 def _print_health(target: str, health: dict) -> None:
     print(f"bridge {target}: epoch {health.get('epoch')}, "
           f"{'has' if health.get('quorum') else 'lacks'} a majority "
-          f"({'owns shards' if health.get('acting') else 'owns no shards'})")
+          f"({'owns shards' if health.get('acting') else 'owns no shards'})"
+          # (the store a change must name with --store: said here, where an operator
+          # looks first)
+          + (f"; store {health['store']!r}" if isinstance(health.get("store"), str) else ""))
     for m in health["members"]:   # (checked: objects with a string address and state)
         mark = "  (this bridge)" if m["address"] == health.get("address") else ""
         print(f"  {m['address']:<40} {m['state']}{mark}")
@@ -137,7 +140,8 @@ def cmd_members(args: argparse.Namespace) -> int:
         if args.store is not None and health.get("store") != args.store:
             raise _wrong_store(target, args.store, str(health.get("store")))
         if args.json:
-            print(json.dumps({"epoch": health.get("epoch"), "members": health["members"]}))
+            print(json.dumps({"epoch": health.get("epoch"), "store": health.get("store"),
+                              "members": health["members"]}))
         else:
             _print_health(target, health)
         return 0
@@ -149,8 +153,10 @@ def cmd_members(args: argparse.Namespace) -> int:
         raise InvalidArgument(
             "--add and --remove need --store NAME: the store whose members to change (the "
             "bridges' --store); a bridge of another store refuses the change",
-            hint=f"e.g. `shmps-tool members {target} --store model "
-                 f"{'--add' if args.add else '--remove'} HOST:PORT ...`")
+            hint=f"`shmps-tool members {target}` says which store that bridge serves; "
+                 "pass it if that is the store you mean (`shmps-tool members "
+                 f"{target} --store NAME {'--add' if args.add else '--remove'} "
+                 "HOST:PORT ...`)")
     # (each address once: "--add X --add X" is one change, not "listed twice")
     change = {k: list(dict.fromkeys(normalize_address(a) for a in v))
               for k, v in (("add", args.add), ("remove", args.remove)) if v}

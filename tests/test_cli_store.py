@@ -802,6 +802,30 @@ def test_members_refuses_a_health_answer_whose_members_are_not_a_bridges(fake_br
     assert "10.0.0.1:7070" in out and "alive  (this bridge)" in out and "dead" in out
 
 
+def test_members_shows_the_store_that_a_change_must_name(fake_bridge):
+    """`shmps-tool members HOST:PORT` says which store that bridge serves (its /health's
+    `store`), in its first line and in --json; a change without --store is refused with
+    a line that says where to find it.  Before, --add/--remove needed --store but
+    nothing the tool printed named the bridge's store, and the error's only hint was an
+    example with a made-up name (`--store model`)."""
+    target, answer = fake_bridge
+    answer[0] = json.dumps({"epoch": 3, "quorum": True, "acting": True, "store": "wts",
+                            "address": "10.0.0.1:7070",
+                            "members": [{"address": "10.0.0.1:7070", "state": "alive"}]}
+                           ).encode()
+    first = ok(tool("members", target, "--timeout", "5")).splitlines()[0]
+    assert first == (f"bridge {target}: epoch 3, has a majority (owns shards); "
+                     "store 'wts'"), first
+    assert json.loads(ok(tool("members", target, "--json", "--timeout", "5"))) == {
+        "epoch": 3, "store": "wts",
+        "members": [{"address": "10.0.0.1:7070", "state": "alive"}]}
+    line = one_line_error(tool("members", target, "--add", "127.0.0.1:2"),
+                          "--add and --remove need --store NAME")
+    assert f"`shmps-tool members {target}` says which store that bridge serves" in line, \
+        line
+    assert "--store model" not in line, line
+
+
 def test_a_fifo_as_hosts_or_secret_file_is_refused_not_waited_on(tmp_path):
     """A FIFO given as shmps-bridge's --peers or --secret-file, or as shmps-tool
     members' --secret-file, is refused with one line (not a regular file), exit 2.
