@@ -2723,6 +2723,67 @@ def test_a_request_for_another_store_is_refused_by_every_signed_endpoint(tmp_pat
 
 
 @pytest.mark.timeout(60)
+def test_requests_of_an_older_release_that_sign_no_store_are_one_warning_that_says_so(
+        tmp_path, caplog):
+    """A bridge of the release before the store was signed (request MAC tag
+    "shmps-bridge/2 request", no X-Shmps-Store) passes this one's handshake (version 2
+    both), so it counts reachable and its catalog pass asks every CATALOG_INTERVAL
+    (0.5 s), for good.  Each such request is refused (401, counted as auth), and the
+    log says once per REFUSAL_LOG_EVERY per remote and reason that it names no store,
+    as an older release's request does, and to upgrade.  Before, every request was a
+    WARNING of its own, "request has no X-Shmps-Store header (unauthenticated)": two
+    lines a second per such peer for good, naming neither the cause nor the fix."""
+    import hashlib
+    import hmac
+    import struct
+
+    import aiohttp
+
+    from shmps.bridge import auth
+
+    addrs, a = _bridge_and_a_silent_peer(tmp_path)
+
+    def old_release_headers(method: str, path: str) -> dict:
+        ts, nonce = int(time.time() * 1000), auth.new_nonce(auth.REQUEST_NONCE_BYTES)
+
+        def lp(x: str) -> bytes:
+            return struct.pack("<H", len(x.encode())) + x.encode()
+        msg = (b"shmps-bridge/2 request\0" + lp(method) + lp(path) + lp(addrs[1])
+               + lp(a.addr) + struct.pack("<Q", ts) + nonce + hashlib.sha256(b"").digest())
+        return {auth.HEADER_ID: addrs[1], auth.HEADER_TIME: str(ts),
+                auth.HEADER_NONCE: nonce.hex(),
+                auth.HEADER_MAC: hmac.new(a.cfg.secret, msg, hashlib.sha256).hexdigest()}
+
+    def refused() -> float:
+        return a.metrics.registry.get_sample_value(
+            "shmps_bridge_rejected_frames_total", {"reason": "auth"}) or 0.0
+
+    async def main() -> None:
+        started = False
+        try:
+            await a.start()
+            started = True
+            before = refused()
+            async with aiohttp.ClientSession() as session:
+                for _ in range(6):
+                    async with session.get(f"http://{a.addr}/v1/catalog",
+                                           headers=old_release_headers(
+                                               "GET", "/v1/catalog")) as r:
+                        assert r.status == 401, r.status
+            assert refused() == before + 6
+            said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING
+                    and "/v1/catalog" in r.getMessage()]
+            assert len(said) == 1, said
+            assert "names no store" in said[0] and "older shmps release" in said[0] \
+                and auth.VERSION_HINT in said[0], said
+        finally:
+            if started:
+                await a.close()
+
+    _run_logged(a, caplog, main)
+
+
+@pytest.mark.timeout(60)
 def test_a_structure_request_refused_for_another_store_is_a_store_mismatch(tmp_path, caplog):
     """Bridge c (store m2) asks bridge a (store m) for csr tensor s's structure, as its
     catalog pass does right after a catalog answer (a restarted with another --store in

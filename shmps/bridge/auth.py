@@ -507,14 +507,18 @@ def check_response(secret: bytes | None, request_headers: Mapping[str, str], ser
                             "store)", asked=asked, serves=serves)
 
 
-def _header(headers: Mapping[str, str], name: str, limit: int) -> str:
+def _lookup(headers: Mapping[str, str], name: str) -> str | None:
     value = headers.get(name)
     if value is None:  # plain dicts are case-sensitive; aiohttp's CIMultiDict is not
         low = name.lower()
         for k, v in headers.items():
             if k.lower() == low:
-                value = v
-                break
+                return v
+    return value
+
+
+def _header(headers: Mapping[str, str], name: str, limit: int) -> str:
+    value = _lookup(headers, name)
     if value is None:
         raise AuthError(f"request has no {name} header (unauthenticated)")
     if not isinstance(value, str) or len(value) > limit or not value.isascii():
@@ -590,6 +594,12 @@ class RequestVerifier:
         ts_ms = int(ts_text)
         if ts_ms >= 1 << 64:
             raise AuthError(f"malformed {HEADER_TIME} header: out of range")
+        if _lookup(headers, HEADER_STORE) is None:
+            # (the other headers there and this one not: what a bridge or tool of the
+            # release before the store was signed sends, each catalog pass, for good)
+            raise AuthError(f"request {method} {path} from {client_id!r} names no store "
+                            f"(no {HEADER_STORE} header), as a bridge or tool of an older "
+                            "shmps release does", hint=VERSION_HINT)
         store = _store_header(headers)
         nonce = _hex(_header(headers, HEADER_NONCE, 64), REQUEST_NONCE_BYTES, HEADER_NONCE)
         mac = _hex(_header(headers, HEADER_MAC, 128), MAC_BYTES, HEADER_MAC)

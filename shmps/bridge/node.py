@@ -4716,16 +4716,20 @@ class Bridge:
         try:
             return self._verifier.verify(request.method, request.path_qs, request.headers, body)
         except auth.AuthError as e:
+            # (counted each; logged once per REFUSAL_LOG_EVERY per remote and reason: a
+            # peer whose every request fails, one of an older release say, asks each
+            # catalog pass, every 0.5 s for good, and was a WARNING each time)
             self.metrics.rejected("auth")
-            log.warning("refused %s %s from %s: %s", request.method, request.path_qs,
-                        request.remote, e)
+            self._log_refusal(str(request.remote),
+                              f"{request.method} {request.path_qs}: {e}",
+                              "a request from %s failed authentication: %s%s")
             return web.json_response(refused or {"error": "authentication failed"},
                                      status=401)
         except auth.StoreMismatch as e:
             who = request.headers.get(auth.HEADER_ID, "")   # (authenticated: verify passed)
             if who in self.members.configured:
                 self._store_agrees(who, e.asked)
-            else:   # an operator's tool given another store: once per ~10 s per remote
+            else:   # an operator's tool given another store: once per 5 s per remote
                 self.metrics.rejected("store")
                 self._log_refusal(str(request.remote), f"{who!r} asks for store "
                                   f"{e.asked!r}, and this host serves {self.cfg.store!r}",
