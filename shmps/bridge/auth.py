@@ -70,8 +70,11 @@ MAC_BYTES = 32
 SECRET_MIN_BYTES = 16
 SECRET_MAX_BYTES = 4096
 _SECRET_READ = SECRET_MAX_BYTES + 4096   #: bytes of a secret file load_secret reads at most
-HANDSHAKE_VERSION = 2
-"""2 since 2026-11-28: AUTH and OK carry the store (1 did not)."""
+HANDSHAKE_VERSION = 3
+"""3 since the evening of 2026-11-28: the HTTP requests and answers sign the store (their
+MAC tags "/3"); a bridge of version 2 passed this handshake and then had every request
+refused (401), catalogs and member changes never crossing.  2 since that morning: AUTH
+and OK carry the store (1 did not)."""
 HANDSHAKE_TIMEOUT = 10.0
 REQUEST_WINDOW = 30.0
 MAX_ID_BYTES = 255
