@@ -102,15 +102,22 @@ def _print_health(target: str, health: dict) -> None:
         print(f"  {m['address']:<40} {m['state']}{mark}")
 
 
-def _wrong_store(target: str, asked: str, serves: str) -> Error:
-    """The error of a bridge that serves store ``serves`` asked about store ``asked``."""
+def _wrong_store(target: str, asked: str, serves: str, change: bool = True) -> Error:
+    """The error of a bridge that serves store ``serves`` asked about store ``asked``
+    (``change``: to change its members, which it refused; else to list them)."""
     from .bridge import auth
+    if change:
+        return auth.StoreMismatch(
+            f"the bridge at {target} serves store {serves!r}, not {asked!r} (--store): "
+            "nothing was changed", asked=asked, serves=serves,
+            hint=f"to change the members of store {serves!r}, pass `--store {serves}` "
+                 f"(`shmps-tool members {target} --store {serves} ...`); for store "
+                 f"{asked!r}, ask one of its bridges")
     return auth.StoreMismatch(
-        f"the bridge at {target} serves store {serves!r}, not {asked!r} (--store): nothing "
-        "was changed", asked=asked, serves=serves,
-        hint=f"to change the members of store {serves!r}, pass `--store {serves}` "
-             f"(`shmps-tool members {target} --store {serves} ...`); for store {asked!r}, "
-             "ask one of its bridges")
+        f"the bridge at {target} serves store {serves!r}, not {asked!r} (--store)",
+        asked=asked, serves=serves,
+        hint=f"to list the members of store {serves!r}, pass `--store {serves}` or no "
+             f"--store; for store {asked!r}, ask one of its bridges")
 
 
 def cmd_members(args: argparse.Namespace) -> int:
@@ -138,7 +145,7 @@ def cmd_members(args: argparse.Namespace) -> int:
                         "hosts.txt lists it?")
         # (/health is not signed: a check for the operator's sake, as a change's is not)
         if args.store is not None and health.get("store") != args.store:
-            raise _wrong_store(target, args.store, str(health.get("store")))
+            raise _wrong_store(target, args.store, str(health.get("store")), change=False)
         if args.json:
             print(json.dumps({"epoch": health.get("epoch"), "store": health.get("store"),
                               "members": health["members"]}))

@@ -824,6 +824,11 @@ def test_members_shows_the_store_that_a_change_must_name(fake_bridge):
     assert f"`shmps-tool members {target}` says which store that bridge serves" in line, \
         line
     assert "--store model" not in line, line
+    # listing with another --store: said so, as a listing (it said "nothing was changed"
+    # and how "to change the members", which no listing does: review H18)
+    line = one_line_error(tool("members", target, "--store", "other", "--timeout", "5"),
+                          f"the bridge at {target} serves store 'wts', not 'other'")
+    assert "changed" not in line and "to list the members of store 'wts'" in line, line
 
 
 def test_a_fifo_as_hosts_or_secret_file_is_refused_not_waited_on(tmp_path):
