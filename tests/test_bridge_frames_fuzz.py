@@ -84,7 +84,8 @@ def test_a_mark_of_seq_0_is_malformed():
               values=np.ones((1, 4), np.float32), start=0)
     buf = frames.encode_rows(marks=[Mark(2, 3, 1), Mark(4, 5, 6)], **ok)
     assert [m.seq for m in frames.decode(buf).marks] == [1, 6]
-    for at in (48 + 40 + 8, 48 + 40 + 16 + 8):
+    head = frames.HEADER.size + frames.DATA_HEAD.size   # (the marks follow)
+    for at in (head + 8, head + 16 + 8):
         bad = bytearray(buf)
         struct.pack_into("<Q", bad, at, 0)
         with pytest.raises(BadFrame, match="seq is 0"):
@@ -112,7 +113,8 @@ def test_rows_with_a_mark_of_seq_0_change_nothing(tmp_path, floor):
             tensor=info.tid, shard=0, seq=ROWS_SEQ_BASE + 2,
             values=np.full((8, 4), 99, np.float32), start=0, floor_marks=floor,
             marks=[Mark(s, 7, 11), Mark(s, 9, 1)]))
-        struct.pack_into("<Q", buf, 48 + 40 + 16 + 8, 0)      # the second mark's seq
+        struct.pack_into("<Q", buf, frames.HEADER.size + frames.DATA_HEAD.size + 16 + 8,
+                         0)                                   # the second mark's seq
         bad, got = _feed(node, a, bytes(buf))
         assert bad == 1 and got == []
         np.testing.assert_array_equal(node.store[name].pull(), np.zeros((8, 4), np.float32))

@@ -2019,7 +2019,8 @@ def test_a_leave_seen_first_in_a_peers_view_times_a_hand_over_not_a_failover(tmp
         z_id = members.member_id(z)
         # x's copy to this host, its backup (z's batches up to 40 in it)
         assert _status_of(node, x, frames.decode(frames.encode_snapshot(
-            epoch=e, sender=members.member_id(x), incarnation=7, tensor=info.tid, shard=0,
+            epoch=e, ring=node.ring.digest, sender=members.member_id(x), incarnation=7,
+            tensor=info.tid, shard=0,
             seq=bridge_node.ROWS_SEQ_BASE + 1, values=np.full((8, 4), 4, np.float32),
             start=0, marks=[Mark(z_id, 7, 40)], last=True))) is Status.OK
         heard(x, e, dict(everyone, **{x: State.LEAVING}), frames.HB_QUORUM | frames.HB_ACTING,
@@ -3866,7 +3867,7 @@ def test_a_hand_over_carries_its_marks_on_its_first_chunk_and_its_last(tmp_path,
         marks = [Mark(1, 2, 3)]
         for handover, want in ((True, [1, 0, 0, 1]), (False, [0, 0, 0, 1])):
             chunks = [frames.decode(c) for c in node._snapshot_chunks(
-                info, 0, marks, 0, 0, handover)]
+                info, 0, marks, node._epoch_ring, 0, handover)]
             assert [len(c.marks) for c in chunks] == want
             assert all(bool(c.flags & frames.Flag.HANDOVER) is handover for c in chunks)
 
@@ -4000,14 +4001,15 @@ def _refused(node, reason: str) -> float:
 
 
 def _take_snapshot(node, owner: str, tid: int, seq: int, epoch: int | None = None,
-                   marks: tuple = (), value: float = 0.0) -> Status:
+                   marks: tuple = (), value: float = 0.0, ring_: int | None = None) -> Status:
     """``node`` takes a one-chunk SNAPSHOT of shard 0 of tensor ``tid`` (an (8, 4)
     float32 shard, every row ``value``) from ``owner`` (incarnation 7), ROW seq ``seq``,
-    with the floor ``marks`` ((sender, incarnation, seq) each), stamped ``epoch``, by
-    default the node's: the answer's status."""
+    with the floor ``marks`` ((sender, incarnation, seq) each), stamped ``epoch`` and
+    ring digest ``ring_``, by default the node's: the answer's status."""
     got: list = []
     node.on_rows(owner, frames.decode(frames.encode_snapshot(
         epoch=node.members.epoch if epoch is None else epoch,
+        ring=node.ring.digest if ring_ is None else ring_,
         sender=members.member_id(owner), incarnation=7, tensor=tid, shard=0,
         seq=ROWS_SEQ_BASE + seq, values=np.full((8, 4), value, np.float32),
         start=0, marks=[Mark(*m) for m in marks], last=True)),
@@ -4107,21 +4109,25 @@ def test_a_snapshot_that_replaces_a_copys_filter_clears_its_refusals(tmp_path):
 
 
 def _take_rows(node, owner: str, tid: int, seq: int, epoch: int | None = None,
-               nrows: int = 8, marks: tuple = (), synced: bool = True) -> Status:
+               nrows: int = 8, marks: tuple = (), synced: bool = True,
+               ring_: int | None = None) -> Status:
     """``node`` takes a ROWS of shard 0 of tensor ``tid`` from ``owner`` (the first
     ``nrows`` rows of the (8, 4) shard at ``seq``, by default all; 0: the empty ROWS an
     owner sends to mark a new epoch), with ``marks`` ((sender, incarnation, seq) each),
-    stamped ``epoch``, by default the node's: the answer's status.  ``synced``: if the
+    stamped ``epoch`` and ring digest ``ring_``, by default the node's: the answer's
+    status.  ``synced``: if the
     copy is not ``owner``'s snapshot plus its ROWS since (ShardState.fed_base), it takes
     one first, as an owner sends it before any ROWS, an empty one included (stamped the
     same)."""
     base = node.shards[(tid, 0)].fed_base
     if synced and (base is None
                    or (base.sender, base.incarnation) != (members.member_id(owner), 7)):
-        _take_snapshot(node, owner, tid, seq - 1, epoch)   # (refused: so is the ROWS)
+        # (refused: so is the ROWS)
+        _take_snapshot(node, owner, tid, seq - 1, epoch, ring_=ring_)
     got: list = []
     node.on_rows(owner, frames.decode(frames.encode_rows(
         epoch=node.members.epoch if epoch is None else epoch,
+        ring=node.ring.digest if ring_ is None else ring_,
         sender=members.member_id(owner), incarnation=7, tensor=tid, shard=0,
         seq=ROWS_SEQ_BASE + seq, values=np.full((nrows, 4), seq, np.float32),
         start=0, marks=[Mark(*m) for m in marks])),
@@ -5962,6 +5968,7 @@ def data_frame_args(draw, min_rows=0):
         kw["seq"] = max(1, kw["seq"])             # (a stream's seqs start at 1)
         return frames.encode_batch, ftype, kw
     kw["step"] = draw(U64S)
+    kw["ring"] = draw(U64S)
     kw["marks"] = draw(st.lists(st.builds(Mark, U32S, U32S, st.integers(1, frames.U64)),
                                  max_size=4))
     sdt = draw(st.sampled_from(["float16", "float32", "float64"]))
@@ -5992,7 +5999,7 @@ def test_data_frames_round_trip(args):
     v = np.asarray(kw["values"])
     assert f.n == v.shape[0] and f.dtype == v.dtype and f.values.shape == (f.n, f.cols)
     assert _same_bits(f.values, v)
-    assert f.start == kw.get("start", 0)
+    assert f.start == kw.get("start", 0) and f.ring == kw.get("ring", 0)
     if "rows" in kw:
         assert f.layout == Layout.INDEXED and _same_bits(f.index, kw["rows"])
     elif "keys" in kw:
@@ -6040,14 +6047,20 @@ def test_header_bytes_match_the_documented_layout():
     """The ACK from docs/bridge-protocol.md encodes to exactly the documented bytes."""
     b = frames.encode_ack(epoch=7, sender=0x11223344, incarnation=0x55667788,
                           tensor=0x0A0B0C0D, shard=3, seq=42, status=Status.OK)
-    assert b.hex() == ("53485042" "0100" "0200" "0700000000000000" "44332211" "88776655"
+    assert b.hex() == ("53485042" "0200" "0200" "0700000000000000" "44332211" "88776655"
                        "0d0c0b0a" "03000000" "2a00000000000000" "0000" "0000" "08000000"
                        "0000" "0000" "00000000")
     batch = frames.encode_batch(epoch=1, sender=2, incarnation=3, tensor=4, shard=5, seq=6,
                                 values=np.array([[1.0, 2.0]], dtype=np.float32), start=10)
-    assert batch[48:88].hex() == ("0400" "0000" "0000" "0000" "02000000" "01000000"
-                                  "0a00000000000000" "0100000000000000" "00000000" "00000000")
-    assert batch[88:] == np.array([1.0, 2.0], "<f4").tobytes() and len(batch) == 96
+    assert batch[48:96].hex() == ("0400" "0000" "0000" "0000" "02000000" "01000000"
+                                  "0a00000000000000" "0100000000000000" "00000000" "00000000"
+                                  "0000000000000000")
+    assert batch[96:] == np.array([1.0, 2.0], "<f4").tobytes() and len(batch) == 104
+    snap = frames.encode_snapshot(epoch=1, sender=2, incarnation=3, tensor=4, shard=5,
+                                  seq=ROWS_SEQ_BASE + 6, values=np.array([[1.0, 2.0]],
+                                                                         dtype=np.float32),
+                                  start=10, step=9, last=True, ring=0x0102030405060708)
+    assert snap[88:96].hex() == "0807060504030201" and len(snap) == 104
 
 
 def test_decoded_arrays_are_zero_copy_views():
@@ -6163,13 +6176,13 @@ def test_huge_declared_sizes_are_rejected_before_allocating():
     """Frames declaring gigabytes are refused by the limits with no allocation."""
     tracemalloc.start()
     try:
-        huge = frames.HEADER.pack(frames.MAGIC, 1, FrameType.BATCH, 0, 0, 0, 0, 0, 1, 0,
-                                  Layout.RANGE, frames.U32)
+        huge = frames.HEADER.pack(frames.MAGIC, frames.VERSION, FrameType.BATCH, 0, 0, 0, 0,
+                                  0, 1, 0, Layout.RANGE, frames.U32)
         with pytest.raises(BadFrame, match="over the 8388608-byte limit"):
             frames.decode(huge)
-        body = frames.DATA_HEAD.pack(4, 0, 0, 0, 1, frames.U32, 0, 1, 0, 0)
-        rows = frames.HEADER.pack(frames.MAGIC, 1, FrameType.BATCH, 0, 0, 0, 0, 0, 1, 0,
-                                  Layout.RANGE, len(body)) + body
+        body = frames.DATA_HEAD.pack(4, 0, 0, 0, 1, frames.U32, 0, 1, 0, 0, 0)
+        rows = frames.HEADER.pack(frames.MAGIC, frames.VERSION, FrameType.BATCH, 0, 0, 0, 0,
+                                  0, 1, 0, Layout.RANGE, len(body)) + body
         with pytest.raises(BadFrame, match="4294967295 rows, over the limit"):
             frames.decode(rows)
         _, peak = tracemalloc.get_traced_memory()
@@ -6194,8 +6207,8 @@ def test_limits_and_header_checks_give_reasons():
         frames.decode(b, frames.Limits(max_frame_bytes=64))
     with pytest.raises(BadFrame, match="magic"):
         frames.decode(b"XXXX" + b[4:])
-    with pytest.raises(BadFrame, match="version 2"):
-        frames.decode(b[:4] + b"\x02\x00" + b[6:])
+    with pytest.raises(BadFrame, match="frame version 1, this host speaks 2"):
+        frames.decode(b[:4] + b"\x01\x00" + b[6:])
     with pytest.raises(BadFrame, match="unknown frame type 9"):
         frames.decode(b[:6] + b"\x09\x00" + b[8:])
     with pytest.raises(BadFrame, match="flags 0x1 not allowed"):
@@ -6282,6 +6295,41 @@ def test_frame_cuts_keep_a_group_in_one_frame_where_it_fits(sizes, per):
                 assert sizes[groups[j] // 7] > per, (cuts, sizes, per)
     with pytest.raises(InvalidArgument):
         frames.frame_cuts(3, 0)
+
+
+def test_a_rows_or_snapshot_carries_its_senders_ring_and_a_batch_none():
+    """A ROWS or SNAPSHOT says the ring digest its sender sent it by (the data
+    sub-header's last field: a copy counts itself the owner's backup by the frame's
+    epoch and ring, Bridge.on_rows); a BATCH carries 0 there, and one that does not is
+    malformed, as a reserved field would be.  restamp_epoch sets a ROWS's or SNAPSHOT's
+    ring with its epoch (a snapshot read at one epoch and ring, sent at another), for
+    no other frame."""
+    ok = dict(epoch=1, sender=1, incarnation=1, tensor=1, shard=0)
+    v = np.ones((2, 4), np.float32)
+    rows = frames.encode_rows(**ok, seq=ROWS_SEQ_BASE + 1, values=v, start=0, ring=77)
+    snap = frames.encode_snapshot(**ok, seq=ROWS_SEQ_BASE + 2, values=v, start=0, ring=2**64 - 1,
+                                  last=True)
+    assert frames.decode(rows).ring == 77 and frames.decode(snap).ring == 2**64 - 1
+    batch = frames.encode_batch(**ok, seq=1, values=v, start=0)
+    assert frames.decode(batch).ring == 0
+    with pytest.raises(InvalidArgument, match="ring"):
+        frames._encode_data(FrameType.BATCH, **ok, seq=1, values=v, start=0, rows=None,
+                            keys=None, step=1, marks=(), state=(), row_steps=None,
+                            flags=Flag(0), limits=None, ring=5)
+    with pytest.raises(InvalidArgument, match="ring must be an integer"):
+        frames.encode_rows(**ok, seq=ROWS_SEQ_BASE + 1, values=v, start=0, ring=-1)
+    ringed = bytearray(batch)
+    struct.pack_into("<Q", ringed, frames.RING_OFFSET, 5)
+    with pytest.raises(BadFrame, match="BATCH frame: .* no marks, state or ring"):
+        frames.decode(bytes(ringed))
+    again = frames.decode(frames.restamp_epoch(snap, 9, 1234))
+    assert (again.epoch, again.ring, again.seq) == (9, 1234, ROWS_SEQ_BASE + 2)
+    assert frames.decode(frames.restamp_epoch(rows, 9)).ring == 77      # (kept)
+    with pytest.raises(BadFrame, match="no ring field"):
+        frames.restamp_epoch(batch, 9, 1234)
+    with pytest.raises(BadFrame, match="one piece"):
+        frames.restamp_epoch(frames.encode_batch(**ok, seq=1, values=v, start=0, copy=False),
+                             9, 1234)
 
 
 def test_a_batch_may_continue_the_previous_one():
@@ -6405,7 +6453,8 @@ def test_rows_builder_makes_the_bytes_encode_rows_makes(monkeypatch, n, cols, ns
     if dtype == "int32":
         nstate = 0
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
-    ids = dict(epoch=3, sender=1, incarnation=2, tensor=7, shard=5, seq=2**40 + 1)
+    ids = dict(epoch=3, sender=1, incarnation=2, tensor=7, shard=5, seq=2**40 + 1,
+               ring=2**64 - 3)
     values = (rng.random((n, cols)) * 100).astype(dtype)
     state = [rng.random((n, cols)).astype("float32") for _ in range(nstate)]
     marks = [frames.Mark(i + 1, 2, 2**50 + i) for i in range(nmarks)]
@@ -6430,6 +6479,7 @@ def test_rows_builder_makes_the_bytes_encode_rows_makes(monkeypatch, n, cols, ns
     assert frames.as_bytes(frame) == want
     f = frames.decode(b.buf)
     assert f.type == FrameType.ROWS and f.step == step and np.array_equal(f.values, values)
+    assert f.ring == 2**64 - 3
 
 
 def test_rows_builder_refuses_bad_arguments():
@@ -6921,9 +6971,10 @@ def test_a_copy_made_owner_refuses_again_what_the_dead_owner_refused(tmp_path):
         assert _take_rows(node, other, info.tid, 1, marks=((sender, 7, 1),)) is Status.OK
         got: list = []
         node.on_rows(other, frames.decode(frames.encode_rows(
-            epoch=0, sender=members.member_id(other), incarnation=7, tensor=info.tid,
-            shard=0, seq=ROWS_SEQ_BASE + 2, values=np.empty((0, 4), np.float32), start=0,
-            marks=[Mark(sender, 7, 2)], refused=True)),
+            epoch=0, ring=node.ring.digest, sender=members.member_id(other), incarnation=7,
+            tensor=info.tid, shard=0, seq=ROWS_SEQ_BASE + 2,
+            values=np.empty((0, 4), np.float32), start=0, marks=[Mark(sender, 7, 2)],
+            refused=True)),
             lambda d: got.extend(frames.iter_frames(bytes(d))))
         assert got[-1].status is Status.OK
         assert (stream, 2) in st.refused and (stream, 1) not in st.refused

@@ -4,7 +4,7 @@ A frame is a fixed 48-byte little-endian header followed by ``payload_len`` byte
 
     off size field         meaning
       0   4 magic          b"SHPB"
-      4   2 version        1
+      4   2 version        2 (VERSION)
       6   2 type           FrameType (BATCH, ACK, ROWS, SNAPSHOT, HEARTBEAT, SYNC,
                                INIT_QUERY)
       8   8 epoch          the sender's membership epoch, at most MAX_EPOCH (2**62)
@@ -17,7 +17,9 @@ A frame is a fixed 48-byte little-endian header followed by ``payload_len`` byte
      42   2 layout         Layout of the rows (data frames), else 0
      44   4 payload_len    bytes after the header
 
-BATCH, ROWS and SNAPSHOT ("data frames") share one payload: a 40-byte sub-header, then
+BATCH, ROWS and SNAPSHOT ("data frames") share one payload: a 48-byte sub-header (its
+last field: a ROWS's or SNAPSHOT's ``ring``, the digest of the ring by which its sender
+sent it, owner of the shard at the header's epoch), then
 ``nmarks`` 16-byte marks, the row index, optional per-row steps, the values and the
 optimizer state arrays, with no padding (see ``docs/bridge-protocol.md`` for the table).
 ACK carries a status; HEARTBEAT the ring digest and member states; SYNC and INIT_QUERY
@@ -42,7 +44,10 @@ import numpy as np
 from ..errors import InvalidArgument
 
 MAGIC = b"SHPB"
-VERSION = 1
+#: 2 since 2026-11-28: the data sub-header grew a ``ring`` field (48 bytes, was 40), so a
+#: bridge of an earlier build is told "frame version 1, this host speaks 2", not that every
+#: data frame it sends has the wrong size
+VERSION = 2
 MAX_FRAME_BYTES = 8 << 20
 MAX_STATE = 4
 U32 = (1 << 32) - 1
@@ -63,12 +68,15 @@ MAX_EPOCH = 1 << 62
 INIT_QUERY_SEQ = ROWS_SEQ_BASE - 2
 
 HEADER = struct.Struct("<4sHHQIIIIQHHI")
-DATA_HEAD = struct.Struct("<HHHHIIQQII")
+DATA_HEAD = struct.Struct("<HHHHIIQQIIQ")
+#: where a data frame's ``ring`` field lies (restamp: a resent frame's epoch and ring)
+RING_OFFSET = 48 + 40
 MARK = struct.Struct("<IIQ")
 ACK_BODY = struct.Struct("<HHI")
 HEARTBEAT_HEAD = struct.Struct("<QQIHH")
 MEMBER = struct.Struct("<IB3s")
-assert HEADER.size == 48 and DATA_HEAD.size == 40 and MARK.size == 16
+assert HEADER.size == 48 and DATA_HEAD.size == 48 and MARK.size == 16
+assert RING_OFFSET + 8 == HEADER.size + DATA_HEAD.size
 assert ACK_BODY.size == 8 and HEARTBEAT_HEAD.size == 24 and MEMBER.size == 8
 
 
@@ -228,6 +236,8 @@ class Data(FrameHeader):
     cols: int
     start: int                      #: first row (RANGE), else 0
     step: int                       #: BATCH: pushes folded in (>= 1); else the shard's step
+    ring: int                       #: ROWS/SNAPSHOT: the digest of the sender's ring at
+    #:                                 ``epoch`` (what it sent the frame by); BATCH: 0
     marks: tuple[Mark, ...]
     index: np.ndarray | None        #: int64 rows (INDEXED) or uint64 keys (KEYED), shape (n,)
     row_steps: np.ndarray | None    #: uint64 (n,), when Flag.ROW_STEPS
@@ -470,7 +480,7 @@ def _encode_data(ftype: FrameType, *, epoch: int, sender: int, incarnation: int,
                  rows: np.ndarray | None, keys: np.ndarray | None, step: int,
                  marks: Sequence[Mark], state: Sequence[np.ndarray],
                  row_steps: np.ndarray | None, flags: Flag, limits: Limits | None,
-                 copy: bool = True) -> "bytes | Pieces":
+                 copy: bool = True, ring: int = 0) -> "bytes | Pieces":
     v = np.asarray(values)
     if v.ndim == 0:
         raise InvalidArgument("values must have a row axis (shape (n, ...))")
@@ -486,14 +496,15 @@ def _encode_data(ftype: FrameType, *, epoch: int, sender: int, incarnation: int,
             raise InvalidArgument("a BATCH carries at least one row")
         if isinstance(seq, (int, np.integer)) and seq == 0:
             raise InvalidArgument("a BATCH's seq is >= 1 (a stream's seqs start at 1)")
-        if marks or state or row_steps is not None or flags & ~Flag.CONTINUES:
-            raise InvalidArgument("a BATCH carries no marks, state, row steps or flags "
-                                  "other than CONTINUES")
+        if marks or state or row_steps is not None or flags & ~Flag.CONTINUES or ring:
+            raise InvalidArgument("a BATCH carries no marks, state, row steps, ring or "
+                                  "flags other than CONTINUES")
         _u("step", step, U63)   # (the owner counts step - 1 more pushes as an int64)
         if step < 1:
             raise InvalidArgument("a BATCH folds step >= 1 pushes")
     else:
         _u("step", step, U64)
+    ring = _u("ring", ring, U64)
     st = [np.asarray(x) for x in state]
     scode = _state_code(st[0].dtype, len(st)) if st else 0
     for x in st:
@@ -518,7 +529,8 @@ def _encode_data(ftype: FrameType, *, epoch: int, sender: int, incarnation: int,
     parts: list[object] = [
         _header(ftype, epoch=epoch, sender=sender, incarnation=incarnation, tensor=tensor,
                 shard=shard, seq=seq, flags=flags, layout=layout, payload_len=payload),
-        DATA_HEAD.pack(code, len(st), scode, 0, cols, n, first, int(step), len(marks), 0),
+        DATA_HEAD.pack(code, len(st), scode, 0, cols, n, first, int(step), len(marks), 0,
+                       ring),
         marks_bytes]
     if index is not None:
         parts.append(_bytes_of(index))
@@ -559,11 +571,12 @@ def encode_rows(*, epoch: int, sender: int, incarnation: int, tensor: int, shard
                 rows: np.ndarray | None = None, keys: np.ndarray | None = None, step: int = 0,
                 marks: Sequence[Mark] = (), floor_marks: bool = False,
                 state: Sequence[np.ndarray] = (), row_steps: np.ndarray | None = None,
-                refused: bool = False,
+                refused: bool = False, ring: int = 0,
                 limits: Limits | None = DEFAULT_LIMITS) -> bytes:
     """A ROWS frame: new values (and optimizer ``state``) of changed rows, with the
     batches applied since the previous ROWS as ``marks`` (``refused``: no rows, and the
-    marks are batches refused for good). O(frame bytes)."""
+    marks are batches refused for good); ``ring``: the digest of the ring by which the
+    sender owns the shard at ``epoch``. O(frame bytes)."""
     flags = ((Flag.FLOOR_MARKS if floor_marks else Flag(0))
              | (Flag.ROW_STEPS if row_steps is not None else Flag(0))
              | (Flag.REFUSED if refused else Flag(0)))
@@ -572,7 +585,8 @@ def encode_rows(*, epoch: int, sender: int, incarnation: int, tensor: int, shard
     return _encode_data(FrameType.ROWS, epoch=epoch, sender=sender, incarnation=incarnation,
                         tensor=tensor, shard=shard, seq=seq, values=values, start=start,
                         rows=rows, keys=keys, step=step, marks=marks, state=state,
-                        row_steps=row_steps, flags=flags & ~Flag.ROW_STEPS, limits=limits)
+                        row_steps=row_steps, flags=flags & ~Flag.ROW_STEPS, limits=limits,
+                        ring=ring)
 
 
 def encode_snapshot(*, epoch: int, sender: int, incarnation: int, tensor: int, shard: int,
@@ -580,17 +594,18 @@ def encode_snapshot(*, epoch: int, sender: int, incarnation: int, tensor: int, s
                     keys: np.ndarray | None = None, step: int = 0, marks: Sequence[Mark] = (),
                     floor_marks: bool = True, state: Sequence[np.ndarray] = (),
                     row_steps: np.ndarray | None = None, last: bool = False,
-                    handover: bool = False,
+                    handover: bool = False, ring: int = 0,
                     limits: Limits | None = DEFAULT_LIMITS) -> bytes:
     """A SNAPSHOT chunk of a shard (rows ``start..`` or table ``keys``); ``last`` marks
-    the final chunk. Marks default to floors (the shard's dedup state). O(frame bytes)."""
+    the final chunk. Marks default to floors (the shard's dedup state); ``ring``: the
+    digest of the sender's ring at ``epoch``. O(frame bytes)."""
     flags = ((Flag.LAST if last else Flag(0)) | (Flag.FLOOR_MARKS if floor_marks else Flag(0))
              | (Flag.HANDOVER if handover else Flag(0)))
     return _encode_data(FrameType.SNAPSHOT, epoch=epoch, sender=sender,
                         incarnation=incarnation, tensor=tensor, shard=shard, seq=seq,
                         values=values, start=start, rows=None, keys=keys, step=step,
                         marks=marks, state=state, row_steps=row_steps, flags=flags,
-                        limits=limits)
+                        limits=limits, ring=ring)
 
 
 def _frame_buffer(total: int) -> memoryview:
@@ -611,7 +626,8 @@ class RowsBuilder:
     Sample usage::
 
         b = RowsBuilder(epoch=e, sender=m, incarnation=i, tensor=t, shard=s, seq=q,
-                        n=len(rows), cols=8, dtype="float32", rows=rows, marks=marks)
+                        n=len(rows), cols=8, dtype="float32", rows=rows, marks=marks,
+                        ring=digest)
         step = read_rows_into(b.values, b.state)
         frame = b.finish(step)     # every byte of the frame written: it is not zeroed
     """
@@ -621,7 +637,8 @@ class RowsBuilder:
                  start: int | None = None, rows: np.ndarray | None = None,
                  keys: np.ndarray | None = None, row_steps: bool = False,
                  marks: Sequence[Mark] = (), nstate: int = 0, state_dtype: object = None,
-                 refused: bool = False, limits: Limits | None = DEFAULT_LIMITS) -> None:
+                 refused: bool = False, ring: int = 0,
+                 limits: Limits | None = DEFAULT_LIMITS) -> None:
         dt = np.dtype(dtype).newbyteorder("<")  # type: ignore[call-overload]
         self._code = _dtype_code(dt, "values")
         n, cols = _u("n", n, U32), _u("cols", cols, U32)
@@ -637,6 +654,7 @@ class RowsBuilder:
         sdt = np.dtype(state_dtype if nstate else dt).newbyteorder("<")  # type: ignore
         self._scode = _state_code(sdt, nstate)
         marks_bytes = _pack_marks(marks)
+        self._ring = _u("ring", ring, U64)
         payload = data_payload_bytes(layout, n, cols, dt.itemsize, nmarks=len(marks),
                                      nstate=nstate, state_itemsize=sdt.itemsize if nstate else 0,
                                      row_steps=row_steps)
@@ -677,7 +695,7 @@ class RowsBuilder:
         valid, and must not be written any more."""
         DATA_HEAD.pack_into(self.buf, HEADER.size, self._code, self._nstate, self._scode, 0,
                             self._cols, self._n, self._first, _u("step", step, U64),
-                            self._nmarks, 0)
+                            self._nmarks, 0, self._ring)
         return Pieces(b"", self.buf)
 
 
@@ -730,17 +748,28 @@ def encode_init_query(*, epoch: int, sender: int, incarnation: int, tensor: int,
                    layout=Layout.NONE, payload_len=0)
 
 
-def restamp_epoch(buf: "bytes | Pieces", epoch: int) -> "bytes | Pieces":
+def restamp_epoch(buf: "bytes | Pieces", epoch: int,
+                  ring: int | None = None) -> "bytes | Pieces":
     """A copy of the encoded frame ``buf`` with its epoch field set to ``epoch`` (for
-    resending unacknowledged frames after an epoch change; seq and payload unchanged).
-    Raises :class:`BadFrame` if ``buf`` has no valid header. O(len(buf)) (one copy);
-    of a :class:`Pieces`, the head is copied and the body shared."""
+    resending unacknowledged frames after an epoch change; seq and payload unchanged),
+    and, with ``ring``, the ring field of a ROWS or SNAPSHOT set to it (a snapshot read
+    at one (epoch, ring) and sent at another: the pair it is sent by).  Raises
+    :class:`BadFrame` if ``buf`` has no valid header, or ``ring`` is given for another
+    frame. O(len(buf)) (one copy); of a :class:`Pieces`, the head is copied and the body
+    shared (no ring then: a ROWS's Pieces holds its sub-header in its body)."""
     if isinstance(buf, Pieces):
+        if ring is not None:
+            raise BadFrame("a ring is restamped in a frame of one piece only")
         return Pieces(restamp_epoch(buf.head, epoch), buf.body)  # type: ignore[arg-type]
     mv = _as_bytes_view(buf)
-    _read_header(mv, Limits(max_frame_bytes=U64))
+    hdr, _ = _read_header(mv, Limits(max_frame_bytes=U64))
+    if ring is not None and (hdr["type"] not in (FrameType.ROWS, FrameType.SNAPSHOT)
+                             or len(mv) < RING_OFFSET + 8):
+        raise _bad(hdr["type"], "no ring field to restamp (a ROWS or SNAPSHOT has one)")
     out = bytearray(mv)
     struct.pack_into("<Q", out, 8, _u("epoch", epoch, MAX_EPOCH))
+    if ring is not None:
+        struct.pack_into("<Q", out, RING_OFFSET, _u("ring", ring, U64))
     return bytes(out)
 
 
@@ -881,7 +910,8 @@ def _decode_data(hdr: dict[str, Any], body: memoryview, limits: Limits) -> Data:
     ft, layout = hdr["type"], hdr["layout"]
     if len(body) < DATA_HEAD.size:
         raise _bad(ft, f"payload is {len(body)} bytes, the data header alone is {DATA_HEAD.size}")
-    (code, nstate, scode, r1, cols, n, start, step, nmarks, r2) = DATA_HEAD.unpack_from(body, 0)
+    (code, nstate, scode, r1, cols, n, start, step, nmarks, r2,
+     ring) = DATA_HEAD.unpack_from(body, 0)
     if r1 or r2:
         raise _bad(ft, "reserved fields are not zero")
     if code not in CODE_DTYPES or code not in limits.dtypes:
@@ -905,10 +935,12 @@ def _decode_data(hdr: dict[str, Any], body: memoryview, limits: Limits) -> Data:
         # stream's first seq, then GAP for every later frame of it; a resend raised
         # InvalidArgument from its duplicate filter)
         raise _bad(ft, "a BATCH's seq is 0")
-    if ft is FrameType.BATCH and (n == 0 or not 1 <= step <= U63 or nmarks or nstate):
+    if ft is FrameType.BATCH and (n == 0 or not 1 <= step <= U63 or nmarks or nstate or ring):
         # (step: the owner counts the pushes it stands for as an int64: a larger one was
-        # applied, then raised OverflowError, unacknowledged, and applied again when resent)
-        raise _bad(ft, "a BATCH needs >= 1 row, step in 1..2**63 - 1, and no marks or state")
+        # applied, then raised OverflowError, unacknowledged, and applied again when resent.
+        # ring: a sender's ring says nothing of a batch; 0, as a reserved field)
+        raise _bad(ft, "a BATCH needs >= 1 row, step in 1..2**63 - 1, and no marks, state "
+                       "or ring")
     if _refused_malformed(hdr["flags"], n, nmarks):
         raise _bad(ft, REFUSED_RULE)
     dt = CODE_DTYPES[code]
@@ -946,7 +978,7 @@ def _decode_data(hdr: dict[str, Any], body: memoryview, limits: Limits) -> Data:
         state.append(np.frombuffer(body, dtype=sdt.newbyteorder("<"), count=n * cols,
                                    offset=off).reshape(n, cols))
         off += n * cols * sdt.itemsize
-    hdr.update(dtype=dt, cols=cols, start=start, step=step, marks=marks, index=index,
+    hdr.update(dtype=dt, cols=cols, start=start, step=step, ring=ring, marks=marks, index=index,
                row_steps=row_steps, values=values, state=tuple(state))
     return _new(Data, hdr)
 
@@ -1005,4 +1037,4 @@ __all__ = ["Ack", "BadFrame", "CODE_DTYPES", "DEFAULT_LIMITS", "DTYPE_CODES", "D
            "encode_ack", "encode_batch", "encode_heartbeat", "encode_rows", "encode_snapshot",
            "encode_sync", "iter_frames", "max_rows_per_frame", "restamp_epoch", "tensor_id",
            "Pieces", "as_bytes", "epoch_of", "MAX_EPOCH", "INIT_QUERY_SEQ", "InitQuery",
-           "encode_init_query"]
+           "encode_init_query", "RING_OFFSET"]

@@ -3573,11 +3573,14 @@ class Bridge:
                       **where: Any) -> frames.RowsBuilder:
         """A ROWS frame of ``n`` rows of ``shard`` to read into (frames.RowsBuilder), with
         the tensor's optimizer state; ``where``: start=, rows= or keys= (and row_steps=,
-        refused=)."""
+        refused=).  Stamped with this host's epoch and ring (the frame is sent as it is
+        built, in this turn of the event loop: _send_to_copies): a copy counts itself
+        this owner's backup by them (on_rows)."""
         spec = info.t._shard(shard).spec
         nstate = int(spec["nstate"])
         return frames.RowsBuilder(
-            epoch=self.members.epoch, sender=self.mid, incarnation=self.incarnation,
+            epoch=self.members.epoch, ring=self.ring.digest, sender=self.mid,
+            incarnation=self.incarnation,
             tensor=info.tid, shard=shard, seq=ROWS_SEQ_BASE + seq, n=n, cols=info.cols,
             dtype=info.dtype, marks=marks, nstate=nstate,
             state_dtype=_native.DTYPE_NAMES[spec["state_dtype"]] if nstate else None,
@@ -3607,7 +3610,8 @@ class Bridge:
         st = self.shards[key]
         st.rseq += 1
         n = len(rd.index)
-        frame = frames.encode_rows(epoch=self.members.epoch, sender=self.mid,
+        frame = frames.encode_rows(epoch=self.members.epoch, ring=self.ring.digest,
+                                   sender=self.mid,
                                    incarnation=self.incarnation, tensor=info.tid, shard=shard,
                                    seq=ROWS_SEQ_BASE + st.rseq,
                                    values=np.asarray(rd.values).reshape(n, info.cols),
@@ -4286,15 +4290,16 @@ class Bridge:
         # unwanted, voids the read (a copy still missing is read again).
         marks = [Mark(s[0], s[1], st.dedup.floor(s)) for s in st.dedup.streams()
                  if st.dedup.floor(s) > 0][:MAX_MARKS]
-        epoch, rseq, copied_in = self.members.epoch, st.rseq, st.copied_in
+        (epoch, ring), rseq, copied_in = self._epoch_ring, st.rseq, st.copied_in
         st.reading = member
         try:
             if self._small_snapshot(info, key[1]):
-                chunks = self._snapshot_chunks(info, key[1], marks, epoch, rseq, handover)
+                chunks = self._snapshot_chunks(info, key[1], marks, (epoch, ring), rseq,
+                                               handover)
             else:
                 chunks = await asyncio.wrap_future(self._snap_reader.submit(
                     urgent.HANDOVER if handover else urgent.COPY, self._snapshot_chunks,
-                    info, key[1], marks, epoch, rseq, handover))
+                    info, key[1], marks, (epoch, ring), rseq, handover))
         finally:
             st.reading = None
         link = self._out(member)
@@ -4319,8 +4324,11 @@ class Bridge:
             return
         assert st.rseq == rseq   # (nothing numbered a ROWS meanwhile: see above)
         st.rseq += len(chunks)
-        if self.members.epoch != epoch:
-            chunks = [frames.restamp_epoch(c, self.members.epoch) for c in chunks]
+        if self._epoch_ring != (epoch, ring):
+            # sent by this host's (epoch, ring) now, as an owner (still, above) or a
+            # previous owner: a copy counts itself a backup by the pair its frame carries
+            # (on_rows), and this owner waits for its backups by its ring now (_required)
+            chunks = [frames.restamp_epoch(c, *self._epoch_ring) for c in chunks]
         if handover and self._is_origin(key):
             st.init_served = member   # (_give_initial_values)
             st.init_seqs = (rseq + 1, st.rseq)
@@ -4357,12 +4365,14 @@ class Bridge:
         lo, hi = info.shard_range(shard)
         return (hi - lo) * info.cols * info.dtype.itemsize <= INLINE_SNAPSHOT_BYTES
 
-    def _snapshot_chunks(self, info: TInfo, shard: int, marks: list, epoch: int, rseq: int,
-                         handover: bool) -> list[bytes]:
+    def _snapshot_chunks(self, info: TInfo, shard: int, marks: list,
+                         view: tuple[int, int], rseq: int, handover: bool) -> list[bytes]:
         """The snapshot thread (the event loop for a small shard: _small_snapshot): one
         consistent copy of ``shard`` (read under its shared freeze) as SNAPSHOT chunks of
         about SNAPSHOT_FRAME_BYTES, ROW seqs from ``rseq + 1`` on, the last one with
-        ``marks``.  Touches no state of the event loop."""
+        ``marks``, stamped with ``view`` (epoch, ring digest: this host's at the read).
+        Touches no state of the event loop."""
+        epoch, ring = view
         if "slow_snapshot" in self._failpoints:
             # test failpoint: a slow machine's copy of a large shard
             delay = float(self._failpoints["slow_snapshot"] or SLOW_SNAPSHOT_S)
@@ -4390,7 +4400,7 @@ class Bridge:
             # the marks go with the last chunk, and with the first of a hand-over too:
             # its receiver checks them before it writes a row (on_rows: _behind)
             chunks.append(frames.encode_snapshot(
-                epoch=epoch, sender=self.mid, incarnation=self.incarnation,
+                epoch=epoch, ring=ring, sender=self.mid, incarnation=self.incarnation,
                 tensor=info.tid, shard=shard, seq=ROWS_SEQ_BASE + rseq, values=vals,
                 step=int(rd.step), marks=marks if j >= n or (handover and i == 0) else (),
                 state=[np.asarray(a[i:j]).reshape(j - i, info.cols) for a in rd.states],
