@@ -1918,9 +1918,12 @@ def test_a_no_marks_hand_over_after_a_cut_off_snapshot_is_checked_on_its_first_c
 def test_an_owner_that_left_on_purpose_is_not_held_for(tmp_path, how):
     """x owns the shard, this host is its backup.  x's bridge restarts, copies its
     shards and owns the shard again (epoch 2); the snapshot it copies this host with
-    comes before its heartbeat of epoch 2 (another connection), so this host does not
-    count itself x's backup by that ring (on_rows: fed_owners [x]), and nothing is
-    pushed to the shard after it.  Then x leaves (SIGTERM): it says handed over, and
+    was sent by a ring of epoch 2 that is not this host's, so this host does not count
+    itself x's backup by it (on_rows: fed_owners [x]), and nothing is pushed to the
+    shard after it.  (Until 2026-11-28 a snapshot of this host's ring did the same when
+    it came before x's heartbeat of epoch 2, on another connection, as a restarted
+    owner's copies often do: test_a_restarted_owner_killed_before_any_push_is_not_held_for.)
+    Then x leaves (SIGTERM): it says handed over, and
     this host, now the owner, takes the next batch at once: a host that left on purpose
     is gone, not cut off, and the hold does not wait for it.  (It waited
     HANDOVER_TIMEOUT, "no hand-over snapshot from a dead owner; waiting up to 3.0 s for
@@ -1948,10 +1951,11 @@ def test_an_owner_that_left_on_purpose_is_not_held_for(tmp_path, how):
         assert node.members.epoch == 1 and node.owner(st.key) == me
         heard(x, dict(everyone, **{x: State.JOINING}), frames.HB_READY, 2)
         assert node.members.epoch == 2 and node.owners(st.key) == [x, me]
-        # x's copy to this host, before x's heartbeat of epoch 2
+        # x's copy to this host, sent by a ring of epoch 2 this host does not hold
         z_id = members.member_id(z)
         assert _status_of(node, x, frames.decode(frames.encode_snapshot(
-            epoch=2, sender=members.member_id(x), incarnation=8, tensor=info.tid, shard=0,
+            epoch=2, ring=ring.Ring([x, z]).digest, sender=members.member_id(x),
+            incarnation=8, tensor=info.tid, shard=0,
             seq=bridge_node.ROWS_SEQ_BASE + 1, values=np.full((8, 4), 4, np.float32),
             start=0, marks=[Mark(z_id, 7, 40)], last=True))) is Status.OK
         assert st.fed_owners == [x]
@@ -1982,6 +1986,82 @@ def test_an_owner_that_left_on_purpose_is_not_held_for(tmp_path, how):
             lambda d: got.extend(frames.iter_frames(bytes(d))))
         if how != "dies":
             assert st.handover_from is None and not got, (st.handover_from, got)
+            np.testing.assert_array_equal(node.store[info.name].pull(),
+                                          np.full((8, 4), 5, np.float32))   # applied
+        else:
+            assert st.handover_from == x and [a.status for a in got] == [Status.BUSY]
+            np.testing.assert_array_equal(node.store[info.name].pull(),
+                                          np.full((8, 4), 4, np.float32))
+
+
+@pytest.mark.parametrize("frame", ["its ring, before its heartbeat",
+                                   "another ring of its epoch",
+                                   "another ring, after its heartbeat"])
+def test_a_restarted_owner_killed_before_any_push_is_not_held_for(tmp_path, frame):
+    """x owns the shard, this host is its backup.  x's bridge restarts, copies its
+    shards and owns the shard again (epoch 2), and copies this host at once, on another
+    connection than its heartbeats: its snapshot comes before its heartbeat of epoch 2.
+    Nothing is pushed to the shard after it, and x is killed (SIGKILL: dead, no word).
+    This host, now the owner, takes the next batch at once: the snapshot said it was
+    sent by epoch 2 and this host's ring (frames: the data sub-header's ring), by which
+    this host is x's backup, so its copy holds every batch x acknowledged (x waited for
+    this host's answer to acknowledge any).  (The copy counted itself a backup only when
+    x's heartbeat of that epoch and ring had come first: fed_owners stayed [x], and at
+    the kill this host held HANDOVER_TIMEOUT for x, "cut off", every batch of the shard
+    refused BUSY; a failover of 3 s against a target of 1.)  A snapshot sent by another
+    ring of epoch 2 (a number minted twice: x's ring there may not have this host as its
+    backup) still leaves the copy incomplete by its record, heartbeat first or not: the
+    hold waits for x, which may be only cut off and hold batches it acknowledged with
+    that ring's backups.  (With x's heartbeat first, such a snapshot counted: the
+    heartbeat, not the frame, said which ring x was on.)"""
+    from shmps.bridge import node as bridge_node
+
+    me, x, z = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
+    with _owner_on_a_store(tmp_path, [me, x, z], "killheld") as (node, _, _st):
+        node._send_snapshot = _no_snapshot_sent
+        info, st = _a_tensor_owned_by(node, [x, me])
+        everyone = {m: State.ALIVE for m in (me, x, z)}
+
+        def heard(peer: str, view: dict, flags: int, seq: int, inc: int = 8) -> None:
+            asyncio.run(_in_a_loop(lambda: node.on_heartbeat(peer, _heartbeat(
+                peer, node.members.epoch, view, flags, incarnation=inc, seq=seq))))
+
+        # x restarts (joining: epoch 1, the shard here), copies, says ready (epoch 2)
+        heard(x, everyone, frames.HB_QUORUM, 1)
+        assert node.members.epoch == 1 and node.owner(st.key) == me
+        heard(x, dict(everyone, **{x: State.JOINING}), frames.HB_READY, 2)
+        assert node.members.epoch == 2 and node.owners(st.key) == [x, me]
+        mine = node.ring.digest
+        other = ring.Ring([x, z]).digest   # (a ring of epoch 2 this host does not hold)
+        assert other != mine
+        if frame == "another ring, after its heartbeat":
+            heard(x, everyone, frames.HB_QUORUM | frames.HB_ACTING, 3)
+            assert node._peer_view[x] == node._epoch_ring
+        # x's copy to this host (z's batches up to 40 in it)
+        z_id = members.member_id(z)
+        assert _status_of(node, x, frames.decode(frames.encode_snapshot(
+            epoch=2, ring=mine if frame.startswith("its ring") else other,
+            sender=members.member_id(x), incarnation=8, tensor=info.tid, shard=0,
+            seq=bridge_node.ROWS_SEQ_BASE + 1, values=np.full((8, 4), 4, np.float32),
+            start=0, marks=[Mark(z_id, 7, 40)], last=True))) is Status.OK
+        complete = frame.startswith("its ring")
+        assert st.fed_owners == ([x, me] if complete else [x])
+        if frame != "another ring, after its heartbeat":
+            heard(x, everyone, frames.HB_QUORUM | frames.HB_ACTING, 3)
+        # x is killed: dead here, and to z
+        asyncio.run(_in_a_loop(lambda: node._on_changes(node.members.mark_dead(x))))
+        assert node.members.epoch == 3 and node.owners(st.key) == [me, z]
+        heard(z, dict(everyone, **{x: State.DEAD}), frames.HB_QUORUM | frames.HB_ACTING, 9,
+              inc=7)
+        assert node.acting()
+        got: list = []
+        node.on_batch(z, frames.decode(frames.encode_batch(
+            epoch=3, sender=z_id, incarnation=7, tensor=info.tid, shard=0, seq=41,
+            values=np.ones((8, 4), np.float32), start=0)),
+            lambda d: got.extend(frames.iter_frames(bytes(d))))
+        if complete:
+            assert st.handover_from is None and st.handover_hold_until == 0.0 and not got, (
+                st.handover_from, got)
             np.testing.assert_array_equal(node.store[info.name].pull(),
                                           np.full((8, 4), 5, np.float32))   # applied
         else:
@@ -4277,14 +4357,16 @@ def test_a_new_owner_with_no_backup_left_asks_the_owner_its_last_rows_came_from(
 
 def test_a_copy_counts_itself_a_backup_only_by_a_ring_its_owner_holds_too(tmp_path):
     """A host takes the owner's ROWS of a shard; it records the shard's owners in its ring
-    as the owner's backups only while the owner's last heartbeat is at this host's epoch
-    and ring.  Its ring moved on without the owner (a member counted dead), the next
-    ROWS leave this host out and keep the backup it knew.  (Counted in by its own ring,
-    a host took itself for the owner's backup; the owner had acknowledged batches with
-    the real backup, and this host, made owner, served its copy without them: the
-    flapping network test, trace V33.)  A joining host that was the owner's backup by a
-    ring they both held answers the owner's SYNC with its copy.  Drives a Bridge, not
-    started, on a real store."""
+    as the owner's backups only for a frame the owner sent by this host's epoch and ring
+    (the frame's epoch and ring fields).  Its ring moved on without the owner (a member
+    counted dead, the owner on another ring of that epoch number), the next ROWS leave
+    this host out and keep the backup it knew, and so does one stamped with the epoch
+    before, whatever the owner's heartbeat says.  (Counted in by its own ring, a host
+    took itself for the owner's backup; the owner had acknowledged batches with the
+    real backup, and this host, made owner, served its copy without them: the flapping
+    network test, trace V33.)  A joining host that was the owner's backup by a ring they
+    both held answers the owner's SYNC with its copy.  Drives a Bridge, not started, on
+    a real store."""
     from shmps.bridge import node as bridge_node
 
     me, a, b = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
@@ -4299,15 +4381,20 @@ def test_a_copy_counts_itself_a_backup_only_by_a_ring_its_owner_holds_too(tmp_pa
 
         asyncio.run(b_dead())
         assert node.members.epoch == 1 and node.owners(plain.key) == [a, me]
-        assert _take_rows(node, a, plain_tid, 2) is Status.OK
+        everyone = ring.Ring([me, a, b]).digest      # (a's ring of epoch 1: b alive)
+        assert everyone != node.ring.digest
+        assert _take_rows(node, a, plain_tid, 2, ring_=everyone) is Status.OK
         assert plain.fed_owners == [a, b]                      # not [a, me]
-        # a's heartbeat at this epoch and ring: the ring's owners are a's again; a frame
-        # stamped with the epoch before is not trusted even then
+        # a's heartbeat at this epoch and ring does not vouch for a frame of another
         node.on_heartbeat(a, _heartbeat(a, 1, {me: State.ALIVE, a: State.ALIVE,
                                                b: State.DEAD}, seq=2))
-        assert _take_rows(node, a, plain_tid, 3) is Status.OK
+        assert _take_rows(node, a, plain_tid, 3, ring_=everyone) is Status.OK
+        assert plain.fed_owners == [a, b]
+        # a's frame sent by this epoch and ring: the ring's owners are a's; a frame
+        # stamped with the epoch before is not trusted even then
+        assert _take_rows(node, a, plain_tid, 4) is Status.OK
         assert plain.fed_owners == [a, me]
-        assert _take_rows(node, a, plain_tid, 4, epoch=0) is Status.OK
+        assert _take_rows(node, a, plain_tid, 5, epoch=0) is Status.OK
         assert plain.fed_owners == [a]
         # a joining host that was a's backup by a ring a held answers a's SYNC
         node.adopted[node.tensors[backup_tid].name] = a   # (not the tensor's origin)

@@ -3811,15 +3811,25 @@ class Bridge:
         fed_on: Optional[tuple[int, int]] = None
         if not handover:
             # (_role_change: whose copies are complete) The shard's owners in this host's
-            # ring are the owner's only for a frame stamped with this host's epoch while
-            # the owner's last heartbeat says it is at this host's epoch and ring (a
-            # frame of an earlier epoch may come after a heartbeat of this one: another
-            # connection).  Otherwise this host does not know whom the
-            # owner waits for: it counts itself no backup, and keeps the backups it knew.
-            # (A host whose ring had lost a member without a majority counted itself the
-            # owner's backup; the owner had acknowledged batches with that member, whose
-            # ROWS this host got only after a cut, refused by then; made owner, it served
-            # its copy without them: the flapping network test, 2026-11-26, trace V33.)
+            # ring are the owner's only for a frame the owner sent by this host's epoch
+            # and ring: the frame says which (its epoch, and the data sub-header's ring),
+            # under the same authentication as the rows it carries.  By that ring the
+            # owner waits for this host, its backup there, before it acknowledges a batch
+            # (_required), and its later frames come after this one on the same
+            # connection.  Otherwise this host does not know whom the owner waits for: it
+            # counts itself no backup, and keeps the backups it knew.  (A host whose ring
+            # had lost a member without a majority counted itself the owner's backup;
+            # the owner had acknowledged batches with that member, whose ROWS this host
+            # got only after a cut, refused by then; made owner, it served its copy
+            # without them: the flapping network test, 2026-11-26, trace V33.)  (Until
+            # 2026-11-28 the owner's last heartbeat said which ring it was on, and had to
+            # come first: an owner restarted and ready again copies its backups at once,
+            # on the other connection, and those snapshots often came before its
+            # heartbeat of that epoch; with nothing pushed to the shard after them, the
+            # backup counted itself none, and when that owner was killed it held
+            # HANDOVER_TIMEOUT for it, "cut off", every batch refused BUSY: 3 s of
+            # failover.  And a heartbeat, from a moment other than the frame's, could
+            # vouch for a frame sent by another ring of the same epoch number.)
             owners = self.owners(st.key)
             st.fed_epoch = f.epoch
             at_epoch = f.epoch == self.members.epoch
@@ -3827,7 +3837,7 @@ class Bridge:
                 # (_keeps_its_ring counts it while the owner's heartbeat holds this ring:
                 # the ROWS may come before that heartbeat, on the other connection)
                 fed_on = self._epoch_ring
-            if at_epoch and self._peer_view.get(peer) == self._epoch_ring:
+            if (f.epoch, f.ring) == self._epoch_ring:
                 st.fed_owners = owners
             else:
                 st.fed_owners = [peer] + list(dict.fromkeys(
@@ -4125,9 +4135,9 @@ class Bridge:
         # over and left, HANDOVER_TIMEOUT in vain, with every batch of the shard
         # refused BUSY meanwhile: an owner restarted since took it up again with a
         # snapshot, which came before its heartbeat of that epoch, so the backup did
-        # not count itself one (on_rows).  The walk-through of 2026-11-28: pushes
-        # stalled up to 3 s on the other hosts at the leave of a host restarted 8 s
-        # before.)
+        # not count itself one (on_rows, until the frames said their ring).  The
+        # walk-through of 2026-11-28: pushes stalled up to 3 s on the other hosts at
+        # the leave of a host restarted 8 s before.)
         st.handover_next = [b for b in st.handover_next
                             if (b != waited or (hold and b not in reach))
                             and not self._waited_restarted(st, b)
