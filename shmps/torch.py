@@ -133,12 +133,21 @@ class Pusher:
 
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """Push every ``.grad`` (parameters without one are skipped); returns the
-        closure's loss if a closure is given (as ``torch.optim`` does)."""
+        closure's loss if a closure is given (as ``torch.optim`` does).
+
+        Every gradient is checked for NaN/Inf (where its tensor refuses them) before
+        any is pushed: a step with one bad gradient raises NonFinite and changes no
+        parameter (with ``wait=False`` too, at once).  Costs one more read of each
+        gradient of such a tensor."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         self.wait()
+        # (tensor, gradient, rows or None, what keeps the gradient alive), all taken
+        # before the first push: pushed one after the other, the bad gradient of the
+        # last parameter raised after every parameter before it had been updated
+        todo: list[tuple[DenseTensor, np.ndarray, Optional[np.ndarray], Any]] = []
         for p, t in self._pairs:
             g = p.grad
             if g is None:
@@ -148,14 +157,16 @@ class Pusher:
                 g = g.coalesce()
                 rows = g.indices()[0].numpy()
                 vals = np.ascontiguousarray(g.values().numpy())
-                h = t.push(vals, rows=rows, wait=self.wait_each)
-                keep: Any = (g, vals)
+                todo.append((t, vals, rows, (g, vals)))
             else:
                 if not g.is_contiguous():
                     g = g.contiguous()
                 arr = g.numpy()
-                h = t.push(arr, wait=self.wait_each)
-                keep = (g, arr)
+                todo.append((t, arr, None, (g, arr)))
+        for t, arr, _, _ in todo:
+            t._require_finite(arr)
+        for t, arr, rows, keep in todo:
+            h = t.push(arr, rows=rows, wait=self.wait_each)
             if h is not None:
                 self._pending.append((h, keep))
         return loss

@@ -318,3 +318,32 @@ def test_two_threads_waiting_for_a_pushers_steps_at_once_each_see_them_all_appli
     assert not opt._pending
     for name, t in shmps.torch.shared_tensors(model).items():
         assert t.stats()["pushes"] == 20, name
+
+
+@pytest.mark.parametrize("wait", [True, False])
+def test_a_step_with_one_nonfinite_gradient_changes_no_parameter(store, wait):
+    """Pusher.step() with a NaN or Inf in one parameter's gradient (an AMP overflow, a
+    diverged loss) raises NonFinite and pushes nothing: every parameter, and every
+    tensor's step count, is as before, as a torch.optim step either happens or not.
+    Before, the gradients were pushed one after the other and the bad one raised after
+    the parameters before it had been updated (the first layer's weight and bias moved,
+    the last did not); with wait=False the error came only at the next wait()."""
+    model = make_model()
+    shmps.torch.share(model, store, optimizer=shmps.Adam(lr=0.1))
+    opt = shmps.torch.Pusher(model, wait=wait)
+    before = [p.detach().clone() for p in model.parameters()]
+    for bad in (float("nan"), float("inf")):
+        opt.zero_grad()
+        x, y = batch(0, 0)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        model[2].bias.grad[1] = bad    # the last parameter pushed
+        with pytest.raises(shmps.NonFinite, match="'2.bias'"):
+            opt.step()
+        opt.wait()
+        assert max(float((p.detach() - b).abs().max())
+                   for p, b in zip(model.parameters(), before)) == 0.0
+        assert {t.stats()["step"] for t in opt.tensors} == {0}
+    model[2].bias.grad[1] = 0.0        # the same step with a finite gradient is taken
+    opt.step()
+    opt.wait()
+    assert {t.stats()["step"] for t in opt.tensors} == {1}
