@@ -67,30 +67,39 @@ def share(module: "torch.nn.Module", store: Any, optimizer: UpdaterLike = None,
     Cost: one tensor creation or lookup and one mapping per parameter.
     Raises SchemaError if an existing tensor differs (shape, dtype, optimizer
     given), InvalidArgument for parameters that are not on the CPU."""
-    shared: dict[str, DenseTensor] = {}
-    for name, p in module.named_parameters():
+    # Three passes, so that a refused parameter changes nothing: every parameter is
+    # checked (device, dtype, and the schema of a tensor that exists) before any tensor
+    # is created, and no parameter's memory is swapped until every tensor is there.
+    # (One pass shared the parameters before the refused one, and created their
+    # tensors, while the call raised.)  A creation that fails in the second pass (no
+    # room in /dev/shm) leaves the tensors made before it, which a retry gets.
+    params = list(module.named_parameters())
+    kw: dict[str, Any] = {"optimizer": optimizer, "mode": mode}
+    if aggregate is not None or workers is not None:
+        kw.update(aggregate=aggregate, workers=workers)
+    found: dict[str, DenseTensor] = {}
+    for name, p in params:
         if p.device.type != "cpu":
             raise InvalidArgument(f"parameter {name!r} is on {p.device}",
                                   "shmps shares CPU memory: call share() before .to(device)")
         if p.dtype not in _DTYPES:
             raise SchemaError(f"parameter {name!r} has dtype {p.dtype}",
                               "shmps stores float16, float32 or float64 parameters")
-        shape = tuple(int(x) for x in p.shape)
         full = prefix + name
-        kw: dict[str, Any] = {}
-        if aggregate is not None or workers is not None:
-            kw.update(aggregate=aggregate, workers=workers)
-        if full in store:
-            t = store.dense(full, shape=shape, dtype=_DTYPES[p.dtype], optimizer=optimizer,
-                            mode=mode, **kw)
-        else:
-            init = p.detach().cpu().numpy()
-            t = store.dense(full, shape=shape, dtype=_DTYPES[p.dtype], init=init,
-                            optimizer=optimizer, mode=mode, **kw)
-        arr = t.view(writable=True)
-        with torch.no_grad():
-            p.data = torch.from_numpy(arr)
+        if full in store:   # (no init: a lookup, SchemaError if it differs)
+            found[name] = store.dense(full, shape=tuple(int(x) for x in p.shape),
+                                      dtype=_DTYPES[p.dtype], **kw)
+    shared: dict[str, DenseTensor] = {}
+    for name, p in params:
+        t = found.get(name)
+        if t is None:   # get-or-create: another process may have made it meanwhile
+            t = store.dense(prefix + name, shape=tuple(int(x) for x in p.shape),
+                            dtype=_DTYPES[p.dtype], init=p.detach().cpu().numpy(), **kw)
         shared[name] = t
+    views = {name: t.view(writable=True) for name, t in shared.items()}
+    with torch.no_grad():
+        for name, p in params:
+            p.data = torch.from_numpy(views[name])
     setattr(module, _ATTR, shared)
     return shared
 

@@ -347,3 +347,28 @@ def test_a_step_with_one_nonfinite_gradient_changes_no_parameter(store, wait):
     opt.step()
     opt.wait()
     assert {t.stats()["step"] for t in opt.tensors} == {1}
+
+
+def test_a_refused_share_leaves_the_module_and_the_store_as_they_were(store):
+    """share() that refuses a parameter (its shape differs from the stored tensor, its
+    dtype is not one shmps stores) changes no parameter of the module and creates no
+    tensor.  Before, the parameters before the refused one were already shared: their
+    values replaced by the stored ones (or new tensors made from them) and their
+    memory the store's, while the call raised."""
+    shmps.torch.share(make_model(), store, optimizer=shmps.SGD(lr=0.1))
+    store["0.weight"].push(np.ones((16, 12), np.float32))   # stored values != a new model's
+    wrong = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(),
+                                torch.nn.Linear(16, 8))     # its last layer differs
+    before = [(p.data_ptr(), p.detach().clone()) for p in wrong.parameters()]
+    with pytest.raises(shmps.SchemaError, match="'2.weight'"):
+        shmps.torch.share(wrong, store)
+    assert all(
+        ptr == p.data_ptr() and torch.equal(b, p.detach())
+        for (ptr, b), p in zip(before, wrong.parameters()))
+    mixed = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 2).bfloat16())
+    names = sorted(store)
+    with pytest.raises(shmps.SchemaError, match="bfloat16"):
+        shmps.torch.share(mixed, store, prefix="mixed.")
+    assert sorted(store) == names                            # no tensor made for layer 0
+    with pytest.raises(shmps.InvalidArgument, match="not shared"):
+        shmps.torch.Pusher(wrong)
