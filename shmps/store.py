@@ -783,7 +783,9 @@ class Store:
                 lib.shmps_set_step(seg.ptr, step)
             _native.check(lib.shmps_dense_set_stripe_steps(seg.ptr, step),
                           f"restore {rec['name']!r} (shard {s})")
-            bar.update(seg.size)
+            # the bytes read from the files (the plan's total, checkpoint._plan_dense):
+            # the segment's size (header, stripe words, pages) ran the bar past it
+            bar.update(lay["nnz"] * (dt.itemsize + len(states) * np.dtype(sdt).itemsize))
 
         with self._lock:
             self._lock_manifest()

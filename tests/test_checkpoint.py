@@ -8,6 +8,7 @@ it fails (``finally`` blocks and the ``procs`` fixture).
 from __future__ import annotations
 
 import errno
+import io
 import json
 import os
 import random
@@ -1118,3 +1119,42 @@ def test_whole_pushes_from_two_processes_across_the_2_32_wrap(store, tmp_path, n
             p.wait(timeout=30)
         both.destroy()
         one.destroy()
+
+
+class _Terminal(io.StringIO):
+    """stderr as a terminal, so that checkpoint and restore show their progress bars."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.timeout(60)
+def test_the_progress_bars_of_checkpoint_and_restore_end_at_their_totals(
+        store, tmp_path, names, monkeypatch):
+    """The progress bar of a checkpoint and of a restore (on a terminal) counts up to
+    exactly the total it shows, for dense tensors of every size, a table and a csr
+    tensor.  Before, restore's total was the bytes of the files while each dense
+    tensor counted its segments (headers, stripe words, page rounding): small tensors
+    ran the bar past its total, where tqdm drops the percentage ("restore m: 867MB
+    [00:01, ...]"): this store's restore counted 51,392 bytes of a 26,022 total."""
+    for i, shape in enumerate([(), (3,), (5, 2), (0, 4), (40, 30)]):
+        store.dense(f"d{i}", shape=shape, optimizer=shmps.Adam())
+    store.dense("h", shape=(7, 3), dtype="float16", optimizer=shmps.Momentum())
+    store.table("t", dim=3, capacity=20, optimizer=shmps.Adagrad()).push(
+        np.arange(5, dtype=np.uint64), np.ones((5, 3)))
+    store.csr("c", np.array([0, 2, 3]), np.array([0, 2, 1]), optimizer=shmps.FTRL())
+    bars: list = []
+    real_bar = ckpt_mod.progress.bar
+
+    def recorded(total: int, desc: str, *args: Any, **kw: Any) -> Any:
+        b = real_bar(total, desc, *args, **kw)
+        bars.append(b)
+        return b
+
+    monkeypatch.setattr(ckpt_mod.progress, "bar", recorded)
+    monkeypatch.setattr(sys, "stderr", _Terminal())
+    store.checkpoint(tmp_path / "ck")
+    shmps.restore(tmp_path / "ck", new_name(names)).close()
+    monkeypatch.undo()
+    assert [b.desc.split()[0] for b in bars] == ["checkpoint", "restore"]
+    assert [(b.desc, b.n) for b in bars] == [(b.desc, b.total) for b in bars]
