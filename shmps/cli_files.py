@@ -25,9 +25,9 @@ from . import files as _files
 from . import progress
 from .errors import CapacityError, CorruptFile, InvalidArgument, NotFound
 from .files import (ARRAYS, CHUNK, CSR, INDEX_DTYPES, VALUE_DTYPES, MatrixSet, SetWriter,
-                    _check_structure, _scipy_sparse, build_meta, finish_replacement,
-                    read_checkpoint_manifest, read_csr, remove_dead_temporaries,
-                    temporary_path, validate_all)
+                    _check_structure, _scipy_sparse, build_meta, check_held,
+                    finish_replacement, read_checkpoint_manifest, read_csr,
+                    remove_dead_temporaries, temporary_path, validate_all)
 
 #: Entries formatted per write when printing (bounded memory, bounded string size).
 ENTRY_CHUNK = 1 << 16
@@ -665,12 +665,13 @@ def _atomic_output(dst: str) -> Iterator[str]:
 
 
 def _copy_set(dst: str, c: CSR, rows: int, cols: int, dtypes: dict[str, str],
-              desc: str) -> None:
+              desc: str, names: dict[str, str]) -> None:
+    """Write ``c`` as the set ``dst``; ``names`` names each array's source (messages)."""
     nbytes = sum(len(a) * np.dtype(dtypes[k]).itemsize for k, a in zip(ARRAYS, c))
     with _progress(nbytes, desc) as bar, SetWriter(dst, dtypes) as w:
         for k, a in zip(ARRAYS, c):
             for s in range(0, len(a), CHUNK):
-                bar.update(w.append(k, a[s:s + CHUNK]))
+                bar.update(w.append(k, a[s:s + CHUNK], names[k]))
         w.commit(build_meta(rows, cols, c.nnz, dtypes))
 
 
@@ -722,7 +723,7 @@ def _npz_to_set(args: argparse.Namespace) -> tuple[int, int, int, str]:
     vdt = _out_value_dtype(c.value.dtype, args.dtype, args.src)
     dtypes = {"rowcnt": _index_dtype(c.rowcnt), "colidx": _index_dtype(c.colidx),
               "value": vdt}
-    _copy_set(args.dst, c, rows, cols, dtypes, "convert")
+    _copy_set(args.dst, c, rows, cols, dtypes, "convert", names)
     return rows, cols, c.nnz, vdt
 
 
@@ -754,6 +755,9 @@ def _npy_to_set(args: argparse.Namespace) -> tuple[int, int, int, str]:
         w.append("rowcnt", np.zeros(1, dtype=np.int64))
         for r0 in range(0, rows, step):
             block = np.asarray(a[r0:r0 + step])
+            # (before from_dense: the message gives the value's row and column)
+            check_held(block, vdt, args.src,
+                       where=lambda i, r0=r0: f"row {r0 + i // cols}, col {i % cols}")
             part = CSR.from_dense(block, keep_zeros=args.keep_zeros, colidx_dtype=cdt)
             w.append("rowcnt", part.rowcnt[1:] + nnz)
             w.append("colidx", part.colidx)
@@ -781,10 +785,13 @@ def _set_to_npz(args: argparse.Namespace) -> tuple[int, int, int, str]:
     dtypes = {"rowcnt": ms.dtypes["rowcnt"], "colidx": ms.dtypes["colidx"], "value": vdt}
     nbytes = sum(len(x) * np.dtype(dtypes[k]).itemsize for k, x in zip(ARRAYS, c))
     loaded = []
+    source = f"{ms.prefix or args.src}.{ms.array}"
     with _progress(nbytes, "read") as bar:
         for k, x in zip(ARRAYS, c):
             arr = np.empty(len(x), dtype=dtypes[k])
             for s in range(0, len(x), CHUNK):
+                if k == "value":   # (an integer --dtype cannot hold: no wrapping)
+                    check_held(x[s:s + CHUNK], vdt, source, s)
                 arr[s:s + CHUNK] = x[s:s + CHUNK]
                 bar.update(min(CHUNK, len(x) - s) * arr.itemsize)
             loaded.append(arr)
@@ -847,6 +854,7 @@ def _set_to_npy(args: argparse.Namespace) -> tuple[int, int, int, str]:
     vdt = _out_value_dtype(np.dtype(ms.dtypes["value"]), args.dtype, ms.prefix or args.src)
     rowcnt, colidx, value = ms.csr
     rows, cols = ms.rows, ms.cols
+    source = f"{ms.prefix or args.src}.{ms.array}"
     _check_npy_size(args.src, args.dst, rows, cols, ms.nnz, vdt)
     itemsize = np.dtype(vdt).itemsize
     step = max(1, BLOCK_BYTES // max(1, cols * itemsize))
@@ -860,6 +868,9 @@ def _set_to_npy(args: argparse.Namespace) -> tuple[int, int, int, str]:
                 for r0 in range(0, rows, step):
                     r1 = min(r0 + step, rows)
                     e0, e1 = int(rowcnt[r0]), int(rowcnt[r1])
+                    # an integer --dtype cannot hold: refused, not wrapped (the
+                    # temporary .npy goes with the error)
+                    check_held(value[e0:e1], vdt, source, e0)
                     if ms.kind == "dense":  # row-major values: a plain copy
                         out[r0:r1] = np.asarray(value[e0:e1]).reshape(r1 - r0, cols) \
                             .astype(vdt, casting="same_kind")

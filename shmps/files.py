@@ -1548,6 +1548,36 @@ def fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
+#: the hint of an integer that the dtype it is written in cannot hold (check_held)
+HELD_HINT = ("write it in a wider dtype (shmps-tool convert --dtype, value_dtype=), or fix "
+             "the value")
+
+
+def check_held(a: np.ndarray, dtype: Any, what: str, offset: int = 0,
+               where: Callable[[int], str] | None = None, hint: str = HELD_HINT) -> None:
+    """Raise InvalidArgument if integer array ``a`` holds a value that integer ``dtype``
+    cannot: numpy's cast wraps it (300 into int8 is 44, 2**40 into int32 is 0), and a
+    file written so holds another number than the one given.  ``what`` names the array
+    (a file, an argument); the message gives ``where(i)`` for the flat index ``i`` of
+    the first such value, by default ``position offset + i``.  Any other cast (one that
+    is safe, a float one: a float beyond the dtype is inf, as documented) passes.
+    Cost: one comparison pass over ``a`` when the cast narrows an integer dtype."""
+    dt = np.dtype(dtype)
+    a = np.asarray(a)
+    if (dt.kind not in "iu" or a.dtype.kind not in "iu" or a.size == 0
+            or np.can_cast(a.dtype, dt, casting="safe")):
+        return
+    info = np.iinfo(dt)
+    bad = (a < info.min) | (a > info.max)
+    if not bad.any():
+        return
+    i = int(np.argmax(bad.reshape(-1)))
+    place = where(i) if where is not None else f"position {offset + i}"
+    raise InvalidArgument(f"{what}: {place}: value {int(a.reshape(-1)[i])} cannot be stored "
+                          f"in {dt.name} (range {info.min} .. {info.max}; a cast would wrap "
+                          f"it to {int(a.reshape(-1)[i:i + 1].astype(dt)[0])})", hint=hint)
+
+
 class SetWriter:
     """Streams the three arrays of a file set to hidden temporary files beside
     ``prefix`` (``.X.value.tmp-HOST-PID-HEX``, :func:`temporary_path`), then :meth:`commit`
@@ -1601,14 +1631,19 @@ class SetWriter:
         if exc_type is not None:
             self.abort()
 
-    def append(self, kind: str, arr: np.ndarray) -> int:
+    def append(self, kind: str, arr: np.ndarray, source: str | None = None) -> int:
         """Append ``arr`` (cast to the file dtype) to array ``kind``; return bytes
-        written.  O(len(arr)) time, O(CHUNK) extra memory."""
+        written.  An integer the file dtype cannot hold raises InvalidArgument naming
+        ``source`` (default ``kind``) and its position (:func:`check_held`), and the
+        writer's context then removes its temporaries: nothing is replaced.
+        O(len(arr)) time, O(CHUNK) extra memory."""
         dt = self.dtypes[kind]
         f = self._files[kind]
         n = len(arr)
         for s in range(0, n, CHUNK):
-            f.write(np.ascontiguousarray(arr[s:s + CHUNK], dtype=dt).data)
+            part = arr[s:s + CHUNK]
+            check_held(part, dt, source or kind, self.counts[kind] + s)
+            f.write(np.ascontiguousarray(part, dtype=dt).data)
         self.counts[kind] += n
         return n * dt.itemsize
 

@@ -967,3 +967,31 @@ def test_convert_names_a_source_it_cannot_read(tmp_path):
     r = tool("convert", src, tmp_path / "out")
     assert_one_line_error(r, f"{src}: Input/output error")
     assert not [n for n in os.listdir(tmp_path) if n.startswith(("out", ".out"))]
+
+
+def test_convert_refuses_integers_that_the_dtype_cannot_hold(tmp_path):
+    """convert --dtype int8/int32 of integer values outside that dtype's range is one
+    error line naming the value and where it is, and writes nothing (DST as it was);
+    values within the range convert.  numpy's cast wraps them (300 into int8 is 44,
+    2**40 into int32 is 0), and convert wrote those silently, in every direction: .npy
+    and .npz into a set, a set into .npy and .npz."""
+    np.save(tmp_path / "i.npy", np.array([[300, 0, -200]]))
+    sp.save_npz(tmp_path / "i.npz", sp.csr_matrix(np.array([[5, 0, 2 ** 40]])))
+    shmps.files.write_dense(str(tmp_path / "S"), np.array([[7, 300]], np.int32))
+    write_csr(tmp_path / "old", CSR.from_dense(np.array([[1.0, 2.0]])))   # a DST to keep
+    np.save(tmp_path / "old.npy", np.array([[9]]))
+    for args, needle in [
+            (("i.npy", "old", "--dtype", "int8"), "i.npy: row 0, col 0: value 300"),
+            (("i.npz", "old", "--dtype", "int32"), "i.npz (data): position 1: value 1099511627776"),
+            (("S", "old.npy", "--dtype", "int8"), "S.value: position 1: value 300"),
+            (("S", "old.npz", "--dtype", "int8"), "S.value: position 1: value 300")]:
+        r = tool("convert", *args, cwd=tmp_path)
+        assert_one_line_error(r, needle, "cannot be stored in", "-128 .. 127"
+                              if "int8" in args else "-2147483648 .. 2147483647")
+        assert hidden(tmp_path) == set()
+    assert read_csr(tmp_path / "old").csr.value.tolist() == [1.0, 2.0]
+    assert np.load(tmp_path / "old.npy").tolist() == [[9]]
+    assert not (tmp_path / "old.npz").exists()
+    np.save(tmp_path / "ok.npy", np.array([[127, 0, -128]]))
+    assert tool("convert", "ok.npy", "ok", "--dtype", "int8", cwd=tmp_path).returncode == 0
+    assert read_csr(tmp_path / "ok").csr.value.tolist() == [127, -128]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 
@@ -419,3 +420,23 @@ def test_cols_and_row_arguments_are_integers(tmp_path, bad):
             csr.row(bad)
     assert csr.row(np.int64(1))[1].tolist() == [3, 9]
     assert csr.row(np.array(1))[0].tolist() == [1, 2]
+
+
+@pytest.mark.timeout(60)
+def test_writing_an_integer_the_value_dtype_cannot_hold_is_refused(tmp_path):
+    """write_dense / write_csr with value_dtype= int8 or int32 of a value outside its
+    range raise InvalidArgument naming the value and its position, and write nothing;
+    numpy's cast wrapped it (300 into int8 is 44, -129 is 127, 2**40 into int32 is 0)
+    and the set held those numbers.  A value within the range is written."""
+    for write, arg, needle in [
+            (write_dense, np.array([[1, 300]]), "position 1: value 300 cannot be stored in int8"),
+            (write_csr, CSR(np.array([0, 1]), np.array([0]), np.array([-129])),
+             "position 0: value -129 cannot be stored in int8 (range -128 .. 127; a cast "
+             "would wrap it to 127)")]:
+        with pytest.raises(InvalidArgument, match=re.escape(needle)):
+            write(str(tmp_path / "W"), arg, value_dtype="int8")
+        assert os.listdir(tmp_path) in ([], [".W.lock"])
+    with pytest.raises(InvalidArgument, match="value 1099511627776 cannot be stored in int32"):
+        write_dense(str(tmp_path / "W"), np.array([7, 2 ** 40]), value_dtype="int32")
+    write_dense(str(tmp_path / "W"), np.array([[127, -128]]), value_dtype="int8")
+    assert read_dense(str(tmp_path / "W")).csr.value.tolist() == [127, -128]
