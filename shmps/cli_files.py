@@ -591,6 +591,17 @@ def _checkpoint_prefix(prefix: str, tensor: str | None) -> str:
     """``prefix``, or with ``tensor`` (or for a checkpoint directory) the file-set prefix
     of that tensor in the checkpoint directory ``prefix`` (from its checkpoint.json)."""
     is_ckpt = os.path.isdir(prefix) and os.path.isfile(os.path.join(prefix, "checkpoint.json"))
+    if tensor is not None and not os.path.exists(prefix):
+        raise NotFound(f"--tensor {tensor}: no checkpoint directory {prefix}",
+                       hint="pass the PATH given to shmps-tool checkpoint / store.checkpoint")
+    if (tensor is None and not is_ckpt and os.path.isdir(prefix)
+            and not any(os.path.exists(f"{prefix}.{k}") for k in (*ARRAYS, "meta"))):
+        # (a directory named as a prefix: "missing file d.rowcnt, ..." said nothing of it)
+        raise InvalidArgument(f"{prefix} is a directory without checkpoint.json: not a "
+                              "checkpoint, and no file set PREFIX.rowcnt/.colidx/.value "
+                              "is beside it",
+                              hint="pass a checkpoint directory (with --tensor NAME), or "
+                                   "the prefix of a file set, e.g. DIR/t0 for DIR/t0.value")
     if tensor is None and not is_ckpt:
         return prefix
     if not is_ckpt:

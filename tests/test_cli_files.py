@@ -252,6 +252,10 @@ def test_check_ok_line(tmp_path):
     (["dump", "x", "--format", "xml"], "argument --format: invalid choice: 'xml'"),
     (["dump", "x", "--store", "s", "--tensor", "t"], "give either PREFIX or --store"),
     (["dump", "nothere"], "missing file nothere.rowcnt, nothere.colidx, nothere.value"),
+    # a checkpoint that is not there (it was said to be "not a checkpoint directory
+    # (no checkpoint.json)"), a directory that is none (it was "missing file d.rowcnt")
+    (["dump", "nothere", "--tensor", "w"], "--tensor w: no checkpoint directory nothere"),
+    (["dump", "d"], "d is a directory without checkpoint.json: not a checkpoint"),
     (["check", "x", "--value-dtype", "int64"], "argument --value-dtype: invalid choice"),
     (["convert", "a", "b"], "exactly one side must be a file set prefix"),
     (["convert", "a.npz", "b.npy"], "exactly one side must be a file set prefix"),
@@ -262,6 +266,7 @@ def test_usage_errors_are_one_line(tmp_path, argv, needle):
     traceback; the hint is one for a CLI user (the verb's --help where nothing more
     precise is said), never the API's "check the argument against the docstring"."""
     write_csr(tmp_path / "x", CSR.from_dense(EXAMPLE))
+    (tmp_path / "d").mkdir()
     r = tool(*argv, cwd=tmp_path)
     assert_one_line_error(r, needle)
     assert r.stderr.rstrip().endswith(")") and "docstring" not in r.stderr, r.stderr
