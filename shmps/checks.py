@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .errors import InvalidArgument
+from .errors import InvalidArgument, SchemaError
 
 
 def _bound(n: int) -> str:
@@ -88,3 +88,23 @@ def check_seconds(timeout: Any, hint: str = "pass e.g. timeout=60, or None (or m
         raise InvalidArgument(f"timeout={timeout!r} must be None or a number of seconds >= 0",
                               hint)
     return float(timeout)
+
+
+#: the hint of an input numpy cannot read as an array (as_array)
+ARRAY_HINT = ("pass a numpy array of numbers (a torch tensor as t.detach().cpu().numpy(), "
+              "a bfloat16 one cast to float32 first; a list of equal-length rows)")
+
+
+def as_array(value: Any, what: str, exc: type = SchemaError) -> np.ndarray:
+    """``np.asarray(value)``, or ``exc`` (SchemaError; OutOfRange for rows) when numpy
+    cannot make an array of it: a ragged list (numpy's ValueError "inhomogeneous
+    shape"), an object whose ``__array__`` raises (a torch tensor that requires grad:
+    RuntimeError; one of bfloat16: TypeError).  Those escaped as the builtins, without a
+    shmps.Error or a hint.  O(1) for an ndarray, else numpy's conversion."""
+    if type(value) is np.ndarray:
+        return value
+    try:
+        return np.asarray(value)
+    except (TypeError, ValueError, RuntimeError) as e:
+        kind = f"{type(value).__module__}.{type(value).__qualname__}"
+        raise exc(f"{what} ({kind}) cannot be read as an array: {e}", ARRAY_HINT) from None

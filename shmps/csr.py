@@ -20,7 +20,7 @@ from typing import Any, Iterable, Optional
 import numpy as np
 
 from . import _native
-from .checks import check_flag
+from .checks import as_array, check_flag
 from .errors import CorruptSegment, InvalidArgument, OutOfRange, SchemaError
 from .files import CSR
 from .tensor import (PushHandle, Tensor, cast_grad, cast_init, check_rows,
@@ -37,7 +37,7 @@ SHARD_BYTES = 16 << 20
 # ---- structure ----------------------------------------------------------------------
 
 def _ints(a: Any, what: str) -> np.ndarray:
-    arr = np.asarray(a)
+    arr = as_array(a, what)
     if arr.ndim != 1:
         raise SchemaError(f"{what} must be a 1-d integer array, got shape {arr.shape}",
                           "pass rowcnt and colidx as 1-d integer arrays (scipy's indptr "

@@ -23,7 +23,7 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from . import _native
-from .checks import check_flag, check_int
+from .checks import as_array, check_flag, check_int
 from .errors import CapacityError, CorruptSegment, InvalidArgument, SchemaError
 from .tensor import PushHandle, Tensor, bool_at, cast_grad, grad_dtype
 from .updaters import Updater
@@ -172,7 +172,7 @@ def as_keys(keys: Any) -> np.ndarray:
         raise SchemaError(f"keys hold a bool ({keys[at]!r}) at position {at}: table keys "
                           "are integers",
                           "pass a uint64 array (or signed integers without negatives)")
-    a = np.asarray(keys)
+    a = as_array(keys, "keys")
     if a.dtype == object:
         try:
             a = np.array(keys, dtype=np.uint64)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import numpy as np
 
 from . import _native, names
-from .checks import check_seconds
+from .checks import as_array, check_seconds
 from .errors import (Closed, CorruptSegment, Error, InvalidArgument, OutOfRange, SchemaError,
                      Timeout)
 from .segment import Segment
@@ -62,7 +62,7 @@ def cast_grad(arr: Any, dtype: np.dtype, what: str = "gradient") -> np.ndarray:
     """``arr`` as a C-contiguous array of ``grad_dtype(dtype)`` (same_kind casting).
 
     Copies only when the dtype or the memory order differs."""
-    a = np.asarray(arr)
+    a = as_array(arr, what)
     target = grad_dtype(dtype)
     if a.dtype != target:
         if not np.can_cast(a.dtype, target, casting="same_kind"):
@@ -82,7 +82,7 @@ def cast_init(init: Any, dtype: np.dtype, allow_nonfinite: bool = False) -> np.n
     numpy's same_kind rule (a float array into an integer tensor is a SchemaError,
     where an integral float scalar is taken).  Returns a 0-d array for a scalar, else
     a C-contiguous array of ``init``'s shape (the caller checks the shape).  O(n)."""
-    a = np.asarray(init)
+    a = as_array(init, "init")
     if a.dtype.kind not in "iuf":
         raise SchemaError(f"{_init_at(init, a, None)} is not a number",
                           f"pass numbers of a dtype that casts to {dtype}")
@@ -133,7 +133,7 @@ def init_is_valid(init: Any, shape: tuple, dtype: np.dtype, allow_nonfinite: boo
     masks took 1.5 times a 256 MiB float64 init (into float32) in every such worker.
     O(n) time, O(INIT_CHECK_CHUNK) memory.  False: the caller runs the whole check for
     its error, which names the first bad element."""
-    a = np.asarray(init)
+    a = as_array(init, "init")
     if a.ndim == 0 or a.size <= INIT_CHECK_CHUNK:
         try:
             v = cast_init(a, dtype, allow_nonfinite)
@@ -198,7 +198,7 @@ def check_rows(rows: Any, nrows: int) -> np.ndarray:
         raise OutOfRange(f"rows must be a 1-d integer array, got a bool ({rows[at]!r}) at "
                          f"position {at} of a {type(rows).__name__}",
                          "pass integer row indices")
-    r = np.asarray(rows)
+    r = as_array(rows, "rows", OutOfRange)
     if r.ndim != 1 or r.dtype.kind not in "iu":
         if r.ndim == 1 and r.size == 0:
             return np.zeros(0, np.int64)

@@ -1579,3 +1579,63 @@ def test_a_bad_gradient_gets_a_hint_about_it(store):
         assert info.value.hint and info.value.hint not in GENERIC_HINTS, str(info.value)
     np.testing.assert_array_equal(emb.pull([1, 2]), rows)
     np.testing.assert_array_equal(m.pull().value, before)
+
+
+# ---- arrays numpy cannot make --------------------------------------------------------
+
+class _NoArray:
+    """What numpy reads through ``__array__`` and cannot convert: a torch tensor that
+    requires grad raises RuntimeError there, one of bfloat16 TypeError (no torch needed
+    for the test: the same protocol)."""
+
+    def __init__(self, exc: Exception) -> None:
+        self.exc = exc
+
+    def __array__(self, dtype=None, copy=None):
+        raise self.exc
+
+    def __len__(self) -> int:
+        return 2
+
+
+NO_ARRAYS = [pytest.param([[1.0, 2.0, 3.0, 4.0], [5.0]], id="ragged"),
+             pytest.param(_NoArray(RuntimeError("Can't call numpy() on Tensor that requires "
+                                                "grad. Use tensor.detach().numpy() instead.")),
+                          id="requires-grad"),
+             pytest.param(_NoArray(TypeError("Got unsupported ScalarType BFloat16")),
+                          id="bfloat16")]
+
+
+@pytest.mark.parametrize("bad", NO_ARRAYS)
+def test_an_input_numpy_cannot_make_an_array_of_is_a_schema_error(store, w, bad):
+    """A gradient, init, rows, keys or csr structure numpy cannot read as an array (a
+    ragged list; a torch tensor that requires grad, or of bfloat16) is a SchemaError
+    (rows: OutOfRange, as every malformed rows=) saying what to pass, and changes
+    nothing.  They escaped as numpy's or torch's own ValueError, RuntimeError or
+    TypeError, no shmps.Error and no hint ("Can't call numpy() on Tensor that requires
+    grad", "setting an array element with a sequence")."""
+    t = store.table("t", dim=2, capacity=8)
+    t.push([1], np.ones((1, 2)))
+    c = store.csr("c", [0, 1, 2], [0, 1], init=1.0)
+    for call, exc in [(lambda: w.push(bad), shmps.SchemaError),
+                      (lambda: w.push(bad, rows=[0, 1]), shmps.SchemaError),
+                      (lambda: w.push(np.ones((2, 4)), rows=bad), shmps.OutOfRange),
+                      (lambda: w.pull(rows=bad), shmps.OutOfRange),
+                      (lambda: t.push([1, 2], bad), shmps.SchemaError),
+                      (lambda: t.push(bad, np.ones((2, 2))), shmps.SchemaError),
+                      (lambda: t.pull(bad), shmps.SchemaError),
+                      (lambda: c.push(shmps.CSR([0, 1, 2], [0, 1], bad)), shmps.SchemaError),
+                      (lambda: c.push(shmps.CSR(bad, [0, 1], [1.0, 1.0])), shmps.SchemaError)]:
+        err = rejected(w, exc, call, match="cannot be read as an array")
+        assert "numpy" in err.hint
+    assert len(t) == 1 and t.pull([1]).tolist() == [[1.0, 1.0]]
+    assert c.pull().value.tolist() == [1.0, 1.0]
+    for name, kw in [("d", {"shape": (2, 4)}), ("c2", {})]:
+        with pytest.raises(shmps.SchemaError, match="cannot be read as an array"):
+            if name == "d":
+                store.dense(name, init=bad, **kw)
+            else:
+                store.csr(name, [0, 1, 2], [0, 1], init=bad)
+        assert name not in store
+    with pytest.raises(shmps.SchemaError, match="cannot be read as an array"):
+        store.dense("w", init=bad)   # an existing tensor's init is checked too
