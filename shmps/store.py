@@ -896,7 +896,15 @@ class Store:
 
     def wait(self, handle: PushHandle, timeout: Optional[float] = None) -> None:
         """Block until a ``push(..., wait=False)`` is applied (re-raises its error);
-        ``timeout`` as :meth:`PushHandle.wait` takes it."""
+        ``timeout`` as :meth:`PushHandle.wait` takes it.  Anything but a PushHandle is
+        an InvalidArgument (None, which a push with wait=True returns, raised
+        AttributeError)."""
+        if not isinstance(handle, PushHandle):
+            raise InvalidArgument(
+                f"store.wait({handle!r}): wait takes the PushHandle that "
+                "push(..., wait=False) returns",
+                "a push with wait=True (the default) returns None, applied already: "
+                "there is nothing to wait for")
         handle.wait(timeout)
 
     # -- worker clocks (consistency) ---------------------------------------------

@@ -1176,3 +1176,17 @@ def test_numpy_without_a_copy_is_an_invalid_argument_with_a_hint(store):
     with pytest.raises(shmps.InvalidArgument, match=r"view\(\)") as info:
         np.asarray(w, copy=False)
     assert isinstance(info.value, ValueError) and "view()" in info.value.hint
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("bad", [None, "h", 3])
+def test_store_wait_of_what_is_no_push_handle_is_an_invalid_argument(store, bad):
+    """store.wait(x) of what is no PushHandle (None, which a push with wait=True
+    returns, having been applied; a string) is an InvalidArgument saying what wait
+    takes; it raised AttributeError ("'NoneType' object has no attribute 'wait'")."""
+    t = store.dense("w", shape=(2,))
+    with pytest.raises(shmps.InvalidArgument, match="push\\(\\.\\.\\., wait=False\\)") as info:
+        store.wait(bad)
+    assert "wait=True" in info.value.hint
+    store.wait(t.push(np.ones(2), wait=False), timeout=30)   # a handle is waited for
+    assert t.pull().tolist() == [1.0, 1.0]
