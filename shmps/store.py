@@ -1378,7 +1378,9 @@ def _loose_name(name: object) -> bool:
 def _shape(shape: Any) -> tuple:
     """A tensor shape as a tuple of ints: every dimension an integer (a float, a bool
     or a string is refused, where int() would round 2.5 to 2 and take True for 1)."""
-    dims = shape if isinstance(shape, (tuple, list)) else (shape,)
+    # (a 1-d array, as np.zeros takes it: it was taken for one dimension and refused)
+    dims = (shape if isinstance(shape, (tuple, list)) else
+            shape.tolist() if isinstance(shape, np.ndarray) and shape.ndim == 1 else (shape,))
     out = []
     for x in dims:
         if isinstance(x, (bool, np.bool_)):

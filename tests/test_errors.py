@@ -401,6 +401,22 @@ def test_bad_creation_arguments(store, kwargs, exc):
     assert len(store_segments(store.name)) == 1  # the manifest only
 
 
+@pytest.mark.parametrize("shape", [np.array([2, 3]), np.array([4], np.uint8),
+                                   np.array([], np.int64)], ids=["int64", "uint8", "0-d"])
+def test_a_shape_given_as_a_numpy_array_is_its_dimensions(store, shape):
+    """shape= a 1-d integer numpy array (what arithmetic on shapes gives) is taken as
+    the dimensions, as numpy's np.zeros(shape) takes it; a float or bool array is
+    refused as a float or bool dimension is.  It was taken for one dimension: "invalid
+    shape array([2, 3]): array([2, 3]) is not an integer"."""
+    t = store.dense("w", shape=shape)
+    assert t.shape == tuple(int(x) for x in shape)
+    assert store.dense("w", shape=tuple(t.shape)) is not None   # the same schema
+    for bad in (np.array([2.0, 3.0]), np.array([True, False])):
+        with pytest.raises(shmps.SchemaError, match="is not"):
+            store.dense("v", shape=bad)
+    assert "v" not in store
+
+
 @pytest.mark.parametrize("kwargs,exc,match", [
     (dict(dim=4, capacity=10, dtype="float16", init=("uniform", 1e9, 1e10)),
      shmps.InvalidArgument, "float16"),
