@@ -23,6 +23,7 @@ from . import _native, doorbell, names
 from .checks import check_flag, check_int, check_seconds
 from .aggregate import HIDDEN_SUFFIXES
 from .dense import DenseTensor, default_shard_rows
+from .files import CSR
 from .errors import (CapacityError, Closed, CorruptFile, CorruptSegment, InvalidArgument,
                      NotFound, SchemaError, Timeout)
 from .segment import (NoRoom, Segment, Wait, age_of, check_room, list_names, shm_free,
@@ -526,6 +527,14 @@ class Store:
             req["allow_nonfinite"] = check_flag(allow_nonfinite, "allow_nonfinite")
         shard_rows = check_int(shard_rows, "shard_rows", 1, none=True)
         rc = ci = None
+        if colidx is None and (isinstance(rowcnt, CSR) or hasattr(rowcnt, "indptr")):
+            # (push takes a matrix, so csr(name, m) is what a user tries: it was told
+            # "pass both rowcnt and colidx, or neither")
+            raise InvalidArgument(
+                f"store.csr({name!r}, ...): a {type(rowcnt).__name__} matrix given as "
+                "rowcnt; csr takes the structure and the values apart",
+                "scipy: store.csr(name, m.indptr, m.indices, init=m.data, shape=m.shape); "
+                "shmps.CSR: store.csr(name, c.rowcnt, c.colidx, init=c.value)")
         if (rowcnt is None) != (colidx is None):
             raise InvalidArgument("pass both rowcnt and colidx, or neither")
         if shape is not None:

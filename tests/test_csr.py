@@ -270,3 +270,19 @@ def test_concurrent_pushes_are_exact(store):
         th.join(60)
     assert (x.pull().value == n * nthreads).all()
     assert x.stats()["takeovers"] == 0
+
+
+def test_a_matrix_given_to_store_csr_says_how_to_pass_it(store):
+    """store.csr(name, m) with a scipy matrix or a shmps.CSR (push takes either, so a
+    user tries it) is an InvalidArgument that shows the call taking its structure and
+    values apart, and creates nothing; it said "pass both rowcnt and colidx, or
+    neither", with the API's generic hint."""
+    sp = pytest.importorskip("scipy.sparse")
+    m = sp.csr_matrix(np.array([[1.0, 0, 2], [0, 3, 0]], np.float32))
+    for given in (m, shmps.CSR(m.indptr, m.indices, m.data)):
+        with pytest.raises(shmps.InvalidArgument, match="matrix given as rowcnt") as info:
+            store.csr("c", given)
+        assert "init=" in info.value.hint
+    assert "c" not in store
+    c = store.csr("c", m.indptr, m.indices, init=m.data, shape=m.shape)   # the hint's call
+    assert (c.to_scipy() != m).nnz == 0
