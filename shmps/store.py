@@ -148,6 +148,7 @@ def attach(name: str, *, create: bool = True, namespace: Optional[str] = None,
                 _check_pid_namespace(name, seg)
             if code:
                 _native.check(code, f"store {name!r} manifest {mname}")
+            _check_ident(name, ns, seg)
             store = Store(name, ns, seg)
             if staleness is not None:
                 store.set_consistency(staleness)
@@ -184,6 +185,33 @@ def attach(name: str, *, create: bool = True, namespace: Optional[str] = None,
         except BaseException:
             seg.close()
             raise
+
+
+def _check_ident(name: str, ns: Optional[str], manifest: Segment) -> None:
+    """InvalidArgument unless the manifest was made for store ``name`` of namespace
+    ``ns``.  Segment names join namespace and store with a dot, and both may hold dots:
+    store "a.b" of no namespace and store "b" of namespace "a" are both /shmps.a.b.*, and
+    the second to attach opened the first's store as its own, across the namespace
+    boundary.  The manifest records its store's (namespace, store) (ident, set by its
+    initialiser), so the second is refused.  O(1)."""
+    buf = ffi.new("char[]", 256)
+    n = ffi.new("uint32_t *")
+    _native.check(lib.shmps_manifest_ident(manifest.ptr, buf, 256, n),
+                  f"manifest {manifest.name}")
+    have = ffi.unpack(buf, n[0])
+    if not have or have == names.manifest_ident(name, ns):
+        return
+    hns, _, hstore = have.decode("utf-8", "replace").partition("\0")
+
+    def who(store: str, namespace: Optional[str]) -> str:
+        return f"store {store!r} " + (f"of namespace {namespace!r}" if namespace
+                                      else "of no namespace")
+
+    raise InvalidArgument(
+        f"{who(name, ns)}: its segments {names.store_prefix(name, ns)}* hold "
+        f"{who(hstore, hns or None)} (segment names join namespace and store with a dot, "
+        "so the two names are one)",
+        "use another store name or namespace; keep dots out of one of them")
 
 
 def _check_pid_namespace(name: str, manifest: Segment,

@@ -1428,3 +1428,25 @@ def test_a_fork_while_another_thread_attaches_takes_its_leases(store_name):
         held[0].destroy()
     assert not errors, errors
     assert not ignored, ignored
+
+
+def test_a_store_name_with_a_dot_does_not_alias_a_store_of_a_namespace(store_name):
+    """Store "hostA.NAME" of no namespace and store NAME of namespace "hostA" would be
+    the same segments (/shmps.hostA.NAME.*): whichever attaches second is refused with
+    an InvalidArgument naming the store that holds them, and creates nothing, both ways
+    round; the first store is unchanged.  Before, the second attach opened the first
+    store as its own: its tensors and values, across the namespace boundary."""
+    for first, second in [((f"hostA.{store_name}", ""), (store_name, "hostA")),
+                          ((store_name, "hostA"), (f"hostA.{store_name}", ""))]:
+        s = shmps.attach(first[0], namespace=first[1])
+        try:
+            s.dense("w", shape=(2,)).push(np.ones(2))
+            with pytest.raises(shmps.InvalidArgument, match="segments .* hold store") as info:
+                shmps.attach(second[0], namespace=second[1])
+            assert "another store name or namespace" in info.value.hint
+            with pytest.raises(shmps.InvalidArgument, match="segments .* hold store"):
+                shmps.attach(second[0], namespace=second[1], create=False)
+            assert s.tensors()[0]["name"] == "w" and s["w"].pull().tolist() == [1.0, 1.0]
+            assert len(s.processes()) == 1   # the refused attach left no process behind
+        finally:
+            s.destroy()
