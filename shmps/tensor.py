@@ -299,6 +299,19 @@ def split_pool() -> ThreadPoolExecutor:
         return pool
 
 
+def pool_submit(fn: Any, *args: Any) -> Optional[Future]:
+    """``split_pool().submit(fn, *args)``, or None when the pool takes no more work: at
+    interpreter exit concurrent.futures shuts its pools down (its exit hook wakes their
+    threads, which then mark the pool shut down) while the store's push thread, which
+    Python joins, still applies the pushes queued with wait=False, and each of those of
+    16 MiB or more raised "cannot schedule new futures after shutdown" there, unseen:
+    lost, with a step taken.  The caller runs the work itself instead."""
+    try:
+        return split_pool().submit(fn, *args)
+    except RuntimeError:
+        return None
+
+
 class SplitParts:
     """The parts of one split push (numbered from 0), run by helper threads of
     :func:`split_pool` (:meth:`submit`) and by the pushing thread (:meth:`run_here`),
@@ -351,8 +364,11 @@ class SplitParts:
         self.errors: list[tuple[int, BaseException]] = []
 
     def submit(self, i: int, fn: Any, *args: Any) -> None:
-        """Part ``i``, ``fn(*args)``, queued for a helper thread."""
-        split_pool().submit(self._run, i, fn, args)
+        """Part ``i``, ``fn(*args)``, queued for a helper thread; run here, in the
+        pushing thread, when the pool takes no more work (:func:`pool_submit`)."""
+        if pool_submit(self._run, i, fn, args) is None:
+            self.run_here(i, fn, *args)
+            return
         self._submitted += 1   # (only the pushing thread writes it)
 
     def _ended_as(self, i: int, err: Optional[BaseException]) -> None:
@@ -581,8 +597,9 @@ class Tensor:
                 _native.check(code, f"push to {self.name!r}")
             return
         parts = np.array_split(flat, nthreads)
-        futures = [split_pool().submit(scan, p) for p in parts[1:]]
-        codes = [scan(parts[0])] + [f.result() for f in futures]
+        futures = [pool_submit(scan, p) for p in parts[1:]]
+        codes = [scan(parts[0])] + [scan(p) if f is None else f.result()
+                                    for p, f in zip(parts[1:], futures)]
         for code in codes:
             if code:
                 _native.check(code, f"push to {self.name!r}")

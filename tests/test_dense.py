@@ -1190,3 +1190,39 @@ def test_store_wait_of_what_is_no_push_handle_is_an_invalid_argument(store, bad)
     assert "wait=True" in info.value.hint
     store.wait(t.push(np.ones(2), wait=False), timeout=30)   # a handle is waited for
     assert t.pull().tolist() == [1.0, 1.0]
+
+
+_EXIT_WITH_PUSHES_PENDING = r"""
+import sys
+import numpy as np
+import shmps
+s = shmps.attach(sys.argv[1], namespace=sys.argv[2] or None)
+w = s["w"]
+g = np.ones(w.shape, np.float32)
+handles = [w.push(g, wait=False) for _ in range(3)]
+# the script ends here, neither waiting nor closing: the store's push thread, which
+# Python joins at exit, applies what is queued
+"""
+
+
+@pytest.mark.timeout(120)
+def test_large_pushes_queued_with_wait_false_are_applied_when_the_process_exits(store):
+    """A process that ends with wait=False pushes queued (no wait(), no close()) gets
+    them applied: Python joins the store's push thread at exit.  Pushes of 16 MiB and
+    more are split over helper threads, whose pool concurrent.futures shuts down at
+    exit first: each queued push then raised "cannot schedule new futures after
+    shutdown" on that thread, unseen, its values lost (the tensor stayed 0 after 3
+    pushes; in one run with a step taken, step 1).  Now a part the pool refuses runs in
+    the pushing thread."""
+    import subprocess
+    import sys
+
+    from helpers import child_env
+
+    w = store.dense("w", shape=(4096, 4096), dtype="float32")   # 64 MiB: split pushes
+    out = subprocess.run([sys.executable, "-c", _EXIT_WITH_PUSHES_PENDING, store.name,
+                          store.namespace or ""], env=child_env(), capture_output=True,
+                         text=True, timeout=100)
+    assert out.returncode == 0, out.stderr
+    a = w.pull()
+    assert (float(a.min()), float(a.max()), w.stats()["step"]) == (3.0, 3.0, 3)
