@@ -910,6 +910,12 @@ def convert(args: argparse.Namespace) -> int:
     if sk != "set" and any(v is not None for v in _read_args(args).values()):
         raise InvalidArgument("--rowcnt-dtype/--colidx-dtype/--value-dtype/--cols/--array "
                               "describe a file-set SRC; use --dtype to cast the values")
+    if dk != "set" and os.path.isdir(args.dst):
+        # (found before converting: the rename of the finished temporary over it failed,
+        # naming the temporary: ".X.npy.tmp-HOST-PID-HEX: Is a directory")
+        raise InvalidArgument(f"convert {args.src} -> {args.dst}: {args.dst} is a directory; "
+                              f"the .{dk} is written as a file of that name",
+                              hint="choose another DST, e.g. a file in that directory")
     conv = {"npz": _npz_to_set, "npy": _npy_to_set}.get(sk) or \
         (_set_to_npz if dk == "npz" else _set_to_npy)
     # a value beyond --dtype, or repeated entries whose sum overflows, become inf (NaN

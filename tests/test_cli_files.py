@@ -1000,3 +1000,18 @@ def test_convert_refuses_integers_that_the_dtype_cannot_hold(tmp_path):
     np.save(tmp_path / "ok.npy", np.array([[127, 0, -128]]))
     assert tool("convert", "ok.npy", "ok", "--dtype", "int8", cwd=tmp_path).returncode == 0
     assert read_csr(tmp_path / "ok").csr.value.tolist() == [127, -128]
+
+
+def test_convert_to_a_dst_that_is_a_directory_names_it(tmp_path):
+    """convert to X.npy or X.npz where a directory of that name exists is one error line
+    naming DST, before anything is converted, and leaves no temporary; it named the
+    hidden temporary the result was written to, after the whole conversion
+    (".d.npy.tmp-HOST-PID-HEX: Is a directory")."""
+    write_csr(tmp_path / "S", CSR.from_dense(EXAMPLE))
+    for dst in ("d.npy", "d.npz"):
+        (tmp_path / dst).mkdir()
+        r = tool("convert", "S", dst, cwd=tmp_path)
+        assert_one_line_error(r, f"{dst} is a directory")
+        assert ".tmp-" not in r.stderr
+        assert os.listdir(tmp_path / dst) == []
+    assert hidden(tmp_path) == set()
