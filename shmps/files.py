@@ -374,7 +374,10 @@ def split_member(prefix: str | os.PathLike[str]) -> tuple[str, str | None]:
     """``(X, array)`` for the path of a value-like member (``X.value`` -> ``"value"``,
     ``X.state0`` -> ``"state0"``), ``(X, None)`` for ``X`` itself or another member
     (``X.rowcnt``, ``X.meta``).  A path is taken as a member only if it exists and ``X``
-    is not itself a set (no ``X.rowcnt`` / ``X.meta`` beside it).  O(1) stat calls."""
+    is not itself a set (no ``X.rowcnt`` / ``X.meta`` beside it); ``X.stateN`` also when
+    it does not exist but ``X.meta`` does, so that reading it says which arrays ``X``
+    has (or that its declared file is missing) instead of taking it for the prefix of
+    another set ("missing file X.state9.rowcnt, ...").  O(1) stat calls."""
     p = os.fspath(prefix)
     if os.path.exists(f"{p}.rowcnt") or os.path.exists(f"{p}.meta"):
         return p, None
@@ -384,6 +387,9 @@ def split_member(prefix: str | os.PathLike[str]) -> tuple[str, str | None]:
             return head, None
         if _ARRAY_NAME.fullmatch(ext):
             return head, (ext if ext != "value" else None)
+    if (dot and head and ext.startswith("state") and _ARRAY_NAME.fullmatch(ext)
+            and os.path.exists(f"{head}.meta")):
+        return head, ext
     return p, None
 
 

@@ -448,3 +448,23 @@ def test_a_dense_set_whose_meta_cannot_be_read_names_the_meta(tmp_path):
     os.unlink(tmp_path / "S.colidx")
     with pytest.raises(NotFound, match=r"missing file .*S\.colidx"):
         read_csr(tmp_path / "S")
+
+
+@pytest.mark.timeout(60)
+def test_a_member_path_of_an_array_the_set_does_not_have_says_which_it_has(tmp_path):
+    """X.state9 (a member path, as X.state0 is, of an array the .meta does not declare)
+    is refused naming the arrays X has, as --array state9 is; and X.state0 of a
+    declared array whose file is gone is a missing file.  It was taken for the prefix
+    of another set: "missing file X.state9.rowcnt, X.state9.colidx, X.state9.value"."""
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    write_dense(tmp_path / "t0", a, states=[a * 2])
+    with pytest.raises(InvalidArgument, match="has no array 'state9': its arrays are "
+                                              "value, state0"):
+        shmps.files.read_csr(tmp_path / "t0.state9")
+    status, _, err = main_out("dump", tmp_path / "t0.state9")
+    assert status == 2 and "has no array 'state9'" in err, err
+    assert shmps.files.read_csr(tmp_path / "t0.state0").csr.value.tolist() == \
+        (a * 2).reshape(-1).tolist()
+    os.unlink(tmp_path / "t0.state0")
+    with pytest.raises(NotFound, match="t0.state0"):
+        shmps.files.read_csr(tmp_path / "t0.state0")
