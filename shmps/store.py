@@ -889,9 +889,15 @@ class Store:
         Each shard is copied while no push is inside it; pushes go on meanwhile.
         The directory is written beside ``path`` and swapped in atomically, so
         ``path`` always holds a whole checkpoint (old or new).  Shows a progress bar
-        on a terminal.  Cost: one copy of every shard plus the file writes."""
+        on a terminal.  Cost: one copy of every shard plus the file writes.
+
+        This process's ``push(..., wait=False)`` calls are waited for first, as
+        :meth:`flush` and :meth:`clock` wait for them: a checkpoint at the end of an
+        epoch of non-blocking pushes missed the last ones, still queued."""
         from .checkpoint import save
 
+        if self._executor is not None and self._executor_pid == os.getpid():
+            self._executor.submit(int).result()  # pushes made with wait=False land first
         return save(self, path)
 
     # -- the multi-host bridge (shmps/outbox.py) -----------------------------------

@@ -1158,3 +1158,24 @@ def test_the_progress_bars_of_checkpoint_and_restore_end_at_their_totals(
     monkeypatch.undo()
     assert [b.desc.split()[0] for b in bars] == ["checkpoint", "restore"]
     assert [(b.desc, b.n) for b in bars] == [(b.desc, b.total) for b in bars]
+
+
+@pytest.mark.timeout(120)
+def test_a_checkpoint_holds_the_pushes_this_process_made_with_wait_false(store, tmp_path,
+                                                                        names):
+    """store.checkpoint() first waits for this process's push(wait=False)s, as flush()
+    and clock() do: a training loop with non-blocking pushes (shmps.torch's
+    Pusher(wait=False)) that checkpoints at the end of an epoch saves its last steps.
+    Before, the checkpoint began at once and missed the pushes still queued on the
+    store's push thread (here the restored tensor held 0 or 1 of the 3 pushes)."""
+    w = store.dense("w", shape=(2048, 4096), dtype="float32", optimizer=shmps.SGD(lr=1.0))
+    g = np.full(w.shape, -1.0, np.float32)
+    for _ in range(3):
+        w.push(g, wait=False)
+    store.checkpoint(tmp_path / "ck")
+    r = shmps.restore(tmp_path / "ck", new_name(names))
+    try:
+        a = r["w"].pull()
+        assert (float(a.min()), float(a.max()), r["w"].stats()["step"]) == (3.0, 3.0, 3)
+    finally:
+        r.destroy()
