@@ -75,8 +75,11 @@ class CapacityError(Error, RuntimeError):
 class CorruptSegment(Error, ValueError):
     """A shared-memory segment is not a valid shmps segment of this layout version."""
 
-    hint = ("the segment was not written by this shmps version or is damaged; "
-            "remove it with `shmps-tool gc` or store.destroy()")
+    # (`shmps-tool gc` alone skips a store whose manifest it cannot read, and destroy()
+    # needs a store that attaches: the hint said "`shmps-tool gc` or store.destroy()")
+    hint = ("the segment was not written by this shmps version or is damaged; remove the "
+            "store once no process uses it: store.destroy(), or `shmps-tool gc --corrupt` "
+            "where its manifest is the damaged segment")
 
 
 class CorruptFile(Error, ValueError):

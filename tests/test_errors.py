@@ -1030,11 +1030,15 @@ def test_missing_shard_segment(corruptible):
 
 
 def test_corrupt_manifest_header(corruptible):
-    """A manifest whose header is garbage is CorruptSegment on attach (create or not)."""
+    """A manifest whose header is garbage is CorruptSegment on attach (create or not),
+    whose hint names the gc that removes it: `shmps-tool gc` skips a store whose
+    manifest it cannot read unless --corrupt, and destroy() needs an attached store.
+    (The hint said "remove it with `shmps-tool gc` or store.destroy()": neither did.)"""
     name, _, manifest = corruptible
     poke(manifest, 0, "16s", b"garbage!garbage!")
-    with pytest.raises(shmps.CorruptSegment):
+    with pytest.raises(shmps.CorruptSegment) as info:
         shmps.attach(name)
+    assert "shmps-tool gc --corrupt" in info.value.hint, info.value.hint
     with pytest.raises(shmps.CorruptSegment):
         shmps.attach(name, create=False)
 
