@@ -1210,7 +1210,11 @@ def test_a_peer_whose_connections_closed_is_looked_at_once_half_dead_after_silen
         node.links[b] = link
         link.down_since = time.monotonic()                      # its connection broke
         node._look_when_silent(b)
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.05)
+        # the survivor's next heartbeat: this host is not the one cut off
+        # (_majority_heard_since)
+        node.on_heartbeat(c, _heartbeat(c, 0, everyone, seq=2))
+        await asyncio.sleep(0.05)
         early = node.members.state(b)
         while node.members.state(b) is not State.DEAD and time.monotonic() < heard + 2:
             await asyncio.sleep(0.005)
@@ -1254,6 +1258,11 @@ def test_a_peer_whose_connections_closed_and_whose_address_refuses_is_dead_at_on
                 node.links[p] = link
                 link.down_since = time.monotonic()   # its connection broke (before its dial)
                 node._look_when_silent(p)
+            await asyncio.sleep(0.05)
+            # a heartbeat of c after the breaks (it came a heartbeat interval later when
+            # b was killed): this host is not the one cut off (_majority_heard_since;
+            # test_a_host_whose_peers_all_close_and_refuse_mints_no_epoch)
+            node.on_heartbeat(c, _heartbeat(c, 0, everyone, seq=2))
             while node.members.state(b) is not State.DEAD and time.monotonic() < heard + 3:
                 await asyncio.sleep(0.005)
             took = time.monotonic() - heard
@@ -1322,6 +1331,54 @@ def test_a_link_to_a_peer_that_closes_each_connection_at_once_dials_at_most_ever
 
     asyncio.run(asyncio.wait_for(main(), 20))
     assert 3 <= got["dials"] <= 12, got      # every 0.05 s (10 in 0.5 s), not a loop
+
+
+@pytest.mark.timeout(30)
+def test_a_host_whose_peers_all_close_and_refuse_mints_no_epoch(tmp_path):
+    """A host cut off by a firewall that REJECTs (tcp-reset, or the default ICMP port
+    unreachable for a new dial: both ECONNREFUSED) sees every peer's connections close
+    and every address refuse at about the same time, and no peer heard since.  That is
+    no evidence that one peer died while the others still speak: it counts them dead by
+    silence, as before the dial check, and mints no epoch (E1: when the first goes dead
+    the others are suspect, no majority with it).  Dead at once by the refusal, the first
+    one made a majority of this host and the other, still heard within suspect_after,
+    and it minted the epoch number the real majority mints for its own ring.  Drives a
+    Bridge, not started, with real Links dialling addresses nothing listens on."""
+    from bridge_harness import free_port
+    from shmps.bridge import node as bridge_node
+
+    a = "127.0.0.2:7001"
+    b = f"127.0.0.3:{free_port('127.0.0.3')}"   # nothing listens: refused
+    c = f"127.0.0.4:{free_port('127.0.0.4')}"   # nor here
+    node = _bridge(tmp_path, [a, b, c], dead_after=1.0)
+    everyone = {a: State.ALIVE, b: State.ALIVE, c: State.ALIVE}
+
+    async def main() -> tuple:
+        try:
+            for p in (b, c):
+                node.on_heartbeat(p, _heartbeat(p, 0, everyone))
+            epoch = node.members.epoch
+            for p in (b, c):
+                link = bridge_node.Link(node, p)
+                node.links[p] = link
+                link.down_since = time.monotonic()   # its connection broke (the cut)
+                node._look_when_silent(p)
+            await asyncio.sleep(0.2)                 # refused many times by now
+            early = (node.members.state(b), node.members.state(c), node.members.epoch)
+            # (what a TICK would do: by silence, both suspect by now, then dead)
+            deadline = time.monotonic() + 3
+            while time.monotonic() < deadline and State.DEAD not in (
+                    node.members.state(b), node.members.state(c)):
+                node._notice_silence()
+                await asyncio.sleep(0.01)
+            return epoch, early, node.members.epoch
+        finally:
+            for link in list(node.links.values()):
+                link.task.cancel()
+
+    epoch, early, later = asyncio.run(asyncio.wait_for(main(), 10))
+    assert early == (State.ALIVE, State.ALIVE, epoch), early   # no peer heard since
+    assert later == epoch, (epoch, later)                     # minted nothing
 
 
 def test_a_link_takes_data_frames_that_come_with_the_servers_ok(tmp_path):

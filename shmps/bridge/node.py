@@ -2114,7 +2114,9 @@ class Bridge:
         """A peer whose connections both closed (its kernel closes them when the process
         dies) and that has been silent for half of ``dead_after``, or whose address
         refused this host's dial since (nothing listens there: the process is gone), is
-        dead now: a killed bridge fails over sooner than a stopped or cut-off one, whose
+        dead now, once a majority was heard since its link broke (_majority_heard_since:
+        a host cut off by a REJECT sees the same of every peer, and is left to silence
+        and E1): a killed bridge fails over sooner than a stopped or cut-off one, whose
         connections stay, and whose kernel (or no one) still answers a dial.  (Half of
         dead_after alone: a killed owner's shards were taken 0.3-0.5 s after the kill,
         the failover bench, 2026-11-28.)"""
@@ -2127,13 +2129,37 @@ class Bridge:
                 continue
             if any(who[0] == m for who in self.incoming):
                 continue
+            if (now - link.down_since >= 5 * self.cfg.dead_after
+                    or not self._majority_heard_since(link.down_since, m)):
+                continue   # (this host may be the one cut off: dead by silence, E1)
             silent = now - self.members.last_seen(m)
             refused = link.refused_at > link.down_since
-            if ((silent >= self.cfg.dead_after / 2 or refused)
-                    and now - link.down_since < 5 * self.cfg.dead_after):
+            if silent >= self.cfg.dead_after / 2 or refused:
                 log.info("member %s: connections closed%s, silent %.0f ms: dead", m,
                          ", its address refuses" if refused else "", silent * 1e3)
                 self._on_changes(self.members.mark_dead(m))
+
+    def _majority_heard_since(self, t: float, but: str) -> bool:
+        """A majority of the configured members, this host included and ``but`` not, was
+        heard after ``t`` (monotonic): this host is not the one cut off.  The early rules
+        of _closed_and_silent (half of dead_after of silence, a refused dial) need it.  A
+        firewall that REJECTs (a TCP reset; ICMP port unreachable answers a dial with
+        ECONNREFUSED too) closes a cut-off host's connections to every peer and refuses
+        its dials alike: counted dead early, the first peer made a majority of this host
+        and another peer still heard within suspect_after, and the cut-off host minted
+        the epoch number the real majority mints for its own ring, which E1
+        (Membership.can_mint) is there to prevent
+        (test_a_host_whose_peers_all_close_and_refuse_mints_no_epoch: epoch 1 minted by
+        the refusal).  When a process dies the survivors speak on: their next heartbeat
+        (within a heartbeat interval; a refused link looks again at each dial, every
+        0.05 s) says this host still hears a majority."""
+        if self.members.allow_minority:
+            return True
+        states = self.members.states()
+        heard = {self.addr} | {p for p, s in states.items()
+                               if p not in (self.addr, but) and s is not State.DEAD
+                               and self.members.last_seen(p) > t}
+        return 2 * len(heard & set(self.members.configured)) > len(self.members.configured)
 
     def _is_origin(self, key: tuple) -> bool:
         """A worker of this host created the tensor of shard ``key`` (the bridge did not
