@@ -1280,6 +1280,57 @@ def test_a_peer_whose_connections_closed_and_whose_address_refuses_is_dead_at_on
     assert other is not State.DEAD, other         # accepts: silent for < 1 s yet, so alive
 
 
+def test_a_refused_dial_no_longer_counts_once_a_later_dial_connects(tmp_path):
+    """A refusal says nothing listens on the peer's address; once a later dial of the
+    link connects (its process listens again, even if the handshake then fails), the
+    refusal no longer counts toward the peer's death (Link.refused_at is cleared): a
+    peer heard through its own connection would be dead the moment that connection
+    blinked, by a refusal seen before it came back (review H19).  Drives a Bridge, not
+    started, with a real Link: b refuses, then accepts and hangs up; the members are
+    looked at (as a tick would) once a majority is heard."""
+    from bridge_harness import free_port
+    from shmps.bridge import node as bridge_node
+
+    a = "127.0.0.2:7001"
+    host, port = "127.0.0.3", free_port("127.0.0.3")
+    b = f"{host}:{port}"
+    c = "127.0.0.4:7001"
+    node = _bridge(tmp_path, [a, b, c], dead_after=2.0)
+    everyone = {a: State.ALIVE, b: State.ALIVE, c: State.ALIVE}
+
+    async def main() -> tuple:
+        for p in (b, c):
+            node.on_heartbeat(p, _heartbeat(p, 0, everyone))
+        link = bridge_node.Link(node, b)
+        node.links[b] = link
+        link.down_since = time.monotonic()           # its connection broke
+        try:
+            while not link.refused_at:               # its dial refused: nothing listens
+                await asyncio.sleep(0.005)
+
+            async def hang_up(reader, writer):
+                writer.close()
+            server = await asyncio.start_server(hang_up, host, port)
+            try:
+                accepted = time.monotonic()
+                while link.refused_at and time.monotonic() < accepted + 2:
+                    await asyncio.sleep(0.005)       # a dial connects (then hangs up)
+                cleared = link.refused_at == 0.0
+                node.on_heartbeat(c, _heartbeat(c, 0, everyone, seq=2))   # a majority
+                node._closed_and_silent()
+                return cleared, node.members.state(b)
+            finally:
+                server.close()
+                await server.wait_closed()
+        finally:
+            link.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await link.task
+
+    cleared, state = asyncio.run(asyncio.wait_for(main(), 10))
+    assert cleared and state is not State.DEAD, (cleared, state)
+
+
 def test_a_link_to_a_peer_that_closes_each_connection_at_once_dials_at_most_every_50_ms(tmp_path):
     """A link dials again at once after its connection breaks (a peer that died then
     refuses the dial and is dead at once), but not after a connection that broke as

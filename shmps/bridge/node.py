@@ -535,6 +535,7 @@ class Link:
                 # until start(), at most a message being read and MAX_PRESTART queued.)
                 stream = await wsstream.connect(host, port, "/v1/stream", max_msg=MAX_MSG,
                                                 timeout=2.0)
+                self.refused_at = 0.0   # something listens there again
                 stream.limit(MAX_MSG, MAX_PRESTART)
                 stream.on_refused = self.node.metrics.rejected
                 hello = await stream.receive(2.0)
@@ -578,7 +579,13 @@ class Link:
                                        "peer %s failed authentication: %s%s")
             except Exception as e:
                 log.debug("link to %s: %s", self.addr, e)
-                if isinstance(e, OSError) and e.errno == errno.ECONNREFUSED:
+                if not (isinstance(e, OSError) and e.errno == errno.ECONNREFUSED):
+                    # a refusal counts only while every dial since is refused: one that
+                    # got further (a handshake that failed, a timeout) says the process
+                    # may be there (review H19: one heard on its own connection was
+                    # dead when that connection blinked, by a refusal from before)
+                    self.refused_at = 0.0
+                else:
                     # nothing listens on the peer's address: its bridge process is gone
                     # (a stopped or cut-off one keeps its socket, which its kernel, or no
                     # one, answers): with its connections closed it is dead at once
