@@ -787,6 +787,30 @@ def test_a_joiner_keeps_the_ring_of_an_owner_whose_rows_it_took(tmp_path, nrows)
         assert node.members.state(c) is State.JOINING
 
 
+def test_a_joiner_keeps_no_ring_by_an_owners_rows_of_another_ring_of_the_epoch(tmp_path):
+    """As above, but A's ROWS say (data sub-header's ring) that A sent them by another
+    ring of epoch 1 than C's ({A, C}, minted elsewhere: E3): they are no sign that A acts
+    by C's ring {A}, and C, past E3c's hold with no heartbeat of A's saying it acts,
+    follows B's ring.  (Review H20: on_rows recorded such a ROWS in _fed_on with C's own
+    (epoch, ring), so C kept A's ring by rows A had sent by another.)"""
+    store = f"fedother{os.getpid()}"
+    c, a, b = "127.0.0.4:7001", "127.0.0.2:7001", "127.0.0.3:7001"
+    with _owner_on_a_store(tmp_path, [c, a, b], store) as (node, info, _):
+        node.members.tick(now=time.monotonic() + 10 * node.cfg.dead_after)   # cut off
+        node.grace_until = time.monotonic() + 60    # back: it listens (hands nothing over)
+        ring_a = {a: State.ALIVE, b: State.DEAD, c: State.JOINING}
+        ring_b = {a: State.DEAD, b: State.ALIVE, c: State.JOINING}
+        node.on_heartbeat(a, _heartbeat(a, 1, ring_a, frames.HB_QUORUM, seq=2))
+        assert node.members.epoch == 1 and node.ring.digest == ring.Ring([a]).digest
+        other = ring.Ring([a, c]).digest
+        assert _take_rows(node, a, info.tid, 1, ring_=other) is Status.OK
+        assert a not in node._fed_on
+        time.sleep(3 * node.cfg.heartbeat + 0.05)     # past E3c's hold after taking it
+        node.on_heartbeat(b, _heartbeat(b, 1, ring_b, frames.HB_QUORUM, seq=2))
+        assert node.members.epoch == 1 and node.ring.digest == ring.Ring([b]).digest
+        assert node.members.state(c) is State.JOINING
+
+
 def test_a_joiners_ring_hold_counts_from_when_it_took_its_epoch(tmp_path):
     """E3c's hold (three heartbeat intervals while a peer holds the joiner's ring) counts
     from when the joiner took its (epoch, ring), not from when its ring's members last

@@ -1713,8 +1713,8 @@ class Bridge:
                    and (not acting or p in self._peer_acting or self._fed_by_on(p, mine)))
 
     def _fed_by_on(self, peer: str, view: tuple[int, int]) -> bool:
-        """This host took ``peer``'s ROWS as the owner, stamped with this host's epoch,
-        by ``view`` (epoch, ring digest), within dead_after: the owner acts by it (its
+        """This host took ``peer``'s ROWS as the owner, sent (the frame says: on_rows) by
+        ``view`` (epoch, ring digest), within dead_after: the owner acts by it (its
         heartbeat saying so may come later).  Not for longer: an owner that stopped acting
         on the same view (cut off one way, say) would keep a joiner on it for good."""
         fed = self._fed_on.get(peer)
@@ -1724,10 +1724,10 @@ class Bridge:
     def _keeps_its_ring(self) -> bool:
         """Joining, this host does not follow another ring of its epoch number (E3c): a peer
         owns shards by its ring, so a majority agreed to it, this host among them (its
-        heartbeat says so, or this host took its ROWS stamped with this epoch as the owner
-        by this ring: that owner counted this copy when it acknowledged the batches, and
-        its heartbeat saying it acts may come much later, after the backlog it applies
-        first; trace B2-12); or it took the ring less than three heartbeat intervals ago
+        heartbeat says so, or this host took its ROWS as the owner sent by this epoch and
+        ring, as the frame says: that owner counted this copy when it acknowledged the
+        batches, and its heartbeat saying it acts may come much later, after the backlog
+        it applies first; trace B2-12); or it took the ring less than three heartbeat intervals ago
         and a peer holds it (that peer acts by it with this host's agreement a round trip
         later, and says so in its next heartbeat). Followed, the same joiner agreed to two
         rings of one number a few ms apart, each owner acted by its ring with it and
@@ -3865,12 +3865,15 @@ class Bridge:
             # vouch for a frame sent by another ring of the same epoch number.)
             owners = self.owners(st.key)
             st.fed_epoch = f.epoch
-            at_epoch = f.epoch == self.members.epoch
-            if at_epoch and f.type == FrameType.ROWS:
+            by_this_ring = (f.epoch, f.ring) == self._epoch_ring
+            if by_this_ring and f.type == FrameType.ROWS:
                 # (_keeps_its_ring counts it while the owner's heartbeat holds this ring:
-                # the ROWS may come before that heartbeat, on the other connection)
+                # the ROWS may come before that heartbeat, on the other connection.  Only
+                # a ROWS the owner sent by this ring, as the frame says: one of another
+                # ring of this epoch number, E3, is no sign that the owner acts by this
+                # one; it was recorded as if it were until review H20)
                 fed_on = self._epoch_ring
-            if (f.epoch, f.ring) == self._epoch_ring:
+            if by_this_ring:
                 st.fed_owners = owners
             else:
                 st.fed_owners = [peer] + list(dict.fromkeys(
