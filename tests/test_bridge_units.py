@@ -2202,6 +2202,56 @@ def test_a_restarted_owner_killed_before_any_push_is_not_held_for(tmp_path, fram
                                           np.full((8, 4), 4, np.float32))
 
 
+def test_a_copy_with_a_snapshot_half_written_is_not_counted_complete_at_a_failover(tmp_path):
+    """x owns the shard, this host is its backup (x's snapshot, stamped with this host's
+    epoch and ring, z's batches up to 40 in it).  x copies this host again (after a
+    refused ROWS, say; or, restarted, at the start of its tenure) and is killed after
+    the first chunk of two: this host's rows 0-3 are x's, with batch 41 applied there,
+    which x acknowledged to nobody (it waited for this host), rows 4-7 and the duplicate
+    filter (the LAST's marks never came) this host's own.  Made owner, this host must not
+    count that mix complete: z resends 41, and applied at once it went twice into rows
+    0-3.  It holds for x instead (which may be only cut off, and hand its copy over).
+    (Review H20: the first chunk set fed_owners to this ring's owners by its (epoch,
+    ring), so the copy counted complete; before ba1482f too, once x's heartbeat of the
+    ring had come, as in every tenure but a restarted owner's first moments.)"""
+    from shmps.bridge import node as bridge_node
+
+    me, x, z = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
+    with _owner_on_a_store(tmp_path, [me, x, z], "halfsnap") as (node, _, _st):
+        node._send_snapshot = _no_snapshot_sent
+        info, st = _a_tensor_owned_by(node, [x, me])
+        everyone = {m: State.ALIVE for m in (me, x, z)}
+        e, mine = node.members.epoch, node.ring.digest
+        z_id, x_id = members.member_id(z), members.member_id(x)
+        assert _status_of(node, x, frames.decode(frames.encode_snapshot(
+            epoch=e, ring=mine, sender=x_id, incarnation=7, tensor=info.tid, shard=0,
+            seq=bridge_node.ROWS_SEQ_BASE + 1, values=np.full((8, 4), 4, np.float32),
+            start=0, marks=[Mark(z_id, 7, 40)], last=True))) is Status.OK
+        assert st.fed_owners == [x, me] and st.dedup.floor((z_id, 7, info.tid, 0)) == 40
+        # x's copy again: its first chunk (rows 0-3, batch 41 in them), no LAST
+        assert _status_of(node, x, frames.decode(frames.encode_snapshot(
+            epoch=e, ring=mine, sender=x_id, incarnation=7, tensor=info.tid, shard=0,
+            seq=bridge_node.ROWS_SEQ_BASE + 2, values=np.full((4, 4), 5, np.float32),
+            start=0, last=False))) is Status.OK
+        assert st.snap_partial
+        # x is killed: dead here, and to z
+        asyncio.run(_in_a_loop(lambda: node._on_changes(node.members.mark_dead(x))))
+        assert node.owners(st.key) == [me, z]
+        asyncio.run(_in_a_loop(lambda: node.on_heartbeat(z, _heartbeat(
+            z, node.members.epoch, dict(everyone, **{x: State.DEAD}),
+            frames.HB_QUORUM | frames.HB_ACTING, incarnation=7, seq=9))))
+        assert node.acting()
+        got: list = []
+        node.on_batch(z, frames.decode(frames.encode_batch(
+            epoch=node.members.epoch, sender=z_id, incarnation=7, tensor=info.tid,
+            shard=0, seq=41, values=np.ones((8, 4), np.float32), start=0)),
+            lambda d: got.extend(frames.iter_frames(bytes(d))))
+        assert [a.status for a in got] == [Status.BUSY] and st.handover_from == x, (
+            got, st.handover_from)
+        np.testing.assert_array_equal(node.store[info.name].pull(), np.array(
+            [[5] * 4] * 4 + [[4] * 4] * 4, np.float32))   # (41 not applied again)
+
+
 @pytest.mark.parametrize("how", ["leaves", "dies"])
 def test_a_leave_seen_first_in_a_peers_view_times_a_hand_over_not_a_failover(tmp_path, how):
     """x owns the shard, this host is its backup (its copy complete).  x leaves; z's

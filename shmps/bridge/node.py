@@ -1954,9 +1954,16 @@ class Bridge:
             # for an epoch and acknowledged batches with A; A owned it again, cut off
             # before it copied this host; made owner, this host served its copy
             # without B's batches.)
+            # Nor while a snapshot into this copy is half written (st.snap_partial): its
+            # rows are partly the sender's, with batches this copy's duplicate filter does
+            # not hold (that filter comes with the LAST), partly this copy's own.  The
+            # first chunk set fed_owners like any frame of the owner; made owner, this
+            # host applied again, on the rows of that chunk, a batch its sender resent,
+            # which the dead owner had applied and acknowledged to nobody (review H20).
             old_bk, fed_bk = (old or [])[1:], (st.fed_owners or old or [])[1:]
             complete = (self.addr in old_bk and self.addr in fed_bk
-                        and (not st.fed_owners or st.fed_epoch >= prev_since))
+                        and (not st.fed_owners or st.fed_epoch >= prev_since)
+                        and not st.snap_partial)
             backups = [] if complete else list(
                 dict.fromkeys(b for b in fed_bk + old_bk + st.fed_owners[:1]
                               if b != self.addr and b != prev))
