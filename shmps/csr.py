@@ -235,7 +235,8 @@ class CSRTensor(Tensor):
     # -- push ------------------------------------------------------------------------
     def push(self, csr: Any, *, wait: bool = True) -> Optional[PushHandle]:
         """Apply the updater to the entries of ``csr`` (``shmps.CSR(rowcnt, colidx,
-        value)`` with this matrix's row count, or a scipy sparse matrix).
+        value)`` with this matrix's row count, or a scipy sparse matrix of its shape:
+        another shape is a SchemaError naming both, nothing applied).
 
         Every entry must exist in the structure, else InvalidArgument naming the first
         missing (row, col) and nothing is applied.  Repeated entries accumulate as
@@ -260,6 +261,15 @@ class CSRTensor(Tensor):
 
     def _prepare(self, csr: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         rowcnt, colidx, value = as_csr(csr)
+        # a scipy matrix carries its shape: one of other columns (or rows) is another
+        # matrix even when every entry it holds is in the structure (a 4 x 9 matrix was
+        # applied to a 4 x 5 tensor); a shmps.CSR has no column count, its columns are
+        # checked against this one's below
+        shape = getattr(csr, "shape", None) if hasattr(csr, "tocsr") else None
+        if shape is not None and tuple(int(n) for n in shape) != self.shape:
+            raise SchemaError(f"the pushed matrix has shape {tuple(int(n) for n in shape)}, "
+                              f"{self.name!r} has shape {self.shape}; nothing was applied",
+                              "push a matrix of the tensor's shape (scipy: shape=x.shape)")
         g = cast_grad(value, self.dtype, "value")
         if g.ndim != 1:
             raise SchemaError(f"value must be 1-d, got shape {g.shape}",
@@ -271,7 +281,8 @@ class CSRTensor(Tensor):
         rc = check_rowcnt(rowcnt, g.size)
         if rc.size != self.nrows + 1:
             raise SchemaError(f"the pushed CSR has {rc.size - 1} rows, {self.name!r} has "
-                              f"{self.nrows}", "push a CSR with every row (empty rows are fine)")
+                              f"{self.nrows} (shape {self.shape}); nothing was applied",
+                              "push a CSR with every row (empty rows are fine)")
         return rc, ci, g
 
     def _scratch(self) -> tuple[Any, int, Any]:

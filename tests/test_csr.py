@@ -3,6 +3,7 @@ pushes of entries (subsets, repeats, across shards), get-or-create, bad input le
 the data unchanged, and exactness of concurrent pushes."""
 from __future__ import annotations
 
+import re
 import threading
 
 import numpy as np
@@ -286,3 +287,29 @@ def test_a_matrix_given_to_store_csr_says_how_to_pass_it(store):
     assert "c" not in store
     c = store.csr("c", m.indptr, m.indices, init=m.data, shape=m.shape)   # the hint's call
     assert (c.to_scipy() != m).nnz == 0
+
+
+def test_a_push_of_another_shape_is_refused_naming_both_shapes(store):
+    """A scipy matrix of more (or fewer) columns than the tensor, or of more rows, is a
+    SchemaError naming both shapes, and nothing changes, even when every entry it
+    holds is in the structure.  Before, only the row count was checked: a 4 x 9 scipy
+    matrix pushed into a 4 x 5 tensor was applied (its entries existed), and a 5 x 5
+    one said "the pushed CSR has 5 rows" without the shapes."""
+    m = sparse.csr_matrix(np.array([[1.0, 0, 2, 0, 0], [0, 3, 0, 0, 4], [0, 0, 0, 0, 0],
+                                    [5, 0, 0, 0, 6]]))
+    x = make(store, m, optimizer="sum", shard_rows=2)
+    assert x.shape == (4, 5)
+    before = x.pull().value.copy()
+    for shape in ((4, 9), (4, 6), (5, 5), (6, 9)):
+        g = sparse.csr_matrix((m.data, m.indices, np.concatenate(
+            [m.indptr, np.full(shape[0] - 4, m.nnz)])), shape=shape)
+        with pytest.raises(shmps.SchemaError, match=re.escape(
+                f"shape {shape}, 'X' has shape (4, 5)")):
+            x.push(g)
+    with pytest.raises(shmps.SchemaError, match=re.escape("shape (4, 3), 'X' has shape")):
+        x.push(sparse.csr_matrix(m[:, :3]))                        # fewer columns
+    with pytest.raises(shmps.SchemaError, match=re.escape("has 4 (shape (4, 5))")):
+        x.push(shmps.CSR(np.concatenate([m.indptr, [m.nnz]]), m.indices, m.data))
+    np.testing.assert_array_equal(x.pull().value, before)
+    x.push(sparse.csr_matrix((m.data, m.indices, m.indptr), shape=(4, 5)))   # its shape
+    np.testing.assert_array_equal(x.pull().value, 2 * before)
