@@ -124,7 +124,8 @@ directions (chosen by the file extensions):
   SRC.npy -> DST   dense 2-d array -> file set; only the nonzero entries are stored
                    (NaN counts as nonzero) unless --keep-zeros stores every entry
   SRC -> DST.npz   file set -> scipy CSR matrix (needs scipy; no float16 in scipy)
-  SRC -> DST.npy   file set -> dense 2-d array (duplicate entries are summed)
+  SRC -> DST.npy   file set -> dense 2-d array (duplicate entries are summed; an
+                   integer sum the dtype cannot hold is refused)
 DST is replaced atomically (per file).  Conversions of more than 64 MiB show a
 progress bar on stderr when it is a terminal.
 
@@ -860,6 +861,33 @@ def _check_npy_size(src: str, dst: str, rows: int, cols: int, nnz: int, vdt: str
                                  + hint)
 
 
+#: the hint of repeated integer entries whose sum the written dtype cannot hold
+SUM_HINT = ("convert with --dtype to a wider dtype (int32 for int8 values, float64), or to "
+            "a .npz, which keeps repeated entries apart")
+
+
+def _put_integer_sums(out: np.ndarray, ri: np.ndarray, ci: np.ndarray, v: np.ndarray,
+                      source: str, r0: int) -> None:
+    """Write into ``out`` (a zeroed block of rows ``r0 ...``, an integer dtype) the sum of
+    the entries at each (``ri``, ``ci``): a cell a set holds several times is their sum.
+    A sum ``out`` cannot hold raises InvalidArgument naming the cell, how many entries
+    it sums and the sum (:func:`check_held`): np.add.at in ``out``'s dtype wrapped it
+    (int8 100 + 100 wrote -56).  The sums are exact in int64: the values are int8 or
+    int32 (each already checked to fit ``out``), so a cell would need 2**32 entries
+    (32 GiB of its colidx and values) to overflow it.  Cost: a sort of the block's
+    entries, O(entries) memory."""
+    cols = out.shape[1]
+    cells = ri.astype(np.int64) * cols + ci.astype(np.int64)
+    cell, inverse, count = np.unique(cells, return_inverse=True, return_counts=True)
+    sums = np.zeros(len(cell), dtype=np.int64)
+    np.add.at(sums, inverse.reshape(-1), v.astype(np.int64))
+    check_held(sums, out.dtype, source, hint=SUM_HINT,
+               where=lambda i: (f"row {r0 + int(cell[i]) // cols}, col {int(cell[i]) % cols}"
+                                + (f" (the sum of its {int(count[i])} entries)"
+                                   if count[i] > 1 else "")))
+    out.reshape(-1)[cell] = sums   # (fits: checked; out is C-contiguous rows, a view)
+
+
 def _set_to_npy(args: argparse.Namespace) -> tuple[int, int, int, str]:
     ms = read_csr(args.src, **_read_args(args), check=True)
     vdt = _out_value_dtype(np.dtype(ms.dtypes["value"]), args.dtype, ms.prefix or args.src)
@@ -889,8 +917,12 @@ def _set_to_npy(args: argparse.Namespace) -> tuple[int, int, int, str]:
                         continue
                     counts = np.diff(np.asarray(rowcnt[r0:r1 + 1], dtype=np.int64))
                     ri = np.repeat(np.arange(r1 - r0), counts.astype(np.int64))
-                    np.add.at(out[r0:r1], (ri, np.asarray(colidx[e0:e1])),
-                              np.asarray(value[e0:e1]).astype(vdt, casting="same_kind"))
+                    if np.dtype(vdt).kind in "iu":
+                        _put_integer_sums(out[r0:r1], ri, np.asarray(colidx[e0:e1]),
+                                          np.asarray(value[e0:e1]), source, r0)
+                    else:
+                        np.add.at(out[r0:r1], (ri, np.asarray(colidx[e0:e1])),
+                                  np.asarray(value[e0:e1]).astype(vdt, casting="same_kind"))
                     bar.update((r1 - r0) * cols * itemsize)
             out.flush()
             del out

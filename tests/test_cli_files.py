@@ -1015,3 +1015,34 @@ def test_convert_to_a_dst_that_is_a_directory_names_it(tmp_path):
         assert ".tmp-" not in r.stderr
         assert os.listdir(tmp_path / dst) == []
     assert hidden(tmp_path) == set()
+
+
+def test_convert_refuses_repeated_integer_entries_whose_sum_the_dtype_cannot_hold(tmp_path):
+    """A set holding one (row, col) several times converts to .npy as their sum; an
+    integer sum the written dtype cannot hold is one error line naming the cell, how
+    many entries it sums and the sum, and nothing is written (DST as it was), as for a
+    single value (test_convert_refuses_integers_that_the_dtype_cannot_hold).  Sums in
+    range convert, whatever their partial sums (100 + 100 - 120 = 80 in int8).  Before,
+    np.add.at summed in the dtype and wrapped: int8 entries 100 + 100 at (1, 2) wrote
+    -56, and two int32 2**30 + 2**30 wrote -2147483648, exit 0."""
+    write_csr(tmp_path / "S", CSR(np.array([0, 1, 4]), np.array([0, 2, 0, 2]),
+                                  np.array([7, 100, -3, 100], np.int8)), cols=3)
+    write_csr(tmp_path / "W", CSR(np.array([0, 2]), np.array([1, 1]),
+                                  np.array([2 ** 30, 2 ** 30], np.int32)), cols=2)
+    np.save(tmp_path / "old.npy", np.array([[9]]))
+    for args, needle, rng in [
+            (("S", "old.npy"), "S.value: row 1, col 2 (the sum of its 2 entries): value 200 "
+             "cannot be stored in int8", "-128 .. 127; a cast would wrap it to -56"),
+            (("W", "old.npy"), "W.value: row 0, col 1 (the sum of its 2 entries): value "
+             "2147483648 cannot be stored in int32", "a cast would wrap it to -2147483648"),
+            (("S", "old.npy", "--dtype", "int8"), "value 200 cannot be stored in int8", "")]:
+        r = tool("convert", *args, cwd=tmp_path)
+        assert_one_line_error(r, needle, rng)
+        assert hidden(tmp_path) == set()
+        assert np.load(tmp_path / "old.npy").tolist() == [[9]]
+    assert tool("convert", "S", "s32.npy", "--dtype", "int32", cwd=tmp_path).returncode == 0
+    assert np.load(tmp_path / "s32.npy").tolist() == [[7, 0, 0], [-3, 0, 200]]
+    write_csr(tmp_path / "ok", CSR(np.array([0, 3]), np.array([1, 1, 1]),
+                                   np.array([100, 100, -120], np.int8)), cols=2)
+    assert tool("convert", "ok", "ok.npy", cwd=tmp_path).returncode == 0
+    assert np.load(tmp_path / "ok.npy").tolist() == [[0, 80]]
