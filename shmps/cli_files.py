@@ -22,19 +22,18 @@ from typing import IO, Any, Iterator
 import numpy as np
 
 from . import files as _files
-from . import progress
 from .errors import CapacityError, CorruptFile, InvalidArgument, NotFound
-from .files import (ARRAYS, CHUNK, CSR, INDEX_DTYPES, VALUE_DTYPES, MatrixSet, SetWriter,
-                    _check_structure, _scipy_sparse, build_meta, check_held,
-                    finish_replacement, read_checkpoint_manifest, read_csr,
+from .files import (ARRAYS, CHUNK, CSR, INDEX_DTYPES, PROGRESS_MIN_BYTES, VALUE_DTYPES,
+                    MatrixSet, SetWriter, _check_structure, _scipy_sparse, build_meta,
+                    check_held, finish_replacement, read_checkpoint_manifest, read_csr,
                     remove_dead_temporaries, temporary_path, validate_all)
 
 #: Entries formatted per write when printing (bounded memory, bounded string size).
 ENTRY_CHUNK = 1 << 16
 #: Rows formatted per write in the table format.
 ROW_CHUNK = 1 << 14
-#: Conversions at least this large (bytes) show a progress bar when stderr is a tty.
-PROGRESS_MIN_BYTES = 64 << 20
+# Passes of at least PROGRESS_MIN_BYTES (shmps.files: validation, conversions, summary
+# statistics) show a progress bar when stderr is a terminal (files.progress_bar).
 #: Dense rows are converted in blocks of about this many bytes.
 BLOCK_BYTES = 32 << 20
 
@@ -126,8 +125,8 @@ directions (chosen by the file extensions):
   SRC -> DST.npz   file set -> scipy CSR matrix (needs scipy; no float16 in scipy)
   SRC -> DST.npy   file set -> dense 2-d array (duplicate entries are summed; an
                    integer sum the dtype cannot hold is refused)
-DST is replaced atomically (per file).  Conversions of more than 64 MiB show a
-progress bar on stderr when it is a terminal.
+DST is replaced atomically (per file).  Conversions of more than 64 MiB (and the
+check of a file-set SRC) show a progress bar on stderr when it is a terminal.
 
 examples:
   shmps-tool convert X.npz data/X
@@ -366,19 +365,25 @@ def _source_note(ms: MatrixSet, key: str) -> str:
     return src
 
 
-def row_nnz_stats(rowcnt: np.ndarray) -> tuple[int, float, int, int]:
+def row_nnz_stats(rowcnt: np.ndarray, bar: Any = None) -> tuple[int, float, int, int]:
     """``(min, median, max, empty rows)`` of the entries per row, exact.
 
-    One chunked pass; memory O(distinct row lengths) (at most ~sqrt(2 * nnz)).
+    One chunked pass; memory O(distinct row lengths) (at most ~sqrt(2 * nnz)).  A
+    ``bar`` (progress) is advanced by the bytes of ``rowcnt`` read, all of them.
     """
     rows = len(rowcnt) - 1
+    size = np.asarray(rowcnt[:0]).dtype.itemsize
     if rows <= 0:
+        if bar is not None:
+            bar.update(len(rowcnt) * size)
         return 0, 0.0, 0, 0
     hist: Counter[int] = Counter()
     for s in range(0, rows, CHUNK):
         seg = np.diff(np.asarray(rowcnt[s:min(s + CHUNK, rows) + 1], dtype=np.int64))
         u, k = np.unique(seg, return_counts=True)
         hist.update(dict(zip(u.tolist(), k.tolist())))
+        if bar is not None:   # (chunks overlap by one entry: the first counts it)
+            bar.update((len(seg) + (s == 0)) * size)
     keys = sorted(hist)
 
     def nth(n: int) -> int:
@@ -393,10 +398,11 @@ def row_nnz_stats(rowcnt: np.ndarray) -> tuple[int, float, int, int]:
     return keys[0], median, keys[-1], hist.get(0, 0)
 
 
-def value_stats(value: np.ndarray) -> dict[str, Any]:
+def value_stats(value: np.ndarray, bar: Any = None) -> dict[str, Any]:
     """min/max/mean over the finite values, and NaN/+Inf/-Inf counts.
 
-    One chunked pass, O(CHUNK) memory; sums in float64 (integers: exact int64).
+    One chunked pass, O(CHUNK) memory; sums in float64 (integers: exact int64).  A
+    ``bar`` (progress) is advanced by the bytes of ``value`` read.
     """
     n = len(value)
     isfloat = np.asarray(value[:0]).dtype.kind == "f"
@@ -406,6 +412,8 @@ def value_stats(value: np.ndarray) -> dict[str, Any]:
     finite_n = nan = pinf = ninf = 0
     for s in range(0, n, CHUNK):
         seg = np.asarray(value[s:s + CHUNK])
+        if bar is not None:
+            bar.update(seg.nbytes)
         if isfloat:
             fin = np.isfinite(seg)
             nan += int(np.isnan(seg).sum())
@@ -426,6 +434,18 @@ def value_stats(value: np.ndarray) -> dict[str, Any]:
 
 def _write_summary(out: IO[str], ms: MatrixSet, label: str) -> None:
     rowcnt, colidx, value = ms.csr
+    # the statistics read rowcnt (not a dense set's: implicit) and the values once, after
+    # the validation's own bar (read_csr): a 1.6 GB set took 4 s here, silently before
+    name = ms.prefix if ms.prefix is not None else label.split(":", 1)[1].strip()
+    total = (0 if ms.kind == "dense" else _files._nbytes(rowcnt)) + _files._nbytes(value)
+    with _progress(total, f"summary {name}") as bar:
+        lines = _summary_lines(ms, label, bar)
+    # (printed once the bar is gone: on a terminal it would share the line)
+    out.write("\n".join(lines) + "\n")
+
+
+def _summary_lines(ms: MatrixSet, label: str, bar: Any) -> list[str]:
+    rowcnt, colidx, value = ms.csr
     cells = ms.rows * ms.cols
     density = f"{ms.nnz / cells:.6g}" if cells else "n/a (no cells)"
     lines = [f"{label}",
@@ -445,9 +465,9 @@ def _write_summary(out: IO[str], ms: MatrixSet, label: str) -> None:
         if ms.rows == 0:
             mn, med, mx = 0, 0.0, 0
     else:
-        mn, med, mx, empty = row_nnz_stats(rowcnt)
+        mn, med, mx, empty = row_nnz_stats(rowcnt, bar)
     lines.append(f"row nnz:   min {mn}, median {med:g}, max {mx} ({empty} empty rows)")
-    st = value_stats(value)
+    st = value_stats(value, bar)
     if st["finite"]:
         fmt = value_strings(np.array([st["min"], st["max"]], dtype=np.asarray(value[:0]).dtype))
         lines.append(f"values:    min {fmt[0]}, max {fmt[1]}, mean {st['mean']:.6g} "
@@ -474,7 +494,7 @@ def _write_summary(out: IO[str], ms: MatrixSet, label: str) -> None:
                      + (f"; other keys: {', '.join(extra)}" if extra else ""))
     else:
         lines.append("meta:      none (dtypes and cols inferred unless given by flags)")
-    out.write("\n".join(lines) + "\n")
+    return lines
 
 
 # ----------------------------------------------------------------------------- verbs
@@ -646,7 +666,8 @@ def _out_value_dtype(src: np.dtype, requested: str | None, what: str) -> str:
 
 
 def _progress(total: int, desc: str) -> Any:
-    return progress.bar(total, desc, min_total=PROGRESS_MIN_BYTES, divisor=1024)
+    # (through the module: the threshold is files.PROGRESS_MIN_BYTES at each call)
+    return _files.progress_bar(total, desc)
 
 
 @contextmanager
@@ -731,7 +752,7 @@ def _npz_to_set(args: argparse.Namespace) -> tuple[int, int, int, str]:
     names = {"rowcnt": f"{args.src} (indptr)", "colidx": f"{args.src} (indices)",
              "value": f"{args.src} (data)"}
     _check_structure(c, cols=cols, names=names, exc=CorruptFile,
-                     cols_note="from the .npz shape", full=True)
+                     cols_note="from the .npz shape", full=True, desc=f"check {args.src}")
     vdt = _out_value_dtype(c.value.dtype, args.dtype, args.src)
     dtypes = {"rowcnt": _index_dtype(c.rowcnt), "colidx": _index_dtype(c.colidx),
               "value": vdt}

@@ -42,7 +42,7 @@ from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence, cast
 
 import numpy as np
 
-from . import _native
+from . import _native, progress
 from ._native import lib as _lib
 from .checks import check_flag, check_int
 from .errors import CorruptFile, InvalidArgument, NotFound, Timeout
@@ -60,6 +60,10 @@ DEFAULT_DTYPES: dict[str, str] = {"rowcnt": "int64", "colidx": "int32", "value":
 RESERVED_META_KEYS: tuple[str, ...] = ("version", "kind", "rows", "cols", "nnz", "dtypes")
 #: Elements per chunk of every streaming pass (validation, copying, writing).
 CHUNK = 1 << 22
+#: A pass over a set (validation, a write, shmps-tool's conversions and summary) of at
+#: least this many bytes shows a progress bar when stderr is a terminal
+#: (:func:`progress_bar`): a smaller one ends before a bar would tell anything.
+PROGRESS_MIN_BYTES = 64 << 20
 #: The most entries an array (and an axis, a row or column count) can have: what numpy
 #: and a file offset address.
 _MAX_EXTENT = (1 << 63) - 1
@@ -562,21 +566,43 @@ def _count_fits(size: int, options: Sequence[str], target: int) -> bool:
     return any(size % _itemsize(d) == 0 and size // _itemsize(d) == target for d in options)
 
 
-def _first_decrease(a: np.ndarray, chunk: int = CHUNK) -> int | None:
-    """First ``i`` with ``a[i + 1] < a[i]``, or None.  Chunked, O(chunk) memory."""
+def progress_bar(total: int, desc: str) -> Any:
+    """The progress bar of a pass of ``total`` bytes over a set (:mod:`shmps.progress`):
+    shown on stderr when it is a terminal and ``total`` is at least
+    :data:`PROGRESS_MIN_BYTES` (read at each call), else one that shows nothing."""
+    return progress.bar(total, desc, min_total=PROGRESS_MIN_BYTES, divisor=1024)
+
+
+def _nbytes(a: Any) -> int:
+    """The bytes of 1-d array ``a`` (a memmap, an ndarray, an :class:`ImplicitIndex`)."""
+    return len(a) * np.asarray(a[:0]).dtype.itemsize
+
+
+def _first_decrease(a: np.ndarray, chunk: int = CHUNK, bar: Any = None) -> int | None:
+    """First ``i`` with ``a[i + 1] < a[i]``, or None.  Chunked, O(chunk) memory.  A
+    ``bar`` is advanced by the bytes of ``a`` read, :func:`_nbytes` of it in all when
+    none decreases."""
     n = len(a)
+    size = np.asarray(a[:0]).dtype.itemsize
+    done = 0
     for s in range(0, max(n - 1, 0), chunk):
         seg = np.asarray(a[s:min(s + chunk + 1, n)])
         bad = np.flatnonzero(seg[1:] < seg[:-1])
         if bad.size:
             return s + int(bad[0])
+        if bar is not None:   # (chunks overlap by one element: each counted once)
+            bar.update((min(s + chunk + 1, n) - done) * size)
+            done = min(s + chunk + 1, n)
+    if bar is not None and n > done:   # (a 1-element array: no chunk)
+        bar.update((n - done) * size)
     return None
 
 
-def _scan_columns(c: np.ndarray, cols: int | None, chunk: int = CHUNK
+def _scan_columns(c: np.ndarray, cols: int | None, chunk: int = CHUNK, bar: Any = None
                   ) -> tuple[int, int | None]:
     """``(max column, first bad position)``: bad is < 0, or >= cols when cols is given.
-    Chunked, O(chunk) memory; stops at the first bad chunk."""
+    Chunked, O(chunk) memory; stops at the first bad chunk.  A ``bar`` is advanced by
+    the bytes of ``c`` read (all of them when none is bad)."""
     best = -1
     for s in range(0, len(c), chunk):
         seg = np.asarray(c[s:s + chunk])
@@ -585,18 +611,23 @@ def _scan_columns(c: np.ndarray, cols: int | None, chunk: int = CHUNK
             badmask = seg < 0 if cols is None else (seg < 0) | (seg >= cols)
             return max(best, hi), s + int(np.flatnonzero(badmask)[0])
         best = max(best, hi)
+        if bar is not None:
+            bar.update(seg.nbytes)
     return best, None
 
 
 def _check_structure(c: CSR, *, cols: int | None, names: Mapping[str, str],
                      exc: type[Exception], cols_note: str, full: bool,
-                     chunk: int = CHUNK, vlabel: str = "value") -> tuple[int, str]:
+                     chunk: int = CHUNK, vlabel: str = "value",
+                     desc: str | None = None) -> tuple[int, str]:
     """Check the CSR invariants; return ``(cols, how cols was found)``.
 
     Cheap checks (O(1)): rowcnt non-empty, starts at 0, colidx and value of equal
     length, rowcnt[-1] == nnz.  With ``full``: rowcnt non-decreasing and every column in
     [0, cols), one chunked pass each.  Without ``full`` and without ``cols`` the column
     pass still runs (to find cols).  Raises ``exc`` with ``names`` in the message.
+    With ``desc`` the passes show a progress bar of that name (:func:`progress_bar`)
+    counting the bytes they read.
     """
     rn, cn, vn = names["rowcnt"], names["colidx"], names["value"]
     rowcnt, colidx, value = c
@@ -618,13 +649,26 @@ def _check_structure(c: CSR, *, cols: int | None, names: Mapping[str, str],
     if last != nv:
         raise exc(f"{rn}: position {rows}: last rowcnt entry is {last} but {vn} holds "
                   f"{nv} values (rowcnt[-1] must equal the number of values)")
+    total = (_nbytes(rowcnt) if full else 0) + (_nbytes(colidx) if cols is None or full else 0)
+    with (progress_bar(total, desc) if desc is not None
+          else contextlib.nullcontext()) as bar:
+        return _check_passes(rowcnt, colidx, cols=cols, names=names, exc=exc,
+                             cols_note=cols_note, full=full, chunk=chunk, bar=bar)
+
+
+def _check_passes(rowcnt: np.ndarray, colidx: np.ndarray, *, cols: int | None,
+                  names: Mapping[str, str], exc: type[Exception], cols_note: str,
+                  full: bool, chunk: int, bar: Any) -> tuple[int, str]:
+    """The chunked passes of :func:`_check_structure` (``bar``: None, or a progress bar
+    they advance)."""
+    rn, cn = names["rowcnt"], names["colidx"]
     if full:
-        i = _first_decrease(rowcnt, chunk)
+        i = _first_decrease(rowcnt, chunk, bar)
         if i is not None:
             raise exc(f"{rn}: position {i}: rowcnt[{i + 1}] = {int(rowcnt[i + 1])} is less "
                       f"than rowcnt[{i}] = {int(rowcnt[i])} (offsets must not decrease)")
     if cols is None or full:
-        top, bad = _scan_columns(colidx, cols, chunk)
+        top, bad = _scan_columns(colidx, cols, chunk, bar)
         if bad is not None:
             v = int(colidx[bad])
             if cols is None:
@@ -658,7 +702,8 @@ def read_csr(prefix: str | os.PathLike[str], *, rowcnt_dtype: str | None = None,
     Cost: O(1) memory beyond the maps (``mmap=True``, read-only memmaps) or the whole set
     (``mmap=False``); with ``check`` (default) one chunked pass over rowcnt (non-decreasing)
     and colidx (range); without it only the O(1) checks, plus the colidx pass when cols
-    must be inferred.  Raises :class:`NotFound` for a missing file and
+    must be inferred; a pass of at least :data:`PROGRESS_MIN_BYTES` shows a progress bar
+    (``check PREFIX``) on a terminal.  Raises :class:`NotFound` for a missing file and
     :class:`CorruptFile` for anything wrong, naming file, position and defect.
     """
     mmap, check = check_flag(mmap, "mmap"), check_flag(check, "check")
@@ -839,7 +884,8 @@ def read_csr(prefix: str | os.PathLike[str], *, rowcnt_dtype: str | None = None,
         else:
             ncols, sources["cols"], cols_note = None, "inferred", ""
         found, how = _check_structure(csr, cols=ncols, names=p, exc=CorruptFile,
-                                      cols_note=cols_note, full=check, vlabel=array)
+                                      cols_note=cols_note, full=check, vlabel=array,
+                                      desc=f"check {prefix}")
         if ncols is None:
             inferred["cols"] = how
         if meta and "nnz" in meta and meta["nnz"] != nv:
@@ -1817,7 +1863,8 @@ def write_csr(prefix: str | os.PathLike[str], csr: CSR | Sequence[np.ndarray], *
     :class:`InvalidArgument` names the array and position of a defect.
 
     Cost: one chunked validation pass, then the bytes written; O(CHUNK) extra memory,
-    so memmapped inputs of any size are fine.
+    so memmapped inputs of any size are fine.  On a terminal each pass of at least
+    :data:`PROGRESS_MIN_BYTES` shows a progress bar (``check PREFIX``, ``write PREFIX``).
     """
     if not isinstance(csr, CSR):
         if len(csr) != 3:
@@ -1844,15 +1891,28 @@ def write_csr(prefix: str | os.PathLike[str], csr: CSR | Sequence[np.ndarray], *
                               f"({', '.join(VALUE_DTYPES)}); pass value_dtype=")
     cols = check_int(cols, "cols", 0, none=True)   # (np.int64(4) was refused)
     c = CSR(arrs[0], arrs[1], arrs[2])
+    name = os.fspath(prefix)
     ncols, _ = _check_structure(c, cols=cols, names={k: k for k in ARRAYS},
-                                exc=InvalidArgument, cols_note="as given", full=True)
+                                exc=InvalidArgument, cols_note="as given", full=True,
+                                desc=f"check {name}")
     dtypes = {"rowcnt": rdt, "colidx": cdt, "value": vdt}
     full_meta = build_meta(c.rows, ncols, c.nnz, dtypes, meta)
-    with SetWriter(prefix, dtypes) as w:
-        for k, a in zip(ARRAYS, c):
-            w.append(k, a)
-        w.commit(full_meta)
+    _write_arrays(prefix, dtypes, dict(zip(ARRAYS, c)), full_meta, f"write {name}")
     return full_meta
+
+
+def _write_arrays(prefix: str | os.PathLike[str], dtypes: Mapping[str, str],
+                  arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any],
+                  desc: str) -> None:
+    """Write ``arrays`` (by name, 1-d) as the set ``prefix`` with ``meta``
+    (:class:`SetWriter`), in chunks, under a progress bar ``desc`` of the bytes written
+    (:func:`progress_bar`; the commit's fsyncs and renames come after it is full)."""
+    total = sum(len(a) * np.dtype(dtypes[k]).itemsize for k, a in arrays.items())
+    with progress_bar(total, desc) as bar, SetWriter(prefix, dtypes) as w:
+        for k, a in arrays.items():
+            for s in range(0, len(a), CHUNK):
+                bar.update(w.append(k, a[s:s + CHUNK]))
+        w.commit(meta)
 
 
 def write_dense(prefix: str | os.PathLike[str], values: np.ndarray, *,
@@ -1866,7 +1926,8 @@ def write_dense(prefix: str | os.PathLike[str], values: np.ndarray, *,
     other keys).  No ``.rowcnt``/``.colidx`` (the structure is implicit).  Each file is
     written to a temporary name, fsynced and renamed; ``.meta`` last.  Returns the meta.
 
-    Cost: the bytes written, O(CHUNK) extra memory."""
+    Cost: the bytes written, O(CHUNK) extra memory; a progress bar (``write PREFIX``)
+    on a terminal from :data:`PROGRESS_MIN_BYTES` written."""
     a = np.asarray(values)
     shape = [int(x) for x in a.shape]
     rows, cols = dense_dims(shape)
@@ -1900,10 +1961,9 @@ def write_dense(prefix: str | os.PathLike[str], values: np.ndarray, *,
     except (TypeError, ValueError) as exc:
         raise InvalidArgument(f"meta is not JSON-serialisable: {exc}") from None
     dtypes = {"value": vdt, **{f"state{k}": str(sdt) for k in range(len(sts))}}
-    with SetWriter(prefix, dtypes) as w:
-        for name, x in (("value", a), *((f"state{i}", x) for i, x in enumerate(sts))):
-            w.append(name, np.ascontiguousarray(x).reshape(-1))
-        w.commit(full)
+    arrays = {name: np.ascontiguousarray(x).reshape(-1)
+              for name, x in (("value", a), *((f"state{i}", x) for i, x in enumerate(sts)))}
+    _write_arrays(prefix, dtypes, arrays, full, f"write {os.fspath(prefix)}")
     return full
 
 

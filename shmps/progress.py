@@ -1,4 +1,5 @@
-"""Progress bars of long operations (checkpoint, restore, shmps-tool convert): tqdm on a
+"""Progress bars of long operations (checkpoint, restore; file sets' checks and writes,
+shmps-tool convert and dump's summary, from files.PROGRESS_MIN_BYTES): tqdm on a
 terminal, nothing otherwise.
 
 tqdm's own lock is a multiprocessing lock (a POSIX semaphore) shared by every process

@@ -1156,6 +1156,9 @@ def test_the_progress_bars_of_checkpoint_and_restore_end_at_their_totals(
     store.checkpoint(tmp_path / "ck")
     shmps.restore(tmp_path / "ck", new_name(names)).close()
     monkeypatch.undo()
+    # (restore's check of the csr tensor's files has a bar too, shown only from
+    # files.PROGRESS_MIN_BYTES on: this one shows nothing)
+    bars = [b for b in bars if not isinstance(b, ckpt_mod.progress._NoBar)]
     assert [b.desc.split()[0] for b in bars] == ["checkpoint", "restore"]
     assert [(b.desc, b.n) for b in bars] == [(b.desc, b.total) for b in bars]
 
