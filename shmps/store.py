@@ -896,8 +896,7 @@ class Store:
         epoch of non-blocking pushes missed the last ones, still queued."""
         from .checkpoint import save
 
-        if self._executor is not None and self._executor_pid == os.getpid():
-            self._executor.submit(int).result()  # pushes made with wait=False land first
+        self._wait_own_pushes()   # pushes made with wait=False land first
         return save(self, path)
 
     # -- the multi-host bridge (shmps/outbox.py) -----------------------------------
@@ -924,12 +923,30 @@ class Store:
         :class:`shmps.Timeout` naming the tensor and shard that lag.  Wakes the bridge
         (it drains at once instead of at its next flush interval), then sleeps until
         the bridge says acknowledgements came (a futex word; at most 20 ms at a time)."""
-        if self._executor is not None and self._executor_pid == os.getpid():
-            self._executor.submit(int).result()  # pushes made with wait=False land first
+        self._wait_own_pushes()   # pushes made with wait=False land first
         from .outbox import flush
         flush(self, timeout)
 
     # -- non-blocking pushes -----------------------------------------------------
+    def _wait_own_pushes(self) -> None:
+        """Until every push this process made with wait=False has been applied (the push
+        thread runs them in order: a no-op queued after them ends after them).
+
+        At interpreter exit concurrent.futures shuts every ThreadPoolExecutor down
+        (threading's exit hooks, before atexit handlers run) and its threads then run
+        what was queued and end: a submit raises RuntimeError from then on, and
+        checkpoint() or clock() in an atexit handler raised it.  Then the thread is
+        joined instead (shutdown(wait=True): it returns once the queued pushes ran)."""
+        ex = self._executor
+        if ex is None or self._executor_pid != os.getpid():
+            return
+        try:
+            fut = ex.submit(int)
+        except RuntimeError:
+            ex.shutdown(wait=True)
+            return
+        fut.result()
+
     def _submit(self, fn: Any, *args: Any) -> PushHandle:
         with self._lock:
             if self._executor is None or self._executor_pid != os.getpid():
@@ -1009,8 +1026,7 @@ class Store:
         c_timeout = _clock_timeout(timeout)
         if self._worker is None:
             self.join()
-        if self._executor is not None and self._executor_pid == os.getpid():
-            self._executor.submit(int).result()  # pushes made with wait=False land first
+        self._wait_own_pushes()   # pushes made with wait=False land first
         clock, behind = ffi.new("uint64_t *"), ffi.new("int32_t *")
         code = lib.shmps_worker_clock(self._mptr, _native.token(), self._worker,
                                       c_timeout, clock, behind)

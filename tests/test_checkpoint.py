@@ -1182,3 +1182,51 @@ def test_a_checkpoint_holds_the_pushes_this_process_made_with_wait_false(store, 
         assert (float(a.min()), float(a.max()), r["w"].stats()["step"]) == (3.0, 3.0, 3)
     finally:
         r.destroy()
+
+
+_CHECKPOINT_AT_EXIT = r"""
+import atexit
+import sys
+
+import numpy as np
+
+import shmps
+
+s = shmps.attach(sys.argv[1], namespace=sys.argv[2] or None)
+w = s["w"]
+
+
+def at_exit() -> None:
+    s.clock()
+    s.checkpoint(sys.argv[3])
+    print("checkpointed", flush=True)
+
+
+atexit.register(at_exit)
+w.push(np.full(w.shape, -1.0, np.float32), wait=False)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_checkpoint_in_an_atexit_handler_after_pushes_with_wait_false(store, tmp_path,
+                                                                      names):
+    """store.checkpoint() (and clock()) in an atexit handler of a process that pushed
+    with wait=False: concurrent.futures shuts the store's push thread's pool down at
+    interpreter exit, before atexit handlers run (having applied what was queued), so
+    the wait for this process's pushes must not submit to it.  It did: checkpoint()
+    raised RuntimeError 'cannot schedule new futures after shutdown' and nothing was
+    saved (since the checkpoint began to wait for those pushes)."""
+    w = store.dense("w", shape=(256, 256), dtype="float32", optimizer=shmps.SGD(lr=1.0))
+    ck = tmp_path / "ck"
+    out = subprocess.run([sys.executable, "-c", _CHECKPOINT_AT_EXIT, store.name,
+                          store.namespace or "", str(ck)], env=child_env(),
+                         capture_output=True, text=True, timeout=100)
+    assert out.returncode == 0 and "checkpointed" in out.stdout, out.stderr
+    assert "Error" not in out.stderr, out.stderr
+    r = shmps.restore(ck, new_name(names))
+    try:
+        a = r["w"].pull()
+        assert (float(a.min()), float(a.max()), r["w"].stats()["step"]) == (1.0, 1.0, 1)
+    finally:
+        r.destroy()
+    assert float(w.pull().min()) == 1.0
