@@ -131,6 +131,29 @@ class DenseTensor(Tensor):
             return None
         return self._store._submit(self._apply, g, r)
 
+    def _push_prechecked(self, grad: np.ndarray, rows: Optional[np.ndarray],
+                         wait: bool) -> Optional[PushHandle]:
+        """:meth:`push` of a gradient the caller has checked for NaN/Inf already with
+        this tensor's :meth:`_require_finite` (shmps.torch's Pusher.step checks every
+        gradient before it pushes any): the same push without a second read of the
+        gradient for it.  Only where the push takes ``grad`` in its own dtype: a cast
+        may make a finite value inf, so a cast gradient is checked as push checks it."""
+        if grad.dtype != self.dtype or type(self).push is not DenseTensor.push:
+            # (a subclass's push, AggregateDense's, does more than this one: its own)
+            return self.push(grad, rows, wait=wait)
+        wait = check_flag(wait, "wait")
+        if self._fwd[0] and self._forwards():
+            g, r = self._prepare(grad, rows, c_checks_rows=wait)
+            if wait:
+                self._forward(g, r, False)
+                return None
+            return self._store._submit(self._forward, g, r, False)
+        g, r = self._prepare(grad, rows, c_checks_rows=wait)
+        if wait:
+            self._apply(g, r, check=False)
+            return None
+        return self._store._submit(self._apply, g, r, 1, True, False)
+
     def _prepare(self, grad: Any, rows: Any,
                  c_checks_rows: bool = False) -> tuple[np.ndarray, Optional[np.ndarray]]:
         """(gradient, rows) validated for a push; ``c_checks_rows``: the rows go straight
@@ -150,22 +173,26 @@ class DenseTensor(Tensor):
                               "give one gradient row per entry of rows=")
         return g, r
 
-    def _forward(self, g: np.ndarray, r: Optional[np.ndarray]) -> None:
-        """A validated push while forwarding: NaN/Inf check (this tensor's rule), then
-        summed into the outbox and counted there."""
-        self._require_finite(g)
+    def _forward(self, g: np.ndarray, r: Optional[np.ndarray], check: bool = True) -> None:
+        """A validated push while forwarding: NaN/Inf check (this tensor's rule; not
+        with ``check`` False: the caller made it), then summed into the outbox and
+        counted there."""
+        if check:
+            self._require_finite(g)
         self._outbox()._push_counted(g, r)
 
     def _apply(self, g: np.ndarray, r: Optional[np.ndarray], pushes: int = 1,
-               new_step: bool = True) -> None:
+               new_step: bool = True, check: bool = True) -> None:
         """Push ``g`` (validated) into rows ``r`` (None: all).
         ``new_step`` False: apply at the tensor's current step without advancing it (a
-        later frame of one forwarded drain); ``pushes``: how many the call counts as."""
+        later frame of one forwarded drain); ``pushes``: how many the call counts as;
+        ``check`` False: ``g`` was checked for NaN/Inf by the caller (_push_prechecked)."""
         if r is not None:
-            self._apply_rows(g, r, pushes, new_step)
+            self._apply_rows(g, r, pushes, new_step, check)
             return
         nthreads = self._threads_for(g.nbytes)
-        self._require_finite(g, nthreads)
+        if check:
+            self._require_finite(g, nthreads)
         # the ticket (flagged when each stripe counts its own steps), or the step of the
         # push under way: dense.c "Stripe steps"; passed to the C push as it is
         step = _native.ffi.new("uint64_t *")
@@ -176,13 +203,14 @@ class DenseTensor(Tensor):
         self._push_all(g, int(step[0]), nthreads)
         lib.shmps_count_push(self._shard(0).ptr, pushes, g.nbytes, self.nrows)
 
-    def _apply_rows(self, g: np.ndarray, r: np.ndarray, pushes: int, new_step: bool) -> None:
+    def _apply_rows(self, g: np.ndarray, r: np.ndarray, pushes: int, new_step: bool,
+                    check_finite: bool = True) -> None:
         """_apply of rows ``r``: repeated rows summed where the updater needs it, then one
         C call (:meth:`_push_sorted`) that checks the rows and the gradient, takes the
         step, pushes each shard's run of rows and counts the push; rows out of order
         come back SHMPS_UNSORTED, and are sorted (stably: assign's last duplicate still
         wins) for a second call."""
-        check = self._check_finite
+        check = self._check_finite and check_finite
         rs, gs = self._aggregate_duplicates(r, g)
         if rs.size < r.size and check:
             self._require_finite(g)   # the gradient pushed, not its sums, is checked

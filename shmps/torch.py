@@ -146,8 +146,8 @@ class Pusher:
 
         Every gradient is checked for NaN/Inf (where its tensor refuses them) before
         any is pushed: a step with one bad gradient raises NonFinite and changes no
-        parameter (with ``wait=False`` too, at once).  Costs one more read of each
-        gradient of such a tensor."""
+        parameter (with ``wait=False`` too, at once).  Each gradient is still read for
+        NaN/Inf once: the pushes skip their own check of a gradient checked here."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -174,8 +174,11 @@ class Pusher:
                 todo.append((t, arr, None, (g, arr)))
         for t, arr, _, _ in todo:
             t._require_finite(arr)
+        # each gradient is read for NaN/Inf once: the pushes skip their own check of
+        # it (_push_prechecked; a step read every gradient twice, ~40% of the step's
+        # time for 8 float32 4 MiB parameters with SGD)
         for t, arr, rows, keep in todo:
-            h = t.push(arr, rows=rows, wait=self.wait_each)
+            h = t._push_prechecked(arr, rows, self.wait_each)
             if h is not None:
                 self._pending.append((h, keep))
         return loss
