@@ -14,7 +14,7 @@ import operator
 import os
 import threading
 import weakref
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterator, Literal, Optional, Sequence
 
 import numpy as np
@@ -952,7 +952,26 @@ class Store:
             if self._executor is None or self._executor_pid != os.getpid():
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shmps-push")
                 self._executor_pid = os.getpid()
-            return PushHandle(self._executor.submit(fn, *args))
+            ex = self._executor
+            try:
+                return PushHandle(ex.submit(fn, *args))
+            except RuntimeError:
+                pass
+        # The pool takes no more work: concurrent.futures refuses it from every pool once
+        # its exit hook ran (interpreter exit, before atexit handlers), and a push with
+        # wait=False in an atexit handler raised RuntimeError, unapplied.  It is applied
+        # here, now, after the pushes queued before it (shutdown(wait=True) returns once
+        # the push thread ran them, as _wait_own_pushes): the handle is done, its error
+        # raised by its wait as a push thread's would be.
+        ex.shutdown(wait=True)
+        fut: Future[None] = Future()
+        try:
+            fn(*args)
+        except Exception as exc:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(None)
+        return PushHandle(fut)
 
     def wait(self, handle: PushHandle, timeout: Optional[float] = None) -> None:
         """Block until a ``push(..., wait=False)`` is applied (re-raises its error);

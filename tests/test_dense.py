@@ -1226,3 +1226,50 @@ def test_large_pushes_queued_with_wait_false_are_applied_when_the_process_exits(
     assert out.returncode == 0, out.stderr
     a = w.pull()
     assert (float(a.min()), float(a.max()), w.stats()["step"]) == (3.0, 3.0, 3)
+
+
+_PUSH_WAIT_FALSE_AT_EXIT = r"""
+import atexit
+import sys
+import numpy as np
+import shmps
+s = shmps.attach(sys.argv[1], namespace=sys.argv[2] or None)
+w = s["w"]
+first = w.push(np.ones(w.shape, np.float32), wait=False)   # queued before the exit
+
+
+def at_exit() -> None:
+    h = w.push(np.full(w.shape, 2.0, np.float32), wait=False)
+    s.wait(h)
+    try:
+        w.push(np.full(w.shape, np.nan, np.float32), wait=False).wait()
+    except shmps.NonFinite:
+        print("refused at wait", flush=True)
+    print("pushed", flush=True)
+
+
+atexit.register(at_exit)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_push_with_wait_false_in_an_atexit_handler_is_applied(store):
+    """push(wait=False) in an atexit handler: concurrent.futures refuses new work from
+    every pool once its exit hook ran (before atexit handlers), so the store's push
+    thread cannot take the push; it is applied at once, after the pushes queued before
+    (the handle is done; its error, if any, raised by its wait as on the push thread).
+    Before, the push raised RuntimeError 'cannot schedule new futures after interpreter
+    shutdown' (not a shmps.Error) and was not applied."""
+    import subprocess
+    import sys
+
+    from helpers import child_env
+
+    w = store.dense("w", shape=(64, 64), dtype="float32")
+    out = subprocess.run([sys.executable, "-c", _PUSH_WAIT_FALSE_AT_EXIT, store.name,
+                          store.namespace or ""], env=child_env(), capture_output=True,
+                         text=True, timeout=100)
+    assert out.returncode == 0 and "pushed" in out.stdout, out.stderr
+    assert "refused at wait" in out.stdout and "Error" not in out.stderr, out.stderr
+    a = w.pull()
+    assert (float(a.min()), float(a.max()), w.stats()["step"]) == (3.0, 3.0, 2)
