@@ -282,8 +282,17 @@ class Store:
         self._adopting_from: Optional[str] = None
         _check_pid_namespace(name, manifest)
         slot = ffi.new("uint32_t *")
-        _native.check(lib.shmps_proc_register(manifest.ptr, _native.token(), slot),
-                      f"store {name!r}: attached-process table")
+        code = lib.shmps_proc_register(manifest.ptr, _native.token(), slot)
+        if code == lib.SHMPS_E_FULL:
+            # (the generic CapacityError hint is a hash table's: a larger capacity,
+            # table.evict(); neither exists for this table)
+            raise CapacityError(
+                f"store {name!r}: its attached-process table is full "
+                f"({lib.SHMPS_MAX_PROCS} slots: one per attach() handle not closed yet, "
+                "in any process)",
+                "close() the handles a process no longer uses (each attach() takes a "
+                "slot, also in one process), or use one handle per process")
+        _native.check(code, f"store {name!r}: attached-process table")
         if not lib.shmps_manifest_attached(manifest.ptr, _native.token()):
             # `shmps-tool gc` retired the store before it could see us (remove_idle):
             # attach() goes on to the store made after it

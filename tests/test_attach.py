@@ -1450,3 +1450,25 @@ def test_a_store_name_with_a_dot_does_not_alias_a_store_of_a_namespace(store_nam
             assert len(s.processes()) == 1   # the refused attach left no process behind
         finally:
             s.destroy()
+
+
+@pytest.mark.timeout(60)
+def test_a_full_attached_process_table_says_how_to_free_a_slot(store_name):
+    """Every attach() handle takes a slot of the store's attached-process table
+    (SHMPS_MAX_PROCS), also in one process.  A full table is a CapacityError whose hint
+    says so (close() unused handles); it said "create the table with a larger capacity,
+    or evict cold rows with table.evict()", which are a hash table's remedies."""
+    from shmps._native import lib
+
+    handles = [shmps.attach(store_name)]
+    try:
+        with pytest.raises(shmps.CapacityError) as info:
+            for _ in range(lib.SHMPS_MAX_PROCS):
+                handles.append(shmps.attach(store_name))
+        assert len(handles) == lib.SHMPS_MAX_PROCS
+        assert "evict" not in info.value.hint and "close()" in info.value.hint
+        assert str(lib.SHMPS_MAX_PROCS) in str(info.value)
+    finally:
+        for h in handles[1:]:
+            h.close()
+        handles[0].destroy()
