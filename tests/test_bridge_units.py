@@ -16,7 +16,7 @@ import time
 import tracemalloc
 import types
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import pytest
@@ -751,6 +751,16 @@ def test_a_joiner_does_not_follow_another_ring_of_the_epoch_a_peer_owns_by(tmp_p
     assert node.members.state(c) is State.JOINING
 
 
+
+def _a_joiner_on_as_ring(node, a: str, b: str, c: str) -> dict:
+    """Host c (``node``) of {a, b, c}, cut off and back (listening, joining), takes a's
+    view (epoch 1, the ring {a}); returns b's view of epoch 1 (the ring {b})."""
+    node.members.tick(now=time.monotonic() + 10 * node.cfg.dead_after)   # cut off
+    node.grace_until = time.monotonic() + 60    # back: it listens (hands nothing over)
+    ring_a = {a: State.ALIVE, b: State.DEAD, c: State.JOINING}
+    node.on_heartbeat(a, _heartbeat(a, 1, ring_a, frames.HB_QUORUM, seq=2))
+    return {a: State.DEAD, b: State.ALIVE, c: State.JOINING}
+
 @pytest.mark.parametrize("nrows", [8, 0])
 def test_a_joiner_keeps_the_ring_of_an_owner_whose_rows_it_took(tmp_path, nrows):
     """Host C of {A, B, C}, joining, took A's view (epoch 1, the ring {A}) and then A's
@@ -766,11 +776,7 @@ def test_a_joiner_keeps_the_ring_of_an_owner_whose_rows_it_took(tmp_path, nrows)
     store = f"fedring{os.getpid()}"
     c, a, b = "127.0.0.4:7001", "127.0.0.2:7001", "127.0.0.3:7001"
     with _owner_on_a_store(tmp_path, [c, a, b], store) as (node, info, _):
-        node.members.tick(now=time.monotonic() + 10 * node.cfg.dead_after)   # cut off
-        node.grace_until = time.monotonic() + 60    # back: it listens (hands nothing over)
-        ring_a = {a: State.ALIVE, b: State.DEAD, c: State.JOINING}
-        ring_b = {a: State.DEAD, b: State.ALIVE, c: State.JOINING}
-        node.on_heartbeat(a, _heartbeat(a, 1, ring_a, frames.HB_QUORUM, seq=2))
+        ring_b = _a_joiner_on_as_ring(node, a, b, c)
         assert node.members.epoch == 1 and node.members.state(c) is State.JOINING
         assert node.ring.digest == ring.Ring([a]).digest
         assert _take_rows(node, a, info.tid, 1, nrows=nrows) is Status.OK
@@ -796,11 +802,7 @@ def test_a_joiner_keeps_no_ring_by_an_owners_rows_of_another_ring_of_the_epoch(t
     store = f"fedother{os.getpid()}"
     c, a, b = "127.0.0.4:7001", "127.0.0.2:7001", "127.0.0.3:7001"
     with _owner_on_a_store(tmp_path, [c, a, b], store) as (node, info, _):
-        node.members.tick(now=time.monotonic() + 10 * node.cfg.dead_after)   # cut off
-        node.grace_until = time.monotonic() + 60    # back: it listens (hands nothing over)
-        ring_a = {a: State.ALIVE, b: State.DEAD, c: State.JOINING}
-        ring_b = {a: State.DEAD, b: State.ALIVE, c: State.JOINING}
-        node.on_heartbeat(a, _heartbeat(a, 1, ring_a, frames.HB_QUORUM, seq=2))
+        ring_b = _a_joiner_on_as_ring(node, a, b, c)
         assert node.members.epoch == 1 and node.ring.digest == ring.Ring([a]).digest
         other = ring.Ring([a, c]).digest
         assert _take_rows(node, a, info.tid, 1, ring_=other) is Status.OK
@@ -1355,6 +1357,42 @@ def test_a_refused_dial_no_longer_counts_once_a_later_dial_connects(tmp_path):
     assert cleared and state is not State.DEAD, (cleared, state)
 
 
+async def _a_fake_peer(tmp_path, serve: Callable) -> tuple:
+    """A fake peer bridge on 127.0.0.3 (an aiohttp app): each connection to its
+    /v1/stream is taken over and given the server's side of the handshake as a bridge of
+    store "unused" without a secret does it (HELLO sent, the AUTH verified), then
+    ``await serve(stream, ok)`` with the OK not yet sent; and a Bridge (not started) of
+    127.0.0.2:7001 and it, whose on_message takes every message as nothing (the frames
+    the fake sends are no bridge frames).  (runner, node, the peer's address); the
+    caller cleans the runner up."""
+    from aiohttp import web
+    from shmps.bridge import auth, wsstream
+
+    where: dict = {}
+
+    async def fake_peer(request):
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        stream = wsstream.take_over(request, max_msg=1 << 20, peer="the link")
+        hs = auth.ServerHandshake(None, sender=members.member_id(where["b"]),
+                                  store="unused", incarnation=1)   # (_bridge's)
+        stream.send(hs.hello())
+        _, ok = hs.verify(await stream.receive(5))
+        await serve(stream, ok)
+        return ws
+
+    app = web.Application()
+    app.router.add_get("/v1/stream", fake_peer)
+    runner = web.AppRunner(app, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.3", 0)
+    await site.start()
+    where["b"] = b = f"127.0.0.3:{site._server.sockets[0].getsockname()[1]}"  # noqa: SLF001
+    node = _bridge(tmp_path, ["127.0.0.2:7001", b])
+    node.on_message = lambda *args: 0
+    return runner, node, b
+
+
 def test_a_link_to_a_peer_that_closes_each_connection_at_once_dials_at_most_every_50_ms(tmp_path):
     """A link dials again at once after its connection breaks (a peer that died then
     refuses the dial and is dead at once), but not after a connection that broke as
@@ -1362,35 +1400,18 @@ def test_a_link_to_a_peer_that_closes_each_connection_at_once_dials_at_most_ever
     dialled every 0.05 s, as before, not in a loop of handshakes.  A fake peer completes
     the handshake and closes; the connections it took in 0.5 s are counted.  Drives a
     Bridge, not started, with one real Link."""
-    from aiohttp import web
-    from shmps.bridge import auth, node as bridge_node, wsstream
+    from shmps.bridge import node as bridge_node
 
     got: dict = {"n": 0}
 
     async def main() -> None:
-        async def fake_peer(request):
-            ws = web.WebSocketResponse()
-            await ws.prepare(request)
-            stream = wsstream.take_over(request, max_msg=1 << 20, peer="the link")
-            hs = auth.ServerHandshake(None, sender=members.member_id(got["b"]),
-                                      store="unused", incarnation=1)   # (_bridge's)
-            stream.send(hs.hello())
-            _, ok = hs.verify(await stream.receive(5))
+        async def serve(stream, ok: bytes) -> None:
             stream.send(ok)
             got["n"] += 1
             await asyncio.sleep(0.001)
             stream.close()
-            return ws
 
-        app = web.Application()
-        app.router.add_get("/v1/stream", fake_peer)
-        runner = web.AppRunner(app, handle_signals=False)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.3", 0)
-        await site.start()
-        got["b"] = b = f"127.0.0.3:{site._server.sockets[0].getsockname()[1]}"  # noqa: SLF001
-        node = _bridge(tmp_path, ["127.0.0.2:7001", b])
-        node.on_message = lambda *args: 0
+        runner, node, b = await _a_fake_peer(tmp_path, serve)
         link = bridge_node.Link(node, b)
         try:
             while got["n"] == 0:
@@ -1463,20 +1484,12 @@ def test_a_link_takes_data_frames_that_come_with_the_servers_ok(tmp_path):
     handshake-sized messages until then closed such a connection, 1009, and dialled
     again).  A fake peer sends OK and a 1 MiB frame in one write; the link is up and
     the connection stays open.  Drives a Bridge, not started, with one real Link."""
-    from aiohttp import web
-    from shmps.bridge import auth, node as bridge_node, wsstream
+    from shmps.bridge import node as bridge_node, wsstream
 
     got: dict = {}
 
     async def main() -> None:
-        async def fake_peer(request):
-            ws = web.WebSocketResponse()
-            await ws.prepare(request)
-            stream = wsstream.take_over(request, max_msg=1 << 20, peer="the link")
-            hs = auth.ServerHandshake(None, sender=members.member_id(got["b"]),
-                                      store="unused", incarnation=1)   # (_bridge's)
-            stream.send(hs.hello())
-            _, ok = hs.verify(await stream.receive(5))
+        async def serve(stream, ok: bytes) -> None:
             stream.limit(bridge_node.MAX_MSG)
             data = bytes(1 << 20)
             stream.transport.write(wsstream.frame_header(wsstream.OP_BINARY, len(ok)) + ok
@@ -1484,17 +1497,8 @@ def test_a_link_takes_data_frames_that_come_with_the_servers_ok(tmp_path):
                                    + data)
             got["server"] = stream
             await stream.wait_closed()
-            return ws
 
-        app = web.Application()
-        app.router.add_get("/v1/stream", fake_peer)
-        runner = web.AppRunner(app, handle_signals=False)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.3", 0)
-        await site.start()
-        got["b"] = b = f"127.0.0.3:{site._server.sockets[0].getsockname()[1]}"  # noqa: SLF001
-        node = _bridge(tmp_path, ["127.0.0.2:7001", b])
-        node.on_message = lambda *args: 0          # (the frame is no bridge frame: ignored)
+        runner, node, b = await _a_fake_peer(tmp_path, serve)
         link = bridge_node.Link(node, b)
         try:
             for _ in range(200):
@@ -2046,6 +2050,63 @@ def test_a_no_marks_hand_over_after_a_cut_off_snapshot_is_checked_on_its_first_c
                                       np.full((8, 4), 5, np.float32))
 
 
+def _hearer(node) -> Callable:
+    """``heard(peer, view, flags, seq, inc=8)``: ``node`` takes ``peer``'s heartbeat of
+    its own epoch with ``view`` (on an event loop)."""
+    def heard(peer: str, view: dict, flags: int, seq: int, inc: int = 8) -> None:
+        asyncio.run(_in_a_loop(lambda: node.on_heartbeat(peer, _heartbeat(
+            peer, node.members.epoch, view, flags, incarnation=inc, seq=seq))))
+    return heard
+
+
+def _applied_at_once_or_held(node, info, st, x: str, got: list, at_once: bool) -> None:
+    """After _z_resends_batch_41 (``got``, the answer) to a copy of 4.0s: applied at once
+    (no wait for x, no answer yet: the rows 5.0), or held for x (BUSY, the rows 4.0)."""
+    if at_once:
+        assert st.handover_from is None and not got, (st.handover_from, got)
+        np.testing.assert_array_equal(node.store[info.name].pull(),
+                                      np.full((8, 4), 5, np.float32))   # applied
+    else:
+        assert st.handover_from == x and [a.status for a in got] == [Status.BUSY]
+        np.testing.assert_array_equal(node.store[info.name].pull(),
+                                      np.full((8, 4), 4, np.float32))
+
+
+@contextlib.contextmanager
+def _x_restarted_owning(tmp_path, members_: list, store: str):
+    """``_owner_on_a_store`` of [me, x, z] (sending no snapshots), a tensor whose shard 0
+    x owns with me its backup; x (restarted: incarnation 8) is heard joining (epoch 1:
+    the shard me's), then ready (epoch 2): x owns it again and me is its backup.
+    Yields (node, the tensor's TInfo, shard 0's ShardState, heard: _hearer(node))."""
+    me, x, _ = members_
+    with _owner_on_a_store(tmp_path, members_, store) as (node, _, _st):
+        node._send_snapshot = _no_snapshot_sent
+        info, st = _a_tensor_owned_by(node, [x, me])
+        everyone = {m: State.ALIVE for m in members_}
+        heard = _hearer(node)
+        heard(x, everyone, frames.HB_QUORUM, 1)
+        assert node.members.epoch == 1 and node.owner(st.key) == me
+        heard(x, dict(everyone, **{x: State.JOINING}), frames.HB_READY, 2)
+        assert node.members.epoch == 2 and node.owners(st.key) == [x, me]
+        yield node, info, st, heard
+
+
+def _z_resends_batch_41(node, info, x: str, z: str) -> list:
+    """x is dead here: z's heartbeat (x dead, z acting at ``node``'s epoch), then z's
+    batch 41 (ones) of shard 0; the frames ``node`` answered it with."""
+    everyone = {m: State.ALIVE for m in node.members.configured}
+    asyncio.run(_in_a_loop(lambda: node.on_heartbeat(z, _heartbeat(
+        z, node.members.epoch, dict(everyone, **{x: State.DEAD}),
+        frames.HB_QUORUM | frames.HB_ACTING, incarnation=7, seq=9))))
+    assert node.acting()
+    got: list = []
+    node.on_batch(z, frames.decode(frames.encode_batch(
+        epoch=node.members.epoch, sender=members.member_id(z), incarnation=7,
+        tensor=info.tid, shard=0, seq=41, values=np.ones((8, 4), np.float32), start=0)),
+        lambda d: got.extend(frames.iter_frames(bytes(d))))
+    return got
+
+
 @pytest.mark.parametrize("how", ["leaves", "removed_by_a_view", "dies"])
 def test_an_owner_that_left_on_purpose_is_not_held_for(tmp_path, how):
     """x owns the shard, this host is its backup.  x's bridge restarts, copies its
@@ -2069,20 +2130,8 @@ def test_an_owner_that_left_on_purpose_is_not_held_for(tmp_path, how):
     from shmps.bridge import node as bridge_node
 
     me, x, z = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
-    with _owner_on_a_store(tmp_path, [me, x, z], "leftheld") as (node, _, _st):
-        node._send_snapshot = _no_snapshot_sent
-        info, st = _a_tensor_owned_by(node, [x, me])
-        everyone = {m: State.ALIVE for m in (me, x, z)}
-
-        def heard(peer: str, view: dict, flags: int, seq: int, inc: int = 8) -> None:
-            asyncio.run(_in_a_loop(lambda: node.on_heartbeat(peer, _heartbeat(
-                peer, node.members.epoch, view, flags, incarnation=inc, seq=seq))))
-
-        # x restarts (joining: epoch 1, the shard here), copies, says ready (epoch 2)
-        heard(x, everyone, frames.HB_QUORUM, 1)
-        assert node.members.epoch == 1 and node.owner(st.key) == me
-        heard(x, dict(everyone, **{x: State.JOINING}), frames.HB_READY, 2)
-        assert node.members.epoch == 2 and node.owners(st.key) == [x, me]
+    everyone = {m: State.ALIVE for m in (me, x, z)}
+    with _x_restarted_owning(tmp_path, [me, x, z], "leftheld") as (node, info, st, heard):
         # x's copy to this host, sent by a ring of epoch 2 this host does not hold
         z_id = members.member_id(z)
         assert _status_of(node, x, frames.decode(frames.encode_snapshot(
@@ -2108,22 +2157,8 @@ def test_an_owner_that_left_on_purpose_is_not_held_for(tmp_path, how):
         else:
             asyncio.run(_in_a_loop(lambda: node._on_changes(node.members.mark_dead(x))))
         assert node.members.epoch == 3 and node.owners(st.key) == [me, z]
-        heard(z, dict(everyone, **{x: State.DEAD}), frames.HB_QUORUM | frames.HB_ACTING, 9,
-              inc=7)
-        assert node.acting()
-        got: list = []
-        node.on_batch(z, frames.decode(frames.encode_batch(
-            epoch=3, sender=z_id, incarnation=7, tensor=info.tid, shard=0, seq=41,
-            values=np.ones((8, 4), np.float32), start=0)),
-            lambda d: got.extend(frames.iter_frames(bytes(d))))
-        if how != "dies":
-            assert st.handover_from is None and not got, (st.handover_from, got)
-            np.testing.assert_array_equal(node.store[info.name].pull(),
-                                          np.full((8, 4), 5, np.float32))   # applied
-        else:
-            assert st.handover_from == x and [a.status for a in got] == [Status.BUSY]
-            np.testing.assert_array_equal(node.store[info.name].pull(),
-                                          np.full((8, 4), 4, np.float32))
+        got = _z_resends_batch_41(node, info, x, z)
+        _applied_at_once_or_held(node, info, st, x, got, how != "dies")
 
 
 @pytest.mark.parametrize("frame", ["its ring, before its heartbeat",
@@ -2149,20 +2184,8 @@ def test_a_restarted_owner_killed_before_any_push_is_not_held_for(tmp_path, fram
     from shmps.bridge import node as bridge_node
 
     me, x, z = "127.0.0.2:7001", "127.0.0.3:7001", "127.0.0.4:7001"
-    with _owner_on_a_store(tmp_path, [me, x, z], "killheld") as (node, _, _st):
-        node._send_snapshot = _no_snapshot_sent
-        info, st = _a_tensor_owned_by(node, [x, me])
-        everyone = {m: State.ALIVE for m in (me, x, z)}
-
-        def heard(peer: str, view: dict, flags: int, seq: int, inc: int = 8) -> None:
-            asyncio.run(_in_a_loop(lambda: node.on_heartbeat(peer, _heartbeat(
-                peer, node.members.epoch, view, flags, incarnation=inc, seq=seq))))
-
-        # x restarts (joining: epoch 1, the shard here), copies, says ready (epoch 2)
-        heard(x, everyone, frames.HB_QUORUM, 1)
-        assert node.members.epoch == 1 and node.owner(st.key) == me
-        heard(x, dict(everyone, **{x: State.JOINING}), frames.HB_READY, 2)
-        assert node.members.epoch == 2 and node.owners(st.key) == [x, me]
+    everyone = {m: State.ALIVE for m in (me, x, z)}
+    with _x_restarted_owning(tmp_path, [me, x, z], "killheld") as (node, info, st, heard):
         mine = node.ring.digest
         other = ring.Ring([x, z]).digest   # (a ring of epoch 2 this host does not hold)
         assert other != mine
@@ -2183,23 +2206,9 @@ def test_a_restarted_owner_killed_before_any_push_is_not_held_for(tmp_path, fram
         # x is killed: dead here, and to z
         asyncio.run(_in_a_loop(lambda: node._on_changes(node.members.mark_dead(x))))
         assert node.members.epoch == 3 and node.owners(st.key) == [me, z]
-        heard(z, dict(everyone, **{x: State.DEAD}), frames.HB_QUORUM | frames.HB_ACTING, 9,
-              inc=7)
-        assert node.acting()
-        got: list = []
-        node.on_batch(z, frames.decode(frames.encode_batch(
-            epoch=3, sender=z_id, incarnation=7, tensor=info.tid, shard=0, seq=41,
-            values=np.ones((8, 4), np.float32), start=0)),
-            lambda d: got.extend(frames.iter_frames(bytes(d))))
-        if complete:
-            assert st.handover_from is None and st.handover_hold_until == 0.0 and not got, (
-                st.handover_from, got)
-            np.testing.assert_array_equal(node.store[info.name].pull(),
-                                          np.full((8, 4), 5, np.float32))   # applied
-        else:
-            assert st.handover_from == x and [a.status for a in got] == [Status.BUSY]
-            np.testing.assert_array_equal(node.store[info.name].pull(),
-                                          np.full((8, 4), 4, np.float32))
+        got = _z_resends_batch_41(node, info, x, z)
+        assert complete == (st.handover_hold_until == 0.0), st.handover_hold_until
+        _applied_at_once_or_held(node, info, st, x, got, complete)
 
 
 def test_a_copy_with_a_snapshot_half_written_is_not_counted_complete_at_a_failover(tmp_path):
@@ -2220,7 +2229,6 @@ def test_a_copy_with_a_snapshot_half_written_is_not_counted_complete_at_a_failov
     with _owner_on_a_store(tmp_path, [me, x, z], "halfsnap") as (node, _, _st):
         node._send_snapshot = _no_snapshot_sent
         info, st = _a_tensor_owned_by(node, [x, me])
-        everyone = {m: State.ALIVE for m in (me, x, z)}
         e, mine = node.members.epoch, node.ring.digest
         z_id, x_id = members.member_id(z), members.member_id(x)
         assert _status_of(node, x, frames.decode(frames.encode_snapshot(
@@ -2237,15 +2245,7 @@ def test_a_copy_with_a_snapshot_half_written_is_not_counted_complete_at_a_failov
         # x is killed: dead here, and to z
         asyncio.run(_in_a_loop(lambda: node._on_changes(node.members.mark_dead(x))))
         assert node.owners(st.key) == [me, z]
-        asyncio.run(_in_a_loop(lambda: node.on_heartbeat(z, _heartbeat(
-            z, node.members.epoch, dict(everyone, **{x: State.DEAD}),
-            frames.HB_QUORUM | frames.HB_ACTING, incarnation=7, seq=9))))
-        assert node.acting()
-        got: list = []
-        node.on_batch(z, frames.decode(frames.encode_batch(
-            epoch=node.members.epoch, sender=z_id, incarnation=7, tensor=info.tid,
-            shard=0, seq=41, values=np.ones((8, 4), np.float32), start=0)),
-            lambda d: got.extend(frames.iter_frames(bytes(d))))
+        got = _z_resends_batch_41(node, info, x, z)
         assert [a.status for a in got] == [Status.BUSY] and st.handover_from == x, (
             got, st.handover_from)
         np.testing.assert_array_equal(node.store[info.name].pull(), np.array(
@@ -2700,6 +2700,25 @@ def test_a_leave_resends_refused_initial_values_while_a_next_owner_lacks_its_cha
         assert not_given == [] and handed_over and vst.init_given == peer
 
 
+
+@contextlib.asynccontextmanager
+async def _started(nodes: list):
+    """Start ``nodes`` (real Bridges, in order) for the block; at its end close every one
+    started and destroy every node's store."""
+    import shmps
+
+    started: list = []
+    try:
+        for node in nodes:
+            await node.start()
+            started.append(node)
+        yield nodes
+    finally:
+        for node in started:
+            await node.close()
+        for node in nodes:
+            shmps.attach(node.cfg.store, namespace=node.cfg.namespace).destroy()
+
 @contextlib.asynccontextmanager
 async def _two_bridges(tmp_path, name: str, nshards: int):
     """Two bridges started in this process, a and b, each on store "m" of a namespace of
@@ -2709,7 +2728,6 @@ async def _two_bridges(tmp_path, name: str, nshards: int):
     import secrets
     import uuid
 
-    import shmps
     from bridge_harness import free_port
     from shmps.bridge.node import Bridge, Config
     from shmps.bridge.ring import shard_key
@@ -2725,21 +2743,12 @@ async def _two_bridges(tmp_path, name: str, nshards: int):
                            namespace=f"u{tag}{i}", secret=secret, dead_after=2.0,
                            startup_grace=0.0))
              for i, addr in enumerate((a, b))]
-    started: list = []
-    try:
-        for node in nodes:
-            await node.start()
-            started.append(node)
+    async with _started(nodes):
         until = time.monotonic() + 20
         while not all(node.acting() for node in nodes):
             assert time.monotonic() < until, "the two bridges to act"
             await asyncio.sleep(0.02)
         yield nodes
-    finally:
-        for node in started:
-            await node.close()
-        for node in nodes:
-            shmps.attach(node.cfg.store, namespace=node.cfg.namespace).destroy()
 
 
 @pytest.mark.timeout(120)
@@ -3060,7 +3069,6 @@ def test_a_structure_request_refused_for_another_store_is_a_store_mismatch(tmp_p
 
     import numpy as np
 
-    import shmps
     from bridge_harness import free_port
     from shmps.bridge import auth
     from shmps.bridge.node import Bridge, Config
@@ -3077,11 +3085,7 @@ def test_a_structure_request_refused_for_another_store_is_a_store_mismatch(tmp_p
     a, c = nodes
 
     async def main() -> None:
-        started: list = []
-        try:
-            for node in nodes:
-                await node.start()
-                started.append(node)
+        async with _started(nodes):
             a.store.csr("s", np.array([0, 1, 3]), np.array([1, 0, 2]), "float32", init=1.0)
             await a.refresh_all_tensors()
             rec = next(r for r in a.store._record_list if r["name"] == "s")
@@ -3095,16 +3099,9 @@ def test_a_structure_request_refused_for_another_store_is_a_store_mismatch(tmp_p
                         f"peer {a.addr} serves store 'm', this host 'm2'")]
             assert len(said) == 1 and "start it with --store m2" in said[0], said
             assert "s" not in c.by_name
-        finally:
-            for node in started:
-                await node.close()
 
-    try:
-        with caplog.at_level(logging.INFO, logger="shmps.bridge"):
-            asyncio.run(asyncio.wait_for(main(), 50))
-    finally:
-        for node in nodes:
-            shmps.attach(node.cfg.store, namespace=node.cfg.namespace).destroy()
+    with caplog.at_level(logging.INFO, logger="shmps.bridge"):
+        asyncio.run(asyncio.wait_for(main(), 50))
 
 
 @pytest.mark.timeout(60)
