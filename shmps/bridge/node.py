@@ -4223,6 +4223,22 @@ class Bridge:
                 logging.WARNING, "no hand-over snapshot from %s; serving from this host's "
                 "copy", (waited,), st.key, "shard %s: no hand-over snapshot from %s; serving "
                 "from this host's copy", st.key, waited)
+        if st.snap_open is not None:
+            # A snapshot into this copy was half written when its sender went (the hold
+            # waited for it, 637e620): its first rows are ahead of the copy's duplicate
+            # filter, which only its LAST brings, so a batch in them that its sender had
+            # acknowledged to nobody is applied again when resent.  Nobody holds a better
+            # copy (or it would have been taken).  From here the copy is this owner's
+            # own: it is no longer "half written" (a later owner's SYNC gets it as a
+            # hand-over; it was refused for good, and that owner waited HANDOVER_TIMEOUT
+            # and took a backup's copy, which this owner's ROWS feed from now on).
+            sender = self.ids.get(st.snap_open[0], f"{st.snap_open[0]:08x}")
+            self.shard_log.add(
+                logging.WARNING, "serving copies into which a snapshot from %s was half "
+                "written: batches in their first rows that it had not acknowledged may be "
+                "applied again", (sender,), st.key, "shard %s: serving a copy into which a "
+                "snapshot from %s was half written", st.key, sender)
+            st.snap_open = None
         st.handover_from = None
         st.handover_init = False
         return True
