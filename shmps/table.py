@@ -167,6 +167,13 @@ def as_keys(keys: Any) -> np.ndarray:
         except OverflowError:
             raise InvalidArgument("keys must be integers in [0, 2**64)",
                                   "pass a uint64 numpy array") from None
+    if (hasattr(keys, "__iter__") and not hasattr(keys, "__array__")
+            and not (hasattr(keys, "__len__") and hasattr(keys, "__getitem__"))):
+        # a generator, a set, an iterator, a dict view: numpy makes a 0-d object array
+        # of it, and the keys, integers, were refused as "not integers"
+        raise SchemaError(f"keys given as a {type(keys).__name__}: pass them as a list "
+                          "or a 1-d numpy array", "e.g. np.fromiter(keys, np.uint64) or "
+                          "sorted(keys)")
     at = bool_at(keys)   # (a list of ints without bools returned above)
     if at is not None:   # as a bool array is (numpy would make [5, True] keys 5 and 1)
         raise SchemaError(f"keys hold a bool ({keys[at]!r}) at position {at}: table keys "

@@ -230,6 +230,25 @@ def test_nonfinite_init_with_allow_nonfinite(store):
         store.dense("b", shape=(2,), dtype="float16", init=[1e5, np.nan], allow_nonfinite=True)
 
 
+@pytest.mark.parametrize("make", [lambda: (k for k in (1, 2)), lambda: {1, 2},
+                                  lambda: iter([1, 2]), lambda: {1: 0, 2: 0}.keys()],
+                         ids=["generator", "set", "iterator", "dict-keys"])
+def test_table_keys_given_as_an_iterable_numpy_cannot_read_say_so(store, make):
+    """Table keys given as a generator, a set, an iterator or a dict view (numpy makes a
+    0-d object array of each) are a SchemaError that names what was given and how to
+    pass it, and nothing changes.  Before, "keys must be integers in [0, 2**64)": the
+    keys were integers (a user walk-through, H17)."""
+    t = store.table("t", dim=1, capacity=8)
+    for call in (lambda: t.pull(make()), lambda: t.push(make(), np.ones((2, 1))),
+                 lambda: t.delete(make())):
+        with pytest.raises(shmps.SchemaError, match="pass them as a list or a 1-d numpy "
+                           "array") as info:
+            call()
+        assert type(make()).__name__ in str(info.value) and info.value.hint
+    assert t.keys().tolist() == [] and t.stats()["step"] == 0
+    assert t.pull(range(1, 3)).shape == (2, 1)        # a range is read as it is
+
+
 @pytest.mark.parametrize("bools", [[5, True], (0, np.bool_(True)), [True], [2, False, 1]],
                          ids=["list", "tuple-np-bool", "only-bool", "false"])
 def test_bool_in_a_list_of_keys_or_rows(store, bools):
