@@ -118,18 +118,24 @@ class DenseTensor(Tensor):
             if code != lib.SHMPS_FORWARDING:
                 _native.check(code, f"push to {self.name!r}")
             # forwarding: C tested the switch (and did nothing); on below
+        return self._push(grad, rows, wait, True)
+
+    def _push(self, grad: Any, rows: Any, wait: Any, check: bool) -> Optional[PushHandle]:
+        """:meth:`push` past its fast path: validated, then summed into the outbox
+        (forwarding) or applied, now or on the push thread.  ``check`` False: the caller
+        checked ``grad`` for NaN/Inf already (:meth:`_push_prechecked`)."""
         wait = check_flag(wait, "wait")   # (wait="no" waited)
         if self._fwd[0] and self._forwards():
             g, r = self._prepare(grad, rows, c_checks_rows=wait)
             if wait:
-                self._forward(g, r)
+                self._forward(g, r, check)
                 return None
-            return self._store._submit(self._forward, g, r)
+            return self._store._submit(self._forward, g, r, check)
         g, r = self._prepare(grad, rows, c_checks_rows=wait)
         if wait:
-            self._apply(g, r)
+            self._apply(g, r, check=check)
             return None
-        return self._store._submit(self._apply, g, r)
+        return self._store._submit(self._apply, g, r, 1, True, check)
 
     def _push_prechecked(self, grad: np.ndarray, rows: Optional[np.ndarray],
                          wait: bool) -> Optional[PushHandle]:
@@ -141,18 +147,7 @@ class DenseTensor(Tensor):
         if grad.dtype != self.dtype or type(self).push is not DenseTensor.push:
             # (a subclass's push, AggregateDense's, does more than this one: its own)
             return self.push(grad, rows, wait=wait)
-        wait = check_flag(wait, "wait")
-        if self._fwd[0] and self._forwards():
-            g, r = self._prepare(grad, rows, c_checks_rows=wait)
-            if wait:
-                self._forward(g, r, False)
-                return None
-            return self._store._submit(self._forward, g, r, False)
-        g, r = self._prepare(grad, rows, c_checks_rows=wait)
-        if wait:
-            self._apply(g, r, check=False)
-            return None
-        return self._store._submit(self._apply, g, r, 1, True, False)
+        return self._push(grad, rows, wait, False)
 
     def _prepare(self, grad: Any, rows: Any,
                  c_checks_rows: bool = False) -> tuple[np.ndarray, Optional[np.ndarray]]:
