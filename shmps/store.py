@@ -29,7 +29,7 @@ from .errors import (CapacityError, Closed, CorruptFile, CorruptSegment, Invalid
 from .segment import (NoRoom, Segment, Wait, age_of, check_room, list_names, shm_free,
                       size_of, unlink)
 from .tensor import (MAX_ROW_SHARDS, PushHandle, Tensor, cast_init, check_shard_count,
-                     init_is_valid, open_shards)
+                     init_is_valid, open_shards, submit_or_none)
 from .updaters import UpdaterLike, as_updater, from_dict
 
 lib = _native.lib
@@ -949,9 +949,8 @@ class Store:
         ex = self._executor
         if ex is None or self._executor_pid != os.getpid():
             return
-        try:
-            fut = ex.submit(int)
-        except RuntimeError:
+        fut = submit_or_none(ex, int)
+        if fut is None:
             ex.shutdown(wait=True)
             return
         fut.result()
@@ -962,10 +961,9 @@ class Store:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shmps-push")
                 self._executor_pid = os.getpid()
             ex = self._executor
-            try:
-                return PushHandle(ex.submit(fn, *args))
-            except RuntimeError:
-                pass
+            queued = submit_or_none(ex, fn, *args)
+            if queued is not None:
+                return PushHandle(queued)
         # The pool takes no more work: concurrent.futures refuses it from every pool once
         # its exit hook ran (interpreter exit, before atexit handlers), and a push with
         # wait=False in an atexit handler raised RuntimeError, unapplied.  It is applied

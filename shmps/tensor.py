@@ -299,17 +299,25 @@ def split_pool() -> ThreadPoolExecutor:
         return pool
 
 
-def pool_submit(fn: Any, *args: Any) -> Optional[Future]:
-    """``split_pool().submit(fn, *args)``, or None when the pool takes no more work: at
-    interpreter exit concurrent.futures shuts its pools down (its exit hook wakes their
-    threads, which then mark the pool shut down) while the store's push thread, which
-    Python joins, still applies the pushes queued with wait=False, and each of those of
-    16 MiB or more raised "cannot schedule new futures after shutdown" there, unseen:
-    lost, with a step taken.  The caller runs the work itself instead."""
+def submit_or_none(executor: ThreadPoolExecutor, fn: Any, *args: Any) -> Optional[Future]:
+    """``executor.submit(fn, *args)``, or None when the pool takes no more work: at
+    interpreter exit concurrent.futures shuts every pool down (its exit hook runs before
+    atexit handlers, and the threads then run what was queued and end), and a submit
+    raises RuntimeError from then on.  The caller does the work itself instead (the
+    split pool's parts, a push with wait=False in an atexit handler) or joins the pool
+    (a wait for the pushes queued on it)."""
     try:
-        return split_pool().submit(fn, *args)
+        return executor.submit(fn, *args)
     except RuntimeError:
         return None
+
+
+def pool_submit(fn: Any, *args: Any) -> Optional[Future]:
+    """``split_pool().submit(fn, *args)``, or None when the pool takes no more work
+    (:func:`submit_or_none`): the store's push thread, which Python joins at exit, still
+    applies the pushes queued with wait=False, and each of those of 16 MiB or more raised
+    "cannot schedule new futures after shutdown" there, unseen: lost, with a step taken."""
+    return submit_or_none(split_pool(), fn, *args)
 
 
 class SplitParts:
